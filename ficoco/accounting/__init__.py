@@ -1,0 +1,168 @@
+"""Analytic cost accounting (no torch): FLOPs, KV cache, weights, memory access, roofline.
+
+`resolve_schedule` turns --keep / --tflops / --schedule into a schedule; `account` costs one
+(variant, schedule, quant) row under a named convention and scope.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ficoco.accounting.architecture import Architecture, architecture, parameter_counts
+from ficoco.accounting.flops import (
+    CONVENTIONS,
+    SCOPES,
+    check_scope,
+    count_by_layer,
+    count_by_stage,
+    model_ops,
+    scope_total,
+)
+from ficoco.accounting.memory import (
+    Quant,
+    activation_peak_bytes,
+    kv_cache_bytes,
+    make_quant,
+    memory_access_bytes,
+    roofline_seconds,
+    weight_bytes,
+)
+from ficoco.accounting.schedule import (
+    VARIANTS,
+    BudgetError,
+    Schedule,
+    TokenPlan,
+    parse_schedule,
+    plan_tokens,
+    schedule_for_budget,
+    schedule_for_keep,
+)
+from ficoco.errors import FicocoError
+from ficoco.profiles import Hardware
+
+__all__ = [
+    "CONVENTIONS", "SCOPES", "VARIANTS", "Architecture", "BudgetError", "CostRow", "CountOptions", "Quant",
+    "Schedule", "TokenPlan", "account", "architecture", "make_quant", "parameter_counts", "per_layer",
+    "resolve_schedule",
+]
+
+# The unit each convention's totals are in, for labels ("TFLOPs", "TMACs", ...).
+UNITS = {"flops": "TFLOPs", "macs": "TMACs", "llm-viewer": "TOPs (LLM-Viewer)", "paper": "TFLOPs (paper)"}
+
+
+@dataclass(frozen=True)
+class CountOptions:
+    """How to count: convention, scope, layer-exact or equivalent, the input's shape."""
+
+    convention: str = "flops"
+    scope: str = "llm"
+    equivalent: bool = False
+    batch: int = 1
+    text_tokens: int | None = None
+    lm_head_tokens: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.convention not in CONVENTIONS:
+            raise FicocoError(f"unknown convention '{self.convention}': choose from {', '.join(CONVENTIONS)}")
+        check_scope(self.convention, self.scope)
+        if self.batch < 1:
+            raise FicocoError(f"--batch {self.batch} must be at least 1")
+        if self.text_tokens is not None and self.text_tokens < 1:
+            raise FicocoError(f"--text-tokens {self.text_tokens} must be at least 1")
+
+
+def compute_tera(arch: Architecture, schedule: Schedule, opts: CountOptions) -> float:
+    """The schedule's cost in the options' convention and scope, in tera-units."""
+    plan = plan_tokens(arch, schedule, text_tokens=opts.text_tokens, equivalent=opts.equivalent)
+    ops = model_ops(arch, plan, batch=opts.batch, lm_head_tokens=opts.lm_head_tokens)
+    return scope_total(count_by_stage(arch, plan, ops, opts.convention, batch=opts.batch), opts.scope) / 1e12
+
+
+def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, keep: int | None = None,
+                     tflops: float | None = None, schedule: str | None = None, shape: str = "uniform",
+                     first_layer: int | None = None) -> Schedule:
+    """The schedule of `variant` from exactly one of keep / tflops / schedule (none: vanilla)."""
+    given = [x is not None for x in (keep, tflops, schedule)]
+    if sum(given) > 1:
+        raise FicocoError("give one of --keep, --tflops and --schedule, not several")
+    if variant not in VARIANTS:
+        raise FicocoError(f"unknown variant '{variant}': choose from {', '.join(VARIANTS)}")
+    if variant == "vanilla":
+        return Schedule("vanilla")
+    if schedule is not None:
+        return parse_schedule(schedule, arch, variant)
+    if keep is not None:
+        return schedule_for_keep(arch, variant, keep, shape=shape, first=first_layer)
+    if tflops is not None:
+        label = f"{UNITS[opts.convention]} ({opts.convention}, scope {opts.scope}, " + (
+            "equivalent)" if opts.equivalent else "layer-exact)"
+        )
+        return schedule_for_budget(
+            arch, variant, tflops, lambda s: compute_tera(arch, s, opts), label=label, shape=shape,
+            first=first_layer, equivalent=opts.equivalent,
+        )
+    raise FicocoError(f"variant '{variant}' needs a schedule: give --keep, --tflops or --schedule")
+
+
+@dataclass(frozen=True)
+class CostRow:
+    """The analytic cost of one (variant, schedule, quant) under one set of count options."""
+
+    variant: str
+    quant: Quant
+    schedule: Schedule
+    plan: TokenPlan
+    tflops: float
+    tflops_by_stage: dict[str, float]
+    kv_cache_bytes: float
+    weight_bytes: float
+    memory_access_bytes: float
+    footprint_bytes: float
+    roofline_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "variant": self.variant, "quant": self.quant.name, "bits": self.quant.label,
+            "visual_tokens": self.plan.visual_tokens, "llm_visual_tokens": self.plan.llm_visual_tokens,
+            "tflops": self.tflops, "tflops_by_stage": self.tflops_by_stage,
+            "kv_cache_bytes": self.kv_cache_bytes, "weight_bytes": self.weight_bytes,
+            "memory_access_bytes": self.memory_access_bytes, "footprint_estimate_bytes": self.footprint_bytes,
+            "schedule": self.schedule.to_json(),
+        }
+        if self.roofline_s is not None:
+            row["roofline_ms"] = self.roofline_s * 1e3
+        return row
+
+
+def account(arch: Architecture, schedule: Schedule, quant: Quant, opts: CountOptions, *,
+            gpu: Hardware | None = None) -> CostRow:
+    """Cost one row: counts by stage, KV cache, weights, memory access, footprint, roofline."""
+    plan = plan_tokens(arch, schedule, text_tokens=opts.text_tokens, equivalent=opts.equivalent)
+    ops = model_ops(arch, plan, batch=opts.batch, lm_head_tokens=opts.lm_head_tokens)
+    by_stage = count_by_stage(arch, plan, ops, opts.convention, batch=opts.batch)
+    kv = kv_cache_bytes(arch, plan, batch=opts.batch, kv_bits=quant.kv_bits)
+    weights = weight_bytes(arch, opts.scope, quant)
+    activations = activation_peak_bytes(arch, plan, batch=opts.batch, quant=quant,
+                                        lm_head_tokens=opts.lm_head_tokens)
+    return CostRow(
+        variant=schedule.variant, quant=quant, schedule=schedule, plan=plan,
+        tflops=scope_total(by_stage, opts.scope) / 1e12,
+        tflops_by_stage={k: v / 1e12 for k, v in by_stage.items()},
+        kv_cache_bytes=kv, weight_bytes=weights,
+        memory_access_bytes=memory_access_bytes(ops, opts.scope, quant),
+        footprint_bytes=weight_bytes(arch, "all", quant) + kv + activations,
+        roofline_s=roofline_seconds(ops, opts.scope, quant, gpu) if gpu else None,
+    )
+
+
+def per_layer(arch: Architecture, schedule: Schedule, opts: CountOptions) -> list[dict[str, Any]]:
+    """Per layer: tokens in and out (per item in the vision tower) and the count in tera-units."""
+    plan = plan_tokens(arch, schedule, text_tokens=opts.text_tokens, equivalent=opts.equivalent)
+    ops = model_ops(arch, plan, batch=opts.batch, lm_head_tokens=opts.lm_head_tokens)
+    tokens = {"vision": plan.vision, "llm": plan.llm}
+    rows = []
+    for stage, layer, count in count_by_layer(arch, plan, ops, opts.convention, batch=opts.batch):
+        n_in, n_out = tokens[stage][layer] if layer is not None else (None, None)
+        rows.append({"stage": stage, "layer": layer, "tokens_in": n_in, "tokens_out": n_out, "tera": count / 1e12})
+    return rows

@@ -1,0 +1,334 @@
+"""Per-layer shapes of a multimodal model, read from its Hugging Face config dict.
+
+No torch and no transformers: the defaults below are the Hugging Face config classes'
+defaults for the fields a config.json may leave out, so that a bare config gives the same
+shapes that `from_config` would build.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ficoco.errors import FicocoError
+from ficoco.profiles import Profile
+
+# Hugging Face config-class defaults for the fields the accountant reads.
+_LLAMA_DEFAULTS = {
+    "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "vocab_size": 32000, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+}
+_QWEN2_VL_TEXT_DEFAULTS = {
+    "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "vocab_size": 152064, "tie_word_embeddings": False,
+}
+# LlavaConfig's default vision tower is CLIP ViT-L/14-336 (what LLaVA-1.5 uses).
+_LLAVA_CLIP_DEFAULTS = {
+    "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+    "patch_size": 14, "image_size": 336, "num_channels": 3,
+}
+_CLIP_DEFAULTS = {
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "patch_size": 32, "image_size": 224, "num_channels": 3,
+}
+_QWEN2_VL_VISION_DEFAULTS = {
+    "depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16, "in_channels": 3,
+    "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+}
+# Qwen2-VL's image processor bounds (min_pixels, max_pixels).
+_QWEN2_VL_MIN_PIXELS = 56 * 56
+_QWEN2_VL_MAX_PIXELS = 28 * 28 * 1280
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """The vision encoder: per-item token grid and per-layer widths.
+
+    An item is what the tower sees as one batch element: the single image of LLaVA-1.5,
+    a crop of LLaVA-NeXT's AnyRes, a frame of Video-LLaVA, one image of Qwen2-VL.
+    """
+
+    kind: str  # "clip" or "qwen2_vl"
+    layers: int  # layers that run (Hugging Face runs the whole tower)
+    hidden: int
+    ffn: int
+    heads: int
+    patch_size: int
+    channels: int
+    temporal_patch: int  # 2 for Qwen2-VL's Conv3d, else 1
+    grid_h: int  # patches per item along each axis
+    grid_w: int
+    items: int  # items per image (crops, frames)
+    has_cls: bool
+    feature_layer: int  # 0-based layer whose output the projector reads
+    merge: int  # patches joined into one LLM token (Qwen2-VL's PatchMerger: 4)
+    towers: int  # parameter copies (Video-LLaVA has an image and a video tower)
+    position_embeddings: int  # learned position rows (CLIP), 0 for rotary
+
+    @property
+    def patches(self) -> int:
+        return self.grid_h * self.grid_w
+
+    @property
+    def units(self) -> int:
+        """Reducible units per item: a patch, or a merge group for Qwen2-VL."""
+        return self.patches // self.merge
+
+    def tokens(self, units: int) -> int:
+        """Tower tokens of an item that holds `units` reducible units."""
+        return units * self.merge + int(self.has_cls)
+
+
+@dataclass(frozen=True)
+class Projector:
+    """The multimodal projector: linears applied to every visual token that reaches the LLM."""
+
+    linears: tuple[tuple[int, int], ...]
+    norm_dim: int  # Qwen2-VL's merger normalises the patches first; 0 when absent
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """The LLM decoder: LLaMA-style layers with grouped-query attention and a gated FFN."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    qkv_bias: bool
+    tied_embeddings: bool
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Everything the accountant needs about one model and one input layout."""
+
+    name: str
+    family: str
+    vision: VisionTower
+    projector: Projector
+    decoder: Decoder
+    visual_tokens: int  # visual tokens per image in the LLM, unreduced
+    newline_tokens: int  # LLaVA-NeXT's row separators inside the visual span (never removed)
+    cls_in_llm: bool  # Video-LLaVA passes each frame's [CLS] to the LLM
+    unpadding_drops: int  # LLaVA-NeXT tokens removed by unpadding (depends on the aspect ratio)
+    image_newline_param: bool
+    text_tokens: int
+    first_layer_v: int
+    first_layer_l: int
+    image_size: tuple[int, int] | None
+
+    def llm_visual_tokens(self, units_per_item: int) -> int:
+        """Visual tokens in the LLM when every item keeps `units_per_item` units."""
+        if units_per_item == self.vision.units:
+            return self.visual_tokens
+        per_item = units_per_item + int(self.cls_in_llm)
+        return self.vision.items * per_item + self.newline_tokens
+
+
+def _get(cfg: dict[str, Any], key: str, defaults: dict[str, Any]) -> Any:
+    value = cfg.get(key)
+    return defaults[key] if value is None else value
+
+
+def _feature_layer(value: Any, layers: int) -> int:
+    """0-based layer whose output hidden_states[value] is (hidden_states[0] is the embedding)."""
+    index = max(value) if isinstance(value, list) else value
+    index = index + layers + 1 if index < 0 else index
+    if not 1 <= index <= layers:
+        raise FicocoError(f"vision_feature_layer {value} is outside a {layers}-layer tower")
+    return index - 1
+
+
+def _clip_tower(vcfg: dict[str, Any], defaults: dict[str, Any], feature_layer: Any, *, image_px: int | None,
+                items: int, towers: int) -> VisionTower:
+    layers = _get(vcfg, "num_hidden_layers", defaults)
+    patch = _get(vcfg, "patch_size", defaults)
+    size = image_px or _get(vcfg, "image_size", defaults)
+    grid = size // patch
+    return VisionTower(
+        kind="clip", layers=layers, hidden=_get(vcfg, "hidden_size", defaults),
+        ffn=_get(vcfg, "intermediate_size", defaults), heads=_get(vcfg, "num_attention_heads", defaults),
+        patch_size=patch, channels=_get(vcfg, "num_channels", defaults), temporal_patch=1,
+        grid_h=grid, grid_w=grid, items=items, has_cls=True,
+        feature_layer=_feature_layer(feature_layer, layers), merge=1, towers=towers,
+        position_embeddings=grid * grid + 1,
+    )
+
+
+def _llama_decoder(tcfg: dict[str, Any], defaults: dict[str, Any], *, qkv_bias: bool | None = None) -> Decoder:
+    hidden = _get(tcfg, "hidden_size", defaults)
+    heads = _get(tcfg, "num_attention_heads", defaults)
+    kv_heads = tcfg.get("num_key_value_heads") or heads
+    return Decoder(
+        layers=_get(tcfg, "num_hidden_layers", defaults), hidden=hidden, heads=heads, kv_heads=kv_heads,
+        head_dim=tcfg.get("head_dim") or hidden // heads, ffn=_get(tcfg, "intermediate_size", defaults),
+        vocab=_get(tcfg, "vocab_size", defaults),
+        qkv_bias=bool(tcfg.get("attention_bias", False)) if qkv_bias is None else qkv_bias,
+        tied_embeddings=bool(tcfg.get("tie_word_embeddings", False)),
+    )
+
+
+def select_best_resolution(size_hw: tuple[int, int], pinpoints: list[list[int]]) -> tuple[int, int]:
+    """LLaVA-NeXT's AnyRes choice: the pinpoint with the most effective pixels, then least waste."""
+    height, width = size_hw
+    best, best_effective, best_wasted = None, -1, math.inf
+    for ph, pw in pinpoints:
+        scale = min(pw / width, ph / height)
+        down_w, down_h = int(width * scale), int(height * scale)
+        effective = min(down_w * down_h, width * height)
+        wasted = pw * ph - effective
+        if effective > best_effective or (effective == best_effective and wasted < best_wasted):
+            best, best_effective, best_wasted = (ph, pw), effective, wasted
+    assert best is not None
+    return best
+
+
+def unpadded_grid(rows: int, cols: int, size_hw: tuple[int, int]) -> tuple[int, int]:
+    """Rows and columns left after LLaVA-NeXT removes the padding of the resized image."""
+    orig_h, orig_w = size_hw
+    if orig_w / orig_h > cols / rows:
+        new_h = int(round(orig_h * (cols / orig_w), 7))
+        pad = (rows - new_h) // 2
+        return rows - 2 * pad, cols
+    new_w = int(round(orig_w * (rows / orig_h), 7))
+    pad = (cols - new_w) // 2
+    return rows, cols - 2 * pad
+
+
+def qwen2_vl_resize(size_hw: tuple[int, int], factor: int) -> tuple[int, int]:
+    """Qwen2-VL's smart resize: multiples of patch x merge within the pixel bounds."""
+    height, width = size_hw
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > _QWEN2_VL_MAX_PIXELS:
+        beta = math.sqrt(height * width / _QWEN2_VL_MAX_PIXELS)
+        h = math.floor(height / beta / factor) * factor
+        w = math.floor(width / beta / factor) * factor
+    elif h * w < _QWEN2_VL_MIN_PIXELS:
+        beta = math.sqrt(_QWEN2_VL_MIN_PIXELS / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
+                 frames: int | None = None) -> Architecture:
+    """Shapes of `profile`'s model for one image of `image_size` (H, W) or one video of `frames`."""
+    cfg, defaults = profile.config, profile.defaults
+    family = profile.family
+    tcfg = cfg.get("text_config") or {}
+    vcfg = cfg.get("vision_config") or {}
+    first = defaults.get("first_reducing_layer", {})
+    size = image_size or tuple(defaults.get("image_size") or ()) or None
+    newline_tokens = unpadding_drops = 0
+    cls_in_llm = image_newline = False
+    if family in ("llava", "llava_next", "video_llava"):
+        decoder = _llama_decoder(tcfg, _LLAMA_DEFAULTS)
+        clip_defaults = _CLIP_DEFAULTS if family == "video_llava" else _LLAVA_CLIP_DEFAULTS
+        feature = cfg.get("vision_feature_layer", -2)
+        if family == "video_llava":
+            items = frames or defaults.get("frames", 8)
+            vision = _clip_tower(vcfg, clip_defaults, feature, image_px=None, items=items, towers=2)
+            cls_in_llm = True
+            visual = items * (vision.patches + 1)
+        elif family == "llava":
+            vision = _clip_tower(vcfg, clip_defaults, feature, image_px=None, items=1, towers=1)
+            visual = vision.patches
+        else:
+            crop_px = _get(vcfg, "image_size", clip_defaults)
+            size = size or (crop_px * 2, crop_px * 2)
+            best_h, best_w = select_best_resolution(size, cfg.get("image_grid_pinpoints") or [[crop_px, crop_px]])
+            crops_h, crops_w = best_h // crop_px, best_w // crop_px
+            vision = _clip_tower(vcfg, clip_defaults, feature, image_px=None, items=1 + crops_h * crops_w, towers=1)
+            rows, cols = crops_h * vision.grid_h, crops_w * vision.grid_w
+            kept_rows, kept_cols = unpadded_grid(rows, cols, size)
+            newline_tokens = kept_rows
+            unpadding_drops = rows * cols - kept_rows * kept_cols
+            visual = vision.patches + kept_rows * kept_cols + newline_tokens
+            image_newline = True
+        projector = Projector(((vision.hidden, decoder.hidden), (decoder.hidden, decoder.hidden)), 0)
+    elif family == "qwen2_vl":
+        decoder = _llama_decoder(tcfg or cfg, _QWEN2_VL_TEXT_DEFAULTS, qkv_bias=True)
+        d = _QWEN2_VL_VISION_DEFAULTS
+        patch, merge = _get(vcfg, "patch_size", d), _get(vcfg, "spatial_merge_size", d)
+        size = size or (672, 672)
+        h_px, w_px = qwen2_vl_resize(size, patch * merge)
+        embed = _get(vcfg, "embed_dim", d)
+        layers = _get(vcfg, "depth", d)
+        vision = VisionTower(
+            kind="qwen2_vl", layers=layers, hidden=embed, ffn=embed * _get(vcfg, "mlp_ratio", d),
+            heads=_get(vcfg, "num_heads", d), patch_size=patch, channels=_get(vcfg, "in_channels", d),
+            temporal_patch=_get(vcfg, "temporal_patch_size", d), grid_h=h_px // patch, grid_w=w_px // patch,
+            items=1, has_cls=False, feature_layer=layers - 1, merge=merge * merge, towers=1,
+            position_embeddings=0,
+        )
+        merged = embed * merge * merge
+        projector = Projector(((merged, merged), (merged, _get(vcfg, "hidden_size", d))), embed)
+        visual = vision.units
+    else:  # profiles.load_profile admits only the families above
+        raise FicocoError(f"family '{family}' has no accounting")
+    return Architecture(
+        name=profile.name, family=family, vision=vision, projector=projector, decoder=decoder,
+        visual_tokens=visual, newline_tokens=newline_tokens, cls_in_llm=cls_in_llm,
+        unpadding_drops=unpadding_drops, image_newline_param=image_newline,
+        text_tokens=int(defaults.get("text_tokens", 60)), first_layer_v=int(first.get("v", 12)),
+        first_layer_l=int(first.get("l", 4)), image_size=tuple(size) if size else None,
+    )
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters by part; `linear_*` are the weights bitsandbytes quantizes."""
+
+    vision: int
+    projector: int
+    decoder: int  # embedding, layers, final norm
+    lm_head: int
+    linear_vision: int
+    linear_projector: int
+    linear_decoder: int
+    linear_rows: dict[str, int]  # output rows of the quantizable linears, per part (INT8 scales)
+
+    @property
+    def total(self) -> int:
+        return self.vision + self.projector + self.decoder + self.lm_head
+
+
+def parameter_counts(arch: Architecture) -> ParameterCounts:
+    """Parameter counts computed from the shapes (checked against Hugging Face in the tests)."""
+    v, p, dec = arch.vision, arch.projector, arch.decoder
+    h, i = v.hidden, v.ffn
+    # A vision layer: q, k, v, o and two MLP linears, all with bias; two LayerNorms.
+    v_linear_w = 4 * h * h + 2 * h * i
+    v_layer = v_linear_w + 4 * h + i + h + 2 * 2 * h
+    patch_embed = v.channels * v.temporal_patch * v.patch_size**2 * h
+    if v.kind == "clip":
+        # class embedding, position embedding, pre- and post-LayerNorm
+        tower_extra = h + v.position_embeddings * h + 2 * 2 * h
+    else:
+        tower_extra = 0
+    vision = v.towers * (patch_embed + tower_extra + v.layers * v_layer)
+    linear_vision = v.towers * v.layers * v_linear_w
+    proj_w = sum(a * b for a, b in p.linears)
+    projector = proj_w + sum(b for _, b in p.linears) + 2 * p.norm_dim
+    if arch.image_newline_param:
+        projector += dec.hidden
+    q_out, kv_out = dec.heads * dec.head_dim, dec.kv_heads * dec.head_dim
+    d_linear_w = dec.hidden * q_out * 2 + dec.hidden * kv_out * 2 + 3 * dec.hidden * dec.ffn
+    d_layer = d_linear_w + 2 * dec.hidden + ((q_out + 2 * kv_out) if dec.qkv_bias else 0)
+    decoder = dec.vocab * dec.hidden + dec.layers * d_layer + dec.hidden
+    lm_head = 0 if dec.tied_embeddings else dec.vocab * dec.hidden
+    rows = {
+        "vision": v.towers * v.layers * (4 * h + i + h),
+        "projector": sum(b for _, b in p.linears),
+        "decoder": dec.layers * (q_out + 2 * kv_out + dec.hidden + 2 * dec.ffn + dec.hidden),
+    }
+    return ParameterCounts(
+        vision=vision, projector=projector, decoder=decoder, lm_head=lm_head, linear_vision=linear_vision,
+        linear_projector=proj_w, linear_decoder=dec.layers * d_linear_w, linear_rows=rows,
+    )

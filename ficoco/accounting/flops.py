@@ -1,0 +1,218 @@
+"""Operation records and the counting conventions built on them.
+
+Every op of a prefill is one `Op` record (LLM-Viewer's habit: one record shape for all ops):
+its matrix multiply-accumulates, its LLM-Viewer OPs, and the elements it loads and stores.
+The conventions of ACCOUNTING.md are sums over these records, except `paper`, which is the
+FiCoCo appendix's closed formula per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ficoco.accounting.architecture import Architecture
+from ficoco.accounting.schedule import TokenPlan
+from ficoco.errors import FicocoError
+
+CONVENTIONS = ("flops", "macs", "llm-viewer", "paper")
+SCOPES = ("llm", "all")
+STAGES = ("vision", "projector", "llm", "lm_head")
+SCOPE_STAGES = {"llm": ("llm", "lm_head"), "all": STAGES}
+LM_HEAD_TOKENS = ("all", "last")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of the prefill.
+
+    `macs` counts matrix-type multiply-accumulates (0 for elementwise ops); `viewer_ops`
+    is what LLM-Viewer counts; the element counts turn into bytes once bit widths are known.
+    """
+
+    stage: str
+    layer: int | None
+    name: str
+    macs: int = 0
+    viewer_ops: int = 0
+    weight_elems: int = 0
+    act_load: int = 0
+    act_store: int = 0
+    kv_load: int = 0
+    kv_store: int = 0
+
+
+def _linear(stage: str, layer: int | None, name: str, b: int, n: int, ic: int, oc: int, *,
+            to_kv: bool = False) -> Op:
+    macs = b * n * ic * oc
+    return Op(stage, layer, name, macs=macs, viewer_ops=2 * macs, weight_elems=ic * oc, act_load=ic * b * n,
+              act_store=0 if to_kv else oc * b * n, kv_store=oc * b * n if to_kv else 0)
+
+
+def _elementwise(stage: str, layer: int | None, name: str, ops: int, load: int, store: int) -> Op:
+    return Op(stage, layer, name, viewer_ops=ops, act_load=load, act_store=store)
+
+
+def _attention_ops(stage: str, layer: int, b: int, n: int, heads: int, kv_heads: int, head_dim: int,
+                   cached: bool) -> Iterator[Op]:
+    """Scores, softmax and weighted values over n tokens (full square, as every counter does).
+
+    In the decoder keys and values come from the KV cache; in the vision tower they are
+    plain activations.
+    """
+    macs = b * heads * n * n * head_dim
+    kv = n * head_dim * b * kv_heads
+    probs = b * heads * n * n
+    # LLM-Viewer sizes the query load by the KV heads (a quirk kept for compatibility).
+    keys = {"act_load": kv, "kv_load": kv} if cached else {"act_load": 2 * kv}
+    values = {"act_load": probs, "kv_load": kv} if cached else {"act_load": probs + kv}
+    yield Op(stage, layer, "qk", macs=macs, viewer_ops=2 * macs, act_store=probs, **keys)
+    yield _elementwise(stage, layer, "softmax", 5 * probs, probs, probs)
+    yield Op(stage, layer, "sv", macs=macs, viewer_ops=2 * macs, act_store=n * head_dim * b * heads, **values)
+
+
+def decoder_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: int) -> Iterator[Op]:
+    """A LLaMA-style decoder layer: attention over n_in tokens, the FFN over n_out."""
+    d = arch.decoder
+    h, q_out, kv_out = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    s = "llm"
+    yield _elementwise(s, layer, "input_norm", 7 * b * h * n_in, b * h * n_in, b * h * n_in)
+    yield _linear(s, layer, "q_proj", b, n_in, h, q_out)
+    yield _linear(s, layer, "k_proj", b, n_in, h, kv_out, to_kv=True)
+    yield _linear(s, layer, "v_proj", b, n_in, h, kv_out, to_kv=True)
+    yield from _attention_ops(s, layer, b, n_in, d.heads, d.kv_heads, d.head_dim, cached=True)
+    yield _linear(s, layer, "o_proj", b, n_in, q_out, h)
+    yield _elementwise(s, layer, "attn_add", b * h * n_in, b * h * n_in, b * h * n_in)
+    yield _elementwise(s, layer, "post_attn_norm", 7 * b * h * n_out, b * h * n_out, b * h * n_out)
+    yield _linear(s, layer, "gate_proj", b, n_out, h, d.ffn)
+    yield _linear(s, layer, "up_proj", b, n_out, h, d.ffn)
+    # LLM-Viewer sizes the activation by h, not the FFN width (a known quirk, kept).
+    yield _elementwise(s, layer, "mlp_act", 2 * b * h * n_out, 2 * b * h * n_out, b * h * n_out)
+    yield _linear(s, layer, "down_proj", b, n_out, d.ffn, h)
+    yield _elementwise(s, layer, "mlp_add", b * h * n_out, b * h * n_out, b * h * n_out)
+
+
+def vision_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: int) -> Iterator[Op]:
+    """A pre-LN ViT layer (CLIP or Qwen2-VL's), biased linears and a 2-matrix GELU MLP."""
+    v = arch.vision
+    h, s = v.hidden, "vision"
+    yield _elementwise(s, layer, "norm1", 7 * b * h * n_in, b * h * n_in, b * h * n_in)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        yield _linear(s, layer, name, b, n_in, h, h)
+    yield from _attention_ops(s, layer, b, n_in, v.heads, v.heads, h // v.heads, cached=False)
+    yield _linear(s, layer, "o_proj", b, n_in, h, h)
+    yield _elementwise(s, layer, "attn_add", b * h * n_in, b * h * n_in, b * h * n_in)
+    yield _elementwise(s, layer, "norm2", 7 * b * h * n_out, b * h * n_out, b * h * n_out)
+    yield _linear(s, layer, "fc1", b, n_out, h, v.ffn)
+    yield _elementwise(s, layer, "mlp_act", 2 * b * v.ffn * n_out, b * v.ffn * n_out, b * v.ffn * n_out)
+    yield _linear(s, layer, "fc2", b, n_out, v.ffn, h)
+    yield _elementwise(s, layer, "mlp_add", b * h * n_out, b * h * n_out, b * h * n_out)
+
+
+def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_tokens: str = "all") -> list[Op]:
+    """Every op of one prefill of `batch` samples (one image or video each) under `plan`."""
+    if lm_head_tokens not in LM_HEAD_TOKENS:
+        raise FicocoError(f"unknown LM-head mode '{lm_head_tokens}': choose from {', '.join(LM_HEAD_TOKENS)}")
+    v, d = arch.vision, arch.decoder
+    items = batch * plan.vision_items
+    ops: list[Op] = []
+    patch_in = v.channels * v.temporal_patch * v.patch_size**2
+    ops.append(_linear("vision", None, "patch_embed", items, v.patches, patch_in, v.hidden))
+    for layer, (n_in, n_out) in enumerate(plan.vision):
+        ops.extend(vision_layer_ops(arch, layer, items, n_in, n_out))
+    # The projector sees the visual tokens that reach the LLM, without LLaVA-NeXT's newlines
+    # (those are a learned vector, not projected) and before Qwen2-VL's merge is undone.
+    projected = batch * (plan.llm_visual_tokens - arch.newline_tokens)
+    if arch.projector.norm_dim:
+        dim = arch.projector.norm_dim
+        ops.append(_elementwise("projector", None, "norm", 7 * projected * v.merge * dim,
+                                projected * v.merge * dim, projected * v.merge * dim))
+    for k, (ic, oc) in enumerate(arch.projector.linears):
+        ops.append(_linear("projector", None, f"linear_{k + 1}", 1, projected, ic, oc))
+    for layer, (n_in, n_out) in enumerate(plan.llm):
+        ops.extend(decoder_layer_ops(arch, layer, batch, n_in, n_out))
+    final_tokens = plan.llm[-1][1] if plan.llm else plan.text_tokens + plan.llm_visual_tokens
+    head_tokens = batch * (final_tokens if lm_head_tokens == "all" else 1)
+    # LLM-Viewer adds the head once for one token at one op per MAC, and loads without batch.
+    ops.append(Op("lm_head", None, "lm_head", macs=head_tokens * d.hidden * d.vocab,
+                  viewer_ops=batch * d.hidden * d.vocab, weight_elems=d.hidden * d.vocab,
+                  act_load=d.hidden, act_store=d.vocab))
+    return ops
+
+
+def _paper_layer(n_in: int, n_out: int, dim: int, ffn: int) -> int:
+    # 4nD^2 + 2n^2D + 2nDH, with the FFN on the tokens the layer keeps (reduction sits before it).
+    return 4 * n_in * dim * dim + 2 * n_in * n_in * dim + 2 * n_out * dim * ffn
+
+
+def paper_overhead(variant_stage: str, visual: int, removed: int, dim: int) -> int:
+    """The appendix's cost of one reducing layer's stages (V: vision, L: llm)."""
+    kept = visual - removed
+    quadratic = visual * visual + 2 * visual
+    if variant_stage == "llm":
+        quadratic *= 2
+    return quadratic + removed * (kept + 2 * dim + 1) + dim
+
+
+def paper_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1) -> list[tuple[str, int, int]]:
+    """The `paper` convention per layer: (stage, layer, count), the appendix formula plus the
+    method's overhead at reducing layers. It defines transformer layers only."""
+    v, d = arch.vision, arch.decoder
+    items = batch * plan.vision_items
+    overhead = {(red.stage, red.layer): red for red in plan.reductions}
+    rows: list[tuple[str, int, int]] = []
+    for stage, layers, mult, dim, ffn in (("vision", plan.vision, items, v.hidden, v.ffn),
+                                          ("llm", plan.llm, batch, d.hidden, d.ffn)):
+        for layer, (n_in, n_out) in enumerate(layers):
+            count = _paper_layer(n_in, n_out, dim, ffn)
+            red = overhead.get((stage, layer))
+            if red:
+                count += paper_overhead(stage, red.visual_before, red.removed, dim)
+            rows.append((stage, layer, mult * count))
+    return rows
+
+
+def _op_count(op: Op, convention: str) -> int:
+    if convention == "flops":
+        return 2 * op.macs
+    if convention == "macs":
+        return op.macs
+    # llm-viewer replays the decoder only
+    return op.viewer_ops if op.stage in SCOPE_STAGES["llm"] else 0
+
+
+def count_by_layer(arch: Architecture, plan: TokenPlan, ops: list[Op], convention: str, *,
+                   batch: int = 1) -> list[tuple[str, int | None, int]]:
+    """(stage, layer, count) for every layer and the layer-less parts (patch embedding,
+    projector, LM head: layer None), in order of execution."""
+    if convention == "paper":
+        return [(s, layer, c) for s, layer, c in paper_by_layer(arch, plan, batch=batch)]
+    rows: dict[tuple[str, int | None], int] = {}
+    for op in ops:
+        key = (op.stage, op.layer)
+        rows[key] = rows.get(key, 0) + _op_count(op, convention)
+    return [(stage, layer, count) for (stage, layer), count in rows.items()]
+
+
+def count_by_stage(arch: Architecture, plan: TokenPlan, ops: list[Op], convention: str, *,
+                   batch: int = 1) -> dict[str, int]:
+    """Counts per stage in `convention` (units: FLOPs, MACs, LLM-Viewer OPs, paper MACs)."""
+    if convention not in CONVENTIONS:
+        raise FicocoError(f"unknown convention '{convention}': choose from {', '.join(CONVENTIONS)}")
+    totals = dict.fromkeys(STAGES, 0)
+    for stage, _, count in count_by_layer(arch, plan, ops, convention, batch=batch):
+        totals[stage] += count
+    return totals
+
+
+def check_scope(convention: str, scope: str) -> None:
+    """Reject scopes a convention does not define."""
+    if scope not in SCOPES:
+        raise FicocoError(f"unknown scope '{scope}': choose from {', '.join(SCOPES)}")
+    if convention == "llm-viewer" and scope == "all":
+        raise FicocoError("the llm-viewer convention replays the decoder only; use --scope llm with it")
+
+
+def scope_total(by_stage: dict[str, int], scope: str) -> int:
+    """The sum of the stages in `scope`."""
+    return sum(by_stage[s] for s in SCOPE_STAGES[scope])

@@ -1,0 +1,104 @@
+"""Bytes: KV cache, weights, LLM-Viewer memory access, footprint estimate, roofline time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ficoco.accounting.architecture import Architecture, parameter_counts
+from ficoco.accounting.flops import SCOPE_STAGES, Op
+from ficoco.accounting.schedule import TokenPlan
+from ficoco.errors import FicocoError
+from ficoco.profiles import Hardware
+
+QUANT_BITS = {"fp16": 16, "int8": 8, "int4": 4}
+# bitsandbytes' per-weight metadata: LLM.int8 keeps one fp32 scale per output row; NF4 one
+# fp32 absmax per 64-weight block (no double quantization; the 16-entry code book is ignored).
+_NF4_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class Quant:
+    """Bit widths of weights, activations and KV cache (LLM-Viewer's W/A/KV setting)."""
+
+    name: str
+    w_bits: int
+    a_bits: int
+    kv_bits: int
+
+    @property
+    def label(self) -> str:
+        return f"W{self.w_bits}A{self.a_bits}KV{self.kv_bits}"
+
+
+def make_quant(name: str, kv_bits: int | None = None) -> Quant:
+    """`fp16`, `int8` or `int4` sets W, A and KV to 16, 8 or 4 bits; `kv_bits` overrides KV."""
+    if name not in QUANT_BITS:
+        raise FicocoError(f"unknown quant '{name}': choose from {', '.join(QUANT_BITS)}")
+    if kv_bits is not None and kv_bits not in (2, 4, 8, 16):
+        raise FicocoError(f"--kv-bits {kv_bits} is not one of 2, 4, 8, 16")
+    bits = QUANT_BITS[name]
+    return Quant(name, bits, bits, bits if kv_bits is None else kv_bits)
+
+
+def kv_cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: int) -> float:
+    """Sum over decoder layers of 2 * b * s_layer * nkv * hd * kv_bytes, with s_layer the
+    tokens the layer attended over (a reducing layer caches what it saw before reducing)."""
+    d = arch.decoder
+    return sum(2 * batch * n_in * d.kv_heads * d.head_dim for n_in, _ in plan.llm) * kv_bits / 8
+
+
+def weight_bytes(arch: Architecture, scope: str, quant: Quant) -> float:
+    """Weights resident for `scope`: linear layers at W bits (with bitsandbytes' scales), the
+    embedding, LM head, norms, biases and patch embedding at 16 bits (bitsandbytes leaves them)."""
+    counts = parameter_counts(arch)
+    parts = ["decoder", "lm_head"] if scope == "llm" else ["vision", "projector", "decoder", "lm_head"]
+    total = sum(getattr(counts, p) for p in parts)
+    linear = sum(getattr(counts, f"linear_{p}") for p in parts if p != "lm_head")
+    rows = sum(counts.linear_rows[p] for p in parts if p != "lm_head")
+    if quant.w_bits >= 16:
+        return total * 2.0
+    other = (total - linear) * 2.0
+    if quant.w_bits == 8:
+        return other + linear * 1.0 + rows * 4.0
+    return other + linear * quant.w_bits / 8 + linear / _NF4_BLOCK * 4.0
+
+
+def memory_access_bytes(ops: list[Op], scope: str, quant: Quant) -> float:
+    """LLM-Viewer's memory access: traffic (loads + stores), not a footprint."""
+    w, a, kv = quant.w_bits / 8, quant.a_bits / 8, quant.kv_bits / 8
+    return sum(_op_bytes(op, w, a, kv) for op in ops if op.stage in SCOPE_STAGES[scope])
+
+
+def _op_bytes(op: Op, w: float, a: float, kv: float) -> float:
+    return op.weight_elems * w + (op.act_load + op.act_store) * a + (op.kv_load + op.kv_store) * kv
+
+
+def activation_peak_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, quant: Quant,
+                          lm_head_tokens: str) -> float:
+    """Estimated peak of live activations: the largest layer's working set plus the logits.
+
+    An estimate (tensors alive at once in an eager LLaMA layer without materialised attention
+    probabilities), labelled as such wherever it shows.
+    """
+    d, v = arch.decoder, arch.vision
+    a = quant.a_bits / 8 if quant.a_bits < 16 else 2.0
+    q_out, kv_out = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    llm = max((max(n_in * (2 * d.hidden + q_out * 2 + 2 * kv_out), n_out * (2 * d.hidden + 3 * d.ffn))
+               for n_in, n_out in plan.llm), default=0) * batch
+    vision = max((max(n_in * 6 * v.hidden, n_out * (2 * v.hidden + 2 * v.ffn)) for n_in, n_out in plan.vision),
+                 default=0) * batch * plan.vision_items
+    final = plan.llm[-1][1] if plan.llm else 0
+    logits = batch * (final if lm_head_tokens == "all" else 1) * d.vocab
+    return (max(llm, vision) + logits) * a
+
+
+def roofline_seconds(ops: list[Op], scope: str, quant: Quant, gpu: Hardware) -> float:
+    """Sum over ops of max(ops / peak, bytes / bandwidth); LLM-Viewer's INT8 peak applies
+    when weights, activations and KV cache are all 8-bit or less."""
+    peak = gpu.int8_ops_per_s if max(quant.w_bits, quant.a_bits, quant.kv_bits) <= 8 else gpu.fp16_ops_per_s
+    w, a, kv = quant.w_bits / 8, quant.a_bits / 8, quant.kv_bits / 8
+    return sum(
+        max(op.viewer_ops / peak, _op_bytes(op, w, a, kv) / gpu.bandwidth_bytes_per_s)
+        for op in ops
+        if op.stage in SCOPE_STAGES[scope]
+    )

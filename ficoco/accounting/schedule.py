@@ -1,0 +1,303 @@
+"""Reduction schedules, the token counts they imply, and budgets turned into schedules.
+
+A schedule lists, per reducing layer, how many visual units that layer removes. A unit is
+what the method removes at once: a patch of one item (image, crop or frame) for FiCoCo-V,
+or a 2 x 2 merge group on Qwen2-VL; a visual token of the LLM's image span for FiCoCo-L.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ficoco.accounting.architecture import Architecture
+from ficoco.errors import FicocoError
+
+VARIANTS = ("vanilla", "v", "l")
+SHAPES = ("uniform", "oneshot")
+
+
+@dataclass(frozen=True)
+class Removal:
+    """`remove` units removed at decoder or vision layer `layer` (0-based)."""
+
+    stage: str  # "vision" (FiCoCo-V) or "llm" (FiCoCo-L)
+    layer: int
+    remove: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The removals of one variant, sorted by layer."""
+
+    variant: str
+    removals: tuple[Removal, ...] = ()
+
+    @property
+    def total_removed(self) -> int:
+        return sum(r.remove for r in self.removals)
+
+    def removed_at(self) -> dict[int, int]:
+        return {r.layer: r.remove for r in self.removals}
+
+    def to_json(self) -> list[dict[str, int | str]]:
+        return [{"stage": r.stage, "layer": r.layer, "remove": r.remove} for r in self.removals]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One reducing layer as the cost model sees it: visual tokens before and removed (per item)."""
+
+    stage: str
+    layer: int
+    visual_before: int
+    removed: int
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """Tokens every layer really processes: (entering, after its reduction) per layer.
+
+    Vision counts are per item (the tower's batch element), LLM counts per sequence. A
+    reducing layer attends over the entering tokens and runs its MLP on the kept ones.
+    """
+
+    vision: tuple[tuple[int, int], ...]
+    llm: tuple[tuple[int, int], ...]
+    vision_items: int
+    llm_visual_tokens: int  # visual tokens entering the LLM
+    visual_tokens: int  # visual tokens that reach (V) or leave (L) the LLM
+    text_tokens: int
+    reductions: tuple[Reduction, ...]
+    equivalent: bool
+
+
+def stage_of(variant: str) -> str:
+    return "vision" if variant == "v" else "llm"
+
+
+def first_layer(arch: Architecture, variant: str) -> int:
+    return arch.first_layer_v if variant == "v" else arch.first_layer_l
+
+
+def layer_range(arch: Architecture, variant: str) -> range:
+    """Layers that may reduce: V up to the layer the projector reads, L every decoder layer."""
+    if variant == "v":
+        return range(0, arch.vision.feature_layer + 1)
+    return range(0, arch.decoder.layers)
+
+
+def total_units(arch: Architecture, variant: str) -> int:
+    """Units the variant can act on: per item for V, the LLM's visual span for L."""
+    return arch.vision.units if variant == "v" else arch.visual_tokens
+
+
+def min_kept_units(arch: Architecture, variant: str) -> int:
+    """A reducing layer needs at least one kept token to fold the discarded ones into."""
+    return 1 if variant == "v" else arch.newline_tokens + 1
+
+
+def _check_variant(arch: Architecture, variant: str) -> None:
+    if variant not in VARIANTS:
+        raise FicocoError(f"unknown variant '{variant}': choose from {', '.join(VARIANTS)}")
+    if variant == "v" and arch.unpadding_drops:
+        raise FicocoError(
+            f"FiCoCo-V on {arch.name} at image size {arch.image_size}: AnyRes unpadding drops "
+            f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; "
+            "use a square --image-size or FiCoCo-L"
+        )
+
+
+def parse_schedule(text: str, arch: Architecture, variant: str) -> Schedule:
+    """Parse `layer:removed,layer:removed,...` into a validated schedule."""
+    _check_variant(arch, variant)
+    if variant == "vanilla":
+        raise FicocoError("--schedule applies to the v and l variants; vanilla removes nothing")
+    removals: dict[int, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        match = re.fullmatch(r"(\d+):(\d+)", part)
+        if not match:
+            raise FicocoError(f"--schedule entry '{part}' is not LAYER:REMOVED (e.g. --schedule 12:40,13:40)")
+        layer, remove = int(match[1]), int(match[2])
+        if layer in removals:
+            raise FicocoError(f"--schedule names layer {layer} twice; give each layer once")
+        removals[layer] = remove
+    return make_schedule(arch, variant, removals)
+
+
+def make_schedule(arch: Architecture, variant: str, removals: dict[int, int]) -> Schedule:
+    """A schedule from {layer: removed}, checked against the model's layers and token counts."""
+    _check_variant(arch, variant)
+    if variant == "vanilla":
+        return Schedule("vanilla")
+    valid = layer_range(arch, variant)
+    stage = stage_of(variant)
+    where = "vision tower" if variant == "v" else "decoder"
+    left = total_units(arch, variant)
+    floor = min_kept_units(arch, variant)
+    for layer in sorted(removals):
+        if layer not in valid:
+            extra = " (the last layer whose output the projector reads)" if variant == "v" else ""
+            raise FicocoError(
+                f"layer {layer} is outside the {where}'s reducing layers {valid.start}..{valid.stop - 1}{extra}"
+            )
+        left -= removals[layer]
+        if left < floor:
+            raise FicocoError(
+                f"the schedule removes more visual tokens than exist: by layer {layer} it removes "
+                f"{total_units(arch, variant) - left} of {total_units(arch, variant)}; at least {floor} must stay"
+            )
+    kept = tuple(Removal(stage, layer, removals[layer]) for layer in sorted(removals) if removals[layer] > 0)
+    return Schedule(variant, kept)
+
+
+def uniform_schedule(arch: Architecture, variant: str, removed: int, *, shape: str = "uniform",
+                     first: int | None = None) -> Schedule:
+    """Remove `removed` units: the same number per reducing layer from `first` on (extra ones
+    go to the earliest layers), or all at `first` with shape "oneshot"."""
+    if variant == "vanilla" or removed == 0:
+        return Schedule(variant)
+    if shape not in SHAPES:
+        raise FicocoError(f"unknown --shape '{shape}': choose from {', '.join(SHAPES)}")
+    start = first_layer(arch, variant) if first is None else first
+    valid = layer_range(arch, variant)
+    if start not in valid:
+        raise FicocoError(f"first reducing layer {start} is outside {valid.start}..{valid.stop - 1}")
+    if shape == "oneshot":
+        return make_schedule(arch, variant, {start: removed})
+    layers = list(range(start, valid.stop))
+    per_layer, extra = divmod(removed, len(layers))
+    return make_schedule(arch, variant, {layer: per_layer + (k < extra) for k, layer in enumerate(layers)})
+
+
+def keep_to_units(arch: Architecture, variant: str, keep: int) -> int:
+    """Units kept per item (V) or in the span (L) so that `keep` visual tokens reach/leave the LLM."""
+    _check_variant(arch, variant)
+    if keep < 0:
+        raise FicocoError(f"--keep {keep} is negative; give the number of visual tokens to keep")
+    if variant == "l" or variant == "vanilla":
+        if not min_kept_units(arch, "l") <= keep <= arch.visual_tokens:
+            raise FicocoError(
+                f"--keep {keep} is outside {min_kept_units(arch, 'l')}..{arch.visual_tokens}, "
+                f"the visual tokens {arch.name} can keep"
+            )
+        return keep
+    v = arch.vision
+    fixed = arch.newline_tokens + v.items * int(arch.cls_in_llm)
+    units, rest = divmod(keep - fixed, v.items)
+    if rest or not 1 <= units <= v.units:
+        valid_low, valid_high = arch.llm_visual_tokens(1), arch.visual_tokens
+        step = v.items
+        raise FicocoError(
+            f"--keep {keep} is not reachable with FiCoCo-V on {arch.name}: the LLM receives "
+            f"{fixed} fixed tokens plus the kept units of {v.items} item(s), so keep must be in "
+            f"{valid_low}..{valid_high} in steps of {step}"
+        )
+    return units
+
+
+def schedule_for_keep(arch: Architecture, variant: str, keep: int, *, shape: str = "uniform",
+                      first: int | None = None) -> Schedule:
+    """The default-shaped schedule that keeps `keep` visual tokens (reaching V / leaving L the LLM)."""
+    if variant == "vanilla":
+        return Schedule("vanilla")
+    units = keep_to_units(arch, variant, keep)
+    return uniform_schedule(arch, variant, total_units(arch, variant) - units, shape=shape, first=first)
+
+
+def plan_tokens(arch: Architecture, schedule: Schedule, *, text_tokens: int | None = None,
+                equivalent: bool = False) -> TokenPlan:
+    """Per-layer token counts of a run of `schedule` (layer-exact, or every layer at the final
+    count with `equivalent`)."""
+    text = arch.text_tokens if text_tokens is None else text_tokens
+    v = arch.vision
+    removed = schedule.removed_at()
+    reductions: list[Reduction] = []
+    units = v.units
+    vision: list[tuple[int, int]] = []
+    for layer in range(v.layers):
+        r = removed.get(layer, 0) if schedule.variant == "v" else 0
+        if r:
+            reductions.append(Reduction("vision", layer, units * v.merge, r * v.merge))
+        vision.append((v.tokens(units), v.tokens(units - r)))
+        units -= r
+    llm_visual = arch.llm_visual_tokens(units)
+    seq = text + llm_visual
+    visual = llm_visual
+    llm: list[tuple[int, int]] = []
+    for layer in range(arch.decoder.layers):
+        r = removed.get(layer, 0) if schedule.variant == "l" else 0
+        if r:
+            reductions.append(Reduction("llm", layer, visual, r))
+        llm.append((seq, seq - r))
+        seq -= r
+        visual -= r
+    if equivalent:
+        vision = [(vision[-1][1], vision[-1][1])] * len(vision)
+        llm = [(seq, seq)] * len(llm)
+    return TokenPlan(
+        vision=tuple(vision), llm=tuple(llm), vision_items=v.items, llm_visual_tokens=llm_visual,
+        visual_tokens=visual, text_tokens=text, reductions=tuple(reductions), equivalent=equivalent,
+    )
+
+
+class BudgetError(FicocoError):
+    """No schedule of the requested shape meets the budget."""
+
+
+def schedule_for_budget(arch: Architecture, variant: str, budget: float, cost: Callable[[Schedule], float], *,
+                        label: str, shape: str = "uniform", first: int | None = None,
+                        equivalent: bool = False) -> Schedule:
+    """The schedule keeping the most visual tokens whose `cost` fits `budget`.
+
+    `cost` maps a schedule to the budget's unit (e.g. TFLOPs in the active convention and
+    scope); it must not decrease as fewer tokens are removed, which holds for every
+    convention since each layer's count is monotone in the tokens it sees.
+    """
+    if budget <= 0:
+        raise FicocoError(f"budget {budget:g} must be positive")
+    if variant == "vanilla":
+        return Schedule("vanilla")
+    _check_variant(arch, variant)
+    units = total_units(arch, variant)
+    low = min_kept_units(arch, variant)
+
+    def schedule_keeping(kept: int, start: int | None = first) -> Schedule:
+        return uniform_schedule(arch, variant, units - kept, shape=shape, first=start)
+
+    cheapest = cost(schedule_keeping(low))
+    if cheapest > budget:
+        raise BudgetError(_budget_miss(arch, variant, budget, cheapest, cost, label=label, shape=shape,
+                                       first=first, equivalent=equivalent))
+    # Largest kept count within budget: cost is monotone in the kept count.
+    lo, hi = low, units
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(schedule_keeping(mid)) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return schedule_keeping(lo)
+
+
+def _budget_miss(arch: Architecture, variant: str, budget: float, cheapest: float,
+                 cost: Callable[[Schedule], float], *, label: str, shape: str, first: int | None,
+                 equivalent: bool) -> str:
+    """One line: what the cheapest schedule costs and which change would reach lower."""
+    start = first_layer(arch, variant) if first is None else first
+    units, low = total_units(arch, variant), min_kept_units(arch, variant)
+    name = {"v": "FiCoCo-V", "l": "FiCoCo-L"}[variant]
+    # Preference: the same shape starting later, then one-shot; the latest start that fits.
+    options = [(s, layer) for s in dict.fromkeys((shape, "oneshot")) for layer in range(start, -1, -1)]
+    reach = {opt: cost(uniform_schedule(arch, variant, units - low, shape=opt[0], first=opt[1])) for opt in options}
+    fitting = [opt for opt in options if reach[opt] <= budget and opt != (shape, start)]
+    best = fitting[0] if fitting else min(reach, key=reach.__getitem__)
+    flags = " ".join(f for f in (f"--shape {best[0]}" if best[0] != shape else "",
+                                 f"--first-layer {best[1]}" if best[1] != start else "") if f)
+    verdict = "fits" if best in fitting else "the lowest reachable"
+    hint = f"; {flags} reaches {reach[best]:.3g} ({verdict})" if flags else ""
+    if not equivalent:
+        hint += "; --equivalent counts every layer at the final token count, as papers do"
+    return (f"no {name} schedule on {arch.name} fits {budget:g} {label}: the cheapest {shape} schedule "
+            f"from layer {start}, keeping {low} visual token(s), costs {cheapest:.3g}{hint}")

@@ -1,0 +1,176 @@
+"""Model and hardware profiles: read `profiles/`, a `config.json`, or a local checkout.
+
+A model profile is a Hugging Face `config.json` content plus a `ficoco` section of toolkit
+defaults (text tokens, first reducing layers, visual tokens per image). No torch here: the
+accountant runs on these dicts alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ficoco.errors import FicocoError
+
+# profiles/ sits at the repository root beside the package (editable install);
+# FICOCO_PROFILES points elsewhere when the package is installed on its own.
+PROFILES_DIR = Path(os.environ.get("FICOCO_PROFILES", Path(__file__).resolve().parent.parent / "profiles"))
+HARDWARE_DIR = PROFILES_DIR / "hardware"
+
+# Families the toolkit knows, by the config's model_type, with the defaults used when a
+# plain config.json (no ficoco section) is given. First reducing layers follow SPEC.md.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llava": {"family": "llava", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4}},
+    "llava_next": {
+        "family": "llava_next", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4},
+        "image_size": [672, 672],
+    },
+    "video_llava": {
+        "family": "video_llava", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4}, "frames": 8,
+    },
+    "qwen2_vl": {
+        "family": "qwen2_vl", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4},
+        "image_size": [672, 672],
+    },
+}
+
+
+@dataclass
+class Profile:
+    """A model profile: the Hugging Face config dict and the toolkit's defaults."""
+
+    name: str
+    config: dict[str, Any]
+    defaults: dict[str, Any]
+    source: str = ""
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        return self.defaults["family"]
+
+    def hf_config_dict(self) -> dict[str, Any]:
+        """The config as Hugging Face reads it (the ficoco section removed)."""
+        return copy.deepcopy(self.config)
+
+
+def list_profiles() -> list[str]:
+    """Names of the model profiles shipped in `profiles/`."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+def list_gpus() -> list[str]:
+    """Names of the hardware profiles in `profiles/hardware/`."""
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.json"))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise FicocoError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or replace it") from None
+    except OSError as exc:
+        raise FicocoError(f"cannot read {path}: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise FicocoError(f"{path} does not hold a JSON object; expected a Hugging Face config.json")
+    return data
+
+
+def load_profile(model: str, overrides: list[str] | dict[str, Any] | None = None) -> Profile:
+    """Load a profile by name, by a path to a `config.json`, or by a local checkout folder.
+
+    `overrides` are `KEY=VALUE` strings (or a dict) applied to the Hugging Face config with
+    dotted keys, e.g. `text_config.num_hidden_layers=4`.
+    """
+    path = Path(model).expanduser()
+    if (PROFILES_DIR / f"{model}.json").is_file() and os.sep not in model:
+        path, name = PROFILES_DIR / f"{model}.json", model
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FicocoError(f"{model} is a folder without a config.json; give a model checkout folder")
+        path, name = path / "config.json", path.name
+    elif path.is_file():
+        name = path.parent.name if path.name == "config.json" else path.stem
+    else:
+        known = ", ".join(list_profiles())
+        raise FicocoError(f"unknown model '{model}': give a profile name ({known}), a config.json or a checkout folder")
+    data = _read_json(path)
+    defaults = data.pop("ficoco", None)
+    model_type = data.get("model_type")
+    if model_type not in FAMILY_DEFAULTS:
+        supported = ", ".join(FAMILY_DEFAULTS)
+        raise FicocoError(f"{path}: model_type '{model_type}' is not a supported family ({supported})")
+    merged = copy.deepcopy(FAMILY_DEFAULTS[model_type])
+    merged.update(defaults or {})
+    profile = Profile(name=name, config=data, defaults=merged, source=str(path))
+    if overrides:
+        apply_overrides(profile, overrides)
+    return profile
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """Parse `KEY=VALUE` strings; VALUE is read as JSON when it parses, else as a string."""
+    parsed: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise FicocoError(f"--set '{item}' is not KEY=VALUE (e.g. --set text_config.num_hidden_layers=4)")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        parsed[key.strip()] = value
+    return parsed
+
+
+def apply_overrides(profile: Profile, overrides: list[str] | dict[str, Any]) -> None:
+    """Set dotted keys in the profile's config; `ficoco.KEY` sets a toolkit default."""
+    values = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides)
+    for key, value in values.items():
+        parts = key.split(".")
+        target: dict[str, Any] = profile.defaults if parts[0] == "ficoco" else profile.config
+        if parts[0] == "ficoco":
+            parts = parts[1:]
+        for part in parts[:-1]:
+            node = target.get(part)
+            if node is None:
+                node = target[part] = {}
+            if not isinstance(node, dict):
+                raise FicocoError(f"--set {key}: '{part}' is not a section of the config")
+            target = node
+        target[parts[-1]] = value
+        profile.overrides[key] = value
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A GPU's peak figures as LLM-Viewer's roofline uses them."""
+
+    key: str
+    name: str
+    bandwidth_bytes_per_s: float
+    fp16_ops_per_s: float
+    int8_ops_per_s: float
+    memory_bytes: float
+
+
+def load_gpu(name: str) -> Hardware:
+    """Load a hardware profile by its name (e.g. `a100-80gb`, `h100-sxm`)."""
+    key = name.lower().replace(" ", "-").replace("_", "-")
+    path = HARDWARE_DIR / f"{key}.json"
+    if not path.is_file():
+        raise FicocoError(f"unknown GPU '{name}': choose one of {', '.join(list_gpus())}")
+    data = _read_json(path)
+    return Hardware(
+        key=key,
+        name=data["name"],
+        bandwidth_bytes_per_s=float(data["bandwidth_bytes_per_s"]),
+        fp16_ops_per_s=float(data["fp16_ops_per_s"]),
+        int8_ops_per_s=float(data["int8_ops_per_s"]),
+        memory_bytes=float(data["memory_bytes"]),
+    )

@@ -1,0 +1,195 @@
+"""The `ficoco` command: wires options to the library and renders the results.
+
+Commands must start fast: nothing here imports torch at module level; the commands that
+run models import the model code inside their own bodies.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+import click
+import typer
+from rich.console import Console
+
+import ficoco
+from ficoco.errors import FicocoError
+
+app = typer.Typer(
+    help="FiCoCo visual-token reduction for multimodal LLMs: analytic costs, patched models, measurements.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+# Tables go to stderr when a report goes to stdout (--json -), so stdout stays valid JSON.
+# Piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns, so
+# tables are not truncated.
+out = Console(width=None if sys.stdout.isatty() else 180)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 180)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"ficoco {ficoco.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """FiCoCo visual-token reduction for multimodal LLMs: analytic costs, patched models, measurements."""
+
+
+def split_list(text: str, option: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise FicocoError(f"{option} is empty; give a comma-separated list")
+    return list(dict.fromkeys(items))
+
+
+def parse_image_size(text: str | None) -> tuple[int, int] | None:
+    """`WxH` -> (H, W)."""
+    if text is None:
+        return None
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise FicocoError(f"--image-size '{text}' is not WIDTHxHEIGHT (e.g. 672x672)")
+    return int(parts[1]), int(parts[0])
+
+
+@app.command("models")
+def models_command() -> None:
+    """List the model profiles: family, parameters, layers and widths, visual tokens per image."""
+    from ficoco.accounting import architecture, parameter_counts
+    from ficoco.profiles import list_profiles, load_profile
+    from ficoco_cli.render import models_table
+
+    rows = []
+    for name in list_profiles():
+        profile = load_profile(name)
+        arch = architecture(profile)
+        rows.append({
+            "name": name, "family": arch.family, "parameters": parameter_counts(arch).total,
+            "vision_layers": arch.vision.layers, "vision_hidden": arch.vision.hidden,
+            "llm_layers": arch.decoder.layers, "llm_hidden": arch.decoder.hidden,
+            "llm_heads": arch.decoder.heads, "llm_kv_heads": arch.decoder.kv_heads,
+            "visual_tokens_per_image": arch.visual_tokens,
+        })
+    out.print(models_table(rows))
+
+
+ModelOpt = Annotated[str, typer.Option(
+    "--model", "-m", help="Profile name, path to a config.json, or a checkout folder.")]
+VariantOpt = Annotated[str, typer.Option("--variant", help="vanilla, v, l, or several: vanilla,v,l.")]
+KeepOpt = Annotated[int | None, typer.Option(
+    "--keep", help="Visual tokens that reach (V) or leave (L) the LLM.")]
+TflopsOpt = Annotated[float | None, typer.Option(
+    "--tflops", help="Budget: keep the most tokens whose cost (convention, scope) fits it.")]
+ScheduleOpt = Annotated[str | None, typer.Option("--schedule", help="Explicit removals LAYER:REMOVED,...")]
+ShapeOpt = Annotated[str, typer.Option("--shape", help="uniform (same per reducing layer) or oneshot.")]
+FirstLayerOpt = Annotated[int | None, typer.Option("--first-layer", help="First reducing layer (default: profile's).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Config override KEY=VALUE (repeatable).")]
+TextTokensOpt = Annotated[int | None, typer.Option("--text-tokens", help="Text tokens per prompt (default 60).")]
+BatchOpt = Annotated[int, typer.Option("--batch", help="Batch size.")]
+ImageSizeOpt = Annotated[str | None, typer.Option("--image-size", help="WxH, for AnyRes and Qwen2-VL.")]
+FramesOpt = Annotated[int | None, typer.Option("--frames", help="Video frames (Video-LLaVA).")]
+JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON report here (- for stdout).")]
+
+
+@app.command("flops")
+def flops_command(
+    model: ModelOpt,
+    variant: VariantOpt = "vanilla",
+    keep: KeepOpt = None,
+    tflops: TflopsOpt = None,
+    schedule: ScheduleOpt = None,
+    shape: ShapeOpt = "uniform",
+    first_layer: FirstLayerOpt = None,
+    convention: Annotated[str, typer.Option("--convention", help="flops, macs, llm-viewer or paper.")] = "flops",
+    scope: Annotated[str, typer.Option("--scope", help="llm (decoder + LM head) or all.")] = "llm",
+    equivalent: Annotated[bool, typer.Option(
+        "--equivalent", help="Count every layer at the final token count (papers' style).")] = False,
+    quant: Annotated[str, typer.Option("--quant", help="fp16, int8, int4 or several (W/A/KV bits).")] = "fp16",
+    kv_bits: Annotated[int | None, typer.Option("--kv-bits", help="Override the KV-cache bit width.")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="Hardware profile for the roofline time.")] = None,
+    text_tokens: TextTokensOpt = None,
+    batch: BatchOpt = 1,
+    lm_head: Annotated[str, typer.Option(
+        "--lm-head", help="LM head over all tokens (plain forward) or the last (generate).")] = "all",
+    image_size: ImageSizeOpt = None,
+    frames: FramesOpt = None,
+    per_layer: Annotated[bool, typer.Option("--per-layer", help="Add per-layer token counts and costs.")] = False,
+    set_values: SetOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Analytic cost: TFLOPs by stage, KV cache, weights, memory access, roofline time."""
+    from ficoco import accounting as acc
+    from ficoco.accounting.flops import SCOPE_STAGES, STAGES
+    from ficoco.profiles import load_gpu, load_profile
+    from ficoco.report import write_json_atomic
+    from ficoco_cli.render import flops_table, per_layer_table
+
+    variants = split_list(variant, "--variant")
+    profile = load_profile(model, set_values or [])
+    arch = acc.architecture(profile, image_size=parse_image_size(image_size), frames=frames)
+    opts = acc.CountOptions(convention=convention, scope=scope, equivalent=equivalent, batch=batch,
+                            text_tokens=text_tokens, lm_head_tokens=lm_head)
+    quants = [acc.make_quant(q, kv_bits) for q in split_list(quant, "--quant")]
+    hardware = load_gpu(gpu) if gpu else None
+    schedules = [
+        acc.resolve_schedule(arch, v, opts, keep=keep, tflops=tflops, schedule=schedule, shape=shape,
+                             first_layer=first_layer)
+        for v in variants
+    ]
+    vanilla = acc.account(arch, acc.Schedule("vanilla"), quants[0], opts)
+    rows: list[dict[str, Any]] = []
+    for sched in schedules:
+        layers = acc.per_layer(arch, sched, opts) if per_layer else None
+        for q in quants:
+            row = acc.account(arch, sched, q, opts, gpu=hardware).to_json()
+            row["reduction_vs_vanilla"] = None if sched.variant == "vanilla" else 1 - row["tflops"] / vanilla.tflops
+            if layers is not None:
+                row["per_layer"] = layers
+            rows.append(row)
+    report = {
+        "schema": "ficoco.flops/1", "ficoco_version": ficoco.__version__, "model": arch.name,
+        "convention": opts.convention, "units": acc.UNITS[opts.convention], "scope": opts.scope,
+        "scope_stages": list(SCOPE_STAGES[opts.scope]), "stages": list(STAGES), "equivalent": opts.equivalent,
+        "text_tokens": text_tokens if text_tokens is not None else arch.text_tokens, "batch": batch,
+        "lm_head_tokens": lm_head, "image_size": arch.image_size, "vision_items": arch.vision.items,
+        "overrides": profile.overrides, "gpu": hardware.name if hardware else None,
+        "budget_tflops": tflops, "keep": keep, "rows": rows,
+    }
+    console = err if json_path == "-" else out
+    console.print(flops_table(report, acc.UNITS[opts.convention], hardware is not None))
+    if per_layer:
+        for row in rows[:: len(quants)]:
+            console.print(per_layer_table(row, acc.UNITS[opts.convention]))
+    if json_path:
+        write_json_atomic(json_path, report)
+
+
+def main() -> None:
+    """Entry point: user mistakes end in one line and exit code 2, never a traceback."""
+    try:
+        app(standalone_mode=False)
+    except FicocoError as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except click.UsageError as exc:
+        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+        err.print(f"error: {exc.format_message()}{hint}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except click.ClickException as exc:
+        err.print(f"error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        err.print("aborted", markup=False)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        err.print("interrupted", markup=False)
+        sys.exit(130)

@@ -1,0 +1,83 @@
+"""Rich tables for the commands. Rendering only: every figure arrives computed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Decimal units (1e6 / 1e9), as the reports use."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def fmt_tera(x: float) -> str:
+    return f"{x:.4f}" if x < 0.1 else f"{x:.3f}"
+
+
+def models_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="Model profiles", title_justify="left")
+    for col, justify in (("profile", "left"), ("family", "left"), ("parameters", "right"),
+                         ("vision layers x width", "right"), ("LLM layers x width", "right"),
+                         ("heads / kv", "right"), ("visual tokens / image", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(r["name"], r["family"], fmt_count(r["parameters"]),
+                      f"{r['vision_layers']} x {r['vision_hidden']}", f"{r['llm_layers']} x {r['llm_hidden']}",
+                      f"{r['llm_heads']} / {r['llm_kv_heads']}", str(r["visual_tokens_per_image"]))
+    return table
+
+
+def flops_table(report: dict[str, Any], unit: str, show_roofline: bool) -> Table:
+    mode = "equivalent: final token count in every layer" if report["equivalent"] else "layer-exact"
+    title = (f"{report['model']}: {unit}, convention {report['convention']}, scope {report['scope']} "
+             f"({mode}); batch {report['batch']}, {report['text_tokens']} text tokens")
+    in_scope = set(report["scope_stages"])
+    caption = ("stages marked * are outside the scope and not in the total; "
+               "memory access is LLM-Viewer traffic, not a footprint; bytes in decimal units")
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    short = {"vision": "vision", "projector": "proj", "llm": "llm", "lm_head": "head"}
+    cols = ["variant", "quant", "visual"]
+    cols += [short[s] + ("" if s in in_scope else "*") for s in report["stages"]]
+    cols += ["total", "vs vanilla", "KV cache", "weights", "mem access"]
+    if show_roofline:
+        cols.append("roofline ms")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("variant", "quant") else "right")
+    for row in report["rows"]:
+        cells = [row["variant"], row["quant"], str(row["visual_tokens"])]
+        cells += [fmt_tera(row["tflops_by_stage"][s]) for s in report["stages"]]
+        reduction = row.get("reduction_vs_vanilla")
+        cells += [fmt_tera(row["tflops"]), "-" if reduction is None else f"-{reduction * 100:.1f}%",
+                  fmt_bytes(row["kv_cache_bytes"]), fmt_bytes(row["weight_bytes"]),
+                  fmt_bytes(row["memory_access_bytes"])]
+        if show_roofline:
+            cells.append(f"{row['roofline_ms']:.2f}")
+        table.add_row(*cells)
+    return table
+
+
+def per_layer_table(row: dict[str, Any], unit: str) -> Table:
+    table = Table(title=f"{row['variant']} per layer ({unit})", title_justify="left")
+    for col in ("stage", "layer", "tokens in", "tokens out", "removed", unit):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for layer in row["per_layer"]:
+        removed = layer["tokens_in"] - layer["tokens_out"] if layer["tokens_in"] is not None else 0
+        table.add_row(layer["stage"], "-" if layer["layer"] is None else str(layer["layer"]),
+                      "-" if layer["tokens_in"] is None else str(layer["tokens_in"]),
+                      "-" if layer["tokens_out"] is None else str(layer["tokens_out"]),
+                      str(removed) if removed else "", fmt_tera(layer["tera"]))
+    return table
