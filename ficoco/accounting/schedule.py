@@ -82,10 +82,11 @@ def first_layer(arch: Architecture, variant: str) -> int:
 
 
 def layer_range(arch: Architecture, variant: str) -> range:
-    """Layers that may reduce: V up to the layer the projector reads, L every decoder layer."""
+    """Layers that may reduce: V up to the layer the projector reads; L every decoder layer
+    but the first, whose full cache transformers uses to size decode-time masks and positions."""
     if variant == "v":
         return range(0, arch.vision.feature_layer + 1)
-    return range(0, arch.decoder.layers)
+    return range(1, arch.decoder.layers)
 
 
 def total_units(arch: Architecture, variant: str) -> int:
@@ -289,7 +290,8 @@ def _budget_miss(arch: Architecture, variant: str, budget: float, cheapest: floa
     units, low = total_units(arch, variant), min_kept_units(arch, variant)
     name = {"v": "FiCoCo-V", "l": "FiCoCo-L"}[variant]
     # Preference: the same shape starting later, then one-shot; the latest start that fits.
-    options = [(s, layer) for s in dict.fromkeys((shape, "oneshot")) for layer in range(start, -1, -1)]
+    options = [(s, layer) for s in dict.fromkeys((shape, "oneshot"))
+               for layer in range(start, layer_range(arch, variant).start - 1, -1)]
     reach = {opt: cost(uniform_schedule(arch, variant, units - low, shape=opt[0], first=opt[1])) for opt in options}
     fitting = [opt for opt in options if reach[opt] <= budget and opt != (shape, start)]
     best = fitting[0] if fitting else min(reach, key=reach.__getitem__)

@@ -1,0 +1,245 @@
+"""FiCoCo-L: visual-token reduction inside an LLM decoder layer.
+
+The sequence is ``[prefix text] [N visual tokens] [suffix text]``; the visual span may
+start at a different position in every sample (left padding, different prompts) but holds
+the same ``N`` tokens. Under the causal mask only the suffix can attend to the image, so
+the suffix is the text that provides the task prior. Only rows of the attention matrix that
+belong to the visual span or to the suffix are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ficoco.errors import FicocoError
+from ficoco.reduction.stages import (
+    adaptive_weights,
+    compress,
+    compute_dtype,
+    gather_block,
+    gather_tokens,
+    select,
+)
+
+
+@dataclass(frozen=True)
+class LReduction:
+    """What one FiCoCo-L step leaves behind.
+
+    Attributes:
+        hidden: ``(B, T - r, D)`` hidden states; prefix and suffix tokens unchanged.
+        kept_positions: ``(B, T - r)`` index into the input sequence of every token that
+            stays (prefix, kept visual, suffix, in order), to slice position ids, rotary
+            embeddings and masks alike.
+        kept_visual: ``(B, N - r)`` indices within the visual span of the kept tokens.
+        discarded_visual: ``(B, r)`` indices within the visual span of the removed tokens.
+    """
+
+    hidden: Tensor
+    kept_positions: Tensor
+    kept_visual: Tensor
+    discarded_visual: Tensor
+
+
+def _visual_positions(visual_start: Tensor, num_visual: int) -> Tensor:
+    """``(B, N)`` sequence positions of the visual span of every sample."""
+    offsets = torch.arange(num_visual, device=visual_start.device)
+    return visual_start.to(torch.long).unsqueeze(1) + offsets
+
+
+def _suffix_rows(suffix_mask: Tensor, visual_start: Tensor, num_visual: int) -> Tensor:
+    """``(B, T)`` bool: real text tokens after the visual span.
+
+    The caller's mask is intersected with "after the span" so that a mask which also marks
+    prefix text cannot leak causal-zero rows into the task prior.
+    """
+    positions = torch.arange(suffix_mask.shape[1], device=suffix_mask.device)
+    after_span = positions.unsqueeze(0) >= (visual_start.to(torch.long) + num_visual).unsqueeze(1)
+    return suffix_mask.to(torch.bool) & after_span
+
+
+def _suffix_attention(attn: Tensor, suffix: Tensor, columns: Tensor) -> Tensor:
+    """``(B, T, K)`` attention of every query to ``columns``, zero on non-suffix rows.
+
+    ``torch.where`` rather than a product so that garbage (even NaN) in rows the method
+    does not need cannot leak in.
+    """
+    picked = torch.gather(attn, 2, columns.unsqueeze(1).expand(-1, attn.shape[1], -1))
+    picked = picked.to(compute_dtype(attn.dtype))
+    return torch.where(suffix.unsqueeze(2), picked, torch.zeros_like(picked))
+
+
+def _check_inputs(attn: Tensor, visual_start: Tensor, num_visual: int, suffix_mask: Tensor) -> None:
+    if attn.dim() != 3 or attn.shape[1] != attn.shape[2]:
+        raise ValueError(f"attn must be (B, T, T), got shape {tuple(attn.shape)}")
+    batch, seq_len, _ = attn.shape
+    if tuple(visual_start.shape) != (batch,):
+        raise ValueError(f"visual_start must be (B,) = ({batch},), got {tuple(visual_start.shape)}")
+    if tuple(suffix_mask.shape) != (batch, seq_len):
+        raise ValueError(f"suffix_mask must be (B, T) = {(batch, seq_len)}, got {tuple(suffix_mask.shape)}")
+    if not 0 < num_visual <= seq_len:
+        raise ValueError(f"num_visual must be between 1 and the sequence length {seq_len}")
+
+
+def language_scores(
+    attn: Tensor,
+    visual_start: Tensor,
+    num_visual: int,
+    suffix_mask: Tensor,
+    beta: float = 0.6,
+) -> Tensor:
+    """FiCoCo-L redundancy of every visual token, ``s_j = beta * v_j - (1 - beta) * t_j``.
+
+    ``v_j`` is the mean attention visual token ``j`` receives from the visual queries that
+    can see it (causal: ``i >= j``, so the column sum is divided by ``N - j``); ``t_j`` is
+    the mean attention it receives from the suffix text queries. A sample without suffix
+    tokens has no task prior (``t = 0``).
+
+    Args:
+        attn: ``(B, T, T)`` head-mean causal attention probabilities.
+        visual_start: ``(B,)`` long position of the first visual token of every sample.
+        num_visual: ``N``, visual tokens per sample.
+        suffix_mask: ``(B, T)`` bool, True on real text tokens after the visual span.
+        beta: weight of the vision-aware term.
+
+    Returns:
+        ``(B, N)`` scores in the compute dtype; higher means more redundant.
+    """
+    _check_inputs(attn, visual_start, num_visual, suffix_mask)
+    visual_start = visual_start.to(device=attn.device, dtype=torch.long)
+    visual = _visual_positions(visual_start, num_visual)
+    among_visual = gather_block(attn, visual, visual).to(compute_dtype(attn.dtype))
+    # Entries above the diagonal are masked-out keys: ignore them even if not exactly zero.
+    sees = torch.ones(num_visual, num_visual, dtype=torch.bool, device=attn.device).tril()
+    column_sum = torch.where(sees, among_visual, torch.zeros_like(among_visual)).sum(dim=1)
+    viewers = torch.arange(num_visual, 0, -1, device=attn.device).to(column_sum.dtype)
+    vision_term = column_sum / viewers
+
+    suffix = _suffix_rows(suffix_mask, visual_start, num_visual)
+    text_attention = _suffix_attention(attn, suffix, visual)
+    suffix_count = suffix.sum(dim=1, keepdim=True).clamp(min=1).to(text_attention.dtype)
+    task_term = text_attention.sum(dim=1) / suffix_count
+    return beta * vision_term - (1.0 - beta) * task_term
+
+
+def language_correlation(
+    attn: Tensor,
+    source: Tensor,
+    target: Tensor,
+    visual_start: Tensor,
+    num_visual: int,
+    suffix_mask: Tensor,
+    gamma: float = 0.6,
+) -> Tensor:
+    """Direct plus indirect correlation between discarded and kept visual tokens.
+
+    ``C[i, j] = gamma * A[i, j] + (1 - gamma) * mean_{k in suffix} A[k, i] * A[k, j]``: the
+    indirect term is high when the same text tokens attend to both, and is one batched
+    matmul over the suffix rows.
+
+    Args:
+        attn: ``(B, T, T)`` head-mean causal attention probabilities.
+        source: ``(B, r)`` indices within the visual span of the discarded tokens.
+        target: ``(B, N - r)`` indices within the visual span of the kept tokens.
+        visual_start: ``(B,)`` long position of the first visual token.
+        num_visual: ``N``.
+        suffix_mask: ``(B, T)`` bool, True on real text tokens after the visual span.
+        gamma: weight of the direct term.
+
+    Returns:
+        ``(B, r, N - r)`` in the compute dtype.
+    """
+    _check_inputs(attn, visual_start, num_visual, suffix_mask)
+    visual_start = visual_start.to(device=attn.device, dtype=torch.long)
+    start = visual_start.unsqueeze(1)
+    source_positions = source + start
+    target_positions = target + start
+    direct = gather_block(attn, source_positions, target_positions).to(compute_dtype(attn.dtype))
+
+    suffix = _suffix_rows(suffix_mask, visual_start, num_visual)
+    text_to_source = _suffix_attention(attn, suffix, source_positions)
+    text_to_target = _suffix_attention(attn, suffix, target_positions)
+    suffix_count = suffix.sum(dim=1).clamp(min=1).to(direct.dtype).reshape(-1, 1, 1)
+    indirect = (text_to_source.transpose(1, 2) @ text_to_target) / suffix_count
+    return gamma * direct + (1.0 - gamma) * indirect
+
+
+def reduce_l(
+    hidden: Tensor,
+    attn: Tensor,
+    r: int,
+    visual_start: Tensor,
+    num_visual: int,
+    suffix_mask: Tensor,
+    beta: float = 0.6,
+    gamma: float = 0.6,
+    eps: float = 0.998,
+) -> LReduction:
+    """One FiCoCo-L step: filter, correlate and compress ``r`` visual tokens of one layer.
+
+    Text tokens are copied unchanged; the kept visual tokens stay contiguous at
+    ``visual_start``, so the next layer's span is ``(visual_start, N - r)``.
+
+    Args:
+        hidden: ``(B, T, D)`` hidden states (after the attention residual, before the MLP).
+        attn: ``(B, T, T)`` head-mean causal attention probabilities of the same layer;
+            only visual and suffix rows are read.
+        r: visual tokens to remove, ``0 <= r < N``; the same for every sample.
+        visual_start: ``(B,)`` long position of the first visual token of every sample.
+        num_visual: ``N``, visual tokens per sample.
+        suffix_mask: ``(B, T)`` bool, True on real text tokens after the visual span.
+        beta: weight of the vision-aware term in the score.
+        gamma: weight of the direct term in the correlation.
+        eps: quantile level of the token-adaptive K.
+
+    Returns:
+        An :class:`LReduction`. With ``r == 0`` the input hidden states come back unchanged.
+    """
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be (B, T, D), got shape {tuple(hidden.shape)}")
+    batch, seq_len, _ = hidden.shape
+    if tuple(attn.shape) != (batch, seq_len, seq_len):
+        raise ValueError(f"attn must be (B, T, T) = {(batch, seq_len, seq_len)}, got {tuple(attn.shape)}")
+    _check_inputs(attn, visual_start, num_visual, suffix_mask)
+    if not 0 <= r < num_visual:
+        raise FicocoError(
+            f"r must be at least 0 and below the visual token count {num_visual} "
+            f"(at least one visual token must stay), got {r}"
+        )
+    device = hidden.device
+    visual_start = visual_start.to(device=device, dtype=torch.long)
+    if r == 0:
+        every_visual = torch.arange(num_visual, device=device).expand(batch, -1)
+        return LReduction(
+            hidden=hidden,
+            kept_positions=torch.arange(seq_len, device=device).expand(batch, -1),
+            kept_visual=every_visual,
+            discarded_visual=every_visual[:, :0],
+        )
+
+    scores = language_scores(attn, visual_start, num_visual, suffix_mask, beta=beta)
+    source, target = select(scores, r)
+    correlation = language_correlation(attn, source, target, visual_start, num_visual, suffix_mask, gamma=gamma)
+    alpha = adaptive_weights(correlation, eps=eps)
+    visual_positions = _visual_positions(visual_start, num_visual)
+    merged = compress(gather_tokens(hidden, visual_positions), source, target, alpha)
+
+    # A stable sort of the 0/1 "discarded" flags lists the kept positions in sequence order
+    # with the same length T - r in every sample, without a data-dependent nonzero().
+    discarded_flag = torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
+    discarded_flag = discarded_flag.scatter(1, torch.gather(visual_positions, 1, source), 1)
+    kept_positions = torch.sort(discarded_flag, dim=1, stable=True).indices[:, : seq_len - r]
+
+    reduced = gather_tokens(hidden, kept_positions)
+    # Prefix lengths are unchanged, so the kept visual tokens start at visual_start again.
+    merged_positions = _visual_positions(visual_start, num_visual - r)
+    reduced = reduced.scatter(1, merged_positions.unsqueeze(2).expand(-1, -1, reduced.shape[2]), merged)
+    return LReduction(
+        hidden=reduced,
+        kept_positions=kept_positions,
+        kept_visual=target,
+        discarded_visual=source,
+    )

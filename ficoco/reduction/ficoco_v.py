@@ -1,0 +1,256 @@
+"""FiCoCo-V: visual-token reduction inside a vision encoder layer.
+
+The sequence is ``[CLS]`` at position 0 followed by ``N`` patch tokens when ``has_cls``,
+otherwise ``N`` patch tokens only (SigLIP, Qwen2-VL's ViT), in which case the *equivalent
+token* computed from the key states stands in for ``[CLS]``. Every patch carries its flat
+index on the original ``grid_h x grid_w`` grid (row-major), so that the local penalty and
+later layers know where a token sits after earlier layers removed others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ficoco.errors import FicocoError
+from ficoco.reduction.stages import (
+    adaptive_weights,
+    compress,
+    compute_dtype,
+    gather_block,
+    select,
+)
+
+
+@dataclass(frozen=True)
+class VReduction:
+    """What one FiCoCo-V step leaves behind.
+
+    Attributes:
+        hidden: ``(B, T - r, D)`` hidden states; ``[CLS]`` (if any) still at position 0.
+        grid_index: ``(B, N - r)`` original-grid index of every kept patch, increasing.
+        discarded_grid: ``(B, r)`` original-grid index of every removed patch, increasing.
+        kept_positions: ``(B, T - r)`` index into the input sequence of every token that
+            stays, ``[CLS]`` included, so a caller can slice position tensors alike.
+    """
+
+    hidden: Tensor
+    grid_index: Tensor
+    discarded_grid: Tensor
+    kept_positions: Tensor
+
+    @property
+    def kept_grid(self) -> Tensor:
+        """Original-grid index of every kept patch (the same tensor as ``grid_index``)."""
+        return self.grid_index
+
+
+def _patch_offset(has_cls: bool) -> int:
+    return 1 if has_cls else 0
+
+
+def equivalent_token_redundancy(keys: Tensor, has_cls: bool = False) -> Tensor:
+    """Semantic redundancy from the equivalent token, for encoders without ``[CLS]``.
+
+    ``M = keys.mean(heads)`` over the patches, ``mu = mean_patches M`` and
+    ``a_j = -cos(mu, M_j)``: a patch close to the global mean says little of its own.
+
+    Args:
+        keys: ``(B, H, T, d)`` key states of the layer.
+        has_cls: whether position 0 is ``[CLS]`` (then it is left out of ``M`` and ``mu``).
+
+    Returns:
+        ``(B, N)`` values ``a_j`` in the compute dtype, to use in place of ``A[0, j]``.
+    """
+    if keys.dim() != 4:
+        raise ValueError(f"keys must be (B, H, T, d), got shape {tuple(keys.shape)}")
+    offset = _patch_offset(has_cls)
+    mean_keys = keys[:, :, offset:].to(compute_dtype(keys.dtype)).mean(dim=1)
+    global_mean = mean_keys.mean(dim=1, keepdim=True)
+    return -F.cosine_similarity(global_mean, mean_keys, dim=-1)
+
+
+def vision_scores(
+    attn: Tensor,
+    has_cls: bool,
+    keys: Tensor | None = None,
+    lam: float = 0.35,
+    equivalent: bool = False,
+) -> Tensor:
+    """FiCoCo-V redundancy of every patch, ``s_j = lam * v_j - (1 - lam) * a_j``.
+
+    ``v_j`` is the mean attention patch ``j`` receives from the patch queries; ``a_j`` is
+    ``A[0, j]`` (the ``[CLS]`` query's attention) when ``has_cls``, else the equivalent
+    token's ``-cos(mu, M_j)`` computed from ``keys``.
+
+    Args:
+        attn: ``(B, T, T)`` head-mean attention probabilities (query dim -2, key dim -1).
+        has_cls: whether position 0 is ``[CLS]``.
+        keys: ``(B, H, T, d)`` key states; required when ``has_cls`` is False, unused otherwise.
+        lam: weight of the vision-aware term.
+        equivalent: use the equivalent token even when ``[CLS]`` is present (it still stays).
+
+    Returns:
+        ``(B, N)`` scores in the compute dtype; higher means more redundant.
+    """
+    if attn.dim() != 3 or attn.shape[1] != attn.shape[2]:
+        raise ValueError(f"attn must be (B, T, T), got shape {tuple(attn.shape)}")
+    offset = _patch_offset(has_cls)
+    patch_attn = attn[:, offset:, offset:].to(compute_dtype(attn.dtype))
+    received = patch_attn.mean(dim=1)
+    if has_cls and not equivalent:
+        semantic = attn[:, 0, offset:].to(received.dtype)
+    else:
+        if keys is None:
+            raise FicocoError("the equivalent token needs the layer's key states: pass keys=(B, H, T, d)")
+        semantic = equivalent_token_redundancy(keys, has_cls=has_cls).to(received.dtype)
+    return lam * received - (1.0 - lam) * semantic
+
+
+def local_penalty(
+    scores: Tensor,
+    grid_index: Tensor,
+    grid_hw: tuple[int, int],
+    window: int = 2,
+    coefficient: float = 2.0,
+) -> Tensor:
+    """Raise the top score of every ``window x window`` cell of the original grid.
+
+    Scores are placed on the original grid (positions removed by earlier layers are empty
+    and never win), the grid is cut into non-overlapping windows (the last row/column of
+    windows is partial when the grid size is not a multiple of ``window``), and in every
+    non-empty window the maximum (ties: lowest flat grid index) is multiplied by
+    ``coefficient`` if positive or divided by it if negative; zero stays zero. This spreads
+    the discarded tokens over the image instead of emptying one region.
+
+    Args:
+        scores: ``(B, N)`` redundancy scores in sequence order.
+        grid_index: ``(B, N)`` long original-grid flat index (row-major) of every token.
+        grid_hw: ``(grid_h, grid_w)`` of the original grid.
+        window: window side ``W``.
+        coefficient: factor ``c >= 1`` applied to each window's maximum.
+
+    Returns:
+        ``(B, N)`` penalised scores in sequence order, in the dtype of ``scores``.
+    """
+    if scores.shape != grid_index.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and grid_index {tuple(grid_index.shape)} must match")
+    if window < 1:
+        raise FicocoError(f"window must be at least 1, got {window}")
+    grid_h, grid_w = grid_hw
+    batch = scores.shape[0]
+    windows_h = -(-grid_h // window)
+    windows_w = -(-grid_w // window)
+    # Pad the grid up to whole windows so one reshape cuts it; padding is empty like any
+    # removed position (-inf never wins unless the whole window is empty, which is ignored).
+    padded_w = windows_w * window
+    padded_index = (grid_index // grid_w) * padded_w + grid_index % grid_w
+    padded = scores.new_full((batch, windows_h * window * padded_w), float("-inf"))
+    padded = padded.scatter(1, padded_index, scores)
+    cells = (
+        padded.reshape(batch, windows_h, window, windows_w, window)
+        .permute(0, 1, 3, 2, 4)
+        .reshape(batch, windows_h * windows_w, window * window)
+    )
+    # Row-major order inside a window is flat-grid order, and argmax returns the first
+    # maximum, so ties go to the lowest grid index.
+    winner_in_cell = cells.argmax(dim=2, keepdim=True)
+    is_winner_cells = torch.zeros_like(cells, dtype=torch.bool).scatter(2, winner_in_cell, True)
+    is_winner_grid = (
+        is_winner_cells.reshape(batch, windows_h, windows_w, window, window).permute(0, 1, 3, 2, 4).reshape(batch, -1)
+    )
+    # An empty window's argmax lands on an empty position, which no token reads back.
+    is_winner = torch.gather(is_winner_grid, 1, padded_index)
+    raised = torch.where(scores > 0, scores * coefficient, torch.where(scores < 0, scores / coefficient, scores))
+    return torch.where(is_winner, raised, scores)
+
+
+def vision_correlation(attn: Tensor, source: Tensor, target: Tensor, has_cls: bool) -> Tensor:
+    """Direct correlation ``C[i, j] = A[patch i, patch j]`` for discarded ``i``, kept ``j``.
+
+    Args:
+        attn: ``(B, T, T)`` head-mean attention probabilities.
+        source: ``(B, r)`` patch indices (0 = first patch) of the discarded tokens.
+        target: ``(B, N - r)`` patch indices of the kept tokens.
+        has_cls: whether position 0 is ``[CLS]``.
+
+    Returns:
+        ``(B, r, N - r)`` in the compute dtype.
+    """
+    offset = _patch_offset(has_cls)
+    block = gather_block(attn, source + offset, target + offset)
+    return block.to(compute_dtype(attn.dtype))
+
+
+def reduce_v(
+    hidden: Tensor,
+    attn: Tensor,
+    r: int,
+    grid_index: Tensor,
+    grid_hw: tuple[int, int],
+    has_cls: bool = True,
+    keys: Tensor | None = None,
+    lam: float = 0.35,
+    eps: float = 0.998,
+    window: int = 2,
+    coefficient: float = 2.0,
+    equivalent: bool = False,
+) -> VReduction:
+    """One FiCoCo-V step: filter, correlate and compress ``r`` patches of one layer.
+
+    Args:
+        hidden: ``(B, T, D)`` hidden states (after the attention residual, before the MLP).
+        attn: ``(B, T, T)`` head-mean attention probabilities of the same layer.
+        r: patches to remove, ``0 <= r < N``; the same for every sample.
+        grid_index: ``(B, N)`` long original-grid flat index of every current patch.
+        grid_hw: ``(grid_h, grid_w)`` of the original patch grid.
+        has_cls: whether position 0 is ``[CLS]``; it is never removed nor changed.
+        keys: ``(B, H, T, d)`` key states, needed only when ``has_cls`` is False.
+        lam: weight of the vision-aware term in the score.
+        eps: quantile level of the token-adaptive K.
+        window: local-penalty window side.
+        coefficient: local-penalty factor.
+        equivalent: score with the equivalent token instead of ``[CLS]`` (which still stays at 0).
+
+    Returns:
+        A :class:`VReduction`. With ``r == 0`` the input hidden states come back unchanged.
+    """
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be (B, T, D), got shape {tuple(hidden.shape)}")
+    batch, seq_len, _ = hidden.shape
+    if tuple(attn.shape) != (batch, seq_len, seq_len):
+        raise ValueError(f"attn must be (B, T, T) = {(batch, seq_len, seq_len)}, got {tuple(attn.shape)}")
+    offset = _patch_offset(has_cls)
+    num_patches = seq_len - offset
+    if tuple(grid_index.shape) != (batch, num_patches):
+        raise ValueError(f"grid_index must be (B, N) = {(batch, num_patches)}, got {tuple(grid_index.shape)}")
+    if not 0 <= r < num_patches:
+        raise FicocoError(
+            f"r must be at least 0 and below the patch count {num_patches} (at least one patch must stay), got {r}"
+        )
+    if r == 0:
+        positions = torch.arange(seq_len, device=hidden.device).expand(batch, -1)
+        return VReduction(
+            hidden=hidden,
+            grid_index=grid_index,
+            discarded_grid=grid_index[:, :0],
+            kept_positions=positions,
+        )
+
+    scores = vision_scores(attn, has_cls, keys=keys, lam=lam, equivalent=equivalent)
+    scores = local_penalty(scores, grid_index, grid_hw, window=window, coefficient=coefficient)
+    source, target = select(scores, r)
+    correlation = vision_correlation(attn, source, target, has_cls)
+    alpha = adaptive_weights(correlation, eps=eps)
+    merged = compress(hidden[:, offset:], source, target, alpha)
+
+    cls_positions = torch.zeros(batch, offset, dtype=torch.long, device=hidden.device)
+    return VReduction(
+        hidden=torch.cat([hidden[:, :offset], merged], dim=1),
+        grid_index=torch.gather(grid_index, 1, target),
+        discarded_grid=torch.gather(grid_index, 1, source),
+        kept_positions=torch.cat([cls_positions, target + offset], dim=1),
+    )
