@@ -1,0 +1,152 @@
+"""The one-call public API: `build_model()` and `apply()`.
+
+    model = ficoco.build_model("llava-1.5-7b", dtype="bf16")
+    with ficoco.apply(model, variant="v", tflops=1.5) as handle:
+        logits = model(**inputs).logits
+        handle.records            # kept / discarded indices per reducing layer
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from ficoco.accounting import CountOptions, architecture, resolve_schedule
+from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
+from ficoco.errors import FicocoError
+from ficoco.models.build import build_model
+from ficoco.models.patching import LanguageState, Patches
+from ficoco.profiles import FAMILY_DEFAULTS, Profile
+
+__all__ = ["Handle", "Hyperparameters", "LayerRecord", "apply", "build_model", "profile_of"]
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    """The paper's defaults (SPEC.md); every one can be set per handle."""
+
+    lam: float = 0.35  # V filter: vision-aware vs semantic term
+    beta: float = 0.6  # L filter: vision-aware vs task-aware term
+    gamma: float = 0.6  # L correlate: direct vs indirect term
+    eps: float = 0.998  # quantile of the token-adaptive K
+    window: int = 2  # V local penalty window
+    coefficient: float = 2.0  # V local penalty factor
+    equivalent_token: bool = False  # V: score with the equivalent token instead of [CLS]
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """One reducing layer of the last forward: kept and discarded token indices.
+
+    For V they are flat indices on the original patch grid (row-major), per vision item; for L
+    they are offsets inside the original image span, per sample.
+    """
+
+    stage: str
+    layer: int
+    kept: Tensor
+    discarded: Tensor
+
+
+@dataclass
+class Handle:
+    """A model patched with FiCoCo; `remove()` (or leaving a `with` block) restores it."""
+
+    model: nn.Module
+    variant: str
+    schedule: Schedule
+    hyperparameters: Hyperparameters
+    keep_per_image: int | None = None
+    records: list[LayerRecord] = field(default_factory=list)
+    reduction_seconds: float = 0.0  # time inside the reduction stages since the last reset
+    vision_state: Tensor | None = None
+    language_state: LanguageState | None = None
+    _patches: Patches = field(default_factory=Patches, repr=False)
+
+    def begin_forward(self) -> None:
+        """A new image forward: forget the previous one's records and state."""
+        self.records = []
+        self.vision_state = None
+        self.language_state = None
+
+    def record(self, stage: str, layer: int, *, kept: Tensor, discarded: Tensor) -> None:
+        self.records.append(LayerRecord(stage, layer, kept.detach().cpu(), discarded.detach().cpu()))
+
+    def remove(self) -> None:
+        """Restore the model exactly as it was before `apply`."""
+        self._patches.undo()
+        self.language_state = self.vision_state = None
+        self.model.__dict__.pop("_ficoco_handle", None)
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def profile_of(model: nn.Module, name: str | None = None) -> Profile:
+    """A profile for a built model, from its own config (so accounting matches what runs)."""
+    config = model.config.to_dict()
+    model_type = config.get("model_type")
+    if model_type not in FAMILY_DEFAULTS:
+        raise FicocoError(f"model_type '{model_type}' is not supported; supported: {', '.join(FAMILY_DEFAULTS)}")
+    defaults = dict(FAMILY_DEFAULTS[model_type])
+    defaults.update(getattr(model, "_ficoco_defaults", {}) or {})
+    return Profile(name=name or getattr(model, "name_or_path", "") or model_type, config=config, defaults=defaults)
+
+
+def _adapter(model: nn.Module) -> Any:
+    model_type = getattr(model.config, "model_type", None)
+    if model_type == "llava":
+        from ficoco.models.llava import LlavaAdapter
+
+        return LlavaAdapter(model)
+    raise FicocoError(f"FiCoCo is not wired into '{model_type}' models yet (supported: llava)")
+
+
+def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int, int] | None = None,
+          keep: int | None = None, tflops: float | None = None, count: CountOptions | None = None,
+          first_layer: int | None = None, shape: str = "uniform", **hyperparameters: Any) -> Handle:
+    """Patch `model` with FiCoCo-V (`variant="v"`) or FiCoCo-L (`"l"`) and return the handle.
+
+    The schedule comes from the accountant: an explicit `schedule` (a Schedule, `"12:40,..."`
+    or {layer: removed}), `keep` visual tokens, or a `tflops` budget under `count`'s convention
+    and scope. Hyperparameters default to the paper's (see `Hyperparameters`).
+    """
+    if variant not in ("v", "l"):
+        raise FicocoError(f"variant must be 'v' or 'l', got '{variant}'")
+    if "_ficoco_handle" in model.__dict__:
+        raise FicocoError("this model is already patched; call handle.remove() first")
+    try:
+        params = Hyperparameters(**hyperparameters)
+    except TypeError as exc:
+        raise FicocoError(f"unknown hyperparameter: {exc}") from None
+    profile = profile_of(model, getattr(model, "_ficoco_profile_name", None))
+    arch = architecture(profile)
+    opts = count or CountOptions()
+    if isinstance(schedule, Schedule):
+        sched = schedule
+        if sched.variant != variant:
+            raise FicocoError(f"the schedule is for variant '{sched.variant}', not '{variant}'")
+    elif isinstance(schedule, dict):
+        sched = make_schedule(arch, variant, schedule)
+    else:
+        sched = resolve_schedule(arch, variant, opts, keep=keep, tflops=tflops, schedule=schedule,
+                                 shape=shape, first_layer=first_layer)
+    adapter = _adapter(model)
+    handle = Handle(model=model, variant=variant, schedule=sched, hyperparameters=params)
+    removed = sched.removed_at()
+    # The wrappers go in even for an empty schedule, so that "nothing removed" runs through
+    # the patched path and can be checked against the unpatched model.
+    if variant == "v":
+        handle.keep_per_image = plan_tokens(arch, sched).llm_visual_tokens
+        adapter.patch_vision(handle, handle._patches, removed)
+    else:
+        start = min(removed) if removed else (arch.first_layer_l if first_layer is None else first_layer)
+        adapter.patch_language(handle, handle._patches, removed, start)
+    adapter.patch_entry(handle, handle._patches, variant, handle.keep_per_image)
+    model.__dict__["_ficoco_handle"] = handle
+    return handle

@@ -1,0 +1,250 @@
+"""FiCoCo inside Hugging Face's LLaVA-1.5 (`LlavaForConditionalGeneration`): a CLIP tower and a
+LLaMA decoder. This file alone knows those classes; the method lives in ficoco.reduction.
+
+Nothing of transformers' model source is copied: reducing layers are re-composed from the
+layer's own submodules (norms, attention, MLP) so the reduction can sit between the
+attention residual and the MLP, and every other layer runs its own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from ficoco.errors import FicocoError
+from ficoco.models.attention import install_probe, remove_probe
+from ficoco.models.patching import LanguageState, Patches, gather_rows
+from ficoco.reduction import reduce_l, reduce_v
+
+if TYPE_CHECKING:
+    from ficoco.api import Handle
+
+
+def _timed(handle: Handle, device: torch.device, fn: Callable[[], Any]) -> Any:
+    """Run one reduction and add its time to the handle (synchronised on CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    handle.reduction_seconds += time.perf_counter() - start
+    return result
+
+
+class LlavaAdapter:
+    """Where the method goes in a LLaVA-1.5 model, and the image-span bookkeeping."""
+
+    def __init__(self, model: nn.Module) -> None:
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "vision_tower") or not hasattr(inner, "language_model"):
+            raise FicocoError(f"{type(model).__name__} is not a LLaVA model (no vision_tower/language_model)")
+        self.model = model
+        tower = inner.vision_tower
+        # transformers 5 flattens CLIPVisionModel; older layouts nest it under vision_model.
+        tower = getattr(tower, "vision_model", tower)
+        self.vision_layers = tower.encoder.layers
+        self.decoder_layers = inner.language_model.layers
+        config = model.config
+        self.image_token_id = getattr(config, "image_token_id", None)
+        if self.image_token_id is None:
+            self.image_token_id = config.image_token_index
+        vision = config.vision_config
+        side = vision.image_size // vision.patch_size
+        self.grid_hw = (side, side)
+        self.patches = side * side
+
+    # -- FiCoCo-V ---------------------------------------------------------------------------
+    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
+        """Reduce inside the CLIP layers of `removed`; the LLM gets a shorter image span."""
+        params = handle.hyperparameters
+        for layer_idx, r in sorted(removed.items()):
+            layer = self.vision_layers[layer_idx]
+            slot = install_probe(layer.self_attn, want_keys=params.equivalent_token)
+            patches.on_undo(lambda attn=layer.self_attn: remove_probe(attn))
+
+            def forward(hidden_states: Tensor, attention_mask: Tensor | None = None, *args: Any,
+                        _layer: nn.Module = layer, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
+                        **kwargs: Any) -> Tensor:
+                residual = hidden_states
+                attn_out, _ = _layer.self_attn(hidden_states=_layer.layer_norm1(hidden_states),
+                                               attention_mask=attention_mask, **kwargs)
+                hidden = residual + attn_out
+                attn, keys = _slot.take()
+                state = handle.vision_state
+                if state is None or state.shape[0] != hidden.shape[0] or state.shape[1] != hidden.shape[1] - 1:
+                    # First reducing layer of this forward: every patch at its own grid place.
+                    state = torch.arange(self.patches, device=hidden.device).expand(hidden.shape[0], -1)
+                red = _timed(handle, hidden.device, lambda: reduce_v(
+                    hidden, attn, _r, state, self.grid_hw, has_cls=True, keys=keys, lam=params.lam,
+                    eps=params.eps, window=params.window, coefficient=params.coefficient,
+                    equivalent=params.equivalent_token))
+                handle.vision_state = red.grid_index
+                handle.record("vision", _idx, kept=red.grid_index, discarded=red.discarded_grid)
+                hidden = red.hidden
+                return hidden + _layer.mlp(_layer.layer_norm2(hidden))
+
+            patches.set(layer, "forward", forward)
+
+    def shrink_image_spans(self, input_ids: Tensor, attention_mask: Tensor | None, keep: int
+                           ) -> tuple[Tensor, Tensor | None]:
+        """Keep the first `keep` placeholders of every full image span (576 for LLaVA-1.5)."""
+        is_image = input_ids == self.image_token_id
+        if not bool(is_image.any()):
+            return input_ids, attention_mask
+        counts = is_image.sum(dim=1)
+        if not bool((counts == counts[0]).all()):
+            raise FicocoError("every sample of a batch must hold the same number of images for FiCoCo-V")
+        total = int(counts[0])
+        if total % self.patches:
+            if total % keep == 0:
+                return input_ids, attention_mask  # already shortened (generate's prefill)
+            raise FicocoError(f"image spans of {total} placeholders are not multiples of {self.patches}")
+        # Rank of each placeholder inside its image: position in the run of placeholders.
+        rank = (torch.cumsum(is_image.long(), dim=1) - 1) % self.patches
+        drop = is_image & (rank >= keep)
+        kept = ~drop
+        batch = input_ids.shape[0]
+        new_ids = input_ids[kept].view(batch, -1)
+        new_mask = attention_mask[kept].view(batch, -1) if attention_mask is not None else None
+        return new_ids, new_mask
+
+    # -- FiCoCo-L ---------------------------------------------------------------------------
+    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None) -> LanguageState:
+        """Find the visual span of every sample from its placeholder tokens (never from offsets)."""
+        is_image = input_ids == self.image_token_id
+        counts = is_image.sum(dim=1)
+        if not bool((counts == counts[0]).all()):
+            raise FicocoError("every sample of a batch must hold the same number of image tokens for FiCoCo-L")
+        batch, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
+        start = torch.where(is_image, positions, length).min(dim=1).values
+        num_visual = int(counts[0])
+        end = start + num_visual
+        if not bool((is_image.sum(1) == ((positions >= start[:, None]) & (positions < end[:, None]) & is_image).sum(1)).all()):
+            raise FicocoError("FiCoCo-L needs one contiguous image span per sample")
+        real = attention_mask.bool() if attention_mask is not None else torch.ones_like(is_image)
+        suffix = (positions >= end[:, None]) & real
+        visual = start[:, None] + torch.arange(num_visual, device=input_ids.device)
+        return LanguageState(index=positions.clone(), visual_start=start, visual_positions=visual,
+                             suffix_mask=suffix, prefill_length=length)
+
+    def patch_language(self, handle: Handle, patches: Patches, removed: dict[int, int], first: int) -> None:
+        """Reduce inside the decoder layers of `removed`; layers from `first` on see the shorter
+        sequence through sliced masks and rotary tables."""
+        params = handle.hyperparameters
+        for layer_idx in range(first, len(self.decoder_layers)):
+            layer = self.decoder_layers[layer_idx]
+            r = removed.get(layer_idx, 0)
+            original = layer.forward
+            slot = None
+            if r:
+                slot = install_probe(layer.self_attn, armed=False)
+                patches.on_undo(lambda attn=layer.self_attn: remove_probe(attn))
+
+            def forward(hidden_states: Tensor, attention_mask: Tensor | None = None,
+                        position_ids: Tensor | None = None, past_key_values: Any = None, use_cache: bool = False,
+                        position_embeddings: tuple[Tensor, Tensor] | None = None, *,
+                        _layer: nn.Module = layer, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
+                        _original: Callable[..., Tensor] = original, **kwargs: Any) -> Tensor:
+                state = handle.language_state
+                if state is None:
+                    return _original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                     past_key_values=past_key_values, use_cache=use_cache,
+                                     position_embeddings=position_embeddings, **kwargs)
+                query_len = hidden_states.shape[1]
+                attention_mask = state.slice_mask(attention_mask, _idx, query_len)
+                if not state.decoding:
+                    index = state.index
+                    if position_ids is not None and position_ids.shape[-1] != index.shape[1]:
+                        position_ids = gather_rows(position_ids, index, 1)
+                    if position_embeddings is not None and position_embeddings[0].shape[1] != index.shape[1]:
+                        cos, sin = position_embeddings
+                        position_embeddings = (gather_rows(cos, index, 1), gather_rows(sin, index, 1))
+                    state.cached_positions[_idx] = index
+                if state.decoding or not _r:
+                    return _original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                     past_key_values=past_key_values, use_cache=use_cache,
+                                     position_embeddings=position_embeddings, **kwargs)
+                residual = hidden_states
+                _slot.armed = True
+                try:
+                    attn_out, _ = _layer.self_attn(
+                        hidden_states=_layer.input_layernorm(hidden_states), attention_mask=attention_mask,
+                        position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                        position_embeddings=position_embeddings, **kwargs)
+                finally:
+                    _slot.armed = False
+                hidden = residual + attn_out
+                attn, _ = _slot.take()
+                # The prefix is never reduced, so the span starts where it started.
+                red = _timed(handle, hidden.device, lambda: reduce_l(
+                    hidden, attn, _r, state.visual_start, state.num_visual, state.suffix_mask, beta=params.beta,
+                    gamma=params.gamma, eps=params.eps))
+                kept_original = torch.gather(state.visual_positions, 1, red.kept_visual)
+                discarded_original = torch.gather(state.visual_positions, 1, red.discarded_visual)
+                span_start = state.visual_start[:, None]
+                handle.record("llm", _idx, kept=kept_original - span_start, discarded=discarded_original - span_start)
+                state.keep(red.kept_positions, red.kept_visual)
+                hidden = red.hidden
+                return hidden + _layer.mlp(_layer.post_attention_layernorm(hidden))
+
+            patches.set(layer, "forward", forward)
+
+    # -- the top-level model ----------------------------------------------------------------
+    def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
+        """Wrap forward (and generate) to shorten V's image spans and to start L's state."""
+        model = self.model
+        original_forward = model.forward
+        original_generate = model.generate
+        signature = inspect.signature(original_forward)
+
+        # generate() validates its kwargs against forward's signature: keep the original's.
+        @functools.wraps(original_forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind_partial(*args, **kwargs)
+            call = dict(bound.arguments)
+            call.update(call.pop("kwargs", {}))
+            input_ids = call.get("input_ids")
+            if call.get("pixel_values") is not None:
+                handle.begin_forward()
+            if variant == "v" and input_ids is not None and keep_per_image is not None:
+                call["input_ids"], call["attention_mask"] = self.shrink_image_spans(
+                    input_ids, call.get("attention_mask"), keep_per_image)
+            starts_prefill = input_ids is not None and bool((input_ids == self.image_token_id).any())
+            cache = call.get("past_key_values")
+            if variant == "l":
+                current = handle.language_state
+                if starts_prefill:
+                    handle.language_state = self.language_state(input_ids, call.get("attention_mask"))
+                elif current is None or cache is None or cache is not current.cache:
+                    handle.language_state = None
+                else:
+                    current.decoding = True
+            output = original_forward(**call)
+            state = handle.language_state
+            if variant == "l" and state is not None and not state.decoding:
+                state.cache = getattr(output, "past_key_values", None)
+                state.decoding = True
+            return output
+
+        @functools.wraps(original_generate)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            if variant == "v" and keep_per_image is not None:
+                input_ids = kwargs.get("input_ids", args[0] if args else None)
+                if input_ids is not None:
+                    ids, mask = self.shrink_image_spans(input_ids, kwargs.get("attention_mask"), keep_per_image)
+                    args = args[1:] if args else args
+                    kwargs["input_ids"] = ids
+                    if mask is not None:
+                        kwargs["attention_mask"] = mask
+            return original_generate(*args, **kwargs)
+
+        patches.set(model, "forward", forward)
+        patches.set(model, "generate", generate)
