@@ -63,8 +63,9 @@ def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         own = module._ficoco_original_config._attn_implementation  # type: ignore[union-attr]
         # "eager" is not in the registry: each model file has its own eager function.
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        return ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)(module, query, key, value, attention_mask, dropout=dropout,
-                                            scaling=scaling, is_causal=is_causal, **kwargs)
+        implementation = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
+        return implementation(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                              is_causal=is_causal, **kwargs)
     groups = query.shape[1] // key.shape[1]
     keys = key.repeat_interleave(groups, dim=1) if groups > 1 else key
     values = value.repeat_interleave(groups, dim=1) if groups > 1 else value

@@ -127,7 +127,8 @@ class LlavaAdapter:
         start = torch.where(is_image, positions, length).min(dim=1).values
         num_visual = int(counts[0])
         end = start + num_visual
-        if not bool((is_image.sum(1) == ((positions >= start[:, None]) & (positions < end[:, None]) & is_image).sum(1)).all()):
+        in_span = (positions >= start[:, None]) & (positions < end[:, None])
+        if not bool((in_span & is_image).sum(1).eq(counts).all()):
             raise FicocoError("FiCoCo-L needs one contiguous image span per sample")
         real = attention_mask.bool() if attention_mask is not None else torch.ones_like(is_image)
         suffix = (positions >= end[:, None]) & real
