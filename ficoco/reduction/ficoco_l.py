@@ -62,14 +62,21 @@ def _suffix_rows(suffix_mask: Tensor, visual_start: Tensor, num_visual: int) -> 
 
 
 def _suffix_attention(attn: Tensor, suffix: Tensor, columns: Tensor) -> Tensor:
-    """``(B, T, K)`` attention of every query to ``columns``, zero on non-suffix rows.
+    """``(B, T', K)`` attention of the trailing rows that hold the suffix to ``columns``,
+    zero on non-suffix rows (T' = T minus the rows before the earliest suffix token).
 
     ``torch.where`` rather than a product so that garbage (even NaN) in rows the method
     does not need cannot leak in.
     """
-    picked = torch.gather(attn, 2, columns.unsqueeze(1).expand(-1, attn.shape[1], -1))
+    # Only rows from the earliest suffix start on can be suffix rows: read those alone
+    # (about M of the T rows), which keeps this step small next to the layer.
+    rows = suffix.any(dim=0)
+    first = int(torch.argmax(rows.to(torch.int8))) if bool(rows.any()) else attn.shape[1]
+    tail, tail_suffix = attn[:, first:], suffix[:, first:]
+    batch = torch.arange(attn.shape[0], device=columns.device).unsqueeze(1)
+    picked = tail.transpose(1, 2)[batch, columns].transpose(1, 2)
     picked = picked.to(compute_dtype(attn.dtype))
-    return torch.where(suffix.unsqueeze(2), picked, torch.zeros_like(picked))
+    return torch.where(tail_suffix.unsqueeze(2), picked, torch.zeros_like(picked))
 
 
 def _check_inputs(attn: Tensor, visual_start: Tensor, num_visual: int, suffix_mask: Tensor) -> None:
@@ -236,7 +243,7 @@ def reduce_l(
     reduced = gather_tokens(hidden, kept_positions)
     # Prefix lengths are unchanged, so the kept visual tokens start at visual_start again.
     merged_positions = _visual_positions(visual_start, num_visual - r)
-    reduced = reduced.scatter(1, merged_positions.unsqueeze(2).expand(-1, -1, reduced.shape[2]), merged)
+    reduced[torch.arange(batch, device=device).unsqueeze(1), merged_positions] = merged
     return LReduction(
         hidden=reduced,
         kept_positions=kept_positions,

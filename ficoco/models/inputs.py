@@ -1,0 +1,89 @@
+"""Synthetic inputs laid out like the LLaVA-1.5 chat template, for random-weight runs.
+
+"USER: <image>\\n{question} ASSISTANT:" puts a few text tokens before the image span and
+the question and the assistant prompt after it; the processor expands `<image>` into one
+placeholder per visual token. Token ids are random (seeded) text ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ficoco.errors import FicocoError
+
+# "<s> USER :" before the image, as the LLaVA-1.5 template tokenises it.
+PREFIX_TOKENS = 5
+
+
+def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
+                     dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> dict[str, Tensor]:
+    """input_ids, attention_mask and pixel_values for `batch` prompts of one image each."""
+    config = model.config
+    if config.model_type != "llava":
+        raise FicocoError(f"synthetic inputs are laid out for LLaVA-1.5 only, not '{config.model_type}'")
+    if text_tokens <= PREFIX_TOKENS:
+        raise FicocoError(f"--text-tokens must exceed the {PREFIX_TOKENS} template tokens before the image")
+    vision = config.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2
+    image_token = getattr(config, "image_token_id", None)
+    if image_token is None:
+        image_token = config.image_token_index
+    vocab = config.text_config.vocab_size
+    # Ordinary text ids: below the special tokens the LLaVA vocabulary appends.
+    text_vocab = min(vocab, image_token) - 3
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, 3 + text_vocab, (batch, text_tokens), generator=generator)
+    text[:, 0] = 1  # BOS
+    image = torch.full((batch, patches), image_token, dtype=torch.long)
+    input_ids = torch.cat([text[:, :PREFIX_TOKENS], image, text[:, PREFIX_TOKENS:]], dim=1)
+    pixels = torch.randn(batch, vision.num_channels, vision.image_size, vision.image_size, generator=generator)
+    param = next(model.parameters())
+    device = device or param.device
+    pixel_dtype = dtype or (param.dtype if param.is_floating_point() else torch.float16)
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": torch.ones_like(input_ids).to(device),
+        "pixel_values": pixels.to(device=device, dtype=pixel_dtype),
+    }
+
+
+def real_inputs(model: nn.Module, weights: str, *, image: str | None, prompt: str | None, batch: int = 1,
+                device: torch.device | str | None = None, text_tokens: int = 60, seed: int = 0) -> dict[str, Tensor]:
+    """Inputs from a real image (and, with a checkpoint's processor, a real prompt).
+
+    With a checkpoint the processor that ships with it lays out the LLaVA-1.5 chat template;
+    with random weights the image goes through CLIP's preprocessing at the tower's size and
+    the text ids stay synthetic.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        picture = Image.open(image).convert("RGB") if image else None
+    except (OSError, UnidentifiedImageError) as exc:
+        raise FicocoError(f"--image {image}: cannot read it as an image ({exc})") from None
+    param = next(model.parameters())
+    device = device or param.device
+    pixel_dtype = param.dtype if param.is_floating_point() else torch.float16
+    if weights != "random":
+        from transformers import AutoProcessor
+
+        try:
+            processor = AutoProcessor.from_pretrained(weights, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise FicocoError(f"--weights {weights}: no processor to read --image/--prompt with ({exc})") from None
+        text = f"USER: <image>\n{prompt or 'Describe the image.'} ASSISTANT:"
+        if picture is None:
+            raise FicocoError("--prompt needs --image as well (LLaVA prompts hold one image)")
+        encoded = processor(images=[picture] * batch, text=[text] * batch, return_tensors="pt")
+        return {k: (v.to(device=device, dtype=pixel_dtype) if k == "pixel_values" else v.to(device))
+                for k, v in encoded.items()}
+    from transformers import CLIPImageProcessor
+
+    size = model.config.vision_config.image_size
+    # LLaVA-1.5's preprocessing: shortest side to the tower's size, centre crop, CLIP's mean/std.
+    processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    pixels = processor(images=[picture] * batch, return_tensors="pt")["pixel_values"]
+    inputs = synthetic_inputs(model, batch=batch, text_tokens=text_tokens, seed=seed, device=device)
+    inputs["pixel_values"] = pixels.to(device=device, dtype=pixel_dtype)
+    return inputs
