@@ -173,6 +173,54 @@ def flops_command(
         write_json_atomic(json_path, report)
 
 
+@app.command("profile")
+def profile_command(
+    model: ModelOpt,
+    variant: VariantOpt = "v",
+    keep: KeepOpt = None,
+    tflops: TflopsOpt = None,
+    schedule: ScheduleOpt = None,
+    shape: ShapeOpt = "uniform",
+    first_layer: FirstLayerOpt = None,
+    convention: Annotated[str, typer.Option("--convention", help="Convention of a --tflops budget.")] = "flops",
+    scope: Annotated[str, typer.Option("--scope", help="Scope of a --tflops budget: llm or all.")] = "llm",
+    no_reference: Annotated[bool, typer.Option(
+        "--no-reference", help="Do not add the vanilla reference rows.")] = False,
+    quant: Annotated[str, typer.Option("--quant", help="fp16, int8 (LLM.int8), int4 (NF4), or several.")] = "fp16",
+    kv_bits: Annotated[int | None, typer.Option("--kv-bits", help="Quantize the KV cache to 8 or 4 bits.")] = None,
+    batch: Annotated[str, typer.Option("--batch", help="Batch sizes, e.g. 1,8.")] = "1",
+    text_tokens: Annotated[int, typer.Option("--text-tokens", help="Text tokens per prompt.")] = 60,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="0: prefill only; N: also generate N.")] = 0,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs before measuring.")] = 1,
+    repeat: Annotated[int, typer.Option("--repeat", help="Timed runs per row.")] = 3,
+    device: Annotated[str, typer.Option("--device", help="auto, cuda or cpu.")] = "auto",
+    weights: Annotated[str, typer.Option("--weights", help="random, a local checkpoint folder, or a cached HF id.")
+                       ] = "random",
+    image: Annotated[str | None, typer.Option("--image", help="An image file instead of random pixels.")] = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", help="A question (needs a checkpoint's tokenizer).")] = None,
+    set_values: SetOpt = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights and inputs.")] = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
+    from ficoco.profiling.config import parse_batches
+    from ficoco.profiling.matrix import ProfileConfig, plan_run
+    from ficoco_cli.profile_run import run_and_report
+
+    variants = split_list(variant, "--variant")
+    if not no_reference and "vanilla" not in variants:
+        variants = ["vanilla", *variants]
+    config = ProfileConfig(
+        model=model, variants=tuple(variants), keep=keep, tflops=tflops, schedule=schedule, shape=shape,
+        first_layer=first_layer, convention=convention, scope=scope,
+        quants=tuple(split_list(quant, "--quant")), batches=parse_batches(batch), text_tokens=text_tokens,
+        new_tokens=new_tokens, warmup=warmup, repeat=repeat, device=device, weights=weights, image=image,
+        prompt=prompt, overrides=tuple(set_values or ()), seed=seed, kv_bits=kv_bits,
+    )
+    plan = plan_run(config)
+    run_and_report(config, plan, json_path, out if json_path != "-" else err)
+
+
 def main() -> None:
     """Entry point: user mistakes end in one line and exit code 2, never a traceback."""
     try:

@@ -81,3 +81,53 @@ def per_layer_table(row: dict[str, Any], unit: str) -> Table:
                       "-" if layer["tokens_out"] is None else str(layer["tokens_out"]),
                       str(removed) if removed else "", fmt_tera(layer["tera"]))
     return table
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _ratio(x: float | None, suffix: str = "x") -> str:
+    return "-" if x is None else f"{x:.2f}{suffix}"
+
+
+def profile_table(report: dict[str, Any]) -> Table:
+    env = report["environment"]
+    title = (f"{report['config']['model']} on {env.get('device')} ({env['device_kind']}, {env['threads']} threads): "
+             f"prefill, {report['config']['repeat']} runs after {report['config']['warmup']} warm-up")
+    caption = ("TFLOPs: analytic, flops convention, whole model (scope all), LM head on the last token; "
+               "speedup and memory saving against the vanilla row of the same quant and batch; "
+               "peak memory: " + (report["rows"][0]["memory"].get("method", "") if report["rows"]
+                                  and report["rows"][0].get("memory") else ""))
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    cols = ["variant", "quant", "dtype", "batch", "visual", "status", "median ms", "p90 ms", "img/s", "TFLOPs",
+            "TFLOP/s", "method ms", "method %", "speedup", "FLOPs ratio", "peak mem", "mem saving", "KV measured",
+            "KV analytic"]
+    if any(r.get("analytic", {}).get("roofline_ms") for r in report["rows"]):
+        cols += ["roofline ms", "measured/roofline"]
+    if report["config"]["new_tokens"]:
+        cols += ["e2e img/s", "gen tok/s"]
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("variant", "quant", "dtype", "status") else "right")
+    for r in report["rows"]:
+        a = r["analytic"]
+        dtype = (r.get("backend") or {}).get("compute_dtype", "-")
+        cells = [r["variant"], r["quant"], dtype, str(r["batch"]), str(a["visual_tokens"]), r["status"]]
+        if r["status"] != "ok":
+            cells += [r.get("reason", "")[:60]] + [""] * (len(cols) - len(cells) - 1)
+            table.add_row(*cells)
+            continue
+        lat = r["latency"]
+        cells += [_ms(lat["median_ms"]), _ms(lat["p90_ms"]), f"{r['images_per_s']:.2f}", fmt_tera(a["tflops"]),
+                  f"{r['achieved_tflops_per_s']:.3f}", _ms(r["reduction_ms"]),
+                  f"{r['reduction_share'] * 100:.2f}%", _ratio(r.get("speedup_vs_vanilla")),
+                  _ratio(r.get("flops_ratio_vs_vanilla")), fmt_bytes(r["memory"].get("peak_bytes")),
+                  "-" if r.get("memory_saving_vs_vanilla") is None else f"{r['memory_saving_vs_vanilla'] * 100:.1f}%",
+                  fmt_bytes(r["kv_cache_bytes"]), fmt_bytes(a["kv_cache_bytes"])]
+        if "roofline ms" in cols:
+            cells += [_ms(a.get("roofline_ms")), _ratio(r.get("measured_over_roofline"))]
+        if report["config"]["new_tokens"]:
+            g = r.get("generation") or {}
+            cells += [f"{g.get('images_per_s', 0):.2f}", f"{g.get('generated_tokens_per_s', 0):.1f}"]
+        table.add_row(*cells)
+    return table

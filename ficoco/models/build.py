@@ -83,14 +83,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 def build_model(profile: Profile | str, weights: str = "random", *, dtype: str | torch.dtype | None = None,
                 device: str = "cpu", overrides: list[str] | dict[str, Any] | None = None, seed: int = 0,
-                attn_implementation: str = "sdpa", **load_kwargs: Any) -> nn.Module:
+                attn_implementation: str = "sdpa", quant: str = "fp16", **load_kwargs: Any) -> nn.Module:
     """Build the profile's model.
 
     `weights="random"` builds the exact architecture with a seeded fast fill (real buffers);
     a local folder loads the checkpoint with `from_pretrained` and the hub offline; any other
     string is taken as a Hugging Face id that must already be in the local cache.
-    `trust_remote_code` stays off.
+    `quant` is fp16 (16-bit weights), int8 (LLM.int8) or int4 (NF4 with 16-bit compute), all
+    through bitsandbytes. `trust_remote_code` stays off.
     """
+    from ficoco.models.quantize import QUANTS, bitsandbytes_config, quantize_linears_
+
+    if quant not in QUANTS:
+        raise FicocoError(f"unknown quant '{quant}': choose from {', '.join(QUANTS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForImageTextToText
     from transformers.initialization import no_init_weights
@@ -113,6 +118,10 @@ def build_model(profile: Profile | str, weights: str = "random", *, dtype: str |
         if getattr(model.config, "tie_word_embeddings", False) or getattr(
                 model.config.get_text_config(), "tie_word_embeddings", False):
             model.tie_weights()
+        info = {"backend": "torch", "scheme": str(torch_dtype)}
+        if quant != "fp16":
+            info = quantize_linears_(model, quant, compute_dtype=torch_dtype)
+        model.__dict__["_ficoco_quant"] = {"quant": quant, **info}
         return _remember_profile(model.eval(), profile)
     path = Path(weights).expanduser()
     source = str(path) if path.exists() else weights
@@ -122,11 +131,13 @@ def build_model(profile: Profile | str, weights: str = "random", *, dtype: str |
         model = AutoModelForImageTextToText.from_pretrained(
             source, dtype=torch_dtype, local_files_only=True, trust_remote_code=False,
             attn_implementation=attn_implementation, device_map=device if device != "cpu" else None,
-            **load_kwargs,
+            quantization_config=bitsandbytes_config(quant, torch_dtype), **load_kwargs,
         )
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FicocoError(f"cannot load '{weights}' offline: {first}") from None
+    model.__dict__["_ficoco_quant"] = {"quant": quant, "backend": "transformers + bitsandbytes" if quant != "fp16"
+                                       else "torch", "scheme": quant}
     return _remember_profile(model.eval(), profile)
 
 

@@ -1,0 +1,1 @@
+"""Measurement: trackers (latency, memory, KV cache), the environment, and the run matrix."""

@@ -1,0 +1,321 @@
+"""The run matrix of `ficoco profile`: model x quant x batch x variant, measured row by row.
+
+Every schedule is resolved (and every user mistake reported) before any model is built.
+Each finished row is handed to `on_row` at once, so the caller can rewrite its report
+atomically after every row and an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ficoco.accounting import CountOptions, Schedule, account, architecture, resolve_schedule
+from ficoco.accounting.memory import QUANT_BITS, Quant
+from ficoco.errors import FicocoError
+from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile
+from ficoco.profiling.trackers import LatencyTracker, MemoryTracker, cache_bytes
+
+# NVIDIA device names -> hardware profiles of the roofline.
+_GPU_NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a800", "a800-80gb"),
+              ("a100-sxm4-80gb", "a100-80gb"), ("a100 80gb", "a100-80gb"), ("a100-pcie-80gb", "a100-80gb"),
+              ("a100", "a100-40gb"))
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Everything that defines a profile run (written into the report beside its rows)."""
+
+    model: str
+    variants: tuple[str, ...] = ("vanilla", "v")
+    keep: int | None = None
+    tflops: float | None = None
+    schedule: str | None = None
+    shape: str = "uniform"
+    first_layer: int | None = None
+    convention: str = "flops"
+    scope: str = "llm"
+    equivalent: bool = False
+    quants: tuple[str, ...] = ("fp16",)
+    batches: tuple[int, ...] = (1,)
+    text_tokens: int = 60
+    new_tokens: int = 0
+    warmup: int = 1
+    repeat: int = 3
+    device: str = "auto"
+    weights: str = "random"
+    image: str | None = None
+    prompt: str | None = None
+    overrides: tuple[str, ...] = ()
+    seed: int = 0
+    kv_bits: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RowSpec:
+    """One row to measure."""
+
+    variant: str
+    quant: str
+    batch: int
+    schedule: Schedule
+
+
+@dataclass
+class Plan:
+    """The resolved run: device, profile, architecture and the rows in order."""
+
+    device: torch.device
+    profile: Profile
+    rows: list[RowSpec] = field(default_factory=list)
+    gpu: Hardware | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise FicocoError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu or auto")
+    if name not in ("cpu", "cuda"):
+        raise FicocoError(f"unknown --device '{name}': choose auto, cuda or cpu")
+    return torch.device(name)
+
+
+def known_gpu(device: torch.device) -> Hardware | None:
+    """The hardware profile of the GPU in use, when the roofline knows it."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    for needle, key in _GPU_NAMES:
+        if needle in name and key in list_gpus():
+            return load_gpu(key)
+    return None
+
+
+def plan_run(config: ProfileConfig) -> Plan:
+    """Validate the configuration and resolve every row's schedule (no model is built)."""
+    if config.repeat < 1:
+        raise FicocoError(f"--repeat {config.repeat}: at least one measured run is needed")
+    if config.warmup < 0:
+        raise FicocoError(f"--warmup {config.warmup} must not be negative")
+    if config.new_tokens < 0:
+        raise FicocoError(f"--new-tokens {config.new_tokens} must not be negative")
+    for quant in config.quants:
+        if quant not in QUANT_BITS:
+            raise FicocoError(f"unknown quant '{quant}': choose from {', '.join(QUANT_BITS)}")
+    for batch in config.batches:
+        if batch < 1:
+            raise FicocoError(f"--batch {batch} must be at least 1")
+    if config.image is not None and not Path(config.image).is_file():
+        raise FicocoError(f"--image {config.image}: no such file")
+    if config.prompt is not None and config.weights == "random":
+        raise FicocoError("--prompt needs a tokenizer: give --weights with a local LLaVA checkpoint")
+    if config.kv_bits is not None and config.kv_bits not in (4, 8):
+        raise FicocoError(f"--kv-bits {config.kv_bits}: choose 8 or 4")
+    device = resolve_device(config.device)
+    source = config.weights if config.weights != "random" and Path(config.weights).expanduser().is_dir() else None
+    profile = load_profile(source or config.model, list(config.overrides))
+    if profile.family != "llava":
+        raise FicocoError(f"{source or config.model} is a '{profile.family}' model; ficoco profile runs LLaVA-1.5 "
+                          "models (model_type 'llava')")
+    arch = architecture(profile)
+    opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
+                        text_tokens=config.text_tokens)
+    schedules = {
+        variant: resolve_schedule(arch, variant, opts, keep=config.keep, tflops=config.tflops,
+                                  schedule=config.schedule, shape=config.shape, first_layer=config.first_layer)
+        for variant in config.variants
+    }
+    plan = Plan(device=device, profile=profile, gpu=known_gpu(device))
+    for quant in config.quants:
+        for batch in config.batches:
+            for variant in config.variants:
+                plan.rows.append(RowSpec(variant, quant, batch, schedules[variant]))
+    return plan
+
+
+def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardware | None) -> dict[str, Any]:
+    """What the accountant predicts for the row: whole-model TFLOPs (scope all, the LM head
+    on the last token as a prefill for generation computes it), KV cache, roofline."""
+    arch = architecture(profile)
+    # Weights at the quant's width; activations and the KV cache stay 16-bit (bitsandbytes
+    # computes in 16 bits) unless --kv-bits quantizes the cache.
+    quant = Quant(row.quant, QUANT_BITS[row.quant], 16, config.kv_bits or 16)
+    opts = CountOptions(convention="flops", scope="all", batch=row.batch, text_tokens=config.text_tokens,
+                        lm_head_tokens="last")
+    cost = account(arch, row.schedule, quant, opts, gpu=gpu)
+    return {"tflops": cost.tflops, "tflops_by_stage": cost.tflops_by_stage, "kv_cache_bytes": cost.kv_cache_bytes,
+            "weight_bytes": cost.weight_bytes, "visual_tokens": cost.plan.visual_tokens,
+            "llm_visual_tokens": cost.plan.llm_visual_tokens,
+            "roofline_ms": cost.roofline_s * 1e3 if cost.roofline_s is not None else None,
+            "convention": "flops", "scope": "all", "lm_head_tokens": "last"}
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
+
+
+def _inputs(model: Any, config: ProfileConfig, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
+    from ficoco.models.inputs import real_inputs, synthetic_inputs
+
+    if config.image is not None or config.prompt is not None:
+        return real_inputs(model, config.weights, image=config.image, prompt=config.prompt, batch=batch,
+                           device=device)
+    return synthetic_inputs(model, batch=batch, text_tokens=config.text_tokens, seed=config.seed, device=device)
+
+
+def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.device) -> dict[str, Any]:
+    """Prefill latency, memory, KV cache and (with --new-tokens) generation of one row."""
+    import ficoco
+
+    inputs = _inputs(model, config, row.batch, device)
+    handle = ficoco.apply(model, row.variant, schedule=row.schedule) if row.variant != "vanilla" else None
+    latency_tracker, memory_tracker = LatencyTracker(device), MemoryTracker(device)
+    reduction_ms: list[float] = []
+    last: dict[str, Any] = {}
+    cache_kwargs: dict[str, Any] = {}
+    if config.kv_bits:
+        cache_kwargs = {"cache_implementation": "quantized",
+                        "cache_config": {"backend": "quanto", "nbits": config.kv_bits}}
+
+    def prefill() -> None:
+        if handle is not None:
+            handle.reduction_seconds = 0.0
+        out = model(**inputs, use_cache=True, logits_to_keep=1)
+        last["cache"] = out.past_key_values
+
+    def after_each(_: int) -> None:
+        reduction_ms.append(handle.reduction_seconds * 1e3 if handle is not None else 0.0)
+
+    try:
+        with torch.inference_mode(), memory_tracker.track() as memory:
+            if config.kv_bits:
+                raise FicocoError("--kv-bits: a quantized KV cache needs transformers' quantized cache backend "
+                                  "(optimum-quanto), which is not installed")
+            latency = latency_tracker.measure(prefill, warmup=config.warmup, repeat=config.repeat,
+                                              after_each=after_each)
+            kv_bytes = cache_bytes(last.pop("cache"))
+            generation = None
+            if config.new_tokens:
+                generated: dict[str, int] = {}
+
+                def generate() -> None:
+                    ids = model.generate(**inputs, max_new_tokens=config.new_tokens, min_new_tokens=config.new_tokens,
+                                         do_sample=False, **cache_kwargs)
+                    generated["tokens"] = ids.shape[1] - inputs["input_ids"].shape[1]
+
+                e2e = latency_tracker.measure(generate, warmup=min(config.warmup, 1), repeat=config.repeat)
+                tokens = row.batch * config.new_tokens
+                generation = {"latency": e2e.to_json(), "images_per_s": row.batch / (e2e.median_ms / 1e3),
+                              "generated_tokens_per_s": tokens / (e2e.median_ms / 1e3), "new_tokens": config.new_tokens}
+    finally:
+        if handle is not None:
+            handle.remove()
+    median_reduction = sorted(reduction_ms)[len(reduction_ms) // 2] if reduction_ms else 0.0
+    return {
+        "latency": latency.to_json(),
+        "images_per_s": row.batch / (latency.median_ms / 1e3),
+        "memory": memory.to_json(),
+        "kv_cache_bytes": kv_bytes,
+        "reduction_ms": median_reduction,
+        "reduction_share": median_reduction / latency.median_ms if latency.median_ms else 0.0,
+        "generation": generation,
+    }
+
+
+def build_for(config: ProfileConfig, plan: Plan, quant: str) -> Any:
+    from ficoco.models.build import build_model
+
+    return build_model(plan.profile if config.weights == "random" else config.model, config.weights,
+                       dtype="fp16", device=str(plan.device), seed=config.seed, quant=quant)
+
+
+def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, Any]], None],
+                on_start: Callable[[RowSpec], None] | None = None) -> None:
+    """Measure every row of `plan`; each finished (or failed) row goes to `on_row`."""
+    torch.manual_seed(config.seed)
+    for quant in config.quants:
+        rows = [r for r in plan.rows if r.quant == quant]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = build_for(config, plan, quant)
+        except FicocoError:
+            raise
+        except Exception as exc:  # one quant failing must not lose the others' rows
+            status = "oom" if _is_oom(exc) else "unsupported"
+            for row in rows:
+                on_row(_row_base(plan, config, row, None) | {"status": status,
+                                                             "reason": f"building the model: {_reason(exc)}"})
+            continue
+        info = getattr(model, "_ficoco_quant", {})
+        dtype = str(next(p for p in model.parameters() if p.is_floating_point()).dtype).removeprefix("torch.")
+        for row in rows:
+            if on_start:
+                on_start(row)
+            base = _row_base(plan, config, row, {"compute_dtype": dtype, **info})
+            try:
+                with warnings.catch_warnings():
+                    # bitsandbytes warns on every INT8 matmul that it casts bf16 inputs to fp16.
+                    warnings.simplefilter("ignore")
+                    measured = measure_row(model, row, config, plan.device)
+                on_row(base | {"status": "ok", **measured})
+            except FicocoError as exc:
+                on_row(base | {"status": "unsupported", "reason": str(exc)})
+            except Exception as exc:
+                if plan.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                on_row(base | {"status": "oom" if _is_oom(exc) else "error", "reason": _reason(exc)})
+        del model
+        gc.collect()
+        if plan.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str, Any] | None) -> dict[str, Any]:
+    note = None
+    if plan.device.type == "cpu" and row.quant == "fp16":
+        note = "16-bit on CPU computes in bfloat16 (fp16 matrix work is ~15x slower there)"
+    if plan.device.type == "cpu" and row.quant == "int8":
+        note = "bitsandbytes LLM.int8 on CPU casts activations to float16"
+    return {
+        "model": plan.profile.name, "variant": row.variant, "quant": row.quant, "batch": row.batch,
+        "text_tokens": config.text_tokens, "new_tokens": config.new_tokens, "device_kind": plan.device.type,
+        "schedule": row.schedule.to_json(), "backend": backend, "note": note,
+        "analytic": analytic(plan.profile, row, config, plan.gpu), "threads": torch.get_num_threads(),
+    }
+
+
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """Speedup, memory saving and roofline ratio of every row against its vanilla row (same
+    quant and batch) of the same run."""
+    reference = {(r["quant"], r["batch"]): r for r in rows if r["variant"] == "vanilla" and r.get("status") == "ok"}
+    for row in rows:
+        if row.get("status") != "ok":
+            continue
+        latency = row["latency"]["median_ms"]
+        row["achieved_tflops_per_s"] = row["analytic"]["tflops"] / (latency / 1e3)
+        roofline = row["analytic"].get("roofline_ms")
+        row["measured_over_roofline"] = latency / roofline if roofline else None
+        base = reference.get((row["quant"], row["batch"]))
+        if base is None:
+            row["speedup_vs_vanilla"] = row["memory_saving_vs_vanilla"] = row["flops_ratio_vs_vanilla"] = None
+            continue
+        row["speedup_vs_vanilla"] = base["latency"]["median_ms"] / latency
+        row["flops_ratio_vs_vanilla"] = base["analytic"]["tflops"] / row["analytic"]["tflops"]
+        peak, base_peak = row["memory"].get("peak_bytes"), base["memory"].get("peak_bytes")
+        row["memory_saving_vs_vanilla"] = 1 - peak / base_peak if peak and base_peak else None

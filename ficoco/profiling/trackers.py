@@ -1,0 +1,166 @@
+"""Measurement: one tracker, one job. Trackers time and weigh callables; they know nothing of
+the method (optimum-benchmark's habit)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Wall times of repeated runs after warm-up, in milliseconds."""
+
+    samples_ms: tuple[float, ...]
+    timer: str
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def p90_ms(self) -> float:
+        ordered = sorted(self.samples_ms)
+        # Nearest-rank 90th percentile: honest for the handful of samples a prefill allows.
+        return ordered[max(0, -(-9 * len(ordered) // 10) - 1)]
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.samples_ms)
+
+    @property
+    def stdev_ms(self) -> float:
+        return statistics.stdev(self.samples_ms) if len(self.samples_ms) > 1 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"median_ms": self.median_ms, "p90_ms": self.p90_ms, "min_ms": self.min_ms, "stdev_ms": self.stdev_ms,
+                "samples_ms": list(self.samples_ms), "timer": self.timer}
+
+
+class LatencyTracker:
+    """CUDA events (synchronised) on GPU, `perf_counter` on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def measure(self, fn: Callable[[], Any], *, warmup: int, repeat: int,
+                after_each: Callable[[int], None] | None = None) -> LatencyStats:
+        """Run `fn` warmup + repeat times; `after_each(k)` sees every timed run's index."""
+        for _ in range(warmup):
+            fn()
+        samples = []
+        for k in range(repeat):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(self.device)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize(self.device)
+                samples.append(start.elapsed_time(end))
+            else:
+                begin = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - begin) * 1e3)
+            if after_each:
+                after_each(k)
+        return LatencyStats(tuple(samples), "cuda-events" if self.device.type == "cuda" else "perf_counter")
+
+
+def _proc_status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_cpu_peak() -> bool:
+    """Linux resets the peak resident set (VmHWM) when "5" is written to clear_refs."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class MemoryReading:
+    """Peak memory of one measured block."""
+
+    device: str
+    values: dict[str, int | None] = field(default_factory=dict)
+    method: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"method": self.method, **self.values}
+
+
+class MemoryTracker:
+    """Peak memory of a block: CUDA allocator peaks and NVML's device figure on GPU; the
+    process's peak resident set on CPU, reset before the block so earlier rows do not leak in."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @contextmanager
+    def track(self) -> Iterator[MemoryReading]:
+        reading = MemoryReading(device=self.device.type)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield reading
+            torch.cuda.synchronize(self.device)
+            reading.values = {
+                "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+                "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
+                "nvml_used_bytes": nvml_used_bytes(self.device),
+            }
+            reading.method = "torch.cuda max_memory_allocated/reserved; NVML device used memory after the run"
+            reading.values["peak_bytes"] = reading.values["cuda_max_allocated_bytes"]
+        else:
+            reset = _reset_cpu_peak()
+            yield reading
+            peak = _proc_status_bytes("VmHWM")
+            reading.values = {"peak_rss_bytes": peak, "peak_bytes": peak}
+            reading.method = ("process peak RSS (VmHWM), reset via /proc/self/clear_refs before the row" if reset
+                              else "process peak RSS (VmHWM) since start: could not reset, rows may include earlier peaks")
+
+
+def nvml_used_bytes(device: torch.device) -> int | None:
+    """Device-wide used memory from NVML (nvidia-ml-py), None where NVML is unavailable."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or not permitted: the figure is simply absent
+        return None
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes held by a transformers cache after a prefill: every tensor its layers hold."""
+    total = 0
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return 0
+    for layer in layers:
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
