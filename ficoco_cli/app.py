@@ -51,6 +51,14 @@ def split_list(text: str, option: str) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+def check_schedule_options(variants: list[str], keep: int | None, tflops: float | None, schedule: str | None) -> None:
+    """A schedule option with no reducing variant would be silently ignored: say so instead."""
+    given = [name for name, value in (("--keep", keep), ("--tflops", tflops), ("--schedule", schedule))
+             if value is not None]
+    if given and not {"v", "l"} & set(variants):
+        raise FicocoError(f"{given[0]} applies to the v and l variants; add --variant v or --variant l")
+
+
 def parse_image_size(text: str | None) -> tuple[int, int] | None:
     """`WxH` -> (H, W)."""
     if text is None:
@@ -134,6 +142,7 @@ def flops_command(
     from ficoco_cli.render import flops_table, per_layer_table
 
     variants = split_list(variant, "--variant")
+    check_schedule_options(variants, keep, tflops, schedule)
     profile = load_profile(model, set_values or [])
     arch = acc.architecture(profile, image_size=parse_image_size(image_size), frames=frames)
     opts = acc.CountOptions(convention=convention, scope=scope, equivalent=equivalent, batch=batch,
@@ -208,6 +217,7 @@ def profile_command(
     from ficoco_cli.profile_run import run_and_report
 
     variants = split_list(variant, "--variant")
+    check_schedule_options(variants, keep, tflops, schedule)
     if not no_reference and "vanilla" not in variants:
         variants = ["vanilla", *variants]
     config = ProfileConfig(
@@ -221,23 +231,42 @@ def profile_command(
     run_and_report(config, plan, json_path, out if json_path != "-" else err)
 
 
+def _click_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """Usage errors and other click exceptions, from click and from the copy typer vendors
+    (typer >= 0.2x raises its own classes, which are not click's subclasses)."""
+    modules = [click.exceptions]
+    try:
+        from typer._click import exceptions as vendored
+
+        modules.append(vendored)
+    except ImportError:
+        pass
+    usage = tuple(m.UsageError for m in modules)
+    other = tuple(m.ClickException for m in modules)
+    return usage, other
+
+
 def main() -> None:
     """Entry point: user mistakes end in one line and exit code 2, never a traceback."""
+    usage_errors, click_errors = _click_errors()
     try:
         app(standalone_mode=False)
     except FicocoError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
-    except click.UsageError as exc:
-        hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
-        err.print(f"error: {exc.format_message()}{hint}", markup=False, highlight=False, soft_wrap=True)
+    except usage_errors as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `ficoco`: the help is the answer
+            print(exc.format_message())  # type: ignore[attr-defined]
+            sys.exit(0)
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        message = exc.format_message().replace("\n", " ")  # type: ignore[attr-defined]
+        err.print(f"error: {message}{hint}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
-    except click.ClickException as exc:
-        err.print(f"error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        err.print("aborted", markup=False)
-        sys.exit(130)
-    except KeyboardInterrupt:
+    except click_errors as exc:
+        message = exc.format_message().replace("\n", " ")  # type: ignore[attr-defined]
+        err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(getattr(exc, "exit_code", 1))
+    except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt):
         err.print("interrupted", markup=False)
         sys.exit(130)

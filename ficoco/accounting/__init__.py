@@ -101,6 +101,8 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
         return schedule_for_budget(
             arch, variant, tflops, lambda s: compute_tera(arch, s, opts), label=label, shape=shape,
             first=first_layer, equivalent=opts.equivalent,
+            # V in scope llm: the LLM sees the final count in every layer already.
+            equivalent_helps=variant == "l" or opts.scope == "all",
         )
     raise FicocoError(f"variant '{variant}' needs a schedule: give --keep, --tflops or --schedule")
 

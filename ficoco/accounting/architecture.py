@@ -132,7 +132,11 @@ class Architecture:
 
 def _get(cfg: dict[str, Any], key: str, defaults: dict[str, Any]) -> Any:
     value = cfg.get(key)
-    return defaults[key] if value is None else value
+    value = defaults[key] if value is None else value
+    if isinstance(defaults[key], int) and not isinstance(defaults[key], bool):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise FicocoError(f"config value {key}={value!r} must be a positive whole number")
+    return value
 
 
 def _feature_layer(value: Any, layers: int) -> int:
@@ -163,7 +167,9 @@ def _clip_tower(vcfg: dict[str, Any], defaults: dict[str, Any], feature_layer: A
 def _llama_decoder(tcfg: dict[str, Any], defaults: dict[str, Any], *, qkv_bias: bool | None = None) -> Decoder:
     hidden = _get(tcfg, "hidden_size", defaults)
     heads = _get(tcfg, "num_attention_heads", defaults)
-    kv_heads = tcfg.get("num_key_value_heads") or heads
+    kv_heads = _get(tcfg, "num_key_value_heads", {"num_key_value_heads": heads})
+    if heads % kv_heads:
+        raise FicocoError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     return Decoder(
         layers=_get(tcfg, "num_hidden_layers", defaults), hidden=hidden, heads=heads, kv_heads=kv_heads,
         head_dim=tcfg.get("head_dim") or hidden // heads, ffn=_get(tcfg, "intermediate_size", defaults),
@@ -232,7 +238,9 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         clip_defaults = _CLIP_DEFAULTS if family == "video_llava" else _LLAVA_CLIP_DEFAULTS
         feature = cfg.get("vision_feature_layer", -2)
         if family == "video_llava":
-            items = frames or defaults.get("frames", 8)
+            items = defaults.get("frames", 8) if frames is None else frames
+            if items < 1:
+                raise FicocoError(f"--frames {items} must be at least 1")
             vision = _clip_tower(vcfg, clip_defaults, feature, image_px=None, items=items, towers=2)
             cls_in_llm = True
             visual = items * (vision.patches + 1)

@@ -249,7 +249,7 @@ class BudgetError(FicocoError):
 
 def schedule_for_budget(arch: Architecture, variant: str, budget: float, cost: Callable[[Schedule], float], *,
                         label: str, shape: str = "uniform", first: int | None = None,
-                        equivalent: bool = False) -> Schedule:
+                        equivalent: bool = False, equivalent_helps: bool = True) -> Schedule:
     """The schedule keeping the most visual tokens whose `cost` fits `budget`.
 
     `cost` maps a schedule to the budget's unit (e.g. TFLOPs in the active convention and
@@ -270,7 +270,7 @@ def schedule_for_budget(arch: Architecture, variant: str, budget: float, cost: C
     cheapest = cost(schedule_keeping(low))
     if cheapest > budget:
         raise BudgetError(_budget_miss(arch, variant, budget, cheapest, cost, label=label, shape=shape,
-                                       first=first, equivalent=equivalent))
+                                       first=first, suggest_equivalent=equivalent_helps and not equivalent))
     # Largest kept count within budget: cost is monotone in the kept count.
     lo, hi = low, units
     while lo < hi:
@@ -284,7 +284,7 @@ def schedule_for_budget(arch: Architecture, variant: str, budget: float, cost: C
 
 def _budget_miss(arch: Architecture, variant: str, budget: float, cheapest: float,
                  cost: Callable[[Schedule], float], *, label: str, shape: str, first: int | None,
-                 equivalent: bool) -> str:
+                 suggest_equivalent: bool) -> str:
     """One line: what the cheapest schedule costs and which change would reach lower."""
     start = first_layer(arch, variant) if first is None else first
     units, low = total_units(arch, variant), min_kept_units(arch, variant)
@@ -299,7 +299,7 @@ def _budget_miss(arch: Architecture, variant: str, budget: float, cheapest: floa
                                  f"--first-layer {best[1]}" if best[1] != start else "") if f)
     verdict = "fits" if best in fitting else "the lowest reachable"
     hint = f"; {flags} reaches {reach[best]:.3g} ({verdict})" if flags else ""
-    if not equivalent:
+    if suggest_equivalent:
         hint += "; --equivalent counts every layer at the final token count, as papers do"
     return (f"no {name} schedule on {arch.name} fits {budget:g} {label}: the cheapest {shape} schedule "
             f"from layer {start}, keeping {low} visual token(s), costs {cheapest:.3g}{hint}")

@@ -1,0 +1,313 @@
+"""The `ficoco` command: help, version, models, the flops report, and one-line errors.
+
+Exit codes and streams are checked on real subprocesses; the report's content is checked
+in-process (faster) through the same Typer app.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ficoco
+from ficoco.accounting import CountOptions, compute_tera
+from ficoco.accounting.schedule import uniform_schedule
+from ficoco_cli.app import app
+
+SCRIPT = Path(sys.executable).parent / "ficoco"
+COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
+PROFILES = [
+    "llava-1.5-13b", "llava-1.5-7b", "llava-gqa-tiny", "llava-next-7b", "llava-next-tiny", "llava-tiny",
+    "qwen2-vl-7b", "qwen2-vl-tiny", "video-llava-7b", "video-llava-tiny",
+]
+STAGES = ["vision", "projector", "llm", "lm_head"]
+SCOPE_STAGES = {"llm": ["llm", "lm_head"], "all": STAGES}
+
+
+def ficoco_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def run_flops(tmp_path: Path, *args: str) -> dict:
+    """Run `ficoco flops ARGS --json FILE` in-process and read the report."""
+    path = tmp_path / "report.json"
+    app(["flops", *args, "--json", str(path)], standalone_mode=False)
+    return json.loads(path.read_text())
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error:")
+    assert len(lines[0]) > len("error: ")
+    return lines[0]
+
+
+# ---- help, version, models ---------------------------------------------------------------------------------
+
+def test_help_lists_models_and_flops_with_descriptions():
+    result = ficoco_cli("--help")
+    assert result.returncode == 0
+    commands = {line.split()[0]: line.split(None, 1)[1:] for line in result.stdout.splitlines()
+                if line.strip() and line.split()[0] in ("models", "flops")}
+    assert set(commands) == {"models", "flops"}
+    assert all(description and description[0].strip() for description in commands.values())
+
+
+def test_flops_help_names_the_options():
+    result = ficoco_cli("flops", "--help")
+    assert result.returncode == 0
+    for option in ("--model", "--variant", "--keep", "--tflops", "--schedule", "--convention", "--scope",
+                   "--equivalent", "--quant", "--gpu", "--json"):
+        assert option in result.stdout
+
+
+def test_version():
+    result = ficoco_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"ficoco {ficoco.__version__}"
+
+
+def test_models_lists_all_ten_profiles():
+    result = ficoco_cli("models")
+    assert result.returncode == 0, result.stderr
+    for name in PROFILES:
+        assert name in result.stdout
+
+
+def test_flops_default_run_exits_zero_and_prints_the_vanilla_total():
+    result = ficoco_cli("flops", "--model", "llava-1.5-7b")
+    assert result.returncode == 0, result.stderr
+    assert "llava-1.5-7b" in result.stdout
+    assert "8.617" in result.stdout  # vanilla, flops convention, scope llm
+    assert result.stderr == ""
+
+
+# ---- JSON report --------------------------------------------------------------------------------------------
+
+def test_json_path_writes_the_flops_report(tmp_path):
+    path = tmp_path / "flops.json"
+    result = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--keep", "64",
+                        "--quant", "fp16,int8", "--gpu", "a100-80gb", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(path.read_text())
+    assert report["schema"] == "ficoco.flops/1"
+    assert report["model"] == "llava-1.5-7b"
+    assert (report["convention"], report["scope"], report["equivalent"]) == ("flops", "llm", False)
+    assert (report["text_tokens"], report["batch"]) == (60, 1)
+    rows = report["rows"]
+    assert [(r["variant"], r["quant"]) for r in rows] == [
+        (v, q) for v in ("vanilla", "v", "l") for q in ("fp16", "int8")]
+    for row in rows:
+        for field in ("visual_tokens", "tflops", "tflops_by_stage", "kv_cache_bytes", "weight_bytes",
+                      "memory_access_bytes", "schedule", "roofline_ms"):
+            assert field in row, field
+        assert set(row["tflops_by_stage"]) == set(STAGES)
+        assert row["tflops"] == pytest.approx(sum(row["tflops_by_stage"][s] for s in ("llm", "lm_head")), rel=1e-12)
+        assert row["roofline_ms"] > 0
+        assert all(set(entry) == {"stage", "layer", "remove"} for entry in row["schedule"])
+    vanilla, v, l_ = rows[0], rows[2], rows[4]
+    assert vanilla["visual_tokens"] == 576 and vanilla["schedule"] == []
+    assert vanilla["kv_cache_bytes"] == 333_447_168
+    assert rows[1]["kv_cache_bytes"] == 333_447_168 / 2  # int8 cache
+    assert v["visual_tokens"] == l_["visual_tokens"] == 64
+    assert sum(e["remove"] for e in v["schedule"]) == sum(e["remove"] for e in l_["schedule"]) == 512
+    assert {e["stage"] for e in v["schedule"]} == {"vision"} and {e["stage"] for e in l_["schedule"]} == {"llm"}
+    assert [e["layer"] for e in v["schedule"]] == list(range(12, 23))
+    assert v["tflops"] < l_["tflops"] < vanilla["tflops"]
+    assert vanilla["reduction_vs_vanilla"] is None
+    assert v["reduction_vs_vanilla"] == pytest.approx(1 - v["tflops"] / vanilla["tflops"], rel=1e-12)
+
+
+def test_lm_head_last_counts_one_token_per_sample(tmp_path):
+    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--lm-head", "last", "--batch", "2")
+    assert report["lm_head_tokens"] == "last"
+    assert report["rows"][0]["tflops_by_stage"]["lm_head"] == pytest.approx(2 * 2 * 4096 * 32064 / 1e12, rel=1e-12)
+
+
+def test_json_dash_writes_parseable_json_to_stdout_and_tables_to_stderr():
+    result = ficoco_cli("flops", "--model", "llava-tiny", "--variant", "vanilla,l", "--keep", "16", "--per-layer",
+                        "--json", "-")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["schema"] == "ficoco.flops/1"
+    assert [r["visual_tokens"] for r in report["rows"]] == [64, 16]
+    assert "llava-tiny" in result.stderr  # the table went to stderr
+
+
+@pytest.mark.parametrize("convention,scope", [("flops", "llm"), ("flops", "all"), ("macs", "all"),
+                                              ("llm-viewer", "llm"), ("paper", "llm"), ("paper", "all")])
+@pytest.mark.parametrize("equivalent", [False, True])
+def test_total_is_the_sum_of_the_scopes_stages(tmp_path, convention, scope, equivalent):
+    args = ["--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--keep", "64", "--convention", convention,
+            "--scope", scope, "--per-layer"]
+    report = run_flops(tmp_path, *args, *(["--equivalent"] if equivalent else []))
+    assert report["scope_stages"] == SCOPE_STAGES[scope]
+    assert (report["convention"], report["scope"], report["equivalent"]) == (convention, scope, equivalent)
+    for row in report["rows"]:
+        in_scope = sum(row["tflops_by_stage"][s] for s in SCOPE_STAGES[scope])
+        assert row["tflops"] == pytest.approx(in_scope, rel=1e-12)
+        layers = sum(layer["tera"] for layer in row["per_layer"] if layer["stage"] in SCOPE_STAGES[scope])
+        assert row["tflops"] == pytest.approx(layers, rel=1e-12)
+        if scope == "llm" and convention != "llm-viewer":
+            assert row["tflops_by_stage"]["vision"] > 0  # computed, shown, but outside the total
+            assert row["tflops"] < sum(row["tflops_by_stage"].values())
+
+
+def test_budget_run_reports_a_fitting_schedule(tmp_path):
+    for args in (["--variant", "v"], ["--variant", "v,l", "--equivalent"]):
+        report = run_flops(tmp_path, "--model", "llava-1.5-7b", *args, "--tflops", "3.3")
+        assert report["budget_tflops"] == 3.3
+        assert all(row["tflops"] <= 3.3 for row in report["rows"])
+        assert all(0 < row["visual_tokens"] < 576 for row in report["rows"])
+
+
+def test_impossible_layer_exact_budget_fits_when_equivalent(tmp_path):
+    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", "--equivalent")
+    (row,) = report["rows"]
+    assert row["tflops"] <= 1.5
+    assert report["equivalent"] is True
+
+
+def test_set_override_reaches_the_report(tmp_path):
+    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--set", "text_config.num_hidden_layers=4")
+    assert report["overrides"] == {"text_config.num_hidden_layers": 4}
+    full = run_flops(tmp_path, "--model", "llava-1.5-7b")
+    assert report["rows"][0]["tflops_by_stage"]["llm"] == pytest.approx(
+        full["rows"][0]["tflops_by_stage"]["llm"] * 4 / 32, rel=1e-12)
+
+
+# ---- no torch on the accounting path ------------------------------------------------------------------------
+
+NO_TORCH = """
+import sys
+import ficoco, ficoco.accounting, ficoco_cli.app
+from ficoco_cli.app import main
+for argv in (["ficoco", "models"],
+             ["ficoco", "flops", "--model", "llava-tiny", "--variant", "vanilla,v,l", "--keep", "16",
+              "--quant", "fp16,int8,int4", "--gpu", "a100-80gb", "--per-layer", "--convention", "paper"],
+             ["ficoco", "flops", "--model", "llava-1.5-7b", "--variant", "v", "--tflops", "3.3"]):
+    sys.argv = argv
+    try:
+        main()
+    except SystemExit as exc:
+        assert not exc.code, exc.code
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
+print("HEAVY:", heavy)
+assert not heavy
+"""
+
+
+def test_accounting_path_imports_no_torch():
+    result = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "HEAVY: []" in result.stdout
+
+
+# ---- bad input: exit code 2, one line -----------------------------------------------------------------------
+
+M7 = ["flops", "--model", "llava-1.5-7b"]
+BAD_INPUT = {
+    "unknown model": (["flops", "--model", "nosuch"], "unknown model 'nosuch'"),
+    "bad schedule syntax": ([*M7, "--variant", "v", "--schedule", "12-40"], "'12-40' is not LAYER:REMOVED"),
+    "v layer outside range": ([*M7, "--variant", "v", "--schedule", "30:10"], "layer 30 is outside"),
+    "l layer outside range": ([*M7, "--variant", "l", "--schedule", "40:10"], "layer 40 is outside"),
+    "removes more than exist": ([*M7, "--variant", "v", "--schedule", "12:600"], "more visual tokens than exist"),
+    "negative budget": ([*M7, "--variant", "v", "--tflops", "-1"], "must be positive"),
+    "zero budget": ([*M7, "--variant", "l", "--tflops", "0"], "must be positive"),
+    "unknown gpu": ([*M7, "--gpu", "b200"], "unknown GPU 'b200'"),
+    "unknown quant": ([*M7, "--quant", "fp16,fp8"], "unknown quant 'fp8'"),
+    "unknown convention": ([*M7, "--convention", "bogus"], "unknown convention 'bogus'"),
+    "unknown scope": ([*M7, "--scope", "vision"], "unknown scope 'vision'"),
+    "unknown variant": ([*M7, "--variant", "vanilla,x"], "unknown variant 'x'"),
+    "llm-viewer with scope all": ([*M7, "--convention", "llm-viewer", "--scope", "all"], "llm-viewer"),
+    "keep above range v": ([*M7, "--variant", "v", "--keep", "577"], "--keep 577"),
+    "keep zero v": ([*M7, "--variant", "v", "--keep", "0"], "--keep 0"),
+    "keep above range l": ([*M7, "--variant", "l", "--keep", "600"], "--keep 600"),
+    "keep negative l": ([*M7, "--variant", "l", "--keep", "-3"], "--keep -3"),
+    "set without equals": ([*M7, "--set", "text_config.num_hidden_layers"], "--set 'text_config.num_hidden_layers'"),
+    "several schedule sources": ([*M7, "--variant", "l", "--keep", "64", "--tflops", "3"], "give one of"),
+    "batch zero": ([*M7, "--batch", "0"], "--batch 0"),
+    "text tokens zero": ([*M7, "--text-tokens", "0"], "--text-tokens 0"),
+    "unknown kv bits": ([*M7, "--kv-bits", "3"], "--kv-bits 3"),
+    "unknown lm-head mode": ([*M7, "--lm-head", "middle"], "'middle'"),
+    "unknown shape": ([*M7, "--variant", "v", "--keep", "64", "--shape", "zigzag"], "'zigzag'"),
+    "first layer outside range": ([*M7, "--variant", "l", "--keep", "64", "--first-layer", "40"], "40 is outside"),
+    "bad image size": ([*M7, "--image-size", "672"], "--image-size '672'"),
+    "anyres unpadding with v": (["flops", "--model", "llava-next-7b", "--variant", "v", "--keep", "100",
+                                 "--image-size", "800x600"], "unpadding"),
+    "json folder missing": ([*M7, "--json", "/nonexistent-ficoco-dir/report.json"], "does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_ends_with_exit_2_and_one_error_line(case):
+    args, expected = BAD_INPUT[case]
+    line = assert_one_error_line(ficoco_cli(*args))
+    assert expected in line
+
+
+def test_impossible_budget_names_the_cheapest_reachable_cost(arch_of):
+    line = assert_one_error_line(ficoco_cli(*M7, "--variant", "l", "--tflops", "1.5"))
+    arch = arch_of("llava-1.5-7b")
+    cheapest = compute_tera(arch, uniform_schedule(arch, "l", 575), CountOptions())
+    assert cheapest > 1.5
+    assert "1.5" in line and f"costs {cheapest:.3g}" in line
+    assert "--equivalent" in line  # and what would reach lower
+
+
+def test_impossible_budget_hint_flags_do_fit(tmp_path):
+    line = assert_one_error_line(ficoco_cli(*M7, "--variant", "l", "--tflops", "1.5"))
+    match = re.search(r"; ((?:--[a-z-]+ \S+ ?)+) reaches \S+ \(fits\)", line)
+    assert match, line
+    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", *match[1].split())
+    assert report["rows"][0]["tflops"] <= 1.5
+
+
+# Click/Typer usage errors: typer 0.29 raises its vendored `typer._click` exceptions, which
+# `main()` does not catch (it catches the separate `click` package's UsageError).
+USAGE_ERRORS = {
+    "unknown option": [*M7, "--bogus"],
+    "not an integer": [*M7, "--keep", "abc"],
+    "missing --model": ["flops"],
+    "unknown command": ["bogus"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
+def test_usage_error_ends_with_exit_2_and_one_error_line(case):
+    assert_one_error_line(ficoco_cli(*USAGE_ERRORS[case]))
+
+
+# A schedule option given with only the vanilla variant would be ignored: it is refused instead.
+IGNORED_FOR_VANILLA = {
+    "bad schedule syntax": ([*M7, "--schedule", "12-40"], "applies to the v and l variants"),
+    "negative budget": ([*M7, "--tflops", "-1"], "applies to the v and l variants"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IGNORED_FOR_VANILLA))
+def test_bad_values_are_refused_for_the_default_vanilla_variant(case):
+    args, expected = IGNORED_FOR_VANILLA[case]
+    assert expected in assert_one_error_line(ficoco_cli(*args))
+
+
+# Shapes and frames are checked before they reach the cost model.
+UNCHECKED_SHAPES = {
+    "zero frames": ["flops", "--model", "video-llava-tiny", "--frames", "0"],  # silently the profile's 4 frames
+    "negative frames": ["flops", "--model", "video-llava-tiny", "--frames", "-1"],  # negative TFLOPs, exit 0
+    "non-integer layer count": [*M7, "--set", "text_config.num_hidden_layers=abc"],  # TypeError traceback
+    "zero attention heads": [*M7, "--set", "text_config.num_attention_heads=0"],  # ZeroDivisionError traceback
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNCHECKED_SHAPES))
+def test_invalid_shapes_and_frames_end_with_exit_2_and_one_error_line(case):
+    assert_one_error_line(ficoco_cli(*UNCHECKED_SHAPES[case]))

@@ -1,0 +1,166 @@
+"""Profiles: shapes and parameter counts agree with Hugging Face; loading, overrides, hardware."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import pytest
+
+from ficoco.accounting import architecture, make_quant, parameter_counts
+from ficoco.accounting.memory import weight_bytes
+from ficoco.errors import FicocoError
+from ficoco.profiles import PROFILES_DIR, list_gpus, list_profiles, load_gpu, load_profile, parse_overrides
+
+PROFILES = [
+    "llava-1.5-13b", "llava-1.5-7b", "llava-gqa-tiny", "llava-next-7b", "llava-next-tiny", "llava-tiny",
+    "qwen2-vl-7b", "qwen2-vl-tiny", "video-llava-7b", "video-llava-tiny",
+]
+
+
+def raw_profile(name):
+    with open(PROFILES_DIR / f"{name}.json") as f:
+        return json.load(f)
+
+
+@functools.cache
+def hf_model_facts(name):
+    """Build the profile's model on the meta device from its config: (parameters, config)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    data = raw_profile(name)
+    data.pop("ficoco")
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    return sum(p.numel() for p in model.parameters()), model.config
+
+
+def test_the_ten_profiles_are_listed():
+    assert list_profiles() == PROFILES
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_parameter_counts_from_shapes_equal_hugging_face(name):
+    hf_params, _ = hf_model_facts(name)
+    arch = architecture(load_profile(name))
+    assert parameter_counts(arch).total == hf_params
+    assert weight_bytes(arch, "all", make_quant("fp16")) == 2 * hf_params
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_decoder_shapes_equal_hugging_face_config(name):
+    _, config = hf_model_facts(name)
+    text = config.get_text_config()
+    d = architecture(load_profile(name)).decoder
+    assert d.layers == text.num_hidden_layers
+    assert d.hidden == text.hidden_size
+    assert d.heads == text.num_attention_heads
+    assert d.kv_heads == (text.num_key_value_heads or text.num_attention_heads)
+    assert d.ffn == text.intermediate_size
+    assert d.vocab == text.vocab_size
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_visual_tokens_per_image_equals_architecture(name):
+    assert raw_profile(name)["ficoco"]["visual_tokens_per_image"] == architecture(load_profile(name)).visual_tokens
+
+
+@pytest.mark.parametrize("name,field", [
+    ("llava-1.5-7b", "image_seq_length"), ("llava-1.5-13b", "image_seq_length"), ("llava-tiny", "image_seq_length"),
+    ("llava-gqa-tiny", "image_seq_length"), ("video-llava-7b", "video_seq_length"),
+    ("video-llava-tiny", "video_seq_length"),
+])
+def test_visual_tokens_equal_the_configs_own_sequence_length(name, field):
+    assert architecture(load_profile(name)).visual_tokens == raw_profile(name)[field]
+
+
+def test_visual_token_layouts_by_hand():
+    # LLaVA-NeXT 672x672: base 24x24 + 2x2 crops unpadded to 48x48 + 48 row newlines
+    assert architecture(load_profile("llava-next-7b")).visual_tokens == 576 + 48 * 48 + 48
+    # Qwen2-VL 672x672: 48x48 patches of 14, merged 2x2
+    assert architecture(load_profile("qwen2-vl-7b")).visual_tokens == (672 // 14) ** 2 // 4
+    # Video-LLaVA: 8 frames of 16x16 patches, each with its [CLS]
+    assert architecture(load_profile("video-llava-7b")).visual_tokens == 8 * (16 * 16 + 1)
+
+
+def test_load_profile_from_config_path_and_checkout_folder(tmp_path):
+    data = raw_profile("llava-tiny")
+    data.pop("ficoco")
+    folder = tmp_path / "my-llava"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(data))
+    by_folder = load_profile(str(folder))
+    by_path = load_profile(str(folder / "config.json"))
+    assert by_folder.name == by_path.name == "my-llava"
+    assert by_folder.family == "llava" and by_folder.defaults["text_tokens"] == 60  # family defaults
+    assert "ficoco" not in by_folder.hf_config_dict()
+    shipped = architecture(load_profile("llava-tiny"))
+    assert architecture(by_folder).decoder == shipped.decoder
+    assert architecture(by_folder).visual_tokens == shipped.visual_tokens
+
+
+def test_overrides_change_the_config_and_defaults():
+    profile = load_profile("llava-1.5-7b", ["text_config.num_hidden_layers=4", "ficoco.text_tokens=5"])
+    arch = architecture(profile)
+    assert arch.decoder.layers == 4
+    assert arch.text_tokens == 5
+    assert profile.overrides == {"text_config.num_hidden_layers": 4, "ficoco.text_tokens": 5}
+    assert architecture(load_profile("llava-1.5-7b")).decoder.layers == 32  # the shipped profile is untouched
+    assert parse_overrides(["a.b=[1, 2]", "c=plain text", "d=true"]) == {"a.b": [1, 2], "c": "plain text", "d": True}
+
+
+@pytest.mark.parametrize("item", ["foo", "=3", " =x"])
+def test_override_without_key_value_is_refused(item):
+    with pytest.raises(FicocoError, match="KEY=VALUE"):
+        parse_overrides([item])
+
+
+def test_load_profile_errors(tmp_path):
+    with pytest.raises(FicocoError, match="unknown model 'nosuch'"):
+        load_profile("nosuch")
+    bad_json = tmp_path / "config.json"
+    bad_json.write_text("{not json")
+    with pytest.raises(FicocoError, match="not valid JSON"):
+        load_profile(str(bad_json))
+    other = tmp_path / "bert.json"
+    other.write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(FicocoError, match="not a supported family"):
+        load_profile(str(other))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FicocoError, match="without a config.json"):
+        load_profile(str(empty))
+
+
+def test_profiles_are_not_shared_between_loads():
+    first = load_profile("llava-tiny")
+    snapshot = copy.deepcopy(first.config)
+    first.config["text_config"]["hidden_size"] = 1
+    assert load_profile("llava-tiny").config == snapshot
+
+
+# ACCOUNTING.md's roofline table (bandwidth B/s, FP16 op/s, INT8 op/s); H200 from NVIDIA's datasheet.
+HARDWARE = {
+    "a100-40gb": (1555e9, 312e12, 624e12),
+    "a100-80gb": (2039e9, 312e12, 624e12),
+    "a800-80gb": (2039e9, 312e12, 624e12),
+    "h100-sxm": (3072e9, 989.5e12, 1979e12),
+    "h100-pcie": (2048e9, 756.5e12, 1513e12),
+    "h200": (4.8e12, 989.5e12, 1979e12),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HARDWARE))
+def test_hardware_profiles_match_the_accounting_table(name):
+    gpu = load_gpu(name)
+    assert (gpu.bandwidth_bytes_per_s, gpu.fp16_ops_per_s, gpu.int8_ops_per_s) == HARDWARE[name]
+
+
+def test_gpu_names_are_normalised_and_unknown_ones_refused():
+    assert sorted(list_gpus()) == sorted(HARDWARE)
+    assert load_gpu("A100_80GB") == load_gpu("a100-80gb")
+    with pytest.raises(FicocoError, match="unknown GPU 'b200'"):
+        load_gpu("b200")
