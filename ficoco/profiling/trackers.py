@@ -133,8 +133,8 @@ class MemoryTracker:
             yield reading
             peak = _proc_status_bytes("VmHWM")
             reading.values = {"peak_rss_bytes": peak, "peak_bytes": peak}
-            reading.method = ("process peak RSS (VmHWM), reset via /proc/self/clear_refs before the row" if reset
-                              else "process peak RSS (VmHWM) since start: could not reset, rows may include earlier peaks")
+            reading.method = ("process peak RSS (VmHWM), reset via /proc/self/clear_refs before the row" if reset else
+                              "process peak RSS (VmHWM) since start: could not reset, rows may include earlier peaks")
 
 
 def nvml_used_bytes(device: torch.device) -> int | None:
