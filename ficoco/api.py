@@ -78,7 +78,8 @@ class Handle:
         """Restore the model exactly as it was before `apply`."""
         self._patches.undo()
         self.language_state = self.vision_state = None
-        self.model.__dict__.pop("_ficoco_handle", None)
+        if self.model.__dict__.get("_ficoco_handle") is self:
+            del self.model.__dict__["_ficoco_handle"]
 
     def __enter__(self) -> Handle:
         return self
@@ -89,6 +90,9 @@ class Handle:
 
 def profile_of(model: nn.Module, name: str | None = None) -> Profile:
     """A profile for a built model, from its own config (so accounting matches what runs)."""
+    if not hasattr(model, "config") or not hasattr(model.config, "to_dict"):
+        raise FicocoError(f"{type(model).__name__} is not a Hugging Face model (no config); build one with "
+                          "ficoco.build_model or transformers")
     config = model.config.to_dict()
     model_type = config.get("model_type")
     if model_type not in FAMILY_DEFAULTS:

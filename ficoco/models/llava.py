@@ -237,6 +237,10 @@ class LlavaAdapter:
 
         @functools.wraps(original_generate)
         def generate(*args: Any, **kwargs: Any) -> Any:
+            # transformers encodes the images before its first forward call, so a new
+            # generation starts here, not in forward.
+            if kwargs.get("pixel_values") is not None:
+                handle.begin_forward()
             if variant == "v" and keep_per_image is not None:
                 input_ids = kwargs.get("input_ids", args[0] if args else None)
                 if input_ids is not None:
