@@ -12,6 +12,17 @@ from typing import Any
 from ficoco.errors import FicocoError
 
 
+def check_output_path(path: str | None, option: str) -> None:
+    """Refuse an output path whose folder does not exist before any work is done."""
+    if path is None or path == "-":
+        return
+    folder = Path(path).expanduser().parent
+    if not folder.is_dir():
+        raise FicocoError(f"{option} {path}: folder {folder} does not exist; create it or choose another path")
+    if Path(path).is_dir():
+        raise FicocoError(f"{option} {path} is a folder; give a file path")
+
+
 def write_json_atomic(path: str, data: dict[str, Any]) -> None:
     """Write `data` to `path` (`-` for stdout) through a temporary file and a rename."""
     text = json.dumps(data, indent=2) + "\n"

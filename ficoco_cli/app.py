@@ -15,6 +15,7 @@ from rich.console import Console
 
 import ficoco
 from ficoco.errors import FicocoError
+from ficoco.report import check_output_path
 
 app = typer.Typer(
     help="FiCoCo visual-token reduction for multimodal LLMs: analytic costs, patched models, measurements.",
@@ -26,8 +27,8 @@ app = typer.Typer(
 # Tables go to stderr when a report goes to stdout (--json -), so stdout stays valid JSON.
 # Piped output (CI logs, files) gets a wide fixed width instead of rich's 80 columns, so
 # tables are not truncated.
-out = Console(width=None if sys.stdout.isatty() else 180)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 180)
+out = Console(width=None if sys.stdout.isatty() else 220)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 220)
 
 
 def _version(value: bool) -> None:
@@ -133,6 +134,11 @@ def flops_command(
     per_layer: Annotated[bool, typer.Option("--per-layer", help="Add per-layer token counts and costs.")] = False,
     set_values: SetOpt = None,
     json_path: JsonOpt = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Run the prefill (random weights, CPU) under fvcore and torch's counter and check "
+                         "every stage against the analytic count; exit 1 if one differs beyond --tolerance.")] = False,
+    tolerance: Annotated[float | None, typer.Option(
+        "--tolerance", help="--verify: largest analytic vs fvcore difference per stage, in percent (0.5).")] = None,
 ) -> None:
     """Analytic cost: TFLOPs by stage, KV cache, weights, memory access, roofline time."""
     from ficoco import accounting as acc
@@ -143,7 +149,15 @@ def flops_command(
 
     variants = split_list(variant, "--variant")
     check_schedule_options(variants, keep, tflops, schedule)
+    if tolerance is not None and not verify:
+        raise FicocoError("--tolerance applies to --verify; add --verify")
     profile = load_profile(model, set_values or [])
+    if verify:
+        from ficoco.verify import check_supported
+        from ficoco_cli.verify_cmd import check_verify_options
+
+        check_supported(profile)
+        check_verify_options(quant=quant, kv_bits=kv_bits, gpu=gpu)
     arch = acc.architecture(profile, image_size=parse_image_size(image_size), frames=frames)
     opts = acc.CountOptions(convention=convention, scope=scope, equivalent=equivalent, batch=batch,
                             text_tokens=text_tokens, lm_head_tokens=lm_head)
@@ -154,6 +168,17 @@ def flops_command(
                              first_layer=first_layer)
         for v in variants
     ]
+    if verify:
+        from ficoco_cli.verify_cmd import verify_command
+
+        request = {"variants": variants, "keep": keep, "tflops": tflops, "schedule": schedule, "shape": shape,
+                   "first_layer": first_layer, "convention": convention, "scope": scope, "equivalent": equivalent}
+        code = verify_command(profile, schedules, text_tokens=text_tokens, batch=batch, lm_head=lm_head,
+                              tolerance=tolerance, per_layer=per_layer, json_path=json_path,
+                              console=err if json_path == "-" else out, request=request)
+        if code:
+            sys.exit(code)  # the verdict, after the tables (typer.Exit would not reach main's exit code)
+        return
     vanilla = acc.account(arch, acc.Schedule("vanilla"), quants[0], opts)
     rows: list[dict[str, Any]] = []
     for sched in schedules:
@@ -218,6 +243,7 @@ def profile_command(
 
     variants = split_list(variant, "--variant")
     check_schedule_options(variants, keep, tflops, schedule)
+    check_output_path(json_path, "--json")
     if not no_reference and "vanilla" not in variants:
         variants = ["vanilla", *variants]
     config = ProfileConfig(
@@ -250,7 +276,7 @@ def main() -> None:
     """Entry point: user mistakes end in one line and exit code 2, never a traceback."""
     usage_errors, click_errors = _click_errors()
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)
     except FicocoError as exc:
         err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
@@ -270,3 +296,8 @@ def main() -> None:
     except (click.exceptions.Abort, typer.Abort, KeyboardInterrupt):
         err.print("interrupted", markup=False)
         sys.exit(130)
+    # Without standalone mode typer turns Ctrl-C into a returned 130 instead of raising.
+    if rc == 130:
+        err.print("interrupted", markup=False)
+    if isinstance(rc, int) and rc:
+        sys.exit(rc)

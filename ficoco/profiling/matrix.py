@@ -80,6 +80,29 @@ class Plan:
     gpu: Hardware | None = None
 
 
+def check_image(path: str) -> None:
+    """A readable image file, checked before any model is built."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not Path(path).is_file():
+        raise FicocoError(f"--image {path}: no such file")
+    try:
+        with Image.open(path) as picture:
+            picture.verify()
+    except (OSError, UnidentifiedImageError, SyntaxError) as exc:
+        raise FicocoError(f"--image {path}: not a readable image ({exc})") from None
+
+
+def kv_cache_backend() -> str | None:
+    """transformers' quantized KV cache needs optimum-quanto; None when it is not installed."""
+    import importlib.util
+
+    try:
+        return "quanto" if importlib.util.find_spec("optimum.quanto") is not None else None
+    except ModuleNotFoundError:
+        return None
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,8 +138,8 @@ def plan_run(config: ProfileConfig) -> Plan:
     for batch in config.batches:
         if batch < 1:
             raise FicocoError(f"--batch {batch} must be at least 1")
-    if config.image is not None and not Path(config.image).is_file():
-        raise FicocoError(f"--image {config.image}: no such file")
+    if config.image is not None:
+        check_image(config.image)
     if config.prompt is not None and config.weights == "random":
         raise FicocoError("--prompt needs a tokenizer: give --weights with a local LLaVA checkpoint")
     if config.kv_bits is not None and config.kv_bits not in (4, 8):
@@ -153,7 +176,7 @@ def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardwar
     opts = CountOptions(convention="flops", scope="all", batch=row.batch, text_tokens=config.text_tokens,
                         lm_head_tokens="last")
     cost = account(arch, row.schedule, quant, opts, gpu=gpu)
-    return {"tflops": cost.tflops, "tflops_by_stage": cost.tflops_by_stage, "kv_cache_bytes": cost.kv_cache_bytes,
+    return {"tflops": cost.tflops, "tflops_by_stage": cost.tflops_by_stage, "kv_cache_bytes": round(cost.kv_cache_bytes),
             "weight_bytes": cost.weight_bytes, "visual_tokens": cost.plan.visual_tokens,
             "llm_visual_tokens": cost.plan.llm_visual_tokens,
             "roofline_ms": cost.roofline_s * 1e3 if cost.roofline_s is not None else None,
@@ -184,13 +207,23 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.d
     last: dict[str, Any] = {}
     cache_kwargs: dict[str, Any] = {}
     if config.kv_bits:
+        backend = kv_cache_backend()
+        if backend is None:
+            raise FicocoError("--kv-bits: transformers' quantized KV cache needs optimum-quanto, which is not "
+                              "installed (pip install optimum-quanto)")
         cache_kwargs = {"cache_implementation": "quantized",
-                        "cache_config": {"backend": "quanto", "nbits": config.kv_bits}}
+                        "cache_config": {"backend": backend, "nbits": config.kv_bits}}
 
     def prefill() -> None:
         if handle is not None:
             handle.reduction_seconds = 0.0
-        out = model(**inputs, use_cache=True, logits_to_keep=1)
+        extra = {}
+        if config.kv_bits:
+            from transformers import QuantizedCache
+
+            extra["past_key_values"] = QuantizedCache(backend=cache_kwargs["cache_config"]["backend"],
+                                                      config=model.config.get_text_config(), nbits=config.kv_bits)
+        out = model(**inputs, use_cache=True, logits_to_keep=1, **extra)
         last["cache"] = out.past_key_values
 
     def after_each(_: int) -> None:
@@ -198,9 +231,6 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.d
 
     try:
         with torch.inference_mode(), memory_tracker.track() as memory:
-            if config.kv_bits:
-                raise FicocoError("--kv-bits: a quantized KV cache needs transformers' quantized cache backend "
-                                  "(optimum-quanto), which is not installed")
             latency = latency_tracker.measure(prefill, warmup=config.warmup, repeat=config.repeat,
                                               after_each=after_each)
             kv_bytes = cache_bytes(last.pop("cache"))
@@ -209,14 +239,17 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.d
                 generated: dict[str, int] = {}
 
                 def generate() -> None:
-                    ids = model.generate(**inputs, max_new_tokens=config.new_tokens, min_new_tokens=config.new_tokens,
-                                         do_sample=False, **cache_kwargs)
-                    generated["tokens"] = ids.shape[1] - inputs["input_ids"].shape[1]
+                    out = model.generate(**inputs, max_new_tokens=config.new_tokens, min_new_tokens=config.new_tokens,
+                                         do_sample=False, return_dict_in_generate=True, output_scores=True,
+                                         **cache_kwargs)
+                    # One score tensor per decoding step: the prompt length does not matter (FiCoCo-V
+                    # returns the prompt with its image span shortened).
+                    generated["tokens"] = len(out.scores)
 
                 e2e = latency_tracker.measure(generate, warmup=min(config.warmup, 1), repeat=config.repeat)
-                tokens = row.batch * config.new_tokens
+                tokens = row.batch * generated["tokens"]
                 generation = {"latency": e2e.to_json(), "images_per_s": row.batch / (e2e.median_ms / 1e3),
-                              "generated_tokens_per_s": tokens / (e2e.median_ms / 1e3), "new_tokens": config.new_tokens}
+                              "generated_tokens_per_s": tokens / (e2e.median_ms / 1e3), "new_tokens": generated["tokens"]}
     finally:
         if handle is not None:
             handle.remove()

@@ -158,7 +158,10 @@ def local_penalty(
     # Row-major order inside a window is flat-grid order, and argmax returns the first
     # maximum, so ties go to the lowest grid index.
     winner_in_cell = cells.argmax(dim=2, keepdim=True)
-    is_winner_cells = torch.zeros_like(cells, dtype=torch.bool).scatter(2, winner_in_cell, True)
+    # A tensor source, not the scalar True: torch.jit's tracer (fvcore counts by tracing) has no
+    # schema for scatter with a bool scalar and fails an internal assert.
+    is_winner_cells = torch.zeros_like(cells, dtype=torch.bool).scatter(
+        2, winner_in_cell, torch.ones_like(winner_in_cell, dtype=torch.bool))
     is_winner_grid = (
         is_winner_cells.reshape(batch, windows_h, windows_w, window, window).permute(0, 1, 3, 2, 4).reshape(batch, -1)
     )

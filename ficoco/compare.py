@@ -1,0 +1,240 @@
+"""Compare two `ficoco profile` reports and give a verdict per metric.
+
+Rows are matched by a configuration fingerprint. Deterministic metrics (visual tokens,
+analytic TFLOPs, KV and weight bytes) must not move by more than 0.1%. Timed metrics are
+judged on in-run ratios that cancel the machine's speed (a variant's speedup over the vanilla
+row of the same run), with a tolerance and, when both reports carry raw samples, a
+one-sided Mann-Whitney test so that noise is not called a regression. Absolute latencies
+and throughputs are shown, and judged only on request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ficoco.errors import FicocoError
+
+REPORT_SCHEMA = "ficoco.report/1"
+DETERMINISTIC_TOLERANCE = 0.001  # 0.1%
+SIGNIFICANCE = 0.05
+
+LOWER, HIGHER = "lower", "higher"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric of a report row: how to read it, which way is better, how to judge it."""
+
+    name: str
+    path: tuple[str, ...]
+    better: str
+    kind: str  # "deterministic", "ratio" (in-run, timed), "absolute" (judged only with --absolute)
+    unit: str = ""
+
+
+METRICS = (
+    Metric("visual_tokens", ("analytic", "visual_tokens"), HIGHER, "deterministic"),
+    Metric("analytic_tflops", ("analytic", "tflops"), LOWER, "deterministic", "TFLOPs"),
+    Metric("kv_cache_bytes", ("kv_cache_bytes",), LOWER, "deterministic", "B"),
+    Metric("weight_bytes", ("analytic", "weight_bytes"), LOWER, "deterministic", "B"),
+    Metric("speedup_vs_vanilla", ("speedup_vs_vanilla",), HIGHER, "ratio", "x"),
+    Metric("memory_saving_vs_vanilla", ("memory_saving_vs_vanilla",), HIGHER, "ratio"),
+    Metric("latency_median_ms", ("latency", "median_ms"), LOWER, "absolute", "ms"),
+    Metric("images_per_s", ("images_per_s",), HIGHER, "absolute", "img/s"),
+    Metric("peak_memory_bytes", ("memory", "peak_bytes"), LOWER, "absolute", "B"),
+)
+
+FINGERPRINT_KEYS = ("model", "variant", "schedule", "quant", "dtype", "batch", "text_tokens", "new_tokens",
+                    "device_kind")
+ENVIRONMENT_KEYS = ("device", "cpu", "threads", "python", "torch", "transformers", "bitsandbytes", "driver")
+
+
+def read_report(path: str | Path) -> dict[str, Any]:
+    """A `ficoco.report/1` file, validated enough to compare or render it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise FicocoError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FicocoError(
+            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}): truncated or not a report") from None
+    if not isinstance(data, dict) or "schema" not in data:
+        raise FicocoError(f"{path} is not a ficoco report (no schema field)")
+    if data["schema"] != REPORT_SCHEMA:
+        raise FicocoError(f"{path} has schema '{data['schema']}'; this ficoco reads '{REPORT_SCHEMA}'")
+    if not isinstance(data.get("rows"), list) or not all(isinstance(r, dict) for r in data["rows"]):
+        raise FicocoError(f"{path} has no list of rows")
+    return data
+
+
+def fingerprint(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two rows the same measurement."""
+    values = dict(row)
+    values["dtype"] = (row.get("backend") or {}).get("compute_dtype")
+    values["schedule"] = json.dumps(row.get("schedule"), sort_keys=True)
+    return tuple(values.get(k) for k in FINGERPRINT_KEYS)
+
+
+def describe(key: tuple[Any, ...]) -> str:
+    values = dict(zip(FINGERPRINT_KEYS, key, strict=True))
+    removed = sum(e.get("remove", 0) for e in json.loads(values["schedule"] or "[]"))
+    return (f"{values['model']} {values['variant']} {values['quant']} batch {values['batch']}"
+            + (f" (removes {removed})" if removed else ""))
+
+
+def _get(row: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    node: Any = row
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
+
+
+def mann_whitney_less(new: list[float], base: list[float]) -> float:
+    """One-sided p-value that `new` tends to be smaller than `base` (normal approximation
+    with tie correction; exact enough for the handful-of-runs samples reports carry)."""
+    n1, n2 = len(new), len(base)
+    if n1 == 0 or n2 == 0:
+        return 1.0
+    pooled = sorted((v, i) for i, v in enumerate(new + base))
+    ranks = [0.0] * (n1 + n2)
+    k = 0
+    tie_term = 0.0
+    while k < len(pooled):
+        j = k
+        while j + 1 < len(pooled) and pooled[j + 1][0] == pooled[k][0]:
+            j += 1
+        rank = (k + j) / 2 + 1
+        for m in range(k, j + 1):
+            ranks[pooled[m][1]] = rank
+        t = j - k + 1
+        tie_term += t**3 - t
+        k = j + 1
+    u_new = sum(ranks[:n1]) - n1 * (n1 + 1) / 2
+    mean = n1 * n2 / 2
+    n = n1 + n2
+    variance = n1 * n2 / 12 * ((n + 1) - tie_term / (n * (n - 1)))
+    if variance <= 0:
+        return 1.0 if u_new >= mean else 0.0
+    z = (u_new - mean + 0.5) / math.sqrt(variance)  # continuity correction
+    return 0.5 * math.erfc(-z / math.sqrt(2))
+
+
+def _speedup_samples(row: dict[str, Any], reference: dict[str, Any] | None) -> list[float]:
+    """Per-run speedups: every vanilla sample over every sample of the row (same run)."""
+    if reference is None:
+        return []
+    own = row.get("latency", {}).get("samples_ms") or []
+    base = reference.get("latency", {}).get("samples_ms") or []
+    return [b / o for b in base for o in own if o > 0]
+
+
+@dataclass
+class Verdict:
+    row: str
+    metric: str
+    kind: str
+    base: float | None
+    new: float | None
+    change: float | None  # relative, new vs base
+    verdict: str  # ok, regression, improvement, noise, not judged, missing
+    detail: str = ""
+
+
+@dataclass
+class Comparison:
+    verdicts: list[Verdict] = field(default_factory=list)
+    only_base: list[str] = field(default_factory=list)
+    only_new: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def regressions(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.verdict == "regression"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": "ficoco.compare/1", "regressions": len(self.regressions), "warnings": self.warnings,
+                "only_in_base": self.only_base, "only_in_new": self.only_new,
+                "verdicts": [vars(v) for v in self.verdicts]}
+
+
+def _vanilla_of(rows: dict[tuple[Any, ...], dict[str, Any]], key: tuple[Any, ...]) -> dict[str, Any] | None:
+    values = dict(zip(FINGERPRINT_KEYS, key, strict=True))
+    values["variant"], values["schedule"] = "vanilla", json.dumps([], sort_keys=True)
+    return rows.get(tuple(values[k] for k in FINGERPRINT_KEYS))
+
+
+def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float = 10.0,
+            absolute: bool = False) -> Comparison:
+    """Judge every metric of every row the two reports share."""
+    if tolerance_pct < 0:
+        raise FicocoError(f"--tolerance {tolerance_pct} must not be negative")
+    result = Comparison()
+    base_env, new_env = base.get("environment", {}), new.get("environment", {})
+    differs = [f"{k}: {base_env.get(k)} -> {new_env.get(k)}" for k in ENVIRONMENT_KEYS
+               if base_env.get(k) != new_env.get(k)]
+    if differs:
+        result.warnings.append("the reports come from different environments (" + "; ".join(differs) + ")")
+    base_rows = {fingerprint(r): r for r in base["rows"] if r.get("status") == "ok"}
+    new_rows = {fingerprint(r): r for r in new["rows"] if r.get("status") == "ok"}
+    common = [k for k in base_rows if k in new_rows]
+    result.only_base = [describe(k) for k in base_rows if k not in new_rows]
+    result.only_new = [describe(k) for k in new_rows if k not in base_rows]
+    if not common:
+        raise FicocoError("the two reports have no measured row in common (model, variant, schedule, quant, dtype, "
+                          "batch, text and new tokens, device kind must all match)")
+    tolerance = tolerance_pct / 100
+    for key in common:
+        b_row, n_row = base_rows[key], new_rows[key]
+        name = describe(key)
+        for metric in METRICS:
+            b, n = _get(b_row, metric.path), _get(n_row, metric.path)
+            if b is None or n is None:
+                if b is not None or n is not None:
+                    result.verdicts.append(Verdict(name, metric.name, metric.kind, b, n, None, "missing",
+                                                   "present in one report only"))
+                continue
+            change = (n - b) / abs(b) if b else (0.0 if n == b else math.inf)
+            worse = (n < b) if metric.better == HIGHER else (n > b)
+            if metric.kind == "deterministic":
+                moved = abs(change) > DETERMINISTIC_TOLERANCE
+                verdict = "ok" if not moved else ("regression" if worse else "improvement")
+                detail = "deterministic: any change beyond 0.1% counts"
+            elif metric.kind == "ratio" or absolute:
+                verdict, detail = _judge_timed(metric, b_row, n_row, base_rows, new_rows, key, change, worse,
+                                               tolerance)
+            else:
+                verdict, detail = "not judged", "absolute figure: judged only with --absolute"
+            result.verdicts.append(Verdict(name, metric.name, metric.kind, b, n, change, verdict, detail))
+    return result
+
+
+def _judge_timed(metric: Metric, b_row: dict[str, Any], n_row: dict[str, Any], base_rows: dict, new_rows: dict,
+                 key: tuple[Any, ...], change: float, worse: bool, tolerance: float) -> tuple[str, str]:
+    if abs(change) <= tolerance:
+        return "ok", f"within {tolerance * 100:g}%"
+    if not worse:
+        return "improvement", f"beyond {tolerance * 100:g}%, better"
+    if metric.name == "speedup_vs_vanilla":
+        new_samples = _speedup_samples(n_row, _vanilla_of(new_rows, key))
+        base_samples = _speedup_samples(b_row, _vanilla_of(base_rows, key))
+    elif metric.name == "latency_median_ms":
+        # Larger latency is worse: test that base tends to be smaller than new.
+        new_samples = [-x for x in n_row.get("latency", {}).get("samples_ms", [])]
+        base_samples = [-x for x in b_row.get("latency", {}).get("samples_ms", [])]
+    else:
+        new_samples = base_samples = []
+    if len(new_samples) >= 2 and len(base_samples) >= 2:
+        p = mann_whitney_less(new_samples, base_samples)
+        if p >= SIGNIFICANCE:
+            return "noise", f"beyond {tolerance * 100:g}% but not significant (Mann-Whitney p={p:.3f})"
+        return "regression", f"beyond {tolerance * 100:g}% and significant (Mann-Whitney p={p:.3f})"
+    return "regression", f"beyond {tolerance * 100:g}% (no raw samples to test significance)"
