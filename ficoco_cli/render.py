@@ -119,7 +119,8 @@ def profile_table(report: dict[str, Any]) -> Table:
             continue
         lat = r["latency"]
         cells += [_ms(lat["median_ms"]), _ms(lat["p90_ms"]), f"{r['images_per_s']:.2f}", fmt_tera(a["tflops"]),
-                  f"{r['achieved_tflops_per_s']:.3f}", f"{r['reduction_share'] * 100:.2f}%", _ratio(r.get("speedup_vs_vanilla")),
+                  f"{r['achieved_tflops_per_s']:.3f}", f"{r['reduction_share'] * 100:.2f}%",
+                  _ratio(r.get("speedup_vs_vanilla")),
                   _ratio(r.get("flops_ratio_vs_vanilla")), fmt_bytes(r["memory"].get("peak_bytes")),
                   "-" if r.get("memory_saving_vs_vanilla") is None else f"{r['memory_saving_vs_vanilla'] * 100:.1f}%",
                   fmt_bytes(r["kv_cache_bytes"]), fmt_bytes(a["kv_cache_bytes"])]

@@ -176,7 +176,8 @@ def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardwar
     opts = CountOptions(convention="flops", scope="all", batch=row.batch, text_tokens=config.text_tokens,
                         lm_head_tokens="last")
     cost = account(arch, row.schedule, quant, opts, gpu=gpu)
-    return {"tflops": cost.tflops, "tflops_by_stage": cost.tflops_by_stage, "kv_cache_bytes": round(cost.kv_cache_bytes),
+    return {"tflops": cost.tflops, "tflops_by_stage": cost.tflops_by_stage,
+            "kv_cache_bytes": round(cost.kv_cache_bytes),
             "weight_bytes": cost.weight_bytes, "visual_tokens": cost.plan.visual_tokens,
             "llm_visual_tokens": cost.plan.llm_visual_tokens,
             "roofline_ms": cost.roofline_s * 1e3 if cost.roofline_s is not None else None,
@@ -249,7 +250,8 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.d
                 e2e = latency_tracker.measure(generate, warmup=min(config.warmup, 1), repeat=config.repeat)
                 tokens = row.batch * generated["tokens"]
                 generation = {"latency": e2e.to_json(), "images_per_s": row.batch / (e2e.median_ms / 1e3),
-                              "generated_tokens_per_s": tokens / (e2e.median_ms / 1e3), "new_tokens": generated["tokens"]}
+                              "generated_tokens_per_s": tokens / (e2e.median_ms / 1e3),
+                              "new_tokens": generated["tokens"]}
     finally:
         if handle is not None:
             handle.remove()
