@@ -202,7 +202,12 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
                     result.verdicts.append(Verdict(name, metric.name, metric.kind, b, n, None, "missing",
                                                    "present in one report only"))
                 continue
-            change = (n - b) / abs(b) if b else (0.0 if n == b else math.inf)
+            if metric.kind == "ratio" and b_row.get("variant") == "vanilla":
+                continue  # the reference row's ratios to itself are 1 and 0 by construction
+            if metric.name == "memory_saving_vs_vanilla":
+                change = n - b  # a share: judged in points, a relative change of a near-0 share is noise
+            else:
+                change = (n - b) / abs(b) if b else (0.0 if n == b else math.inf)
             worse = (n < b) if metric.better == HIGHER else (n > b)
             if metric.kind == "deterministic":
                 moved = abs(change) > DETERMINISTIC_TOLERANCE

@@ -24,8 +24,12 @@ def check_output_path(path: str | None, option: str) -> None:
 
 
 def write_json_atomic(path: str, data: dict[str, Any]) -> None:
-    """Write `data` to `path` (`-` for stdout) through a temporary file and a rename."""
-    text = json.dumps(data, indent=2) + "\n"
+    """Write `data` as JSON to `path` (`-` for stdout) through a temporary file and a rename."""
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` (`-` for stdout) through a temporary file and a rename."""
     if path == "-":
         sys.stdout.write(text)
         return

@@ -257,6 +257,68 @@ def profile_command(
     run_and_report(config, plan, json_path, out if json_path != "-" else err)
 
 
+@app.command("compare")
+def compare_command(
+    base: Annotated[str, typer.Argument(help="The reference report (ficoco.report/1).")],
+    new: Annotated[str, typer.Argument(help="The report to judge.")],
+    tolerance: Annotated[float, typer.Option(
+        "--tolerance", help="Percent a timed ratio may move before it is judged.")] = 10.0,
+    absolute: Annotated[bool, typer.Option(
+        "--absolute", help="Also judge absolute latency, throughput and memory.")] = False,
+    fmt: Annotated[str, typer.Option("--format", help="table, markdown or json.")] = "table",
+    output: Annotated[str | None, typer.Option("--output", help="Write the comparison to this file.")] = None,
+) -> None:
+    """Compare two profile reports: exit 1 on a regression, 0 otherwise."""
+    from ficoco.compare import compare, read_report
+    from ficoco.report import write_text_atomic
+    from ficoco_cli.report_cmd import FORMATS, comparison_json, comparison_markdown, comparison_table
+
+    if fmt not in FORMATS:
+        raise FicocoError(f"unknown --format '{fmt}': choose from {', '.join(FORMATS)}")
+    check_output_path(output, "--output")
+    result = compare(read_report(base), read_report(new), tolerance_pct=tolerance, absolute=absolute)
+    for warning in result.warnings:
+        err.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+    for side, rows in (("base", result.only_base), ("new", result.only_new)):
+        if rows:
+            err.print(f"only in {side}: {', '.join(rows)}", markup=False, highlight=False, soft_wrap=True)
+    if fmt == "table":
+        if output:
+            with open(output, "w") as f:
+                Console(file=f, width=220).print(comparison_table(result))
+        else:
+            out.print(comparison_table(result))
+    else:
+        text = comparison_markdown(result) if fmt == "markdown" else comparison_json(result)
+        if output:
+            write_text_atomic(output, text)
+        else:
+            sys.stdout.write(text)
+    if result.regressions:
+        names = sorted({f"{v.metric} ({v.row})" for v in result.regressions})
+        err.print(f"regression: {'; '.join(names)}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+@app.command("report")
+def report_command(
+    path: Annotated[str, typer.Argument(help="A saved profile report (ficoco.report/1).")],
+    fmt: Annotated[str, typer.Option("--format", help="table, markdown or csv.")] = "table",
+) -> None:
+    """Render a saved profile report as a table, markdown or CSV."""
+    from ficoco.compare import read_report
+    from ficoco_cli.render import profile_table
+    from ficoco_cli.report_cmd import REPORT_FORMATS, report_csv, report_markdown
+
+    if fmt not in REPORT_FORMATS:
+        raise FicocoError(f"unknown --format '{fmt}': choose from {', '.join(REPORT_FORMATS)}")
+    report = read_report(path)
+    if fmt == "table":
+        out.print(profile_table(report))
+    else:
+        sys.stdout.write(report_markdown(report) if fmt == "markdown" else report_csv(report))
+
+
 def _click_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """Usage errors and other click exceptions, from click and from the copy typer vendors
     (typer >= 0.2x raises its own classes, which are not click's subclasses)."""

@@ -38,20 +38,22 @@ class ProbeSlot:
         return attn, keys
 
 
-def _apply_mask(scores: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+def _mask_scores_(scores: Tensor, mask: Tensor | None, causal: bool) -> bool:
+    """Apply the attention mask to `scores` in place; True when some query row may be fully
+    masked (padding), so the softmax can produce NaN rows that must be zeroed."""
     q_len, k_len = scores.shape[-2:]
     if mask is not None:
         mask = mask[..., :k_len]
         if mask.dtype == torch.bool:
-            return scores.masked_fill(~mask, float("-inf"))
-        return scores + mask.to(scores.dtype)
+            scores.masked_fill_(~mask, float("-inf"))
+            return bool((~mask).all(dim=-1).any())
+        scores.add_(mask.to(scores.dtype))
+        return bool(torch.isinf(mask).all(dim=-1).any()) if mask.is_floating_point() else False
     if causal and q_len > 1:
         # Queries are the last q_len positions of the k_len keys.
-        offset = k_len - q_len
-        rows = torch.arange(q_len, device=scores.device)[:, None] + offset
-        cols = torch.arange(k_len, device=scores.device)[None, :]
-        return scores.masked_fill(cols > rows, float("-inf"))
-    return scores
+        future = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).triu_(k_len - q_len + 1)
+        scores.masked_fill_(future, float("-inf"))
+    return False
 
 
 def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -66,19 +68,35 @@ def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         implementation = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
         return implementation(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                               is_causal=is_causal, **kwargs)
-    groups = query.shape[1] // key.shape[1]
-    keys = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-    values = value.repeat_interleave(groups, dim=1) if groups > 1 else value
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    batch, heads, q_len, head_dim = query.shape
+    k_len = key.shape[2]
+    groups = heads // key.shape[1]
+    scale = scaling if scaling is not None else head_dim**-0.5
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", False))
-    # Softmax in float32, as the eager paths of transformers do.
-    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * scale
-    probs = torch.softmax(_apply_mask(scores, attention_mask, causal), dim=-1)
-    probs = torch.nan_to_num(probs)  # fully masked rows (padding queries) give zeros, not NaN
-    output = torch.matmul(probs.to(values.dtype), values).transpose(1, 2).contiguous()
-    slot.attn = probs.mean(dim=1)
+    # Heads go in chunks of at most 16M float32 scores (64 MB), which bounds the probe's memory
+    # on long sequences (LLaVA-NeXT: ~2,900 tokens) while LLaVA-1.5 runs in one chunk.
+    chunk = max(1, min(heads, (1 << 24) // max(1, batch * q_len * k_len)))
+    output = torch.empty(batch, heads, q_len, value.shape[-1], dtype=value.dtype, device=value.device)
+    attn_sum = torch.zeros(batch, q_len, k_len, dtype=torch.float32, device=query.device)
+    may_be_empty = False
+    for first in range(0, heads, chunk):
+        last = min(first + chunk, heads)
+        if groups == 1:
+            k, v = key[:, first:last], value[:, first:last]
+        else:  # grouped-query attention: each KV head serves `groups` query heads
+            kv = torch.arange(first, last, device=key.device) // groups
+            k, v = key[:, kv], value[:, kv]
+        # Scores and softmax in float32, as transformers' eager paths do.
+        scores = torch.matmul((query[:, first:last] * scale).float(), k.float().transpose(-1, -2))
+        may_be_empty = _mask_scores_(scores, attention_mask, causal) or may_be_empty
+        probs = torch.softmax(scores, dim=-1)
+        if may_be_empty:
+            probs = torch.nan_to_num_(probs)  # fully masked (padding) rows give zeros, not NaN
+        output[:, first:last] = torch.matmul(probs.to(value.dtype), v)
+        attn_sum += probs.sum(dim=1)
+    slot.attn = attn_sum.div_(heads)
     slot.keys = key if slot.want_keys else None
-    return output, None
+    return output.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention)
