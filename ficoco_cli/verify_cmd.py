@@ -53,8 +53,9 @@ def stage_table(report: dict[str, Any]) -> Table:
              f"fvcore's multiply-adds x2), scope all, layer-exact; batch {report['batch']}, "
              f"{report['text_tokens']} text tokens, LM head over {head}; {report['dtype']} on CPU")
     caption = (f"gate: |fvcore - analytic| <= {report['tolerance_percent']:g}% on every stage; torch's count "
-               "(math SDPA backend) is shown, not gated; FiCoCo's own work is the method table below, "
-               "outside the stages")
+               "(math SDPA backend) is shown, not gated")
+    if any(run["method"] for run in report["runs"]):
+        caption += "; FiCoCo's own matrix work is outside the stages, in the method table below"
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for col in ("variant", "visual", "stage", "analytic", "fvcore", "fvcore diff", "torch", "torch diff", "check"):
         table.add_column(col, justify="left" if col in ("variant", "stage", "check") else "right")
@@ -96,10 +97,10 @@ def per_layer_table(run: dict[str, Any]) -> Table:
     for col in ("stage", "layer", "tokens in", "tokens out", "analytic", "fvcore", "fvcore diff", "torch",
                 "torch diff"):
         table.add_column(col, justify="left" if col == "stage" else "right")
-    for row in run["per_layer"]:
-        def show(x: int | None) -> str:
-            return "-" if x is None else str(x)
+    def show(x: int | None) -> str:
+        return "-" if x is None else str(x)
 
+    for row in run["per_layer"]:
         table.add_row(row["stage"], show(row["layer"]), show(row["tokens_in"]), show(row["tokens_out"]),
                       fmt_flops(row["analytic_flops"]), fmt_flops(row["fvcore_flops"]),
                       fmt_diff(row["fvcore_rel_diff"]), fmt_flops(row["torch_flops"]),
@@ -107,8 +108,8 @@ def per_layer_table(run: dict[str, Any]) -> Table:
     return table
 
 
-def skipped_lines(report: dict[str, Any]) -> list[str]:
-    """What fvcore skipped (ops without a handle), over all runs, and whether any is matrix work."""
+def notes(report: dict[str, Any]) -> list[str]:
+    """What fvcore skipped (ops without a handle) and whether any is matrix work; runs that reduce nothing."""
     skipped: Counter[str] = Counter()
     for run in report["runs"]:
         skipped.update(run["skipped_ops"])
@@ -120,6 +121,10 @@ def skipped_lines(report: dict[str, Any]) -> list[str]:
     else:
         lines.append("skipped ops that carry matrix work: none (the skipped ops are elementwise, reductions, "
                      "sorting and indexing, which the flops convention does not count)")
+    for run in report["runs"]:
+        if run["variant"] != "vanilla" and not run["schedule"]:
+            lines.append(f"note: the {run['variant']} schedule removes no visual token (its budget or keep is met "
+                         "without reduction), so it runs as vanilla does")
     uncalled = sorted({m for run in report["runs"] for m in run["uncalled_modules"]})
     if uncalled:
         lines.append(f"modules with parameters that fvcore's trace never saw: {', '.join(uncalled)}")
@@ -162,7 +167,7 @@ def verify_command(profile: Profile, schedules: list[Schedule], *, text_tokens: 
     if per_layer:
         for run in report["runs"]:
             console.print(per_layer_table(run))
-    for line in skipped_lines(report):
+    for line in notes(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(verdict_line(report), markup=False, highlight=False, soft_wrap=True)
     if json_path:

@@ -1,0 +1,658 @@
+"""The analytic FLOPs checked against two counters: fvcore's `FlopCountAnalysis` and torch's
+`FlopCounterMode`.
+
+A verification builds the profile's model with random weights, runs the prefill of every
+requested schedule (a plain forward: the LM head over every token unless asked for the last
+one only) under both counters, and compares each stage with the accountant's count of the
+same run in the `flops` convention, scope `all`, layer-exact.
+
+How the counters are made to agree with the convention (ACCOUNTING.md, "Counters and their
+blind spots"):
+
+- fvcore traces with `torch.jit` and counts one multiply-add as one flop. Its handles are
+  reduced to the matrix-type ops (its defaults for linear, matmul, bmm, addmm, mm, einsum and
+  convolution, plus `aten::scaled_dot_product_attention` and `aten::baddbmm` added here); its
+  default norm and pooling handles are dropped because the convention counts matrix work only.
+  Every op left without a handle is listed as skipped, and the ones that carry matrix work are
+  named. fvcore's MACs are doubled explicitly (`FVCORE_FLOPS_PER_UNIT`).
+- torch's counter gives CPU SDPA (the flash-CPU kernel) no formula and counts it as 0, so its
+  run goes through the math attention backend, which decomposes into counted `bmm`s.
+
+Attribution to stages is by module scope: the vision tower, the projector, the decoder (layers,
+embedding, final norm) and the LM head of Hugging Face's LLaVA. FiCoCo's own matrix work (the
+self-preserving compress `weights^T @ discarded`, FiCoCo-L's indirect correlation) runs inside
+the reducing layer's forward; during a verification the patched layers' calls to `reduce_v` /
+`reduce_l` are routed through one small `nn.Module` per reducing layer, registered beside the
+model, so both counters see those calls as modules of their own. fvcore attributes an op to the
+innermost module and its owners, so the method's work is outside the layer by construction;
+torch's counter attributes it to every module running at the time, so the method's counts are
+subtracted from the stage that called it. The library code is not changed for this: the router
+replaces the two names in `ficoco.models.llava` for the duration of one measurement.
+
+What ran is what is counted: LLaVA runs the whole vision tower and reads the second-to-last
+layer, and torch.jit's trace drops the last layer as dead code, so the traced wrapper returns
+every stage's and layer's output and fvcore sees the layer that ran (torch's counter sees it
+anyway). The LM head covers every token of the plain forward, or one with `logits_to_keep=1`
+when the last-token head is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ficoco.accounting import architecture, parameter_counts
+from ficoco.accounting.architecture import Architecture
+from ficoco.accounting.flops import STAGES, count_by_layer, count_by_stage, model_ops, paper_overhead
+from ficoco.accounting.schedule import Schedule, TokenPlan, plan_tokens
+from ficoco.errors import FicocoError
+from ficoco.profiles import Profile
+
+SCHEMA = "ficoco.verify/1"
+# fvcore counts one multiply-add as one "flop"; the flops convention counts it as two.
+FVCORE_FLOPS_PER_UNIT = 2
+# Families whose prefill the toolkit can run with FiCoCo (ficoco.apply).
+VERIFY_FAMILIES = ("llava",)
+# Stages compared with the accountant; "method" is FiCoCo's own work, reported beside them.
+METHOD_STAGE = "method"
+# ATen ops that carry matrix work: a skipped one would be a hole in the count.
+MATRIX_OPS = frozenset({
+    "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::matmul", "aten::linear",
+    "aten::einsum", "aten::_convolution", "aten::convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d",
+    "aten::conv_transpose1d", "aten::conv_transpose2d", "aten::conv_transpose3d", "aten::mv", "aten::addmv",
+    "aten::dot", "aten::vdot", "aten::outer", "aten::ger", "aten::bilinear", "aten::tensordot",
+    "aten::chain_matmul", "aten::linalg_multi_dot", "aten::scaled_dot_product_attention",
+    "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_native_multi_head_attention",
+})
+
+
+def is_matrix_op(name: str) -> bool:
+    """Whether an ATen op (as fvcore names it) multiplies matrices."""
+    return (name in MATRIX_OPS or "matmul" in name or "dot_product_attention" in name
+            or name.startswith(("aten::conv", "aten::_conv")))
+
+
+# ---- fvcore handles (MACs, fvcore's unit) -------------------------------------------------------------------
+
+def _shape(value: Any) -> list[int]:
+    from fvcore.nn.jit_handles import get_shape
+
+    shape = get_shape(value)
+    if shape is None:
+        raise RuntimeError("fvcore's trace holds a tensor of unknown shape; cannot count its op")
+    return list(shape)
+
+
+def sdpa_flop_jit(inputs: list[Any], outputs: list[Any]) -> int:
+    """`aten::scaled_dot_product_attention(q, k, v, ...)`: the score product q.k^T and the
+    weighted values p.v, `B*H*Tq*Tk*d` MACs each (query heads: grouped KV heads are shared)."""
+    query, key, value = (_shape(v) for v in inputs[:3])
+    rows = math.prod(query[:-1])  # batch x heads x query tokens
+    keys = key[-2]
+    return rows * keys * query[-1] + rows * keys * value[-1]
+
+
+def baddbmm_flop_jit(inputs: list[Any], outputs: list[Any]) -> int:
+    """`aten::baddbmm(self, batch1, batch2, ...)`: the batched product's MACs."""
+    batch, n, k = _shape(inputs[1])
+    return batch * n * k * _shape(inputs[2])[-1]
+
+
+def fvcore_handles() -> dict[str, Callable[[list[Any], list[Any]], Any]]:
+    """The matrix-type handles fvcore counts with (in MACs): its own and the added ones."""
+    from fvcore.nn.jit_handles import (
+        addmm_flop_jit,
+        bmm_flop_jit,
+        conv_flop_jit,
+        einsum_flop_jit,
+        linear_flop_jit,
+        matmul_flop_jit,
+    )
+
+    return {
+        "aten::addmm": addmm_flop_jit, "aten::bmm": bmm_flop_jit, "aten::_convolution": conv_flop_jit,
+        "aten::einsum": einsum_flop_jit, "aten::matmul": matmul_flop_jit, "aten::mm": matmul_flop_jit,
+        "aten::linear": linear_flop_jit,
+        "aten::scaled_dot_product_attention": sdpa_flop_jit, "aten::baddbmm": baddbmm_flop_jit,
+    }
+
+
+ADDED_FVCORE_HANDLES = ("aten::scaled_dot_product_attention", "aten::baddbmm")
+DROPPED_FVCORE_HANDLES = ("aten::layer_norm", "aten::group_norm", "aten::batch_norm", "aten::instance_norm",
+                          "aten::upsample_nearest2d", "aten::upsample_bilinear2d", "aten::adaptive_avg_pool2d",
+                          "aten::grid_sampler")
+
+
+# ---- results --------------------------------------------------------------------------------------------------
+
+def relative_difference(measured: float, analytic: float) -> float:
+    """(measured - analytic) / analytic; 0 when both are 0, infinite when only analytic is."""
+    if analytic == 0:
+        return 0.0 if measured == 0 else math.inf
+    return (measured - analytic) / analytic
+
+
+@dataclass(frozen=True)
+class StageCheck:
+    """One stage of one run: the accountant's count and the two counters', in FLOPs."""
+
+    stage: str
+    analytic: int
+    fvcore: int
+    torch: int
+
+    @property
+    def fvcore_diff(self) -> float:
+        return relative_difference(self.fvcore, self.analytic)
+
+    @property
+    def torch_diff(self) -> float:
+        return relative_difference(self.torch, self.analytic)
+
+    def within(self, tolerance_percent: float) -> bool:
+        """The gate: the analytic and fvcore counts agree within `tolerance_percent`."""
+        return abs(self.fvcore_diff) * 100 <= tolerance_percent
+
+    def to_json(self, tolerance_percent: float) -> dict[str, Any]:
+        return {
+            "stage": self.stage, "analytic_flops": self.analytic, "fvcore_flops": self.fvcore,
+            "fvcore_macs": self.fvcore // FVCORE_FLOPS_PER_UNIT, "torch_flops": self.torch,
+            "fvcore_rel_diff": _json_float(self.fvcore_diff), "torch_rel_diff": _json_float(self.torch_diff),
+            "within_tolerance": self.within(tolerance_percent),
+        }
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """One layer (or a layer-less part: layer None) of one run, in FLOPs."""
+
+    stage: str
+    layer: int | None
+    tokens_in: int | None
+    tokens_out: int | None
+    analytic: int
+    fvcore: int
+    torch: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage, "layer": self.layer, "tokens_in": self.tokens_in, "tokens_out": self.tokens_out,
+            "analytic_flops": self.analytic, "fvcore_flops": self.fvcore, "torch_flops": self.torch,
+            "fvcore_rel_diff": _json_float(relative_difference(self.fvcore, self.analytic)),
+            "torch_rel_diff": _json_float(relative_difference(self.torch, self.analytic)),
+        }
+
+
+@dataclass(frozen=True)
+class MethodCheck:
+    """FiCoCo's own matrix work at one reducing layer, measured, beside two formulas.
+
+    `matmul_formula` is the method's matrix products as the code computes them (FLOPs): the
+    compress product `B * kept * removed * D`, and for FiCoCo-L the indirect correlation
+    `B * removed * suffix * kept`. `paper_overhead` is the FiCoCo appendix's overhead formula
+    as printed (MAC-style units, elementwise terms included); neither is gated.
+    """
+
+    stage: str
+    layer: int
+    visual_before: int
+    removed: int
+    fvcore: int
+    torch: int
+    matmul_formula: int
+    paper_overhead: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage, "layer": self.layer, "visual_before": self.visual_before, "removed": self.removed,
+            "fvcore_flops": self.fvcore, "torch_flops": self.torch, "matmul_formula_flops": self.matmul_formula,
+            "paper_overhead": self.paper_overhead,
+        }
+
+
+@dataclass
+class RunCheck:
+    """One variant and schedule: stages, layers, the method's work and what fvcore skipped."""
+
+    schedule: Schedule
+    plan: TokenPlan
+    stages: list[StageCheck]
+    layers: list[LayerCheck]
+    method: list[MethodCheck]
+    total: StageCheck
+    skipped_ops: dict[str, int]
+    uncalled_modules: list[str]
+
+    @property
+    def variant(self) -> str:
+        return self.schedule.variant
+
+    @property
+    def skipped_matrix_ops(self) -> list[str]:
+        return sorted(op for op in self.skipped_ops if is_matrix_op(op))
+
+    def passed(self, tolerance_percent: float) -> bool:
+        return all(s.within(tolerance_percent) for s in self.stages)
+
+    def to_json(self, tolerance_percent: float) -> dict[str, Any]:
+        return {
+            "variant": self.variant, "schedule": self.schedule.to_json(),
+            "visual_tokens": self.plan.visual_tokens, "llm_visual_tokens": self.plan.llm_visual_tokens,
+            "passed": self.passed(tolerance_percent),
+            "stages": [s.to_json(tolerance_percent) for s in self.stages],
+            "total": self.total.to_json(tolerance_percent),
+            "method": [m.to_json() for m in self.method],
+            "skipped_ops": dict(sorted(self.skipped_ops.items())),
+            "skipped_matrix_ops": self.skipped_matrix_ops,
+            "uncalled_modules": self.uncalled_modules,
+            "per_layer": [layer.to_json() for layer in self.layers],
+        }
+
+
+@dataclass
+class Verification:
+    """Every run of one verification, with what defines it."""
+
+    model: str
+    text_tokens: int
+    batch: int
+    lm_head_tokens: str
+    tolerance_percent: float
+    dtype: str
+    runs: list[RunCheck] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(run.passed(self.tolerance_percent) for run in self.runs)
+
+    @property
+    def largest_fvcore_diff(self) -> float:
+        return max((abs(s.fvcore_diff) for run in self.runs for s in run.stages), default=0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            fvcore_version = version("fvcore")
+        except PackageNotFoundError:
+            fvcore_version = "unknown"
+        return {
+            "schema": SCHEMA, "model": self.model, "convention": "flops", "scope": "all", "layer_exact": True,
+            "stages": list(STAGES), "text_tokens": self.text_tokens, "batch": self.batch,
+            "lm_head_tokens": self.lm_head_tokens, "dtype": self.dtype,
+            "tolerance_percent": self.tolerance_percent, "passed": self.passed,
+            "gate": "analytic vs fvcore, every stage",
+            "counters": {
+                "fvcore": {"version": fvcore_version,
+                           "unit": f"multiply-adds, x{FVCORE_FLOPS_PER_UNIT} = FLOPs",
+                           "handles": sorted(fvcore_handles()), "handles_added": list(ADDED_FVCORE_HANDLES),
+                           "handles_dropped": list(DROPPED_FVCORE_HANDLES)},
+                "torch": {"version": torch.__version__, "unit": "FLOPs", "sdpa_backend": "math"},
+            },
+            "runs": [run.to_json(self.tolerance_percent) for run in self.runs],
+        }
+
+
+def _json_float(x: float) -> float | None:
+    return None if math.isinf(x) or math.isnan(x) else x
+
+
+# ---- the analytic side ----------------------------------------------------------------------------------------
+
+def analytic_counts(arch: Architecture, plan: TokenPlan, *, batch: int, lm_head_tokens: str
+                    ) -> tuple[dict[str, int], list[tuple[str, int | None, int]]]:
+    """The accountant's count of the run in the flops convention: by stage and by layer."""
+    ops = model_ops(arch, plan, batch=batch, lm_head_tokens=lm_head_tokens)
+    return (count_by_stage(arch, plan, ops, "flops", batch=batch),
+            count_by_layer(arch, plan, ops, "flops", batch=batch))
+
+
+def method_formulas(arch: Architecture, plan: TokenPlan, *, batch: int, suffix_tokens: int
+                    ) -> list[tuple[int, int]]:
+    """Per reducing layer: (matrix products of the method in FLOPs, the paper's overhead)."""
+    rows = []
+    for red in plan.reductions:
+        kept = red.visual_before - red.removed
+        if red.stage == "vision":
+            items, dim = batch * plan.vision_items, arch.vision.hidden
+            macs = items * kept * red.removed * dim
+        else:
+            items, dim = batch, arch.decoder.hidden
+            macs = items * (kept * red.removed * dim + red.removed * suffix_tokens * kept)
+        rows.append((2 * macs, items * paper_overhead(red.stage, red.visual_before, red.removed, dim)))
+    return rows
+
+
+# ---- routing the method through modules -----------------------------------------------------------------------
+
+class MethodStage(nn.Module):
+    """One reducing layer's FiCoCo stages as a module, so that counters can attribute them."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+
+class MethodRouter:
+    """Stands in for `reduce_v` / `reduce_l`: the k-th call of a forward goes to the k-th
+    reducing layer's module (layers run in order, and each reduces once per forward)."""
+
+    def __init__(self, stages: list[MethodStage]) -> None:
+        self.stages = stages
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.calls >= len(self.stages):
+            raise RuntimeError(f"the forward reduced more often than its {len(self.stages)} reducing layers")
+        stage = self.stages[self.calls]
+        self.calls += 1
+        return stage(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def route_method(name: str, router: MethodRouter) -> Iterator[None]:
+    """Point the patched LLaVA layers' `name` (reduce_v or reduce_l) at `router` for a while."""
+    from ficoco.models import llava
+
+    original = getattr(llava, name)
+    setattr(llava, name, router)
+    try:
+        yield
+    finally:
+        setattr(llava, name, original)
+
+
+def _tensors(output: Any) -> list[Tensor]:
+    """Every tensor in a module's output (tensor, tuple, list, dict or ModelOutput)."""
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
+class Prefill(nn.Module):
+    """The model's plain forward on positional tensors, for torch.jit tracing.
+
+    It returns the logits and the outputs of every stage and layer: the tracer drops work whose
+    result nothing returns (LLaVA runs the vision tower's last layer but reads the one before),
+    and the count must cover what ran.
+    """
+
+    def __init__(self, model: nn.Module, method: nn.ModuleDict, router: MethodRouter | None,
+                 logits_to_keep: int, ran: list[nn.Module]) -> None:
+        super().__init__()
+        self.model = model
+        self.ficoco_method = method
+        self._router = router
+        self._logits_to_keep = logits_to_keep
+        self._outputs: list[Tensor] = []
+        self._hooks = [module.register_forward_hook(self._keep) for module in ran]
+
+    def _keep(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._outputs.extend(_tensors(output))
+
+    def close(self) -> None:
+        """Remove the hooks from the model's modules."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, pixel_values: Tensor) -> tuple[Tensor, ...]:
+        if self._router is not None:
+            self._router.calls = 0
+        self._outputs = []
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values,
+                         logits_to_keep=self._logits_to_keep)
+        ran, self._outputs = self._outputs, []
+        return (out.logits, *ran)
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Measured:
+    counts: dict[str, int]  # module path (from Prefill) -> FLOPs
+    total: int
+    skipped: dict[str, int] = field(default_factory=dict)
+    uncalled: list[str] = field(default_factory=list)
+
+
+def _count_fvcore(prefill: Prefill, args: tuple[Tensor, ...]) -> _Measured:
+    from fvcore.nn import FlopCountAnalysis
+
+    analysis = FlopCountAnalysis(prefill, args)
+    analysis.clear_op_handles()
+    analysis.set_op_handle(**fvcore_handles())
+    analysis.unsupported_ops_warnings(False).uncalled_modules_warnings(False).tracer_warnings("none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        by_module = analysis.by_module()
+    counts = {name: int(value) * FVCORE_FLOPS_PER_UNIT for name, value in by_module.items()}
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    modules = dict(prefill.named_modules())
+    uncalled = sorted(name for name in analysis.uncalled_modules()
+                      if name in modules and not isinstance(modules[name], containers)
+                      and any(True for _ in modules[name].parameters(recurse=False)))
+    return _Measured(counts=counts, total=counts[""], skipped=dict(analysis.unsupported_ops()), uncalled=uncalled)
+
+
+def _count_torch(prefill: Prefill, args: tuple[Tensor, ...]) -> _Measured:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    # CPU SDPA's flash kernel has no flop formula (counted as 0); the math backend decomposes
+    # into matmuls the counter sees.
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        prefill(*args)
+    root = type(prefill).__name__
+    counts: dict[str, int] = {}
+    for name, by_op in counter.get_flop_counts().items():
+        if name == root:
+            key = ""
+        elif name.startswith(root + "."):
+            key = name[len(root) + 1:]
+        else:
+            continue  # "Global" is the root's total
+        counts[key] = int(sum(by_op.values()))
+    return _Measured(counts=counts, total=int(counter.get_total_flops()))
+
+
+@dataclass(frozen=True)
+class _Paths:
+    """Module paths (from Prefill) of the stages and layers, and the modules themselves."""
+
+    stages: dict[str, str]
+    vision_layers: list[str]
+    decoder_layers: list[str]
+    modules: list[nn.Module]
+
+
+def _module_paths(model: nn.Module) -> _Paths:
+    """Where the stages and layers sit in LLaVA, found by identity (the adapter's layers)."""
+    from ficoco.models.llava import LlavaAdapter
+
+    adapter = LlavaAdapter(model)
+    names = {id(module): f"model.{name}" for name, module in model.named_modules()}
+    inner = model.model
+    stage_modules = {"vision": inner.vision_tower, "projector": inner.multi_modal_projector,
+                     "llm": inner.language_model, "lm_head": model.lm_head}
+    modules = [*stage_modules.values(), *adapter.vision_layers, *adapter.decoder_layers]
+    return _Paths(
+        stages={stage: names[id(module)] for stage, module in stage_modules.items()},
+        vision_layers=[names[id(layer)] for layer in adapter.vision_layers],
+        decoder_layers=[names[id(layer)] for layer in adapter.decoder_layers],
+        modules=modules,
+    )
+
+
+def _attribute(measured: _Measured, paths: _Paths, method_paths: list[tuple[str, int, str]], *,
+               method_inside: bool) -> tuple[dict[str, int], dict[tuple[str, int | None], int], list[int]]:
+    """Stage and layer counts of one counter, the method's work taken out of the layer that ran it.
+
+    `method_inside`: the counter also attributes the method's work to the modules that were
+    running when it ran (torch's counter); fvcore's owner mode does not.
+    """
+    get = measured.counts.get
+    method = [get(path, 0) for _, _, path in method_paths]
+    inside: Counter[tuple[str, int]] = Counter()
+    if method_inside:
+        for (stage, layer, _), flops in zip(method_paths, method, strict=True):
+            inside[(stage, layer)] += flops
+    stages = {stage: get(path, 0) for stage, path in paths.stages.items()}
+    layers: dict[tuple[str, int | None], int] = {}
+    for stage, layer_paths in (("vision", paths.vision_layers), ("llm", paths.decoder_layers)):
+        for layer, path in enumerate(layer_paths):
+            layers[(stage, layer)] = get(path, 0) - inside[(stage, layer)]
+        stages[stage] -= sum(inside[(stage, layer)] for layer in range(len(layer_paths)))
+        # The parts outside the layers (patch embedding; token embedding and final norm).
+        layers[(stage, None)] = stages[stage] - sum(layers[(stage, layer)] for layer in range(len(layer_paths)))
+    layers[("projector", None)] = stages["projector"]
+    layers[("lm_head", None)] = stages["lm_head"]
+    return stages, layers, method
+
+
+def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, plan: TokenPlan,
+             logits_to_keep: int) -> tuple[_Measured, _Measured, _Paths, list[tuple[str, int, str]]]:
+    """Run the prefill of `schedule` under fvcore and under torch's counter."""
+    import ficoco.api
+    from ficoco.models import llava
+
+    name = "reduce_v" if schedule.variant == "v" else "reduce_l"
+    stages = [MethodStage(getattr(llava, name)) for _ in plan.reductions]
+    method = nn.ModuleDict({f"{red.stage}_{red.layer}": stage for red, stage in zip(plan.reductions, stages,
+                                                                                    strict=True)})
+    router = MethodRouter(stages) if stages else None
+    paths = _module_paths(model)
+    method_paths = [(red.stage, red.layer, f"ficoco_method.{red.stage}_{red.layer}") for red in plan.reductions]
+    args = (inputs["input_ids"], inputs["attention_mask"], inputs["pixel_values"])
+    handle = None
+    if schedule.variant != "vanilla":
+        handle = ficoco.api.apply(model, schedule.variant, schedule=schedule)
+    prefill = Prefill(model, method, router, logits_to_keep, paths.modules)
+    try:
+        with torch.no_grad():
+            routed = route_method(name, router) if router is not None else contextlib.nullcontext()
+            with routed:
+                fv = _count_fvcore(prefill, args)
+                _check_calls(router, "fvcore")
+                tc = _count_torch(prefill, args)
+                _check_calls(router, "torch")
+    finally:
+        prefill.close()
+        if handle is not None:
+            handle.remove()
+    return fv, tc, paths, method_paths
+
+
+def _check_calls(router: MethodRouter | None, counter: str) -> None:
+    if router is not None and router.calls != len(router.stages):
+        raise RuntimeError(f"under {counter} the forward reduced {router.calls} times, "
+                           f"the schedule has {len(router.stages)} reducing layers")
+
+
+# ---- the verification ---------------------------------------------------------------------------------------
+
+def check_supported(profile: Profile) -> None:
+    """Refuse families whose prefill the toolkit cannot run with FiCoCo yet (one-line error)."""
+    if profile.family not in VERIFY_FAMILIES:
+        raise FicocoError(
+            f"--verify is not supported yet for the {profile.family} family ({profile.name}): FiCoCo runs "
+            f"inside {', '.join(VERIFY_FAMILIES)} (LLaVA-1.5) models only so far; "
+            "the analytic count without --verify works for every family")
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(arch: Architecture) -> None:
+    """Refuse a model whose fp32 weights would not fit, instead of being killed mid-build."""
+    weights = parameter_counts(arch).total * 4
+    available = _available_memory_bytes()
+    # Weights plus about a quarter for activations, traces and the counters' bookkeeping.
+    if available is not None and weights * 1.25 > available:
+        raise FicocoError(
+            f"--verify builds {arch.name} in fp32 on the CPU: {weights / 1e9:.1f} GB of weights, but only "
+            f"{available / 1e9:.1f} GB of memory is free; verify fewer layers, e.g. "
+            "--set text_config.num_hidden_layers=2 (the counts are checked per layer)")
+
+
+def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text_tokens: int, batch: int = 1,
+               lm_head_tokens: str = "all", seed: int = 0) -> RunCheck:
+    """Verify one schedule on a built model (patched for the run, restored after)."""
+    from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs
+
+    if lm_head_tokens not in ("all", "last"):
+        raise FicocoError(f"unknown LM-head mode '{lm_head_tokens}': choose from all, last")
+    plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
+    inputs = synthetic_inputs(model, batch=batch, text_tokens=text_tokens, seed=seed)
+    fv, tc, paths, method_paths = _measure(model, inputs, schedule, plan, 1 if lm_head_tokens == "last" else 0)
+    by_stage, by_layer = analytic_counts(arch, plan, batch=batch, lm_head_tokens=lm_head_tokens)
+    fv_stages, fv_layers, fv_method = _attribute(fv, paths, method_paths, method_inside=False)
+    tc_stages, tc_layers, tc_method = _attribute(tc, paths, method_paths, method_inside=True)
+    stages = [StageCheck(s, by_stage[s], fv_stages[s], tc_stages[s]) for s in STAGES]
+    tokens = {"vision": plan.vision, "llm": plan.llm}
+    layers = []
+    for stage, layer, count in by_layer:
+        n_in, n_out = tokens[stage][layer] if layer is not None else (None, None)
+        layers.append(LayerCheck(stage, layer, n_in, n_out, count, fv_layers.get((stage, layer), 0),
+                                 tc_layers.get((stage, layer), 0)))
+    # Tokens after the image span: the rows FiCoCo-L's task prior and indirect product read.
+    suffix = plan.text_tokens - PREFIX_TOKENS
+    formulas = method_formulas(arch, plan, batch=batch, suffix_tokens=suffix)
+    method = [MethodCheck(red.stage, red.layer, red.visual_before, red.removed, f, t, formula, paper)
+              for red, f, t, (formula, paper) in zip(plan.reductions, fv_method, tc_method, formulas, strict=True)]
+    total = StageCheck("total", sum(by_stage.values()), fv.total - sum(fv_method), tc.total - sum(tc_method))
+    return RunCheck(schedule=schedule, plan=plan, stages=stages, layers=layers, method=method, total=total,
+                    skipped_ops=fv.skipped, uncalled_modules=fv.uncalled)
+
+
+def verify(profile: Profile, schedules: list[Schedule], *, text_tokens: int | None = None, batch: int = 1,
+           lm_head_tokens: str = "all", tolerance_percent: float = 0.5, seed: int = 0,
+           model: nn.Module | None = None) -> Verification:
+    """Build `profile`'s model (random weights, fp32 on CPU) and verify every schedule.
+
+    `model` reuses an already built model of the same profile (tests).
+    """
+    from ficoco.api import build_model
+
+    check_supported(profile)
+    if tolerance_percent < 0:
+        raise FicocoError(f"--tolerance {tolerance_percent:g} must not be negative")
+    if batch < 1:
+        raise FicocoError(f"--batch {batch} must be at least 1")
+    arch = architecture(profile)
+    text = arch.text_tokens if text_tokens is None else text_tokens
+    if model is None:
+        _check_memory(arch)
+        model = build_model(profile, dtype="fp32", seed=seed)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    result = Verification(model=arch.name, text_tokens=text, batch=batch, lm_head_tokens=lm_head_tokens,
+                          tolerance_percent=tolerance_percent, dtype=dtype)
+    for schedule in schedules:
+        result.runs.append(verify_run(model, arch, schedule, text_tokens=text, batch=batch,
+                                      lm_head_tokens=lm_head_tokens, seed=seed))
+    return result
