@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from ficoco.accounting import CountOptions, architecture, resolve_schedule
 from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
 from ficoco.errors import FicocoError
+from ficoco.models import adapter_for
 from ficoco.models.build import build_model
 from ficoco.models.patching import LanguageState, Patches
 from ficoco.profiles import FAMILY_DEFAULTS, Profile
@@ -102,15 +103,6 @@ def profile_of(model: nn.Module, name: str | None = None) -> Profile:
     return Profile(name=name or getattr(model, "name_or_path", "") or model_type, config=config, defaults=defaults)
 
 
-def _adapter(model: nn.Module) -> Any:
-    model_type = getattr(model.config, "model_type", None)
-    if model_type == "llava":
-        from ficoco.models.llava import LlavaAdapter
-
-        return LlavaAdapter(model)
-    raise FicocoError(f"FiCoCo is not wired into '{model_type}' models yet (supported: llava)")
-
-
 def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int, int] | None = None,
           keep: int | None = None, tflops: float | None = None, count: CountOptions | None = None,
           first_layer: int | None = None, shape: str = "uniform", **hyperparameters: Any) -> Handle:
@@ -140,7 +132,7 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     else:
         sched = resolve_schedule(arch, variant, opts, keep=keep, tflops=tflops, schedule=schedule,
                                  shape=shape, first_layer=first_layer)
-    adapter = _adapter(model)
+    adapter = adapter_for(model)
     handle = Handle(model=model, variant=variant, schedule=sched, hyperparameters=params)
     removed = sched.removed_at()
     # The wrappers go in even for an empty schedule, so that "nothing removed" runs through

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.models.attention import install_probe, remove_probe
+from ficoco.models.inputs import synthetic_inputs  # noqa: F401  (the family's inputs, for the registry)
 from ficoco.models.patching import LanguageState, Patches, gather_rows
 from ficoco.reduction import reduce_l, reduce_v
 

@@ -147,9 +147,11 @@ def plan_run(config: ProfileConfig) -> Plan:
     device = resolve_device(config.device)
     source = config.weights if config.weights != "random" and Path(config.weights).expanduser().is_dir() else None
     profile = load_profile(source or config.model, list(config.overrides))
-    if profile.family != "llava":
-        raise FicocoError(f"{source or config.model} is a '{profile.family}' model; ficoco profile runs LLaVA-1.5 "
-                          "models (model_type 'llava')")
+    from ficoco.models import supported_families
+
+    if profile.family not in supported_families():
+        raise FicocoError(f"{source or config.model} is a '{profile.family}' model; ficoco profile runs "
+                          f"{', '.join(supported_families())} models so far")
     arch = architecture(profile)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
                         text_tokens=config.text_tokens)
@@ -189,7 +191,8 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def _inputs(model: Any, config: ProfileConfig, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
-    from ficoco.models.inputs import real_inputs, synthetic_inputs
+    from ficoco.models import synthetic_inputs
+    from ficoco.models.inputs import real_inputs
 
     if config.image is not None or config.prompt is not None:
         return real_inputs(model, config.weights, image=config.image, prompt=config.prompt, batch=batch,
