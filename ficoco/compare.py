@@ -58,6 +58,8 @@ def read_report(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
         text = path.read_text()
+    except UnicodeDecodeError:
+        raise FicocoError(f"{path} is not a text file (a compressed or binary file?); give a JSON report") from None
     except OSError as exc:
         raise FicocoError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
@@ -129,12 +131,13 @@ def mann_whitney_less(new: list[float], base: list[float]) -> float:
 
 
 def _speedup_samples(row: dict[str, Any], reference: dict[str, Any] | None) -> list[float]:
-    """Per-run speedups: every vanilla sample over every sample of the row (same run)."""
+    """Per-run speedups: the k-th vanilla sample over the row's k-th sample (same run). One
+    value per run pair keeps the samples independent; all pairs would overstate significance."""
     if reference is None:
         return []
     own = row.get("latency", {}).get("samples_ms") or []
     base = reference.get("latency", {}).get("samples_ms") or []
-    return [b / o for b in base for o in own if o > 0]
+    return [b / o for b, o in zip(base, own, strict=False) if o > 0]
 
 
 @dataclass
@@ -161,9 +164,12 @@ class Comparison:
         return [v for v in self.verdicts if v.verdict == "regression"]
 
     def to_json(self) -> dict[str, Any]:
+        def finite(x: Any) -> Any:  # strict JSON has no Infinity or NaN
+            return None if isinstance(x, float) and not math.isfinite(x) else x
+
         return {"schema": "ficoco.compare/1", "regressions": len(self.regressions), "warnings": self.warnings,
                 "only_in_base": self.only_base, "only_in_new": self.only_new,
-                "verdicts": [vars(v) for v in self.verdicts]}
+                "verdicts": [{k: finite(v) for k, v in vars(verdict).items()} for verdict in self.verdicts]}
 
 
 def _vanilla_of(rows: dict[tuple[Any, ...], dict[str, Any]], key: tuple[Any, ...]) -> dict[str, Any] | None:
@@ -183,12 +189,20 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
                if base_env.get(k) != new_env.get(k)]
     if differs:
         result.warnings.append("the reports come from different environments (" + "; ".join(differs) + ")")
-    base_rows = {fingerprint(r): r for r in base["rows"] if r.get("status") == "ok"}
-    new_rows = {fingerprint(r): r for r in new["rows"] if r.get("status") == "ok"}
+    base_all = {fingerprint(r): r for r in base["rows"]}
+    new_all = {fingerprint(r): r for r in new["rows"]}
+    base_rows = {k: r for k, r in base_all.items() if r.get("status") == "ok"}
+    new_rows = {k: r for k, r in new_all.items() if r.get("status") == "ok"}
+    # A row measured in base that fails in new (out of memory, unsupported) is a regression.
+    for key in base_rows:
+        failed = new_all.get(key)
+        if failed is not None and failed.get("status") != "ok":
+            result.verdicts.append(Verdict(describe(key), "status", "deterministic", None, None, None, "regression",
+                                           f"new run: {failed.get('status')}: {failed.get('reason', '')}"))
     common = [k for k in base_rows if k in new_rows]
-    result.only_base = [describe(k) for k in base_rows if k not in new_rows]
-    result.only_new = [describe(k) for k in new_rows if k not in base_rows]
-    if not common:
+    result.only_base = [describe(k) for k in base_all if k not in new_all]
+    result.only_new = [describe(k) for k in new_all if k not in base_all]
+    if not common and not result.verdicts:
         raise FicocoError("the two reports have no measured row in common (model, variant, schedule, quant, dtype, "
                           "batch, text and new tokens, device kind must all match)")
     tolerance = tolerance_pct / 100
@@ -201,6 +215,12 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
                 if b is not None or n is not None:
                     result.verdicts.append(Verdict(name, metric.name, metric.kind, b, n, None, "missing",
                                                    "present in one report only"))
+                continue
+            if math.isnan(b) or math.isnan(n):
+                invalid = math.isnan(n) and not math.isnan(b)
+                result.verdicts.append(Verdict(name, metric.name, metric.kind, b, n, None,
+                                               "regression" if invalid else "not judged",
+                                               "new value is NaN" if invalid else "base value is NaN"))
                 continue
             if metric.kind == "ratio" and b_row.get("variant") == "vanilla":
                 continue  # the reference row's ratios to itself are 1 and 0 by construction

@@ -6,6 +6,7 @@ run models import the model code inside their own bodies.
 
 from __future__ import annotations
 
+import io
 import sys
 from typing import Annotated, Any
 
@@ -282,18 +283,16 @@ def compare_command(
     for side, rows in (("base", result.only_base), ("new", result.only_new)):
         if rows:
             err.print(f"only in {side}: {', '.join(rows)}", markup=False, highlight=False, soft_wrap=True)
-    if fmt == "table":
-        if output:
-            with open(output, "w") as f:
-                Console(file=f, width=220).print(comparison_table(result))
-        else:
-            out.print(comparison_table(result))
+    if fmt == "table" and not output or output == "-" and fmt == "table":
+        out.print(comparison_table(result))
     else:
-        text = comparison_markdown(result) if fmt == "markdown" else comparison_json(result)
-        if output:
-            write_text_atomic(output, text)
+        if fmt == "table":
+            buffer = Console(file=io.StringIO(), width=220)
+            buffer.print(comparison_table(result))
+            text = buffer.file.getvalue()  # type: ignore[attr-defined]
         else:
-            sys.stdout.write(text)
+            text = comparison_markdown(result) if fmt == "markdown" else comparison_json(result)
+        write_text_atomic(output or "-", text)
     if result.regressions:
         names = sorted({f"{v.metric} ({v.row})" for v in result.regressions})
         err.print(f"regression: {'; '.join(names)}", markup=False, highlight=False, soft_wrap=True)

@@ -20,6 +20,8 @@ REPORT_FORMATS = ("table", "markdown", "csv")
 def _value(x: float | None, unit: str = "") -> str:
     if x is None:
         return "-"
+    if not math.isfinite(x):
+        return str(x)
     if unit == "B":
         return fmt_bytes(x)
     if abs(x) >= 100 or x == int(x):
