@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -60,7 +61,6 @@ SCHEMA = "ficoco.verify/1"
 # fvcore counts one multiply-add as one "flop"; the flops convention counts it as two.
 FVCORE_FLOPS_PER_UNIT = 2
 # Families whose prefill the toolkit can run with FiCoCo (ficoco.apply).
-VERIFY_FAMILIES = ("llava",)
 # Stages compared with the accountant; "method" is FiCoCo's own work, reported beside them.
 METHOD_STAGE = "method"
 # ATen ops that carry matrix work: a skipped one would be a hole in the count.
@@ -363,15 +363,20 @@ class MethodRouter:
 
 @contextlib.contextmanager
 def route_method(name: str, router: MethodRouter) -> Iterator[None]:
-    """Point the patched LLaVA layers' `name` (reduce_v or reduce_l) at `router` for a while."""
-    from ficoco.models import llava
+    """Point the patched layers' `name` (reduce_v or reduce_l) at `router` for a while, in
+    every family module that calls the method by that name."""
+    from ficoco import reduction
 
-    original = getattr(llava, name)
-    setattr(llava, name, router)
+    function = getattr(reduction, name)
+    modules = [module for key, module in list(sys.modules.items())
+               if key.startswith("ficoco.models.") and getattr(module, name, None) is function]
+    for module in modules:
+        setattr(module, name, router)
     try:
         yield
     finally:
-        setattr(llava, name, original)
+        for module in modules:
+            setattr(module, name, function)
 
 
 def _tensors(output: Any) -> list[Tensor]:
@@ -394,9 +399,10 @@ class Prefill(nn.Module):
     """
 
     def __init__(self, model: nn.Module, method: nn.ModuleDict, router: MethodRouter | None,
-                 logits_to_keep: int, ran: list[nn.Module]) -> None:
+                 logits_to_keep: int, ran: list[nn.Module], names: list[str]) -> None:
         super().__init__()
         self.model = model
+        self._names = names
         self.ficoco_method = method
         self._router = router
         self._logits_to_keep = logits_to_keep
@@ -412,12 +418,11 @@ class Prefill(nn.Module):
             hook.remove()
         self._hooks = []
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, pixel_values: Tensor) -> tuple[Tensor, ...]:
+    def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
         if self._router is not None:
             self._router.calls = 0
         self._outputs = []
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values,
-                         logits_to_keep=self._logits_to_keep)
+        out = self.model(**dict(zip(self._names, tensors, strict=True)), logits_to_keep=self._logits_to_keep)
         ran, self._outputs = self._outputs, []
         return (out.logits, *ran)
 
@@ -484,14 +489,12 @@ class _Paths:
 
 
 def _module_paths(model: nn.Module) -> _Paths:
-    """Where the stages and layers sit in LLaVA, found by identity (the adapter's layers)."""
-    from ficoco.models.llava import LlavaAdapter
+    """Where the stages and layers sit in the model, found by identity (the adapter's modules)."""
+    from ficoco.models import adapter_for
 
-    adapter = LlavaAdapter(model)
+    adapter = adapter_for(model)
     names = {id(module): f"model.{name}" for name, module in model.named_modules()}
-    inner = model.model
-    stage_modules = {"vision": inner.vision_tower, "projector": inner.multi_modal_projector,
-                     "llm": inner.language_model, "lm_head": model.lm_head}
+    stage_modules = adapter.stage_modules()
     modules = [*stage_modules.values(), *adapter.vision_layers, *adapter.decoder_layers]
     return _Paths(
         stages={stage: names[id(module)] for stage, module in stage_modules.items()},
@@ -531,20 +534,21 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
              logits_to_keep: int) -> tuple[_Measured, _Measured, _Paths, list[tuple[str, int, str]]]:
     """Run the prefill of `schedule` under fvcore and under torch's counter."""
     import ficoco.api
-    from ficoco.models import llava
+    from ficoco import reduction
 
     name = "reduce_v" if schedule.variant == "v" else "reduce_l"
-    stages = [MethodStage(getattr(llava, name)) for _ in plan.reductions]
+    stages = [MethodStage(getattr(reduction, name)) for _ in plan.reductions]
     method = nn.ModuleDict({f"{red.stage}_{red.layer}": stage for red, stage in zip(plan.reductions, stages,
                                                                                     strict=True)})
     router = MethodRouter(stages) if stages else None
     paths = _module_paths(model)
     method_paths = [(red.stage, red.layer, f"ficoco_method.{red.stage}_{red.layer}") for red in plan.reductions]
-    args = (inputs["input_ids"], inputs["attention_mask"], inputs["pixel_values"])
+    names = [name for name, value in inputs.items() if isinstance(value, Tensor)]
+    args = tuple(inputs[name] for name in names)
     handle = None
     if schedule.variant != "vanilla":
         handle = ficoco.api.apply(model, schedule.variant, schedule=schedule)
-    prefill = Prefill(model, method, router, logits_to_keep, paths.modules)
+    prefill = Prefill(model, method, router, logits_to_keep, paths.modules, names)
     try:
         with torch.no_grad():
             routed = route_method(name, router) if router is not None else contextlib.nullcontext()
@@ -570,10 +574,12 @@ def _check_calls(router: MethodRouter | None, counter: str) -> None:
 
 def check_supported(profile: Profile) -> None:
     """Refuse families whose prefill the toolkit cannot run with FiCoCo yet (one-line error)."""
-    if profile.family not in VERIFY_FAMILIES:
+    from ficoco.models import supported_families
+
+    if profile.family not in supported_families():
         raise FicocoError(
             f"--verify is not supported yet for the {profile.family} family ({profile.name}): FiCoCo runs "
-            f"inside {', '.join(VERIFY_FAMILIES)} (LLaVA-1.5) models only so far; "
+            f"inside {', '.join(supported_families())} models only so far; "
             "the analytic count without --verify works for every family")
 
 
@@ -603,7 +609,7 @@ def _check_memory(arch: Architecture) -> None:
 def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text_tokens: int, batch: int = 1,
                lm_head_tokens: str = "all", seed: int = 0) -> RunCheck:
     """Verify one schedule on a built model (patched for the run, restored after)."""
-    from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs
+    from ficoco.models import family_module, synthetic_inputs
 
     if lm_head_tokens not in ("all", "last"):
         raise FicocoError(f"unknown LM-head mode '{lm_head_tokens}': choose from all, last")
@@ -621,7 +627,7 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
         layers.append(LayerCheck(stage, layer, n_in, n_out, count, fv_layers.get((stage, layer), 0),
                                  tc_layers.get((stage, layer), 0)))
     # Tokens after the image span: the rows FiCoCo-L's task prior and indirect product read.
-    suffix = plan.text_tokens - PREFIX_TOKENS
+    suffix = plan.text_tokens - family_module(model.config.model_type).PREFIX_TOKENS
     formulas = method_formulas(arch, plan, batch=batch, suffix_tokens=suffix)
     method = [MethodCheck(red.stage, red.layer, red.visual_before, red.removed, f, t, formula, paper)
               for red, f, t, (formula, paper) in zip(plan.reductions, fv_method, tc_method, formulas, strict=True)]

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.models.attention import install_probe, remove_probe
-from ficoco.models.inputs import synthetic_inputs  # noqa: F401  (the family's inputs, for the registry)
+from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
 from ficoco.models.patching import LanguageState, Patches, gather_rows
 from ficoco.reduction import reduce_l, reduce_v
 
@@ -60,6 +60,12 @@ class LlavaAdapter:
         side = vision.image_size // vision.patch_size
         self.grid_hw = (side, side)
         self.patches = side * side
+
+    def stage_modules(self) -> dict[str, nn.Module]:
+        """The modules of the accountant's stages, for counters that attribute by module."""
+        inner = self.model.model
+        return {"vision": inner.vision_tower, "projector": inner.multi_modal_projector,
+                "llm": inner.language_model, "lm_head": self.model.lm_head}
 
     # -- FiCoCo-V ---------------------------------------------------------------------------
     def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
