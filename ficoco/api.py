@@ -105,12 +105,15 @@ def profile_of(model: nn.Module, name: str | None = None) -> Profile:
 
 def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int, int] | None = None,
           keep: int | None = None, tflops: float | None = None, count: CountOptions | None = None,
-          first_layer: int | None = None, shape: str = "uniform", **hyperparameters: Any) -> Handle:
+          first_layer: int | None = None, shape: str = "uniform", image_size: tuple[int, int] | None = None,
+          frames: int | None = None, **hyperparameters: Any) -> Handle:
     """Patch `model` with FiCoCo-V (`variant="v"`) or FiCoCo-L (`"l"`) and return the handle.
 
     The schedule comes from the accountant: an explicit `schedule` (a Schedule, `"12:40,..."`
     or {layer: removed}), `keep` visual tokens, or a `tflops` budget under `count`'s convention
-    and scope. Hyperparameters default to the paper's (see `Hyperparameters`).
+    and scope. `image_size` (H, W) and `frames` describe the input where the token count
+    depends on them (LLaVA-NeXT, Qwen2-VL, Video-LLaVA); the profile's defaults otherwise.
+    Hyperparameters default to the paper's (see `Hyperparameters`).
     """
     if variant not in ("v", "l"):
         raise FicocoError(f"variant must be 'v' or 'l', got '{variant}'")
@@ -121,7 +124,7 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     except TypeError as exc:
         raise FicocoError(f"unknown hyperparameter: {exc}") from None
     profile = profile_of(model, getattr(model, "_ficoco_profile_name", None))
-    arch = architecture(profile)
+    arch = architecture(profile, image_size=image_size, frames=frames)
     opts = count or CountOptions()
     if isinstance(schedule, Schedule):
         sched = schedule

@@ -235,6 +235,8 @@ def profile_command(
     prompt: Annotated[str | None, typer.Option("--prompt", help="A question (needs a checkpoint's tokenizer).")] = None,
     set_values: SetOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights and inputs.")] = 0,
+    image_size: ImageSizeOpt = None,
+    frames: FramesOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
@@ -253,6 +255,7 @@ def profile_command(
         quants=tuple(split_list(quant, "--quant")), batches=parse_batches(batch), text_tokens=text_tokens,
         new_tokens=new_tokens, warmup=warmup, repeat=repeat, device=device, weights=weights, image=image,
         prompt=prompt, overrides=tuple(set_values or ()), seed=seed, kv_bits=kv_bits,
+        image_size=parse_image_size(image_size), frames=frames,
     )
     plan = plan_run(config)
     run_and_report(config, plan, json_path, out if json_path != "-" else err)

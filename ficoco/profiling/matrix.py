@@ -55,6 +55,8 @@ class ProfileConfig:
     overrides: tuple[str, ...] = ()
     seed: int = 0
     kv_bits: int | None = None
+    image_size: tuple[int, int] | None = None  # (H, W)
+    frames: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,7 +154,11 @@ def plan_run(config: ProfileConfig) -> Plan:
     if profile.family not in supported_families():
         raise FicocoError(f"{source or config.model} is a '{profile.family}' model; ficoco profile runs "
                           f"{', '.join(supported_families())} models so far")
-    arch = architecture(profile)
+    if config.image_size is not None and profile.family not in ("llava_next", "qwen2_vl"):
+        raise FicocoError(f"--image-size applies to llava_next and qwen2_vl models, not {profile.family}")
+    if config.frames is not None and profile.family != "video_llava":
+        raise FicocoError(f"--frames applies to video_llava models, not {profile.family}")
+    arch = architecture(profile, image_size=config.image_size, frames=config.frames)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
                         text_tokens=config.text_tokens)
     schedules = {
@@ -171,7 +177,7 @@ def plan_run(config: ProfileConfig) -> Plan:
 def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardware | None) -> dict[str, Any]:
     """What the accountant predicts for the row: whole-model TFLOPs (scope all, the LM head
     on the last token as a prefill for generation computes it), KV cache, roofline."""
-    arch = architecture(profile)
+    arch = architecture(profile, image_size=config.image_size, frames=config.frames)
     # Weights at the quant's width; activations and the KV cache stay 16-bit (bitsandbytes
     # computes in 16 bits) unless --kv-bits quantizes the cache.
     quant = Quant(row.quant, QUANT_BITS[row.quant], 16, config.kv_bits or 16)
@@ -197,7 +203,9 @@ def _inputs(model: Any, config: ProfileConfig, batch: int, device: torch.device)
     if config.image is not None or config.prompt is not None:
         return real_inputs(model, config.weights, image=config.image, prompt=config.prompt, batch=batch,
                            device=device)
-    return synthetic_inputs(model, batch=batch, text_tokens=config.text_tokens, seed=config.seed, device=device)
+    layout = {k: v for k, v in (("image_size", config.image_size), ("frames", config.frames)) if v is not None}
+    return synthetic_inputs(model, batch=batch, text_tokens=config.text_tokens, seed=config.seed, device=device,
+                            **layout)
 
 
 def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.device) -> dict[str, Any]:
@@ -205,7 +213,10 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.d
     import ficoco
 
     inputs = _inputs(model, config, row.batch, device)
-    handle = ficoco.apply(model, row.variant, schedule=row.schedule) if row.variant != "vanilla" else None
+    handle = None
+    if row.variant != "vanilla":
+        handle = ficoco.apply(model, row.variant, schedule=row.schedule, image_size=config.image_size,
+                              frames=config.frames)
     latency_tracker, memory_tracker = LatencyTracker(device), MemoryTracker(device)
     reduction_ms: list[float] = []
     last: dict[str, Any] = {}
