@@ -324,7 +324,8 @@ def method_formulas(arch: Architecture, plan: TokenPlan, *, batch: int, suffix_t
         kept = red.visual_before - red.removed
         if red.stage == "vision":
             items, dim = batch * plan.vision_items, arch.vision.hidden
-            macs = items * kept * red.removed * dim
+            # Qwen2-VL folds merge groups (merge x D vectors): (kept / m) * (removed / m) * (m * D).
+            macs = items * kept * red.removed * dim // arch.vision.merge
         else:
             items, dim = batch, arch.decoder.hidden
             macs = items * (kept * red.removed * dim + red.removed * suffix_tokens * kept)
@@ -518,6 +519,11 @@ def _attribute(measured: _Measured, paths: _Paths, method_paths: list[tuple[str,
         for (stage, layer, _), flops in zip(method_paths, method, strict=True):
             inside[(stage, layer)] += flops
     stages = {stage: get(path, 0) for stage, path in paths.stages.items()}
+    # Qwen2-VL's projector (the PatchMerger) is a submodule of its vision tower, and both
+    # counters include a submodule's work in its owner's: count it in its own stage only.
+    for outer, outer_path in paths.stages.items():
+        stages[outer] -= sum(stages[inner] for inner, inner_path in paths.stages.items()
+                             if inner_path.startswith(outer_path + "."))
     layers: dict[tuple[str, int | None], int] = {}
     for stage, layer_paths in (("vision", paths.vision_layers), ("llm", paths.decoder_layers)):
         for layer, path in enumerate(layer_paths):
@@ -535,6 +541,8 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
     """Run the prefill of `schedule` under fvcore and under torch's counter."""
     import ficoco.api
     from ficoco import reduction
+    from ficoco.models import adapter_for
+    from ficoco.models.patching import Patches
 
     name = "reduce_v" if schedule.variant == "v" else "reduce_l"
     stages = [MethodStage(getattr(reduction, name)) for _ in plan.reductions]
@@ -549,7 +557,11 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
     if schedule.variant != "vanilla":
         handle = ficoco.api.apply(model, schedule.variant, schedule=schedule)
     prefill = Prefill(model, method, router, logits_to_keep, paths.modules, names)
+    traceable = Patches()
     try:
+        # A family whose forward torch.jit cannot trace as is (LLaVA-NeXT's AnyRes unpadding rounds
+        # traced sizes) puts in a stand-in that gives the same result.
+        getattr(adapter_for(model), "patch_for_tracing", lambda _: None)(traceable)
         with torch.no_grad():
             routed = route_method(name, router) if router is not None else contextlib.nullcontext()
             with routed:
@@ -558,6 +570,7 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
                 tc = _count_torch(prefill, args)
                 _check_calls(router, "torch")
     finally:
+        traceable.undo()
         prefill.close()
         if handle is not None:
             handle.remove()

@@ -1,8 +1,16 @@
-"""Shared fixtures: profile architectures, built once per session (they are frozen)."""
+"""Shared fixtures: profile architectures, built once per session (they are frozen).
+
+The suite runs torch on one thread (also in the `ficoco` subprocesses it starts): tests time
+nothing, and on a shared 2-core machine two OpenMP threads make small ops wait for a busy
+core, which slowed the suite several-fold.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 

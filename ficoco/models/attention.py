@@ -29,6 +29,9 @@ class ProbeSlot:
     armed: bool = True  # when False the module runs its own implementation (e.g. decode steps)
     attn: Tensor | None = None  # (B, Tq, Tk) head-mean probabilities, float32
     keys: Tensor | None = None  # (B, H, Tk, d) key states (after rotary), when want_keys
+    # A module that calls its attention function once per segment (Qwen2-VL's vision attention:
+    # once per image) leaves one (attn, keys) per call here; None: only the last call's, above.
+    chunks: list[tuple[Tensor, Tensor | None]] | None = None
 
     def take(self) -> tuple[Tensor, Tensor | None]:
         if self.attn is None:
@@ -36,6 +39,13 @@ class ProbeSlot:
         attn, keys = self.attn, self.keys
         self.attn = self.keys = None
         return attn, keys
+
+    def take_chunks(self) -> list[tuple[Tensor, Tensor | None]]:
+        """Every call's (attn, keys) since the last take, in call order (a chunked slot)."""
+        if not self.chunks:
+            raise RuntimeError("the reducing layer's attention did not run through the FiCoCo probe")
+        chunks, self.chunks = self.chunks, []
+        return chunks
 
 
 def _mask_scores_(scores: Tensor, mask: Tensor | None, causal: bool) -> bool:
@@ -94,17 +104,22 @@ def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
             probs = torch.nan_to_num_(probs)  # fully masked (padding) rows give zeros, not NaN
         output[:, first:last] = torch.matmul(probs.to(value.dtype), v)
         attn_sum += probs.sum(dim=1)
-    slot.attn = attn_sum.div_(heads)
-    slot.keys = key if slot.want_keys else None
+    attn, keys = attn_sum.div_(heads), (key if slot.want_keys else None)
+    if slot.chunks is not None:
+        slot.chunks.append((attn, keys))
+    else:
+        slot.attn, slot.keys = attn, keys
     return output.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention)
 
 
-def install_probe(attention: nn.Module, *, want_keys: bool = False, armed: bool = True) -> ProbeSlot:
-    """Route one attention module through the probe (its own config copy; the model's stays)."""
-    slot = ProbeSlot(want_keys=want_keys, armed=armed)
+def install_probe(attention: nn.Module, *, want_keys: bool = False, armed: bool = True,
+                  chunked: bool = False) -> ProbeSlot:
+    """Route one attention module through the probe (its own config copy; the model's stays).
+    `chunked` keeps every call's result (`ProbeSlot.take_chunks`), not the last call's alone."""
+    slot = ProbeSlot(want_keys=want_keys, armed=armed, chunks=[] if chunked else None)
     attention._ficoco_original_config = attention.config  # type: ignore[assignment]
     probe_config = copy.copy(attention.config)
     probe_config._attn_implementation_internal = PROBE_IMPLEMENTATION

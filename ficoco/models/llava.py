@@ -42,29 +42,40 @@ def _timed(handle: Handle, device: torch.device, fn: Callable[[], Any]) -> Any:
 class LlavaAdapter:
     """Where the method goes in a LLaVA-1.5 model, and the image-span bookkeeping."""
 
+    # Families built the same way (a CLIP tower, a LLaMA decoder, one placeholder token per
+    # visual token) subclass this and set these: the inner model's tower that FiCoCo-V
+    # reduces in, the config keys of the placeholder id of the span both variants act on,
+    # and the forward/generate inputs that carry pixels (each starts a new visual forward).
+    tower_attribute = "vision_tower"
+    placeholder_config_keys: tuple[str, ...] = ("image_token_id", "image_token_index")
+    pixel_inputs: tuple[str, ...] = ("pixel_values",)
+
     def __init__(self, model: nn.Module) -> None:
         inner = getattr(model, "model", None)
-        if inner is None or not hasattr(inner, "vision_tower") or not hasattr(inner, "language_model"):
-            raise FicocoError(f"{type(model).__name__} is not a LLaVA model (no vision_tower/language_model)")
+        if inner is None or not hasattr(inner, self.tower_attribute) or not hasattr(inner, "language_model"):
+            raise FicocoError(f"{type(model).__name__} is not a LLaVA-style model "
+                              f"(no {self.tower_attribute}/language_model)")
         self.model = model
-        tower = inner.vision_tower
+        tower = getattr(inner, self.tower_attribute)
         # transformers 5 flattens CLIPVisionModel; older layouts nest it under vision_model.
         tower = getattr(tower, "vision_model", tower)
         self.vision_layers = tower.encoder.layers
         self.decoder_layers = inner.language_model.layers
         config = model.config
-        self.image_token_id = getattr(config, "image_token_id", None)
-        if self.image_token_id is None:
-            self.image_token_id = config.image_token_index
+        # The placeholder id of the span FiCoCo acts on (LLaVA: the image placeholder).
+        self.image_token_id = next((value for key in self.placeholder_config_keys
+                                    if (value := getattr(config, key, None)) is not None), None)
         vision = config.vision_config
         side = vision.image_size // vision.patch_size
         self.grid_hw = (side, side)
         self.patches = side * side
+        # Placeholders of one unshortened span unit (LLaVA: one image, one per patch).
+        self.span_tokens = self.patches
 
     def stage_modules(self) -> dict[str, nn.Module]:
         """The modules of the accountant's stages, for counters that attribute by module."""
         inner = self.model.model
-        return {"vision": inner.vision_tower, "projector": inner.multi_modal_projector,
+        return {"vision": getattr(inner, self.tower_attribute), "projector": inner.multi_modal_projector,
                 "llm": inner.language_model, "lm_head": self.model.lm_head}
 
     # -- FiCoCo-V ---------------------------------------------------------------------------
@@ -101,7 +112,8 @@ class LlavaAdapter:
 
     def shrink_image_spans(self, input_ids: Tensor, attention_mask: Tensor | None, keep: int
                            ) -> tuple[Tensor, Tensor | None]:
-        """Keep the first `keep` placeholders of every full image span (576 for LLaVA-1.5)."""
+        """Keep the first `keep` placeholders of every full span unit (`span_tokens`: an image's 576
+        for LLaVA-1.5)."""
         is_image = input_ids == self.image_token_id
         if not bool(is_image.any()):
             return input_ids, attention_mask
@@ -109,12 +121,12 @@ class LlavaAdapter:
         if not bool((counts == counts[0]).all()):
             raise FicocoError("every sample of a batch must hold the same number of images for FiCoCo-V")
         total = int(counts[0])
-        if total % self.patches:
+        if total % self.span_tokens:
             if total % keep == 0:
                 return input_ids, attention_mask  # already shortened (generate's prefill)
-            raise FicocoError(f"image spans of {total} placeholders are not multiples of {self.patches}")
-        # Rank of each placeholder inside its image: position in the run of placeholders.
-        rank = (torch.cumsum(is_image.long(), dim=1) - 1) % self.patches
+            raise FicocoError(f"image spans of {total} placeholders are not multiples of {self.span_tokens}")
+        # Rank of each placeholder inside its span unit: position in the run of placeholders.
+        rank = (torch.cumsum(is_image.long(), dim=1) - 1) % self.span_tokens
         drop = is_image & (rank >= keep)
         kept = ~drop
         batch = input_ids.shape[0]
@@ -194,7 +206,7 @@ class LlavaAdapter:
                 # The prefix is never reduced, so the span starts where it started.
                 red = _timed(handle, hidden.device, lambda: reduce_l(
                     hidden, attn, _r, state.visual_start, state.num_visual, state.suffix_mask, beta=params.beta,
-                    gamma=params.gamma, eps=params.eps))
+                    gamma=params.gamma, eps=params.eps, protected=state.protected))
                 kept_original = torch.gather(state.visual_positions, 1, red.kept_visual)
                 discarded_original = torch.gather(state.visual_positions, 1, red.discarded_visual)
                 span_start = state.visual_start[:, None]
@@ -220,7 +232,7 @@ class LlavaAdapter:
             call = dict(bound.arguments)
             call.update(call.pop("kwargs", {}))
             input_ids = call.get("input_ids")
-            if call.get("pixel_values") is not None:
+            if any(call.get(key) is not None for key in self.pixel_inputs):
                 handle.begin_forward()
             if variant == "v" and input_ids is not None and keep_per_image is not None:
                 call["input_ids"], call["attention_mask"] = self.shrink_image_spans(
@@ -246,7 +258,7 @@ class LlavaAdapter:
         def generate(*args: Any, **kwargs: Any) -> Any:
             # transformers encodes the images before its first forward call, so a new
             # generation starts here, not in forward.
-            if kwargs.get("pixel_values") is not None:
+            if any(kwargs.get(key) is not None for key in self.pixel_inputs):
                 handle.begin_forward()
             if variant == "v" and keep_per_image is not None:
                 input_ids = kwargs.get("input_ids", args[0] if args else None)

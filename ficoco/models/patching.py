@@ -66,6 +66,8 @@ class LanguageState:
     visual_positions: Tensor  # (B, N_now) original positions of the visual tokens still present
     suffix_mask: Tensor  # (B, T_now) real text tokens after the visual span
     prefill_length: int
+    # (B, N_now) visual tokens the reduction must keep (LLaVA-NeXT's row newlines); None: none
+    protected: Tensor | None = None
     cached_positions: dict[int, Tensor] = field(default_factory=dict)
     cache: Any = None
     decoding: bool = False
@@ -79,6 +81,8 @@ class LanguageState:
         self.index = torch.gather(self.index, 1, kept_positions)
         self.suffix_mask = torch.gather(self.suffix_mask, 1, kept_positions)
         self.visual_positions = torch.gather(self.visual_positions, 1, kept_visual)
+        if self.protected is not None:
+            self.protected = torch.gather(self.protected, 1, kept_visual)
 
     def slice_mask(self, mask: Tensor | None, layer: int, query_len: int) -> Tensor | None:
         """The layer's view of a mask built for the original sequence."""

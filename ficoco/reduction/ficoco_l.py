@@ -184,6 +184,7 @@ def reduce_l(
     beta: float = 0.6,
     gamma: float = 0.6,
     eps: float = 0.998,
+    protected: Tensor | None = None,
 ) -> LReduction:
     """One FiCoCo-L step: filter, correlate and compress ``r`` visual tokens of one layer.
 
@@ -201,6 +202,10 @@ def reduce_l(
         beta: weight of the vision-aware term in the score.
         gamma: weight of the direct term in the correlation.
         eps: quantile level of the token-adaptive K.
+        protected: optional ``(B, N)`` bool, visual tokens that must stay (e.g. LLaVA-NeXT's
+            row separators): they are never in the source set, but still count as visual
+            tokens, are scored with the others and may receive discarded tokens like any kept
+            token. ``r`` may not exceed the unprotected tokens of any sample.
 
     Returns:
         An :class:`LReduction`. With ``r == 0`` the input hidden states come back unchanged.
@@ -217,6 +222,16 @@ def reduce_l(
             f"(at least one visual token must stay), got {r}"
         )
     device = hidden.device
+    if protected is not None:
+        if tuple(protected.shape) != (batch, num_visual):
+            raise ValueError(f"protected must be (B, N) = {(batch, num_visual)}, got {tuple(protected.shape)}")
+        protected = protected.to(device=device, dtype=torch.bool)
+        removable = num_visual - int(protected.sum(dim=1).max()) if batch else num_visual
+        if r > removable:
+            raise FicocoError(
+                f"r = {r} exceeds the {removable} visual tokens that may be removed "
+                f"({num_visual - removable} of {num_visual} are protected)"
+            )
     visual_start = visual_start.to(device=device, dtype=torch.long)
     if r == 0:
         every_visual = torch.arange(num_visual, device=device).expand(batch, -1)
@@ -228,6 +243,9 @@ def reduce_l(
         )
 
     scores = language_scores(attn, visual_start, num_visual, suffix_mask, beta=beta)
+    if protected is not None:
+        # -inf sorts after every real score, so a protected token is never among the r selected.
+        scores = scores.masked_fill(protected, float("-inf"))
     source, target = select(scores, r)
     correlation = language_correlation(attn, source, target, visual_start, num_visual, suffix_mask, gamma=gamma)
     alpha = adaptive_weights(correlation, eps=eps)

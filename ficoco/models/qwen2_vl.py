@@ -1,0 +1,494 @@
+"""FiCoCo inside Hugging Face's Qwen2-VL (`Qwen2VLForConditionalGeneration`): a ViT without
+[CLS] over native-resolution patches, a PatchMerger that joins every 2 x 2 group of patches
+into one LLM token, and a Qwen2 decoder with multimodal (3-D) rotary positions.
+
+FiCoCo-L is LLaVA's (`LlavaAdapter`): the decoder layers have the same parts and signature,
+the 3-D positions arrive as one (B, T, head_dim) rotary table per sequence, which the wrapped
+layers slice with the kept tokens like LLaVA's, and decoding needs nothing more because layer
+0 (never reduced) keeps the full prompt, so transformers' `rope_deltas` and the cache length
+are the unreduced layout's.
+
+FiCoCo-V is this file's:
+
+- The ViT runs every image of a batch as one flat sequence, `cu_seqlens` cutting it into
+  images and a (tokens, head_dim) rotary table giving each patch its 2-D place. Its tokens
+  come in merge-group order (the 4 patches of a 2 x 2 group are consecutive), so V removes
+  whole groups: a group's score and correlation are its members' means, the semantic term
+  is the equivalent token's (no [CLS]), the local penalty works on the grid of groups, and
+  compressing folds a group into another member by member. Every image loses the same number
+  of groups; images of different sizes are reduced in one batch per size. After a reducing
+  layer the later blocks get the rotary table sliced to the kept patches and `cu_seqlens`
+  of the shorter images, and the merger reads whole groups as before.
+- The entry (forward and generate) encodes the images first, so that it knows which groups
+  every image kept, then shortens each image's placeholder span to its kept groups and
+  passes the 3-D position ids the unreduced prompt gives the kept tokens (computed with
+  transformers' `get_rope_index` on the unreduced prompt), and the `rope_deltas` that put
+  the next token where the unreduced model would.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ficoco.errors import FicocoError
+from ficoco.models.attention import install_probe, remove_probe
+from ficoco.models.llava import LlavaAdapter, _timed
+from ficoco.models.patching import Patches
+from ficoco.profiles import FAMILY_DEFAULTS
+from ficoco.reduction import VReduction, equivalent_token_redundancy, reduce_v
+
+if TYPE_CHECKING:
+    from ficoco.api import Handle
+
+# "<|im_start|> user \n <|vision_start|>" before the image span.
+PREFIX_TOKENS = 4
+# "<|vision_end|>" before the question, "<|im_end|> \n <|im_start|> assistant \n" after it.
+_SUFFIX_TEMPLATE_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class GroupReduction:
+    """One FiCoCo-V step on merge groups.
+
+    Attributes:
+        hidden: ``(B, (G - r) * merge, D)`` the kept groups' patches, members consecutive.
+        kept_groups: ``(B, G - r)`` original group index (row-major on the group grid) of every
+            kept group, increasing.
+        discarded_groups: ``(B, r)`` original group index of every removed group, increasing.
+        kept_positions: ``(B, G - r)`` index of every kept group in the input sequence of groups.
+    """
+
+    hidden: Tensor
+    kept_groups: Tensor
+    discarded_groups: Tensor
+    kept_positions: Tensor
+
+
+def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor, r: int, group_index: Tensor,
+                  group_grid: tuple[int, int], *, merge: int = 4, lam: float = 0.35, eps: float = 0.998,
+                  window: int = 2, coefficient: float = 2.0) -> GroupReduction:
+    """FiCoCo-V on patches that leave in groups of `merge` consecutive tokens.
+
+    A group's redundancy is the mean of its members' (`lam * v_j - (1 - lam) * a_j`, `a_j`
+    from the equivalent token of `keys`), its correlation to another group is the mean
+    attention between their members, and compressing folds member `m` of a discarded group
+    into member `m` of the kept groups it correlates with. The local penalty acts on the grid
+    of groups.
+
+    Args:
+        hidden: ``(B, G * merge, D)`` patches of one image per sample, members consecutive.
+        attn: ``(B, T, T)`` head-mean attention probabilities of the layer (T = G * merge).
+        keys: ``(B, H, T, d)`` the layer's key states.
+        r: groups to remove, ``0 <= r < G``.
+        group_index: ``(B, G)`` original group index of every current group (row-major on
+            the group grid).
+        group_grid: ``(rows, cols)`` of the original group grid.
+
+    Returns:
+        A :class:`GroupReduction`.
+    """
+    batch, tokens, dim = hidden.shape
+    if tokens % merge:
+        raise ValueError(f"{tokens} tokens are not whole groups of {merge}")
+    groups = tokens // merge
+    # Both terms of the score are linear, so the mean of the members' scores is the score of
+    # the members' mean terms; the correlation is the block mean of the attention.
+    semantic = equivalent_token_redundancy(keys, has_cls=False).view(batch, groups, merge).mean(dim=2)
+    group_attn = attn.view(batch, groups, merge, groups, merge).mean(dim=(2, 4))
+    # reduce_v reads the semantic term of its score from the [CLS] query's row (A[0, j]).
+    # Groups have no [CLS], so a stand-in row 0 carries the groups' equivalent-token term there;
+    # the stand-in token is never removed and is dropped below. The members of a group travel
+    # as one vector of merge x D, so compress folds them member by member.
+    stand_in = group_attn.new_zeros(batch, 1 + groups, 1 + groups)
+    stand_in[:, 0, 1:] = semantic.to(stand_in.dtype)
+    stand_in[:, 1:, 1:] = group_attn
+    vectors = torch.cat([hidden.new_zeros(batch, 1, merge * dim), hidden.reshape(batch, groups, merge * dim)], 1)
+    red: VReduction = reduce_v(vectors, stand_in, r, group_index, group_grid, has_cls=True, lam=lam, eps=eps,
+                               window=window, coefficient=coefficient)
+    return GroupReduction(
+        hidden=red.hidden[:, 1:].reshape(batch, -1, dim),
+        kept_groups=red.grid_index,
+        discarded_groups=red.discarded_grid,
+        kept_positions=red.kept_positions[:, 1:] - 1,
+    )
+
+
+def group_patches(groups: Tensor, grid_w: int, merge_size: int = 2) -> Tensor:
+    """Row-major indices on the patch grid of the patches of `groups` (group-grid indices),
+    sorted: `(B, K)` groups -> `(B, K * merge_size**2)` patches."""
+    cols = grid_w // merge_size
+    row, col = groups // cols, groups % cols
+    offsets = torch.arange(merge_size, device=groups.device)
+    rows = (row[:, :, None] * merge_size + offsets).unsqueeze(3)  # (B, K, m, 1)
+    cols_ = (col[:, :, None] * merge_size + offsets).unsqueeze(2)  # (B, K, 1, m)
+    return (rows * grid_w + cols_).flatten(1).sort(dim=1).values
+
+
+@dataclass
+class _TowerPass:
+    """One run of the vision tower under FiCoCo-V: what every image still holds."""
+
+    grids: list[tuple[int, int]]  # (rows, cols) of patches of every image
+    kept_groups: list[Tensor]  # per image: original group index of every group still present
+    merge: int
+    # Set by the first reducing layer, for the blocks after it.
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int | None = None
+    position_embeddings: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.merge * len(groups) for groups in self.kept_groups]
+
+
+class Qwen2VLAdapter(LlavaAdapter):
+    """Where the method goes in a Qwen2-VL model; FiCoCo-L is LLaVA's, FiCoCo-V this class's."""
+
+    # Videos start a new visual forward as well (FiCoCo-L leaves them unreduced).
+    pixel_inputs = ("pixel_values", "pixel_values_videos")
+
+    def __init__(self, model: nn.Module) -> None:
+        # LLaVA's attributes (the L code reads them), found where Qwen2-VL keeps them; LLaVA's
+        # __init__ would look for a CLIP tower.
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "visual") or not hasattr(inner, "language_model"):
+            raise FicocoError(f"{type(model).__name__} is not a Qwen2-VL model (no visual/language_model)")
+        self.model = model
+        self.visual = inner.visual
+        self.vision_layers = inner.visual.blocks
+        self.decoder_layers = inner.language_model.layers
+        config = model.config
+        self.image_token_id = config.image_token_id
+        self.video_token_id = getattr(config, "video_token_id", None)
+        self.merge_size = config.vision_config.spatial_merge_size
+        self.merge = self.merge_size**2
+        self._tower: _TowerPass | None = None
+
+    def stage_modules(self) -> dict[str, nn.Module]:
+        """The accountant's stages; the projector (PatchMerger) sits inside the vision tower."""
+        inner = self.model.model
+        return {"vision": inner.visual, "projector": inner.visual.merger, "llm": inner.language_model,
+                "lm_head": self.model.lm_head}
+
+    # -- FiCoCo-V: the tower ----------------------------------------------------------------
+    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
+        """Reduce whole merge groups in the ViT blocks of `removed`; the blocks after the first
+        reducing one run on the kept patches' rotary table and image boundaries."""
+        params = handle.hyperparameters
+        visual = self.visual
+        original_tower = visual.forward
+        slots: list[Any] = []
+
+        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+            self._tower = self._start_pass(grid_thw)
+            for slot in slots:  # nothing left over from a pass that ended in an error
+                slot.chunks.clear()
+            return original_tower(hidden_states, grid_thw, **kwargs)
+
+        patches.set(visual, "forward", tower_forward)
+        patches.on_undo(lambda: setattr(self, "_tower", None))
+        first = min(removed) if removed else len(self.vision_layers)
+        for layer_idx in range(first, len(self.vision_layers)):
+            layer = self.vision_layers[layer_idx]
+            r = removed.get(layer_idx, 0)
+            slot = None
+            if r:
+                slot = install_probe(layer.attn, want_keys=True, chunked=True)
+                slots.append(slot)
+                patches.on_undo(lambda attn=layer.attn: remove_probe(attn))
+
+            def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
+                        _layer: nn.Module = layer, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
+                        _original: Callable[..., Tensor] = layer.forward, **kwargs: Any) -> Tensor:
+                tower = self._tower
+                if tower is not None and tower.cu_seqlens is not None:  # an earlier layer reduced
+                    cu_seqlens, position_embeddings = tower.cu_seqlens, tower.position_embeddings
+                    if "max_seqlen" in kwargs:
+                        kwargs["max_seqlen"] = tower.max_seqlen
+                if tower is None or not _r:
+                    return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
+                                     **kwargs)
+                residual = hidden_states
+                attn_out = _layer.attn(_layer.norm1(hidden_states), cu_seqlens=cu_seqlens,
+                                       position_embeddings=position_embeddings, **kwargs)
+                hidden = residual + attn_out
+                chunks = _slot.take_chunks()
+                hidden = _timed(handle, hidden.device, lambda: self._reduce(
+                    handle, tower, hidden, chunks, _r, _idx, position_embeddings, cu_seqlens, params))
+                return hidden + _layer.mlp(_layer.norm2(hidden))
+
+            patches.set(layer, "forward", forward)
+
+    def _start_pass(self, grid_thw: Tensor) -> _TowerPass:
+        grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
+        if any(t != 1 for t, _, _ in grids):
+            raise FicocoError("FiCoCo-V on Qwen2-VL reduces images (grid_t = 1); videos are not supported, "
+                              "use FiCoCo-L for them")
+        device = grid_thw.device
+        return _TowerPass(grids=[(h, w) for _, h, w in grids],
+                          kept_groups=[torch.arange(h * w // self.merge, device=device) for _, h, w in grids],
+                          merge=self.merge)
+
+    def _reduce(self, handle: Handle, tower: _TowerPass, hidden: Tensor, chunks: list[tuple[Tensor, Any]], r: int,
+                layer_idx: int, position_embeddings: tuple[Tensor, Tensor], cu_seqlens: Tensor, params: Any
+                ) -> Tensor:
+        """Remove `r` groups of every image (one batched step per image size); update the pass."""
+        lengths = tower.lengths
+        if len(chunks) != len(lengths):
+            raise RuntimeError(f"the vision attention ran {len(chunks)} segments for {len(lengths)} images")
+        sizes: dict[tuple[int, int], list[int]] = {}
+        for image, grid in enumerate(tower.grids):
+            sizes.setdefault(grid, []).append(image)
+        pieces = hidden.split(lengths) if len(sizes) > 1 else None
+        new_hidden: list[Tensor | None] = [None] * len(lengths)
+        kept_positions: list[Tensor | None] = [None] * len(lengths)
+        for (rows, cols), images in sizes.items():
+            groups = len(tower.kept_groups[images[0]])
+            if not 0 <= r < groups:
+                raise FicocoError(f"vision layer {layer_idx} would remove {r} of the {groups} merge groups left in "
+                                  f"an image of {rows}x{cols} patches; at least one must stay (plan the schedule "
+                                  "for this image size)")
+            if pieces is None:
+                x = hidden.view(len(images), lengths[0], hidden.shape[-1])
+            else:
+                x = torch.stack([pieces[i] for i in images])
+            attn = torch.cat([chunks[i][0] for i in images])
+            keys = torch.cat([chunks[i][1] for i in images])
+            index = torch.stack([tower.kept_groups[i] for i in images])
+            red = reduce_groups(x, attn, keys, r, index, (rows // self.merge_size, cols // self.merge_size),
+                                merge=self.merge, lam=params.lam, eps=params.eps, window=params.window,
+                                coefficient=params.coefficient)
+            handle.record("vision", layer_idx, kept=group_patches(red.kept_groups, cols, self.merge_size),
+                          discarded=group_patches(red.discarded_groups, cols, self.merge_size))
+            for b, image in enumerate(images):
+                new_hidden[image] = red.hidden[b]
+                kept_positions[image] = red.kept_positions[b]
+                tower.kept_groups[image] = red.kept_groups[b]
+        members = torch.arange(self.merge, device=hidden.device)
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
+        rows_now = torch.cat([start + (kept[:, None] * self.merge + members).flatten()
+                              for start, kept in zip(starts, kept_positions, strict=True)])
+        tower.position_embeddings = (position_embeddings[0][rows_now], position_embeddings[1][rows_now])
+        new_lengths = torch.tensor(tower.lengths, device=cu_seqlens.device)
+        tower.cu_seqlens = F.pad(new_lengths.cumsum(0), (1, 0)).to(cu_seqlens.dtype)
+        tower.max_seqlen = max(tower.lengths)
+        if pieces is None:
+            return torch.stack(new_hidden).reshape(-1, hidden.shape[-1])
+        return torch.cat(new_hidden)
+
+    def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
+        """The (reduced) tower's output, merged features split per image by the groups it kept
+        (transformers' `get_image_features` splits by the unreduced counts)."""
+        visual = self.visual
+        out = visual(pixel_values.type(visual.dtype), grid_thw=image_grid_thw, **kwargs)
+        tower = self._tower
+        if tower is None:
+            raise RuntimeError("the Qwen2-VL vision tower ran without FiCoCo-V's bookkeeping")
+        out.pooler_output = torch.split(out.pooler_output, [len(groups) for groups in tower.kept_groups])
+        return out
+
+    def shrink_image_spans(self, input_ids: Tensor, attention_mask: Tensor | None, keep: int
+                           ) -> tuple[Tensor, Tensor | None]:
+        """Not LLaVA's first-`keep` rule: Qwen2-VL's spans keep the groups the tower kept
+        (`shorten_prompt`), which also fixes the kept tokens' 3-D positions."""
+        raise FicocoError("Qwen2-VL image spans are shortened by shorten_prompt, from the groups the tower kept")
+
+    # -- FiCoCo-V: the prompt ---------------------------------------------------------------
+    def shorten_prompt(self, input_ids: Tensor, attention_mask: Tensor | None, mm_token_type_ids: Tensor | None,
+                       image_grid_thw: Tensor, kept_groups: list[Tensor], position_ids: Tensor | None = None
+                       ) -> tuple[dict[str, Tensor | None], Tensor]:
+        """Shorten every image's placeholder span to its kept groups.
+
+        Returns the shortened `input_ids`, `attention_mask`, `mm_token_type_ids` and 3-D
+        `position_ids` (3, B, T'): the positions the unreduced prompt gives the kept tokens
+        (transformers' `get_rope_index` on the unreduced prompt, or the caller's own
+        unreduced position ids, sliced), and the `rope_deltas` (B, 1) that place the token
+        after the shortened prompt where it follows the unreduced one.
+        """
+        batch, length = input_ids.shape
+        device = input_ids.device
+        is_image = input_ids == self.image_token_id
+        if mm_token_type_ids is None:
+            mm_token_type_ids = is_image.int()
+            if self.video_token_id is not None:
+                mm_token_type_ids = mm_token_type_ids + 2 * (input_ids == self.video_token_id).int()
+        groups = [int(t * h * w) // self.merge for t, h, w in image_grid_thw.tolist()]
+        # Spans in reading order, sample after sample: the order of image_grid_thw's rows.
+        starts = is_image & ~F.pad(is_image[:, :-1], (1, 0), value=False)
+        span = (starts.flatten().long().cumsum(0) - 1).view(batch, length)
+        positions = torch.arange(length, device=device).expand(batch, -1)
+        span_start = torch.where(starts, positions, torch.zeros_like(positions)).cummax(dim=1).values
+        rank = positions - span_start
+        span_lengths = torch.bincount(span[is_image], minlength=len(groups)).tolist() if bool(is_image.any()) else []
+        if span_lengths != groups:
+            raise FicocoError(f"the prompt's image spans hold {span_lengths} placeholders, image_grid_thw asks for "
+                              f"{groups} (one per merge group): give the unreduced prompt")
+        table = torch.zeros(len(groups), max(groups), dtype=torch.bool, device=device)
+        for image, kept in enumerate(kept_groups):
+            table[image, kept.to(device)] = True
+        keep = ~is_image | table[span.clamp(min=0), rank.clamp(0, max(groups) - 1)]
+        counts = keep.sum(dim=1)
+        if not bool((counts == counts[0]).all()):
+            raise FicocoError("FiCoCo-V on Qwen2-VL: every sample of a batch must lose the same number of "
+                              "placeholders (the same number of images)")
+        if position_ids is None:
+            position_ids, deltas = self.model.model.get_rope_index(
+                input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw, attention_mask=attention_mask)
+        else:
+            # A 4-row tensor's first row is plain text order; a 2-D one is the same on all three axes.
+            position_ids = position_ids[-3:] if position_ids.dim() == 3 else position_ids[None]
+            position_ids = position_ids.expand(3, batch, length)
+            real = attention_mask.bool() if attention_mask is not None else torch.ones_like(is_image)
+            last = torch.where(real, position_ids.amax(dim=0), torch.zeros_like(position_ids[0])).amax(dim=1)
+            deltas = (last + 1 - real.sum(dim=1)).unsqueeze(1)
+        removed = (length - counts).unsqueeze(1)
+        short = {
+            "input_ids": input_ids[keep].view(batch, -1),
+            "attention_mask": attention_mask[keep].view(batch, -1) if attention_mask is not None else None,
+            "mm_token_type_ids": mm_token_type_ids[keep].view(batch, -1),
+            "position_ids": position_ids[:, keep].view(3, batch, -1),
+        }
+        return short, deltas.to(device) + removed
+
+    def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
+        """FiCoCo-L: LLaVA's entry. FiCoCo-V: encode the images first, then run the shortened
+        prompt with the kept tokens' original 3-D positions (forward and generate)."""
+        if variant != "v":
+            super().patch_entry(handle, patches, variant, keep_per_image)
+            return
+        model = self.model
+        inner = model.model
+        original_forward = model.forward
+        original_generate = model.generate
+        signature = inspect.signature(original_forward)
+
+        def prepare(call: dict[str, Any], *, text_row: bool) -> dict[str, Any]:
+            """Encode the images, shorten the prompt and set its positions (in `call`)."""
+            if call.get("pixel_values_videos") is not None:
+                raise FicocoError("FiCoCo-V on Qwen2-VL reduces images only; run videos with FiCoCo-L")
+            pixel_values = call.pop("pixel_values", None)
+            input_ids = call.get("input_ids")
+            grid = call.get("image_grid_thw")
+            if input_ids is None or grid is None:
+                raise FicocoError("FiCoCo-V on Qwen2-VL needs input_ids and image_grid_thw with pixel_values "
+                                  "(the image spans are shortened in input_ids)")
+            handle.begin_forward()
+            encoded = self.encode_images(pixel_values, grid)
+            short, deltas = self.shorten_prompt(input_ids, call.get("attention_mask"), call.get("mm_token_type_ids"),
+                                                grid, self._tower.kept_groups, call.get("position_ids"))
+            if text_row:
+                # generate keeps a 4th (first) row of plain text order for its masks and extends all
+                # four by one per new token; that row follows the shortened prompt.
+                mask = short["attention_mask"]
+                if mask is None:
+                    text = torch.arange(short["input_ids"].shape[1], device=input_ids.device)
+                    text = text.expand(short["input_ids"].shape[0], -1)
+                else:
+                    text = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+                short["position_ids"] = torch.cat([text[None].to(short["position_ids"]), short["position_ids"]])
+            call.update({k: v for k, v in short.items() if v is not None or k in call})
+            call["mm_encoder_outputs"] = {**(call.get("mm_encoder_outputs") or {}), "image": encoded}
+            # Decode steps that come without position ids take them from here (and the cache length).
+            inner.rope_deltas = deltas
+            return call
+
+        # generate() validates its kwargs against forward's signature: keep the original's.
+        @functools.wraps(original_forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind_partial(*args, **kwargs)
+            call = dict(bound.arguments)
+            call.update(call.pop("kwargs", {}))
+            if call.get("pixel_values") is not None or call.get("pixel_values_videos") is not None:
+                call = prepare(call, text_row=False)
+            # Otherwise: text, a decode step, or generate's prefill, whose images generate() encoded.
+            return original_forward(**call)
+
+        @functools.wraps(original_generate)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            if args:
+                kwargs["input_ids"], args = args[0], args[1:]
+            if kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None:
+                kwargs = prepare(kwargs, text_row=True)
+            # The returned sequences hold the prompt as the model ran it: image spans shortened.
+            return original_generate(*args, **kwargs)
+
+        patches.set(model, "forward", forward)
+        patches.set(model, "generate", generate)
+
+        def get_image_features(pixel_values: Tensor, image_grid_thw: Tensor | None = None, **kwargs: Any) -> Any:
+            # Called directly (not through forward/generate): split by what the tower kept.
+            return_dict = kwargs.pop("return_dict", True)
+            out = self.encode_images(pixel_values, image_grid_thw, **kwargs)
+            return out if return_dict else out.to_tuple()
+
+        patches.set(inner, "get_image_features", get_image_features)
+
+
+def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(rows, cols) of patches Qwen2-VL's processor makes of an image of `image_size` (H, W),
+    by default the profile's image size."""
+    from ficoco.accounting.architecture import qwen2_vl_resize
+
+    if image_size is None:
+        defaults = {**FAMILY_DEFAULTS["qwen2_vl"], **(getattr(model, "_ficoco_defaults", None) or {})}
+        image_size = tuple(defaults["image_size"])
+    vision = model.config.vision_config
+    height, width = qwen2_vl_resize(tuple(image_size), vision.patch_size * vision.spatial_merge_size)
+    return height // vision.patch_size, width // vision.patch_size
+
+
+def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
+                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                     image_size: tuple[int, int] | None = None) -> dict[str, Tensor]:
+    """Inputs of `batch` prompts of one image each, laid out like Qwen2-VL's processor.
+
+    Text: "<|im_start|>user\\n<|vision_start|>" + one `<|image_pad|>` per merge group +
+    "<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\n", `text_tokens` text tokens
+    in all (random ordinary ids for the words). Pixels: the flattened patches the processor
+    makes, (batch x rows x cols, 3 x 2 x 14 x 14), with `image_grid_thw` and `mm_token_type_ids`.
+    The image is `image_size` (H, W), the profile's by default.
+    """
+    config = model.config
+    if config.model_type != "qwen2_vl":
+        raise FicocoError(f"these synthetic inputs are laid out for Qwen2-VL only, not '{config.model_type}'")
+    fixed = PREFIX_TOKENS + _SUFFIX_TEMPLATE_TOKENS
+    if text_tokens < fixed:
+        raise FicocoError(f"--text-tokens must be at least the {fixed} template tokens around the image")
+    rows, cols = image_grid(model, image_size)
+    vision = config.vision_config
+    placeholders = rows * cols // vision.spatial_merge_size**2
+    start, end = config.vision_start_token_id, config.vision_end_token_id
+    # Qwen2's tokenizer puts <|im_start|> and <|im_end|> 8 and 7 ids before <|vision_start|>.
+    im_start, im_end = start - 8, start - 7
+    special = [t for t in (config.image_token_id, config.video_token_id, start, end, im_start) if t is not None]
+    text_vocab = min(config.text_config.vocab_size, *special) - 3
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(3, 3 + text_vocab, (batch, text_tokens), generator=generator)
+    column = functools.partial(torch.full, (batch, 1), dtype=torch.long)
+    question = text_tokens - fixed
+    input_ids = torch.cat([
+        column(im_start), words[:, :2], column(start),  # <|im_start|> user \n <|vision_start|>
+        torch.full((batch, placeholders), config.image_token_id, dtype=torch.long),
+        column(end), words[:, 2:2 + question],
+        column(im_end), words[:, 2 + question:3 + question], column(im_start), words[:, 3 + question:5 + question],
+    ], dim=1)
+    channels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(batch * rows * cols, channels, generator=generator)
+    param = next(model.parameters())
+    device = device or param.device
+    pixel_dtype = dtype or (param.dtype if param.is_floating_point() else torch.float16)
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": torch.ones_like(input_ids).to(device),
+        "pixel_values": pixels.to(device=device, dtype=pixel_dtype),
+        "image_grid_thw": torch.tensor([[1, rows, cols]] * batch, device=device),
+        "mm_token_type_ids": (input_ids == config.image_token_id).int().to(device),
+    }

@@ -1,0 +1,114 @@
+"""FiCoCo inside Hugging Face's Video-LLaVA (`VideoLlavaForConditionalGeneration`).
+
+Video-LLaVA is LLaVA-1.5 built twice over: an image tower and a video tower (both CLIP
+ViT-L/14 at 224 px, 16 x 16 patches + [CLS]), one projector and a LLaMA decoder. A video's
+frames go through the video tower as batch items, and transformers keeps each frame's
+[CLS] in the video features, so a video fills `frames x (1 + patches)` placeholders
+(`video_token_index`): 8 x 257 = 2056 for Video-LLaVA-7B.
+
+Everything but that bookkeeping is LLaVA's (`LlavaAdapter`): the same CLIP layers are
+re-composed for FiCoCo-V, now in the video tower, where frames are batch items and [CLS] stays
+at position 0 of each; the same decoder wrapping does FiCoCo-L, over the whole video span.
+What differs is set here: the tower, the placeholder, the inputs that carry pixels, and the
+span unit of FiCoCo-V's shortened prompt (a frame: [CLS] + the patches the tower kept).
+
+Images (`pixel_values`) go through the image tower, which FiCoCo leaves alone: a
+video-only prompt runs only the video tower, and that is the tower the stages count.
+
+Records: for V one row per frame, sample-major (row `b * frames + f`), holding grid indices
+0..patches-1 of that frame; for L one row per sample, holding offsets inside the whole video
+span (0..2055 for 8 frames).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from ficoco.errors import FicocoError
+from ficoco.models.llava import LlavaAdapter
+from ficoco.models.patching import Patches
+from ficoco.profiles import FAMILY_DEFAULTS
+
+if TYPE_CHECKING:
+    from ficoco.api import Handle
+
+# "<s> USER :" before the video, as the Video-LLaVA template ("USER: <video>\n... ASSISTANT:")
+# tokenises it with the LLaMA tokenizer: the same prefix as LLaVA-1.5's.
+PREFIX_TOKENS = 5
+
+
+class VideoLlavaAdapter(LlavaAdapter):
+    """Where the method goes in a Video-LLaVA model: the video tower and the video span."""
+
+    tower_attribute = "video_tower"
+    placeholder_config_keys = ("video_token_id", "video_token_index")
+    # Any visual input starts a new forward (records and state of the previous one are dropped);
+    # images run the untouched image tower, so their forward records nothing.
+    pixel_inputs = ("pixel_values_videos", "pixel_values", "pixel_values_images")
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        if self.image_token_id is None:
+            raise FicocoError(f"{type(model).__name__}'s config has no video_token_index")
+        # A frame fills 1 + patches placeholders: transformers keeps its [CLS].
+        self.span_tokens = self.patches + 1
+
+    def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
+        """As LLaVA's, with FiCoCo-V's span shortened frame by frame.
+
+        `keep_per_image` (the accountant's visual tokens per video) is frames x (1 + kept
+        patches) for the profile's frame count; shortening per frame instead keeps every frame's
+        [CLS] and kept patches whatever the number of frames the input holds.
+        """
+        keep_per_frame = 1 + self.patches - handle.schedule.total_removed if variant == "v" else None
+        super().patch_entry(handle, patches, variant, keep_per_frame)
+
+
+def frames_of(model: nn.Module) -> int:
+    """Frames per video the model was built for (its profile's `frames`, else the family's)."""
+    defaults = {**FAMILY_DEFAULTS["video_llava"], **(getattr(model, "_ficoco_defaults", None) or {})}
+    return int(defaults["frames"])
+
+
+def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
+                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                     frames: int | None = None) -> dict[str, Tensor]:
+    """input_ids, attention_mask and pixel_values_videos for `batch` prompts of one video each.
+
+    Laid out like "USER: <video>\\n{question} ASSISTANT:": `PREFIX_TOKENS` text tokens, the
+    video span (frames x (1 + patches) placeholders), then the rest of the text. Token ids are
+    random (seeded) text ids; pixels are (batch, frames, 3, size, size) random values.
+    """
+    config = model.config
+    if config.model_type != "video_llava":
+        raise FicocoError(f"these synthetic inputs are laid out for Video-LLaVA only, not '{config.model_type}'")
+    if text_tokens <= PREFIX_TOKENS:
+        raise FicocoError(f"--text-tokens must exceed the {PREFIX_TOKENS} template tokens before the video")
+    frames = frames_of(model) if frames is None else frames
+    if frames < 1:
+        raise FicocoError(f"--frames {frames} must be at least 1")
+    vision = config.vision_config
+    per_frame = (vision.image_size // vision.patch_size) ** 2 + 1  # patches + [CLS]
+    video_token = config.video_token_id
+    vocab = config.text_config.vocab_size
+    # Ordinary text ids: below the special tokens the vocabulary appends (<image>, <video>).
+    special = [t for t in (config.image_token_id, video_token) if t is not None]
+    text_vocab = min(vocab, *special) - 3
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, 3 + text_vocab, (batch, text_tokens), generator=generator)
+    text[:, 0] = 1  # BOS
+    video = torch.full((batch, frames * per_frame), video_token, dtype=torch.long)
+    input_ids = torch.cat([text[:, :PREFIX_TOKENS], video, text[:, PREFIX_TOKENS:]], dim=1)
+    pixels = torch.randn(batch, frames, vision.num_channels, vision.image_size, vision.image_size,
+                         generator=generator)
+    param = next(model.parameters())
+    device = device or param.device
+    pixel_dtype = dtype or (param.dtype if param.is_floating_point() else torch.float16)
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": torch.ones_like(input_ids).to(device),
+        "pixel_values_videos": pixels.to(device=device, dtype=pixel_dtype),
+    }
