@@ -147,6 +147,21 @@ def apply_overrides(profile: Profile, overrides: list[str] | dict[str, Any]) -> 
         profile.overrides[key] = value
 
 
+def set_layout(profile: Profile, *, image_size: tuple[int, int] | None = None, frames: int | None = None) -> None:
+    """Record the input layout (image size (H, W), video frames) in the profile's defaults, so
+    that the accountant, the built model and `apply` all plan for the same input."""
+    if image_size is not None:
+        if profile.family not in ("llava_next", "qwen2_vl"):
+            raise FicocoError(f"--image-size applies to llava_next and qwen2_vl models, not {profile.family}")
+        profile.defaults["image_size"] = [int(image_size[0]), int(image_size[1])]
+    if frames is not None:
+        if profile.family != "video_llava":
+            raise FicocoError(f"--frames applies to video_llava models, not {profile.family}")
+        if frames < 1:
+            raise FicocoError(f"--frames {frames} must be at least 1")
+        profile.defaults["frames"] = int(frames)
+
+
 @dataclass(frozen=True)
 class Hardware:
     """A GPU's peak figures as LLM-Viewer's roofline uses them."""

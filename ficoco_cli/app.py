@@ -144,7 +144,7 @@ def flops_command(
     """Analytic cost: TFLOPs by stage, KV cache, weights, memory access, roofline time."""
     from ficoco import accounting as acc
     from ficoco.accounting.flops import SCOPE_STAGES, STAGES
-    from ficoco.profiles import load_gpu, load_profile
+    from ficoco.profiles import load_gpu, load_profile, set_layout
     from ficoco.report import write_json_atomic
     from ficoco_cli.render import flops_table, per_layer_table
 
@@ -153,13 +153,14 @@ def flops_command(
     if tolerance is not None and not verify:
         raise FicocoError("--tolerance applies to --verify; add --verify")
     profile = load_profile(model, set_values or [])
+    set_layout(profile, image_size=parse_image_size(image_size), frames=frames)
     if verify:
         from ficoco.verify import check_supported
         from ficoco_cli.verify_cmd import check_verify_options
 
         check_supported(profile)
         check_verify_options(quant=quant, kv_bits=kv_bits, gpu=gpu)
-    arch = acc.architecture(profile, image_size=parse_image_size(image_size), frames=frames)
+    arch = acc.architecture(profile)
     opts = acc.CountOptions(convention=convention, scope=scope, equivalent=equivalent, batch=batch,
                             text_tokens=text_tokens, lm_head_tokens=lm_head)
     quants = [acc.make_quant(q, kv_bits) for q in split_list(quant, "--quant")]

@@ -19,7 +19,7 @@ import torch
 from ficoco.accounting import CountOptions, Schedule, account, architecture, resolve_schedule
 from ficoco.accounting.memory import QUANT_BITS, Quant
 from ficoco.errors import FicocoError
-from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile
+from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
 from ficoco.profiling.trackers import LatencyTracker, MemoryTracker, cache_bytes
 
 # NVIDIA device names -> hardware profiles of the roofline.
@@ -154,11 +154,8 @@ def plan_run(config: ProfileConfig) -> Plan:
     if profile.family not in supported_families():
         raise FicocoError(f"{source or config.model} is a '{profile.family}' model; ficoco profile runs "
                           f"{', '.join(supported_families())} models so far")
-    if config.image_size is not None and profile.family not in ("llava_next", "qwen2_vl"):
-        raise FicocoError(f"--image-size applies to llava_next and qwen2_vl models, not {profile.family}")
-    if config.frames is not None and profile.family != "video_llava":
-        raise FicocoError(f"--frames applies to video_llava models, not {profile.family}")
-    arch = architecture(profile, image_size=config.image_size, frames=config.frames)
+    set_layout(profile, image_size=config.image_size, frames=config.frames)
+    arch = architecture(profile)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
                         text_tokens=config.text_tokens)
     schedules = {
@@ -177,7 +174,7 @@ def plan_run(config: ProfileConfig) -> Plan:
 def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardware | None) -> dict[str, Any]:
     """What the accountant predicts for the row: whole-model TFLOPs (scope all, the LM head
     on the last token as a prefill for generation computes it), KV cache, roofline."""
-    arch = architecture(profile, image_size=config.image_size, frames=config.frames)
+    arch = architecture(profile)
     # Weights at the quant's width; activations and the KV cache stay 16-bit (bitsandbytes
     # computes in 16 bits) unless --kv-bits quantizes the cache.
     quant = Quant(row.quant, QUANT_BITS[row.quant], 16, config.kv_bits or 16)
