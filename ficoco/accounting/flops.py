@@ -121,8 +121,10 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
     for layer, (n_in, n_out) in enumerate(plan.vision):
         ops.extend(vision_layer_ops(arch, layer, items, n_in, n_out))
     # The projector sees the visual tokens that reach the LLM, without LLaVA-NeXT's newlines
-    # (those are a learned vector, not projected) and before Qwen2-VL's merge is undone.
-    projected = batch * (plan.llm_visual_tokens - arch.newline_tokens)
+    # (those are a learned vector, not projected) and before Qwen2-VL's merge is undone. It runs
+    # before LLaVA-NeXT's unpadding, so it also projects the tokens unpadding drops (FiCoCo-V,
+    # whose kept counts would depend on them, is refused where unpadding drops any).
+    projected = batch * (plan.llm_visual_tokens - arch.newline_tokens + arch.unpadding_drops)
     if arch.projector.norm_dim:
         dim = arch.projector.norm_dim
         ops.append(_elementwise("projector", None, "norm", 7 * projected * v.merge * dim,

@@ -1,0 +1,375 @@
+"""FiCoCo inside Hugging Face's LLaVA-NeXT (`LlavaNextForConditionalGeneration`): LLaVA-1.5's CLIP
+tower and LLaMA decoder, with AnyRes images. This file alone knows LLaVA-NeXT's layout; the layer
+patches are LLaVA-1.5's (`LlavaAdapter`), and the method lives in ficoco.reduction.
+
+AnyRes, as transformers computes it: an image becomes a base view plus a grid of crops, every one
+a CLIP batch item; the crop features are put back on one large patch grid, the grid is unpadded
+to the image's aspect ratio, and one `image_newline` token ends every row; the base view's tokens
+come first. So:
+
+- FiCoCo-V reduces every item (base view and crops) inside the tower with LLaVA-1.5's batched
+  layer patch. The packing that follows cannot reshape reduced crops into a grid, so it is
+  replaced, while V runs, by one that places every kept token where the unreduced packing puts
+  it (from the grid coordinates the V stage records per item) and still ends every row with a
+  newline token. The prompt's placeholder span is shortened to the reduced count at the entry.
+- FiCoCo-L reduces the whole span (base, crops and newlines) with LLaVA-1.5's decoder patch; the
+  newline tokens count as visual tokens but are protected: never selected for removal.
+
+Both need each image's layout, which follows from its `image_sizes` row; the entry wrappers keep
+the call's `image_sizes` for the span bookkeeping (generate encodes the images before its first
+forward call, so a generation's sizes are taken at `generate`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from ficoco.errors import FicocoError
+from ficoco.models.inputs import PREFIX_TOKENS
+from ficoco.models.llava import LlavaAdapter
+from ficoco.models.patching import LanguageState, Patches
+
+if TYPE_CHECKING:
+    from ficoco.api import Handle
+
+__all__ = ["PREFIX_TOKENS", "ImageLayout", "LlavaNextAdapter", "image_layout", "synthetic_inputs"]
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """Where one image's visual tokens sit in the LLM's span, as LLaVA-NeXT packs them.
+
+    The span is the base view's `side x side` tokens, then the unpadded rows of the crop grid
+    (`rows x cols` patches before unpadding), each row followed by one newline token. Without
+    crops (one item) the span is the base view and one newline.
+    """
+
+    side: int  # patches per item along each axis
+    crops_hw: tuple[int, int]  # crops along each axis; (0, 0) when the base view is the only item
+    unpadded: Tensor  # (rows_u, cols_u) flat indices into the rows x cols crop grid that unpadding keeps
+
+    @property
+    def items(self) -> int:
+        return 1 + self.crops_hw[0] * self.crops_hw[1]
+
+    @property
+    def grid_hw(self) -> tuple[int, int]:
+        return self.crops_hw[0] * self.side, self.crops_hw[1] * self.side
+
+    @property
+    def newline_rows(self) -> int:
+        return self.unpadded.shape[0] if self.items > 1 else 1
+
+    @property
+    def unpadding_drops(self) -> int:
+        rows, cols = self.grid_hw
+        return rows * cols - self.unpadded.numel()
+
+    @property
+    def tokens(self) -> int:
+        """Visual tokens of the unreduced image (the processor's placeholder count)."""
+        return self.side * self.side + self.unpadded.numel() + self.newline_rows
+
+    def reduced_tokens(self, kept_per_item: int) -> int:
+        """Visual tokens when FiCoCo-V keeps `kept_per_item` patches of every item."""
+        if self.unpadding_drops:
+            raise FicocoError(
+                f"FiCoCo-V on LLaVA-NeXT: AnyRes unpadding of this image drops {self.unpadding_drops} crop "
+                "tokens, so the reduced count depends on which tokens stay; use square images or FiCoCo-L")
+        return self.items * kept_per_item + self.newline_rows
+
+    def newline_flags(self) -> Tensor:
+        """(tokens,) bool: True on the newline tokens of the unreduced span."""
+        flags = torch.zeros(self.tokens, dtype=torch.bool)
+        base = self.side * self.side
+        if self.items == 1:
+            flags[base] = True
+            return flags
+        cols_u = self.unpadded.shape[1]
+        flags[base + cols_u::cols_u + 1] = True
+        return flags
+
+    def crop_slots(self) -> Tensor:
+        """(rows * cols,) long: the place of every crop-grid patch in the crop part of the packed
+        span (rows of cols_u patches and one newline), -1 where unpadding drops the patch."""
+        rows, cols = self.grid_hw
+        rows_u, cols_u = self.unpadded.shape
+        slots = torch.full((rows * cols,), -1, dtype=torch.long)
+        place = torch.arange(rows_u)[:, None] * (cols_u + 1) + torch.arange(cols_u)[None, :]
+        slots[self.unpadded.flatten()] = place.flatten()
+        return slots
+
+    def pack(self, features: Tensor, kept_grid: Tensor, newline: Tensor | None) -> Tensor:
+        """Pack one image's reduced item features in the unreduced model's order.
+
+        Args:
+            features: (items, k, D) projected features, every item's kept patches in grid order.
+            kept_grid: (items, k) the original grid index (row-major within its item) of each.
+            newline: (D,) the newline embedding, or None (then no newline tokens, as transformers).
+
+        Returns:
+            (items * k + newline rows, D): the base view's tokens, then the kept crop tokens in the
+            packed order, one newline ending every row (rows that lost tokens keep theirs).
+        """
+        base = features[0]
+        if newline is not None:
+            newline = newline.to(device=features.device, dtype=features.dtype)
+        if self.items == 1:
+            return base if newline is None else torch.cat([base, newline[None]], dim=0)
+        crops, grid = features[1:], kept_grid[1:].to(features.device)
+        crop_index = torch.arange(crops.shape[0], device=grid.device)[:, None]
+        crops_w = self.crops_hw[1]
+        rows_in, cols_in = grid // self.side, grid % self.side
+        grid_row = (crop_index // crops_w) * self.side + rows_in
+        grid_col = (crop_index % crops_w) * self.side + cols_in
+        slots = self.crop_slots().to(grid.device)[grid_row * self.grid_hw[1] + grid_col].flatten()
+        tokens = crops.reshape(-1, crops.shape[-1])
+        if bool((slots < 0).any()):  # unpadded away (the entry refuses such images for V)
+            tokens, slots = tokens[slots >= 0], slots[slots >= 0]
+        if newline is not None:
+            rows_u, cols_u = self.unpadded.shape
+            newline_slots = torch.arange(rows_u, device=grid.device) * (cols_u + 1) + cols_u
+            tokens = torch.cat([tokens, newline[None].expand(rows_u, -1)], dim=0)
+            slots = torch.cat([slots, newline_slots])
+        order = torch.argsort(slots)
+        return torch.cat([base, tokens[order]], dim=0)
+
+
+def _unpadded_window(rows: int, cols: int, size_hw: list[int]) -> tuple[slice, slice]:
+    """The rows and columns of a rows x cols grid that transformers' `unpad_image` keeps for an
+    image of `size_hw`, in plain integers (unpad_image rounds tensor sizes under torch.jit)."""
+    height, width = size_hw
+    if width / height > cols / rows:
+        new_height = int(round(height * (cols / width), 7))
+        pad = (rows - new_height) // 2
+        return slice(pad, rows - pad), slice(0, cols)
+    new_width = int(round(width * (rows / height), 7))
+    pad = (cols - new_width) // 2
+    return slice(0, rows), slice(pad, cols - pad)
+
+
+def image_layout(config: Any, size_hw: Any) -> ImageLayout:
+    """The layout of one image of `size_hw` (H, W), from transformers' own AnyRes grid choice and
+    its unpadding arithmetic, so that it is what the model packs."""
+    from transformers.models.llava_next.modeling_llava_next import (
+        get_anyres_image_grid_shape,
+        image_size_to_num_patches,
+    )
+
+    size = [int(v) for v in (size_hw.tolist() if isinstance(size_hw, Tensor) else size_hw)]
+    if len(size) != 2 or min(size) < 1:
+        raise FicocoError(f"image size {size_hw} is not (height, width) in pixels")
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    pinpoints = config.image_grid_pinpoints
+    if image_size_to_num_patches(size, pinpoints, vision.image_size) == 1:
+        return ImageLayout(side, (0, 0), torch.zeros(0, 0, dtype=torch.long))
+    crops_h, crops_w = get_anyres_image_grid_shape(size, pinpoints, vision.image_size)
+    rows, cols = crops_h * side, crops_w * side
+    keep_rows, keep_cols = _unpadded_window(rows, cols, size)
+    unpadded = torch.arange(rows * cols).view(rows, cols)[keep_rows, keep_cols]
+    return ImageLayout(side, (crops_h, crops_w), unpadded)
+
+
+class LlavaNextAdapter(LlavaAdapter):
+    """Where the method goes in a LLaVA-NeXT model, and the AnyRes span bookkeeping."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        config = model.config
+        if not getattr(config, "image_grid_pinpoints", None):
+            raise FicocoError(f"{type(model).__name__} has no image_grid_pinpoints; not a LLaVA-NeXT model")
+        self._layouts: dict[tuple[int, int], ImageLayout] = {}
+        self.kept_per_item: int | None = None  # FiCoCo-V: patches every item keeps
+        self.image_sizes: Tensor | None = None  # the current call's image_sizes (see patch_entry)
+
+    def layout(self, size_hw: Any) -> ImageLayout:
+        key = tuple(int(v) for v in (size_hw.tolist() if isinstance(size_hw, Tensor) else size_hw))
+        if key not in self._layouts:
+            self._layouts[key] = image_layout(self.model.config, key)
+        return self._layouts[key]
+
+    def _sizes_of_call(self) -> list[list[int]]:
+        return self.image_sizes.tolist() if self.image_sizes is not None else []
+
+    def _layouts_of_call(self, what: str) -> list[ImageLayout]:
+        if self.image_sizes is None:
+            raise FicocoError(f"{what} on LLaVA-NeXT needs the images' image_sizes in the same forward or "
+                              "generate call as the image placeholders")
+        return [self.layout(size) for size in self.image_sizes]
+
+    # -- FiCoCo-V ---------------------------------------------------------------------------
+    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
+        """Reduce every item inside the CLIP layers (LLaVA-1.5's patch: items are batch rows) and
+        pack the reduced items in the unreduced model's order."""
+        if getattr(self.model.config, "vision_feature_select_strategy", "default") != "default":
+            raise FicocoError("FiCoCo-V on LLaVA-NeXT needs vision_feature_select_strategy='default' "
+                              "([CLS] dropped before packing)")
+        super().patch_vision(handle, patches, removed)
+        self.kept_per_item = self.patches - sum(removed.values())
+        inner = self.model.model
+        packing = self._packing(inner.pack_image_features, lambda: handle.vision_state)
+        patches.set(inner, "pack_image_features", packing)
+
+    def patch_for_tracing(self, patches: Patches) -> None:
+        """Let torch.jit trace the forward (fvcore counts by tracing): transformers' unpadding rounds
+        sizes that the tracer turns into tensors, so the layout packing (the same result) stands in."""
+        inner = self.model.model
+        if "pack_image_features" not in inner.__dict__:  # FiCoCo-V's packing is traceable already
+            patches.set(inner, "pack_image_features", self._packing(inner.pack_image_features, lambda: None))
+
+    def _packing(self, original: Callable[..., Any], kept_grid_of: Callable[[], Tensor | None]
+                 ) -> Callable[..., tuple[list[Tensor], Tensor]]:
+        """A stand-in for `pack_image_features` that packs the items FiCoCo-V reduced (their kept
+        grid indices from `kept_grid_of`) in the unreduced model's order; unreduced items go to
+        `original`, except under torch.jit tracing."""
+
+        def pack_image_features(image_features: Any, image_sizes: Tensor, vision_feature_select_strategy: str,
+                                image_newline: Tensor | None = None) -> tuple[list[Tensor], Tensor]:
+            kept_grid = kept_grid_of()
+            items = sum(int(f.shape[0]) for f in image_features)
+            if kept_grid is None:
+                if not torch.jit.is_tracing():
+                    return original(image_features, image_sizes, vision_feature_select_strategy,
+                                    image_newline=image_newline)
+                kept_grid = torch.arange(self.patches, device=image_features[0].device).expand(items, -1)
+            if vision_feature_select_strategy != "default":
+                raise FicocoError("FiCoCo on LLaVA-NeXT packs features of vision_feature_select_strategy="
+                                  f"'default' only, not '{vision_feature_select_strategy}'")
+            if tuple(kept_grid.shape) != (items, image_features[0].shape[1]):
+                raise RuntimeError(f"the V stage kept {tuple(kept_grid.shape)} patches for {items} items of "
+                                   f"{image_features[0].shape[1]} features")
+            packed, start = [], 0
+            for features, size in zip(image_features, image_sizes, strict=True):
+                grid = kept_grid[start:start + features.shape[0]]
+                start += features.shape[0]
+                packed.append(self.layout(size).pack(features, grid, image_newline))
+            lengths = torch.tensor([p.shape[0] for p in packed], dtype=torch.long, device=packed[0].device)
+            return packed, lengths
+
+        return pack_image_features
+
+    def shrink_image_spans(self, input_ids: Tensor, attention_mask: Tensor | None, keep: int
+                           ) -> tuple[Tensor, Tensor | None]:
+        """Keep the first placeholders of every image span: as many as the image's reduced count
+        (items x kept patches + its newline rows; `keep` is that count at the profile's image size)."""
+        is_image = input_ids == self.image_token_id
+        if not bool(is_image.any()) or self.image_sizes is None or self.kept_per_item is None:
+            return input_ids, attention_mask  # no images, or pre-encoded features (sized already)
+        layouts = self._layouts_of_call("FiCoCo-V")
+        full = torch.tensor([layout.tokens for layout in layouts])
+        reduced = torch.tensor([layout.reduced_tokens(self.kept_per_item) for layout in layouts])
+        total = int(is_image.sum())
+        if total == int(reduced.sum()):
+            return input_ids, attention_mask  # already shortened (generate's prefill), or nothing removed
+        if total != int(full.sum()):
+            raise FicocoError(f"the input holds {total} image placeholders, but its {len(layouts)} image(s) "
+                              f"of image_sizes {self._sizes_of_call()} need {int(full.sum())}")
+        # Placeholders are consumed in row-major order (masked_scatter): the k-th one overall
+        # belongs to the image whose cumulative count first exceeds k.
+        rank = torch.cumsum(is_image.flatten().long(), 0).view_as(input_ids) - 1
+        ends = torch.cumsum(full, 0).to(input_ids.device)
+        image = torch.bucketize(rank, ends, right=True).clamp(max=len(layouts) - 1)
+        starts = (ends - full.to(ends.device))[image]
+        drop = is_image & (rank - starts >= reduced.to(ends.device)[image])
+        kept = ~drop
+        lengths = kept.sum(dim=1)
+        if not bool((lengths == lengths[0]).all()):
+            raise FicocoError("every sample of a batch must hold the same number of images of the same "
+                              "layout for FiCoCo-V")
+        batch = input_ids.shape[0]
+        new_ids = input_ids[kept].view(batch, -1)
+        new_mask = attention_mask[kept].view(batch, -1) if attention_mask is not None else None
+        return new_ids, new_mask
+
+    # -- FiCoCo-L ---------------------------------------------------------------------------
+    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None) -> LanguageState:
+        """LLaVA-1.5's span bookkeeping, with the newline tokens of the span protected."""
+        state = super().language_state(input_ids, attention_mask)
+        layouts = self._layouts_of_call("FiCoCo-L")
+        flags = torch.cat([layout.newline_flags() for layout in layouts]).to(input_ids.device)
+        is_image = input_ids == self.image_token_id
+        if flags.numel() != int(is_image.sum()):
+            raise FicocoError(f"the input holds {int(is_image.sum())} image placeholders, but its "
+                              f"{len(layouts)} image(s) of image_sizes {self._sizes_of_call()} need {flags.numel()}")
+        newline = torch.zeros_like(is_image)
+        newline[is_image] = flags
+        state.protected = torch.gather(newline, 1, state.visual_positions)
+        return state
+
+    # -- the top-level model ----------------------------------------------------------------
+    def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
+        """LLaVA-1.5's entry wrappers, inside wrappers that keep the call's image_sizes for the span
+        bookkeeping (a forward inside generate sees the generation's)."""
+        super().patch_entry(handle, patches, variant, keep_per_image)
+        model = self.model
+        inner_forward, inner_generate = model.forward, model.generate
+        signature = inspect.signature(inner_forward)  # the model's own (followed through __wrapped__)
+
+        def with_sizes(sizes: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
+            if sizes is None:
+                return call(*args, **kwargs)
+            previous, self.image_sizes = self.image_sizes, torch.as_tensor(sizes).reshape(-1, 2).cpu()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.image_sizes = previous
+
+        @functools.wraps(inner_forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            sizes = signature.bind_partial(*args, **kwargs).arguments.get("image_sizes")
+            return with_sizes(sizes, inner_forward, *args, **kwargs)
+
+        @functools.wraps(inner_generate)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            return with_sizes(kwargs.get("image_sizes"), inner_generate, *args, **kwargs)
+
+        patches.set(model, "forward", forward)
+        patches.set(model, "generate", generate)
+
+
+def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
+                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                     image_size: tuple[int, int] | None = None) -> dict[str, Tensor]:
+    """input_ids, attention_mask, pixel_values (B, items, 3, crop, crop) and image_sizes for `batch`
+    prompts "USER: <image>\\n... ASSISTANT:" of one image of `image_size` (H, W; the profile's default
+    image size otherwise), laid out as the LLaVA-NeXT processor lays them out."""
+    config = model.config
+    if config.model_type != "llava_next":
+        raise FicocoError(f"synthetic inputs here are laid out for LLaVA-NeXT only, not '{config.model_type}'")
+    if text_tokens <= PREFIX_TOKENS:
+        raise FicocoError(f"--text-tokens must exceed the {PREFIX_TOKENS} template tokens before the image")
+    vision = config.vision_config
+    if image_size is None:
+        default = (getattr(model, "_ficoco_defaults", None) or {}).get("image_size")
+        image_size = tuple(default) if default else (2 * vision.image_size, 2 * vision.image_size)
+    height, width = (int(v) for v in image_size)
+    layout = image_layout(config, (height, width))
+    image_token = getattr(config, "image_token_id", None)
+    if image_token is None:
+        image_token = config.image_token_index
+    # Ordinary text ids: below the special tokens the LLaVA vocabulary appends.
+    text_vocab = min(config.text_config.vocab_size, image_token) - 3
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, 3 + text_vocab, (batch, text_tokens), generator=generator)
+    text[:, 0] = 1  # BOS
+    image = torch.full((batch, layout.tokens), image_token, dtype=torch.long)
+    input_ids = torch.cat([text[:, :PREFIX_TOKENS], image, text[:, PREFIX_TOKENS:]], dim=1)
+    pixels = torch.randn(batch, layout.items, vision.num_channels, vision.image_size, vision.image_size,
+                         generator=generator)
+    param = next(model.parameters())
+    device = device or param.device
+    pixel_dtype = dtype or (param.dtype if param.is_floating_point() else torch.float16)
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": torch.ones_like(input_ids).to(device),
+        "pixel_values": pixels.to(device=device, dtype=pixel_dtype),
+        "image_sizes": torch.tensor([[height, width]] * batch, dtype=torch.long, device=device),
+    }
