@@ -38,13 +38,22 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     image = torch.full((batch, patches), image_token, dtype=torch.long)
     input_ids = torch.cat([text[:, :PREFIX_TOKENS], image, text[:, PREFIX_TOKENS:]], dim=1)
     pixels = torch.randn(batch, vision.num_channels, vision.image_size, vision.image_size, generator=generator)
+    return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device)
+
+
+def place_inputs(model: nn.Module, input_ids: Tensor, pixel_name: str, pixels: Tensor, *,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 **extra: Tensor) -> dict[str, Tensor]:
+    """The inputs on the model's device (or `device`), pixels in its floating dtype (or `dtype`),
+    with an all-ones attention mask."""
     param = next(model.parameters())
     device = device or param.device
     pixel_dtype = dtype or (param.dtype if param.is_floating_point() else torch.float16)
     return {
         "input_ids": input_ids.to(device),
         "attention_mask": torch.ones_like(input_ids).to(device),
-        "pixel_values": pixels.to(device=device, dtype=pixel_dtype),
+        pixel_name: pixels.to(device=device, dtype=pixel_dtype),
+        **{name: value.to(device) for name, value in extra.items()},
     }
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
-from ficoco.models.inputs import PREFIX_TOKENS
+from ficoco.models.inputs import PREFIX_TOKENS, place_inputs
 from ficoco.models.llava import LlavaAdapter
 from ficoco.models.patching import LanguageState, Patches
 
@@ -364,12 +364,5 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     input_ids = torch.cat([text[:, :PREFIX_TOKENS], image, text[:, PREFIX_TOKENS:]], dim=1)
     pixels = torch.randn(batch, layout.items, vision.num_channels, vision.image_size, vision.image_size,
                          generator=generator)
-    param = next(model.parameters())
-    device = device or param.device
-    pixel_dtype = dtype or (param.dtype if param.is_floating_point() else torch.float16)
-    return {
-        "input_ids": input_ids.to(device),
-        "attention_mask": torch.ones_like(input_ids).to(device),
-        "pixel_values": pixels.to(device=device, dtype=pixel_dtype),
-        "image_sizes": torch.tensor([[height, width]] * batch, dtype=torch.long, device=device),
-    }
+    return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
+                        image_sizes=torch.tensor([[height, width]] * batch, dtype=torch.long))

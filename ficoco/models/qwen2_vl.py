@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.models.attention import install_probe, remove_probe
+from ficoco.models.inputs import place_inputs
 from ficoco.models.llava import LlavaAdapter, _timed
 from ficoco.models.patching import Patches
 from ficoco.profiles import FAMILY_DEFAULTS
@@ -482,13 +483,6 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     ], dim=1)
     channels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     pixels = torch.randn(batch * rows * cols, channels, generator=generator)
-    param = next(model.parameters())
-    device = device or param.device
-    pixel_dtype = dtype or (param.dtype if param.is_floating_point() else torch.float16)
-    return {
-        "input_ids": input_ids.to(device),
-        "attention_mask": torch.ones_like(input_ids).to(device),
-        "pixel_values": pixels.to(device=device, dtype=pixel_dtype),
-        "image_grid_thw": torch.tensor([[1, rows, cols]] * batch, device=device),
-        "mm_token_type_ids": (input_ids == config.image_token_id).int().to(device),
-    }
+    return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
+                        image_grid_thw=torch.tensor([[1, rows, cols]] * batch),
+                        mm_token_type_ids=(input_ids == config.image_token_id).int())

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.models.inputs import place_inputs
 from ficoco.models.llava import LlavaAdapter
 from ficoco.models.patching import Patches
 from ficoco.profiles import FAMILY_DEFAULTS
@@ -104,11 +105,4 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     input_ids = torch.cat([text[:, :PREFIX_TOKENS], video, text[:, PREFIX_TOKENS:]], dim=1)
     pixels = torch.randn(batch, frames, vision.num_channels, vision.image_size, vision.image_size,
                          generator=generator)
-    param = next(model.parameters())
-    device = device or param.device
-    pixel_dtype = dtype or (param.dtype if param.is_floating_point() else torch.float16)
-    return {
-        "input_ids": input_ids.to(device),
-        "attention_mask": torch.ones_like(input_ids).to(device),
-        "pixel_values_videos": pixels.to(device=device, dtype=pixel_dtype),
-    }
+    return place_inputs(model, input_ids, "pixel_values_videos", pixels, dtype=dtype, device=device)
