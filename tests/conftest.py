@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -27,3 +28,21 @@ def _architecture(name: str) -> Architecture:
 def arch_of():
     """`arch_of("llava-tiny")`: the architecture of a shipped profile at its default input."""
     return _architecture
+
+
+@pytest.fixture(autouse=True)
+def _no_grad_and_unpatched(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Model tests (test_models_*): inference only, and a failing test must not leave a patched
+    model to the next one."""
+    if not request.node.module.__name__.rpartition(".")[2].startswith("test_models_"):
+        yield
+        return
+    import torch
+
+    with torch.no_grad():
+        yield
+    for name in ("model", "gqa_model"):
+        if name in request.fixturenames:
+            handle = request.getfixturevalue(name).__dict__.get("_ficoco_handle")
+            if handle is not None:
+                handle.remove()

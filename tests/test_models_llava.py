@@ -49,19 +49,6 @@ def arch(model: nn.Module) -> Any:
     return architecture(profile_of(model, "llava-tiny"))
 
 
-@pytest.fixture(autouse=True)
-def _no_grad_and_unpatched(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Inference only; a failing test must not leave a patched model to the next one."""
-    with torch.no_grad():
-        yield
-    for name in ("model", "gqa_model"):
-        if name in request.fixturenames:
-            built = request.getfixturevalue(name)
-            handle = built.__dict__.get("_ficoco_handle")
-            if handle is not None:
-                handle.remove()
-
-
 def inputs(model: nn.Module, batch: int = 1, seed: int = 0) -> dict[str, Tensor]:
     return synthetic_inputs(model, batch=batch, text_tokens=TEXT, seed=seed)
 

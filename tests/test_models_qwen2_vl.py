@@ -47,16 +47,6 @@ def arch(model: nn.Module) -> Any:
     return architecture(profile_of(model, "qwen2-vl-tiny"))
 
 
-@pytest.fixture(autouse=True)
-def _no_grad_and_unpatched(model: nn.Module) -> Iterator[None]:
-    """Inference only; a failing test must not leave a patched model to the next one."""
-    with torch.no_grad():
-        yield
-    handle = model.__dict__.get("_ficoco_handle")
-    if handle is not None:
-        handle.remove()
-
-
 def inputs(model: nn.Module, batch: int = 1, seed: int = 0, **kwargs: Any) -> dict[str, Tensor]:
     return synthetic_inputs(model, batch=batch, text_tokens=TEXT, seed=seed, **kwargs)
 
