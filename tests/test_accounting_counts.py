@@ -388,8 +388,10 @@ def test_weight_bytes_int8_and_int4_keep_embeddings_norms_head_at_16_bits_tiny(a
     assert weight_bytes(arch, "llm", make_quant("fp16")) == 2 * params
     # LLM.int8: 1 byte per linear weight and one fp32 scale per output row
     assert weight_bytes(arch, "llm", make_quant("int8")) == (params - linear) * 2 + linear * 1 + rows * 4
-    # NF4: half a byte per linear weight and one fp32 absmax per 64-weight block
-    assert weight_bytes(arch, "llm", make_quant("int4")) == (params - linear) * 2 + linear / 2 + linear / 64 * 4
+    # NF4: half a byte per linear weight, one fp32 absmax per 64-weight block and a 16-entry
+    # fp32 code book per linear layer (7 per decoder layer)
+    assert weight_bytes(arch, "llm", make_quant("int4")) == (
+        (params - linear) * 2 + linear / 2 + linear / 64 * 4 + 4 * 7 * 16 * 4)
 
 
 # ---- roofline ---------------------------------------------------------------------------------------------

@@ -301,6 +301,7 @@ class ParameterCounts:
     linear_projector: int
     linear_decoder: int
     linear_rows: dict[str, int]  # output rows of the quantizable linears, per part (INT8 scales)
+    linear_modules: dict[str, int]  # quantizable linear layers, per part (one NF4 code book each)
 
     @property
     def total(self) -> int:
@@ -336,7 +337,11 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
         "projector": sum(b for _, b in p.linears),
         "decoder": dec.layers * (q_out + 2 * kv_out + dec.hidden + 2 * dec.ffn + dec.hidden),
     }
+    # CLIP: q, k, v, out and two MLP linears; Qwen2-VL's vision blocks fuse q, k, v into one.
+    vision_layer_linears = 6 if v.kind == "clip" else 4
+    modules = {"vision": v.towers * v.layers * vision_layer_linears, "projector": len(p.linears),
+               "decoder": dec.layers * 7}
     return ParameterCounts(
         vision=vision, projector=projector, decoder=decoder, lm_head=lm_head, linear_vision=linear_vision,
-        linear_projector=proj_w, linear_decoder=dec.layers * d_linear_w, linear_rows=rows,
+        linear_projector=proj_w, linear_decoder=dec.layers * d_linear_w, linear_rows=rows, linear_modules=modules,
     )

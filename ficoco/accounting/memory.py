@@ -12,8 +12,9 @@ from ficoco.profiles import Hardware
 
 QUANT_BITS = {"fp16": 16, "int8": 8, "int4": 4}
 # bitsandbytes' per-weight metadata: LLM.int8 keeps one fp32 scale per output row; NF4 one
-# fp32 absmax per 64-weight block (no double quantization; the 16-entry code book is ignored).
+# fp32 absmax per 64-weight block (no double quantization) and a 16-entry fp32 code book per layer.
 _NF4_BLOCK = 64
+_NF4_CODE_BOOK_BYTES = 16 * 4
 
 
 @dataclass(frozen=True)
@@ -48,19 +49,20 @@ def kv_cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: 
 
 
 def weight_bytes(arch: Architecture, scope: str, quant: Quant) -> float:
-    """Weights resident for `scope`: linear layers at W bits (with bitsandbytes' scales), the
-    embedding, LM head, norms, biases and patch embedding at 16 bits (bitsandbytes leaves them)."""
+    """Weights resident for `scope`: linear layers at W bits (with bitsandbytes' scales and
+    code books), the embedding, LM head, norms, biases and patch embedding at 16 bits (bitsandbytes leaves them)."""
     counts = parameter_counts(arch)
     parts = ["decoder", "lm_head"] if scope == "llm" else ["vision", "projector", "decoder", "lm_head"]
     total = sum(getattr(counts, p) for p in parts)
     linear = sum(getattr(counts, f"linear_{p}") for p in parts if p != "lm_head")
     rows = sum(counts.linear_rows[p] for p in parts if p != "lm_head")
+    layers = sum(counts.linear_modules[p] for p in parts if p != "lm_head")
     if quant.w_bits >= 16:
         return total * 2.0
     other = (total - linear) * 2.0
     if quant.w_bits == 8:
         return other + linear * 1.0 + rows * 4.0
-    return other + linear * quant.w_bits / 8 + linear / _NF4_BLOCK * 4.0
+    return other + linear * quant.w_bits / 8 + linear / _NF4_BLOCK * 4.0 + layers * _NF4_CODE_BOOK_BYTES
 
 
 def memory_access_bytes(ops: list[Op], scope: str, quant: Quant) -> float:

@@ -65,20 +65,45 @@ def _hf_config(profile: Profile) -> Any:
     return AutoConfig.for_model(model_type, **data)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    """`fp16` on CPU computes in bf16 (fp16 matrix work is ~15x slower there)."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: str, native: torch.dtype | None = None) -> torch.dtype:
+    """The dtype a model is built in. `fp16` on CPU computes in bf16 (fp16 matrix work is ~15x
+    slower there). With no dtype given, a checkpoint stored in bf16 stays bf16 (Qwen2-VL's
+    activations overflow fp16); otherwise fp16 on a GPU, bf16 on CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
              "fp16": torch.float16, "float16": torch.float16}
     if dtype is None:
-        return torch.bfloat16 if device == "cpu" else torch.float16
+        if native == torch.bfloat16 or device == "cpu":
+            return torch.bfloat16
+        return torch.float16
     if dtype not in names:
         raise FicocoError(f"unknown dtype '{dtype}': choose from {', '.join(names)}")
     resolved = names[dtype]
     if resolved == torch.float16 and device == "cpu":
         return torch.bfloat16
     return resolved
+
+
+def checkpoint_dtype(path: Path) -> torch.dtype | None:
+    """The dtype a local checkpoint's config.json says its weights are stored in."""
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("torch_dtype")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(str(text))
+
+
+def release_device_cache(device: str | torch.device) -> None:
+    """Collect garbage and return cached blocks to the GPU, so the next peak starts clean."""
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def build_model(profile: Profile | str, weights: str = "random", *, dtype: str | torch.dtype | None = None,
@@ -92,7 +117,7 @@ def build_model(profile: Profile | str, weights: str = "random", *, dtype: str |
     `quant` is fp16 (16-bit weights), int8 (LLM.int8) or int4 (NF4 with 16-bit compute), all
     through bitsandbytes. `trust_remote_code` stays off.
     """
-    from ficoco.models.quantize import QUANTS, bitsandbytes_config, quantize_linears_
+    from ficoco.models.quantize import QUANTS, bitsandbytes_config, check_quantized, quantize_linears_
 
     if quant not in QUANTS:
         raise FicocoError(f"unknown quant '{quant}': choose from {', '.join(QUANTS)}")
@@ -106,7 +131,9 @@ def build_model(profile: Profile | str, weights: str = "random", *, dtype: str |
         from ficoco.profiles import apply_overrides
 
         apply_overrides(profile, overrides)
-    torch_dtype = resolve_dtype(dtype, device)
+    path = Path(weights).expanduser()
+    native = checkpoint_dtype(path) if weights != "random" and path.is_dir() else None
+    torch_dtype = resolve_dtype(dtype, device, native)
     if weights == "random":
         config = _hf_config(profile)
         config._attn_implementation = attn_implementation
@@ -122,8 +149,8 @@ def build_model(profile: Profile | str, weights: str = "random", *, dtype: str |
         if quant != "fp16":
             info = quantize_linears_(model, quant, compute_dtype=torch_dtype)
         model.__dict__["_ficoco_quant"] = {"quant": quant, **info}
+        release_device_cache(device)
         return _remember_profile(model.eval(), profile)
-    path = Path(weights).expanduser()
     source = str(path) if path.exists() else weights
     if path.exists() and not (path / "config.json").is_file():
         raise FicocoError(f"{weights} has no config.json; give a model checkout folder")
@@ -136,8 +163,10 @@ def build_model(profile: Profile | str, weights: str = "random", *, dtype: str |
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FicocoError(f"cannot load '{weights}' offline: {first}") from None
+    check_quantized(model, quant)
     model.__dict__["_ficoco_quant"] = {"quant": quant, "backend": "transformers + bitsandbytes" if quant != "fp16"
                                        else "torch", "scheme": quant}
+    release_device_cache(device)
     return _remember_profile(model.eval(), profile)
 
 

@@ -164,3 +164,44 @@ def cache_bytes(cache: Any) -> int:
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
     return total
+
+
+def _quant_state_tensors(quant_state: Any) -> list[torch.Tensor]:
+    """The tensors of a bitsandbytes 4-bit QuantState (absmax, code book, nested statistics)."""
+    if quant_state is None:
+        return []
+    found = [getattr(quant_state, name, None) for name in ("absmax", "code", "offset")]
+    nested = getattr(quant_state, "state2", None)
+    if nested is not None:
+        found += _quant_state_tensors(nested)
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the built model holds: parameters, buffers and bitsandbytes' quantization state
+    (INT8 row scales, NF4 block absmax and code book), each storage counted once (tied
+    weights share one)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def add(tensor: torch.Tensor | None) -> None:
+        nonlocal total
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        key = (tensor.data_ptr(), tensor.numel())
+        if key in seen:
+            return
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size()
+
+    for param in model.parameters():
+        add(param)
+        add(getattr(param, "SCB", None))
+        for tensor in _quant_state_tensors(getattr(param, "quant_state", None)):
+            add(tensor)
+    for module in model.modules():
+        # LLM.int8 moves the row scales from the weight to the layer's state at its first forward.
+        add(getattr(getattr(module, "state", None), "SCB", None))
+    for buffer in model.buffers():
+        add(buffer)
+    return total
