@@ -19,6 +19,7 @@ from ficoco.errors import FicocoError
 from ficoco.models import adapter_for
 from ficoco.models.build import build_model
 from ficoco.models.patching import LanguageState, Patches
+from ficoco.profiling.stage_timer import StageTimer
 from ficoco.profiles import FAMILY_DEFAULTS, Profile
 
 __all__ = ["Handle", "Hyperparameters", "LayerRecord", "apply", "build_model", "profile_of"]
@@ -60,20 +61,38 @@ class Handle:
     schedule: Schedule
     hyperparameters: Hyperparameters
     keep_per_image: int | None = None
-    records: list[LayerRecord] = field(default_factory=list)
-    reduction_seconds: float = 0.0  # time inside the reduction stages since the last reset
+    # Spans "reduction" (the reduction stages) and "probe" (reducing layers' attention, which
+    # also yields the probabilities), timed without host synchronisation.
+    timer: StageTimer = field(default_factory=StageTimer, repr=False)
     vision_state: Tensor | None = None
     language_state: LanguageState | None = None
     _patches: Patches = field(default_factory=Patches, repr=False)
+    # Records stay on the model's device until read: copying them to the host per layer would
+    # synchronise the device inside the forward.
+    _pending: list[LayerRecord] = field(default_factory=list, repr=False)
+    _records: list[LayerRecord] = field(default_factory=list, repr=False)
+
+    @property
+    def records(self) -> list[LayerRecord]:
+        """Per reducing layer of the last forward: kept and discarded indices (on the CPU)."""
+        if self._pending:
+            self._records += [LayerRecord(r.stage, r.layer, r.kept.cpu(), r.discarded.cpu()) for r in self._pending]
+            self._pending = []
+        return self._records
+
+    @property
+    def reduction_seconds(self) -> float:
+        """Seconds in the reduction stages since the timer's last reset (waits for the device)."""
+        return self.timer.total_ms("reduction") / 1e3
 
     def begin_forward(self) -> None:
         """A new image forward: forget the previous one's records and state."""
-        self.records = []
+        self._pending, self._records = [], []
         self.vision_state = None
         self.language_state = None
 
     def record(self, stage: str, layer: int, *, kept: Tensor, discarded: Tensor) -> None:
-        self.records.append(LayerRecord(stage, layer, kept.detach().cpu(), discarded.detach().cpu()))
+        self._pending.append(LayerRecord(stage, layer, kept.detach(), discarded.detach()))
 
     def remove(self) -> None:
         """Restore the model exactly as it was before `apply`."""

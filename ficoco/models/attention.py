@@ -9,9 +9,11 @@ when asked, in the module's probe slot for the reduction to read.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +34,7 @@ class ProbeSlot:
     # A module that calls its attention function once per segment (Qwen2-VL's vision attention:
     # once per image) leaves one (attn, keys) per call here; None: only the last call's, above.
     chunks: list[tuple[Tensor, Tensor | None]] | None = None
+    timer: Any = None  # a StageTimer: the probe's time goes into its "probe" span
 
     def take(self) -> tuple[Tensor, Tensor | None]:
         if self.attn is None:
@@ -48,22 +51,35 @@ class ProbeSlot:
         return chunks
 
 
-def _mask_scores_(scores: Tensor, mask: Tensor | None, causal: bool) -> bool:
-    """Apply the attention mask to `scores` in place; True when some query row may be fully
-    masked (padding), so the softmax can produce NaN rows that must be zeroed."""
-    q_len, k_len = scores.shape[-2:]
+# Elements of float32 scores one chunk of the probe may hold. CPU: 64 MB, which keeps the
+# working set near the caches; CUDA: 1 GiB, so LLaVA-NeXT's ~2,900-token sequences run in a
+# few large matmuls instead of dozens of launch-bound small ones.
+SCORE_BUDGET_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 28}
+
+
+def probe_chunks(batch: int, heads: int, q_len: int, k_len: int, budget: int) -> tuple[int, int, int]:
+    """Steps over (batch, heads, query rows) so that one chunk holds at most `budget` scores
+    (or one query row of one head, when even that is larger)."""
+    if q_len * k_len > budget:
+        return 1, 1, max(1, budget // max(1, k_len))
+    head_step = min(heads, budget // (q_len * k_len))
+    if head_step < heads:
+        return 1, head_step, q_len
+    return max(1, min(batch, budget // (heads * q_len * k_len))), heads, q_len
+
+
+def _chunk_mask(mask: Tensor | None, rows: slice, queries: slice, k_len: int, q_len: int, causal: bool,
+                device: torch.device) -> Tensor | None:
+    """The additive or boolean mask of one chunk; a causal pattern when no mask was given."""
     if mask is not None:
-        mask = mask[..., :k_len]
-        if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, float("-inf"))
-            return bool((~mask).all(dim=-1).any())
-        scores.add_(mask.to(scores.dtype))
-        return bool(torch.isinf(mask).all(dim=-1).any()) if mask.is_floating_point() else False
+        batch_rows = rows if mask.shape[0] > 1 else slice(None)
+        query_rows = queries if mask.shape[-2] > 1 else slice(None)
+        return mask[batch_rows, ..., query_rows, :k_len]
     if causal and q_len > 1:
-        # Queries are the last q_len positions of the k_len keys.
-        future = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).triu_(k_len - q_len + 1)
-        scores.masked_fill_(future, float("-inf"))
-    return False
+        # Query i (of the last q_len positions of the k_len keys) sees keys j <= i + k_len - q_len.
+        query_pos = torch.arange(queries.start, queries.stop, device=device).unsqueeze(1) + (k_len - q_len)
+        return torch.arange(k_len, device=device).unsqueeze(0) <= query_pos
+    return None
 
 
 def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -78,48 +94,68 @@ def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         implementation = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
         return implementation(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                               is_causal=is_causal, **kwargs)
+    timer = slot.timer
+    with timer.span("probe", query.device) if timer is not None else contextlib.nullcontext():
+        output, attn = _attention_with_probabilities(module, query, key, value, attention_mask, scaling, is_causal)
+    keys = key if slot.want_keys else None
+    if slot.chunks is not None:
+        slot.chunks.append((attn, keys))
+    else:
+        slot.attn, slot.keys = attn, keys
+    return output, None
+
+
+def _attention_with_probabilities(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                                  attention_mask: Tensor | None, scaling: float | None,
+                                  is_causal: bool | None) -> tuple[Tensor, Tensor]:
+    """(B, T, H, d) attention output and (B, Tq, Tk) head-mean float32 probabilities."""
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[2]
     groups = heads // key.shape[1]
     scale = scaling if scaling is not None else head_dim**-0.5
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", False))
-    # Heads go in chunks of at most 16M float32 scores (64 MB), which bounds the probe's memory
-    # on long sequences (LLaVA-NeXT: ~2,900 tokens) while LLaVA-1.5 runs in one chunk.
-    chunk = max(1, min(heads, (1 << 24) // max(1, batch * q_len * k_len)))
+    budget = SCORE_BUDGET_ELEMENTS.get(query.device.type, SCORE_BUDGET_ELEMENTS["cpu"])
+    batch_step, head_step, query_step = probe_chunks(batch, heads, q_len, k_len, budget)
     output = torch.empty(batch, heads, q_len, value.shape[-1], dtype=value.dtype, device=value.device)
     attn_sum = torch.zeros(batch, q_len, k_len, dtype=torch.float32, device=query.device)
-    may_be_empty = False
-    for first in range(0, heads, chunk):
-        last = min(first + chunk, heads)
-        if groups == 1:
-            k, v = key[:, first:last], value[:, first:last]
-        else:  # grouped-query attention: each KV head serves `groups` query heads
-            kv = torch.arange(first, last, device=key.device) // groups
-            k, v = key[:, kv], value[:, kv]
-        # Scores and softmax in float32, as transformers' eager paths do.
-        scores = torch.matmul((query[:, first:last] * scale).float(), k.float().transpose(-1, -2))
-        may_be_empty = _mask_scores_(scores, attention_mask, causal) or may_be_empty
-        probs = torch.softmax(scores, dim=-1)
-        if may_be_empty:
-            probs = torch.nan_to_num_(probs)  # fully masked (padding) rows give zeros, not NaN
-        output[:, first:last] = torch.matmul(probs.to(value.dtype), v)
-        attn_sum += probs.sum(dim=1)
-    attn, keys = attn_sum.div_(heads), (key if slot.want_keys else None)
-    if slot.chunks is not None:
-        slot.chunks.append((attn, keys))
-    else:
-        slot.attn, slot.keys = attn, keys
-    return output.transpose(1, 2).contiguous(), None
+    for b0 in range(0, batch, batch_step):
+        rows = slice(b0, min(b0 + batch_step, batch))
+        for h0 in range(0, heads, head_step):
+            h1 = min(h0 + head_step, heads)
+            if groups == 1:
+                k, v = key[rows, h0:h1], value[rows, h0:h1]
+            else:  # grouped-query attention: each KV head serves `groups` query heads
+                kv = torch.arange(h0, h1, device=key.device) // groups
+                k, v = key[rows][:, kv], value[rows][:, kv]
+            for q0 in range(0, q_len, query_step):
+                queries = slice(q0, min(q0 + query_step, q_len))
+                # Scores and softmax in float32, as transformers' eager paths do.
+                scores = torch.matmul((query[rows, h0:h1, queries] * scale).float(), k.float().transpose(-1, -2))
+                mask = _chunk_mask(attention_mask, rows, queries, k_len, q_len, causal, query.device)
+                if mask is not None:
+                    if mask.dtype == torch.bool:
+                        scores.masked_fill_(~mask, float("-inf"))
+                    else:
+                        scores.add_(mask.to(scores.dtype))
+                probs = torch.softmax(scores, dim=-1)
+                if attention_mask is not None:
+                    # A fully masked (padding) query row gives NaN; zero it without asking the
+                    # host whether one exists (that question would synchronise the device).
+                    probs = torch.nan_to_num_(probs)
+                output[rows, h0:h1, queries] = torch.matmul(probs.to(value.dtype), v)
+                attn_sum[rows, queries] += probs.sum(dim=1)
+    return output.transpose(1, 2).contiguous(), attn_sum.div_(heads)
 
 
 AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention)
 
 
 def install_probe(attention: nn.Module, *, want_keys: bool = False, armed: bool = True,
-                  chunked: bool = False) -> ProbeSlot:
+                  chunked: bool = False, timer: Any = None) -> ProbeSlot:
     """Route one attention module through the probe (its own config copy; the model's stays).
-    `chunked` keeps every call's result (`ProbeSlot.take_chunks`), not the last call's alone."""
-    slot = ProbeSlot(want_keys=want_keys, armed=armed, chunks=[] if chunked else None)
+    `chunked` keeps every call's result (`ProbeSlot.take_chunks`), not the last call's alone;
+    `timer` (a StageTimer) times every armed call in its "probe" span."""
+    slot = ProbeSlot(want_keys=want_keys, armed=armed, chunks=[] if chunked else None, timer=timer)
     attention._ficoco_original_config = attention.config  # type: ignore[assignment]
     probe_config = copy.copy(attention.config)
     probe_config._attn_implementation_internal = PROBE_IMPLEMENTATION

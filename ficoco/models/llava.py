@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,15 +27,9 @@ if TYPE_CHECKING:
 
 
 def _timed(handle: Handle, device: torch.device, fn: Callable[[], Any]) -> Any:
-    """Run one reduction and add its time to the handle (synchronised on CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    handle.reduction_seconds += time.perf_counter() - start
-    return result
+    """Run one reduction inside the handle's "reduction" span (CUDA events, no host sync)."""
+    with handle.timer.span("reduction", device):
+        return fn()
 
 
 class LlavaAdapter:
@@ -84,7 +77,7 @@ class LlavaAdapter:
         params = handle.hyperparameters
         for layer_idx, r in sorted(removed.items()):
             layer = self.vision_layers[layer_idx]
-            slot = install_probe(layer.self_attn, want_keys=params.equivalent_token)
+            slot = install_probe(layer.self_attn, want_keys=params.equivalent_token, timer=handle.timer)
             patches.on_undo(lambda attn=layer.self_attn: remove_probe(attn))
 
             def forward(hidden_states: Tensor, attention_mask: Tensor | None = None, *args: Any,
@@ -113,14 +106,14 @@ class LlavaAdapter:
     def shrink_image_spans(self, input_ids: Tensor, attention_mask: Tensor | None, keep: int
                            ) -> tuple[Tensor, Tensor | None]:
         """Keep the first `keep` placeholders of every full span unit (`span_tokens`: an image's 576
-        for LLaVA-1.5)."""
+        for LLaVA-1.5). One host synchronisation (the placeholder counts) per call."""
         is_image = input_ids == self.image_token_id
-        if not bool(is_image.any()):
+        counts = is_image.sum(dim=1).tolist()
+        if not any(counts):
             return input_ids, attention_mask
-        counts = is_image.sum(dim=1)
-        if not bool((counts == counts[0]).all()):
+        if len(set(counts)) != 1:
             raise FicocoError("every sample of a batch must hold the same number of images for FiCoCo-V")
-        total = int(counts[0])
+        total = counts[0]
         if total % self.span_tokens:
             if total % keep == 0:
                 return input_ids, attention_mask  # already shortened (generate's prefill)
@@ -128,32 +121,41 @@ class LlavaAdapter:
         # Rank of each placeholder inside its span unit: position in the run of placeholders.
         rank = (torch.cumsum(is_image.long(), dim=1) - 1) % self.span_tokens
         drop = is_image & (rank >= keep)
-        kept = ~drop
-        batch = input_ids.shape[0]
-        new_ids = input_ids[kept].view(batch, -1)
-        new_mask = attention_mask[kept].view(batch, -1) if attention_mask is not None else None
+        # Every sample drops the same (host-known) number of placeholders, so a stable sort of
+        # the drop flags lists the kept positions in order without a data-dependent nonzero().
+        length = input_ids.shape[1] - (total // self.span_tokens) * (self.span_tokens - keep)
+        kept = torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :length]
+        new_ids = torch.gather(input_ids, 1, kept)
+        new_mask = torch.gather(attention_mask, 1, kept) if attention_mask is not None else None
         return new_ids, new_mask
 
     # -- FiCoCo-L ---------------------------------------------------------------------------
-    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None) -> LanguageState:
-        """Find the visual span of every sample from its placeholder tokens (never from offsets)."""
+    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None) -> LanguageState | None:
+        """Find the visual span of every sample from its placeholder tokens (never from offsets);
+        None when the input holds no placeholder. One host synchronisation per prefill."""
         is_image = input_ids == self.image_token_id
         counts = is_image.sum(dim=1)
-        if not bool((counts == counts[0]).all()):
-            raise FicocoError("every sample of a batch must hold the same number of image tokens for FiCoCo-L")
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
         start = torch.where(is_image, positions, length).min(dim=1).values
-        num_visual = int(counts[0])
-        end = start + num_visual
-        in_span = (positions >= start[:, None]) & (positions < end[:, None])
-        if not bool((in_span & is_image).sum(1).eq(counts).all()):
+        in_span = (positions >= start[:, None]) & (positions < (start + counts)[:, None])
+        contiguous = (in_span & is_image).sum(1).eq(counts).all()
+        # Everything the host must know, in one transfer.
+        fewest, most, earliest, is_contiguous = torch.stack(
+            [counts.min(), counts.max(), start.min(), contiguous.long()]).tolist()
+        if most == 0:
+            return None
+        if fewest != most:
+            raise FicocoError("every sample of a batch must hold the same number of image tokens for FiCoCo-L")
+        if not is_contiguous:
             raise FicocoError("FiCoCo-L needs one contiguous image span per sample")
+        num_visual = most
+        end = start + num_visual
         real = attention_mask.bool() if attention_mask is not None else torch.ones_like(is_image)
         suffix = (positions >= end[:, None]) & real
         visual = start[:, None] + torch.arange(num_visual, device=input_ids.device)
         return LanguageState(index=positions.clone(), visual_start=start, visual_positions=visual,
-                             suffix_mask=suffix, prefill_length=length)
+                             suffix_mask=suffix, prefill_length=length, first_suffix_row=earliest + num_visual)
 
     def patch_language(self, handle: Handle, patches: Patches, removed: dict[int, int], first: int) -> None:
         """Reduce inside the decoder layers of `removed`; layers from `first` on see the shorter
@@ -165,7 +167,7 @@ class LlavaAdapter:
             original = layer.forward
             slot = None
             if r:
-                slot = install_probe(layer.self_attn, armed=False)
+                slot = install_probe(layer.self_attn, armed=False, timer=handle.timer)
                 patches.on_undo(lambda attn=layer.self_attn: remove_probe(attn))
 
             def forward(hidden_states: Tensor, attention_mask: Tensor | None = None,
@@ -206,7 +208,8 @@ class LlavaAdapter:
                 # The prefix is never reduced, so the span starts where it started.
                 red = _timed(handle, hidden.device, lambda: reduce_l(
                     hidden, attn, _r, state.visual_start, state.num_visual, state.suffix_mask, beta=params.beta,
-                    gamma=params.gamma, eps=params.eps, protected=state.protected))
+                    gamma=params.gamma, eps=params.eps, protected=state.protected,
+                    first_suffix_row=state.first_suffix_row, max_protected=state.max_protected))
                 kept_original = torch.gather(state.visual_positions, 1, red.kept_visual)
                 discarded_original = torch.gather(state.visual_positions, 1, red.discarded_visual)
                 span_start = state.visual_start[:, None]
@@ -232,12 +235,17 @@ class LlavaAdapter:
             call = dict(bound.arguments)
             call.update(call.pop("kwargs", {}))
             input_ids = call.get("input_ids")
-            if any(call.get(key) is not None for key in self.pixel_inputs):
+            # A call with pixels, or with the visual features generate() encoded before its first
+            # forward, starts a visual prefill; one without (a decode step, text only) cannot
+            # hold image features, and is passed on without asking the device anything.
+            has_pixels = any(call.get(key) is not None for key in self.pixel_inputs)
+            if has_pixels:
                 handle.begin_forward()
-            if variant == "v" and input_ids is not None and keep_per_image is not None:
+            visual = has_pixels or call.get("mm_encoder_outputs") is not None
+            if variant == "v" and visual and input_ids is not None and keep_per_image is not None:
                 call["input_ids"], call["attention_mask"] = self.shrink_image_spans(
                     input_ids, call.get("attention_mask"), keep_per_image)
-            starts_prefill = input_ids is not None and bool((input_ids == self.image_token_id).any())
+            starts_prefill = visual and input_ids is not None
             cache = call.get("past_key_values")
             if variant == "l":
                 current = handle.language_state

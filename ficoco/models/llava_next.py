@@ -290,9 +290,11 @@ class LlavaNextAdapter(LlavaAdapter):
         return new_ids, new_mask
 
     # -- FiCoCo-L ---------------------------------------------------------------------------
-    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None) -> LanguageState:
+    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None) -> LanguageState | None:
         """LLaVA-1.5's span bookkeeping, with the newline tokens of the span protected."""
         state = super().language_state(input_ids, attention_mask)
+        if state is None:
+            return None
         layouts = self._layouts_of_call("FiCoCo-L")
         flags = torch.cat([layout.newline_flags() for layout in layouts]).to(input_ids.device)
         is_image = input_ids == self.image_token_id
@@ -302,6 +304,8 @@ class LlavaNextAdapter(LlavaAdapter):
         newline = torch.zeros_like(is_image)
         newline[is_image] = flags
         state.protected = torch.gather(newline, 1, state.visual_positions)
+        # Asked once per prefill, so that no reducing layer has to (a host synchronisation).
+        state.max_protected = int(state.protected.sum(dim=1).max())
         return state
 
     # -- the top-level model ----------------------------------------------------------------

@@ -66,8 +66,13 @@ class LanguageState:
     visual_positions: Tensor  # (B, N_now) original positions of the visual tokens still present
     suffix_mask: Tensor  # (B, T_now) real text tokens after the visual span
     prefill_length: int
+    # Host copies of what the reduction needs to know about the span, so that no reducing
+    # layer asks the device (each question would synchronise it): the earliest row a suffix
+    # token can be in (min visual start + N_now).
+    first_suffix_row: int = 0
     # (B, N_now) visual tokens the reduction must keep (LLaVA-NeXT's row newlines); None: none
     protected: Tensor | None = None
+    max_protected: int = 0  # the most protected tokens of any sample (constant: never removed)
     cached_positions: dict[int, Tensor] = field(default_factory=dict)
     cache: Any = None
     decoding: bool = False
@@ -78,6 +83,7 @@ class LanguageState:
 
     def keep(self, kept_positions: Tensor, kept_visual: Tensor) -> None:
         """Apply one reduction: `kept_positions` index the current sequence."""
+        self.first_suffix_row -= self.visual_positions.shape[1] - kept_visual.shape[1]
         self.index = torch.gather(self.index, 1, kept_positions)
         self.suffix_mask = torch.gather(self.suffix_mask, 1, kept_positions)
         self.visual_positions = torch.gather(self.visual_positions, 1, kept_visual)

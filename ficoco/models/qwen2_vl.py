@@ -202,7 +202,7 @@ class Qwen2VLAdapter(LlavaAdapter):
             r = removed.get(layer_idx, 0)
             slot = None
             if r:
-                slot = install_probe(layer.attn, want_keys=True, chunked=True)
+                slot = install_probe(layer.attn, want_keys=True, chunked=True, timer=handle.timer)
                 slots.append(slot)
                 patches.on_undo(lambda attn=layer.attn: remove_probe(attn))
 

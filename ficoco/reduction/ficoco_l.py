@@ -61,17 +61,24 @@ def _suffix_rows(suffix_mask: Tensor, visual_start: Tensor, num_visual: int) -> 
     return suffix_mask.to(torch.bool) & after_span
 
 
-def _suffix_attention(attn: Tensor, suffix: Tensor, columns: Tensor) -> Tensor:
+def suffix_start(visual_start: Tensor, num_visual: int) -> int:
+    """The first row that can hold a suffix token in any sample (earliest span end).
+
+    Reading it from the device synchronises with the host; callers that know it (the model
+    adapters keep it per forward) pass it instead, so that no reducing layer waits."""
+    return int(visual_start.min()) + num_visual if visual_start.numel() else 0
+
+
+def _suffix_attention(attn: Tensor, suffix: Tensor, columns: Tensor, first_row: int) -> Tensor:
     """``(B, T', K)`` attention of the trailing rows that hold the suffix to ``columns``,
-    zero on non-suffix rows (T' = T minus the rows before the earliest suffix token).
+    zero on non-suffix rows (T' = T minus the rows before ``first_row``, the earliest span end).
 
     ``torch.where`` rather than a product so that garbage (even NaN) in rows the method
     does not need cannot leak in.
     """
-    # Only rows from the earliest suffix start on can be suffix rows: read those alone
-    # (about M of the T rows), which keeps this step small next to the layer.
-    rows = suffix.any(dim=0)
-    first = int(torch.argmax(rows.to(torch.int8))) if bool(rows.any()) else attn.shape[1]
+    # Only rows from the earliest span end on can be suffix rows: read those alone (about M of
+    # the T rows), which keeps this step small next to the layer.
+    first = min(max(first_row, 0), attn.shape[1])
     tail, tail_suffix = attn[:, first:], suffix[:, first:]
     batch = torch.arange(attn.shape[0], device=columns.device).unsqueeze(1)
     picked = tail.transpose(1, 2)[batch, columns].transpose(1, 2)
@@ -97,6 +104,7 @@ def language_scores(
     num_visual: int,
     suffix_mask: Tensor,
     beta: float = 0.6,
+    first_suffix_row: int | None = None,
 ) -> Tensor:
     """FiCoCo-L redundancy of every visual token, ``s_j = beta * v_j - (1 - beta) * t_j``.
 
@@ -111,6 +119,8 @@ def language_scores(
         num_visual: ``N``, visual tokens per sample.
         suffix_mask: ``(B, T)`` bool, True on real text tokens after the visual span.
         beta: weight of the vision-aware term.
+        first_suffix_row: ``min(visual_start) + N`` when the caller knows it on the host;
+            computed (one host synchronisation) otherwise.
 
     Returns:
         ``(B, N)`` scores in the compute dtype; higher means more redundant.
@@ -125,8 +135,10 @@ def language_scores(
     viewers = torch.arange(num_visual, 0, -1, device=attn.device).to(column_sum.dtype)
     vision_term = column_sum / viewers
 
+    if first_suffix_row is None:
+        first_suffix_row = suffix_start(visual_start, num_visual)
     suffix = _suffix_rows(suffix_mask, visual_start, num_visual)
-    text_attention = _suffix_attention(attn, suffix, visual)
+    text_attention = _suffix_attention(attn, suffix, visual, first_suffix_row)
     suffix_count = suffix.sum(dim=1, keepdim=True).clamp(min=1).to(text_attention.dtype)
     task_term = text_attention.sum(dim=1) / suffix_count
     return beta * vision_term - (1.0 - beta) * task_term
@@ -140,6 +152,7 @@ def language_correlation(
     num_visual: int,
     suffix_mask: Tensor,
     gamma: float = 0.6,
+    first_suffix_row: int | None = None,
 ) -> Tensor:
     """Direct plus indirect correlation between discarded and kept visual tokens.
 
@@ -155,6 +168,7 @@ def language_correlation(
         num_visual: ``N``.
         suffix_mask: ``(B, T)`` bool, True on real text tokens after the visual span.
         gamma: weight of the direct term.
+        first_suffix_row: as in :func:`language_scores`.
 
     Returns:
         ``(B, r, N - r)`` in the compute dtype.
@@ -166,9 +180,11 @@ def language_correlation(
     target_positions = target + start
     direct = gather_block(attn, source_positions, target_positions).to(compute_dtype(attn.dtype))
 
+    if first_suffix_row is None:
+        first_suffix_row = suffix_start(visual_start, num_visual)
     suffix = _suffix_rows(suffix_mask, visual_start, num_visual)
-    text_to_source = _suffix_attention(attn, suffix, source_positions)
-    text_to_target = _suffix_attention(attn, suffix, target_positions)
+    text_to_source = _suffix_attention(attn, suffix, source_positions, first_suffix_row)
+    text_to_target = _suffix_attention(attn, suffix, target_positions, first_suffix_row)
     suffix_count = suffix.sum(dim=1).clamp(min=1).to(direct.dtype).reshape(-1, 1, 1)
     indirect = (text_to_source.transpose(1, 2) @ text_to_target) / suffix_count
     return gamma * direct + (1.0 - gamma) * indirect
@@ -185,6 +201,8 @@ def reduce_l(
     gamma: float = 0.6,
     eps: float = 0.998,
     protected: Tensor | None = None,
+    first_suffix_row: int | None = None,
+    max_protected: int | None = None,
 ) -> LReduction:
     """One FiCoCo-L step: filter, correlate and compress ``r`` visual tokens of one layer.
 
@@ -206,6 +224,9 @@ def reduce_l(
             row separators): they are never in the source set, but still count as visual
             tokens, are scored with the others and may receive discarded tokens like any kept
             token. ``r`` may not exceed the unprotected tokens of any sample.
+        first_suffix_row: ``min(visual_start) + N``, and ``max_protected``, the most protected
+            tokens of any sample: host-known values the caller passes so that the step needs
+            no host synchronisation; computed from the tensors when omitted.
 
     Returns:
         An :class:`LReduction`. With ``r == 0`` the input hidden states come back unchanged.
@@ -226,7 +247,9 @@ def reduce_l(
         if tuple(protected.shape) != (batch, num_visual):
             raise ValueError(f"protected must be (B, N) = {(batch, num_visual)}, got {tuple(protected.shape)}")
         protected = protected.to(device=device, dtype=torch.bool)
-        removable = num_visual - int(protected.sum(dim=1).max()) if batch else num_visual
+        if max_protected is None:
+            max_protected = int(protected.sum(dim=1).max()) if batch else 0
+        removable = num_visual - max_protected
         if r > removable:
             raise FicocoError(
                 f"r = {r} exceeds the {removable} visual tokens that may be removed "
@@ -242,12 +265,16 @@ def reduce_l(
             discarded_visual=every_visual[:, :0],
         )
 
-    scores = language_scores(attn, visual_start, num_visual, suffix_mask, beta=beta)
+    if first_suffix_row is None:
+        first_suffix_row = suffix_start(visual_start, num_visual)
+    scores = language_scores(attn, visual_start, num_visual, suffix_mask, beta=beta,
+                             first_suffix_row=first_suffix_row)
     if protected is not None:
         # -inf sorts after every real score, so a protected token is never among the r selected.
         scores = scores.masked_fill(protected, float("-inf"))
     source, target = select(scores, r)
-    correlation = language_correlation(attn, source, target, visual_start, num_visual, suffix_mask, gamma=gamma)
+    correlation = language_correlation(attn, source, target, visual_start, num_visual, suffix_mask, gamma=gamma,
+                                       first_suffix_row=first_suffix_row)
     alpha = adaptive_weights(correlation, eps=eps)
     visual_positions = _visual_positions(visual_start, num_visual)
     merged = compress(gather_tokens(hidden, visual_positions), source, target, alpha)
