@@ -19,8 +19,8 @@ from ficoco.errors import FicocoError
 from ficoco.models import adapter_for
 from ficoco.models.build import build_model
 from ficoco.models.patching import LanguageState, Patches
-from ficoco.profiling.stage_timer import StageTimer
 from ficoco.profiles import FAMILY_DEFAULTS, Profile
+from ficoco.profiling.stage_timer import StageTimer
 
 __all__ = ["Handle", "Hyperparameters", "LayerRecord", "apply", "build_model", "profile_of"]
 
@@ -122,6 +122,22 @@ def profile_of(model: nn.Module, name: str | None = None) -> Profile:
     return Profile(name=name or getattr(model, "name_or_path", "") or model_type, config=config, defaults=defaults)
 
 
+# The patches slice 4-D masks and route reducing layers through an eager probe; flash and flex
+# attention take other mask forms (none, or block masks) that the patches cannot slice.
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def check_attention_implementation(model: nn.Module) -> None:
+    """Refuse, at apply(), attention implementations the patches cannot serve."""
+    config = getattr(model, "config", None)
+    configs = [config] + [getattr(config, key, None) for key in ("text_config", "vision_config")]
+    for sub in filter(None, configs):
+        implementation = getattr(sub, "_attn_implementation", None)
+        if implementation is not None and implementation not in SUPPORTED_ATTENTION:
+            raise FicocoError(f"attn_implementation '{implementation}' is not supported by the FiCoCo patches; "
+                              f"load the model with attn_implementation='sdpa' (or 'eager')")
+
+
 def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int, int] | None = None,
           keep: int | None = None, tflops: float | None = None, count: CountOptions | None = None,
           first_layer: int | None = None, shape: str = "uniform", image_size: tuple[int, int] | None = None,
@@ -138,6 +154,7 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
         raise FicocoError(f"variant must be 'v' or 'l', got '{variant}'")
     if "_ficoco_handle" in model.__dict__:
         raise FicocoError("this model is already patched; call handle.remove() first")
+    check_attention_implementation(model)
     try:
         params = Hyperparameters(**hyperparameters)
     except TypeError as exc:

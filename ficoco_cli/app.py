@@ -227,8 +227,10 @@ def profile_command(
     batch: Annotated[str, typer.Option("--batch", help="Batch sizes, e.g. 1,8.")] = "1",
     text_tokens: Annotated[int, typer.Option("--text-tokens", help="Text tokens per prompt.")] = 60,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="0: prefill only; N: also generate N.")] = 0,
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs before measuring.")] = 1,
-    repeat: Annotated[int, typer.Option("--repeat", help="Timed runs per row.")] = 3,
+    warmup: Annotated[int | None, typer.Option(
+        "--warmup", help="Untimed runs before measuring (default: 3 on a GPU, 1 on CPU).")] = None,
+    repeat: Annotated[int | None, typer.Option(
+        "--repeat", help="Timed runs per row (default: 10 on a GPU, 3 on CPU).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cuda or cpu.")] = "auto",
     weights: Annotated[str, typer.Option("--weights", help="random, a local checkpoint folder, or a cached HF id.")
                        ] = "random",
@@ -259,7 +261,12 @@ def profile_command(
         image_size=parse_image_size(image_size), frames=frames,
     )
     plan = plan_run(config)
-    run_and_report(config, plan, json_path, out if json_path != "-" else err)
+    report = run_and_report(config, plan, json_path, out if json_path != "-" else err)
+    if not any(row.get("status") == "ok" for row in report["rows"]):
+        reasons = sorted({f"{row.get('status')}: {row.get('reason')}" for row in report["rows"]})
+        err.print(f"error: no row was measured ({'; '.join(reasons)[:400]})", markup=False, highlight=False,
+                  soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command("compare")

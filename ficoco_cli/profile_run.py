@@ -16,14 +16,31 @@ from ficoco_cli.render import profile_table
 SCHEMA = "ficoco.report/1"
 
 
-def run_and_report(config: ProfileConfig, plan: Plan, json_path: str | None, console: Console) -> None:
+def device_line(env: dict[str, Any], plan: Plan) -> str:
+    """What the run will measure on, said before anything is built."""
+    if plan.device.type == "cuda":
+        where = f"cuda: {env.get('device')} (CUDA {env.get('cuda')}, driver {env.get('driver')})"
+        roofline = f", roofline profile {plan.gpu.key}" if plan.gpu else ", no roofline profile for this GPU"
+    else:
+        where = f"cpu: {env.get('cpu')} ({env.get('threads')} threads)"
+        roofline = ""
+    return f"device {where}{roofline}; {plan.warmup} warm-up and {plan.repeat} timed run(s) per row"
+
+
+def run_and_report(config: ProfileConfig, plan: Plan, json_path: str | None, console: Console) -> dict[str, Any]:
+    """Run the plan, rewriting the report after every row; returns the report."""
+    env = environment(plan.device)
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "environment": environment(plan.device),
-        "config": config.to_json() | {"gpu_profile": plan.gpu.key if plan.gpu else None},
+        "environment": env,
+        "config": config.to_json() | {"gpu_profile": plan.gpu.key if plan.gpu else None,
+                                      "warmup": plan.warmup, "repeat": plan.repeat},
         "rows": [],
     }
+    for note in plan.notes:
+        console.print(note, markup=False, highlight=False, soft_wrap=True)
+    console.print(device_line(env, plan), markup=False, highlight=False, soft_wrap=True)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=True)
     task = progress.add_task("profiling", total=len(plan.rows))
@@ -47,3 +64,4 @@ def run_and_report(config: ProfileConfig, plan: Plan, json_path: str | None, con
             console.print(profile_table(report))
     if json_path == "-":
         write_json_atomic("-", report)
+    return report

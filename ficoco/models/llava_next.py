@@ -298,8 +298,9 @@ class LlavaNextAdapter(LlavaAdapter):
         layouts = self._layouts_of_call("FiCoCo-L")
         flags = torch.cat([layout.newline_flags() for layout in layouts]).to(input_ids.device)
         is_image = input_ids == self.image_token_id
-        if flags.numel() != int(is_image.sum()):
-            raise FicocoError(f"the input holds {int(is_image.sum())} image placeholders, but its "
+        placeholders = state.visual_positions.numel()  # every sample holds the same count
+        if flags.numel() != placeholders:
+            raise FicocoError(f"the input holds {placeholders} image placeholders, but its "
                               f"{len(layouts)} image(s) of image_sizes {self._sizes_of_call()} need {flags.numel()}")
         newline = torch.zeros_like(is_image)
         newline[is_image] = flags

@@ -71,6 +71,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         "accelerate": _version("accelerate"),
         "device_kind": device.type,
         "cpu": _cpu_model(),
+        # The best vector ISA torch dispatches to here (AVX2, AVX512, AMX-capable ...): it
+        # decides which dtype is fast, so a timing means little without it.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": __import__("os").cpu_count(),
         "threads": torch.get_num_threads(),
         "git_commit": git_commit(),

@@ -7,7 +7,8 @@ atomically after every row and an interrupted run keeps what it measured.
 
 from __future__ import annotations
 
-import gc
+import os
+import statistics
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,10 +23,17 @@ from ficoco.errors import FicocoError
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
 from ficoco.profiling.trackers import LatencyTracker, MemoryTracker, cache_bytes
 
-# NVIDIA device names -> hardware profiles of the roofline.
-_GPU_NAMES = (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a800", "a800-80gb"),
-              ("a100-sxm4-80gb", "a100-80gb"), ("a100 80gb", "a100-80gb"), ("a100-pcie-80gb", "a100-80gb"),
-              ("a100", "a100-40gb"))
+# NVIDIA device names -> hardware profiles of the roofline, first match wins. GH200 (an H100
+# or H200-class die with its own memory) and H100 NVL (94 GB, other clocks) have no profile:
+# None keeps them from borrowing the H200's or the H100 SXM's figures.
+_GPU_NAMES: tuple[tuple[str, str | None], ...] = (
+    ("gh200", None), ("h100 nvl", None), ("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
+    ("a800", "a800-80gb"), ("a100-sxm4-80gb", "a100-80gb"), ("a100 80gb", "a100-80gb"),
+    ("a100-pcie-80gb", "a100-80gb"), ("a100", "a100-40gb"))
+# (warm-up, timed) runs when --warmup/--repeat are not given. A GPU prefill takes milliseconds
+# and its first runs pay for kernel selection and allocator growth; a CPU prefill of a 7B
+# model takes seconds.
+DEFAULT_RUNS = {"cuda": (3, 10), "cpu": (1, 3)}
 
 
 @dataclass(frozen=True)
@@ -46,8 +54,8 @@ class ProfileConfig:
     batches: tuple[int, ...] = (1,)
     text_tokens: int = 60
     new_tokens: int = 0
-    warmup: int = 1
-    repeat: int = 3
+    warmup: int | None = None  # None: the device's default (DEFAULT_RUNS)
+    repeat: int | None = None
     device: str = "auto"
     weights: str = "random"
     image: str | None = None
@@ -80,6 +88,9 @@ class Plan:
     profile: Profile
     rows: list[RowSpec] = field(default_factory=list)
     gpu: Hardware | None = None
+    warmup: int = 1
+    repeat: int = 3
+    notes: list[str] = field(default_factory=list)  # said before the run (device fallback, ...)
 
 
 def check_image(path: str) -> None:
@@ -105,32 +116,51 @@ def kv_cache_backend() -> str | None:
         return None
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise FicocoError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu or auto")
-    if name not in ("cpu", "cuda"):
+def resolve_device(name: str, notes: list[str] | None = None) -> torch.device:
+    """`auto` is CUDA when torch can use a GPU, else the CPU; a GPU that the driver shows but
+    torch cannot use (a CPU build of torch, a driver too old for it) is said in `notes`."""
+    if name not in ("auto", "cpu", "cuda"):
         raise FicocoError(f"unknown --device '{name}': choose auto, cuda or cpu")
-    return torch.device(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if name == "cuda":
+        raise FicocoError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu or auto")
+    from ficoco.profiling.trackers import nvml_visible_gpus
+
+    gpus = nvml_visible_gpus()
+    if gpus and notes is not None:
+        if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+            why = "CUDA_VISIBLE_DEVICES is empty"
+        else:
+            build = f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU build'})"
+            why = f"{build} cannot use them (install a CUDA build of torch: README, Install)"
+        notes.append(f"warning: the driver shows {gpus} NVIDIA GPU(s) but {why}; running on the CPU")
+    return torch.device("cpu")
 
 
 def known_gpu(device: torch.device) -> Hardware | None:
     """The hardware profile of the GPU in use, when the roofline knows it."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).lower()
+    return gpu_profile_for(torch.cuda.get_device_name(device))
+
+
+def gpu_profile_for(device_name: str) -> Hardware | None:
+    """The roofline profile of an NVIDIA device name (None for GPUs without one)."""
+    name = device_name.lower()
     for needle, key in _GPU_NAMES:
-        if needle in name and key in list_gpus():
-            return load_gpu(key)
+        if needle in name:
+            return load_gpu(key) if key is not None and key in list_gpus() else None
     return None
 
 
 def plan_run(config: ProfileConfig) -> Plan:
     """Validate the configuration and resolve every row's schedule (no model is built)."""
-    if config.repeat < 1:
+    if config.repeat is not None and config.repeat < 1:
         raise FicocoError(f"--repeat {config.repeat}: at least one measured run is needed")
-    if config.warmup < 0:
+    if config.warmup is not None and config.warmup < 0:
         raise FicocoError(f"--warmup {config.warmup} must not be negative")
     if config.new_tokens < 0:
         raise FicocoError(f"--new-tokens {config.new_tokens} must not be negative")
@@ -146,7 +176,8 @@ def plan_run(config: ProfileConfig) -> Plan:
         raise FicocoError("--prompt needs a tokenizer: give --weights with a local LLaVA checkpoint")
     if config.kv_bits is not None and config.kv_bits not in (4, 8):
         raise FicocoError(f"--kv-bits {config.kv_bits}: choose 8 or 4")
-    device = resolve_device(config.device)
+    notes: list[str] = []
+    device = resolve_device(config.device, notes)
     source = config.weights if config.weights != "random" and Path(config.weights).expanduser().is_dir() else None
     profile = load_profile(source or config.model, list(config.overrides))
     from ficoco.models import supported_families
@@ -163,7 +194,10 @@ def plan_run(config: ProfileConfig) -> Plan:
                                   schedule=config.schedule, shape=config.shape, first_layer=config.first_layer)
         for variant in config.variants
     }
-    plan = Plan(device=device, profile=profile, gpu=known_gpu(device))
+    warmup, repeat = DEFAULT_RUNS.get(device.type, DEFAULT_RUNS["cpu"])
+    plan = Plan(device=device, profile=profile, gpu=known_gpu(device), notes=notes,
+                warmup=warmup if config.warmup is None else config.warmup,
+                repeat=repeat if config.repeat is None else config.repeat)
     for quant in config.quants:
         for batch in config.batches:
             for variant in config.variants:
@@ -205,10 +239,11 @@ def _inputs(model: Any, config: ProfileConfig, batch: int, device: torch.device)
                             **layout)
 
 
-def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.device) -> dict[str, Any]:
+def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan) -> dict[str, Any]:
     """Prefill latency, memory, KV cache and (with --new-tokens) generation of one row."""
     import ficoco
 
+    device = plan.device
     inputs = _inputs(model, config, row.batch, device)
     handle = None
     if row.variant != "vanilla":
@@ -216,6 +251,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.d
                               frames=config.frames)
     latency_tracker, memory_tracker = LatencyTracker(device), MemoryTracker(device)
     reduction_ms: list[float] = []
+    probe_ms: list[float] = []
     last: dict[str, Any] = {}
     cache_kwargs: dict[str, Any] = {}
     if config.kv_bits:
@@ -227,8 +263,11 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.d
                         "cache_config": {"backend": backend, "nbits": config.kv_bits}}
 
     def prefill() -> None:
+        # The previous run's KV cache goes before this run allocates its own: alive, it would
+        # sit in this run's peak memory.
+        last.pop("cache", None)
         if handle is not None:
-            handle.reduction_seconds = 0.0
+            handle.timer.reset()
         extra = {}
         if config.kv_bits:
             from transformers import QuantizedCache
@@ -239,12 +278,15 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.d
         last["cache"] = out.past_key_values
 
     def after_each(_: int) -> None:
-        reduction_ms.append(handle.reduction_seconds * 1e3 if handle is not None else 0.0)
+        # Read after the tracker's final synchronise: the stage events are complete by now.
+        reduction_ms.append(handle.timer.total_ms("reduction") if handle is not None else 0.0)
+        probe_ms.append(handle.timer.total_ms("probe") if handle is not None else 0.0)
 
     try:
-        with torch.inference_mode(), memory_tracker.track() as memory:
-            latency = latency_tracker.measure(prefill, warmup=config.warmup, repeat=config.repeat,
-                                              after_each=after_each)
+        with torch.inference_mode():
+            with memory_tracker.track() as memory:
+                latency = latency_tracker.measure(prefill, warmup=plan.warmup, repeat=plan.repeat,
+                                                  after_each=after_each)
             kv_bytes = cache_bytes(last.pop("cache"))
             generation = None
             if config.new_tokens:
@@ -258,22 +300,31 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.d
                     # returns the prompt with its image span shortened).
                     generated["tokens"] = len(out.scores)
 
-                e2e = latency_tracker.measure(generate, warmup=min(config.warmup, 1), repeat=config.repeat)
+                with memory_tracker.track() as generation_memory:
+                    e2e = latency_tracker.measure(generate, warmup=min(plan.warmup, 1), repeat=plan.repeat)
                 tokens = row.batch * generated["tokens"]
                 generation = {"latency": e2e.to_json(), "images_per_s": row.batch / (e2e.median_ms / 1e3),
                               "generated_tokens_per_s": tokens / (e2e.median_ms / 1e3),
-                              "new_tokens": generated["tokens"]}
+                              "new_tokens": generated["tokens"], "memory": generation_memory.to_json()}
     finally:
+        last.clear()
         if handle is not None:
             handle.remove()
-    median_reduction = sorted(reduction_ms)[len(reduction_ms) // 2] if reduction_ms else 0.0
+    median_reduction = statistics.median(reduction_ms) if reduction_ms else 0.0
+    median_probe = statistics.median(probe_ms) if probe_ms else 0.0
+    # The probe replaces the reducing layers' SDPA call and computes their attention output
+    # too, so its time is an upper bound on what the probabilities cost; both parts are shown.
+    method_ms = median_reduction + median_probe
     return {
         "latency": latency.to_json(),
+        "runs": {"warmup": plan.warmup, "repeat": plan.repeat},
         "images_per_s": row.batch / (latency.median_ms / 1e3),
         "memory": memory.to_json(),
         "kv_cache_bytes": kv_bytes,
-        "reduction_ms": median_reduction,
-        "reduction_share": median_reduction / latency.median_ms if latency.median_ms else 0.0,
+        "reduction_ms": method_ms,
+        "reduction_stages_ms": median_reduction,
+        "probe_ms": median_probe,
+        "reduction_share": method_ms / latency.median_ms if latency.median_ms else 0.0,
         "generation": generation,
     }
 
@@ -281,16 +332,30 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, device: torch.d
 def build_for(config: ProfileConfig, plan: Plan, quant: str) -> Any:
     from ficoco.models.build import build_model
 
+    # dtype None: fp16 on a GPU, bf16 on CPU, a checkpoint's own bf16 where it is stored so.
     return build_model(plan.profile if config.weights == "random" else config.model, config.weights,
-                       dtype="fp16", device=str(plan.device), seed=config.seed, quant=quant)
+                       dtype=None, device=str(plan.device), seed=config.seed, quant=quant)
+
+
+def _failure_status(exc: BaseException) -> str:
+    """oom, unsupported (the backend says it cannot do this here) or error (a fault)."""
+    if _is_oom(exc):
+        return "oom"
+    if isinstance(exc, (NotImplementedError, ImportError)):
+        return "unsupported"
+    return "error"
 
 
 def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, Any]], None],
                 on_start: Callable[[RowSpec], None] | None = None) -> None:
     """Measure every row of `plan`; each finished (or failed) row goes to `on_row`."""
+    from ficoco.models.build import release_device_cache
+    from ficoco.profiling.trackers import model_weight_bytes
+
     torch.manual_seed(config.seed)
     for quant in config.quants:
         rows = [r for r in plan.rows if r.quant == quant]
+        failure: dict[str, Any] | None = None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -298,33 +363,35 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
         except FicocoError:
             raise
         except Exception as exc:  # one quant failing must not lose the others' rows
-            status = "oom" if _is_oom(exc) else "unsupported"
+            failure = {"status": _failure_status(exc), "reason": f"building the model: {_reason(exc)}"}
+        if failure is not None:
+            # Outside the except block: its traceback would keep the half-built model alive.
+            release_device_cache(plan.device)
             for row in rows:
-                on_row(_row_base(plan, config, row, None) | {"status": status,
-                                                             "reason": f"building the model: {_reason(exc)}"})
+                on_row(_row_base(plan, config, row, None) | failure)
             continue
         info = getattr(model, "_ficoco_quant", {})
         dtype = str(next(p for p in model.parameters() if p.is_floating_point()).dtype).removeprefix("torch.")
+        weights_measured = model_weight_bytes(model)
         for row in rows:
             if on_start:
                 on_start(row)
             base = _row_base(plan, config, row, {"compute_dtype": dtype, **info})
+            base["weight_bytes"] = weights_measured
             try:
                 with warnings.catch_warnings():
                     # bitsandbytes warns on every INT8 matmul that it casts bf16 inputs to fp16.
                     warnings.simplefilter("ignore")
-                    measured = measure_row(model, row, config, plan.device)
-                on_row(base | {"status": "ok", **measured})
+                    result = base | {"status": "ok", **measure_row(model, row, config, plan)}
             except FicocoError as exc:
-                on_row(base | {"status": "unsupported", "reason": str(exc)})
+                result = base | {"status": "unsupported", "reason": str(exc)}
             except Exception as exc:
-                if plan.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                on_row(base | {"status": "oom" if _is_oom(exc) else "error", "reason": _reason(exc)})
+                result = base | {"status": _failure_status(exc), "reason": _reason(exc)}
+            # After the except block has dropped the traceback that held the row's tensors.
+            release_device_cache(plan.device)
+            on_row(result)
         del model
-        gc.collect()
-        if plan.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_device_cache(plan.device)
 
 
 def _reason(exc: BaseException) -> str:

@@ -3,7 +3,9 @@ the method (optimum-benchmark's habit)."""
 
 from __future__ import annotations
 
+import gc
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -106,9 +108,38 @@ class MemoryReading:
         return {"method": self.method, **self.values}
 
 
+class _NvmlSampler(threading.Thread):
+    """Polls the device's used memory (NVML) while a block runs and keeps the highest value.
+
+    NVML sees the whole device (other processes and the CUDA context included) and has no
+    peak counter of its own, so one reading after the run would miss the peak."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.01) -> None:
+        super().__init__(daemon=True)
+        self.device, self.interval_s = device, interval_s
+        self.peak: int | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            used = nvml_used_bytes(self.device)
+            if used is None:
+                return
+            self.peak = used if self.peak is None else max(self.peak, used)
+            if self._stop_event.wait(self.interval_s):
+                return
+
+    def stop(self) -> int | None:
+        self._stop_event.set()
+        self.join()
+        return self.peak
+
+
 class MemoryTracker:
-    """Peak memory of a block: CUDA allocator peaks and NVML's device figure on GPU; the
-    process's peak resident set on CPU, reset before the block so earlier rows do not leak in."""
+    """Peak memory of a block: CUDA allocator peaks and NVML's device-wide peak (sampled) on
+    GPU; the process's peak resident set on CPU. Both start from a clean slate: garbage is
+    collected and the allocator's cached blocks returned before the peak is reset, so earlier
+    rows and the build do not leak in."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -116,17 +147,29 @@ class MemoryTracker:
     @contextmanager
     def track(self) -> Iterator[MemoryReading]:
         reading = MemoryReading(device=self.device.type)
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
-            yield reading
-            torch.cuda.synchronize(self.device)
+            before = nvml_used_bytes(self.device)
+            sampler = _NvmlSampler(self.device)
+            sampler.start()
+            try:
+                yield reading
+                torch.cuda.synchronize(self.device)
+            finally:
+                nvml_peak = sampler.stop()
             reading.values = {
                 "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
                 "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(self.device),
-                "nvml_used_bytes": nvml_used_bytes(self.device),
+                "nvml_used_before_bytes": before,
+                "nvml_peak_used_bytes": nvml_peak,
+                # kept under its old name for reports made before the sampler
+                "nvml_used_bytes": nvml_peak,
             }
-            reading.method = "torch.cuda max_memory_allocated/reserved; NVML device used memory after the run"
+            reading.method = ("torch.cuda max_memory_allocated/reserved (reset after empty_cache); NVML device "
+                              "used memory sampled every 10 ms (device-wide: other processes included)")
             reading.values["peak_bytes"] = reading.values["cuda_max_allocated_bytes"]
         else:
             reset = _reset_cpu_peak()
@@ -138,19 +181,28 @@ class MemoryTracker:
 
 
 def nvml_used_bytes(device: torch.device) -> int | None:
-    """Device-wide used memory from NVML (nvidia-ml-py), None where NVML is unavailable."""
+    """Device-wide used memory from NVML, None where NVML is unavailable.
+
+    torch.cuda.device_memory_used maps torch's device index to NVML's through
+    CUDA_VISIBLE_DEVICES (and MIG instances); NVML's own index would name another GPU there."""
+    try:
+        return int(torch.cuda.device_memory_used(device))
+    except Exception:  # NVML missing or not permitted: the figure is simply absent
+        return None
+
+
+def nvml_visible_gpus() -> int:
+    """GPUs the driver (NVML) reports, whether or not torch can use them."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+            return int(pynvml.nvmlDeviceGetCount())
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # NVML missing or not permitted: the figure is simply absent
-        return None
+    except Exception:  # no driver, no NVML
+        return 0
 
 
 def cache_bytes(cache: Any) -> int:

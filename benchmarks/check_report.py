@@ -1,0 +1,69 @@
+"""check_report.py REPORT [cuda|cpu]: assert that a ficoco.report/1 is sane for its device and
+print one line per row; exit 1 on the first kind of doubt, 0 with PASS."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def check(path: str, kind: str) -> list[str]:
+    with open(path) as f:
+        report = json.load(f)
+    env, config, bad = report["environment"], report["config"], []
+    print(f"{path}: {env['device']} ({env['device_kind']}), torch {env['torch']} cuda {env.get('cuda')} "
+          f"driver {env.get('driver')}, gpu_profile {config.get('gpu_profile')}, "
+          f"{config.get('warmup')} warm-up / {config.get('repeat')} timed runs")
+    if env["device_kind"] != kind:
+        bad.append(f"device_kind {env['device_kind']} != {kind}")
+    for row in report["rows"]:
+        tag = f"{row['variant']:7} {row['quant']:4} b{row['batch']}"
+        if row["status"] != "ok":
+            bad.append(f"{tag}: {row['status']}: {row.get('reason')}")
+            continue
+        memory, latency, analytic = row["memory"], row["latency"], row["analytic"]
+        if latency["timer"] != ("cuda-events" if kind == "cuda" else "perf_counter"):
+            bad.append(f"{tag}: timer {latency['timer']}")
+        if kind == "cuda":
+            if not memory.get("cuda_max_allocated_bytes"):
+                bad.append(f"{tag}: no allocator peak")
+            if memory.get("nvml_peak_used_bytes") is None:
+                bad.append(f"{tag}: no NVML peak")
+            if config.get("gpu_profile") and analytic["roofline_ms"] is None:
+                bad.append(f"{tag}: no roofline")
+            reserved = memory.get("cuda_max_reserved_bytes") or 0
+            if reserved > 1.5 * memory["peak_bytes"] + 1e9:
+                bad.append(f"{tag}: reserved {reserved / 1e9:.1f} GB >> peak {memory['peak_bytes'] / 1e9:.1f} GB "
+                           "(stale allocator cache)")
+        measured_weights = row.get("weight_bytes")
+        if measured_weights is None or abs(measured_weights / analytic["weight_bytes"] - 1) > 0.005:
+            bad.append(f"{tag}: weights measured {measured_weights} vs analytic {analytic['weight_bytes']:.0f} "
+                       "(unquantized weights or a quantization-layout mismatch)")
+        if row["variant"] != "vanilla" and (row.get("memory_saving_vs_vanilla") or 0) > 0.25 and row["batch"] == 1:
+            bad.append(f"{tag}: saves {row['memory_saving_vs_vanilla']:.0%} of the whole peak at batch 1: "
+                       "the vanilla row carried extra memory")
+        if config.get("kv_bits") is None and row["kv_cache_bytes"] != analytic["kv_cache_bytes"]:
+            bad.append(f"{tag}: KV measured {row['kv_cache_bytes']} != analytic {analytic['kv_cache_bytes']}")
+        if row["generation"] is not None and row["generation"]["new_tokens"] != row["new_tokens"]:
+            bad.append(f"{tag}: generated {row['generation']['new_tokens']} != {row['new_tokens']}")
+        speedup, ratio = row.get("speedup_vs_vanilla"), row.get("flops_ratio_vs_vanilla")
+        roofline = row.get("measured_over_roofline")
+        print(f"  {tag} {latency['median_ms']:10.2f} ms  peak {memory['peak_bytes'] / 1e9:6.2f} GB  "
+              f"nvml peak {(memory.get('nvml_peak_used_bytes') or 0) / 1e9:6.2f} GB  "
+              f"KV {row['kv_cache_bytes'] / 1e6:8.2f} MB  weights {measured_weights / 1e9:6.3f} GB  "
+              f"speedup {'-' if speedup is None else f'{speedup:.2f}x'}  "
+              f"FLOPs ratio {'-' if ratio is None else f'{ratio:.2f}x'}  "
+              f"measured/roofline {'-' if roofline is None else f'{roofline:.2f}'}  "
+              f"method {row['reduction_share'] * 100:.1f}%")
+    return bad
+
+
+def main() -> None:
+    path, kind = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "cuda")
+    bad = check(path, kind)
+    print("FAIL:\n  " + "\n  ".join(bad) if bad else "PASS")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
