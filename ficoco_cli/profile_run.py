@@ -11,12 +11,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ficoco.profiling.environment import environment
 from ficoco.profiling.matrix import Plan, ProfileConfig, RowSpec, add_comparisons, run_profile
 from ficoco.report import write_json_atomic
-from ficoco_cli.render import profile_table
+from ficoco_cli.render import print_profile
 
 SCHEMA = "ficoco.report/1"
 
 
-def run_and_report(config: ProfileConfig, plan: Plan, json_path: str | None, console: Console) -> None:
+def run_and_report(config: ProfileConfig, plan: Plan, json_path: str | None, console: Console,
+                   wide: bool = False) -> None:
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -44,6 +45,6 @@ def run_and_report(config: ProfileConfig, plan: Plan, json_path: str | None, con
             run_profile(config, plan, on_row, on_start)
     finally:
         if report["rows"]:
-            console.print(profile_table(report))
+            print_profile(console, report, wide)
     if json_path == "-":
         write_json_atomic("-", report)
