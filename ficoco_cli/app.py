@@ -108,6 +108,8 @@ BatchOpt = Annotated[int, typer.Option("--batch", help="Batch size.")]
 ImageSizeOpt = Annotated[str | None, typer.Option("--image-size", help="WxH, for AnyRes and Qwen2-VL.")]
 FramesOpt = Annotated[int | None, typer.Option("--frames", help="Video frames (Video-LLaVA).")]
 JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON report here (- for stdout).")]
+WideOpt = Annotated[bool, typer.Option(
+    "--wide", help="Show every column (the default table fits 80 columns; the JSON report has everything).")]
 
 
 @app.command("flops")
@@ -135,6 +137,7 @@ def flops_command(
     per_layer: Annotated[bool, typer.Option("--per-layer", help="Add per-layer token counts and costs.")] = False,
     set_values: SetOpt = None,
     json_path: JsonOpt = None,
+    wide: WideOpt = False,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Run the prefill (random weights, CPU) under fvcore and torch's counter and check "
                          "every stage against the analytic count; exit 1 if one differs beyond --tolerance.")] = False,
@@ -201,7 +204,7 @@ def flops_command(
         "budget_tflops": tflops, "keep": keep, "rows": rows,
     }
     console = err if json_path == "-" else out
-    console.print(flops_table(report, acc.UNITS[opts.convention], hardware is not None))
+    console.print(flops_table(report, acc.UNITS[opts.convention], hardware is not None, wide))
     if per_layer:
         for row in rows[:: len(quants)]:
             console.print(per_layer_table(row, acc.UNITS[opts.convention]))
@@ -241,6 +244,7 @@ def profile_command(
     image_size: ImageSizeOpt = None,
     frames: FramesOpt = None,
     json_path: JsonOpt = None,
+    wide: WideOpt = False,
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
     from ficoco.profiling.config import parse_batches
@@ -261,7 +265,7 @@ def profile_command(
         image_size=parse_image_size(image_size), frames=frames,
     )
     plan = plan_run(config)
-    report = run_and_report(config, plan, json_path, out if json_path != "-" else err)
+    report = run_and_report(config, plan, json_path, out if json_path != "-" else err, wide)
     if not any(row.get("status") == "ok" for row in report["rows"]):
         reasons = sorted({f"{row.get('status')}: {row.get('reason')}" for row in report["rows"]})
         err.print(f"error: no row was measured ({'; '.join(reasons)[:400]})", markup=False, highlight=False,
@@ -314,17 +318,18 @@ def compare_command(
 def report_command(
     path: Annotated[str, typer.Argument(help="A saved profile report (ficoco.report/1).")],
     fmt: Annotated[str, typer.Option("--format", help="table, markdown or csv.")] = "table",
+    wide: WideOpt = False,
 ) -> None:
     """Render a saved profile report as a table, markdown or CSV."""
     from ficoco.compare import read_report
-    from ficoco_cli.render import profile_table
+    from ficoco_cli.render import print_profile
     from ficoco_cli.report_cmd import REPORT_FORMATS, report_csv, report_markdown
 
     if fmt not in REPORT_FORMATS:
         raise FicocoError(f"unknown --format '{fmt}': choose from {', '.join(REPORT_FORMATS)}")
     report = read_report(path)
     if fmt == "table":
-        out.print(profile_table(report))
+        print_profile(out, report, wide)
     else:
         sys.stdout.write(report_markdown(report) if fmt == "markdown" else report_csv(report))
 

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ficoco.profiling.environment import environment
 from ficoco.profiling.matrix import Plan, ProfileConfig, RowSpec, add_comparisons, run_profile
 from ficoco.report import write_json_atomic
-from ficoco_cli.render import profile_table
+from ficoco_cli.render import print_profile
 
 SCHEMA = "ficoco.report/1"
 
@@ -27,7 +27,8 @@ def device_line(env: dict[str, Any], plan: Plan) -> str:
     return f"device {where}{roofline}; {plan.warmup} warm-up and {plan.repeat} timed run(s) per row"
 
 
-def run_and_report(config: ProfileConfig, plan: Plan, json_path: str | None, console: Console) -> dict[str, Any]:
+def run_and_report(config: ProfileConfig, plan: Plan, json_path: str | None, console: Console,
+                   wide: bool = False) -> dict[str, Any]:
     """Run the plan, rewriting the report after every row; returns the report."""
     env = environment(plan.device)
     report: dict[str, Any] = {
@@ -61,7 +62,7 @@ def run_and_report(config: ProfileConfig, plan: Plan, json_path: str | None, con
             run_profile(config, plan, on_row, on_start)
     finally:
         if report["rows"]:
-            console.print(profile_table(report))
+            print_profile(console, report, wide)
     if json_path == "-":
         write_json_atomic("-", report)
     return report

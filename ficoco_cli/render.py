@@ -1,10 +1,33 @@
-"""Rich tables for the commands. Rendering only: every figure arrives computed."""
+"""Rich tables and verdict lines for the commands. Rendering only: every figure arrives computed.
+
+The default tables of `ficoco flops` and `ficoco profile` fit an 80-column terminal: they carry
+the columns a user reads first, with the unit of each column in its header, and every figure
+scaled to a readable unit (the largest in which the column's largest figure reads at least 1).
+`--wide` shows every column; the JSON report always holds everything. Renderers read the report
+dict only (what `--json` writes), so `ficoco report` shows the same table as the run did, and
+they tolerate rows of older reports that lack a field ("-").
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from rich import box
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.table import Table
+from rich.text import Text
+
+BYTE_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1.0))
+TIME_UNITS_MS = (("s", 1e3), ("ms", 1.0))
+TERA_PREFIXES = (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9))
+
+# What makes a timed figure less trustworthy (named in the verdict lines).
+NOISY_P90_OVER_MEDIAN = 1.2
+NOISY_STDEV_OVER_MEDIAN = 0.1
+FEW_TIMED_RUNS = 3  # below this, p90 and stdev say nothing about the spread
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -28,6 +51,135 @@ def fmt_tera(x: float) -> str:
     return f"{x:.4f}" if x < 0.1 else f"{x:.3f}"
 
 
+def fmt_num(x: Any) -> str:
+    """A figure at about four significant digits and never in exponent notation; "-" when missing."""
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return "-"
+    if not math.isfinite(x):
+        return str(x)
+    size = abs(x)
+    if size >= 1000:
+        return f"{x:,.0f}"
+    for floor, decimals in ((100, 1), (10, 2), (1, 3)):
+        if size >= floor:
+            return f"{x:.{decimals}f}"
+    if size < 1e-9:
+        return "0"
+    return f"{x:.{min(9, 2 - math.floor(math.log10(size)))}f}"  # three significant digits below 1
+
+
+def pick_unit(values: Sequence[Any], units: Sequence[tuple[str, float]]) -> tuple[str, float]:
+    """The largest unit in which the largest present value reads at least 1 (the smallest unit otherwise)."""
+    largest = max((abs(v) for v in values if _is_number(v) and math.isfinite(v)), default=0.0)
+    for name, scale in units:
+        if largest >= scale:
+            return name, scale
+    return units[-1]
+
+
+def tera_units(unit: str) -> tuple[tuple[str, float], ...]:
+    """`TFLOPs` -> TFLOPs, GFLOPs, MFLOPs, kFLOPs with their scales to tera."""
+    base = unit.split()[0]
+    base = base[1:] if base.startswith("T") else base
+    return tuple((prefix + base, scale) for prefix, scale in TERA_PREFIXES)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _get(row: Any, *path: str) -> Any:
+    """row[path[0]][path[1]]..., or None where a level is missing (rows of older reports)."""
+    for key in path:
+        if not isinstance(row, dict):
+            return None
+        row = row.get(key)
+    return row
+
+
+def _ratio(x: Any) -> str:
+    return f"{x:.2f}x" if _is_number(x) and math.isfinite(x) else "-"
+
+
+def _percent(x: Any, signed: bool = False) -> str:
+    if not _is_number(x) or not math.isfinite(x):
+        return "-"
+    return f"{x * 100:+.1f}" if signed else f"{x * 100:.1f}"
+
+
+def _text(x: Any) -> str:
+    return "-" if x is None or x == "" else str(x)
+
+
+# ---- table assembly -------------------------------------------------------------------------------------------
+
+@dataclass
+class _Column:
+    """A column: its header (a second line holds the unit) and its cells, one per row."""
+
+    header: str
+    cells: list[str] = field(default_factory=list)
+    left: bool = False
+
+    @property
+    def width(self) -> int:
+        return max(len(line) for text in (self.header, *self.cells) for line in text.split("\n"))
+
+
+def _scaled(header: str, values: Sequence[Any], units: Sequence[tuple[str, float]],
+            unit: tuple[str, float] | None = None) -> _Column:
+    """A column of figures in one unit (the readable one for these values unless given), named in its header."""
+    name, scale = unit or pick_unit(values, units)
+    return _Column(f"{header}\n{name}", [fmt_num(v / scale) if _is_number(v) else "-" for v in values])
+
+
+def _table(columns: list[_Column], rows: Sequence[int], *, title: str | None = None, caption: str | None = None,
+           show_header: bool = True, aligned: bool = False) -> Table:
+    # A compact box (a rule under the header, two spaces between columns) keeps the default tables
+    # within 80 columns; "fold" rather than rich's ellipsis, so a console narrower than a table wraps
+    # a figure instead of cutting it. `aligned` gives every column its widest cell's width (tables
+    # stacked under one header), which only fits a console wide enough for it.
+    table = Table(title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
+                  show_edge=False, pad_edge=False, collapse_padding=True, show_header=show_header)
+    for column in columns:
+        table.add_column(column.header, justify="left" if column.left else "right", overflow="fold",
+                         min_width=column.width if aligned else None)
+    for i in rows:
+        table.add_row(*(column.cells[i] for column in columns))
+    return table
+
+
+class _Grouped:
+    """Rows in groups, each under a label line. Where the console is wide enough the groups' tables share
+    the first one's header and its column widths, so they read as one table; where it is not, each group
+    is a table of its own that rich may narrow (so nothing is cropped)."""
+
+    def __init__(self, columns: list[_Column], groups: list[tuple[str, list[int]]], title: str,
+                 caption: str) -> None:
+        self.columns, self.groups, self.title, self.caption = columns, groups, title, caption
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        columns = self.columns
+        aligned = sum(c.width for c in columns) + 2 * (len(columns) - 1) <= options.max_width
+        if aligned:
+            yield _table(columns, [], title=self.title, aligned=True)
+        else:
+            yield Text(self.title)
+        for n, (label, indices) in enumerate(self.groups):
+            yield Text(label, style="bold")
+            yield _table(columns, indices, show_header=not aligned, aligned=aligned,
+                         caption=self.caption if n == len(self.groups) - 1 else None)
+
+
+def _grouped(columns: list[_Column], groups: list[tuple[str, list[int]]], title: str, caption: str) -> RenderableType:
+    """One table, or with several groups of rows one table per group under a label line (`_Grouped`)."""
+    if len(groups) == 1:
+        return _table(columns, range(len(columns[0].cells)), title=title, caption=caption)
+    return _Grouped(columns, groups, title, caption)
+
+
+# ---- ficoco models ---------------------------------------------------------------------------------------------
+
 def models_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="Model profiles", title_justify="left")
     for col, justify in (("profile", "left"), ("family", "left"), ("parameters", "right"),
@@ -41,33 +193,41 @@ def models_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-def flops_table(report: dict[str, Any], unit: str, show_roofline: bool) -> Table:
+# ---- ficoco flops ----------------------------------------------------------------------------------------------
+
+def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bool = False) -> Table:
+    """The accountant's rows: visual tokens, cost in scope and its reduction, KV cache, weights, memory access
+    (and the roofline time with a GPU); `wide` adds the cost of every stage."""
+    rows = report["rows"]
+    quants = list(dict.fromkeys(r["quant"] for r in rows))
     mode = "equivalent: final token count in every layer" if report["equivalent"] else "layer-exact"
-    title = (f"{report['model']}: {unit}, convention {report['convention']}, scope {report['scope']} "
-             f"({mode}); batch {report['batch']}, {report['text_tokens']} text tokens")
-    in_scope = set(report["scope_stages"])
-    caption = ("stages marked * are outside the scope and not in the total; "
-               "memory access is LLM-Viewer traffic, not a footprint; bytes in decimal units")
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
-    short = {"vision": "vision", "projector": "proj", "llm": "llm", "lm_head": "head"}
-    cols = ["variant", "quant", "visual"]
-    cols += [short[s] + ("" if s in in_scope else "*") for s in report["stages"]]
-    cols += ["total", "vs vanilla", "KV cache", "weights", "mem access"]
+    title = (f"{report['model']}: {unit}, convention {report['convention']}, scope {report['scope']} ({mode}); "
+             f"batch {report['batch']}, {report['text_tokens']} text tokens"
+             + (f", {quants[0]}" if len(quants) == 1 else ""))
+    tera_unit = pick_unit([r["tflops"] for r in rows], tera_units(unit))
+    columns = [_Column("variant", [r["variant"] for r in rows], left=True)]
+    if wide or len(quants) > 1:
+        columns.append(_Column("quant", [r["quant"] for r in rows], left=True))
+    columns.append(_Column("visual\ntokens", [str(r["visual_tokens"]) for r in rows]))
+    if wide:
+        in_scope = set(report["scope_stages"])
+        short = {"vision": "vision", "projector": "proj", "llm": "llm", "lm_head": "head"}
+        for stage in report["stages"]:
+            header = short.get(stage, stage) + ("" if stage in in_scope else "*")
+            columns.append(_scaled(header, [r["tflops_by_stage"][stage] for r in rows], (), tera_unit))
+    columns.append(_scaled("total", [r["tflops"] for r in rows], (), tera_unit))
+    # Names on two lines above their unit: with a quant column and a roofline the table still fits 80 columns.
+    columns.append(_Column("vs\nvanilla\n%", [_percent(-r["reduction_vs_vanilla"], signed=True)
+                                             if r.get("reduction_vs_vanilla") is not None else "-" for r in rows]))
+    columns.append(_scaled("KV cache", [r["kv_cache_bytes"] for r in rows], BYTE_UNITS))
+    columns.append(_scaled("weights", [r["weight_bytes"] for r in rows], BYTE_UNITS))
+    columns.append(_scaled("mem\naccess", [r["memory_access_bytes"] for r in rows], BYTE_UNITS))
     if show_roofline:
-        cols.append("roofline ms")
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("variant", "quant") else "right")
-    for row in report["rows"]:
-        cells = [row["variant"], row["quant"], str(row["visual_tokens"])]
-        cells += [fmt_tera(row["tflops_by_stage"][s]) for s in report["stages"]]
-        reduction = row.get("reduction_vs_vanilla")
-        cells += [fmt_tera(row["tflops"]), "-" if reduction is None else f"-{reduction * 100:.1f}%",
-                  fmt_bytes(row["kv_cache_bytes"]), fmt_bytes(row["weight_bytes"]),
-                  fmt_bytes(row["memory_access_bytes"])]
-        if show_roofline:
-            cells.append(f"{row['roofline_ms']:.2f}")
-        table.add_row(*cells)
-    return table
+        columns.append(_scaled("roofline", [r.get("roofline_ms") for r in rows], (), ("ms", 1.0)))
+    caption = (("stages marked * are outside the scope and not in the total; " if wide else
+                f"total: the cost in scope {report['scope']} (--wide: by stage); ")
+               + "memory access is LLM-Viewer traffic, not a footprint; bytes in decimal units")
+    return _table(columns, range(len(rows)), title=title, caption=caption)
 
 
 def per_layer_table(row: dict[str, Any], unit: str) -> Table:
@@ -83,51 +243,253 @@ def per_layer_table(row: dict[str, Any], unit: str) -> Table:
     return table
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
+# ---- ficoco profile / ficoco report ------------------------------------------------------------------------------
+
+def _measured(row: dict[str, Any], *path: str) -> Any:
+    """A measured figure; none for a row that was not measured (its stale fields are not shown)."""
+    return _get(row, *path) if row.get("status") == "ok" else None
 
 
-def _ratio(x: float | None, suffix: str = "x") -> str:
-    return "-" if x is None else f"{x:.2f}{suffix}"
+def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[int]]]:
+    """Rows by (quant, batch), in report order, each with its label: speedups compare within a group."""
+    keys = [(r.get("quant"), r.get("batch")) for r in rows]
+    indices: dict[tuple[Any, Any], list[int]] = {}
+    for i, key in enumerate(keys):
+        indices.setdefault(key, []).append(i)
+    quant_varies = len({q for q, _ in keys}) > 1
+    batch_varies = len({b for _, b in keys}) > 1
+
+    def label(quant: Any, batch: Any) -> str:
+        parts = ([f"quant {_text(quant)}"] if quant_varies else []) + ([f"batch {_text(batch)}"] if batch_varies
+                                                                         else [])
+        return ", ".join(parts)
+
+    return [(label(*key), idx) for key, idx in indices.items()]
 
 
-def profile_table(report: dict[str, Any]) -> Table:
-    env = report["environment"]
-    title = (f"{report['config']['model']} on {env.get('device')} ({env['device_kind']}, {env['threads']} threads): "
-             f"prefill, {report['config']['repeat']} runs after {report['config']['warmup']} warm-up")
-    caption = ("TFLOPs: analytic, flops convention, whole model (scope all), LM head on the last token; "
-               "speedup and memory saving against the vanilla row of the same quant and batch; "
-               "peak memory: " + (report["rows"][0]["memory"].get("method", "") if report["rows"]
-                                  and report["rows"][0].get("memory") else ""))
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
-    cols = ["variant", "quant", "dtype", "batch", "visual", "status", "median ms", "p90 ms", "img/s", "TFLOPs",
-            "TFLOP/s", "method %", "speedup", "FLOPs ratio", "peak mem", "mem saving", "KV measured",
-            "KV analytic"]
-    if any(r.get("analytic", {}).get("roofline_ms") for r in report["rows"]):
-        cols += ["roofline ms", "measured/roofline"]
-    if report["config"]["new_tokens"]:
-        cols += ["e2e img/s", "gen tok/s"]
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("variant", "quant", "dtype", "status") else "right")
-    for r in report["rows"]:
-        a = r["analytic"]
-        dtype = (r.get("backend") or {}).get("compute_dtype", "-")
-        cells = [r["variant"], r["quant"], dtype, str(r["batch"]), str(a["visual_tokens"]), r["status"]]
-        if r["status"] != "ok":
-            cells += [r.get("reason", "")[:50]] + [""] * (len(cols) - len(cells) - 1)
-            table.add_row(*cells)
+def _profile_title(report: dict[str, Any], rows: list[dict[str, Any]], wide: bool) -> str:
+    env, config = report.get("environment") or {}, report.get("config") or {}
+    setting = ""
+    if not wide and len(_groups(rows)) == 1 and rows:
+        setting = f", {_text(rows[0].get('quant'))}, batch {_text(rows[0].get('batch'))}"
+    return (f"{_text(config.get('model'))} on {_text(env.get('device'))} ({_text(env.get('device_kind'))}, "
+            f"{_text(env.get('threads'))} threads): prefill{setting}, {_text(config.get('repeat'))} runs after "
+            f"{_text(config.get('warmup'))} warm-up")
+
+
+def _profile_caption(rows: list[dict[str, Any]], wide: bool) -> str:
+    method = next((m for r in rows if (m := _get(r, "memory", "method"))), None)
+    text = ("FLOPs: analytic, whole model, LM head on the last token. "
+            + ("speedup, FLOPs ratio" if wide else "speedup (FLOPs)")
+            + ": vanilla's median latency (FLOPs) over this row's, same quant and batch.")
+    if method:
+        text += f" peak mem: {method}."
+    if not wide:
+        text += " Every column: --wide."
+    return text
+
+
+def _flops_values(rows: list[dict[str, Any]]) -> tuple[list[Any], tuple[str, float]]:
+    values = [_get(r, "analytic", "tflops") for r in rows]
+    return values, pick_unit(values, tera_units("TFLOPs"))
+
+
+def _profile_columns(rows: list[dict[str, Any]]) -> list[_Column]:
+    """The columns a user reads first."""
+    tflops, tera_unit = _flops_values(rows)
+    speedups = []
+    for r in rows:
+        speedup, ratio = _measured(r, "speedup_vs_vanilla"), _measured(r, "flops_ratio_vs_vanilla")
+        speedups.append("-" if speedup is None and ratio is None else f"{_ratio(speedup)} ({_ratio(ratio)})")
+    return [
+        _Column("variant", [_text(r.get("variant")) for r in rows], left=True),
+        _Column("visual\ntokens", [_text(_get(r, "analytic", "visual_tokens")) for r in rows]),
+        _scaled("", tflops, (), tera_unit),
+        _scaled("median", [_measured(r, "latency", "median_ms") for r in rows], TIME_UNITS_MS),
+        _Column("speedup\n(FLOPs)", speedups),
+        _scaled("peak mem", [_measured(r, "memory", "peak_bytes") for r in rows], BYTE_UNITS),
+        _scaled("KV cache", [_measured(r, "kv_cache_bytes") for r in rows], BYTE_UNITS),
+        _Column("status", [_text(r.get("status")) for r in rows], left=True),
+    ]
+
+
+def _profile_wide_columns(report: dict[str, Any], rows: list[dict[str, Any]]) -> list[_Column]:
+    """Every figure of a row."""
+    tflops, tera_unit = _flops_values(rows)
+    medians = [_measured(r, "latency", "median_ms") for r in rows]
+    time_unit = pick_unit(medians, TIME_UNITS_MS)  # one unit for every latency column, to compare them
+    kv_measured = [_measured(r, "kv_cache_bytes") for r in rows]
+    kv_analytic = [_get(r, "analytic", "kv_cache_bytes") for r in rows]
+    kv_unit = pick_unit(kv_measured + kv_analytic, BYTE_UNITS)
+    per_s_unit = pick_unit([_measured(r, "achieved_tflops_per_s") for r in rows], tera_units("TFLOPs"))
+    columns = [
+        _Column("variant", [_text(r.get("variant")) for r in rows], left=True),
+        _Column("quant", [_text(r.get("quant")) for r in rows], left=True),
+        _Column("dtype", [_text(_get(r, "backend", "compute_dtype")) for r in rows], left=True),
+        _Column("batch", [_text(r.get("batch")) for r in rows]),
+        _Column("visual\ntokens", [_text(_get(r, "analytic", "visual_tokens")) for r in rows]),
+        _Column("status", [_text(r.get("status")) for r in rows], left=True),
+        _scaled("median", medians, (), time_unit),
+        _scaled("p90", [_measured(r, "latency", "p90_ms") for r in rows], (), time_unit),
+        _scaled("min", [_measured(r, "latency", "min_ms") for r in rows], (), time_unit),
+        _scaled("stdev", [_measured(r, "latency", "stdev_ms") for r in rows], (), time_unit),
+        _Column("timed\nruns", [_text(len(s)) if isinstance(s := _measured(r, "latency", "samples_ms"), list)
+                                else "-" for r in rows]),
+        _Column("img/s", [fmt_num(_measured(r, "images_per_s")) for r in rows]),
+        _scaled("", tflops, (), tera_unit),
+        _scaled("achieved", [_measured(r, "achieved_tflops_per_s") for r in rows], (),
+                (per_s_unit[0] + "/s", per_s_unit[1])),
+        _scaled("method", [_measured(r, "reduction_ms") for r in rows], (), ("ms", 1.0)),
+        _Column("method\n%", [_percent(_measured(r, "reduction_share")) for r in rows]),
+        _Column("speedup", [_ratio(_measured(r, "speedup_vs_vanilla")) for r in rows]),
+        _Column("FLOPs\nratio", [_ratio(_measured(r, "flops_ratio_vs_vanilla")) for r in rows]),
+        _scaled("peak mem", [_measured(r, "memory", "peak_bytes") for r in rows], BYTE_UNITS),
+        _Column("mem\nsaving %", [_percent(_measured(r, "memory_saving_vs_vanilla")) for r in rows]),
+        _scaled("KV measured", kv_measured, (), kv_unit),
+        _scaled("KV analytic", kv_analytic, (), kv_unit),
+    ]
+    if any(_get(r, "analytic", "roofline_ms") for r in rows):
+        columns.append(_scaled("roofline", [_get(r, "analytic", "roofline_ms") for r in rows], (), ("ms", 1.0)))
+        columns.append(_Column("measured /\nroofline", [_ratio(_measured(r, "measured_over_roofline"))
+                                                          for r in rows]))
+    if (report.get("config") or {}).get("new_tokens"):
+        columns.append(_Column("e2e\nimg/s", [fmt_num(_measured(r, "generation", "images_per_s")) for r in rows]))
+        columns.append(_Column("gen\ntok/s", [fmt_num(_measured(r, "generation", "generated_tokens_per_s"))
+                                              for r in rows]))
+    return columns
+
+
+def profile_table(report: dict[str, Any], wide: bool = False) -> RenderableType:
+    """The measured rows: by default the columns a user reads first, within 80 columns (rows of several quants
+    or batches under a label line per group); `wide`: every column, one row per line."""
+    rows = report.get("rows") or []
+    title, caption = _profile_title(report, rows, wide), _profile_caption(rows, wide)
+    if wide:
+        return _table(_profile_wide_columns(report, rows), range(len(rows)), title=title, caption=caption)
+    return _grouped(_profile_columns(rows), _groups(rows), title, caption)
+
+
+# ---- the verdict under the profile table ---------------------------------------------------------------------------
+
+def _bytes_words(n: Any) -> str:
+    if not _is_number(n):
+        return "-"
+    unit, scale = pick_unit([n], BYTE_UNITS)
+    return f"{fmt_num(n / scale)} {unit}"
+
+
+def _times(x: float) -> str:
+    """A ratio in words: two decimals near 1, where they tell 1.04x from 0.96x; one above 2."""
+    return f"{x:.1f}x" if x >= 2 else f"{x:.2f}x"
+
+
+def _faster(ratio: float, what: str) -> str:
+    if ratio >= 1:
+        return f"{what} {_times(ratio)} faster"
+    return f"{what} {_times(1 / ratio)} slower" if ratio > 0 else f"{what} speed ratio {ratio}"
+
+
+def _spread(row: dict[str, Any]) -> str | None:
+    """The spread of a row's timed runs, when it is large enough to doubt the median."""
+    median, p90, stdev = (_get(row, "latency", key) for key in ("median_ms", "p90_ms", "stdev_ms"))
+    if not _is_number(median) or median <= 0:
+        return None
+    spread = []
+    if _is_number(p90) and p90 / median >= NOISY_P90_OVER_MEDIAN:
+        spread.append(f"p90/median {p90 / median:.2f}")
+    if _is_number(stdev) and stdev / median >= NOISY_STDEV_OVER_MEDIAN:
+        spread.append(f"stdev/median {stdev / median * 100:.0f} %")
+    return ", ".join(spread) or None
+
+
+def _caveats(row: dict[str, Any], base: dict[str, Any] | None, config: dict[str, Any]) -> list[str]:
+    """What makes this row's figures less trustworthy (a speedup also inherits its vanilla row's timing)."""
+    caveats = []
+    timed = [row] + ([base] if base is not None else [])
+    counts = [len(s) for r in timed if isinstance(s := _get(r, "latency", "samples_ms"), list)]
+    if counts and min(counts) < FEW_TIMED_RUNS:
+        caveats.append(f"only {min(counts)} timed run{'' if min(counts) == 1 else 's'}")
+    for whose, timed_row in (("", row), ("vanilla ", base)):
+        if timed_row is not None and (spread := _spread(timed_row)):
+            caveats.append(f"noisy {whose}timing ({spread})")
+    if config.get("device") == "auto" and row.get("device_kind") == "cpu":
+        caveats.append("CPU fallback (--device auto found no GPU)")
+    dtype = _get(row, "backend", "compute_dtype")
+    if row.get("quant") == "fp16" and dtype not in (None, "float16"):
+        caveats.append(f"computed in {dtype}, not float16, for speed"
+                       + (" on CPU" if row.get("device_kind") == "cpu" else ""))
+    elif row.get("note"):
+        caveats.append(str(row["note"]))
+    return caveats
+
+
+def _row_verdict(row: dict[str, Any], base: dict[str, Any] | None, config: dict[str, Any]) -> str:
+    tokens = _get(row, "analytic", "visual_tokens")
+    tflops = _get(row, "analytic", "tflops")
+    facts = [f"{_text(tokens)} visual tokens"]
+    if row.get("status") != "ok":
+        reason = row.get("reason") or "no reason recorded"
+        analytic = [f"{fmt_num(tflops)} TFLOPs"] if _is_number(tflops) else []
+        if _is_number(kv := _get(row, "analytic", "kv_cache_bytes")):
+            analytic.append(f"KV cache {_bytes_words(kv)}")
+        text = f"not measured ({_text(row.get('status'))}: {reason})"
+        if row.get("variant") == "vanilla":
+            return text + "; the rows of its quant and batch have no speedup"
+        return text + "; by the accountant: " + ", ".join(facts + analytic)
+    compared = base is not None and base.get("status") == "ok"
+    speedup, flops_ratio = row.get("speedup_vs_vanilla"), row.get("flops_ratio_vs_vanilla")
+    if _is_number(speedup):
+        facts.append(_faster(speedup, "prefill"))
+        if _is_number(flops_ratio) and flops_ratio > 0:
+            fewer = f"{_times(flops_ratio)} fewer" if flops_ratio >= 1 else f"{_times(1 / flops_ratio)} more"
+            facts[-1] += f" (FLOPs {fewer})"
+    else:
+        median = _get(row, "latency", "median_ms")
+        unit, scale = pick_unit([median], TIME_UNITS_MS)
+        facts.append(f"prefill {fmt_num(median / scale) if _is_number(median) else '-'} {unit}")
+    kv, base_kv = row.get("kv_cache_bytes"), _get(base, "kv_cache_bytes") if compared else None
+    if _is_number(kv):
+        facts.append(f"KV cache {_bytes_words(kv)}" + (f" instead of {_bytes_words(base_kv)}"
+                                                       if _is_number(base_kv) else ""))
+    peak, base_peak = _get(row, "memory", "peak_bytes"), _get(base, "memory", "peak_bytes") if compared else None
+    if _is_number(peak) and _is_number(base_peak) and base_peak > 0:
+        facts.append(f"peak memory {(peak / base_peak - 1) * 100:+.1f} %")
+    elif _is_number(peak):
+        facts.append(f"peak memory {_bytes_words(peak)}")
+    generated = _get(row, "generation", "latency", "median_ms")
+    base_generated = _get(base, "generation", "latency", "median_ms") if compared else None
+    if _is_number(generated) and _is_number(base_generated) and generated > 0:
+        words = _faster(base_generated / generated, f"generating {_text(_get(row, 'generation', 'new_tokens'))} "
+                                                    "tokens end to end")
+        facts.append(f"{words} ({fmt_num(_get(row, 'generation', 'generated_tokens_per_s'))} tok/s)")
+    if not compared:
+        facts.append("no measured vanilla row of its quant and batch to compare with")
+    text = ", ".join(facts)
+    caveats = _caveats(row, base if compared else None, config)
+    return text + ("; caution: " + "; ".join(caveats) if caveats else "")
+
+
+def verdict_lines(report: dict[str, Any]) -> list[str]:
+    """One line per reduced row (and per vanilla row that was not measured): the result in words against the
+    vanilla row of the same quant and batch, and anything that makes its figures less trustworthy."""
+    rows = report.get("rows") or []
+    config = report.get("config") or {}
+    vanilla = {(r.get("quant"), r.get("batch")): r for r in rows if r.get("variant") == "vanilla"}
+    several = len(_groups(rows)) > 1
+    lines = []
+    for row in rows:
+        if row.get("variant") == "vanilla" and row.get("status") == "ok":
             continue
-        lat = r["latency"]
-        cells += [_ms(lat["median_ms"]), _ms(lat["p90_ms"]), f"{r['images_per_s']:.2f}", fmt_tera(a["tflops"]),
-                  f"{r['achieved_tflops_per_s']:.3f}", f"{r['reduction_share'] * 100:.2f}%",
-                  _ratio(r.get("speedup_vs_vanilla")),
-                  _ratio(r.get("flops_ratio_vs_vanilla")), fmt_bytes(r["memory"].get("peak_bytes")),
-                  "-" if r.get("memory_saving_vs_vanilla") is None else f"{r['memory_saving_vs_vanilla'] * 100:.1f}%",
-                  fmt_bytes(r["kv_cache_bytes"]), fmt_bytes(a["kv_cache_bytes"])]
-        if "roofline ms" in cols:
-            cells += [_ms(a.get("roofline_ms")), _ratio(r.get("measured_over_roofline"))]
-        if report["config"]["new_tokens"]:
-            g = r.get("generation") or {}
-            cells += [f"{g.get('images_per_s', 0):.2f}", f"{g.get('generated_tokens_per_s', 0):.1f}"]
-        table.add_row(*cells)
-    return table
+        name = _text(row.get("variant"))
+        if several:
+            name += f" {_text(row.get('quant'))} batch {_text(row.get('batch'))}"
+        lines.append(f"{name}: {_row_verdict(row, vanilla.get((row.get('quant'), row.get('batch'))), config)}")
+    return lines
+
+
+def print_profile(console: Console, report: dict[str, Any], wide: bool = False) -> None:
+    """The profile table, then the verdict lines (one logical line each: a terminal wraps them, a pipe
+    or a file keeps them whole)."""
+    console.print(profile_table(report, wide))
+    for line in verdict_lines(report):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)

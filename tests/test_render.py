@@ -1,0 +1,406 @@
+"""The first screen of the main job (issue 17): the profile and flops tables fit 80 columns without
+cutting a figure, and a verdict line per reduced row says the result in words.
+
+Renderers are checked in-process on report dicts (a hand-made report shaped like the README's main
+job, whose every figure is known here, and the reference report in `reports/`), then as a person
+sees them: `ficoco report` and `ficoco flops` in a pseudo-terminal (always), in real tmux panes
+of 80, 120 and 200 columns (skipped only without tmux), and in a pipe.
+"""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import io
+import json
+import os
+import pty
+import re
+import shlex
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from ficoco_cli.render import (
+    fmt_num,
+    pick_unit,
+    profile_table,
+    verdict_lines,
+)
+
+SCRIPT = Path(sys.executable).parent / "ficoco"
+COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
+REFERENCE = Path(__file__).resolve().parents[1] / "reports" / "llava-tiny-cpu.json"
+ELLIPSIS = "\u2026"
+
+
+# ---- a report shaped like the main job: LLaVA-1.5-7B, vanilla and FiCoCo-V, bf16 on CPU ----------------------
+
+def _row(variant: str, tokens: int, tflops: float, samples_ms: list[float], peak_bytes: int, kv_bytes: int
+         ) -> dict[str, Any]:
+    ordered = sorted(samples_ms)
+    median = ordered[len(ordered) // 2]
+    return {
+        "model": "llava-1.5-7b", "variant": variant, "quant": "fp16", "batch": 1, "text_tokens": 60,
+        "new_tokens": 0, "device_kind": "cpu", "schedule": [],
+        "backend": {"compute_dtype": "bfloat16", "quant": "fp16", "backend": "torch", "scheme": "torch.bfloat16"},
+        "note": "16-bit on CPU computes in bfloat16 (fp16 matrix work is ~15x slower there)",
+        "analytic": {"tflops": tflops, "kv_cache_bytes": kv_bytes, "weight_bytes": 14.1e9, "visual_tokens": tokens,
+                     "roofline_ms": None},
+        "threads": 2, "status": "ok",
+        "latency": {"median_ms": median, "p90_ms": ordered[-1], "min_ms": ordered[0], "stdev_ms": 100.0,
+                    "samples_ms": samples_ms, "timer": "perf_counter"},
+        "images_per_s": 1e3 / median,
+        "memory": {"method": "process peak RSS (VmHWM)", "peak_rss_bytes": peak_bytes, "peak_bytes": peak_bytes},
+        "kv_cache_bytes": kv_bytes, "reduction_ms": 40.0, "reduction_share": 40.0 / median, "generation": None,
+        "achieved_tflops_per_s": tflops / (median / 1e3), "measured_over_roofline": None,
+    }
+
+
+def _compare(rows: list[dict[str, Any]]) -> None:
+    """The comparisons `ficoco profile` adds (ficoco.profiling.matrix.add_comparisons, which needs torch)."""
+    base = rows[0]
+    for row in rows:
+        row["speedup_vs_vanilla"] = base["latency"]["median_ms"] / row["latency"]["median_ms"]
+        row["flops_ratio_vs_vanilla"] = base["analytic"]["tflops"] / row["analytic"]["tflops"]
+        row["memory_saving_vs_vanilla"] = 1 - row["memory"]["peak_bytes"] / base["memory"]["peak_bytes"]
+
+
+def main_job() -> dict[str, Any]:
+    rows = [_row("vanilla", 576, 9.005, [19300.0, 19400.0, 19700.0], 16_020_000_000, 333_447_168),
+            _row("v", 53, 1.801, [3500.0, 3527.0, 3560.0], 15_780_000_000, 59_010_000)]
+    _compare(rows)
+    return {
+        "schema": "ficoco.report/1", "created": "2026-01-01T00:00:00+00:00",
+        "environment": {"device_kind": "cpu", "device": "Intel(R) Xeon(R) Processor", "threads": 2},
+        "config": {"model": "llava-1.5-7b", "variants": ["vanilla", "v"], "repeat": 3, "warmup": 1,
+                   "new_tokens": 0, "device": "auto", "quants": ["fp16"], "batches": [1]},
+        "rows": rows,
+    }
+
+
+# Every figure of the default table, per row, in column order (hand-checked against the rows above).
+MAIN_JOB_CELLS = {
+    "vanilla": ["576", "9.005", "19.40", "1.00x", "(1.00x)", "16.02", "333.4", "ok"],
+    "v": ["53", "1.801", "3.527", "5.50x", "(5.00x)", "15.78", "59.01", "ok"],
+}
+MAIN_JOB_UNITS = ["TFLOPs", "s", "GB", "MB"]
+MAIN_JOB_VERDICT = ("v: 53 visual tokens, prefill 5.5x faster (FLOPs 5.0x fewer), KV cache 59.01 MB instead of "
+                    "333.4 MB, peak memory -1.5 %; caution: CPU fallback (--device auto found no GPU); computed in "
+                    "bfloat16, not float16, for speed on CPU")
+
+# `ficoco flops --model llava-1.5-7b --variant vanilla,v,l --keep 64 --quant fp16,int4 --gpu a100-80gb`: its
+# widest default table (a quant column and the roofline). Figures: total TFLOPs, KV cache, roofline ms.
+FLOPS_ARGS = ["flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--keep", "64", "--quant",
+              "fp16,int4", "--gpu", "a100-80gb"]
+FLOPS_CELLS = {
+    ("vanilla", "fp16"): ["576", "8.617", "333.4", "29.38"], ("vanilla", "int4"): ["576", "8.617", "83.36", "14.00"],
+    ("v", "fp16"): ["64", "1.647", "-80.9", "65.01", "7.086"], ("v", "int4"): ["64", "1.647", "-80.9", "16.25"],
+    ("l", "fp16"): ["64", "5.406", "-37.3", "218.9", "18.67"], ("l", "int4"): ["64", "5.406", "-37.3", "54.72"],
+}
+
+
+def rendered(renderable: Any, width: int) -> str:
+    console = Console(width=width, file=io.StringIO(), record=True)
+    console.print(renderable)
+    return console.export_text()
+
+
+def row_line(text: str, *first: str) -> str:
+    """The one line whose first words are `first` (a table row)."""
+    (line,) = [line for line in text.splitlines() if line.split()[: len(first)] == list(first)]
+    return line
+
+
+def assert_cells(line: str, cells: list[str]) -> None:
+    """Every figure is in the row as a whole word, in column order: none cut, none missing."""
+    words = line.split()
+    at = 0
+    for cell in cells:
+        assert cell in words[at:], (cell, line)
+        at = words.index(cell, at) + 1
+
+
+def assert_main_job_table(text: str) -> None:
+    """No cell cut, every figure there, every column's unit in the header."""
+    assert ELLIPSIS not in text
+    for variant, cells in MAIN_JOB_CELLS.items():
+        assert_cells(row_line(text, variant), cells)
+    header = text.splitlines()[:8]
+    for unit in MAIN_JOB_UNITS:
+        assert any(unit in line.split() for line in header), unit
+
+
+def assert_main_job_screen(text: str) -> None:
+    """The table, then the verdict as one (logical) line."""
+    assert_main_job_table(text)
+    assert MAIN_JOB_VERDICT in [line.rstrip() for line in text.splitlines()]
+
+
+# ---- formatting ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, text", [
+    (8.6172, "8.617"), (19.4, "19.40"), (333.46, "333.5"), (1234.6, "1,235"), (0.0326, "0.0326"),
+    (0.00268, "0.00268"), (0, "0"), (None, "-"), (float("nan"), "nan"), ("12", "-"),
+])
+def test_figures_have_about_four_significant_digits_and_no_exponent(value, text):
+    assert fmt_num(value) == text
+
+
+def test_a_column_takes_the_largest_unit_its_largest_figure_reads_at_least_1_in():
+    units = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1.0))
+    assert pick_unit([333e6, 59e6, None], units) == ("MB", 1e6)
+    assert pick_unit([16e9, 333e6], units) == ("GB", 1e9)
+    assert pick_unit([None, float("nan")], units) == ("B", 1.0)
+    assert pick_unit([19_400.0, 3527.0], (("s", 1e3), ("ms", 1.0))) == ("s", 1e3)
+
+
+# ---- the tables in a console of a given width ---------------------------------------------------------------
+
+def test_main_job_table_is_at_most_80_columns_even_in_a_wide_console():
+    text = rendered(profile_table(main_job()), 200)
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80  # title and caption wrap to the table
+    assert_main_job_table(text)
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_reference_report_table_fits_with_every_figure(width):
+    report = json.loads(REFERENCE.read_text())
+    text = rendered(profile_table(report), width)
+    assert ELLIPSIS not in text
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= min(width, 80)
+    for quant in ("fp16", "int8", "int4"):
+        start = [line.rstrip() for line in text.splitlines()].index(f"quant {quant}")
+        for offset, row in enumerate(r for r in report["rows"] if r["quant"] == quant):
+            line = text.splitlines()[start + 1 + offset]
+            assert_cells(line, [row["variant"], str(row["analytic"]["visual_tokens"]),
+                                f"{row['speedup_vs_vanilla']:.2f}x", f"({row['flops_ratio_vs_vanilla']:.2f}x)", "ok"])
+
+
+def test_wide_table_shows_every_column():
+    report = json.loads(REFERENCE.read_text())
+    text = rendered(profile_table(report, wide=True), 220)
+    assert ELLIPSIS not in text
+    for header in ("quant", "dtype", "batch", "p90", "min", "stdev", "timed", "img/s", "achieved", "method",
+                   "speedup", "ratio", "saving %", "KV measured", "KV analytic"):
+        assert header in text, header
+    vanilla = report["rows"][0]
+    latency = vanilla["latency"]
+    assert_cells(row_line(text, "vanilla", "fp16"),
+                 ["bfloat16", "1", "64", "ok", fmt_num(latency["median_ms"]), fmt_num(latency["p90_ms"]), "7"])
+
+
+def test_a_console_narrower_than_the_wide_table_folds_figures_instead_of_cutting_them():
+    text = rendered(profile_table(json.loads(REFERENCE.read_text()), wide=True), 80)
+    assert ELLIPSIS not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+# ---- verdict lines ------------------------------------------------------------------------------------------
+
+def test_main_job_verdict_says_the_result_and_its_caveats_in_words():
+    assert verdict_lines(main_job()) == [MAIN_JOB_VERDICT]
+
+
+def test_an_explicit_cpu_run_is_not_called_a_fallback():
+    report = main_job()
+    report["config"]["device"] = "cpu"
+    (line,) = verdict_lines(report)
+    assert "fallback" not in line and "bfloat16" in line
+
+
+def test_few_and_noisy_timed_runs_are_named_for_the_row_and_its_vanilla():
+    report = main_job()
+    vanilla, v = report["rows"]
+    v["latency"].update(samples_ms=[3000.0, 4000.0], median_ms=3500.0, p90_ms=4000.0, stdev_ms=707.0)
+    vanilla["latency"].update(stdev_ms=2500.0)
+    (line,) = verdict_lines(report)
+    assert "only 2 timed runs" in line
+    assert "noisy timing (stdev/median 20 %)" in line  # p90/median 1.14 is under its threshold
+    assert "noisy vanilla timing (stdev/median 13 %)" in line
+
+
+def test_a_slower_row_says_slower():
+    report = main_job()
+    report["rows"][1]["speedup_vs_vanilla"] = 0.78
+    assert "prefill 1.28x slower (FLOPs 5.0x fewer)" in verdict_lines(report)[0]
+
+
+def test_a_row_not_measured_is_named_with_its_reason_and_shows_dashes():
+    report = main_job()
+    v = report["rows"][1]
+    for key in ("latency", "memory", "kv_cache_bytes", "images_per_s", "speedup_vs_vanilla"):
+        v.pop(key)
+    v.update(status="oom", reason="OutOfMemoryError: CUDA out of memory")
+    (line,) = verdict_lines(report)
+    assert line == ("v: not measured (oom: OutOfMemoryError: CUDA out of memory); by the accountant: 53 visual tokens, "
+                    "1.801 TFLOPs, KV cache 59.01 MB")
+    text = rendered(profile_table(report), 80)
+    assert row_line(text, "v").split() == ["v", "53", "1.801", "-", "-", "-", "-", "oom"]
+
+
+def test_a_vanilla_row_not_measured_leaves_the_others_without_a_speedup():
+    report = main_job()
+    vanilla, v = report["rows"]
+    vanilla.update(status="oom", reason="out of memory")
+    for key in ("speedup_vs_vanilla", "flops_ratio_vs_vanilla", "memory_saving_vs_vanilla"):
+        v[key] = None
+    lines = verdict_lines(report)
+    assert lines[0] == "vanilla: not measured (oom: out of memory); the rows of its quant and batch have no speedup"
+    assert lines[1].startswith("v: 53 visual tokens, prefill 3.527 s, KV cache 59.01 MB, peak memory 15.78 GB, "
+                               "no measured vanilla row of its quant and batch to compare with")
+
+
+def test_rows_of_an_older_report_without_newer_fields_render_dashes():
+    report = main_job()
+    for row in report["rows"]:
+        for key in ("backend", "memory", "flops_ratio_vs_vanilla", "note", "kv_cache_bytes", "device_kind"):
+            row.pop(key)
+        row["latency"].pop("samples_ms")
+    del report["environment"], report["config"]
+    text = rendered(profile_table(report), 80)
+    assert row_line(text, "v").split() == ["v", "53", "1.801", "3.527", "5.50x", "(-)", "-", "-", "ok"]
+    (line,) = verdict_lines(report)
+    assert line == "v: 53 visual tokens, prefill 5.5x faster"
+
+
+def test_several_quants_name_the_row_in_its_verdict():
+    report = main_job()
+    int8 = copy.deepcopy(report["rows"])
+    for row in int8:
+        row["quant"] = "int8"
+    report["rows"] += int8
+    assert [line.split(":")[0] for line in verdict_lines(report)] == ["v fp16 batch 1", "v int8 batch 1"]
+
+
+# ---- as a person sees it: a pseudo-terminal (always), tmux panes, a pipe ---------------------------------------
+
+@pytest.fixture(scope="module")
+def main_job_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("screen") / "main-job.json"
+    path.write_text(json.dumps(main_job()))
+    return path
+
+
+def terminal_env() -> dict[str, str]:
+    # rich takes COLUMNS / LINES over the terminal's real size: the terminal must decide here.
+    return {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")} | {"TERM": "xterm-256color"}
+
+
+def in_pty(args: list[str], columns: int) -> str:
+    """The command's output in a pseudo-terminal of `columns` columns, escape sequences removed."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen([*COMMAND, *args], stdin=slave, stdout=slave, stderr=slave, env=terminal_env())
+    os.close(slave)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0
+    text = b"".join(chunks).decode().replace("\r\n", "\n")
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07\x1b]*(\x07|\x1b\\)", "", text)
+
+
+def test_main_job_in_an_80_column_terminal(main_job_path):
+    text = in_pty(["report", str(main_job_path)], 80)
+    assert max(len(line) for line in text.splitlines() if line != MAIN_JOB_VERDICT) <= 80
+    assert_main_job_screen(text)
+
+
+def test_flops_in_an_80_column_terminal():
+    text = in_pty(FLOPS_ARGS, 80)
+    assert ELLIPSIS not in text and max(len(line) for line in text.splitlines()) <= 80
+    for (variant, quant), cells in FLOPS_CELLS.items():
+        assert_cells(row_line(text, variant, quant), cells)
+
+
+def test_main_job_in_a_pipe_keeps_the_table_and_one_line_per_verdict(main_job_path):
+    result = subprocess.run([*COMMAND, "report", str(main_job_path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stderr == ""
+    assert_main_job_screen(result.stdout)
+
+
+def test_wide_in_a_pipe_is_not_cut():
+    result = subprocess.run([*COMMAND, "report", str(REFERENCE), "--wide"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0
+    assert ELLIPSIS not in result.stdout
+    assert "KV analytic" in result.stdout and "stdev" in result.stdout
+
+
+def tmux_capture(args: list[str], columns: int) -> str:
+    """Run the command in a detached tmux pane of `columns` columns (a private server) and capture what the
+    pane shows, history included, with wrapped lines joined (-J) as a person would copy them."""
+    socket = f"ficoco-test-{os.getpid()}-{columns}"
+    sentinel = "__ficoco_screen_done__"
+    shell = f"{shlex.join([*COMMAND, *args])}; echo {sentinel}; sleep 120"
+    tmux = ["tmux", "-L", socket, "-f", "/dev/null"]
+    env = terminal_env()
+    subprocess.run([*tmux, "new-session", "-d", "-x", str(columns), "-y", "50", shell], check=True, env=env,
+                   timeout=30)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            shown = subprocess.run([*tmux, "capture-pane", "-p", "-J", "-S", "-"], capture_output=True, text=True,
+                                   env=env, timeout=30).stdout
+            if sentinel in shown or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, env=env, timeout=30)
+    assert sentinel in shown, shown
+    return shown.split(sentinel)[0]
+
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (the pty tests still "
+                                                                      "check an 80-column terminal)")
+
+
+@needs_tmux
+@pytest.mark.parametrize("columns", [80, 120, 200])
+def test_main_job_in_tmux(main_job_path, columns):
+    text = tmux_capture(["report", str(main_job_path)], columns)
+    assert_main_job_screen(text)
+
+
+@needs_tmux
+@pytest.mark.parametrize("columns", [80, 120, 200])
+def test_flops_in_tmux(columns):
+    text = tmux_capture(FLOPS_ARGS, columns)
+    assert ELLIPSIS not in text
+    for (variant, quant), cells in FLOPS_CELLS.items():
+        assert_cells(row_line(text, variant, quant), cells)
+
+
+@needs_tmux
+def test_reference_report_in_an_80_column_tmux_pane():
+    report = json.loads(REFERENCE.read_text())
+    text = tmux_capture(["report", str(REFERENCE)], 80)
+    assert ELLIPSIS not in text
+    lines = [line.rstrip() for line in text.splitlines()]
+    for quant in ("fp16", "int8", "int4"):
+        start = lines.index(f"quant {quant}")
+        rows = [r for r in report["rows"] if r["quant"] == quant]
+        for offset, row in enumerate(rows):
+            assert_cells(lines[start + 1 + offset], [row["variant"], str(row["analytic"]["visual_tokens"]),
+                                                     f"{row['speedup_vs_vanilla']:.2f}x", "ok"])
+    verdicts = [line for line in lines if re.match(r"[vl] int[48] batch 1: |[vl] fp16 batch 1: ", line)]
+    assert len(verdicts) == 6 and all("visual tokens, prefill" in line for line in verdicts)
