@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,10 @@ from ficoco.errors import FicocoError
 # FICOCO_PROFILES points elsewhere when the package is installed on its own.
 PROFILES_DIR = Path(os.environ.get("FICOCO_PROFILES", Path(__file__).resolve().parent.parent / "profiles"))
 HARDWARE_DIR = PROFILES_DIR / "hardware"
+
+# The largest count (layers, widths, tokens, frames) a config or an option may give: far above any
+# real model, and small enough that every analytic cost stays a finite float.
+MAX_COUNT = 2**31 - 1
 
 # Families the toolkit knows, by the config's model_type, with the defaults used when a
 # plain config.json (no ficoco section) is given. First reducing layers follow SPEC.md.
@@ -74,6 +80,8 @@ def _read_json(path: Path) -> dict[str, Any]:
             data = json.load(f)
     except json.JSONDecodeError as exc:
         raise FicocoError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); fix or replace it") from None
+    except UnicodeDecodeError:
+        raise FicocoError(f"{path} is not a text file (a binary or compressed file?); give a config.json") from None
     except OSError as exc:
         raise FicocoError(f"cannot read {path}: {exc.strerror}") from None
     if not isinstance(data, dict):
@@ -88,17 +96,19 @@ def load_profile(model: str, overrides: list[str] | dict[str, Any] | None = None
     dotted keys, e.g. `text_config.num_hidden_layers=4`.
     """
     path = Path(model).expanduser()
+    hint = f"give a profile name ({', '.join(list_profiles())}), a config.json or a checkout folder"
+    if not model.strip():
+        raise FicocoError(f"--model is empty; {hint}")
     if (PROFILES_DIR / f"{model}.json").is_file() and os.sep not in model:
         path, name = PROFILES_DIR / f"{model}.json", model
     elif path.is_dir():
         if not (path / "config.json").is_file():
-            raise FicocoError(f"{model} is a folder without a config.json; give a model checkout folder")
+            raise FicocoError(f"--model {model} is a folder without a config.json; give a model checkout folder")
         path, name = path / "config.json", path.name
     elif path.is_file():
         name = path.parent.name if path.name == "config.json" else path.stem
     else:
-        known = ", ".join(list_profiles())
-        raise FicocoError(f"unknown model '{model}': give a profile name ({known}), a config.json or a checkout folder")
+        raise FicocoError(f"unknown --model '{model}': {hint}")
     data = _read_json(path)
     defaults = data.pop("ficoco", None)
     model_type = data.get("model_type")
@@ -113,8 +123,18 @@ def load_profile(model: str, overrides: list[str] | dict[str, Any] | None = None
     return profile
 
 
+# An override's key is a dotted path of config names: text_config.num_hidden_layers.
+_KEY_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Keys that choose the family: the rest of the config and the toolkit's defaults follow from them.
+_FIXED_KEYS = ("model_type", "ficoco.family")
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """Parse `KEY=VALUE` strings; VALUE is read as JSON when it parses, else as a string."""
+    """Parse `KEY=VALUE` strings; VALUE is read as JSON when it parses, else as a string.
+
+    Each item is checked as it is read (a later item with the same key must not hide a bad one):
+    KEY is dotted config names, and a number in VALUE is finite.
+    """
     parsed: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -122,16 +142,86 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
             raise FicocoError(f"--set '{item}' is not KEY=VALUE (e.g. --set text_config.num_hidden_layers=4)")
         try:
             value = json.loads(raw)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON (or an integer too long for Python to read): the text itself
             value = raw
+        _check_override(key.strip(), value)
         parsed[key.strip()] = value
     return parsed
 
 
+def _shown(key: str, value: Any) -> str:
+    return f"--set {key}={value if isinstance(value, str) else json.dumps(value)}"
+
+
+def _check_override(key: str, value: Any) -> None:
+    """A key of config names that the toolkit lets change, and a finite value."""
+    parts = key.split(".")
+    if not all(_KEY_PART.fullmatch(part) for part in parts):
+        raise FicocoError(f"{_shown(key, value)}: KEY must be dotted config names (e.g. text_config.hidden_size)")
+    if key in _FIXED_KEYS:
+        raise FicocoError(f"{_shown(key, value)}: {key} chooses the model family; give a config of that family "
+                          "with --model instead")
+    if parts == ["ficoco"]:
+        raise FicocoError(f"{_shown(key, value)}: set a key inside the ficoco section (e.g. ficoco.text_tokens=32)")
+    if not _finite(value):
+        raise FicocoError(f"{_shown(key, value)}: give a finite number")
+
+
+def _finite(value: Any) -> bool:
+    """False when a number in VALUE is NaN or infinite (JSON's NaN, Infinity and 1e400 read as such)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
+
+
+def _kind(value: Any) -> str | None:
+    """What a config value is, in words (None: unset, any value may replace it)."""
+    if value is None:
+        return None
+    for kind, name in ((bool, "true or false"), (int, "a whole number"), (float, "a number"), (str, "a string"),
+                       (list, "a list"), (dict, "a section")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def _check_same_kind(key: str, value: Any, current: Any) -> None:
+    """A value of the kind the config holds there (a whole number may stand for a number)."""
+    have, given = _kind(current), _kind(value)
+    if have is None or have == given or (have == "a number" and given == "a whole number"):
+        return
+    if have == "a section":
+        raise FicocoError(f"{_shown(key, value)}: {key} is a section of the config; set a key inside it "
+                          f"({key}.KEY=VALUE)")
+    raise FicocoError(f"{_shown(key, value)}: the config holds {have} there ({json.dumps(current)}); give {have}")
+
+
+def _unreadable(profile: Profile) -> str | None:
+    """Why the accountant cannot read the profile, or None when it can."""
+    from ficoco.accounting.architecture import architecture  # the accountant imports this module
+
+    try:
+        architecture(profile)
+    except FicocoError as exc:
+        return str(exc)
+    return None
+
+
 def apply_overrides(profile: Profile, overrides: list[str] | dict[str, Any]) -> None:
-    """Set dotted keys in the profile's config; `ficoco.KEY` sets a toolkit default."""
+    """Set dotted keys in the profile's config; `ficoco.KEY` sets a toolkit default.
+
+    Each value is checked where it enters: a key of config names, a finite value of the kind the
+    config holds there, and a config that still reads as a model (an override that makes it
+    unreadable is named in the error; a config that was unreadable before is left to report itself).
+    """
     values = parse_overrides(overrides) if isinstance(overrides, list) else dict(overrides)
+    readable_before = _unreadable(profile) is None
     for key, value in values.items():
+        _check_override(key, value)
         parts = key.split(".")
         target: dict[str, Any] = profile.defaults if parts[0] == "ficoco" else profile.config
         if parts[0] == "ficoco":
@@ -141,10 +231,15 @@ def apply_overrides(profile: Profile, overrides: list[str] | dict[str, Any]) -> 
             if node is None:
                 node = target[part] = {}
             if not isinstance(node, dict):
-                raise FicocoError(f"--set {key}: '{part}' is not a section of the config")
+                raise FicocoError(f"{_shown(key, value)}: '{part}' is not a section of the config")
             target = node
+        _check_same_kind(key, value, target.get(parts[-1]))
         target[parts[-1]] = value
         profile.overrides[key] = value
+    problem = _unreadable(profile) if readable_before else None
+    if problem is not None:
+        shown = " ".join(_shown(key, value) for key, value in values.items())
+        raise FicocoError(f"{shown}: {problem}")
 
 
 def set_layout(profile: Profile, *, image_size: tuple[int, int] | None = None, frames: int | None = None) -> None:
@@ -174,9 +269,14 @@ class Hardware:
     memory_bytes: float
 
 
+def gpu_key(name: str) -> str:
+    """A GPU's name as its hardware profile is named: `A100 80GB` -> `a100-80gb`."""
+    return name.lower().replace(" ", "-").replace("_", "-")
+
+
 def load_gpu(name: str) -> Hardware:
     """Load a hardware profile by its name (e.g. `a100-80gb`, `h100-sxm`)."""
-    key = name.lower().replace(" ", "-").replace("_", "-")
+    key = gpu_key(name)
     path = HARDWARE_DIR / f"{key}.json"
     if not path.is_file():
         raise FicocoError(f"unknown GPU '{name}': choose one of {', '.join(list_gpus())}")

@@ -215,7 +215,7 @@ def test_accounting_path_imports_no_torch():
 
 M7 = ["flops", "--model", "llava-1.5-7b"]
 BAD_INPUT = {
-    "unknown model": (["flops", "--model", "nosuch"], "unknown model 'nosuch'"),
+    "unknown model": (["flops", "--model", "nosuch"], "unknown --model 'nosuch'"),
     "bad schedule syntax": ([*M7, "--variant", "v", "--schedule", "12-40"], "'12-40' is not LAYER:REMOVED"),
     "v layer outside range": ([*M7, "--variant", "v", "--schedule", "30:10"], "layer 30 is outside"),
     "l layer outside range": ([*M7, "--variant", "l", "--schedule", "40:10"], "layer 40 is outside"),

@@ -118,8 +118,52 @@ def test_override_without_key_value_is_refused(item):
         parse_overrides([item])
 
 
+# Each --set is checked where it enters; the error names it (issue 18's fuzzer found each of these).
+BAD_OVERRIDES = {
+    "a NaN hidden by a later item": (["text_config.hidden_size=NaN", "text_config.hidden_size=64"], "finite"),
+    "an infinite number in a list": (["ficoco.image_size=[1e400, 112]"], "finite"),
+    "an empty key part": (["text_config..hidden_size=64"], "dotted config names"),
+    "a section replaced by a number": (["text_config=4"], "text_config is a section"),
+    "text where the config holds a count": (["text_config.hidden_size=abc"], "holds a whole number"),
+    "the family": (["model_type=llava_next"], "chooses the model family"),
+    "the ficoco section itself": (["ficoco=3"], "inside the ficoco section"),
+    "zero layers": (["text_config.num_hidden_layers=0"], "from 1 to 1000"),
+    "a million layers (hours of counting)": (["text_config.num_hidden_layers=1000000"], "from 1 to 1000"),
+    "a width past 2**31 - 1": (["text_config.hidden_size=" + "9" * 40], "from 1 to 2147483647"),
+    "text as head_dim (not in the config)": (['text_config.head_dim="abc"'], "head_dim"),
+    "no patch fits the image": (["vision_config.image_size=3"], "smaller than patch_size"),
+    "negative text tokens": (["ficoco.text_tokens=-5"], "ficoco.text_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OVERRIDES))
+def test_overrides_are_checked_where_they_enter(case):
+    items, words = BAD_OVERRIDES[case]
+    with pytest.raises(FicocoError, match="--set") as info:
+        load_profile("llava-tiny", items)
+    assert words in str(info.value)
+
+
+def test_a_config_unreadable_before_the_overrides_is_not_blamed_on_them(tmp_path):
+    config = json.loads((PROFILES_DIR / "llava-tiny.json").read_text())
+    config["text_config"]["hidden_size"] = 0
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    profile = load_profile(str(path), ["text_config.vocab_size=100"])
+    with pytest.raises(FicocoError, match="hidden_size=0") as info:
+        architecture(profile)
+    assert "--set" not in str(info.value)
+
+
+def test_a_binary_config_is_a_user_error(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\x1f\x8b\x08\x00\xff\xfe")
+    with pytest.raises(FicocoError, match="not a text file"):
+        load_profile(str(path))
+
+
 def test_load_profile_errors(tmp_path):
-    with pytest.raises(FicocoError, match="unknown model 'nosuch'"):
+    with pytest.raises(FicocoError, match="unknown --model 'nosuch'"):
         load_profile("nosuch")
     bad_json = tmp_path / "config.json"
     bad_json.write_text("{not json")

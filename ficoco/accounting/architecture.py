@@ -12,7 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.profiles import Profile
+from ficoco.profiles import MAX_COUNT, Profile
+
+# The accountant counts layer by layer (and a budget search counts a model many times): a config
+# with millions of layers would run for hours. No released model has more than a few hundred.
+MAX_LAYERS = 1000
 
 # Hugging Face config-class defaults for the fields the accountant reads.
 _LLAMA_DEFAULTS = {
@@ -130,18 +134,37 @@ class Architecture:
         return self.vision.items * per_item + self.newline_tokens
 
 
+def _whole(key: str, value: Any, low: int = 1, high: int = MAX_COUNT) -> int:
+    """A config count: a whole number in [low, high] (JSON's 4.0 and true are not)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise FicocoError(f"config value {key}={value!r} must be a whole number from {low} to {high}")
+    return value
+
+
 def _get(cfg: dict[str, Any], key: str, defaults: dict[str, Any]) -> Any:
     value = cfg.get(key)
     value = defaults[key] if value is None else value
     if isinstance(defaults[key], int) and not isinstance(defaults[key], bool):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise FicocoError(f"config value {key}={value!r} must be a positive whole number")
+        high = MAX_LAYERS if key in ("num_hidden_layers", "depth") else MAX_COUNT
+        return _whole(key, value, high=high)
     return value
+
+
+def _size(key: str, value: Any) -> tuple[int, int]:
+    """An image size in pixels: [height, width]."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_COUNT for x in value)):
+        shown = list(value) if isinstance(value, tuple) else value
+        raise FicocoError(f"config value {key}={shown!r} must be [height, width] in whole pixels from 1 to {MAX_COUNT}")
+    return value[0], value[1]
 
 
 def _feature_layer(value: Any, layers: int) -> int:
     """0-based layer whose output hidden_states[value] is (hidden_states[0] is the embedding)."""
-    index = max(value) if isinstance(value, list) else value
+    indices = value if isinstance(value, list) else [value]
+    if not indices or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise FicocoError(f"config value vision_feature_layer={value!r} must be a layer index or a list of them")
+    index = max(indices)
     index = index + layers + 1 if index < 0 else index
     if not 1 <= index <= layers:
         raise FicocoError(f"vision_feature_layer {value} is outside a {layers}-layer tower")
@@ -154,6 +177,8 @@ def _clip_tower(vcfg: dict[str, Any], defaults: dict[str, Any], feature_layer: A
     patch = _get(vcfg, "patch_size", defaults)
     size = image_px or _get(vcfg, "image_size", defaults)
     grid = size // patch
+    if grid < 1:
+        raise FicocoError(f"config value image_size={size} is smaller than patch_size={patch}: no patch fits")
     return VisionTower(
         kind="clip", layers=layers, hidden=_get(vcfg, "hidden_size", defaults),
         ffn=_get(vcfg, "intermediate_size", defaults), heads=_get(vcfg, "num_attention_heads", defaults),
@@ -170,9 +195,12 @@ def _llama_decoder(tcfg: dict[str, Any], defaults: dict[str, Any], *, qkv_bias: 
     kv_heads = _get(tcfg, "num_key_value_heads", {"num_key_value_heads": heads})
     if heads % kv_heads:
         raise FicocoError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    if not tcfg.get("head_dim") and hidden < heads:
+        raise FicocoError(f"config value hidden_size={hidden} is smaller than num_attention_heads={heads}")
+    head_dim = tcfg.get("head_dim") or hidden // heads  # unset (or 0): Hugging Face's hidden // heads
     return Decoder(
         layers=_get(tcfg, "num_hidden_layers", defaults), hidden=hidden, heads=heads, kv_heads=kv_heads,
-        head_dim=tcfg.get("head_dim") or hidden // heads, ffn=_get(tcfg, "intermediate_size", defaults),
+        head_dim=_whole("head_dim", head_dim), ffn=_get(tcfg, "intermediate_size", defaults),
         vocab=_get(tcfg, "vocab_size", defaults),
         qkv_bias=bool(tcfg.get("attention_bias", False)) if qkv_bias is None else qkv_bias,
         tied_embeddings=bool(tcfg.get("tie_word_embeddings", False)),
@@ -230,7 +258,13 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
     tcfg = cfg.get("text_config") or {}
     vcfg = cfg.get("vision_config") or {}
     first = defaults.get("first_reducing_layer", {})
-    size = image_size or tuple(defaults.get("image_size") or ()) or None
+    if not isinstance(first, dict):
+        raise FicocoError(f"ficoco.first_reducing_layer={first!r} must be a section such as {{\"v\": 12, \"l\": 4}}")
+    first_v = _whole("ficoco.first_reducing_layer.v", first.get("v", 12), low=0)
+    first_l = _whole("ficoco.first_reducing_layer.l", first.get("l", 4), low=0)
+    text_tokens = _whole("ficoco.text_tokens", defaults.get("text_tokens", 60))
+    size = image_size or defaults.get("image_size") or None
+    size = _size("ficoco.image_size", size) if size is not None else None
     newline_tokens = unpadding_drops = 0
     cls_in_llm = image_newline = False
     if family in ("llava", "llava_next", "video_llava"):
@@ -238,7 +272,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         clip_defaults = _CLIP_DEFAULTS if family == "video_llava" else _LLAVA_CLIP_DEFAULTS
         feature = cfg.get("vision_feature_layer", -2)
         if family == "video_llava":
-            items = defaults.get("frames", 8) if frames is None else frames
+            items = _whole("ficoco.frames", defaults.get("frames", 8)) if frames is None else frames
             if items < 1:
                 raise FicocoError(f"--frames {items} must be at least 1")
             vision = _clip_tower(vcfg, clip_defaults, feature, image_px=None, items=items, towers=2)
@@ -250,8 +284,15 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         else:
             crop_px = _get(vcfg, "image_size", clip_defaults)
             size = size or (crop_px * 2, crop_px * 2)
-            best_h, best_w = select_best_resolution(size, cfg.get("image_grid_pinpoints") or [[crop_px, crop_px]])
+            pinpoints = cfg.get("image_grid_pinpoints") or [[crop_px, crop_px]]
+            if not isinstance(pinpoints, list):
+                raise FicocoError(f"config value image_grid_pinpoints={pinpoints!r} must be a list of [height, width]")
+            pinpoints = [_size("image_grid_pinpoints", p) for p in pinpoints]
+            best_h, best_w = select_best_resolution(size, pinpoints)
             crops_h, crops_w = best_h // crop_px, best_w // crop_px
+            if not (crops_h and crops_w):
+                raise FicocoError(f"image_grid_pinpoints: the chosen [{best_h}, {best_w}] is smaller than one "
+                                  f"{crop_px}-pixel crop (vision_config.image_size)")
             vision = _clip_tower(vcfg, clip_defaults, feature, image_px=None, items=1 + crops_h * crops_w, towers=1)
             rows, cols = crops_h * vision.grid_h, crops_w * vision.grid_w
             kept_rows, kept_cols = unpadded_grid(rows, cols, size)
@@ -266,6 +307,9 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         patch, merge = _get(vcfg, "patch_size", d), _get(vcfg, "spatial_merge_size", d)
         size = size or (672, 672)
         h_px, w_px = qwen2_vl_resize(size, patch * merge)
+        if not (h_px and w_px):
+            raise FicocoError(f"config values patch_size={patch} x spatial_merge_size={merge} exceed Qwen2-VL's "
+                              f"largest image ({_QWEN2_VL_MAX_PIXELS} pixels): no visual token fits")
         embed = _get(vcfg, "embed_dim", d)
         layers = _get(vcfg, "depth", d)
         vision = VisionTower(
@@ -284,8 +328,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         name=profile.name, family=family, vision=vision, projector=projector, decoder=decoder,
         visual_tokens=visual, newline_tokens=newline_tokens, cls_in_llm=cls_in_llm,
         unpadding_drops=unpadding_drops, image_newline_param=image_newline,
-        text_tokens=int(defaults.get("text_tokens", 60)), first_layer_v=int(first.get("v", 12)),
-        first_layer_l=int(first.get("l", 4)), image_size=tuple(size) if size else None,
+        text_tokens=text_tokens, first_layer_v=first_v, first_layer_l=first_l, image_size=size,
     )
 
 
