@@ -58,6 +58,8 @@ ENVIRONMENT_KEYS = ("device", "cpu", "threads", "python", "torch", "transformers
 
 def read_report(path: str | Path) -> dict[str, Any]:
     """A `ficoco.report/1` file, validated enough to compare or render it."""
+    if not str(path).strip():
+        raise FicocoError("a report path is empty (''); give a ficoco.report/1 file")
     path = Path(path)
     try:
         text = path.read_text()
@@ -184,8 +186,8 @@ def _vanilla_of(rows: dict[tuple[Any, ...], dict[str, Any]], key: tuple[Any, ...
 def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float = 10.0,
             absolute: bool = False) -> Comparison:
     """Judge every metric of every row the two reports share."""
-    if tolerance_pct < 0:
-        raise FicocoError(f"--tolerance {tolerance_pct} must not be negative")
+    if not (math.isfinite(tolerance_pct) and tolerance_pct >= 0):  # nan judges every change, inf none
+        raise FicocoError(f"--tolerance {tolerance_pct:g}: give a finite percentage of at least 0")
     result = Comparison()
     base_env, new_env = base.get("environment", {}), new.get("environment", {})
     differs = [f"{k}: {base_env.get(k)} -> {new_env.get(k)}" for k in ENVIRONMENT_KEYS

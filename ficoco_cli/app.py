@@ -15,8 +15,13 @@ import typer
 from rich.console import Console
 
 import ficoco
+from ficoco.accounting.flops import CONVENTIONS, LM_HEAD_TOKENS, SCOPES
+from ficoco.accounting.memory import QUANT_BITS
+from ficoco.accounting.schedule import SHAPES, VARIANTS
 from ficoco.errors import FicocoError
-from ficoco.report import check_output_path
+from ficoco_cli import options as check
+from ficoco_cli.options import parse_image_size, split_list
+from ficoco_cli.report_cmd import FORMATS, REPORT_FORMATS
 
 app = typer.Typer(
     help="FiCoCo visual-token reduction for multimodal LLMs: analytic costs, patched models, measurements.",
@@ -46,29 +51,17 @@ def root(
     """FiCoCo visual-token reduction for multimodal LLMs: analytic costs, patched models, measurements."""
 
 
-def split_list(text: str, option: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
-        raise FicocoError(f"{option} is empty; give a comma-separated list")
-    return list(dict.fromkeys(items))
-
-
 def check_schedule_options(variants: list[str], keep: int | None, tflops: float | None, schedule: str | None) -> None:
-    """A schedule option with no reducing variant would be silently ignored: say so instead."""
+    """Exactly one schedule option when a variant reduces, none when none does (it would be ignored)."""
     given = [name for name, value in (("--keep", keep), ("--tflops", tflops), ("--schedule", schedule))
              if value is not None]
-    if given and not {"v", "l"} & set(variants):
+    reducing = [v for v in variants if v in ("v", "l")]
+    if given and not reducing:
         raise FicocoError(f"{given[0]} applies to the v and l variants; add --variant v or --variant l")
-
-
-def parse_image_size(text: str | None) -> tuple[int, int] | None:
-    """`WxH` -> (H, W)."""
-    if text is None:
-        return None
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise FicocoError(f"--image-size '{text}' is not WIDTHxHEIGHT (e.g. 672x672)")
-    return int(parts[1]), int(parts[0])
+    if len(given) > 1:
+        raise FicocoError(f"give one of --keep, --tflops and --schedule, not {' and '.join(given)}")
+    if reducing and not given:
+        raise FicocoError(f"--variant {reducing[0]} needs a schedule: give --keep, --tflops or --schedule")
 
 
 @app.command("models")
@@ -92,22 +85,34 @@ def models_command() -> None:
     out.print(models_table(rows))
 
 
+# Every option's value is checked by its kind as it is parsed (ficoco_cli.options); the library
+# checks what needs the model (reachable --keep, layers in range, budgets that fit).
 ModelOpt = Annotated[str, typer.Option(
     "--model", "-m", help="Profile name, path to a config.json, or a checkout folder.")]
-VariantOpt = Annotated[str, typer.Option("--variant", help="vanilla, v, l, or several: vanilla,v,l.")]
+VariantOpt = Annotated[str, typer.Option(
+    "--variant", callback=check.list_of(VARIANTS), help="vanilla, v, l, or several: vanilla,v,l.")]
 KeepOpt = Annotated[int | None, typer.Option(
-    "--keep", help="Visual tokens that reach (V) or leave (L) the LLM.")]
+    "--keep", callback=check.whole_number(1), help="Visual tokens that reach (V) or leave (L) the LLM.")]
 TflopsOpt = Annotated[float | None, typer.Option(
-    "--tflops", help="Budget: keep the most tokens whose cost (convention, scope) fits it.")]
-ScheduleOpt = Annotated[str | None, typer.Option("--schedule", help="Explicit removals LAYER:REMOVED,...")]
-ShapeOpt = Annotated[str, typer.Option("--shape", help="uniform (same per reducing layer) or oneshot.")]
-FirstLayerOpt = Annotated[int | None, typer.Option("--first-layer", help="First reducing layer (default: profile's).")]
+    "--tflops", callback=check.budget, help="Budget: keep the most tokens whose cost (convention, scope) fits it.")]
+ScheduleOpt = Annotated[str | None, typer.Option(
+    "--schedule", callback=check.non_empty_list, help="Explicit removals LAYER:REMOVED,...")]
+ShapeOpt = Annotated[str, typer.Option(
+    "--shape", callback=check.choice(SHAPES), help="uniform (same per reducing layer) or oneshot.")]
+FirstLayerOpt = Annotated[int | None, typer.Option(
+    "--first-layer", callback=check.whole_number(0), help="First reducing layer (default: profile's).")]
+KvBitsOpt = Annotated[int | None, typer.Option(
+    "--kv-bits", callback=check.one_of_numbers((2, 4, 8, 16)), help="Override the KV-cache bit width.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Config override KEY=VALUE (repeatable).")]
-TextTokensOpt = Annotated[int | None, typer.Option("--text-tokens", help="Text tokens per prompt (default 60).")]
-BatchOpt = Annotated[int, typer.Option("--batch", help="Batch size.")]
-ImageSizeOpt = Annotated[str | None, typer.Option("--image-size", help="WxH, for AnyRes and Qwen2-VL.")]
-FramesOpt = Annotated[int | None, typer.Option("--frames", help="Video frames (Video-LLaVA).")]
-JsonOpt = Annotated[str | None, typer.Option("--json", help="Write the JSON report here (- for stdout).")]
+TextTokensOpt = Annotated[int | None, typer.Option(
+    "--text-tokens", callback=check.whole_number(1), help="Text tokens per prompt (default 60).")]
+BatchOpt = Annotated[int, typer.Option("--batch", callback=check.whole_number(1), help="Batch size.")]
+ImageSizeOpt = Annotated[str | None, typer.Option(
+    "--image-size", callback=check.image_size, help="WxH, for AnyRes and Qwen2-VL.")]
+FramesOpt = Annotated[int | None, typer.Option(
+    "--frames", callback=check.whole_number(1), help="Video frames (Video-LLaVA).")]
+JsonOpt = Annotated[str | None, typer.Option(
+    "--json", callback=check.output_file, help="Write the JSON report here (- for stdout).")]
 WideOpt = Annotated[bool, typer.Option(
     "--wide", help="Show every column (the default table fits 80 columns; the JSON report has everything).")]
 
@@ -121,17 +126,23 @@ def flops_command(
     schedule: ScheduleOpt = None,
     shape: ShapeOpt = "uniform",
     first_layer: FirstLayerOpt = None,
-    convention: Annotated[str, typer.Option("--convention", help="flops, macs, llm-viewer or paper.")] = "flops",
-    scope: Annotated[str, typer.Option("--scope", help="llm (decoder + LM head) or all.")] = "llm",
+    convention: Annotated[str, typer.Option(
+        "--convention", callback=check.choice(CONVENTIONS), help="flops, macs, llm-viewer or paper.")] = "flops",
+    scope: Annotated[str, typer.Option(
+        "--scope", callback=check.choice(SCOPES), help="llm (decoder + LM head) or all.")] = "llm",
     equivalent: Annotated[bool, typer.Option(
         "--equivalent", help="Count every layer at the final token count (papers' style).")] = False,
-    quant: Annotated[str, typer.Option("--quant", help="fp16, int8, int4 or several (W/A/KV bits).")] = "fp16",
-    kv_bits: Annotated[int | None, typer.Option("--kv-bits", help="Override the KV-cache bit width.")] = None,
-    gpu: Annotated[str | None, typer.Option("--gpu", help="Hardware profile for the roofline time.")] = None,
+    quant: Annotated[str, typer.Option(
+        "--quant", callback=check.list_of(tuple(QUANT_BITS)), help="fp16, int8, int4 or several (W/A/KV bits).")
+    ] = "fp16",
+    kv_bits: KvBitsOpt = None,
+    gpu: Annotated[str | None, typer.Option(
+        "--gpu", callback=check.gpu_name, help="Hardware profile for the roofline time.")] = None,
     text_tokens: TextTokensOpt = None,
     batch: BatchOpt = 1,
     lm_head: Annotated[str, typer.Option(
-        "--lm-head", help="LM head over all tokens (plain forward) or the last (generate).")] = "all",
+        "--lm-head", callback=check.choice(LM_HEAD_TOKENS),
+        help="LM head over all tokens (plain forward) or the last (generate).")] = "all",
     image_size: ImageSizeOpt = None,
     frames: FramesOpt = None,
     per_layer: Annotated[bool, typer.Option("--per-layer", help="Add per-layer token counts and costs.")] = False,
@@ -142,7 +153,8 @@ def flops_command(
         "--verify", help="Run the prefill (random weights, CPU) under fvcore and torch's counter and check "
                          "every stage against the analytic count; exit 1 if one differs beyond --tolerance.")] = False,
     tolerance: Annotated[float | None, typer.Option(
-        "--tolerance", help="--verify: largest analytic vs fvcore difference per stage, in percent (0.5).")] = None,
+        "--tolerance", callback=check.tolerance,
+        help="--verify: largest analytic vs fvcore difference per stage, in percent (0.5).")] = None,
 ) -> None:
     """Analytic cost: TFLOPs by stage, KV cache, weights, memory access, roofline time."""
     from ficoco import accounting as acc
@@ -221,26 +233,39 @@ def profile_command(
     schedule: ScheduleOpt = None,
     shape: ShapeOpt = "uniform",
     first_layer: FirstLayerOpt = None,
-    convention: Annotated[str, typer.Option("--convention", help="Convention of a --tflops budget.")] = "flops",
-    scope: Annotated[str, typer.Option("--scope", help="Scope of a --tflops budget: llm or all.")] = "llm",
+    convention: Annotated[str, typer.Option(
+        "--convention", callback=check.choice(CONVENTIONS), help="Convention of a --tflops budget.")] = "flops",
+    scope: Annotated[str, typer.Option(
+        "--scope", callback=check.choice(SCOPES), help="Scope of a --tflops budget: llm or all.")] = "llm",
     no_reference: Annotated[bool, typer.Option(
         "--no-reference", help="Do not add the vanilla reference rows.")] = False,
-    quant: Annotated[str, typer.Option("--quant", help="fp16, int8 (LLM.int8), int4 (NF4), or several.")] = "fp16",
-    kv_bits: Annotated[int | None, typer.Option("--kv-bits", help="Quantize the KV cache to 8 or 4 bits.")] = None,
-    batch: Annotated[str, typer.Option("--batch", help="Batch sizes, e.g. 1,8.")] = "1",
-    text_tokens: Annotated[int, typer.Option("--text-tokens", help="Text tokens per prompt.")] = 60,
-    new_tokens: Annotated[int, typer.Option("--new-tokens", help="0: prefill only; N: also generate N.")] = 0,
+    quant: Annotated[str, typer.Option(
+        "--quant", callback=check.list_of(tuple(QUANT_BITS)), help="fp16, int8 (LLM.int8), int4 (NF4), or several.")
+    ] = "fp16",
+    kv_bits: Annotated[int | None, typer.Option(
+        "--kv-bits", callback=check.one_of_numbers((8, 4)), help="Quantize the KV cache to 8 or 4 bits.")] = None,
+    batch: Annotated[str, typer.Option(
+        "--batch", callback=check.whole_numbers(1), help="Batch sizes, e.g. 1,8.")] = "1",
+    text_tokens: Annotated[int, typer.Option(
+        "--text-tokens", callback=check.whole_number(1), help="Text tokens per prompt.")] = 60,
+    new_tokens: Annotated[int, typer.Option(
+        "--new-tokens", callback=check.whole_number(0), help="0: prefill only; N: also generate N.")] = 0,
     warmup: Annotated[int | None, typer.Option(
-        "--warmup", help="Untimed runs before measuring (default: 3 on a GPU, 1 on CPU).")] = None,
+        "--warmup", callback=check.whole_number(0),
+        help="Untimed runs before measuring (default: 3 on a GPU, 1 on CPU).")] = None,
     repeat: Annotated[int | None, typer.Option(
-        "--repeat", help="Timed runs per row (default: 10 on a GPU, 3 on CPU).")] = None,
-    device: Annotated[str, typer.Option("--device", help="auto, cuda or cpu.")] = "auto",
-    weights: Annotated[str, typer.Option("--weights", help="random, a local checkpoint folder, or a cached HF id.")
+        "--repeat", callback=check.whole_number(1), help="Timed runs per row (default: 10 on a GPU, 3 on CPU).")
+    ] = None,
+    device: Annotated[str, typer.Option(
+        "--device", callback=check.choice(("auto", "cuda", "cpu")), help="auto, cuda or cpu.")] = "auto",
+    weights: Annotated[str, typer.Option(
+        "--weights", callback=check.weights_source, help="random, a local checkpoint folder, or a cached HF id.")
                        ] = "random",
     image: Annotated[str | None, typer.Option("--image", help="An image file instead of random pixels.")] = None,
     prompt: Annotated[str | None, typer.Option("--prompt", help="A question (needs a checkpoint's tokenizer).")] = None,
     set_values: SetOpt = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights and inputs.")] = 0,
+    seed: Annotated[int, typer.Option(
+        "--seed", callback=check.whole_number(0, check.MAX_SEED), help="Seed of the random weights and inputs.")] = 0,
     image_size: ImageSizeOpt = None,
     frames: FramesOpt = None,
     json_path: JsonOpt = None,
@@ -253,7 +278,6 @@ def profile_command(
 
     variants = split_list(variant, "--variant")
     check_schedule_options(variants, keep, tflops, schedule)
-    check_output_path(json_path, "--json")
     if not no_reference and "vanilla" not in variants:
         variants = ["vanilla", *variants]
     config = ProfileConfig(
@@ -278,20 +302,19 @@ def compare_command(
     base: Annotated[str, typer.Argument(help="The reference report (ficoco.report/1).")],
     new: Annotated[str, typer.Argument(help="The report to judge.")],
     tolerance: Annotated[float, typer.Option(
-        "--tolerance", help="Percent a timed ratio may move before it is judged.")] = 10.0,
+        "--tolerance", callback=check.tolerance, help="Percent a timed ratio may move before it is judged.")] = 10.0,
     absolute: Annotated[bool, typer.Option(
         "--absolute", help="Also judge absolute latency, throughput and memory.")] = False,
-    fmt: Annotated[str, typer.Option("--format", help="table, markdown or json.")] = "table",
-    output: Annotated[str | None, typer.Option("--output", help="Write the comparison to this file.")] = None,
+    fmt: Annotated[str, typer.Option(
+        "--format", callback=check.choice(FORMATS), help="table, markdown or json.")] = "table",
+    output: Annotated[str | None, typer.Option(
+        "--output", callback=check.output_file, help="Write the comparison to this file.")] = None,
 ) -> None:
     """Compare two profile reports: exit 1 on a regression, 0 otherwise."""
     from ficoco.compare import compare, read_report
     from ficoco.report import write_text_atomic
-    from ficoco_cli.report_cmd import FORMATS, comparison_json, comparison_markdown, comparison_table
+    from ficoco_cli.report_cmd import comparison_json, comparison_markdown, comparison_table
 
-    if fmt not in FORMATS:
-        raise FicocoError(f"unknown --format '{fmt}': choose from {', '.join(FORMATS)}")
-    check_output_path(output, "--output")
     result = compare(read_report(base), read_report(new), tolerance_pct=tolerance, absolute=absolute)
     for warning in result.warnings:
         err.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
@@ -317,16 +340,15 @@ def compare_command(
 @app.command("report")
 def report_command(
     path: Annotated[str, typer.Argument(help="A saved profile report (ficoco.report/1).")],
-    fmt: Annotated[str, typer.Option("--format", help="table, markdown or csv.")] = "table",
+    fmt: Annotated[str, typer.Option(
+        "--format", callback=check.choice(REPORT_FORMATS), help="table, markdown or csv.")] = "table",
     wide: WideOpt = False,
 ) -> None:
     """Render a saved profile report as a table, markdown or CSV."""
     from ficoco.compare import read_report
     from ficoco_cli.render import print_profile
-    from ficoco_cli.report_cmd import REPORT_FORMATS, report_csv, report_markdown
+    from ficoco_cli.report_cmd import report_csv, report_markdown
 
-    if fmt not in REPORT_FORMATS:
-        raise FicocoError(f"unknown --format '{fmt}': choose from {', '.join(REPORT_FORMATS)}")
     report = read_report(path)
     if fmt == "table":
         print_profile(out, report, wide)
@@ -355,7 +377,9 @@ def main() -> None:
     try:
         rc = app(standalone_mode=False)
     except FicocoError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        # One line even when the message quotes a value with a line break in it.
+        message = " ".join(str(exc).replace("\r", "\n").split("\n"))
+        err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except usage_errors as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":  # bare `ficoco`: the help is the answer
@@ -363,7 +387,7 @@ def main() -> None:
             sys.exit(0)
         ctx = getattr(exc, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        message = exc.format_message().replace("\n", " ")  # type: ignore[attr-defined]
+        message = " ".join(exc.format_message().replace("\r", "\n").split("\n"))  # type: ignore[attr-defined]
         err.print(f"error: {message}{hint}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except click_errors as exc:

@@ -18,6 +18,7 @@ import ficoco
 from ficoco.accounting.schedule import Schedule
 from ficoco.errors import FicocoError
 from ficoco.profiles import Profile
+from ficoco_cli.options import finite_percent
 
 DEFAULT_TOLERANCE_PERCENT = 0.5
 
@@ -151,8 +152,7 @@ def verify_command(profile: Profile, schedules: list[Schedule], *, text_tokens: 
 
     check_supported(profile)
     tolerance = DEFAULT_TOLERANCE_PERCENT if tolerance is None else tolerance
-    if tolerance < 0 or math.isnan(tolerance):
-        raise FicocoError(f"--tolerance {tolerance:g} must be a percentage of at least 0")
+    finite_percent("--tolerance", tolerance)
     with console.status(f"verifying {len(schedules)} run(s) of {profile.name} under fvcore and torch's counter"):
         result = verify(profile, schedules, text_tokens=text_tokens, batch=batch, lm_head_tokens=lm_head,
                         tolerance_percent=tolerance)

@@ -227,6 +227,13 @@ def test_budget_below_the_cheapest_schedule_is_refused(arch_of, name, variant, c
     assert f"costs {cheapest:.3g}" in str(info.value)
 
 
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_budget_that_is_not_a_finite_number_above_0_is_refused(arch_of, budget):
+    # nan used to pass `budget <= 0` and plan one kept token; inf planned no reduction at all.
+    with pytest.raises(FicocoError, match="give a finite number above 0"):
+        resolve_schedule(arch_of("llava-1.5-7b"), "v", CountOptions(), tflops=budget)
+
+
 # ---- parse_schedule ---------------------------------------------------------------------------------------
 
 @FAST

@@ -220,13 +220,21 @@ BAD_INPUT = {
     "v layer outside range": ([*M7, "--variant", "v", "--schedule", "30:10"], "layer 30 is outside"),
     "l layer outside range": ([*M7, "--variant", "l", "--schedule", "40:10"], "layer 40 is outside"),
     "removes more than exist": ([*M7, "--variant", "v", "--schedule", "12:600"], "more visual tokens than exist"),
-    "negative budget": ([*M7, "--variant", "v", "--tflops", "-1"], "must be positive"),
-    "zero budget": ([*M7, "--variant", "l", "--tflops", "0"], "must be positive"),
-    "unknown gpu": ([*M7, "--gpu", "b200"], "unknown GPU 'b200'"),
-    "unknown quant": ([*M7, "--quant", "fp16,fp8"], "unknown quant 'fp8'"),
-    "unknown convention": ([*M7, "--convention", "bogus"], "unknown convention 'bogus'"),
-    "unknown scope": ([*M7, "--scope", "vision"], "unknown scope 'vision'"),
-    "unknown variant": ([*M7, "--variant", "vanilla,x"], "unknown variant 'x'"),
+    "negative budget": ([*M7, "--variant", "v", "--tflops", "-1"], "--tflops -1: give a finite number above 0"),
+    "zero budget": ([*M7, "--variant", "l", "--tflops", "0"], "--tflops 0: give a finite number above 0"),
+    "nan budget": ([*M7, "--variant", "v", "--tflops", "nan"], "--tflops nan: give a finite number above 0"),
+    "infinite budget": ([*M7, "--variant", "v", "--tflops", "inf"], "--tflops inf: give a finite number above 0"),
+    "overflowing budget": ([*M7, "--variant", "v", "--tflops", "1e309"], "--tflops inf: give a finite number"),
+    "batch past 2**31 - 1": ([*M7, "--batch", "9" * 400], "--batch 9999"),
+    "non-ascii digits in image size": (["flops", "--model", "qwen2-vl-tiny", "--image-size", "²x5"], "--image-size"),
+    "empty schedule": ([*M7, "--variant", "v", "--schedule", " , "], "--schedule is empty"),
+    "shape of a schedule that removes nothing": ([*M7, "--variant", "l", "--keep", "576", "--shape", "zig"],
+                                                 "unknown --shape 'zig'"),
+    "unknown gpu": ([*M7, "--gpu", "b200"], "unknown --gpu 'b200'"),
+    "unknown quant": ([*M7, "--quant", "fp16,fp8"], "unknown --quant 'fp8'"),
+    "unknown convention": ([*M7, "--convention", "bogus"], "unknown --convention 'bogus'"),
+    "unknown scope": ([*M7, "--scope", "vision"], "unknown --scope 'vision'"),
+    "unknown variant": ([*M7, "--variant", "vanilla,x"], "unknown --variant 'x'"),
     "llm-viewer with scope all": ([*M7, "--convention", "llm-viewer", "--scope", "all"], "llm-viewer"),
     "keep above range v": ([*M7, "--variant", "v", "--keep", "577"], "--keep 577"),
     "keep zero v": ([*M7, "--variant", "v", "--keep", "0"], "--keep 0"),
@@ -286,10 +294,12 @@ def test_usage_error_ends_with_exit_2_and_one_error_line(case):
     assert_one_error_line(ficoco_cli(*USAGE_ERRORS[case]))
 
 
-# A schedule option given with only the vanilla variant would be ignored: it is refused instead.
+# A schedule option given with only the vanilla variant would be ignored: it is refused instead
+# (a value wrong by its kind alone, such as a negative budget, is refused first, where it enters).
 IGNORED_FOR_VANILLA = {
     "bad schedule syntax": ([*M7, "--schedule", "12-40"], "applies to the v and l variants"),
-    "negative budget": ([*M7, "--tflops", "-1"], "applies to the v and l variants"),
+    "budget": ([*M7, "--tflops", "1.5"], "--tflops applies to the v and l variants"),
+    "negative budget": ([*M7, "--tflops", "-1"], "--tflops -1: give a finite number above 0"),
 }
 
 

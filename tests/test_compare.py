@@ -491,6 +491,8 @@ def test_a_binary_file_exits_2_with_one_error_line(real, tmp_path, cli):
 @pytest.mark.parametrize("args, words", [
     (["--format", "html"], "--format"),
     (["--tolerance", "-1"], "--tolerance"),
+    (["--tolerance", "nan"], "--tolerance nan: give a finite percentage"),  # judged every change a regression
+    (["--tolerance", "inf"], "--tolerance inf: give a finite percentage"),  # judged none
     (["--output", "/no/such/folder/out.md"], "--output"),
 ])
 def test_bad_options_exit_2(real, cli, args, words):

@@ -258,7 +258,7 @@ def test_cli_verify_unsupported_family_ends_with_exit_2_and_one_error_line():
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--tolerance", "1"], "--tolerance applies to --verify"),
-    (["--verify", "--tolerance", "-1"], "must be a percentage"),
+    (["--verify", "--tolerance", "-1"], "--tolerance -1: give a finite percentage of at least 0"),
     (["--verify", "--quant", "int8"], "drop --quant"),
     (["--verify", "--gpu", "a100-80gb"], "drop it with --verify"),
 ])

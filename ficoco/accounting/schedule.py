@@ -7,6 +7,7 @@ or a 2 x 2 merge group on Qwen2-VL; a visual token of the LLM's image span for F
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -141,12 +142,13 @@ def make_schedule(arch: Architecture, variant: str, removals: dict[int, int]) ->
         if layer not in valid:
             extra = " (the last layer whose output the projector reads)" if variant == "v" else ""
             raise FicocoError(
-                f"layer {layer} is outside the {where}'s reducing layers {valid.start}..{valid.stop - 1}{extra}"
+                f"--schedule: layer {layer} is outside the {where}'s reducing layers "
+                f"{valid.start}..{valid.stop - 1}{extra}"
             )
         left -= removals[layer]
         if left < floor:
             raise FicocoError(
-                f"the schedule removes more visual tokens than exist: by layer {layer} it removes "
+                f"--schedule removes more visual tokens than exist: by layer {layer} it removes "
                 f"{total_units(arch, variant) - left} of {total_units(arch, variant)}; at least {floor} must stay"
             )
     kept = tuple(Removal(stage, layer, removals[layer]) for layer in sorted(removals) if removals[layer] > 0)
@@ -164,7 +166,9 @@ def uniform_schedule(arch: Architecture, variant: str, removed: int, *, shape: s
     start = first_layer(arch, variant) if first is None else first
     valid = layer_range(arch, variant)
     if start not in valid:
-        raise FicocoError(f"first reducing layer {start} is outside {valid.start}..{valid.stop - 1}")
+        given = f"--first-layer {start}" if first is not None else (
+            f"the profile's first reducing layer ({start}; --set ficoco.first_reducing_layer.{variant} moves it)")
+        raise FicocoError(f"{given} is outside {valid.start}..{valid.stop - 1}, the layers that may reduce")
     if shape == "oneshot":
         return make_schedule(arch, variant, {start: removed})
     layers = list(range(start, valid.stop))
@@ -256,8 +260,8 @@ def schedule_for_budget(arch: Architecture, variant: str, budget: float, cost: C
     scope); it must not decrease as fewer tokens are removed, which holds for every
     convention since each layer's count is monotone in the tokens it sees.
     """
-    if budget <= 0:
-        raise FicocoError(f"budget {budget:g} must be positive")
+    if not (math.isfinite(budget) and budget > 0):  # nan passes `budget <= 0` and plans 1 token
+        raise FicocoError(f"--tflops {budget:g}: give a finite number above 0")
     if variant == "vanilla":
         return Schedule("vanilla")
     _check_variant(arch, variant)
@@ -301,5 +305,5 @@ def _budget_miss(arch: Architecture, variant: str, budget: float, cheapest: floa
     hint = f"; {flags} reaches {reach[best]:.3g} ({verdict})" if flags else ""
     if suggest_equivalent:
         hint += "; --equivalent counts every layer at the final token count, as papers do"
-    return (f"no {name} schedule on {arch.name} fits {budget:g} {label}: the cheapest {shape} schedule "
+    return (f"no {name} schedule on {arch.name} fits --tflops {budget:g} {label}: the cheapest {shape} schedule "
             f"from layer {start}, keeping {low} visual token(s), costs {cheapest:.3g}{hint}")
