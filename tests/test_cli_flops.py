@@ -227,6 +227,8 @@ BAD_INPUT = {
     "overflowing budget": ([*M7, "--variant", "v", "--tflops", "1e309"], "--tflops inf: give a finite number"),
     "batch past 2**31 - 1": ([*M7, "--batch", "9" * 400], "--batch 9999"),
     "non-ascii digits in image size": (["flops", "--model", "qwen2-vl-tiny", "--image-size", "²x5"], "--image-size"),
+    "qwen2-vl aspect ratio past 200": (["flops", "--model", "qwen2-vl-tiny", "--image-size", "1x2147483647"],
+                                       "(--image-size): Qwen2-VL's processor takes aspect ratios up to 200"),
     "empty schedule": ([*M7, "--variant", "v", "--schedule", " , "], "--schedule is empty"),
     "shape of a schedule that removes nothing": ([*M7, "--variant", "l", "--keep", "576", "--shape", "zig"],
                                                  "unknown --shape 'zig'"),

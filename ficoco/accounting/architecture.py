@@ -43,6 +43,7 @@ _QWEN2_VL_VISION_DEFAULTS = {
 # Qwen2-VL's image processor bounds (min_pixels, max_pixels).
 _QWEN2_VL_MIN_PIXELS = 56 * 56
 _QWEN2_VL_MAX_PIXELS = 28 * 28 * 1280
+_QWEN2_VL_MAX_ASPECT = 200  # smart_resize refuses a longer side over 200 x the shorter
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,9 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         d = _QWEN2_VL_VISION_DEFAULTS
         patch, merge = _get(vcfg, "patch_size", d), _get(vcfg, "spatial_merge_size", d)
         size = size or (672, 672)
+        if max(size) / min(size) > _QWEN2_VL_MAX_ASPECT:
+            raise FicocoError(f"image size {size[1]}x{size[0]} (--image-size): Qwen2-VL's processor takes aspect "
+                              f"ratios up to {_QWEN2_VL_MAX_ASPECT}")
         h_px, w_px = qwen2_vl_resize(size, patch * merge)
         if not (h_px and w_px):
             raise FicocoError(f"config values patch_size={patch} x spatial_merge_size={merge} exceed Qwen2-VL's "
