@@ -472,6 +472,7 @@ def flops_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
         "batch": counts("--batch"),
         "lm-head": choice("--lm-head", ["all", "last"]),
         "per-layer": switch("--per-layer"),
+        "wide": switch("--wide"),
         "set": set_option(),
         "set-again": set_option(),
         "tolerance": number("--tolerance", floats=True, low=0, high=math.inf),
@@ -504,6 +505,7 @@ def profile_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
     """`profile` on a tiny profile, one timed run and no warm-up unless an option says otherwise."""
     options = schedule_options(paths, cheap=True) | {
         "no-reference": switch("--no-reference"),
+        "wide": switch("--wide"),
         "kv-bits": bit_widths("--kv-bits", (4, 8)),
         "batch": counts_list("--batch", cheap=2),
         "text-tokens": counts("--text-tokens", cheap=16),
@@ -541,7 +543,7 @@ def compare_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
 
 @st.composite
 def report_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
-    options = {"format": choice("--format", ["table", "markdown", "csv"])}
+    options = {"format": choice("--format", ["table", "markdown", "csv"]), "wide": switch("--wide")}
     return command_line(draw, [draw(report_path(paths))], options)
 
 
@@ -552,7 +554,7 @@ Lines = tuple[list[str], list[Arg]]
 
 
 def test_flops_any_option_values_end_in_a_result_or_one_error_line(paths: Paths) -> None:
-    @fuzz(examples=600)
+    @fuzz(examples=500)
     @given(flops_lines(paths))
     def run(line: Lines) -> None:
         run_and_check(["flops", *line[0]], line[1])
@@ -570,10 +572,10 @@ def test_flops_verify_any_option_values_end_in_a_verdict_or_one_error_line(paths
 
 
 def test_profile_any_option_values_end_in_a_report_or_one_error_line(paths: Paths) -> None:
-    @fuzz(examples=60)
+    @fuzz(examples=25)  # each run that measures takes 1-3 s here
     @given(profile_lines(paths))
     def run(line: Lines) -> None:
-        run_and_check(["profile", *line[0]], line[1])
+        run_and_check(["profile", *line[0]], line[1], codes=(0, 1, 2))  # 1: no row could be measured
 
     run()
 
