@@ -147,8 +147,10 @@ class MemoryTracker:
     @contextmanager
     def track(self) -> Iterator[MemoryReading]:
         reading = MemoryReading(device=self.device.type)
-        gc.collect()
         if self.device.type == "cuda":
+            # Cyclic garbage can hold device tensors until collected; on CPU the row's own
+            # cleanup (release_device_cache) has collected already.
+            gc.collect()
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
