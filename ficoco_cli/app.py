@@ -281,6 +281,12 @@ def compare_command(
         "--tolerance", help="Percent a timed ratio may move before it is judged.")] = 10.0,
     absolute: Annotated[bool, typer.Option(
         "--absolute", help="Also judge absolute latency, throughput and memory.")] = False,
+    judge: Annotated[str, typer.Option(
+        "--judge", help="all, deterministic (tokens, TFLOPs, KV and weight bytes) or timed (measured ratios; "
+                        "with --absolute also absolute figures); the rest is shown, not judged.")] = "all",
+    cross_machine: Annotated[bool, typer.Option(
+        "--cross-machine", help="Judge timed metrics even when the reports name different or unknown "
+                                "processors (CPU model and features, or GPU).")] = False,
     fmt: Annotated[str, typer.Option("--format", help="table, markdown or json.")] = "table",
     output: Annotated[str | None, typer.Option("--output", help="Write the comparison to this file.")] = None,
 ) -> None:
@@ -292,7 +298,8 @@ def compare_command(
     if fmt not in FORMATS:
         raise FicocoError(f"unknown --format '{fmt}': choose from {', '.join(FORMATS)}")
     check_output_path(output, "--output")
-    result = compare(read_report(base), read_report(new), tolerance_pct=tolerance, absolute=absolute)
+    result = compare(read_report(base), read_report(new), tolerance_pct=tolerance, absolute=absolute, judge=judge,
+                     cross_machine=cross_machine)
     for warning in result.warnings:
         err.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     for side, rows in (("base", result.only_base), ("new", result.only_new)):
