@@ -857,6 +857,7 @@ def test_a_report_records_the_cpu_and_its_features(real):
         assert set(env["cpu_flags"]) == set(CPU_FEATURES) and env["cpu_flags"] == cpu_features()
         assert processor(env)[0] is not None
     assert env["cpu_isa_overrides"] == {k: v for k, v in env["cpu_isa_overrides"].items() if v}
+    assert "test_hooks" not in env  # no test-only slowdown in an ordinary run
 
 
 def with_environment(report: dict[str, Any], **environment: Any) -> dict[str, Any]:

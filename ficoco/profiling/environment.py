@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import ficoco
+from ficoco import testing_hooks
 
 
 def _version(package: str) -> str | None:
@@ -111,6 +112,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "git_commit": git_commit(),
     }
+    if testing_hooks.active():
+        env["test_hooks"] = testing_hooks.active()
     if device.type == "cuda":
         env.update({
             "device": torch.cuda.get_device_name(device),
