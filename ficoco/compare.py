@@ -170,7 +170,7 @@ def mann_whitney_less(new: list[float], base: list[float]) -> float:
     return 0.5 * math.erfc(-z / math.sqrt(2))
 
 
-def _speedup_samples(row: dict[str, Any], reference: dict[str, Any] | None) -> list[float]:
+def speedup_samples(row: dict[str, Any], reference: dict[str, Any] | None) -> list[float]:
     """Per-run speedups: the k-th vanilla sample over the row's k-th sample (same run). One
     value per run pair keeps the samples independent; all pairs would overstate significance."""
     if reference is None:
@@ -212,7 +212,8 @@ class Comparison:
                 "verdicts": [{k: finite(v) for k, v in vars(verdict).items()} for verdict in self.verdicts]}
 
 
-def _vanilla_of(rows: dict[tuple[Any, ...], dict[str, Any]], key: tuple[Any, ...]) -> dict[str, Any] | None:
+def vanilla_of(rows: dict[tuple[Any, ...], dict[str, Any]], key: tuple[Any, ...]) -> dict[str, Any] | None:
+    """The vanilla row measured with the row `key` (same quant, dtype, batch, tokens), if any."""
     values = dict(zip(FINGERPRINT_KEYS, key, strict=True))
     values["variant"], values["schedule"] = "vanilla", json.dumps([], sort_keys=True)
     return rows.get(tuple(values[k] for k in FINGERPRINT_KEYS))
@@ -311,8 +312,8 @@ def _judge_timed(metric: Metric, b_row: dict[str, Any], n_row: dict[str, Any], b
     if not worse:
         return "improvement", f"beyond {tolerance * 100:g}%, better"
     if metric.name == "speedup_vs_vanilla":
-        new_samples = _speedup_samples(n_row, _vanilla_of(new_rows, key))
-        base_samples = _speedup_samples(b_row, _vanilla_of(base_rows, key))
+        new_samples = speedup_samples(n_row, vanilla_of(new_rows, key))
+        base_samples = speedup_samples(b_row, vanilla_of(base_rows, key))
     elif metric.name == "latency_median_ms":
         # Larger latency is worse: test that base tends to be smaller than new.
         new_samples = [-x for x in n_row.get("latency", {}).get("samples_ms", [])]
