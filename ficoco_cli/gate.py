@@ -50,9 +50,11 @@ from ficoco.compare import (
 from ficoco.errors import FicocoError
 
 REFERENCE = "reports/llava-tiny-cpu.json"
-# The reference's own command (reports/README.md), on the CPU: every reference row is profiled.
+# The reference's own rows (reports/README.md), on the CPU. More timed runs than the reference's 7:
+# a row's median then outlasts a burst of load on the other core (each costs ~15 ms; a process
+# costs ~10 s of start-up and builds).
 PROFILE_ARGS = ("profile", "--device", "cpu", "--model", "llava-tiny", "--variant", "vanilla,v,l", "--keep", "8",
-                "--quant", "fp16,int8,int4", "--warmup", "2", "--repeat", "7")
+                "--quant", "fp16,int8,int4", "--warmup", "2", "--repeat", "15")
 ROUNDS = 5  # runs per side: Mann-Whitney over 5 against 5 runs can reach p < 0.05
 # Percent a speedup may move between base and new before the Mann-Whitney test is asked; set from
 # the gate's measured noise on an unchanged tree (reports/README.md), with room to spare.
