@@ -27,6 +27,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -113,8 +114,7 @@ def choose_base(root: Path, reference: Path, override: str | None = None) -> Bas
     if commit and commit != head and _git(root, "merge-base", "--is-ancestor", commit, "HEAD") is not None:
         return Base(commit, f"the commit {reference.name} was made from (recorded in it"
                             + (", with local edits)" if dirty else ")"))
-    last = _git(root, "log", "-n", "1", "--format=%H", "--", str(reference.relative_to(root)
-                                                                     if reference.is_absolute() else reference))
+    last = _git(root, "log", "-n", "1", "--format=%H", "--", str(reference))
     if last and last != head:
         return Base(last, f"the last commit that changed {reference.name}")
     if parents:
@@ -265,25 +265,16 @@ def run_gate(root: Path, out: Path, *, reference: Path | None = None, base_overr
         if base.commit == head and not dirty:
             log("gate: the base is HEAD itself: the timed pair measures only the gate's own noise")
         base_code = export_commit(root, base.commit, Path(tempfile.mkdtemp(prefix="ficoco-gate-base-")))
-    sides: dict[str, list[Run]] = {"base": [], "new": []}
-    for round_ in range(rounds):
-        order = ("base", "new") if round_ % 2 == 0 else ("new", "base")
-        for side in order:
-            if side == "base" and (base_code is None or result.pair_skipped):
-                continue
-            code = base_code if side == "base" else root
-            run = run_profile(code, out / f"{side}-{round_ + 1}.json", side=side, round_=round_ + 1)
-            result.runs.append(run)
-            log(f"gate: round {round_ + 1}/{rounds} {side:4} {run.seconds:5.1f} s  " + (
-                _speedup_line(run.report) if run.report else f"FAILED: {run.error}"))
-            if run.report is None and side == "base":
-                result.pair_skipped = (f"the base {base.commit[:12]} cannot run the gate's profile command "
-                                       f"({run.error})")
-                continue
-            if run.report is None:
-                result.failures.append(f"the new tree's profile failed in round {round_ + 1}: {run.error}")
-                return result
-            sides[side].append(run.report)
+    try:
+        _alternate(result, root, base_code, out, rounds, log)
+    finally:
+        if base_code is not None:
+            shutil.rmtree(base_code, ignore_errors=True)
+    if result.failures:
+        _write(out / "gate.json", gate_json(result, tolerance_pct))
+        return result
+    sides = {side: [r.report for r in result.runs if r.side == side and r.report is not None]
+             for side in ("base", "new")}
     new = combine(sides["new"])
     _write(out / "new.json", new)
     result.reference = compare(reference_report, new, judge="deterministic")
@@ -303,6 +294,28 @@ def run_gate(root: Path, out: Path, *, reference: Path | None = None, base_overr
             _write(out / "pair-comparison.json", result.pair.to_json())
     _write(out / "gate.json", gate_json(result, tolerance_pct))
     return result
+
+
+def _alternate(result: GateResult, root: Path, base_code: Path | None, out: Path, rounds: int, log: Any) -> None:
+    """The profile runs, ABBA: base, new, new, base, ... A base run that fails ends the base's runs
+    (the pair is then not judged); a new run that fails ends the gate."""
+    for round_ in range(1, rounds + 1):
+        for side in ("base", "new") if round_ % 2 else ("new", "base"):
+            if side == "base" and (base_code is None or result.pair_skipped):
+                continue
+            run = run_profile(base_code if side == "base" else root, out / f"{side}-{round_}.json", side=side,
+                              round_=round_)
+            result.runs.append(run)
+            log(f"gate: round {round_}/{rounds} {side:4} {run.seconds:5.1f} s  "
+                + (_speedup_line(run.report) if run.report else f"FAILED: {run.error}"))
+            if run.report is not None:
+                continue
+            if side == "base":
+                result.pair_skipped = (f"the base {result.base.commit[:12]} cannot run the gate's profile "
+                                       f"command ({run.error})")
+            else:
+                result.failures.append(f"the new tree's profile failed in round {round_}: {run.error}")
+                return
 
 
 def _same_machine(base_report: dict[str, Any], new_report: dict[str, Any], base: Base) -> None:
