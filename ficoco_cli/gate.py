@@ -371,7 +371,9 @@ def render(result: GateResult) -> str:
             change = "-" if s["change"] is None else f"{s['change'] * 100:+.1f}%"
             lines.append(f"  {s['row']:44} {s['base'] or 0:8.3f} {s['new'] or 0:8.3f} {change:>8}  "
                          f"{s['verdict']} ({s['detail']})")
+        # Deterministic figures are the reference's to judge; a row that failed is shown here too.
         others = [v for v in result.pair.verdicts if v.metric != "speedup_vs_vanilla"
+                  and (v.kind != "deterministic" or v.metric == "status")
                   and v.verdict in ("regression", "noise", "missing")]
         lines += [f"  {v.verdict}: {v.metric} ({v.row}): {v.detail}" for v in others]
         lines += [f"  warning: {w}" for w in result.pair.warnings]

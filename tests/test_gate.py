@@ -272,7 +272,10 @@ def test_a_row_that_failed_in_one_run_is_failed_and_judged_a_regression():
     runs[2]["rows"][2].update(status="error", reason="RuntimeError: boom")
     new = combine(runs)
     assert [r["status"] for r in new["rows"]] == ["ok", "ok", "error"]
-    assert {v.metric for v in compare(base, new, judge="timed").regressions} == {"status"}
+    result = compare(base, new, judge="timed")
+    assert {v.metric for v in result.regressions} == {"status"}
+    shown = gate.render(gate.GateResult(Base("0" * 40, "test"), pair=result))
+    assert "regression: status (llava-tiny l fp16" in shown and "gate: FAIL" in shown
 
 
 # Per-run vanilla and V medians of a shared machine: runs differ in speed by up to 2x (the other core
