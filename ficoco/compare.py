@@ -6,6 +6,11 @@ judged on in-run ratios that cancel the machine's speed (a variant's speedup ove
 row of the same run), with a tolerance and, when both reports carry raw samples, a
 one-sided Mann-Whitney test so that noise is not called a regression. Absolute latencies
 and throughputs are shown, and judged only on request.
+
+Even an in-run ratio moves with the processor: bf16 matrix work is fast with AMX and slow with
+AVX2 alone, so a variant's speedup says as much about the CPU as about the code. Measured
+metrics (timed ratios, absolute figures) are therefore judged only between reports made on the
+same processor (CPU model, features and ISA caps, or GPU name), unless the caller asks for it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ DETERMINISTIC_TOLERANCE = 0.001  # 0.1%
 SIGNIFICANCE = 0.05
 
 LOWER, HIGHER = "lower", "higher"
+JUDGE_CHOICES = ("all", "deterministic", "timed")
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,37 @@ def describe(key: tuple[Any, ...]) -> str:
             + (f" (removes {removed})" if removed else ""))
 
 
+def processor(environment: dict[str, Any]) -> tuple[tuple[Any, ...] | None, str]:
+    """What measured figures depend on besides the code: a key that is equal for reports made on
+    the same processor (None when the report does not say enough), and the processor in words."""
+    kind = environment.get("device_kind")
+    if kind == "cuda":
+        name = environment.get("device")
+        return (("cuda", name) if name else None), name or "an unnamed GPU"
+    if kind != "cpu":
+        return None, "an unrecorded device"
+    model, flags = environment.get("cpu"), environment.get("cpu_flags")
+    if not model or not flags:  # reports made before the features were recorded, or off Linux
+        return None, f"{model or 'a CPU'} (features not recorded)"
+    have = [name for name, present in flags.items() if present]
+    capability = environment.get("cpu_capability")
+    caps = environment.get("cpu_isa_overrides") or {}
+    words = f"{model} ({' '.join(have) or 'no ' + '/'.join(flags)}; torch {capability}"
+    words += "".join(f"; {name}={value}" for name, value in sorted(caps.items())) + ")"
+    return ("cpu", model, tuple(sorted(have)), capability, tuple(sorted(caps.items()))), words
+
+
+def same_processor(base_env: dict[str, Any], new_env: dict[str, Any]) -> tuple[bool, str]:
+    """Whether two reports' timings come from the same processor, and if not, why not in words."""
+    (base_key, base_words), (new_key, new_words) = processor(base_env), processor(new_env)
+    if base_key is None or new_key is None:
+        unknown = [side for side, key in (("base", base_key), ("new", new_key)) if key is None]
+        return False, (f"the processor of {' and '.join(unknown)} is unknown (base: {base_words}; new: {new_words})")
+    if base_key != new_key:
+        return False, f"different processors (base: {base_words}; new: {new_words})"
+    return True, f"same processor: {new_words}"
+
+
 def _get(row: dict[str, Any], path: tuple[str, ...]) -> float | None:
     node: Any = row
     for part in path:
@@ -135,7 +172,7 @@ def mann_whitney_less(new: list[float], base: list[float]) -> float:
     return 0.5 * math.erfc(-z / math.sqrt(2))
 
 
-def _speedup_samples(row: dict[str, Any], reference: dict[str, Any] | None) -> list[float]:
+def speedup_samples(row: dict[str, Any], reference: dict[str, Any] | None) -> list[float]:
     """Per-run speedups: the k-th vanilla sample over the row's k-th sample (same run). One
     value per run pair keeps the samples independent; all pairs would overstate significance."""
     if reference is None:
@@ -177,23 +214,40 @@ class Comparison:
                 "verdicts": [{k: finite(v) for k, v in vars(verdict).items()} for verdict in self.verdicts]}
 
 
-def _vanilla_of(rows: dict[tuple[Any, ...], dict[str, Any]], key: tuple[Any, ...]) -> dict[str, Any] | None:
+def vanilla_of(rows: dict[tuple[Any, ...], dict[str, Any]], key: tuple[Any, ...]) -> dict[str, Any] | None:
+    """The vanilla row measured with the row `key` (same quant, dtype, batch, tokens), if any."""
     values = dict(zip(FINGERPRINT_KEYS, key, strict=True))
     values["variant"], values["schedule"] = "vanilla", json.dumps([], sort_keys=True)
     return rows.get(tuple(values[k] for k in FINGERPRINT_KEYS))
 
 
 def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float = 10.0,
-            absolute: bool = False) -> Comparison:
-    """Judge every metric of every row the two reports share."""
+            absolute: bool = False, judge: str = "all", cross_machine: bool = False) -> Comparison:
+    """Judge every metric of every row the two reports share.
+
+    `judge` picks what is judged ("deterministic" or "timed" metrics, or "all"); the others are
+    shown as not judged. Measured metrics are judged only when both reports name the same
+    processor, or with `cross_machine`; a failed row is judged in every case."""
     if not (math.isfinite(tolerance_pct) and tolerance_pct >= 0):  # nan judges every change, inf none
         raise FicocoError(f"--tolerance {tolerance_pct:g}: give a finite percentage of at least 0")
+    if judge not in JUDGE_CHOICES:
+        raise FicocoError(f"unknown --judge '{judge}': choose from {', '.join(JUDGE_CHOICES)}")
     result = Comparison()
     base_env, new_env = base.get("environment", {}), new.get("environment", {})
     differs = [f"{k}: {base_env.get(k)} -> {new_env.get(k)}" for k in ENVIRONMENT_KEYS
                if base_env.get(k) != new_env.get(k)]
     if differs:
         result.warnings.append("the reports come from different environments (" + "; ".join(differs) + ")")
+    same, processors = same_processor(base_env, new_env)
+    timed_refused = ""
+    if not same and judge != "deterministic":
+        if cross_machine:
+            result.warnings.append(f"timed metrics judged across processors, as asked (--cross-machine): {processors}")
+        else:
+            timed_refused = "processors differ or are unknown: see the warning"
+            result.warnings.append(f"timed metrics not judged: {processors}; a speedup moves with the processor "
+                                   "(bf16 with AMX or AVX2 alone) as much as with the code; --cross-machine judges "
+                                   "them anyway")
     base_all = {fingerprint(r): r for r in base["rows"]}
     new_all = {fingerprint(r): r for r in new["rows"]}
     base_rows = {k: r for k, r in base_all.items() if r.get("status") == "ok"}
@@ -234,10 +288,16 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
             else:
                 change = (n - b) / abs(b) if b else (0.0 if n == b else math.inf)
             worse = (n < b) if metric.better == HIGHER else (n > b)
-            if metric.kind == "deterministic":
+            if metric.kind == "deterministic" and judge == "timed":
+                verdict, detail = "not judged", "--judge timed: deterministic metrics not judged"
+            elif metric.kind == "deterministic":
                 moved = abs(change) > DETERMINISTIC_TOLERANCE
                 verdict = "ok" if not moved else ("regression" if worse else "improvement")
                 detail = "deterministic: any change beyond 0.1% counts"
+            elif judge == "deterministic":
+                verdict, detail = "not judged", "--judge deterministic: timed metrics not judged"
+            elif timed_refused:
+                verdict, detail = "not judged", timed_refused
             elif metric.kind == "ratio" or absolute:
                 verdict, detail = _judge_timed(metric, b_row, n_row, base_rows, new_rows, key, change, worse,
                                                tolerance)
@@ -254,8 +314,8 @@ def _judge_timed(metric: Metric, b_row: dict[str, Any], n_row: dict[str, Any], b
     if not worse:
         return "improvement", f"beyond {tolerance * 100:g}%, better"
     if metric.name == "speedup_vs_vanilla":
-        new_samples = _speedup_samples(n_row, _vanilla_of(new_rows, key))
-        base_samples = _speedup_samples(b_row, _vanilla_of(base_rows, key))
+        new_samples = speedup_samples(n_row, vanilla_of(new_rows, key))
+        base_samples = speedup_samples(b_row, vanilla_of(base_rows, key))
     elif metric.name == "latency_median_ms":
         # Larger latency is worse: test that base tends to be smaller than new.
         new_samples = [-x for x in n_row.get("latency", {}).get("samples_ms", [])]

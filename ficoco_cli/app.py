@@ -18,6 +18,7 @@ import ficoco
 from ficoco.accounting.flops import CONVENTIONS, LM_HEAD_TOKENS, SCOPES
 from ficoco.accounting.memory import QUANT_BITS
 from ficoco.accounting.schedule import SHAPES, VARIANTS
+from ficoco.compare import JUDGE_CHOICES
 from ficoco.errors import FicocoError
 from ficoco_cli import options as check
 from ficoco_cli.options import parse_image_size, split_list
@@ -305,6 +306,13 @@ def compare_command(
         "--tolerance", callback=check.tolerance, help="Percent a timed ratio may move before it is judged.")] = 10.0,
     absolute: Annotated[bool, typer.Option(
         "--absolute", help="Also judge absolute latency, throughput and memory.")] = False,
+    judge: Annotated[str, typer.Option(
+        "--judge", callback=check.choice(JUDGE_CHOICES),
+        help="all, deterministic (tokens, TFLOPs, KV and weight bytes) or timed (measured ratios; "
+             "with --absolute also absolute figures); the rest is shown, not judged.")] = "all",
+    cross_machine: Annotated[bool, typer.Option(
+        "--cross-machine", help="Judge timed metrics even when the reports name different or unknown "
+                                "processors (CPU model and features, or GPU).")] = False,
     fmt: Annotated[str, typer.Option(
         "--format", callback=check.choice(FORMATS), help="table, markdown or json.")] = "table",
     output: Annotated[str | None, typer.Option(
@@ -315,7 +323,8 @@ def compare_command(
     from ficoco.report import write_text_atomic
     from ficoco_cli.report_cmd import comparison_json, comparison_markdown, comparison_table
 
-    result = compare(read_report(base), read_report(new), tolerance_pct=tolerance, absolute=absolute)
+    result = compare(read_report(base), read_report(new), tolerance_pct=tolerance, absolute=absolute, judge=judge,
+                     cross_machine=cross_machine)
     for warning in result.warnings:
         err.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
     for side, rows in (("base", result.only_base), ("new", result.only_new)):

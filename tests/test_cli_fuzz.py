@@ -535,6 +535,8 @@ def compare_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
     options = {
         "tolerance": number("--tolerance", floats=True, low=0, high=math.inf),
         "absolute": switch("--absolute"),
+        "judge": choice("--judge", ["all", "deterministic", "timed"]),
+        "cross_machine": switch("--cross-machine"),
         "format": choice("--format", ["table", "markdown", "json"]),
         "output": output("--output", paths),
     }
@@ -625,3 +627,16 @@ def test_the_fuzzer_sees_the_holes_of_issue_18() -> None:
         check(argv, outcome, [option("--model", "llava-1.5-7b"), option("--variant", "v"),
                               option("--tflops", budget, bad=True)])
         assert outcome.code == 2 and "--tflops" in outcome.stderr
+
+
+def test_every_option_of_every_command_is_fuzzed() -> None:
+    """A command or option added later is drawn here too, or this test names it."""
+    import typer.main
+
+    from ficoco_cli.app import app
+
+    source = Path(__file__).read_text()
+    missing = [f"{name} {opt}" for name, command in typer.main.get_command(app).commands.items()
+               for param in command.params for opt in getattr(param, "opts", [])
+               if opt.startswith("--") and opt != "--help" and f'"{opt}"' not in source]
+    assert not missing, f"options no strategy draws: {missing}"

@@ -33,7 +33,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ficoco.compare import METRICS, REPORT_SCHEMA, mann_whitney_less
+from ficoco.compare import METRICS, REPORT_SCHEMA, mann_whitney_less, processor
+from ficoco.profiling.environment import CPU_FEATURES, cpu_features
 from ficoco_cli.app import main
 from ficoco_cli.report_cmd import HEADER, REPORT_HEADER
 
@@ -490,6 +491,7 @@ def test_a_binary_file_exits_2_with_one_error_line(real, tmp_path, cli):
 
 @pytest.mark.parametrize("args, words", [
     (["--format", "html"], "--format"),
+    (["--judge", "speed"], "--judge"),
     (["--tolerance", "-1"], "--tolerance"),
     (["--tolerance", "nan"], "--tolerance nan: give a finite percentage"),  # judged every change a regression
     (["--tolerance", "inf"], "--tolerance inf: give a finite percentage"),  # judged none
@@ -843,3 +845,88 @@ def test_a_row_that_fails_in_new_is_a_regression(base, cli, write):
     assert result.code == 1
     (line,) = [x for x in result.err.splitlines() if x.startswith("regression:")]
     assert "status" in line and "v fp16" in line
+
+
+# ---- processors: timed metrics only between reports of the same one (issue 19) ----------------------------
+
+AVX2_ONLY = {"amx_bf16": False, "amx_tile": False, "avx512_bf16": False, "avx512f": False, "avx2": True}
+
+
+def test_a_report_records_the_cpu_and_its_features(real):
+    env = real["report"]["environment"]
+    assert env["cpu"] and env["device_kind"] == "cpu"
+    if Path("/proc/cpuinfo").is_file():
+        assert set(env["cpu_flags"]) == set(CPU_FEATURES) and env["cpu_flags"] == cpu_features()
+        assert processor(env)[0] is not None
+    assert env["cpu_isa_overrides"] == {k: v for k, v in env["cpu_isa_overrides"].items() if v}
+    assert "test_hooks" not in env  # no test-only slowdown in an ordinary run
+
+
+def with_environment(report: dict[str, Any], **environment: Any) -> dict[str, Any]:
+    new = copy.deepcopy(report)
+    new["environment"].update(environment)
+    return new
+
+
+@pytest.mark.parametrize("environment, words", [
+    ({"cpu_flags": AVX2_ONLY, "cpu_capability": "AVX2"}, "different processors"),
+    ({"cpu": "AMD EPYC 7B13"}, "different processors"),
+    ({"cpu_isa_overrides": {"ATEN_CPU_CAPABILITY": "avx2"}}, "ATEN_CPU_CAPABILITY=avx2"),
+    ({"cpu_flags": None}, "features not recorded"),
+], ids=["features", "model", "isa-cap", "unknown"])
+def test_timed_metrics_are_not_judged_across_processors(steady_base, cli, write, environment, words):
+    steady_base["environment"].update(cpu="Intel Xeon", cpu_flags=dict.fromkeys(CPU_FEATURES, True),
+                                      cpu_capability="AVX512", cpu_isa_overrides={})
+    new = with_environment(slower_v(steady_base), **environment)
+    row(new, "v", "int4")["kv_cache_bytes"] *= 2  # deterministic: judged whatever the processor
+    paths = write("base.json", steady_base), write("new.json", new)
+    result = cli("compare", *paths, "--format", "json")
+    assert result.code == 1
+    parsed = json.loads(result.out)
+    assert {m for _, m in regressions(parsed)} == {"kv_cache_bytes"}
+    speedup = verdict_of(parsed, f"{MODEL} v fp16", "speedup_vs_vanilla")
+    assert speedup["verdict"] == "not judged" and speedup["change"] == pytest.approx(-0.30)
+    assert {v["verdict"] for v in parsed["verdicts"] if v["kind"] != "deterministic"} == {"not judged"}
+    (line,) = [x for x in result.err.splitlines() if x.startswith("warning: timed metrics not judged")]
+    assert words in line and "--cross-machine" in line and "Intel Xeon" in line
+    # Asked to, it judges them, and says that it did.
+    crossed = cli("compare", *paths, "--format", "json", "--cross-machine")
+    parsed = json.loads(crossed.out)
+    assert {m for _, m in regressions(parsed)} == {"kv_cache_bytes", "speedup_vs_vanilla"}
+    assert "judged across processors, as asked (--cross-machine)" in crossed.err
+
+
+def test_gpus_are_told_apart_by_name(steady_base, compare_json):
+    steady_base["environment"].update(device_kind="cuda", device="NVIDIA H100 80GB HBM3")
+    other_gpu = with_environment(slower_v(steady_base), device="NVIDIA A100-SXM4-80GB")
+    code, parsed, err = compare_json(steady_base, other_gpu)
+    assert code == 0 and "H100" in err and "A100" in err
+    assert verdict_of(parsed, f"{MODEL} v fp16", "speedup_vs_vanilla")["verdict"] == "not judged"
+    code, parsed, _ = compare_json(steady_base, slower_v(steady_base))  # the same GPU: judged
+    assert code == 1 and verdict_of(parsed, f"{MODEL} v fp16", "speedup_vs_vanilla")["verdict"] == "regression"
+
+
+def test_judge_deterministic_leaves_timed_metrics_to_another_comparison(steady_base, compare_json):
+    new = slower_v(steady_base)
+    row(new, "l", "int4")["kv_cache_bytes"] += 1000
+    code, parsed, err = compare_json(steady_base, new, "--judge", "deterministic")
+    assert code == 1 and err.count("warning") == 0
+    assert {m for _, m in regressions(parsed)} == {"kv_cache_bytes"}
+    speedup = verdict_of(parsed, f"{MODEL} v fp16", "speedup_vs_vanilla")
+    assert speedup["verdict"] == "not judged" and "--judge deterministic" in speedup["detail"]
+
+
+def test_judge_timed_leaves_deterministic_metrics_to_another_comparison(steady_base, compare_json):
+    new = slower_v(steady_base)
+    row(new, "l", "int4")["kv_cache_bytes"] += 1000
+    code, parsed, _ = compare_json(steady_base, new, "--judge", "timed")
+    assert code == 1
+    assert regressions(parsed) == {(verdict_of(parsed, f"{MODEL} v fp16", "speedup_vs_vanilla")["row"],
+                                    "speedup_vs_vanilla")}
+    kv = verdict_of(parsed, f"{MODEL} l int4", "kv_cache_bytes")
+    assert kv["verdict"] == "not judged" and kv["change"] > 0
+    # A row that fails is a regression whatever is judged.
+    failed = row(new, "l", "fp16")
+    failed.update(status="error", reason="RuntimeError")
+    code, parsed, _ = compare_json(steady_base, new, "--judge", "timed")
+    assert ("status" in {m for _, m in regressions(parsed)}) and code == 1

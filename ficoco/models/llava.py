@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ficoco import testing_hooks
 from ficoco.errors import FicocoError
 from ficoco.models.attention import install_probe, remove_probe
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 def _timed(handle: Handle, device: torch.device, fn: Callable[[], Any]) -> Any:
     """Run one reduction inside the handle's "reduction" span (CUDA events, no host sync)."""
     with handle.timer.span("reduction", device):
+        if testing_hooks.REDUCTION_DELAY_S:  # test-only slowdown (FICOCO_TEST_DELAY_REDUCTION_MS), off unless set
+            testing_hooks.delay_reduction()
         return fn()
 
 

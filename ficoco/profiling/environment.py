@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 import ficoco
+from ficoco import testing_hooks
 
 
 def _version(package: str) -> str | None:
@@ -30,6 +32,34 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# The /proc/cpuinfo flags that decide which dtype and kernels are fast on a CPU: AMX tiles and
+# AVX512-BF16 make bf16 matrix work fast; without them bf16 falls back to slow paths, and AVX2
+# alone is several times slower again. Two CPUs that differ in these time differently.
+CPU_FEATURES = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+# Environment variables that cap the vector ISA torch and oneDNN use below what the CPU has
+# (as one emulates a smaller CPU): a report made under them times like another processor.
+ISA_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def cpu_features(cpuinfo: str | Path = "/proc/cpuinfo") -> dict[str, bool]:
+    """Which of CPU_FEATURES this CPU has, from the first `flags` line of `cpuinfo`; empty when
+    that cannot be read (not Linux), which callers must treat as unknown, not as "none"."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {name: name in flags for name in CPU_FEATURES}
+    except OSError:
+        pass
+    return {}
+
+
+def isa_overrides() -> dict[str, str]:
+    """The ISA-capping environment variables that are set, with their values."""
+    return {name: os.environ[name] for name in ISA_OVERRIDES if os.environ.get(name)}
 
 
 def git_commit() -> str | None:
@@ -60,7 +90,7 @@ def nvidia_driver() -> str | None:
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    """Versions, device, driver, CPU, threads and the git commit."""
+    """Versions, device (the GPU's name on CUDA), driver, CPU model and features, threads and the git commit."""
     env: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -74,10 +104,16 @@ def environment(device: torch.device) -> dict[str, Any]:
         # The best vector ISA torch dispatches to here (AVX2, AVX512, AMX-capable ...): it
         # decides which dtype is fast, so a timing means little without it.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_count": __import__("os").cpu_count(),
+        # What the CPU itself offers, and any cap put on it: `ficoco compare` judges timings only
+        # between reports whose processors agree on these.
+        "cpu_flags": cpu_features(),
+        "cpu_isa_overrides": isa_overrides(),
+        "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "git_commit": git_commit(),
     }
+    if testing_hooks.active():
+        env["test_hooks"] = testing_hooks.active()
     if device.type == "cuda":
         env.update({
             "device": torch.cuda.get_device_name(device),

@@ -1,0 +1,38 @@
+"""Test-only hooks, read once from the environment at import; unset, each costs one falsy check.
+
+FICOCO_TEST_DELAY_REDUCTION_MS: sleep this many milliseconds inside every timed reduction span
+(`ficoco.models.llava._timed`), a known slowdown of the method's own stages. It exists so that the
+CI gate's power to catch a slower reduction can be shown (benchmarks/gate_noise.py); a report
+made with it set records the fact in its environment (`test_hooks`). Never set it otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+DELAY_REDUCTION_VARIABLE = "FICOCO_TEST_DELAY_REDUCTION_MS"
+
+
+def _milliseconds(name: str) -> float:
+    text = os.environ.get(name, "").strip()
+    try:
+        value = float(text or 0)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of milliseconds") from None
+    if value < 0:
+        raise ValueError(f"{name}={text!r} must not be negative")
+    return value
+
+
+REDUCTION_DELAY_S = _milliseconds(DELAY_REDUCTION_VARIABLE) / 1e3
+
+
+def delay_reduction() -> None:
+    """The injected slowdown of one reduction span (call only when REDUCTION_DELAY_S is set)."""
+    time.sleep(REDUCTION_DELAY_S)
+
+
+def active() -> dict[str, float]:
+    """The hooks that are on, for a report's environment: a measurement made with one is not a real one."""
+    return {DELAY_REDUCTION_VARIABLE: REDUCTION_DELAY_S * 1e3} if REDUCTION_DELAY_S else {}
