@@ -44,6 +44,9 @@ from ficoco.profiling.dtype_choice import DtypeChoice, choose_dtype, dtype_name
 LIMIT_ENV = "FICOCO_MEMORY_LIMIT_BYTES"
 MARGIN_BYTES = 0.5e9
 MARGIN_FRACTION = 0.05
+# The share of free memory that an upcast layout leaves unused rather than spend on float32
+# layers: those only save time, and the machine may be shared with processes that grow.
+UPCAST_SPARE_FRACTION = 0.1
 # The kinds of alternative a failed check may name: --quant int8/int4, --dtype bf16, fewer
 # decoder layers with --set, a GPU.
 ADVICE = ("quant", "dtype", "layers", "gpu")
@@ -219,13 +222,15 @@ def _upcast_layer_cost_bytes(profile: Profile, dtype: DtypeChoice, margin_fracti
 
 def with_fp32_layers(profile: Profile, rows: Sequence[RowShape], dtype: DtypeChoice, free_bytes: float, *,
                      margin_fraction: float = MARGIN_FRACTION, **need_options: Any) -> DtypeChoice:
-    """An upcast choice with as many decoder layers kept in fp32 as `free_bytes` allows: each
-    one kept is a layer whose weights are not copied at every forward."""
+    """An upcast choice with as many decoder layers kept in fp32 as `free_bytes` (less
+    UPCAST_SPARE_FRACTION of it) allows: each one kept is a layer whose weights are not copied
+    at every forward."""
     if not dtype.upcast:
         return dtype
     layers = architecture(profile).decoder.layers
     base = memory_need_bytes(profile, rows, dataclasses.replace(dtype, fp32_layers=0), "fp16",
                              margin_fraction=margin_fraction, **need_options)["total"]
+    free_bytes = min(free_bytes, max(base, free_bytes * (1 - UPCAST_SPARE_FRACTION)))
     room = free_bytes - base
     kept = 0 if room <= 0 else min(layers, int(room // _upcast_layer_cost_bytes(profile, dtype, margin_fraction)))
     while kept > 0 and memory_need_bytes(profile, rows, dataclasses.replace(dtype, fp32_layers=kept), "fp16",
