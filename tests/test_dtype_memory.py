@@ -427,3 +427,17 @@ def test_flops_verify_takes_a_dtype_and_refuses_what_does_not_fit(tmp_path, monk
 def test_dtype_without_verify_is_refused():
     result = runner.invoke(app, ["flops", "--model", "llava-tiny", "--dtype", "fp32"])
     assert isinstance(result.exception, FicocoError) and "--verify" in str(result.exception)
+
+
+def test_compare_tells_upcast_layouts_apart_and_keeps_plain_rows_keys():
+    from ficoco.compare import fingerprint
+
+    def row(backend):
+        return {"model": "llava-1.5-7b", "variant": "v", "quant": "fp16", "batch": 1, "backend": backend}
+
+    plain = row({"compute_dtype": "float32", "storage_dtype": "float32"})
+    old_report = row({"compute_dtype": "float32"})
+    upcast = [row({"compute_dtype": "float32", "storage_dtype": "bfloat16 (upcast linears), float32 rest",
+                   "upcast_layers": n}) for n in (24, 20)]
+    assert fingerprint(plain) == fingerprint(old_report)
+    assert len({fingerprint(plain), *map(fingerprint, upcast)}) == 3

@@ -143,11 +143,14 @@ def apply_upcast_layout_(model: nn.Module, choice: DtypeChoice) -> int:
     upcast_count = max(0, len(layers) - choice.fp32_layers)
     upcast_names = {name for layer in layers[:upcast_count] for name in layer}
     upcast_weights = {id(model.get_submodule(name).weight) for name in upcast_names}
+    converted: dict[int, nn.Parameter] = {}  # a tied parameter stays one parameter
     with torch.no_grad():
         for module in model.modules():
             for name, param in list(module.named_parameters(recurse=False)):
                 if param.is_floating_point() and id(param) not in upcast_weights and param.dtype != choice.compute:
-                    module._parameters[name] = nn.Parameter(param.to(choice.compute), requires_grad=False)
+                    if id(param) not in converted:
+                        converted[id(param)] = nn.Parameter(param.to(choice.compute), requires_grad=False)
+                    module._parameters[name] = converted[id(param)]
         for module in model.modules():
             for name, buffer in list(module.named_buffers(recurse=False)):
                 if buffer.is_floating_point() and buffer.dtype != choice.compute:
