@@ -10,6 +10,11 @@ stored in 16 bits (bfloat16: every value is exactly a float32 value) and upcast 
 layer for float32 compute (`upcast=True`), when that is still clearly faster than computing
 in 16 bits; otherwise the fastest 16-bit dtype. An explicit dtype is honoured as asked:
 float16 on a CPU computes in float16, however slow.
+
+    choose_dtype(requested, device, *, need_bytes_by_dtype, free_bytes, native, upcast_need_bytes)
+        -> DtypeChoice (storage, compute, reason, upcast, fp32_layers)
+    row_dtypes(choice, quant) -> the storage_dtype, compute_dtype and dtype_reason of a report row
+    parse_dtype(text), dtype_name(torch_dtype): the names used on the command line and in reports
 """
 
 from __future__ import annotations
@@ -142,3 +147,17 @@ def choose_dtype(requested: str, device: torch.device, *, need_bytes_by_dtype: d
             return choice
     best = sixteen[0]
     return DtypeChoice(best, best, f"{fastest} but {no_fp32_room()}; {dtype_name(best)} is the fastest 16-bit dtype")
+
+
+def row_dtypes(dtype: DtypeChoice, quant: str) -> dict[str, str]:
+    """What a row of `quant` built in `dtype` says about its dtypes: storage, compute, why."""
+    storage, reason = dtype_name(dtype.storage), dtype.reason
+    if quant == "int8":
+        storage = f"int8 linears, {dtype_name(dtype.compute)} rest"
+        reason += "; bitsandbytes LLM.int8 casts activations to float16 for its int8 matmuls"
+    elif quant == "int4":
+        storage = f"NF4 linears, {dtype_name(dtype.compute)} rest"
+        reason += f"; bitsandbytes NF4 dequantizes to {dtype_name(dtype.compute)} for its matmuls"
+    elif dtype.upcast:
+        storage = f"{dtype_name(dtype.storage)} (upcast linears), {dtype_name(dtype.compute)} rest"
+    return {"storage_dtype": storage, "compute_dtype": dtype_name(dtype.compute), "dtype_reason": reason}

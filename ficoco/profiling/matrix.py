@@ -21,7 +21,7 @@ from ficoco.accounting import CountOptions, Schedule, account, architecture, res
 from ficoco.accounting.memory import QUANT_BITS, Quant, weight_bytes
 from ficoco.errors import FicocoError
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
-from ficoco.profiling.dtype_choice import DtypeChoice, dtype_name
+from ficoco.profiling.dtype_choice import DtypeChoice, row_dtypes
 from ficoco.profiling.trackers import LatencyTracker, MemoryTracker, cache_bytes
 
 # NVIDIA device names -> hardware profiles of the roofline, first match wins. GH200 (an H100
@@ -422,20 +422,6 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
 def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
-def row_dtypes(dtype: DtypeChoice, quant: str) -> dict[str, str]:
-    """What a row of `quant` built in `dtype` says about its dtypes: storage, compute, why."""
-    storage, reason = dtype_name(dtype.storage), dtype.reason
-    if quant == "int8":
-        storage = f"int8 linears, {dtype_name(dtype.compute)} rest"
-        reason += "; bitsandbytes LLM.int8 casts activations to float16 for its int8 matmuls"
-    elif quant == "int4":
-        storage = f"NF4 linears, {dtype_name(dtype.compute)} rest"
-        reason += f"; bitsandbytes NF4 dequantizes to {dtype_name(dtype.compute)} for its matmuls"
-    elif dtype.upcast:
-        storage = f"{dtype_name(dtype.storage)} (upcast linears), {dtype_name(dtype.compute)} rest"
-    return {"storage_dtype": storage, "compute_dtype": dtype_name(dtype.compute), "dtype_reason": reason}
 
 
 def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str, Any] | None) -> dict[str, Any]:
