@@ -90,7 +90,12 @@ def read_report(path: str | Path) -> dict[str, Any]:
 def fingerprint(row: dict[str, Any]) -> tuple[Any, ...]:
     """What makes two rows the same measurement."""
     values = dict(row)
-    values["dtype"] = (row.get("backend") or {}).get("compute_dtype")
+    backend = row.get("backend") or {}
+    values["dtype"] = backend.get("compute_dtype")
+    # An upcast layout (16-bit weights computed in float32) is another measurement than float32
+    # weights, and one with other upcast layers too: other bytes, other time.
+    if backend.get("upcast_layers"):
+        values["dtype"] += f" on {backend.get('storage_dtype')}, {backend['upcast_layers']} upcast layers"
     values["schedule"] = json.dumps(row.get("schedule"), sort_keys=True)
     return tuple(values.get(k) for k in FINGERPRINT_KEYS)
 

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ficoco.accounting import architecture, parameter_counts
+from ficoco.accounting import architecture
 from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.flops import STAGES, count_by_layer, count_by_stage, model_ops, paper_overhead
 from ficoco.accounting.schedule import Schedule, TokenPlan, plan_tokens
@@ -58,6 +58,9 @@ from ficoco.errors import FicocoError
 from ficoco.profiles import Profile
 
 SCHEMA = "ficoco.verify/1"
+# The memory guard's margin for --verify: fvcore's trace and the counters' records sit beside
+# the model while it runs (the earlier fixed rule: a quarter of the weights).
+VERIFY_MARGIN_FRACTION = 0.25
 # fvcore counts one multiply-add as one "flop"; the flops convention counts it as two.
 FVCORE_FLOPS_PER_UNIT = 2
 # Families whose prefill the toolkit can run with FiCoCo (ficoco.apply).
@@ -269,6 +272,8 @@ class Verification:
     tolerance_percent: float
     dtype: str
     runs: list[RunCheck] = field(default_factory=list)
+    storage_dtype: str | None = None
+    dtype_reason: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -288,7 +293,8 @@ class Verification:
         return {
             "schema": SCHEMA, "model": self.model, "convention": "flops", "scope": "all", "layer_exact": True,
             "stages": list(STAGES), "text_tokens": self.text_tokens, "batch": self.batch,
-            "lm_head_tokens": self.lm_head_tokens, "dtype": self.dtype,
+            "lm_head_tokens": self.lm_head_tokens, "dtype": self.dtype, "storage_dtype": self.storage_dtype,
+            "dtype_reason": self.dtype_reason,
             "tolerance_percent": self.tolerance_percent, "passed": self.passed,
             "gate": "analytic vs fvcore, every stage",
             "counters": {
@@ -596,29 +602,6 @@ def check_supported(profile: Profile) -> None:
             "the analytic count without --verify works for every family")
 
 
-def _available_memory_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _check_memory(arch: Architecture) -> None:
-    """Refuse a model whose fp32 weights would not fit, instead of being killed mid-build."""
-    weights = parameter_counts(arch).total * 4
-    available = _available_memory_bytes()
-    # Weights plus about a quarter for activations, traces and the counters' bookkeeping.
-    if available is not None and weights * 1.25 > available:
-        raise FicocoError(
-            f"--verify builds {arch.name} in fp32 on the CPU: {weights / 1e9:.1f} GB of weights, but only "
-            f"{available / 1e9:.1f} GB of memory is free; verify fewer layers, e.g. "
-            "--set text_config.num_hidden_layers=2 (the counts are checked per layer)")
-
-
 def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text_tokens: int, batch: int = 1,
                lm_head_tokens: str = "all", seed: int = 0) -> RunCheck:
     """Verify one schedule on a built model (patched for the run, restored after)."""
@@ -651,12 +634,16 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
 
 def verify(profile: Profile, schedules: list[Schedule], *, text_tokens: int | None = None, batch: int = 1,
            lm_head_tokens: str = "all", tolerance_percent: float = 0.5, seed: int = 0,
-           model: nn.Module | None = None) -> Verification:
-    """Build `profile`'s model (random weights, fp32 on CPU) and verify every schedule.
+           model: nn.Module | None = None, dtype: str = "auto") -> Verification:
+    """Build `profile`'s model (random weights on the CPU, in `dtype`: auto is the fastest
+    that fits, see choose_dtype) and verify every schedule; a model that would not fit in
+    memory is refused before it is built (FicocoError with what would fit).
 
     `model` reuses an already built model of the same profile (tests).
     """
     from ficoco.api import build_model
+    from ficoco.profiling.dtype_choice import dtype_name
+    from ficoco.profiling.memory_guard import VanillaRow, resolve_dtype_and_memory
 
     check_supported(profile)
     if tolerance_percent < 0:
@@ -665,12 +652,18 @@ def verify(profile: Profile, schedules: list[Schedule], *, text_tokens: int | No
         raise FicocoError(f"--batch {batch} must be at least 1")
     arch = architecture(profile)
     text = arch.text_tokens if text_tokens is None else text_tokens
+    storage, reason = None, None
     if model is None:
-        _check_memory(arch)
-        model = build_model(profile, dtype="fp32", seed=seed)
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        # The counters keep their own records beside the model: a quarter more margin.
+        choice, _ = resolve_dtype_and_memory(profile, [VanillaRow(batch=batch)], dtype, "cpu", ["fp16"],
+                                             text_tokens=text, lm_head_tokens=lm_head_tokens,
+                                             margin_fraction=VERIFY_MARGIN_FRACTION, advice=("dtype", "layers"))
+        model = build_model(profile, dtype=choice, seed=seed, check_memory=False)
+        storage, reason = dtype_name(choice.storage), choice.reason
+    compute = str(next(model.parameters()).dtype).removeprefix("torch.")
     result = Verification(model=arch.name, text_tokens=text, batch=batch, lm_head_tokens=lm_head_tokens,
-                          tolerance_percent=tolerance_percent, dtype=dtype)
+                          tolerance_percent=tolerance_percent, dtype=compute, storage_dtype=storage,
+                          dtype_reason=reason)
     for schedule in schedules:
         result.runs.append(verify_run(model, arch, schedule, text_tokens=text, batch=batch,
                                       lm_head_tokens=lm_head_tokens, seed=seed))

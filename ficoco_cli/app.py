@@ -116,6 +116,10 @@ JsonOpt = Annotated[str | None, typer.Option(
     "--json", callback=check.output_file, help="Write the JSON report here (- for stdout).")]
 WideOpt = Annotated[bool, typer.Option(
     "--wide", help="Show every column (the default table fits 80 columns; the JSON report has everything).")]
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+DtypeOpt = Annotated[str, typer.Option(
+    "--dtype", callback=check.choice(DTYPES), help="auto (float16 on a GPU; on a CPU the fastest measured there, upcasting 16-bit weights when "
+                    "float32 does not fit), bf16, fp16 or fp32.")]
 
 
 @app.command("flops")
@@ -156,6 +160,9 @@ def flops_command(
     tolerance: Annotated[float | None, typer.Option(
         "--tolerance", callback=check.tolerance,
         help="--verify: largest analytic vs fvcore difference per stage, in percent (0.5).")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        "--dtype", callback=check.choice(DTYPES),
+        help="--verify: auto (the fastest on this CPU that fits), bf16, fp16 or fp32.")] = None,
 ) -> None:
     """Analytic cost: TFLOPs by stage, KV cache, weights, memory access, roofline time."""
     from ficoco import accounting as acc
@@ -168,6 +175,9 @@ def flops_command(
     check_schedule_options(variants, keep, tflops, schedule)
     if tolerance is not None and not verify:
         raise FicocoError("--tolerance applies to --verify; add --verify")
+    if dtype is not None and not verify:
+        raise FicocoError("--dtype applies to --verify (the analytic count has no dtype; --quant sets its bit "
+                          "widths); add --verify")
     profile = load_profile(model, set_values or [])
     set_layout(profile, image_size=parse_image_size(image_size), frames=frames)
     if verify:
@@ -193,7 +203,7 @@ def flops_command(
                    "first_layer": first_layer, "convention": convention, "scope": scope, "equivalent": equivalent}
         code = verify_command(profile, schedules, text_tokens=text_tokens, batch=batch, lm_head=lm_head,
                               tolerance=tolerance, per_layer=per_layer, json_path=json_path,
-                              console=err if json_path == "-" else out, request=request)
+                              console=err if json_path == "-" else out, request=request, dtype=dtype or "auto")
         if code:
             sys.exit(code)  # the verdict, after the tables (typer.Exit would not reach main's exit code)
         return
@@ -271,9 +281,11 @@ def profile_command(
     frames: FramesOpt = None,
     json_path: JsonOpt = None,
     wide: WideOpt = False,
+    dtype: DtypeOpt = "auto",
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
     from ficoco.profiling.config import parse_batches
+    from ficoco.profiling.dtype_choice import parse_dtype
     from ficoco.profiling.matrix import ProfileConfig, plan_run
     from ficoco_cli.profile_run import run_and_report
 
@@ -287,7 +299,7 @@ def profile_command(
         quants=tuple(split_list(quant, "--quant")), batches=parse_batches(batch), text_tokens=text_tokens,
         new_tokens=new_tokens, warmup=warmup, repeat=repeat, device=device, weights=weights, image=image,
         prompt=prompt, overrides=tuple(set_values or ()), seed=seed, kv_bits=kv_bits,
-        image_size=parse_image_size(image_size), frames=frames,
+        image_size=parse_image_size(image_size), frames=frames, dtype=parse_dtype(dtype),
     )
     plan = plan_run(config)
     report = run_and_report(config, plan, json_path, out if json_path != "-" else err, wide)

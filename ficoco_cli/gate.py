@@ -141,13 +141,21 @@ class Run:
     error: str = ""
 
 
+def dtype_args(code: Path) -> tuple[str, ...]:
+    """`--dtype bf16` where the side's CLI has --dtype: the reference's rows are bf16, and `auto`
+    would pick another dtype on another CPU (float32 with AVX2 alone). A base from before the
+    option computes bf16 on CPU anyway, so both sides of the pair measure the same dtype."""
+    app_source = code / "ficoco_cli" / "app.py"
+    return ("--dtype", "bf16") if app_source.is_file() and '"--dtype"' in app_source.read_text() else ()
+
+
 def run_profile(code: Path, json_path: Path, *, side: str, round_: int, environ: dict[str, str] | None = None) -> Run:
     """One `ficoco profile` of the gate's configuration with the code in `code`, on one thread."""
     env = dict(os.environ if environ is None else environ)
     if side == "base":  # a test-only slowdown is for the tree under test
         env = {k: v for k, v in env.items() if not k.startswith(TEST_ONLY_PREFIX)}
     env.update(PYTHONPATH=str(code), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-c", BOOTSTRAP, str(code), *PROFILE_ARGS, "--json", str(json_path)]
+    command = [sys.executable, "-c", BOOTSTRAP, str(code), *PROFILE_ARGS, *dtype_args(code), "--json", str(json_path)]
     began = time.perf_counter()
     try:
         result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=json_path.parent,

@@ -415,7 +415,13 @@ def _caveats(row: dict[str, Any], base: dict[str, Any] | None, config: dict[str,
     if config.get("device") == "auto" and row.get("device_kind") == "cpu":
         caveats.append("CPU fallback (--device auto found no GPU)")
     dtype = _get(row, "backend", "compute_dtype")
-    if row.get("quant") == "fp16" and dtype not in (None, "float16"):
+    reason, storage = _get(row, "backend", "dtype_reason"), _get(row, "backend", "storage_dtype")
+    if isinstance(reason, str):
+        # Said whenever the dtypes are not the plain float16 that an fp16 row's name suggests.
+        if row.get("quant") != "fp16" or dtype != "float16" or storage != "float16":
+            stored = f", weights stored as {storage}" if storage and storage != dtype else ""
+            caveats.append(f"computed in {dtype}{stored}: {reason}")
+    elif row.get("quant") == "fp16" and dtype not in (None, "float16"):
         caveats.append(f"computed in {dtype}, not float16, for speed"
                        + (" on CPU" if row.get("device_kind") == "cpu" else ""))
     elif row.get("note"):

@@ -52,7 +52,8 @@ def stage_table(report: dict[str, Any]) -> Table:
     head = "all tokens" if report["lm_head_tokens"] == "all" else "the last token"
     title = (f"{report['model']}: analytic vs fvcore vs torch FlopCounterMode, in FLOPs (2 per multiply-add; "
              f"fvcore's multiply-adds x2), scope all, layer-exact; batch {report['batch']}, "
-             f"{report['text_tokens']} text tokens, LM head over {head}; {report['dtype']} on CPU")
+             f"{report['text_tokens']} text tokens, LM head over {head}; {report['dtype']} on CPU"
+             + (f" ({report['dtype_reason']})" if report.get("dtype_reason") else ""))
     caption = (f"gate: |fvcore - analytic| <= {report['tolerance_percent']:g}% on every stage; torch's count "
                "(math SDPA backend) is shown, not gated")
     if any(run["method"] for run in report["runs"]):
@@ -145,7 +146,7 @@ def verdict_line(report: dict[str, Any]) -> str:
 
 def verify_command(profile: Profile, schedules: list[Schedule], *, text_tokens: int | None, batch: int,
                    lm_head: str, tolerance: float | None, per_layer: bool, json_path: str | None,
-                   console: Console, request: dict[str, Any]) -> int:
+                   console: Console, request: dict[str, Any], dtype: str = "auto") -> int:
     """Run the verification, print its tables and write its report; the exit code is the verdict."""
     from ficoco.report import write_json_atomic
     from ficoco.verify import check_supported, verify
@@ -155,7 +156,7 @@ def verify_command(profile: Profile, schedules: list[Schedule], *, text_tokens: 
     finite_percent("--tolerance", tolerance)
     with console.status(f"verifying {len(schedules)} run(s) of {profile.name} under fvcore and torch's counter"):
         result = verify(profile, schedules, text_tokens=text_tokens, batch=batch, lm_head_tokens=lm_head,
-                        tolerance_percent=tolerance)
+                        tolerance_percent=tolerance, dtype=dtype)
     report = result.to_json()
     report["ficoco_version"] = ficoco.__version__
     report["overrides"] = profile.overrides

@@ -248,18 +248,26 @@ def test_threads_recorded_on_every_row(report):
         assert row["threads"] == report["environment"]["threads"]
 
 
-def test_backend_says_16_bit_computes_in_bfloat16_on_cpu(report):
+def test_backend_names_the_storage_and_compute_dtypes_and_why(report):
+    """--dtype auto decides from this CPU's measured rates, so the dtype itself may differ
+    between machines; every row must name it, the same for the whole run, with the reason."""
+    assert report["config"]["dtype"] == "auto"
+    compute = {row["backend"]["compute_dtype"] for row in report["rows"]}
+    assert len(compute) == 1 and compute <= {"bfloat16", "float16", "float32"}
     for row in report["rows"]:
         backend = row["backend"]
-        assert backend["compute_dtype"] == "bfloat16"
         assert backend["quant"] == row["quant"]
+        assert backend["dtype_reason"].startswith("auto: ")
+        assert backend["compute_dtype"] in backend["dtype_reason"]
         if row["quant"] == "fp16":
             assert backend["backend"] == "torch"
-            assert "bfloat16" in row["note"] or "bf16" in row["note"]
+            assert backend["storage_dtype"] in (backend["compute_dtype"], "bfloat16 (upcast linears), float32 rest")
         else:
             assert backend["backend"].startswith("bitsandbytes")
             assert backend["converted_linears"] > 0
-    assert "int8" in {r["quant"] for r in report["rows"] if r["note"] and "float16" in r["note"]}
+            assert backend["storage_dtype"].startswith("int8 linears" if row["quant"] == "int8" else "NF4 linears")
+    int8 = [r for r in report["rows"] if r["quant"] == "int8"]
+    assert all("casts activations to float16" in r["backend"]["dtype_reason"] for r in int8)
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -550,6 +558,7 @@ BAD_OPTIONS = {
     "prompt without tokenizer": (["--prompt", "hi"], "--prompt"),
     "unknown variant": (["--variant", "x"], "x"),
     "unknown option": (["--bogus"], "--bogus"),
+    "unknown dtype": (["--dtype", "fp8"], "fp8"),
 }
 
 

@@ -95,9 +95,10 @@ def test_an_unquantized_bitsandbytes_layer_is_refused() -> None:
 @pytest.mark.parametrize("quant", ["fp16", "int8", "int4"])
 @pytest.mark.parametrize("name", TINY)
 def test_measured_weight_bytes_equal_the_accountants_on_every_tiny_profile(name: str, quant: str) -> None:
-    model = ficoco.build_model(name, quant=quant)
+    model = ficoco.build_model(name, quant=quant)  # auto: the dtype depends on this CPU
     measured = model_weight_bytes(model)
-    analytic = weight_bytes(architecture(load_profile(name)), "all", make_quant(quant))
+    element_bytes = torch.finfo(model._ficoco_dtype.compute).bits / 8
+    analytic = weight_bytes(architecture(load_profile(name)), "all", make_quant(quant), element_bytes=element_bytes)
     assert measured == pytest.approx(analytic, rel=0.005)
     # What is left is the buffers (rotary tables, position ids), which the accountant omits.
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -106,7 +107,7 @@ def test_measured_weight_bytes_equal_the_accountants_on_every_tiny_profile(name:
 
 @pytest.mark.parametrize("quant", ["fp16", "int8", "int4"])
 def test_measured_weight_bytes_equal_the_accountants_at_7b_shapes(quant: str) -> None:
-    model = ficoco.build_model("llava-1.5-7b", quant=quant, overrides=list(SEVEN_B_SHAPES))
+    model = ficoco.build_model("llava-1.5-7b", quant=quant, dtype="bf16", overrides=list(SEVEN_B_SHAPES))
     measured = model_weight_bytes(model)
     analytic = weight_bytes(architecture(load_profile("llava-1.5-7b", list(SEVEN_B_SHAPES))), "all",
                             make_quant(quant))
@@ -125,5 +126,7 @@ def test_a_bf16_checkpoint_stays_bf16_by_default_also_on_a_gpu(tmp_path: Path) -
     native = checkpoint_dtype(tmp_path)
     assert native == torch.bfloat16
     assert resolve_dtype(None, "cuda", native) == torch.bfloat16  # fp16 would overflow Qwen2-VL
+    assert resolve_dtype("auto", "cuda", native) == torch.bfloat16
     assert resolve_dtype(None, "cuda", None) == torch.float16
     assert resolve_dtype("fp16", "cuda", native) == torch.float16  # an explicit choice wins
+    assert resolve_dtype("fp16", "cpu", None) == torch.float16  # also on a CPU: no silent bfloat16

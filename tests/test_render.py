@@ -217,6 +217,26 @@ def test_an_explicit_cpu_run_is_not_called_a_fallback():
     assert "fallback" not in line and "bfloat16" in line
 
 
+def test_a_row_with_its_dtypes_names_them_and_why():
+    report = main_job()
+    reason = "auto: float32 is the fastest on this CPU (AVX2; matmul GFLOP/s float32 103, float16 25, bfloat16 20)"
+    for row in report["rows"]:
+        row["note"] = None
+        row["backend"].update(compute_dtype="float32", storage_dtype="bfloat16 (upcast linears), float32 rest",
+                              dtype_reason=reason)
+    (line,) = verdict_lines(report)
+    assert line.endswith(f"computed in float32, weights stored as bfloat16 (upcast linears), float32 rest: {reason}")
+
+
+def test_a_plain_float16_row_has_no_dtype_caveat():
+    report = main_job()
+    for row in report["rows"]:
+        row["note"] = None
+        row["backend"].update(compute_dtype="float16", storage_dtype="float16", dtype_reason="auto on CUDA: float16")
+    (line,) = verdict_lines(report)
+    assert "computed in" not in line and "float16" not in line
+
+
 def test_few_and_noisy_timed_runs_are_named_for_the_row_and_its_vanilla():
     report = main_job()
     vanilla, v = report["rows"]

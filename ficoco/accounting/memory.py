@@ -48,9 +48,15 @@ def kv_cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: 
     return sum(2 * batch * n_in * d.kv_heads * d.head_dim for n_in, _ in plan.llm) * kv_bits / 8
 
 
-def weight_bytes(arch: Architecture, scope: str, quant: Quant) -> float:
+def weight_bytes(arch: Architecture, scope: str, quant: Quant, *, element_bytes: float = 2.0,
+                 upcast_layers: int = 0, upcast_element_bytes: float = 2.0) -> float:
     """Weights resident for `scope`: linear layers at W bits (with bitsandbytes' scales and
-    code books), the embedding, LM head, norms, biases and patch embedding at 16 bits (bitsandbytes leaves them)."""
+    code books), the embedding, LM head, norms, biases and patch embedding at `element_bytes`
+    (2 for 16-bit storage, 4 for fp32; bitsandbytes leaves them unquantized).
+
+    `upcast_layers` decoder layers (unquantized models only) store their linear weights at
+    `upcast_element_bytes` instead and upcast them per forward: fp32 compute on 16-bit storage.
+    """
     counts = parameter_counts(arch)
     parts = ["decoder", "lm_head"] if scope == "llm" else ["vision", "projector", "decoder", "lm_head"]
     total = sum(getattr(counts, p) for p in parts)
@@ -58,8 +64,14 @@ def weight_bytes(arch: Architecture, scope: str, quant: Quant) -> float:
     rows = sum(counts.linear_rows[p] for p in parts if p != "lm_head")
     layers = sum(counts.linear_modules[p] for p in parts if p != "lm_head")
     if quant.w_bits >= 16:
-        return total * 2.0
-    other = (total - linear) * 2.0
+        if not 0 <= upcast_layers <= arch.decoder.layers:
+            raise FicocoError(f"{upcast_layers} upcast layers: the decoder has {arch.decoder.layers}")
+        # Every decoder layer holds the same linears, so a layer's share is exact.
+        upcast = counts.linear_decoder // arch.decoder.layers * upcast_layers
+        return (total - upcast) * element_bytes + upcast * upcast_element_bytes
+    if upcast_layers:
+        raise FicocoError("upcast layers apply to unquantized weights only")
+    other = (total - linear) * element_bytes
     if quant.w_bits == 8:
         return other + linear * 1.0 + rows * 4.0
     return other + linear * quant.w_bits / 8 + linear / _NF4_BLOCK * 4.0 + layers * _NF4_CODE_BOOK_BYTES
@@ -83,7 +95,7 @@ def activation_peak_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, qu
     probabilities), labelled as such wherever it shows.
     """
     d, v = arch.decoder, arch.vision
-    a = quant.a_bits / 8 if quant.a_bits < 16 else 2.0
+    a = quant.a_bits / 8
     q_out, kv_out = d.heads * d.head_dim, d.kv_heads * d.head_dim
     llm = max((max(n_in * (2 * d.hidden + q_out * 2 + 2 * kv_out), n_out * (2 * d.hidden + 3 * d.ffn))
                for n_in, n_out in plan.llm), default=0) * batch

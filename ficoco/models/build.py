@@ -4,6 +4,9 @@ local checkpoint with the hub offline."""
 from __future__ import annotations
 
 import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ from torch import nn
 
 from ficoco.errors import FicocoError
 from ficoco.profiles import Profile, load_profile
+from ficoco.profiling.dtype_choice import DtypeChoice, choose_dtype, dtype_name, parse_dtype
 
 # Size of the random pool that parameters are filled from: large enough that neighbouring
 # rows differ, small enough to draw in milliseconds. Filling 7 B parameters with normal_()
@@ -23,38 +27,144 @@ def _is_norm(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or "norm" in type(module).__name__.lower() or "norm" in name
 
 
+class _Filler:
+    """Seeded, fast random values: weights from slices of one normal pool, norms 1, biases 0.
+
+    Parameters must be filled in one fixed order (the model's `named_modules()`, then each
+    module's own parameters): each takes the next start in the pool, so the same order gives
+    the same weights whether the model is filled at once or materialised module by module.
+    """
+
+    def __init__(self, seed: int, std: float) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.std = std
+        self.pools: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self.offset = 0
+
+    def fill(self, module_name: str, module: nn.Module, name: str, param: torch.Tensor) -> None:
+        if param.device.type == "meta":
+            raise FicocoError("the model still has meta tensors; build it with real storage first")
+        if name == "bias":
+            param.zero_()
+            return
+        if _is_norm(module_name, module) and param.dim() == 1:
+            param.fill_(1.0)
+            return
+        key = (param.dtype, param.device)
+        if key not in self.pools:
+            values = torch.randn(_POOL_SIZE, generator=self.generator) * self.std
+            self.pools[key] = values.to(dtype=param.dtype, device=param.device)
+        pool = self.pools[key]
+        flat = param.view(-1)
+        # Each parameter starts at a different place of the pool (a prime stride), so
+        # layers are not copies of each other.
+        start = self.offset % _POOL_SIZE
+        self.offset += 1_000_003
+        done = 0
+        while done < flat.numel():
+            take = min(flat.numel() - done, _POOL_SIZE - start)
+            flat[done:done + take].copy_(pool[start:start + take])
+            done += take
+            start = 0
+
+
 def fill_random_(model: nn.Module, *, seed: int = 0, std: float = 0.02) -> None:
     """Seeded, fast random fill: weights from slices of one normal pool, norms 1, biases 0."""
-    generator = torch.Generator().manual_seed(seed)
-    pools: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-    offset = 0
+    filler = _Filler(seed, std)
     with torch.no_grad():
         for module_name, module in model.named_modules():
             for name, param in module.named_parameters(recurse=False):
+                filler.fill(module_name, module, name, param)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Constructors put their parameters on the meta device (no memory) and compute their
+    buffers (rotary tables, position ids) for real, so parameters can be materialised one
+    module at a time: a quantized or upcast build then never holds the whole model at the
+    width it was constructed in."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _materialize_(model: nn.Module, device: str, filler: _Filler,
+                  after_module: Callable[[str, nn.Module], None]) -> None:
+    """Give every meta parameter real storage (its own dtype) on `device`, filled in the fixed
+    order; `after_module(name, module)` runs once a module's own parameters are real."""
+    uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
+    # A tied parameter is materialised once, then shared; only those are remembered, so a
+    # quantized layer's unquantized weight is released as soon as it is replaced.
+    shared: dict[int, nn.Parameter] = {}
+    names = [name for name, _ in model.named_modules()]
+    with torch.no_grad():
+        for module_name in names:
+            module = model.get_submodule(module_name) if module_name else model
+            for name, param in list(module.named_parameters(recurse=False)):
                 if param.device.type == "meta":
-                    raise FicocoError("the model still has meta tensors; build it with real storage first")
-                if name == "bias":
-                    param.zero_()
-                    continue
-                if _is_norm(module_name, module) and param.dim() == 1:
-                    param.fill_(1.0)
-                    continue
-                key = (param.dtype, param.device)
-                if key not in pools:
-                    values = torch.randn(_POOL_SIZE, generator=generator) * std
-                    pools[key] = values.to(dtype=param.dtype, device=param.device)
-                pool = pools[key]
-                flat = param.view(-1)
-                # Each parameter starts at a different place of the pool (a prime stride), so
-                # layers are not copies of each other.
-                start = offset % _POOL_SIZE
-                offset += 1_000_003
-                done = 0
-                while done < flat.numel():
-                    take = min(flat.numel() - done, _POOL_SIZE - start)
-                    flat[done:done + take].copy_(pool[start:start + take])
-                    done += take
-                    start = 0
+                    key = id(param)
+                    if key in shared:
+                        param = shared[key]
+                    else:
+                        storage = torch.empty(param.shape, dtype=param.dtype, device=device)
+                        param = nn.Parameter(storage, requires_grad=param.requires_grad)
+                        if uses[key] > 1:
+                            shared[key] = param
+                    module._parameters[name] = param
+                # Filled again where it is shared, as fill_random_ does, so both give one model.
+                filler.fill(module_name, module, name, param)
+            after_module(module_name, module)
+
+
+def _decoder_linears(model: nn.Module) -> list[list[str]]:
+    """Per decoder layer, the names of its plain linear layers."""
+    decoder = model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    return [[f"{prefix}.layers.{i}.{name}" for name, module in layer.named_modules() if type(module) is nn.Linear]
+            for i, layer in enumerate(decoder.layers)]
+
+
+def apply_upcast_layout_(model: nn.Module, choice: DtypeChoice) -> int:
+    """Store the first decoder layers' linear weights in `choice.storage` and compute them in
+    `choice.compute` (upcast at every forward); everything else is converted to
+    `choice.compute`, one tensor at a time. Returns the number of upcast layers."""
+    from ficoco.models.upcast import UpcastScratch, upcast_linear_
+
+    layers = _decoder_linears(model)
+    upcast_count = max(0, len(layers) - choice.fp32_layers)
+    upcast_names = {name for layer in layers[:upcast_count] for name in layer}
+    upcast_weights = {id(model.get_submodule(name).weight) for name in upcast_names}
+    converted: dict[int, nn.Parameter] = {}  # a tied parameter stays one parameter
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.is_floating_point() and id(param) not in upcast_weights and param.dtype != choice.compute:
+                    if id(param) not in converted:
+                        converted[id(param)] = nn.Parameter(param.to(choice.compute), requires_grad=False)
+                    module._parameters[name] = converted[id(param)]
+        for module in model.modules():
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                if buffer.is_floating_point() and buffer.dtype != choice.compute:
+                    module._buffers[name] = buffer.to(choice.compute)
+        for name in upcast_names:
+            linear = model.get_submodule(name)
+            if linear.weight.dtype != choice.storage:
+                linear.weight = nn.Parameter(linear.weight.to(choice.storage), requires_grad=False)
+    if upcast_names:
+        largest = max(model.get_submodule(name).weight.numel() for name in upcast_names)
+        scratch = UpcastScratch(choice.compute, largest)
+        for name in upcast_names:
+            upcast_linear_(model.get_submodule(name), scratch)
+    return upcast_count
 
 
 def _hf_config(profile: Profile) -> Any:
@@ -66,23 +176,10 @@ def _hf_config(profile: Profile) -> Any:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str, native: torch.dtype | None = None) -> torch.dtype:
-    """The dtype a model is built in. `fp16` on CPU computes in bf16 (fp16 matrix work is ~15x
-    slower there). With no dtype given, a checkpoint stored in bf16 stays bf16 (Qwen2-VL's
-    activations overflow fp16); otherwise fp16 on a GPU, bf16 on CPU."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
-    if dtype is None:
-        if native == torch.bfloat16 or device == "cpu":
-            return torch.bfloat16
-        return torch.float16
-    if dtype not in names:
-        raise FicocoError(f"unknown dtype '{dtype}': choose from {', '.join(names)}")
-    resolved = names[dtype]
-    if resolved == torch.float16 and device == "cpu":
-        return torch.bfloat16
-    return resolved
+    """The dtype a model computes in, memory aside: an explicit dtype as given; `auto` (or
+    None) as `choose_dtype` decides (float16 on a GPU, a checkpoint's own bfloat16, on a CPU
+    the fastest measured)."""
+    return choose_dtype("auto" if dtype is None else parse_dtype(dtype), torch.device(device), native=native).compute
 
 
 def checkpoint_dtype(path: Path) -> torch.dtype | None:
@@ -106,18 +203,38 @@ def release_device_cache(device: str | torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def build_model(profile: Profile | str, weights: str = "random", *, dtype: str | torch.dtype | None = None,
-                device: str = "cpu", overrides: list[str] | dict[str, Any] | None = None, seed: int = 0,
-                attn_implementation: str = "sdpa", quant: str = "fp16", **load_kwargs: Any) -> nn.Module:
+def _choose(profile: Profile, dtype: str | torch.dtype | DtypeChoice | None, device: str, quant: str,
+            native: torch.dtype | None, check_memory: bool) -> DtypeChoice:
+    if isinstance(dtype, DtypeChoice):
+        return dtype
+    requested = "auto" if dtype is None else parse_dtype(dtype)
+    if not check_memory:
+        return choose_dtype(requested, torch.device(device), native=native)
+    from ficoco.profiling.memory_guard import VanillaRow, resolve_dtype_and_memory
+
+    choice, _ = resolve_dtype_and_memory(profile, [VanillaRow()], requested, device, [quant], native=native)
+    return choice
+
+
+def build_model(profile: Profile | str, weights: str = "random", *,
+                dtype: str | torch.dtype | DtypeChoice | None = "auto", device: str = "cpu",
+                overrides: list[str] | dict[str, Any] | None = None, seed: int = 0,
+                attn_implementation: str = "sdpa", quant: str = "fp16", check_memory: bool = True,
+                **load_kwargs: Any) -> nn.Module:
     """Build the profile's model.
 
     `weights="random"` builds the exact architecture with a seeded fast fill (real buffers);
     a local folder loads the checkpoint with `from_pretrained` and the hub offline; any other
     string is taken as a Hugging Face id that must already be in the local cache.
-    `quant` is fp16 (16-bit weights), int8 (LLM.int8) or int4 (NF4 with 16-bit compute), all
-    through bitsandbytes. `trust_remote_code` stays off.
+    `dtype` is auto (the default: float16 on a GPU, on a CPU the fastest for it, see
+    `choose_dtype`), bf16, fp16, fp32, or a DtypeChoice; with float32 compute on weights that
+    do not fit, the decoder's linear weights are stored in bfloat16 and upcast per forward.
+    `quant` is fp16 (unquantized weights in `dtype`), int8 (LLM.int8) or int4 (NF4 computing
+    in `dtype`), both through bitsandbytes. With `check_memory` the build is refused with a
+    FicocoError (and advice) when it would not fit in free memory. The choice is kept on the
+    model as `_ficoco_dtype`. `trust_remote_code` stays off.
     """
-    from ficoco.models.quantize import QUANTS, bitsandbytes_config, check_quantized, quantize_linears_
+    from ficoco.models.quantize import QUANTS, bitsandbytes_config, check_quantized, quantizer
 
     if quant not in QUANTS:
         raise FicocoError(f"unknown quant '{quant}': choose from {', '.join(QUANTS)}")
@@ -133,39 +250,47 @@ def build_model(profile: Profile | str, weights: str = "random", *, dtype: str |
         apply_overrides(profile, overrides)
     path = Path(weights).expanduser()
     native = checkpoint_dtype(path) if weights != "random" and path.is_dir() else None
-    torch_dtype = resolve_dtype(dtype, device, native)
+    choice = _choose(profile, dtype, device, quant, native, check_memory)
+    upcast = choice.upcast and quant == "fp16"
+    # Built in the storage dtype (an upcast layout converts all but its upcast weights after);
+    # bitsandbytes replaces the linears, and the rest computes in the compute dtype.
+    build_dtype = choice.storage if quant == "fp16" else choice.compute
     if weights == "random":
         config = _hf_config(profile)
         config._attn_implementation = attn_implementation
-        # Parameters are allocated uninitialised (no init functions run) and filled below;
-        # buffers such as rotary frequencies are computed by the constructors as usual.
-        with torch.device(device), no_init_weights():
-            model = AutoModelForImageTextToText.from_config(config, dtype=torch_dtype)
-        fill_random_(model, seed=seed)
+        # Parameters start on the meta device (no init functions run) and are materialised,
+        # filled and (for int8/int4) quantized module by module; buffers such as rotary
+        # frequencies are computed by the constructors as usual.
+        with torch.device(device), no_init_weights(), _parameters_on_meta():
+            model = AutoModelForImageTextToText.from_config(config, dtype=build_dtype)
+        quantize = quantizer(model, quant, compute_dtype=choice.compute)
+        _materialize_(model, device, _Filler(seed, 0.02), quantize)
         if getattr(model.config, "tie_word_embeddings", False) or getattr(
                 model.config.get_text_config(), "tie_word_embeddings", False):
             model.tie_weights()
-        info = {"backend": "torch", "scheme": str(torch_dtype)}
-        if quant != "fp16":
-            info = quantize_linears_(model, quant, compute_dtype=torch_dtype)
-        model.__dict__["_ficoco_quant"] = {"quant": quant, **info}
-        release_device_cache(device)
-        return _remember_profile(model.eval(), profile)
-    source = str(path) if path.exists() else weights
-    if path.exists() and not (path / "config.json").is_file():
-        raise FicocoError(f"{weights} has no config.json; give a model checkout folder")
-    try:
-        model = AutoModelForImageTextToText.from_pretrained(
-            source, dtype=torch_dtype, local_files_only=True, trust_remote_code=False,
-            attn_implementation=attn_implementation, device_map=device if device != "cpu" else None,
-            quantization_config=bitsandbytes_config(quant, torch_dtype), **load_kwargs,
-        )
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise FicocoError(f"cannot load '{weights}' offline: {first}") from None
-    check_quantized(model, quant)
-    model.__dict__["_ficoco_quant"] = {"quant": quant, "backend": "transformers + bitsandbytes" if quant != "fp16"
-                                       else "torch", "scheme": quant}
+        info = quantize.info() if quant != "fp16" else {"backend": "torch", "scheme": str(build_dtype)}
+        check_quantized(model, quant)
+    else:
+        source = str(path) if path.exists() else weights
+        if path.exists() and not (path / "config.json").is_file():
+            raise FicocoError(f"{weights} has no config.json; give a model checkout folder")
+        try:
+            model = AutoModelForImageTextToText.from_pretrained(
+                source, dtype=build_dtype, local_files_only=True, trust_remote_code=False,
+                attn_implementation=attn_implementation, device_map=device if device != "cpu" else None,
+                quantization_config=bitsandbytes_config(quant, choice.compute), **load_kwargs,
+            )
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise FicocoError(f"cannot load '{weights}' offline: {first}") from None
+        check_quantized(model, quant)
+        info = {"backend": "transformers + bitsandbytes" if quant != "fp16" else "torch", "scheme": quant}
+    if upcast:
+        info["upcast_layers"] = apply_upcast_layout_(model, choice)
+        info["scheme"] = (f"{info['upcast_layers']} decoder layers' linear weights in {dtype_name(choice.storage)}, "
+                          f"upcast per forward; the rest in {dtype_name(choice.compute)}")
+    model.__dict__["_ficoco_quant"] = {"quant": quant, **info}
+    model.__dict__["_ficoco_dtype"] = choice
     release_device_cache(device)
     return _remember_profile(model.eval(), profile)
 

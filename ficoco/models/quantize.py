@@ -74,6 +74,57 @@ def _nf4_linear(bnb: Any, linear: nn.Linear, compute_dtype: torch.dtype) -> nn.M
     return new
 
 
+def _skipped(name: str, skip: list[str]) -> bool:
+    return any(name == s or name.startswith(f"{s}.") for s in skip)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+
+
+def _quantized(bnb: Any, linear: nn.Linear, quant: str, compute_dtype: torch.dtype) -> nn.Module:
+    new = _int8_linear(bnb, linear) if quant == "int8" else _nf4_linear(bnb, linear, compute_dtype)
+    if linear.bias is not None:
+        new.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+    return new
+
+
+class Quantizer:
+    """Quantizes a model's linear layers one at a time as a build materialises them
+    (`quantizer(model, ...)(name, module)`), so the build never holds the whole model in 16
+    or 32 bits; skips what transformers skips. For fp16 it does nothing."""
+
+    def __init__(self, model: nn.Module, quant: str, compute_dtype: torch.dtype) -> None:
+        if quant not in QUANTS:
+            raise FicocoError(f"unknown quant '{quant}': choose from {', '.join(QUANTS)}")
+        self.model, self.quant, self.compute_dtype = model, quant, compute_dtype
+        self.converted = 0
+        self.bnb: Any = None
+        self.skip: list[str] = []
+        if quant != "fp16":
+            self.bnb = _bitsandbytes()
+            from transformers.quantizers.base import get_keys_to_not_convert
+
+            self.skip = list(get_keys_to_not_convert(model))
+
+    def __call__(self, name: str, module: nn.Module) -> None:
+        if self.bnb is None or type(module) is not nn.Linear or _skipped(name, self.skip):
+            return
+        _replace(self.model, name, _quantized(self.bnb, module, self.quant, self.compute_dtype))
+        self.converted += 1
+
+    def info(self) -> dict[str, Any]:
+        return {"backend": f"bitsandbytes {self.bnb.__version__}", "converted_linears": self.converted,
+                "kept_16bit": self.skip,
+                "scheme": "LLM.int8 (threshold 6.0)" if self.quant == "int8" else f"NF4, compute {self.compute_dtype}"}
+
+
+def quantizer(model: nn.Module, quant: str, *, compute_dtype: torch.dtype) -> Quantizer:
+    """A Quantizer for `model` (built, or with its parameters still on the meta device)."""
+    return Quantizer(model, quant, compute_dtype)
+
+
 def quantize_linears_(model: nn.Module, quant: str, *, compute_dtype: torch.dtype) -> dict[str, Any]:
     """Replace the model's nn.Linear layers with bitsandbytes INT8 or NF4 ones, in place.
 
@@ -82,26 +133,14 @@ def quantize_linears_(model: nn.Module, quant: str, *, compute_dtype: torch.dtyp
     """
     if quant not in ("int8", "int4"):
         raise FicocoError(f"unknown quant '{quant}': choose from {', '.join(QUANTS)}")
-    bnb = _bitsandbytes()
-    from transformers.quantizers.base import get_keys_to_not_convert
-
-    skip = get_keys_to_not_convert(model)
+    convert = quantizer(model, quant, compute_dtype=compute_dtype)
     # Names only: a list of the modules themselves would keep every 16-bit layer alive.
-    names = [name for name, module in model.named_modules()
-             if type(module) is nn.Linear and not any(name == s or name.startswith(f"{s}.") for s in skip)]
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        linear = getattr(parent, attr)
-        new = _int8_linear(bnb, linear) if quant == "int8" else _nf4_linear(bnb, linear, compute_dtype)
-        if linear.bias is not None:
-            new.bias = nn.Parameter(linear.bias.data, requires_grad=False)
-        setattr(parent, attr, new)
-        del linear, new
+        convert(name, model.get_submodule(name))
     gc.collect()
     check_quantized(model, quant)
-    return {"backend": f"bitsandbytes {bnb.__version__}", "converted_linears": len(names), "kept_16bit": skip,
-            "scheme": "LLM.int8 (threshold 6.0)" if quant == "int8" else f"NF4, compute {compute_dtype}"}
+    return convert.info()
 
 
 def check_quantized(model: nn.Module, quant: str) -> int:

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from ficoco.accounting import CountOptions, Schedule, account, architecture, resolve_schedule
-from ficoco.accounting.memory import QUANT_BITS, Quant
+from ficoco.accounting.memory import QUANT_BITS, Quant, weight_bytes
 from ficoco.errors import FicocoError
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
+from ficoco.profiling.dtype_choice import DtypeChoice, row_dtypes
 from ficoco.profiling.trackers import LatencyTracker, MemoryTracker, cache_bytes
 
 # NVIDIA device names -> hardware profiles of the roofline, first match wins. GH200 (an H100
@@ -65,6 +66,7 @@ class ProfileConfig:
     kv_bits: int | None = None
     image_size: tuple[int, int] | None = None  # (H, W)
     frames: int | None = None
+    dtype: str = "auto"  # auto, bf16, fp16, fp32 (dtype_choice.choose_dtype)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +93,10 @@ class Plan:
     warmup: int = 1
     repeat: int = 3
     notes: list[str] = field(default_factory=list)  # said before the run (device fallback, ...)
+    # Set by plan_run: the dtypes every build uses, and the memory guard's breakdown of the
+    # largest build (weights, activations, kv_cache, margin, total, free: bytes; quant).
+    dtype: DtypeChoice | None = None
+    memory: dict[str, Any] = field(default_factory=dict)
 
 
 def check_image(path: str) -> None:
@@ -202,22 +208,40 @@ def plan_run(config: ProfileConfig) -> Plan:
         for batch in config.batches:
             for variant in config.variants:
                 plan.rows.append(RowSpec(variant, quant, batch, schedules[variant]))
+    # The dtypes and the memory check come last: every other mistake is cheaper to report,
+    # and nothing is built before the plan says it fits.
+    from ficoco.models.build import checkpoint_dtype
+    from ficoco.profiling.memory_guard import resolve_dtype_and_memory
+
+    plan.dtype, plan.memory = resolve_dtype_and_memory(
+        profile, plan.rows, config.dtype, device, config.quants,
+        native=checkpoint_dtype(Path(source).expanduser()) if source else None,
+        text_tokens=config.text_tokens, new_tokens=config.new_tokens, kv_bits=config.kv_bits)
     return plan
 
 
-def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardware | None) -> dict[str, Any]:
+def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardware | None,
+             dtype: DtypeChoice | None = None) -> dict[str, Any]:
     """What the accountant predicts for the row: whole-model TFLOPs (scope all, the LM head
-    on the last token as a prefill for generation computes it), KV cache, roofline."""
+    on the last token as a prefill for generation computes it), KV cache, weights as `dtype`
+    stores them (16 bits when not given), roofline."""
     arch = architecture(profile)
-    # Weights at the quant's width; activations and the KV cache stay 16-bit (bitsandbytes
-    # computes in 16 bits) unless --kv-bits quantizes the cache.
-    quant = Quant(row.quant, QUANT_BITS[row.quant], 16, config.kv_bits or 16)
+    # Weights at the quant's width; activations and the KV cache in the compute dtype
+    # (bitsandbytes computes in it too) unless --kv-bits quantizes the cache.
+    compute_bits = torch.finfo(dtype.compute).bits if dtype is not None else 16
+    quant = Quant(row.quant, QUANT_BITS[row.quant], compute_bits, config.kv_bits or compute_bits)
     opts = CountOptions(convention="flops", scope="all", batch=row.batch, text_tokens=config.text_tokens,
                         lm_head_tokens="last")
     cost = account(arch, row.schedule, quant, opts, gpu=gpu)
+    weights = cost.weight_bytes
+    if dtype is not None:
+        upcast = arch.decoder.layers - min(dtype.fp32_layers, arch.decoder.layers) \
+            if dtype.upcast and row.quant == "fp16" else 0
+        weights = weight_bytes(arch, "all", quant, element_bytes=compute_bits / 8, upcast_layers=upcast,
+                               upcast_element_bytes=torch.finfo(dtype.storage).bits / 8)
     return {"tflops": cost.tflops, "tflops_by_stage": cost.tflops_by_stage,
             "kv_cache_bytes": round(cost.kv_cache_bytes),
-            "weight_bytes": cost.weight_bytes, "visual_tokens": cost.plan.visual_tokens,
+            "weight_bytes": weights, "visual_tokens": cost.plan.visual_tokens,
             "llm_visual_tokens": cost.plan.llm_visual_tokens,
             "roofline_ms": cost.roofline_s * 1e3 if cost.roofline_s is not None else None,
             "convention": "flops", "scope": "all", "lm_head_tokens": "last"}
@@ -330,11 +354,12 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan) -> 
 
 
 def build_for(config: ProfileConfig, plan: Plan, quant: str) -> Any:
+    """The model of one quant, in the plan's dtypes (plan_run has checked that it fits)."""
     from ficoco.models.build import build_model
 
-    # dtype None: fp16 on a GPU, bf16 on CPU, a checkpoint's own bf16 where it is stored so.
     return build_model(plan.profile if config.weights == "random" else config.model, config.weights,
-                       dtype=None, device=str(plan.device), seed=config.seed, quant=quant)
+                       dtype=plan.dtype if plan.dtype is not None else config.dtype, device=str(plan.device),
+                       seed=config.seed, quant=quant, check_memory=plan.dtype is None)
 
 
 def _failure_status(exc: BaseException) -> str:
@@ -400,16 +425,14 @@ def _reason(exc: BaseException) -> str:
 
 
 def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str, Any] | None) -> dict[str, Any]:
-    note = None
-    if plan.device.type == "cpu" and row.quant == "fp16":
-        note = "16-bit on CPU computes in bfloat16 (fp16 matrix work is ~15x slower there)"
-    if plan.device.type == "cpu" and row.quant == "int8":
-        note = "bitsandbytes LLM.int8 on CPU casts activations to float16"
+    if plan.dtype is not None:
+        # Every row names its dtypes, also a row whose build failed (backend None).
+        backend = (backend or {}) | row_dtypes(plan.dtype, row.quant)
     return {
         "model": plan.profile.name, "variant": row.variant, "quant": row.quant, "batch": row.batch,
         "text_tokens": config.text_tokens, "new_tokens": config.new_tokens, "device_kind": plan.device.type,
-        "schedule": row.schedule.to_json(), "backend": backend, "note": note,
-        "analytic": analytic(plan.profile, row, config, plan.gpu), "threads": torch.get_num_threads(),
+        "schedule": row.schedule.to_json(), "backend": backend, "note": None,
+        "analytic": analytic(plan.profile, row, config, plan.gpu, plan.dtype), "threads": torch.get_num_threads(),
     }
 
 
