@@ -231,9 +231,10 @@ def profile_command(
     text_tokens: Annotated[int, typer.Option("--text-tokens", help="Text tokens per prompt.")] = 60,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="0: prefill only; N: also generate N.")] = 0,
     warmup: Annotated[int | None, typer.Option(
-        "--warmup", help="Untimed runs before measuring (default: 3 on a GPU, 1 on CPU).")] = None,
+        "--warmup", help="Untimed runs before measuring (default: by time, up to 3 on a GPU, 1 on CPU; "
+                         "none when one run takes a minute).")] = None,
     repeat: Annotated[int | None, typer.Option(
-        "--repeat", help="Timed runs per row (default: 10 on a GPU, 3 on CPU).")] = None,
+        "--repeat", help="Timed runs per row (default: as many as fit in 30 s, 1 to 10).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cuda or cpu.")] = "auto",
     weights: Annotated[str, typer.Option("--weights", help="random, a local checkpoint folder, or a cached HF id.")
                        ] = "random",
@@ -245,11 +246,14 @@ def profile_command(
     frames: FramesOpt = None,
     json_path: JsonOpt = None,
     wide: WideOpt = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the plan and its time estimate, then exit without building a model.")] = False,
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
     from ficoco.profiling.config import parse_batches
+    from ficoco.profiling.estimate import estimate_run, plan_runs
     from ficoco.profiling.matrix import ProfileConfig, plan_run
-    from ficoco_cli.profile_run import run_and_report
+    from ficoco_cli.profile_run import estimate_lines, run_and_report
 
     variants = split_list(variant, "--variant")
     check_schedule_options(variants, keep, tflops, schedule)
@@ -265,7 +269,16 @@ def profile_command(
         image_size=parse_image_size(image_size), frames=frames,
     )
     plan = plan_run(config)
-    report = run_and_report(config, plan, json_path, out if json_path != "-" else err, wide)
+    estimate = estimate_run(config, plan)
+    plan_runs(plan, estimate)
+    console = out if json_path != "-" else err
+    if dry_run:
+        for note in plan.notes:
+            console.print(note, markup=False, highlight=False, soft_wrap=True)
+        for line in estimate_lines(plan, estimate):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        return
+    report = run_and_report(config, plan, json_path, console, estimate, wide)
     if not any(row.get("status") == "ok" for row in report["rows"]):
         reasons = sorted({f"{row.get('status')}: {row.get('reason')}" for row in report["rows"]})
         err.print(f"error: no row was measured ({'; '.join(reasons)[:400]})", markup=False, highlight=False,

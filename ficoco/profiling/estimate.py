@@ -1,0 +1,399 @@
+"""How long `ficoco profile` will take, said before any model is built, and the time left as
+it runs.
+
+One prefill is predicted from the accountant's FLOPs and two rates measured on this machine
+(cached per process; well under a second):
+
+    prefill_s = flops / (matmul_flops_per_s * MATMUL_EFFICIENCY[quant])
+                + small_op_s * (FORWARD_OPS + LAYER_OPS[quant] * layers + REDUCING_LAYER_OPS * reducing layers)
+
+`matmul_flops_per_s` is compute_rate's measured matmul throughput in the compute dtype; the
+efficiency is the share of it that a whole prefill reaches (attention, norms, activations and
+the calibration's smaller shapes cost the rest). `small_op_s` is the measured time of one
+small op: a tiny model's prefill is all dispatch and Python, counted in ops per layer. A row
+adds its fixed cost (inputs, garbage collection, patching); a generation adds a decode step
+per new token; a model build copies its 16-bit weights into fresh memory at a measured copy
+rate. The constants were fitted on this project's 2-core AMX CPU (bf16); see CALIBRATION.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ficoco.accounting import architecture
+from ficoco.accounting.memory import QUANT_BITS, Quant, weight_bytes
+from ficoco.profiling.compute_rate import matmul_flops_per_s
+from ficoco.profiling.matrix import Plan, ProfileConfig, analytic
+from ficoco.profiling.runs import choose_runs, rule_text
+
+CALIBRATION = ("fitted on a 2-core Xeon with AMX (bf16), torch 2.13: llava-tiny (vanilla, v, l at fp16, int8, int4, "
+               "with 4 to 8 decoder and 6 to 12 vision layers) and llava-1.5-7b (vanilla and v at 1.5 TFLOPs), "
+               "each constant the median ratio of measured to modelled time; not yet calibrated on a GPU")
+# Share of the calibration matmul's rate that a whole prefill reaches. bitsandbytes computes
+# INT8 through float16 and dequantizes NF4 weights on every call.
+MATMUL_EFFICIENCY = {"fp16": 0.5, "int8": 0.1, "int4": 0.3}
+# Small ops per forward, per layer (vision and decoder), per reducing layer (FiCoCo's stages
+# and its probe): the dispatch cost of a forward. bitsandbytes layers add Python of their own.
+FORWARD_OPS = 300.0
+LAYER_OPS = {"fp16": 40.0, "int8": 120.0, "int4": 50.0}
+REDUCING_LAYER_OPS = 80.0
+DECODE_STEP_OPS = 200.0  # generate's own work per new token (logits processing, cache update)
+ROW_OVERHEAD_S = 0.15  # per row outside its runs: inputs, patching, garbage collection before and after
+FIRST_RUN_EXTRA = 1.0  # a row's first run costs this many more prefills (kernel selection, page faults)
+BUILD_COPY_EFFICIENCY = 0.1  # share of the copy rate at which a build fills fresh memory
+BUILD_OVERHEAD_S = 0.2  # per build: constructing the modules
+QUANTIZE_FACTOR = {"fp16": 1.0, "int8": 2.0, "int4": 2.0}  # bitsandbytes quantizes the 16-bit weights
+IMPORT_S = 1.8  # the first build imports the model code (transformers, once per process)
+BITSANDBYTES_IMPORT_S = 0.6
+
+
+# ---- rates measured on this machine ----------------------------------------------------------------------------
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.cache
+def _small_op_s(dtype: torch.dtype, device_type: str, threads: int) -> float:
+    device = torch.device(device_type)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=generator).to(device=device, dtype=dtype)
+    w = torch.randn(64, 64, generator=generator).to(device=device, dtype=dtype)
+
+    def block() -> torch.Tensor:
+        # The kinds of op a transformer layer dispatches: a small linear, an activation, products,
+        # a norm, a softmax, a layout copy.
+        y = torch.nn.functional.linear(x, w)
+        y = torch.nn.functional.silu(y) * x + x
+        y = torch.nn.functional.layer_norm(y, (64,))
+        return torch.softmax(y, dim=-1).transpose(0, 1).contiguous()
+
+    ops_per_block, blocks = 8, 25
+    block()
+    times = []
+    for _ in range(5):
+        _synchronize(device)
+        begin = time.perf_counter()
+        for _ in range(blocks):
+            block()
+        _synchronize(device)
+        times.append((time.perf_counter() - begin) / (blocks * ops_per_block))
+    # The median, not the best: a prefill meets this machine's typical dispatch cost.
+    return statistics.median(times)
+
+
+@functools.cache
+def _copy_bytes_per_s(device_type: str, threads: int) -> float:
+    device = torch.device(device_type)
+    source = torch.ones(1 << 25, dtype=torch.bfloat16, device=device)  # 64 MiB
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(3):
+        _synchronize(device)
+        begin = time.perf_counter()
+        target.copy_(source)
+        _synchronize(device)
+        best = min(best, time.perf_counter() - begin)
+    return source.numel() * source.element_size() / best
+
+
+@dataclass(frozen=True)
+class Rates:
+    """This machine's measured speeds, the inputs of every estimate."""
+
+    device: str
+    dtype: str
+    matmul_flops_per_s: float
+    small_op_s: float
+    copy_bytes_per_s: float
+    threads: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_rates(dtype: torch.dtype, device: torch.device) -> Rates:
+    """Matmul throughput in `dtype`, the time of one small op and the memory copy rate (cached
+    per process and thread count)."""
+    threads = torch.get_num_threads()
+    return Rates(device=device.type, dtype=str(dtype).removeprefix("torch."),
+                 matmul_flops_per_s=matmul_flops_per_s(dtype, device),
+                 small_op_s=_small_op_s(dtype, device.type, threads),
+                 copy_bytes_per_s=_copy_bytes_per_s(device.type, threads), threads=threads)
+
+
+# ---- the model of a run's time ------------------------------------------------------------------------------------
+
+def predict_prefill_s(tflops: float, layers: int, reducing_layers: int, quant: str, rates: Rates) -> float:
+    """One prefill: matrix work at the measured matmul rate, plus the dispatch cost of its ops."""
+    matrix_s = tflops * 1e12 / (rates.matmul_flops_per_s * MATMUL_EFFICIENCY.get(quant, MATMUL_EFFICIENCY["fp16"]))
+    ops = FORWARD_OPS + LAYER_OPS.get(quant, LAYER_OPS["fp16"]) * layers + REDUCING_LAYER_OPS * reducing_layers
+    return matrix_s + ops * rates.small_op_s
+
+
+def predict_decode_step_s(weight_bytes_read: float, decoder_layers: int, quant: str, rates: Rates) -> float:
+    """One new token: every weight read once, the decoder's and generate's dispatch cost."""
+    ops = FORWARD_OPS + DECODE_STEP_OPS + LAYER_OPS.get(quant, LAYER_OPS["fp16"]) * decoder_layers
+    return weight_bytes_read / rates.copy_bytes_per_s + ops * rates.small_op_s
+
+
+def predict_build_s(weight_bytes_16bit: float, quant: str, rates: Rates, *, imports_s: float = 0.0) -> float:
+    """A model with random weights: its 16-bit weights written into fresh memory (then quantized),
+    plus the model code's import when it is the first build of the process."""
+    fill_s = weight_bytes_16bit / (rates.copy_bytes_per_s * BUILD_COPY_EFFICIENCY)
+    return imports_s + BUILD_OVERHEAD_S + fill_s * QUANTIZE_FACTOR.get(quant, 1.0)
+
+
+def row_runs_s(prefill_s: float, runs: tuple[int, int], generation_s: float | None = None,
+               generation_runs: tuple[int, int] = (0, 0)) -> float:
+    """The runs of a row: (warm-up, timed) prefills, the first one slower, and with --new-tokens
+    the (warm-up, timed) generations."""
+    total = (sum(runs) + FIRST_RUN_EXTRA) * prefill_s
+    if generation_s is not None:
+        total += sum(generation_runs) * generation_s
+    return total
+
+
+@dataclass
+class RowEstimate:
+    """One row's predicted times."""
+
+    variant: str
+    quant: str
+    batch: int
+    tflops: float
+    prefill_s: float
+    warmup: int
+    repeat: int
+    generation_s: float | None
+    generation_runs: tuple[int, int]
+    wall_s: float  # the row without its model's build: fixed cost and runs
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prefill_ms": self.prefill_s * 1e3, "warmup": self.warmup, "repeat": self.repeat,
+                "generation_ms": None if self.generation_s is None else self.generation_s * 1e3,
+                "generation_runs": list(self.generation_runs) if self.generation_s is not None else None,
+                "wall_s": self.wall_s, "method": "accountant's FLOPs at the measured matmul rate + per-layer "
+                                                 "dispatch at the measured small-op time (profiling/estimate.py)"}
+
+
+@dataclass
+class RunEstimate:
+    """The plan's predicted times: every row, every model build, the total."""
+
+    rates: Rates
+    dtype: str  # the compute dtype and why
+    memory: str  # need vs free, or "-"
+    rows: list[RowEstimate] = field(default_factory=list)
+    build_s: dict[str, float] = field(default_factory=dict)  # per quant
+    runs_rule: str = ""
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.build_s.values()) + sum(r.wall_s for r in self.rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total_s": self.total_s, "rows": len(self.rows), "build_s": self.build_s, "dtype": self.dtype,
+                "memory": self.memory, "rates": self.rates.to_json(), "runs_rule": self.runs_rule,
+                "calibration": CALIBRATION}
+
+
+def _name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compute_dtype(plan: Plan, config: ProfileConfig) -> tuple[torch.dtype, str]:
+    """The dtype the models will compute in, and a word on why: the plan's choice where it makes one
+    (--dtype), else the one build_model picks (bf16 on CPU, fp16 on a GPU, a checkpoint's bf16)."""
+    choice = getattr(plan, "dtype", None)
+    compute = getattr(choice, "compute", None)
+    if compute is not None:
+        dtype = compute if isinstance(compute, torch.dtype) else getattr(torch, {"bf16": "bfloat16",
+                                                                                 "fp16": "float16",
+                                                                                 "fp32": "float32"}.get(
+            str(compute), str(compute).removeprefix("torch.")))
+        reason = getattr(choice, "reason", None)
+        return dtype, _name(dtype) + (f" ({reason})" if reason else "")
+    from pathlib import Path
+
+    from ficoco.models.build import checkpoint_dtype, resolve_dtype
+
+    path = Path(config.weights).expanduser()
+    native = checkpoint_dtype(path) if config.weights != "random" and path.is_dir() else None
+    dtype = resolve_dtype(None, plan.device.type, native)
+    why = "a checkpoint stored in bf16" if native == torch.bfloat16 else (
+        "16-bit on CPU computes in bf16" if plan.device.type == "cpu" else "16-bit on a GPU")
+    return dtype, f"{_name(dtype)} ({why})"
+
+
+def memory_text(plan: Plan) -> str:
+    """The plan's memory need against the free memory, "-" where the plan does not say."""
+    memory = getattr(plan, "memory", None)
+    if not isinstance(memory, dict):
+        return "-"
+    need, free = memory.get("need_bytes"), memory.get("free_bytes")
+    if not isinstance(need, int | float):
+        return "-"
+    text = f"need {need / 1e9:.2f} GB"
+    return text + (f" vs {free / 1e9:.2f} GB free" if isinstance(free, int | float) else "")
+
+
+def estimate_run(config: ProfileConfig, plan: Plan, rates: Rates | None = None) -> RunEstimate:
+    """Predicted time of every row and build of `plan` (nothing is built; the rates are measured
+    unless given). Rows whose --warmup/--repeat are not given get the time rule's counts."""
+    dtype, dtype_text = compute_dtype(plan, config)
+    rates = rates or measure_rates(dtype, plan.device)
+    arch = architecture(plan.profile)
+    layers = arch.vision.layers + arch.decoder.layers
+    estimate = RunEstimate(rates=rates, dtype=dtype_text, memory=memory_text(plan),
+                           runs_rule="--warmup/--repeat" if plan.warmup is not None and plan.repeat is not None
+                           else rule_text(plan.device.type))
+    weights_16bit = weight_bytes(arch, "all", Quant("fp16", 16, 16, 16))
+    imports_s = 0.0 if "transformers.models.llava.modeling_llava" in sys.modules else IMPORT_S
+    for quant in dict.fromkeys(r.quant for r in plan.rows):
+        bitsandbytes_s = BITSANDBYTES_IMPORT_S if quant != "fp16" and "bitsandbytes" not in sys.modules else 0.0
+        estimate.build_s[quant] = predict_build_s(weights_16bit, quant, rates, imports_s=imports_s + bitsandbytes_s)
+        imports_s = 0.0
+    for row in plan.rows:
+        cost = analytic(plan.profile, row, config, None)
+        prefill_s = predict_prefill_s(cost["tflops"], layers, len(row.schedule.removals), row.quant, rates)
+        runs = choose_runs(prefill_s, plan.device.type, plan.warmup, plan.repeat)
+        generation_s, generation_runs = None, (0, 0)
+        if config.new_tokens:
+            # Every new token reads the decoder's and the LM head's weights (the vision tower ran once).
+            decoder_bytes = weight_bytes(arch, "llm", Quant(row.quant, QUANT_BITS[row.quant], 16, 16))
+            step_s = predict_decode_step_s(decoder_bytes, arch.decoder.layers, row.quant, rates)
+            generation_s = prefill_s + config.new_tokens * step_s
+            generation_warmup, generation_repeat = choose_runs(generation_s, plan.device.type, plan.warmup,
+                                                               plan.repeat)
+            generation_runs = (min(generation_warmup, 1), generation_repeat)
+        wall_s = ROW_OVERHEAD_S + row_runs_s(prefill_s, runs, generation_s, generation_runs)
+        estimate.rows.append(RowEstimate(row.variant, row.quant, row.batch, cost["tflops"], prefill_s, *runs,
+                                         generation_s, generation_runs, wall_s))
+    return estimate
+
+
+def plan_runs(plan: Plan, estimate: RunEstimate) -> None:
+    """Give every row the counts the time rule chose from its estimate (its first measured run
+    may still revise them)."""
+    for spec, row in zip(plan.rows, estimate.rows, strict=True):
+        spec.warmup, spec.repeat = row.warmup, row.repeat
+
+
+
+# ---- the time left, as the run goes ---------------------------------------------------------------------------------
+
+class Eta:
+    """Time left: the plan's estimate, corrected by what has been measured so far.
+
+    The caller reports steps (model builds, runs) as they start and end, as `run_profile`'s
+    phases do. A row's remaining runs take the median of its own runs measured so far (its first,
+    slower run left out); rows not started take their estimate scaled by measured / estimated over
+    every run so far; builds likewise by the builds so far. No clock is read here: the caller
+    passes durations."""
+
+    def __init__(self, estimate: RunEstimate) -> None:
+        self.rows = estimate.rows
+        self.builds_left = dict(estimate.build_s)
+        self.build_measured_s = self.build_estimated_s = 0.0
+        self.run_measured_s = self.run_estimated_s = 0.0
+        self.rows_done: set[int] = set()
+        self.current: int | None = None
+        self.finished_runs: dict[str, int] = {}  # the current row's finished runs by kind: prefill, generation
+        self.measured: dict[str, list[float]] = {}  # their durations, the first prefill left out
+        self.left: dict[str, int] = {}  # the current row's runs still to come (the one under way included)
+        self.step_estimate_s = 0.0  # the step under way
+
+    def _run_ratio(self) -> float:
+        return self.run_measured_s / self.run_estimated_s if self.run_estimated_s > 0 else 1.0
+
+    def _build_ratio(self) -> float:
+        return self.build_measured_s / self.build_estimated_s if self.build_estimated_s > 0 else 1.0
+
+    def _estimated_run_s(self, kind: str, first: bool) -> float:
+        row = self.rows[self.current] if self.current is not None else None
+        if row is None:
+            return 0.0
+        if kind == "prefill":
+            return row.prefill_s * (1 + FIRST_RUN_EXTRA if first else 1)
+        return row.generation_s or 0.0
+
+    def _run_s(self, kind: str, first: bool = False) -> float:
+        """One more run of the current row: the median of its runs so far, else its estimate scaled."""
+        if self.measured.get(kind) and not first:
+            return statistics.median(self.measured[kind])
+        return self._estimated_run_s(kind, first) * self._run_ratio()
+
+    def _start_row(self, index: int) -> None:
+        if self.current == index:
+            return
+        if self.current is not None:
+            self.rows_done.add(self.current)
+        row = self.rows[index]
+        self.current, self.measured, self.finished_runs = index, {}, {}
+        self.left = {"prefill": row.warmup + row.repeat, "generation": sum(row.generation_runs)}
+
+    @staticmethod
+    def _kind(step: str) -> str:
+        return "generation" if step.startswith("generation") else "prefill"
+
+    def started(self, row: int, step: str, k: int = 1, n: int = 1) -> None:
+        """A step starts: a build (`step` "building the model"), or run k of n of a kind."""
+        if step == "building the model":
+            self.step_estimate_s = self.builds_left.get(self.rows[row].quant, 0.0) * self._build_ratio()
+            return
+        self._start_row(row)
+        kind, estimate = self._kind(step), self.rows[row]
+        # The runs left of this kind: this one and the rest of its phase, and after warm-ups the
+        # timed runs as planned (their count is final once they start).
+        timed_after = {"warm-up": estimate.repeat, "generation warm-up": estimate.generation_runs[1]}.get(step, 0)
+        self.left[kind] = n - k + 1 + timed_after
+        self.step_estimate_s = self._run_s(kind, first=not self.finished_runs.get(kind))
+
+    def finished(self, row: int, step: str, seconds: float) -> None:
+        """A step ended after `seconds`."""
+        if step == "building the model":
+            self.build_estimated_s += self.builds_left.pop(self.rows[row].quant, 0.0)
+            self.build_measured_s += seconds
+            return
+        self._start_row(row)
+        kind = self._kind(step)
+        first = not self.finished_runs.get(kind)
+        self.run_estimated_s += self._estimated_run_s(kind, first)
+        self.run_measured_s += seconds
+        if not (first and kind == "prefill"):
+            self.measured.setdefault(kind, []).append(seconds)
+        self.finished_runs[kind] = self.finished_runs.get(kind, 0) + 1
+        self.left[kind] = max(0, self.left.get(kind, 0) - 1)
+        self.step_estimate_s = 0.0
+
+    def row_done(self, row: int) -> None:
+        """A row has ended (measured or failed)."""
+        self.rows_done.add(row)
+        if self.current == row:
+            self.current, self.measured, self.finished_runs, self.left = None, {}, {}, {}
+        self.step_estimate_s = 0.0
+
+    def remaining_s(self, step_elapsed_s: float = 0.0) -> float:
+        """Seconds left; `step_elapsed_s`: how long the step under way has been running."""
+        total = sum(self.builds_left.values()) * self._build_ratio()
+        ratio = self._run_ratio()
+        for index, row in enumerate(self.rows):
+            if index not in self.rows_done and index != self.current:
+                total += ROW_OVERHEAD_S + (row.wall_s - ROW_OVERHEAD_S) * ratio
+        if self.current is not None:
+            for kind, left in self.left.items():
+                if left:
+                    first = not self.finished_runs.get(kind)
+                    total += self._run_s(kind, first) + (left - 1) * self._run_s(kind)
+        # The step under way counts down, and no lower than nothing.
+        return max(0.0, total - min(step_elapsed_s, self.step_estimate_s))
