@@ -232,7 +232,7 @@ def profile_command(
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="0: prefill only; N: also generate N.")] = 0,
     warmup: Annotated[int | None, typer.Option(
         "--warmup", help="Untimed runs before measuring (default: by time, up to 3 on a GPU, 1 on CPU; "
-                         "none when one run takes a minute).")] = None,
+                         "none when one run takes over a minute).")] = None,
     repeat: Annotated[int | None, typer.Option(
         "--repeat", help="Timed runs per row (default: as many as fit in 30 s, 1 to 10).")] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cuda or cpu.")] = "auto",

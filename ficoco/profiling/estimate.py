@@ -1,19 +1,22 @@
 """How long `ficoco profile` will take, said before any model is built, and the time left as
 it runs.
 
-One prefill is predicted from the accountant's FLOPs and two rates measured on this machine
-(cached per process; well under a second):
+One prefill is predicted from the accountant's FLOPs and token counts and three rates measured
+on this machine (cached per process; well under a second):
 
     prefill_s = flops / (matmul_flops_per_s * MATMUL_EFFICIENCY[quant])
-                + small_op_s * (FORWARD_OPS + LAYER_OPS[quant] * layers + REDUCING_LAYER_OPS * reducing layers)
+                + small_op_s * (FORWARD_OPS[quant] + LAYER_OPS[quant] * layers + REDUCING_LAYER_OPS * reducing layers)
+                + PROBE_PASSES * 4 bytes * attention scores of the reducing layers / copy_bytes_per_s
 
 `matmul_flops_per_s` is compute_rate's measured matmul throughput in the compute dtype; the
-efficiency is the share of it that a whole prefill reaches (attention, norms, activations and
-the calibration's smaller shapes cost the rest). `small_op_s` is the measured time of one
-small op: a tiny model's prefill is all dispatch and Python, counted in ops per layer. A row
-adds its fixed cost (inputs, garbage collection, patching); a generation adds a decode step
-per new token; a model build copies its 16-bit weights into fresh memory at a measured copy
-rate. The constants were fitted on this project's 2-core AMX CPU (bf16); see CALIBRATION.
+efficiency is the share of it that a whole prefill reaches (norms, activations, attention and
+smaller shapes cost the rest). `small_op_s` is the measured time of one small op: a tiny
+model's prefill is all dispatch and Python, counted in small ops per layer. FiCoCo's probe
+computes its reducing layers' attention eagerly, in float32 passes over every score (heads x
+tokens^2), which the memory copy rate prices. A row adds a fixed cost (inputs, patching,
+garbage collection) and its first run's extra dispatch; a generation adds a decode step per
+new token; a build writes the 16-bit weights into fresh memory (and bitsandbytes quantizes
+them), priced by the copy rate. The constants are CALIBRATION's.
 """
 
 from __future__ import annotations
@@ -27,29 +30,34 @@ from typing import Any
 
 import torch
 
-from ficoco.accounting import architecture
+from ficoco.accounting import Architecture, Schedule, architecture
 from ficoco.accounting.memory import QUANT_BITS, Quant, weight_bytes
+from ficoco.accounting.schedule import plan_tokens
 from ficoco.profiling.compute_rate import matmul_flops_per_s
 from ficoco.profiling.matrix import Plan, ProfileConfig, analytic
 from ficoco.profiling.runs import choose_runs, rule_text
 
-CALIBRATION = ("fitted on a 2-core Xeon with AMX (bf16), torch 2.13: llava-tiny (vanilla, v, l at fp16, int8, int4, "
-               "with 4 to 8 decoder and 6 to 12 vision layers) and llava-1.5-7b (vanilla and v at 1.5 TFLOPs), "
-               "each constant the median ratio of measured to modelled time; not yet calibrated on a GPU")
-# Share of the calibration matmul's rate that a whole prefill reaches. bitsandbytes computes
-# INT8 through float16 and dequantizes NF4 weights on every call.
-MATMUL_EFFICIENCY = {"fp16": 0.5, "int8": 0.1, "int4": 0.3}
-# Small ops per forward, per layer (vision and decoder), per reducing layer (FiCoCo's stages
+CALIBRATION = ("fitted on a 2-core Xeon with AMX, bf16, 2 threads, torch 2.13, at moments when no other process "
+               "used the CPU: the dispatch constants by least squares over llava-tiny prefills (vanilla, v, l at "
+               "fp16, int8, int4, with 4 or 8 decoder and 6 or 12 vision layers: 36 rows, each within 16 %); the "
+               "efficiencies, probe passes and build rates on llava-1.5-7b with 2 and 8 decoder layers and the "
+               "whole model (vanilla and v); the row cost on the tiny CLI run; not calibrated on a GPU")
+# Share of the calibration matmul's rate that a whole prefill reaches (llava-1.5-7b: 0.62 with 2
+# decoder layers, 0.77 with 8). bitsandbytes on CPU computes INT8 through float16 and
+# dequantizes NF4 weights on every call: measured with 2 decoder layers only.
+MATMUL_EFFICIENCY = {"fp16": 0.75, "int8": 0.3, "int4": 0.09}
+# Small ops per forward, per layer (vision and decoder) and per reducing layer (FiCoCo's stages
 # and its probe): the dispatch cost of a forward. bitsandbytes layers add Python of their own.
-FORWARD_OPS = 300.0
-LAYER_OPS = {"fp16": 40.0, "int8": 120.0, "int4": 50.0}
-REDUCING_LAYER_OPS = 80.0
+FORWARD_OPS = {"fp16": 210.0, "int8": 750.0, "int4": 310.0}
+LAYER_OPS = {"fp16": 66.0, "int8": 200.0, "int4": 88.0}
+REDUCING_LAYER_OPS = 143.0
+PROBE_PASSES = 20.0  # float32 passes over a reducing layer's attention scores (scale, mask, softmax, mean)
+FIRST_RUN_DISPATCH = 1.5  # a row's first run adds this many times its dispatch cost (kernel and shape setup)
 DECODE_STEP_OPS = 200.0  # generate's own work per new token (logits processing, cache update)
-ROW_OVERHEAD_S = 0.15  # per row outside its runs: inputs, patching, garbage collection before and after
-FIRST_RUN_EXTRA = 1.0  # a row's first run costs this many more prefills (kernel selection, page faults)
-BUILD_COPY_EFFICIENCY = 0.1  # share of the copy rate at which a build fills fresh memory
-BUILD_OVERHEAD_S = 0.2  # per build: constructing the modules
-QUANTIZE_FACTOR = {"fp16": 1.0, "int8": 2.0, "int4": 2.0}  # bitsandbytes quantizes the 16-bit weights
+ROW_OVERHEAD_S = 0.3  # per row outside its runs: inputs, patching, garbage collection before and after
+BUILD_COPY_EFFICIENCY = 0.37  # share of the copy rate at which a build fills fresh memory
+QUANTIZE_PASSES = {"fp16": 0.0, "int8": 39.0, "int4": 74.0}  # bitsandbytes' quantization, in copies of the weights
+BUILD_OVERHEAD_S = 0.25  # per build: constructing the modules
 IMPORT_S = 1.8  # the first build imports the model code (transformers, once per process)
 BITSANDBYTES_IMPORT_S = 0.6
 
@@ -133,31 +141,55 @@ def measure_rates(dtype: torch.dtype, device: torch.device) -> Rates:
 
 # ---- the model of a run's time ------------------------------------------------------------------------------------
 
-def predict_prefill_s(tflops: float, layers: int, reducing_layers: int, quant: str, rates: Rates) -> float:
-    """One prefill: matrix work at the measured matmul rate, plus the dispatch cost of its ops."""
+def probe_scores(arch: Architecture, schedule: Schedule, text_tokens: int, batch: int) -> int:
+    """Attention scores (heads x tokens^2 per sequence) that FiCoCo's probe computes in a prefill:
+    one set per reducing layer, at the tokens entering it."""
+    tokens = plan_tokens(arch, schedule, text_tokens=text_tokens)
+    scores = 0
+    for removal in schedule.removals:
+        if removal.stage == "vision":
+            entering = tokens.vision[removal.layer][0]
+            scores += tokens.vision_items * arch.vision.heads * entering**2
+        else:
+            entering = tokens.llm[removal.layer][0]
+            scores += arch.decoder.heads * entering**2
+    return batch * scores
+
+
+def dispatch_s(layers: int, reducing_layers: int, quant: str, rates: Rates) -> float:
+    """The dispatch cost of one forward: small ops per forward, per layer, per reducing layer."""
+    ops = (FORWARD_OPS.get(quant, FORWARD_OPS["fp16"]) + LAYER_OPS.get(quant, LAYER_OPS["fp16"]) * layers
+           + REDUCING_LAYER_OPS * reducing_layers)
+    return ops * rates.small_op_s
+
+
+def predict_prefill_s(tflops: float, layers: int, reducing_layers: int, quant: str, rates: Rates,
+                      scores: int = 0) -> float:
+    """One prefill: matrix work at the measured matmul rate, the dispatch cost of its ops, and the
+    probe's float32 passes over `scores` attention scores."""
     matrix_s = tflops * 1e12 / (rates.matmul_flops_per_s * MATMUL_EFFICIENCY.get(quant, MATMUL_EFFICIENCY["fp16"]))
-    ops = FORWARD_OPS + LAYER_OPS.get(quant, LAYER_OPS["fp16"]) * layers + REDUCING_LAYER_OPS * reducing_layers
-    return matrix_s + ops * rates.small_op_s
+    probe_s = PROBE_PASSES * 4 * scores / rates.copy_bytes_per_s
+    return matrix_s + dispatch_s(layers, reducing_layers, quant, rates) + probe_s
 
 
 def predict_decode_step_s(weight_bytes_read: float, decoder_layers: int, quant: str, rates: Rates) -> float:
     """One new token: every weight read once, the decoder's and generate's dispatch cost."""
-    ops = FORWARD_OPS + DECODE_STEP_OPS + LAYER_OPS.get(quant, LAYER_OPS["fp16"]) * decoder_layers
-    return weight_bytes_read / rates.copy_bytes_per_s + ops * rates.small_op_s
+    return (weight_bytes_read / rates.copy_bytes_per_s + dispatch_s(decoder_layers, 0, quant, rates)
+            + DECODE_STEP_OPS * rates.small_op_s)
 
 
 def predict_build_s(weight_bytes_16bit: float, quant: str, rates: Rates, *, imports_s: float = 0.0) -> float:
-    """A model with random weights: its 16-bit weights written into fresh memory (then quantized),
+    """A model with random weights: its 16-bit weights written into fresh memory, then quantized,
     plus the model code's import when it is the first build of the process."""
-    fill_s = weight_bytes_16bit / (rates.copy_bytes_per_s * BUILD_COPY_EFFICIENCY)
-    return imports_s + BUILD_OVERHEAD_S + fill_s * QUANTIZE_FACTOR.get(quant, 1.0)
+    copy_s = weight_bytes_16bit / rates.copy_bytes_per_s
+    return imports_s + BUILD_OVERHEAD_S + copy_s * (1 / BUILD_COPY_EFFICIENCY + QUANTIZE_PASSES.get(quant, 0.0))
 
 
-def row_runs_s(prefill_s: float, runs: tuple[int, int], generation_s: float | None = None,
+def row_runs_s(prefill_s: float, runs: tuple[int, int], first_extra_s: float = 0.0, generation_s: float | None = None,
                generation_runs: tuple[int, int] = (0, 0)) -> float:
-    """The runs of a row: (warm-up, timed) prefills, the first one slower, and with --new-tokens
-    the (warm-up, timed) generations."""
-    total = (sum(runs) + FIRST_RUN_EXTRA) * prefill_s
+    """The runs of a row: (warm-up, timed) prefills, the first one `first_extra_s` slower, and with
+    --new-tokens the (warm-up, timed) generations."""
+    total = sum(runs) * prefill_s + first_extra_s
     if generation_s is not None:
         total += sum(generation_runs) * generation_s
     return total
@@ -174,16 +206,18 @@ class RowEstimate:
     prefill_s: float
     warmup: int
     repeat: int
+    first_extra_s: float  # what the row's first run costs more than the others
     generation_s: float | None
     generation_runs: tuple[int, int]
     wall_s: float  # the row without its model's build: fixed cost and runs
 
     def to_json(self) -> dict[str, Any]:
         return {"prefill_ms": self.prefill_s * 1e3, "warmup": self.warmup, "repeat": self.repeat,
+                "first_extra_ms": self.first_extra_s * 1e3,
                 "generation_ms": None if self.generation_s is None else self.generation_s * 1e3,
                 "generation_runs": list(self.generation_runs) if self.generation_s is not None else None,
-                "wall_s": self.wall_s, "method": "accountant's FLOPs at the measured matmul rate + per-layer "
-                                                 "dispatch at the measured small-op time (profiling/estimate.py)"}
+                "wall_s": self.wall_s, "method": "FLOPs at the measured matmul rate, dispatch at the measured "
+                                                 "small-op time, probe scores at the measured copy rate"}
 
 
 @dataclass
@@ -207,6 +241,10 @@ class RunEstimate:
                 "calibration": CALIBRATION}
 
 
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
 def _name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -217,10 +255,7 @@ def compute_dtype(plan: Plan, config: ProfileConfig) -> tuple[torch.dtype, str]:
     choice = getattr(plan, "dtype", None)
     compute = getattr(choice, "compute", None)
     if compute is not None:
-        dtype = compute if isinstance(compute, torch.dtype) else getattr(torch, {"bf16": "bfloat16",
-                                                                                 "fp16": "float16",
-                                                                                 "fp32": "float32"}.get(
-            str(compute), str(compute).removeprefix("torch.")))
+        dtype = compute if isinstance(compute, torch.dtype) else _DTYPES[_name(compute)]
         reason = getattr(choice, "reason", None)
         return dtype, _name(dtype) + (f" ({reason})" if reason else "")
     from pathlib import Path
@@ -265,7 +300,10 @@ def estimate_run(config: ProfileConfig, plan: Plan, rates: Rates | None = None) 
         imports_s = 0.0
     for row in plan.rows:
         cost = analytic(plan.profile, row, config, None)
-        prefill_s = predict_prefill_s(cost["tflops"], layers, len(row.schedule.removals), row.quant, rates)
+        reducing = len(row.schedule.removals)
+        scores = probe_scores(arch, row.schedule, config.text_tokens, row.batch)
+        prefill_s = predict_prefill_s(cost["tflops"], layers, reducing, row.quant, rates, scores)
+        first_extra_s = FIRST_RUN_DISPATCH * dispatch_s(layers, reducing, row.quant, rates)
         runs = choose_runs(prefill_s, plan.device.type, plan.warmup, plan.repeat)
         generation_s, generation_runs = None, (0, 0)
         if config.new_tokens:
@@ -276,9 +314,9 @@ def estimate_run(config: ProfileConfig, plan: Plan, rates: Rates | None = None) 
             generation_warmup, generation_repeat = choose_runs(generation_s, plan.device.type, plan.warmup,
                                                                plan.repeat)
             generation_runs = (min(generation_warmup, 1), generation_repeat)
-        wall_s = ROW_OVERHEAD_S + row_runs_s(prefill_s, runs, generation_s, generation_runs)
+        wall_s = ROW_OVERHEAD_S + row_runs_s(prefill_s, runs, first_extra_s, generation_s, generation_runs)
         estimate.rows.append(RowEstimate(row.variant, row.quant, row.batch, cost["tflops"], prefill_s, *runs,
-                                         generation_s, generation_runs, wall_s))
+                                         first_extra_s, generation_s, generation_runs, wall_s))
     return estimate
 
 
@@ -324,7 +362,7 @@ class Eta:
         if row is None:
             return 0.0
         if kind == "prefill":
-            return row.prefill_s * (1 + FIRST_RUN_EXTRA if first else 1)
+            return row.prefill_s + (row.first_extra_s if first else 0.0)
         return row.generation_s or 0.0
 
     def _run_s(self, kind: str, first: bool = False) -> float:

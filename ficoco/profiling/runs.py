@@ -2,7 +2,7 @@
 
 The count follows the cost, in the spirit of timeit's autorange and pytest-benchmark's
 max-time: as many timed runs as fit a time budget (at least one, at most ten), and a warm-up
-unless one run takes a minute or more. A millisecond prefill on a GPU gets 3 + 10 runs; a
+unless one run takes over a minute. A millisecond prefill on a GPU gets 3 + 10 runs; a
 27 s prefill on a CPU gets 1 + 1; a prefill of several minutes gets one timed run and no
 warm-up, whose job (kernel selection, allocator growth, first-touch page faults) is then a
 small share of the run. The rule is applied to the estimated prefill before a row starts and
@@ -15,7 +15,7 @@ from __future__ import annotations
 # allocator growth, so it gets more warm-ups; a CPU's one warm-up absorbs its first-call costs.
 MAX_RUNS = {"cuda": (3, 10), "cpu": (1, 10)}
 TIMED_BUDGET_S = 30.0  # timed runs per row: as many as fit in this (at least one)
-WARMUP_BUDGET_S = 60.0  # warm-ups per row: as many as fit in this (so none when one run takes a minute)
+WARMUP_BUDGET_S = 60.0  # warm-ups per row: as many as fit in this (so none when one run takes over a minute)
 
 
 def max_runs(device_type: str) -> tuple[int, int]:
