@@ -146,8 +146,10 @@ class ProgressDisplay:
         self.step_begin = time.monotonic()
         wall = row.get("wall_s")
         status = row.get("status")
-        what = f"done in {fmt_duration(wall)}" if isinstance(wall, float) else "done"
-        self._say(index, what + ("" if status == "ok" else f", {status}"), "done")
+        what = "done" if status == "ok" else str(status)
+        if isinstance(wall, float):
+            what += f" {'in' if status == 'ok' else 'after'} {fmt_duration(wall)}"
+        self._say(index, what, "done")
         self.last = None
 
 

@@ -219,3 +219,59 @@ def test_eta_follows_the_runs_measured_so_far():
     assert eta.remaining_s() == pytest.approx(2 * 3.0)
     eta.row_done(1)
     assert eta.remaining_s() == 0.0
+
+
+# ---- the command: --dry-run, and the rule inside a real measurement -------------------------------------------------
+
+def test_dry_run_prints_the_plan_and_estimate_and_builds_nothing(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    import ficoco.models.build as build
+    from ficoco.profiling import matrix
+    from ficoco_cli.app import app
+
+    built: list[str] = []
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: built.append("build_model"))
+    monkeypatch.setattr(matrix, "build_for", lambda *a, **k: built.append("build_for"))
+    monkeypatch.setattr(est, "measure_rates", lambda dtype, device: RATES)
+    path = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["profile", "--model", "llava-1.5-7b", "--variant", "v", "--tflops", "1.5",
+                                      "--dry-run", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    assert built == [] and not path.exists()
+    lines = result.output.splitlines()
+    assert lines[0] == "plan: 2 row(s), computing in bfloat16 (16-bit on CPU computes in bf16); memory -"
+    assert lines[1].startswith("estimate: ") and "1 TFLOP/s in bfloat16" in lines[1]
+    assert "10 us per small op" in lines[1]
+    assert lines[2].startswith("  fp16 model build ~")
+    assert lines[3].startswith("  [1/2] vanilla fp16 b1: 8.856 TFLOPs, prefill ~")
+    assert lines[4].startswith("  [2/2] v fp16 b1: ")
+    assert "warm-up +" in lines[3] and "timed: ~" in lines[3]
+
+
+def test_the_time_rule_revises_a_rows_runs_from_its_first_run(monkeypatch):
+    from ficoco.profiling import matrix
+
+    config = ProfileConfig(model="llava-tiny", variants=("vanilla",), device="cpu")
+    plan = plan_run(config)
+    model = matrix.build_for(config, plan, "fp16")
+    seen: list[float] = []
+
+    def one_timed_run(run_s: float, device_type: str, warmup: int | None, repeat: int | None) -> tuple[int, int]:
+        seen.append(run_s)
+        return (0 if warmup is None else warmup), (1 if repeat is None else repeat)  # a run of minutes
+
+    monkeypatch.setattr(matrix, "choose_runs", one_timed_run)
+    steps: list[tuple[str, int, int, float | None]] = []
+    result = matrix.measure_row(model, plan.rows[0], config, plan, on_run=lambda *e: steps.append(e))
+    # Planned as the device's most (1 + 10); the first run was the warm-up, then one timed run.
+    assert len(seen) == 1 and seen[0] > 0
+    assert result["runs"]["warmup"] == 1 and result["runs"]["repeat"] == 1
+    assert result["runs"]["chosen_by"].startswith("time budget, from the first run (")
+    assert len(result["latency"]["samples_ms"]) == 1 and len(result["latency"]["warmup_ms"]) == 1
+    assert [(s[0], s[1], s[2]) for s in steps if s[3] is None] == [("warm-up", 1, 1), ("timed run", 1, 1)]
+    explicit = ProfileConfig(model="llava-tiny", variants=("vanilla",), device="cpu", repeat=2)
+    plan = plan_run(explicit)
+    result = matrix.measure_row(model, plan.rows[0], explicit, plan)
+    assert result["runs"]["repeat"] == 2  # --repeat wins over the rule
+    assert result["runs"]["chosen_by"].endswith("; --repeat as given")
