@@ -275,3 +275,33 @@ def test_the_time_rule_revises_a_rows_runs_from_its_first_run(monkeypatch):
     result = matrix.measure_row(model, plan.rows[0], explicit, plan)
     assert result["runs"]["repeat"] == 2  # --repeat wins over the rule
     assert result["runs"]["chosen_by"].endswith("; --repeat as given")
+
+
+def test_the_time_line_compares_the_estimate_with_the_measured_time():
+    from ficoco_cli.render import time_line
+
+    report: dict[str, Any] = {"estimate": {"total_s": 90.0, "rows": 2}, "wall_s": 100.0, "rows": [
+        {"wall_s": 40.0, "estimate": {"wall_s": 36.0}}, {"wall_s": 50.0, "estimate": {"wall_s": 60.0}}]}
+    assert time_line(report) == ("time: estimated 1:30 before the run, measured 1:40 (-10 %); rows (builds apart): "
+                                 "estimate -10 % to +20 % of the measured")
+    report["rows"].pop()  # an interrupted run: no total to compare
+    assert time_line(report) == ("time: estimated 1:30 before the run, measured 1:40 for 1 of 2 rows; rows (builds "
+                                 "apart): estimate -10 % to -10 % of the measured")
+    assert time_line({"rows": []}) is None  # a report made before the estimate
+
+
+def test_the_title_says_what_ran_when_the_rule_gave_rows_different_counts():
+    import io
+
+    from rich.console import Console
+
+    from ficoco_cli.render import profile_table
+
+    rows = [{"variant": "vanilla", "quant": "fp16", "batch": 1, "status": "ok", "runs": {"warmup": 1, "repeat": 3}},
+            {"variant": "v", "quant": "fp16", "batch": 1, "status": "ok", "runs": {"warmup": 0, "repeat": 10}}]
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(profile_table({"config": {"warmup": "auto", "repeat": "auto"}, "rows": rows}))
+    assert "3-10 runs after 0-1 warm-up" in " ".join(console.export_text().split())
+    rows[1]["runs"] = {"warmup": 1, "repeat": 3}
+    console.print(profile_table({"config": {"warmup": "auto", "repeat": "auto"}, "rows": rows}))
+    assert "3 runs after 1 warm-up" in " ".join(console.export_text(clear=True).split())

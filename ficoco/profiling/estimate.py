@@ -70,7 +70,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 @functools.cache
-def _small_op_s(dtype: torch.dtype, device_type: str, threads: int) -> float:
+def _small_op_s(dtype: torch.dtype, device_type: str) -> float:
     device = torch.device(device_type)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, 64, generator=generator).to(device=device, dtype=dtype)
@@ -85,15 +85,23 @@ def _small_op_s(dtype: torch.dtype, device_type: str, threads: int) -> float:
         return torch.softmax(y, dim=-1).transpose(0, 1).contiguous()
 
     ops_per_block, blocks = 8, 25
-    block()
-    times = []
-    for _ in range(5):
-        _synchronize(device)
-        begin = time.perf_counter()
-        for _ in range(blocks):
-            block()
-        _synchronize(device)
-        times.append((time.perf_counter() - begin) / (blocks * ops_per_block))
+    # Dispatch is the main thread's work. Timed on one thread, a small op does not wait at an
+    # OpenMP barrier for a second thread whose core another process holds: on a shared machine
+    # that wait multiplied this probe by up to 300 while a tiny prefill slowed 15-fold.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block()
+        times = []
+        for _ in range(5):
+            _synchronize(device)
+            begin = time.perf_counter()
+            for _ in range(blocks):
+                block()
+            _synchronize(device)
+            times.append((time.perf_counter() - begin) / (blocks * ops_per_block))
+    finally:
+        torch.set_num_threads(threads)
     # The median, not the best: a prefill meets this machine's typical dispatch cost.
     return statistics.median(times)
 
@@ -135,7 +143,7 @@ def measure_rates(dtype: torch.dtype, device: torch.device) -> Rates:
     threads = torch.get_num_threads()
     return Rates(device=device.type, dtype=str(dtype).removeprefix("torch."),
                  matmul_flops_per_s=matmul_flops_per_s(dtype, device),
-                 small_op_s=_small_op_s(dtype, device.type, threads),
+                 small_op_s=_small_op_s(dtype, device.type),
                  copy_bytes_per_s=_copy_bytes_per_s(device.type, threads), threads=threads)
 
 
