@@ -118,8 +118,9 @@ WideOpt = Annotated[bool, typer.Option(
     "--wide", help="Show every column (the default table fits 80 columns; the JSON report has everything).")]
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 DtypeOpt = Annotated[str, typer.Option(
-    "--dtype", callback=check.choice(DTYPES), help="auto (float16 on a GPU; on a CPU the fastest measured there, upcasting 16-bit weights when "
-                    "float32 does not fit), bf16, fp16 or fp32.")]
+    "--dtype", callback=check.choice(DTYPES),
+    help="auto (float16 on a GPU; on a CPU the fastest measured there, upcasting 16-bit weights when float32 "
+         "does not fit), bf16, fp16 or fp32.")]
 
 
 @app.command("flops")
@@ -263,10 +264,11 @@ def profile_command(
         "--new-tokens", callback=check.whole_number(0), help="0: prefill only; N: also generate N.")] = 0,
     warmup: Annotated[int | None, typer.Option(
         "--warmup", callback=check.whole_number(0),
-        help="Untimed runs before measuring (default: 3 on a GPU, 1 on CPU).")] = None,
+        help="Untimed runs before measuring (default: by time, up to 3 on a GPU, 1 on CPU; none when one run "
+             "takes over a minute).")] = None,
     repeat: Annotated[int | None, typer.Option(
-        "--repeat", callback=check.whole_number(1), help="Timed runs per row (default: 10 on a GPU, 3 on CPU).")
-    ] = None,
+        "--repeat", callback=check.whole_number(1),
+        help="Timed runs per row (default: as many as fit in 30 s, 1 to 10).")] = None,
     device: Annotated[str, typer.Option(
         "--device", callback=check.choice(("auto", "cuda", "cpu")), help="auto, cuda or cpu.")] = "auto",
     weights: Annotated[str, typer.Option(
@@ -282,12 +284,15 @@ def profile_command(
     json_path: JsonOpt = None,
     wide: WideOpt = False,
     dtype: DtypeOpt = "auto",
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the plan and its time estimate, then exit without building a model.")] = False,
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
     from ficoco.profiling.config import parse_batches
     from ficoco.profiling.dtype_choice import parse_dtype
+    from ficoco.profiling.estimate import estimate_run, plan_runs
     from ficoco.profiling.matrix import ProfileConfig, plan_run
-    from ficoco_cli.profile_run import run_and_report
+    from ficoco_cli.profile_run import estimate_lines, run_and_report
 
     variants = split_list(variant, "--variant")
     check_schedule_options(variants, keep, tflops, schedule)
@@ -302,7 +307,16 @@ def profile_command(
         image_size=parse_image_size(image_size), frames=frames, dtype=parse_dtype(dtype),
     )
     plan = plan_run(config)
-    report = run_and_report(config, plan, json_path, out if json_path != "-" else err, wide)
+    estimate = estimate_run(config, plan)
+    plan_runs(plan, estimate)
+    console = out if json_path != "-" else err
+    if dry_run:
+        for note in plan.notes:
+            console.print(note, markup=False, highlight=False, soft_wrap=True)
+        for line in estimate_lines(plan, estimate):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        return
+    report = run_and_report(config, plan, json_path, console, estimate, wide)
     if not any(row.get("status") == "ok" for row in report["rows"]):
         reasons = sorted({f"{row.get('status')}: {row.get('reason')}" for row in report["rows"]})
         err.print(f"error: no row was measured ({'; '.join(reasons)[:400]})", markup=False, highlight=False,

@@ -40,6 +40,17 @@ def fmt_bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
+def fmt_duration(seconds: float) -> str:
+    """A duration as a person reads it: 12 ms, 3.4 s, 1:42, 2:05:07."""
+    if seconds < 1:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
 def fmt_count(n: int) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
@@ -273,8 +284,17 @@ def _profile_title(report: dict[str, Any], rows: list[dict[str, Any]], wide: boo
     if not wide and len(_groups(rows)) == 1 and rows:
         setting = f", {_text(rows[0].get('quant'))}, batch {_text(rows[0].get('batch'))}"
     return (f"{_text(config.get('model'))} on {_text(env.get('device'))} ({_text(env.get('device_kind'))}, "
-            f"{_text(env.get('threads'))} threads): prefill{setting}, {_text(config.get('repeat'))} runs after "
-            f"{_text(config.get('warmup'))} warm-up")
+            f"{_text(env.get('threads'))} threads): prefill{setting}, {_runs_count(rows, config, 'repeat')} runs after "
+            f"{_runs_count(rows, config, 'warmup')} warm-up")
+
+
+def _runs_count(rows: list[dict[str, Any]], config: dict[str, Any], key: str) -> str:
+    """What ran: the rows' own counts (a range where the time rule gave rows different counts), else the
+    configuration's (reports made before the rule)."""
+    counts = sorted({n for r in rows if isinstance(n := _get(r, "runs", key), int)})
+    if not counts:
+        return _text(config.get(key))
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
 
 
 def _profile_caption(rows: list[dict[str, Any]], wide: bool) -> str:
@@ -493,9 +513,32 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def time_line(report: dict[str, Any]) -> str | None:
+    """The run's measured wall time beside the estimate made before it, and how far each row's estimate
+    was from its measured wall time (reports without an estimate: None)."""
+    estimate = report.get("estimate")
+    if not isinstance(estimate, dict) or not _is_number(estimate.get("total_s")):
+        return None
+    rows = report.get("rows") or []
+    measured = report.get("wall_s")
+    text = f"time: estimated {fmt_duration(estimate['total_s'])} before the run"
+    if _is_number(measured) and len(rows) == estimate.get("rows"):
+        text += f", measured {fmt_duration(measured)} ({(estimate['total_s'] / measured - 1) * 100:+.0f} %)"
+    elif _is_number(measured):
+        text += f", measured {fmt_duration(measured)} for {len(rows)} of {_text(estimate.get('rows'))} rows"
+    errors = [_get(r, "estimate", "wall_s") / r["wall_s"] - 1 for r in rows
+              if _is_number(_get(r, "estimate", "wall_s")) and _is_number(r.get("wall_s")) and r["wall_s"] > 0]
+    if errors:
+        text += (f"; rows (builds apart): estimate {min(errors) * 100:+.0f} % to {max(errors) * 100:+.0f} % of the "
+                 "measured")
+    return text
+
+
 def print_profile(console: Console, report: dict[str, Any], wide: bool = False) -> None:
     """The profile table, then the verdict lines (one logical line each: a terminal wraps them, a pipe
-    or a file keeps them whole)."""
+    or a file keeps them whole) and the run's time against its estimate."""
     console.print(profile_table(report, wide))
     for line in verdict_lines(report):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if line := time_line(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -494,6 +494,7 @@ def verify_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
         "quant": names_list("--quant", QUANTS),
         "set": set_option(cheap=True),
         "json": output("--json", paths),
+        "dtype": choice("--dtype", ["auto", "bf16", "fp16", "fp32"]),
     }
     name = draw(st.sampled_from(["llava-tiny", "llava-gqa-tiny"]))
     base = [Arg(("--verify",)), option("--model", name), draw(names_list("--variant", VARIANTS))]
@@ -506,6 +507,8 @@ def profile_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
     options = schedule_options(paths, cheap=True) | {
         "no-reference": switch("--no-reference"),
         "wide": switch("--wide"),
+        "dtype": choice("--dtype", ["auto", "bf16", "fp16", "fp32"]),
+        "dry-run": switch("--dry-run"),
         "kv-bits": bit_widths("--kv-bits", (4, 8)),
         "batch": counts_list("--batch", cheap=2),
         "text-tokens": counts("--text-tokens", cheap=16),

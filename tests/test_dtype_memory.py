@@ -148,6 +148,7 @@ def test_an_unknown_dtype_is_a_user_error():
 # ---- what is free ---------------------------------------------------------------------------------------------
 
 def test_the_limit_knob_caps_free_memory(monkeypatch):
+    monkeypatch.delenv("FICOCO_TEST_FREE_MEMORY_BYTES", raising=False)
     monkeypatch.setenv(LIMIT_ENV, "123e6")
     assert free_memory_bytes("cpu") == 123e6
     monkeypatch.setenv(LIMIT_ENV, "lots")
@@ -156,6 +157,7 @@ def test_the_limit_knob_caps_free_memory(monkeypatch):
 
 
 def test_free_memory_is_mem_available_without_a_limit(monkeypatch):
+    monkeypatch.delenv("FICOCO_TEST_FREE_MEMORY_BYTES", raising=False)
     monkeypatch.delenv(LIMIT_ENV, raising=False)
     monkeypatch.setattr(memory_guard, "_cgroup_free_bytes", lambda: None)
     monkeypatch.setattr(memory_guard, "_mem_available_bytes", lambda: 7_000_000_000)
@@ -184,6 +186,7 @@ def test_a_cgroup_v1_limit_is_read_too(tmp_path):
 
 def test_free_gpu_memory_comes_from_the_device(monkeypatch):
     monkeypatch.delenv(LIMIT_ENV, raising=False)
+    monkeypatch.delenv("FICOCO_TEST_FREE_MEMORY_BYTES", raising=False)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5_000_000_000, 80_000_000_000))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
     assert memory_guard.free_memory("cuda") == (5e9, "free on NVIDIA H100")
@@ -396,7 +399,7 @@ def test_the_guard_ends_an_in_process_run_with_one_error_line_and_exit_2(monkeyp
 
 
 def test_the_guard_in_a_real_process_names_what_fits():
-    env = {**os.environ, LIMIT_ENV: "12e9"}
+    env = {**os.environ, "FICOCO_TEST_FREE_MEMORY_BYTES": "12e9"}
     result = subprocess.run([*COMMAND, "profile", "--model", "llava-1.5-13b", "--variant", "v", "--keep", "64",
                              "--dtype", "fp16"], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 2

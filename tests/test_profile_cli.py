@@ -189,7 +189,7 @@ def test_measured_weight_bytes_stand_beside_the_accountants_within_half_a_percen
 def test_reduction_time_splits_into_stages_and_probe(report):
     for row in report["rows"]:
         assert row["reduction_ms"] == pytest.approx(row["reduction_stages_ms"] + row["probe_ms"])
-        assert row["runs"] == {"warmup": 0, "repeat": REPEAT}
+        assert row["runs"] == {"warmup": 0, "repeat": REPEAT, "chosen_by": "--warmup/--repeat"}
 
 
 def test_analytic_weight_bytes_shrink_with_the_quant(rows):
@@ -299,6 +299,50 @@ def test_kv_cache_follows_the_accounting_formula(rows, arch_of):
     assert l_row["kv_cache_bytes"] == sum(tokens) * per_token
     assert rows[("v", "fp16", 1)]["kv_cache_bytes"] < l_row["kv_cache_bytes"] < rows[("vanilla", "fp16", 1)][
         "kv_cache_bytes"]
+
+
+def test_progress_in_a_pipe_is_plain_lines_naming_step_row_elapsed_and_eta(full):
+    stdout = full["result"].stdout
+    assert "\x1b[" not in stdout and "\r" not in stdout  # no redrawing bar in a log
+    lines = stdout.splitlines()
+    # The dtype is auto's choice for this CPU (bfloat16 with AMX, float32 with AVX2 alone).
+    compute = full["report"]["rows"][0]["backend"]["compute_dtype"]
+    plan = next(i for i, line in enumerate(lines) if line.startswith(f"plan: 9 row(s), computing in {compute}"))
+    assert lines[plan + 1].startswith("estimate: ") and "TFLOP/s" in lines[plan + 1]
+    steps = [line for line in lines if line.startswith("[")]
+    assert lines.index(steps[0]) > plan  # the estimate comes first
+    assert steps[0].startswith("[1/9] fp16: building the model, elapsed 0:00:00, ETA ")
+    for n, (quant, variant) in enumerate([(q, v) for q in QUANTS for v in VARIANTS], start=1):
+        label = f"[{n}/9] {variant} {quant} b1: "
+        mine = [line[len(label):] for line in steps if line.startswith(label)]
+        # the first timed run (after the build for a quant's first row), then the row's end
+        assert mine[0].startswith(f"timed run 1/{REPEAT}"), mine
+        assert mine[-1].startswith("done in "), mine
+        assert all(", elapsed " in line and ", ETA " in line for line in mine)
+    assert steps[1].startswith(f"[1/9] vanilla fp16 b1: timed run 1/{REPEAT} (built in ")
+    assert any(line.startswith("[4/9] int8: building the model") for line in steps)
+    time_line = next(line for line in lines if line.startswith("time: estimated "))
+    assert "measured" in time_line and "rows (builds apart)" in time_line
+
+
+def test_report_records_the_estimate_beside_the_measured_wall_time(report):
+    estimate = report["estimate"]
+    assert estimate["rows"] == len(report["rows"]) and estimate["runs_rule"] == "--warmup/--repeat"
+    assert set(estimate["build_s"]) == set(QUANTS) and estimate["total_s"] > 0
+    assert estimate["total_s"] == pytest.approx(sum(estimate["build_s"].values())
+                                                + sum(r["estimate"]["wall_s"] for r in report["rows"]))
+    assert estimate["rates"]["matmul_flops_per_s"] > 0 and estimate["rates"]["small_op_s"] > 0
+    assert estimate["dtype"].startswith(report["rows"][0]["backend"]["compute_dtype"]) and estimate["memory"]
+    builds = {}
+    for row in report["rows"]:
+        assert row["estimate"]["prefill_ms"] > 0 and row["estimate"]["wall_s"] > 0
+        assert (row["estimate"]["warmup"], row["estimate"]["repeat"]) == (0, REPEAT)  # as given
+        assert row["estimate"]["build_s"] == estimate["build_s"][row["quant"]]
+        runs_s = (sum(row["latency"]["samples_ms"]) + sum(row["latency"]["warmup_ms"])) / 1e3
+        assert row["wall_s"] > runs_s  # the row's time holds its runs
+        builds.setdefault(row["quant"], row["build_s"])
+        assert row["build_s"] == builds[row["quant"]] > 0  # one build per quant, on each of its rows
+    assert report["wall_s"] > sum(builds.values()) + sum(r["wall_s"] for r in report["rows"]) - 1e-6
 
 
 def test_no_temporary_files_are_left_beside_the_report(full):
@@ -445,10 +489,10 @@ def test_a_row_that_raises_is_recorded_and_later_rows_still_run(tmp_path, monkey
 
     real = matrix.measure_row
 
-    def flaky(model, row, config, device):
+    def flaky(model, row, config, plan, **kwargs):
         if row.variant == "v":
             raise RuntimeError("simulated kernel failure\nsecond line")
-        return real(model, row, config, device)
+        return real(model, row, config, plan, **kwargs)
 
     monkeypatch.setattr(matrix, "measure_row", flaky)
     path = tmp_path / "m.json"

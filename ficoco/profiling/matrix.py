@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,7 +23,8 @@ from ficoco.accounting.memory import QUANT_BITS, Quant, weight_bytes
 from ficoco.errors import FicocoError
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
 from ficoco.profiling.dtype_choice import DtypeChoice, row_dtypes
-from ficoco.profiling.trackers import LatencyTracker, MemoryTracker, cache_bytes
+from ficoco.profiling.runs import choose_runs, max_runs
+from ficoco.profiling.trackers import LatencyStats, LatencyTracker, MemoryTracker, RunHook, cache_bytes
 
 # NVIDIA device names -> hardware profiles of the roofline, first match wins. GH200 (an H100
 # or H200-class die with its own memory) and H100 NVL (94 GB, other clocks) have no profile:
@@ -31,10 +33,7 @@ _GPU_NAMES: tuple[tuple[str, str | None], ...] = (
     ("gh200", None), ("h100 nvl", None), ("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
     ("a800", "a800-80gb"), ("a100-sxm4-80gb", "a100-80gb"), ("a100 80gb", "a100-80gb"),
     ("a100-pcie-80gb", "a100-80gb"), ("a100", "a100-40gb"))
-# (warm-up, timed) runs when --warmup/--repeat are not given. A GPU prefill takes milliseconds
-# and its first runs pay for kernel selection and allocator growth; a CPU prefill of a 7B
-# model takes seconds.
-DEFAULT_RUNS = {"cuda": (3, 10), "cpu": (1, 3)}
+BUILD_STEP = "building the model"
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class ProfileConfig:
     batches: tuple[int, ...] = (1,)
     text_tokens: int = 60
     new_tokens: int = 0
-    warmup: int | None = None  # None: the device's default (DEFAULT_RUNS)
+    warmup: int | None = None  # None: chosen per row by the time rule (profiling/runs.py)
     repeat: int | None = None
     device: str = "auto"
     weights: str = "random"
@@ -80,6 +79,10 @@ class RowSpec:
     quant: str
     batch: int
     schedule: Schedule
+    # The counts the time rule chose from this row's estimated run (estimate.plan_runs), until
+    # its first run is measured; None: the device's most (profiling/runs.py).
+    warmup: int | None = None
+    repeat: int | None = None
 
 
 @dataclass
@@ -90,8 +93,8 @@ class Plan:
     profile: Profile
     rows: list[RowSpec] = field(default_factory=list)
     gpu: Hardware | None = None
-    warmup: int = 1
-    repeat: int = 3
+    warmup: int | None = None  # --warmup / --repeat; None: chosen per row by the time rule
+    repeat: int | None = None
     notes: list[str] = field(default_factory=list)  # said before the run (device fallback, ...)
     # Set by plan_run: the dtypes every build uses, and the memory guard's breakdown of the
     # largest build (weights, activations, kv_cache, margin, total, free: bytes; quant).
@@ -200,10 +203,8 @@ def plan_run(config: ProfileConfig) -> Plan:
                                   schedule=config.schedule, shape=config.shape, first_layer=config.first_layer)
         for variant in config.variants
     }
-    warmup, repeat = DEFAULT_RUNS.get(device.type, DEFAULT_RUNS["cpu"])
-    plan = Plan(device=device, profile=profile, gpu=known_gpu(device), notes=notes,
-                warmup=warmup if config.warmup is None else config.warmup,
-                repeat=repeat if config.repeat is None else config.repeat)
+    plan = Plan(device=device, profile=profile, gpu=known_gpu(device), notes=notes, warmup=config.warmup,
+                repeat=config.repeat)
     for quant in config.quants:
         for batch in config.batches:
             for variant in config.variants:
@@ -263,8 +264,33 @@ def _inputs(model: Any, config: ProfileConfig, batch: int, device: torch.device)
                             **layout)
 
 
-def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan) -> dict[str, Any]:
-    """Prefill latency, memory, KV cache and (with --new-tokens) generation of one row."""
+def _planned_runs(row: RowSpec, plan: Plan) -> tuple[tuple[int, int], Callable[[float], tuple[int, int]] | None]:
+    """The (warm-up, timed) counts to start with, and the time rule that revises them after the
+    first run (None when --warmup and --repeat were both given: they always win)."""
+    most_warmup, most_repeat = max_runs(plan.device.type)
+    warmup = next(n for n in (plan.warmup, row.warmup, most_warmup) if n is not None)
+    repeat = next(n for n in (plan.repeat, row.repeat, most_repeat) if n is not None)
+    if plan.warmup is not None and plan.repeat is not None:
+        return (warmup, repeat), None
+    return (warmup, repeat), lambda run_s: choose_runs(run_s, plan.device.type, plan.warmup, plan.repeat)
+
+
+def _runs_json(latency: LatencyStats, plan: Plan) -> dict[str, Any]:
+    """What ran, and what chose it."""
+    given = [name for name, n in (("--warmup", plan.warmup), ("--repeat", plan.repeat)) if n is not None]
+    if len(given) == 2:
+        chosen_by = "--warmup/--repeat"
+    else:
+        first_s = (latency.warmup_ms or latency.samples_ms)[0] / 1e3
+        chosen_by = f"time budget, from the first run ({first_s:.3g} s)" + (f"; {given[0]} as given" if given else "")
+    return {"warmup": len(latency.warmup_ms), "repeat": len(latency.samples_ms), "chosen_by": chosen_by}
+
+
+def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
+                on_run: RunHook | None = None) -> dict[str, Any]:
+    """Prefill latency, memory, KV cache and (with --new-tokens) generation of one row; `on_run`
+    is told when every run starts and ends (generation runs as "generation warm-up" and
+    "generation")."""
     import ficoco
 
     device = plan.device
@@ -309,8 +335,9 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan) -> 
     try:
         with torch.inference_mode():
             with memory_tracker.track() as memory:
-                latency = latency_tracker.measure(prefill, warmup=plan.warmup, repeat=plan.repeat,
-                                                  after_each=after_each)
+                (warmup, repeat), choose = _planned_runs(row, plan)
+                latency = latency_tracker.measure(prefill, warmup=warmup, repeat=repeat, after_each=after_each,
+                                                  on_run=on_run, choose=choose)
             kv_bytes = cache_bytes(last.pop("cache"))
             generation = None
             if config.new_tokens:
@@ -324,12 +351,25 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan) -> 
                     # returns the prompt with its image span shortened).
                     generated["tokens"] = len(out.scores)
 
+                def on_generation_run(phase: str, k: int, n: int, seconds: float | None) -> None:
+                    if on_run:
+                        on_run("generation " + phase if phase == "warm-up" else "generation", k, n, seconds)
+
+                def choose_generation(run_s: float) -> tuple[int, int]:
+                    # At most one warm-up: the prefill's runs have warmed the kernels up.
+                    generation_warmup, generation_repeat = choose(run_s)  # type: ignore[misc]
+                    return min(generation_warmup, 1), generation_repeat
+
                 with memory_tracker.track() as generation_memory:
-                    e2e = latency_tracker.measure(generate, warmup=min(plan.warmup, 1), repeat=plan.repeat)
+                    # A generation costs more than its prefill: the time rule counts its own runs.
+                    e2e = latency_tracker.measure(generate, warmup=min(warmup, 1), repeat=repeat,
+                                                  on_run=on_generation_run,
+                                                  choose=choose_generation if choose is not None else None)
                 tokens = row.batch * generated["tokens"]
                 generation = {"latency": e2e.to_json(), "images_per_s": row.batch / (e2e.median_ms / 1e3),
                               "generated_tokens_per_s": tokens / (e2e.median_ms / 1e3),
-                              "new_tokens": generated["tokens"], "memory": generation_memory.to_json()}
+                              "new_tokens": generated["tokens"], "memory": generation_memory.to_json(),
+                              "runs": _runs_json(e2e, plan)}
     finally:
         last.clear()
         if handle is not None:
@@ -341,7 +381,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan) -> 
     method_ms = median_reduction + median_probe
     return {
         "latency": latency.to_json(),
-        "runs": {"warmup": plan.warmup, "repeat": plan.repeat},
+        "runs": _runs_json(latency, plan),
         "images_per_s": row.batch / (latency.median_ms / 1e3),
         "memory": memory.to_json(),
         "kv_cache_bytes": kv_bytes,
@@ -371,16 +411,39 @@ def _failure_status(exc: BaseException) -> str:
     return "error"
 
 
+@dataclass(frozen=True)
+class Phase:
+    """What a profile run is doing, for a progress display: a step starts (`seconds` None) or
+    ends (`seconds`: how long it took)."""
+
+    row: int  # index in plan.rows; while building, the first row of the model's quant
+    step: str  # BUILD_STEP, "warm-up", "timed run", "generation warm-up", "generation"
+    k: int = 1  # this step is the k-th of n (warm-ups and timed runs are counted)
+    n: int = 1
+    seconds: float | None = None
+
+
 def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, Any]], None],
-                on_start: Callable[[RowSpec], None] | None = None) -> None:
-    """Measure every row of `plan`; each finished (or failed) row goes to `on_row`."""
+                on_start: Callable[[RowSpec], None] | None = None,
+                on_phase: Callable[[Phase], None] | None = None) -> None:
+    """Measure every row of `plan`; each finished (or failed) row goes to `on_row`, with its wall
+    time (`wall_s`, the build not included) and its model's build time (`build_s`). `on_phase`
+    is told when every step starts and ends: building a model, each warm-up and timed run."""
     from ficoco.models.build import release_device_cache
     from ficoco.profiling.trackers import model_weight_bytes
 
+    def tell(phase: Phase) -> None:
+        if on_phase:
+            on_phase(phase)
+
     torch.manual_seed(config.seed)
     for quant in config.quants:
-        rows = [r for r in plan.rows if r.quant == quant]
+        rows = [(index, r) for index, r in enumerate(plan.rows) if r.quant == quant]
+        if not rows:
+            continue
         failure: dict[str, Any] | None = None
+        tell(Phase(rows[0][0], BUILD_STEP))
+        begin = time.perf_counter()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -389,32 +452,39 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
             raise
         except Exception as exc:  # one quant failing must not lose the others' rows
             failure = {"status": _failure_status(exc), "reason": f"building the model: {_reason(exc)}"}
+        build_s = time.perf_counter() - begin
+        tell(Phase(rows[0][0], BUILD_STEP, seconds=build_s))
         if failure is not None:
             # Outside the except block: its traceback would keep the half-built model alive.
             release_device_cache(plan.device)
-            for row in rows:
-                on_row(_row_base(plan, config, row, None) | failure)
+            for _, row in rows:
+                on_row(_row_base(plan, config, row, None) | failure | {"build_s": build_s})
             continue
         info = getattr(model, "_ficoco_quant", {})
         dtype = str(next(p for p in model.parameters() if p.is_floating_point()).dtype).removeprefix("torch.")
         weights_measured = model_weight_bytes(model)
-        for row in rows:
+        for index, row in rows:
+            begin = time.perf_counter()
             if on_start:
                 on_start(row)
             base = _row_base(plan, config, row, {"compute_dtype": dtype, **info})
             base["weight_bytes"] = weights_measured
+
+            def on_run(step: str, k: int, n: int, seconds: float | None, index: int = index) -> None:
+                tell(Phase(index, step, k, n, seconds))
+
             try:
                 with warnings.catch_warnings():
                     # bitsandbytes warns on every INT8 matmul that it casts bf16 inputs to fp16.
                     warnings.simplefilter("ignore")
-                    result = base | {"status": "ok", **measure_row(model, row, config, plan)}
+                    result = base | {"status": "ok", **measure_row(model, row, config, plan, on_run=on_run)}
             except FicocoError as exc:
                 result = base | {"status": "unsupported", "reason": str(exc)}
             except Exception as exc:
                 result = base | {"status": _failure_status(exc), "reason": _reason(exc)}
             # After the except block has dropped the traceback that held the row's tensors.
             release_device_cache(plan.device)
-            on_row(result)
+            on_row(result | {"wall_s": time.perf_counter() - begin, "build_s": build_s})
         del model
         release_device_cache(plan.device)
 

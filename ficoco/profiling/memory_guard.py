@@ -42,6 +42,9 @@ from ficoco.profiles import Profile, apply_overrides
 from ficoco.profiling.dtype_choice import DtypeChoice, choose_dtype, dtype_name
 
 LIMIT_ENV = "FICOCO_MEMORY_LIMIT_BYTES"
+# Testing only: the free memory to assume, whatever the machine has (a cap would still depend on
+# what else runs there).
+FAKE_FREE_ENV = "FICOCO_TEST_FREE_MEMORY_BYTES"
 MARGIN_BYTES = 0.5e9
 MARGIN_FRACTION = 0.05
 # The share of free memory that an upcast layout leaves unused rather than spend on float32
@@ -138,7 +141,15 @@ def free_memory(device: torch.device | str) -> tuple[float | None, str]:
     """The memory free for a build on `device` and where the figure comes from (None: unknown)."""
     device = torch.device(device)
     found: list[tuple[float, str]] = []
-    if device.type == "cuda":
+    fake = os.environ.get(FAKE_FREE_ENV)
+    if fake:
+        # Tests: the machine's own reading is replaced (what else runs there must not decide a
+        # test); the limit knob below still caps it.
+        try:
+            found.append((float(fake), FAKE_FREE_ENV))
+        except ValueError:
+            raise FicocoError(f"{FAKE_FREE_ENV}='{fake}' is not a number of bytes (e.g. 12e9)") from None
+    elif device.type == "cuda":
         try:
             free, _ = torch.cuda.mem_get_info(device)
             found.append((float(free), f"free on {torch.cuda.get_device_name(device)}"))

@@ -21,6 +21,7 @@ class LatencyStats:
 
     samples_ms: tuple[float, ...]
     timer: str
+    warmup_ms: tuple[float, ...] = ()  # the warm-up runs' wall times (perf_counter, synchronised)
 
     @property
     def median_ms(self) -> float:
@@ -42,7 +43,11 @@ class LatencyStats:
 
     def to_json(self) -> dict[str, Any]:
         return {"median_ms": self.median_ms, "p90_ms": self.p90_ms, "min_ms": self.min_ms, "stdev_ms": self.stdev_ms,
-                "samples_ms": list(self.samples_ms), "timer": self.timer}
+                "samples_ms": list(self.samples_ms), "timer": self.timer, "warmup_ms": list(self.warmup_ms)}
+
+
+# Told when a run starts (seconds None) and when it ends: ("warm-up" | "timed run", k, n, seconds).
+RunHook = Callable[[str, int, int, float | None], None]
 
 
 class LatencyTracker:
@@ -51,28 +56,60 @@ class LatencyTracker:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def measure(self, fn: Callable[[], Any], *, warmup: int, repeat: int,
-                after_each: Callable[[int], None] | None = None) -> LatencyStats:
-        """Run `fn` warmup + repeat times; `after_each(k)` sees every timed run's index."""
-        for _ in range(warmup):
-            fn()
-        samples = []
-        for k in range(repeat):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize(self.device)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize(self.device)
-                samples.append(start.elapsed_time(end))
+                after_each: Callable[[int], None] | None = None, on_run: RunHook | None = None,
+                choose: Callable[[float], tuple[int, int]] | None = None) -> LatencyStats:
+        """Run `fn` warmup + repeat times; `after_each(k)` sees every timed run's index.
+
+        `choose(seconds)` is asked once, after the first run, for the (warm-up, timed) counts that
+        this run's duration calls for; a first run that was timed becomes the warm-up when the new
+        counts want one (it ran cold). `on_run` is told when every run starts and ends."""
+        warmup_ms: list[float] = []
+        samples: list[float] = []
+        first = True
+        while len(warmup_ms) < warmup or len(samples) < repeat:
+            timed = len(warmup_ms) >= warmup
+            phase, k, n = ("timed run", len(samples) + 1, repeat) if timed else ("warm-up", len(warmup_ms) + 1, warmup)
+            if on_run:
+                on_run(phase, k, n, None)
+            sample_ms, wall_ms = self._run(fn, timed)
+            if first and choose is not None:
+                warmup, repeat = choose(wall_ms / 1e3)
+                if timed and warmup > 0:
+                    timed = False
+            first = False
+            if timed:
+                samples.append(sample_ms)
+                if after_each:
+                    after_each(len(samples) - 1)
             else:
-                begin = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - begin) * 1e3)
-            if after_each:
-                after_each(k)
-        return LatencyStats(tuple(samples), "cuda-events" if self.device.type == "cuda" else "perf_counter")
+                warmup_ms.append(wall_ms)
+            if on_run:
+                on_run(phase, k, n, wall_ms / 1e3)
+        return LatencyStats(tuple(samples), "cuda-events" if self.device.type == "cuda" else "perf_counter",
+                            tuple(warmup_ms))
+
+    def _run(self, fn: Callable[[], Any], timed: bool) -> tuple[float, float]:
+        """(the sample, the synchronised wall time) of one run, in milliseconds."""
+        if self.device.type == "cuda" and timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            begin = time.perf_counter()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return start.elapsed_time(end), (time.perf_counter() - begin) * 1e3
+        self._synchronize()
+        begin = time.perf_counter()
+        fn()
+        self._synchronize()
+        wall_ms = (time.perf_counter() - begin) * 1e3
+        return wall_ms, wall_ms
 
 
 def _proc_status_bytes(key: str) -> int | None:

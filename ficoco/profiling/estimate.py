@@ -1,0 +1,447 @@
+"""How long `ficoco profile` will take, said before any model is built, and the time left as
+it runs.
+
+One prefill is predicted from the accountant's FLOPs and token counts and three rates measured
+on this machine (cached per process; well under a second):
+
+    prefill_s = flops / (matmul_flops_per_s * MATMUL_EFFICIENCY[quant])
+                + small_op_s * (FORWARD_OPS[quant] + LAYER_OPS[quant] * layers + REDUCING_LAYER_OPS * reducing layers)
+                + PROBE_PASSES * 4 bytes * attention scores of the reducing layers / copy_bytes_per_s
+
+`matmul_flops_per_s` is compute_rate's measured matmul throughput in the compute dtype; the
+efficiency is the share of it that a whole prefill reaches (norms, activations, attention and
+smaller shapes cost the rest). `small_op_s` is the measured time of one small op: a tiny
+model's prefill is all dispatch and Python, counted in small ops per layer. FiCoCo's probe
+computes its reducing layers' attention eagerly, in float32 passes over every score (heads x
+tokens^2), which the memory copy rate prices. A row adds a fixed cost (inputs, patching,
+garbage collection) and its first run's extra dispatch; a generation adds a decode step per
+new token; a build writes the 16-bit weights into fresh memory (and bitsandbytes quantizes
+them), priced by the copy rate. The constants are CALIBRATION's.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ficoco.accounting import Architecture, Schedule, architecture
+from ficoco.accounting.memory import QUANT_BITS, Quant, weight_bytes
+from ficoco.accounting.schedule import plan_tokens
+from ficoco.profiling.compute_rate import matmul_flops_per_s
+from ficoco.profiling.matrix import Plan, ProfileConfig, analytic
+from ficoco.profiling.runs import choose_runs, rule_text
+
+CALIBRATION = ("fitted on a 2-core Xeon with AMX, bf16, 2 threads, torch 2.13, at moments when no other process "
+               "used the CPU: the dispatch constants by least squares over llava-tiny prefills (vanilla, v, l at "
+               "fp16, int8, int4, with 4 or 8 decoder and 6 or 12 vision layers: 36 rows, each within 16 %); the "
+               "efficiencies, probe passes and build rates on llava-1.5-7b with 2 and 8 decoder layers and the "
+               "whole model (vanilla and v); the row cost on the tiny CLI run; not calibrated on a GPU")
+# Share of the calibration matmul's rate that a whole prefill reaches (llava-1.5-7b: 0.62 with 2
+# decoder layers, 0.77 with 8). bitsandbytes on CPU computes INT8 through float16 and
+# dequantizes NF4 weights on every call: measured with 2 decoder layers only.
+MATMUL_EFFICIENCY = {"fp16": 0.75, "int8": 0.3, "int4": 0.09}
+# Small ops per forward, per layer (vision and decoder) and per reducing layer (FiCoCo's stages
+# and its probe): the dispatch cost of a forward. bitsandbytes layers add Python of their own.
+FORWARD_OPS = {"fp16": 210.0, "int8": 750.0, "int4": 310.0}
+LAYER_OPS = {"fp16": 66.0, "int8": 200.0, "int4": 88.0}
+REDUCING_LAYER_OPS = 143.0
+PROBE_PASSES = 20.0  # float32 passes over a reducing layer's attention scores (scale, mask, softmax, mean)
+FIRST_RUN_DISPATCH = 1.5  # a row's first run adds this many times its dispatch cost (kernel and shape setup)
+DECODE_STEP_OPS = 200.0  # generate's own work per new token (logits processing, cache update)
+ROW_OVERHEAD_S = 0.3  # per row outside its runs: inputs, patching, garbage collection before and after
+BUILD_COPY_EFFICIENCY = 0.37  # share of the copy rate at which a build fills fresh memory
+QUANTIZE_PASSES = {"fp16": 0.0, "int8": 39.0, "int4": 74.0}  # bitsandbytes' quantization, in copies of the weights
+BUILD_OVERHEAD_S = 0.25  # per build: constructing the modules
+IMPORT_S = 1.8  # the first build imports the model code (transformers, once per process)
+BITSANDBYTES_IMPORT_S = 0.6
+
+
+# ---- rates measured on this machine ----------------------------------------------------------------------------
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.cache
+def _small_op_s(dtype: torch.dtype, device_type: str) -> float:
+    device = torch.device(device_type)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=generator).to(device=device, dtype=dtype)
+    w = torch.randn(64, 64, generator=generator).to(device=device, dtype=dtype)
+
+    def block() -> torch.Tensor:
+        # The kinds of op a transformer layer dispatches: a small linear, an activation, products,
+        # a norm, a softmax, a layout copy.
+        y = torch.nn.functional.linear(x, w)
+        y = torch.nn.functional.silu(y) * x + x
+        y = torch.nn.functional.layer_norm(y, (64,))
+        return torch.softmax(y, dim=-1).transpose(0, 1).contiguous()
+
+    ops_per_block, blocks = 8, 25
+    # Dispatch is the main thread's work. Timed on one thread, a small op does not wait at an
+    # OpenMP barrier for a second thread whose core another process holds: on a shared machine
+    # that wait multiplied this probe by up to 300 while a tiny prefill slowed 15-fold.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block()
+        times = []
+        for _ in range(5):
+            _synchronize(device)
+            begin = time.perf_counter()
+            for _ in range(blocks):
+                block()
+            _synchronize(device)
+            times.append((time.perf_counter() - begin) / (blocks * ops_per_block))
+    finally:
+        torch.set_num_threads(threads)
+    # The median, not the best: a prefill meets this machine's typical dispatch cost.
+    return statistics.median(times)
+
+
+@functools.cache
+def _copy_bytes_per_s(device_type: str, threads: int) -> float:
+    device = torch.device(device_type)
+    source = torch.ones(1 << 25, dtype=torch.bfloat16, device=device)  # 64 MiB
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(3):
+        _synchronize(device)
+        begin = time.perf_counter()
+        target.copy_(source)
+        _synchronize(device)
+        best = min(best, time.perf_counter() - begin)
+    return source.numel() * source.element_size() / best
+
+
+@dataclass(frozen=True)
+class Rates:
+    """This machine's measured speeds, the inputs of every estimate."""
+
+    device: str
+    dtype: str
+    matmul_flops_per_s: float
+    small_op_s: float
+    copy_bytes_per_s: float
+    threads: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_rates(dtype: torch.dtype, device: torch.device) -> Rates:
+    """Matmul throughput in `dtype`, the time of one small op and the memory copy rate (cached
+    per process and thread count)."""
+    threads = torch.get_num_threads()
+    return Rates(device=device.type, dtype=str(dtype).removeprefix("torch."),
+                 matmul_flops_per_s=matmul_flops_per_s(dtype, device),
+                 small_op_s=_small_op_s(dtype, device.type),
+                 copy_bytes_per_s=_copy_bytes_per_s(device.type, threads), threads=threads)
+
+
+# ---- the model of a run's time ------------------------------------------------------------------------------------
+
+def probe_scores(arch: Architecture, schedule: Schedule, text_tokens: int, batch: int) -> int:
+    """Attention scores (heads x tokens^2 per sequence) that FiCoCo's probe computes in a prefill:
+    one set per reducing layer, at the tokens entering it."""
+    tokens = plan_tokens(arch, schedule, text_tokens=text_tokens)
+    scores = 0
+    for removal in schedule.removals:
+        if removal.stage == "vision":
+            entering = tokens.vision[removal.layer][0]
+            scores += tokens.vision_items * arch.vision.heads * entering**2
+        else:
+            entering = tokens.llm[removal.layer][0]
+            scores += arch.decoder.heads * entering**2
+    return batch * scores
+
+
+def dispatch_s(layers: int, reducing_layers: int, quant: str, rates: Rates) -> float:
+    """The dispatch cost of one forward: small ops per forward, per layer, per reducing layer."""
+    ops = (FORWARD_OPS.get(quant, FORWARD_OPS["fp16"]) + LAYER_OPS.get(quant, LAYER_OPS["fp16"]) * layers
+           + REDUCING_LAYER_OPS * reducing_layers)
+    return ops * rates.small_op_s
+
+
+def predict_prefill_s(tflops: float, layers: int, reducing_layers: int, quant: str, rates: Rates,
+                      scores: int = 0) -> float:
+    """One prefill: matrix work at the measured matmul rate, the dispatch cost of its ops, and the
+    probe's float32 passes over `scores` attention scores."""
+    matrix_s = tflops * 1e12 / (rates.matmul_flops_per_s * MATMUL_EFFICIENCY.get(quant, MATMUL_EFFICIENCY["fp16"]))
+    probe_s = PROBE_PASSES * 4 * scores / rates.copy_bytes_per_s
+    return matrix_s + dispatch_s(layers, reducing_layers, quant, rates) + probe_s
+
+
+def predict_decode_step_s(weight_bytes_read: float, decoder_layers: int, quant: str, rates: Rates) -> float:
+    """One new token: every weight read once, the decoder's and generate's dispatch cost."""
+    return (weight_bytes_read / rates.copy_bytes_per_s + dispatch_s(decoder_layers, 0, quant, rates)
+            + DECODE_STEP_OPS * rates.small_op_s)
+
+
+def predict_build_s(weight_bytes_16bit: float, quant: str, rates: Rates, *, imports_s: float = 0.0) -> float:
+    """A model with random weights: its 16-bit weights written into fresh memory, then quantized,
+    plus the model code's import when it is the first build of the process."""
+    copy_s = weight_bytes_16bit / rates.copy_bytes_per_s
+    return imports_s + BUILD_OVERHEAD_S + copy_s * (1 / BUILD_COPY_EFFICIENCY + QUANTIZE_PASSES.get(quant, 0.0))
+
+
+def row_runs_s(prefill_s: float, runs: tuple[int, int], first_extra_s: float = 0.0, generation_s: float | None = None,
+               generation_runs: tuple[int, int] = (0, 0)) -> float:
+    """The runs of a row: (warm-up, timed) prefills, the first one `first_extra_s` slower, and with
+    --new-tokens the (warm-up, timed) generations."""
+    total = sum(runs) * prefill_s + first_extra_s
+    if generation_s is not None:
+        total += sum(generation_runs) * generation_s
+    return total
+
+
+@dataclass
+class RowEstimate:
+    """One row's predicted times."""
+
+    variant: str
+    quant: str
+    batch: int
+    tflops: float
+    prefill_s: float
+    warmup: int
+    repeat: int
+    first_extra_s: float  # what the row's first run costs more than the others
+    generation_s: float | None
+    generation_runs: tuple[int, int]
+    wall_s: float  # the row without its model's build: fixed cost and runs
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prefill_ms": self.prefill_s * 1e3, "warmup": self.warmup, "repeat": self.repeat,
+                "first_extra_ms": self.first_extra_s * 1e3,
+                "generation_ms": None if self.generation_s is None else self.generation_s * 1e3,
+                "generation_runs": list(self.generation_runs) if self.generation_s is not None else None,
+                "wall_s": self.wall_s, "method": "FLOPs at the measured matmul rate, dispatch at the measured "
+                                                 "small-op time, probe scores at the measured copy rate"}
+
+
+@dataclass
+class RunEstimate:
+    """The plan's predicted times: every row, every model build, the total."""
+
+    rates: Rates
+    dtype: str  # the compute dtype and why
+    memory: str  # need vs free, or "-"
+    rows: list[RowEstimate] = field(default_factory=list)
+    build_s: dict[str, float] = field(default_factory=dict)  # per quant
+    runs_rule: str = ""
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.build_s.values()) + sum(r.wall_s for r in self.rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total_s": self.total_s, "rows": len(self.rows), "build_s": self.build_s, "dtype": self.dtype,
+                "memory": self.memory, "rates": self.rates.to_json(), "runs_rule": self.runs_rule,
+                "calibration": CALIBRATION}
+
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+def _name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compute_dtype(plan: Plan, config: ProfileConfig) -> tuple[torch.dtype, str]:
+    """The dtype the models will compute in, and a word on why: the plan's choice where it makes one
+    (--dtype), else the one build_model picks (bf16 on CPU, fp16 on a GPU, a checkpoint's bf16)."""
+    choice = getattr(plan, "dtype", None)
+    compute = getattr(choice, "compute", None)
+    if compute is not None:
+        dtype = compute if isinstance(compute, torch.dtype) else _DTYPES[_name(compute)]
+        reason = getattr(choice, "reason", None)
+        return dtype, _name(dtype) + (f" ({reason})" if reason else "")
+    from pathlib import Path
+
+    from ficoco.models.build import checkpoint_dtype, resolve_dtype
+
+    path = Path(config.weights).expanduser()
+    native = checkpoint_dtype(path) if config.weights != "random" and path.is_dir() else None
+    dtype = resolve_dtype(None, plan.device.type, native)
+    why = "a checkpoint stored in bf16" if native == torch.bfloat16 else (
+        "16-bit on CPU computes in bf16" if plan.device.type == "cpu" else "16-bit on a GPU")
+    return dtype, f"{_name(dtype)} ({why})"
+
+
+def memory_text(plan: Plan) -> str:
+    """The plan's memory need against the free memory, "-" where the plan does not say."""
+    memory = getattr(plan, "memory", None)
+    if not isinstance(memory, dict):
+        return "-"
+    # The memory guard's breakdown (ficoco.profiling.memory_guard.check_memory): "total" is the
+    # need of the largest build, "free" what the device has.
+    need, free = memory.get("total"), memory.get("free")
+    if not isinstance(need, int | float):
+        return "-"
+    text = f"need {need / 1e9:.2f} GB"
+    return text + (f" vs {free / 1e9:.2f} GB free" if isinstance(free, int | float) else "")
+
+
+def estimate_run(config: ProfileConfig, plan: Plan, rates: Rates | None = None) -> RunEstimate:
+    """Predicted time of every row and build of `plan` (nothing is built; the rates are measured
+    unless given). Rows whose --warmup/--repeat are not given get the time rule's counts."""
+    dtype, dtype_text = compute_dtype(plan, config)
+    rates = rates or measure_rates(dtype, plan.device)
+    arch = architecture(plan.profile)
+    layers = arch.vision.layers + arch.decoder.layers
+    estimate = RunEstimate(rates=rates, dtype=dtype_text, memory=memory_text(plan),
+                           runs_rule="--warmup/--repeat" if plan.warmup is not None and plan.repeat is not None
+                           else rule_text(plan.device.type))
+    weights_16bit = weight_bytes(arch, "all", Quant("fp16", 16, 16, 16))
+    imports_s = 0.0 if "transformers.models.llava.modeling_llava" in sys.modules else IMPORT_S
+    for quant in dict.fromkeys(r.quant for r in plan.rows):
+        bitsandbytes_s = BITSANDBYTES_IMPORT_S if quant != "fp16" and "bitsandbytes" not in sys.modules else 0.0
+        estimate.build_s[quant] = predict_build_s(weights_16bit, quant, rates, imports_s=imports_s + bitsandbytes_s)
+        imports_s = 0.0
+    for row in plan.rows:
+        cost = analytic(plan.profile, row, config, None)
+        reducing = len(row.schedule.removals)
+        scores = probe_scores(arch, row.schedule, config.text_tokens, row.batch)
+        prefill_s = predict_prefill_s(cost["tflops"], layers, reducing, row.quant, rates, scores)
+        first_extra_s = FIRST_RUN_DISPATCH * dispatch_s(layers, reducing, row.quant, rates)
+        runs = choose_runs(prefill_s, plan.device.type, plan.warmup, plan.repeat)
+        generation_s, generation_runs = None, (0, 0)
+        if config.new_tokens:
+            # Every new token reads the decoder's and the LM head's weights (the vision tower ran once).
+            decoder_bytes = weight_bytes(arch, "llm", Quant(row.quant, QUANT_BITS[row.quant], 16, 16))
+            step_s = predict_decode_step_s(decoder_bytes, arch.decoder.layers, row.quant, rates)
+            generation_s = prefill_s + config.new_tokens * step_s
+            generation_warmup, generation_repeat = choose_runs(generation_s, plan.device.type, plan.warmup,
+                                                               plan.repeat)
+            generation_runs = (min(generation_warmup, 1), generation_repeat)
+        wall_s = ROW_OVERHEAD_S + row_runs_s(prefill_s, runs, first_extra_s, generation_s, generation_runs)
+        estimate.rows.append(RowEstimate(row.variant, row.quant, row.batch, cost["tflops"], prefill_s, *runs,
+                                         first_extra_s, generation_s, generation_runs, wall_s))
+    return estimate
+
+
+def plan_runs(plan: Plan, estimate: RunEstimate) -> None:
+    """Give every row the counts the time rule chose from its estimate (its first measured run
+    may still revise them)."""
+    for spec, row in zip(plan.rows, estimate.rows, strict=True):
+        spec.warmup, spec.repeat = row.warmup, row.repeat
+
+
+
+# ---- the time left, as the run goes ---------------------------------------------------------------------------------
+
+class Eta:
+    """Time left: the plan's estimate, corrected by what has been measured so far.
+
+    The caller reports steps (model builds, runs) as they start and end, as `run_profile`'s
+    phases do. A row's remaining runs take the median of its own runs measured so far (its first,
+    slower run left out); rows not started take their estimate scaled by measured / estimated over
+    every run so far; builds likewise by the builds so far. No clock is read here: the caller
+    passes durations."""
+
+    def __init__(self, estimate: RunEstimate) -> None:
+        self.rows = estimate.rows
+        self.builds_left = dict(estimate.build_s)
+        self.build_measured_s = self.build_estimated_s = 0.0
+        self.run_measured_s = self.run_estimated_s = 0.0
+        self.rows_done: set[int] = set()
+        self.current: int | None = None
+        self.finished_runs: dict[str, int] = {}  # the current row's finished runs by kind: prefill, generation
+        self.measured: dict[str, list[float]] = {}  # their durations, the first prefill left out
+        self.left: dict[str, int] = {}  # the current row's runs still to come (the one under way included)
+        self.step_estimate_s = 0.0  # the step under way
+
+    def _run_ratio(self) -> float:
+        return self.run_measured_s / self.run_estimated_s if self.run_estimated_s > 0 else 1.0
+
+    def _build_ratio(self) -> float:
+        return self.build_measured_s / self.build_estimated_s if self.build_estimated_s > 0 else 1.0
+
+    def _estimated_run_s(self, kind: str, first: bool) -> float:
+        row = self.rows[self.current] if self.current is not None else None
+        if row is None:
+            return 0.0
+        if kind == "prefill":
+            return row.prefill_s + (row.first_extra_s if first else 0.0)
+        return row.generation_s or 0.0
+
+    def _run_s(self, kind: str, first: bool = False) -> float:
+        """One more run of the current row: the median of its runs so far, else its estimate scaled."""
+        if self.measured.get(kind) and not first:
+            return statistics.median(self.measured[kind])
+        return self._estimated_run_s(kind, first) * self._run_ratio()
+
+    def _start_row(self, index: int) -> None:
+        if self.current == index:
+            return
+        if self.current is not None:
+            self.rows_done.add(self.current)
+        row = self.rows[index]
+        self.current, self.measured, self.finished_runs = index, {}, {}
+        self.left = {"prefill": row.warmup + row.repeat, "generation": sum(row.generation_runs)}
+
+    @staticmethod
+    def _kind(step: str) -> str:
+        return "generation" if step.startswith("generation") else "prefill"
+
+    def started(self, row: int, step: str, k: int = 1, n: int = 1) -> None:
+        """A step starts: a build (`step` "building the model"), or run k of n of a kind."""
+        if step == "building the model":
+            self.step_estimate_s = self.builds_left.get(self.rows[row].quant, 0.0) * self._build_ratio()
+            return
+        self._start_row(row)
+        kind, estimate = self._kind(step), self.rows[row]
+        # The runs left of this kind: this one and the rest of its phase, and after warm-ups the
+        # timed runs as planned (their count is final once they start).
+        timed_after = {"warm-up": estimate.repeat, "generation warm-up": estimate.generation_runs[1]}.get(step, 0)
+        self.left[kind] = n - k + 1 + timed_after
+        self.step_estimate_s = self._run_s(kind, first=not self.finished_runs.get(kind))
+
+    def finished(self, row: int, step: str, seconds: float) -> None:
+        """A step ended after `seconds`."""
+        if step == "building the model":
+            self.build_estimated_s += self.builds_left.pop(self.rows[row].quant, 0.0)
+            self.build_measured_s += seconds
+            return
+        self._start_row(row)
+        kind = self._kind(step)
+        first = not self.finished_runs.get(kind)
+        self.run_estimated_s += self._estimated_run_s(kind, first)
+        self.run_measured_s += seconds
+        if not (first and kind == "prefill"):
+            self.measured.setdefault(kind, []).append(seconds)
+        self.finished_runs[kind] = self.finished_runs.get(kind, 0) + 1
+        self.left[kind] = max(0, self.left.get(kind, 0) - 1)
+        self.step_estimate_s = 0.0
+
+    def row_done(self, row: int) -> None:
+        """A row has ended (measured or failed)."""
+        self.rows_done.add(row)
+        if self.current == row:
+            self.current, self.measured, self.finished_runs, self.left = None, {}, {}, {}
+        self.step_estimate_s = 0.0
+
+    def remaining_s(self, step_elapsed_s: float = 0.0) -> float:
+        """Seconds left; `step_elapsed_s`: how long the step under way has been running."""
+        total = sum(self.builds_left.values()) * self._build_ratio()
+        ratio = self._run_ratio()
+        for index, row in enumerate(self.rows):
+            if index not in self.rows_done and index != self.current:
+                total += ROW_OVERHEAD_S + (row.wall_s - ROW_OVERHEAD_S) * ratio
+        if self.current is not None:
+            for kind, left in self.left.items():
+                if left:
+                    first = not self.finished_runs.get(kind)
+                    total += self._run_s(kind, first) + (left - 1) * self._run_s(kind)
+        # The step under way counts down, and no lower than nothing.
+        return max(0.0, total - min(step_elapsed_s, self.step_estimate_s))

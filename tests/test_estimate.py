@@ -1,0 +1,312 @@
+"""The time estimate of `ficoco profile` and the warm-up/repeat rule (issue 13): the arithmetic
+with given rates, the rule with scripted run times, the ETA with scripted durations, the
+measurement loop with a fake clock. Nothing here times anything."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ficoco.accounting import architecture
+from ficoco.profiling import estimate as est
+from ficoco.profiling import trackers
+from ficoco.profiling.matrix import ProfileConfig, plan_run
+from ficoco.profiling.runs import choose_runs, rule_text
+
+RATES = est.Rates(device="cpu", dtype="bfloat16", matmul_flops_per_s=1e12, small_op_s=1e-5, copy_bytes_per_s=1e10,
+                  threads=2)
+
+
+# ---- the warm-up / repeat rule ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("run_s", "device", "runs"), [
+    (0.005, "cuda", (3, 10)),  # a GPU prefill in milliseconds: the most of both
+    (0.005, "cpu", (1, 10)),
+    (9.0, "cpu", (1, 3)),  # 3 timed runs fit in 30 s
+    (27.0, "cpu", (1, 1)),
+    (59.0, "cpu", (1, 1)),
+    (61.0, "cpu", (0, 1)),  # over a minute: no warm-up
+    (600.0, "cuda", (0, 1)),  # ten minutes: one timed run, never zero
+])
+def test_runs_follow_the_time_of_one_run(run_s, device, runs):
+    assert choose_runs(run_s, device) == runs
+
+
+def test_given_warmup_or_repeat_always_wins():
+    assert choose_runs(600.0, "cpu", warmup=2) == (2, 1)
+    assert choose_runs(600.0, "cpu", repeat=5) == (0, 5)
+    assert choose_runs(0.001, "cuda", warmup=0, repeat=1) == (0, 1)
+    assert "30 s" in rule_text("cpu") and "60 s" in rule_text("cpu")
+
+
+class FakeClock:
+    """perf_counter for LatencyTracker: every call of the measured function advances it by the next
+    scripted duration."""
+
+    def __init__(self, durations_s: list[float]) -> None:
+        self.now, self.durations = 0.0, list(durations_s)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def run(self) -> None:
+        self.now += self.durations.pop(0) if len(self.durations) > 1 else self.durations[0]
+
+
+def measure(monkeypatch, durations_s: list[float], warmup: int, repeat: int, **kwargs: Any):
+    clock = FakeClock(durations_s)
+    monkeypatch.setattr(trackers.time, "perf_counter", clock.perf_counter)
+    events: list[tuple[str, int, int, float | None]] = []
+    stats = trackers.LatencyTracker(torch.device("cpu")).measure(
+        clock.run, warmup=warmup, repeat=repeat, on_run=lambda *e: events.append(e), **kwargs)
+    return stats, events
+
+
+def test_a_first_run_of_minutes_cuts_the_planned_runs(monkeypatch):
+    # Planned from a wrong estimate: 1 warm-up + 10 timed; the warm-up takes two minutes.
+    stats, events = measure(monkeypatch, [120.0], 1, 10, choose=lambda s: choose_runs(s, "cpu"))
+    assert stats.warmup_ms == (120_000.0,) and stats.samples_ms == (120_000.0,)
+    assert [(e[0], e[1], e[2]) for e in events if e[3] is None] == [("warm-up", 1, 1), ("timed run", 1, 1)]
+
+
+def test_a_fast_first_run_planned_as_timed_becomes_the_warm_up(monkeypatch):
+    # The estimate said minutes (0 warm-up, 1 timed); the run takes 0.5 s: it ran cold, so it is the
+    # warm-up, and as many timed runs as fit in 30 s (at most 10) follow.
+    stats, _ = measure(monkeypatch, [0.5], 0, 1, choose=lambda s: choose_runs(s, "cpu"))
+    assert stats.warmup_ms == (500.0,)
+    assert stats.samples_ms == (500.0,) * 10
+
+
+def test_without_a_rule_the_counts_are_kept_and_every_run_is_announced(monkeypatch):
+    stats, events = measure(monkeypatch, [1.0, 2.0, 3.0], 1, 2, after_each=lambda k: None)
+    assert stats.warmup_ms == (1000.0,) and stats.samples_ms == (2000.0, 3000.0)
+    assert events == [("warm-up", 1, 1, None), ("warm-up", 1, 1, 1.0), ("timed run", 1, 2, None),
+                      ("timed run", 1, 2, 2.0), ("timed run", 2, 2, None), ("timed run", 2, 2, 3.0)]
+
+
+# ---- the estimate's arithmetic ------------------------------------------------------------------------------------
+
+def test_prefill_is_flops_at_the_matmul_rate_plus_dispatch_plus_probe_passes():
+    flops_s = 2.0 / (1.0 * est.MATMUL_EFFICIENCY["fp16"])  # 2 TFLOPs at 1 TFLOP/s
+    ops = est.FORWARD_OPS["fp16"] + 10 * est.LAYER_OPS["fp16"] + 3 * est.REDUCING_LAYER_OPS
+    probe_s = est.PROBE_PASSES * 4 * 1e8 / 1e10  # 1e8 float32 scores at 10 GB/s
+    assert est.dispatch_s(10, 3, "fp16", RATES) == pytest.approx(ops * 1e-5)
+    assert est.predict_prefill_s(2.0, 10, 3, "fp16", RATES) == pytest.approx(flops_s + ops * 1e-5)
+    assert est.predict_prefill_s(2.0, 10, 3, "fp16", RATES, scores=10**8) == pytest.approx(
+        flops_s + ops * 1e-5 + probe_s)
+    # Halving the measured rate doubles the matrix part; the dispatch part follows the small op only.
+    slow = est.Rates(**{**RATES.to_json(), "matmul_flops_per_s": 0.5e12})
+    assert est.predict_prefill_s(2.0, 10, 3, "fp16", slow) == pytest.approx(2 * flops_s + ops * 1e-5)
+    # bitsandbytes layers: a lower efficiency and more dispatch
+    assert est.predict_prefill_s(2.0, 10, 3, "int4", RATES) > est.predict_prefill_s(2.0, 10, 3, "fp16", RATES)
+
+
+def test_probe_scores_are_heads_times_entering_tokens_squared_per_reducing_layer(arch_of):
+    from ficoco.accounting import CountOptions, resolve_schedule
+
+    arch = arch_of("llava-tiny")
+    opts = CountOptions(text_tokens=12)
+    v = resolve_schedule(arch, "v", opts, keep=8)
+    l_schedule = resolve_schedule(arch, "l", opts, keep=8)
+    assert est.probe_scores(arch, resolve_schedule(arch, "vanilla", opts), 12, 1) == 0
+    first = v.removals[0]
+    assert first.stage == "vision" and est.probe_scores(arch, v, 12, 2) > 2 * arch.vision.heads * 65**2 - 1
+    # the first reducing layer sees every patch and the CLS token; later ones fewer
+    assert est.probe_scores(arch, v, 12, 1) < len(v.removals) * arch.vision.heads * 65**2
+    assert est.probe_scores(arch, v, 12, 2) == 2 * est.probe_scores(arch, v, 12, 1)
+    entering = 12 + 64  # text and every visual token enter L's first reducing layer
+    assert est.probe_scores(arch, l_schedule, 12, 1) >= arch.decoder.heads * entering**2
+
+
+def test_build_and_row_arithmetic():
+    fill_s = 1e10 / (1e10 * est.BUILD_COPY_EFFICIENCY)
+    assert est.predict_build_s(1e10, "fp16", RATES) == pytest.approx(est.BUILD_OVERHEAD_S + fill_s)
+    assert est.predict_build_s(1e10, "int8", RATES, imports_s=2.0) == pytest.approx(
+        2.0 + est.BUILD_OVERHEAD_S + fill_s + 1.0 * est.QUANTIZE_PASSES["int8"])  # 1 s per copy of 10 GB
+    assert est.row_runs_s(2.0, (1, 3)) == pytest.approx(4 * 2.0)
+    assert est.row_runs_s(2.0, (1, 3), 0.5, 5.0, (1, 2)) == pytest.approx(4 * 2.0 + 0.5 + 3 * 5.0)
+
+
+def test_estimate_of_a_plan_with_given_rates():
+    config = ProfileConfig(model="llava-1.5-7b", variants=("vanilla", "v"), tflops=1.5, device="cpu",
+                          dtype="bf16")  # auto would differ on a CPU without fast bf16
+    plan = plan_run(config)
+    estimate = est.estimate_run(config, plan, RATES)
+    vanilla, v = estimate.rows
+    assert (vanilla.variant, v.variant) == ("vanilla", "v")
+    assert vanilla.tflops > 5 * v.tflops > 0
+    assert vanilla.prefill_s == pytest.approx(est.predict_prefill_s(vanilla.tflops, 24 + 32, 0, "fp16", RATES))
+    scores = est.probe_scores(architecture(plan.profile), plan.rows[1].schedule, 60, 1)
+    assert scores > 0
+    assert v.prefill_s == pytest.approx(est.predict_prefill_s(v.tflops, 24 + 32, 11, "fp16", RATES, scores))
+    assert v.first_extra_s == pytest.approx(est.FIRST_RUN_DISPATCH * est.dispatch_s(24 + 32, 11, "fp16", RATES))
+    for row in estimate.rows:
+        assert (row.warmup, row.repeat) == choose_runs(row.prefill_s, "cpu")
+        assert row.wall_s == pytest.approx(est.ROW_OVERHEAD_S + est.row_runs_s(row.prefill_s, (row.warmup, row.repeat),
+                                                                               row.first_extra_s))
+    assert set(estimate.build_s) == {"fp16"} and estimate.build_s["fp16"] > 13.9e9 / 1e10  # 7B in 16 bits
+    assert estimate.total_s == pytest.approx(estimate.build_s["fp16"] + vanilla.wall_s + v.wall_s)
+    assert estimate.dtype.startswith("bfloat16")
+    # The memory guard's need against the free memory the tests see (tests/conftest.py: 64 GB).
+    assert estimate.memory.startswith("need ") and estimate.memory.endswith(" vs 64.00 GB free")
+    est.plan_runs(plan, estimate)
+    assert [(r.warmup, r.repeat) for r in plan.rows] == [(r.warmup, r.repeat) for r in estimate.rows]
+    data = estimate.to_json()
+    assert data["total_s"] == estimate.total_s and data["rows"] == 2 and data["rates"]["small_op_s"] == 1e-5
+
+
+def test_given_runs_are_kept_and_generation_is_estimated():
+    config = ProfileConfig(model="llava-tiny", variants=("vanilla",), device="cpu", warmup=0, repeat=2, new_tokens=4)
+    estimate = est.estimate_run(config, plan_run(config), RATES)
+    (row,) = estimate.rows
+    assert (row.warmup, row.repeat) == (0, 2) and row.generation_runs == (0, 2)
+    assert row.generation_s is not None and row.generation_s > row.prefill_s
+    assert estimate.runs_rule == "--warmup/--repeat"
+
+
+def test_the_plans_dtype_and_memory_are_shown_when_it_has_them():
+    config = ProfileConfig(model="llava-tiny", variants=("vanilla",), device="cpu")
+    plan = plan_run(config)
+
+    class Choice:
+        storage, compute, reason, upcast = torch.float32, torch.float32, "AVX2 without AMX: fp32 is fastest", False
+
+    plan.__dict__["dtype"] = Choice()
+    plan.__dict__["memory"] = {"total": 15.9e9, "free": 21.0e9}
+    estimate = est.estimate_run(config, plan, RATES)
+    assert estimate.dtype == "float32 (AVX2 without AMX: fp32 is fastest)"
+    assert estimate.memory == "need 15.90 GB vs 21.00 GB free"
+
+
+# ---- the ETA -------------------------------------------------------------------------------------------------------
+
+def two_rows() -> est.RunEstimate:
+    rows = [est.RowEstimate("vanilla", "fp16", 1, 8.0, 10.0, 1, 2, 1.0, None, (0, 0), 0.0),
+            est.RowEstimate("v", "fp16", 1, 2.0, 2.0, 1, 10, 0.5, None, (0, 0), 0.0)]
+    for row in rows:
+        row.wall_s = est.ROW_OVERHEAD_S + est.row_runs_s(row.prefill_s, (row.warmup, row.repeat), row.first_extra_s)
+    return est.RunEstimate(rates=RATES, dtype="bfloat16", memory="-", rows=rows, build_s={"fp16": 20.0})
+
+
+def test_eta_starts_at_the_estimate_and_counts_down_within_a_step():
+    estimate = two_rows()
+    eta = est.Eta(estimate)
+    assert eta.remaining_s() == pytest.approx(estimate.total_s)
+    eta.started(0, "building the model")
+    assert eta.remaining_s(5.0) == pytest.approx(estimate.total_s - 5.0)
+    assert eta.remaining_s(500.0) == pytest.approx(estimate.total_s - 20.0)  # an overrun step stops at zero
+
+
+def test_eta_follows_the_runs_measured_so_far():
+    estimate = two_rows()
+    eta = est.Eta(estimate)
+    eta.started(0, "building the model")
+    eta.finished(0, "building the model", 40.0)  # builds take twice the estimate: none left
+    eta.started(0, "warm-up", 1, 1)
+    eta.finished(0, "warm-up", 2 * (10.0 + 1.0))  # runs take twice the estimate too (the first one's extra 1 s)
+    eta.started(0, "timed run", 1, 2)
+    eta.finished(0, "timed run", 20.0)
+    eta.started(0, "timed run", 2, 2)
+    # this row: one run at its own median (20 s); the next row: its estimate, doubled
+    expected_next = est.ROW_OVERHEAD_S + (estimate.rows[1].wall_s - est.ROW_OVERHEAD_S) * 2
+    assert eta.remaining_s() == pytest.approx(20.0 + expected_next)
+    eta.finished(0, "timed run", 20.0)
+    eta.row_done(0)
+    assert eta.remaining_s() == pytest.approx(expected_next)
+    eta.started(1, "warm-up", 1, 1)
+    eta.finished(1, "warm-up", 12.0)
+    eta.started(1, "timed run", 1, 3)  # the time rule revised 10 timed runs to 3
+    eta.finished(1, "timed run", 3.0)
+    assert eta.remaining_s() == pytest.approx(2 * 3.0)
+    eta.row_done(1)
+    assert eta.remaining_s() == 0.0
+
+
+# ---- the command: --dry-run, and the rule inside a real measurement -------------------------------------------------
+
+def test_dry_run_prints_the_plan_and_estimate_and_builds_nothing(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    import ficoco.models.build as build
+    from ficoco.profiling import matrix
+    from ficoco_cli.app import app
+
+    built: list[str] = []
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: built.append("build_model"))
+    monkeypatch.setattr(matrix, "build_for", lambda *a, **k: built.append("build_for"))
+    monkeypatch.setattr(est, "measure_rates", lambda dtype, device: RATES)
+    path = tmp_path / "r.json"
+    # --dtype bf16: auto would pick another dtype on a CPU without fast bf16 (CI's CPU varies).
+    result = CliRunner().invoke(app, ["profile", "--model", "llava-1.5-7b", "--variant", "v", "--tflops", "1.5",
+                                      "--dry-run", "--dtype", "bf16", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    assert built == [] and not path.exists()
+    lines = result.output.splitlines()
+    assert lines[0].startswith("plan: 2 row(s), computing in bfloat16 (")
+    assert lines[0].endswith(" vs 64.00 GB free") and "; memory need " in lines[0]
+    assert lines[1].startswith("estimate: ") and "1 TFLOP/s in bfloat16" in lines[1]
+    assert "10 us per small op" in lines[1]
+    assert lines[2].startswith("  fp16 model build ~")
+    assert lines[3].startswith("  [1/2] vanilla fp16 b1: 8.856 TFLOPs, prefill ~")
+    assert lines[4].startswith("  [2/2] v fp16 b1: ")
+    assert "warm-up +" in lines[3] and "timed: ~" in lines[3]
+
+
+def test_the_time_rule_revises_a_rows_runs_from_its_first_run(monkeypatch):
+    from ficoco.profiling import matrix
+
+    config = ProfileConfig(model="llava-tiny", variants=("vanilla",), device="cpu")
+    plan = plan_run(config)
+    model = matrix.build_for(config, plan, "fp16")
+    seen: list[float] = []
+
+    def one_timed_run(run_s: float, device_type: str, warmup: int | None, repeat: int | None) -> tuple[int, int]:
+        seen.append(run_s)
+        return (0 if warmup is None else warmup), (1 if repeat is None else repeat)  # a run of minutes
+
+    monkeypatch.setattr(matrix, "choose_runs", one_timed_run)
+    steps: list[tuple[str, int, int, float | None]] = []
+    result = matrix.measure_row(model, plan.rows[0], config, plan, on_run=lambda *e: steps.append(e))
+    # Planned as the device's most (1 + 10); the first run was the warm-up, then one timed run.
+    assert len(seen) == 1 and seen[0] > 0
+    assert result["runs"]["warmup"] == 1 and result["runs"]["repeat"] == 1
+    assert result["runs"]["chosen_by"].startswith("time budget, from the first run (")
+    assert len(result["latency"]["samples_ms"]) == 1 and len(result["latency"]["warmup_ms"]) == 1
+    assert [(s[0], s[1], s[2]) for s in steps if s[3] is None] == [("warm-up", 1, 1), ("timed run", 1, 1)]
+    explicit = ProfileConfig(model="llava-tiny", variants=("vanilla",), device="cpu", repeat=2)
+    plan = plan_run(explicit)
+    result = matrix.measure_row(model, plan.rows[0], explicit, plan)
+    assert result["runs"]["repeat"] == 2  # --repeat wins over the rule
+    assert result["runs"]["chosen_by"].endswith("; --repeat as given")
+
+
+def test_the_time_line_compares_the_estimate_with_the_measured_time():
+    from ficoco_cli.render import time_line
+
+    report: dict[str, Any] = {"estimate": {"total_s": 90.0, "rows": 2}, "wall_s": 100.0, "rows": [
+        {"wall_s": 40.0, "estimate": {"wall_s": 36.0}}, {"wall_s": 50.0, "estimate": {"wall_s": 60.0}}]}
+    assert time_line(report) == ("time: estimated 1:30 before the run, measured 1:40 (-10 %); rows (builds apart): "
+                                 "estimate -10 % to +20 % of the measured")
+    report["rows"].pop()  # an interrupted run: no total to compare
+    assert time_line(report) == ("time: estimated 1:30 before the run, measured 1:40 for 1 of 2 rows; rows (builds "
+                                 "apart): estimate -10 % to -10 % of the measured")
+    assert time_line({"rows": []}) is None  # a report made before the estimate
+
+
+def test_the_title_says_what_ran_when_the_rule_gave_rows_different_counts():
+    import io
+
+    from rich.console import Console
+
+    from ficoco_cli.render import profile_table
+
+    rows = [{"variant": "vanilla", "quant": "fp16", "batch": 1, "status": "ok", "runs": {"warmup": 1, "repeat": 3}},
+            {"variant": "v", "quant": "fp16", "batch": 1, "status": "ok", "runs": {"warmup": 0, "repeat": 10}}]
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(profile_table({"config": {"warmup": "auto", "repeat": "auto"}, "rows": rows}))
+    assert "3-10 runs after 0-1 warm-up" in " ".join(console.export_text().split())
+    rows[1]["runs"] = {"warmup": 1, "repeat": 3}
+    console.print(profile_table({"config": {"warmup": "auto", "repeat": "auto"}, "rows": rows}))
+    assert "3 runs after 1 warm-up" in " ".join(console.export_text(clear=True).split())
