@@ -54,9 +54,9 @@ def estimate_lines(plan: Plan, estimate: RunEstimate) -> list[str]:
     """The plan with its time estimate: rows, dtype, memory, the time of every build and row."""
     rates = estimate.rates
     lines = [f"plan: {len(plan.rows)} row(s), computing in {estimate.dtype}; memory {estimate.memory}",
-             f"estimate: {fmt_duration(estimate.total_s)} in all, from this machine's measured rates (matmul "
-             f"{rates.matmul_flops_per_s / 1e12:.3g} TFLOP/s in {rates.dtype}, {rates.small_op_s * 1e6:.3g} us per "
-             "small op) and the accountant's FLOPs"]
+             f"estimate: {fmt_duration(estimate.total_s)} in all, from the accountant's counts at this machine's "
+             f"measured rates (matmul {rates.matmul_flops_per_s / 1e12:.3g} TFLOP/s in {rates.dtype}, copy "
+             f"{rates.copy_bytes_per_s / 1e9:.3g} GB/s, {rates.small_op_s * 1e6:.3g} us per small op)"]
     for quant, build_s in estimate.build_s.items():
         lines.append(f"  {quant} model build ~{fmt_duration(build_s)}")
     for index, row in enumerate(estimate.rows):

@@ -88,19 +88,35 @@ def test_without_a_rule_the_counts_are_kept_and_every_run_is_announced(monkeypat
 
 # ---- the estimate's arithmetic ------------------------------------------------------------------------------------
 
-def test_prefill_is_flops_at_the_matmul_rate_plus_dispatch_plus_probe_passes():
-    flops_s = 2.0 / (1.0 * est.MATMUL_EFFICIENCY["fp16"])  # 2 TFLOPs at 1 TFLOP/s
+def test_prefill_is_the_roofline_at_this_machines_rates_plus_dispatch_plus_probe_passes():
     ops = est.FORWARD_OPS["fp16"] + 10 * est.LAYER_OPS["fp16"] + 3 * est.REDUCING_LAYER_OPS
     probe_s = est.PROBE_PASSES * 4 * 1e8 / 1e10  # 1e8 float32 scores at 10 GB/s
     assert est.dispatch_s(10, 3, "fp16", RATES) == pytest.approx(ops * 1e-5)
-    assert est.predict_prefill_s(2.0, 10, 3, "fp16", RATES) == pytest.approx(flops_s + ops * 1e-5)
-    assert est.predict_prefill_s(2.0, 10, 3, "fp16", RATES, scores=10**8) == pytest.approx(
-        flops_s + ops * 1e-5 + probe_s)
-    # Halving the measured rate doubles the matrix part; the dispatch part follows the small op only.
-    slow = est.Rates(**{**RATES.to_json(), "matmul_flops_per_s": 0.5e12})
-    assert est.predict_prefill_s(2.0, 10, 3, "fp16", slow) == pytest.approx(2 * flops_s + ops * 1e-5)
-    # bitsandbytes layers: a lower efficiency and more dispatch
-    assert est.predict_prefill_s(2.0, 10, 3, "int4", RATES) > est.predict_prefill_s(2.0, 10, 3, "fp16", RATES)
+    assert est.predict_prefill_s(4.0, 10, 3, "fp16", RATES) == pytest.approx(4.0 + ops * 1e-5)
+    assert est.predict_prefill_s(4.0, 10, 3, "fp16", RATES, scores=10**8) == pytest.approx(4.0 + ops * 1e-5 + probe_s)
+    # bitsandbytes layers dispatch more
+    assert est.predict_prefill_s(4.0, 10, 3, "int4", RATES) > est.predict_prefill_s(4.0, 10, 3, "fp16", RATES)
+
+
+def test_the_machine_is_a_roofline_of_its_measured_rates():
+    from ficoco.accounting import Quant, account, architecture
+
+    fp16, int4 = est.machine(RATES, "fp16"), est.machine(RATES, "int4")
+    assert fp16.fp16_ops_per_s == pytest.approx(1e12 * est.MATMUL_EFFICIENCY["fp16"])
+    assert fp16.bandwidth_bytes_per_s == pytest.approx(1e10 * est.BANDWIDTH_EFFICIENCY)
+    assert int4.fp16_ops_per_s == pytest.approx(1e12 * est.MATMUL_EFFICIENCY["int4"])
+    # Many tokens: bound by the FLOPs. Few tokens: by reading the weights once.
+    from ficoco.accounting import CountOptions, Schedule
+
+    arch = architecture(plan_run(ProfileConfig(model="llava-1.5-7b", variants=("vanilla",), device="cpu")).profile)
+    opts = CountOptions(convention="flops", scope="all", text_tokens=60, lm_head_tokens="last")
+    cost = account(arch, Schedule("vanilla"), Quant("fp16", 16, 16, 16), opts, gpu=fp16)
+    flops_s = cost.tflops * 1e12 / fp16.fp16_ops_per_s
+    assert flops_s <= cost.roofline_s < 1.1 * flops_s
+    slow_memory = est.machine(est.Rates(**{**RATES.to_json(), "copy_bytes_per_s": 1e8}), "fp16")
+    reading_s = cost.weight_bytes / slow_memory.bandwidth_bytes_per_s
+    slow = account(arch, Schedule("vanilla"), Quant("fp16", 16, 16, 16), opts, gpu=slow_memory)
+    assert reading_s <= slow.roofline_s
 
 
 def test_probe_scores_are_heads_times_entering_tokens_squared_per_reducing_layer(arch_of):
@@ -137,10 +153,14 @@ def test_estimate_of_a_plan_with_given_rates():
     vanilla, v = estimate.rows
     assert (vanilla.variant, v.variant) == ("vanilla", "v")
     assert vanilla.tflops > 5 * v.tflops > 0
-    assert vanilla.prefill_s == pytest.approx(est.predict_prefill_s(vanilla.tflops, 24 + 32, 0, "fp16", RATES))
+    from ficoco.profiling.matrix import analytic
+
+    roofline_s = [analytic(plan.profile, row, config, est.machine(RATES, "fp16"))["roofline_ms"] / 1e3
+                  for row in plan.rows]
+    assert vanilla.prefill_s == pytest.approx(est.predict_prefill_s(roofline_s[0], 24 + 32, 0, "fp16", RATES))
     scores = est.probe_scores(architecture(plan.profile), plan.rows[1].schedule, 60, 1)
     assert scores > 0
-    assert v.prefill_s == pytest.approx(est.predict_prefill_s(v.tflops, 24 + 32, 11, "fp16", RATES, scores))
+    assert v.prefill_s == pytest.approx(est.predict_prefill_s(roofline_s[1], 24 + 32, 11, "fp16", RATES, scores))
     assert v.first_extra_s == pytest.approx(est.FIRST_RUN_DISPATCH * est.dispatch_s(24 + 32, 11, "fp16", RATES))
     for row in estimate.rows:
         assert (row.warmup, row.repeat) == choose_runs(row.prefill_s, "cpu")
@@ -246,7 +266,7 @@ def test_dry_run_prints_the_plan_and_estimate_and_builds_nothing(monkeypatch, tm
     lines = result.output.splitlines()
     assert lines[0].startswith("plan: 2 row(s), computing in bfloat16 (")
     assert lines[0].endswith(" vs 64.00 GB free") and "; memory need " in lines[0]
-    assert lines[1].startswith("estimate: ") and "1 TFLOP/s in bfloat16" in lines[1]
+    assert lines[1].startswith("estimate: ") and "matmul 1 TFLOP/s in bfloat16, copy 10 GB/s" in lines[1]
     assert "10 us per small op" in lines[1]
     assert lines[2].startswith("  fp16 model build ~")
     assert lines[3].startswith("  [1/2] vanilla fp16 b1: 8.856 TFLOPs, prefill ~")

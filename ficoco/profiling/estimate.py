@@ -1,22 +1,25 @@
 """How long `ficoco profile` will take, said before any model is built, and the time left as
 it runs.
 
-One prefill is predicted from the accountant's FLOPs and token counts and three rates measured
+One prefill is predicted from the accountant's ops and token counts and three rates measured
 on this machine (cached per process; well under a second):
 
-    prefill_s = flops / (matmul_flops_per_s * MATMUL_EFFICIENCY[quant])
+    prefill_s = roofline(ops; peak = matmul_flops_per_s * MATMUL_EFFICIENCY[quant],
+                              bandwidth = copy_bytes_per_s * BANDWIDTH_EFFICIENCY)
                 + small_op_s * (FORWARD_OPS[quant] + LAYER_OPS[quant] * layers + REDUCING_LAYER_OPS * reducing layers)
                 + PROBE_PASSES * 4 bytes * attention scores of the reducing layers / copy_bytes_per_s
 
-`matmul_flops_per_s` is compute_rate's measured matmul throughput in the compute dtype; the
-efficiency is the share of it that a whole prefill reaches (norms, activations, attention and
-smaller shapes cost the rest). `small_op_s` is the measured time of one small op: a tiny
-model's prefill is all dispatch and Python, counted in small ops per layer. FiCoCo's probe
-computes its reducing layers' attention eagerly, in float32 passes over every score (heads x
-tokens^2), which the memory copy rate prices. A row adds a fixed cost (inputs, patching,
-garbage collection) and its first run's extra dispatch; a generation adds a decode step per
-new token; a build writes the 16-bit weights into fresh memory (and bitsandbytes quantizes
-them), priced by the copy rate. The constants are CALIBRATION's.
+The roofline is the accountant's (ACCOUNTING.md: every op takes max(ops / peak, bytes /
+bandwidth)) with this machine's measured figures in place of a GPU's: `matmul_flops_per_s` is
+compute_rate's matmul throughput in the compute dtype, `copy_bytes_per_s` a memory copy's. A
+prefill of many tokens is bound by its FLOPs; one of few tokens (FiCoCo-V's decoder) by reading
+the weights. `small_op_s` is the measured time of one small op: a tiny model's prefill is all
+dispatch and Python, counted in small ops per layer. FiCoCo's probe computes its reducing
+layers' attention eagerly, in float32 passes over every score (heads x tokens^2). A row adds
+a fixed cost (inputs, patching, garbage collection) and its first run's extra dispatch; a
+generation adds a decode step per new token; a build writes the 16-bit weights into fresh
+memory (and bitsandbytes quantizes them), priced by the copy rate. The constants are
+CALIBRATION's.
 """
 
 from __future__ import annotations
@@ -33,29 +36,36 @@ import torch
 from ficoco.accounting import Architecture, Schedule, architecture
 from ficoco.accounting.memory import QUANT_BITS, Quant, weight_bytes
 from ficoco.accounting.schedule import plan_tokens
+from ficoco.profiles import Hardware
 from ficoco.profiling.compute_rate import matmul_flops_per_s
 from ficoco.profiling.matrix import Plan, ProfileConfig, analytic
 from ficoco.profiling.runs import choose_runs, rule_text
 
 CALIBRATION = ("fitted on a 2-core Xeon with AMX, bf16, 2 threads, torch 2.13, at moments when no other process "
                "used the CPU: the dispatch constants by least squares over llava-tiny prefills (vanilla, v, l at "
-               "fp16, int8, int4, with 4 or 8 decoder and 6 or 12 vision layers: 36 rows, each within 16 %); the "
+               "fp16, int8, int4, with 4 or 8 decoder and 6 or 12 vision layers: 27 rows, each within 21 %); the "
                "efficiencies, probe passes and build rates on llava-1.5-7b with 2 and 8 decoder layers and the "
                "whole model (vanilla and v); the row cost on the tiny CLI run; not calibrated on a GPU")
-# Share of the calibration matmul's rate that a whole prefill reaches (llava-1.5-7b: 0.62 with 2
-# decoder layers, 0.77 with 8). bitsandbytes on CPU computes INT8 through float16 and
-# dequantizes NF4 weights on every call: measured with 2 decoder layers only.
+# Shares of the measured matmul and copy rates that a prefill's ops reach: with these the roofline
+# is within 16 % of llava-1.5-7b's measured prefill with 2, 8 and 32 decoder layers, vanilla and v.
+# bitsandbytes on CPU computes INT8 through float16 and dequantizes NF4 weights on every call:
+# its efficiencies were measured with 2 decoder layers only.
 MATMUL_EFFICIENCY = {"fp16": 0.75, "int8": 0.3, "int4": 0.09}
+BANDWIDTH_EFFICIENCY = 0.9
 # Small ops per forward, per layer (vision and decoder) and per reducing layer (FiCoCo's stages
 # and its probe): the dispatch cost of a forward. bitsandbytes layers add Python of their own.
-FORWARD_OPS = {"fp16": 210.0, "int8": 750.0, "int4": 310.0}
-LAYER_OPS = {"fp16": 66.0, "int8": 200.0, "int4": 88.0}
-REDUCING_LAYER_OPS = 143.0
-PROBE_PASSES = 20.0  # float32 passes over a reducing layer's attention scores (scale, mask, softmax, mean)
+FORWARD_OPS = {"fp16": 340.0, "int8": 1600.0, "int4": 760.0}
+LAYER_OPS = {"fp16": 61.0, "int8": 155.0, "int4": 62.0}
+REDUCING_LAYER_OPS = 150.0
+# float32 passes over a reducing layer's attention scores (scale, mask, softmax, head mean) and the
+# stages that read them: the v row of the main job measured 75 ms of probe and stages.
+PROBE_PASSES = 8.0
 FIRST_RUN_DISPATCH = 1.5  # a row's first run adds this many times its dispatch cost (kernel and shape setup)
 DECODE_STEP_OPS = 200.0  # generate's own work per new token (logits processing, cache update)
 ROW_OVERHEAD_S = 0.3  # per row outside its runs: inputs, patching, garbage collection before and after
-BUILD_COPY_EFFICIENCY = 0.37  # share of the copy rate at which a build fills fresh memory
+# Share of the copy rate at which a build fills fresh memory: llava-1.5-7b's 13.5 GB in 8.6 s (smaller
+# models fill faster: 2 GB took 0.4 s; this overestimates them, by a few seconds at most).
+BUILD_COPY_EFFICIENCY = 0.14
 QUANTIZE_PASSES = {"fp16": 0.0, "int8": 39.0, "int4": 74.0}  # bitsandbytes' quantization, in copies of the weights
 BUILD_OVERHEAD_S = 0.25  # per build: constructing the modules
 IMPORT_S = 1.8  # the first build imports the model code (transformers, once per process)
@@ -171,13 +181,21 @@ def dispatch_s(layers: int, reducing_layers: int, quant: str, rates: Rates) -> f
     return ops * rates.small_op_s
 
 
-def predict_prefill_s(tflops: float, layers: int, reducing_layers: int, quant: str, rates: Rates,
+def machine(rates: Rates, quant: str) -> Hardware:
+    """This machine as the accountant's roofline sees a GPU: its measured rates, at the shares of
+    them that a prefill reaches."""
+    peak = rates.matmul_flops_per_s * MATMUL_EFFICIENCY.get(quant, MATMUL_EFFICIENCY["fp16"])
+    return Hardware(key="measured", name=f"this {rates.device} as measured", memory_bytes=0,
+                    bandwidth_bytes_per_s=rates.copy_bytes_per_s * BANDWIDTH_EFFICIENCY, fp16_ops_per_s=peak,
+                    int8_ops_per_s=peak)
+
+
+def predict_prefill_s(roofline_s: float, layers: int, reducing_layers: int, quant: str, rates: Rates,
                       scores: int = 0) -> float:
-    """One prefill: matrix work at the measured matmul rate, the dispatch cost of its ops, and the
-    probe's float32 passes over `scores` attention scores."""
-    matrix_s = tflops * 1e12 / (rates.matmul_flops_per_s * MATMUL_EFFICIENCY.get(quant, MATMUL_EFFICIENCY["fp16"]))
+    """One prefill: the accountant's roofline time at this machine's rates (`machine`), the
+    dispatch cost of its ops, and the probe's float32 passes over `scores` attention scores."""
     probe_s = PROBE_PASSES * 4 * scores / rates.copy_bytes_per_s
-    return matrix_s + dispatch_s(layers, reducing_layers, quant, rates) + probe_s
+    return roofline_s + dispatch_s(layers, reducing_layers, quant, rates) + probe_s
 
 
 def predict_decode_step_s(weight_bytes_read: float, decoder_layers: int, quant: str, rates: Rates) -> float:
@@ -309,10 +327,10 @@ def estimate_run(config: ProfileConfig, plan: Plan, rates: Rates | None = None) 
         estimate.build_s[quant] = predict_build_s(weights_16bit, quant, rates, imports_s=imports_s + bitsandbytes_s)
         imports_s = 0.0
     for row in plan.rows:
-        cost = analytic(plan.profile, row, config, None)
+        cost = analytic(plan.profile, row, config, machine(rates, row.quant))
         reducing = len(row.schedule.removals)
         scores = probe_scores(arch, row.schedule, config.text_tokens, row.batch)
-        prefill_s = predict_prefill_s(cost["tflops"], layers, reducing, row.quant, rates, scores)
+        prefill_s = predict_prefill_s(cost["roofline_ms"] / 1e3, layers, reducing, row.quant, rates, scores)
         first_extra_s = FIRST_RUN_DISPATCH * dispatch_s(layers, reducing, row.quant, rates)
         runs = choose_runs(prefill_s, plan.device.type, plan.warmup, plan.repeat)
         generation_s, generation_runs = None, (0, 0)
