@@ -376,6 +376,7 @@ def test_profile_upcasts_when_float32_does_not_fit_and_says_so(tmp_path, monkeyp
         assert backend["compute_dtype"] == "float32"
         assert "upcast to float32 layer by layer" in backend["dtype_reason"]
         assert backend["upcast_layers"] >= 1
+        assert backend["upcast_ms_per_forward"] > 0  # measured at build, the same for every row
         assert row["weight_bytes"] == pytest.approx(row["analytic"]["weight_bytes"], rel=0.005)
     assert "computed in float32, weights stored as bfloat16 (upcast linears)" in result.output
 
