@@ -221,6 +221,16 @@ def test_an_upcast_layout_needs_16_bit_linears_and_float32_for_the_rest(seven_b)
     assert need["weights"] == counts.total * 4 - upcast_linears * 2
 
 
+def test_an_upcast_layout_copies_the_upcast_layers_linears_per_forward(seven_b):
+    from ficoco.profiling.memory_guard import upcast_weights_per_forward
+
+    per_layer = 4 * 4096 * 4096 + 3 * 4096 * 11008
+    ten_kept = DtypeChoice(BF16, F32, "", upcast=True, fp32_layers=10)
+    assert upcast_weights_per_forward(seven_b, ten_kept) == 22 * per_layer
+    assert upcast_weights_per_forward(seven_b, DtypeChoice(BF16, F32, "", upcast=True), "int8") == 0
+    assert upcast_weights_per_forward(seven_b, DtypeChoice(F32, F32, "")) == 0
+
+
 def test_the_fp32_layers_of_an_upcast_layout_fill_the_free_memory_but_a_spare_share(seven_b):
     rows = [VanillaRow()]
     choice = with_fp32_layers(seven_b, rows, DtypeChoice(BF16, F32, "x", upcast=True), 22 * GB)
@@ -369,6 +379,7 @@ def test_profile_upcasts_when_float32_does_not_fit_and_says_so(tmp_path, monkeyp
         assert backend["compute_dtype"] == "float32"
         assert "upcast to float32 layer by layer" in backend["dtype_reason"]
         assert backend["upcast_layers"] >= 1
+        assert backend["upcast_ms_per_forward"] > 0  # measured at build, the same for every row
         assert row["weight_bytes"] == pytest.approx(row["analytic"]["weight_bytes"], rel=0.005)
     assert "computed in float32, weights stored as bfloat16 (upcast linears)" in result.output
 

@@ -17,6 +17,8 @@ is built, so a run that cannot fit ends with one line of advice instead of the O
     resolve_dtype_and_memory(profile, rows, requested, device, quants, *, native, ...)
         choose_dtype with these needs, the fp32 layers an upcast layout has room for, then
         check_memory: what `plan_run`, `build_model` and `flops --verify` call.
+    upcast_weights_per_forward(profile, dtype, quant) -> int
+        The weights an upcast layout copies at every forward (for a time estimate).
 
 Weights, KV cache and activations come from the accountant (ficoco.accounting) at the bytes
 of the chosen dtypes; the margin covers what it does not count (the interpreter and
@@ -220,6 +222,18 @@ def memory_need_bytes(profile: Profile, rows: Sequence[RowShape], dtype: DtypeCh
     margin = MARGIN_BYTES + margin_fraction * (weights + activations + kv)
     return {"weights": weights, "activations": activations, "kv_cache": kv, "margin": margin,
             "total": weights + activations + kv + margin}
+
+
+def upcast_weights_per_forward(profile: Profile, dtype: DtypeChoice, quant: str = "fp16") -> int:
+    """Linear weights an upcast layout copies to the compute dtype at every forward (0 for
+    any other layout): the fixed cost per forward that a time estimate adds."""
+    if not dtype.upcast or quant != "fp16":
+        return 0
+    arch = architecture(profile)
+    from ficoco.accounting import parameter_counts
+
+    per_layer = parameter_counts(arch).linear_decoder // arch.decoder.layers
+    return per_layer * (arch.decoder.layers - min(dtype.fp32_layers, arch.decoder.layers))
 
 
 def _upcast_layer_cost_bytes(profile: Profile, dtype: DtypeChoice, margin_fraction: float) -> float:
