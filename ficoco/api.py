@@ -54,7 +54,31 @@ class LayerRecord:
 
 @dataclass
 class Handle:
-    """A model patched with FiCoCo; `remove()` (or leaving a `with` block) restores it."""
+    """A model patched with FiCoCo; `remove()` (or leaving a `with` block) restores it.
+
+    The patched model stays a Hugging Face model; where its outputs differ in shape from the
+    unpatched model's, this is what they mean:
+
+    - **Output positions.** FiCoCo-V runs the LLM on a prompt whose image spans are shortened,
+      FiCoCo-L drops visual tokens inside the decoder: logits and the last hidden states of a
+      prefill hold fewer positions than `input_ids`. After every forward, `output_positions`
+      ``(B, T_out)`` gives the position in that call's `input_ids` of every output position
+      (inside `generate`: in the prompt the caller gave `generate`); a call that removed nothing
+      gives ``0..T-1``. `torch.gather(input_ids, 1, handle.output_positions)` lines the inputs up
+      with the logits.
+    - **Labels.** `model(**inputs, labels=labels)` with `labels` shaped like `input_ids` returns
+      the model's own causal-LM loss over the positions that remain: the labels are taken at
+      `output_positions`, so the logits at each remaining position are scored against the next
+      remaining token. Image placeholders carry -100 in every family's label convention, so the
+      terms are the same text tokens as the unpatched model's; only the token before the first
+      text token after an image may be a different (kept, merged) visual token. With an empty
+      schedule the loss is the unpatched model's.
+    - **generate** returns the caller's own prompt followed by the new tokens (tensor and
+      `.sequences`), whatever the variant; scores and logits are one per new token.
+    - `output_hidden_states=True` gives one tensor per layer, each as long as the sequence that
+      layer really ran on; `output_attentions=True` (attn_implementation='eager') one matrix per
+      layer, the one that layer really computed.
+    """
 
     model: nn.Module
     variant: str
@@ -66,6 +90,8 @@ class Handle:
     timer: StageTimer = field(default_factory=StageTimer, repr=False)
     vision_state: Tensor | None = None
     language_state: LanguageState | None = None
+    # (B, T_out) position in the last forward's input_ids of every output position (see above).
+    output_positions: Tensor | None = None
     _patches: Patches = field(default_factory=Patches, repr=False)
     # Records stay on the model's device until read: copying them to the host per layer would
     # synchronise the device inside the forward.
@@ -86,10 +112,12 @@ class Handle:
         return self.timer.total_ms("reduction") / 1e3
 
     def begin_forward(self) -> None:
-        """A new image forward: forget the previous one's records and state."""
+        """A new image forward: forget the previous one's records and vision state. FiCoCo-L's
+        state stays until the entry replaces it: a new turn on its cache needs what each layer
+        cached."""
         self._pending, self._records = [], []
         self.vision_state = None
-        self.language_state = None
+        self.output_positions = None
 
     def record(self, stage: str, layer: int, *, kept: Tensor, discarded: Tensor) -> None:
         self._pending.append(LayerRecord(stage, layer, kept.detach(), discarded.detach()))
@@ -97,7 +125,7 @@ class Handle:
     def remove(self) -> None:
         """Restore the model exactly as it was before `apply`."""
         self._patches.undo()
-        self.language_state = self.vision_state = None
+        self.language_state = self.vision_state = self.output_positions = None
         if self.model.__dict__.get("_ficoco_handle") is self:
             del self.model.__dict__["_ficoco_handle"]
 
