@@ -92,6 +92,9 @@ class Handle:
     language_state: LanguageState | None = None
     # (B, T_out) position in the last forward's input_ids of every output position (see above).
     output_positions: Tensor | None = None
+    # FiCoCo-V: the last shortened prompt (kept positions, caller's length), so that decode
+    # steps whose attention mask grew from the caller's prompt line up with the cache.
+    prompt_map: tuple[Tensor, int] | None = field(default=None, repr=False)
     _patches: Patches = field(default_factory=Patches, repr=False)
     # Records stay on the model's device until read: copying them to the host per layer would
     # synchronise the device inside the forward.
@@ -125,7 +128,7 @@ class Handle:
     def remove(self) -> None:
         """Restore the model exactly as it was before `apply`."""
         self._patches.undo()
-        self.language_state = self.vision_state = self.output_positions = None
+        self.language_state = self.vision_state = self.output_positions = self.prompt_map = None
         if self.model.__dict__.get("_ficoco_handle") is self:
             del self.model.__dict__["_ficoco_handle"]
 
@@ -166,6 +169,17 @@ def check_attention_implementation(model: nn.Module) -> None:
                               f"load the model with attn_implementation='sdpa' (or 'eager')")
 
 
+def check_cache_implementation(model: nn.Module) -> None:
+    """Refuse, at apply(), a generation config that asks for a cache the patches cannot serve:
+    a pre-allocated (static, offloaded, sliding-window...) cache holds the same length in every
+    layer, while FiCoCo-L's reduced layers cache fewer tokens than the others."""
+    generation = getattr(model, "generation_config", None)
+    implementation = getattr(generation, "cache_implementation", None)
+    if implementation not in (None, "dynamic"):
+        raise FicocoError(f"cache_implementation '{implementation}' is not supported by the FiCoCo patches; "
+                          "set model.generation_config.cache_implementation = None (the default dynamic cache)")
+
+
 def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int, int] | None = None,
           keep: int | None = None, tflops: float | None = None, count: CountOptions | None = None,
           first_layer: int | None = None, shape: str = "uniform", image_size: tuple[int, int] | None = None,
@@ -183,6 +197,7 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     if "_ficoco_handle" in model.__dict__:
         raise FicocoError("this model is already patched; call handle.remove() first")
     check_attention_implementation(model)
+    check_cache_implementation(model)
     try:
         params = Hyperparameters(**hyperparameters)
     except TypeError as exc:

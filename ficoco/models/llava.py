@@ -275,6 +275,8 @@ class LlavaAdapter:
                 handle.begin_forward()
             visual = has_pixels or bool(call.get("mm_encoder_outputs"))
             positions = None
+            if variant == "v" and not visual:
+                follow_shortened_prompt(handle, call)
             if variant == "v" and visual and input_ids is not None and keep_per_image is not None:
                 if "prompt_positions" in generating:
                     # generate's prefill, shortened already (its rows repeated for beams/samples).
@@ -284,6 +286,7 @@ class LlavaAdapter:
                     positions = self.kept_token_index(input_ids, keep_per_image)
                     if positions is not None:
                         shorten_call(call, positions, input_ids.shape[1])
+                        handle.prompt_map = (positions, input_ids.shape[1])
             starts_prefill = visual and input_ids is not None
             cache = call.get("past_key_values")
             labels = None
@@ -353,6 +356,22 @@ class LlavaAdapter:
             raise FicocoError("this cache was not filled by the FiCoCo-L handle now applied (its layers hold "
                               "different token counts); continue a conversation with the cache its last call returned")
         return past, {}
+
+
+def follow_shortened_prompt(handle: Handle, call: dict[str, Any]) -> None:
+    """A decode step after a FiCoCo-V prefill, with the caller's attention mask grown from the
+    caller's (unshortened) prompt, as a hand-written decode loop grows it: drop the columns of
+    the placeholders the prefill removed, so the mask lines up with the cache."""
+    mask, cache, prompt = call.get("attention_mask"), call.get("past_key_values"), handle.prompt_map
+    input_ids = call.get("input_ids")
+    if mask is None or cache is None or prompt is None or input_ids is None or mask.dim() != 2:
+        return
+    kept, length = prompt
+    removed = length - kept.shape[1]
+    if mask.shape[1] != int(cache.get_seq_length()) + input_ids.shape[1] + removed or mask.shape[0] != kept.shape[0]:
+        return  # lined up with the cache already (generate's own steps), or not this prompt's
+    call["attention_mask"] = torch.cat([torch.gather(mask[:, :length], 1, kept.to(mask.device)),
+                                        mask[:, length:]], dim=1)
 
 
 def arange_like(logits: Tensor) -> Tensor:

@@ -299,6 +299,15 @@ class LlavaNextAdapter(LlavaAdapter):
         flags = torch.cat([layout.newline_flags() for layout in layouts]).to(input_ids.device)
         is_image = input_ids == self.image_token_id
         placeholders = state.visual_rows.numel()  # every sample holds the same count
+        batch = input_ids.shape[0]
+        copies = placeholders // flags.numel() if flags.numel() else 0
+        if copies > 1 and placeholders == copies * flags.numel() and batch % copies == 0:
+            # generate's beams (or returned sequences) repeat every prompt `copies` times after it
+            # took the call's image_sizes: repeat each prompt's images' flags alike.
+            per_prompt = len(layouts) * copies // batch
+            groups = [torch.cat([layout.newline_flags() for layout in layouts[i:i + per_prompt]])
+                      for i in range(0, len(layouts), per_prompt)]
+            flags = torch.cat([group for group in groups for _ in range(copies)]).to(input_ids.device)
         if flags.numel() != placeholders:
             raise FicocoError(f"the input holds {placeholders} image placeholders, but its "
                               f"{len(layouts)} image(s) of image_sizes {self._sizes_of_call()} need {flags.numel()}")

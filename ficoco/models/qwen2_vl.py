@@ -46,6 +46,7 @@ from ficoco.models.llava import (
     _timed,
     arange_like,
     check_call_options,
+    follow_shortened_prompt,
     restore_prompt,
     wants_dict,
 )
@@ -424,8 +425,12 @@ class Qwen2VLAdapter(LlavaAdapter):
             call = dict(bound.arguments)
             call.update(call.pop("kwargs", {}))
             check_call_options(model, call, variant)
+            input_length = call["input_ids"].shape[1] if call.get("input_ids") is not None else 0
             if call.get("pixel_values") is not None or call.get("pixel_values_videos") is not None:
                 call = prepare(call, text_row=False)
+                handle.prompt_map = (generating["prompt_positions"], input_length)
+            elif not call.get("mm_encoder_outputs"):
+                follow_shortened_prompt(handle, call)
             # Otherwise: text, a decode step, or generate's prefill, whose images generate() encoded.
             positions = generating.pop("prompt_positions", None) if call.get("mm_encoder_outputs") else None
             return_dict = call.pop("return_dict", None)
