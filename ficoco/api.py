@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,9 @@ class Handle:
     language_state: LanguageState | None = None
     # (B, T_out) position in the last forward's input_ids of every output position (see above).
     output_positions: Tensor | None = None
+    # FiCoCo-L: the state that filled each cache the handle has seen (decode steps and later
+    # turns follow the cache they are given); weak, so caches are freed as usual.
+    cache_states: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
     # FiCoCo-V: the last shortened prompt (kept positions, caller's length), so that decode
     # steps whose attention mask grew from the caller's prompt line up with the cache.
     prompt_map: tuple[Tensor, int] | None = field(default=None, repr=False)
@@ -129,6 +133,7 @@ class Handle:
         """Restore the model exactly as it was before `apply`."""
         self._patches.undo()
         self.language_state = self.vision_state = self.output_positions = self.prompt_map = None
+        self.cache_states.clear()
         if self.model.__dict__.get("_ficoco_handle") is self:
             del self.model.__dict__["_ficoco_handle"]
 

@@ -468,13 +468,16 @@ def test_l_second_turn_with_a_new_image_on_the_first_turns_cache(models: Any) ->
     assert torch.equal(empty, vanilla2)  # nothing removed: the unpatched conversation
 
     with ficoco.apply(model, "l", schedule=how) as handle:
-        turn1 = model.generate(**first, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                               return_dict_in_generate=True)
+        # Two first turns, two caches: a forward on one, generate on the other.
+        turn1, again = (model.generate(**first, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                       return_dict_in_generate=True) for _ in range(2))
         nxt = second_turn(model, turn1.sequences, seed=21)
         cache = turn1.past_key_values
         before = [cache.get_seq_length(i) for i in range(DECODER_LAYERS)]
         step = model(**{k: v[:, before[0]:] if k in ("input_ids", "attention_mask") else v for k, v in nxt.items()},
-                     past_key_values=copy.deepcopy(cache), use_cache=True)
+                     past_key_values=again.past_key_values, use_cache=True)
+        with pytest.raises(FicocoError, match="cache object the model returned"):
+            model(input_ids=nxt["input_ids"][:, -1:], past_key_values=copy.deepcopy(cache))
         turn2 = model.generate(**nxt, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW,
                                do_sample=False)
         after = [cache.get_seq_length(i) for i in range(DECODER_LAYERS)]

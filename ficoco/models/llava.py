@@ -279,9 +279,16 @@ class LlavaAdapter:
                 follow_shortened_prompt(handle, call)
             if variant == "v" and visual and input_ids is not None and keep_per_image is not None:
                 if "prompt_positions" in generating:
-                    # generate's prefill, shortened already (its rows repeated for beams/samples).
-                    positions = generating.pop("prompt_positions")
-                    positions = positions.repeat_interleave(input_ids.shape[0] // positions.shape[0], dim=0)
+                    # generate's prefill, shortened already (its rows repeated for beams/samples):
+                    # the part after what a cache holds (a later turn), or, without a cache, the
+                    # whole prompt again at every step, followed by the new tokens.
+                    kept, length = generating["prompt_positions"]
+                    kept = kept.repeat_interleave(input_ids.shape[0] // kept.shape[0], dim=0)
+                    cache = call.get("past_key_values")
+                    past = int(cache.get_seq_length()) if cache is not None else 0
+                    end = past + input_ids.shape[1]
+                    extra = torch.arange(length, length + max(0, end - kept.shape[1]), device=kept.device)
+                    positions = torch.cat([kept, extra.expand(kept.shape[0], -1)], dim=1)[:, past:end]
                 else:
                     positions = self.kept_token_index(input_ids, keep_per_image)
                     if positions is not None:
@@ -291,14 +298,18 @@ class LlavaAdapter:
             cache = call.get("past_key_values")
             labels = None
             if variant == "l":
-                current = handle.language_state
+                # The state that filled this cache (a conversation may go on on any cache the
+                # handle filled; one it did not fill must hold every token in every layer).
+                filled = handle.cache_states.get(cache) if cache is not None else None
                 if starts_prefill:
-                    past, priors = self.turn_on_cache(cache, current)
+                    past, priors = self.turn_on_cache(cache, filled)
                     handle.language_state = self.language_state(input_ids, call.get("attention_mask"), past, priors)
-                elif current is None or cache is None or cache is not current.cache:
+                elif filled is None:
+                    self.turn_on_cache(cache, None)  # refuses a reduced cache it cannot follow
                     handle.language_state = None
                 else:
-                    current.decoding = True
+                    handle.language_state = filled
+                    filled.decoding = True
                 if handle.language_state is not None and not handle.language_state.decoding:
                     labels = call.pop("labels", None)  # compared with what remains, below
             # The state for the next step lives in the output: ask for the object form and give
@@ -308,6 +319,8 @@ class LlavaAdapter:
             state = handle.language_state
             if variant == "l" and state is not None and not state.decoding:
                 state.cache = getattr(output, "past_key_values", None)
+                if state.cache is not None:
+                    handle.cache_states[state.cache] = state
                 state.decoding = True
                 positions = state.index
             handle.output_positions = positions if positions is not None else arange_like(output.logits)
@@ -333,7 +346,7 @@ class LlavaAdapter:
             if kept is None:
                 return original_generate(*args, **kwargs)
             shorten_call(kwargs, kept, prompt.shape[1])
-            generating["prompt_positions"] = kept
+            generating["prompt_positions"] = (kept, prompt.shape[1])
             try:
                 output = original_generate(*args, **kwargs)
             finally:
@@ -349,12 +362,12 @@ class LlavaAdapter:
         past = int(cache.get_seq_length()) if cache is not None else 0
         if not past:
             return 0, {}
-        if state is not None and cache is state.cache:
+        if state is not None:
             return past, state.next_turn_priors(past)
         lengths = {int(cache.get_seq_length(i)) for i in range(len(self.decoder_layers))}
         if lengths != {past}:
-            raise FicocoError("this cache was not filled by the FiCoCo-L handle now applied (its layers hold "
-                              "different token counts); continue a conversation with the cache its last call returned")
+            raise FicocoError("this cache holds FiCoCo-L-reduced layers that the handle did not fill (a copy, or "
+                              "another handle's); continue the conversation on the cache object the model returned")
         return past, {}
 
 
