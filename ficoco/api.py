@@ -18,6 +18,7 @@ from ficoco.accounting import CountOptions, architecture, resolve_schedule
 from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.models import adapter_for
+from ficoco.models.attention import SUPPORTED_ATTENTION, check_attention_implementation  # noqa: F401
 from ficoco.models.build import build_model
 from ficoco.models.patching import LanguageState, Patches
 from ficoco.profiles import FAMILY_DEFAULTS, Profile
@@ -156,22 +157,6 @@ def profile_of(model: nn.Module, name: str | None = None) -> Profile:
     defaults = dict(FAMILY_DEFAULTS[model_type])
     defaults.update(getattr(model, "_ficoco_defaults", {}) or {})
     return Profile(name=name or getattr(model, "name_or_path", "") or model_type, config=config, defaults=defaults)
-
-
-# The patches slice 4-D masks and route reducing layers through an eager probe; flash and flex
-# attention take other mask forms (none, or block masks) that the patches cannot slice.
-SUPPORTED_ATTENTION = ("sdpa", "eager")
-
-
-def check_attention_implementation(model: nn.Module) -> None:
-    """Refuse, at apply(), attention implementations the patches cannot serve."""
-    config = getattr(model, "config", None)
-    configs = [config] + [getattr(config, key, None) for key in ("text_config", "vision_config")]
-    for sub in filter(None, configs):
-        implementation = getattr(sub, "_attn_implementation", None)
-        if implementation is not None and implementation not in SUPPORTED_ATTENTION:
-            raise FicocoError(f"attn_implementation '{implementation}' is not supported by the FiCoCo patches; "
-                              f"load the model with attn_implementation='sdpa' (or 'eager')")
 
 
 def check_cache_implementation(model: nn.Module) -> None:

@@ -537,3 +537,12 @@ def test_eager_attention_works_like_sdpa(models: Any, name: str, variant: str) -
     with ficoco.apply(eager, variant, keep=KEEP[name]):
         got = eager(**inp).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_switched_after_apply_is_refused_at_the_call(models: Any) -> None:
+    model = copy.deepcopy(models("llava-tiny"))
+    inp = inputs(model, seed=24)
+    with ficoco.apply(model, "l", keep=8):
+        model.config.text_config._attn_implementation_internal = "flex_attention"
+        with pytest.raises(FicocoError, match="attn_implementation='sdpa'"):
+            model(**inp)

@@ -20,7 +20,25 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ficoco.errors import FicocoError
+
 PROBE_IMPLEMENTATION = "ficoco_probe"
+
+
+# The patches slice 4-D masks and route reducing layers through an eager probe; flash and flex
+# attention take other mask forms (none, or block masks) that the patches cannot slice.
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def check_attention_implementation(model: nn.Module) -> None:
+    """Refuse, at apply(), attention implementations the patches cannot serve."""
+    config = getattr(model, "config", None)
+    configs = [config] + [getattr(config, key, None) for key in ("text_config", "vision_config")]
+    for sub in filter(None, configs):
+        implementation = getattr(sub, "_attn_implementation", None)
+        if implementation is not None and implementation not in SUPPORTED_ATTENTION:
+            raise FicocoError(f"attn_implementation '{implementation}' is not supported by the FiCoCo patches; "
+                              f"load the model with attn_implementation='sdpa' (or 'eager')")
 
 
 @dataclass
@@ -97,7 +115,8 @@ def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     timer = slot.timer
     # A module whose own implementation is eager returns its attention matrix (what
     # output_attentions collects): return the one this layer computed, every head.
-    weights = module._ficoco_original_config._attn_implementation == "eager"  # type: ignore[union-attr]
+    own_config = getattr(module, "_ficoco_original_config", None)
+    weights = own_config is not None and own_config._attn_implementation == "eager"
     with timer.span("probe", query.device) if timer is not None else contextlib.nullcontext():
         output, attn, per_head = _attention_with_probabilities(module, query, key, value, attention_mask, scaling,
                                                                is_causal, keep_heads=weights)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ficoco import testing_hooks
 from ficoco.errors import FicocoError
-from ficoco.models.attention import install_probe, remove_probe
+from ficoco.models.attention import check_attention_implementation, install_probe, remove_probe
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
 from ficoco.models.patching import LanguageState, Patches, gather_rows
 from ficoco.reduction import reduce_l, reduce_v
@@ -436,6 +436,7 @@ def remaining_loss(model: nn.Module, logits: Tensor, labels: Tensor, positions: 
 
 def check_call_options(model: nn.Module, call: dict[str, Any], variant: str) -> None:
     """Refuse, at the call, options whose outputs the patched model could not give in full."""
+    check_attention_implementation(model)  # changed after apply() (set_attn_implementation)
     wants_attentions = call.get("output_attentions")
     if wants_attentions is None:
         wants_attentions = getattr(model.config, "output_attentions", False)
