@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from ficoco.accounting import CountOptions, architecture, resolve_schedule
 from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.models import adapter_for
+from ficoco.models.attention import SUPPORTED_ATTENTION, check_attention_implementation  # noqa: F401
 from ficoco.models.build import build_model
 from ficoco.models.patching import LanguageState, Patches
 from ficoco.profiles import FAMILY_DEFAULTS, Profile
@@ -54,7 +56,31 @@ class LayerRecord:
 
 @dataclass
 class Handle:
-    """A model patched with FiCoCo; `remove()` (or leaving a `with` block) restores it."""
+    """A model patched with FiCoCo; `remove()` (or leaving a `with` block) restores it.
+
+    The patched model stays a Hugging Face model; where its outputs differ in shape from the
+    unpatched model's, this is what they mean:
+
+    - **Output positions.** FiCoCo-V runs the LLM on a prompt whose image spans are shortened,
+      FiCoCo-L drops visual tokens inside the decoder: logits and the last hidden states of a
+      prefill hold fewer positions than `input_ids`. After every forward, `output_positions`
+      ``(B, T_out)`` gives the position in that call's `input_ids` of every output position
+      (inside `generate`: in the prompt the caller gave `generate`); a call that removed nothing
+      gives ``0..T-1``. `torch.gather(input_ids, 1, handle.output_positions)` lines the inputs up
+      with the logits.
+    - **Labels.** `model(**inputs, labels=labels)` with `labels` shaped like `input_ids` returns
+      the model's own causal-LM loss over the positions that remain: the labels are taken at
+      `output_positions`, so the logits at each remaining position are scored against the next
+      remaining token. Image placeholders carry -100 in every family's label convention, so the
+      terms are the same text tokens as the unpatched model's; only the token before the first
+      text token after an image may be a different (kept, merged) visual token. With an empty
+      schedule the loss is the unpatched model's.
+    - **generate** returns the caller's own prompt followed by the new tokens (tensor and
+      `.sequences`), whatever the variant; scores and logits are one per new token.
+    - `output_hidden_states=True` gives one tensor per layer, each as long as the sequence that
+      layer really ran on; `output_attentions=True` (attn_implementation='eager') one matrix per
+      layer, the one that layer really computed.
+    """
 
     model: nn.Module
     variant: str
@@ -66,6 +92,14 @@ class Handle:
     timer: StageTimer = field(default_factory=StageTimer, repr=False)
     vision_state: Tensor | None = None
     language_state: LanguageState | None = None
+    # (B, T_out) position in the last forward's input_ids of every output position (see above).
+    output_positions: Tensor | None = None
+    # FiCoCo-L: the state that filled each cache the handle has seen (decode steps and later
+    # turns follow the cache they are given); weak, so caches are freed as usual.
+    cache_states: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, repr=False)
+    # FiCoCo-V: the last shortened prompt (kept positions, caller's length), so that decode
+    # steps whose attention mask grew from the caller's prompt line up with the cache.
+    prompt_map: tuple[Tensor, int] | None = field(default=None, repr=False)
     _patches: Patches = field(default_factory=Patches, repr=False)
     # Records stay on the model's device until read: copying them to the host per layer would
     # synchronise the device inside the forward.
@@ -86,10 +120,12 @@ class Handle:
         return self.timer.total_ms("reduction") / 1e3
 
     def begin_forward(self) -> None:
-        """A new image forward: forget the previous one's records and state."""
+        """A new image forward: forget the previous one's records and vision state. FiCoCo-L's
+        state stays until the entry replaces it: a new turn on its cache needs what each layer
+        cached."""
         self._pending, self._records = [], []
         self.vision_state = None
-        self.language_state = None
+        self.output_positions = None
 
     def record(self, stage: str, layer: int, *, kept: Tensor, discarded: Tensor) -> None:
         self._pending.append(LayerRecord(stage, layer, kept.detach(), discarded.detach()))
@@ -97,7 +133,8 @@ class Handle:
     def remove(self) -> None:
         """Restore the model exactly as it was before `apply`."""
         self._patches.undo()
-        self.language_state = self.vision_state = None
+        self.language_state = self.vision_state = self.output_positions = self.prompt_map = None
+        self.cache_states.clear()
         if self.model.__dict__.get("_ficoco_handle") is self:
             del self.model.__dict__["_ficoco_handle"]
 
@@ -122,20 +159,15 @@ def profile_of(model: nn.Module, name: str | None = None) -> Profile:
     return Profile(name=name or getattr(model, "name_or_path", "") or model_type, config=config, defaults=defaults)
 
 
-# The patches slice 4-D masks and route reducing layers through an eager probe; flash and flex
-# attention take other mask forms (none, or block masks) that the patches cannot slice.
-SUPPORTED_ATTENTION = ("sdpa", "eager")
-
-
-def check_attention_implementation(model: nn.Module) -> None:
-    """Refuse, at apply(), attention implementations the patches cannot serve."""
-    config = getattr(model, "config", None)
-    configs = [config] + [getattr(config, key, None) for key in ("text_config", "vision_config")]
-    for sub in filter(None, configs):
-        implementation = getattr(sub, "_attn_implementation", None)
-        if implementation is not None and implementation not in SUPPORTED_ATTENTION:
-            raise FicocoError(f"attn_implementation '{implementation}' is not supported by the FiCoCo patches; "
-                              f"load the model with attn_implementation='sdpa' (or 'eager')")
+def check_cache_implementation(model: nn.Module) -> None:
+    """Refuse, at apply(), a generation config that asks for a cache the patches cannot serve:
+    a pre-allocated (static, offloaded, sliding-window...) cache holds the same length in every
+    layer, while FiCoCo-L's reduced layers cache fewer tokens than the others."""
+    generation = getattr(model, "generation_config", None)
+    implementation = getattr(generation, "cache_implementation", None)
+    if implementation not in (None, "dynamic"):
+        raise FicocoError(f"cache_implementation '{implementation}' is not supported by the FiCoCo patches; "
+                          "set model.generation_config.cache_implementation = None (the default dynamic cache)")
 
 
 def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int, int] | None = None,
@@ -155,6 +187,7 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     if "_ficoco_handle" in model.__dict__:
         raise FicocoError("this model is already patched; call handle.remove() first")
     check_attention_implementation(model)
+    check_cache_implementation(model)
     try:
         params = Hyperparameters(**hyperparameters)
     except TypeError as exc:

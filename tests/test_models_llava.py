@@ -481,9 +481,9 @@ def test_v_generate_batch_one_and_two(model: nn.Module, arch: Any) -> None:
         prefill_last = model(**batch).logits[:, -1]
         alone = [greedy(model, sample(batch, i)) for i in range(2)]
         plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
-    # The prompt comes back with its image span shortened to the kept tokens.
-    assert together.shape == (2, TEXT + 8 + NEW)
-    assert int((together == IMAGE_TOKEN).sum(1).max()) == 8
+    # The caller's own prompt comes back, then the new tokens (the LLM ran the shortened prompt).
+    assert together.shape == (2, TEXT + PATCHES + NEW)
+    assert torch.equal(together[:, :TEXT + PATCHES], batch["input_ids"])
     for i in range(2):
         assert torch.equal(together[i:i + 1, -NEW:], alone[i][:, -NEW:])
     assert torch.equal(together[:, -NEW], prefill_last.argmax(-1))
@@ -686,8 +686,9 @@ def test_llava_7b_reduced_depth_prefill_and_generate_follow_schedule(llava7b: nn
         assert seen["llm"][i] == [plan.llm[i][0]] + [1] * 3, f"decoder layer {i}"
     assert [r.layer for r in records] == sorted(how)
     assert records[-1].kept.shape == (1, 76)
-    prompt = TEXT + (76 if variant == "v" else 576)  # V shortens the image span of the prompt
-    assert out.sequences.shape[1] == prompt + 4
+    # Both give back the caller's prompt (V ran a shortened one), then the new tokens.
+    assert out.sequences.shape[1] == TEXT + 576 + 4
+    assert torch.equal(out.sequences[:, :TEXT + 576], inp["input_ids"])
     assert all(bool(torch.isfinite(x).all()) for x in out.logits)
 
 

@@ -262,10 +262,10 @@ def test_generate_after_reduced_prefill_batch_equals_samples_alone(model: nn.Mod
         plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
         prefill_last = model(**batch).logits[:, -1]
         alone = [greedy(model, sample(batch, i)) for i in range(2)]
-    # V returns the prompt with its image span shortened to the reduced count.
-    prompt = TEXT + keep if variant == "v" else length
+    # Both give back the caller's own prompt (V ran it with the image span shortened).
+    prompt = length
     assert together.shape == (2, prompt + NEW)
-    assert (together[:, :prompt] == IMAGE_TOKEN).sum(1).tolist() == [keep if variant == "v" else VISUAL] * 2
+    assert torch.equal(together[:, :prompt], batch["input_ids"])
     for i in range(2):
         assert torch.equal(together[i:i + 1], alone[i])
     assert torch.equal(together[:, prompt], prefill_last.argmax(-1))
@@ -405,7 +405,8 @@ def test_v_runs_on_a_non_square_image_whose_unpadding_drops_nothing(model: nn.Mo
         tokens = greedy(model, inp, new=3)
         assert tuple(handle.records[-1].kept.shape) == (2 * 3, 6)
     assert logits.shape[1] == TEXT + 3 * 6 + 4
-    assert tokens.shape == (2, TEXT + 3 * 6 + 4 + 3)
+    assert tokens.shape == (2, inp["input_ids"].shape[1] + 3)
+    assert torch.equal(tokens[:, :-3], inp["input_ids"])
 
 
 def test_v_refuses_placeholder_counts_that_fit_no_layout(model: nn.Module) -> None:

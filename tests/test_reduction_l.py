@@ -284,3 +284,46 @@ def test_reduce_l_rejects_removing_every_visual_token() -> None:
             3,
             torch.zeros(1, 6, dtype=torch.bool),
         )
+
+
+# -- several image spans per sample (issue 11) ------------------------------------------------
+
+@FAST
+@given(l_cases())
+def test_reduce_l_with_explicit_contiguous_positions_equals_the_span_form(case: LCase) -> None:
+    positions = case.visual_start[:, None] + torch.arange(case.num_visual)
+    span = _run(case)
+    explicit = _run(case, visual_positions=positions)
+    assert torch.equal(explicit.hidden, span.hidden)
+    assert torch.equal(explicit.kept_positions, span.kept_positions)
+    assert torch.equal(explicit.kept_visual, span.kept_visual)
+    assert torch.equal(explicit.visual_positions, span.visual_positions)
+
+
+def test_reduce_l_two_spans_are_one_set_text_between_them_stays_and_only_later_text_is_the_prior() -> None:
+    gen = torch.Generator().manual_seed(3)
+    batch, seq_len, dim = 2, 20, 8
+    # [2 prefix] [5 visual] [3 text] [5 visual] [5 suffix]
+    visual = torch.tensor([2, 3, 4, 5, 6, 10, 11, 12, 13, 14]).expand(batch, -1)
+    hidden = torch.randn(batch, seq_len, dim, generator=gen)
+    attn = _causal_attention(gen, batch, seq_len)
+    suffix = torch.ones(batch, seq_len, dtype=torch.bool)  # the reduction keeps rows after the last span
+    r = 6
+    red = reduce_l(hidden, attn, r, visual[:, 0], 10, suffix, visual_positions=visual)
+    assert red.hidden.shape == (batch, seq_len - r, dim)
+    flat_kept = torch.gather(visual, 1, red.kept_visual)
+    # Every text token stays unchanged, in order, wherever it is.
+    is_text = torch.ones(seq_len, dtype=torch.bool)
+    is_text[visual[0]] = False
+    for b in range(batch):
+        kept_rows = red.kept_positions[b]
+        assert set(flat_kept[b].tolist()) | set(torch.arange(seq_len)[is_text].tolist()) == set(kept_rows.tolist())
+        text_out = red.hidden[b][is_text[kept_rows]]
+        assert torch.equal(text_out, hidden[b][is_text])
+        # The kept visual tokens sit at the rows the result names.
+        assert torch.equal(kept_rows[red.visual_positions[b]], flat_kept[b])
+    # Text between the spans is no task prior: changing its attention rows changes nothing.
+    other = attn.clone()
+    other[:, 7:10] = torch.softmax(torch.randn(batch, 3, seq_len, generator=gen), -1)
+    again = reduce_l(hidden, other, r, visual[:, 0], 10, suffix, visual_positions=visual)
+    assert torch.equal(again.kept_visual, red.kept_visual)

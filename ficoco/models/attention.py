@@ -20,7 +20,25 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ficoco.errors import FicocoError
+
 PROBE_IMPLEMENTATION = "ficoco_probe"
+
+
+# The patches slice 4-D masks and route reducing layers through an eager probe; flash and flex
+# attention take other mask forms (none, or block masks) that the patches cannot slice.
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def check_attention_implementation(model: nn.Module) -> None:
+    """Refuse, at apply(), attention implementations the patches cannot serve."""
+    config = getattr(model, "config", None)
+    configs = [config] + [getattr(config, key, None) for key in ("text_config", "vision_config")]
+    for sub in filter(None, configs):
+        implementation = getattr(sub, "_attn_implementation", None)
+        if implementation is not None and implementation not in SUPPORTED_ATTENTION:
+            raise FicocoError(f"attn_implementation '{implementation}' is not supported by the FiCoCo patches; "
+                              f"load the model with attn_implementation='sdpa' (or 'eager')")
 
 
 @dataclass
@@ -95,20 +113,27 @@ def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
         return implementation(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                               is_causal=is_causal, **kwargs)
     timer = slot.timer
+    # A module whose own implementation is eager returns its attention matrix (what
+    # output_attentions collects): return the one this layer computed, every head.
+    own_config = getattr(module, "_ficoco_original_config", None)
+    weights = own_config is not None and own_config._attn_implementation == "eager"
     with timer.span("probe", query.device) if timer is not None else contextlib.nullcontext():
-        output, attn = _attention_with_probabilities(module, query, key, value, attention_mask, scaling, is_causal)
+        output, attn, per_head = _attention_with_probabilities(module, query, key, value, attention_mask, scaling,
+                                                               is_causal, keep_heads=weights)
     keys = key if slot.want_keys else None
     if slot.chunks is not None:
         slot.chunks.append((attn, keys))
     else:
         slot.attn, slot.keys = attn, keys
-    return output, None
+    return output, per_head
 
 
 def _attention_with_probabilities(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                                   attention_mask: Tensor | None, scaling: float | None,
-                                  is_causal: bool | None) -> tuple[Tensor, Tensor]:
-    """(B, T, H, d) attention output and (B, Tq, Tk) head-mean float32 probabilities."""
+                                  is_causal: bool | None, keep_heads: bool = False
+                                  ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(B, T, H, d) attention output, (B, Tq, Tk) head-mean float32 probabilities and, with
+    `keep_heads`, the (B, H, Tq, Tk) probabilities of every head in the query's dtype."""
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[2]
     groups = heads // key.shape[1]
@@ -118,6 +143,7 @@ def _attention_with_probabilities(module: nn.Module, query: Tensor, key: Tensor,
     batch_step, head_step, query_step = probe_chunks(batch, heads, q_len, k_len, budget)
     output = torch.empty(batch, heads, q_len, value.shape[-1], dtype=value.dtype, device=value.device)
     attn_sum = torch.zeros(batch, q_len, k_len, dtype=torch.float32, device=query.device)
+    per_head = torch.empty(batch, heads, q_len, k_len, dtype=query.dtype, device=query.device) if keep_heads else None
     for b0 in range(0, batch, batch_step):
         rows = slice(b0, min(b0 + batch_step, batch))
         for h0 in range(0, heads, head_step):
@@ -144,7 +170,9 @@ def _attention_with_probabilities(module: nn.Module, query: Tensor, key: Tensor,
                     probs = torch.nan_to_num_(probs)
                 output[rows, h0:h1, queries] = torch.matmul(probs.to(value.dtype), v)
                 attn_sum[rows, queries] += probs.sum(dim=1)
-    return output.transpose(1, 2).contiguous(), attn_sum.div_(heads)
+                if per_head is not None:
+                    per_head[rows, h0:h1, queries] = probs.to(per_head.dtype)
+    return output.transpose(1, 2).contiguous(), attn_sum.div_(heads), per_head
 
 
 AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ficoco import testing_hooks
 from ficoco.errors import FicocoError
-from ficoco.models.attention import install_probe, remove_probe
+from ficoco.models.attention import check_attention_implementation, install_probe, remove_probe
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
 from ficoco.models.patching import LanguageState, Patches, gather_rows
 from ficoco.reduction import reduce_l, reduce_v
@@ -106,59 +106,73 @@ class LlavaAdapter:
 
             patches.set(layer, "forward", forward)
 
-    def shrink_image_spans(self, input_ids: Tensor, attention_mask: Tensor | None, keep: int
-                           ) -> tuple[Tensor, Tensor | None]:
-        """Keep the first `keep` placeholders of every full span unit (`span_tokens`: an image's 576
-        for LLaVA-1.5). One host synchronisation (the placeholder counts) per call."""
+    def kept_token_index(self, input_ids: Tensor, keep: int) -> Tensor | None:
+        """(B, T') the positions of `input_ids` that FiCoCo-V's shortened prompt keeps: every token
+        but the placeholders past the first `keep` of every full span unit (`span_tokens`: an
+        image's 576 for LLaVA-1.5). None when the input holds no placeholder. Every span must be
+        whole (the caller's own prompt); one host synchronisation (the placeholder counts)."""
         is_image = input_ids == self.image_token_id
         counts = is_image.sum(dim=1).tolist()
         if not any(counts):
-            return input_ids, attention_mask
+            return None
         if len(set(counts)) != 1:
             raise FicocoError("every sample of a batch must hold the same number of images for FiCoCo-V")
         total = counts[0]
         if total % self.span_tokens:
-            if total % keep == 0:
-                return input_ids, attention_mask  # already shortened (generate's prefill)
-            raise FicocoError(f"image spans of {total} placeholders are not multiples of {self.span_tokens}")
+            raise FicocoError(f"image spans of {total} placeholders are not multiples of {self.span_tokens} "
+                              "(give the prompt as the processor lays it out, every image span whole)")
         # Rank of each placeholder inside its span unit: position in the run of placeholders.
         rank = (torch.cumsum(is_image.long(), dim=1) - 1) % self.span_tokens
         drop = is_image & (rank >= keep)
         # Every sample drops the same (host-known) number of placeholders, so a stable sort of
         # the drop flags lists the kept positions in order without a data-dependent nonzero().
         length = input_ids.shape[1] - (total // self.span_tokens) * (self.span_tokens - keep)
-        kept = torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :length]
-        new_ids = torch.gather(input_ids, 1, kept)
-        new_mask = torch.gather(attention_mask, 1, kept) if attention_mask is not None else None
-        return new_ids, new_mask
+        return torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :length]
 
     # -- FiCoCo-L ---------------------------------------------------------------------------
-    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None) -> LanguageState | None:
-        """Find the visual span of every sample from its placeholder tokens (never from offsets);
-        None when the input holds no placeholder. One host synchronisation per prefill."""
-        is_image = input_ids == self.image_token_id
+    def language_tokens(self, input_ids: Tensor) -> Tensor:
+        """(B, T) bool: the placeholders FiCoCo-L reduces (every image span of the prompt)."""
+        return input_ids == self.image_token_id
+
+    def unreduced_visual(self, input_ids: Tensor) -> Tensor:
+        """(B, T) bool: visual placeholders FiCoCo leaves alone (none here; Video-LLaVA's images)."""
+        return torch.zeros_like(input_ids, dtype=torch.bool)
+
+    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,
+                       prior_positions: dict[int, Tensor] | None = None) -> LanguageState | None:
+        """Find the visual tokens of every sample from its placeholder tokens (never from offsets):
+        all image spans of a sample together. None when the input holds no placeholder. One host
+        synchronisation per prefill.
+
+        `past_length` tokens of earlier turns are in the cache already (the unreduced layout), and
+        `prior_positions` say which of them each reducing layer's cache holds (multi-turn)."""
+        is_image = self.language_tokens(input_ids)
         counts = is_image.sum(dim=1)
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
-        start = torch.where(is_image, positions, length).min(dim=1).values
-        in_span = (positions >= start[:, None]) & (positions < (start + counts)[:, None])
-        contiguous = (in_span & is_image).sum(1).eq(counts).all()
+        last = torch.where(is_image, positions, -1).max(dim=1).values
+        # Spans: runs of placeholders (every family's template puts a token between two images).
+        starts = is_image & ~torch.nn.functional.pad(is_image[:, :-1], (1, 0), value=False)
+        spans = starts.sum(dim=1)
         # Everything the host must know, in one transfer.
-        fewest, most, earliest, is_contiguous = torch.stack(
-            [counts.min(), counts.max(), start.min(), contiguous.long()]).tolist()
+        fewest, most, earliest_last, fewest_spans, most_spans = torch.stack(
+            [counts.min(), counts.max(), last.min(), spans.min(), spans.max()]).tolist()
         if most == 0:
             return None
         if fewest != most:
             raise FicocoError("every sample of a batch must hold the same number of image tokens for FiCoCo-L")
-        if not is_contiguous:
-            raise FicocoError("FiCoCo-L needs one contiguous image span per sample")
+        if fewest_spans != most_spans:
+            raise FicocoError("every sample of a batch must hold the same number of images for FiCoCo-L")
         num_visual = most
-        end = start + num_visual
+        # A stable sort of the "not visual" flags lists every sample's visual rows first, in order.
+        visual_rows = torch.sort((~is_image).to(torch.int8), dim=1, stable=True).indices[:, :num_visual]
         real = attention_mask.bool() if attention_mask is not None else torch.ones_like(is_image)
-        suffix = (positions >= end[:, None]) & real
-        visual = start[:, None] + torch.arange(num_visual, device=input_ids.device)
-        return LanguageState(index=positions.clone(), visual_start=start, visual_positions=visual,
-                             suffix_mask=suffix, prefill_length=length, first_suffix_row=earliest + num_visual)
+        suffix = (positions > last[:, None]) & real & ~self.unreduced_visual(input_ids)
+        ranks = torch.arange(num_visual, device=input_ids.device).expand(batch, -1)
+        return LanguageState(index=positions.clone(), visual_rows=visual_rows, visual_ranks=ranks,
+                             suffix_mask=suffix, prefill_length=past_length + length, past_length=past_length,
+                             prior_positions=dict(prior_positions or {}), first_suffix_row=earliest_last + 1,
+                             images=most_spans)
 
     def patch_language(self, handle: Handle, patches: Patches, removed: dict[int, int], first: int) -> None:
         """Reduce inside the decoder layers of `removed`; layers from `first` on see the shorter
@@ -192,7 +206,9 @@ class LlavaAdapter:
                     if position_embeddings is not None and position_embeddings[0].shape[1] != index.shape[1]:
                         cos, sin = position_embeddings
                         position_embeddings = (gather_rows(cos, index, 1), gather_rows(sin, index, 1))
-                    state.cached_positions[_idx] = index
+                    # What this layer's cache holds after the call: its earlier keys and the
+                    # tokens it sees now (before its own reduction).
+                    state.cached_positions[_idx] = state.key_positions(_idx)
                 if state.decoding or not _r:
                     return _original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                      past_key_values=past_key_values, use_cache=use_cache,
@@ -208,16 +224,18 @@ class LlavaAdapter:
                     _slot.armed = False
                 hidden = residual + attn_out
                 attn, _ = _slot.take()
-                # The prefix is never reduced, so the span starts where it started.
+                # Keys of earlier turns come first; the method reads this call's tokens alone.
+                attn = attn[:, :, attn.shape[2] - attn.shape[1]:]
+                # The schedule's counts are per image: a prompt of k images loses k times as many
+                # tokens at this layer, chosen among all its visual tokens together.
                 red = _timed(handle, hidden.device, lambda: reduce_l(
-                    hidden, attn, _r, state.visual_start, state.num_visual, state.suffix_mask, beta=params.beta,
-                    gamma=params.gamma, eps=params.eps, protected=state.protected,
-                    first_suffix_row=state.first_suffix_row, max_protected=state.max_protected))
-                kept_original = torch.gather(state.visual_positions, 1, red.kept_visual)
-                discarded_original = torch.gather(state.visual_positions, 1, red.discarded_visual)
-                span_start = state.visual_start[:, None]
-                handle.record("llm", _idx, kept=kept_original - span_start, discarded=discarded_original - span_start)
-                state.keep(red.kept_positions, red.kept_visual)
+                    hidden, attn, _r * state.images, state.visual_rows[:, 0], state.num_visual, state.suffix_mask,
+                    beta=params.beta, gamma=params.gamma, eps=params.eps, protected=state.protected,
+                    first_suffix_row=state.first_suffix_row, max_protected=state.max_protected,
+                    visual_positions=state.visual_rows))
+                handle.record("llm", _idx, kept=torch.gather(state.visual_ranks, 1, red.kept_visual),
+                              discarded=torch.gather(state.visual_ranks, 1, red.discarded_visual))
+                state.keep(red.kept_positions, red.kept_visual, red.visual_positions)
                 hidden = red.hidden
                 return hidden + _layer.mlp(_layer.post_attention_layernorm(hidden))
 
@@ -225,11 +243,21 @@ class LlavaAdapter:
 
     # -- the top-level model ----------------------------------------------------------------
     def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
-        """Wrap forward (and generate) to shorten V's image spans and to start L's state."""
+        """Wrap forward (and generate) to shorten V's image spans and to start L's state.
+
+        V shortens the caller's prompt before the model runs and puts the caller's own prompt
+        back into what generate returns; L finds the visual tokens of every prefill (several
+        images, a new turn on an earlier turn's cache). Both leave, per forward, the position
+        in the call's `input_ids` of every output position in `handle.output_positions`, and
+        turn `labels` into the loss over the positions that remain (see `Handle`).
+        """
         model = self.model
         original_forward = model.forward
         original_generate = model.generate
         signature = inspect.signature(original_forward)
+        # Set while generate runs on a prompt it has shortened already (FiCoCo-V): its forwards
+        # must not shorten again; the prefill's positions refer to the caller's prompt.
+        generating: dict[str, Any] = {}
 
         # generate() validates its kwargs against forward's signature: keep the original's.
         @functools.wraps(original_forward)
@@ -237,6 +265,7 @@ class LlavaAdapter:
             bound = signature.bind_partial(*args, **kwargs)
             call = dict(bound.arguments)
             call.update(call.pop("kwargs", {}))
+            check_call_options(model, call, variant)
             input_ids = call.get("input_ids")
             # A call with pixels, or with the visual features generate() encoded before its first
             # forward, starts a visual prefill; one without (a decode step, text only) cannot
@@ -244,42 +273,182 @@ class LlavaAdapter:
             has_pixels = any(call.get(key) is not None for key in self.pixel_inputs)
             if has_pixels:
                 handle.begin_forward()
-            visual = has_pixels or call.get("mm_encoder_outputs") is not None
+            visual = has_pixels or bool(call.get("mm_encoder_outputs"))
+            positions = None
+            if variant == "v" and not visual:
+                follow_shortened_prompt(handle, call)
             if variant == "v" and visual and input_ids is not None and keep_per_image is not None:
-                call["input_ids"], call["attention_mask"] = self.shrink_image_spans(
-                    input_ids, call.get("attention_mask"), keep_per_image)
+                if "prompt_positions" in generating:
+                    # generate's prefill, shortened already (its rows repeated for beams/samples):
+                    # the part after what a cache holds (a later turn), or, without a cache, the
+                    # whole prompt again at every step, followed by the new tokens.
+                    kept, length = generating["prompt_positions"]
+                    kept = kept.repeat_interleave(input_ids.shape[0] // kept.shape[0], dim=0)
+                    cache = call.get("past_key_values")
+                    past = int(cache.get_seq_length()) if cache is not None else 0
+                    end = past + input_ids.shape[1]
+                    extra = torch.arange(length, length + max(0, end - kept.shape[1]), device=kept.device)
+                    positions = torch.cat([kept, extra.expand(kept.shape[0], -1)], dim=1)[:, past:end]
+                else:
+                    positions = self.kept_token_index(input_ids, keep_per_image)
+                    if positions is not None:
+                        shorten_call(call, positions, input_ids.shape[1])
+                        handle.prompt_map = (positions, input_ids.shape[1])
             starts_prefill = visual and input_ids is not None
             cache = call.get("past_key_values")
+            labels = None
             if variant == "l":
-                current = handle.language_state
+                # The state that filled this cache (a conversation may go on on any cache the
+                # handle filled; one it did not fill must hold every token in every layer).
+                filled = handle.cache_states.get(cache) if cache is not None else None
                 if starts_prefill:
-                    handle.language_state = self.language_state(input_ids, call.get("attention_mask"))
-                elif current is None or cache is None or cache is not current.cache:
+                    past, priors = self.turn_on_cache(cache, filled)
+                    handle.language_state = self.language_state(input_ids, call.get("attention_mask"), past, priors)
+                elif filled is None:
+                    self.turn_on_cache(cache, None)  # refuses a reduced cache it cannot follow
                     handle.language_state = None
                 else:
-                    current.decoding = True
-            output = original_forward(**call)
+                    handle.language_state = filled
+                    filled.decoding = True
+                if handle.language_state is not None and not handle.language_state.decoding:
+                    labels = call.pop("labels", None)  # compared with what remains, below
+            # The state for the next step lives in the output: ask for the object form and give
+            # the caller the tuple it asked for at the end.
+            return_dict = call.pop("return_dict", None)
+            output = original_forward(**call, return_dict=True)
             state = handle.language_state
             if variant == "l" and state is not None and not state.decoding:
                 state.cache = getattr(output, "past_key_values", None)
+                if state.cache is not None:
+                    handle.cache_states[state.cache] = state
                 state.decoding = True
-            return output
+                positions = state.index
+            handle.output_positions = positions if positions is not None else arange_like(output.logits)
+            if labels is not None:
+                output.loss = remaining_loss(model, output.logits, labels, positions)
+            return output if wants_dict(model, return_dict) else output.to_tuple()
 
         @functools.wraps(original_generate)
         def generate(*args: Any, **kwargs: Any) -> Any:
+            if args:
+                kwargs["input_ids"], args = args[0], args[1:]
+            check_call_options(model, kwargs, variant)
             # transformers encodes the images before its first forward call, so a new
             # generation starts here, not in forward.
             if any(kwargs.get(key) is not None for key in self.pixel_inputs):
                 handle.begin_forward()
-            if variant == "v" and keep_per_image is not None:
-                input_ids = kwargs.get("input_ids", args[0] if args else None)
-                if input_ids is not None:
-                    ids, mask = self.shrink_image_spans(input_ids, kwargs.get("attention_mask"), keep_per_image)
-                    args = args[1:] if args else args
-                    kwargs["input_ids"] = ids
-                    if mask is not None:
-                        kwargs["attention_mask"] = mask
-            return original_generate(*args, **kwargs)
+            prompt = kwargs.get("input_ids")
+            kept = None
+            if variant == "v" and keep_per_image is not None and prompt is not None:
+                # Every image span of the prompt, also those of earlier turns on a cache that
+                # holds them shortened (multi-turn).
+                kept = self.kept_token_index(prompt, keep_per_image)
+            if kept is None:
+                return original_generate(*args, **kwargs)
+            shorten_call(kwargs, kept, prompt.shape[1])
+            generating["prompt_positions"] = (kept, prompt.shape[1])
+            try:
+                output = original_generate(*args, **kwargs)
+            finally:
+                generating.clear()
+            return restore_prompt(output, prompt, kept.shape[1])
 
         patches.set(model, "forward", forward)
         patches.set(model, "generate", generate)
+
+    def turn_on_cache(self, cache: Any, state: LanguageState | None) -> tuple[int, dict[int, Tensor]]:
+        """(tokens already in `cache`, per reducing layer the positions its cache holds) for a
+        FiCoCo-L prefill that continues a conversation; (0, {}) for a fresh one."""
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        if not past:
+            return 0, {}
+        if state is not None:
+            return past, state.next_turn_priors(past)
+        lengths = {int(cache.get_seq_length(i)) for i in range(len(self.decoder_layers))}
+        if lengths != {past}:
+            raise FicocoError("this cache holds FiCoCo-L-reduced layers that the handle did not fill (a copy, or "
+                              "another handle's); continue the conversation on the cache object the model returned")
+        return past, {}
+
+
+def follow_shortened_prompt(handle: Handle, call: dict[str, Any]) -> None:
+    """A decode step after a FiCoCo-V prefill, with the caller's attention mask grown from the
+    caller's (unshortened) prompt, as a hand-written decode loop grows it: drop the columns of
+    the placeholders the prefill removed, so the mask lines up with the cache."""
+    mask, cache, prompt = call.get("attention_mask"), call.get("past_key_values"), handle.prompt_map
+    input_ids = call.get("input_ids")
+    if mask is None or cache is None or prompt is None or input_ids is None or mask.dim() != 2:
+        return
+    kept, length = prompt
+    removed = length - kept.shape[1]
+    if mask.shape[1] != int(cache.get_seq_length()) + input_ids.shape[1] + removed or mask.shape[0] != kept.shape[0]:
+        return  # lined up with the cache already (generate's own steps), or not this prompt's
+    call["attention_mask"] = torch.cat([torch.gather(mask[:, :length], 1, kept.to(mask.device)),
+                                        mask[:, length:]], dim=1)
+
+
+def arange_like(logits: Tensor) -> Tensor:
+    """(B, T) 0..T-1: output positions of a call that removed nothing."""
+    return torch.arange(logits.shape[1], device=logits.device).expand(logits.shape[0], -1)
+
+
+def shorten_call(call: dict[str, Any], kept: Tensor, length: int) -> None:
+    """Keep the `kept` positions of every per-token input of `call` (ids, masks, labels, 2-D
+    position ids, token types): FiCoCo-V's shortened prompt, in place."""
+    for key in ("input_ids", "attention_mask", "labels", "token_type_ids", "mm_token_type_ids"):
+        value = call.get(key)
+        if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == length:
+            call[key] = torch.gather(value, 1, kept.to(value.device))
+    position_ids = call.get("position_ids")
+    if isinstance(position_ids, Tensor) and position_ids.dim() == 2 and position_ids.shape[1] == length:
+        call["position_ids"] = gather_rows(position_ids, kept.to(position_ids.device), 1)
+
+
+def restore_prompt(output: Any, prompt_ids: Tensor, short_length: int) -> Any:
+    """generate's output with the caller's prompt in place of the shortened one it ran, so that
+    `out[:, prompt_ids.shape[1]:]` is exactly the new tokens (every returned sequence: beams and
+    num_return_sequences repeat each prompt, as generate expands them)."""
+    sequences = output if isinstance(output, Tensor) else output.sequences
+    copies = sequences.shape[0] // prompt_ids.shape[0]
+    prompt = prompt_ids.to(sequences.device).repeat_interleave(copies, dim=0)
+    restored = torch.cat([prompt, sequences[:, short_length:]], dim=1)
+    if isinstance(output, Tensor):
+        return restored
+    output.sequences = restored
+    return output
+
+
+def wants_dict(model: nn.Module, return_dict: bool | None) -> bool:
+    """Whether the caller asked for the output object (return_dict, else the config's)."""
+    if return_dict is not None:
+        return bool(return_dict)
+    return bool(getattr(model.config, "return_dict", True))
+
+
+def remaining_loss(model: nn.Module, logits: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
+    """The model's own causal-LM loss over the positions that remain: `labels` taken at the input
+    position of every output position (`positions`), so the logits at output t are scored
+    against the next token that remains, as transformers' shift does for an unreduced sequence."""
+    kept_labels = torch.gather(labels.to(positions.device), 1, positions)
+    vocab = getattr(getattr(model.config, "text_config", model.config), "vocab_size", logits.shape[-1])
+    return model.loss_function(logits=logits, labels=kept_labels, vocab_size=vocab)
+
+
+def check_call_options(model: nn.Module, call: dict[str, Any], variant: str) -> None:
+    """Refuse, at the call, options whose outputs the patched model could not give in full."""
+    check_attention_implementation(model)  # changed after apply() (set_attn_implementation)
+    wants_attentions = call.get("output_attentions")
+    if wants_attentions is None:
+        wants_attentions = getattr(model.config, "output_attentions", False)
+    if wants_attentions:
+        text = getattr(model.config, "text_config", model.config)
+        if getattr(text, "_attn_implementation", None) != "eager":
+            raise FicocoError("output_attentions=True needs the model loaded with attn_implementation='eager' "
+                              "(sdpa returns no attention matrices, so some layers would be missing)")
+    cache = call.get("past_key_values")
+    if cache is not None and getattr(cache, "is_compileable", False):
+        raise FicocoError(f"{type(cache).__name__} is not supported by the FiCoCo patches (reduced layers cache "
+                          "fewer tokens); use the default DynamicCache")
+    if call.get("cache_implementation") not in (None, "dynamic"):
+        raise FicocoError(f"cache_implementation='{call['cache_implementation']}' is not supported by the FiCoCo "
+                          "patches (reduced layers cache fewer tokens); use the default dynamic cache")

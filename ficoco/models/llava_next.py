@@ -256,19 +256,19 @@ class LlavaNextAdapter(LlavaAdapter):
 
         return pack_image_features
 
-    def shrink_image_spans(self, input_ids: Tensor, attention_mask: Tensor | None, keep: int
-                           ) -> tuple[Tensor, Tensor | None]:
-        """Keep the first placeholders of every image span: as many as the image's reduced count
-        (items x kept patches + its newline rows; `keep` is that count at the profile's image size)."""
+    def kept_token_index(self, input_ids: Tensor, keep: int) -> Tensor | None:
+        """(B, T') the positions FiCoCo-V's shortened prompt keeps: the first placeholders of every
+        image span, as many as the image's reduced count (items x kept patches + its newline rows;
+        `keep` is that count at the profile's image size). None without placeholders."""
         is_image = input_ids == self.image_token_id
-        if not bool(is_image.any()) or self.image_sizes is None or self.kept_per_item is None:
-            return input_ids, attention_mask  # no images, or pre-encoded features (sized already)
+        if not bool(is_image.any()):
+            return None
+        if self.kept_per_item is None:
+            raise RuntimeError("FiCoCo-V on LLaVA-NeXT shortens prompts only after patch_vision")
         layouts = self._layouts_of_call("FiCoCo-V")
         full = torch.tensor([layout.tokens for layout in layouts])
         reduced = torch.tensor([layout.reduced_tokens(self.kept_per_item) for layout in layouts])
         total = int(is_image.sum())
-        if total == int(reduced.sum()):
-            return input_ids, attention_mask  # already shortened (generate's prefill), or nothing removed
         if total != int(full.sum()):
             raise FicocoError(f"the input holds {total} image placeholders, but its {len(layouts)} image(s) "
                               f"of image_sizes {self._sizes_of_call()} need {int(full.sum())}")
@@ -284,27 +284,36 @@ class LlavaNextAdapter(LlavaAdapter):
         if not bool((lengths == lengths[0]).all()):
             raise FicocoError("every sample of a batch must hold the same number of images of the same "
                               "layout for FiCoCo-V")
-        batch = input_ids.shape[0]
-        new_ids = input_ids[kept].view(batch, -1)
-        new_mask = attention_mask[kept].view(batch, -1) if attention_mask is not None else None
-        return new_ids, new_mask
+        length = int(lengths[0])
+        # A stable sort of the drop flags lists the kept positions first, in order.
+        return torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :length]
 
     # -- FiCoCo-L ---------------------------------------------------------------------------
-    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None) -> LanguageState | None:
-        """LLaVA-1.5's span bookkeeping, with the newline tokens of the span protected."""
-        state = super().language_state(input_ids, attention_mask)
+    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,
+                       prior_positions: dict[int, Tensor] | None = None) -> LanguageState | None:
+        """LLaVA-1.5's span bookkeeping, with the newline tokens of the spans protected."""
+        state = super().language_state(input_ids, attention_mask, past_length, prior_positions)
         if state is None:
             return None
         layouts = self._layouts_of_call("FiCoCo-L")
         flags = torch.cat([layout.newline_flags() for layout in layouts]).to(input_ids.device)
         is_image = input_ids == self.image_token_id
-        placeholders = state.visual_positions.numel()  # every sample holds the same count
+        placeholders = state.visual_rows.numel()  # every sample holds the same count
+        batch = input_ids.shape[0]
+        copies = placeholders // flags.numel() if flags.numel() else 0
+        if copies > 1 and placeholders == copies * flags.numel() and batch % copies == 0:
+            # generate's beams (or returned sequences) repeat every prompt `copies` times after it
+            # took the call's image_sizes: repeat each prompt's images' flags alike.
+            per_prompt = len(layouts) * copies // batch
+            groups = [torch.cat([layout.newline_flags() for layout in layouts[i:i + per_prompt]])
+                      for i in range(0, len(layouts), per_prompt)]
+            flags = torch.cat([group for group in groups for _ in range(copies)]).to(input_ids.device)
         if flags.numel() != placeholders:
             raise FicocoError(f"the input holds {placeholders} image placeholders, but its "
                               f"{len(layouts)} image(s) of image_sizes {self._sizes_of_call()} need {flags.numel()}")
         newline = torch.zeros_like(is_image)
         newline[is_image] = flags
-        state.protected = torch.gather(newline, 1, state.visual_positions)
+        state.protected = torch.gather(newline, 1, state.visual_rows)
         # Asked once per prefill, so that no reducing layer has to (a host synchronisation).
         state.max_protected = int(state.protected.sum(dim=1).max())
         return state

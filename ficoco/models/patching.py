@@ -56,19 +56,28 @@ def gather_rows(x: Tensor | None, index: Tensor, dim: int) -> Tensor | None:
 class LanguageState:
     """FiCoCo-L bookkeeping for one prefill and the decode steps that follow it.
 
-    `index` holds, per sample, the original position of every token still in the sequence;
-    each reducing layer shrinks it. Layers slice the mask and rotary tables with it, and each
-    layer remembers which original positions its KV cache holds, for decoding.
+    A prefill is one forward that holds image placeholders; it may follow earlier turns whose
+    keys and values are in the cache already (`past_length` of them in the unreduced layout:
+    layer 0, which never reduces, holds them all). `index` holds, per sample, the position in
+    this call's `input_ids` of every token still in the sequence; each reducing layer shrinks
+    it. Layers slice the mask and rotary tables with it, and each layer remembers which
+    positions of the whole conversation (unreduced layout) its KV cache holds, for decoding
+    and for the next turn.
     """
 
-    index: Tensor  # (B, T_now) original positions
-    visual_start: Tensor  # (B,) start of the visual span (the prefix is never reduced)
-    visual_positions: Tensor  # (B, N_now) original positions of the visual tokens still present
-    suffix_mask: Tensor  # (B, T_now) real text tokens after the visual span
-    prefill_length: int
+    index: Tensor  # (B, T_now) position in this call's input_ids
+    visual_rows: Tensor  # (B, N_now) where the visual tokens still present are in the current sequence
+    visual_ranks: Tensor  # (B, N_now) their rank among the sample's original visual tokens (0..N-1)
+    suffix_mask: Tensor  # (B, T_now) real text tokens after the last visual token
+    prefill_length: int  # past_length + this call's length: the first position after the prefill
+    past_length: int = 0
+    images: int = 1  # image spans per sample: the schedule's per-layer counts are per image
+    # Per layer: the conversation positions that layer's cache held before this call (multi-turn);
+    # absent: every earlier position.
+    prior_positions: dict[int, Tensor] = field(default_factory=dict)
     # Host copies of what the reduction needs to know about the span, so that no reducing
     # layer asks the device (each question would synchronise it): the earliest row a suffix
-    # token can be in (min visual start + N_now).
+    # token can be in (min over samples of the last visual row + 1).
     first_suffix_row: int = 0
     # (B, N_now) visual tokens the reduction must keep (LLaVA-NeXT's row newlines); None: none
     protected: Tensor | None = None
@@ -79,26 +88,47 @@ class LanguageState:
 
     @property
     def num_visual(self) -> int:
-        return self.visual_positions.shape[1]
+        return self.visual_rows.shape[1]
 
-    def keep(self, kept_positions: Tensor, kept_visual: Tensor) -> None:
-        """Apply one reduction: `kept_positions` index the current sequence."""
-        self.first_suffix_row -= self.visual_positions.shape[1] - kept_visual.shape[1]
+    def keep(self, kept_positions: Tensor, kept_visual: Tensor, visual_rows: Tensor) -> None:
+        """Apply one reduction: `kept_positions` index the current sequence, `kept_visual` the
+        current visual tokens; `visual_rows` are the kept visual tokens' rows afterwards."""
+        self.first_suffix_row -= self.visual_rows.shape[1] - kept_visual.shape[1]
         self.index = torch.gather(self.index, 1, kept_positions)
         self.suffix_mask = torch.gather(self.suffix_mask, 1, kept_positions)
-        self.visual_positions = torch.gather(self.visual_positions, 1, kept_visual)
+        self.visual_ranks = torch.gather(self.visual_ranks, 1, kept_visual)
+        self.visual_rows = visual_rows
         if self.protected is not None:
             self.protected = torch.gather(self.protected, 1, kept_visual)
 
+    def key_positions(self, layer: int) -> Tensor:
+        """(B, K) conversation positions of the keys `layer` attends to in this prefill: what its
+        cache held before, then this call's tokens still present."""
+        current = self.index + self.past_length
+        prior = self.prior_positions.get(layer)
+        if prior is None:
+            prior = torch.arange(self.past_length, device=current.device).expand(current.shape[0], -1)
+        return torch.cat([prior.to(current.device), current], dim=1)
+
     def slice_mask(self, mask: Tensor | None, layer: int, query_len: int) -> Tensor | None:
-        """The layer's view of a mask built for the original sequence."""
+        """The layer's view of a mask built for the unreduced sequence."""
         if mask is None:
             return None
         if not self.decoding:
-            if mask.shape[-1] == self.index.shape[1] and mask.shape[-2] == query_len:
-                return mask
-            return gather_rows(gather_rows(mask, self.index, 2), self.index, 3)
+            keys = self.key_positions(layer)
+            if mask.shape[-1] == keys.shape[1] and mask.shape[-2] == query_len:
+                return mask  # nothing removed before this layer, in this call or an earlier one
+            return gather_rows(gather_rows(mask, self.index, 2), keys, 3)
         cached = self.cached_positions[layer]
         new = torch.arange(self.prefill_length, mask.shape[-1], device=cached.device)
         keys = torch.cat([cached, new.expand(cached.shape[0], -1)], dim=1)
         return gather_rows(mask, keys, 3)
+
+    def next_turn_priors(self, past_length: int) -> dict[int, Tensor]:
+        """Per layer, the positions its cache holds after this prefill and the decode steps up to
+        `past_length` (every decoded token is cached by every layer)."""
+        priors = {}
+        for layer, cached in self.cached_positions.items():
+            decoded = torch.arange(self.prefill_length, past_length, device=cached.device)
+            priors[layer] = torch.cat([cached, decoded.expand(cached.shape[0], -1)], dim=1)
+        return priors

@@ -41,7 +41,15 @@ from torch import Tensor, nn
 from ficoco.errors import FicocoError
 from ficoco.models.attention import install_probe, remove_probe
 from ficoco.models.inputs import place_inputs
-from ficoco.models.llava import LlavaAdapter, _timed
+from ficoco.models.llava import (
+    LlavaAdapter,
+    _timed,
+    arange_like,
+    check_call_options,
+    follow_shortened_prompt,
+    restore_prompt,
+    wants_dict,
+)
 from ficoco.models.patching import Patches
 from ficoco.profiles import FAMILY_DEFAULTS
 from ficoco.reduction import VReduction, equivalent_token_redundancy, reduce_v
@@ -296,8 +304,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         out.pooler_output = torch.split(out.pooler_output, [len(groups) for groups in tower.kept_groups])
         return out
 
-    def shrink_image_spans(self, input_ids: Tensor, attention_mask: Tensor | None, keep: int
-                           ) -> tuple[Tensor, Tensor | None]:
+    def kept_token_index(self, input_ids: Tensor, keep: int) -> Tensor | None:
         """Not LLaVA's first-`keep` rule: Qwen2-VL's spans keep the groups the tower kept
         (`shorten_prompt`), which also fixes the kept tokens' 3-D positions."""
         raise FicocoError("Qwen2-VL image spans are shortened by shorten_prompt, from the groups the tower kept")
@@ -305,14 +312,15 @@ class Qwen2VLAdapter(LlavaAdapter):
     # -- FiCoCo-V: the prompt ---------------------------------------------------------------
     def shorten_prompt(self, input_ids: Tensor, attention_mask: Tensor | None, mm_token_type_ids: Tensor | None,
                        image_grid_thw: Tensor, kept_groups: list[Tensor], position_ids: Tensor | None = None
-                       ) -> tuple[dict[str, Tensor | None], Tensor]:
+                       ) -> tuple[dict[str, Tensor | None], Tensor, Tensor]:
         """Shorten every image's placeholder span to its kept groups.
 
         Returns the shortened `input_ids`, `attention_mask`, `mm_token_type_ids` and 3-D
         `position_ids` (3, B, T'): the positions the unreduced prompt gives the kept tokens
         (transformers' `get_rope_index` on the unreduced prompt, or the caller's own
-        unreduced position ids, sliced), and the `rope_deltas` (B, 1) that place the token
-        after the shortened prompt where it follows the unreduced one.
+        unreduced position ids, sliced), the `rope_deltas` (B, 1) that place the token
+        after the shortened prompt where it follows the unreduced one, and the (B, T') position
+        in `input_ids` of every token of the shortened prompt.
         """
         batch, length = input_ids.shape
         device = input_ids.device
@@ -351,13 +359,14 @@ class Qwen2VLAdapter(LlavaAdapter):
             last = torch.where(real, position_ids.amax(dim=0), torch.zeros_like(position_ids[0])).amax(dim=1)
             deltas = (last + 1 - real.sum(dim=1)).unsqueeze(1)
         removed = (length - counts).unsqueeze(1)
+        kept_index = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :int(counts[0])]
         short = {
             "input_ids": input_ids[keep].view(batch, -1),
             "attention_mask": attention_mask[keep].view(batch, -1) if attention_mask is not None else None,
             "mm_token_type_ids": mm_token_type_ids[keep].view(batch, -1),
             "position_ids": position_ids[:, keep].view(3, batch, -1),
         }
-        return short, deltas.to(device) + removed
+        return short, deltas.to(device) + removed, kept_index
 
     def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
         """FiCoCo-L: LLaVA's entry. FiCoCo-V: encode the images first, then run the shortened
@@ -383,8 +392,12 @@ class Qwen2VLAdapter(LlavaAdapter):
                                   "(the image spans are shortened in input_ids)")
             handle.begin_forward()
             encoded = self.encode_images(pixel_values, grid)
-            short, deltas = self.shorten_prompt(input_ids, call.get("attention_mask"), call.get("mm_token_type_ids"),
-                                                grid, self._tower.kept_groups, call.get("position_ids"))
+            short, deltas, kept = self.shorten_prompt(input_ids, call.get("attention_mask"),
+                                                      call.get("mm_token_type_ids"), grid, self._tower.kept_groups,
+                                                      call.get("position_ids"))
+            if isinstance(call.get("labels"), Tensor) and call["labels"].shape == input_ids.shape:
+                short["labels"] = torch.gather(call["labels"], 1, kept.to(call["labels"].device))
+            generating["prompt_positions"] = kept
             if text_row:
                 # generate keeps a 4th (first) row of plain text order for its masks and extends all
                 # four by one per new token; that row follows the shortened prompt.
@@ -401,25 +414,47 @@ class Qwen2VLAdapter(LlavaAdapter):
             inner.rope_deltas = deltas
             return call
 
+        # The shortened prompt's positions in the caller's input_ids, from `prepare` to the forward
+        # that runs it (generate's prefill runs later, inside generate).
+        generating: dict[str, Tensor] = {}
+
         # generate() validates its kwargs against forward's signature: keep the original's.
         @functools.wraps(original_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind_partial(*args, **kwargs)
             call = dict(bound.arguments)
             call.update(call.pop("kwargs", {}))
+            check_call_options(model, call, variant)
+            input_length = call["input_ids"].shape[1] if call.get("input_ids") is not None else 0
             if call.get("pixel_values") is not None or call.get("pixel_values_videos") is not None:
                 call = prepare(call, text_row=False)
+                handle.prompt_map = (generating["prompt_positions"], input_length)
+            elif not call.get("mm_encoder_outputs"):
+                follow_shortened_prompt(handle, call)
             # Otherwise: text, a decode step, or generate's prefill, whose images generate() encoded.
-            return original_forward(**call)
+            positions = generating.pop("prompt_positions", None) if call.get("mm_encoder_outputs") else None
+            return_dict = call.pop("return_dict", None)
+            output = original_forward(**call, return_dict=True)
+            if positions is not None and positions.shape[0] != output.logits.shape[0]:
+                positions = positions.repeat_interleave(output.logits.shape[0] // positions.shape[0], dim=0)
+            handle.output_positions = positions if positions is not None else arange_like(output.logits)
+            return output if wants_dict(model, return_dict) else output.to_tuple()
 
         @functools.wraps(original_generate)
         def generate(*args: Any, **kwargs: Any) -> Any:
             if args:
                 kwargs["input_ids"], args = args[0], args[1:]
-            if kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None:
-                kwargs = prepare(kwargs, text_row=True)
-            # The returned sequences hold the prompt as the model ran it: image spans shortened.
-            return original_generate(*args, **kwargs)
+            check_call_options(model, kwargs, variant)
+            if kwargs.get("pixel_values") is None and kwargs.get("pixel_values_videos") is None:
+                return original_generate(*args, **kwargs)
+            prompt = kwargs.get("input_ids")
+            kwargs = prepare(kwargs, text_row=True)
+            try:
+                output = original_generate(*args, **kwargs)
+            finally:
+                generating.clear()
+            # generate ran the shortened prompt: give back the caller's own.
+            return restore_prompt(output, prompt, kwargs["input_ids"].shape[1])
 
         patches.set(model, "forward", forward)
         patches.set(model, "generate", generate)

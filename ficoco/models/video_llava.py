@@ -56,6 +56,15 @@ class VideoLlavaAdapter(LlavaAdapter):
             raise FicocoError(f"{type(model).__name__}'s config has no video_token_index")
         # A frame fills 1 + patches placeholders: transformers keeps its [CLS].
         self.span_tokens = self.patches + 1
+        config = model.config
+        self.still_image_token_id = getattr(config, "image_token_id", getattr(config, "image_token_index", None))
+
+    def unreduced_visual(self, input_ids: Tensor) -> Tensor:
+        """Image placeholders beside a video: FiCoCo leaves images alone (their tower is not the
+        one the accountant plans), and FiCoCo-L does not count them as text either."""
+        if self.still_image_token_id is None:
+            return torch.zeros_like(input_ids, dtype=torch.bool)
+        return input_ids == self.still_image_token_id
 
     def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
         """As LLaVA's, with FiCoCo-V's span shortened frame by frame.

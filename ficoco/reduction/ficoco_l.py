@@ -5,6 +5,12 @@ start at a different position in every sample (left padding, different prompts) 
 the same ``N`` tokens. Under the causal mask only the suffix can attend to the image, so
 the suffix is the text that provides the task prior. Only rows of the attention matrix that
 belong to the visual span or to the suffix are read.
+
+A sample may also hold several image spans with text between them (several images in one
+prompt): pass their ``visual_positions`` and all of them are reduced together as one set of
+``N`` visual tokens. The suffix is then the text after the *last* visual token, the only text
+that can see every image under the causal mask (text between two spans sees the earlier
+image alone and would weigh the images unequally).
 """
 
 from __future__ import annotations
@@ -42,30 +48,38 @@ class LReduction:
     kept_positions: Tensor
     kept_visual: Tensor
     discarded_visual: Tensor
+    # (B, N - r) position in the reduced sequence of every kept visual token, in order.
+    visual_positions: Tensor | None = None
 
 
-def _visual_positions(visual_start: Tensor, num_visual: int) -> Tensor:
-    """``(B, N)`` sequence positions of the visual span of every sample."""
+def _visual_positions(visual_start: Tensor, num_visual: int, positions: Tensor | None = None) -> Tensor:
+    """``(B, N)`` sequence positions of the visual tokens of every sample: the caller's
+    ``positions`` (several spans) or one contiguous span from ``visual_start``."""
+    if positions is not None:
+        return positions.to(torch.long)
     offsets = torch.arange(num_visual, device=visual_start.device)
     return visual_start.to(torch.long).unsqueeze(1) + offsets
 
 
-def _suffix_rows(suffix_mask: Tensor, visual_start: Tensor, num_visual: int) -> Tensor:
-    """``(B, T)`` bool: real text tokens after the visual span.
+def _suffix_rows(suffix_mask: Tensor, visual: Tensor) -> Tensor:
+    """``(B, T)`` bool: real text tokens after the last visual token (``visual``: ``(B, N)``
+    increasing positions).
 
-    The caller's mask is intersected with "after the span" so that a mask which also marks
-    prefix text cannot leak causal-zero rows into the task prior.
+    The caller's mask is intersected with "after the last visual token" so that a mask which
+    also marks prefix text (or text between spans) cannot leak rows into the task prior.
     """
     positions = torch.arange(suffix_mask.shape[1], device=suffix_mask.device)
-    after_span = positions.unsqueeze(0) >= (visual_start.to(torch.long) + num_visual).unsqueeze(1)
+    after_span = positions.unsqueeze(0) > visual[:, -1:].to(suffix_mask.device)
     return suffix_mask.to(torch.bool) & after_span
 
 
-def suffix_start(visual_start: Tensor, num_visual: int) -> int:
-    """The first row that can hold a suffix token in any sample (earliest span end).
+def suffix_start(visual_start: Tensor, num_visual: int, visual_positions: Tensor | None = None) -> int:
+    """The first row that can hold a suffix token in any sample (earliest end of the visual tokens).
 
     Reading it from the device synchronises with the host; callers that know it (the model
     adapters keep it per forward) pass it instead, so that no reducing layer waits."""
+    if visual_positions is not None:
+        return int(visual_positions[:, -1].min()) + 1 if visual_positions.numel() else 0
     return int(visual_start.min()) + num_visual if visual_start.numel() else 0
 
 
@@ -86,7 +100,8 @@ def _suffix_attention(attn: Tensor, suffix: Tensor, columns: Tensor, first_row: 
     return torch.where(tail_suffix.unsqueeze(2), picked, torch.zeros_like(picked))
 
 
-def _check_inputs(attn: Tensor, visual_start: Tensor, num_visual: int, suffix_mask: Tensor) -> None:
+def _check_inputs(attn: Tensor, visual_start: Tensor, num_visual: int, suffix_mask: Tensor,
+                  visual_positions: Tensor | None = None) -> None:
     if attn.dim() != 3 or attn.shape[1] != attn.shape[2]:
         raise ValueError(f"attn must be (B, T, T), got shape {tuple(attn.shape)}")
     batch, seq_len, _ = attn.shape
@@ -96,6 +111,9 @@ def _check_inputs(attn: Tensor, visual_start: Tensor, num_visual: int, suffix_ma
         raise ValueError(f"suffix_mask must be (B, T) = {(batch, seq_len)}, got {tuple(suffix_mask.shape)}")
     if not 0 < num_visual <= seq_len:
         raise ValueError(f"num_visual must be between 1 and the sequence length {seq_len}")
+    if visual_positions is not None and tuple(visual_positions.shape) != (batch, num_visual):
+        raise ValueError(f"visual_positions must be (B, N) = {(batch, num_visual)}, "
+                         f"got {tuple(visual_positions.shape)}")
 
 
 def language_scores(
@@ -105,6 +123,7 @@ def language_scores(
     suffix_mask: Tensor,
     beta: float = 0.6,
     first_suffix_row: int | None = None,
+    visual_positions: Tensor | None = None,
 ) -> Tensor:
     """FiCoCo-L redundancy of every visual token, ``s_j = beta * v_j - (1 - beta) * t_j``.
 
@@ -121,23 +140,26 @@ def language_scores(
         beta: weight of the vision-aware term.
         first_suffix_row: ``min(visual_start) + N`` when the caller knows it on the host;
             computed (one host synchronisation) otherwise.
+        visual_positions: optional ``(B, N)`` increasing positions of the visual tokens when a
+            sample holds several spans (``visual_start`` is then unused).
 
     Returns:
         ``(B, N)`` scores in the compute dtype; higher means more redundant.
     """
-    _check_inputs(attn, visual_start, num_visual, suffix_mask)
+    _check_inputs(attn, visual_start, num_visual, suffix_mask, visual_positions)
     visual_start = visual_start.to(device=attn.device, dtype=torch.long)
-    visual = _visual_positions(visual_start, num_visual)
+    visual = _visual_positions(visual_start, num_visual, visual_positions).to(attn.device)
     among_visual = gather_block(attn, visual, visual).to(compute_dtype(attn.dtype))
-    # Entries above the diagonal are masked-out keys: ignore them even if not exactly zero.
+    # Entries above the diagonal are masked-out keys: ignore them even if not exactly zero. The
+    # positions increase, so "query i can see key j" is i >= j in rank, across spans as well.
     sees = torch.ones(num_visual, num_visual, dtype=torch.bool, device=attn.device).tril()
     column_sum = torch.where(sees, among_visual, torch.zeros_like(among_visual)).sum(dim=1)
     viewers = torch.arange(num_visual, 0, -1, device=attn.device).to(column_sum.dtype)
     vision_term = column_sum / viewers
 
     if first_suffix_row is None:
-        first_suffix_row = suffix_start(visual_start, num_visual)
-    suffix = _suffix_rows(suffix_mask, visual_start, num_visual)
+        first_suffix_row = suffix_start(visual_start, num_visual, visual)
+    suffix = _suffix_rows(suffix_mask, visual)
     text_attention = _suffix_attention(attn, suffix, visual, first_suffix_row)
     suffix_count = suffix.sum(dim=1, keepdim=True).clamp(min=1).to(text_attention.dtype)
     task_term = text_attention.sum(dim=1) / suffix_count
@@ -153,6 +175,7 @@ def language_correlation(
     suffix_mask: Tensor,
     gamma: float = 0.6,
     first_suffix_row: int | None = None,
+    visual_positions: Tensor | None = None,
 ) -> Tensor:
     """Direct plus indirect correlation between discarded and kept visual tokens.
 
@@ -169,20 +192,21 @@ def language_correlation(
         suffix_mask: ``(B, T)`` bool, True on real text tokens after the visual span.
         gamma: weight of the direct term.
         first_suffix_row: as in :func:`language_scores`.
+        visual_positions: as in :func:`language_scores`.
 
     Returns:
         ``(B, r, N - r)`` in the compute dtype.
     """
-    _check_inputs(attn, visual_start, num_visual, suffix_mask)
+    _check_inputs(attn, visual_start, num_visual, suffix_mask, visual_positions)
     visual_start = visual_start.to(device=attn.device, dtype=torch.long)
-    start = visual_start.unsqueeze(1)
-    source_positions = source + start
-    target_positions = target + start
+    visual = _visual_positions(visual_start, num_visual, visual_positions).to(attn.device)
+    source_positions = torch.gather(visual, 1, source)
+    target_positions = torch.gather(visual, 1, target)
     direct = gather_block(attn, source_positions, target_positions).to(compute_dtype(attn.dtype))
 
     if first_suffix_row is None:
-        first_suffix_row = suffix_start(visual_start, num_visual)
-    suffix = _suffix_rows(suffix_mask, visual_start, num_visual)
+        first_suffix_row = suffix_start(visual_start, num_visual, visual)
+    suffix = _suffix_rows(suffix_mask, visual)
     text_to_source = _suffix_attention(attn, suffix, source_positions, first_suffix_row)
     text_to_target = _suffix_attention(attn, suffix, target_positions, first_suffix_row)
     suffix_count = suffix.sum(dim=1).clamp(min=1).to(direct.dtype).reshape(-1, 1, 1)
@@ -203,11 +227,14 @@ def reduce_l(
     protected: Tensor | None = None,
     first_suffix_row: int | None = None,
     max_protected: int | None = None,
+    visual_positions: Tensor | None = None,
 ) -> LReduction:
     """One FiCoCo-L step: filter, correlate and compress ``r`` visual tokens of one layer.
 
     Text tokens are copied unchanged; the kept visual tokens stay contiguous at
-    ``visual_start``, so the next layer's span is ``(visual_start, N - r)``.
+    ``visual_start``, so the next layer's span is ``(visual_start, N - r)``. With several spans
+    (``visual_positions``) every span keeps its place and loses the tokens removed from it; the
+    result's ``visual_positions`` are where the kept ones are in the reduced sequence.
 
     Args:
         hidden: ``(B, T, D)`` hidden states (after the attention residual, before the MLP).
@@ -227,6 +254,8 @@ def reduce_l(
         first_suffix_row: ``min(visual_start) + N``, and ``max_protected``, the most protected
             tokens of any sample: host-known values the caller passes so that the step needs
             no host synchronisation; computed from the tensors when omitted.
+        visual_positions: optional ``(B, N)`` increasing positions of the visual tokens of a
+            sample with several image spans (text between them); they are reduced as one set.
 
     Returns:
         An :class:`LReduction`. With ``r == 0`` the input hidden states come back unchanged.
@@ -236,7 +265,7 @@ def reduce_l(
     batch, seq_len, _ = hidden.shape
     if tuple(attn.shape) != (batch, seq_len, seq_len):
         raise ValueError(f"attn must be (B, T, T) = {(batch, seq_len, seq_len)}, got {tuple(attn.shape)}")
-    _check_inputs(attn, visual_start, num_visual, suffix_mask)
+    _check_inputs(attn, visual_start, num_visual, suffix_mask, visual_positions)
     if not 0 <= r < num_visual:
         raise FicocoError(
             f"r must be at least 0 and below the visual token count {num_visual} "
@@ -256,6 +285,7 @@ def reduce_l(
                 f"({num_visual - removable} of {num_visual} are protected)"
             )
     visual_start = visual_start.to(device=device, dtype=torch.long)
+    visual_positions = _visual_positions(visual_start, num_visual, visual_positions).to(device)
     if r == 0:
         every_visual = torch.arange(num_visual, device=device).expand(batch, -1)
         return LReduction(
@@ -263,20 +293,20 @@ def reduce_l(
             kept_positions=torch.arange(seq_len, device=device).expand(batch, -1),
             kept_visual=every_visual,
             discarded_visual=every_visual[:, :0],
+            visual_positions=visual_positions,
         )
 
     if first_suffix_row is None:
-        first_suffix_row = suffix_start(visual_start, num_visual)
+        first_suffix_row = suffix_start(visual_start, num_visual, visual_positions)
     scores = language_scores(attn, visual_start, num_visual, suffix_mask, beta=beta,
-                             first_suffix_row=first_suffix_row)
+                             first_suffix_row=first_suffix_row, visual_positions=visual_positions)
     if protected is not None:
         # -inf sorts after every real score, so a protected token is never among the r selected.
         scores = scores.masked_fill(protected, float("-inf"))
     source, target = select(scores, r)
     correlation = language_correlation(attn, source, target, visual_start, num_visual, suffix_mask, gamma=gamma,
-                                       first_suffix_row=first_suffix_row)
+                                       first_suffix_row=first_suffix_row, visual_positions=visual_positions)
     alpha = adaptive_weights(correlation, eps=eps)
-    visual_positions = _visual_positions(visual_start, num_visual)
     merged = compress(gather_tokens(hidden, visual_positions), source, target, alpha)
 
     # A stable sort of the 0/1 "discarded" flags lists the kept positions in sequence order
@@ -286,12 +316,16 @@ def reduce_l(
     kept_positions = torch.sort(discarded_flag, dim=1, stable=True).indices[:, : seq_len - r]
 
     reduced = gather_tokens(hidden, kept_positions)
-    # Prefix lengths are unchanged, so the kept visual tokens start at visual_start again.
-    merged_positions = _visual_positions(visual_start, num_visual - r)
+    # A kept token moves forward by the discarded tokens before it (one span: the prefix is
+    # unchanged, so the kept visual tokens start at visual_start again).
+    target_positions = torch.gather(visual_positions, 1, target)
+    discarded_before = torch.gather(discarded_flag.cumsum(dim=1), 1, target_positions)
+    merged_positions = target_positions - discarded_before
     reduced[torch.arange(batch, device=device).unsqueeze(1), merged_positions] = merged
     return LReduction(
         hidden=reduced,
         kept_positions=kept_positions,
         kept_visual=target,
         discarded_visual=source,
+        visual_positions=merged_positions,
     )
