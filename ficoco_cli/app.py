@@ -18,9 +18,9 @@ import ficoco
 from ficoco.accounting.flops import CONVENTIONS, LM_HEAD_TOKENS, SCOPES
 from ficoco.accounting.memory import QUANT_BITS
 from ficoco.accounting.schedule import SHAPES
-from ficoco.methods.registry import METHODS, PRESETS, VARIANTS
 from ficoco.compare import JUDGE_CHOICES
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import METHODS, PRESETS, VARIANTS
 from ficoco_cli import options as check
 from ficoco_cli.options import parse_image_size, split_list
 from ficoco_cli.report_cmd import FORMATS, REPORT_FORMATS
@@ -348,7 +348,14 @@ def profile_command(
         prompt=prompt, overrides=tuple(set_values or ()), seed=seed, kv_bits=kv_bits,
         image_size=parse_image_size(image_size), frames=frames, dtype=parse_dtype(dtype),
     )
-    plan = plan_run(config)
+    try:
+        plan = plan_run(config)
+    except FicocoError as exc:
+        if preset is None:
+            raise
+        from ficoco.accounting import preset_message
+
+        raise FicocoError(preset_message(str(exc), preset)) from None
     estimate = estimate_run(config, plan)
     plan_runs(plan, estimate)
     console = out if json_path != "-" else err

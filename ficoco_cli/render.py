@@ -222,7 +222,7 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
     columns.append(_Column("visual\ntokens", [str(r["visual_tokens"]) for r in rows]))
     # Methods that prune inside the LLM are quoted by the layer average (sum_l n_l / L); show it where it differs.
     averages = [r.get("layer_average_visual_tokens") for r in rows]
-    if any(a is not None and abs(a - r["visual_tokens"]) > 1e-9 for a, r in zip(averages, rows)):
+    if any(a is not None and abs(a - r["visual_tokens"]) > 1e-9 for a, r in zip(averages, rows, strict=True)):
         columns.append(_Column("layer\navg", ["-" if a is None else f"{a:.1f}" for a in averages]))
     if wide:
         in_scope = set(report["scope_stages"])

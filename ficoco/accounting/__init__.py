@@ -28,6 +28,12 @@ from ficoco.accounting.memory import (
     roofline_seconds,
     weight_bytes,
 )
+from ficoco.accounting.methods import (
+    extra_macs,
+    method_schedule,
+    parse_method_schedule,
+    schedule_for_method_budget,
+)
 from ficoco.accounting.schedule import (
     VARIANTS,
     BudgetError,
@@ -37,12 +43,6 @@ from ficoco.accounting.schedule import (
     plan_tokens,
     schedule_for_budget,
     schedule_for_keep,
-)
-from ficoco.accounting.methods import (
-    extra_macs,
-    method_schedule,
-    parse_method_schedule,
-    schedule_for_method_budget,
 )
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import method
@@ -89,6 +89,13 @@ def compute_tera(arch: Architecture, schedule: Schedule, opts: CountOptions) -> 
     return scope_total(count_by_stage(arch, plan, ops, opts.convention, batch=opts.batch), opts.scope) / 1e12
 
 
+def preset_message(message: str, preset: int) -> str:
+    """An error about `--keep N` that came from `--preset N`, reworded to name the option given."""
+    if f"--keep {preset}" in message:
+        return message.replace(f"--keep {preset}", f"--preset {preset} (--keep {preset})", 1)
+    return f"--preset {preset}: {message}"
+
+
 def _budget_label(opts: CountOptions) -> str:
     return f"{UNITS[opts.convention]} ({opts.convention}, scope {opts.scope}, " + (
         "equivalent)" if opts.equivalent else "layer-exact)")
@@ -110,17 +117,29 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
         raise FicocoError(f"unknown variant '{variant}': choose from {', '.join(VARIANTS)}")
     if variant == "vanilla":
         return Schedule("vanilla")
-    if preset is not None:
-        keep = preset
     spec = method(variant)
     if spec.plans_itself:
         spec.check_family(arch.family, arch.name)
-        if schedule is not None:
-            return parse_method_schedule(arch, variant, schedule)
-        if tflops is not None:
-            return schedule_for_method_budget(arch, variant, tflops, lambda s: compute_tera(arch, s, opts),
-                                              label=_budget_label(opts))
-        return method_schedule(arch, variant, keep)
+        # Name the option the setting came from, so that the one error line points at it.
+        source = ("--schedule" if schedule is not None else f"--preset {preset}" if preset is not None
+                  else f"--keep {keep}" if keep is not None else "--tflops" if tflops is not None
+                  else f"--variant {variant}")
+        try:
+            if schedule is not None:
+                return parse_method_schedule(arch, variant, schedule)
+            if tflops is not None:
+                return schedule_for_method_budget(arch, variant, tflops, lambda s: compute_tera(arch, s, opts),
+                                                  label=_budget_label(opts))
+            return method_schedule(arch, variant, keep if preset is None else preset)
+        except FicocoError as exc:
+            if str(exc).startswith("--"):
+                raise
+            raise type(exc)(f"{source}: {exc}") from None
+    if preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: --keep N
+        try:
+            return schedule_for_keep(arch, variant, preset, shape=shape, first=first_layer)
+        except FicocoError as exc:
+            raise type(exc)(preset_message(str(exc), preset)) from None
     if schedule is not None:
         return parse_schedule(schedule, arch, variant)
     if keep is not None:

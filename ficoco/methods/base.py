@@ -186,14 +186,14 @@ class MethodSpec:
     def check_family(self, family: str, model: str) -> None:
         """Refuse a family the method is not defined on, naming those it is."""
         if family not in self.families:
-            raise FicocoError(f"{self.title} is defined on {', '.join(self.families)} models; {model} is a "
-                              f"'{family}' model")
+            raise FicocoError(f"--variant {self.name}: {self.title} is defined on {', '.join(self.families)} "
+                              f"models; {model} is a '{family}' model")
 
     def check_wired(self, where: str) -> None:
         """Refuse running a method whose model hooks are not in place yet (the accountant plans it)."""
         if not self.wired:
-            raise FicocoError(f"{self.title} ('{self.name}') is not wired into the models yet, so {where} cannot run "
-                              f"it; `ficoco flops` without --verify plans and counts it")
+            raise FicocoError(f"--variant {self.name}: {self.title} is not wired into the models yet, so {where} "
+                              "cannot run it; `ficoco flops` without --verify plans and counts it")
 
     def to_json(self) -> dict[str, Any]:
         return {
