@@ -17,9 +17,10 @@ from rich.console import Console
 import ficoco
 from ficoco.accounting.flops import CONVENTIONS, LM_HEAD_TOKENS, SCOPES
 from ficoco.accounting.memory import QUANT_BITS
-from ficoco.accounting.schedule import SHAPES, VARIANTS
+from ficoco.accounting.schedule import SHAPES
 from ficoco.compare import JUDGE_CHOICES
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import METHODS, PRESETS, VARIANTS
 from ficoco_cli import options as check
 from ficoco_cli.options import parse_image_size, split_list
 from ficoco_cli.report_cmd import FORMATS, REPORT_FORMATS
@@ -52,17 +53,45 @@ def root(
     """FiCoCo visual-token reduction for multimodal LLMs: analytic costs, patched models, measurements."""
 
 
-def check_schedule_options(variants: list[str], keep: int | None, tflops: float | None, schedule: str | None) -> None:
-    """Exactly one schedule option when a variant reduces, none when none does (it would be ignored)."""
-    given = [name for name, value in (("--keep", keep), ("--tflops", tflops), ("--schedule", schedule))
-             if value is not None]
-    reducing = [v for v in variants if v in ("v", "l")]
+def check_schedule_options(variants: list[str], keep: int | None, tflops: float | None, schedule: str | None,
+                           preset: int | None = None) -> None:
+    """At most one schedule option, and one when FiCoCo-V or -L runs (the other methods fall back to their
+    official default setting); none when nothing reduces (it would be ignored)."""
+    given = [name for name, value in (("--keep", keep), ("--preset", preset), ("--tflops", tflops),
+                                      ("--schedule", schedule)) if value is not None]
+    reducing = [v for v in variants if v != "vanilla"]
     if given and not reducing:
-        raise FicocoError(f"{given[0]} applies to the v and l variants; add --variant v or --variant l")
+        raise FicocoError(f"{given[0]} applies to the v and l variants and the other reducing methods "
+                          f"({', '.join(m for m in METHODS if m not in ('v', 'l'))}); add --variant v or --variant l")
     if len(given) > 1:
-        raise FicocoError(f"give one of --keep, --tflops and --schedule, not {' and '.join(given)}")
-    if reducing and not given:
-        raise FicocoError(f"--variant {reducing[0]} needs a schedule: give --keep, --tflops or --schedule")
+        raise FicocoError(f"give one of --keep, --preset, --tflops and --schedule, not {' and '.join(given)}")
+    needs_schedule = [v for v in reducing if not METHODS[v].plans_itself]
+    if needs_schedule and not given:
+        raise FicocoError(f"--variant {needs_schedule[0]} needs a schedule: give --keep, --preset, --tflops or "
+                          "--schedule")
+
+
+def check_wired(variants: list[str], where: str) -> None:
+    """Refuse, in one line, a method the model adapters do not run yet (the accountant plans it)."""
+    for name in variants:
+        if name != "vanilla":
+            METHODS[name].check_wired(where)
+
+
+@app.command("methods")
+def methods_command(
+    json_path: Annotated[str | None, typer.Option(
+        "--json", callback=check.output_file, help="Write the registry as JSON here (- for stdout).")] = None,
+) -> None:
+    """List the reduction methods: where each acts, its defaults, the families it runs on."""
+    from ficoco.report import write_json_atomic
+    from ficoco_cli.render import methods_table
+
+    rows = [spec.to_json() for spec in METHODS.values()]
+    (err if json_path == "-" else out).print(methods_table(rows))
+    if json_path:
+        write_json_atomic(json_path, {"schema": "ficoco.methods/1", "ficoco_version": ficoco.__version__,
+                                      "methods": rows})
 
 
 @app.command("models")
@@ -91,7 +120,11 @@ def models_command() -> None:
 ModelOpt = Annotated[str, typer.Option(
     "--model", "-m", help="Profile name, path to a config.json, or a checkout folder.")]
 VariantOpt = Annotated[str, typer.Option(
-    "--variant", callback=check.list_of(VARIANTS), help="vanilla, v, l, or several: vanilla,v,l.")]
+    "--variant", callback=check.list_of(VARIANTS),
+    help=f"{', '.join(VARIANTS)}, or several: vanilla,v,l (`ficoco methods` lists them).")]
+PresetOpt = Annotated[int | None, typer.Option(
+    "--preset", callback=check.one_of_numbers(PRESETS),
+    help="The literature's 192, 128 or 64-token row: each method's published setting (same as --keep N).")]
 KeepOpt = Annotated[int | None, typer.Option(
     "--keep", callback=check.whole_number(1), help="Visual tokens that reach (V) or leave (L) the LLM.")]
 TflopsOpt = Annotated[float | None, typer.Option(
@@ -128,12 +161,14 @@ def flops_command(
     model: ModelOpt,
     variant: VariantOpt = "vanilla",
     keep: KeepOpt = None,
+    preset: PresetOpt = None,
     tflops: TflopsOpt = None,
     schedule: ScheduleOpt = None,
     shape: ShapeOpt = "uniform",
     first_layer: FirstLayerOpt = None,
     convention: Annotated[str, typer.Option(
-        "--convention", callback=check.choice(CONVENTIONS), help="flops, macs, llm-viewer or paper.")] = "flops",
+        "--convention", callback=check.choice(CONVENTIONS),
+        help="flops, macs, llm-viewer, paper or visual-macs.")] = "flops",
     scope: Annotated[str, typer.Option(
         "--scope", callback=check.choice(SCOPES), help="llm (decoder + LM head) or all.")] = "llm",
     equivalent: Annotated[bool, typer.Option(
@@ -173,7 +208,9 @@ def flops_command(
     from ficoco_cli.render import flops_table, per_layer_table
 
     variants = split_list(variant, "--variant")
-    check_schedule_options(variants, keep, tflops, schedule)
+    check_schedule_options(variants, keep, tflops, schedule, preset)
+    if verify:
+        check_wired(variants, "ficoco flops --verify")
     if tolerance is not None and not verify:
         raise FicocoError("--tolerance applies to --verify; add --verify")
     if dtype is not None and not verify:
@@ -194,13 +231,14 @@ def flops_command(
     hardware = load_gpu(gpu) if gpu else None
     schedules = [
         acc.resolve_schedule(arch, v, opts, keep=keep, tflops=tflops, schedule=schedule, shape=shape,
-                             first_layer=first_layer)
+                             first_layer=first_layer, preset=preset)
         for v in variants
     ]
     if verify:
         from ficoco_cli.verify_cmd import verify_command
 
-        request = {"variants": variants, "keep": keep, "tflops": tflops, "schedule": schedule, "shape": shape,
+        request = {"variants": variants, "keep": keep if preset is None else preset, "tflops": tflops,
+                   "schedule": schedule, "shape": shape,
                    "first_layer": first_layer, "convention": convention, "scope": scope, "equivalent": equivalent}
         code = verify_command(profile, schedules, text_tokens=text_tokens, batch=batch, lm_head=lm_head,
                               tolerance=tolerance, per_layer=per_layer, json_path=json_path,
@@ -225,7 +263,7 @@ def flops_command(
         "text_tokens": text_tokens if text_tokens is not None else arch.text_tokens, "batch": batch,
         "lm_head_tokens": lm_head, "image_size": arch.image_size, "vision_items": arch.vision.items,
         "overrides": profile.overrides, "gpu": hardware.name if hardware else None,
-        "budget_tflops": tflops, "keep": keep, "rows": rows,
+        "budget_tflops": tflops, "keep": keep, "preset": preset, "rows": rows,
     }
     console = err if json_path == "-" else out
     console.print(flops_table(report, acc.UNITS[opts.convention], hardware is not None, wide))
@@ -241,6 +279,7 @@ def profile_command(
     model: ModelOpt,
     variant: VariantOpt = "v",
     keep: KeepOpt = None,
+    preset: PresetOpt = None,
     tflops: TflopsOpt = None,
     schedule: ScheduleOpt = None,
     shape: ShapeOpt = "uniform",
@@ -295,7 +334,10 @@ def profile_command(
     from ficoco_cli.profile_run import estimate_lines, run_and_report
 
     variants = split_list(variant, "--variant")
-    check_schedule_options(variants, keep, tflops, schedule)
+    check_schedule_options(variants, keep, tflops, schedule, preset)
+    check_wired(variants, "ficoco profile")
+    if preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: --keep N
+        keep = preset
     if not no_reference and "vanilla" not in variants:
         variants = ["vanilla", *variants]
     config = ProfileConfig(
@@ -306,7 +348,14 @@ def profile_command(
         prompt=prompt, overrides=tuple(set_values or ()), seed=seed, kv_bits=kv_bits,
         image_size=parse_image_size(image_size), frames=frames, dtype=parse_dtype(dtype),
     )
-    plan = plan_run(config)
+    try:
+        plan = plan_run(config)
+    except FicocoError as exc:
+        if preset is None:
+            raise
+        from ficoco.accounting import preset_message
+
+        raise FicocoError(preset_message(str(exc), preset)) from None
     estimate = estimate_run(config, plan)
     plan_runs(plan, estimate)
     console = out if json_path != "-" else err

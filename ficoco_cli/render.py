@@ -220,6 +220,10 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
     if wide or len(quants) > 1:
         columns.append(_Column("quant", [r["quant"] for r in rows], left=True))
     columns.append(_Column("visual\ntokens", [str(r["visual_tokens"]) for r in rows]))
+    # Methods that prune inside the LLM are quoted by the layer average (sum_l n_l / L); show it where it differs.
+    averages = [r.get("layer_average_visual_tokens") for r in rows]
+    if any(a is not None and abs(a - r["visual_tokens"]) > 1e-9 for a, r in zip(averages, rows, strict=True)):
+        columns.append(_Column("layer\navg", ["-" if a is None else f"{a:.1f}" for a in averages]))
     if wide:
         in_scope = set(report["scope_stages"])
         short = {"vision": "vision", "projector": "proj", "llm": "llm", "lm_head": "head"}
@@ -227,6 +231,8 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
             header = short.get(stage, stage) + ("" if stage in in_scope else "*")
             columns.append(_scaled(header, [r["tflops_by_stage"][stage] for r in rows], (), tera_unit))
     columns.append(_scaled("total", [r["tflops"] for r in rows], (), tera_unit))
+    if wide and any(r.get("method_tflops") for r in rows):
+        columns.append(_scaled("method", [r.get("method_tflops") or 0.0 for r in rows], (), tera_unit))
     # Names on two lines above their unit: with a quant column and a roofline the table still fits 80 columns.
     columns.append(_Column("vs\nvanilla\n%", [_percent(-r["reduction_vs_vanilla"], signed=True)
                                              if r.get("reduction_vs_vanilla") is not None else "-" for r in rows]))
@@ -239,6 +245,20 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
                 f"total: the cost in scope {report['scope']} (--wide: by stage); ")
                + "memory access is LLM-Viewer traffic, not a footprint; bytes in decimal units")
     return _table(columns, range(len(rows)), title=title, caption=caption)
+
+
+def methods_table(rows: list[dict[str, Any]]) -> Table:
+    """The method registry: name, where it acts, its defaults, the families it runs on."""
+    table = Table(title="reduction methods (ficoco flops --variant NAME; --keep/--preset N: see 'keep')",
+                  title_justify="left")
+    for col in ("name", "method", "acts at", "positions", "defaults", "keep N means", "families", "runs"):
+        table.add_column(col, justify="left", overflow="fold")
+    for r in rows:
+        defaults = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in r["hyperparameters"].items())
+        where = f"{r['acts_at'].replace('_', ' ')} ({r['placement'].replace('_', ' ')})"
+        table.add_row(r["name"], r["title"], where, r["positions"], defaults, r["keep_means"],
+                      ", ".join(r["families"]), "yes" if r["wired"] else "flops only")
+    return table
 
 
 def per_layer_table(row: dict[str, Any], unit: str) -> Table:

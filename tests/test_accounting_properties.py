@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ficoco.accounting import BudgetError, CountOptions, account, make_quant, resolve_schedule
-from ficoco.accounting.flops import CONVENTIONS, SCOPES
+from ficoco.accounting.flops import CONVENTIONS, LLM_ONLY_CONVENTIONS, SCOPES
 from ficoco.accounting.schedule import (
     Schedule,
     layer_range,
@@ -30,7 +30,7 @@ FAST = settings(max_examples=50, deadline=None, derandomize=True, database=None)
 
 TINY = ["llava-tiny", "llava-gqa-tiny", "llava-next-tiny", "qwen2-vl-tiny", "video-llava-tiny"]
 PROFILES = [*TINY, "llava-1.5-7b"]
-COUNTINGS = [(c, s) for c in CONVENTIONS for s in SCOPES if not (c == "llm-viewer" and s == "all")]
+COUNTINGS = [(c, s) for c in CONVENTIONS for s in SCOPES if not (c in LLM_ONLY_CONVENTIONS and s == "all")]
 FP16 = make_quant("fp16")
 
 profiles = st.sampled_from(PROFILES)

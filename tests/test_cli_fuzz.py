@@ -52,7 +52,7 @@ PROFILES_DIR = ROOT / "profiles"
 TINY = ("llava-tiny", "llava-gqa-tiny", "llava-next-tiny", "qwen2-vl-tiny", "video-llava-tiny")
 LARGE = ("llava-1.5-7b", "llava-1.5-13b", "llava-next-7b", "qwen2-vl-7b", "video-llava-7b")
 GPUS = tuple(sorted(p.stem for p in (PROFILES_DIR / "hardware").glob("*.json")))
-VARIANTS = ("v", "l", "vanilla")  # reducing ones first: hypothesis favours the first, and they go deeper
+VARIANTS = ("v", "l", "vanilla", "fastv", "pdrop", "sparsevlm", "dart")  # reducing ones first: hypothesis favours the first, and they go deeper
 QUANTS = ("fp16", "int8", "int4")
 T = TypeVar("T")
 
@@ -432,7 +432,7 @@ def image_size(cheap: bool = False) -> st.SearchStrategy[Arg]:
 
 
 # A reducing variant needs one of these; drawing one first most of the time lets runs get past that.
-SCHEDULE_SOURCES = ("keep", "tflops", "schedule")
+SCHEDULE_SOURCES = ("keep", "tflops", "schedule", "preset")
 
 
 def command_line(draw: Callable, base: list[Arg], options: dict[str, st.SearchStrategy[Arg]], most: int = 4,
@@ -453,7 +453,8 @@ def schedule_options(paths: Paths, cheap: bool) -> dict[str, st.SearchStrategy[A
         "schedule": schedule_text(),
         "shape": choice("--shape", ["uniform", "oneshot"]),
         "first-layer": counts("--first-layer", low=0),
-        "convention": choice("--convention", ["flops", "macs", "llm-viewer", "paper"]),
+        "convention": choice("--convention", ["flops", "macs", "llm-viewer", "paper", "visual-macs"]),
+        "preset": bit_widths("--preset", (192, 128, 64)),
         "scope": choice("--scope", ["llm", "all"]),
         "quant": names_list("--quant", QUANTS),
         "image-size": image_size(cheap),
@@ -614,6 +615,12 @@ def test_set_any_keys_and_values_end_in_a_result_or_one_error_line(paths: Paths)
         run_and_check(argv, [option("--model", name), *(Arg((t,)) for t in schedule if t.startswith("--")), *sets])
 
     run()
+
+
+@fuzz(examples=20)
+@given(st.lists(st.sampled_from(["--bogus", "extra", "--help", "--json", "--model", "-"]), max_size=3))
+def test_methods_any_arguments_end_in_the_table_or_one_error_line(extra: list[str]) -> None:
+    run_and_check(["methods", *extra], [Arg((token,)) for token in extra])
 
 
 @fuzz(examples=10)

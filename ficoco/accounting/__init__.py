@@ -28,6 +28,12 @@ from ficoco.accounting.memory import (
     roofline_seconds,
     weight_bytes,
 )
+from ficoco.accounting.methods import (
+    extra_macs,
+    method_schedule,
+    parse_method_schedule,
+    schedule_for_method_budget,
+)
 from ficoco.accounting.schedule import (
     VARIANTS,
     BudgetError,
@@ -39,16 +45,20 @@ from ficoco.accounting.schedule import (
     schedule_for_keep,
 )
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import method
 from ficoco.profiles import Hardware
 
 __all__ = [
     "CONVENTIONS", "SCOPES", "VARIANTS", "Architecture", "BudgetError", "CostRow", "CountOptions", "Quant",
     "Schedule", "TokenPlan", "account", "architecture", "make_quant", "parameter_counts", "per_layer",
-    "resolve_schedule",
+    "resolve_schedule", "method_schedule",
 ]
 
 # The unit each convention's totals are in, for labels ("TFLOPs", "TMACs", ...).
-UNITS = {"flops": "TFLOPs", "macs": "TMACs", "llm-viewer": "TOPs (LLM-Viewer)", "paper": "TFLOPs (paper)"}
+UNITS = {"flops": "TFLOPs", "macs": "TMACs", "llm-viewer": "TOPs (LLM-Viewer)", "paper": "TFLOPs (paper)",
+         "visual-macs": "TMACs (visual tokens)"}
+# Per multiply-accumulate of a method's extra matrix work, in each convention's unit.
+_EXTRA_PER_MAC = {"flops": 2, "macs": 1, "llm-viewer": 2, "paper": 1, "visual-macs": 1}
 
 
 @dataclass(frozen=True)
@@ -79,27 +89,64 @@ def compute_tera(arch: Architecture, schedule: Schedule, opts: CountOptions) -> 
     return scope_total(count_by_stage(arch, plan, ops, opts.convention, batch=opts.batch), opts.scope) / 1e12
 
 
+def preset_message(message: str, preset: int) -> str:
+    """An error about `--keep N` that came from `--preset N`, reworded to name the option given."""
+    if f"--keep {preset}" in message:
+        return message.replace(f"--keep {preset}", f"--preset {preset} (--keep {preset})", 1)
+    return f"--preset {preset}: {message}"
+
+
+def _budget_label(opts: CountOptions) -> str:
+    return f"{UNITS[opts.convention]} ({opts.convention}, scope {opts.scope}, " + (
+        "equivalent)" if opts.equivalent else "layer-exact)")
+
+
 def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, keep: int | None = None,
                      tflops: float | None = None, schedule: str | None = None, shape: str = "uniform",
-                     first_layer: int | None = None) -> Schedule:
-    """The schedule of `variant` from exactly one of keep / tflops / schedule (none: vanilla)."""
-    given = [x is not None for x in (keep, tflops, schedule)]
+                     first_layer: int | None = None, preset: int | None = None) -> Schedule:
+    """The schedule of `variant` from at most one of keep / preset / tflops / schedule.
+
+    `preset` N is the literature's "N tokens" row and means the same as `keep` N (each method's
+    `--keep` counts what its papers count). FiCoCo-V and -L need one of them; every other method
+    falls back to its official default setting.
+    """
+    given = [x is not None for x in (keep, tflops, schedule, preset)]
     if sum(given) > 1:
-        raise FicocoError("give one of --keep, --tflops and --schedule, not several")
+        raise FicocoError("give one of --keep, --preset, --tflops and --schedule, not several")
     if variant not in VARIANTS:
         raise FicocoError(f"unknown variant '{variant}': choose from {', '.join(VARIANTS)}")
     if variant == "vanilla":
         return Schedule("vanilla")
+    spec = method(variant)
+    if spec.plans_itself:
+        spec.check_family(arch.family, arch.name)
+        # Name the option the setting came from, so that the one error line points at it.
+        source = ("--schedule" if schedule is not None else f"--preset {preset}" if preset is not None
+                  else f"--keep {keep}" if keep is not None else "--tflops" if tflops is not None
+                  else f"--variant {variant}")
+        try:
+            if schedule is not None:
+                return parse_method_schedule(arch, variant, schedule)
+            if tflops is not None:
+                return schedule_for_method_budget(arch, variant, tflops, lambda s: compute_tera(arch, s, opts),
+                                                  label=_budget_label(opts))
+            return method_schedule(arch, variant, keep if preset is None else preset)
+        except FicocoError as exc:
+            if str(exc).startswith("--"):
+                raise
+            raise type(exc)(f"{source}: {exc}") from None
+    if preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: --keep N
+        try:
+            return schedule_for_keep(arch, variant, preset, shape=shape, first=first_layer)
+        except FicocoError as exc:
+            raise type(exc)(preset_message(str(exc), preset)) from None
     if schedule is not None:
         return parse_schedule(schedule, arch, variant)
     if keep is not None:
         return schedule_for_keep(arch, variant, keep, shape=shape, first=first_layer)
     if tflops is not None:
-        label = f"{UNITS[opts.convention]} ({opts.convention}, scope {opts.scope}, " + (
-            "equivalent)" if opts.equivalent else "layer-exact)"
-        )
         return schedule_for_budget(
-            arch, variant, tflops, lambda s: compute_tera(arch, s, opts), label=label, shape=shape,
+            arch, variant, tflops, lambda s: compute_tera(arch, s, opts), label=_budget_label(opts), shape=shape,
             first=first_layer, equivalent=opts.equivalent,
             # V in scope llm: the LLM sees the final count in every layer already.
             equivalent_helps=variant == "l" or opts.scope == "all",
@@ -122,11 +169,22 @@ class CostRow:
     memory_access_bytes: float
     footprint_bytes: float
     roofline_s: float | None
+    # The method's own matrix work beyond the model's layers (score rows, recomputed projections,
+    # similarity matrices), in the convention's unit and not in `tflops`: (layer, term, tera-units).
+    method_terms: tuple[tuple[int | None, str, float], ...] = ()
+
+    @property
+    def method_tflops(self) -> float:
+        return sum(t for _, _, t in self.method_terms)
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {
             "variant": self.variant, "quant": self.quant.name, "bits": self.quant.label,
             "visual_tokens": self.plan.visual_tokens, "llm_visual_tokens": self.plan.llm_visual_tokens,
+            "layer_average_visual_tokens": self.plan.layer_average_visual_tokens,
+            "settings": self.schedule.settings_dict(),
+            "method_tflops": self.method_tflops,
+            "method_terms": [{"layer": layer, "term": term, "tera": t} for layer, term, t in self.method_terms],
             "tflops": self.tflops, "tflops_by_stage": self.tflops_by_stage,
             "kv_cache_bytes": self.kv_cache_bytes, "weight_bytes": self.weight_bytes,
             "memory_access_bytes": self.memory_access_bytes, "footprint_estimate_bytes": self.footprint_bytes,
@@ -155,6 +213,8 @@ def account(arch: Architecture, schedule: Schedule, quant: Quant, opts: CountOpt
         memory_access_bytes=memory_access_bytes(ops, opts.scope, quant),
         footprint_bytes=weight_bytes(arch, "all", quant) + kv + activations,
         roofline_s=roofline_seconds(ops, opts.scope, quant, gpu) if gpu else None,
+        method_terms=tuple((layer, term, _EXTRA_PER_MAC[opts.convention] * macs / 1e12)
+                           for layer, term, macs in extra_macs(arch, schedule, plan, batch=opts.batch)),
     )
 
 

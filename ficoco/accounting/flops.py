@@ -15,7 +15,9 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.schedule import TokenPlan
 from ficoco.errors import FicocoError
 
-CONVENTIONS = ("flops", "macs", "llm-viewer", "paper")
+CONVENTIONS = ("flops", "macs", "llm-viewer", "paper", "visual-macs")
+# Conventions that define the decoder only.
+LLM_ONLY_CONVENTIONS = ("llm-viewer", "visual-macs")
 SCOPES = ("llm", "all")
 STAGES = ("vision", "projector", "llm", "lm_head")
 SCOPE_STAGES = {"llm": ("llm", "lm_head"), "all": STAGES}
@@ -161,7 +163,8 @@ def paper_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1) -> li
     method's overhead at reducing layers. It defines transformer layers only."""
     v, d = arch.vision, arch.decoder
     items = batch * plan.vision_items
-    overhead = {(red.stage, red.layer): red for red in plan.reductions}
+    # The appendix's overhead formula is FiCoCo's (its in-layer stages); other methods have none.
+    overhead = {(red.stage, red.layer): red for red in plan.reductions if red.where == "in_layer"}
     rows: list[tuple[str, int, int]] = []
     for stage, layers, mult, dim, ffn in (("vision", plan.vision, items, v.hidden, v.ffn),
                                           ("llm", plan.llm, batch, d.hidden, d.ffn)):
@@ -171,6 +174,19 @@ def paper_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1) -> li
             if red:
                 count += paper_overhead(stage, red.visual_before, red.removed, dim)
             rows.append((stage, layer, mult * count))
+    return rows
+
+
+def visual_macs_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1) -> list[tuple[str, int, int]]:
+    """The `visual-macs` convention per decoder layer: PDrop's and SparseVLM's tables count only
+    the visual tokens n of every layer, `4nd^2 + 2n^2d + 3ndm` multiply-accumulates (SwiGLU: three
+    FFN matrices); text tokens and the LM head are not counted. A layer that reduces inside
+    (FiCoCo-L) runs its FFN on the tokens it keeps."""
+    d = arch.decoder
+    rows = []
+    for layer, (n_in, n_out) in enumerate(plan.llm_visual):
+        count = 4 * n_in * d.hidden**2 + 2 * n_in * n_in * d.hidden + 3 * n_out * d.hidden * d.ffn
+        rows.append(("llm", layer, batch * count))
     return rows
 
 
@@ -189,6 +205,8 @@ def count_by_layer(arch: Architecture, plan: TokenPlan, ops: list[Op], conventio
     projector, LM head: layer None), in order of execution."""
     if convention == "paper":
         return [(s, layer, c) for s, layer, c in paper_by_layer(arch, plan, batch=batch)]
+    if convention == "visual-macs":
+        return [(s, layer, c) for s, layer, c in visual_macs_by_layer(arch, plan, batch=batch)]
     rows: dict[tuple[str, int | None], int] = {}
     for op in ops:
         key = (op.stage, op.layer)
@@ -211,8 +229,9 @@ def check_scope(convention: str, scope: str) -> None:
     """Reject scopes a convention does not define."""
     if scope not in SCOPES:
         raise FicocoError(f"unknown scope '{scope}': choose from {', '.join(SCOPES)}")
-    if convention == "llm-viewer" and scope == "all":
-        raise FicocoError("the llm-viewer convention replays the decoder only; use --scope llm with it")
+    if convention in LLM_ONLY_CONVENTIONS and scope == "all":
+        what = "replays" if convention == "llm-viewer" else "counts"
+        raise FicocoError(f"the {convention} convention {what} the decoder only; use --scope llm with it")
 
 
 def scope_total(by_stage: dict[str, int], scope: str) -> int:

@@ -14,18 +14,28 @@ from dataclasses import dataclass
 
 from ficoco.accounting.architecture import Architecture
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import VARIANTS
 
-VARIANTS = ("vanilla", "v", "l")
+# The variants whose schedules this module plans (layer:removed, uniform or one-shot); every
+# other method plans through its registry entry (ficoco.accounting.methods).
+FICOCO_VARIANTS = ("vanilla", "v", "l")
 SHAPES = ("uniform", "oneshot")
 
 
 @dataclass(frozen=True)
 class Removal:
-    """`remove` units removed at decoder or vision layer `layer` (0-based)."""
+    """`remove` units removed at decoder or vision layer `layer` (0-based).
 
-    stage: str  # "vision" (FiCoCo-V) or "llm" (FiCoCo-L)
+    `where`: "in_layer" (FiCoCo: after the layer's attention, before its MLP) or "layer_input"
+    (FastV, PDrop, SparseVLM, DART: before the layer runs, so the whole layer sees the reduced
+    set); `added` tokens join at the same point (SparseVLM's recycled clusters).
+    """
+
+    stage: str  # "vision" (FiCoCo-V) or "llm"
     layer: int
     remove: int
+    where: str = "in_layer"
+    added: int = 0
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,8 @@ class Schedule:
 
     variant: str
     removals: tuple[Removal, ...] = ()
+    # The method's settings as (name, value) pairs, values made hashable (lists become tuples).
+    settings: tuple[tuple[str, object], ...] = ()
 
     @property
     def total_removed(self) -> int:
@@ -42,8 +54,17 @@ class Schedule:
     def removed_at(self) -> dict[int, int]:
         return {r.layer: r.remove for r in self.removals}
 
+    def settings_dict(self) -> dict[str, object]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.settings}
+
     def to_json(self) -> list[dict[str, int | str]]:
-        return [{"stage": r.stage, "layer": r.layer, "remove": r.remove} for r in self.removals]
+        rows: list[dict[str, int | str]] = []
+        for r in self.removals:
+            row: dict[str, int | str] = {"stage": r.stage, "layer": r.layer, "remove": r.remove}
+            if r.where != "in_layer" or r.added:  # FiCoCo's rows keep their old shape
+                row.update(where=r.where, added=r.added)
+            rows.append(row)
+        return rows
 
 
 @dataclass(frozen=True)
@@ -54,6 +75,8 @@ class Reduction:
     layer: int
     visual_before: int
     removed: int
+    where: str = "in_layer"
+    added: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,16 @@ class TokenPlan:
     text_tokens: int
     reductions: tuple[Reduction, ...]
     equivalent: bool
+    # Visual tokens per decoder layer: (entering its attention, entering its MLP).
+    llm_visual: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def layer_average_visual_tokens(self) -> float:
+        """The literature's "retained tokens" for in-LLM methods: sum over layers of the visual
+        tokens each layer attends over, divided by the layer count (SparseVLM issue #10)."""
+        if not self.llm_visual:
+            return float(self.llm_visual_tokens)
+        return sum(n_in for n_in, _ in self.llm_visual) / len(self.llm_visual)
 
 
 def stage_of(variant: str) -> str:
@@ -101,7 +134,7 @@ def min_kept_units(arch: Architecture, variant: str) -> int:
 
 
 def _check_variant(arch: Architecture, variant: str) -> None:
-    if variant not in VARIANTS:
+    if variant not in FICOCO_VARIANTS:
         raise FicocoError(f"unknown variant '{variant}': choose from {', '.join(VARIANTS)}")
     if variant == "v" and arch.unpadding_drops:
         raise FicocoError(
@@ -217,12 +250,14 @@ def plan_tokens(arch: Architecture, schedule: Schedule, *, text_tokens: int | No
     count with `equivalent`)."""
     text = arch.text_tokens if text_tokens is None else text_tokens
     v = arch.vision
-    removed = schedule.removed_at()
+    vision_removed = {r.layer: r.remove for r in schedule.removals if r.stage == "vision"}
+    in_layer = {r.layer: r for r in schedule.removals if r.stage == "llm" and r.where == "in_layer"}
+    at_input = {r.layer: r for r in schedule.removals if r.stage == "llm" and r.where == "layer_input"}
     reductions: list[Reduction] = []
     units = v.units
     vision: list[tuple[int, int]] = []
     for layer in range(v.layers):
-        r = removed.get(layer, 0) if schedule.variant == "v" else 0
+        r = vision_removed.get(layer, 0)
         if r:
             reductions.append(Reduction("vision", layer, units * v.merge, r * v.merge))
         vision.append((v.tokens(units), v.tokens(units - r)))
@@ -231,19 +266,29 @@ def plan_tokens(arch: Architecture, schedule: Schedule, *, text_tokens: int | No
     seq = text + llm_visual
     visual = llm_visual
     llm: list[tuple[int, int]] = []
+    llm_vis: list[tuple[int, int]] = []
     for layer in range(arch.decoder.layers):
-        r = removed.get(layer, 0) if schedule.variant == "l" else 0
+        step = at_input.get(layer)
+        if step is not None:
+            reductions.append(Reduction("llm", layer, visual, step.remove, "layer_input", step.added))
+            seq += step.added - step.remove
+            visual += step.added - step.remove
+        inside = in_layer.get(layer)
+        r = inside.remove if inside is not None else 0
         if r:
             reductions.append(Reduction("llm", layer, visual, r))
         llm.append((seq, seq - r))
+        llm_vis.append((visual, visual - r))
         seq -= r
         visual -= r
     if equivalent:
         vision = [(vision[-1][1], vision[-1][1])] * len(vision)
         llm = [(seq, seq)] * len(llm)
+        llm_vis = [(visual, visual)] * len(llm_vis)
     return TokenPlan(
         vision=tuple(vision), llm=tuple(llm), vision_items=v.items, llm_visual_tokens=llm_visual,
         visual_tokens=visual, text_tokens=text, reductions=tuple(reductions), equivalent=equivalent,
+        llm_visual=tuple(llm_vis),
     )
 
 

@@ -1,0 +1,205 @@
+"""What a visual-token reduction method declares about itself: the `MethodSpec`.
+
+Nothing here imports torch: the accountant (`ficoco flops`) reads specs to plan tokens and
+costs without loading any tensor code. A spec names the module that holds the method's
+tensor functions; `MethodSpec.load()` imports it only when a model actually runs.
+
+A method is described by
+
+- **where it acts** (`acts_at`): inside a vision-tower layer, after the projector, or in the
+  LLM decoder; and **how** (`placement`): inside a layer after its attention block and before
+  its MLP (FiCoCo), or at the input of a decoder layer, before the layer runs (FastV, PDrop,
+  SparseVLM, DART: the reduced set is what every later layer sees);
+- **what it needs from the model** (`needs`): which attention-probability rows (of which
+  layer, which query rows, over which keys), key states, or hidden states, so that the model
+  adapters offer one set of hook points and probes for every method;
+- **its hyperparameters** with the defaults of its official code, its **position scheme**
+  (original position ids kept, or compacted), and the families it is defined on;
+- **its schedule**: the plain token-count steps (`Step`) a setting produces, how a budget
+  maps to a setting (`settings_for_keep`: the literature's "N tokens" rows; `presets`), and
+- **its extra cost terms** (`extra_macs`): the matrix work the method adds beyond the model's
+  own layers (score rows, projections it recomputes, similarity matrices), per step.
+
+All arithmetic here is on plain ints (no Architecture, no torch), so the registry depends on
+nothing above it and the accountant can import it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from ficoco.errors import FicocoError
+
+ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
+PLACEMENTS = ("in_layer", "layer_input")
+POSITION_SCHEMES = ("original", "compact", "grid")
+NEED_KINDS = ("attention_rows", "query_key", "keys", "hidden", "input_embeddings")
+
+
+@dataclass(frozen=True)
+class Need:
+    """One thing a method reads from the model at one point of the forward.
+
+    Attributes:
+        kind: ``attention_rows`` (softmaxed, head-mean probabilities of some query rows over
+            all keys, post-RoPE, causal and padding masked), ``query_key`` (the method
+            recomputes rows itself from a layer's own q/k projections), ``keys`` (post-RoPE
+            key states, heads concatenated), ``hidden`` (hidden states), or
+            ``input_embeddings`` (the LLM's input embeddings, before layer 0).
+        layer: where, relative to the step's layer L: ``"L-1"`` (the layer before the step),
+            ``"L"`` (the step's own layer), ``"embeddings"``, ``"vision L"``.
+        rows: which query rows or tokens: ``last`` (the last prompt token), ``suffix`` (every
+            text token after the visual span), ``visual+suffix``, ``cls``, ``all``.
+        detail: one sentence on why and in what form.
+    """
+
+    kind: str
+    layer: str
+    rows: str
+    detail: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in NEED_KINDS:
+            raise ValueError(f"unknown need kind {self.kind!r}")
+
+    def to_json(self) -> dict[str, str]:
+        return {"kind": self.kind, "layer": self.layer, "rows": self.rows, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One change of the LLM's visual-token count.
+
+    ``where="layer_input"``: before decoder layer ``layer`` runs, ``remove`` visual tokens
+    leave and ``added`` new ones (SparseVLM's recycled clusters) join, so layer ``layer`` and
+    every later one see the new count. ``where="in_layer"``: inside layer ``layer``, after its
+    attention and before its MLP (FiCoCo-L).
+    """
+
+    layer: int
+    remove: int
+    added: int = 0
+    where: str = "layer_input"
+
+    def __post_init__(self) -> None:
+        if self.where not in PLACEMENTS:
+            raise ValueError(f"unknown step placement {self.where!r}")
+        if self.remove < 0 or self.added < 0 or self.layer < 0:
+            raise ValueError(f"a step's layer and counts are not negative: {self}")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The decoder widths the extra cost terms need."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What one step's extra cost depends on (per sample; the accountant multiplies by batch).
+
+    Attributes:
+        step: the step.
+        index: its 0-based order among the method's steps.
+        seq_before: sequence length entering the step's layer before the step.
+        visual_before: visual tokens before the step.
+        visual_initial: visual tokens the LLM received.
+        suffix_tokens: text tokens after the visual span.
+        dims: decoder widths.
+        settings: the method's settings (as `steps` received them).
+    """
+
+    step: Step
+    index: int
+    seq_before: int
+    visual_before: int
+    visual_initial: int
+    suffix_tokens: int
+    dims: Dims
+    settings: Mapping[str, Any]
+
+
+# (layer the work runs at, what it is, multiply-accumulates per sample); layer None: before layer 0.
+ExtraMacs = list[tuple[int | None, str, int]]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A reduction method, as the registry, the accountant, the CLI and the adapters see it.
+
+    `steps`, `settings_for_keep` and `extra_macs` are None for FiCoCo-V and FiCoCo-L, whose
+    removal schedules (layer:removed per reducing layer, budgets by bisection) the accountant
+    has always planned itself (ficoco.accounting.schedule); every other method plans through
+    them.
+    """
+
+    name: str
+    title: str
+    acts_at: str
+    placement: str
+    positions: str
+    needs: tuple[Need, ...]
+    hyperparameters: Mapping[str, Any]
+    families: tuple[str, ...]
+    module: str
+    function: str
+    source: str
+    summary: str
+    keep_means: str  # what `--keep N` (and `--preset N`) counts for this method
+    steps: Callable[[Mapping[str, Any], int, int], tuple[Step, ...]] | None = None
+    # (keep or None for the official default, visual tokens, decoder layers, hyperparameters) -> settings
+    settings_for_keep: Callable[[int | None, int, int, Mapping[str, Any]], dict[str, Any]] | None = None
+    keep_choices: tuple[int, ...] | None = None  # keeps a budget search may pick (None: any)
+    extra_macs: Callable[[StepContext], ExtraMacs] | None = None
+    wired: bool = False  # whether the model adapters run it yet
+
+    def __post_init__(self) -> None:
+        if self.acts_at not in ACTS_AT:
+            raise ValueError(f"{self.name}: unknown acts_at {self.acts_at!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"{self.name}: unknown placement {self.placement!r}")
+        if self.positions not in POSITION_SCHEMES:
+            raise ValueError(f"{self.name}: unknown position scheme {self.positions!r}")
+
+    @property
+    def plans_itself(self) -> bool:
+        """True for methods planned through `steps` (every method but FiCoCo-V and -L)."""
+        return self.steps is not None
+
+    def load(self) -> ModuleType:
+        """Import the module that holds the method's tensor functions (imports torch)."""
+        return importlib.import_module(self.module)
+
+    def entry_point(self) -> Callable[..., Any]:
+        """The method's main tensor function."""
+        return getattr(self.load(), self.function)
+
+    def check_family(self, family: str, model: str) -> None:
+        """Refuse a family the method is not defined on, naming those it is."""
+        if family not in self.families:
+            raise FicocoError(f"--variant {self.name}: {self.title} is defined on {', '.join(self.families)} "
+                              f"models; {model} is a '{family}' model")
+
+    def check_wired(self, where: str) -> None:
+        """Refuse running a method whose model hooks are not in place yet (the accountant plans it)."""
+        if not self.wired:
+            raise FicocoError(f"--variant {self.name}: {self.title} is not wired into the models yet, so {where} "
+                              "cannot run it; `ficoco flops` without --verify plans and counts it")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "title": self.title, "acts_at": self.acts_at, "placement": self.placement,
+            "positions": self.positions, "needs": [n.to_json() for n in self.needs],
+            "hyperparameters": dict(self.hyperparameters), "families": list(self.families),
+            "keep_means": self.keep_means,
+            "source": self.source, "summary": self.summary, "wired": self.wired,
+        }

@@ -1,0 +1,317 @@
+"""The method registry: one `MethodSpec` per method, and the arithmetic of its schedule.
+
+Adding a method is adding its tensor module under ficoco/methods/ and one entry here; the
+CLI, the accountant and the report read the registry and name no method themselves. No torch
+is imported here (the accountant reads this module).
+
+Settings follow each method's official code (../shared/BASELINES.md); where a paper's table
+has no published setting, the rule used instead is stated in the entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ficoco.errors import FicocoError
+from ficoco.methods.base import Dims, ExtraMacs, MethodSpec, Need, Step, StepContext
+
+LLAVA_FAMILIES = ("llava", "llava_next", "video_llava")
+ALL_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava")
+# The rows the literature reports: "192 / 128 / 64 tokens" on LLaVA-1.5-7B.
+PRESETS = (192, 128, 64)
+
+
+def _check_layer(name: str, layer: int, n_layers: int, low: int = 1) -> None:
+    if not low <= layer < n_layers:
+        raise FicocoError(f"{name}: layer {layer} is outside the decoder's layers {low}..{n_layers - 1}")
+
+
+def _check_keep(name: str, keep: int, n_visual: int) -> None:
+    if not 1 <= keep <= n_visual:
+        raise FicocoError(f"{name}: keep {keep} is outside 1..{n_visual}, the visual tokens the LLM receives")
+
+
+# ---- FastV -----------------------------------------------------------------------------------------------------
+
+def _fastv_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    layer, keep = settings["layer"], settings["keep"]
+    _check_layer("FastV", layer, n_layers)
+    _check_keep("FastV", keep, n_visual)
+    return (Step(layer, n_visual - keep),) if keep < n_visual else ()
+
+
+def _fastv_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+    layer = hp["layer"]
+    _check_layer("FastV", layer, n_layers)
+    if keep is None:  # the official default: drop R of the image tokens (HF fork: round(N * (1 - R)))
+        return {"layer": layer, "keep": max(1, round(n_visual * (1 - hp["ratio"])))}
+    # The literature's "N tokens" row is the layer average: K layers at all N, L - K at k.
+    kept = round((n_layers * keep - layer * n_visual) / (n_layers - layer))
+    if kept < 1 or keep > n_visual:
+        low = -(-(layer * n_visual + n_layers - layer) // n_layers)
+        raise FicocoError(f"FastV at layer {layer} averages {low}..{n_visual} visual tokens over {n_layers} layers; "
+                          f"--keep {keep} is outside")
+    return {"layer": layer, "keep": kept}
+
+
+def _fastv_extra(ctx: StepContext) -> ExtraMacs:
+    d = ctx.dims
+    # q of the last prompt token against every key of layer K-1, all heads (the probe's one row).
+    return [(ctx.step.layer - 1, "fastv_last_row_scores", d.heads * d.head_dim * ctx.seq_before)]
+
+
+# ---- PDrop -----------------------------------------------------------------------------------------------------
+
+# The official pyramid: stages after layers 7, 15, 23 (rank & drop at the input of 8, 16, 24), lambda 0.5.
+PDROP_SPACINGS = (8, 4, 2, 1)
+
+
+def _pdrop_layers(spacing: int, n_layers: int) -> tuple[int, ...]:
+    return tuple(layer for layer in (spacing, 2 * spacing, 3 * spacing) if layer < n_layers)
+
+
+def _pdrop_keeps(n_visual: int, ratio: float, stages: int) -> tuple[int, ...]:
+    # keep = int(N * ratio_list[stage + 1]), counted from the original N (pdrop_rank_drop); at least one stays.
+    return tuple(max(1, int(n_visual * ratio ** (k + 1))) for k in range(stages))
+
+
+def _pdrop_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    layers = tuple(settings["layers"])
+    keeps = _pdrop_keeps(n_visual, settings["ratio"], len(layers))
+    steps, current = [], n_visual
+    for layer, keep in zip(layers, keeps, strict=True):
+        _check_layer("PDrop", layer, n_layers)
+        keep = min(keep, current)
+        if keep < current:
+            steps.append(Step(layer, current - keep))
+        current = keep
+    return tuple(steps)
+
+
+def _layer_average(steps: tuple[Step, ...], n_visual: int, n_layers: int) -> float:
+    by_layer = {s.layer: s for s in steps}
+    total, current = 0, n_visual
+    for layer in range(n_layers):
+        if layer in by_layer:
+            current += by_layer[layer].added - by_layer[layer].remove
+        total += current
+    return total / n_layers
+
+
+def _pdrop_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+    if keep is None:
+        layers = _pdrop_layers(hp["spacing"], n_layers)
+        if not layers:
+            raise FicocoError(f"PDrop's stages {hp['spacing']}, {2 * hp['spacing']}, {3 * hp['spacing']} lie beyond "
+                              f"a {n_layers}-layer decoder; give --keep to plan a shorter pyramid")
+        return {"layers": list(layers), "ratio": hp["ratio"]}
+    _check_keep("PDrop", keep, n_visual)
+    # The repo publishes no 192/128/64 settings (PyramidDrop issues #10, #27, #28). Rule used here: the
+    # official equal stage spacing, the latest spacing of 8, 4, 2, 1 whose pyramid can average `keep`,
+    # and the largest lambda whose layer average does not exceed `keep`.
+    for spacing in PDROP_SPACINGS:
+        layers = _pdrop_layers(spacing, n_layers)
+        if not layers:
+            continue
+
+        def average(ratio: float, layers: tuple[int, ...] = layers) -> float:
+            return _layer_average(_pdrop_steps({"layers": layers, "ratio": ratio}, n_visual, n_layers),
+                                  n_visual, n_layers)
+
+        if average(0.0) > keep:
+            continue
+        low, high = 0.0, 1.0
+        if average(high) <= keep:
+            low = high
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if average(mid) <= keep else (low, mid)
+        return {"layers": list(layers), "ratio": low}
+    raise FicocoError(f"PDrop cannot average {keep} visual tokens on a {n_layers}-layer decoder: even stages at "
+                      f"layers 1, 2, 3 keeping one token average more")
+
+
+def _pdrop_extra(ctx: StepContext) -> ExtraMacs:
+    d, layer, n = ctx.dims, ctx.step.layer, ctx.seq_before
+    # The rank layer's own k over the whole entering sequence and q of the last instruction token
+    # (the official code projects q for every row; one row is all the score reads).
+    return [(layer, "pdrop_k_proj", n * d.hidden * d.kv_heads * d.head_dim),
+            (layer, "pdrop_q_proj_last_row", d.hidden * d.heads * d.head_dim),
+            (layer, "pdrop_last_row_scores", d.heads * d.head_dim * n)]
+
+
+# ---- SparseVLM (v1.5) --------------------------------------------------------------------------------------------
+
+# score.py of the v1.5 branch (96 from main): tokens kept after each of the layers 2, 6, 15.
+SPARSEVLM_SCHEDULES = {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 26), 64: (66, 30, 17)}
+
+
+def sparsevlm_recycled(pruned: int, ratio: float = 0.3, divisor: int = 10) -> tuple[int, int]:
+    """(pruned tokens that are recycled, clusters they are merged into): int(0.3 n) + 1 and int(p / 10) + 1."""
+    recycled = min(pruned, int(ratio * pruned) + 1)
+    return recycled, int(recycled / divisor) + 1
+
+
+def _sparsevlm_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    steps, current = [], n_visual
+    for layer, keep in zip(settings["layers"], settings["keeps"], strict=True):
+        if layer + 1 >= n_layers:  # pruning the output of the last layer changes nothing
+            break
+        if current < 2:
+            break
+        kept = min(keep, current - 1)  # k = min(schedule[layer], N_v - 1)
+        pruned = current - kept
+        _, clusters = sparsevlm_recycled(pruned, settings["recycle_ratio"], settings["cluster_divisor"])
+        steps.append(Step(layer + 1, pruned, clusters))
+        current = kept + clusters
+    return tuple(steps)
+
+
+def _sparsevlm_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+    keep = 192 if keep is None else keep
+    if keep not in SPARSEVLM_SCHEDULES:
+        raise FicocoError(f"SparseVLM's v1.5 schedules exist for {', '.join(map(str, SPARSEVLM_SCHEDULES))} tokens; "
+                          f"--keep {keep} has none (--schedule gives any)")
+    return {"layers": list(hp["layers"]), "keeps": list(SPARSEVLM_SCHEDULES[keep]),
+            "recycle_ratio": hp["recycle_ratio"], "cluster_divisor": hp["cluster_divisor"]}
+
+
+def _sparsevlm_extra(ctx: StepContext) -> ExtraMacs:
+    d, s = ctx.dims, ctx.settings
+    rows: ExtraMacs = []
+    if ctx.index == 0:
+        # Raters: visual x text similarity of the input embeddings, once per prefill.
+        rows.append((None, "sparsevlm_raters", ctx.visual_initial * ctx.suffix_tokens * d.hidden))
+    recycled, _ = sparsevlm_recycled(ctx.step.remove, s["recycle_ratio"], s["cluster_divisor"])
+    sparse_layer = ctx.step.layer - 1
+    rows += [
+        # Attention rows of every suffix token (raters are a subset) over all keys of the sparse layer.
+        (sparse_layer, "sparsevlm_rater_rows", ctx.suffix_tokens * ctx.seq_before * d.heads * d.head_dim),
+        # DPC-kNN: pairwise distances among the recycled tokens.
+        (sparse_layer, "sparsevlm_cluster_distances", recycled * recycled * d.hidden),
+    ]
+    return rows
+
+
+# ---- DART --------------------------------------------------------------------------------------------------------
+
+def _dart_retained(settings: Mapping[str, Any], n_visual: int) -> int:
+    pivots = settings["pivot_image"] + settings["pivot_text"]
+    per_pivot = settings["max_num_trunction"] // pivots  # TOKEN_TOPK
+    picks = min(n_visual - settings["pivot_image"], pivots * per_pivot)
+    return settings["pivot_image"] + max(0, picks)
+
+
+def _dart_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    _check_layer("DART", settings["layer"], n_layers)
+    if settings["pivot_image"] > n_visual:
+        raise FicocoError(f"DART: {settings['pivot_image']} image pivots exceed the {n_visual} visual tokens")
+    retained = _dart_retained(settings, n_visual)
+    return (Step(settings["layer"], n_visual - retained),) if retained < n_visual else ()
+
+
+def _dart_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+    # The official scripts pass (reduction_ratio, max_num_trunction) = (0.778, 128) for "128": the target is the
+    # row's N, and 4 image pivots + 8 pivots x N // 8 picks stay (132 for 128).
+    settings = {key: hp[key] for key in ("layer", "pivot_image", "pivot_text")}
+    settings["max_num_trunction"] = hp["max_num_trunction"] if keep is None else keep
+    _check_keep("DART", settings["max_num_trunction"], n_visual)
+    return settings
+
+
+def _dart_extra(ctx: StepContext) -> ExtraMacs:
+    s = ctx.settings
+    pivots = s["pivot_image"] + s["pivot_text"]
+    # Cosine similarity of every pivot's normed hidden state with every image token.
+    return [(ctx.step.layer - 1, "dart_pivot_similarity", pivots * ctx.visual_before * ctx.dims.hidden)]
+
+
+# ---- the registry --------------------------------------------------------------------------------------------------
+
+_LAST_ROW = "the last prompt token (left padding puts it at T - 1 in every sample)"
+
+METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
+    MethodSpec(
+        name="v", title="FiCoCo-V", acts_at="vision_layer", placement="in_layer", positions="grid",
+        needs=(Need("attention_rows", "vision L", "all", "head-mean probabilities of every query over every key "
+                    "of the reducing vision layer (B, T, T)"),
+               Need("keys", "vision L", "all", "head-mean keys, only for towers without [CLS] (equivalent token)"),
+               Need("hidden", "vision L", "all", "after the attention residual, before the MLP")),
+        hyperparameters={"lam": 0.35, "eps": 0.998, "window": 2, "coefficient": 2.0, "first_layer": 12},
+        families=ALL_FAMILIES, module="ficoco.methods.ficoco_v", function="reduce",
+        source="SPEC.md (FiCoCo paper)", summary="filter by vision- and [CLS]-redundancy, fold into kept patches",
+        keep_means="visual tokens that reach the LLM", wired=True,
+    ),
+    MethodSpec(
+        name="l", title="FiCoCo-L", acts_at="llm_layer", placement="in_layer", positions="original",
+        needs=(Need("attention_rows", "L", "visual+suffix", "head-mean probabilities of the visual and suffix "
+                    "queries over every key of the reducing layer"),
+               Need("hidden", "L", "all", "after the attention residual, before the MLP")),
+        hyperparameters={"beta": 0.6, "gamma": 0.6, "eps": 0.998, "first_layer": 4},
+        families=ALL_FAMILIES, module="ficoco.methods.ficoco_l", function="reduce",
+        source="SPEC.md (FiCoCo paper)", summary="filter by vision- and task-redundancy, fold into kept tokens",
+        keep_means="visual tokens that leave the LLM", wired=True,
+    ),
+    MethodSpec(
+        name="fastv", title="FastV", acts_at="llm_layer", placement="layer_input", positions="original",
+        needs=(Need("attention_rows", "L-1", "last", "softmax over all keys of layer K-1, head mean, of "
+                    + _LAST_ROW + "; recomputed from post-RoPE q and k, so SDPA stays on"),
+               Need("hidden", "L", "all", "the input of layer K")),
+        hyperparameters={"layer": 2, "ratio": 0.5},
+        families=ALL_FAMILIES, module="ficoco.methods.fastv", function="fastv_reduce",
+        source="pkunlp-icler/FastV d165972", summary="keep the image tokens the last prompt token attends to most",
+        keep_means="layer-average visual tokens (K layers at all, the rest at the kept)",
+        steps=_fastv_steps, settings_for_keep=_fastv_for_keep, extra_macs=_fastv_extra,
+    ),
+    MethodSpec(
+        name="pdrop", title="PDrop", acts_at="llm_layer", placement="layer_input", positions="compact",
+        needs=(Need("query_key", "L", "last", "the rank layer's own input_layernorm, q_proj (last row) and k_proj "
+                    "(all rows), RoPE, softmax over all keys, head mean: one row, on the sequence entering the stage"),
+               Need("hidden", "L", "all", "the input of the rank layer")),
+        hyperparameters={"spacing": 8, "ratio": 0.5},
+        families=("llava", "llava_next"), module="ficoco.methods.pdrop", function="pdrop_reduce",
+        source="Cooperx521/PyramidDrop 6444f30",
+        summary="rank by the last instruction token at 3 stages, keep a pyramid",
+        keep_means="layer-average visual tokens",
+        steps=_pdrop_steps, settings_for_keep=_pdrop_for_keep, extra_macs=_pdrop_extra,
+    ),
+    MethodSpec(
+        name="sparsevlm", title="SparseVLM", acts_at="llm_layer", placement="layer_input", positions="compact",
+        needs=(Need("input_embeddings", "embeddings", "visual+suffix", "the LLM's input embeddings, once, to "
+                    "choose the rater text tokens"),
+               Need("attention_rows", "L-1", "suffix", "softmax over all keys of the sparse layer, head mean, for "
+                    "every suffix row (raters are a subset)"),
+               Need("hidden", "L", "all", "the output of the sparse layer (input of the next)")),
+        hyperparameters={"layers": (2, 6, 15), "recycle_ratio": 0.3, "cluster_divisor": 10},
+        families=LLAVA_FAMILIES, module="ficoco.methods.sparsevlm", function="sparsevlm_reduce",
+        source="Gumpest/SparseVLMs v1.5 (56bef80)",
+        summary="rate image tokens by text raters, prune after layers 2/6/15, recycle pruned tokens into clusters",
+        keep_means="the v1.5 schedule of the literature's row (192, 128, 96, 64)",
+        keep_choices=tuple(sorted(SPARSEVLM_SCHEDULES)),
+        steps=_sparsevlm_steps, settings_for_keep=_sparsevlm_for_keep, extra_macs=_sparsevlm_extra,
+    ),
+    MethodSpec(
+        name="dart", title="DART", acts_at="llm_layer", placement="layer_input", positions="original",
+        needs=(Need("keys", "L-1", "visual+suffix", "post-RoPE key states of layer K-1, heads concatenated"),
+               Need("hidden", "L-1", "all", "the output of layer K-1 through the final norm (model.norm)")),
+        hyperparameters={"layer": 2, "pivot_image": 4, "pivot_text": 4, "max_num_trunction": 128},
+        families=ALL_FAMILIES, module="ficoco.methods.dart", function="dart_reduce",
+        source="ZichenWen1/DART (README, code copy)", summary="keep pivots and the tokens least similar to them",
+        keep_means="max_num_trunction (4 image pivots + 8 x N // 8 tokens stay)",
+        steps=_dart_steps, settings_for_keep=_dart_for_keep, extra_macs=_dart_extra,
+    ),
+)}
+
+VARIANTS = ("vanilla", *METHODS)
+
+
+def method(name: str) -> MethodSpec:
+    """The spec of `name`, or one line naming the registered methods."""
+    if name not in METHODS:
+        raise FicocoError(f"unknown method '{name}': choose from {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def dims_of(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> Dims:
+    return Dims(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn)
