@@ -1,8 +1,9 @@
-"""Synthetic inputs laid out like the LLaVA-1.5 chat template, for random-weight runs.
+"""Inputs: synthetic ones laid out like the LLaVA-1.5 chat template (random-weight runs), and
+real ones from a local checkpoint's own processor and chat template (`encode_prompt`).
 
 "USER: <image>\\n{question} ASSISTANT:" puts a few text tokens before the image span and
 the question and the assistant prompt after it; the processor expands `<image>` into one
-placeholder per visual token. Token ids are random (seeded) text ids.
+placeholder per visual token. Synthetic token ids are random (seeded) text ids.
 """
 
 from __future__ import annotations
