@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from local_checkpoints import make_checkpoint
 
 # Tiny checkpoints carry no ficoco section: move the first reducing layers into their 4 layers.
@@ -227,10 +226,12 @@ def test_a_reduction_moves_the_next_token_distribution():
     moved = torch.tensor([[0.0, 1.0, 2.0], [0.0, 0.0, 5.0]])
     kl = kl_divergence(reference, moved)
     assert kl[0] > 0.5 and kl[1] == pytest.approx(0)
-    assert matching_prefix(torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([[1, 9, 3], [1, 2, 3]])).tolist() == [1, 3]
-    result = compare(Observation(reference, torch.tensor([[1, 2, 3, 4]])), Observation(moved, torch.tensor([[1, 2, 0, 4]])))
+    prefix = matching_prefix(torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([[1, 9, 3], [1, 2, 3]]))
+    assert prefix.tolist() == [1, 3]
+    result = compare(Observation(reference, torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])),
+                     Observation(moved, torch.tensor([[1, 2, 0, 4], [1, 2, 3, 4]])))
     assert result["top1_agreement"] == 0.5
-    assert result["greedy_prefix_tokens"] == 2 and result["greedy_prefix_share"] == 0.5
+    assert result["greedy_prefix_tokens"] == 3 and result["greedy_prefix_share"] == 0.75  # (2 + 4) / 2
 
 
 def test_compare_calls_a_drop_in_agreement_beyond_tolerance_a_regression():
