@@ -278,6 +278,10 @@ def _inputs(model: Any, config: ProfileConfig, batch: int, device: torch.device,
     from ficoco.models import synthetic_inputs
     from ficoco.models.inputs import real_inputs
 
+    if prompt is None and config.weights != "random" and (config.image, config.prompt, config.video) != (None,) * 3:
+        from ficoco.profiling.real_inputs import resolve_prompt  # a caller that planned without it
+
+        prompt = resolve_prompt(config)[1]
     if prompt is not None:
         param = next(model.parameters())
         return prompt.batch(batch, device=device, dtype=param.dtype if param.is_floating_point() else torch.float16)
