@@ -5,7 +5,10 @@ analytic TFLOPs, KV and weight bytes) must not move by more than 0.1%. Timed met
 judged on in-run ratios that cancel the machine's speed (a variant's speedup over the vanilla
 row of the same run), with a tolerance and, when both reports carry raw samples, a
 one-sided Mann-Whitney test so that noise is not called a regression. Absolute latencies
-and throughputs are shown, and judged only on request.
+and throughputs are shown, and judged only on request. Fidelity against vanilla (`--fidelity`:
+top-1 and greedy-token agreement, KL divergence) is judged like a deterministic figure, with the
+tolerance: an agreement that drops by more than `--tolerance` points, or a KL divergence that grows
+by more than `--tolerance` percent (and more than 0.001 nats), is a regression.
 
 Even an in-run ratio moves with the processor: bf16 matrix work is fast with AMX and slow with
 AVX2 alone, so a variant's speedup says as much about the CPU as about the code. Measured
@@ -38,7 +41,7 @@ class Metric:
     name: str
     path: tuple[str, ...]
     better: str
-    kind: str  # "deterministic", "ratio" (in-run, timed), "absolute" (judged only with --absolute)
+    kind: str  # "deterministic", "ratio" (in-run, timed), "absolute" (judged only with --absolute), "fidelity"
     unit: str = ""
 
 
@@ -55,7 +58,13 @@ METRICS = (
     Metric("latency_median_ms", ("latency", "median_ms"), LOWER, "absolute", "ms"),
     Metric("images_per_s", ("images_per_s",), HIGHER, "absolute", "img/s"),
     Metric("peak_memory_bytes", ("memory", "peak_bytes"), LOWER, "absolute", "B"),
+    # Outputs against vanilla on the same inputs (--fidelity); only reduced rows carry them.
+    Metric("top1_agreement", ("fidelity", "top1_agreement"), HIGHER, "fidelity"),
+    Metric("greedy_prefix_share", ("fidelity", "greedy_prefix_share"), HIGHER, "fidelity"),
+    Metric("kl_divergence", ("fidelity", "kl_divergence"), LOWER, "fidelity", "nats"),
 )
+# A KL divergence this small is rounding, not a change in what the model says.
+KL_FLOOR_NATS = 1e-3
 
 FINGERPRINT_KEYS = ("model", "variant", "schedule", "quant", "dtype", "batch", "text_tokens", "new_tokens",
                     "device_kind")
@@ -288,12 +297,14 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
                 continue
             if metric.kind == "ratio" and b_row.get("variant") == "vanilla":
                 continue  # the reference row's ratios to itself are 1 and 0 by construction
-            if metric.name == "memory_saving_vs_vanilla":
+            if metric.name == "memory_saving_vs_vanilla" or metric.name.endswith(("_agreement", "_share")):
                 change = n - b  # a share: judged in points, a relative change of a near-0 share is noise
             else:
                 change = (n - b) / abs(b) if b else (0.0 if n == b else math.inf)
             worse = (n < b) if metric.better == HIGHER else (n > b)
-            if metric.kind == "deterministic" and judge == "timed":
+            if metric.kind == "fidelity":
+                verdict, detail = _judge_fidelity(metric, b, n, change, worse, tolerance, judge)
+            elif metric.kind == "deterministic" and judge == "timed":
                 verdict, detail = "not judged", "--judge timed: deterministic metrics not judged"
             elif metric.kind == "deterministic":
                 moved = abs(change) > DETERMINISTIC_TOLERANCE
@@ -310,6 +321,21 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
                 verdict, detail = "not judged", "absolute figure: judged only with --absolute"
             result.verdicts.append(Verdict(name, metric.name, metric.kind, b, n, change, verdict, detail))
     return result
+
+
+def _judge_fidelity(metric: Metric, base: float, new: float, change: float, worse: bool, tolerance: float,
+                    judge: str) -> tuple[str, str]:
+    """Agreements move in points of a share; KL divergence relative to base, above a floor."""
+    if judge == "timed":
+        return "not judged", "--judge timed: fidelity not judged"
+    if metric.better == HIGHER:
+        moved, rule = abs(change) > tolerance, f"{tolerance * 100:g} points"
+    else:
+        moved = abs(new - base) > max(tolerance * abs(base), KL_FLOOR_NATS)
+        rule = f"{tolerance * 100:g}% and {KL_FLOOR_NATS:g} nats"
+    if not moved:
+        return "ok", f"fidelity: within {rule}"
+    return ("regression" if worse else "improvement"), f"fidelity: beyond {rule}"
 
 
 def _judge_timed(metric: Metric, b_row: dict[str, Any], n_row: dict[str, Any], base_rows: dict, new_rows: dict,

@@ -314,7 +314,15 @@ def profile_command(
         "--weights", callback=check.weights_source, help="random, a local checkpoint folder, or a cached HF id.")
                        ] = "random",
     image: Annotated[str | None, typer.Option("--image", help="An image file instead of random pixels.")] = None,
-    prompt: Annotated[str | None, typer.Option("--prompt", help="A question (needs a checkpoint's tokenizer).")] = None,
+    prompt: Annotated[str | None, typer.Option(
+        "--prompt", help="A question, laid out with the checkpoint's processor and chat template (needs --weights).")
+                      ] = None,
+    video: Annotated[str | None, typer.Option(
+        "--video", help="Video-LLaVA: a video file (needs a decoder library such as av) or a folder of frame "
+                        "images; --frames of them, evenly spaced.")] = None,
+    fidelity: Annotated[bool, typer.Option(
+        "--fidelity", help="Compare every reduced row with vanilla on the same inputs: KL divergence and top-1 "
+                           "agreement of the next token, and with --new-tokens the greedy tokens.")] = False,
     set_values: SetOpt = None,
     seed: Annotated[int, typer.Option(
         "--seed", callback=check.whole_number(0, check.MAX_SEED), help="Seed of the random weights and inputs.")] = 0,
@@ -331,6 +339,7 @@ def profile_command(
     from ficoco.profiling.dtype_choice import parse_dtype
     from ficoco.profiling.estimate import estimate_run, plan_runs
     from ficoco.profiling.matrix import ProfileConfig, plan_run
+    from ficoco.profiling.real_inputs import resolve_prompt
     from ficoco_cli.profile_run import estimate_lines, run_and_report
 
     variants = split_list(variant, "--variant")
@@ -346,10 +355,14 @@ def profile_command(
         quants=tuple(split_list(quant, "--quant")), batches=parse_batches(batch), text_tokens=text_tokens,
         new_tokens=new_tokens, warmup=warmup, repeat=repeat, device=device, weights=weights, image=image,
         prompt=prompt, overrides=tuple(set_values or ()), seed=seed, kv_bits=kv_bits,
-        image_size=parse_image_size(image_size), frames=frames, dtype=parse_dtype(dtype),
+        image_size=parse_image_size(image_size), frames=frames, dtype=parse_dtype(dtype), video=video,
+        fidelity=fidelity,
     )
+    # A real prompt is laid out by the checkpoint's processor first: its mistakes are the user's,
+    # and the run is planned for the layout it made.
+    config, prompt_inputs = resolve_prompt(config)
     try:
-        plan = plan_run(config)
+        plan = plan_run(config, prompt_inputs)
     except FicocoError as exc:
         if preset is None:
             raise

@@ -554,11 +554,65 @@ def time_line(report: dict[str, Any]) -> str | None:
     return text
 
 
+# ---- fidelity against vanilla (--fidelity) -------------------------------------------------------------------------
+
+def _fidelity_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in report.get("rows") or [] if isinstance(r.get("fidelity"), dict)]
+
+
+def _share(x: Any) -> str:
+    return f"{x * 100:.0f} %" if _is_number(x) and math.isfinite(x) else "-"
+
+
+def fidelity_table(report: dict[str, Any]) -> Table | None:
+    """Per reduced row, its outputs against vanilla's on the same inputs (None without --fidelity)."""
+    rows = _fidelity_rows(report)
+    if not rows:
+        return None
+    several = len(_groups(report.get("rows") or [])) > 1
+    names = [_text(r.get("variant")) + (f" {_text(r.get('quant'))} b{_text(r.get('batch'))}" if several else "")
+             for r in rows]
+    greedy = []
+    for r in rows:
+        prefix, count = _get(r, "fidelity", "greedy_prefix_tokens"), _get(r, "fidelity", "new_tokens")
+        greedy.append(f"{prefix:.3g}/{count} ({_share(_get(r, 'fidelity', 'greedy_prefix_share'))})"
+                      if _is_number(prefix) and _is_number(count) else "-")
+    columns = [
+        _Column("variant", names, left=True),
+        _Column("KL\nnats", [fmt_num(_get(r, "fidelity", "kl_divergence")) for r in rows]),
+        _Column("KL max\nnats", [fmt_num(_get(r, "fidelity", "kl_divergence_max")) for r in rows]),
+        _Column("top-1\nagrees", [_share(_get(r, "fidelity", "top1_agreement")) for r in rows]),
+        _Column("greedy tokens\nmatching prefix", greedy),
+    ]
+    caption = ("KL(vanilla || row) of the next token at the last prompt position; top-1: share of prompts whose "
+               "most likely next token is vanilla's; greedy: leading new tokens equal to vanilla's (mean).")
+    return _table(columns, range(len(rows)), title="fidelity against vanilla, same inputs", caption=caption)
+
+
+def fidelity_lines(report: dict[str, Any]) -> list[str]:
+    """The decoded continuations (first prompt) and the notes of the fidelity rows."""
+    lines, notes = [], set()
+    for row in _fidelity_rows(report):
+        fidelity = row["fidelity"]
+        texts = fidelity.get("texts")
+        if isinstance(texts, dict) and texts.get("vanilla") and texts.get("reduced"):
+            lines.append(f"{_text(row.get('variant'))}: vanilla {texts['vanilla'][0]!r} vs reduced "
+                         f"{texts['reduced'][0]!r}")
+        if fidelity.get("note"):
+            notes.add(f"fidelity: {fidelity['note']}")
+    return lines + sorted(notes)
+
+
 def print_profile(console: Console, report: dict[str, Any], wide: bool = False) -> None:
     """The profile table, then the verdict lines (one logical line each: a terminal wraps them, a pipe
-    or a file keeps them whole) and the run's time against its estimate."""
+    or a file keeps them whole), the fidelity table with --fidelity, and the run's time against its
+    estimate."""
     console.print(profile_table(report, wide))
     for line in verdict_lines(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if (table := fidelity_table(report)) is not None:
+        console.print(table)
+        for line in fidelity_lines(report):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     if line := time_line(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -523,6 +523,10 @@ def profile_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
         "image": st.one_of(st.just(option("--image", paths.image, path=True)),
                            st.sampled_from(paths.bad_inputs).map(lambda p: option("--image", p, bad=True, path=True))),
         "prompt": st.sampled_from(["What is in the image?", ""]).map(lambda p: option("--prompt", p)),
+        # Random weights refuse any --video (it needs a checkpoint's processor); a bad path is refused too.
+        "video": st.one_of(st.just(option("--video", paths.image, path=True)),
+                           st.sampled_from(paths.bad_inputs).map(lambda p: option("--video", p, bad=True, path=True))),
+        "fidelity": switch("--fidelity"),
         "set": set_option(cheap=True),
         "seed": number("--seed", floats=False, low=0, high=2**32 - 1),
     }

@@ -228,10 +228,12 @@ def test_identical_reports_give_ok_or_not_judged_everywhere(base, compare_json):
         by_kind.setdefault(v["kind"], set()).add(v["verdict"])
         assert v["change"] == 0.0
     assert by_kind == {"deterministic": {"ok"}, "ratio": {"ok"}, "absolute": {"not judged"}}
-    # Every metric of every row, except the vanilla rows' ratios to themselves.
+    # Every metric of every row, except the vanilla rows' ratios to themselves and fidelity (a report
+    # made without --fidelity has none).
     rows = len(VARIANTS) * len(QUANTS)
     ratios = sum(m.kind == "ratio" for m in METRICS)
-    assert len(parsed["verdicts"]) == rows * len(METRICS) - len(QUANTS) * ratios
+    measured = sum(m.kind != "fidelity" for m in METRICS)
+    assert len(parsed["verdicts"]) == rows * measured - len(QUANTS) * ratios
 
 
 # ---- deterministic metrics ---------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def _check_variant(arch: Architecture, variant: str) -> None:
         raise FicocoError(
             f"FiCoCo-V on {arch.name} at image size {arch.image_size}: AnyRes unpadding drops "
             f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; "
-            "use a square --image-size or FiCoCo-L"
+            "use a square --image-size (or --image) or FiCoCo-L"
         )
 
 

@@ -1,8 +1,9 @@
-"""Synthetic inputs laid out like the LLaVA-1.5 chat template, for random-weight runs.
+"""Inputs: synthetic ones laid out like the LLaVA-1.5 chat template (random-weight runs), and
+real ones from a local checkpoint's own processor and chat template (`encode_prompt`).
 
 "USER: <image>\\n{question} ASSISTANT:" puts a few text tokens before the image span and
 the question and the assistant prompt after it; the processor expands `<image>` into one
-placeholder per visual token. Token ids are random (seeded) text ids.
+placeholder per visual token. Synthetic token ids are random (seeded) text ids.
 """
 
 from __future__ import annotations
@@ -59,14 +60,14 @@ def place_inputs(model: nn.Module, input_ids: Tensor, pixel_name: str, pixels: T
 
 def real_inputs(model: nn.Module, weights: str, *, image: str | None, prompt: str | None, batch: int = 1,
                 device: torch.device | str | None = None, text_tokens: int = 60, seed: int = 0) -> dict[str, Tensor]:
-    """Inputs from a real image (and, with a checkpoint's processor, a real prompt).
-
-    With a checkpoint the processor that ships with it lays out the LLaVA-1.5 chat template;
-    with random weights the image goes through CLIP's preprocessing at the tower's size and
-    the text ids stay synthetic.
-    """
+    """Random-weight LLaVA-1.5 inputs with a real image: the image goes through CLIP's preprocessing
+    at the tower's size and the text ids stay synthetic. A checkpoint's prompt is laid out by its
+    own processor instead (`ficoco.models.prompt.encode_prompt`)."""
     from PIL import Image, UnidentifiedImageError
+    from transformers import CLIPImageProcessor
 
+    if weights != "random" or prompt is not None:
+        raise FicocoError("a checkpoint's prompt is laid out by its processor: use ficoco.models.prompt.encode_prompt")
     try:
         picture = Image.open(image).convert("RGB") if image else None
     except (OSError, UnidentifiedImageError) as exc:
@@ -74,21 +75,6 @@ def real_inputs(model: nn.Module, weights: str, *, image: str | None, prompt: st
     param = next(model.parameters())
     device = device or param.device
     pixel_dtype = param.dtype if param.is_floating_point() else torch.float16
-    if weights != "random":
-        from transformers import AutoProcessor
-
-        try:
-            processor = AutoProcessor.from_pretrained(weights, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise FicocoError(f"--weights {weights}: no processor to read --image/--prompt with ({exc})") from None
-        text = f"USER: <image>\n{prompt or 'Describe the image.'} ASSISTANT:"
-        if picture is None:
-            raise FicocoError("--prompt needs --image as well (LLaVA prompts hold one image)")
-        encoded = processor(images=[picture] * batch, text=[text] * batch, return_tensors="pt")
-        return {k: (v.to(device=device, dtype=pixel_dtype) if k == "pixel_values" else v.to(device))
-                for k, v in encoded.items()}
-    from transformers import CLIPImageProcessor
-
     size = model.config.vision_config.image_size
     # LLaVA-1.5's preprocessing: shortest side to the tower's size, centre crop, CLIP's mean/std.
     processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})

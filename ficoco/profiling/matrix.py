@@ -66,6 +66,8 @@ class ProfileConfig:
     image_size: tuple[int, int] | None = None  # (H, W)
     frames: int | None = None
     dtype: str = "auto"  # auto, bf16, fp16, fp32 (dtype_choice.choose_dtype)
+    video: str | None = None  # a video file or a folder of frames (Video-LLaVA)
+    fidelity: bool = False  # reduced rows against vanilla on the same inputs (profiling/fidelity.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +102,8 @@ class Plan:
     # largest build (weights, activations, kv_cache, margin, total, free: bytes; quant).
     dtype: DtypeChoice | None = None
     memory: dict[str, Any] = field(default_factory=dict)
+    prompt: Any = None  # models.prompt.PromptInputs: a real prompt laid out by the checkpoint's processor
+    fidelity: Any = None  # profiling.fidelity.FidelityTracker with --fidelity
 
 
 def check_image(path: str) -> None:
@@ -165,8 +169,9 @@ def gpu_profile_for(device_name: str) -> Hardware | None:
     return None
 
 
-def plan_run(config: ProfileConfig) -> Plan:
-    """Validate the configuration and resolve every row's schedule (no model is built)."""
+def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
+    """Validate the configuration and resolve every row's schedule (no model is built). `prompt`
+    is the real prompt `real_inputs.resolve_prompt` laid out (its layout is already in `config`)."""
     if config.repeat is not None and config.repeat < 1:
         raise FicocoError(f"--repeat {config.repeat}: at least one measured run is needed")
     if config.warmup is not None and config.warmup < 0:
@@ -182,7 +187,13 @@ def plan_run(config: ProfileConfig) -> Plan:
     if config.image is not None:
         check_image(config.image)
     if config.prompt is not None and config.weights == "random":
-        raise FicocoError("--prompt needs a tokenizer: give --weights with a local LLaVA checkpoint")
+        raise FicocoError("--prompt needs a tokenizer: give --weights with a local checkpoint folder")
+    if config.video is not None and config.weights == "random":
+        raise FicocoError("--video needs a checkpoint's processor: give --weights with a local Video-LLaVA "
+                          "checkpoint folder")
+    if config.fidelity and "vanilla" not in config.variants:
+        raise FicocoError("--fidelity compares every reduced row with vanilla on the same inputs; drop "
+                          "--no-reference")
     if config.kv_bits is not None and config.kv_bits not in (4, 8):
         raise FicocoError(f"--kv-bits {config.kv_bits}: choose 8 or 4")
     notes: list[str] = []
@@ -194,6 +205,9 @@ def plan_run(config: ProfileConfig) -> Plan:
     if profile.family not in supported_families():
         raise FicocoError(f"{source or config.model} is a '{profile.family}' model; ficoco profile runs "
                           f"{', '.join(supported_families())} models so far")
+    if config.image is not None and prompt is None and profile.family != "llava":
+        raise FicocoError(f"--image with random weights lays out LLaVA-1.5 inputs only; for {profile.family} give "
+                          "--weights with a local checkpoint folder (its processor lays out the image)")
     set_layout(profile, image_size=config.image_size, frames=config.frames)
     arch = architecture(profile)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
@@ -204,7 +218,14 @@ def plan_run(config: ProfileConfig) -> Plan:
         for variant in config.variants
     }
     plan = Plan(device=device, profile=profile, gpu=known_gpu(device), notes=notes, warmup=config.warmup,
-                repeat=config.repeat)
+                repeat=config.repeat, prompt=prompt)
+    if prompt is not None:
+        notes.extend(prompt.notes)
+    if config.fidelity:
+        from ficoco.profiling.fidelity import FidelityTracker
+
+        plan.fidelity = FidelityTracker(random_weights=config.weights == "random",
+                                        tokenizer=prompt.tokenizer if prompt is not None else None)
     for quant in config.quants:
         for batch in config.batches:
             for variant in config.variants:
@@ -252,10 +273,18 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower()
 
 
-def _inputs(model: Any, config: ProfileConfig, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
+def _inputs(model: Any, config: ProfileConfig, batch: int, device: torch.device,
+            prompt: Any = None) -> dict[str, torch.Tensor]:
     from ficoco.models import synthetic_inputs
     from ficoco.models.inputs import real_inputs
 
+    if prompt is None and config.weights != "random" and (config.image, config.prompt, config.video) != (None,) * 3:
+        from ficoco.profiling.real_inputs import resolve_prompt  # a caller that planned without it
+
+        prompt = resolve_prompt(config)[1]
+    if prompt is not None:
+        param = next(model.parameters())
+        return prompt.batch(batch, device=device, dtype=param.dtype if param.is_floating_point() else torch.float16)
     if config.image is not None or config.prompt is not None:
         return real_inputs(model, config.weights, image=config.image, prompt=config.prompt, batch=batch,
                            device=device)
@@ -294,7 +323,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
     import ficoco
 
     device = plan.device
-    inputs = _inputs(model, config, row.batch, device)
+    inputs = _inputs(model, config, row.batch, device, plan.prompt)
     handle = None
     if row.variant != "vanilla":
         handle = ficoco.apply(model, row.variant, schedule=row.schedule, image_size=config.image_size,
@@ -326,6 +355,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
                                                       config=model.config.get_text_config(), nbits=config.kv_bits)
         out = model(**inputs, use_cache=True, logits_to_keep=1, **extra)
         last["cache"] = out.past_key_values
+        last["logits"] = out.logits  # a reference, read after the timing (--fidelity)
 
     def after_each(_: int) -> None:
         # Read after the tracker's final synchronise: the stage events are complete by now.
@@ -350,6 +380,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
                     # One score tensor per decoding step: the prompt length does not matter (FiCoCo-V
                     # returns the prompt with its image span shortened).
                     generated["tokens"] = len(out.scores)
+                    generated["sequences"] = out.sequences  # read after the timing (--fidelity)
 
                 def on_generation_run(phase: str, k: int, n: int, seconds: float | None) -> None:
                     if on_run:
@@ -370,6 +401,13 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
                               "generated_tokens_per_s": tokens / (e2e.median_ms / 1e3),
                               "new_tokens": generated["tokens"], "memory": generation_memory.to_json(),
                               "runs": _runs_json(e2e, plan)}
+            fidelity = None
+            if plan.fidelity is not None:
+                from ficoco.profiling.fidelity import observe
+
+                observation = observe(last.pop("logits"), generated.get("sequences") if config.new_tokens else None,
+                                      config.new_tokens)
+                fidelity = plan.fidelity.row(row.variant, row.quant, row.batch, observation)
     finally:
         last.clear()
         if handle is not None:
@@ -390,6 +428,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         "probe_ms": median_probe,
         "reduction_share": method_ms / latency.median_ms if latency.median_ms else 0.0,
         "generation": generation,
+        **({"fidelity": fidelity} if plan.fidelity is not None else {}),
     }
 
 
