@@ -121,7 +121,8 @@ def describe(key: tuple[Any, ...]) -> str:
     values = dict(zip(FINGERPRINT_KEYS, key, strict=True))
     removed = sum(e.get("remove", 0) for e in json.loads(values["schedule"] or "[]"))
     return (f"{values['model']} {values['variant']} {values['quant']} batch {values['batch']}"
-            + (f" kv{values['kv_bits']}" if values.get("kv_bits") else "") + (f" (removes {removed})" if removed else ""))
+            + (f" kv{values['kv_bits']}" if values.get("kv_bits") else "")
+            + (f" (removes {removed})" if removed else ""))
 
 
 def processor(environment: dict[str, Any]) -> tuple[tuple[Any, ...] | None, str]:
