@@ -42,8 +42,12 @@ def check(path: str, kind: str) -> list[str]:
         if row["variant"] != "vanilla" and (row.get("memory_saving_vs_vanilla") or 0) > 0.25 and row["batch"] == 1:
             bad.append(f"{tag}: saves {row['memory_saving_vs_vanilla']:.0%} of the whole peak at batch 1: "
                        "the vanilla row carried extra memory")
-        if config.get("kv_bits") is None and row["kv_cache_bytes"] != analytic["kv_cache_bytes"]:
+        # Quantized caches too (issue 12): the accountant stores their scales and residual window.
+        if row["kv_cache_bytes"] != analytic["kv_cache_bytes"]:
             bad.append(f"{tag}: KV measured {row['kv_cache_bytes']} != analytic {analytic['kv_cache_bytes']}")
+        decoded = (row.get("generation") or {}).get("kv_cache_bytes")
+        if decoded is not None and decoded != analytic.get("kv_cache_bytes_after_decode"):
+            bad.append(f"{tag}: KV after decoding {decoded} != analytic {analytic.get('kv_cache_bytes_after_decode')}")
         if row["generation"] is not None and row["generation"]["new_tokens"] != row["new_tokens"]:
             bad.append(f"{tag}: generated {row['generation']['new_tokens']} != {row['new_tokens']}")
         speedup, ratio = row.get("speedup_vs_vanilla"), row.get("flops_ratio_vs_vanilla")

@@ -11,11 +11,11 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "FicocoError", "apply", "build_model"]
+__all__ = ["__version__", "FicocoError", "apply", "build_model", "quantized_cache"]
 
 from ficoco.errors import FicocoError
 
-_LAZY = {"build_model": "ficoco.api", "apply": "ficoco.api"}
+_LAZY = {"build_model": "ficoco.api", "apply": "ficoco.api", "quantized_cache": "ficoco.models.kv_cache"}
 
 
 def __getattr__(name: str) -> Any:

@@ -43,6 +43,8 @@ class Metric:
     better: str
     kind: str  # "deterministic", "ratio" (in-run, timed), "absolute" (judged only with --absolute), "fidelity"
     unit: str = ""
+    # Per-run latencies behind a timed metric, for the significance test (None: none recorded).
+    samples: tuple[str, ...] | None = None
 
 
 METRICS = (
@@ -62,12 +64,27 @@ METRICS = (
     Metric("top1_agreement", ("fidelity", "top1_agreement"), HIGHER, "fidelity"),
     Metric("greedy_prefix_share", ("fidelity", "greedy_prefix_share"), HIGHER, "fidelity"),
     Metric("kl_divergence", ("fidelity", "kl_divergence"), LOWER, "fidelity", "nats"),
+    # --new-tokens: decoding (profiling/decode.py), the cache at its end, answering end to end.
+    Metric("decode_kv_cache_bytes", ("generation", "kv_cache_bytes"), LOWER, "deterministic", "B"),
+    Metric("generation_speedup_vs_vanilla", ("generation_speedup_vs_vanilla",), HIGHER, "ratio", "x",
+           ("generation", "total", "samples_ms")),
+    Metric("ttft_ms", ("generation", "ttft", "median_ms"), LOWER, "absolute", "ms",
+           ("generation", "ttft", "samples_ms")),
+    Metric("decode_ms_per_token", ("generation", "decode_per_token", "median_ms"), LOWER, "absolute", "ms",
+           ("generation", "decode_per_token", "samples_ms")),
+    Metric("decode_p90_ms_per_token", ("generation", "decode_per_token", "p90_ms"), LOWER, "absolute", "ms"),
+    Metric("generation_total_ms", ("generation", "total", "median_ms"), LOWER, "absolute", "ms",
+           ("generation", "total", "samples_ms")),
+    Metric("generation_images_per_s", ("generation", "images_per_s"), HIGHER, "absolute", "img/s",
+           ("generation", "total", "samples_ms")),
+    Metric("generation_tokens_per_s", ("generation", "tokens_per_s"), HIGHER, "absolute", "tok/s",
+           ("generation", "total", "samples_ms")),
 )
 # A KL divergence this small is rounding, not a change in what the model says.
 KL_FLOOR_NATS = 1e-3
 
 FINGERPRINT_KEYS = ("model", "variant", "schedule", "quant", "dtype", "batch", "text_tokens", "new_tokens",
-                    "device_kind")
+                    "device_kind", "kv_bits")  # kv_bits: None (absent in older reports) is the unquantized cache
 ENVIRONMENT_KEYS = ("device", "cpu", "threads", "python", "torch", "transformers", "bitsandbytes", "driver")
 
 
@@ -113,6 +130,7 @@ def describe(key: tuple[Any, ...]) -> str:
     values = dict(zip(FINGERPRINT_KEYS, key, strict=True))
     removed = sum(e.get("remove", 0) for e in json.loads(values["schedule"] or "[]"))
     return (f"{values['model']} {values['variant']} {values['quant']} batch {values['batch']}"
+            + (f" kv{values['kv_bits']}" if values.get("kv_bits") else "")
             + (f" (removes {removed})" if removed else ""))
 
 
@@ -186,13 +204,20 @@ def mann_whitney_less(new: list[float], base: list[float]) -> float:
     return 0.5 * math.erfc(-z / math.sqrt(2))
 
 
-def speedup_samples(row: dict[str, Any], reference: dict[str, Any] | None) -> list[float]:
+def _samples(row: dict[str, Any], path: tuple[str, ...]) -> list[float]:
+    node: Any = row
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return [float(x) for x in node] if isinstance(node, list) else []
+
+
+def speedup_samples(row: dict[str, Any], reference: dict[str, Any] | None,
+                    path: tuple[str, ...] = ("latency", "samples_ms")) -> list[float]:
     """Per-run speedups: the k-th vanilla sample over the row's k-th sample (same run). One
     value per run pair keeps the samples independent; all pairs would overstate significance."""
     if reference is None:
         return []
-    own = row.get("latency", {}).get("samples_ms") or []
-    base = reference.get("latency", {}).get("samples_ms") or []
+    own, base = _samples(row, path), _samples(reference, path)
     return [b / o for b, o in zip(base, own, strict=False) if o > 0]
 
 
@@ -347,10 +372,21 @@ def _judge_timed(metric: Metric, b_row: dict[str, Any], n_row: dict[str, Any], b
     if metric.name == "speedup_vs_vanilla":
         new_samples = speedup_samples(n_row, vanilla_of(new_rows, key))
         base_samples = speedup_samples(b_row, vanilla_of(base_rows, key))
+    elif metric.name == "generation_speedup_vs_vanilla" and metric.samples:
+        new_samples = speedup_samples(n_row, vanilla_of(new_rows, key), metric.samples)
+        base_samples = speedup_samples(b_row, vanilla_of(base_rows, key), metric.samples)
     elif metric.name == "latency_median_ms":
         # Larger latency is worse: test that base tends to be smaller than new.
         new_samples = [-x for x in n_row.get("latency", {}).get("samples_ms", [])]
         base_samples = [-x for x in b_row.get("latency", {}).get("samples_ms", [])]
+    elif metric.samples:
+        # Latency samples: a lower-is-better time negated, a higher-is-better rate as 1/time, so
+        # that "new tends to be smaller" means "new is worse" for both.
+        def oriented(row: dict[str, Any]) -> list[float]:
+            values = _samples(row, metric.samples)  # type: ignore[arg-type]
+            return [-x for x in values] if metric.better == LOWER else [1 / x for x in values if x > 0]
+
+        new_samples, base_samples = oriented(n_row), oriented(b_row)
     else:
         new_samples = base_samples = []
     if len(new_samples) >= 2 and len(base_samples) >= 2:

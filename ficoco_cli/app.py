@@ -294,7 +294,9 @@ def profile_command(
         "--quant", callback=check.list_of(tuple(QUANT_BITS)), help="fp16, int8 (LLM.int8), int4 (NF4), or several.")
     ] = "fp16",
     kv_bits: Annotated[int | None, typer.Option(
-        "--kv-bits", callback=check.one_of_numbers((8, 4)), help="Quantize the KV cache to 8 or 4 bits.")] = None,
+        "--kv-bits", callback=check.one_of_numbers((16, 8, 4, 2)),
+        help="KV cache bits: 8, 4, 2 (transformers' quantized cache, HQQ) or 16 (unquantized); default: the "
+             "weights' (int8: 8, int4: 4).")] = None,
     batch: Annotated[str, typer.Option(
         "--batch", callback=check.whole_numbers(1), help="Batch sizes, e.g. 1,8.")] = "1",
     text_tokens: Annotated[int, typer.Option(

@@ -396,6 +396,14 @@ def _profile_wide_columns(report: dict[str, Any], rows: list[dict[str, Any]]) ->
         columns.append(_Column("e2e\nimg/s", [fmt_num(_measured(r, "generation", "images_per_s")) for r in rows]))
         columns.append(_Column("gen\ntok/s", [fmt_num(_measured(r, "generation", "generated_tokens_per_s"))
                                               for r in rows]))
+        # profiling/decode.py: time to first token, and the median and p90 decode step.
+        columns.append(_Column("TTFT\nms", [fmt_num(_measured(r, "generation", "ttft", "median_ms")) for r in rows]))
+        columns.append(_Column("decode\nms/tok", [fmt_num(_measured(r, "generation", "decode_per_token", "median_ms"))
+                                                  for r in rows]))
+        columns.append(_Column("decode p90\nms/tok", [fmt_num(_measured(r, "generation", "decode_per_token",
+                                                                         "p90_ms")) for r in rows]))
+        columns.append(_scaled("KV after\ndecode", [_measured(r, "generation", "kv_cache_bytes") for r in rows],
+                               BYTE_UNITS))
     return columns
 
 
@@ -502,8 +510,10 @@ def _row_verdict(row: dict[str, Any], base: dict[str, Any] | None, config: dict[
         facts.append(f"peak memory {(peak / base_peak - 1) * 100:+.1f} %")
     elif _is_number(peak):
         facts.append(f"peak memory {_bytes_words(peak)}")
-    generated = _get(row, "generation", "latency", "median_ms")
-    base_generated = _get(base, "generation", "latency", "median_ms") if compared else None
+    # Answering end to end: decode.py's total (call to last token); older reports: generate()'s wall time.
+    generated = _get(row, "generation", "total", "median_ms") or _get(row, "generation", "latency", "median_ms")
+    base_generated = (_get(base, "generation", "total", "median_ms") or _get(base, "generation", "latency",
+                                                                               "median_ms")) if compared else None
     if _is_number(generated) and _is_number(base_generated) and generated > 0:
         words = _faster(base_generated / generated, f"generating {_text(_get(row, 'generation', 'new_tokens'))} "
                                                     "tokens end to end")

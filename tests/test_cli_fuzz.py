@@ -510,7 +510,7 @@ def profile_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
         "wide": switch("--wide"),
         "dtype": choice("--dtype", ["auto", "bf16", "fp16", "fp32"]),
         "dry-run": switch("--dry-run"),
-        "kv-bits": bit_widths("--kv-bits", (4, 8)),
+        "kv-bits": bit_widths("--kv-bits", (2, 4, 8, 16)),
         "batch": counts_list("--batch", cheap=2),
         "text-tokens": counts("--text-tokens", cheap=16),
         "new-tokens": counts("--new-tokens", low=0, cheap=2),

@@ -272,7 +272,8 @@ def test_backend_names_the_storage_and_compute_dtypes_and_why(report):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_measured_kv_cache_equals_the_accountant(rows, quant):
-    """The KV cache stays 16-bit whatever the weights' quant, so every row must match."""
+    """int8/int4 rows quantize the KV cache to their bits (HQQ codes, scales and zero points):
+    every row must still match the accountant's figure to the byte."""
     for variant in VARIANTS:
         row = rows[(variant, quant, 1)]
         assert isinstance(row["kv_cache_bytes"], int)
@@ -280,9 +281,12 @@ def test_measured_kv_cache_equals_the_accountant(rows, quant):
         assert row["kv_cache_bytes"] == row["analytic"]["kv_cache_bytes"], (variant, quant)
 
 
-def test_kv_cache_does_not_depend_on_the_weight_quant(rows):
+def test_kv_cache_follows_the_weights_bits_unless_kv_bits_is_given(rows):
     for variant in VARIANTS:
-        assert len({rows[(variant, q, 1)]["kv_cache_bytes"] for q in QUANTS}) == 1, variant
+        by_quant = {q: rows[(variant, q, 1)] for q in QUANTS}
+        assert [by_quant[q]["kv_bits"] for q in QUANTS] == [{"fp16": None, "int8": 8, "int4": 4}[q] for q in QUANTS]
+        sizes = [by_quant[q]["kv_cache_bytes"] for q in QUANTS]
+        assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(QUANTS), variant
 
 
 def test_kv_cache_follows_the_accounting_formula(rows, arch_of):
@@ -375,8 +379,7 @@ def test_new_tokens_adds_a_generation_block(generation):
         assert gen["new_tokens"] == 2
         assert gen["latency"]["timer"] == "perf_counter"
         assert len(gen["latency"]["samples_ms"]) == 1
-        seconds = gen["latency"]["median_ms"] / 1e3
-        assert gen["images_per_s"] > 0 and gen["generated_tokens_per_s"] > 0
+        seconds = gen["total"]["median_ms"] / 1e3  # call to last token (profiling/decode.py)
         assert gen["images_per_s"] == pytest.approx(row["batch"] / seconds)
         assert gen["generated_tokens_per_s"] == pytest.approx(row["batch"] * 2 / seconds)
         # the prefill figures are still there
@@ -460,30 +463,49 @@ def test_variant_v_alone_adds_the_vanilla_reference_by_default(to_stdout):
 @pytest.fixture(scope="module")
 def kv_bits(tmp_path_factory) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("profile_kvbits") / "k.json"
-    result = ficoco_cli("profile", "--model", MODEL, "--variant", "vanilla,v", "--keep", str(KEEP), "--quant", "fp16",
-                        "--kv-bits", "8", "--repeat", "1", "--warmup", "0", "--json", str(path))
+    result = ficoco_cli("profile", "--model", MODEL, "--variant", "vanilla,v", "--keep", str(KEEP), "--quant",
+                        "fp16,int4", "--kv-bits", "8", "--dtype", "bf16", "--repeat", "1", "--warmup", "0", "--json",
+                        str(path))
     return {"result": result, "report": json.loads(path.read_text())}
 
 
-def test_unavailable_quantized_kv_cache_marks_rows_and_the_run_goes_on(kv_bits):
-    try:
-        import optimum.quanto  # noqa: F401
-    except ImportError:
-        pass
-    else:  # pragma: no cover - the backend is not installed here
-        pytest.skip("optimum-quanto is installed: the quantized cache may work")
+def test_kv_bits_runs_the_quantized_cache_and_measures_the_accountants_bytes(kv_bits):
     result, report = kv_bits["result"], kv_bits["report"]
-    # No row could be measured: the report keeps every row, and the run says so and exits 1.
-    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("error: no row was measured (unsupported: ")
+    assert_clean_exit(result)
     assert report["config"]["kv_bits"] == 8
-    assert [r["variant"] for r in report["rows"]] == ["vanilla", "v"]  # every row recorded
+    assert [(r["variant"], r["quant"], r["kv_bits"]) for r in report["rows"]] == [
+        ("vanilla", "fp16", 8), ("v", "fp16", 8), ("vanilla", "int4", 8), ("v", "int4", 8)]
     for row in report["rows"]:
-        assert row["status"] != "ok"
-        assert "cache" in row["reason"].lower()
-        assert "latency" not in row and "speedup_vs_vanilla" not in row
-        assert row["analytic"]["kv_cache_bytes"] > 0  # the accountant's figure is still given
-    assert "unsupp" in result.stdout  # the table shows the status
+        assert row["status"] == "ok", row.get("reason")
+        assert row["kv_cache_bytes"] == row["analytic"]["kv_cache_bytes"]
+    # vanilla's bf16 cache is 126,976 B (reports/llava-tiny-cpu.json); at 8 bits: the codes (half
+    # of it) and a bf16 scale and zero point per 16-value group (a quarter of the codes).
+    assert report["rows"][0]["kv_cache_bytes"] == 126976 // 2 * 5 // 4
+
+
+def test_int8_and_int4_quantize_the_kv_cache_to_their_bits_unless_kv_bits_says_otherwise():
+    from ficoco.profiling.matrix import ProfileConfig, row_kv_bits
+
+    config = ProfileConfig(model=MODEL)
+    assert [row_kv_bits(config, q) for q in ("fp16", "int8", "int4")] == [None, 8, 4]
+    assert [row_kv_bits(ProfileConfig(model=MODEL, kv_bits=2), q) for q in ("fp16", "int8")] == [2, 2]
+    assert row_kv_bits(ProfileConfig(model=MODEL, kv_bits=16), "int4") is None
+
+
+def test_a_missing_kv_backend_is_one_error_line_before_any_build(monkeypatch, capsys):
+    import importlib.util
+
+    from ficoco_cli.app import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "hqq" else real(name, *a))
+    monkeypatch.setattr(sys, "argv", ["ficoco", "profile", "--model", MODEL, "--variant", "v", "--keep", str(KEEP),
+                                      "--quant", "int8", "--dry-run"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert err[0].startswith("error: --kv-bits") and "pip install hqq" in err[0]
 
 
 def test_a_row_that_raises_is_recorded_and_later_rows_still_run(tmp_path, monkeypatch, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ficoco.accounting.architecture import Architecture, parameter_counts
@@ -46,6 +47,50 @@ def kv_cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: 
     tokens the layer attended over (a reducing layer caches what it saw before reducing)."""
     d = arch.decoder
     return sum(2 * batch * n_in * d.kv_heads * d.head_dim for n_in, _ in plan.llm) * kv_bits / 8
+
+
+# transformers' quantized KV cache (QuantizedCache, HQQ backend; ficoco/models/kv_cache.py
+# builds it with these). A layer's first update (the prefill) is quantized whole; decoded
+# tokens wait in an unquantized residual window that is quantized together with everything
+# before it when it reaches KV_RESIDUAL_TOKENS (transformers' default), so after k decode
+# steps k % KV_RESIDUAL_TOKENS tokens are unquantized. HQQ groups KV_GROUP_ELEMENTS values
+# (fewer when the head dimension is not a multiple: a group must divide every tensor's size)
+# and stores one scale and one zero point per group in the compute dtype; 8, 4 and 2-bit codes
+# are packed into uint8.
+KV_RESIDUAL_TOKENS = 128
+KV_GROUP_ELEMENTS = 64
+KV_QUANT_BITS = (8, 4, 2)
+
+
+def kv_group_size(head_dim: int) -> int:
+    """Values per quantization group of the quantized KV cache for this head dimension."""
+    return math.gcd(KV_GROUP_ELEMENTS, head_dim)
+
+
+def kv_layer_bytes(tokens: int, *, batch: int, kv_heads: int, head_dim: int, kv_bits: int, element_bytes: float,
+                   decode_steps: int = 0) -> float:
+    """Keys and values of one decoder layer holding `tokens` (`decode_steps` of them appended
+    one at a time after the prefill). At `kv_bits` equal to the compute width (8 * element_bytes)
+    the cache is plain; below it, the quantized layout above: codes, per-group scale and zero
+    point, and the residual window at the compute width."""
+    per_token = 2 * batch * kv_heads * head_dim  # keys and values
+    if kv_bits >= element_bytes * 8:
+        return tokens * per_token * element_bytes
+    residual = decode_steps % KV_RESIDUAL_TOKENS
+    quantized = (tokens - residual) * per_token
+    groups = quantized / kv_group_size(head_dim)
+    return quantized * kv_bits / 8 + 2 * groups * element_bytes + residual * per_token * element_bytes
+
+
+def stored_kv_cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: int, element_bytes: float,
+                          decode_steps: int = 0) -> float:
+    """The KV cache as transformers stores it after the prefill and `decode_steps` decode steps
+    (generate() feeds back all but the last new token): every layer holds the tokens it attended
+    over in the prefill plus the decoded ones, in the layout of `kv_layer_bytes`."""
+    d = arch.decoder
+    return sum(kv_layer_bytes(n_in + decode_steps, batch=batch, kv_heads=d.kv_heads, head_dim=d.head_dim,
+                              kv_bits=kv_bits, element_bytes=element_bytes, decode_steps=decode_steps)
+               for n_in, _ in plan.llm)
 
 
 def weight_bytes(arch: Architecture, scope: str, quant: Quant, *, element_bytes: float = 2.0,

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 
 from ficoco.accounting import CountOptions, Schedule, account, architecture, resolve_schedule
-from ficoco.accounting.memory import QUANT_BITS, Quant, weight_bytes
+from ficoco.accounting.memory import KV_QUANT_BITS, QUANT_BITS, Quant, stored_kv_cache_bytes, weight_bytes
 from ficoco.errors import FicocoError
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
+from ficoco.profiling.decode import DecodeRun, decode_metrics, timed_generate
 from ficoco.profiling.dtype_choice import DtypeChoice, row_dtypes
 from ficoco.profiling.runs import choose_runs, max_runs
-from ficoco.profiling.trackers import LatencyStats, LatencyTracker, MemoryTracker, RunHook, cache_bytes
+from ficoco.profiling.trackers import LatencyStats, LatencyTracker, MemoryTracker, RunHook, cache_bytes, cache_tokens
 
 # NVIDIA device names -> hardware profiles of the roofline, first match wins. GH200 (an H100
 # or H200-class die with its own memory) and H100 NVL (94 GB, other clocks) have no profile:
@@ -119,14 +120,11 @@ def check_image(path: str) -> None:
         raise FicocoError(f"--image {path}: not a readable image ({exc})") from None
 
 
-def kv_cache_backend() -> str | None:
-    """transformers' quantized KV cache needs optimum-quanto; None when it is not installed."""
-    import importlib.util
-
-    try:
-        return "quanto" if importlib.util.find_spec("optimum.quanto") is not None else None
-    except ModuleNotFoundError:
-        return None
+def row_kv_bits(config: ProfileConfig, quant: str) -> int | None:
+    """The bits of a row's quantized KV cache: --kv-bits, else the weights' (int8: 8, int4: 4);
+    None for the unquantized cache in the compute dtype (fp16 weights, or --kv-bits 16)."""
+    bits = config.kv_bits if config.kv_bits is not None else QUANT_BITS[quant]
+    return bits if bits in KV_QUANT_BITS else None
 
 
 def resolve_device(name: str, notes: list[str] | None = None) -> torch.device:
@@ -194,8 +192,12 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     if config.fidelity and "vanilla" not in config.variants:
         raise FicocoError("--fidelity compares every reduced row with vanilla on the same inputs; drop "
                           "--no-reference")
-    if config.kv_bits is not None and config.kv_bits not in (4, 8):
-        raise FicocoError(f"--kv-bits {config.kv_bits}: choose 8 or 4")
+    if config.kv_bits is not None and config.kv_bits not in (16, *KV_QUANT_BITS):
+        raise FicocoError(f"--kv-bits {config.kv_bits}: choose 16 (unquantized), 8, 4 or 2")
+    if any(row_kv_bits(config, quant) for quant in config.quants):
+        from ficoco.models.kv_cache import check_backend
+
+        check_backend()
     notes: list[str] = []
     device = resolve_device(config.device, notes)
     source = config.weights if config.weights != "random" and Path(config.weights).expanduser().is_dir() else None
@@ -249,9 +251,10 @@ def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardwar
     stores them (16 bits when not given), roofline."""
     arch = architecture(profile)
     # Weights at the quant's width; activations and the KV cache in the compute dtype
-    # (bitsandbytes computes in it too) unless --kv-bits quantizes the cache.
+    # (bitsandbytes computes in it too) unless the row quantizes the cache (row_kv_bits).
     compute_bits = torch.finfo(dtype.compute).bits if dtype is not None else 16
-    quant = Quant(row.quant, QUANT_BITS[row.quant], compute_bits, config.kv_bits or compute_bits)
+    kv_bits = row_kv_bits(config, row.quant) or compute_bits
+    quant = Quant(row.quant, QUANT_BITS[row.quant], compute_bits, kv_bits)
     opts = CountOptions(convention="flops", scope="all", batch=row.batch, text_tokens=config.text_tokens,
                         lm_head_tokens="last")
     cost = account(arch, row.schedule, quant, opts, gpu=gpu)
@@ -261,8 +264,12 @@ def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardwar
             if dtype.upcast and row.quant == "fp16" else 0
         weights = weight_bytes(arch, "all", quant, element_bytes=compute_bits / 8, upcast_layers=upcast,
                                upcast_element_bytes=torch.finfo(dtype.storage).bits / 8)
-    return {"tflops": cost.tflops, "tflops_by_stage": cost.tflops_by_stage,
-            "kv_cache_bytes": round(cost.kv_cache_bytes),
+    # The cache as transformers stores it (a quantized one with its scales, zero points and
+    # residual window), after the prefill and, with --new-tokens, after decoding.
+    kv_stored = {f"kv_cache_bytes{suffix}": round(stored_kv_cache_bytes(
+        arch, cost.plan, batch=row.batch, kv_bits=kv_bits, element_bytes=compute_bits / 8, decode_steps=steps))
+        for suffix, steps in (("", 0), ("_after_decode", config.new_tokens - 1)) if steps >= 0}
+    return {"tflops": cost.tflops, "tflops_by_stage": cost.tflops_by_stage, **kv_stored,
             "weight_bytes": weights, "visual_tokens": cost.plan.visual_tokens,
             "llm_visual_tokens": cost.plan.llm_visual_tokens,
             "roofline_ms": cost.roofline_s * 1e3 if cost.roofline_s is not None else None,
@@ -332,14 +339,13 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
     reduction_ms: list[float] = []
     probe_ms: list[float] = []
     last: dict[str, Any] = {}
-    cache_kwargs: dict[str, Any] = {}
-    if config.kv_bits:
-        backend = kv_cache_backend()
-        if backend is None:
-            raise FicocoError("--kv-bits: transformers' quantized KV cache needs optimum-quanto, which is not "
-                              "installed (pip install optimum-quanto)")
-        cache_kwargs = {"cache_implementation": "quantized",
-                        "cache_config": {"backend": backend, "nbits": config.kv_bits}}
+    kv_bits = row_kv_bits(config, row.quant)
+
+    def new_cache() -> dict[str, Any]:
+        # A fresh quantized cache per call (transformers' own QuantizedCache, ficoco.models.kv_cache).
+        from ficoco.models.kv_cache import quantized_cache
+
+        return {"past_key_values": quantized_cache(model, kv_bits)} if kv_bits else {}
 
     def prefill() -> None:
         # The previous run's KV cache goes before this run allocates its own: alive, it would
@@ -347,13 +353,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         last.pop("cache", None)
         if handle is not None:
             handle.timer.reset()
-        extra = {}
-        if config.kv_bits:
-            from transformers import QuantizedCache
-
-            extra["past_key_values"] = QuantizedCache(backend=cache_kwargs["cache_config"]["backend"],
-                                                      config=model.config.get_text_config(), nbits=config.kv_bits)
-        out = model(**inputs, use_cache=True, logits_to_keep=1, **extra)
+        out = model(**inputs, use_cache=True, logits_to_keep=1, **new_cache())
         last["cache"] = out.past_key_values
         last["logits"] = out.logits  # a reference, read after the timing (--fidelity)
 
@@ -368,18 +368,20 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
                 (warmup, repeat), choose = _planned_runs(row, plan)
                 latency = latency_tracker.measure(prefill, warmup=warmup, repeat=repeat, after_each=after_each,
                                                   on_run=on_run, choose=choose)
-            kv_bytes = cache_bytes(last.pop("cache"))
+            prefill_cache = last.pop("cache")
+            kv_bytes, kv_tokens = cache_bytes(prefill_cache), cache_tokens(prefill_cache)
+            del prefill_cache
             generation = None
+            generated: dict[str, Any] = {}
             if config.new_tokens:
-                generated: dict[str, int] = {}
+                decode_runs: list[DecodeRun] = []
 
                 def generate() -> None:
-                    out = model.generate(**inputs, max_new_tokens=config.new_tokens, min_new_tokens=config.new_tokens,
-                                         do_sample=False, return_dict_in_generate=True, output_scores=True,
-                                         **cache_kwargs)
-                    # One score tensor per decoding step: the prompt length does not matter (FiCoCo-V
-                    # returns the prompt with its image span shortened).
-                    generated["tokens"] = len(out.scores)
+                    last.pop("cache", None)  # the previous generation's cache, as for the prefill
+                    out, run = timed_generate(model.generate, device, **inputs, max_new_tokens=config.new_tokens,
+                                              min_new_tokens=config.new_tokens, do_sample=False,
+                                              return_dict_in_generate=True, **new_cache())
+                    last["cache"], last["run"] = out.past_key_values, run
                     generated["sequences"] = out.sequences  # read after the timing (--fidelity)
 
                 def on_generation_run(phase: str, k: int, n: int, seconds: float | None) -> None:
@@ -395,18 +397,22 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
                     # A generation costs more than its prefill: the time rule counts its own runs.
                     e2e = latency_tracker.measure(generate, warmup=min(warmup, 1), repeat=repeat,
                                                   on_run=on_generation_run,
+                                                  after_each=lambda _: decode_runs.append(last["run"]),
                                                   choose=choose_generation if choose is not None else None)
-                tokens = row.batch * generated["tokens"]
-                generation = {"latency": e2e.to_json(), "images_per_s": row.batch / (e2e.median_ms / 1e3),
-                              "generated_tokens_per_s": tokens / (e2e.median_ms / 1e3),
-                              "new_tokens": generated["tokens"], "memory": generation_memory.to_json(),
-                              "runs": _runs_json(e2e, plan)}
+                end_cache = last.pop("cache")
+                decode = decode_metrics(decode_runs, row.batch, latency.median_ms)
+                # `latency` is generate()'s wall time, output included; the throughputs follow
+                # `total` (call to last token, decode.py), as the paper's table counts them.
+                generation = {"latency": e2e.to_json(), **decode,
+                              "generated_tokens_per_s": decode["tokens_per_s"],
+                              "kv_cache_bytes": cache_bytes(end_cache), "kv_cache_tokens": cache_tokens(end_cache),
+                              "memory": generation_memory.to_json(), "runs": _runs_json(e2e, plan)}
+                del end_cache
             fidelity = None
             if plan.fidelity is not None:
                 from ficoco.profiling.fidelity import observe
 
-                observation = observe(last.pop("logits"), generated.get("sequences") if config.new_tokens else None,
-                                      config.new_tokens)
+                observation = observe(last.pop("logits"), generated.get("sequences"), config.new_tokens)
                 fidelity = plan.fidelity.row(row.variant, row.quant, row.batch, observation)
     finally:
         last.clear()
@@ -423,6 +429,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         "images_per_s": row.batch / (latency.median_ms / 1e3),
         "memory": memory.to_json(),
         "kv_cache_bytes": kv_bytes,
+        "kv_cache_tokens": kv_tokens,
         "reduction_ms": method_ms,
         "reduction_stages_ms": median_reduction,
         "probe_ms": median_probe,
@@ -540,6 +547,7 @@ def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str
     return {
         "model": plan.profile.name, "variant": row.variant, "quant": row.quant, "batch": row.batch,
         "text_tokens": config.text_tokens, "new_tokens": config.new_tokens, "device_kind": plan.device.type,
+        "kv_bits": row_kv_bits(config, row.quant),
         "schedule": row.schedule.to_json(), "backend": backend, "note": None,
         "analytic": analytic(plan.profile, row, config, plan.gpu, plan.dtype), "threads": torch.get_num_threads(),
     }
@@ -564,3 +572,7 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         row["flops_ratio_vs_vanilla"] = base["analytic"]["tflops"] / row["analytic"]["tflops"]
         peak, base_peak = row["memory"].get("peak_bytes"), base["memory"].get("peak_bytes")
         row["memory_saving_vs_vanilla"] = 1 - peak / base_peak if peak and base_peak else None
+        # Answering end to end (decode.py's total), when both rows generated.
+        total, base_total = ((r.get("generation") or {}).get("total", {}).get("median_ms") for r in (row, base))
+        if total and base_total:
+            row["generation_speedup_vs_vanilla"] = base_total / total

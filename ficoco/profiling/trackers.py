@@ -245,16 +245,39 @@ def nvml_visible_gpus() -> int:
 
 
 def cache_bytes(cache: Any) -> int:
-    """Bytes held by a transformers cache after a prefill: every tensor its layers hold."""
-    total = 0
-    layers = getattr(cache, "layers", None)
-    if layers is None:
+    """Bytes held by a transformers cache: every tensor its layers hold, also inside the tuples
+    and dicts a quantized cache keeps (codes, scales, zero points) and its unquantized residual
+    window; a storage shared by two attributes counts once."""
+    seen: set[tuple[int, int]] = set()
+
+    def walk(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            key = (value.data_ptr(), value.numel())
+            if key in seen:
+                return 0
+            seen.add(key)
+            return value.numel() * value.element_size()
+        if isinstance(value, (tuple, list)):
+            return sum(walk(v) for v in value)
+        if isinstance(value, dict):
+            return sum(walk(v) for v in value.values())
         return 0
-    for layer in layers:
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total
+
+    layers = getattr(cache, "layers", None)
+    return sum(walk(list(vars(layer).values())) for layer in layers) if layers is not None else 0
+
+
+def cache_tokens(cache: Any) -> list[int]:
+    """Tokens every decoder layer of a transformers cache holds (a quantized layer counts its
+    quantized and residual tokens: `cumulative_length`)."""
+    counts = []
+    for layer in getattr(cache, "layers", None) or []:
+        length = getattr(layer, "cumulative_length", None)
+        if length is None:
+            keys = getattr(layer, "keys", None)
+            length = keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
+        counts.append(int(length))
+    return counts
 
 
 def _quant_state_tensors(quant_state: Any) -> list[torch.Tensor]:
