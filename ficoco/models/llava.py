@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from ficoco.api import Handle
 
 
+def _targets(kept: Tensor, merge_target: Tensor | None) -> Tensor | None:
+    """The kept token (in `kept`'s index space) each discarded token went into, for the records."""
+    return None if merge_target is None else torch.gather(kept, 1, merge_target)
+
+
 def _timed(handle: Handle, device: torch.device, fn: Callable[[], Any]) -> Any:
     """Run one reduction inside the handle's "reduction" span (CUDA events, no host sync)."""
     with handle.timer.span("reduction", device):
@@ -100,7 +105,8 @@ class LlavaAdapter:
                     eps=params.eps, window=params.window, coefficient=params.coefficient,
                     equivalent=params.equivalent_token))
                 handle.vision_state = red.grid_index
-                handle.record("vision", _idx, kept=red.grid_index, discarded=red.discarded_grid)
+                handle.record("vision", _idx, kept=red.grid_index, discarded=red.discarded_grid,
+                              merged_into=_targets(red.grid_index, red.merge_target))
                 hidden = red.hidden
                 return hidden + _layer.mlp(_layer.layer_norm2(hidden))
 
@@ -216,7 +222,8 @@ class LlavaAdapter:
                 kept_original = torch.gather(state.visual_positions, 1, red.kept_visual)
                 discarded_original = torch.gather(state.visual_positions, 1, red.discarded_visual)
                 span_start = state.visual_start[:, None]
-                handle.record("llm", _idx, kept=kept_original - span_start, discarded=discarded_original - span_start)
+                handle.record("llm", _idx, kept=kept_original - span_start, discarded=discarded_original - span_start,
+                              merged_into=_targets(kept_original - span_start, red.merge_target))
                 state.keep(red.kept_positions, red.kept_visual)
                 hidden = red.hidden
                 return hidden + _layer.mlp(_layer.post_attention_layernorm(hidden))

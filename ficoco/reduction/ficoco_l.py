@@ -21,6 +21,7 @@ from ficoco.reduction.stages import (
     compute_dtype,
     gather_block,
     gather_tokens,
+    main_targets,
     select,
 )
 
@@ -36,12 +37,15 @@ class LReduction:
             embeddings and masks alike.
         kept_visual: ``(B, N - r)`` indices within the visual span of the kept tokens.
         discarded_visual: ``(B, r)`` indices within the visual span of the removed tokens.
+        merge_target: ``(B, r)`` for every removed token, the column in ``kept_visual`` of the
+            kept token that received most of it; None when nothing was removed.
     """
 
     hidden: Tensor
     kept_positions: Tensor
     kept_visual: Tensor
     discarded_visual: Tensor
+    merge_target: Tensor | None = None
 
 
 def _visual_positions(visual_start: Tensor, num_visual: int) -> Tensor:
@@ -294,4 +298,5 @@ def reduce_l(
         kept_positions=kept_positions,
         kept_visual=target,
         discarded_visual=source,
+        merge_target=main_targets(alpha),
     )
