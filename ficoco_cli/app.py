@@ -459,7 +459,8 @@ def sweep_command(
     if keep is not None and tflops is not None:
         raise FicocoError("give the points as --keep or as --tflops, not both")
     if keep is None and tflops is None:
-        raise FicocoError("give the points: --keep 576,384,192,128,64 or --tflops 3.3,2.4,1.5")
+        raise FicocoError(f"--variant {variant} needs the sweep's points: give --keep 576,384,192,128,64 or "
+                          "--tflops 3.3,2.4,1.5")
     models_run = measure or fidelity
     for name, given in (("--warmup", warmup), ("--repeat", repeat)):
         if given is not None and not measure:
