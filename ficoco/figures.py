@@ -232,6 +232,10 @@ def save_figure(figure: Figure, folder: str | Path, name: str, formats: tuple[st
         try:
             with os.fdopen(fd, "wb") as handle:
                 figure.savefig(handle, format=fmt, dpi=DPI)
+            # mkstemp makes the file private; a figure is made to be shared, as open() would make it.
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             os.replace(tmp, target)
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)

@@ -259,4 +259,6 @@ def show_data(model: nn.Module, variant: str, schedule: Any, inputs: dict[str, A
 def to_json(data: dict[str, Any]) -> dict[str, Any]:
     """The show data without the panels' pixels (the report names the image file instead)."""
     panels = [{k: v for k, v in panel.items() if k != "picture"} for panel in data["panels"]]
-    return {**data, "panels": panels}
+    # Each step's earlier removals are the earlier steps' discarded cells: not repeated per step.
+    steps = [{k: v for k, v in step.items() if k != "removed_before"} for step in data["steps"]]
+    return {**data, "panels": panels, "steps": steps}
