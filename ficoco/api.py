@@ -45,13 +45,16 @@ class LayerRecord:
     """One reducing layer of the last forward: kept and discarded token indices.
 
     For V they are flat indices on the original patch grid (row-major), per vision item; for L
-    they are offsets inside the original image span, per sample.
+    they are offsets inside the original image span, per sample. `merged_into`, for a method
+    that merges, holds for every discarded token (in `discarded`'s order and index space) the
+    kept token that received the largest share of it; None for a method that only drops.
     """
 
     stage: str
     layer: int
     kept: Tensor
     discarded: Tensor
+    merged_into: Tensor | None = None
 
 
 @dataclass
@@ -110,7 +113,9 @@ class Handle:
     def records(self) -> list[LayerRecord]:
         """Per reducing layer of the last forward: kept and discarded indices (on the CPU)."""
         if self._pending:
-            self._records += [LayerRecord(r.stage, r.layer, r.kept.cpu(), r.discarded.cpu()) for r in self._pending]
+            self._records += [LayerRecord(r.stage, r.layer, r.kept.cpu(), r.discarded.cpu(),
+                                          None if r.merged_into is None else r.merged_into.cpu())
+                              for r in self._pending]
             self._pending = []
         return self._records
 
@@ -127,8 +132,10 @@ class Handle:
         self.vision_state = None
         self.output_positions = None
 
-    def record(self, stage: str, layer: int, *, kept: Tensor, discarded: Tensor) -> None:
-        self._pending.append(LayerRecord(stage, layer, kept.detach(), discarded.detach()))
+    def record(self, stage: str, layer: int, *, kept: Tensor, discarded: Tensor,
+               merged_into: Tensor | None = None) -> None:
+        self._pending.append(LayerRecord(stage, layer, kept.detach(), discarded.detach(),
+                                         None if merged_into is None else merged_into.detach()))
 
     def remove(self) -> None:
         """Restore the model exactly as it was before `apply`."""

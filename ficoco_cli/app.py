@@ -438,21 +438,148 @@ def compare_command(
 
 @app.command("report")
 def report_command(
-    path: Annotated[str, typer.Argument(help="A saved profile report (ficoco.report/1).")],
+    path: Annotated[str, typer.Argument(help="A saved profile (ficoco.report/1) or sweep (ficoco.sweep/1) report.")],
     fmt: Annotated[str, typer.Option(
         "--format", callback=check.choice(REPORT_FORMATS), help="table, markdown or csv.")] = "table",
     wide: WideOpt = False,
+    plot: Annotated[str | None, typer.Option(
+        "--plot", callback=check.plot_folder, help="Draw the report's figures (PNG and SVG) into this folder.")
+    ] = None,
 ) -> None:
-    """Render a saved profile report as a table, markdown or CSV."""
-    from ficoco.compare import read_report
+    """Render a saved profile report as a table, markdown or CSV; a sweep report as a table; --plot draws figures."""
+    from ficoco.sweep import SWEEP_SCHEMA, read_report_any
     from ficoco_cli.render import print_profile
     from ficoco_cli.report_cmd import report_csv, report_markdown
+    from ficoco_cli.sweep_cmd import draw_report, sweep_table
 
-    report = read_report(path)
-    if fmt == "table":
+    report = read_report_any(path)
+    if report["schema"] == SWEEP_SCHEMA:
+        if fmt != "table":
+            raise FicocoError(f"--format {fmt} renders profile reports; a sweep report is shown as a table")
+        out.print(sweep_table(report))
+    elif fmt == "table":
         print_profile(out, report, wide)
     else:
         sys.stdout.write(report_markdown(report) if fmt == "markdown" else report_csv(report))
+    if plot:
+        draw_report(report, plot, err if fmt != "table" else out)
+
+
+@app.command("sweep")
+def sweep_command(
+    model: ModelOpt,
+    variant: Annotated[str, typer.Option(
+        "--variant", callback=check.list_of(VARIANTS), help="Methods to sweep (vanilla is always the reference).")
+    ] = ",".join(VARIANTS),
+    keep: Annotated[str | None, typer.Option(
+        "--keep", callback=check.whole_numbers(1), help="Points: visual tokens kept, e.g. 576,384,192,128,64.")
+    ] = None,
+    tflops: Annotated[str | None, typer.Option(
+        "--tflops", callback=check.budgets, help="Points: budgets under --convention/--scope, e.g. 3.3,2.4,1.5.")
+    ] = None,
+    shape: ShapeOpt = "uniform",
+    first_layer: FirstLayerOpt = None,
+    convention: Annotated[str, typer.Option(
+        "--convention", callback=check.choice(CONVENTIONS), help="flops, macs, llm-viewer or paper.")] = "flops",
+    scope: Annotated[str, typer.Option(
+        "--scope", callback=check.choice(SCOPES), help="llm (decoder + LM head) or all.")] = "llm",
+    quant: Annotated[str, typer.Option(
+        "--quant", callback=check.list_of(tuple(QUANT_BITS)), help="fp16, int8, int4 or several (one model each).")
+    ] = "fp16",
+    text_tokens: Annotated[int, typer.Option(
+        "--text-tokens", callback=check.whole_number(1), help="Text tokens per prompt.")] = 60,
+    image_size: ImageSizeOpt = None,
+    frames: FramesOpt = None,
+    set_values: SetOpt = None,
+    measure: Annotated[bool, typer.Option(
+        "--measure", help="Also measure every point with the profiler (one built model per quant).")] = False,
+    fidelity: Annotated[bool, typer.Option(
+        "--fidelity", help="Also compare every point's next-token distribution with vanilla's (KL, top-1).")
+    ] = False,
+    samples: Annotated[int, typer.Option(
+        "--samples", callback=check.whole_number(1, 1000), help="--fidelity: seeded prompts to average over.")] = 4,
+    warmup: Annotated[int | None, typer.Option(
+        "--warmup", callback=check.whole_number(0), help="--measure: untimed runs per point (default: by time).")
+    ] = None,
+    repeat: Annotated[int | None, typer.Option(
+        "--repeat", callback=check.whole_number(1), help="--measure: timed runs per point (default: by time).")
+    ] = None,
+    device: Annotated[str, typer.Option(
+        "--device", callback=check.choice(("auto", "cuda", "cpu")), help="auto, cuda or cpu.")] = "auto",
+    weights: Annotated[str, typer.Option(
+        "--weights", callback=check.weights_source, help="random, a local checkpoint folder, or a cached HF id.")
+    ] = "random",
+    dtype: DtypeOpt = "auto",
+    seed: Annotated[int, typer.Option(
+        "--seed", callback=check.whole_number(0, check.MAX_SEED), help="Seed of the random weights and inputs.")] = 0,
+    json_path: JsonOpt = None,
+    plot: Annotated[str | None, typer.Option(
+        "--plot", callback=check.plot_folder, help="Draw the figures (PNG and SVG) into this folder.")] = None,
+) -> None:
+    """Cost (and with --measure/--fidelity measure) every method at every budget point; one report, figures."""
+    from ficoco.sweep import SweepConfig
+    from ficoco_cli.sweep_cmd import run_sweep
+
+    if keep is not None and tflops is not None:
+        raise FicocoError("give the points as --keep or as --tflops, not both")
+    if keep is None and tflops is None:
+        raise FicocoError(f"--variant {variant} needs the sweep's points: give --keep 576,384,192,128,64 or "
+                          "--tflops 3.3,2.4,1.5")
+    models_run = measure or fidelity
+    for name, given in (("--warmup", warmup), ("--repeat", repeat)):
+        if given is not None and not measure:
+            raise FicocoError(f"{name} applies to --measure; add --measure")
+    if not models_run:
+        for name, given, default in (("--device", device, "auto"), ("--weights", weights, "random"),
+                                     ("--dtype", dtype, "auto")):
+            if given != default:
+                raise FicocoError(f"{name} applies when models run; add --measure or --fidelity")
+    config = SweepConfig(
+        model=model, variants=tuple(split_list(variant, "--variant")),
+        keep=tuple(int(x) for x in split_list(keep, "--keep")) if keep else (),
+        tflops=tuple(float(x) for x in split_list(tflops, "--tflops")) if tflops else (),
+        shape=shape, first_layer=first_layer, convention=convention, scope=scope,
+        quants=tuple(split_list(quant, "--quant")), text_tokens=text_tokens, image_size=parse_image_size(image_size),
+        frames=frames, overrides=tuple(set_values or ()), measure=measure, fidelity=fidelity, samples=samples,
+        warmup=warmup, repeat=repeat, device=device, weights=weights, dtype=dtype, seed=seed)
+    run_sweep(config, json_path, plot, err if json_path == "-" else out)
+
+
+@app.command("show")
+def show_command(
+    model: ModelOpt,
+    out_path: Annotated[str, typer.Option(
+        "--out", callback=check.output_file, help="The picture: a .png or .svg file.")],
+    variant: Annotated[str, typer.Option(
+        "--variant", callback=check.choice(tuple(v for v in VARIANTS if v != "vanilla")),
+        help="The method whose tokens to draw.")] = "v",
+    keep: KeepOpt = None,
+    tflops: TflopsOpt = None,
+    schedule: ScheduleOpt = None,
+    shape: ShapeOpt = "uniform",
+    first_layer: FirstLayerOpt = None,
+    image: Annotated[str | None, typer.Option(
+        "--image", help="The image file (without it: random pixels on a plain background).")] = None,
+    layer: Annotated[int | None, typer.Option(
+        "--layer", callback=check.whole_number(0),
+        help="Draw this reducing layer only (default: a contact sheet of all and the end state).")] = None,
+    weights: Annotated[str, typer.Option(
+        "--weights", callback=check.weights_source, help="random, a local checkpoint folder, or a cached HF id.")
+    ] = "random",
+    set_values: SetOpt = None,
+    seed: Annotated[int, typer.Option(
+        "--seed", callback=check.whole_number(0, check.MAX_SEED), help="Seed of the random weights and inputs.")] = 0,
+    dtype: DtypeOpt = "auto",
+    json_path: JsonOpt = None,
+) -> None:
+    """Draw the image with its patch grid: the tokens each reducing layer kept, discarded and merged."""
+    from ficoco_cli.sweep_cmd import run_show
+
+    check_schedule_options([variant], keep, tflops, schedule)
+    run_show(model=model, variant=variant, keep=keep, tflops=tflops, schedule=schedule, shape=shape,
+             first_layer=first_layer, image=image, layer=layer, out=out_path, json_path=json_path, weights=weights,
+             overrides=list(set_values or ()), seed=seed, dtype=dtype,
+             console=err if json_path == "-" else out)
 
 
 def _click_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:

@@ -183,3 +183,22 @@ def weights_source(option: str, value: str) -> None:
     if not isinstance(cached, str):
         raise FicocoError(f"{option} '{value}': no such folder, and no cached Hugging Face model of that id; {hint}")
 
+
+
+@_when_given
+def budgets(option: str, value: str) -> None:
+    """A comma-separated list of budgets, each a finite number above 0 (`--tflops 3.3,2.4,1.5`)."""
+    for item in split_list(value, option):
+        try:
+            number = float(item)
+        except ValueError:
+            raise FicocoError(f"{option} '{value}': '{item}' is not a number") from None
+        finite_above_zero(option, number)
+
+
+@_when_given
+def plot_folder(option: str, value: str) -> None:
+    """A folder for figures: created when its parent exists, checked writable before any work."""
+    from ficoco.figures import check_plot_folder
+
+    check_plot_folder(value, option)

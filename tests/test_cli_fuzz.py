@@ -551,10 +551,94 @@ def compare_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
     return command_line(draw, [draw(report_path(paths)), draw(report_path(paths))], options)
 
 
+def plot_folder(paths: Paths) -> st.SearchStrategy[Arg]:
+    """`--plot DIR`: a folder (made if its parent exists), or one that cannot be made or written."""
+    good = st.sampled_from([str(paths.folder / "figures"), str(paths.folder)]).map(
+        lambda p: option("--plot", p, path=True))
+    bad = st.sampled_from([str(paths.folder / "missing" / "figures"), paths.bad_inputs[2], "", " "]).map(
+        lambda p: option("--plot", p, bad=True, path=True))
+    return mostly(good, bad)
+
+
 @st.composite
 def report_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
-    options = {"format": choice("--format", ["table", "markdown", "csv"]), "wide": switch("--wide")}
+    options = {"format": choice("--format", ["table", "markdown", "csv"]), "wide": switch("--wide"),
+               "plot": plot_folder(paths)}
     return command_line(draw, [draw(report_path(paths))], options)
+
+
+def budget_list(flag: str) -> st.SearchStrategy[Arg]:
+    """`--tflops 3.3,2.4`: finite numbers above 0, empty and repeated items allowed."""
+    item = st.one_of(st.floats(1e-6, 10).map(repr), st.sampled_from(["0", "-1", "nan", "inf", "", " ", "abc", "1e309"]))
+
+    def make(items: list[str]) -> Arg:
+        named = [x.strip() for x in items if x.strip()]
+        ok = bool(named) and all(read_number(x, True) is not None and math.isfinite(float(x)) and float(x) > 0
+                                 for x in named)
+        return option(flag, ",".join(items), bad=not ok)
+
+    return st.lists(item, max_size=3).map(make)
+
+
+@st.composite
+def sweep_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
+    """`sweep` on tiny profiles; --measure and --fidelity build the model, so they come rarely."""
+    options = {
+        "keep": counts_list("--keep", cheap=64),
+        "tflops": budget_list("--tflops"),
+        "shape": choice("--shape", ["uniform", "oneshot"]),
+        "first-layer": counts("--first-layer", low=0),
+        "convention": choice("--convention", ["flops", "macs", "llm-viewer", "paper"]),
+        "scope": choice("--scope", ["llm", "all"]),
+        "quant": names_list("--quant", QUANTS),
+        "text-tokens": counts("--text-tokens", cheap=16),
+        "image-size": image_size(cheap=True),
+        "frames": counts("--frames", cheap=4),
+        "set": set_option(cheap=True),
+        "measure": st.sampled_from([Arg(("--measure",)), Arg(("--samples", "1"))]),
+        "fidelity": st.sampled_from([Arg(("--fidelity",)), Arg(("--samples", "1"))]),
+        "samples": counts("--samples", cheap=2),
+        "warmup": counts("--warmup", low=0, cheap=1),
+        "repeat": counts("--repeat", cheap=2),
+        "device": choice("--device", ["cpu", "auto"]),
+        "weights": st.sampled_from([*paths.bad_inputs[:2], "random"]).map(
+            lambda p: option("--weights", p, bad=p != "random", path=True)),
+        "dtype": choice("--dtype", ["auto", "bf16", "fp16", "fp32"]),
+        "seed": number("--seed", floats=False, low=0, high=2**32 - 1),
+        "json": output("--json", paths),
+        "plot": plot_folder(paths),
+    }
+    base = [draw(model(paths, ["llava-tiny", "qwen2-vl-tiny", "llava-next-tiny"])),
+            draw(names_list("--variant", VARIANTS))]
+    return command_line(draw, base, options, most=4, first=("keep", "tflops"))
+
+
+@st.composite
+def show_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
+    """`show` on tiny profiles: it builds the model and runs one forward."""
+    options = {
+        "keep": counts("--keep", cheap=64),
+        "tflops": number("--tflops", floats=True, low=0, high=math.inf, above=True),
+        "schedule": schedule_text(),
+        "shape": choice("--shape", ["uniform", "oneshot"]),
+        "first-layer": counts("--first-layer", low=0),
+        "image": st.one_of(st.just(option("--image", paths.image, path=True)),
+                           st.sampled_from(paths.bad_inputs).map(lambda p: option("--image", p, bad=True, path=True))),
+        "layer": counts("--layer", low=0),
+        "weights": st.sampled_from([*paths.bad_inputs[:2], "random"]).map(
+            lambda p: option("--weights", p, bad=p != "random", path=True)),
+        "set": set_option(cheap=True),
+        "seed": number("--seed", floats=False, low=0, high=2**32 - 1),
+        "dtype": choice("--dtype", ["auto", "bf16", "fp16", "fp32"]),
+        "json": output("--json", paths),
+    }
+    out = mostly(st.sampled_from([str(paths.folder / "tokens.png"), str(paths.folder / "tokens.svg")]).map(
+        lambda p: option("--out", p, path=True)),
+        st.sampled_from([*paths.bad_outputs, str(paths.folder / "tokens.txt")]).map(
+            lambda p: option("--out", p, bad=not p.endswith(".txt"), path=True)))
+    base = [draw(model(paths, ["llava-tiny", "qwen2-vl-tiny", "llava-next-tiny", "video-llava-tiny"])),
+            draw(choice("--variant", ["v", "l"])), draw(out)]
+    return command_line(draw, base, options, most=3, first=("keep", "tflops", "schedule"))
 
 
 # ---- the tests ------------------------------------------------------------------------------------------------
@@ -604,6 +688,24 @@ def test_report_any_option_values_end_in_a_rendering_or_one_error_line(paths: Pa
     @given(report_lines(paths))
     def run(line: Lines) -> None:
         run_and_check(["report", *line[0]], line[1])
+
+    run()
+
+
+def test_sweep_any_option_values_end_in_a_report_or_one_error_line(paths: Paths) -> None:
+    @fuzz(examples=60)
+    @given(sweep_lines(paths))
+    def run(line: Lines) -> None:
+        run_and_check(["sweep", *line[0]], line[1])
+
+    run()
+
+
+def test_show_any_option_values_end_in_a_picture_or_one_error_line(paths: Paths) -> None:
+    @fuzz(examples=15)  # each run that draws builds a tiny model (1-3 s)
+    @given(show_lines(paths))
+    def run(line: Lines) -> None:
+        run_and_check(["show", *line[0]], line[1])
 
     run()
 

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from ficoco.api import Handle
 
 
+def _targets(kept: Tensor, merge_target: Tensor | None) -> Tensor | None:
+    """The kept token (in `kept`'s index space) each discarded token went into, for the records."""
+    return None if merge_target is None else torch.gather(kept, 1, merge_target)
+
+
 def _timed(handle: Handle, device: torch.device, fn: Callable[[], Any]) -> Any:
     """Run one reduction inside the handle's "reduction" span (CUDA events, no host sync)."""
     with handle.timer.span("reduction", device):
@@ -100,7 +105,8 @@ class LlavaAdapter:
                     eps=params.eps, window=params.window, coefficient=params.coefficient,
                     equivalent=params.equivalent_token))
                 handle.vision_state = red.grid_index
-                handle.record("vision", _idx, kept=red.grid_index, discarded=red.discarded_grid)
+                handle.record("vision", _idx, kept=red.grid_index, discarded=red.discarded_grid,
+                              merged_into=_targets(red.grid_index, red.merge_target))
                 hidden = red.hidden
                 return hidden + _layer.mlp(_layer.layer_norm2(hidden))
 
@@ -233,8 +239,10 @@ class LlavaAdapter:
                     beta=params.beta, gamma=params.gamma, eps=params.eps, protected=state.protected,
                     first_suffix_row=state.first_suffix_row, max_protected=state.max_protected,
                     visual_positions=state.visual_rows))
-                handle.record("llm", _idx, kept=torch.gather(state.visual_ranks, 1, red.kept_visual),
-                              discarded=torch.gather(state.visual_ranks, 1, red.discarded_visual))
+                kept_ranks = torch.gather(state.visual_ranks, 1, red.kept_visual)
+                handle.record("llm", _idx, kept=kept_ranks,
+                              discarded=torch.gather(state.visual_ranks, 1, red.discarded_visual),
+                              merged_into=_targets(kept_ranks, red.merge_target))
                 state.keep(red.kept_positions, red.kept_visual, red.visual_positions)
                 hidden = red.hidden
                 return hidden + _layer.mlp(_layer.post_attention_layernorm(hidden))

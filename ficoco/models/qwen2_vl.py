@@ -73,12 +73,15 @@ class GroupReduction:
             kept group, increasing.
         discarded_groups: ``(B, r)`` original group index of every removed group, increasing.
         kept_positions: ``(B, G - r)`` index of every kept group in the input sequence of groups.
+        merge_target: ``(B, r)`` for every removed group, the column in ``kept_groups`` of the
+            group that received most of it (member m went into member m); None when none was removed.
     """
 
     hidden: Tensor
     kept_groups: Tensor
     discarded_groups: Tensor
     kept_positions: Tensor
+    merge_target: Tensor | None = None
 
 
 def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor, r: int, group_index: Tensor,
@@ -127,18 +130,34 @@ def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor, r: int, group_inde
         kept_groups=red.grid_index,
         discarded_groups=red.discarded_grid,
         kept_positions=red.kept_positions[:, 1:] - 1,
+        merge_target=red.merge_target,
     )
 
 
-def group_patches(groups: Tensor, grid_w: int, merge_size: int = 2) -> Tensor:
-    """Row-major indices on the patch grid of the patches of `groups` (group-grid indices),
-    sorted: `(B, K)` groups -> `(B, K * merge_size**2)` patches."""
+def _members(groups: Tensor, grid_w: int, merge_size: int) -> Tensor:
+    """Row-major patch-grid indices of the members of `groups`, group by group, members in
+    row-major order within the group: `(B, K)` -> `(B, K * merge_size**2)`."""
     cols = grid_w // merge_size
     row, col = groups // cols, groups % cols
     offsets = torch.arange(merge_size, device=groups.device)
     rows = (row[:, :, None] * merge_size + offsets).unsqueeze(3)  # (B, K, m, 1)
     cols_ = (col[:, :, None] * merge_size + offsets).unsqueeze(2)  # (B, K, 1, m)
-    return (rows * grid_w + cols_).flatten(1).sort(dim=1).values
+    return (rows * grid_w + cols_).flatten(1)
+
+
+def group_patches(groups: Tensor, grid_w: int, merge_size: int = 2) -> Tensor:
+    """Row-major indices on the patch grid of the patches of `groups` (group-grid indices),
+    sorted: `(B, K)` groups -> `(B, K * merge_size**2)` patches."""
+    return _members(groups, grid_w, merge_size).sort(dim=1).values
+
+
+def group_patch_targets(discarded: Tensor, targets: Tensor, grid_w: int, merge_size: int = 2) -> Tensor:
+    """For every patch of the `discarded` groups, in `group_patches(discarded)` order, the patch
+    of its target group (`targets`, `(B, r)`, group-grid indices) it was folded into: member m of
+    a group goes into member m of its target."""
+    members = _members(discarded, grid_w, merge_size)
+    order = members.argsort(dim=1)
+    return torch.gather(_members(targets, grid_w, merge_size), 1, order)
 
 
 @dataclass
@@ -275,8 +294,11 @@ class Qwen2VLAdapter(LlavaAdapter):
             red = reduce_groups(x, attn, keys, r, index, (rows // self.merge_size, cols // self.merge_size),
                                 merge=self.merge, lam=params.lam, eps=params.eps, window=params.window,
                                 coefficient=params.coefficient)
+            merged_into = None if red.merge_target is None else group_patch_targets(
+                red.discarded_groups, torch.gather(red.kept_groups, 1, red.merge_target), cols, self.merge_size)
             handle.record("vision", layer_idx, kept=group_patches(red.kept_groups, cols, self.merge_size),
-                          discarded=group_patches(red.discarded_groups, cols, self.merge_size))
+                          discarded=group_patches(red.discarded_groups, cols, self.merge_size),
+                          merged_into=merged_into)
             for b, image in enumerate(images):
                 new_hidden[image] = red.hidden[b]
                 kept_positions[image] = red.kept_positions[b]

@@ -20,6 +20,7 @@ from ficoco.reduction.stages import (
     compute_dtype,
     gather_block,
     gather_tokens,
+    main_targets,
     select,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "language_correlation",
     "language_scores",
     "local_penalty",
+    "main_targets",
     "reduce_l",
     "reduce_v",
     "select",

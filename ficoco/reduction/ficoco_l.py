@@ -27,6 +27,7 @@ from ficoco.reduction.stages import (
     compute_dtype,
     gather_block,
     gather_tokens,
+    main_targets,
     select,
 )
 
@@ -42,6 +43,8 @@ class LReduction:
             embeddings and masks alike.
         kept_visual: ``(B, N - r)`` indices within the visual span of the kept tokens.
         discarded_visual: ``(B, r)`` indices within the visual span of the removed tokens.
+        merge_target: ``(B, r)`` for every removed token, the column in ``kept_visual`` of the
+            kept token that received most of it; None when nothing was removed.
     """
 
     hidden: Tensor
@@ -50,6 +53,7 @@ class LReduction:
     discarded_visual: Tensor
     # (B, N - r) position in the reduced sequence of every kept visual token, in order.
     visual_positions: Tensor | None = None
+    merge_target: Tensor | None = None
 
 
 def _visual_positions(visual_start: Tensor, num_visual: int, positions: Tensor | None = None) -> Tensor:
@@ -328,4 +332,5 @@ def reduce_l(
         kept_visual=target,
         discarded_visual=source,
         visual_positions=merged_positions,
+        merge_target=main_targets(alpha),
     )

@@ -21,6 +21,7 @@ from ficoco.reduction.stages import (
     compress,
     compute_dtype,
     gather_block,
+    main_targets,
     select,
 )
 
@@ -35,12 +36,16 @@ class VReduction:
         discarded_grid: ``(B, r)`` original-grid index of every removed patch, increasing.
         kept_positions: ``(B, T - r)`` index into the input sequence of every token that
             stays, ``[CLS]`` included, so a caller can slice position tensors alike.
+        merge_target: ``(B, r)`` for every removed patch (in ``discarded_grid`` order), the
+            column in ``grid_index`` of the kept patch that received most of it; None when
+            nothing was removed.
     """
 
     hidden: Tensor
     grid_index: Tensor
     discarded_grid: Tensor
     kept_positions: Tensor
+    merge_target: Tensor | None = None
 
     @property
     def kept_grid(self) -> Tensor:
@@ -256,4 +261,5 @@ def reduce_v(
         grid_index=torch.gather(grid_index, 1, target),
         discarded_grid=torch.gather(grid_index, 1, source),
         kept_positions=torch.cat([cls_positions, target + offset], dim=1),
+        merge_target=main_targets(alpha),
     )

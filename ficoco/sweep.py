@@ -1,0 +1,309 @@
+"""`ficoco sweep`: every method at every budget point, costed by the accountant and, on request,
+measured by the profiler and compared with vanilla's outputs (fidelity).
+
+A point is one (method, budget, quant): `--keep 576,384,192` or `--tflops 3.3,2.4` gives one
+point per value and reducing method, and vanilla one point per quant. The accountant costs each
+point without torch. `--measure` builds one model per quant (in the profiler's dtypes, checked
+against free memory first) and measures every point on it with the profiler's `measure_row`;
+`--fidelity` runs the same model on a few seeded prompts and compares each point's next-token
+distribution with vanilla's. Methods come from the accountant's list of variants
+(`ficoco.accounting.VARIANTS`), so a method added there is swept without a change here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ficoco
+from ficoco import accounting as acc
+from ficoco.accounting.flops import SCOPE_STAGES
+from ficoco.errors import FicocoError
+from ficoco.profiles import Profile, load_profile, set_layout
+
+SWEEP_SCHEMA = "ficoco.sweep/1"
+VANILLA = "vanilla"
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Everything that defines a sweep (written into its report)."""
+
+    model: str
+    variants: tuple[str, ...]
+    keep: tuple[int, ...] = ()
+    tflops: tuple[float, ...] = ()
+    shape: str = "uniform"
+    first_layer: int | None = None
+    convention: str = "flops"
+    scope: str = "llm"
+    quants: tuple[str, ...] = ("fp16",)
+    text_tokens: int = 60
+    image_size: tuple[int, int] | None = None  # (H, W)
+    frames: int | None = None
+    overrides: tuple[str, ...] = ()
+    measure: bool = False
+    fidelity: bool = False
+    samples: int = 4  # prompts the fidelity is averaged over
+    warmup: int | None = None
+    repeat: int | None = None
+    device: str = "auto"
+    weights: str = "random"
+    dtype: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if bool(self.keep) == bool(self.tflops):
+            raise FicocoError("give the points as --keep N,N,... or --tflops X,X,... (one of them)")
+        for variant in self.variants:
+            if variant not in acc.VARIANTS:
+                raise FicocoError(f"unknown --variant '{variant}': choose from {', '.join(acc.VARIANTS)}")
+
+    @property
+    def budgets(self) -> list[dict[str, float]]:
+        """The budget of every point, in the order given: {"keep": N} or {"tflops": X}."""
+        if self.keep:
+            return [{"keep": n} for n in self.keep]
+        return [{"tflops": x} for x in self.tflops]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Point:
+    """One point of the sweep: its schedule and what the accountant, the profiler and the
+    fidelity check said about it."""
+
+    variant: str
+    quant: str
+    budget: dict[str, float] | None  # None for vanilla
+    schedule: acc.Schedule
+    analytic: dict[str, Any] = field(default_factory=dict)
+    measured: dict[str, Any] | None = None
+    fidelity: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"variant": self.variant, "quant": self.quant, "budget": self.budget,
+                "schedule": self.schedule.to_json(), "analytic": self.analytic, "measured": self.measured,
+                "fidelity": self.fidelity}
+
+
+def sweep_profile(config: SweepConfig) -> Profile:
+    """The profile the sweep costs (a checkpoint folder's own config when --weights names one)."""
+    source = config.weights if config.weights != "random" and Path(config.weights).expanduser().is_dir() else None
+    profile = load_profile(source or config.model, list(config.overrides))
+    set_layout(profile, image_size=config.image_size, frames=config.frames)
+    return profile
+
+
+def plan_points(config: SweepConfig, profile: Profile) -> list[Point]:
+    """Every point, its schedule resolved and costed (every user mistake is found here, before
+    any model is built). Vanilla comes first in every quant."""
+    arch = acc.architecture(profile)
+    opts = acc.CountOptions(convention=config.convention, scope=config.scope, text_tokens=config.text_tokens)
+    variants = [VANILLA, *(v for v in config.variants if v != VANILLA)]
+    points: list[Point] = []
+    for quant_name in config.quants:
+        quant = acc.make_quant(quant_name, None)
+        for variant in variants:
+            budgets: list[dict[str, float] | None] = [None] if variant == VANILLA else list(config.budgets)
+            for budget in budgets:
+                try:
+                    schedule = acc.resolve_schedule(arch, variant, opts, shape=config.shape,
+                                                    first_layer=config.first_layer, **(budget or {}))
+                except FicocoError as exc:
+                    what = next(iter(budget)) if budget else "schedule"
+                    raise FicocoError(f"sweep point {variant} at --{what} {budget[what] if budget else ''}: "
+                                      f"{exc}") from None
+                cost = acc.account(arch, schedule, quant, opts).to_json()
+                points.append(Point(variant, quant_name, budget, schedule, analytic=cost))
+    return points
+
+
+def new_report(config: SweepConfig, profile: Profile, points: list[Point]) -> dict[str, Any]:
+    """The report of a sweep before anything is measured (the accountant's figures only)."""
+    arch = acc.architecture(profile)
+    return {
+        "schema": SWEEP_SCHEMA,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "ficoco_version": ficoco.__version__,
+        "model": arch.name,
+        "config": config.to_json(),
+        "convention": config.convention,
+        "units": acc.UNITS[config.convention],
+        "scope": config.scope,
+        "scope_stages": list(SCOPE_STAGES[config.scope]),
+        "image_size": arch.image_size,
+        "environment": None,
+        "device": "analytic",
+        "compute_dtype": None,
+        "random_weights": config.weights == "random",
+        "points": [p.to_json() for p in points],
+    }
+
+
+# ---- measurement and fidelity ------------------------------------------------------------------------------
+
+def fidelity_inputs(model: Any, config: SweepConfig, device: Any) -> list[dict[str, Any]]:
+    """`samples` seeded prompts, one per forward (batch 1, as the memory guard planned)."""
+    from ficoco.models import synthetic_inputs
+
+    layout = {k: v for k, v in (("image_size", config.image_size), ("frames", config.frames)) if v is not None}
+    return [synthetic_inputs(model, batch=1, text_tokens=config.text_tokens, seed=config.seed + k, device=device,
+                             **layout) for k in range(config.samples)]
+
+
+def next_token_logits(model: Any, inputs: list[dict[str, Any]]) -> list[Any]:
+    """The logits at the last prompt position of every prompt (float64 on the host)."""
+    import torch
+
+    with torch.inference_mode():
+        return [model(**x, use_cache=False, logits_to_keep=1).logits[0, -1].double().cpu() for x in inputs]
+
+
+def compare_logits(reference: list[Any], reduced: list[Any]) -> dict[str, Any]:
+    """KL(vanilla || reduced) of the next-token distribution, averaged over the prompts, and the
+    share of prompts whose top-1 next token is vanilla's."""
+    import torch
+
+    kls, agree = [], []
+    for p_logits, q_logits in zip(reference, reduced, strict=True):
+        log_p, log_q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+        kls.append(float((log_p.exp() * (log_p - log_q)).sum()))
+        agree.append(float(int(p_logits.argmax()) == int(q_logits.argmax())))
+    return {"kl_divergence": sum(kls) / len(kls), "top1_agreement": sum(agree) / len(agree),
+            "kl_per_sample": kls, "top1_per_sample": agree, "samples": len(kls),
+            "position": "last prompt token", "reference": "vanilla, same model and inputs"}
+
+
+def run_models(config: SweepConfig, profile: Profile, points: list[Point], report: dict[str, Any],
+               on_point: Callable[[int, Point, str], None] | None = None) -> None:
+    """Build one model per quant and measure (`--measure`) and compare (`--fidelity`) every point
+    on it; `on_point(index, point, what)` is told as each point starts ("start") and ends ("done")."""
+    import torch
+
+    from ficoco.profiling.environment import environment
+    from ficoco.profiling.estimate import estimate_run, plan_runs
+    from ficoco.profiling.matrix import (
+        ProfileConfig,
+        RowSpec,
+        _row_base,
+        add_comparisons,
+        build_for,
+        measure_row,
+        plan_run,
+    )
+    from ficoco.profiling.trackers import model_weight_bytes
+
+    first = config.budgets[0]
+    reducing = tuple(dict.fromkeys(p.variant for p in points))
+    pconfig = ProfileConfig(
+        model=config.model, variants=reducing, keep=first.get("keep"), tflops=first.get("tflops"),
+        shape=config.shape, first_layer=config.first_layer, convention=config.convention, scope=config.scope,
+        quants=config.quants, batches=(1,), text_tokens=config.text_tokens, warmup=config.warmup,
+        repeat=config.repeat, device=config.device, weights=config.weights, overrides=config.overrides,
+        seed=config.seed, image_size=config.image_size, frames=config.frames, dtype=config.dtype)
+    # plan_run checks the run (device, dtype, free memory for the largest row: vanilla's); the
+    # rows are then the sweep's points, each with its own schedule.
+    plan = plan_run(pconfig)
+    plan.rows = [RowSpec(p.variant, p.quant, 1, p.schedule) for p in points]
+    if config.measure:
+        plan_runs(plan, estimate_run(pconfig, plan))
+    report["environment"] = environment(plan.device)
+    report["device"] = report["environment"].get("device") if plan.device.type == "cuda" else \
+        f"cpu: {report['environment'].get('cpu')}"
+    report["notes"] = list(plan.notes)
+    torch.manual_seed(config.seed)
+    rows: list[dict[str, Any]] = []
+    for quant in config.quants:
+        indices = [i for i, p in enumerate(points) if p.quant == quant]
+        model = build_for(pconfig, plan, quant)
+        info = getattr(model, "_ficoco_quant", {})
+        dtype = str(next(p for p in model.parameters() if p.is_floating_point()).dtype).removeprefix("torch.")
+        report["compute_dtype"] = dtype
+        weights_measured = model_weight_bytes(model)
+        inputs = fidelity_inputs(model, config, plan.device) if config.fidelity else []
+        reference = next_token_logits(model, inputs) if config.fidelity else []
+        for index in indices:
+            point, row = points[index], plan.rows[index]
+            if on_point:
+                on_point(index, point, "start")
+            if config.measure:
+                measured = _row_base(plan, pconfig, row, {"compute_dtype": dtype, **info})
+                measured["weight_bytes"] = weights_measured
+                try:
+                    measured |= {"status": "ok", **measure_row(model, row, pconfig, plan)}
+                except FicocoError as exc:
+                    measured |= {"status": "unsupported", "reason": str(exc)}
+                rows.append(measured)
+                point.measured = measured
+            if config.fidelity:
+                point.fidelity = _fidelity_of(model, point, config, inputs, reference)
+            report["points"][index] = point.to_json()
+            if on_point:
+                on_point(index, point, "done")
+        del model
+    if rows:
+        add_comparisons(rows)  # the rows are the points' own dicts: speedup against vanilla, in place
+        for index, point in enumerate(points):
+            report["points"][index] = point.to_json()
+
+
+def _fidelity_of(model: Any, point: Point, config: SweepConfig, inputs: list[dict[str, Any]],
+                 reference: list[Any]) -> dict[str, Any]:
+    if point.variant == VANILLA:
+        return compare_logits(reference, reference)
+    with ficoco.apply(model, point.variant, schedule=point.schedule, image_size=config.image_size,
+                      frames=config.frames):
+        reduced = next_token_logits(model, inputs)
+    return compare_logits(reference, reduced)
+
+
+# ---- reading a saved report ----------------------------------------------------------------------------------
+
+def read_report_any(path: str) -> dict[str, Any]:
+    """A saved sweep (ficoco.sweep/1) or profile (ficoco.report/1) report, validated enough to
+    render or draw; one clear error otherwise."""
+    from ficoco.compare import REPORT_SCHEMA, read_report
+
+    try:
+        text = Path(path).read_text() if str(path).strip() else ""
+        data = json.loads(text) if text.strip() else None
+    except (OSError, UnicodeDecodeError, ValueError):
+        data = None
+    if isinstance(data, dict) and data.get("schema") == SWEEP_SCHEMA:
+        points = data.get("points")
+        if not isinstance(points, list) or not all(isinstance(p, dict) and isinstance(p.get("analytic"), dict)
+                                                   for p in points):
+            raise FicocoError(f"{path} has no list of sweep points; give a report written by ficoco sweep")
+        return data
+    if isinstance(data, dict) and data.get("schema") not in (None, REPORT_SCHEMA):
+        raise FicocoError(f"{path} has schema '{data.get('schema')}'; this ficoco reads '{REPORT_SCHEMA}' "
+                          f"and '{SWEEP_SCHEMA}'")
+    return read_report(path)  # its own clear errors for anything else
+
+
+def points_of(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The points of a sweep report, or a profile report's measured rows as points (one per row,
+    its analytic figures the profiler's: flops convention, whole model)."""
+    if report.get("schema") == SWEEP_SCHEMA:
+        return list(report["points"])
+    points = []
+    for row in report.get("rows", []):
+        analytic = row.get("analytic") or {}
+        fidelity = row.get("fidelity") if isinstance(row.get("fidelity"), dict) else None
+        points.append({"variant": row.get("variant"), "quant": row.get("quant"), "budget": None,
+                       "schedule": row.get("schedule"), "analytic": analytic,
+                       "measured": row, "fidelity": fidelity})
+    return points
+
+
+def finite(value: Any) -> bool:
+    """A number that can be plotted."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,137 @@
+"""`ficoco sweep`, `ficoco show` and `ficoco report --plot`: wiring and rendering only (the work
+is in ficoco.sweep, ficoco.show and ficoco.figures)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ficoco.errors import FicocoError
+
+
+def sweep_table(report: dict[str, Any]) -> Table:
+    """One line per point: method, budget, visual tokens, the accountant's count, and what was
+    measured (median latency, speedup) and compared (agreement, KL)."""
+    table = Table(title=f"{report.get('model')}: sweep ({report.get('units')}, {report.get('convention')} convention, "
+                        f"scope {report.get('scope')})", title_justify="left")
+    for name in ("variant", "quant", "budget", "visual tokens", report.get("units") or "TFLOPs", "median ms",
+                 "speedup", "top-1 agree", "KL"):
+        table.add_column(name, justify="left" if name in ("variant", "quant", "budget") else "right")
+    for point in report["points"]:
+        analytic = point.get("analytic") or {}
+        measured = point.get("measured") or {}
+        fidelity = point.get("fidelity") or {}
+        budget = point.get("budget") or {}
+        latency = (measured.get("latency") or {}).get("median_ms")
+        speedup = measured.get("speedup_vs_vanilla")
+        table.add_row(
+            str(point.get("variant")), str(point.get("quant")),
+            ", ".join(f"{k} {v:g}" for k, v in budget.items()) or "-",
+            str(analytic.get("visual_tokens", "-")), _num(analytic.get("tflops"), ".4g"),
+            _num(latency, ".4g") if measured.get("status") in (None, "ok") else str(measured.get("status")),
+            _num(speedup, ".2f", "x"), _num(fidelity.get("top1_agreement"), ".2f"),
+            _num(fidelity.get("kl_divergence"), ".3g"))
+    return table
+
+
+def _num(value: Any, fmt: str, suffix: str = "") -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return f"{value:{fmt}}{suffix}"
+    return "-"
+
+
+def draw_report(report: dict[str, Any], folder: str, console: Console) -> list[str]:
+    """Every figure the report has data for, as PNG and SVG in `folder`; the paths written."""
+    from ficoco.figures import save_figure, sweep_figures
+
+    written: list[str] = []
+    for name, figure in sweep_figures(report).items():
+        written += save_figure(figure, folder, name)
+    console.print(f"figures: {', '.join(written)}", markup=False, highlight=False, soft_wrap=True)
+    return written
+
+
+def run_sweep(config: Any, json_path: str | None, plot: str | None, console: Console) -> dict[str, Any]:
+    """Plan every point (all mistakes first), cost it, measure and compare it when asked, write
+    the report (atomically, after every point when models run) and the figures."""
+    from ficoco.report import write_json_atomic
+    from ficoco.sweep import new_report, plan_points, run_models, sweep_profile
+
+    profile = sweep_profile(config)
+    points = plan_points(config, profile)
+    report = new_report(config, profile, points)
+    if config.measure or config.fidelity:
+        what = " and ".join(w for w, on in (("measuring", config.measure), ("comparing with vanilla", config.fidelity))
+                            if on)
+        console.print(f"{len(points)} point(s), {what}; one model per quant ({', '.join(config.quants)})",
+                      markup=False, highlight=False, soft_wrap=True)
+
+        def on_point(index: int, point: Any, step: str) -> None:
+            if step == "done":
+                budget = ", ".join(f"{k} {v:g}" for k, v in (point.budget or {}).items()) or "reference"
+                console.print(f"[{index + 1}/{len(points)}] {point.variant} {point.quant} {budget}: done",
+                              markup=False, highlight=False, soft_wrap=True)
+                if json_path and json_path != "-":
+                    write_json_atomic(json_path, report)
+
+        run_models(config, profile, points, report, on_point)
+    console.print(sweep_table(report))
+    if json_path:
+        write_json_atomic(json_path, report)
+    if plot:
+        draw_report(report, plot, console)
+    return report
+
+
+def run_show(*, model: str, variant: str, keep: int | None, tflops: float | None, schedule: str | None,
+             shape: str, first_layer: int | None, image: str | None, layer: int | None, out: str,
+             json_path: str | None, weights: str, overrides: list[str], seed: int, dtype: str,
+             console: Console) -> dict[str, Any]:
+    """Run the model once under the method on the image and draw its tokens (and write the data)."""
+    from ficoco import accounting as acc
+    from ficoco.profiles import load_profile
+    from ficoco.report import write_json_atomic
+
+    if Path(out).suffix.lower() not in (".png", ".svg"):
+        raise FicocoError(f"--out {out}: give a .png or .svg file name")
+    if image is not None:
+        from ficoco.profiling.matrix import check_image
+
+        check_image(image)
+    source = weights if weights != "random" and Path(weights).expanduser().is_dir() else None
+    profile = load_profile(source or model, overrides)
+    arch = acc.architecture(profile)
+    sched = acc.resolve_schedule(arch, variant, acc.CountOptions(), keep=keep, tflops=tflops, schedule=schedule,
+                                 shape=shape, first_layer=first_layer)
+    if layer is not None and layer not in sched.removed_at():
+        layers = ", ".join(str(k) for k in sorted(sched.removed_at())) or "none"
+        raise FicocoError(f"--layer {layer} does not reduce in this schedule; reducing layers: {layers}")
+
+    import torch
+
+    from ficoco.figures import save_figure, token_figure
+    from ficoco.models.build import build_model
+    from ficoco.show import Layout, picture_inputs, show_data, to_json
+
+    built = build_model(profile if weights == "random" else model, weights, dtype=dtype, device="cpu", seed=seed)
+    layout = Layout(built)
+    inputs, pictures = picture_inputs(built, layout, image, weights=weights, seed=seed)
+    data = show_data(built, variant, sched, inputs, layout, pictures)
+    budget = next(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+                  for name, value in (("keep", keep), ("tflops", tflops), ("schedule", schedule), ("all", "tokens"))
+                  if value is not None)
+    data.update(model=arch.name, weights=weights, random_weights=weights == "random", image=image, budget=budget,
+                device="cpu", compute_dtype=str(next(built.parameters()).dtype).removeprefix("torch."),
+                torch=torch.__version__)
+    figure = token_figure(data, layer)
+    folder, name = Path(out).expanduser().parent, Path(out).stem
+    fmt = Path(out).suffix.lower().lstrip(".")
+    written = save_figure(figure, folder, name, formats=(fmt,))
+    console.print(f"figure: {written[0]}", markup=False, highlight=False, soft_wrap=True)
+    if json_path:
+        write_json_atomic(json_path, to_json(data))
+    return data
