@@ -89,6 +89,15 @@ def _count_label(report: dict[str, Any]) -> str:
     return f"{units} ({convention} convention, scope {scope}, layer-exact)"
 
 
+def cost_tokens(point: dict[str, Any]) -> float:
+    """The x of a cost point: visual tokens in the LLM averaged over its layers, as papers quote
+    a method's budget (for FiCoCo-V the tokens that reach the LLM; for a method that prunes inside
+    the LLM the final count would hide where the cost goes); the final count for plans without one."""
+    analytic = point["analytic"]
+    average = analytic.get("layer_average_visual_tokens")
+    return float(average) if average is not None else float(analytic["visual_tokens"])
+
+
 def cost_figure(report: dict[str, Any]) -> Figure:
     """(a) TFLOPs by stage against visual tokens, one panel per method; vanilla's total as a
     dashed line in each. Counts are the accountant's, in the report's convention and scope."""
@@ -99,12 +108,14 @@ def cost_figure(report: dict[str, Any]) -> Figure:
         report = {**report, "units": "TFLOPs", "convention": "flops", "scope": "all"}
     stages = list(report.get("scope_stages") or STAGE_COLOURS)
     methods = _methods(points) or [VANILLA]
-    figure, axes = _new_figure(len(methods), sharey=True)
+    # Up to four panels side by side; more methods wrap onto a second row, so panels stay readable.
+    columns = min(len(methods), 4)
+    rows = -(-len(methods) // columns)
+    figure, axes = _new_figure(columns, rows, sharey=True)
     vanilla = next((p for p in points if p["variant"] == VANILLA), None)
-    for ax, method in zip(axes, methods, strict=True):
-        mine = sorted((p for p in points if p["variant"] == method),
-                      key=lambda p: p["analytic"].get("visual_tokens", 0))
-        tokens = [p["analytic"]["visual_tokens"] for p in mine]
+    for ax, method in zip(axes, methods, strict=False):
+        mine = sorted((p for p in points if p["variant"] == method), key=cost_tokens)
+        tokens = [cost_tokens(p) for p in mine]
         for stage in stages:
             values = [p["analytic"]["tflops_by_stage"].get(stage, 0.0) for p in mine]
             if any(values):
@@ -115,13 +126,19 @@ def cost_figure(report: dict[str, Any]) -> Figure:
             ax.axhline(vanilla["analytic"]["tflops"], color="grey", linestyle="--", gid="vanilla",
                        label=f"vanilla ({vanilla['analytic']['visual_tokens']} tokens)")
         ax.set_title(f"{method}")
-        ax.set_xlabel("visual tokens reaching (V) / leaving (L) the LLM")
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
-    axes[0].set_ylabel(_count_label(report))
-    axes[0].legend(fontsize="small")
+    for ax in axes[len(methods):]:
+        ax.set_visible(False)
+    figure.supylabel(_count_label(report), fontsize="medium")
+    # The x label above the legend, both below the panels.
+    figure.supxlabel("visual tokens in the LLM, average over its layers (V: the tokens that reach it)",
+                     fontsize="medium", y=0.055)
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small",
+                  bbox_to_anchor=(0.5, 0.0), frameon=False)
     figure.suptitle(f"Analytic cost by stage ({quant})\n{_subtitle(report)}", fontsize="medium")
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.08, 1, 1))
     return figure
 
 

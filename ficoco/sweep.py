@@ -169,14 +169,13 @@ def next_token_logits(model: Any, inputs: list[dict[str, Any]]) -> list[Any]:
 
 def compare_logits(reference: list[Any], reduced: list[Any]) -> dict[str, Any]:
     """KL(vanilla || reduced) of the next-token distribution, averaged over the prompts, and the
-    share of prompts whose top-1 next token is vanilla's."""
+    share of prompts whose top-1 next token is vanilla's (profile --fidelity's own measures)."""
     import torch
 
-    kls, agree = [], []
-    for p_logits, q_logits in zip(reference, reduced, strict=True):
-        log_p, log_q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
-        kls.append(float((log_p.exp() * (log_p - log_q)).sum()))
-        agree.append(float(int(p_logits.argmax()) == int(q_logits.argmax())))
+    from ficoco.profiling.fidelity import kl_divergence
+
+    kls = kl_divergence(torch.stack(reference), torch.stack(reduced)).tolist()
+    agree = [float(int(p.argmax()) == int(q.argmax())) for p, q in zip(reference, reduced, strict=True)]
     return {"kl_divergence": sum(kls) / len(kls), "top1_agreement": sum(agree) / len(agree),
             "kl_per_sample": kls, "top1_per_sample": agree, "samples": len(kls),
             "position": "last prompt token", "reference": "vanilla, same model and inputs"}
