@@ -205,7 +205,7 @@ def flops_command(
     from ficoco.accounting.flops import SCOPE_STAGES, STAGES
     from ficoco.profiles import load_gpu, load_profile, set_layout
     from ficoco.report import write_json_atomic
-    from ficoco_cli.render import flops_table, per_layer_table
+    from ficoco_cli.render import compares_methods, flops_table, method_comparison_table, per_layer_table
 
     variants = split_list(variant, "--variant")
     check_schedule_options(variants, keep, tflops, schedule, preset)
@@ -266,7 +266,11 @@ def flops_command(
         "budget_tflops": tflops, "keep": keep, "preset": preset, "rows": rows,
     }
     console = err if json_path == "-" else out
-    console.print(flops_table(report, acc.UNITS[opts.convention], hardware is not None, wide))
+    if compares_methods(report) and not wide:
+        # Several methods under one setting: one table, cheapest first (--wide: every column, as given).
+        console.print(method_comparison_table(report, acc.UNITS[opts.convention]))
+    else:
+        console.print(flops_table(report, acc.UNITS[opts.convention], hardware is not None, wide))
     if per_layer:
         for row in rows[:: len(quants)]:
             console.print(per_layer_table(row, acc.UNITS[opts.convention]))
@@ -423,17 +427,32 @@ def compare_command(
 
 @app.command("report")
 def report_command(
-    path: Annotated[str, typer.Argument(help="A saved profile report (ficoco.report/1).")],
+    path: Annotated[str, typer.Argument(
+        help="A saved profile report (ficoco.report/1) or flops report (ficoco.flops/1).")],
     fmt: Annotated[str, typer.Option(
         "--format", callback=check.choice(REPORT_FORMATS), help="table, markdown or csv.")] = "table",
     wide: WideOpt = False,
 ) -> None:
-    """Render a saved profile report as a table, markdown or CSV."""
-    from ficoco.compare import read_report
-    from ficoco_cli.render import print_profile
-    from ficoco_cli.report_cmd import report_csv, report_markdown
+    """Render a saved profile or flops report as a table, markdown or CSV (several methods: compared by cost)."""
+    from ficoco.compare import FLOPS_SCHEMA, REPORT_SCHEMA, read_report
+    from ficoco_cli.render import method_comparison_table, print_profile
+    from ficoco_cli.report_cmd import flops_report_csv, report_csv, report_markdown
 
-    report = read_report(path)
+    report = read_report(path, schemas=(REPORT_SCHEMA, FLOPS_SCHEMA))
+    if report["schema"] == FLOPS_SCHEMA:
+        from ficoco.accounting import UNITS
+        from ficoco_cli.report_cmd import check_flops_rows
+
+        check_flops_rows(report, path)
+        unit = UNITS.get(str(report.get("convention")), "TFLOPs")
+        if fmt == "table":
+            out.print(method_comparison_table(report, unit))
+        else:
+            from ficoco_cli.render import method_comparison_markdown
+
+            sys.stdout.write(method_comparison_markdown(report, unit) if fmt == "markdown"
+                             else flops_report_csv(report))
+        return
     if fmt == "table":
         print_profile(out, report, wide)
     else:

@@ -19,6 +19,8 @@ from ficoco.errors import FicocoError
 from ficoco.methods.base import Dims, MethodSpec, Step, StepContext
 from ficoco.methods.registry import method
 
+# What a method that scores by [CLS] attention uses on a tower without [CLS] (Qwen2-VL).
+EQUIVALENT_SCORE = "equivalent token (no [CLS])"
 # Steps at one layer run in this order (a vision layer's own merge, then the cuts after the tower).
 PLACEMENT_ORDER = ("layer_input", "in_layer", "tower_output", "after_projector")
 # Text tokens before the visual span in the families' templates ("USER: <image>\n..."; Qwen2-VL's
@@ -97,6 +99,9 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
     assert spec.settings_for_keep is not None and spec.steps is not None
     visual, layers = counted_shape(arch, spec)
     settings = spec.settings_for_keep(keep, visual, layers, hp)
+    if spec.cls_note and not arch.vision.has_cls:
+        # Labelled wherever the row appears: the [CLS] attention this method scores by does not exist here.
+        settings["score"] = EQUIVALENT_SCORE
     return schedule_from_steps(arch, spec, spec.steps(settings, visual, layers), settings)
 
 
