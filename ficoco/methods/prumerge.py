@@ -64,23 +64,26 @@ class PruMergeOutput:
     kept: Tensor
 
 
-def prumerge_cls_attention(query: Tensor, keys: Tensor, attention: str = "heads") -> Tensor:
+def prumerge_cls_attention(query: Tensor, keys: Tensor, heads: int, attention: str = "heads") -> Tensor:
     """``(B, N)`` ``cls_attn``: the [CLS] row over every key, patch columns.
 
     Args:
         query: ``(B, C)`` the last layer's ``q_proj`` output at [CLS] (heads not split).
         keys: ``(B, T, C)`` its ``k_proj`` output at every position.
-        attention: ``"heads"`` (the layer's own heads: ``heads`` must divide ``C``; pass ``(query,
-            keys)`` already shaped ``(B, H, d)`` / ``(B, H, T, d)``) or ``"official"`` (one ``C``-wide
-            head scaled by ``C ** -0.5``).
+        heads: the layer's attention heads (``C = heads * d``).
+        attention: ``"heads"`` (the layer's own per-head softmax at ``d ** -0.5``, head mean) or
+            ``"official"`` (one ``C``-wide head scaled by ``C ** -0.5``).
     """
     if attention not in ATTENTIONS:
         raise FicocoError(f"PruMerge+ attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    batch, tokens, width = keys.shape
     if attention == "official":
-        row = last_row_attention(query.unsqueeze(1), keys.unsqueeze(1)).squeeze(1)
-    else:
-        row = last_row_attention(query, keys).mean(dim=1)
-    return row[:, 1:]
+        heads = 1
+    if width % heads:
+        raise ValueError(f"{heads} heads do not split a {width}-wide projection")
+    split_query = query.reshape(batch, heads, width // heads)
+    split_keys = keys.reshape(batch, tokens, heads, width // heads).transpose(1, 2)
+    return last_row_attention(split_query, split_keys).mean(dim=1)[:, 1:]
 
 
 def prumerge_selection(cls_attn: Tensor, tokens: int | None = None) -> tuple[Tensor, Tensor]:
