@@ -79,3 +79,72 @@ def test_visual_macs_refuses_scope_all():
     line = assert_one_error_line(ficoco_cli("flops", "--model", "llava-1.5-7b", "--convention", "visual-macs",
                                             "--scope", "all"))
     assert "decoder only" in line
+
+
+VISION = "vanilla,tome,visionzip,fastervlm,prumerge"
+
+
+def test_methods_lists_the_vision_side_methods_with_their_cls_note(tmp_path: Path):
+    result = ficoco_cli("methods", "--json", str(tmp_path / "m.json"))
+    assert result.returncode == 0, result.stderr
+    by_name = {m["name"]: m for m in json.loads((tmp_path / "m.json").read_text())["methods"]}
+    assert by_name["tome"]["acts_at"] == "vision_layer" and by_name["tome"]["placement"] == "in_layer"
+    assert by_name["visionzip"]["placement"] == "tower_output"
+    assert by_name["fastervlm"]["acts_at"] == "after_projector"
+    assert "equivalent token" in by_name["visionzip"]["cls_note"]
+    assert not any(by_name[n]["wired"] for n in ("tome", "visionzip", "fastervlm", "prumerge"))
+
+
+def test_one_budget_prints_one_table_sorted_by_cost(tmp_path: Path):
+    result = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", VISION, "--tflops", "3.3", "--scope", "all",
+                        "--json", str(tmp_path / "r.json"))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    order = [line.split()[0] for line in result.stdout.splitlines() if line.split() and line.split()[0] in VISION]
+    assert order == [r["variant"] for r in sorted(rows, key=lambda r: r["tflops"])]
+    assert "methods by cost" in result.stdout and "to LLM" in result.stdout and "KV cache" in result.stdout
+    for row in rows:
+        assert row["tflops"] <= 3.3 or row["variant"] == "vanilla"
+    assert "prumerge: adaptive" not in result.stdout  # a budget plans a fixed count
+
+
+def test_report_renders_a_flops_comparison_as_markdown_and_csv(tmp_path: Path):
+    path = tmp_path / "r.json"
+    result = ficoco_cli("flops", "--model", "qwen2-vl-7b", "--variant", "vanilla,visionzip,fastervlm,l", "--preset",
+                        "64", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    markdown = ficoco_cli("report", str(path), "--format", "markdown")
+    assert markdown.returncode == 0, markdown.stderr
+    lines = markdown.stdout.splitlines()
+    table = [line for line in lines if line.startswith("| ") and not line.startswith("| method")]
+    costs = [float(line.split("|")[-4]) for line in table]  # the total column
+    assert costs == sorted(costs) and len(table) == 4
+    assert "visionzip: scored by the equivalent token (no [CLS])" in markdown.stdout
+    csv_text = ficoco_cli("report", str(path), "--format", "csv").stdout
+    assert csv_text.splitlines()[0].startswith("model,variant,quant,visual_tokens,layer_average_visual_tokens")
+    assert len(csv_text.splitlines()) == 5
+
+
+def test_prumerge_default_is_adaptive_and_says_so():
+    result = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,prumerge")
+    assert result.returncode == 0, result.stderr
+    assert "prumerge: adaptive count, planned at 144 tokens per item" in " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize("argv", [
+    ["profile", "--model", "llava-tiny", "--variant", "tome", "--keep", "8", "--dry-run"],
+    ["flops", "--verify", "--model", "llava-tiny", "--variant", "visionzip,fastervlm"],
+])
+def test_unwired_vision_methods_are_refused_in_one_line(argv):
+    line = assert_one_error_line(ficoco_cli(*argv))
+    assert "is not wired into the models yet" in line
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["flops", "--model", "qwen2-vl-7b", "--variant", "tome"], "ToMe is defined on llava"),
+    (["flops", "--model", "llava-1.5-7b", "--variant", "visionzip", "--schedule", "3:10"], "cuts once"),
+    (["flops", "--model", "llava-1.5-7b", "--variant", "tome", "--schedule", "0:400"], "at most half"),
+    (["flops", "--model", "llava-next-7b", "--image-size", "700x500", "--variant", "fastervlm"], "unpadding"),
+])
+def test_vision_method_mistakes_end_in_one_line(argv, words):
+    assert words in assert_one_error_line(ficoco_cli(*argv))
