@@ -148,3 +148,32 @@ def test_unwired_vision_methods_are_refused_in_one_line(argv):
 ])
 def test_vision_method_mistakes_end_in_one_line(argv, words):
     assert words in assert_one_error_line(ficoco_cli(*argv))
+
+
+def test_measured_rows_add_latency_speedup_and_agreement_columns():
+    import io
+
+    from rich.console import Console
+
+    from ficoco_cli.render import compares_methods, method_comparison_markdown, method_comparison_table
+
+    def row(variant: str, tflops: float, median: float, agreement: float | None) -> dict:
+        measured = {"status": "ok", "latency": {"median_ms": median}, "kv_cache_bytes": 1e6,
+                    "speedup_vs_vanilla": 1000.0 / median}
+        if agreement is not None:
+            measured["fidelity"] = {"agreement": agreement}
+        return {"variant": variant, "quant": "fp16", "batch": 1, **measured,
+                "analytic": {"visual_tokens": 8, "layer_average_visual_tokens": 8.0, "tflops": tflops,
+                             "tflops_by_stage": {"vision": 0.1, "projector": 0.01, "llm": tflops, "lm_head": 0.0},
+                             "kv_cache_bytes": 1e6}}
+
+    report = {"schema": "ficoco.report/1", "config": {"model": "llava-tiny"},
+              "rows": [row("vanilla", 3.0, 1000.0, None), row("v", 1.0, 400.0, 0.9), row("l", 2.0, 700.0, 0.95)]}
+    assert compares_methods(report)
+    console = Console(width=200, file=io.StringIO())
+    console.print(method_comparison_table(report))
+    text = console.file.getvalue()
+    assert "median" in text and "speedup" in text and "agree" in text
+    assert [line.split()[0] for line in text.splitlines() if line.split()[:1] in (["v"], ["l"], ["vanilla"])] == [
+        "v", "l", "vanilla"]
+    assert "| v | 8 | 8.0 |" in method_comparison_markdown(report) and "2.50x" in text and "90.0" in text
