@@ -27,6 +27,7 @@ from typing import Any
 from ficoco.errors import FicocoError
 
 REPORT_SCHEMA = "ficoco.report/1"
+FLOPS_SCHEMA = "ficoco.flops/1"  # `ficoco flops --json`: `ficoco report` renders it
 DETERMINISTIC_TOLERANCE = 0.001  # 0.1%
 SIGNIFICANCE = 0.05
 
@@ -88,8 +89,9 @@ FINGERPRINT_KEYS = ("model", "variant", "schedule", "quant", "dtype", "batch", "
 ENVIRONMENT_KEYS = ("device", "cpu", "threads", "python", "torch", "transformers", "bitsandbytes", "driver")
 
 
-def read_report(path: str | Path) -> dict[str, Any]:
-    """A `ficoco.report/1` file, validated enough to compare or render it."""
+def read_report(path: str | Path, schemas: tuple[str, ...] = (REPORT_SCHEMA,)) -> dict[str, Any]:
+    """A report of one of `schemas` (by default a `ficoco.report/1` file), validated enough to compare
+    or render it."""
     if not str(path).strip():
         raise FicocoError("a report path is empty (''); give a ficoco.report/1 file")
     path = Path(path)
@@ -106,8 +108,9 @@ def read_report(path: str | Path) -> dict[str, Any]:
             f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}): truncated or not a report") from None
     if not isinstance(data, dict) or "schema" not in data:
         raise FicocoError(f"{path} is not a ficoco report (no schema field)")
-    if data["schema"] != REPORT_SCHEMA:
-        raise FicocoError(f"{path} has schema '{data['schema']}'; this ficoco reads '{REPORT_SCHEMA}'")
+    if data["schema"] not in schemas:
+        raise FicocoError(f"{path} has schema '{data['schema']}'; this ficoco reads {' or '.join(map(repr, schemas))} "
+                          "here")
     if not isinstance(data.get("rows"), list) or not all(isinstance(r, dict) for r in data["rows"]):
         raise FicocoError(f"{path} has no list of rows")
     return data

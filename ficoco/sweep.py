@@ -267,9 +267,9 @@ def _fidelity_of(model: Any, point: Point, config: SweepConfig, inputs: list[dic
 # ---- reading a saved report ----------------------------------------------------------------------------------
 
 def read_report_any(path: str) -> dict[str, Any]:
-    """A saved sweep (ficoco.sweep/1) or profile (ficoco.report/1) report, validated enough to
-    render or draw; one clear error otherwise."""
-    from ficoco.compare import REPORT_SCHEMA, read_report
+    """A saved sweep (ficoco.sweep/1), profile (ficoco.report/1) or flops (ficoco.flops/1) report,
+    validated enough to render or draw; one clear error otherwise."""
+    from ficoco.compare import FLOPS_SCHEMA, REPORT_SCHEMA, read_report
 
     try:
         text = Path(path).read_text() if str(path).strip() else ""
@@ -282,10 +282,10 @@ def read_report_any(path: str) -> dict[str, Any]:
                                                    for p in points):
             raise FicocoError(f"{path} has no list of sweep points; give a report written by ficoco sweep")
         return data
-    if isinstance(data, dict) and data.get("schema") not in (None, REPORT_SCHEMA):
-        raise FicocoError(f"{path} has schema '{data.get('schema')}'; this ficoco reads '{REPORT_SCHEMA}' "
-                          f"and '{SWEEP_SCHEMA}'")
-    return read_report(path)  # its own clear errors for anything else
+    if isinstance(data, dict) and data.get("schema") not in (None, REPORT_SCHEMA, FLOPS_SCHEMA):
+        raise FicocoError(f"{path} has schema '{data.get('schema')}'; this ficoco reads '{REPORT_SCHEMA}', "
+                          f"'{FLOPS_SCHEMA}' and '{SWEEP_SCHEMA}'")
+    return read_report(path, schemas=(REPORT_SCHEMA, FLOPS_SCHEMA))  # its own clear errors for anything else
 
 
 def points_of(report: dict[str, Any]) -> list[dict[str, Any]]:

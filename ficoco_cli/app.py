@@ -205,7 +205,7 @@ def flops_command(
     from ficoco.accounting.flops import SCOPE_STAGES, STAGES
     from ficoco.profiles import load_gpu, load_profile, set_layout
     from ficoco.report import write_json_atomic
-    from ficoco_cli.render import flops_table, per_layer_table
+    from ficoco_cli.render import compares_methods, flops_table, method_comparison_table, per_layer_table
 
     variants = split_list(variant, "--variant")
     check_schedule_options(variants, keep, tflops, schedule, preset)
@@ -266,7 +266,11 @@ def flops_command(
         "budget_tflops": tflops, "keep": keep, "preset": preset, "rows": rows,
     }
     console = err if json_path == "-" else out
-    console.print(flops_table(report, acc.UNITS[opts.convention], hardware is not None, wide))
+    if compares_methods(report) and not wide:
+        # Several methods under one setting: one table, cheapest first (--wide: every column, as given).
+        console.print(method_comparison_table(report, acc.UNITS[opts.convention]))
+    else:
+        console.print(flops_table(report, acc.UNITS[opts.convention], hardware is not None, wide))
     if per_layer:
         for row in rows[:: len(quants)]:
             console.print(per_layer_table(row, acc.UNITS[opts.convention]))
@@ -438,7 +442,8 @@ def compare_command(
 
 @app.command("report")
 def report_command(
-    path: Annotated[str, typer.Argument(help="A saved profile (ficoco.report/1) or sweep (ficoco.sweep/1) report.")],
+    path: Annotated[str, typer.Argument(
+        help="A saved profile (ficoco.report/1), flops (ficoco.flops/1) or sweep (ficoco.sweep/1) report.")],
     fmt: Annotated[str, typer.Option(
         "--format", callback=check.choice(REPORT_FORMATS), help="table, markdown or csv.")] = "table",
     wide: WideOpt = False,
@@ -446,17 +451,36 @@ def report_command(
         "--plot", callback=check.plot_folder, help="Draw the report's figures (PNG and SVG) into this folder.")
     ] = None,
 ) -> None:
-    """Render a saved profile report as a table, markdown or CSV; a sweep report as a table; --plot draws figures."""
+    """Render a saved profile or flops report as a table, markdown or CSV (several methods: compared by cost);
+    a sweep report as a table; --plot draws figures."""
+    from ficoco.compare import FLOPS_SCHEMA
     from ficoco.sweep import SWEEP_SCHEMA, read_report_any
-    from ficoco_cli.render import print_profile
-    from ficoco_cli.report_cmd import report_csv, report_markdown
+    from ficoco_cli.render import method_comparison_table, print_profile
+    from ficoco_cli.report_cmd import flops_report_csv, report_csv, report_markdown
     from ficoco_cli.sweep_cmd import draw_report, sweep_table
 
     report = read_report_any(path)
+    if report["schema"] == FLOPS_SCHEMA and plot:
+        raise FicocoError("--plot draws profile and sweep reports; a flops report has no measured points "
+                          "(ficoco sweep --plot draws the accountant's costs)")
     if report["schema"] == SWEEP_SCHEMA:
         if fmt != "table":
             raise FicocoError(f"--format {fmt} renders profile reports; a sweep report is shown as a table")
         out.print(sweep_table(report))
+    elif report["schema"] == FLOPS_SCHEMA:
+        from ficoco.accounting import UNITS
+        from ficoco_cli.report_cmd import check_flops_rows
+
+        check_flops_rows(report, path)
+        unit = UNITS.get(str(report.get("convention")), "TFLOPs")
+        if fmt == "table":
+            out.print(method_comparison_table(report, unit))
+        else:
+            from ficoco_cli.render import method_comparison_markdown
+
+            sys.stdout.write(method_comparison_markdown(report, unit) if fmt == "markdown"
+                             else flops_report_csv(report))
+        return
     elif fmt == "table":
         print_profile(out, report, wide)
     else:

@@ -614,10 +614,12 @@ def fidelity_lines(report: dict[str, Any]) -> list[str]:
 
 
 def print_profile(console: Console, report: dict[str, Any], wide: bool = False) -> None:
-    """The profile table, then the verdict lines (one logical line each: a terminal wraps them, a pipe
-    or a file keeps them whole), the fidelity table with --fidelity, and the run's time against its
-    estimate."""
+    """The profile table (and with several reducing methods of one quant and batch, the method comparison),
+    then the verdict lines (one logical line each: a terminal wraps them, a pipe or a file keeps them whole),
+    the fidelity table with --fidelity, and the run's time against its estimate."""
     console.print(profile_table(report, wide))
+    if compares_methods(report) and len({r.get("variant") for r in report["rows"]} - {"vanilla"}) > 1:
+        console.print(method_comparison_table(report))
     for line in verdict_lines(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if (table := fidelity_table(report)) is not None:
@@ -626,3 +628,141 @@ def print_profile(console: Console, report: dict[str, Any], wide: bool = False) 
             console.print(line, markup=False, highlight=False, soft_wrap=True)
     if line := time_line(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+# ---- the method comparison (ficoco flops / profile / report with several methods) --------------------------------
+
+COMPARISON_STAGES = (("vision", "vision"), ("projector", "proj"), ("llm", "llm"), ("lm_head", "head"))
+
+
+def _adaptive_note(row: dict[str, Any]) -> str | None:
+    settings = row.get("settings") or {}
+    if settings.get("adaptive"):
+        return (f"{row['variant']}: adaptive count, planned at {settings.get('tokens')} tokens per item; "
+                "ficoco profile measures it")
+    return None
+
+
+def comparison_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of a flops report (ficoco.flops/1) or a profile report (ficoco.report/1) in one shape:
+    variant, quant, batch, visual tokens reaching the LLM, layer average, TFLOPs by stage and in total,
+    the method's own work, KV cache, and - from measured rows - latency, speedup and agreement."""
+    measured = report.get("schema") != "ficoco.flops/1"
+    rows = []
+    for r in report.get("rows") or []:
+        source = (r.get("analytic") or {}) if measured else r
+        ok = r.get("status") == "ok"
+        rows.append({
+            "variant": _text(r.get("variant")), "quant": r.get("quant"), "batch": r.get("batch", report.get("batch")),
+            "visual_tokens": source.get("visual_tokens"),
+            "layer_average": source.get("layer_average_visual_tokens"),
+            "by_stage": source.get("tflops_by_stage") or {}, "tflops": source.get("tflops"),
+            "method_tflops": source.get("method_tflops"),
+            # A measured row shows the measured cache; an unmeasured one the accountant's.
+            "kv_cache_bytes": r.get("kv_cache_bytes") if measured and ok else source.get("kv_cache_bytes"),
+            "median_ms": _get(r, "latency", "median_ms") if ok else None,
+            "speedup": r.get("speedup_vs_vanilla") if ok else None,
+            "agreement": (_get(r, "fidelity", "top1_agreement") if ok else None),
+            "roofline_ms": source.get("roofline_ms"),
+            "settings": (r.get("settings") if not measured else None) or {},
+            "status": r.get("status") if measured else None,
+        })
+    return rows
+
+
+def _comparison_order(rows: list[dict[str, Any]]) -> list[int]:
+    """Rows by (quant, batch) in report order, and by total cost within each, cheapest first."""
+    groups = list(dict.fromkeys((r["quant"], r["batch"]) for r in rows))
+
+    def key(i: int) -> tuple[int, float]:
+        cost = rows[i]["tflops"]
+        return groups.index((rows[i]["quant"], rows[i]["batch"])), cost if _is_number(cost) else math.inf
+
+    return sorted(range(len(rows)), key=key)
+
+
+def comparison_cells(report: dict[str, Any], unit: str = "TFLOPs") -> tuple[list[_Column], list[int], list[str]]:
+    """Columns, the row order (cheapest first) and the notes under the method comparison."""
+    rows = comparison_rows(report)
+    order = _comparison_order(rows)
+    vanilla = {(r["quant"], r["batch"]): r["tflops"] for r in rows if r["variant"] == "vanilla"}
+    tera = pick_unit([r["tflops"] for r in rows] + [v for r in rows for v in r["by_stage"].values()], tera_units(unit))
+    columns = [_Column("method", [r["variant"] for r in rows], left=True)]
+    if len({r["quant"] for r in rows}) > 1:
+        columns.append(_Column("quant", [_text(r["quant"]) for r in rows], left=True))
+    if len({r["batch"] for r in rows}) > 1:
+        columns.append(_Column("batch", [_text(r["batch"]) for r in rows]))
+    columns.append(_Column("visual\ntokens\nto LLM", [_text(r["visual_tokens"]) for r in rows]))
+    columns.append(_Column("layer\navg", [f"{a:.1f}" if _is_number(a := r["layer_average"]) else "-" for r in rows]))
+    in_scope = set(report.get("scope_stages") or [s for s, _ in COMPARISON_STAGES])
+    for stage, short in COMPARISON_STAGES:
+        columns.append(_scaled(short + ("" if stage in in_scope else "*"), [r["by_stage"].get(stage) for r in rows],
+                               (), tera))
+    if any(r["method_tflops"] for r in rows):
+        columns.append(_scaled("method+", [r["method_tflops"] for r in rows], (), tera))
+    columns.append(_scaled("total", [r["tflops"] for r in rows], (), tera))
+    ratios = []
+    for r in rows:
+        base = vanilla.get((r["quant"], r["batch"]))
+        ratios.append(_percent(r["tflops"] / base - 1, signed=True)
+                      if r["variant"] != "vanilla" and _is_number(base) and base and _is_number(r["tflops"]) else "-")
+    columns.append(_Column("vs\nvanilla\n%", ratios))
+    columns.append(_scaled("KV cache", [r["kv_cache_bytes"] for r in rows], BYTE_UNITS))
+    if any(_is_number(r["roofline_ms"]) for r in rows):
+        columns.append(_scaled("roofline", [r["roofline_ms"] for r in rows], (), ("ms", 1.0)))
+    if any(r["median_ms"] is not None for r in rows):
+        columns.append(_scaled("median", [r["median_ms"] for r in rows], TIME_UNITS_MS))
+        columns.append(_Column("speedup", [_ratio(r["speedup"]) for r in rows]))
+    if any(r["agreement"] is not None for r in rows):
+        columns.append(_Column("top-1\nagrees %", [_percent(r["agreement"]) for r in rows]))
+    if any(r["status"] not in (None, "ok") for r in rows):
+        columns.append(_Column("status", [_text(r["status"]) for r in rows], left=True))
+    notes = ["cheapest first; method+: the method's own matrix work (scores, similarities), not in the total"
+             if any(r["method_tflops"] for r in rows) else "cheapest first"]
+    if in_scope != {s for s, _ in COMPARISON_STAGES}:
+        notes.append("stages marked * are outside the scope and not in the total")
+    for r in rows:
+        if r["settings"].get("score"):
+            notes.append(f"{r['variant']}: scored by the {r['settings']['score']}")
+        if note := _adaptive_note(r):
+            notes.append(note)
+    return columns, order, list(dict.fromkeys(notes))
+
+
+def _comparison_title(report: dict[str, Any], unit: str) -> str:
+    if report.get("schema") == "ficoco.flops/1":
+        budget = (f"budget {report['budget_tflops']:g}" if report.get("budget_tflops") is not None
+                  else f"preset {report['preset']}" if report.get("preset") is not None
+                  else f"keep {report['keep']}" if report.get("keep") is not None else "default settings")
+        mode = "equivalent" if report.get("equivalent") else "layer-exact"
+        return (f"{report.get('model')}: methods by cost, {budget}; {unit}, convention {report.get('convention')}, "
+                f"scope {report.get('scope')} ({mode}), batch {report.get('batch')}, {report.get('text_tokens')} "
+                "text tokens")
+    config = report.get("config") or {}
+    return (f"{_text(config.get('model'))}: methods by cost; analytic TFLOPs (whole model, LM head on the last "
+            "token) beside the measured prefill")
+
+
+def method_comparison_table(report: dict[str, Any], unit: str = "TFLOPs") -> Table:
+    """One table of every method, cheapest first: tokens reaching the LLM, the layer average, the cost by
+    stage and in total, KV cache, and where the rows were measured, latency, speedup and agreement."""
+    columns, order, notes = comparison_cells(report, unit)
+    return _table(columns, order, title=_comparison_title(report, unit), caption="; ".join(notes))
+
+
+def method_comparison_markdown(report: dict[str, Any], unit: str = "TFLOPs") -> str:
+    """The method comparison as a markdown table, for a pull request."""
+    from ficoco_cli.report_cmd import markdown_table
+
+    columns, order, notes = comparison_cells(report, unit)
+    header = [" ".join(c.header.split("\n")) for c in columns]
+    rows = [[c.cells[i] for c in columns] for i in order]
+    return (f"### {_comparison_title(report, unit)}\n\n" + markdown_table(header, rows) + "\n"
+            + "".join(f"- {note}\n" for note in notes))
+
+
+def compares_methods(report: dict[str, Any]) -> bool:
+    """Whether a report holds several methods of one quant and batch (what the comparison is for)."""
+    rows = report.get("rows") or []
+    variants = {r.get("variant") for r in rows}
+    return len(variants) > 1 and len({(r.get("quant"), r.get("batch", report.get("batch"))) for r in rows}) == 1

@@ -11,6 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from ficoco.compare import Comparison
+from ficoco.errors import FicocoError
 from ficoco_cli.render import fmt_bytes
 
 FORMATS = ("table", "markdown", "json")
@@ -124,7 +125,42 @@ def report_csv(report: dict[str, Any]) -> str:
 
 
 def report_markdown(report: dict[str, Any]) -> str:
+    from ficoco_cli.render import compares_methods, method_comparison_markdown
+
     env = report.get("environment", {})
     head = (f"### {report.get('config', {}).get('model')} on {env.get('device')} "
             f"({env.get('device_kind')}, {env.get('threads')} threads), {report.get('created')}\n\n")
-    return head + markdown_table(REPORT_HEADER, report_rows(report))
+    text = head + markdown_table(REPORT_HEADER, report_rows(report))
+    if compares_methods(report):
+        text += "\n" + method_comparison_markdown(report)
+    return text
+
+
+def check_flops_rows(report: dict[str, Any], path: str) -> None:
+    """A flops report's rows carry a variant and the accountant's figures (a profile report's rows,
+    mislabelled, do not): one line otherwise."""
+    for row in report["rows"]:
+        if not isinstance(row.get("variant"), str) or not isinstance(row.get("tflops"), int | float) \
+                or not isinstance(row.get("tflops_by_stage"), dict):
+            raise FicocoError(f"{path}: a row of this ficoco.flops/1 report lacks variant, tflops or tflops_by_stage; "
+                              "write it again with `ficoco flops --json`")
+
+
+FLOPS_HEADER = ["model", "variant", "quant", "visual_tokens", "layer_average_visual_tokens", "tflops_vision",
+                "tflops_projector", "tflops_llm", "tflops_lm_head", "method_tflops", "tflops", "kv_cache_bytes",
+                "settings"]
+
+
+def flops_report_csv(report: dict[str, Any]) -> str:
+    """A flops report (ficoco.flops/1) as CSV: one line per row, the cost by stage in its convention's unit."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(FLOPS_HEADER)
+    for r in report["rows"]:
+        stages = r.get("tflops_by_stage") or {}
+        writer.writerow([report.get("model", ""), r.get("variant", ""), r.get("quant", ""), r.get("visual_tokens", ""),
+                         r.get("layer_average_visual_tokens", ""),
+                         *(stages.get(s, "") for s in ("vision", "projector", "llm", "lm_head")),
+                         r.get("method_tflops", ""), r.get("tflops", ""), r.get("kv_cache_bytes", ""),
+                         json.dumps(r.get("settings") or {}, sort_keys=True)])
+    return buffer.getvalue()

@@ -79,3 +79,101 @@ def test_visual_macs_refuses_scope_all():
     line = assert_one_error_line(ficoco_cli("flops", "--model", "llava-1.5-7b", "--convention", "visual-macs",
                                             "--scope", "all"))
     assert "decoder only" in line
+
+
+VISION = "vanilla,tome,visionzip,fastervlm,prumerge"
+
+
+def test_methods_lists_the_vision_side_methods_with_their_cls_note(tmp_path: Path):
+    result = ficoco_cli("methods", "--json", str(tmp_path / "m.json"))
+    assert result.returncode == 0, result.stderr
+    by_name = {m["name"]: m for m in json.loads((tmp_path / "m.json").read_text())["methods"]}
+    assert by_name["tome"]["acts_at"] == "vision_layer" and by_name["tome"]["placement"] == "in_layer"
+    assert by_name["visionzip"]["placement"] == "tower_output"
+    assert by_name["fastervlm"]["acts_at"] == "after_projector"
+    assert "equivalent token" in by_name["visionzip"]["cls_note"]
+    assert not any(by_name[n]["wired"] for n in ("tome", "visionzip", "fastervlm", "prumerge"))
+
+
+def test_one_budget_prints_one_table_sorted_by_cost(tmp_path: Path):
+    result = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", VISION, "--tflops", "3.3", "--scope", "all",
+                        "--json", str(tmp_path / "r.json"))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    order = [line.split()[0] for line in result.stdout.splitlines() if line.split() and line.split()[0] in VISION]
+    assert order == [r["variant"] for r in sorted(rows, key=lambda r: r["tflops"])]
+    assert "methods by cost" in result.stdout and "to LLM" in result.stdout and "KV cache" in result.stdout
+    for row in rows:
+        assert row["tflops"] <= 3.3 or row["variant"] == "vanilla"
+    assert "prumerge: adaptive" not in result.stdout  # a budget plans a fixed count
+
+
+def test_report_renders_a_flops_comparison_as_markdown_and_csv(tmp_path: Path):
+    path = tmp_path / "r.json"
+    result = ficoco_cli("flops", "--model", "qwen2-vl-7b", "--variant", "vanilla,visionzip,fastervlm,l", "--preset",
+                        "64", "--json", str(path))
+    assert result.returncode == 0, result.stderr
+    markdown = ficoco_cli("report", str(path), "--format", "markdown")
+    assert markdown.returncode == 0, markdown.stderr
+    lines = markdown.stdout.splitlines()
+    table = [line for line in lines if line.startswith("| ") and not line.startswith("| method")]
+    costs = [float(line.split("|")[-4]) for line in table]  # the total column
+    assert costs == sorted(costs) and len(table) == 4
+    assert "visionzip: scored by the equivalent token (no [CLS])" in markdown.stdout
+    csv_text = ficoco_cli("report", str(path), "--format", "csv").stdout
+    assert csv_text.splitlines()[0].startswith("model,variant,quant,visual_tokens,layer_average_visual_tokens")
+    assert len(csv_text.splitlines()) == 5
+
+
+def test_prumerge_default_is_adaptive_and_says_so():
+    result = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,prumerge")
+    assert result.returncode == 0, result.stderr
+    assert "prumerge: adaptive count, planned at 144 tokens per item" in " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize("argv", [
+    ["profile", "--model", "llava-tiny", "--variant", "tome", "--keep", "8", "--dry-run"],
+    ["flops", "--verify", "--model", "llava-tiny", "--variant", "visionzip,fastervlm"],
+])
+def test_unwired_vision_methods_are_refused_in_one_line(argv):
+    line = assert_one_error_line(ficoco_cli(*argv))
+    assert "is not wired into the models yet" in line
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["flops", "--model", "qwen2-vl-7b", "--variant", "tome"], "ToMe is defined on llava"),
+    (["flops", "--model", "llava-1.5-7b", "--variant", "visionzip", "--schedule", "3:10"], "cuts once"),
+    (["flops", "--model", "llava-1.5-7b", "--variant", "tome", "--schedule", "0:400"], "at most half"),
+    (["flops", "--model", "llava-next-7b", "--image-size", "700x500", "--variant", "fastervlm"], "unpadding"),
+])
+def test_vision_method_mistakes_end_in_one_line(argv, words):
+    assert words in assert_one_error_line(ficoco_cli(*argv))
+
+
+def test_measured_rows_add_latency_speedup_and_agreement_columns():
+    import io
+
+    from rich.console import Console
+
+    from ficoco_cli.render import compares_methods, method_comparison_markdown, method_comparison_table
+
+    def row(variant: str, tflops: float, median: float, agreement: float | None) -> dict:
+        measured = {"status": "ok", "latency": {"median_ms": median}, "kv_cache_bytes": 1e6,
+                    "speedup_vs_vanilla": 1000.0 / median}
+        if agreement is not None:
+            measured["fidelity"] = {"top1_agreement": agreement}
+        return {"variant": variant, "quant": "fp16", "batch": 1, **measured,
+                "analytic": {"visual_tokens": 8, "layer_average_visual_tokens": 8.0, "tflops": tflops,
+                             "tflops_by_stage": {"vision": 0.1, "projector": 0.01, "llm": tflops, "lm_head": 0.0},
+                             "kv_cache_bytes": 1e6}}
+
+    report = {"schema": "ficoco.report/1", "config": {"model": "llava-tiny"},
+              "rows": [row("vanilla", 3.0, 1000.0, None), row("v", 1.0, 400.0, 0.9), row("l", 2.0, 700.0, 0.95)]}
+    assert compares_methods(report)
+    console = Console(width=200, file=io.StringIO())
+    console.print(method_comparison_table(report))
+    text = console.file.getvalue()
+    assert "median" in text and "speedup" in text and "agree" in text
+    assert [line.split()[0] for line in text.splitlines() if line.split()[:1] in (["v"], ["l"], ["vanilla"])] == [
+        "v", "l", "vanilla"]
+    assert "| v | 8 | 8.0 |" in method_comparison_markdown(report) and "2.50x" in text and "90.0" in text

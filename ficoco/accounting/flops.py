@@ -126,7 +126,7 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
     # (those are a learned vector, not projected) and before Qwen2-VL's merge is undone. It runs
     # before LLaVA-NeXT's unpadding, so it also projects the tokens unpadding drops (FiCoCo-V,
     # whose kept counts would depend on them, is refused where unpadding drops any).
-    projected = batch * (plan.llm_visual_tokens - arch.newline_tokens + arch.unpadding_drops)
+    projected = batch * (plan.projector_tokens - arch.newline_tokens + arch.unpadding_drops)
     if arch.projector.norm_dim:
         dim = arch.projector.norm_dim
         ops.append(_elementwise("projector", None, "norm", 7 * projected * v.merge * dim,
@@ -163,8 +163,10 @@ def paper_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1) -> li
     method's overhead at reducing layers. It defines transformer layers only."""
     v, d = arch.vision, arch.decoder
     items = batch * plan.vision_items
-    # The appendix's overhead formula is FiCoCo's (its in-layer stages); other methods have none.
-    overhead = {(red.stage, red.layer): red for red in plan.reductions if red.where == "in_layer"}
+    # The appendix's overhead formula is FiCoCo's (its in-layer stages); other methods (ToMe reduces
+    # in-layer too) have none here: their own work is the accountant's method terms.
+    overhead = {(red.stage, red.layer): red for red in plan.reductions
+                if red.where == "in_layer" and plan.variant in ("", "v", "l")}
     rows: list[tuple[str, int, int]] = []
     for stage, layers, mult, dim, ffn in (("vision", plan.vision, items, v.hidden, v.ffn),
                                           ("llm", plan.llm, batch, d.hidden, d.ffn)):

@@ -19,6 +19,10 @@ from ficoco.errors import FicocoError
 from ficoco.methods.base import Dims, MethodSpec, Step, StepContext
 from ficoco.methods.registry import method
 
+# What a method that scores by [CLS] attention uses on a tower without [CLS] (Qwen2-VL).
+EQUIVALENT_SCORE = "equivalent token (no [CLS])"
+# Steps at one layer run in this order (a vision layer's own merge, then the cuts after the tower).
+PLACEMENT_ORDER = ("layer_input", "in_layer", "tower_output", "after_projector")
 # Text tokens before the visual span in the families' templates ("USER: <image>\n..."; Qwen2-VL's
 # "<|im_start|>user\n<|vision_start|>"), the same the model adapters' synthetic inputs use.
 PREFIX_TOKENS = {"llava": 5, "llava_next": 5, "video_llava": 5, "qwen2_vl": 4}
@@ -38,20 +42,45 @@ def suffix_tokens(arch: Architecture, text_tokens: int) -> int:
     return max(0, text_tokens - PREFIX_TOKENS.get(arch.family, 0))
 
 
+def vision_dims(arch: Architecture) -> Dims:
+    v = arch.vision
+    return Dims(hidden=v.hidden, heads=v.heads, kv_heads=v.heads, head_dim=v.hidden // v.heads, ffn=v.ffn)
+
+
+def counted_shape(arch: Architecture, spec: MethodSpec) -> tuple[int, int]:
+    """(visual tokens, layers) a method's steps count: the LLM's span and decoder layers, or for a
+    method acting before the LLM the patches (units) of one tower item and the tower layers up to
+    the one the projector reads."""
+    if spec.per_item:
+        return arch.vision.units, arch.vision.feature_layer + 1
+    return arch.visual_tokens, arch.decoder.layers
+
+
+def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
+    """A cut before the LLM changes every crop's count; LLaVA-NeXT's unpadding then drops tokens that
+    depend on which patches stay (as for FiCoCo-V), so such layouts are refused."""
+    if spec.per_item and arch.unpadding_drops:
+        raise FicocoError(f"{spec.title} on {arch.name} at image size {arch.image_size}: AnyRes unpadding drops "
+                          f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; use a "
+                          "square --image-size or a method inside the LLM")
+
+
 def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step, ...],
                         settings: Mapping[str, Any]) -> Schedule:
-    """A `Schedule` of `spec`'s steps, checked against the decoder's layers and visual tokens."""
-    visual = arch.visual_tokens
+    """A `Schedule` of `spec`'s steps, checked against the layers and visual tokens they count."""
+    visual, layers = counted_shape(arch, spec)
+    low = 0 if spec.per_item else 1
+    where = "tower" if spec.per_item else "decoder"
     removals = []
-    for step in sorted(steps, key=lambda s: s.layer):
-        if not 1 <= step.layer < arch.decoder.layers:
-            raise FicocoError(f"{spec.title}: layer {step.layer} is outside the decoder's layers "
-                              f"1..{arch.decoder.layers - 1}")
+    for step in sorted(steps, key=lambda s: (s.layer, PLACEMENT_ORDER.index(s.where))):
+        if not low <= step.layer < layers:
+            raise FicocoError(f"{spec.title}: layer {step.layer} is outside the {where}'s layers {low}..{layers - 1}")
         if step.remove >= visual:
-            raise FicocoError(f"{spec.title}: layer {step.layer} removes {step.remove} of the {visual} visual tokens "
+            what = "patches per item" if spec.per_item else "visual tokens"
+            raise FicocoError(f"{spec.title}: layer {step.layer} removes {step.remove} of the {visual} {what} "
                               "left; at least one must stay")
         visual += step.added - step.remove
-        removals.append(Removal("llm", step.layer, step.remove, step.where, step.added))
+        removals.append(Removal(step.stage, step.layer, step.remove, step.where, step.added))
     return Schedule(spec.name, tuple(removals), tuple((k, _hashable(v)) for k, v in settings.items()))
 
 
@@ -59,6 +88,7 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
     """The schedule of method `name` for the literature's `keep` row (None: its official default)."""
     spec = method(name)
     spec.check_family(arch.family, arch.name)
+    check_per_item(arch, spec)
     if not spec.plans_itself:
         raise FicocoError(f"{spec.title} is planned by ficoco.accounting.schedule, not here")
     unknown = set(hyperparameters) - set(spec.hyperparameters)
@@ -67,17 +97,26 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
                           f"choose from {', '.join(spec.hyperparameters)}")
     hp = {**spec.hyperparameters, **hyperparameters}
     assert spec.settings_for_keep is not None and spec.steps is not None
-    settings = spec.settings_for_keep(keep, arch.visual_tokens, arch.decoder.layers, hp)
-    return schedule_from_steps(arch, spec, spec.steps(settings, arch.visual_tokens, arch.decoder.layers), settings)
+    visual, layers = counted_shape(arch, spec)
+    settings = spec.settings_for_keep(keep, visual, layers, hp)
+    if spec.cls_note and not arch.vision.has_cls:
+        # Labelled wherever the row appears: the [CLS] attention this method scores by does not exist here.
+        settings["score"] = EQUIVALENT_SCORE
+    return schedule_from_steps(arch, spec, spec.steps(settings, visual, layers), settings)
 
 
 def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
-    """`LAYER:REMOVED,...` for a method that acts at the input of decoder layers: REMOVED visual
-    tokens leave before LAYER runs (SparseVLM adds its recycled clusters on top, by its rule)."""
+    """`LAYER:REMOVED,...` for a method that removes tokens layer by layer: REMOVED visual tokens
+    leave before decoder layer LAYER runs (SparseVLM adds its recycled clusters on top, by its
+    rule), or REMOVED patches per item merge inside tower layer LAYER (ToMe)."""
     spec = method(name)
     spec.check_family(arch.family, arch.name)
-    default = spec.settings_for_keep(None, arch.visual_tokens, arch.decoder.layers, spec.hyperparameters) \
-        if spec.settings_for_keep else {}
+    check_per_item(arch, spec)
+    if spec.per_item and spec.placement != "in_layer":
+        raise FicocoError(f"--schedule gives removals per layer; {spec.title} cuts once, after the tower: give "
+                          "--keep or --preset")
+    visual, layers = counted_shape(arch, spec)
+    default = spec.settings_for_keep(None, visual, layers, spec.hyperparameters) if spec.settings_for_keep else {}
     removals: dict[int, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"(\d+):(\d+)", part)
@@ -95,14 +134,23 @@ def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
 
             added = sparsevlm_recycled(removals[layer], default["recycle_ratio"], default["cluster_divisor"])[1]
         if removals[layer]:
-            steps.append(Step(layer, removals[layer], added))
+            steps.append(Step(layer, removals[layer], added, spec.placement, "vision" if spec.per_item else "llm"))
+    if spec.per_item:
+        # A layer merges at most half of its tokens (ToMe's bipartite split); check as the plan runs.
+        current = visual
+        for step in steps:
+            if step.remove > current // 2:
+                raise FicocoError(f"--schedule: {spec.title} merges at most half of a layer's {current} patches "
+                                  f"({current // 2}); layer {step.layer} asks {step.remove}")
+            current -= step.remove
     return schedule_from_steps(arch, spec, tuple(steps), {"schedule": text})
 
 
 def _feasible_keeps(arch: Architecture, spec: MethodSpec) -> list[int]:
+    visual, _ = counted_shape(arch, spec)
     if spec.keep_choices is not None:
-        return [k for k in spec.keep_choices if k <= arch.visual_tokens]
-    return list(range(1, arch.visual_tokens + 1))
+        return [k for k in spec.keep_choices if k <= visual]
+    return list(range(1, visual + 1))
 
 
 def schedule_for_method_budget(arch: Architecture, name: str, budget: float, cost: Callable[[Schedule], float], *,
@@ -147,19 +195,39 @@ def schedule_for_method_budget(arch: Architecture, name: str, budget: float, cos
 
 def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch: int = 1
                ) -> list[tuple[int | None, str, int]]:
-    """The method's own matrix work beyond the model's layers: (layer, term, multiply-accumulates)."""
+    """The method's own matrix work beyond the model's layers: (layer, term, multiply-accumulates).
+
+    Vision steps are counted per item (image, crop, frame) and multiplied by the items of every
+    sample; their layer is a tower layer (the term's name says so)."""
     if schedule.variant == "vanilla":
         return []
     spec = method(schedule.variant)
     if spec.extra_macs is None:
         return []
     settings = schedule.settings_dict()
+    visual, layers = counted_shape(arch, spec)
     if "schedule" in settings:  # an explicit --schedule: the default settings give the rest
-        settings = {**spec.settings_for_keep(None, arch.visual_tokens, arch.decoder.layers, spec.hyperparameters),
+        settings = {**spec.settings_for_keep(None, visual, layers, spec.hyperparameters),
                     **settings} if spec.settings_for_keep else settings
     rows: list[tuple[int | None, str, int]] = []
-    steps = [r for r in schedule.removals if r.stage == "llm" and r.where == "layer_input"]
     suffix = suffix_tokens(arch, plan.text_tokens)
+    if spec.per_item:
+        v = arch.vision
+        units, index = v.units, 0
+        for removal in sorted((r for r in schedule.removals if r.stage == "vision"),
+                              key=lambda r: (r.layer, PLACEMENT_ORDER.index(r.where))):
+            # Patches entering the step: after the in-layer merges of the layers before it.
+            units = v.units - sum(r.remove for r in schedule.removals
+                                  if r.stage == "vision" and r.where == "in_layer" and r.layer < removal.layer)
+            if removal.where == "after_projector":
+                units += sum(r.added - r.remove for r in schedule.removals if r.where == "tower_output")
+            ctx = StepContext(step=Step(removal.layer, removal.remove, removal.added, removal.where, "vision"),
+                              index=index, seq_before=v.tokens(units), visual_before=units, visual_initial=v.units,
+                              suffix_tokens=suffix, dims=vision_dims(arch), settings=settings)
+            rows += [(layer, term, batch * plan.vision_items * macs) for layer, term, macs in spec.extra_macs(ctx)]
+            index += 1
+        return rows
+    steps = [r for r in schedule.removals if r.stage == "llm" and r.where == "layer_input"]
     for index, removal in enumerate(steps):
         layer_seq = plan.llm[removal.layer - 1][1]  # what layer L-1 hands on, before the step
         visual_before = plan.llm_visual[removal.layer - 1][1]

@@ -26,12 +26,15 @@ SHAPES = ("uniform", "oneshot")
 class Removal:
     """`remove` units removed at decoder or vision layer `layer` (0-based).
 
-    `where`: "in_layer" (FiCoCo: after the layer's attention, before its MLP) or "layer_input"
+    `where`: "in_layer" (FiCoCo, ToMe: after the layer's attention, before its MLP) or "layer_input"
     (FastV, PDrop, SparseVLM, DART: before the layer runs, so the whole layer sees the reduced
-    set); `added` tokens join at the same point (SparseVLM's recycled clusters).
+    set); `added` tokens join at the same point (SparseVLM's recycled clusters). Before the LLM:
+    "tower_output" (after the tower layer the projector reads, before the projector: VisionZip,
+    PruMerge+, whose merged tokens are `added`) and "after_projector" (FasterVLM: the projector
+    maps every patch, then the cut). Vision removals count patches (units) per item.
     """
 
-    stage: str  # "vision" (FiCoCo-V) or "llm"
+    stage: str  # "vision" (FiCoCo-V, ToMe, VisionZip, FasterVLM, PruMerge+) or "llm"
     layer: int
     remove: int
     where: str = "in_layer"
@@ -97,6 +100,15 @@ class TokenPlan:
     equivalent: bool
     # Visual tokens per decoder layer: (entering its attention, entering its MLP).
     llm_visual: tuple[tuple[int, int], ...] = ()
+    # Visual tokens the projector maps per sample (None: those the LLM receives). FasterVLM
+    # projects every patch and cuts after the projector.
+    projected_visual_tokens: int | None = None
+    variant: str = ""
+
+    @property
+    def projector_tokens(self) -> int:
+        """Visual tokens (per sample, LLaVA-NeXT's newlines included) the projector's input holds."""
+        return self.llm_visual_tokens if self.projected_visual_tokens is None else self.projected_visual_tokens
 
     @property
     def layer_average_visual_tokens(self) -> float:
@@ -250,7 +262,8 @@ def plan_tokens(arch: Architecture, schedule: Schedule, *, text_tokens: int | No
     count with `equivalent`)."""
     text = arch.text_tokens if text_tokens is None else text_tokens
     v = arch.vision
-    vision_removed = {r.layer: r.remove for r in schedule.removals if r.stage == "vision"}
+    vision_removed = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "in_layer"}
+    before_llm = {r.where: r for r in schedule.removals if r.stage == "vision" and r.where != "in_layer"}
     in_layer = {r.layer: r for r in schedule.removals if r.stage == "llm" and r.where == "in_layer"}
     at_input = {r.layer: r for r in schedule.removals if r.stage == "llm" and r.where == "layer_input"}
     reductions: list[Reduction] = []
@@ -262,6 +275,15 @@ def plan_tokens(arch: Architecture, schedule: Schedule, *, text_tokens: int | No
             reductions.append(Reduction("vision", layer, units * v.merge, r * v.merge))
         vision.append((v.tokens(units), v.tokens(units - r)))
         units -= r
+    # Cuts between the tower and the LLM: at the tower's output (before the projector), then after it.
+    projected_visual: int | None = None
+    for where in ("tower_output", "after_projector"):
+        cut = before_llm.get(where)
+        if cut is not None:
+            reductions.append(Reduction("vision", cut.layer, units * v.merge, cut.remove * v.merge, where, cut.added))
+            if where == "after_projector":
+                projected_visual = arch.llm_visual_tokens(units)
+            units += cut.added - cut.remove
     llm_visual = arch.llm_visual_tokens(units)
     seq = text + llm_visual
     visual = llm_visual
@@ -288,7 +310,7 @@ def plan_tokens(arch: Architecture, schedule: Schedule, *, text_tokens: int | No
     return TokenPlan(
         vision=tuple(vision), llm=tuple(llm), vision_items=v.items, llm_visual_tokens=llm_visual,
         visual_tokens=visual, text_tokens=text, reductions=tuple(reductions), equivalent=equivalent,
-        llm_visual=tuple(llm_vis),
+        llm_visual=tuple(llm_vis), projected_visual_tokens=projected_visual, variant=schedule.variant,
     )
 
 

@@ -35,7 +35,8 @@ from typing import Any
 from ficoco.errors import FicocoError
 
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
-PLACEMENTS = ("in_layer", "layer_input")
+PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector")
+STAGES = ("vision", "llm")
 POSITION_SCHEMES = ("original", "compact", "grid")
 NEED_KINDS = ("attention_rows", "query_key", "keys", "hidden", "input_embeddings")
 
@@ -72,22 +73,30 @@ class Need:
 
 @dataclass(frozen=True)
 class Step:
-    """One change of the LLM's visual-token count.
+    """One change of the visual-token count, in the LLM or (``stage="vision"``) per tower item.
 
     ``where="layer_input"``: before decoder layer ``layer`` runs, ``remove`` visual tokens
     leave and ``added`` new ones (SparseVLM's recycled clusters) join, so layer ``layer`` and
     every later one see the new count. ``where="in_layer"``: inside layer ``layer``, after its
-    attention and before its MLP (FiCoCo-L).
+    attention and before its MLP (FiCoCo-L; ToMe and FiCoCo-V in a vision layer).
+
+    Vision steps count patches (units) of one item - an image, a crop, a frame - and ``layer``
+    is a tower layer: ``"in_layer"`` (ToMe), ``"tower_output"`` (after the layer the projector
+    reads, before the projector: VisionZip, PruMerge+; ``added`` are their merged tokens) or
+    ``"after_projector"`` (the projector maps every patch, then ``remove`` leave: FasterVLM).
     """
 
     layer: int
     remove: int
     added: int = 0
     where: str = "layer_input"
+    stage: str = "llm"
 
     def __post_init__(self) -> None:
         if self.where not in PLACEMENTS:
             raise ValueError(f"unknown step placement {self.where!r}")
+        if self.stage not in STAGES:
+            raise ValueError(f"unknown step stage {self.stage!r}")
         if self.remove < 0 or self.added < 0 or self.layer < 0:
             raise ValueError(f"a step's layer and counts are not negative: {self}")
 
@@ -105,16 +114,18 @@ class Dims:
 
 @dataclass(frozen=True)
 class StepContext:
-    """What one step's extra cost depends on (per sample; the accountant multiplies by batch).
+    """What one step's extra cost depends on (per sample, or per tower item for a vision step;
+    the accountant multiplies by batch, and by the items of a sample).
 
     Attributes:
         step: the step.
         index: its 0-based order among the method's steps.
-        seq_before: sequence length entering the step's layer before the step.
-        visual_before: visual tokens before the step.
-        visual_initial: visual tokens the LLM received.
+        seq_before: sequence length entering the step's layer before the step (a vision step:
+            the item's tower tokens, [CLS] included, entering the step).
+        visual_before: visual tokens (a vision step: patches of the item) before the step.
+        visual_initial: visual tokens the LLM received (a vision step: the item's patches).
         suffix_tokens: text tokens after the visual span.
-        dims: decoder widths.
+        dims: decoder widths (a vision step: the tower's, ``kv_heads == heads``).
         settings: the method's settings (as `steps` received them).
     """
 
@@ -140,6 +151,11 @@ class MethodSpec:
     removal schedules (layer:removed per reducing layer, budgets by bisection) the accountant
     has always planned itself (ficoco.accounting.schedule); every other method plans through
     them.
+
+    A method that acts before the LLM (`acts_at` ``vision_layer`` or ``after_projector``)
+    counts per tower item: its `steps` and `settings_for_keep` receive the patches (units) of
+    one item and the tower layers up to the one the projector reads, and return vision steps.
+    `cls_note` says what such a method uses in place of [CLS] attention on towers without one.
     """
 
     name: str
@@ -161,6 +177,12 @@ class MethodSpec:
     keep_choices: tuple[int, ...] | None = None  # keeps a budget search may pick (None: any)
     extra_macs: Callable[[StepContext], ExtraMacs] | None = None
     wired: bool = False  # whether the model adapters run it yet
+    cls_note: str = ""  # towers without [CLS] (Qwen2-VL): what replaces the [CLS] attention
+
+    @property
+    def per_item(self) -> bool:
+        """True for methods that count patches of one tower item (they act before the LLM)."""
+        return self.acts_at != "llm_layer"
 
     def __post_init__(self) -> None:
         if self.acts_at not in ACTS_AT:
@@ -200,6 +222,6 @@ class MethodSpec:
             "name": self.name, "title": self.title, "acts_at": self.acts_at, "placement": self.placement,
             "positions": self.positions, "needs": [n.to_json() for n in self.needs],
             "hyperparameters": dict(self.hyperparameters), "families": list(self.families),
-            "keep_means": self.keep_means,
+            "keep_means": self.keep_means, "cls_note": self.cls_note,
             "source": self.source, "summary": self.summary, "wired": self.wired,
         }

@@ -227,8 +227,160 @@ def _dart_extra(ctx: StepContext) -> ExtraMacs:
     return [(ctx.step.layer - 1, "dart_pivot_similarity", pivots * ctx.visual_before * ctx.dims.hidden)]
 
 
+# ---- ToMe (in every CLIP layer up to the one the projector reads) -----------------------------------------------
+
+def tome_rates(units: int, merged: int, layers: int) -> tuple[int, ...]:
+    """ToMe's per-layer r: `merged` patches over `layers` layers, the same r per layer with the extra
+    ones in the earliest layers (16x17 + 7x16 for 576 -> 192 over 23 layers), each at most half of
+    the layer's patches (the bipartite split). Raises when no such schedule merges `merged`."""
+    rates: list[int] = []
+    current, left = units, merged
+    for layer in range(layers):
+        r = min(-(-left // (layers - layer)), current // 2)
+        rates.append(r)
+        current, left = current - r, left - r
+    if left:
+        raise FicocoError(f"ToMe cannot merge {merged} of {units} patches in {layers} layers merging at most half "
+                          f"of a layer's tokens each (evenly spread, {merged - left} merge)")
+    return tuple(rates)
+
+
+def _tome_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    rates = tuple(settings["rates"])
+    if len(rates) > n_layers:
+        raise FicocoError(f"ToMe: {len(rates)} layer rates for a tower whose projector reads layer {n_layers - 1}")
+    steps, current = [], n_visual
+    for layer, r in enumerate(rates):
+        if r > current // 2:
+            raise FicocoError(f"ToMe: layer {layer} merges {r} of {current} patches; at most half can merge")
+        if r:
+            steps.append(Step(layer, r, 0, "in_layer", "vision"))
+        current -= r
+    return tuple(steps)
+
+
+def _tome_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+    if keep is None:  # a constant r in every layer (ToMe's own parse_r for an int; LightCompress's r=16)
+        rates, current = [], n_visual
+        for _ in range(n_layers):
+            rates.append(min(hp["r"], current // 2))
+            current -= rates[-1]
+    else:
+        _check_keep("ToMe", keep, n_visual)
+        rates = list(tome_rates(n_visual, n_visual - keep, n_layers))
+    return {"rates": rates, "prop_attn": hp["prop_attn"], "order": hp["order"]}
+
+
+def _tome_extra(ctx: StepContext) -> ExtraMacs:
+    tokens = ctx.seq_before
+    # Cosine scores of the A half (even positions) against the B half, head-mean keys (head_dim wide).
+    return [(ctx.step.layer, "tome_vision_matching", ((tokens + 1) // 2) * (tokens // 2) * ctx.dims.head_dim)]
+
+
+# ---- VisionZip (dominant + contextual tokens at the tower's output) -----------------------------------------------
+
+# dominant + contextual of the literature's rows (LightCompress visionzip.yml; README 54 + 10).
+VISIONZIP_SPLITS = {192: (162, 30), 128: (108, 20), 64: (54, 10)}
+
+
+def visionzip_split(keep: int) -> tuple[int, int]:
+    """(dominant, contextual) for `keep` tokens: the published splits, else the same 27:5 ratio."""
+    if keep in VISIONZIP_SPLITS:
+        return VISIONZIP_SPLITS[keep]
+    contextual = round(keep * 5 / 32)
+    return keep - contextual, contextual
+
+
+def _visionzip_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    dominant, contextual = settings["dominant"], settings["contextual"]
+    if dominant < 1 or contextual < 0 or dominant + contextual > n_visual:
+        raise FicocoError(f"VisionZip: {dominant} dominant + {contextual} contextual tokens do not fit the "
+                          f"{n_visual} patches of an item (at least one dominant)")
+    if contextual and n_visual - dominant < contextual:
+        raise FicocoError(f"VisionZip: {contextual} contextual tokens need as many patches left after "
+                          f"{dominant} dominant ones")
+    removed = n_visual - dominant
+    if removed == contextual:  # every remaining patch is a target: nothing merges, the tokens are all kept
+        return ()
+    return (Step(n_layers - 1, removed, contextual, "tower_output", "vision"),)
+
+
+def _visionzip_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+    if keep is None:
+        dominant, contextual = hp["dominant"], hp["contextual"]
+    else:
+        _check_keep("VisionZip", keep, n_visual)
+        dominant, contextual = visionzip_split(keep)
+    return {"dominant": dominant, "contextual": contextual, "contextual_mode": hp["contextual_mode"]}
+
+
+def _visionzip_extra(ctx: StepContext) -> ExtraMacs:
+    d, s = ctx.dims, ctx.settings
+    remaining = ctx.visual_before - s["dominant"]
+    return [(ctx.step.layer, "visionzip_vision_cls_row", d.heads * d.head_dim * ctx.seq_before),
+            # Cosine of every non-target remaining patch with every target, head-mean keys.
+            (ctx.step.layer, "visionzip_vision_contextual_similarity",
+             (remaining - s["contextual"]) * s["contextual"] * d.head_dim)]
+
+
+# ---- FasterVLM ([CLS] attention top-k after the projector) --------------------------------------------------------
+
+def _fastervlm_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    keep = settings["keep"]
+    _check_keep("FasterVLM", keep, n_visual)
+    return (Step(n_layers - 1, n_visual - keep, 0, "after_projector", "vision"),) if keep < n_visual else ()
+
+
+def _fastervlm_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+    if keep is None:  # the paper's 75 % row (144 of 576)
+        keep = max(1, round(n_visual * (1 - hp["ratio"])))
+    _check_keep("FasterVLM", keep, n_visual)
+    return {"keep": keep}
+
+
+def _fastervlm_extra(ctx: StepContext) -> ExtraMacs:
+    d = ctx.dims
+    return [(ctx.step.layer, "fastervlm_vision_cls_row", d.heads * d.head_dim * ctx.seq_before)]
+
+
+# ---- PruMerge+ (IQR outliers + spatial samples, merged by key similarity) -----------------------------------------
+
+def _prumerge_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    tokens = settings["tokens"]
+    if not 2 <= tokens <= n_visual + 1:
+        raise FicocoError(f"PruMerge+ hands the LLM 2..{n_visual + 1} tokens per item (kept patches and one extra "
+                          f"token); got {tokens}")
+    kept = tokens - 1
+    # The kept patches absorb their neighbours; the extra token sums the patches that were not kept.
+    return (Step(n_layers - 1, n_visual - kept, 1, "tower_output", "vision"),)
+
+
+def _prumerge_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+    if keep is None:
+        # Adaptive: the count depends on each image and is measured at run time; the plan assumes
+        # `assumed_tokens` (about 144 on LLaVA-1.5, BASELINES.md's unverified recollection).
+        tokens = min(hp["assumed_tokens"], n_visual + 1)
+        return {"adaptive": True, "tokens": tokens, "neighbours": hp["neighbours"], "attention": hp["attention"]}
+    if not 2 <= keep <= n_visual + 1:
+        raise FicocoError(f"PruMerge+ hands the LLM 2..{n_visual + 1} tokens per item; --keep {keep} is outside")
+    return {"adaptive": False, "tokens": keep, "neighbours": hp["neighbours"], "attention": hp["attention"]}
+
+
+def _prumerge_extra(ctx: StepContext) -> ExtraMacs:
+    d, s = ctx.dims, ctx.settings
+    kept = s["tokens"] - 1
+    layer = ctx.step.layer
+    return [(layer, "prumerge_vision_cls_row", d.hidden * ctx.seq_before),
+            (layer, "prumerge_vision_key_similarity", kept * ctx.visual_before * d.hidden),
+            (layer, "prumerge_vision_neighbour_sums", kept * min(s["neighbours"], ctx.visual_before - 1) * d.hidden),
+            (layer, "prumerge_vision_extra_token", ctx.visual_before * d.hidden)]
+
+
 # ---- the registry --------------------------------------------------------------------------------------------------
 
+_PER_ITEM = "visual tokens per image, crop or frame that reach the LLM"
+_EQUIVALENT = ("towers without [CLS] (Qwen2-VL): FiCoCo's equivalent token (-cos of each patch's head-mean key to "
+               "their mean) scores the patches in place of the [CLS] attention, averaged over each 2x2 merge group")
 _LAST_ROW = "the last prompt token (left padding puts it at T - 1 in every sample)"
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
@@ -300,6 +452,57 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         source="ZichenWen1/DART (README, code copy)", summary="keep pivots and the tokens least similar to them",
         keep_means="max_num_trunction (4 image pivots + 8 x N // 8 tokens stay)",
         steps=_dart_steps, settings_for_keep=_dart_for_keep, extra_macs=_dart_extra,
+    ),
+    MethodSpec(
+        name="tome", title="ToMe", acts_at="vision_layer", placement="in_layer", positions="grid",
+        needs=(Need("keys", "vision L", "all", "head-mean key states of the layer's attention (the matching metric)"),
+               Need("hidden", "vision L", "all", "after the attention residual, before the MLP; the token sizes "
+                    "carried from layer to layer add log(size) to every key's logits (proportional attention)")),
+        hyperparameters={"r": 16, "prop_attn": True, "order": "spatial"},
+        families=LLAVA_FAMILIES, module="ficoco.methods.tome", function="tome_merge",
+        source="facebookresearch/ToMe af95e4b",
+        summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
+        keep_means=_PER_ITEM,
+        steps=_tome_steps, settings_for_keep=_tome_for_keep, extra_macs=_tome_extra,
+    ),
+    MethodSpec(
+        name="visionzip", title="VisionZip", acts_at="vision_layer", placement="tower_output", positions="grid",
+        needs=(Need("attention_rows", "vision L", "cls", "the [CLS] query's softmax over every key of the layer the "
+                    "projector reads, per head (q_cls from q_proj, K from k_proj)"),
+               Need("keys", "vision L", "all", "head-mean key states of that layer (the contextual merge metric)"),
+               Need("hidden", "vision L", "all", "that layer's output, the projector's input")),
+        hyperparameters={"dominant": 54, "contextual": 10, "contextual_mode": "mean"},
+        families=ALL_FAMILIES, module="ficoco.methods.visionzip", function="visionzip_reduce",
+        source="dvlab-research/VisionZip 3151f6d",
+        summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",
+        keep_means=_PER_ITEM + " (dominant + contextual: 162+30, 108+20, 54+10)", cls_note=_EQUIVALENT,
+        steps=_visionzip_steps, settings_for_keep=_visionzip_for_keep, extra_macs=_visionzip_extra,
+    ),
+    MethodSpec(
+        name="fastervlm", title="FasterVLM", acts_at="after_projector", placement="after_projector",
+        positions="grid",
+        needs=(Need("attention_rows", "vision L", "cls", "the [CLS] query's softmax over every key of the layer the "
+                    "projector reads, head mean"),
+               Need("hidden", "projector", "all", "the projector's output, every patch")),
+        hyperparameters={"ratio": 0.75},
+        families=ALL_FAMILIES, module="ficoco.methods.fastervlm", function="fastervlm_reduce",
+        source="Theia-4869/FasterVLM f5d5f12",
+        summary="keep the projected patches [CLS] attends to most, in image order",
+        keep_means=_PER_ITEM, cls_note=_EQUIVALENT,
+        steps=_fastervlm_steps, settings_for_keep=_fastervlm_for_keep, extra_macs=_fastervlm_extra,
+    ),
+    MethodSpec(
+        name="prumerge", title="PruMerge+", acts_at="vision_layer", placement="tower_output", positions="grid",
+        needs=(Need("query_key", "vision last", "cls", "the last tower layer's q_proj (the [CLS] row) and k_proj "
+                    "(every row) outputs: the [CLS] attention and the full-width merge keys"),
+               Need("hidden", "vision L", "all", "the output of the layer the projector reads")),
+        hyperparameters={"assumed_tokens": 144, "neighbours": 32, "attention": "heads"},
+        families=LLAVA_FAMILIES, module="ficoco.methods.prumerge", function="prumerge_reduce",
+        source="42Shawn/LLaVA-PruMerge 097c041",
+        summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
+        keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without --keep "
+                   "the count is adaptive, planned at assumed_tokens and measured at run time)",
+        steps=_prumerge_steps, settings_for_keep=_prumerge_for_keep, extra_macs=_prumerge_extra,
     ),
 )}
 

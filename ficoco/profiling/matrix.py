@@ -272,6 +272,8 @@ def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardwar
     return {"tflops": cost.tflops, "tflops_by_stage": cost.tflops_by_stage, **kv_stored,
             "weight_bytes": weights, "visual_tokens": cost.plan.visual_tokens,
             "llm_visual_tokens": cost.plan.llm_visual_tokens,
+            "layer_average_visual_tokens": cost.plan.layer_average_visual_tokens,
+            "method_tflops": cost.method_tflops,
             "roofline_ms": cost.roofline_s * 1e3 if cost.roofline_s is not None else None,
             "convention": "flops", "scope": "all", "lm_head_tokens": "last"}
 
