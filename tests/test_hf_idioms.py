@@ -427,28 +427,206 @@ def test_v_output_attentions_under_eager_cover_every_decoder_layer(models: Any) 
 
 # -- line 5: multi-turn; caches and attention implementations the patches cannot serve ------------
 
-def second_turn(model: nn.Module, first: Tensor, seed: int) -> dict[str, Tensor]:
-    """The conversation so far, then a new user turn with a new image (LLaVA-1.5 layout)."""
+IMAGE_INPUTS = ("pixel_values", "image_sizes", "image_grid_thw")
+
+
+def second_turn(model: nn.Module, first: Tensor, seed: int, every_grid: Tensor | None = None) -> dict[str, Tensor]:
+    """The conversation so far (`first`: the first turn's prompt and answer), then a new user turn
+    with a new image, as HF users continue a chat on a cache: the whole conversation's input_ids,
+    the new turn's image inputs (Qwen2-VL: `every_grid`, the earlier images' image_grid_thw, come
+    first when given, as transformers' own 3-D positions want every image's grid)."""
     turn = inputs(model, batch=first.shape[0], seed=seed)
-    ids = torch.cat([first, turn["input_ids"][:, 1:]], dim=1)  # no second BOS
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": turn["pixel_values"]}
+    qwen = model.config.model_type == "qwen2_vl"
+    ids = torch.cat([first, turn["input_ids"][:, 0 if qwen else 1:]], dim=1)  # no second BOS
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    out.update({key: turn[key] for key in IMAGE_INPUTS if key in turn})
+    if qwen:
+        out["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+        if every_grid is not None:
+            out["image_grid_thw"] = interleave(every_grid, turn["image_grid_thw"])
+    return out
 
 
-def test_v_second_turn_with_a_new_image_on_the_first_turns_cache(models: Any) -> None:
-    model = models("llava-tiny")
-    first = inputs(model, seed=18)
-    with ficoco.apply(model, "v", keep=8):
+def interleave(earlier: Tensor, later: Tensor) -> Tensor:
+    """Per-image rows of two turns (one image per sample each) in the sample-major order of one
+    prompt holding both: sample 0's earlier and later image, then sample 1's, ..."""
+    return torch.stack([earlier, later], dim=1).flatten(0, 1)
+
+
+def whole_conversation(model: nn.Module, conversation: dict[str, Tensor], first: dict[str, Tensor]
+                       ) -> dict[str, Tensor]:
+    """The same conversation as one prompt without a cache: both turns' images in the call."""
+    batch = conversation["input_ids"].shape[0]
+    whole = dict(conversation)
+    for key in IMAGE_INPUTS:
+        if key not in first:
+            continue
+        earlier, new = first[key], conversation[key]
+        if key == "image_grid_thw" and new.shape[0] == 2 * batch:  # every image's grid already
+            continue
+        if key == "pixel_values" and model.config.model_type == "qwen2_vl":  # patch rows, per sample
+            whole[key] = torch.cat([earlier.view(batch, -1, earlier.shape[-1]),
+                                    new.view(batch, -1, new.shape[-1])], dim=1).flatten(0, 1)
+        else:
+            whole[key] = interleave(earlier, new)
+    return whole
+
+
+def encoded_beforehand(model: nn.Module, conversation: dict[str, Tensor], turn_grid: Tensor) -> dict[str, Tensor]:
+    """Unpatched Qwen2-VL's form of a new image on a cache: the new images encoded beforehand
+    (with their own grids) and every image's grid."""
+    out = dict(conversation)
+    out["mm_encoder_outputs"] = {"image": model.model.get_image_features(out.pop("pixel_values"), turn_grid,
+                                                                         return_dict=True)}
+    return out
+
+
+V_TURNS = ["llava-tiny", "llava-next-tiny", "qwen2-vl-tiny"]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", V_TURNS)
+def test_v_second_turn_with_a_new_image_on_the_first_turns_cache(models: Any, name: str, batch: int) -> None:
+    """generate with the whole conversation's input_ids on the first turn's cache gives the tokens
+    of the whole conversation run as one prompt (V shortens every image alike, wherever it is);
+    Qwen2-VL with this turn's grids and with every image's grids."""
+    model = models(name)
+    first = inputs(model, batch=batch, seed=18)
+    grids = [None, first.get("image_grid_thw")] if name == "qwen2-vl-tiny" else [None]
+    with ficoco.apply(model, "v", keep=KEEP[name]):
+        for every_grid in grids:
+            turn1 = model.generate(**first, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                   return_dict_in_generate=True)
+            nxt = second_turn(model, turn1.sequences, seed=19, every_grid=every_grid)
+            turn2 = model.generate(**nxt, past_key_values=turn1.past_key_values, max_new_tokens=NEW,
+                                   min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+            # Reference without a cache: the whole conversation, both images, in one prompt.
+            whole = model.generate(**whole_conversation(model, nxt, first), max_new_tokens=NEW, min_new_tokens=NEW,
+                                   do_sample=False, return_dict_in_generate=True)
+            length = nxt["input_ids"].shape[1]
+            assert torch.equal(turn2.sequences[:, :length], nxt["input_ids"])
+            assert torch.equal(turn2.sequences[:, length:], whole.sequences[:, length:])
+            # The cache holds the shortened conversation, as long as the one prompt's.
+            assert turn2.past_key_values.get_seq_length() == whole.past_key_values.get_seq_length()
+
+
+@pytest.mark.parametrize("name", V_TURNS)
+def test_v_text_turn_on_the_cache_of_an_image_turn_runs_only_what_follows(models: Any, name: str) -> None:
+    """A second turn without an image: generate with the whole conversation's input_ids on the
+    first turn's cache runs only what the cache lacks (the cache ends as long as the one prompt's)
+    and gives the one prompt's tokens."""
+    model = models(name)
+    first = inputs(model, seed=36)
+    question = inputs(model, seed=37)["input_ids"][:, -4:]  # text of the second turn
+    with ficoco.apply(model, "v", keep=KEEP[name]):
         turn1 = model.generate(**first, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                                return_dict_in_generate=True)
-        nxt = second_turn(model, turn1.sequences, seed=19)
+        ids = torch.cat([turn1.sequences, question], dim=1)
+        nxt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if name == "qwen2-vl-tiny":
+            nxt["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
         turn2 = model.generate(**nxt, past_key_values=turn1.past_key_values, max_new_tokens=NEW,
-                               min_new_tokens=NEW, do_sample=False)
-        # Reference without a cache: the whole conversation, both images, in one prompt.
-        both = dict(nxt, pixel_values=torch.cat([first["pixel_values"], nxt["pixel_values"]]))
-        whole = model.generate(**both, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+                               min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+        images = {key: first[key] for key in IMAGE_INPUTS if key in first}
+        whole = model.generate(**nxt, **images, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                               return_dict_in_generate=True)
+    assert torch.equal(turn2.sequences[:, :ids.shape[1]], ids)
+    assert torch.equal(turn2.sequences, whole.sequences)
+    assert turn2.past_key_values.get_seq_length() == whole.past_key_values.get_seq_length()
+
+
+@pytest.mark.parametrize("name", V_TURNS)
+def test_v_second_turn_forward_on_the_cache_equals_the_one_prompt(models: Any, name: str) -> None:
+    """A plain forward of what follows the cache (the first answer's last token and the new turn),
+    with the new image, gives the one prompt's logits at the same positions; output_positions
+    point into the call's own input_ids; the mask may cover the cache too (HF's convention)."""
+    model = models(name)
+    first = inputs(model, seed=30)
+    with ficoco.apply(model, "v", keep=KEEP[name]) as handle:
+        turns = [model.generate(**first, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                return_dict_in_generate=True) for _ in range(2)]
+        nxt = second_turn(model, turns[0].sequences, seed=31)
+        # Run after the first turns: each turn continues on its own cache, whatever ran since.
+        one = model(**whole_conversation(model, nxt, first))
+        one_positions = handle.output_positions
+        past = turns[0].past_key_values.get_seq_length()
+        after = nxt["input_ids"].shape[1] - (turns[0].sequences.shape[1] - 1)  # what the cache lacks
+        call = {key: value[:, -after:] if key in ("input_ids", "mm_token_type_ids") else value
+                for key, value in nxt.items() if key != "attention_mask"}
+        for turn1, mask in zip(turns, (None, torch.ones(1, past + after, dtype=torch.long)), strict=True):
+            cache = turn1.past_key_values
+            out = model(**call, past_key_values=cache, use_cache=True,
+                        **({} if mask is None else {"attention_mask": mask}))
+            kept = out.logits.shape[1]
+            torch.testing.assert_close(out.logits, one.logits[:, -kept:], atol=1e-5, rtol=1e-5)
+            assert cache.get_seq_length() == one.logits.shape[1] == past + kept
+            start = nxt["input_ids"].shape[1] - after
+            assert torch.equal(handle.output_positions + start, one_positions[:, -kept:])
+
+
+@pytest.mark.parametrize("name", V_TURNS)
+def test_v_second_turn_with_an_empty_schedule_is_the_unpatched_conversation(models: Any, name: str) -> None:
+    model = models(name)
+    first = inputs(model, seed=32)
+    every_grid = first.get("image_grid_thw")
+
+    def conversation(vanilla: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+        turn1 = model.generate(**first, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                               return_dict_in_generate=True)
+        nxt = second_turn(model, turn1.sequences, seed=33, every_grid=every_grid)
+        call = nxt
+        if vanilla and every_grid is not None:
+            call = encoded_beforehand(model, nxt, inputs(model, seed=33)["image_grid_thw"])
+        return model.generate(**call, past_key_values=turn1.past_key_values, max_new_tokens=NEW,
+                              min_new_tokens=NEW, do_sample=False), nxt
+
+    with ficoco.apply(model, "v", schedule={}):
+        empty, nxt = conversation()
+    assert torch.equal(empty, conversation(vanilla=True)[0])
+    whole = model.generate(**whole_conversation(model, nxt, first), max_new_tokens=NEW, min_new_tokens=NEW,
+                           do_sample=False)
+    assert torch.equal(empty, whole)
+
+
+def test_l_second_turn_on_qwen2_vl_takes_every_images_grid_as_transformers_does(models: Any) -> None:
+    """Unpatched Qwen2-VL computes a later turn's 3-D positions over the whole conversation, from
+    every image's grid, and takes the new images encoded beforehand. FiCoCo-L takes that form,
+    and this turn's pixel_values with every image's grid; this turn's grid alone is refused at
+    the call. Empty schedule: the unpatched conversation; with a reduction, every layer's cache
+    holds what it kept of both turns."""
+    model = models("qwen2-vl-tiny")
+    first = inputs(model, seed=34)
+    turn_grid = inputs(model, seed=35)["image_grid_thw"]
+    every_grid = first["image_grid_thw"]
+    run = {"max_new_tokens": NEW, "min_new_tokens": NEW, "do_sample": False}
+
+    def turns(encode: bool) -> tuple[Any, dict[str, Tensor], Tensor]:
+        turn1 = model.generate(**first, **run, return_dict_in_generate=True)
+        nxt = second_turn(model, turn1.sequences, seed=35, every_grid=every_grid)
+        call = encoded_beforehand(model, nxt, turn_grid) if encode else nxt
+        return turn1, nxt, model.generate(**call, past_key_values=turn1.past_key_values, **run)
+
+    vanilla = turns(encode=True)[2]
+    with ficoco.apply(model, "l", schedule={}):
+        assert torch.equal(turns(encode=False)[2], vanilla)
+        assert torch.equal(turns(encode=True)[2], vanilla)
+    with ficoco.apply(model, "l", schedule={1: 4}) as handle:
+        turn1, nxt, reduced = turns(encode=False)
+        cache = turn1.past_key_values
+        after = [cache.get_seq_length(i) for i in range(DECODER_LAYERS)]
+        records = handle.records
+        assert torch.equal(turns(encode=True)[2], reduced)
+        this_turn_only = dict(nxt, image_grid_thw=turn_grid)
+        turn1 = model.generate(**first, **run, return_dict_in_generate=True)
+        with pytest.raises(FicocoError, match="every image's grid") as info:
+            model.generate(**this_turn_only, past_key_values=turn1.past_key_values, **run)
+        assert "\n" not in str(info.value)
     length = nxt["input_ids"].shape[1]
-    assert torch.equal(turn2[:, :length], nxt["input_ids"])
-    assert torch.equal(turn2[:, length:], whole[:, length:])
+    assert torch.equal(reduced[:, :length], nxt["input_ids"])
+    # Layers up to the reducing one hold the whole conversation; later ones 4 fewer tokens per image.
+    full = length + NEW - 1
+    assert after == [full, full, full - 8, full - 8]
+    assert [r.layer for r in records] == [1]
 
 
 def test_l_second_turn_with_a_new_image_on_the_first_turns_cache(models: Any) -> None:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from ficoco.errors import FicocoError
 from ficoco.models.inputs import PREFIX_TOKENS, place_inputs
 from ficoco.models.llava import LlavaAdapter
-from ficoco.models.patching import LanguageState, Patches
+from ficoco.models.patching import LanguageState, Patches, span_lengths
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -259,26 +259,42 @@ class LlavaNextAdapter(LlavaAdapter):
     def kept_token_index(self, input_ids: Tensor, keep: int) -> Tensor | None:
         """(B, T') the positions FiCoCo-V's shortened prompt keeps: the first placeholders of every
         image span, as many as the image's reduced count (items x kept patches + its newline rows;
-        `keep` is that count at the profile's image size). None without placeholders."""
+        `keep` is that count at the profile's image size). None without placeholders.
+
+        The call's image_sizes give the layouts of its own images, the last spans of every sample.
+        Spans before them belong to earlier turns of a conversation, whose images came in earlier
+        calls (their shortened form is in the cache): each one's layout follows from its length
+        (`earlier_span_layout`). One host synchronisation (the span lengths)."""
         is_image = input_ids == self.image_token_id
         if not bool(is_image.any()):
             return None
         if self.kept_per_item is None:
             raise RuntimeError("FiCoCo-V on LLaVA-NeXT shortens prompts only after patch_vision")
         layouts = self._layouts_of_call("FiCoCo-V")
-        full = torch.tensor([layout.tokens for layout in layouts])
-        reduced = torch.tensor([layout.reduced_tokens(self.kept_per_item) for layout in layouts])
-        total = int(is_image.sum())
-        if total != int(full.sum()):
-            raise FicocoError(f"the input holds {total} image placeholders, but its {len(layouts)} image(s) "
-                              f"of image_sizes {self._sizes_of_call()} need {int(full.sum())}")
+        batch = input_ids.shape[0]
+        spans = span_lengths(is_image)
+        if len(layouts) % batch or any(len(row) < len(layouts) // batch for row in spans):
+            raise FicocoError(f"the input holds image spans of {spans} image placeholders, but image_sizes gives "
+                              f"{len(layouts)} image(s) for {batch} sample(s): give every sample's images")
+        own = len(layouts) // batch
+        full, reduced = [], []
+        for b, row in enumerate(spans):
+            span_layouts = [self.earlier_span_layout(tokens) for tokens in row[:len(row) - own]]
+            span_layouts += layouts[b * own:(b + 1) * own]
+            expected = [layout.tokens for layout in span_layouts]
+            if row != expected:
+                raise FicocoError(f"the input's image spans hold {row} image placeholders, but its images "
+                                  f"(image_sizes {self._sizes_of_call()}, earlier turns' first) need {expected}")
+            full += expected
+            reduced += [layout.reduced_tokens(self.kept_per_item) for layout in span_layouts]
+        full_t, reduced_t = torch.tensor(full), torch.tensor(reduced)
         # Placeholders are consumed in row-major order (masked_scatter): the k-th one overall
-        # belongs to the image whose cumulative count first exceeds k.
+        # belongs to the span whose cumulative count first exceeds k.
         rank = torch.cumsum(is_image.flatten().long(), 0).view_as(input_ids) - 1
-        ends = torch.cumsum(full, 0).to(input_ids.device)
-        image = torch.bucketize(rank, ends, right=True).clamp(max=len(layouts) - 1)
-        starts = (ends - full.to(ends.device))[image]
-        drop = is_image & (rank - starts >= reduced.to(ends.device)[image])
+        ends = torch.cumsum(full_t, 0).to(input_ids.device)
+        image = torch.bucketize(rank, ends, right=True).clamp(max=len(full) - 1)
+        starts = (ends - full_t.to(ends.device))[image]
+        drop = is_image & (rank - starts >= reduced_t.to(ends.device)[image])
         kept = ~drop
         lengths = kept.sum(dim=1)
         if not bool((lengths == lengths[0]).all()):
@@ -287,6 +303,21 @@ class LlavaNextAdapter(LlavaAdapter):
         length = int(lengths[0])
         # A stable sort of the drop flags lists the kept positions first, in order.
         return torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :length]
+
+    def earlier_span_layout(self, tokens: int) -> ImageLayout:
+        """The layout of an image of an earlier turn, from its span's `tokens` placeholders: the
+        AnyRes grid (one of the config's pinpoints) whose unpadded span has that many (FiCoCo-V
+        serves images whose unpadding drops nothing, so the span is the whole grid)."""
+        candidates = {}
+        for height, width in self.model.config.image_grid_pinpoints:
+            layout = self.layout((height, width))
+            if layout.tokens == tokens and not layout.unpadding_drops:
+                candidates[layout.reduced_tokens(self.kept_per_item)] = layout
+        if len(candidates) != 1:
+            what = "no AnyRes grid" if not candidates else "several AnyRes grids"
+            raise FicocoError(f"an earlier turn's image span of {tokens} placeholders matches {what} of this model, "
+                              "so FiCoCo-V cannot tell how many the cache holds; run the conversation in one prompt")
+        return next(iter(candidates.values()))
 
     # -- FiCoCo-L ---------------------------------------------------------------------------
     def language_state(self, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,
@@ -343,7 +374,12 @@ class LlavaNextAdapter(LlavaAdapter):
 
         @functools.wraps(inner_generate)
         def generate(*args: Any, **kwargs: Any) -> Any:
-            return with_sizes(kwargs.get("image_sizes"), inner_generate, *args, **kwargs)
+            sizes = kwargs.get("image_sizes")
+            if sizes is None and kwargs.get("pixel_values") is None:
+                # No images in this call: every span of the prompt is an earlier turn's (a text turn
+                # of a conversation on its cache).
+                sizes = torch.zeros(0, 2, dtype=torch.long)
+            return with_sizes(sizes, inner_generate, *args, **kwargs)
 
         patches.set(model, "forward", forward)
         patches.set(model, "generate", generate)

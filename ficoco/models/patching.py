@@ -52,6 +52,19 @@ def gather_rows(x: Tensor | None, index: Tensor, dim: int) -> Tensor | None:
     return torch.gather(x, dim, index.view(view).expand(sizes))
 
 
+def span_lengths(is_placeholder: Tensor) -> list[list[int]]:
+    """Per sample, the lengths of its runs of placeholders, in reading order (one host copy)."""
+    pad = torch.nn.functional.pad
+    starts = is_placeholder & ~pad(is_placeholder[:, :-1], (1, 0), value=False)
+    ends = is_placeholder & ~pad(is_placeholder[:, 1:], (0, 1), value=False)
+    first, last = starts.nonzero(), ends.nonzero()  # row-major: the same spans in the same order
+    rows: list[list[int]] = [[] for _ in range(is_placeholder.shape[0])]
+    samples, lengths = torch.stack([first[:, 0], last[:, 1] - first[:, 1] + 1]).tolist()
+    for sample, length in zip(samples, lengths, strict=True):
+        rows[sample].append(length)
+    return rows
+
+
 @dataclass
 class LanguageState:
     """FiCoCo-L bookkeeping for one prefill and the decode steps that follow it.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,7 +51,7 @@ from ficoco.models.llava import (
     restore_prompt,
     wants_dict,
 )
-from ficoco.models.patching import Patches
+from ficoco.models.patching import Patches, span_lengths
 from ficoco.profiles import FAMILY_DEFAULTS
 from ficoco.reduction import VReduction, equivalent_token_redundancy, reduce_v
 
@@ -199,6 +200,10 @@ class Qwen2VLAdapter(LlavaAdapter):
         self.merge_size = config.vision_config.spatial_merge_size
         self.merge = self.merge_size**2
         self._tower: _TowerPass | None = None
+        self.removed_per_image = 0  # FiCoCo-V: merge groups (placeholders) every image loses
+        # FiCoCo-V: the rope_deltas of the prefill that filled each cache, for the next turn on it
+        # (the model's own rope_deltas are the last prefill's, of whichever conversation).
+        self.turn_deltas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def stage_modules(self) -> dict[str, nn.Module]:
         """The accountant's stages; the projector (PatchMerger) sits inside the vision tower."""
@@ -223,6 +228,7 @@ class Qwen2VLAdapter(LlavaAdapter):
 
         patches.set(visual, "forward", tower_forward)
         patches.on_undo(lambda: setattr(self, "_tower", None))
+        self.removed_per_image = sum(removed.values())
         first = min(removed) if removed else len(self.vision_layers)
         for layer_idx in range(first, len(self.vision_layers)):
             layer = self.vision_layers[layer_idx]
@@ -390,11 +396,159 @@ class Qwen2VLAdapter(LlavaAdapter):
         }
         return short, deltas.to(device) + removed, kept_index
 
+    def cached_part(self, is_image: Tensor, past: int) -> tuple[Tensor, int]:
+        """Where a whole conversation (`is_image` its placeholders) continues after the `past`
+        tokens a FiCoCo-V cache holds of it: (B, T') the positions of the conversation as this
+        handle shortens it (every image span loses its last `removed_per_image` placeholders;
+        the ids are all the placeholder's, whichever groups stayed), and the position in the
+        conversation of its first token the cache lacks."""
+        length = is_image.shape[1]
+        flags = F.pad(is_image.long(), (0, self.removed_per_image))
+        run = flags.cumsum(dim=1)
+        ahead = run[:, self.removed_per_image:] - run[:, :length]  # placeholders among the next r tokens
+        drop = is_image & (ahead < self.removed_per_image)
+        dropped = drop.sum(dim=1)
+        short_length = length - int(dropped.max())
+        if past >= short_length or not bool((dropped == length - short_length).all()):
+            raise FicocoError(f"the cache holds {past} tokens, which is not the start of this conversation as "
+                              "FiCoCo-V shortened it: give the whole conversation's input_ids (its earlier turns "
+                              "run under this handle) and the new turn's images")
+        kept_all = torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :short_length]
+        starts = kept_all[:, past]
+        start = int(starts[0])
+        if not bool((starts == start).all()) or bool((is_image[:, start - 1] & is_image[:, start]).any()):
+            raise FicocoError("the cache ends inside an image span or at different places of the samples: give the "
+                              "whole conversation's input_ids and the new turn's images")
+        return kept_all, start
+
+    def continue_prompt(self, call: dict[str, Any], pixel_values: Tensor | None, past: int, *, whole: bool
+                        ) -> tuple[dict[str, Tensor | None], Tensor, Tensor, Any]:
+        """FiCoCo-V's shortened prompt of a later turn, on a cache that holds `past` tokens of the
+        earlier turns (shortened by this handle: every earlier image lost `removed_per_image`
+        placeholders). `pixel_values` are this turn's images.
+
+        `whole`: `input_ids` is the whole conversation (generate's convention), and the shortened
+        prompt is too; its first `past` tokens stand for what the cache holds (generate runs
+        the rest). Otherwise `input_ids` is what follows the cache (a forward's convention; the
+        attention mask may cover the cache as well). `image_grid_thw` holds this turn's images,
+        or every image of the conversation (as transformers' 3-D positions need them); the
+        kept tokens get the positions the unreduced conversation gives them: from every image's
+        grid, or after the earlier turns' last position (their `rope_deltas`).
+
+        Returns what `shorten_prompt` returns, for the whole prompt (kept positions in the
+        caller's `input_ids`), and the encoded images.
+        """
+        input_ids, grid = call["input_ids"], call["image_grid_thw"]
+        mask, types = call.get("attention_mask"), call.get("mm_token_type_ids")
+        batch, length = input_ids.shape
+        is_image = input_ids == self.image_token_id
+        if types is None:
+            types = is_image.int()
+        spans = span_lengths(is_image)
+        start, prefix = 0, None
+        if whole:
+            kept_all, start = self.cached_part(is_image, past)
+            prefix = kept_all[:, :past]
+        new_ids, new_types = input_ids[:, start:], types[:, start:]
+        new_mask = None
+        if mask is not None:
+            new_mask = mask[:, past:] if not whole and mask.shape[1] == past + length else mask[:, start:]
+        new_spans = span_lengths(new_ids == self.image_token_id)
+        images = len(new_spans[0])
+        per_sample, rest = divmod(grid.shape[0], batch)
+        if rest or per_sample < images or any(len(row) != images for row in new_spans):
+            raise FicocoError(f"this turn's image spans hold {new_spans} placeholders, but image_grid_thw has "
+                              f"{grid.shape[0]} rows: give this turn's images' grids, or every image's")
+        new_grid = grid.view(batch, per_sample, 3)[:, per_sample - images:].reshape(-1, 3)
+        patches = int(new_grid.prod(dim=-1).sum())
+        if pixel_values is None or pixel_values.shape[0] != patches:
+            held = "no pixel_values" if pixel_values is None else f"pixel_values of {pixel_values.shape[0]} patches"
+            raise FicocoError(f"{held} for this turn's images of {patches} patches: give the pixel values of the "
+                              "images after what the cache holds")
+        encoded = self.encode_images(pixel_values, new_grid)
+        rope = self.model.model.get_rope_index
+        if whole and all(len(row) == per_sample for row in spans):  # every image's grid: the whole layout
+            full_mask = mask if mask is not None and mask.shape[1] == length else None
+            positions = rope(input_ids, types, image_grid_thw=grid, attention_mask=full_mask)[0][:, :, start:]
+        else:
+            earlier = self.turn_deltas.get(call["past_key_values"], self.model.model.rope_deltas)
+            if earlier is None or batch % earlier.shape[0]:
+                raise FicocoError("FiCoCo-V on Qwen2-VL continues a conversation after the earlier turns' positions "
+                                  "(rope_deltas of the turn that filled the cache); give every image's "
+                                  "image_grid_thw with the whole conversation's input_ids")
+            local = rope(new_ids, new_types, image_grid_thw=new_grid, attention_mask=new_mask)[0]
+            offset = past + earlier.repeat_interleave(batch // earlier.shape[0], dim=0).to(local.device)
+            positions = local + offset.view(1, batch, 1)
+        short, deltas, kept = self.shorten_prompt(new_ids, new_mask, new_types, new_grid, self._tower.kept_groups,
+                                                  positions)
+        # shorten_prompt's deltas place the next token after this part alone; the cache precedes it.
+        deltas = deltas - past
+        if not whole:
+            if mask is not None and mask.shape[1] == past + length:
+                short["attention_mask"] = torch.cat([mask[:, :past], short["attention_mask"]], dim=1)
+            return short, deltas, kept, encoded
+        # generate slices off what the cache holds before any forward: the prefix's positions are
+        # never read; text order stands in for them.
+        cached_positions = torch.arange(past, device=input_ids.device).expand(3, batch, -1)
+        short = {
+            "input_ids": torch.cat([torch.gather(input_ids, 1, prefix), short["input_ids"]], dim=1),
+            "attention_mask": None if mask is None else torch.cat([torch.gather(mask, 1, prefix),
+                                                                   short["attention_mask"]], dim=1),
+            "mm_token_type_ids": torch.cat([torch.gather(types, 1, prefix), short["mm_token_type_ids"]], dim=1),
+            "position_ids": torch.cat([cached_positions.to(short["position_ids"]), short["position_ids"]], dim=2),
+        }
+        return short, deltas, torch.cat([prefix, kept + start], dim=1), encoded
+
+    def patch_later_turn_images(self, handle: Handle, patches: Patches) -> None:
+        """FiCoCo-L's generate on a later turn's cache, with new images: transformers computes the
+        whole conversation's 3-D positions there, so it needs every image's `image_grid_thw`, and
+        takes the new images only encoded beforehand (`mm_encoder_outputs`; the tower would read
+        every grid against the new pixels). Given `pixel_values` of the new images and every
+        image's grid, encode the new ones with their own grids, as that form has it; given the new
+        images' grids alone, refuse at the call (transformers would stop inside)."""
+        model = self.model
+        inner_generate = model.generate
+
+        @functools.wraps(inner_generate)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            if args:
+                kwargs["input_ids"], args = args[0], args[1:]
+            cache, input_ids = kwargs.get("past_key_values"), kwargs.get("input_ids")
+            grid, pixel_values = kwargs.get("image_grid_thw"), kwargs.get("pixel_values")
+            past = int(cache.get_seq_length()) if cache is not None else 0
+            if not past or input_ids is None or grid is None or input_ids.shape[1] <= past:
+                return run(*args, **kwargs)
+            batch = input_ids.shape[0]
+            every = span_lengths(input_ids == self.image_token_id)
+            new = span_lengths(input_ids[:, past:] == self.image_token_id)
+            images = len(new[0])
+            if grid.shape[0] != batch * len(every[0]) or any(len(row) != len(every[0]) for row in every):
+                raise FicocoError(f"FiCoCo-L on Qwen2-VL: image_grid_thw has {grid.shape[0]} rows for a conversation "
+                                  f"of image spans {every}; on an earlier turn's cache give every image's grid, "
+                                  "earlier turns' first (transformers' 3-D positions count them all)")
+            if pixel_values is not None and images:
+                new_grid = grid.view(batch, -1, 3)[:, len(every[0]) - images:].reshape(-1, 3)
+                if pixel_values.shape[0] != int(new_grid.prod(dim=-1).sum()):
+                    raise FicocoError(f"FiCoCo-L on Qwen2-VL: pixel_values of {pixel_values.shape[0]} patches for this "
+                                      f"turn's images of grids {new_grid.tolist()}: give the images after what the "
+                                      "cache holds")
+                encoded = model.model.get_image_features(kwargs.pop("pixel_values"), new_grid, return_dict=True)
+                kwargs["mm_encoder_outputs"] = {**(kwargs.get("mm_encoder_outputs") or {}), "image": encoded}
+            return run(*args, **kwargs)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("mm_encoder_outputs"):  # images encoded beforehand: a new visual generation
+                handle.begin_forward()
+            return inner_generate(*args, **kwargs)
+
+        patches.set(model, "generate", generate)
+
     def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
         """FiCoCo-L: LLaVA's entry. FiCoCo-V: encode the images first, then run the shortened
         prompt with the kept tokens' original 3-D positions (forward and generate)."""
         if variant != "v":
             super().patch_entry(handle, patches, variant, keep_per_image)
+            self.patch_later_turn_images(handle, patches)
             return
         model = self.model
         inner = model.model
@@ -413,10 +567,15 @@ class Qwen2VLAdapter(LlavaAdapter):
                 raise FicocoError("FiCoCo-V on Qwen2-VL needs input_ids and image_grid_thw with pixel_values "
                                   "(the image spans are shortened in input_ids)")
             handle.begin_forward()
-            encoded = self.encode_images(pixel_values, grid)
-            short, deltas, kept = self.shorten_prompt(input_ids, call.get("attention_mask"),
-                                                      call.get("mm_token_type_ids"), grid, self._tower.kept_groups,
-                                                      call.get("position_ids"))
+            cache = call.get("past_key_values")
+            past = int(cache.get_seq_length()) if cache is not None else 0
+            if past:  # a later turn of a conversation whose earlier turns the cache holds
+                short, deltas, kept, encoded = self.continue_prompt(call, pixel_values, past, whole=text_row)
+            else:
+                encoded = self.encode_images(pixel_values, grid)
+                short, deltas, kept = self.shorten_prompt(input_ids, call.get("attention_mask"),
+                                                          call.get("mm_token_type_ids"), grid,
+                                                          self._tower.kept_groups, call.get("position_ids"))
             if isinstance(call.get("labels"), Tensor) and call["labels"].shape == input_ids.shape:
                 short["labels"] = torch.gather(call["labels"], 1, kept.to(call["labels"].device))
             generating["prompt_positions"] = kept
@@ -455,8 +614,15 @@ class Qwen2VLAdapter(LlavaAdapter):
                 follow_shortened_prompt(handle, call)
             # Otherwise: text, a decode step, or generate's prefill, whose images generate() encoded.
             positions = generating.pop("prompt_positions", None) if call.get("mm_encoder_outputs") else None
+            ids = call.get("input_ids")
+            if positions is not None and ids is not None and positions.shape[1] > ids.shape[1]:
+                # generate's prefill on a later turn's cache runs the part after what the cache holds.
+                past = int(call["past_key_values"].get_seq_length())
+                positions = positions[:, past:past + ids.shape[1]]
             return_dict = call.pop("return_dict", None)
             output = original_forward(**call, return_dict=True)
+            if positions is not None and getattr(output, "past_key_values", None) is not None:
+                self.turn_deltas[output.past_key_values] = inner.rope_deltas
             if positions is not None and positions.shape[0] != output.logits.shape[0]:
                 positions = positions.repeat_interleave(output.logits.shape[0] // positions.shape[0], dim=0)
             handle.output_positions = positions if positions is not None else arange_like(output.logits)
@@ -468,7 +634,7 @@ class Qwen2VLAdapter(LlavaAdapter):
                 kwargs["input_ids"], args = args[0], args[1:]
             check_call_options(model, kwargs, variant)
             if kwargs.get("pixel_values") is None and kwargs.get("pixel_values_videos") is None:
-                return original_generate(*args, **kwargs)
+                return text_turn(*args, **kwargs)
             prompt = kwargs.get("input_ids")
             kwargs = prepare(kwargs, text_row=True)
             try:
@@ -477,6 +643,20 @@ class Qwen2VLAdapter(LlavaAdapter):
                 generating.clear()
             # generate ran the shortened prompt: give back the caller's own.
             return restore_prompt(output, prompt, kwargs["input_ids"].shape[1])
+
+        def text_turn(*args: Any, **kwargs: Any) -> Any:
+            """generate without images: on a cache of earlier turns with images, the whole conversation
+            as this handle shortened it (the cache holds that), so that generate runs what follows."""
+            cache, prompt = kwargs.get("past_key_values"), kwargs.get("input_ids")
+            past = int(cache.get_seq_length()) if cache is not None else 0
+            if not past or prompt is None or not bool((prompt == self.image_token_id).any()):
+                return original_generate(*args, **kwargs)
+            kept, _ = self.cached_part(prompt == self.image_token_id, past)
+            for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+                value = kwargs.get(key)
+                if isinstance(value, Tensor) and value.shape == prompt.shape:
+                    kwargs[key] = torch.gather(value, 1, kept.to(value.device))
+            return restore_prompt(original_generate(*args, **kwargs), prompt, kept.shape[1])
 
         patches.set(model, "forward", forward)
         patches.set(model, "generate", generate)
