@@ -179,7 +179,7 @@ def check_cache_implementation(model: nn.Module) -> None:
 
 def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int, int] | None = None,
           keep: int | None = None, tflops: float | None = None, count: CountOptions | None = None,
-          first_layer: int | None = None, shape: str = "uniform", image_size: tuple[int, int] | None = None,
+          first_layer: int | None = None, shape: str | None = None, image_size: tuple[int, int] | None = None,
           frames: int | None = None, **hyperparameters: Any) -> Handle:
     """Patch `model` with FiCoCo-V (`variant="v"`) or FiCoCo-L (`"l"`) and return the handle.
 

@@ -102,7 +102,7 @@ def _budget_label(opts: CountOptions) -> str:
 
 
 def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, keep: int | None = None,
-                     tflops: float | None = None, schedule: str | None = None, shape: str = "uniform",
+                     tflops: float | None = None, schedule: str | None = None, shape: str | None = None,
                      first_layer: int | None = None, preset: int | None = None) -> Schedule:
     """The schedule of `variant` from at most one of keep / preset / tflops / schedule.
 
