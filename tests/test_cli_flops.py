@@ -292,7 +292,6 @@ USAGE_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
 def test_the_comparison_line_runs_every_method_at_one_budget(tmp_path):
     # FiCoCo-L's full uniform run cannot reach 3.3 TFLOPs on LLaVA-1.5-7B: its default budget shape is the
     # longest uniform run from layer 4 that does, named in the row's settings.
@@ -306,6 +305,7 @@ def test_the_comparison_line_runs_every_method_at_one_budget(tmp_path):
     assert "longest run from layer 4" in rows["l"]["settings"]["shape"]
 
 
+@pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
 def test_usage_error_ends_with_exit_2_and_one_error_line(case):
     assert_one_error_line(ficoco_cli(*USAGE_ERRORS[case]))
 
