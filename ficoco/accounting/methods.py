@@ -76,8 +76,8 @@ def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
     tokens leave before LAYER runs (SparseVLM adds its recycled clusters on top, by its rule)."""
     spec = method(name)
     spec.check_family(arch.family, arch.name)
-    default = spec.settings_for_keep(None, arch.visual_tokens, arch.decoder.layers, spec.hyperparameters) \
-        if spec.settings_for_keep else {}
+    # The rest of the setting (SparseVLM's recycling rule) is the method's default hyperparameters.
+    default = dict(spec.hyperparameters)
     removals: dict[int, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"(\d+):(\d+)", part)
@@ -154,9 +154,8 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
     if spec.extra_macs is None:
         return []
     settings = schedule.settings_dict()
-    if "schedule" in settings:  # an explicit --schedule: the default settings give the rest
-        settings = {**spec.settings_for_keep(None, arch.visual_tokens, arch.decoder.layers, spec.hyperparameters),
-                    **settings} if spec.settings_for_keep else settings
+    if "schedule" in settings:  # an explicit --schedule: the default hyperparameters give the rest
+        settings = {**spec.hyperparameters, **settings}
     rows: list[tuple[int | None, str, int]] = []
     steps = [r for r in schedule.removals if r.stage == "llm" and r.where == "layer_input"]
     suffix = suffix_tokens(arch, plan.text_tokens)

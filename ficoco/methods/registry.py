@@ -262,7 +262,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         families=ALL_FAMILIES, module="ficoco.methods.fastv", function="fastv_reduce",
         source="pkunlp-icler/FastV d165972", summary="keep the image tokens the last prompt token attends to most",
         keep_means="layer-average visual tokens (K layers at all, the rest at the kept)",
-        steps=_fastv_steps, settings_for_keep=_fastv_for_keep, extra_macs=_fastv_extra,
+        steps=_fastv_steps, settings_for_keep=_fastv_for_keep, extra_macs=_fastv_extra, wired=True,
     ),
     MethodSpec(
         name="pdrop", title="PDrop", acts_at="llm_layer", placement="layer_input", positions="compact",
@@ -274,7 +274,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         source="Cooperx521/PyramidDrop 6444f30",
         summary="rank by the last instruction token at 3 stages, keep a pyramid",
         keep_means="layer-average visual tokens",
-        steps=_pdrop_steps, settings_for_keep=_pdrop_for_keep, extra_macs=_pdrop_extra,
+        steps=_pdrop_steps, settings_for_keep=_pdrop_for_keep, extra_macs=_pdrop_extra, wired=True,
     ),
     MethodSpec(
         name="sparsevlm", title="SparseVLM", acts_at="llm_layer", placement="layer_input", positions="compact",
@@ -289,7 +289,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         summary="rate image tokens by text raters, prune after layers 2/6/15, recycle pruned tokens into clusters",
         keep_means="the v1.5 schedule of the literature's row (192, 128, 96, 64)",
         keep_choices=tuple(sorted(SPARSEVLM_SCHEDULES)),
-        steps=_sparsevlm_steps, settings_for_keep=_sparsevlm_for_keep, extra_macs=_sparsevlm_extra,
+        steps=_sparsevlm_steps, settings_for_keep=_sparsevlm_for_keep, extra_macs=_sparsevlm_extra, wired=True,
     ),
     MethodSpec(
         name="dart", title="DART", acts_at="llm_layer", placement="layer_input", positions="original",
@@ -299,7 +299,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         families=ALL_FAMILIES, module="ficoco.methods.dart", function="dart_reduce",
         source="ZichenWen1/DART (README, code copy)", summary="keep pivots and the tokens least similar to them",
         keep_means="max_num_trunction (4 image pivots + 8 x N // 8 tokens stay)",
-        steps=_dart_steps, settings_for_keep=_dart_for_keep, extra_macs=_dart_extra,
+        steps=_dart_steps, settings_for_keep=_dart_for_keep, extra_macs=_dart_extra, wired=True,
     ),
 )}
 
