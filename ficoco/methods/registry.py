@@ -183,13 +183,15 @@ def _sparsevlm_extra(ctx: StepContext) -> ExtraMacs:
     if ctx.index == 0:
         # Raters: visual x text similarity of the input embeddings, once per prefill.
         rows.append((None, "sparsevlm_raters", ctx.visual_initial * ctx.suffix_tokens * d.hidden))
-    recycled, _ = sparsevlm_recycled(ctx.step.remove, s["recycle_ratio"], s["cluster_divisor"])
+    recycled, clusters = sparsevlm_recycled(ctx.step.remove, s["recycle_ratio"], s["cluster_divisor"])
     sparse_layer = ctx.step.layer - 1
     rows += [
         # Attention rows of every suffix token (raters are a subset) over all keys of the sparse layer.
         (sparse_layer, "sparsevlm_rater_rows", ctx.suffix_tokens * ctx.seq_before * d.heads * d.head_dim),
         # DPC-kNN: pairwise distances among the recycled tokens.
         (sparse_layer, "sparsevlm_cluster_distances", recycled * recycled * d.hidden),
+        # Cluster means: the (clusters x recycled) assignment times the recycled tokens.
+        (sparse_layer, "sparsevlm_cluster_means", clusters * recycled * d.hidden),
     ]
     return rows
 

@@ -152,7 +152,7 @@ def sparsevlm_reduce(hidden: Tensor, scores: Tensor, keep: int, visual_start: Te
     recycled_count = min(pruned, int(recycle_ratio * pruned) + 1)
     clusters = int(recycled_count / cluster_divisor) + 1
     kept = top_indices(scores, kept_count)
-    is_kept = torch.zeros_like(scores, dtype=torch.bool).scatter(1, kept, True)
+    is_kept = torch.zeros_like(scores, dtype=torch.bool).scatter(1, kept, torch.ones_like(kept, dtype=torch.bool))
     pruned_scores = scores.to(compute_dtype(scores.dtype)).masked_fill(is_kept, float("-inf"))
     recycled = top_indices(pruned_scores, recycled_count)
     start = visual_start.to(hidden.device)
