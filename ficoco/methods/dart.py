@@ -19,7 +19,10 @@ is its absolute position in an unpadded sample and does not move with left paddi
 
 Keys: the official code reads layer K-1's key states through a hook its docstring calls "HACK";
 LightCompress's port reads the KV cache, which is post-RoPE. Whether the official keys are pre-
-or post-RoPE was not confirmed (BASELINES.md section 10); post-RoPE is used here. Other
+or post-RoPE was not confirmed (BASELINES.md section 10); post-RoPE is used here. RoPE keeps each
+pair's L2 norm but not the L1 norm, so the pivots depend on absolute positions: a left-padded
+batch equals its samples run alone when its position ids come from the padding mask (as
+``generate`` gives them), not from plain ``arange``. Other
 departures: batched with spans per sample (the official code is batch 1, ``[0]``); a suffix
 with fewer than 4 tokens uses those it has; a pivot with fewer candidates left than
 ``TOKEN_TOPK`` takes them all; ties go to the lowest index.
