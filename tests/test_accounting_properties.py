@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from ficoco.accounting import BudgetError, CountOptions, account, make_quant, resolve_schedule
 from ficoco.accounting.flops import CONVENTIONS, LLM_ONLY_CONVENTIONS, SCOPES
 from ficoco.accounting.schedule import (
-    first_layer,
     Schedule,
+    first_layer,
     layer_range,
     min_kept_units,
     parse_schedule,

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_cli_flops import COMMAND
 from torch import Tensor, nn
 
 import ficoco
@@ -22,7 +23,6 @@ from ficoco.accounting.schedule import plan_tokens
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
 from ficoco.methods import registry
-from test_cli_flops import COMMAND
 from ficoco.models import synthetic_inputs
 
 TEXT = 12
@@ -163,7 +163,7 @@ def test_pdrop_and_sparsevlm_compact_positions_fastv_and_dart_keep_them(model: n
     for method, compact in (("fastv", False), ("dart", False), ("pdrop", True), ("sparsevlm", True)):
         seen: list[Tensor] = []
         hook = last_layer.register_forward_pre_hook(
-            lambda m, args, kwargs: seen.append(kwargs["position_ids"]), with_kwargs=True)
+            lambda m, args, kwargs, seen=seen: seen.append(kwargs["position_ids"]), with_kwargs=True)
         try:
             with torch.no_grad(), ficoco.apply(model, method, **SETTINGS[method]) as handle:
                 model(**inp)

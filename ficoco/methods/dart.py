@@ -149,7 +149,9 @@ def dart_select(keys: Tensor, hidden_normed: Tensor, visual_start: Tensor, num_v
     # Cosine similarity as one product of unit vectors: matrix work that counters see.
     unit = torch.nn.functional.normalize
     similarity = unit(pivot_states, dim=-1, eps=1e-8) @ unit(image_states, dim=-1, eps=1e-8).transpose(1, 2)
-    retained = torch.zeros(batch, num_visual, dtype=torch.bool, device=device).scatter(1, image, torch.ones_like(image, dtype=torch.bool))
+    # A tensor source (a Python bool value does not trace for fvcore's torch.jit counter).
+    retained = torch.zeros(batch, num_visual, dtype=torch.bool, device=device)
+    retained = retained.scatter(1, image, torch.ones_like(image, dtype=torch.bool))
     candidate = ~retained
     order_index = torch.arange(num_visual, device=device)
     for p in range(pivots.shape[1]):

@@ -345,7 +345,8 @@ class LayerInputPatch:
     @staticmethod
     def _discarded(kept: Tensor, count: int) -> Tensor:
         """(B, count - k) ascending span indices not in `kept`."""
-        flags = torch.ones(kept.shape[0], count, dtype=torch.int8, device=kept.device).scatter(1, kept, torch.zeros_like(kept, dtype=torch.int8))
+        flags = torch.ones(kept.shape[0], count, dtype=torch.int8, device=kept.device)
+        flags = flags.scatter(1, kept, torch.zeros_like(kept, dtype=torch.int8))
         return torch.sort(torch.sort(1 - flags, dim=1, stable=True).indices[:, :count - kept.shape[1]], dim=1).values
 
 
