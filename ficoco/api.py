@@ -8,15 +8,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
 
 from ficoco.accounting import CountOptions, architecture, resolve_schedule
+from ficoco.accounting.methods import method_schedule
 from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import METHODS, method
 from ficoco.models import adapter_for
 from ficoco.models.attention import SUPPORTED_ATTENTION, check_attention_implementation  # noqa: F401
 from ficoco.models.build import build_model
@@ -103,6 +107,8 @@ class Handle:
     # FiCoCo-V: the last shortened prompt (kept positions, caller's length), so that decode
     # steps whose attention mask grew from the caller's prompt line up with the cache.
     prompt_map: tuple[Tensor, int] | None = field(default=None, repr=False)
+    # flops --verify: runs a method's own work at a layer through a counter's module (see run_method).
+    method_runner: Callable[..., Any] | None = field(default=None, repr=False)
     _patches: Patches = field(default_factory=Patches, repr=False)
     # Records stay on the model's device until read: copying them to the host per layer would
     # synchronise the device inside the forward.
@@ -118,6 +124,16 @@ class Handle:
                               for r in self._pending]
             self._pending = []
         return self._records
+
+    def run_method(self, layer: int, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a method's own work at decoder layer `layer` (its steps and probes) inside the
+        "reduction" span; `method_runner`, when set (flops --verify), runs it instead, so that
+        counters can attribute it to the method."""
+        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        with self.timer.span("reduction", device) if device is not None else contextlib.nullcontext():
+            if self.method_runner is not None:
+                return self.method_runner(layer, function, *args, **kwargs)
+            return function(*args, **kwargs)
 
     @property
     def reduction_seconds(self) -> float:
@@ -179,44 +195,67 @@ def check_cache_implementation(model: nn.Module) -> None:
 
 def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int, int] | None = None,
           keep: int | None = None, tflops: float | None = None, count: CountOptions | None = None,
-          first_layer: int | None = None, shape: str = "uniform", image_size: tuple[int, int] | None = None,
-          frames: int | None = None, **hyperparameters: Any) -> Handle:
-    """Patch `model` with FiCoCo-V (`variant="v"`) or FiCoCo-L (`"l"`) and return the handle.
+          first_layer: int | None = None, shape: str | None = None, image_size: tuple[int, int] | None = None,
+          frames: int | None = None, preset: int | None = None, **hyperparameters: Any) -> Handle:
+    """Patch `model` with a reduction method (`ficoco methods` lists them) and return the handle.
 
     The schedule comes from the accountant: an explicit `schedule` (a Schedule, `"12:40,..."`
-    or {layer: removed}), `keep` visual tokens, or a `tflops` budget under `count`'s convention
-    and scope. `image_size` (H, W) and `frames` describe the input where the token count
-    depends on them (LLaVA-NeXT, Qwen2-VL, Video-LLaVA); the profile's defaults otherwise.
-    Hyperparameters default to the paper's (see `Hyperparameters`).
+    or {layer: removed}), `keep` visual tokens (each method's `--keep` meaning), a `preset`
+    (the literature's 192/128/64 row), or a `tflops` budget under `count`'s convention and scope;
+    methods other than FiCoCo-V and -L fall back to their official default setting. `image_size`
+    (H, W) and `frames` describe the input where the token count depends on them (LLaVA-NeXT,
+    Qwen2-VL, Video-LLaVA); the profile's defaults otherwise. Hyperparameters default to the
+    paper's: FiCoCo's (see `Hyperparameters`), or the method's registry entry's.
     """
-    if variant not in ("v", "l"):
-        raise FicocoError(f"variant must be 'v' or 'l', got '{variant}'")
+    spec = method(variant) if variant in METHODS else None
+    if spec is None:
+        raise FicocoError(f"variant must be one of {', '.join(METHODS)} (`ficoco methods` lists them), "
+                          f"got '{variant}'")
+    spec.check_wired("ficoco.apply")
     if "_ficoco_handle" in model.__dict__:
         raise FicocoError("this model is already patched; call handle.remove() first")
     check_attention_implementation(model)
     check_cache_implementation(model)
-    try:
-        params = Hyperparameters(**hyperparameters)
-    except TypeError as exc:
-        raise FicocoError(f"unknown hyperparameter: {exc}") from None
     profile = profile_of(model, getattr(model, "_ficoco_profile_name", None))
     arch = architecture(profile, image_size=image_size, frames=frames)
     opts = count or CountOptions()
-    if isinstance(schedule, Schedule):
-        sched = schedule
-        if sched.variant != variant:
-            raise FicocoError(f"the schedule is for variant '{sched.variant}', not '{variant}'")
-    elif isinstance(schedule, dict):
-        sched = make_schedule(arch, variant, schedule)
+    if spec.plans_itself:
+        spec.check_family(arch.family, arch.name)
+        params = Hyperparameters()
+        if isinstance(schedule, dict):
+            schedule = ",".join(f"{layer}:{removed}" for layer, removed in sorted(schedule.items()))
+        if isinstance(schedule, Schedule):
+            sched = schedule
+        elif hyperparameters:
+            if schedule is not None or tflops is not None:
+                raise FicocoError(f"{spec.title} hyperparameters set a setting of their own; give them with keep= "
+                                  "or preset=, not with a schedule or a budget")
+            sched = method_schedule(arch, variant, keep if preset is None else preset, **hyperparameters)
+        else:
+            sched = resolve_schedule(arch, variant, opts, keep=keep, tflops=tflops, schedule=schedule,
+                                     preset=preset)
     else:
-        sched = resolve_schedule(arch, variant, opts, keep=keep, tflops=tflops, schedule=schedule,
-                                 shape=shape, first_layer=first_layer)
+        try:
+            params = Hyperparameters(**hyperparameters)
+        except TypeError as exc:
+            raise FicocoError(f"unknown hyperparameter: {exc}") from None
+        if isinstance(schedule, Schedule):
+            sched = schedule
+        elif isinstance(schedule, dict):
+            sched = make_schedule(arch, variant, schedule)
+        else:
+            sched = resolve_schedule(arch, variant, opts, keep=keep, tflops=tflops, schedule=schedule,
+                                     shape=shape, first_layer=first_layer, preset=preset)
+    if sched.variant != variant:
+        raise FicocoError(f"the schedule is for variant '{sched.variant}', not '{variant}'")
     adapter = adapter_for(model)
     handle = Handle(model=model, variant=variant, schedule=sched, hyperparameters=params)
     removed = sched.removed_at()
     # The wrappers go in even for an empty schedule, so that "nothing removed" runs through
     # the patched path and can be checked against the unpatched model.
-    if variant == "v":
+    if spec.placement == "layer_input":
+        adapter.patch_layer_input(handle, handle._patches, spec, sched)
+    elif spec.acts_at == "vision_layer":
         handle.keep_per_image = plan_tokens(arch, sched).llm_visual_tokens
         adapter.patch_vision(handle, handle._patches, removed)
     else:

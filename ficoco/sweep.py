@@ -38,7 +38,7 @@ class SweepConfig:
     variants: tuple[str, ...]
     keep: tuple[int, ...] = ()
     tflops: tuple[float, ...] = ()
-    shape: str = "uniform"
+    shape: str | None = None
     first_layer: int | None = None
     convention: str = "flops"
     scope: str = "llm"

@@ -352,12 +352,29 @@ class MethodStage(nn.Module):
         return self.function(*args, **kwargs)
 
 
+class MethodWork(nn.Module):
+    """A layer-input method's own work at one decoder layer (its probes and steps), as a module:
+    `Handle.method_runner` sends every call made at that layer here during a verification."""
+
+    def forward(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+
+def _layer_input_spec(schedule: Schedule) -> Any:
+    """The registry entry of a method that acts at decoder-layer inputs, or None."""
+    from ficoco.methods.registry import METHODS
+
+    spec = METHODS.get(schedule.variant)
+    return spec if spec is not None and spec.placement == "layer_input" else None
+
+
 class MethodRouter:
     """Stands in for `reduce_v` / `reduce_l`: the k-th call of a forward goes to the k-th
     reducing layer's module (layers run in order, and each reduces once per forward)."""
 
-    def __init__(self, stages: list[MethodStage]) -> None:
+    def __init__(self, stages: list[MethodStage], name: str = "reduce_l") -> None:
         self.stages = stages
+        self.name = name  # the function it stands in for
         self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -550,18 +567,29 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
     from ficoco.models import adapter_for
     from ficoco.models.patching import Patches
 
-    name = "reduce_v" if schedule.variant == "v" else "reduce_l"
-    stages = [MethodStage(getattr(reduction, name)) for _ in plan.reductions]
-    method = nn.ModuleDict({f"{red.stage}_{red.layer}": stage for red, stage in zip(plan.reductions, stages,
-                                                                                    strict=True)})
-    router = MethodRouter(stages) if stages else None
     paths = _module_paths(model)
-    method_paths = [(red.stage, red.layer, f"ficoco_method.{red.stage}_{red.layer}") for red in plan.reductions]
+    layer_input = _layer_input_spec(schedule)
+    if layer_input is not None:
+        # A layer-input method's work at decoder layer i (probes inside layer i's attention, steps at
+        # its input) runs through the module llm_i, so both counters see it apart from the layer.
+        layers = len(paths.decoder_layers)
+        method = nn.ModuleDict({f"llm_{i}": MethodWork() for i in range(layers)})
+        router = None
+        method_paths = [("llm", i, f"ficoco_method.llm_{i}") for i in range(layers)]
+    else:
+        name = "reduce_v" if schedule.variant == "v" else "reduce_l"
+        stages = [MethodStage(getattr(reduction, name)) for _ in plan.reductions]
+        method = nn.ModuleDict({f"{red.stage}_{red.layer}": stage for red, stage in zip(plan.reductions, stages,
+                                                                                        strict=True)})
+        router = MethodRouter(stages, name) if stages else None
+        method_paths = [(red.stage, red.layer, f"ficoco_method.{red.stage}_{red.layer}") for red in plan.reductions]
     names = [name for name, value in inputs.items() if isinstance(value, Tensor)]
     args = tuple(inputs[name] for name in names)
     handle = None
     if schedule.variant != "vanilla":
         handle = ficoco.api.apply(model, schedule.variant, schedule=schedule)
+        if layer_input is not None:
+            handle.method_runner = lambda layer, function, *a, **k: method[f"llm_{layer}"](function, *a, **k)
     prefill = Prefill(model, method, router, logits_to_keep, paths.modules, names)
     traceable = Patches()
     try:
@@ -569,7 +597,7 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
         # traced sizes) puts in a stand-in that gives the same result.
         getattr(adapter_for(model), "patch_for_tracing", lambda _: None)(traceable)
         with torch.no_grad():
-            routed = route_method(name, router) if router is not None else contextlib.nullcontext()
+            routed = route_method(router.name, router) if router is not None else contextlib.nullcontext()
             with routed:
                 fv = _count_fvcore(prefill, args)
                 _check_calls(router, "fvcore")
@@ -624,9 +652,19 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
                                  tc_layers.get((stage, layer), 0)))
     # Tokens after the image span: the rows FiCoCo-L's task prior and indirect product read.
     suffix = plan.text_tokens - family_module(model.config.model_type).PREFIX_TOKENS
-    formulas = method_formulas(arch, plan, batch=batch, suffix_tokens=suffix)
-    method = [MethodCheck(red.stage, red.layer, red.visual_before, red.removed, f, t, formula, paper)
-              for red, f, t, (formula, paper) in zip(plan.reductions, fv_method, tc_method, formulas, strict=True)]
+    if _layer_input_spec(schedule) is not None:
+        # The method's own matrix work is a stage of its own, gated like the others: the registry's
+        # extra cost terms (multiply-accumulates) against what the counters saw in its modules.
+        from ficoco.accounting.methods import extra_macs
+
+        analytic = 2 * sum(macs for _, _, macs in extra_macs(arch, schedule, plan, batch=batch))
+        stages.append(StageCheck(METHOD_STAGE, analytic, sum(fv_method), sum(tc_method)))
+        method = []
+    else:
+        formulas = method_formulas(arch, plan, batch=batch, suffix_tokens=suffix)
+        method = [MethodCheck(red.stage, red.layer, red.visual_before, red.removed, f, t, formula, paper)
+                  for red, f, t, (formula, paper) in zip(plan.reductions, fv_method, tc_method, formulas,
+                                                         strict=True)]
     total = StageCheck("total", sum(by_stage.values()), fv.total - sum(fv_method), tc.total - sum(tc_method))
     return RunCheck(schedule=schedule, plan=plan, stages=stages, layers=layers, method=method, total=total,
                     skipped_ops=fv.skipped, uncalled_modules=fv.uncalled)

@@ -131,8 +131,10 @@ TflopsOpt = Annotated[float | None, typer.Option(
     "--tflops", callback=check.budget, help="Budget: keep the most tokens whose cost (convention, scope) fits it.")]
 ScheduleOpt = Annotated[str | None, typer.Option(
     "--schedule", callback=check.non_empty_list, help="Explicit removals LAYER:REMOVED,...")]
-ShapeOpt = Annotated[str, typer.Option(
-    "--shape", callback=check.choice(SHAPES), help="uniform (same per reducing layer) or oneshot.")]
+ShapeOpt = Annotated[str | None, typer.Option(
+    "--shape", callback=check.choice(SHAPES),
+    help="uniform (same per reducing layer) or oneshot; default: uniform, for a --tflops budget over the longest "
+         "run of layers from the first reducing one that fits.")]
 FirstLayerOpt = Annotated[int | None, typer.Option(
     "--first-layer", callback=check.whole_number(0), help="First reducing layer (default: profile's).")]
 KvBitsOpt = Annotated[int | None, typer.Option(
@@ -164,7 +166,7 @@ def flops_command(
     preset: PresetOpt = None,
     tflops: TflopsOpt = None,
     schedule: ScheduleOpt = None,
-    shape: ShapeOpt = "uniform",
+    shape: ShapeOpt = None,
     first_layer: FirstLayerOpt = None,
     convention: Annotated[str, typer.Option(
         "--convention", callback=check.choice(CONVENTIONS),
@@ -286,7 +288,7 @@ def profile_command(
     preset: PresetOpt = None,
     tflops: TflopsOpt = None,
     schedule: ScheduleOpt = None,
-    shape: ShapeOpt = "uniform",
+    shape: ShapeOpt = None,
     first_layer: FirstLayerOpt = None,
     convention: Annotated[str, typer.Option(
         "--convention", callback=check.choice(CONVENTIONS), help="Convention of a --tflops budget.")] = "flops",
@@ -501,7 +503,7 @@ def sweep_command(
     tflops: Annotated[str | None, typer.Option(
         "--tflops", callback=check.budgets, help="Points: budgets under --convention/--scope, e.g. 3.3,2.4,1.5.")
     ] = None,
-    shape: ShapeOpt = "uniform",
+    shape: ShapeOpt = None,
     first_layer: FirstLayerOpt = None,
     convention: Annotated[str, typer.Option(
         "--convention", callback=check.choice(CONVENTIONS), help="flops, macs, llm-viewer or paper.")] = "flops",
@@ -580,7 +582,7 @@ def show_command(
     keep: KeepOpt = None,
     tflops: TflopsOpt = None,
     schedule: ScheduleOpt = None,
-    shape: ShapeOpt = "uniform",
+    shape: ShapeOpt = None,
     first_layer: FirstLayerOpt = None,
     image: Annotated[str | None, typer.Option(
         "--image", help="The image file (without it: random pixels on a plain background).")] = None,

@@ -244,6 +244,10 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
     caption = (("stages marked * are outside the scope and not in the total; " if wide else
                 f"total: the cost in scope {report['scope']} (--wide: by stage); ")
                + "memory access is LLM-Viewer traffic, not a footprint; bytes in decimal units")
+    # A budget's default shape that had to shorten its run of layers says which layers it used.
+    for variant, note in dict.fromkeys((r["variant"], r.get("settings", {}).get("shape")) for r in rows):
+        if isinstance(note, str):
+            caption += f"; {variant}: {note}"
     return _table(columns, range(len(rows)), title=title, caption=caption)
 
 

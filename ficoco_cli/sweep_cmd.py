@@ -88,7 +88,7 @@ def run_sweep(config: Any, json_path: str | None, plot: str | None, console: Con
 
 
 def run_show(*, model: str, variant: str, keep: int | None, tflops: float | None, schedule: str | None,
-             shape: str, first_layer: int | None, image: str | None, layer: int | None, out: str,
+             shape: str | None, first_layer: int | None, image: str | None, layer: int | None, out: str,
              json_path: str | None, weights: str, overrides: list[str], seed: int, dtype: str,
              console: Console) -> dict[str, Any]:
     """Run the model once under the method on the image and draw its tokens (and write the data)."""

@@ -16,6 +16,7 @@ from ficoco.accounting import BudgetError, CountOptions, account, make_quant, re
 from ficoco.accounting.flops import CONVENTIONS, LLM_ONLY_CONVENTIONS, SCOPES
 from ficoco.accounting.schedule import (
     Schedule,
+    first_layer,
     layer_range,
     min_kept_units,
     parse_schedule,
@@ -223,8 +224,40 @@ def test_budget_below_the_cheapest_schedule_is_refused(arch_of, name, variant, c
     cheapest = cost(arch, uniform_schedule(arch, variant, units - low), *counting, equivalent=equivalent).tflops
     opts = CountOptions(convention=counting[0], scope=counting[1], equivalent=equivalent)
     with pytest.raises(BudgetError) as info:
-        resolve_schedule(arch, variant, opts, tflops=cheapest * (1 - below))
+        resolve_schedule(arch, variant, opts, tflops=cheapest * (1 - below), shape="uniform")
     assert f"costs {cheapest:.3g}" in str(info.value)
+
+
+@FAST
+@given(name=profiles, variant=variants, counting=countings, equivalent=st.booleans(),
+       fraction=st.floats(0.05, 1.5))
+def test_the_budget_default_shape_is_the_longest_uniform_run_that_fits(arch_of, name, variant, counting, equivalent,
+                                                                       fraction):
+    # Without --shape: today's uniform schedule whenever that reaches the budget, else uniform over the
+    # longest run of layers from the first reducing layer whose cheapest schedule fits (oneshot at the limit).
+    arch = arch_of(name)
+    units, low = total_units(arch, variant), min_kept_units(arch, variant)
+    start, stop = first_layer(arch, variant), layer_range(arch, variant).stop
+    opts = CountOptions(convention=counting[0], scope=counting[1], equivalent=equivalent)
+
+    def cheapest(run: int) -> float:
+        return cost(arch, uniform_schedule(arch, variant, units - low, run=run), *counting,
+                    equivalent=equivalent).tflops
+
+    budget = cheapest(stop - start) * fraction
+    fitting = [run for run in range(1, stop - start + 1) if cheapest(run) <= budget]
+    if not fitting:
+        with pytest.raises(BudgetError):
+            resolve_schedule(arch, variant, opts, tflops=budget)
+        return
+    schedule = resolve_schedule(arch, variant, opts, tflops=budget)
+    assert cost(arch, schedule, *counting, equivalent=equivalent).tflops <= budget
+    layers = [r.layer for r in schedule.removals]
+    assert layers == list(range(start, start + len(layers)))
+    if fitting[-1] == stop - start:
+        assert schedule == resolve_schedule(arch, variant, opts, tflops=budget, shape="uniform")
+    else:
+        assert len(layers) <= max(fitting) and "longest run" in dict(schedule.settings)["shape"]
 
 
 @pytest.mark.parametrize("budget", [float("nan"), float("inf"), 0.0, -1.0])

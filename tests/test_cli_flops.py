@@ -265,7 +265,8 @@ def test_bad_input_ends_with_exit_2_and_one_error_line(case):
 
 
 def test_impossible_budget_names_the_cheapest_reachable_cost(arch_of):
-    line = assert_one_error_line(ficoco_cli(*M7, "--variant", "l", "--tflops", "1.5"))
+    # An explicit --shape is honoured (the default would shorten the run of layers to fit).
+    line = assert_one_error_line(ficoco_cli(*M7, "--variant", "l", "--tflops", "1.5", "--shape", "uniform"))
     arch = arch_of("llava-1.5-7b")
     cheapest = compute_tera(arch, uniform_schedule(arch, "l", 575), CountOptions())
     assert cheapest > 1.5
@@ -274,7 +275,7 @@ def test_impossible_budget_names_the_cheapest_reachable_cost(arch_of):
 
 
 def test_impossible_budget_hint_flags_do_fit(tmp_path):
-    line = assert_one_error_line(ficoco_cli(*M7, "--variant", "l", "--tflops", "1.5"))
+    line = assert_one_error_line(ficoco_cli(*M7, "--variant", "l", "--tflops", "1.5", "--shape", "uniform"))
     match = re.search(r"; ((?:--[a-z-]+ \S+ ?)+) reaches \S+ \(fits\)", line)
     assert match, line
     report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", *match[1].split())
@@ -289,6 +290,19 @@ USAGE_ERRORS = {
     "missing --model": ["flops"],
     "unknown command": ["bogus"],
 }
+
+
+def test_the_comparison_line_runs_every_method_at_one_budget(tmp_path):
+    # FiCoCo-L's full uniform run cannot reach 3.3 TFLOPs on LLaVA-1.5-7B: its default budget shape is the
+    # longest uniform run from layer 4 that does, named in the row's settings.
+    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "vanilla,v,l,fastv,pdrop,sparsevlm,dart",
+                       "--tflops", "3.3")
+    rows = {row["variant"]: row for row in report["rows"]}
+    assert list(rows) == ["vanilla", "v", "l", "fastv", "pdrop", "sparsevlm", "dart"]
+    assert all(row["tflops"] <= 3.3 for row in rows.values() if row["variant"] != "vanilla")
+    layers = [r["layer"] for r in rows["l"]["schedule"]]
+    assert layers == list(range(4, 4 + len(layers))) and layers[-1] < 31
+    assert "longest run from layer 4" in rows["l"]["settings"]["shape"]
 
 
 @pytest.mark.parametrize("case", sorted(USAGE_ERRORS))

@@ -4,6 +4,8 @@ of methods the models do not run yet (real subprocesses, as a user runs them).""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,8 +67,15 @@ def test_preset_gives_the_literature_rows_in_visual_macs(tmp_path: Path):
     ["profile", "--model", "llava-tiny", "--variant", "fastv", "--dry-run"],
     ["flops", "--verify", "--model", "llava-tiny", "--variant", "v,pdrop", "--keep", "8"],
 ])
-def test_unwired_methods_are_refused_in_one_line(argv):
-    line = assert_one_error_line(ficoco_cli(*argv))
+def test_an_unwired_method_is_refused_in_one_line(argv):
+    # Every shipped method is wired now: one marked unwired stands for a method the accountant plans
+    # before its model hooks exist.
+    unwired = [sys.executable, "-c", "import dataclasses, ficoco.methods.registry as r; "
+               "r.METHODS['fastv'] = dataclasses.replace(r.METHODS['fastv'], wired=False); "
+               "r.METHODS['pdrop'] = dataclasses.replace(r.METHODS['pdrop'], wired=False); "
+               "from ficoco_cli.app import main; main()"]
+    result = subprocess.run([*unwired, *argv], capture_output=True, text=True, timeout=600)
+    line = assert_one_error_line(result)
     assert "is not wired into the models yet" in line and "--variant" in line
 
 

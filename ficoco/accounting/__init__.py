@@ -45,7 +45,7 @@ from ficoco.accounting.schedule import (
     schedule_for_keep,
 )
 from ficoco.errors import FicocoError
-from ficoco.methods.registry import method
+from ficoco.methods.registry import METHODS, method
 from ficoco.profiles import Hardware
 
 __all__ = [
@@ -102,7 +102,7 @@ def _budget_label(opts: CountOptions) -> str:
 
 
 def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, keep: int | None = None,
-                     tflops: float | None = None, schedule: str | None = None, shape: str = "uniform",
+                     tflops: float | None = None, schedule: str | None = None, shape: str | None = None,
                      first_layer: int | None = None, preset: int | None = None) -> Schedule:
     """The schedule of `variant` from at most one of keep / preset / tflops / schedule.
 
@@ -113,8 +113,8 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
     given = [x is not None for x in (keep, tflops, schedule, preset)]
     if sum(given) > 1:
         raise FicocoError("give one of --keep, --preset, --tflops and --schedule, not several")
-    if variant not in VARIANTS:
-        raise FicocoError(f"unknown variant '{variant}': choose from {', '.join(VARIANTS)}")
+    if variant != "vanilla" and variant not in METHODS:  # the registry as it is now (entries may be added)
+        raise FicocoError(f"unknown variant '{variant}': choose from vanilla, {', '.join(METHODS)}")
     if variant == "vanilla":
         return Schedule("vanilla")
     spec = method(variant)

@@ -116,7 +116,12 @@ def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
         raise FicocoError(f"--schedule gives removals per layer; {spec.title} cuts once, after the tower: give "
                           "--keep or --preset")
     visual, layers = counted_shape(arch, spec)
-    default = spec.settings_for_keep(None, visual, layers, spec.hyperparameters) if spec.settings_for_keep else {}
+    # The rest of the setting: for a decoder method (SparseVLM's recycling rule) its default
+    # hyperparameters; for a per-item method the default settings at its counted shape.
+    if spec.per_item and spec.settings_for_keep:
+        default = spec.settings_for_keep(None, visual, layers, spec.hyperparameters)
+    else:
+        default = dict(spec.hyperparameters)
     removals: dict[int, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"(\d+):(\d+)", part)
@@ -206,9 +211,11 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
         return []
     settings = schedule.settings_dict()
     visual, layers = counted_shape(arch, spec)
-    if "schedule" in settings:  # an explicit --schedule: the default settings give the rest
-        settings = {**spec.settings_for_keep(None, visual, layers, spec.hyperparameters),
-                    **settings} if spec.settings_for_keep else settings
+    if "schedule" in settings:  # an explicit --schedule: the defaults give the rest, as parse_method_schedule
+        if spec.per_item and spec.settings_for_keep:
+            settings = {**spec.settings_for_keep(None, visual, layers, spec.hyperparameters), **settings}
+        else:
+            settings = {**spec.hyperparameters, **settings}
     rows: list[tuple[int | None, str, int]] = []
     suffix = suffix_tokens(arch, plan.text_tokens)
     if spec.per_item:

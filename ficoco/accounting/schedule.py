@@ -200,10 +200,12 @@ def make_schedule(arch: Architecture, variant: str, removals: dict[int, int]) ->
     return Schedule(variant, kept)
 
 
-def uniform_schedule(arch: Architecture, variant: str, removed: int, *, shape: str = "uniform",
-                     first: int | None = None) -> Schedule:
+def uniform_schedule(arch: Architecture, variant: str, removed: int, *, shape: str | None = "uniform",
+                     first: int | None = None, run: int | None = None) -> Schedule:
     """Remove `removed` units: the same number per reducing layer from `first` on (extra ones
-    go to the earliest layers), or all at `first` with shape "oneshot"."""
+    go to the earliest layers), or all at `first` with shape "oneshot". `run` limits the uniform
+    shape to that many layers from `first` (the budget default's shortened run)."""
+    shape = shape or "uniform"
     if variant == "vanilla" or removed == 0:
         return Schedule(variant)
     if shape not in SHAPES:
@@ -216,9 +218,14 @@ def uniform_schedule(arch: Architecture, variant: str, removed: int, *, shape: s
         raise FicocoError(f"{given} is outside {valid.start}..{valid.stop - 1}, the layers that may reduce")
     if shape == "oneshot":
         return make_schedule(arch, variant, {start: removed})
-    layers = list(range(start, valid.stop))
+    layers = list(range(start, valid.stop))[:run]
     per_layer, extra = divmod(removed, len(layers))
-    return make_schedule(arch, variant, {layer: per_layer + (k < extra) for k, layer in enumerate(layers)})
+    schedule = make_schedule(arch, variant, {layer: per_layer + (k < extra) for k, layer in enumerate(layers)})
+    if run is None or run >= valid.stop - start:
+        return schedule
+    # A shortened run says so in the row's settings (the full uniform run keeps no settings, as before).
+    note = f"uniform over layers {layers[0]}..{layers[-1]} (the longest run from layer {start} that fits the budget)"
+    return Schedule(schedule.variant, schedule.removals, (("shape", note),))
 
 
 def keep_to_units(arch: Architecture, variant: str, keep: int) -> int:
@@ -247,7 +254,7 @@ def keep_to_units(arch: Architecture, variant: str, keep: int) -> int:
     return units
 
 
-def schedule_for_keep(arch: Architecture, variant: str, keep: int, *, shape: str = "uniform",
+def schedule_for_keep(arch: Architecture, variant: str, keep: int, *, shape: str | None = "uniform",
                       first: int | None = None) -> Schedule:
     """The default-shaped schedule that keeps `keep` visual tokens (reaching V / leaving L the LLM)."""
     if variant == "vanilla":
@@ -319,13 +326,18 @@ class BudgetError(FicocoError):
 
 
 def schedule_for_budget(arch: Architecture, variant: str, budget: float, cost: Callable[[Schedule], float], *,
-                        label: str, shape: str = "uniform", first: int | None = None,
+                        label: str, shape: str | None = None, first: int | None = None,
                         equivalent: bool = False, equivalent_helps: bool = True) -> Schedule:
     """The schedule keeping the most visual tokens whose `cost` fits `budget`.
 
     `cost` maps a schedule to the budget's unit (e.g. TFLOPs in the active convention and
     scope); it must not decrease as fewer tokens are removed, which holds for every
     convention since each layer's count is monotone in the tokens it sees.
+
+    Without an explicit `shape` the schedule is uniform over the longest run of layers from the
+    first reducing layer whose cheapest schedule meets the budget: the whole range (today's
+    uniform schedule) whenever that reaches it, down to one layer (oneshot) at the limit. A
+    shorter run removes earlier, so its cost does not grow as the run shortens.
     """
     if not (math.isfinite(budget) and budget > 0):  # nan passes `budget <= 0` and plans 1 token
         raise FicocoError(f"--tflops {budget:g}: give a finite number above 0")
@@ -334,13 +346,23 @@ def schedule_for_budget(arch: Architecture, variant: str, budget: float, cost: C
     _check_variant(arch, variant)
     units = total_units(arch, variant)
     low = min_kept_units(arch, variant)
+    run: int | None = None
 
     def schedule_keeping(kept: int, start: int | None = first) -> Schedule:
-        return uniform_schedule(arch, variant, units - kept, shape=shape, first=start)
+        return uniform_schedule(arch, variant, units - kept, shape=shape, first=start, run=run)
 
     cheapest = cost(schedule_keeping(low))
+    if cheapest > budget and shape is None:
+        # The longest run that still fits: costs fall as the run shortens (removals come earlier).
+        start = first_layer(arch, variant) if first is None else first
+        lo, hi = 1, max(1, layer_range(arch, variant).stop - start - 1)
+        while lo < hi:
+            run = (lo + hi + 1) // 2
+            lo, hi = (run, hi) if cost(schedule_keeping(low)) <= budget else (lo, run - 1)
+        run = lo
+        cheapest = cost(schedule_keeping(low))
     if cheapest > budget:
-        raise BudgetError(_budget_miss(arch, variant, budget, cheapest, cost, label=label, shape=shape,
+        raise BudgetError(_budget_miss(arch, variant, budget, cheapest, cost, label=label, shape=shape or "uniform",
                                        first=first, suggest_equivalent=equivalent_helps and not equivalent))
     # Largest kept count within budget: cost is monotone in the kept count.
     lo, hi = low, units

@@ -19,7 +19,10 @@ is its absolute position in an unpadded sample and does not move with left paddi
 
 Keys: the official code reads layer K-1's key states through a hook its docstring calls "HACK";
 LightCompress's port reads the KV cache, which is post-RoPE. Whether the official keys are pre-
-or post-RoPE was not confirmed (BASELINES.md section 10); post-RoPE is used here. Other
+or post-RoPE was not confirmed (BASELINES.md section 10); post-RoPE is used here. RoPE keeps each
+pair's L2 norm but not the L1 norm, so the pivots depend on absolute positions: a left-padded
+batch equals its samples run alone when its position ids come from the padding mask (as
+``generate`` gives them), not from plain ``arange``. Other
 departures: batched with spans per sample (the official code is batch 1, ``[0]``); a suffix
 with fewer than 4 tokens uses those it has; a pivot with fewer candidates left than
 ``TOKEN_TOPK`` takes them all; ties go to the lowest index.
@@ -31,10 +34,10 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
-from ficoco.methods.stages import Reduced, check_span, rebuild, visual_positions
+from ficoco.methods.stages import Reduced, StepInput, check_span, rebuild, visual_positions
 from ficoco.reduction.stages import compute_dtype, gather_tokens
 
-__all__ = ["cpython_set_order", "dart_pivots", "dart_reduce", "dart_select"]
+__all__ = ["cpython_set_order", "dart_pivots", "dart_reduce", "dart_select", "step"]
 
 # CPython's set: a table of 8 slots, linear probing of up to 9 neighbours, growth to a quarter-full table.
 _SET_MINSIZE = 8
@@ -143,8 +146,12 @@ def dart_select(keys: Tensor, hidden_normed: Tensor, visual_start: Tensor, num_v
     dtype = compute_dtype(hidden_normed.dtype)
     image_states = gather_tokens(hidden_normed, visual_positions(start, num_visual)).to(dtype)
     pivot_states = gather_tokens(hidden_normed, pivots).to(dtype)
-    similarity = torch.nn.functional.cosine_similarity(pivot_states.unsqueeze(2), image_states.unsqueeze(1), dim=-1)
-    retained = torch.zeros(batch, num_visual, dtype=torch.bool, device=device).scatter(1, image, True)
+    # Cosine similarity as one product of unit vectors: matrix work that counters see.
+    unit = torch.nn.functional.normalize
+    similarity = unit(pivot_states, dim=-1, eps=1e-8) @ unit(image_states, dim=-1, eps=1e-8).transpose(1, 2)
+    # A tensor source (a Python bool value does not trace for fvcore's torch.jit counter).
+    retained = torch.zeros(batch, num_visual, dtype=torch.bool, device=device)
+    retained = retained.scatter(1, image, torch.ones_like(image, dtype=torch.bool))
     candidate = ~retained
     order_index = torch.arange(num_visual, device=device)
     for p in range(pivots.shape[1]):
@@ -179,3 +186,17 @@ def dart_reduce(hidden: Tensor, keys: Tensor, hidden_normed: Tensor, visual_star
                        pivot_image, pivot_text, pivot_order)
     return rebuild(hidden, kept, visual_start.to(hidden.device), num_visual, position_ids, "original",
                    attention_mask)
+
+
+def step(inputs: StepInput, settings: dict) -> Reduced:
+    """The model adapters' call at the input of layer K: pivots from layer K-1's keys, picks from its
+    output through the final norm; the set order follows positions that do not move with padding."""
+    if inputs.keys is None or inputs.final_norm is None:
+        raise RuntimeError("DART needs layer K-1's keys and the final norm from the adapter")
+    normed = inputs.final_norm(inputs.hidden)
+    truncation = settings.get("max_num_trunction")
+    if truncation is None:  # an explicit --schedule: the target whose picks leave `keep` tokens
+        truncation = inputs.keep - settings.get("pivot_image", 4)
+    return dart_reduce(inputs.hidden, inputs.keys, normed, inputs.visual_start, inputs.num_visual,
+                      inputs.text_positions, truncation, settings.get("pivot_image", 4), settings.get("pivot_text", 4),
+                      attention_mask=inputs.attention_mask)

@@ -27,10 +27,18 @@ from __future__ import annotations
 from torch import Tensor
 
 from ficoco.errors import FicocoError
-from ficoco.methods.stages import Reduced, check_span, last_row_attention, rebuild, top_indices, visual_positions
+from ficoco.methods.stages import (
+    Reduced,
+    StepInput,
+    check_span,
+    last_row_attention,
+    rebuild,
+    top_indices,
+    visual_positions,
+)
 from ficoco.reduction.stages import gather_tokens
 
-__all__ = ["fastv_reduce", "fastv_scores", "last_row_attention"]
+__all__ = ["fastv_reduce", "fastv_scores", "last_row_attention", "step"]
 
 
 def fastv_scores(row_attention: Tensor, visual_start: Tensor, num_visual: int) -> Tensor:
@@ -71,3 +79,12 @@ def fastv_reduce(hidden: Tensor, scores: Tensor, keep: int, visual_start: Tensor
     kept = top_indices(scores, keep)
     return rebuild(hidden, kept, visual_start.to(hidden.device), num_visual, position_ids, "original",
                    attention_mask)
+
+
+def step(inputs: StepInput, settings: dict) -> Reduced:
+    """The model adapters' call at the input of layer K: score with layer K-1's last row, keep the best."""
+    if inputs.row_attention is None:
+        raise RuntimeError("FastV needs layer K-1's last-row attention from the adapter's probe")
+    scores = fastv_scores(inputs.row_attention, inputs.visual_start, inputs.num_visual)
+    return fastv_reduce(inputs.hidden, scores, inputs.keep, inputs.visual_start, inputs.num_visual,
+                        inputs.position_ids, inputs.attention_mask)

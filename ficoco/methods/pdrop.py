@@ -28,9 +28,9 @@ from torch import Tensor
 
 from ficoco.errors import FicocoError
 from ficoco.methods.fastv import fastv_scores
-from ficoco.methods.stages import Reduced, check_span, last_row_attention, rebuild, top_indices
+from ficoco.methods.stages import Reduced, StepInput, check_span, last_row_attention, rebuild, top_indices
 
-__all__ = ["last_row_attention", "pdrop_keep", "pdrop_reduce", "pdrop_scores"]
+__all__ = ["last_row_attention", "pdrop_keep", "pdrop_reduce", "pdrop_scores", "step"]
 
 
 def pdrop_keep(num_visual_initial: int, ratio: float, stage: int) -> int:
@@ -64,3 +64,12 @@ def pdrop_reduce(hidden: Tensor, scores: Tensor, keep: int, visual_start: Tensor
     kept = top_indices(scores, keep)
     return rebuild(hidden, kept, visual_start.to(hidden.device), num_visual, position_ids, "compact",
                    attention_mask)
+
+
+def step(inputs: StepInput, settings: dict) -> Reduced:
+    """The model adapters' call at a rank layer's input: its own last row ranks, positions compact."""
+    if inputs.query_key_row is None:
+        raise RuntimeError("PDrop needs the rank layer's recomputed last row from the adapter")
+    scores = pdrop_scores(inputs.query_key_row, inputs.visual_start, inputs.num_visual)
+    return pdrop_reduce(inputs.hidden, scores, inputs.keep, inputs.visual_start, inputs.num_visual,
+                        inputs.position_ids, inputs.attention_mask)

@@ -183,13 +183,15 @@ def _sparsevlm_extra(ctx: StepContext) -> ExtraMacs:
     if ctx.index == 0:
         # Raters: visual x text similarity of the input embeddings, once per prefill.
         rows.append((None, "sparsevlm_raters", ctx.visual_initial * ctx.suffix_tokens * d.hidden))
-    recycled, _ = sparsevlm_recycled(ctx.step.remove, s["recycle_ratio"], s["cluster_divisor"])
+    recycled, clusters = sparsevlm_recycled(ctx.step.remove, s["recycle_ratio"], s["cluster_divisor"])
     sparse_layer = ctx.step.layer - 1
     rows += [
         # Attention rows of every suffix token (raters are a subset) over all keys of the sparse layer.
         (sparse_layer, "sparsevlm_rater_rows", ctx.suffix_tokens * ctx.seq_before * d.heads * d.head_dim),
         # DPC-kNN: pairwise distances among the recycled tokens.
         (sparse_layer, "sparsevlm_cluster_distances", recycled * recycled * d.hidden),
+        # Cluster means: the (clusters x recycled) assignment times the recycled tokens.
+        (sparse_layer, "sparsevlm_cluster_means", clusters * recycled * d.hidden),
     ]
     return rows
 
@@ -414,7 +416,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         families=ALL_FAMILIES, module="ficoco.methods.fastv", function="fastv_reduce",
         source="pkunlp-icler/FastV d165972", summary="keep the image tokens the last prompt token attends to most",
         keep_means="layer-average visual tokens (K layers at all, the rest at the kept)",
-        steps=_fastv_steps, settings_for_keep=_fastv_for_keep, extra_macs=_fastv_extra,
+        steps=_fastv_steps, settings_for_keep=_fastv_for_keep, extra_macs=_fastv_extra, wired=True,
     ),
     MethodSpec(
         name="pdrop", title="PDrop", acts_at="llm_layer", placement="layer_input", positions="compact",
@@ -426,7 +428,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         source="Cooperx521/PyramidDrop 6444f30",
         summary="rank by the last instruction token at 3 stages, keep a pyramid",
         keep_means="layer-average visual tokens",
-        steps=_pdrop_steps, settings_for_keep=_pdrop_for_keep, extra_macs=_pdrop_extra,
+        steps=_pdrop_steps, settings_for_keep=_pdrop_for_keep, extra_macs=_pdrop_extra, wired=True,
     ),
     MethodSpec(
         name="sparsevlm", title="SparseVLM", acts_at="llm_layer", placement="layer_input", positions="compact",
@@ -441,7 +443,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         summary="rate image tokens by text raters, prune after layers 2/6/15, recycle pruned tokens into clusters",
         keep_means="the v1.5 schedule of the literature's row (192, 128, 96, 64)",
         keep_choices=tuple(sorted(SPARSEVLM_SCHEDULES)),
-        steps=_sparsevlm_steps, settings_for_keep=_sparsevlm_for_keep, extra_macs=_sparsevlm_extra,
+        steps=_sparsevlm_steps, settings_for_keep=_sparsevlm_for_keep, extra_macs=_sparsevlm_extra, wired=True,
     ),
     MethodSpec(
         name="dart", title="DART", acts_at="llm_layer", placement="layer_input", positions="original",
@@ -451,7 +453,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         families=ALL_FAMILIES, module="ficoco.methods.dart", function="dart_reduce",
         source="ZichenWen1/DART (README, code copy)", summary="keep pivots and the tokens least similar to them",
         keep_means="max_num_trunction (4 image pivots + 8 x N // 8 tokens stay)",
-        steps=_dart_steps, settings_for_keep=_dart_for_keep, extra_macs=_dart_extra,
+        steps=_dart_steps, settings_for_keep=_dart_for_keep, extra_macs=_dart_extra, wired=True,
     ),
     MethodSpec(
         name="tome", title="ToMe", acts_at="vision_layer", placement="in_layer", positions="grid",

@@ -34,10 +34,10 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
-from ficoco.methods.stages import Reduced, check_span, rebuild, top_indices, visual_positions
+from ficoco.methods.stages import Reduced, StepInput, check_span, rebuild, top_indices, visual_positions
 from ficoco.reduction.stages import compute_dtype, gather_tokens
 
-__all__ = ["dpc_knn_merge", "select_raters", "sparsevlm_reduce", "sparsevlm_scores", "suffix_rows"]
+__all__ = ["dpc_knn_merge", "prepare", "select_raters", "sparsevlm_reduce", "sparsevlm_scores", "step", "suffix_rows"]
 
 
 def suffix_rows(seq_len: int, visual_start: Tensor, num_visual: int) -> tuple[int, Tensor]:
@@ -106,7 +106,10 @@ def dpc_knn_merge(tokens: Tensor, clusters: int, neighbours: int | None = None) 
         raise FicocoError(f"cannot make {clusters} clusters of {count} tokens")
     k = clusters if neighbours is None else neighbours
     x = tokens.to(compute_dtype(tokens.dtype))
-    dist = torch.cdist(x, x) / dim**0.5
+    # Distances through one matrix product (|x|^2 + |y|^2 - 2 x.y), as cdist's mm mode computes
+    # them: the product is matrix work that counters see (cdist is one opaque op to them).
+    squares = (x * x).sum(dim=-1)
+    dist = (squares.unsqueeze(2) + squares.unsqueeze(1) - 2 * (x @ x.transpose(1, 2))).clamp(min=0).sqrt() / dim**0.5
     nearest = torch.topk(dist, k, dim=-1, largest=False).values
     density = torch.exp(-(nearest**2).mean(dim=-1))
     denser = density.unsqueeze(1) > density.unsqueeze(2)  # [b, i, j]: j is denser than i
@@ -149,10 +152,26 @@ def sparsevlm_reduce(hidden: Tensor, scores: Tensor, keep: int, visual_start: Te
     recycled_count = min(pruned, int(recycle_ratio * pruned) + 1)
     clusters = int(recycled_count / cluster_divisor) + 1
     kept = top_indices(scores, kept_count)
-    is_kept = torch.zeros_like(scores, dtype=torch.bool).scatter(1, kept, True)
+    is_kept = torch.zeros_like(scores, dtype=torch.bool).scatter(1, kept, torch.ones_like(kept, dtype=torch.bool))
     pruned_scores = scores.to(compute_dtype(scores.dtype)).masked_fill(is_kept, float("-inf"))
     recycled = top_indices(pruned_scores, recycled_count)
     start = visual_start.to(hidden.device)
     tokens = gather_tokens(hidden, visual_positions(start, num_visual))
     merged = dpc_knn_merge(gather_tokens(tokens, recycled), clusters)
     return rebuild(hidden, kept, start, num_visual, position_ids, "compact", attention_mask, added=merged)
+
+
+def prepare(embeds: Tensor, visual_start: Tensor, num_visual: int) -> Tensor:
+    """The model adapters' call on the LLM's input embeddings: the rater mask, once per prefill."""
+    return select_raters(embeds, visual_start, num_visual)
+
+
+def step(inputs: StepInput, settings: dict) -> Reduced:
+    """The model adapters' call at the input of the layer after a sparse layer: prune its output."""
+    if inputs.row_attention is None or inputs.prepared is None:
+        raise RuntimeError("SparseVLM needs the sparse layer's suffix rows and the raters from the adapter")
+    scores = sparsevlm_scores(inputs.row_attention, inputs.prepared, inputs.visual_start, inputs.num_visual)
+    return sparsevlm_reduce(inputs.hidden, scores, inputs.keep, inputs.visual_start, inputs.num_visual,
+                            inputs.position_ids, inputs.attention_mask,
+                            recycle_ratio=settings.get("recycle_ratio", 0.3),
+                            cluster_divisor=settings.get("cluster_divisor", 10))

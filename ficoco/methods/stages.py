@@ -161,3 +161,66 @@ def rebuild(hidden: Tensor, kept_visual: Tensor, visual_start: Tensor, num_visua
         mask = torch.where(in_added, torch.ones_like(mask), mask)
     return Reduced(hidden=gathered, kept_positions=source, position_ids=new_positions, attention_mask=mask,
                    kept_visual=kept_visual, num_visual=kept + extra)
+
+
+def rows_attention(query_rows: Tensor, keys: Tensor, visible: Tensor, scale: float | None = None) -> Tensor:
+    """Head-mean softmax probabilities of some query rows over all keys (SparseVLM's rater rows).
+
+    Args:
+        query_rows: ``(B, H, M, d)`` the rows' queries, post-RoPE.
+        keys: ``(B, H_kv, T, d)`` post-RoPE keys (GQA: ``H`` a multiple of ``H_kv``).
+        visible: ``(B, M, T)`` bool, True where row ``m`` may attend key ``t`` (causal and padding).
+        scale: logit scale, ``1 / sqrt(d)`` by default.
+
+    Returns:
+        ``(B, M, T)`` float32 (or wider) probabilities averaged over heads; a row with no
+        visible key (a padding row) is all zeros.
+    """
+    heads, dim = query_rows.shape[1], query_rows.shape[-1]
+    kv_heads = keys.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"query heads {heads} are not a multiple of key heads {kv_heads}")
+    dtype = compute_dtype(query_rows.dtype)
+    k = keys.to(dtype).repeat_interleave(heads // kv_heads, dim=1)
+    logits = torch.matmul(query_rows.to(dtype), k.transpose(-1, -2)) * (dim**-0.5 if scale is None else scale)
+    logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    return torch.nan_to_num(torch.softmax(logits, dim=-1)).mean(dim=1)
+
+
+@dataclass
+class StepInput:
+    """What the model adapter hands a method at the input of a reducing decoder layer ``L``.
+
+    A method's module offers ``step(inputs, settings) -> Reduced`` (and, if it reads the input
+    embeddings, ``prepare(embeds, visual_start, num_visual) -> state``); the adapter fills only
+    what the method's registry entry says it needs, the rest stays None.
+
+    Attributes:
+        hidden: ``(B, T, D)`` the input of layer ``L`` (the output of layer ``L - 1``).
+        visual_start: ``(B,)``; num_visual: the visual tokens now in the span.
+        keep: visual tokens that stay before any are added (the schedule's ``N - remove``).
+        stage: 0-based order of this step among the method's steps.
+        position_ids: ``(B, T)`` the position ids the layers use (rebuilt by compacting methods).
+        text_positions: ``(B, T)`` positions that do not move with left padding.
+        attention_mask: ``(B, T)`` 2-D padding mask, or None.
+        row_attention: layer ``L - 1``'s probe: ``(B, H, T)`` last-row probabilities per head, or
+            ``(B, M, T)`` head-mean rows of the trailing ``M`` rows.
+        keys: ``(B, T, H_kv * d)`` layer ``L - 1``'s post-RoPE keys, heads concatenated.
+        query_key_row: ``(B, H, T)`` the last row recomputed with layer ``L``'s own projections.
+        final_norm: the decoder's final norm, for methods that read normed hidden states.
+        prepared: what ``prepare`` returned for this prefill.
+    """
+
+    hidden: Tensor
+    visual_start: Tensor
+    num_visual: int
+    keep: int
+    stage: int
+    position_ids: Tensor
+    text_positions: Tensor
+    attention_mask: Tensor | None = None
+    row_attention: Tensor | None = None
+    keys: Tensor | None = None
+    query_key_row: Tensor | None = None
+    final_norm: object = None
+    prepared: object = None

@@ -249,6 +249,29 @@ class LlavaAdapter:
 
             patches.set(layer, "forward", forward)
 
+    # -- methods at the input of decoder layers (FastV, PDrop, SparseVLM, DART, ...) -----------
+    def patch_layer_input(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """The decoder's hook points and probes for a method acting at layer inputs (ficoco.models.llm_steps)."""
+        from ficoco.models.llm_steps import LayerInputPatch
+
+        LayerInputPatch(self, handle, spec, schedule).install(patches)
+
+    def step_state(self, title: str, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,
+                   prior_positions: dict[int, Tensor] | None = None) -> LanguageState | None:
+        """The state of a layer-input method's prefill: the visual span found from the placeholders."""
+        from ficoco.models.llm_steps import step_state
+
+        return step_state(input_ids, attention_mask, self.language_tokens(input_ids), past_length, title)
+
+    def rotary(self, hidden: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The decoder's rotary tables at `position_ids` (compacted positions)."""
+        return self.model.model.language_model.rotary_emb(hidden, position_ids)
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The decoder's final norm (DART reads hidden states through it)."""
+        return self.model.model.language_model.norm
+
     # -- the top-level model ----------------------------------------------------------------
     def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
         """Wrap forward (and generate) to shorten V's image spans and to start L's state.
@@ -263,6 +286,15 @@ class LlavaAdapter:
         original_forward = model.forward
         original_generate = model.generate
         signature = inspect.signature(original_forward)
+        # Every variant but V keeps a per-prefill state of the decoder's sequence: FiCoCo-L's, or the
+        # layer-input methods' (the registry entry's title names the method in refusals).
+        in_llm = variant != "v"
+        if variant == "l":
+            new_state = self.language_state
+        else:
+            from ficoco.methods.registry import method
+
+            new_state = functools.partial(self.step_state, method(variant).title)
         # Set while generate runs on a prompt it has shortened already (FiCoCo-V): its forwards
         # must not shorten again; the prefill's positions refer to the caller's prompt.
         generating: dict[str, Any] = {}
@@ -305,13 +337,13 @@ class LlavaAdapter:
             starts_prefill = visual and input_ids is not None
             cache = call.get("past_key_values")
             labels = None
-            if variant == "l":
+            if in_llm:
                 # The state that filled this cache (a conversation may go on on any cache the
                 # handle filled; one it did not fill must hold every token in every layer).
                 filled = handle.cache_states.get(cache) if cache is not None else None
                 if starts_prefill:
                     past, priors = self.turn_on_cache(cache, filled)
-                    handle.language_state = self.language_state(input_ids, call.get("attention_mask"), past, priors)
+                    handle.language_state = new_state(input_ids, call.get("attention_mask"), past, priors)
                 elif filled is None:
                     self.turn_on_cache(cache, None)  # refuses a reduced cache it cannot follow
                     handle.language_state = None
@@ -325,7 +357,7 @@ class LlavaAdapter:
             return_dict = call.pop("return_dict", None)
             output = original_forward(**call, return_dict=True)
             state = handle.language_state
-            if variant == "l" and state is not None and not state.decoding:
+            if in_llm and state is not None and not state.decoding:
                 state.cache = getattr(output, "past_key_values", None)
                 if state.cache is not None:
                     handle.cache_states[state.cache] = state

@@ -46,7 +46,7 @@ class ProfileConfig:
     keep: int | None = None
     tflops: float | None = None
     schedule: str | None = None
-    shape: str = "uniform"
+    shape: str | None = None
     first_layer: int | None = None
     convention: str = "flops"
     scope: str = "llm"

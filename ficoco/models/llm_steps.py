@@ -1,0 +1,380 @@
+"""The decoder's hook points and probes for every method that acts at the input of a decoder layer
+(FastV, PDrop, SparseVLM, DART, and any later one): one implementation, read from the method's
+registry entry, for every family whose decoder is a stack of LLaMA-style layers.
+
+What a method asks for (its `MethodSpec.needs`) decides what is computed, and only there:
+
+- ``attention_rows`` of layer L-1 (``last``: the last prompt token's row per head; ``suffix``:
+  the head-mean rows of the text after the visual span): the layer's attention module is routed
+  through `rows_attention_function`, which computes those rows from the post-RoPE q and k that
+  the layer computed anyway, in float32 over the real keys, then calls the module's own
+  implementation for the output (SDPA stays on, and so does eager with output_attentions).
+- ``keys`` of layer L-1: the same function keeps the post-RoPE keys.
+- ``query_key`` at layer L (PDrop): the layer's own input norm, q (last row only) and k
+  projections and RoPE at the current positions.
+- ``input_embeddings``: the input of layer 0, handed to the method's ``prepare`` once.
+
+At layer L's input the method's ``step`` returns a `Reduced`; the state then slices the 4-D mask
+(its own rows and columns, plus the causal order of added tokens), the rotary tables (original
+positions) or recomputes them (compacted positions), and records what every layer caches, so
+that decode steps slice their masks to each layer's cache and continue compacted positions.
+
+The method's own matrix work runs through `Handle.run_method` (a plain call, or a counter's
+module during `flops --verify`); its time goes into the handle's "reduction" span.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ficoco.accounting.schedule import Removal, Schedule
+from ficoco.errors import FicocoError
+from ficoco.methods.base import MethodSpec
+from ficoco.methods.stages import StepInput, last_row_attention, rows_attention
+from ficoco.models.patching import LanguageState, Patches, gather_rows
+
+if TYPE_CHECKING:
+    from ficoco.api import Handle
+
+ROWS_IMPLEMENTATION = "ficoco_rows"
+
+
+@dataclass
+class RowsSlot:
+    """What one attention module is asked for in a prefill, and what it leaves."""
+
+    rows: str | None = None  # "last", "suffix" or None
+    want_keys: bool = False
+    armed: bool = False
+    suffix_rows: int = 0  # M, for "suffix"
+    layer: int = 0
+    runner: Callable[..., Any] | None = None  # runs the method's matrix work (Handle.run_method)
+    row_attention: Tensor | None = None
+    keys: Tensor | None = None
+
+
+def _visible(mask: Tensor | None, batch: int, rows: int, q_len: int, k_len: int, device: torch.device) -> Tensor:
+    """(B, rows, K) bool: which keys the last `rows` queries may attend, from the layer's 4-D mask
+    (boolean, or additive with 0 where visible), or the causal rule when the mask is None."""
+    if mask is not None:
+        part = mask[:, 0, -rows:, :k_len] if mask.shape[-2] > 1 else mask[:, 0, :, :k_len].expand(-1, rows, -1)
+        visible = part if part.dtype == torch.bool else part == 0
+        return visible.expand(batch, -1, -1)
+    query = torch.arange(q_len - rows, q_len, device=device).unsqueeze(1) + (k_len - q_len)
+    return (torch.arange(k_len, device=device).unsqueeze(0) <= query).unsqueeze(0).expand(batch, -1, -1)
+
+
+def rows_attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                            attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            is_causal: bool | None = None, **kwargs: Any) -> tuple[Tensor, Any]:
+    """The module's own attention, after keeping the rows (and keys) a method asked for."""
+    slot: RowsSlot = module._ficoco_rows  # type: ignore[assignment]
+    if slot.armed:
+        batch, _, q_len, _ = query.shape
+        k_len = key.shape[2]
+        if slot.rows == "last":
+            visible = _visible(attention_mask, batch, 1, q_len, k_len, query.device)[:, 0]
+            slot.row_attention = slot.runner(slot.layer, last_row_attention, query[:, :, -1], key, visible, scaling)
+        elif slot.rows == "suffix":
+            rows = slot.suffix_rows
+            visible = _visible(attention_mask, batch, rows, q_len, k_len, query.device)
+            slot.row_attention = slot.runner(slot.layer, rows_attention, query[:, :, q_len - rows:], key, visible,
+                                             scaling)
+        if slot.want_keys:
+            slot.keys = key.transpose(1, 2).reshape(batch, k_len, -1)
+    own = module._ficoco_rows_config._attn_implementation  # type: ignore[union-attr]
+    # "eager" is not in the registry: each model file has its own eager function.
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    implementation = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
+    return implementation(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                          is_causal=is_causal, **kwargs)
+
+
+AttentionInterface.register(ROWS_IMPLEMENTATION, rows_attention_function)
+
+
+def install_rows(attention: nn.Module, slot: RowsSlot, patches: Patches) -> None:
+    """Route one attention module through `rows_attention_function` (its own config copy)."""
+    original = attention.config
+    config = copy.copy(original)
+    config._attn_implementation_internal = ROWS_IMPLEMENTATION
+    patches.set(attention, "_ficoco_rows_config", original)
+    patches.set(attention, "_ficoco_rows", slot)
+    patches.set(attention, "config", config)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """LLaMA's rotary embedding of ``(B, H, T, d)`` states with ``(B, T, d)`` tables."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor) -> Tensor:
+    """(B, H, T) the last row's attention recomputed with the layer's own input norm, q (last row) and
+    k projections and RoPE (PDrop's rank layer), softmaxed in float32 over the visible keys."""
+    attn = layer.self_attn
+    head_dim = attn.head_dim
+    normed = layer.input_layernorm(hidden)
+    batch, length, _ = normed.shape
+    q_proj, k_proj = attn.q_proj, attn.k_proj
+    query = F.linear(normed[:, -1:], q_proj.weight, q_proj.bias).view(batch, 1, -1, head_dim).transpose(1, 2)
+    keys = F.linear(normed, k_proj.weight, k_proj.bias).view(batch, length, -1, head_dim).transpose(1, 2)
+    query = rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
+    keys = rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
+    return last_row_attention(query[:, :, 0], keys, visible, attn.scaling)
+
+
+@dataclass
+class StepState(LanguageState):
+    """One prefill of a layer-input method and the decode steps that follow it.
+
+    `index` holds, per sample, the position in this call's input_ids of every token still in the
+    sequence; a token a method added (SparseVLM's recycled clusters) stands at its span's last
+    placeholder there (`added` marks it), which is what masks and output positions use for it.
+    """
+
+    visual_start: Tensor | None = None  # (B,)
+    positions: Tensor | None = None  # (B, T_now) position ids the layers use (LLaMA 1-D)
+    text_positions: Tensor | None = None  # (B, T_now) positions that do not move with left padding
+    mask2d: Tensor | None = None  # (B, T_now) padding mask
+    added: Tensor | None = None  # (B, T_now) True on added tokens, None while there are none
+    rotary: tuple[Tensor, Tensor] | None = None  # recomputed tables (compacted positions)
+    shift: dict[int, int] = field(default_factory=dict)  # per layer: positions compacted away before it
+    stage: int = 0
+    prepared: Any = None
+    steps_done: int = 0
+    _mask_cache: dict[int, tuple[Any, Tensor | None]] = field(default_factory=dict)
+
+    def layer_mask(self, mask: Tensor | None, layer: int) -> Tensor | None:
+        """This layer's prefill mask: the model's, with the removed tokens' rows and columns taken
+        out and added tokens seen in causal order (computed once per step)."""
+        if mask is None or not self.steps_done:
+            return mask
+        cached = self._mask_cache.get(self.steps_done)
+        if cached is not None and cached[0] is mask:
+            return cached[1]
+        sliced = gather_rows(gather_rows(mask, self.index, 2), self.index, 3)
+        if self.added is not None:
+            slots = torch.arange(self.index.shape[1], device=mask.device)
+            order = slots.unsqueeze(0) <= slots.unsqueeze(1)  # key slot <= query slot
+            if sliced.dtype == torch.bool:
+                sliced = sliced & order
+            else:
+                sliced = sliced.masked_fill(~order, torch.finfo(sliced.dtype).min)
+        self._mask_cache = {self.steps_done: (mask, sliced)}
+        return sliced
+
+    def decode_mask(self, mask: Tensor | None, layer: int) -> Tensor | None:
+        """A decode step's mask sliced to what this layer cached (a layer before any step: as is)."""
+        if mask is None or self.shift.get(layer) is None:
+            return mask
+        return self.slice_mask(mask, layer, 0)
+
+
+class LayerInputPatch:
+    """Patches a decoder for one layer-input method: probes, the step at each reducing layer, and
+    the masks, positions and caches of every later layer."""
+
+    def __init__(self, adapter: Any, handle: Handle, spec: MethodSpec, schedule: Schedule) -> None:
+        self.adapter, self.handle, self.spec = adapter, handle, spec
+        self.module = spec.load()
+        self.settings = schedule.settings_dict()
+        self.steps: dict[int, Removal] = {r.layer: r for r in schedule.removals}
+        self.order = {layer: k for k, layer in enumerate(sorted(self.steps))}
+        self.compact = spec.positions == "compact"
+        needs = {(n.kind, n.layer, n.rows) for n in spec.needs}
+        self.rows = next((rows for kind, where, rows in needs if kind == "attention_rows" and where == "L-1"), None)
+        self.keys = any(kind == "keys" and where == "L-1" for kind, where, _ in needs)
+        self.own_row = any(kind == "query_key" for kind, _, _ in needs)
+        self.embeddings = any(kind == "input_embeddings" for kind, _, _ in needs)
+        self.slots: dict[int, RowsSlot] = {}
+
+    def install(self, patches: Patches) -> None:
+        layers = self.adapter.decoder_layers
+        if (self.rows or self.keys) and any(layer < 1 for layer in self.steps):
+            raise FicocoError(f"{self.spec.title} reads layer L-1 of a step at layer L: its steps start at layer 1")
+        for layer in self.steps:
+            if self.rows or self.keys:
+                slot = RowsSlot(rows=self.rows, want_keys=self.keys, layer=layer - 1, runner=self.handle.run_method)
+                install_rows(layers[layer - 1].self_attn, slot, patches)
+                self.slots[layer - 1] = slot
+        for index, layer in enumerate(layers):
+            patches.set(layer, "forward", self._forward(index, layer, layer.forward))
+
+    # -- the wrapped decoder layer ----------------------------------------------------------
+    def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def forward(hidden_states: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                    past_key_values: Any = None, use_cache: bool = False,
+                    position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs: Any) -> Tensor:
+            state = self.handle.language_state
+            if not isinstance(state, StepState):
+                return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                past_key_values=past_key_values, use_cache=use_cache,
+                                position_embeddings=position_embeddings, **kwargs)
+            if state.decoding:
+                attention_mask = state.decode_mask(attention_mask, index)
+                shift = state.shift.get(index)
+                if self.compact and shift and position_ids is not None:
+                    position_ids = position_ids - shift
+                    position_embeddings = self.adapter.rotary(hidden_states, position_ids)
+                return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                past_key_values=past_key_values, use_cache=use_cache,
+                                position_embeddings=position_embeddings, **kwargs)
+            if index == 0:
+                self._start(state, hidden_states, position_ids)
+            if index in self.steps:
+                hidden_states = self._step(state, index, layer, hidden_states, attention_mask, position_embeddings)
+            attention_mask = state.layer_mask(attention_mask, index)
+            if state.steps_done:
+                if self.compact:
+                    position_ids = state.positions
+                    position_embeddings = state.rotary
+                else:
+                    if position_ids is not None and position_ids.shape[-1] != state.index.shape[1]:
+                        position_ids = gather_rows(position_ids, state.index, 1)
+                    if position_embeddings is not None and position_embeddings[0].shape[1] != state.index.shape[1]:
+                        cos, sin = position_embeddings
+                        position_embeddings = (gather_rows(cos, state.index, 1), gather_rows(sin, state.index, 1))
+                state.cached_positions[index] = state.key_positions(index)
+                state.shift[index] = self._shift(index)
+            slot = self.slots.get(index)
+            if slot is not None:
+                slot.armed = True
+                if slot.rows == "suffix":
+                    slot.suffix_rows = state.prepared.shape[1]
+            try:
+                return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                past_key_values=past_key_values, use_cache=use_cache,
+                                position_embeddings=position_embeddings, **kwargs)
+            finally:
+                if slot is not None:
+                    slot.armed = False
+
+        return forward
+
+    def _shift(self, layer: int) -> int:
+        """Positions compacted away before `layer` (removed minus added by the steps up to it)."""
+        return sum(r.remove - r.added for at, r in self.steps.items() if at <= layer)
+
+    def _start(self, state: StepState, embeds: Tensor, position_ids: Tensor | None) -> None:
+        """Layer 0's input: the prefill's positions, and the method's `prepare` on the embeddings."""
+        batch, length = state.index.shape
+        if position_ids is not None and position_ids.dim() == 2:
+            state.positions = position_ids.expand(batch, -1)
+        else:
+            state.positions = torch.arange(length, device=embeds.device).expand(batch, -1)
+        mask = state.mask2d
+        state.text_positions = (mask.long().cumsum(1) - 1).clamp(min=0) if mask is not None else \
+            torch.arange(length, device=embeds.device).expand(batch, -1)
+        if self.embeddings:
+            state.prepared = self.handle.run_method(0, self.module.prepare, embeds, state.visual_start,
+                                                    state.num_visual)
+
+    def _step(self, state: StepState, index: int, layer: nn.Module, hidden: Tensor, mask: Tensor | None,
+              position_embeddings: tuple[Tensor, Tensor] | None) -> Tensor:
+        """Run the method at layer `index`'s input and move the state to the reduced sequence."""
+        removal = self.steps[index]
+        slot = self.slots.get(index - 1)
+        row_attention = keys = own_row = None
+        if slot is not None:
+            row_attention, keys = slot.row_attention, slot.keys
+            slot.row_attention = slot.keys = None
+        if self.own_row:
+            if self.compact and state.rotary is not None:
+                cos, sin = state.rotary
+            elif position_embeddings is not None and state.steps_done:
+                cos, sin = (gather_rows(t, state.index, 1) for t in position_embeddings)
+            else:
+                cos, sin = position_embeddings
+            visible = _visible(state.layer_mask(mask, index), hidden.shape[0], 1, hidden.shape[1], hidden.shape[1],
+                               hidden.device)[:, 0]
+            own_row = self.handle.run_method(index, own_last_row, layer, hidden, cos, sin, visible)
+        inputs = StepInput(
+            hidden=hidden, visual_start=state.visual_start, num_visual=state.num_visual,
+            keep=state.num_visual - removal.remove, stage=self.order[index], position_ids=state.positions,
+            text_positions=state.text_positions, attention_mask=state.mask2d, row_attention=row_attention,
+            keys=keys, query_key_row=own_row, final_norm=self.adapter.final_norm, prepared=state.prepared)
+        red = self.handle.run_method(index, self.module.step, inputs, self.settings)
+        expected = state.num_visual - removal.remove + removal.added
+        if red.num_visual != expected:
+            raise FicocoError(f"{self.spec.title} at layer {index} left {red.num_visual} visual tokens where its "
+                              f"schedule plans {expected}; give a schedule the method can meet")
+        # Bookkeeping: added tokens stand at the span's last placeholder in input positions.
+        source = red.kept_positions
+        is_added = source < 0
+        last_visual = (state.visual_start + state.num_visual - 1).unsqueeze(1)
+        anchor = torch.where(is_added, last_visual, source)
+        discarded = self._discarded(red.kept_visual, state.num_visual)
+        kept_ranks = torch.gather(state.visual_ranks, 1, red.kept_visual)
+        self.handle.record("llm", index, kept=kept_ranks, discarded=torch.gather(state.visual_ranks, 1, discarded))
+        extra = red.num_visual - red.kept_visual.shape[1]
+        ranks = kept_ranks
+        if extra:
+            ranks = torch.cat([kept_ranks, kept_ranks.new_full((kept_ranks.shape[0], extra), -1)], dim=1)
+        previously_added = state.added
+        state.index = torch.gather(state.index, 1, anchor)
+        state.text_positions = torch.gather(state.text_positions, 1, anchor)
+        state.suffix_mask = torch.gather(state.suffix_mask, 1, anchor)
+        added = is_added if previously_added is None else is_added | torch.gather(previously_added, 1, anchor)
+        state.added = added if bool(extra) or previously_added is not None else None
+        state.visual_ranks = ranks
+        state.visual_rows = state.visual_start.unsqueeze(1) + torch.arange(red.num_visual, device=hidden.device)
+        state.mask2d = red.attention_mask
+        if self.compact:
+            state.positions = red.position_ids
+            state.rotary = self.adapter.rotary(red.hidden, red.position_ids)
+        else:
+            state.positions = torch.gather(state.positions, 1, anchor)
+        state.steps_done += 1
+        return red.hidden
+
+    @staticmethod
+    def _discarded(kept: Tensor, count: int) -> Tensor:
+        """(B, count - k) ascending span indices not in `kept`."""
+        flags = torch.ones(kept.shape[0], count, dtype=torch.int8, device=kept.device)
+        flags = flags.scatter(1, kept, torch.zeros_like(kept, dtype=torch.int8))
+        return torch.sort(torch.sort(1 - flags, dim=1, stable=True).indices[:, :count - kept.shape[1]], dim=1).values
+
+
+def step_state(input_ids: Tensor, attention_mask: Tensor | None, visual: Tensor, past_length: int,
+               title: str) -> StepState | None:
+    """The state of a prefill whose visual tokens are `visual` ((B, T) bool): one contiguous span of
+    the same length in every sample (found from the placeholders, never from offsets). None when the
+    input holds no placeholder. One host synchronisation."""
+    batch, length = input_ids.shape
+    positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
+    counts = visual.sum(dim=1)
+    first = torch.where(visual, positions, length).min(dim=1).values
+    last = torch.where(visual, positions, -1).max(dim=1).values
+    fewest, most, gaps = torch.stack([counts.min(), counts.max(), (last - first + 1 - counts).abs().max()]).tolist()
+    if most == 0:
+        return None
+    if fewest != most:
+        raise FicocoError(f"every sample of a batch must hold the same number of image tokens for {title}")
+    if gaps:
+        raise FicocoError(f"{title} reduces one image span per prompt; this prompt holds several (or a span cut by "
+                          "text): run one image per prompt")
+    if past_length:
+        raise FicocoError(f"{title} starts a conversation on an empty cache: a new image on an earlier turn's cache "
+                          "is not supported (text turns on its cache are); start a new cache for a new image")
+    rows = first.unsqueeze(1) + torch.arange(most, device=input_ids.device)
+    real = attention_mask.bool() if attention_mask is not None else torch.ones_like(visual)
+    suffix = (positions > last[:, None]) & real
+    ranks = torch.arange(most, device=input_ids.device).expand(batch, -1)
+    return StepState(index=positions.clone(), visual_rows=rows, visual_ranks=ranks, suffix_mask=suffix,
+                     prefill_length=length, past_length=0, visual_start=first,
+                     mask2d=attention_mask.to(torch.long) if attention_mask is not None else None)
