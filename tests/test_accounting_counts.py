@@ -331,7 +331,10 @@ def test_kv_cache_l_schedule_llava7b_counts_what_each_layer_saw(arch_of):
 def test_kv_cache_gqa_tiny(arch_of):
     arch = arch_of("llava-gqa-tiny")
     assert kv_bytes(arch) == 4 * 2 * 1 * 76 * 2 * 16 * 2 == 38_912  # 2 kv heads, not 4
-    assert kv_bytes(arch, batch=3, kv_bits=4) == 4 * 2 * 3 * 76 * 2 * 16 * 0.5
+    # A 4-bit cache stores its codes and, per group of gcd(64, head_dim) = 16 values, a 16-bit
+    # scale and zero point (HQQ's layout in transformers' QuantizedCache).
+    values = 4 * 2 * 3 * 76 * 2 * 16
+    assert kv_bytes(arch, batch=3, kv_bits=4) == values * 0.5 + values / 16 * 2 * 2
     assert kv_bytes(arch, "l", "1:20,2:10") == 2 * (76 + 76 + 56 + 46) * 2 * 16 * 2
     assert kv_bytes(arch, "v", "2:30,3:10") == 4 * 2 * (12 + 24) * 2 * 16 * 2
     assert kv_bytes(arch, "l", "1:20,2:10", equivalent=True) == 4 * 2 * 46 * 2 * 16 * 2

@@ -116,7 +116,8 @@ def test_json_path_writes_the_flops_report(tmp_path):
     vanilla, v, l_ = rows[0], rows[2], rows[4]
     assert vanilla["visual_tokens"] == 576 and vanilla["schedule"] == []
     assert vanilla["kv_cache_bytes"] == 333_447_168
-    assert rows[1]["kv_cache_bytes"] == 333_447_168 / 2  # int8 cache
+    values = 333_447_168 / 2  # int8 cache: one byte per value, and per group of 64 a 16-bit scale and zero point
+    assert rows[1]["kv_cache_bytes"] == values + values / 64 * 2 * 2
     assert v["visual_tokens"] == l_["visual_tokens"] == 64
     assert sum(e["remove"] for e in v["schedule"]) == sum(e["remove"] for e in l_["schedule"]) == 512
     assert {e["stage"] for e in v["schedule"]} == {"vision"} and {e["stage"] for e in l_["schedule"]} == {"llm"}

@@ -43,10 +43,12 @@ def make_quant(name: str, kv_bits: int | None = None) -> Quant:
 
 
 def kv_cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: int) -> float:
-    """Sum over decoder layers of 2 * b * s_layer * nkv * hd * kv_bytes, with s_layer the
-    tokens the layer attended over (a reducing layer caches what it saw before reducing)."""
-    d = arch.decoder
-    return sum(2 * batch * n_in * d.kv_heads * d.head_dim for n_in, _ in plan.llm) * kv_bits / 8
+    """The KV cache after the prefill: every decoder layer holds 2 * b * s_layer * nkv * hd values,
+    with s_layer the tokens the layer attended over (a reducing layer caches what it saw before
+    reducing); below 16 bits in the layout the quantized cache really stores (codes, per-group
+    scales and zero points in the 16-bit compute dtype: `stored_kv_cache_bytes`), so that the
+    accountant's figure is the measured one. At 16 bits and more the cache is plain, at kv_bits."""
+    return stored_kv_cache_bytes(arch, plan, batch=batch, kv_bits=kv_bits, element_bytes=max(2.0, kv_bits / 8))
 
 
 # transformers' quantized KV cache (QuantizedCache, HQQ backend; ficoco/models/kv_cache.py

@@ -210,7 +210,8 @@ def memory_need_bytes(profile: Profile, rows: Sequence[RowShape], dtype: DtypeCh
     for row in rows:
         plan = plan_tokens(arch, row.schedule, text_tokens=text_tokens)
         row_kv = kv_cache_bytes(arch, plan, batch=row.batch, kv_bits=q.kv_bits)
-        row_kv += 2 * row.batch * new_tokens * d.kv_heads * d.head_dim * d.layers * q.kv_bits / 8
+        # Decoded tokens wait unquantized in a quantized cache's residual window: the compute width.
+        row_kv += 2 * row.batch * new_tokens * d.kv_heads * d.head_dim * d.layers * max(q.kv_bits, compute_bits) / 8
         row_act = activation_peak_bytes(arch, plan, batch=row.batch, quant=q, lm_head_tokens=lm_head_tokens)
         if plan.reductions:
             # Reducing layers materialise their attention probabilities (float32) for the scores.
