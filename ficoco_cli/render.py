@@ -730,6 +730,8 @@ def comparison_cells(report: dict[str, Any], unit: str = "TFLOPs") -> tuple[list
             notes.append(f"{r['variant']}: scored by the {r['settings']['score']}")
         if note := _adaptive_note(r):
             notes.append(note)
+        if isinstance(shape := r["settings"].get("shape"), str):  # a budget's shortened default run
+            notes.append(f"{r['variant']}: {shape}")
     return columns, order, list(dict.fromkeys(notes))
 
 

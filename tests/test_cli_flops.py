@@ -304,6 +304,10 @@ def test_the_comparison_line_runs_every_method_at_one_budget(tmp_path):
     layers = [r["layer"] for r in rows["l"]["schedule"]]
     assert layers == list(range(4, 4 + len(layers))) and layers[-1] < 31
     assert "longest run from layer 4" in rows["l"]["settings"]["shape"]
+    # The printed comparison names the shortened run too, not only the JSON.
+    printed = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--tflops", "3.3")
+    assert printed.returncode == 0
+    assert "l: uniform over layers 4.." in " ".join(printed.stdout.split())
 
 
 @pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
