@@ -243,9 +243,9 @@ class TowerPatch:
             # are shortened alike (a batch's prompts keep equal lengths).
             counts = sorted(set(out.counts.tolist()))
             if len(counts) > 1:
-                raise FicocoError(f"{self.spec.title}'s adaptive count differs between the items (images, frames) of this call "
-                                  f"({', '.join(map(str, counts))} tokens): run one image per call, or give a "
-                                  "fixed count with --keep (keep=)")
+                raise FicocoError(f"{self.spec.title}'s adaptive count differs between the items (images, frames) "
+                                  f"of this call ({', '.join(map(str, counts))} tokens): run one image per call, or "
+                                  "give a fixed count with --keep (keep=)")
             hidden = hidden[:, :counts[0]]
         present = torch.arange(units, device=features.device).expand(items, -1)
         kept = out.kept[:, :hidden.shape[1]]
