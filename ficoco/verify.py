@@ -663,11 +663,9 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
     if schedule.settings_dict().get("adaptive") and measured is not None:
         # An adaptive count (PruMerge+ without --keep) is known only once the tower ran: the accountant
         # counts the run at the count it measured (the same for every item, or the run refused).
-        from ficoco.accounting.methods import method_schedule
+        from ficoco.accounting.methods import at_measured_count
 
-        fixed = method_schedule(arch, schedule.variant, measured)
-        settings = {**schedule.settings_dict(), **fixed.settings_dict(), "adaptive": True, "measured": True}
-        schedule = Schedule(schedule.variant, fixed.removals, tuple((k, v) for k, v in settings.items()))
+        schedule = at_measured_count(arch, schedule, measured)
         plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
     by_stage, by_layer = analytic_counts(arch, plan, batch=batch, lm_head_tokens=lm_head_tokens)
     fv_stages, fv_layers, fv_method = _attribute(fv, paths, method_paths, method_inside=False)
