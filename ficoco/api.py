@@ -281,7 +281,12 @@ def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any
         # Cut before the LLM (in the tower, at its output or after the projector): the prompt's image
         # spans are shortened to the planned count, or to the measured one for an adaptive count.
         adaptive = bool(sched.settings_dict().get("adaptive"))
-        handle.keep_per_image = None if adaptive else plan_tokens(arch, sched).llm_visual_tokens
+        reaching = plan_tokens(arch, sched).llm_visual_tokens
+        if reaching > arch.visual_tokens:
+            # The prompt's placeholders are shortened, never lengthened.
+            raise FicocoError(f"{spec.title} with this setting hands the LLM {reaching} visual tokens, more than the "
+                              f"{arch.visual_tokens} placeholders of the prompt; keep at most {arch.visual_tokens}")
+        handle.keep_per_image = None if adaptive else reaching
         adapter.patch_tower(handle, handle._patches, spec, sched)
     elif spec.acts_at == "vision_layer":
         handle.keep_per_image = plan_tokens(arch, sched).llm_visual_tokens

@@ -361,7 +361,8 @@ def _prumerge_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mappi
     if keep is None:
         # Adaptive: the count depends on each image and is measured at run time; the plan assumes
         # `assumed_tokens` (about 144 on LLaVA-1.5, BASELINES.md's unverified recollection).
-        tokens = min(hp["assumed_tokens"], n_visual + 1)
+        # At most the item's patches: the prompt's span of placeholders is shortened, never lengthened.
+        tokens = min(hp["assumed_tokens"], n_visual)
         return {"adaptive": True, "tokens": tokens, "neighbours": hp["neighbours"], "attention": hp["attention"]}
     if not 2 <= keep <= n_visual + 1:
         raise FicocoError(f"PruMerge+ hands the LLM 2..{n_visual + 1} tokens per item; --keep {keep} is outside")

@@ -117,6 +117,10 @@ class LlavaAdapter:
         but the placeholders past the first `keep` of every full span unit (`span_tokens`: an
         image's 576 for LLaVA-1.5). None when the input holds no placeholder. Every span must be
         whole (the caller's own prompt); one host synchronisation (the placeholder counts)."""
+        if keep > self.span_tokens:
+            raise FicocoError(f"the method handed the LLM {keep} visual tokens per image, more than the "
+                              f"{self.span_tokens} placeholders of an image span (the prompt is shortened, never "
+                              "lengthened); give a setting that keeps fewer")
         is_image = input_ids == self.image_token_id
         counts = is_image.sum(dim=1).tolist()
         if not any(counts):
