@@ -100,7 +100,7 @@ class Handle:
     vision_state: Tensor | None = None
     # A method acting before the LLM: its current tower forward (ficoco.models.vision_steps), and the
     # visual tokens every item of the last image call handed the LLM, as measured (PruMerge+'s
-    # adaptive count, or the planned count of any other method).
+    # adaptive count, or the planned count of any other method; a Video-LLaVA frame's [CLS] apart).
     tower_state: Any = None
     measured_tokens_per_item: int | None = None
     language_state: LanguageState | None = None

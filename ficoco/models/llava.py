@@ -174,7 +174,9 @@ class LlavaAdapter:
         if not encoded:
             return None
         call["mm_encoder_outputs"] = encoded
-        return handle.measured_tokens_per_item
+        measured = handle.measured_tokens_per_item
+        # The placeholders of one span unit: the method's tokens, and the [CLS] a frame keeps (Video-LLaVA).
+        return None if measured is None else measured + int(self.projector_keeps_cls)
 
     # -- FiCoCo-L ---------------------------------------------------------------------------
     def language_tokens(self, input_ids: Tensor) -> Tensor:

@@ -221,7 +221,8 @@ class TowerPatch:
             if cut is not None:
                 reduced = self._cut(cut, out[:, int(keeps_cls):], state)
                 out = torch.cat([out[:, :1], reduced], dim=1) if keeps_cls else reduced
-            self.handle.measured_tokens_per_item = int(out.shape[1])
+            # Counted as the method's settings count (Video-LLaVA's frame [CLS] apart).
+            self.handle.measured_tokens_per_item = int(out.shape[1]) - int(keeps_cls)
             return out
 
         return forward
