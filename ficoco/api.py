@@ -98,6 +98,11 @@ class Handle:
     # also yields the probabilities), timed without host synchronisation.
     timer: StageTimer = field(default_factory=StageTimer, repr=False)
     vision_state: Tensor | None = None
+    # A method acting before the LLM: its current tower forward (ficoco.models.vision_steps), and the
+    # visual tokens every item of the last image call handed the LLM, as measured (PruMerge+'s
+    # adaptive count, or the planned count of any other method; a Video-LLaVA frame's [CLS] apart).
+    tower_state: Any = None
+    measured_tokens_per_item: int | None = None
     language_state: LanguageState | None = None
     # (B, T_out) position in the last forward's input_ids of every output position (see above).
     output_positions: Tensor | None = None
@@ -125,9 +130,11 @@ class Handle:
             self._pending = []
         return self._records
 
-    def run_method(self, layer: int, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run a method's own work at decoder layer `layer` (its steps and probes) inside the
-        "reduction" span; `method_runner`, when set (flops --verify), runs it instead, so that
+    def run_method(self, layer: int | tuple[str, int | None], function: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> Any:
+        """Run a method's own work at decoder layer `layer` (its steps and probes), or where a
+        vision-side method runs it (``("vision", tower layer)`` or ``("projector", None)``), inside
+        the "reduction" span; `method_runner`, when set (flops --verify), runs it instead, so that
         counters can attribute it to the method."""
         device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
         with self.timer.span("reduction", device) if device is not None else contextlib.nullcontext():
@@ -157,6 +164,7 @@ class Handle:
         """Restore the model exactly as it was before `apply`."""
         self._patches.undo()
         self.language_state = self.vision_state = self.output_positions = self.prompt_map = None
+        self.tower_state = None
         self.cache_states.clear()
         if self.model.__dict__.get("_ficoco_handle") is self:
             del self.model.__dict__["_ficoco_handle"]
@@ -252,9 +260,34 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     handle = Handle(model=model, variant=variant, schedule=sched, hyperparameters=params)
     removed = sched.removed_at()
     # The wrappers go in even for an empty schedule, so that "nothing removed" runs through
-    # the patched path and can be checked against the unpatched model.
+    # the patched path and can be checked against the unpatched model. A refusal on the way
+    # leaves the model as it was.
+    try:
+        _install(adapter, handle, spec, sched, arch, removed, first_layer)
+    except BaseException:
+        handle._patches.undo()
+        raise
+    model.__dict__["_ficoco_handle"] = handle
+    return handle
+
+
+def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any, removed: dict[int, int],
+             first_layer: int | None) -> None:
+    """Put the method's hook points into the model (`apply`'s second half)."""
+    variant = handle.variant
     if spec.placement == "layer_input":
         adapter.patch_layer_input(handle, handle._patches, spec, sched)
+    elif spec.per_item and spec.plans_itself:
+        # Cut before the LLM (in the tower, at its output or after the projector): the prompt's image
+        # spans are shortened to the planned count, or to the measured one for an adaptive count.
+        adaptive = bool(sched.settings_dict().get("adaptive"))
+        reaching = plan_tokens(arch, sched).llm_visual_tokens
+        if reaching > arch.visual_tokens:
+            # The prompt's placeholders are shortened, never lengthened.
+            raise FicocoError(f"{spec.title} with this setting hands the LLM {reaching} visual tokens, more than the "
+                              f"{arch.visual_tokens} placeholders of the prompt; keep at most {arch.visual_tokens}")
+        handle.keep_per_image = None if adaptive else reaching
+        adapter.patch_tower(handle, handle._patches, spec, sched)
     elif spec.acts_at == "vision_layer":
         handle.keep_per_image = plan_tokens(arch, sched).llm_visual_tokens
         adapter.patch_vision(handle, handle._patches, removed)
@@ -262,5 +295,3 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
         start = min(removed) if removed else (arch.first_layer_l if first_layer is None else first_layer)
         adapter.patch_language(handle, handle._patches, removed, start)
     adapter.patch_entry(handle, handle._patches, variant, handle.keep_per_image)
-    model.__dict__["_ficoco_handle"] = handle
-    return handle

@@ -360,12 +360,22 @@ class MethodWork(nn.Module):
         return function(*args, **kwargs)
 
 
-def _layer_input_spec(schedule: Schedule) -> Any:
-    """The registry entry of a method that acts at decoder-layer inputs, or None."""
+def _registry_spec(schedule: Schedule) -> Any:
+    """The registry entry of a method planned through its own steps and cost terms (every method but
+    FiCoCo-V and -L: at decoder-layer inputs, in the tower, at its output, after the projector), or None."""
     from ficoco.methods.registry import METHODS
 
     spec = METHODS.get(schedule.variant)
-    return spec if spec is not None and spec.placement == "layer_input" else None
+    return spec if spec is not None and spec.plans_itself else None
+
+
+def _method_module_name(key: Any) -> str:
+    """The method module of `Handle.run_method`'s key: a decoder layer (int), ("vision", layer) or
+    ("projector", None)."""
+    if isinstance(key, int):
+        return f"llm_{key}"
+    stage, layer = key
+    return stage if layer is None else f"{stage}_{layer}"
 
 
 class MethodRouter:
@@ -528,7 +538,7 @@ def _module_paths(model: nn.Module) -> _Paths:
     )
 
 
-def _attribute(measured: _Measured, paths: _Paths, method_paths: list[tuple[str, int, str]], *,
+def _attribute(measured: _Measured, paths: _Paths, method_paths: list[tuple[str, int | None, str]], *,
                method_inside: bool) -> tuple[dict[str, int], dict[tuple[str, int | None], int], list[int]]:
     """Stage and layer counts of one counter, the method's work taken out of the layer that ran it.
 
@@ -537,11 +547,14 @@ def _attribute(measured: _Measured, paths: _Paths, method_paths: list[tuple[str,
     """
     get = measured.counts.get
     method = [get(path, 0) for _, _, path in method_paths]
-    inside: Counter[tuple[str, int]] = Counter()
+    inside: Counter[tuple[str, int | None]] = Counter()
     if method_inside:
         for (stage, layer, _), flops in zip(method_paths, method, strict=True):
             inside[(stage, layer)] += flops
     stages = {stage: get(path, 0) for stage, path in paths.stages.items()}
+    for (stage, layer), flops in inside.items():
+        if layer is None:  # work run inside a stage's module but outside its layers (around the projector)
+            stages[stage] -= flops
     # Qwen2-VL's projector (the PatchMerger) is a submodule of its vision tower, and both
     # counters include a submodule's work in its owner's: count it in its own stage only.
     for outer, outer_path in paths.stages.items():
@@ -560,22 +573,28 @@ def _attribute(measured: _Measured, paths: _Paths, method_paths: list[tuple[str,
 
 
 def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, plan: TokenPlan,
-             logits_to_keep: int) -> tuple[_Measured, _Measured, _Paths, list[tuple[str, int, str]]]:
-    """Run the prefill of `schedule` under fvcore and under torch's counter."""
+             logits_to_keep: int) -> tuple[_Measured, _Measured, _Paths, list[tuple[str, int | None, str]], int | None]:
+    """Run the prefill of `schedule` under fvcore and under torch's counter; the last item is the
+    visual tokens per item the run handed the LLM, as measured (a method acting before the LLM)."""
     import ficoco.api
     from ficoco import reduction
     from ficoco.models import adapter_for
     from ficoco.models.patching import Patches
 
     paths = _module_paths(model)
-    layer_input = _layer_input_spec(schedule)
-    if layer_input is not None:
-        # A layer-input method's work at decoder layer i (probes inside layer i's attention, steps at
-        # its input) runs through the module llm_i, so both counters see it apart from the layer.
-        layers = len(paths.decoder_layers)
-        method = nn.ModuleDict({f"llm_{i}": MethodWork() for i in range(layers)})
+    registry_spec = _registry_spec(schedule)
+    if registry_spec is not None:
+        # A method's work where it runs (a layer-input method's probes inside decoder layer i's
+        # attention and its steps at layer i's input; a vision method's in tower layer i or around
+        # the projector) goes through its own module (llm_i, vision_i, projector), so both counters
+        # see it apart from the layer or stage that called it.
+        keys: list[tuple[str, int | None]] = [("llm", i) for i in range(len(paths.decoder_layers))]
+        keys += [("vision", i) for i in range(len(paths.vision_layers))] + [("projector", None)]
+        module_names = [_method_module_name(key if key[0] != "llm" else key[1]) for key in keys]
+        method = nn.ModuleDict({name: MethodWork() for name in module_names})
         router = None
-        method_paths = [("llm", i, f"ficoco_method.llm_{i}") for i in range(layers)]
+        method_paths = [(stage, layer, f"ficoco_method.{name}")
+                        for (stage, layer), name in zip(keys, module_names, strict=True)]
     else:
         name = "reduce_v" if schedule.variant == "v" else "reduce_l"
         stages = [MethodStage(getattr(reduction, name)) for _ in plan.reductions]
@@ -588,8 +607,8 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
     handle = None
     if schedule.variant != "vanilla":
         handle = ficoco.api.apply(model, schedule.variant, schedule=schedule)
-        if layer_input is not None:
-            handle.method_runner = lambda layer, function, *a, **k: method[f"llm_{layer}"](function, *a, **k)
+        if registry_spec is not None:
+            handle.method_runner = lambda key, function, *a, **k: method[_method_module_name(key)](function, *a, **k)
     prefill = Prefill(model, method, router, logits_to_keep, paths.modules, names)
     traceable = Patches()
     try:
@@ -608,7 +627,7 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
         prefill.close()
         if handle is not None:
             handle.remove()
-    return fv, tc, paths, method_paths
+    return fv, tc, paths, method_paths, handle.measured_tokens_per_item if handle is not None else None
 
 
 def _check_calls(router: MethodRouter | None, counter: str) -> None:
@@ -639,7 +658,15 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
         raise FicocoError(f"unknown LM-head mode '{lm_head_tokens}': choose from all, last")
     plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
     inputs = synthetic_inputs(model, batch=batch, text_tokens=text_tokens, seed=seed)
-    fv, tc, paths, method_paths = _measure(model, inputs, schedule, plan, 1 if lm_head_tokens == "last" else 0)
+    fv, tc, paths, method_paths, measured = _measure(model, inputs, schedule, plan,
+                                                     1 if lm_head_tokens == "last" else 0)
+    if schedule.settings_dict().get("adaptive") and measured is not None:
+        # An adaptive count (PruMerge+ without --keep) is known only once the tower ran: the accountant
+        # counts the run at the count it measured (the same for every item, or the run refused).
+        from ficoco.accounting.methods import at_measured_count
+
+        schedule = at_measured_count(arch, schedule, measured)
+        plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
     by_stage, by_layer = analytic_counts(arch, plan, batch=batch, lm_head_tokens=lm_head_tokens)
     fv_stages, fv_layers, fv_method = _attribute(fv, paths, method_paths, method_inside=False)
     tc_stages, tc_layers, tc_method = _attribute(tc, paths, method_paths, method_inside=True)
@@ -652,7 +679,7 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
                                  tc_layers.get((stage, layer), 0)))
     # Tokens after the image span: the rows FiCoCo-L's task prior and indirect product read.
     suffix = plan.text_tokens - family_module(model.config.model_type).PREFIX_TOKENS
-    if _layer_input_spec(schedule) is not None:
+    if _registry_spec(schedule) is not None:
         # The method's own matrix work is a stage of its own, gated like the others: the registry's
         # extra cost terms (multiply-accumulates) against what the counters saw in its modules.
         from ficoco.accounting.methods import extra_macs

@@ -243,3 +243,15 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                           dims=dims(arch), settings=settings)
         rows += [(layer, term, batch * macs) for layer, term, macs in spec.extra_macs(ctx)]
     return rows
+
+
+def at_measured_count(arch: Architecture, schedule: Schedule, tokens_per_item: int) -> Schedule:
+    """An adaptive schedule (its settings say ``adaptive``: PruMerge+ without --keep) re-planned at the
+    count a run measured, the same for every item; the settings keep ``adaptive`` and add
+    ``measured``. Any other schedule is returned as it is."""
+    settings = schedule.settings_dict()
+    if not settings.get("adaptive"):
+        return schedule
+    fixed = method_schedule(arch, schedule.variant, tokens_per_item)
+    merged = {**settings, **fixed.settings_dict(), "adaptive": True, "measured": True}
+    return Schedule(schedule.variant, fixed.removals, tuple((k, _hashable(v)) for k, v in merged.items()))

@@ -18,13 +18,17 @@ score is FiCoCo's equivalent token, per merge group, and reports label it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from torch import Tensor
 
 from ficoco.errors import FicocoError
 from ficoco.methods.stages import top_indices
+from ficoco.methods.vision_stages import TowerInput, TowerOutput, patch_scores_from_cls
 from ficoco.reduction.stages import gather_tokens
 
-__all__ = ["fastervlm_reduce", "fastervlm_scores"]
+__all__ = ["fastervlm_reduce", "fastervlm_scores", "tower_step"]
 
 
 def fastervlm_scores(cls_row: Tensor, has_cls: bool = True) -> Tensor:
@@ -50,3 +54,12 @@ def fastervlm_reduce(features: Tensor, scores: Tensor, keep: int) -> tuple[Tenso
         raise FicocoError(f"FasterVLM keeps 1..{scores.shape[1]} patches, got {keep}")
     kept = top_indices(scores, keep)
     return gather_tokens(features, kept), kept
+
+
+def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
+    """The model adapters' call after the projector: ``inputs.hidden`` is the projector's output
+    for every patch, scored by the [CLS] row of the layer the projector reads (head mean; the
+    equivalent token on a tower without [CLS]); ``remove`` of them leave."""
+    scores = patch_scores_from_cls(inputs, "mean")
+    features, kept = fastervlm_reduce(inputs.hidden, scores, scores.shape[1] - inputs.remove)
+    return TowerOutput(hidden=features, kept=kept)

@@ -37,7 +37,9 @@ plus the extra token.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +47,10 @@ from torch import Tensor
 
 from ficoco.errors import FicocoError
 from ficoco.methods.stages import last_row_attention
+from ficoco.methods.vision_stages import TowerInput, TowerOutput
 from ficoco.reduction.stages import compute_dtype, gather_tokens
 
-__all__ = ["PruMergeOutput", "prumerge_cls_attention", "prumerge_reduce", "prumerge_selection"]
+__all__ = ["PruMergeOutput", "prumerge_cls_attention", "prumerge_reduce", "prumerge_selection", "tower_step"]
 
 ATTENTIONS = ("heads", "official")
 ORDERS = ("spatial", "official")
@@ -148,10 +151,13 @@ def prumerge_reduce(hidden: Tensor, cls_attn: Tensor, keys: Tensor, tokens: int 
     nearest = torch.sort(similarity, dim=-1, descending=True, stable=True).indices[..., :k]  # (B, K, k)
     weights = torch.gather(a.unsqueeze(1).expand(-1, most, -1), 2, nearest)
     neighbours_x = gather_tokens(x, nearest.reshape(batch, -1)).reshape(batch, most, k, width)
-    merged = gather_tokens(x, taken) + (weights.unsqueeze(-1) * neighbours_x).sum(dim=2)
+    # The weighted sums as matrix products (einsum, bmm): the work the counters of flops --verify
+    # see and the accountant's terms count.
+    merged = gather_tokens(x, taken) + torch.einsum("bkn,bknd->bkd", weights, neighbours_x)
     is_kept = torch.zeros(batch, patches, dtype=torch.bool, device=hidden.device)
-    is_kept = is_kept.scatter(1, torch.where(valid, taken, taken[:, :1]), True)
-    extra = (torch.where(is_kept, torch.zeros_like(a), a).unsqueeze(-1) * x).sum(dim=1, keepdim=True)
+    # A tensor source, not a bool scalar: torch.jit's trace (fvcore) has no scatter overload for one.
+    is_kept = is_kept.scatter(1, torch.where(valid, taken, taken[:, :1]), torch.ones_like(taken, dtype=torch.bool))
+    extra = torch.bmm(torch.where(is_kept, torch.zeros_like(a), a).unsqueeze(1), x)
     out = torch.cat([merged, torch.zeros_like(extra)], dim=1)
     # The extra token goes right after each item's own kept patches; padding after it is zero.
     slot = torch.arange(most + 1, device=hidden.device).unsqueeze(0)
@@ -159,3 +165,22 @@ def prumerge_reduce(hidden: Tensor, cls_attn: Tensor, keys: Tensor, tokens: int 
     out = torch.where((slot > counts.unsqueeze(1)).unsqueeze(-1), torch.zeros_like(out), out)
     kept = torch.where(valid, taken, torch.full_like(taken, -1))
     return PruMergeOutput(hidden=out.to(hidden.dtype), counts=counts + 1, kept=kept)
+
+
+def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
+    """The model adapters' call at the tower's output, before the projector: ``inputs.hidden`` are
+    the feature layer's patches ([CLS] dropped); ``cls_query`` and ``keys`` come from the **last**
+    tower layer's attention (its q_proj and k_proj outputs, heads split), as the official hooks
+    read them. Adaptive settings return each item's measured count in ``counts``."""
+    if inputs.keys is None or inputs.cls_query is None or not inputs.has_cls:
+        raise RuntimeError("PruMerge+ needs the last tower layer's [CLS] query and keys from the adapter's probe")
+    items, heads, tokens, head_dim = inputs.keys.shape
+    keys = inputs.keys.transpose(1, 2).reshape(items, tokens, heads * head_dim)
+    cls_attn = prumerge_cls_attention(inputs.cls_query.reshape(items, heads * head_dim), keys, heads,
+                                      settings.get("attention", "heads"))
+    adaptive = bool(settings.get("adaptive"))
+    out = prumerge_reduce(inputs.hidden, cls_attn, keys[:, 1:], tokens=None if adaptive else settings["tokens"],
+                          neighbours=settings.get("neighbours", 32))
+    extra = torch.full((items, 1), -1, dtype=torch.long, device=inputs.hidden.device)
+    return TowerOutput(hidden=out.hidden, kept=torch.cat([out.kept, extra], dim=1),
+                       counts=out.counts if adaptive else None)

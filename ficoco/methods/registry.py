@@ -361,7 +361,8 @@ def _prumerge_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mappi
     if keep is None:
         # Adaptive: the count depends on each image and is measured at run time; the plan assumes
         # `assumed_tokens` (about 144 on LLaVA-1.5, BASELINES.md's unverified recollection).
-        tokens = min(hp["assumed_tokens"], n_visual + 1)
+        # At most the item's patches: the prompt's span of placeholders is shortened, never lengthened.
+        tokens = min(hp["assumed_tokens"], n_visual)
         return {"adaptive": True, "tokens": tokens, "neighbours": hp["neighbours"], "attention": hp["attention"]}
     if not 2 <= keep <= n_visual + 1:
         raise FicocoError(f"PruMerge+ hands the LLM 2..{n_visual + 1} tokens per item; --keep {keep} is outside")
@@ -465,7 +466,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         source="facebookresearch/ToMe af95e4b",
         summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
         keep_means=_PER_ITEM,
-        steps=_tome_steps, settings_for_keep=_tome_for_keep, extra_macs=_tome_extra,
+        steps=_tome_steps, settings_for_keep=_tome_for_keep, extra_macs=_tome_extra, wired=True,
     ),
     MethodSpec(
         name="visionzip", title="VisionZip", acts_at="vision_layer", placement="tower_output", positions="grid",
@@ -478,7 +479,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         source="dvlab-research/VisionZip 3151f6d",
         summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",
         keep_means=_PER_ITEM + " (dominant + contextual: 162+30, 108+20, 54+10)", cls_note=_EQUIVALENT,
-        steps=_visionzip_steps, settings_for_keep=_visionzip_for_keep, extra_macs=_visionzip_extra,
+        steps=_visionzip_steps, settings_for_keep=_visionzip_for_keep, extra_macs=_visionzip_extra, wired=True,
     ),
     MethodSpec(
         name="fastervlm", title="FasterVLM", acts_at="after_projector", placement="after_projector",
@@ -491,7 +492,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         source="Theia-4869/FasterVLM f5d5f12",
         summary="keep the projected patches [CLS] attends to most, in image order",
         keep_means=_PER_ITEM, cls_note=_EQUIVALENT,
-        steps=_fastervlm_steps, settings_for_keep=_fastervlm_for_keep, extra_macs=_fastervlm_extra,
+        steps=_fastervlm_steps, settings_for_keep=_fastervlm_for_keep, extra_macs=_fastervlm_extra, wired=True,
     ),
     MethodSpec(
         name="prumerge", title="PruMerge+", acts_at="vision_layer", placement="tower_output", positions="grid",
@@ -504,7 +505,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
         keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without --keep "
                    "the count is adaptive, planned at assumed_tokens and measured at run time)",
-        steps=_prumerge_steps, settings_for_keep=_prumerge_for_keep, extra_macs=_prumerge_extra,
+        steps=_prumerge_steps, settings_for_keep=_prumerge_for_keep, extra_macs=_prumerge_extra, wired=True,
     ),
 )}
 

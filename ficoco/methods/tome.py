@@ -32,16 +32,19 @@ size between layers and no proportional attention; both are kept here, as in the
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.methods.vision_stages import TowerInput, TowerOutput
 from ficoco.reduction.stages import compute_dtype, gather_tokens
 
-__all__ = ["ToMeMerged", "bipartite_matching", "proportional_attention_bias", "tome_merge"]
+__all__ = ["ToMeMerged", "bipartite_matching", "proportional_attention_bias", "tome_merge", "tower_step"]
 
 ORDERS = ("spatial", "official")
 
@@ -168,3 +171,17 @@ def proportional_attention_bias(size: Tensor, dtype: torch.dtype | None = None) 
     that a key standing for ``s`` tokens weighs as ``s`` copies of itself."""
     bias = size.log()
     return bias[:, None, None, :].to(dtype or bias.dtype)
+
+
+def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
+    """The model adapters' call inside a tower layer, between attention and MLP: merge ``remove``
+    pairs by the layer's head-mean keys, carrying sizes and positions to the next layer; with
+    ``prop_attn`` every later layer adds ``log(size)`` to its keys' logits."""
+    if inputs.keys is None:
+        raise RuntimeError("ToMe needs the layer's key states from the adapter's probe")
+    merged = tome_merge(inputs.hidden, inputs.keys.mean(dim=1), inputs.remove, inputs.size, inputs.positions,
+                        has_cls=inputs.has_cls, order=settings.get("order", "spatial"))
+    offset = int(inputs.has_cls)
+    bias = proportional_attention_bias(merged.size, inputs.hidden.dtype) if settings.get("prop_attn", True) else None
+    return TowerOutput(hidden=merged.hidden, kept=merged.positions[:, offset:] - offset, size=merged.size,
+                       positions=merged.positions, attention_bias=bias)

@@ -7,12 +7,15 @@ Every function works on a batch of tower items (images, crops, frames), ``(B, T,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import Tensor
 
 from ficoco.methods.stages import last_row_attention
 from ficoco.reduction.ficoco_v import equivalent_token_redundancy
 
-__all__ = ["cls_attention", "equivalent_token_scores", "merge_group_scores"]
+__all__ = ["TowerInput", "TowerOutput", "cls_attention", "equivalent_token_scores", "merge_group_scores",
+           "patch_scores_from_cls"]
 
 
 def cls_attention(query: Tensor, keys: Tensor, scale: float | None = None) -> Tensor:
@@ -44,3 +47,73 @@ def merge_group_scores(scores: Tensor, merge: int) -> Tensor:
     if patches % merge:
         raise ValueError(f"{patches} patches do not split into groups of {merge}")
     return scores.reshape(batch, patches // merge, merge).mean(dim=-1)
+
+
+# ---- the adapters' call: one interface for every method that acts before the LLM ---------------------------------
+
+@dataclass(frozen=True)
+class TowerInput:
+    """What the model adapters hand a vision-side method's `tower_step` (a batch of tower items).
+
+    Attributes:
+        hidden: ``(items, T, D)``: for an ``in_layer`` step the layer's tokens after its attention
+            residual ([CLS] first when ``has_cls``); for a ``tower_output`` step the patches the
+            projector would map (the layer the projector reads, [CLS] dropped); for an
+            ``after_projector`` step the projector's output for every patch.
+        has_cls: whether the tower has a [CLS] token (position 0 of `keys`, and of an in-layer
+            step's `hidden`).
+        remove: units the step removes per item (the schedule's count); ``added``: units it adds.
+        keys: ``(items, H, T, d)`` the key states of the layer the method reads (the layer's own
+            attention computed them; a tower applies no rotary), or None when not asked for.
+        cls_query: ``(items, H, d)`` the query of [CLS] in that layer, or None.
+        scale: that layer's attention scale.
+        size: ``(items, T)`` how many original tokens each token stands for (carried between a
+            forward's in-layer steps; None before the first).
+        positions: ``(items, T)`` the original token index each token continues (None: ``arange``).
+    """
+
+    hidden: Tensor
+    has_cls: bool
+    remove: int
+    added: int = 0
+    keys: Tensor | None = None
+    cls_query: Tensor | None = None
+    scale: float | None = None
+    size: Tensor | None = None
+    positions: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TowerOutput:
+    """What a vision-side method's `tower_step` returns.
+
+    Attributes:
+        hidden: ``(items, T', D)`` the tokens that go on (an in-layer step: [CLS] first).
+        kept: ``(items, K)`` the original patch index (0..N-1) of every output token that continues
+            one patch, ``-1`` for a token that does not (merged, contextual, extra) or padding.
+        counts: ``(items,)`` tokens each item really hands on when items differ (an adaptive count;
+            the rest of its row is padding), None when every item hands on ``T'``.
+        size, positions: carried to the next in-layer step of the same forward (see `TowerInput`).
+        attention_bias: ``(items, 1, 1, T')`` additive logits every later tower layer adds to its
+            keys (ToMe's proportional attention), or None.
+    """
+
+    hidden: Tensor
+    kept: Tensor
+    counts: Tensor | None = None
+    size: Tensor | None = None
+    positions: Tensor | None = None
+    attention_bias: Tensor | None = None
+
+
+def patch_scores_from_cls(inputs: TowerInput, reduce_heads: str = "mean") -> Tensor:
+    """``(items, N)`` the [CLS] query's attention over the patches of the probed layer, heads
+    reduced by ``mean`` or ``sum``; on a tower without [CLS], the equivalent token's scores."""
+    if inputs.keys is None:
+        raise RuntimeError("the method needs the probed layer's keys from the adapter")
+    if not inputs.has_cls:
+        return equivalent_token_scores(inputs.keys)
+    if inputs.cls_query is None:
+        raise RuntimeError("the method needs the [CLS] query of the probed layer from the adapter")
+    row = cls_attention(inputs.cls_query, inputs.keys, inputs.scale)[:, :, 1:]
+    return row.sum(dim=1) if reduce_heads == "sum" else row.mean(dim=1)

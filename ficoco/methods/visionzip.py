@@ -33,7 +33,9 @@ per merge group, and the tokens are merge groups; reports label it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +43,10 @@ from torch import Tensor
 
 from ficoco.errors import FicocoError
 from ficoco.methods.stages import top_indices
+from ficoco.methods.vision_stages import TowerInput, TowerOutput, patch_scores_from_cls
 from ficoco.reduction.stages import compute_dtype, gather_tokens
 
-__all__ = ["VisionZipOutput", "visionzip_reduce", "visionzip_scores"]
+__all__ = ["VisionZipOutput", "tower_step", "visionzip_reduce", "visionzip_scores"]
 
 CONTEXTUAL_MODES = ("mean", "official")
 
@@ -93,7 +96,9 @@ def visionzip_reduce(hidden: Tensor, scores: Tensor, metric: Tensor, dominant: i
                           "patches")
     patch_hidden = hidden[:, offset:]
     chosen = top_indices(scores, kept_patches)  # ascending: image order
-    is_dominant = torch.zeros(batch, patches, dtype=torch.bool, device=hidden.device).scatter(1, chosen, True)
+    # A tensor source, not a bool scalar: torch.jit's trace (fvcore) has no scatter overload for one.
+    is_dominant = torch.zeros(batch, patches, dtype=torch.bool, device=hidden.device).scatter(
+        1, chosen, torch.ones_like(chosen, dtype=torch.bool))
     parts = [hidden[:, :1]] if include_cls else []
     parts.append(gather_tokens(patch_hidden, chosen))
     # The remaining patches in image order (a stable sort puts the non-dominant first, in order).
@@ -125,3 +130,18 @@ def visionzip_reduce(hidden: Tensor, scores: Tensor, metric: Tensor, dominant: i
         parts.append(merged.to(hidden.dtype))
     target_index = torch.gather(rest, 1, targets_in_rest) if contextual else targets_in_rest
     return VisionZipOutput(hidden=torch.cat(parts, dim=1), dominant_index=chosen, target_index=target_index)
+
+
+def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
+    """The model adapters' call at the tower's output, before the projector: ``inputs.hidden`` are
+    the patches the projector would map ([CLS] dropped), scored by the [CLS] row of the layer the
+    projector reads (head sum; the equivalent token on a tower without [CLS])."""
+    if inputs.keys is None:
+        raise RuntimeError("VisionZip needs the layer's key states from the adapter's probe")
+    scores = patch_scores_from_cls(inputs, "sum")
+    metric = inputs.keys.mean(dim=1)[:, int(inputs.has_cls):]
+    dominant, contextual = settings["dominant"], settings["contextual"]
+    out = visionzip_reduce(inputs.hidden, scores, metric, dominant, contextual, has_cls=False,
+                           contextual_mode=settings.get("contextual_mode", "mean"))
+    merged = torch.full((inputs.hidden.shape[0], contextual), -1, dtype=torch.long, device=inputs.hidden.device)
+    return TowerOutput(hidden=out.hidden, kept=torch.cat([out.dominant_index, merged], dim=1))

@@ -117,6 +117,10 @@ class LlavaAdapter:
         but the placeholders past the first `keep` of every full span unit (`span_tokens`: an
         image's 576 for LLaVA-1.5). None when the input holds no placeholder. Every span must be
         whole (the caller's own prompt); one host synchronisation (the placeholder counts)."""
+        if keep > self.span_tokens:
+            raise FicocoError(f"the method handed the LLM {keep} visual tokens per image, more than the "
+                              f"{self.span_tokens} placeholders of an image span (the prompt is shortened, never "
+                              "lengthened); give a setting that keeps fewer")
         is_image = input_ids == self.image_token_id
         counts = is_image.sum(dim=1).tolist()
         if not any(counts):
@@ -134,6 +138,45 @@ class LlavaAdapter:
         # the drop flags lists the kept positions in order without a data-dependent nonzero().
         length = input_ids.shape[1] - (total // self.span_tokens) * (self.span_tokens - keep)
         return torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :length]
+
+    # -- methods that act before the LLM (ToMe, VisionZip, FasterVLM, PruMerge+, ...) -----------
+    # Where an image call's pixels go and the model's own function that encodes them, for a method
+    # whose count is known only once the tower ran (an adaptive count): (input, modality, encoder).
+    encoder_inputs: tuple[tuple[str, str, str], ...] = (("pixel_values", "image", "get_image_features"),)
+    # Whether the projector's input keeps every item's [CLS] first (Video-LLaVA's frames).
+    projector_keeps_cls = False
+
+    def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """The tower's and the projector's hook points for a vision-side method (ficoco.models.vision_steps)."""
+        from ficoco.models.vision_steps import TowerPatch
+
+        config = self.model.config
+        if getattr(config, "vision_feature_select_strategy", "default") != "default" or \
+                not isinstance(getattr(config, "vision_feature_layer", -2), int):
+            raise FicocoError(f"{spec.title} needs vision_feature_select_strategy='default' and one "
+                              "vision_feature_layer ([CLS] dropped before the projector)")
+        TowerPatch(self, handle, spec, schedule).install(patches)
+
+    def encode_first(self, handle: Handle, call: dict[str, Any]) -> int | None:
+        """Encode the call's pixels before the LLM runs (the model's own encoder, patched), hand the
+        features to the forward as `mm_encoder_outputs`, and return the visual tokens every item
+        hands the LLM, as measured; None when the call holds no pixels."""
+        inner = self.model.model
+        encoded = call.get("mm_encoder_outputs") or {}
+        for key, modality, encoder in self.encoder_inputs:
+            pixels = call.get(key)
+            if pixels is None:
+                continue
+            options = {name: call[name] for name in ("vision_feature_layer", "vision_feature_select_strategy",
+                                                     "image_sizes") if call.get(name) is not None}
+            encoded[modality] = getattr(inner, encoder)(pixels, return_dict=True, **options)
+            del call[key]
+        if not encoded:
+            return None
+        call["mm_encoder_outputs"] = encoded
+        measured = handle.measured_tokens_per_item
+        # The placeholders of one span unit: the method's tokens, and the [CLS] a frame keeps (Video-LLaVA).
+        return None if measured is None else measured + int(self.projector_keeps_cls)
 
     # -- FiCoCo-L ---------------------------------------------------------------------------
     def language_tokens(self, input_ids: Tensor) -> Tensor:
@@ -286,15 +329,22 @@ class LlavaAdapter:
         original_forward = model.forward
         original_generate = model.generate
         signature = inspect.signature(original_forward)
-        # Every variant but V keeps a per-prefill state of the decoder's sequence: FiCoCo-L's, or the
-        # layer-input methods' (the registry entry's title names the method in refusals).
-        in_llm = variant != "v"
+        from ficoco.methods.registry import method
+
+        spec = method(variant)
+        # A method that acts before the LLM (FiCoCo-V, ToMe, VisionZip, ...) hands it fewer visual
+        # tokens per image: the prompt's image spans are shortened to them. Every other keeps a
+        # per-prefill state of the decoder's sequence: FiCoCo-L's, or the layer-input methods' (the
+        # registry entry's title names the method in refusals).
+        shortens = spec.per_item
+        in_llm = not shortens
+        # A count known only once the tower ran (PruMerge+ without --keep): the images are encoded
+        # first, and the spans shortened to what they measured.
+        adaptive = bool(handle.schedule.settings_dict().get("adaptive"))
         if variant == "l":
             new_state = self.language_state
         else:
-            from ficoco.methods.registry import method
-
-            new_state = functools.partial(self.step_state, method(variant).title)
+            new_state = functools.partial(self.step_state, spec.title)
         # Set while generate runs on a prompt it has shortened already (FiCoCo-V): its forwards
         # must not shorten again; the prefill's positions refer to the caller's prompt.
         generating: dict[str, Any] = {}
@@ -315,9 +365,9 @@ class LlavaAdapter:
                 handle.begin_forward()
             visual = has_pixels or bool(call.get("mm_encoder_outputs"))
             positions = None
-            if variant == "v" and not visual:
+            if shortens and not visual:
                 follow_shortened_prompt(handle, call)
-            if variant == "v" and visual and input_ids is not None and keep_per_image is not None:
+            if shortens and visual and input_ids is not None and (keep_per_image is not None or adaptive):
                 if "prompt_positions" in generating:
                     # generate's prefill, shortened already (its rows repeated for beams/samples):
                     # the part after what a cache holds (a later turn), or, without a cache, the
@@ -330,7 +380,8 @@ class LlavaAdapter:
                     extra = torch.arange(length, length + max(0, end - kept.shape[1]), device=kept.device)
                     positions = torch.cat([kept, extra.expand(kept.shape[0], -1)], dim=1)[:, past:end]
                 else:
-                    positions = self.kept_token_index(input_ids, keep_per_image)
+                    keep = self.encode_first(handle, call) if adaptive and has_pixels else keep_per_image
+                    positions = self.kept_token_index(input_ids, keep) if keep is not None else None
                     if positions is not None:
                         shorten_call(call, positions, input_ids.shape[1])
                         handle.prompt_map = (positions, input_ids.shape[1])
@@ -379,10 +430,13 @@ class LlavaAdapter:
                 handle.begin_forward()
             prompt = kwargs.get("input_ids")
             kept = None
-            if variant == "v" and keep_per_image is not None and prompt is not None:
+            keep = keep_per_image
+            if shortens and adaptive and prompt is not None:
+                keep = self.encode_first(handle, kwargs)
+            if shortens and keep is not None and prompt is not None:
                 # Every image span of the prompt, also those of earlier turns on a cache that
                 # holds them shortened (multi-turn).
-                kept = self.kept_token_index(prompt, keep_per_image)
+                kept = self.kept_token_index(prompt, keep)
             if kept is None:
                 return original_generate(*args, **kwargs)
             shorten_call(kwargs, kept, prompt.shape[1])

@@ -205,6 +205,14 @@ class LlavaNextAdapter(LlavaAdapter):
                               "generate call as the image placeholders")
         return [self.layout(size) for size in self.image_sizes]
 
+    def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """Vision-side methods other than FiCoCo-V are planned per crop on LLaVA-NeXT, but the AnyRes
+        packing of their reduced crops (tokens without a grid place: merged, contextual, extra) is not
+        wired yet."""
+        raise FicocoError(f"--variant {spec.name}: {spec.title} on LLaVA-NeXT is planned and counted per crop by "
+                          "`ficoco flops` but not wired into LLaVA-NeXT's AnyRes packing yet; run it on a LLaVA-1.5 "
+                          "or Video-LLaVA model, or use FiCoCo-V (v) or an in-LLM method here")
+
     # -- FiCoCo-V ---------------------------------------------------------------------------
     def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
         """Reduce every item inside the CLIP layers (LLaVA-1.5's patch: items are batch rows) and

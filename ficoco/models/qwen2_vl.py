@@ -211,6 +211,13 @@ class Qwen2VLAdapter(LlavaAdapter):
         return {"vision": inner.visual, "projector": inner.visual.merger, "llm": inner.language_model,
                 "lm_head": self.model.lm_head}
 
+    def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """Vision-side methods other than FiCoCo-V are planned on Qwen2-VL (the equivalent token in place
+        of [CLS], per merge group) but its packed tower (cu_seqlens) has no hook points for them yet."""
+        raise FicocoError(f"--variant {spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco flops` "
+                          "(the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed vision "
+                          "tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
+
     # -- FiCoCo-V: the tower ----------------------------------------------------------------
     def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
         """Reduce whole merge groups in the ViT blocks of `removed`; the blocks after the first

@@ -49,6 +49,10 @@ class VideoLlavaAdapter(LlavaAdapter):
     # Any visual input starts a new forward (records and state of the previous one are dropped);
     # images run the untouched image tower, so their forward records nothing.
     pixel_inputs = ("pixel_values_videos", "pixel_values", "pixel_values_images")
+    # Vision-side methods: the video features keep each frame's [CLS] before the projector, and
+    # an adaptive count is measured by encoding the video first.
+    projector_keeps_cls = True
+    encoder_inputs = (("pixel_values_videos", "video", "get_video_features"),)
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -67,13 +71,21 @@ class VideoLlavaAdapter(LlavaAdapter):
         return input_ids == self.still_image_token_id
 
     def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
-        """As LLaVA's, with FiCoCo-V's span shortened frame by frame.
+        """As LLaVA's, with the span of a method acting before the LLM (FiCoCo-V, ToMe, VisionZip,
+        ...) shortened frame by frame.
 
         `keep_per_image` (the accountant's visual tokens per video) is frames x (1 + kept
         patches) for the profile's frame count; shortening per frame instead keeps every frame's
-        [CLS] and kept patches whatever the number of frames the input holds.
+        [CLS] and kept patches whatever the number of frames the input holds. An adaptive count
+        (None here) is measured per frame when the video is encoded.
         """
-        keep_per_frame = 1 + self.patches - handle.schedule.total_removed if variant == "v" else None
+        from ficoco.methods.registry import method
+
+        keep_per_frame = None
+        if method(variant).per_item and keep_per_image is not None:
+            # [CLS] and the patches every frame keeps (merged tokens a method adds count too).
+            change = sum(r.added - r.remove for r in handle.schedule.removals if r.stage == "vision")
+            keep_per_frame = 1 + self.patches + change
         super().patch_entry(handle, patches, variant, keep_per_frame)
 
 

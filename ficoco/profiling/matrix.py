@@ -364,6 +364,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         reduction_ms.append(handle.timer.total_ms("reduction") if handle is not None else 0.0)
         probe_ms.append(handle.timer.total_ms("probe") if handle is not None else 0.0)
 
+    measured_tokens: list[int | None] = []
     try:
         with torch.inference_mode():
             with memory_tracker.track() as memory:
@@ -371,6 +372,9 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
                 latency = latency_tracker.measure(prefill, warmup=warmup, repeat=repeat, after_each=after_each,
                                                   on_run=on_run, choose=choose)
             prefill_cache = last.pop("cache")
+            # What every image (crop, frame) handed the LLM in the prefill, as it ran: a method acting
+            # before the LLM with an adaptive count (PruMerge+) plans an assumed count, this is the real one.
+            measured_tokens.append(handle.measured_tokens_per_item if handle is not None else None)
             kv_bytes, kv_tokens = cache_bytes(prefill_cache), cache_tokens(prefill_cache)
             del prefill_cache
             generation = None
@@ -438,6 +442,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         "reduction_share": method_ms / latency.median_ms if latency.median_ms else 0.0,
         "generation": generation,
         **({"fidelity": fidelity} if plan.fidelity is not None else {}),
+        **({"visual_tokens_per_item_measured": measured_tokens[0]} if measured_tokens and measured_tokens[0] else {}),
     }
 
 
@@ -526,6 +531,7 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
                     # bitsandbytes warns on every INT8 matmul that it casts bf16 inputs to fp16.
                     warnings.simplefilter("ignore")
                     result = base | {"status": "ok", **measure_row(model, row, config, plan, on_run=on_run)}
+                result = _at_measured_count(result, row, config, plan)
             except FicocoError as exc:
                 result = base | {"status": "unsupported", "reason": str(exc)}
             except Exception as exc:
@@ -535,6 +541,24 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
             on_row(result | {"wall_s": time.perf_counter() - begin, "build_s": build_s})
         del model
         release_device_cache(plan.device)
+
+
+def _at_measured_count(result: dict[str, Any], row: RowSpec, config: ProfileConfig, plan: Plan) -> dict[str, Any]:
+    """A row whose method counts adaptively (PruMerge+ without --keep) planned an assumed count; once
+    measured, its analytic columns and schedule are those of the measured count, and its note says so."""
+    from dataclasses import replace
+
+    from ficoco.accounting.methods import at_measured_count
+
+    measured = result.get("visual_tokens_per_item_measured")
+    if not measured or not row.schedule.settings_dict().get("adaptive"):
+        return result
+    assumed = result["analytic"]["visual_tokens"]
+    schedule = at_measured_count(architecture(plan.profile), row.schedule, measured)
+    note = (f"adaptive count: measured {measured} visual tokens per item (planned at {assumed}); the analytic "
+            "columns count the measured run")
+    return result | {"schedule": schedule.to_json(), "note": note,
+                     "analytic": analytic(plan.profile, replace(row, schedule=schedule), config, plan.gpu, plan.dtype)}
 
 
 def _reason(exc: BaseException) -> str:

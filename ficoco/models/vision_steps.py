@@ -1,0 +1,261 @@
+"""The vision tower's and the projector's hook points for every method that acts before the LLM
+(ToMe, VisionZip, FasterVLM, PruMerge+, and any later one): one implementation, read from the
+method's registry entry, for the families whose tower is a stack of CLIP encoder layers.
+
+What a method asks for (its `MethodSpec.needs` of a ``vision`` layer) decides what is probed, and
+only there:
+
+- ``keys`` / ``attention_rows`` / ``query_key`` of ``vision L`` (the layer of each of its steps) or
+  ``vision last`` (the tower's last layer): that layer's attention module is routed through
+  `tower_rows_attention`, which keeps the key states (heads split) and, for ``cls`` rows, the
+  query of [CLS], then calls the module's own implementation (SDPA stays on). The method computes
+  the one [CLS] row it needs from them (a tower attends without a mask, so the row is exact).
+
+Where the method's `tower_step` runs follows the step's placement:
+
+- ``in_layer`` (ToMe): the layer is re-composed from its own submodules so that the step sits
+  between the attention residual and the MLP; what the step carries (token sizes, original
+  positions, an additive attention bias for later layers) lives in the forward's `TowerState`,
+  never on the modules, and every later tower layer adds the bias to its attention mask.
+- ``tower_output`` (VisionZip, PruMerge+): on the projector's input, the patches of the layer it
+  reads ([CLS] dropped), before the projector maps them.
+- ``after_projector`` (FasterVLM): on the projector's output.
+
+The method's own matrix work runs through `Handle.run_method` (a plain call, or a counter's module
+during `flops --verify`), keyed ``("vision", layer)`` or ``("projector", None)`` by where it runs.
+The visual tokens each item hands the LLM are left in `Handle.measured_tokens_per_item`; the entry
+wrapper shortens the prompt's image spans to them (ficoco.models.llava).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ficoco.accounting.schedule import Removal, Schedule
+from ficoco.errors import FicocoError
+from ficoco.methods.base import MethodSpec
+from ficoco.methods.vision_stages import TowerInput, TowerOutput
+from ficoco.models.patching import Patches
+
+if TYPE_CHECKING:
+    from ficoco.api import Handle
+
+TOWER_ROWS_IMPLEMENTATION = "ficoco_tower_rows"
+
+
+@dataclass
+class TowerSlot:
+    """What one tower attention module is asked to keep in a forward, and what it left."""
+
+    want_cls: bool = False
+    armed: bool = False
+    keys: Tensor | None = None  # (items, H, T, d)
+    cls_query: Tensor | None = None  # (items, H, d)
+    scale: float | None = None
+
+    def take(self) -> tuple[Tensor | None, Tensor | None, float | None]:
+        keys, query, scale = self.keys, self.cls_query, self.scale
+        self.keys = self.cls_query = None
+        return keys, query, scale
+
+
+def tower_rows_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                         attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         is_causal: bool | None = None, **kwargs: Any) -> tuple[Tensor, Any]:
+    """The module's own attention, after keeping its keys (and the [CLS] query) for a method."""
+    slot: TowerSlot = module._ficoco_tower  # type: ignore[assignment]
+    if slot.armed:
+        slot.keys = key
+        slot.cls_query = query[:, :, 0] if slot.want_cls else None
+        slot.scale = scaling
+    own = module._ficoco_tower_config._attn_implementation  # type: ignore[union-attr]
+    # "eager" is not in the registry: each model file has its own eager function.
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    implementation = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
+    return implementation(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                          is_causal=is_causal, **kwargs)
+
+
+AttentionInterface.register(TOWER_ROWS_IMPLEMENTATION, tower_rows_attention)
+
+
+def install_tower_rows(attention: nn.Module, slot: TowerSlot, patches: Patches) -> None:
+    """Route one tower attention module through `tower_rows_attention` (its own config copy)."""
+    original = attention.config
+    config = copy.copy(original)
+    config._attn_implementation_internal = TOWER_ROWS_IMPLEMENTATION
+    patches.set(attention, "_ficoco_tower_config", original)
+    patches.set(attention, "_ficoco_tower", slot)
+    patches.set(attention, "config", config)
+
+
+@dataclass
+class TowerState:
+    """One tower forward: what the in-layer steps carry, and what the probes left for later steps."""
+
+    size: Tensor | None = None
+    positions: Tensor | None = None
+    bias: Tensor | None = None
+    probes: dict[int, tuple[Tensor | None, Tensor | None, float | None]] = field(default_factory=dict)
+
+
+def complement(kept: Tensor, total: int, width: int | None = None) -> Tensor:
+    """(items, width) ascending indices in 0..total-1 not in `kept` (entries -1 in `kept` are
+    ignored), padded with -1 where an item misses fewer; `width` None: the most any item misses
+    (one host read)."""
+    valid = kept >= 0
+    flags = torch.zeros(kept.shape[0], total + 1, dtype=torch.int8, device=kept.device)
+    flags = flags.scatter(1, torch.where(valid, kept, total), 1)[:, :total]
+    kept_counts = flags.sum(dim=1)
+    if width is None:
+        width = total - int(kept_counts.min())
+    order = torch.sort(flags, dim=1, stable=True).indices[:, :width]
+    missing = torch.arange(width, device=kept.device).unsqueeze(0) < (total - kept_counts).unsqueeze(1)
+    return torch.where(missing, order, torch.full_like(order, -1))
+
+
+class TowerPatch:
+    """Patches a CLIP tower and the projector for one vision-side method: probes, the steps at their
+    placements, and the proportional-attention bias of every layer after an in-layer step."""
+
+    def __init__(self, adapter: Any, handle: Handle, spec: MethodSpec, schedule: Schedule) -> None:
+        self.adapter, self.handle, self.spec = adapter, handle, spec
+        self.module = spec.load()
+        self.settings = schedule.settings_dict()
+        removals = [r for r in schedule.removals if r.stage == "vision"]
+        self.in_layer: dict[int, Removal] = {r.layer: r for r in removals if r.where == "in_layer"}
+        self.cuts: dict[str, Removal] = {r.where: r for r in removals if r.where != "in_layer"}
+        last = len(adapter.vision_layers) - 1
+        step_layers = sorted({r.layer for r in removals})
+        self.probes: dict[int, bool] = {}  # tower layer -> whether the [CLS] query is wanted too
+        for need in spec.needs:
+            words = need.layer.split()
+            if need.kind not in ("keys", "attention_rows", "query_key") or words[:1] != ["vision"]:
+                continue
+            for layer in ([last] if words[1:] == ["last"] else step_layers):
+                self.probes[layer] = self.probes.get(layer, False) or need.rows == "cls"
+        # The probe a cut reads: the one layer probed for it (the layer the projector reads, or the last).
+        self.cut_probe = next(iter(sorted(set(self.probes) - set(self.in_layer))), None)
+        self.slots: dict[int, TowerSlot] = {}
+
+    def install(self, patches: Patches) -> None:
+        layers = self.adapter.vision_layers
+        for layer, want_cls in self.probes.items():
+            slot = TowerSlot(want_cls=want_cls)
+            install_tower_rows(layers[layer].self_attn, slot, patches)
+            self.slots[layer] = slot
+        for index, layer in enumerate(layers):
+            patches.set(layer, "forward", self._forward(index, layer, layer.forward))
+        # The projector always: it measures what every item hands the LLM (and runs the cuts).
+        projector = self.adapter.stage_modules()["projector"]
+        patches.set(projector, "forward", self._projector(projector.forward))
+
+    # -- tower layers -----------------------------------------------------------------------
+    def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def forward(hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
+            if index == 0:  # a new tower pass (each image call runs the tower once)
+                self.handle.tower_state = TowerState()
+                self.handle.measured_tokens_per_item = None
+            state = self.handle.tower_state
+            if state is None:  # a tower call that did not start at layer 0 is not ours to change
+                return original(hidden_states, attention_mask, **kwargs)
+            if state.bias is not None:
+                bias = state.bias.to(hidden_states.dtype)
+                attention_mask = bias if attention_mask is None else attention_mask + bias
+            slot = self.slots.get(index)
+            removal = self.in_layer.get(index)
+            if slot is not None:
+                slot.armed = True
+            try:
+                if removal is None:
+                    return original(hidden_states, attention_mask, **kwargs)
+                residual = hidden_states
+                attn_out, _ = layer.self_attn(hidden_states=layer.layer_norm1(hidden_states),
+                                              attention_mask=attention_mask, **kwargs)
+            finally:
+                if slot is not None:
+                    slot.armed = False
+                    state.probes[index] = slot.take()
+            hidden = residual + attn_out
+            keys, query, scale = state.probes.pop(index, (None, None, None))
+            inputs = TowerInput(hidden=hidden, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
+                                cls_query=query, scale=scale, size=state.size, positions=state.positions)
+            before = state.positions
+            out: TowerOutput = self.handle.run_method(("vision", index), self.module.tower_step, inputs,
+                                                      self.settings)
+            state.size, state.positions, state.bias = out.size, out.positions, out.attention_bias
+            patches = self.adapter.patches
+            present = before[:, 1:] - 1 if before is not None else \
+                torch.arange(patches, device=hidden.device).expand(hidden.shape[0], -1)
+            self.handle.record("vision", index, kept=out.kept,
+                               discarded=_gone(present, out.kept, patches, removal.remove))
+            hidden = out.hidden
+            return hidden + layer.mlp(layer.layer_norm2(hidden))
+
+        return forward
+
+    # -- the projector ----------------------------------------------------------------------
+    def _projector(self, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            state = self.handle.tower_state
+            if state is None:  # features of a tower the method leaves alone (Video-LLaVA's images)
+                return original(features, *args, **kwargs)
+            self.handle.tower_state = None  # this tower pass's features: consumed once
+            # Video-LLaVA keeps every frame's [CLS] in the LLM: the cuts act on the patches after it.
+            keeps_cls = self.adapter.projector_keeps_cls
+            cut = self.cuts.get("tower_output")
+            if cut is not None:
+                reduced = self._cut(cut, features[:, int(keeps_cls):], state)
+                features = torch.cat([features[:, :1], reduced], dim=1) if keeps_cls else reduced
+            out = original(features, *args, **kwargs)
+            cut = self.cuts.get("after_projector")
+            if cut is not None:
+                reduced = self._cut(cut, out[:, int(keeps_cls):], state)
+                out = torch.cat([out[:, :1], reduced], dim=1) if keeps_cls else reduced
+            # Counted as the method's settings count (Video-LLaVA's frame [CLS] apart).
+            self.handle.measured_tokens_per_item = int(out.shape[1]) - int(keeps_cls)
+            return out
+
+        return forward
+
+    def _cut(self, removal: Removal, features: Tensor, state: TowerState) -> Tensor:
+        items, units = features.shape[:2]
+        expected = self.adapter.patches - sum(r.remove for r in self.in_layer.values())
+        if units != expected:
+            raise FicocoError(f"{self.spec.title} cuts {expected} patches per item at the tower's output, but the "
+                              f"projector received {units}; vision_feature_select_strategy must be 'default'")
+        keys, query, scale = state.probes.get(self.cut_probe, (None, None, None)) if self.cut_probe is not None \
+            else (None, None, None)
+        inputs = TowerInput(hidden=features, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
+                            cls_query=query, scale=scale)
+        out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
+        hidden = out.hidden
+        if out.counts is not None:
+            # An adaptive count: one host read. Items of one call must agree, since their image spans
+            # are shortened alike (a batch's prompts keep equal lengths).
+            counts = sorted(set(out.counts.tolist()))
+            if len(counts) > 1:
+                raise FicocoError(f"{self.spec.title}'s adaptive count differs between the items (images, frames) "
+                                  f"of this call ({', '.join(map(str, counts))} tokens): run one image per call, or "
+                                  "give a fixed count with --keep (keep=)")
+            hidden = hidden[:, :counts[0]]
+        present = torch.arange(units, device=features.device).expand(items, -1)
+        kept = out.kept[:, :hidden.shape[1]]
+        self.handle.record("vision", removal.layer, kept=kept, discarded=_gone(present, kept, units))
+        return hidden
+
+
+def _gone(present: Tensor, kept: Tensor, total: int, width: int | None = None) -> Tensor:
+    """(items, width) the patch indices of `present` that `kept` no longer holds (ascending, -1
+    padded); `width` None: the most any item lost (one host read)."""
+    absent = complement(present, total, total - present.shape[1])  # patches gone before this step
+    return complement(torch.cat([kept, absent], dim=1), total, width)

@@ -1,0 +1,290 @@
+"""ToMe, VisionZip, FasterVLM and PruMerge+ inside the models (issue 15, phase 2): the tower and
+projector hook points, the shortened prompt, decoding, labels and flops --verify, on seeded random
+tiny models in fp32 on the CPU.
+
+llava-tiny: a 6-layer CLIP tower whose projector reads layer 4 (64 patches per image, [CLS] first),
+a 4-layer LLaMA decoder, 12 text tokens per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from typing import Any
+
+import pytest
+import torch
+from test_cli_flops import COMMAND
+from torch import Tensor, nn
+
+import ficoco
+from ficoco.accounting import architecture
+from ficoco.accounting.schedule import plan_tokens
+from ficoco.api import profile_of
+from ficoco.errors import FicocoError
+from ficoco.models import synthetic_inputs
+
+TEXT = 12
+PATCHES = 64
+FEATURE_LAYER = 4
+NEW = 5
+KEEP = 16
+METHODS = ("tome", "visionzip", "fastervlm", "prumerge")
+
+
+@pytest.fixture(scope="module")
+def model() -> nn.Module:
+    return ficoco.build_model("llava-tiny", dtype="fp32")
+
+
+def inputs(model: nn.Module, batch: int = 1, seed: int = 0, text: int = TEXT) -> dict[str, Tensor]:
+    return synthetic_inputs(model, batch=batch, text_tokens=text, seed=seed)
+
+
+def greedy(model: nn.Module, inp: dict[str, Tensor], new: int = NEW) -> Tensor:
+    return model.generate(**inp, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+
+
+def entering(model: nn.Module, inp: dict[str, Tensor]) -> tuple[list[int], list[int]]:
+    """Tokens every tower layer's and every decoder layer's attention ran on in one forward."""
+    seen: dict[str, list[int]] = {"vision": [], "llm": []}
+    hooks = []
+    towers = (("vision", model.model.vision_tower.encoder.layers), ("llm", model.model.language_model.layers))
+    for stage, layers in towers:
+        for layer in layers:
+            hooks.append(layer.self_attn.register_forward_pre_hook(
+                lambda m, args, kwargs, stage=stage: seen[stage].append(
+                    (args[0] if args else kwargs["hidden_states"]).shape[1]), with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(**inp)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen["vision"], seen["llm"]
+
+
+@pytest.mark.parametrize("method,setting", [
+    ("tome", {"keep": PATCHES}),  # every layer's r is 0
+    ("visionzip", {"dominant": PATCHES, "contextual": 0}),
+    ("fastervlm", {"keep": PATCHES}),
+    ("tome", {"schedule": ""}),
+])
+def test_full_keep_is_bitwise_vanilla_where_the_method_has_an_identity(model: nn.Module, method: str,
+                                                                      setting: dict) -> None:
+    inp = inputs(model, batch=2)
+    labels = inp["input_ids"].masked_fill(inp["input_ids"] == 300, -100)
+    with torch.no_grad():
+        reference = model(**inp, labels=labels)
+        reference_tokens = greedy(model, inp)
+        with ficoco.apply(model, method, **setting) as handle:
+            out = model(**inp, labels=labels)
+            tokens = greedy(model, inp)
+    assert not any(r.remove for r in handle.schedule.removals)
+    assert torch.equal(out.logits, reference.logits) and torch.equal(out.loss, reference.loss)
+    assert torch.equal(tokens, reference_tokens)
+
+
+def test_a_setting_that_would_lengthen_the_prompt_is_refused_in_one_line(model: nn.Module) -> None:
+    # PruMerge+ at every patch plus its extra token: 65 tokens for a 64-placeholder span.
+    with pytest.raises(FicocoError, match="more than the 64 placeholders"):
+        ficoco.apply(model, "prumerge", keep=PATCHES + 1)
+    assert "_ficoco_handle" not in model.__dict__ and "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_tokens_of_every_tower_and_decoder_layer_equal_the_plan(model: nn.Module, method: str) -> None:
+    inp = inputs(model, batch=2)
+    with ficoco.apply(model, method, keep=KEEP) as handle:
+        vision, llm = entering(model, inp)
+        plan = plan_tokens(architecture(profile_of(model)), handle.schedule, text_tokens=TEXT)
+        records = handle.records
+    assert handle.schedule.removals
+    assert vision == [n_in for n_in, _ in plan.vision]
+    assert llm == [n_in for n_in, _ in plan.llm] and llm[0] == TEXT + KEEP
+    assert handle.measured_tokens_per_item == plan.llm_visual_tokens == KEEP
+    reductions = [r for r in plan.reductions if r.stage == "vision"]
+    assert [r.layer for r in records] == [r.layer for r in reductions]
+    for record in records:
+        assert record.kept.shape[0] == 2 and record.kept.max() < PATCHES
+        for kept, gone in zip(record.kept, record.discarded, strict=True):
+            assert not set(kept[kept >= 0].tolist()) & set(gone[gone >= 0].tolist())
+
+
+def left_padded(model: nn.Module) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+    """Two prompts of different lengths (so different image spans) in one left-padded batch."""
+    short, long = inputs(model, seed=1, text=TEXT), inputs(model, seed=2, text=TEXT + 3)
+    pad = long["input_ids"].shape[1] - short["input_ids"].shape[1]
+    zeros = torch.zeros(1, pad, dtype=torch.long)
+    batch = {"input_ids": torch.cat([torch.cat([zeros, short["input_ids"]], 1), long["input_ids"]]),
+             "attention_mask": torch.cat([torch.cat([zeros, short["attention_mask"]], 1), long["attention_mask"]]),
+             "pixel_values": torch.cat([short["pixel_values"], long["pixel_values"]])}
+    return batch, [short, long]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_left_padded_batch_equals_its_samples_run_alone(model: nn.Module, method: str) -> None:
+    batch, alone = left_padded(model)
+    with torch.no_grad(), ficoco.apply(model, method, keep=KEEP) as handle:
+        together = model(**batch).logits[:, -1]
+        kept_together = [r.kept for r in handle.records]
+        for i, sample in enumerate(alone):
+            single = model(**sample).logits[:, -1]
+            torch.testing.assert_close(together[i:i + 1], single, atol=1e-4, rtol=0)
+            for record, kept in zip(handle.records, kept_together, strict=True):
+                assert torch.equal(record.kept[0], kept[i])
+
+
+@pytest.mark.parametrize("method", [*METHODS, "prumerge-adaptive"])
+def test_generate_matches_a_hand_written_prefill_and_decode_loop(model: nn.Module, method: str) -> None:
+    adaptive = method == "prumerge-adaptive"
+    inp = inputs(model, batch=1 if adaptive else 2, seed=3)
+    prompt = inp["input_ids"].shape[1]
+    setting = {} if adaptive else {"keep": KEEP}
+    with torch.no_grad(), ficoco.apply(model, method.removesuffix("-adaptive"), **setting) as handle:
+        generated = greedy(model, inp)
+        out = model(**inp, use_cache=True)
+        positions = handle.output_positions
+        keep = handle.measured_tokens_per_item
+        cache, mask = out.past_key_values, inp["attention_mask"]
+        tokens = [out.logits[:, -1].argmax(-1)]
+        for _ in range(NEW - 1):
+            # The mask grows from the caller's prompt, as a hand-written loop grows it.
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            step = model(input_ids=tokens[-1][:, None], attention_mask=mask, past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            tokens.append(step.logits[:, -1].argmax(-1))
+    assert torch.equal(generated[:, :prompt], inp["input_ids"])  # the caller's own prompt comes back
+    assert torch.equal(generated[:, prompt:], torch.stack(tokens, dim=1))
+    assert (keep == KEEP) if not adaptive else 2 <= keep <= PATCHES + 1
+    # The LLM ran the prompt with `keep` placeholders per image; output positions name input positions.
+    assert cache.get_seq_length() == prompt - PATCHES + keep + NEW - 1
+    assert positions.shape == out.logits.shape[:2] == (inp["input_ids"].shape[0], prompt - PATCHES + keep)
+    ids = torch.gather(inp["input_ids"], 1, positions)
+    assert int((ids == 300).sum(dim=1)[0]) == keep and torch.equal(positions[:, -1], torch.full_like(positions[:, -1],
+                                                                                                    prompt - 1))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_labels_give_the_models_loss_over_the_positions_that_remain(model: nn.Module, method: str) -> None:
+    inp = inputs(model, batch=2, seed=4)
+    labels = inp["input_ids"].masked_fill(inp["input_ids"] == 300, -100)
+    with torch.no_grad(), ficoco.apply(model, method, keep=KEEP) as handle:
+        out = model(**inp, labels=labels)
+        kept_labels = torch.gather(labels, 1, handle.output_positions)
+    vocab = model.config.text_config.vocab_size
+    expected = model.loss_function(logits=out.logits, labels=kept_labels, vocab_size=vocab)
+    assert torch.equal(out.loss, expected) and torch.isfinite(out.loss)
+
+
+def _cls_rows(model: nn.Module, inp: dict[str, Tensor], layer: int) -> Tensor:
+    """(B, H, T) the [CLS] query's softmax over tower layer `layer`'s keys, by hand from its q_proj and
+    k_proj outputs on the unpatched model (BASELINES.md: one CLS row at the layer the projector reads)."""
+    attn = model.model.vision_tower.encoder.layers[layer].self_attn
+    seen: dict[str, Tensor] = {}
+    hooks = [attn.q_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("q", o)),
+             attn.k_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("k", o))]
+    try:
+        with torch.no_grad():
+            model(**inp)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    heads = attn.num_heads
+    batch, tokens, width = seen["k"].shape
+    d = width // heads
+    q = seen["q"][:, 0].reshape(batch, heads, d)
+    k = seen["k"].reshape(batch, tokens, heads, d)
+    rows = torch.zeros(batch, heads, tokens, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            logits = [float(q[b, h].double() @ k[b, t, h].double()) / math.sqrt(d) for t in range(tokens)]
+            top = max(logits)
+            exps = [math.exp(x - top) for x in logits]
+            rows[b, h] = torch.tensor([e / sum(exps) for e in exps], dtype=torch.float64)
+    return rows
+
+
+@pytest.mark.parametrize("method,reduce_heads,kept_patches", [("fastervlm", "mean", KEEP),
+                                                             ("visionzip", "sum", 14)])  # 14 dominant + 2 contextual
+def test_an_independent_cls_row_picks_the_same_patches_as_the_model(model: nn.Module, method: str, reduce_heads: str,
+                                                                   kept_patches: int) -> None:
+    inp = inputs(model, batch=2, seed=5)
+    rows = _cls_rows(model, inp, FEATURE_LAYER)[:, :, 1:]
+    scores = rows.sum(1) if reduce_heads == "sum" else rows.mean(1)
+    with torch.no_grad(), ficoco.apply(model, method, keep=KEEP) as handle:
+        model(**inp)
+        (record,) = handle.records
+    for b in range(2):
+        ranked = sorted(range(PATCHES), key=lambda i: (-float(scores[b, i]), i))
+        assert record.kept[b][record.kept[b] >= 0].tolist() == sorted(ranked[:kept_patches])
+
+
+def _adaptive_counts(model: nn.Module, seed: int) -> int:
+    with torch.no_grad(), ficoco.apply(model, "prumerge") as handle:
+        model(**inputs(model, seed=seed))
+        return handle.measured_tokens_per_item
+
+
+def test_prumerge_adaptive_count_is_measured_and_a_batch_that_disagrees_is_refused(model: nn.Module) -> None:
+    counts = {seed: _adaptive_counts(model, seed) for seed in range(8)}
+    with torch.no_grad(), ficoco.apply(model, "prumerge") as handle:
+        inp = inputs(model, seed=0)
+        _, llm = entering(model, inp)
+        assert handle.schedule.settings_dict()["adaptive"] is True
+        assert llm[0] == TEXT + counts[0]  # the LLM received the measured count, not the planned one
+        (record,) = handle.records
+        assert int((record.kept[0] >= 0).sum()) == counts[0] - 1  # kept patches, then the extra token
+        a, b = next(((a, b) for a in counts for b in counts if counts[a] != counts[b]), (None, None))
+        assert a is not None, f"every seed kept the same count: {counts}"
+        two = [inputs(model, seed=s) for s in (a, b)]
+        batch = {k: torch.cat([t[k] for t in two]) for k in two[0]}
+        with pytest.raises(FicocoError, match="adaptive count differs between the items"):
+            model(**batch)
+
+
+@pytest.mark.parametrize("name,method", [("video-llava-tiny", m) for m in METHODS])
+def test_video_llava_runs_the_methods_per_frame(name: str, method: str) -> None:
+    model = ficoco.build_model(name, dtype="fp32")
+    inp = synthetic_inputs(model, batch=2, text_tokens=TEXT)
+    arch = architecture(profile_of(model))
+    with torch.no_grad(), ficoco.apply(model, method, keep=8) as handle:
+        layers = model.model.language_model.layers
+        seen: list[int] = []
+        hook = layers[0].self_attn.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+        try:
+            model(**inp)
+        finally:
+            hook.remove()
+        tokens = model.generate(**inp, max_new_tokens=3, do_sample=False)
+    plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+    assert seen == [plan.llm[0][0]] and plan.llm_visual_tokens == arch.vision.items * (8 + 1)
+    assert handle.measured_tokens_per_item == 8  # the 8 kept of every frame ([CLS] reaches the LLM too)
+    assert torch.equal(tokens[:, :inp["input_ids"].shape[1]], inp["input_ids"])
+
+
+@pytest.mark.parametrize("name,method", [("llava-next-tiny", "tome"), ("qwen2-vl-tiny", "visionzip")])
+def test_families_not_wired_yet_are_refused_in_one_line_and_left_unpatched(name: str, method: str) -> None:
+    model = ficoco.build_model(name, dtype="fp32")
+    with pytest.raises(FicocoError, match="not wired into") as info:
+        ficoco.apply(model, method, keep=4)
+    assert "\n" not in str(info.value)
+    assert "_ficoco_handle" not in model.__dict__ and "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("method,setting", [("tome", ["--keep", "16"]), ("visionzip", ["--keep", "16"]),
+                                            ("fastervlm", ["--keep", "16"]), ("prumerge", ["--keep", "16"]),
+                                            ("prumerge", [])])
+def test_flops_verify_passes_with_the_methods_work_as_its_own_stage(method: str, setting: list[str],
+                                                                    tmp_path: Any) -> None:
+    path = tmp_path / "verify.json"
+    result = subprocess.run([*COMMAND, "flops", "--verify", "--model", "llava-tiny", "--variant", method, *setting,
+                             "--json", str(path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    run = json.loads(path.read_text())["runs"][0]
+    stages = {s["stage"]: s for s in run["stages"]}
+    assert stages["method"]["analytic_flops"] > 0 and all(s["within_tolerance"] for s in stages.values())
+    if not setting:  # the adaptive count is counted as measured
+        assert any(r.get("added") == 1 for r in run["schedule"]) and run["visual_tokens"] < 65
