@@ -100,18 +100,38 @@ def _chunk_mask(mask: Tensor | None, rows: slice, queries: slice, k_len: int, q_
     return None
 
 
+def own_attention(module: nn.Module, own_config: Any, query: Tensor, key: Tensor, value: Tensor,
+                  attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, Any]:
+    """The module's own attention implementation (the one `own_config` names), for a routed module
+    whose config copy points at one of ficoco's registered functions."""
+    # "eager" is not in the registry: each model file has its own eager function.
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    implementation = ALL_ATTENTION_FUNCTIONS.get_interface(own_config._attn_implementation, eager)
+    return implementation(module, query, key, value, attention_mask, **kwargs)
+
+
+def route_attention(attention: nn.Module, implementation: str, patches: Any, config_attribute: str,
+                    **attributes: Any) -> None:
+    """Route one attention module through a registered `implementation` via its own config copy
+    (the model's config stays): the original config is kept under `config_attribute`, with the
+    other `attributes` (a slot), and `patches` undoes all of it."""
+    original = attention.config
+    config = copy.copy(original)
+    config._attn_implementation_internal = implementation
+    patches.set(attention, config_attribute, original)
+    for name, value in attributes.items():
+        patches.set(attention, name, value)
+    patches.set(attention, "config", config)
+
+
 def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                     dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                     **kwargs: object) -> tuple[Tensor, None]:
     """Eager attention that keeps the head-mean probabilities in `module._ficoco_probe`."""
     slot: ProbeSlot = module._ficoco_probe  # type: ignore[assignment]
     if not slot.armed:
-        own = module._ficoco_original_config._attn_implementation  # type: ignore[union-attr]
-        # "eager" is not in the registry: each model file has its own eager function.
-        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        implementation = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
-        return implementation(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                              is_causal=is_causal, **kwargs)
+        return own_attention(module, module._ficoco_original_config, query, key, value, attention_mask,
+                             dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     timer = slot.timer
     # A module whose own implementation is eager returns its attention matrix (what
     # output_attentions collects): return the one this layer computed, every head.

@@ -25,8 +25,6 @@ module during `flops --verify`); its time goes into the handle's "reduction" spa
 
 from __future__ import annotations
 
-import copy
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,12 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.stages import StepInput, last_row_attention, rows_attention
+from ficoco.models.attention import own_attention, route_attention
 from ficoco.models.patching import LanguageState, Patches, gather_rows
 
 if TYPE_CHECKING:
@@ -92,12 +90,8 @@ def rows_attention_function(module: nn.Module, query: Tensor, key: Tensor, value
                                              scaling)
         if slot.want_keys:
             slot.keys = key.transpose(1, 2).reshape(batch, k_len, -1)
-    own = module._ficoco_rows_config._attn_implementation  # type: ignore[union-attr]
-    # "eager" is not in the registry: each model file has its own eager function.
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    implementation = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
-    return implementation(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                          is_causal=is_causal, **kwargs)
+    return own_attention(module, module._ficoco_rows_config, query, key, value, attention_mask, dropout=dropout,
+                         scaling=scaling, is_causal=is_causal, **kwargs)
 
 
 AttentionInterface.register(ROWS_IMPLEMENTATION, rows_attention_function)
@@ -105,12 +99,7 @@ AttentionInterface.register(ROWS_IMPLEMENTATION, rows_attention_function)
 
 def install_rows(attention: nn.Module, slot: RowsSlot, patches: Patches) -> None:
     """Route one attention module through `rows_attention_function` (its own config copy)."""
-    original = attention.config
-    config = copy.copy(original)
-    config._attn_implementation_internal = ROWS_IMPLEMENTATION
-    patches.set(attention, "_ficoco_rows_config", original)
-    patches.set(attention, "_ficoco_rows", slot)
-    patches.set(attention, "config", config)
+    route_attention(attention, ROWS_IMPLEMENTATION, patches, "_ficoco_rows_config", _ficoco_rows=slot)
 
 
 def rotate_half(x: Tensor) -> Tensor:

@@ -29,8 +29,6 @@ wrapper shortens the prompt's image spans to them (ficoco.models.llava).
 
 from __future__ import annotations
 
-import copy
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
+from ficoco.models.attention import own_attention, route_attention
 from ficoco.models.patching import Patches
 
 if TYPE_CHECKING:
@@ -77,12 +75,8 @@ def tower_rows_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         slot.keys = key
         slot.cls_query = query[:, :, 0] if slot.want_cls else None
         slot.scale = scaling
-    own = module._ficoco_tower_config._attn_implementation  # type: ignore[union-attr]
-    # "eager" is not in the registry: each model file has its own eager function.
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    implementation = ALL_ATTENTION_FUNCTIONS.get_interface(own, eager)
-    return implementation(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                          is_causal=is_causal, **kwargs)
+    return own_attention(module, module._ficoco_tower_config, query, key, value, attention_mask, dropout=dropout,
+                         scaling=scaling, is_causal=is_causal, **kwargs)
 
 
 AttentionInterface.register(TOWER_ROWS_IMPLEMENTATION, tower_rows_attention)
@@ -90,12 +84,7 @@ AttentionInterface.register(TOWER_ROWS_IMPLEMENTATION, tower_rows_attention)
 
 def install_tower_rows(attention: nn.Module, slot: TowerSlot, patches: Patches) -> None:
     """Route one tower attention module through `tower_rows_attention` (its own config copy)."""
-    original = attention.config
-    config = copy.copy(original)
-    config._attn_implementation_internal = TOWER_ROWS_IMPLEMENTATION
-    patches.set(attention, "_ficoco_tower_config", original)
-    patches.set(attention, "_ficoco_tower", slot)
-    patches.set(attention, "config", config)
+    route_attention(attention, TOWER_ROWS_IMPLEMENTATION, patches, "_ficoco_tower_config", _ficoco_tower=slot)
 
 
 @dataclass
