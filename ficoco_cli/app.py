@@ -506,7 +506,8 @@ def sweep_command(
     shape: ShapeOpt = None,
     first_layer: FirstLayerOpt = None,
     convention: Annotated[str, typer.Option(
-        "--convention", callback=check.choice(CONVENTIONS), help="flops, macs, llm-viewer or paper.")] = "flops",
+        "--convention", callback=check.choice(CONVENTIONS), help="flops, macs, llm-viewer, paper or visual-macs.")
+    ] = "flops",
     scope: Annotated[str, typer.Option(
         "--scope", callback=check.choice(SCOPES), help="llm (decoder + LM head) or all.")] = "llm",
     quant: Annotated[str, typer.Option(

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
-from ficoco.methods.stages import Reduced, StepInput, check_span, rebuild, visual_positions
-from ficoco.reduction.stages import compute_dtype, gather_tokens
+from ficoco.methods.stages import Reduced, StepInput, check_span, rebuild
+from ficoco.reduction.stages import compute_dtype, gather_tokens, visual_positions
 
 __all__ = ["cpython_set_order", "dart_pivots", "dart_reduce", "dart_select", "step"]
 

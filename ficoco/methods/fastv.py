@@ -34,9 +34,8 @@ from ficoco.methods.stages import (
     last_row_attention,
     rebuild,
     top_indices,
-    visual_positions,
 )
-from ficoco.reduction.stages import gather_tokens
+from ficoco.reduction.stages import gather_tokens, visual_positions
 
 __all__ = ["fastv_reduce", "fastv_scores", "last_row_attention", "step"]
 

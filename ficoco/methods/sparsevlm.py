@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
-from ficoco.methods.stages import Reduced, StepInput, check_span, rebuild, top_indices, visual_positions
-from ficoco.reduction.stages import compute_dtype, gather_tokens
+from ficoco.methods.stages import Reduced, StepInput, check_span, rebuild, top_indices
+from ficoco.reduction.stages import compute_dtype, gather_tokens, visual_positions
 
 __all__ = ["dpc_knn_merge", "prepare", "select_raters", "sparsevlm_reduce", "sparsevlm_scores", "step", "suffix_rows"]
 

@@ -57,11 +57,6 @@ def check_span(hidden: Tensor, visual_start: Tensor, num_visual: int) -> None:
         raise ValueError(f"num_visual must be between 1 and the sequence length {hidden.shape[1]}, got {num_visual}")
 
 
-def visual_positions(visual_start: Tensor, num_visual: int) -> Tensor:
-    """``(B, N)`` sequence positions of every sample's visual span."""
-    return visual_start.to(torch.long).unsqueeze(1) + torch.arange(num_visual, device=visual_start.device)
-
-
 def top_indices(scores: Tensor, k: int) -> Tensor:
     """``(B, k)`` indices of the ``k`` highest scores, returned ascending (original order).
 

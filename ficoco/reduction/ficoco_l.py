@@ -30,6 +30,7 @@ from ficoco.reduction.stages import (
     main_targets,
     select,
 )
+from ficoco.reduction.stages import visual_positions as span_positions  # "visual_positions" is a parameter here
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,7 @@ class LReduction:
 def _visual_positions(visual_start: Tensor, num_visual: int, positions: Tensor | None = None) -> Tensor:
     """``(B, N)`` sequence positions of the visual tokens of every sample: the caller's
     ``positions`` (several spans) or one contiguous span from ``visual_start``."""
-    if positions is not None:
-        return positions.to(torch.long)
-    offsets = torch.arange(num_visual, device=visual_start.device)
-    return visual_start.to(torch.long).unsqueeze(1) + offsets
+    return positions.to(torch.long) if positions is not None else span_positions(visual_start, num_visual)
 
 
 def _suffix_rows(suffix_mask: Tensor, visual: Tensor) -> Tensor:

@@ -40,6 +40,11 @@ def gather_tokens(x: Tensor, index: Tensor) -> Tensor:
     return x[batch, index]
 
 
+def visual_positions(visual_start: Tensor, num_visual: int) -> Tensor:
+    """``(B, N)`` sequence positions of every sample's contiguous visual span."""
+    return visual_start.to(torch.long).unsqueeze(1) + torch.arange(num_visual, device=visual_start.device)
+
+
 def gather_block(matrix: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     """Pick a sub-matrix ``matrix[b, rows[b]][:, cols[b]]`` for every sample.
 
