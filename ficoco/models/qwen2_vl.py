@@ -40,11 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import method
 from ficoco.models.attention import install_probe, remove_probe
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava import (
     LlavaAdapter,
-    _timed,
     arange_like,
     check_call_options,
     follow_shortened_prompt,
@@ -262,8 +262,8 @@ class Qwen2VLAdapter(LlavaAdapter):
                                        position_embeddings=position_embeddings, **kwargs)
                 hidden = residual + attn_out
                 chunks = _slot.take_chunks()
-                hidden = _timed(handle, hidden.device, lambda: self._reduce(
-                    handle, tower, hidden, chunks, _r, _idx, position_embeddings, cu_seqlens, params))
+                hidden = self._reduce(handle, tower, hidden, chunks, _r, _idx, position_embeddings, cu_seqlens,
+                                      params)
                 return hidden + _layer.mlp(_layer.norm2(hidden))
 
             patches.set(layer, "forward", forward)
@@ -304,9 +304,10 @@ class Qwen2VLAdapter(LlavaAdapter):
             attn = torch.cat([chunks[i][0] for i in images])
             keys = torch.cat([chunks[i][1] for i in images])
             index = torch.stack([tower.kept_groups[i] for i in images])
-            red = reduce_groups(x, attn, keys, r, index, (rows // self.merge_size, cols // self.merge_size),
-                                merge=self.merge, lam=params.lam, eps=params.eps, window=params.window,
-                                coefficient=params.coefficient)
+            red = handle.run_method(("vision", layer_idx), reduce_groups, x, attn, keys, r, index,
+                                    (rows // self.merge_size, cols // self.merge_size), merge=self.merge,
+                                    lam=params.lam, eps=params.eps, window=params.window,
+                                    coefficient=params.coefficient)
             merged_into = None if red.merge_target is None else group_patch_targets(
                 red.discarded_groups, torch.gather(red.kept_groups, 1, red.merge_target), cols, self.merge_size)
             handle.record("vision", layer_idx, kept=group_patches(red.kept_groups, cols, self.merge_size),
@@ -553,7 +554,7 @@ class Qwen2VLAdapter(LlavaAdapter):
     def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
         """FiCoCo-L: LLaVA's entry. FiCoCo-V: encode the images first, then run the shortened
         prompt with the kept tokens' original 3-D positions (forward and generate)."""
-        if variant != "v":
+        if not method(variant).per_item:  # in the decoder: LLaVA's entry
             super().patch_entry(handle, patches, variant, keep_per_image)
             self.patch_later_turn_images(handle, patches)
             return
