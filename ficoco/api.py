@@ -281,9 +281,9 @@ def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any
     variant = handle.variant
     if spec.placement == "layer_input":
         adapter.patch_layer_input(handle, handle._patches, spec, sched)
-    elif spec.per_item and spec.plans_itself:
-        # Cut before the LLM (in the tower, at its output or after the projector): the prompt's image
-        # spans are shortened to the planned count, or to the measured one for an adaptive count.
+    elif spec.per_item:
+        # Before the LLM (in tower layers, at the tower's output or after the projector): the prompt's
+        # image spans are shortened to the planned count, or to the measured one for an adaptive count.
         adaptive = bool(sched.settings_dict().get("adaptive"))
         reaching = plan_tokens(arch, sched).llm_visual_tokens
         if reaching > arch.visual_tokens:
@@ -292,9 +292,6 @@ def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any
                               f"{arch.visual_tokens} placeholders of the prompt; keep at most {arch.visual_tokens}")
         handle.keep_per_image = None if adaptive else reaching
         adapter.patch_tower(handle, handle._patches, spec, sched)
-    elif spec.acts_at == "vision_layer":
-        handle.keep_per_image = plan_tokens(arch, sched).llm_visual_tokens
-        adapter.patch_vision(handle, handle._patches, removed)
     else:
         start = min(removed) if removed else (arch.first_layer_l if first_layer is None else first_layer)
         adapter.patch_in_layer(handle, handle._patches, spec, sched, start)

@@ -16,11 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
-from ficoco.models.attention import check_attention_implementation, install_probe, remove_probe
+from ficoco.models.attention import check_attention_implementation
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
-from ficoco.models.llm_steps import merge_targets
 from ficoco.models.patching import LanguageState, Patches, gather_rows
-from ficoco.reduction import reduce_v
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -65,39 +63,6 @@ class LlavaAdapter:
         return {"vision": getattr(inner, self.tower_attribute), "projector": inner.multi_modal_projector,
                 "llm": inner.language_model, "lm_head": self.model.lm_head}
 
-    # -- FiCoCo-V ---------------------------------------------------------------------------
-    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
-        """Reduce inside the CLIP layers of `removed`; the LLM gets a shorter image span."""
-        params = handle.hyperparameters
-        for layer_idx, r in sorted(removed.items()):
-            layer = self.vision_layers[layer_idx]
-            slot = install_probe(layer.self_attn, want_keys=params.equivalent_token, timer=handle.timer)
-            patches.on_undo(lambda attn=layer.self_attn: remove_probe(attn))
-
-            def forward(hidden_states: Tensor, attention_mask: Tensor | None = None, *args: Any,
-                        _layer: nn.Module = layer, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
-                        **kwargs: Any) -> Tensor:
-                residual = hidden_states
-                attn_out, _ = _layer.self_attn(hidden_states=_layer.layer_norm1(hidden_states),
-                                               attention_mask=attention_mask, **kwargs)
-                hidden = residual + attn_out
-                attn, keys = _slot.take()
-                state = handle.vision_state
-                if state is None or state.shape[0] != hidden.shape[0] or state.shape[1] != hidden.shape[1] - 1:
-                    # First reducing layer of this forward: every patch at its own grid place.
-                    state = torch.arange(self.patches, device=hidden.device).expand(hidden.shape[0], -1)
-                red = handle.run_method(("vision", _idx), reduce_v, hidden, attn, _r, state, self.grid_hw,
-                                        has_cls=True, keys=keys, lam=params.lam, eps=params.eps,
-                                        window=params.window, coefficient=params.coefficient,
-                                        equivalent=params.equivalent_token)
-                handle.vision_state = red.grid_index
-                handle.record("vision", _idx, kept=red.grid_index, discarded=red.discarded_grid,
-                              merged_into=merge_targets(red.grid_index, red.merge_target))
-                hidden = red.hidden
-                return hidden + _layer.mlp(_layer.layer_norm2(hidden))
-
-            patches.set(layer, "forward", forward)
-
     def kept_token_index(self, input_ids: Tensor, keep: int) -> Tensor | None:
         """(B, T') the positions of `input_ids` that FiCoCo-V's shortened prompt keeps: every token
         but the placeholders past the first `keep` of every full span unit (`span_tokens`: an
@@ -125,7 +90,7 @@ class LlavaAdapter:
         length = input_ids.shape[1] - (total // self.span_tokens) * (self.span_tokens - keep)
         return torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :length]
 
-    # -- methods that act before the LLM (ToMe, VisionZip, FasterVLM, PruMerge+, ...) -----------
+    # -- methods that act before the LLM (FiCoCo-V, ToMe, VisionZip, FasterVLM, PruMerge+, ...) ---
     # Where an image call's pixels go and the model's own function that encodes them, for a method
     # whose count is known only once the tower ran (an adaptive count): (input, modality, encoder).
     encoder_inputs: tuple[tuple[str, str, str], ...] = (("pixel_values", "image", "get_image_features"),)

@@ -206,22 +206,18 @@ class LlavaNextAdapter(LlavaAdapter):
         return [self.layout(size) for size in self.image_sizes]
 
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        """Vision-side methods other than FiCoCo-V are planned per crop on LLaVA-NeXT, but the AnyRes
-        packing of their reduced crops (tokens without a grid place: merged, contextual, extra) is not
-        wired yet."""
-        raise FicocoError(f"--variant {spec.name}: {spec.title} on LLaVA-NeXT is planned and counted per crop by "
-                          "`ficoco flops` but not wired into LLaVA-NeXT's AnyRes packing yet; run it on a LLaVA-1.5 "
-                          "or Video-LLaVA model, or use FiCoCo-V (v) or an in-LLM method here")
-
-    # -- FiCoCo-V ---------------------------------------------------------------------------
-    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
-        """Reduce every item inside the CLIP layers (LLaVA-1.5's patch: items are batch rows) and
-        pack the reduced items in the unreduced model's order."""
+        """Reduce every item inside the CLIP layers through the tower's hook points (items are batch
+        rows, as on LLaVA-1.5) and pack the reduced items in the unreduced model's order, each token
+        at its grid place (the projector hook leaves them in `handle.vision_state`)."""
+        if spec.plans_itself:
+            raise FicocoError(f"--variant {spec.name}: {spec.title} on LLaVA-NeXT is planned and counted per crop "
+                              "by `ficoco flops` but not wired into LLaVA-NeXT's AnyRes packing yet; run it on a "
+                              "LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) or an in-LLM method here")
         if getattr(self.model.config, "vision_feature_select_strategy", "default") != "default":
-            raise FicocoError("FiCoCo-V on LLaVA-NeXT needs vision_feature_select_strategy='default' "
+            raise FicocoError(f"{spec.title} on LLaVA-NeXT needs vision_feature_select_strategy='default' "
                               "([CLS] dropped before packing)")
-        super().patch_vision(handle, patches, removed)
-        self.kept_per_item = self.patches - sum(removed.values())
+        super().patch_tower(handle, patches, spec, schedule)
+        self.kept_per_item = self.patches - sum(r.remove - r.added for r in schedule.removals)
         inner = self.model.model
         packing = self._packing(inner.pack_image_features, lambda: handle.vision_state)
         patches.set(inner, "pack_image_features", packing)
@@ -277,7 +273,7 @@ class LlavaNextAdapter(LlavaAdapter):
         if not bool(is_image.any()):
             return None
         if self.kept_per_item is None:
-            raise RuntimeError("FiCoCo-V on LLaVA-NeXT shortens prompts only after patch_vision")
+            raise RuntimeError("LLaVA-NeXT shortens prompts only after patch_tower")
         layouts = self._layouts_of_call("FiCoCo-V")
         batch = input_ids.shape[0]
         spans = span_lengths(is_image)
