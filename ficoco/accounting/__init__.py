@@ -149,7 +149,7 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
             arch, variant, tflops, lambda s: compute_tera(arch, s, opts), label=_budget_label(opts), shape=shape,
             first=first_layer, equivalent=opts.equivalent,
             # V in scope llm: the LLM sees the final count in every layer already.
-            equivalent_helps=variant == "l" or opts.scope == "all",
+            equivalent_helps=spec.acts_at == "llm_layer" or opts.scope == "all",
         )
     raise FicocoError(f"variant '{variant}' needs a schedule: give --keep, --tflops or --schedule")
 

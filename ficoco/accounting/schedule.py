@@ -14,12 +14,21 @@ from dataclasses import dataclass
 
 from ficoco.accounting.architecture import Architecture
 from ficoco.errors import FicocoError
-from ficoco.methods.registry import VARIANTS
+from ficoco.methods.registry import METHODS, VARIANTS
 
-# The variants whose schedules this module plans (layer:removed, uniform or one-shot); every
-# other method plans through its registry entry (ficoco.accounting.methods).
-FICOCO_VARIANTS = ("vanilla", "v", "l")
 SHAPES = ("uniform", "oneshot")
+
+
+def planned_per_layer(variant: str) -> bool:
+    """Whether this module plans the variant's schedules (layer:removed, uniform or one-shot): vanilla
+    and every registry entry without settings of its own (FiCoCo-V and -L: any count at any reducing
+    layer). Every other method plans through its registry entry (ficoco.accounting.methods)."""
+    return variant == "vanilla" or (variant in METHODS and not METHODS[variant].plans_itself)
+
+
+def _in_tower(variant: str) -> bool:
+    """A per-layer method that reduces inside vision-tower layers (its units: patches of one item)."""
+    return variant in METHODS and METHODS[variant].acts_at == "vision_layer"
 
 
 @dataclass(frozen=True)
@@ -120,35 +129,35 @@ class TokenPlan:
 
 
 def stage_of(variant: str) -> str:
-    return "vision" if variant == "v" else "llm"
+    return "vision" if _in_tower(variant) else "llm"
 
 
 def first_layer(arch: Architecture, variant: str) -> int:
-    return arch.first_layer_v if variant == "v" else arch.first_layer_l
+    return arch.first_layer_v if _in_tower(variant) else arch.first_layer_l
 
 
 def layer_range(arch: Architecture, variant: str) -> range:
     """Layers that may reduce: V up to the layer the projector reads; L every decoder layer
     but the first, whose full cache transformers uses to size decode-time masks and positions."""
-    if variant == "v":
+    if _in_tower(variant):
         return range(0, arch.vision.feature_layer + 1)
     return range(1, arch.decoder.layers)
 
 
 def total_units(arch: Architecture, variant: str) -> int:
     """Units the variant can act on: per item for V, the LLM's visual span for L."""
-    return arch.vision.units if variant == "v" else arch.visual_tokens
+    return arch.vision.units if _in_tower(variant) else arch.visual_tokens
 
 
 def min_kept_units(arch: Architecture, variant: str) -> int:
     """A reducing layer needs at least one kept token to fold the discarded ones into."""
-    return 1 if variant == "v" else arch.newline_tokens + 1
+    return 1 if _in_tower(variant) else arch.newline_tokens + 1
 
 
 def _check_variant(arch: Architecture, variant: str) -> None:
-    if variant not in FICOCO_VARIANTS:
+    if not planned_per_layer(variant):
         raise FicocoError(f"unknown variant '{variant}': choose from {', '.join(VARIANTS)}")
-    if variant == "v" and arch.unpadding_drops:
+    if _in_tower(variant) and arch.unpadding_drops:
         raise FicocoError(
             f"FiCoCo-V on {arch.name} at image size {arch.image_size}: AnyRes unpadding drops "
             f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; "
@@ -180,12 +189,12 @@ def make_schedule(arch: Architecture, variant: str, removals: dict[int, int]) ->
         return Schedule("vanilla")
     valid = layer_range(arch, variant)
     stage = stage_of(variant)
-    where = "vision tower" if variant == "v" else "decoder"
+    where = "vision tower" if _in_tower(variant) else "decoder"
     left = total_units(arch, variant)
     floor = min_kept_units(arch, variant)
     for layer in sorted(removals):
         if layer not in valid:
-            extra = " (the last layer whose output the projector reads)" if variant == "v" else ""
+            extra = " (the last layer whose output the projector reads)" if _in_tower(variant) else ""
             raise FicocoError(
                 f"--schedule: layer {layer} is outside the {where}'s reducing layers "
                 f"{valid.start}..{valid.stop - 1}{extra}"
@@ -233,10 +242,10 @@ def keep_to_units(arch: Architecture, variant: str, keep: int) -> int:
     _check_variant(arch, variant)
     if keep < 0:
         raise FicocoError(f"--keep {keep} is negative; give the number of visual tokens to keep")
-    if variant == "l" or variant == "vanilla":
-        if not min_kept_units(arch, "l") <= keep <= arch.visual_tokens:
+    if not _in_tower(variant):
+        if not min_kept_units(arch, variant) <= keep <= arch.visual_tokens:
             raise FicocoError(
-                f"--keep {keep} is outside {min_kept_units(arch, 'l')}..{arch.visual_tokens}, "
+                f"--keep {keep} is outside {min_kept_units(arch, variant)}..{arch.visual_tokens}, "
                 f"the visual tokens {arch.name} can keep"
             )
         return keep
@@ -381,7 +390,7 @@ def _budget_miss(arch: Architecture, variant: str, budget: float, cheapest: floa
     """One line: what the cheapest schedule costs and which change would reach lower."""
     start = first_layer(arch, variant) if first is None else first
     units, low = total_units(arch, variant), min_kept_units(arch, variant)
-    name = {"v": "FiCoCo-V", "l": "FiCoCo-L"}[variant]
+    name = METHODS[variant].title
     # Preference: the same shape starting later, then one-shot; the latest start that fits.
     options = [(s, layer) for s in dict.fromkeys((shape, "oneshot"))
                for layer in range(start, layer_range(arch, variant).start - 1, -1)]
