@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ficoco import testing_hooks
 from ficoco.accounting import CountOptions, architecture, resolve_schedule
 from ficoco.accounting.methods import method_schedule
 from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
@@ -136,8 +137,11 @@ class Handle:
         vision-side method runs it (``("vision", tower layer)`` or ``("projector", None)``), inside
         the "reduction" span; `method_runner`, when set (flops --verify), runs it instead, so that
         counters can attribute it to the method."""
-        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+        device = next((t.device for a in (*args, *kwargs.values())
+                       for t in (a, getattr(a, "hidden", None)) if isinstance(t, Tensor)), None)
         with self.timer.span("reduction", device) if device is not None else contextlib.nullcontext():
+            if testing_hooks.REDUCTION_DELAY_S:  # test-only slowdown (FICOCO_TEST_DELAY_REDUCTION_MS), off unless set
+                testing_hooks.delay_reduction()
             if self.method_runner is not None:
                 return self.method_runner(layer, function, *args, **kwargs)
             return function(*args, **kwargs)
@@ -277,9 +281,9 @@ def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any
     variant = handle.variant
     if spec.placement == "layer_input":
         adapter.patch_layer_input(handle, handle._patches, spec, sched)
-    elif spec.per_item and spec.plans_itself:
-        # Cut before the LLM (in the tower, at its output or after the projector): the prompt's image
-        # spans are shortened to the planned count, or to the measured one for an adaptive count.
+    elif spec.per_item:
+        # Before the LLM (in tower layers, at the tower's output or after the projector): the prompt's
+        # image spans are shortened to the planned count, or to the measured one for an adaptive count.
         adaptive = bool(sched.settings_dict().get("adaptive"))
         reaching = plan_tokens(arch, sched).llm_visual_tokens
         if reaching > arch.visual_tokens:
@@ -288,10 +292,7 @@ def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any
                               f"{arch.visual_tokens} placeholders of the prompt; keep at most {arch.visual_tokens}")
         handle.keep_per_image = None if adaptive else reaching
         adapter.patch_tower(handle, handle._patches, spec, sched)
-    elif spec.acts_at == "vision_layer":
-        handle.keep_per_image = plan_tokens(arch, sched).llm_visual_tokens
-        adapter.patch_vision(handle, handle._patches, removed)
     else:
         start = min(removed) if removed else (arch.first_layer_l if first_layer is None else first_layer)
-        adapter.patch_language(handle, handle._patches, removed, start)
+        adapter.patch_in_layer(handle, handle._patches, spec, sched, start)
     adapter.patch_entry(handle, handle._patches, variant, handle.keep_per_image)

@@ -21,13 +21,13 @@ blind spots"):
 Attribution to stages is by module scope: the vision tower, the projector, the decoder (layers,
 embedding, final norm) and the LM head of Hugging Face's LLaVA. FiCoCo's own matrix work (the
 self-preserving compress `weights^T @ discarded`, FiCoCo-L's indirect correlation) runs inside
-the reducing layer's forward; during a verification the patched layers' calls to `reduce_v` /
-`reduce_l` are routed through one small `nn.Module` per reducing layer, registered beside the
-model, so both counters see those calls as modules of their own. fvcore attributes an op to the
-innermost module and its owners, so the method's work is outside the layer by construction;
-torch's counter attributes it to every module running at the time, so the method's counts are
-subtracted from the stage that called it. The library code is not changed for this: the router
-replaces the two names in `ficoco.models.llava` for the duration of one measurement.
+the reducing layer's forward. Every method's work (FiCoCo's and every other registered method's)
+runs through `Handle.run_method`, keyed by where it runs; during a verification the handle's
+`method_runner` sends each call through one small `nn.Module` per place (decoder layer i, tower
+layer i, the projector), registered beside the model, so both counters see the method's work as
+modules of their own. fvcore attributes an op to the innermost module and its owners, so the
+method's work is outside the layer by construction; torch's counter attributes it to every module
+running at the time, so the method's counts are subtracted from the stage that called it.
 
 What ran is what is counted: LLaVA runs the whole vision tower and reads the second-to-last
 layer, and torch.jit's trace drops the last layer as dead code, so the traced wrapper returns
@@ -38,12 +38,10 @@ when the last-token head is asked for.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import sys
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -341,22 +339,16 @@ def method_formulas(arch: Architecture, plan: TokenPlan, *, batch: int, suffix_t
 
 # ---- routing the method through modules -----------------------------------------------------------------------
 
-class MethodStage(nn.Module):
-    """One reducing layer's FiCoCo stages as a module, so that counters can attribute them."""
-
-    def __init__(self, function: Callable[..., Any]) -> None:
-        super().__init__()
-        self.function = function
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.function(*args, **kwargs)
-
-
 class MethodWork(nn.Module):
-    """A layer-input method's own work at one decoder layer (its probes and steps), as a module:
-    `Handle.method_runner` sends every call made at that layer here during a verification."""
+    """A method's own work at one place of the forward (a decoder layer, a tower layer, the projector),
+    as a module: `Handle.method_runner` sends every call made there here during a verification."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
 
     def forward(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
         return function(*args, **kwargs)
 
 
@@ -369,6 +361,11 @@ def _registry_spec(schedule: Schedule) -> Any:
     return spec if spec is not None and spec.plans_itself else None
 
 
+def _method_key(stage: str, layer: int | None) -> int | tuple[str, int | None]:
+    """`Handle.run_method`'s key of a place: a decoder layer's index, or (stage, layer)."""
+    return layer if stage == "llm" and layer is not None else (stage, layer)
+
+
 def _method_module_name(key: Any) -> str:
     """The method module of `Handle.run_method`'s key: a decoder layer (int), ("vision", layer) or
     ("projector", None)."""
@@ -376,41 +373,6 @@ def _method_module_name(key: Any) -> str:
         return f"llm_{key}"
     stage, layer = key
     return stage if layer is None else f"{stage}_{layer}"
-
-
-class MethodRouter:
-    """Stands in for `reduce_v` / `reduce_l`: the k-th call of a forward goes to the k-th
-    reducing layer's module (layers run in order, and each reduces once per forward)."""
-
-    def __init__(self, stages: list[MethodStage], name: str = "reduce_l") -> None:
-        self.stages = stages
-        self.name = name  # the function it stands in for
-        self.calls = 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.calls >= len(self.stages):
-            raise RuntimeError(f"the forward reduced more often than its {len(self.stages)} reducing layers")
-        stage = self.stages[self.calls]
-        self.calls += 1
-        return stage(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def route_method(name: str, router: MethodRouter) -> Iterator[None]:
-    """Point the patched layers' `name` (reduce_v or reduce_l) at `router` for a while, in
-    every family module that calls the method by that name."""
-    from ficoco import reduction
-
-    function = getattr(reduction, name)
-    modules = [module for key, module in list(sys.modules.items())
-               if key.startswith("ficoco.models.") and getattr(module, name, None) is function]
-    for module in modules:
-        setattr(module, name, router)
-    try:
-        yield
-    finally:
-        for module in modules:
-            setattr(module, name, function)
 
 
 def _tensors(output: Any) -> list[Tensor]:
@@ -432,13 +394,12 @@ class Prefill(nn.Module):
     and the count must cover what ran.
     """
 
-    def __init__(self, model: nn.Module, method: nn.ModuleDict, router: MethodRouter | None,
-                 logits_to_keep: int, ran: list[nn.Module], names: list[str]) -> None:
+    def __init__(self, model: nn.Module, method: nn.ModuleDict, logits_to_keep: int, ran: list[nn.Module],
+                 names: list[str]) -> None:
         super().__init__()
         self.model = model
         self._names = names
         self.ficoco_method = method
-        self._router = router
         self._logits_to_keep = logits_to_keep
         self._outputs: list[Tensor] = []
         self._hooks = [module.register_forward_hook(self._keep) for module in ran]
@@ -453,8 +414,6 @@ class Prefill(nn.Module):
         self._hooks = []
 
     def forward(self, *tensors: Tensor) -> tuple[Tensor, ...]:
-        if self._router is not None:
-            self._router.calls = 0
         self._outputs = []
         out = self.model(**dict(zip(self._names, tensors, strict=True)), logits_to_keep=self._logits_to_keep)
         ran, self._outputs = self._outputs, []
@@ -577,51 +536,36 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
     """Run the prefill of `schedule` under fvcore and under torch's counter; the last item is the
     visual tokens per item the run handed the LLM, as measured (a method acting before the LLM)."""
     import ficoco.api
-    from ficoco import reduction
     from ficoco.models import adapter_for
     from ficoco.models.patching import Patches
 
     paths = _module_paths(model)
-    registry_spec = _registry_spec(schedule)
-    if registry_spec is not None:
-        # A method's work where it runs (a layer-input method's probes inside decoder layer i's
-        # attention and its steps at layer i's input; a vision method's in tower layer i or around
-        # the projector) goes through its own module (llm_i, vision_i, projector), so both counters
-        # see it apart from the layer or stage that called it.
-        keys: list[tuple[str, int | None]] = [("llm", i) for i in range(len(paths.decoder_layers))]
-        keys += [("vision", i) for i in range(len(paths.vision_layers))] + [("projector", None)]
-        module_names = [_method_module_name(key if key[0] != "llm" else key[1]) for key in keys]
-        method = nn.ModuleDict({name: MethodWork() for name in module_names})
-        router = None
-        method_paths = [(stage, layer, f"ficoco_method.{name}")
-                        for (stage, layer), name in zip(keys, module_names, strict=True)]
-    else:
-        name = "reduce_v" if schedule.variant == "v" else "reduce_l"
-        stages = [MethodStage(getattr(reduction, name)) for _ in plan.reductions]
-        method = nn.ModuleDict({f"{red.stage}_{red.layer}": stage for red, stage in zip(plan.reductions, stages,
-                                                                                        strict=True)})
-        router = MethodRouter(stages, name) if stages else None
-        method_paths = [(red.stage, red.layer, f"ficoco_method.{red.stage}_{red.layer}") for red in plan.reductions]
+    # A method's work where it runs (a decoder method's probes and steps in decoder layer i, a vision
+    # method's in tower layer i or around the projector) goes through its own module (llm_i, vision_i,
+    # projector), so both counters see it apart from the layer or stage that called it.
+    keys: list[tuple[str, int | None]] = [("llm", i) for i in range(len(paths.decoder_layers))]
+    keys += [("vision", i) for i in range(len(paths.vision_layers))] + [("projector", None)]
+    module_names = [_method_module_name(_method_key(*key)) for key in keys]
+    method = nn.ModuleDict({name: MethodWork() for name in module_names})
+    method_paths = [(stage, layer, f"ficoco_method.{name}")
+                    for (stage, layer), name in zip(keys, module_names, strict=True)]
     names = [name for name, value in inputs.items() if isinstance(value, Tensor)]
     args = tuple(inputs[name] for name in names)
     handle = None
     if schedule.variant != "vanilla":
         handle = ficoco.api.apply(model, schedule.variant, schedule=schedule)
-        if registry_spec is not None:
-            handle.method_runner = lambda key, function, *a, **k: method[_method_module_name(key)](function, *a, **k)
-    prefill = Prefill(model, method, router, logits_to_keep, paths.modules, names)
+        handle.method_runner = lambda key, function, *a, **k: method[_method_module_name(key)](function, *a, **k)
+    prefill = Prefill(model, method, logits_to_keep, paths.modules, names)
     traceable = Patches()
     try:
         # A family whose forward torch.jit cannot trace as is (LLaVA-NeXT's AnyRes unpadding rounds
         # traced sizes) puts in a stand-in that gives the same result.
         getattr(adapter_for(model), "patch_for_tracing", lambda _: None)(traceable)
         with torch.no_grad():
-            routed = route_method(router.name, router) if router is not None else contextlib.nullcontext()
-            with routed:
-                fv = _count_fvcore(prefill, args)
-                _check_calls(router, "fvcore")
-                tc = _count_torch(prefill, args)
-                _check_calls(router, "torch")
+            fv = _count_fvcore(prefill, args)
+            _check_calls(method, plan, "fvcore")
+            tc = _count_torch(prefill, args)
+            _check_calls(method, plan, "torch")
     finally:
         traceable.undo()
         prefill.close()
@@ -630,10 +574,17 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
     return fv, tc, paths, method_paths, handle.measured_tokens_per_item if handle is not None else None
 
 
-def _check_calls(router: MethodRouter | None, counter: str) -> None:
-    if router is not None and router.calls != len(router.stages):
-        raise RuntimeError(f"under {counter} the forward reduced {router.calls} times, "
-                           f"the schedule has {len(router.stages)} reducing layers")
+def _check_calls(method: nn.ModuleDict, plan: TokenPlan, counter: str) -> None:
+    """Every reducing layer of the plan ran its method's work under the counter (then reset the calls)."""
+    for red in plan.reductions:
+        if red.where != "in_layer" or red.stage not in ("vision", "llm"):
+            continue
+        work = method[_method_module_name(_method_key(red.stage, red.layer))]
+        if not work.calls:
+            raise RuntimeError(f"under {counter} the forward did not reduce at {red.stage} layer {red.layer}, "
+                               "which the schedule plans")
+    for work in method.values():
+        work.calls = 0
 
 
 # ---- the verification ---------------------------------------------------------------------------------------
@@ -689,9 +640,11 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
         method = []
     else:
         formulas = method_formulas(arch, plan, batch=batch, suffix_tokens=suffix)
-        method = [MethodCheck(red.stage, red.layer, red.visual_before, red.removed, f, t, formula, paper)
-                  for red, f, t, (formula, paper) in zip(plan.reductions, fv_method, tc_method, formulas,
-                                                         strict=True)]
+        place = {(stage, layer): k for k, (stage, layer, _) in enumerate(method_paths)}
+        method = [MethodCheck(red.stage, red.layer, red.visual_before, red.removed, fv_method[place[key]],
+                              tc_method[place[key]], formula, paper)
+                  for red, (formula, paper) in zip(plan.reductions, formulas, strict=True)
+                  for key in [(red.stage, red.layer)]]
     total = StageCheck("total", sum(by_stage.values()), fv.total - sum(fv_method), tc.total - sum(tc_method))
     return RunCheck(schedule=schedule, plan=plan, stages=stages, layers=layers, method=method, total=total,
                     skipped_ops=fv.skipped, uncalled_modules=fv.uncalled)

@@ -94,21 +94,23 @@ def entering_tokens(model: nn.Module) -> Iterator[dict[str, dict[int, list[int]]
 
 
 @contextlib.contextmanager
-def probe_calls() -> Iterator[list[tuple[nn.Module, bool]]]:
-    """Count calls of the registered `ficoco_probe` attention function (module, armed)."""
-    assert ALL_ATTENTION_FUNCTIONS[PROBE_IMPLEMENTATION] is probe_attention
+def probe_calls(implementation: str = PROBE_IMPLEMENTATION, slot: str = "_ficoco_probe"
+                ) -> Iterator[list[tuple[nn.Module, bool]]]:
+    """Count calls of a registered ficoco attention function (module, armed): the decoder's probe
+    (`ficoco_probe`), or the tower's hook point (`ficoco_tower_rows`, slot `_ficoco_tower`)."""
+    function = ALL_ATTENTION_FUNCTIONS[implementation]
     calls: list[tuple[nn.Module, bool]] = []
 
     def counting(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        calls.append((module, module._ficoco_probe.armed))
-        return probe_attention(module, *args, **kwargs)
+        calls.append((module, getattr(module, slot).armed))
+        return function(module, *args, **kwargs)
 
-    ALL_ATTENTION_FUNCTIONS[PROBE_IMPLEMENTATION] = counting  # an instance-local override
+    ALL_ATTENTION_FUNCTIONS[implementation] = counting  # an instance-local override
     try:
         yield calls
     finally:
-        del ALL_ATTENTION_FUNCTIONS[PROBE_IMPLEMENTATION]  # back to the global registration
-    assert ALL_ATTENTION_FUNCTIONS[PROBE_IMPLEMENTATION] is probe_attention
+        del ALL_ATTENTION_FUNCTIONS[implementation]  # back to the global registration
+    assert ALL_ATTENTION_FUNCTIONS[implementation] is function
 
 
 def instance_attributes(model: nn.Module) -> dict[str, set[str]]:
@@ -560,20 +562,24 @@ def test_probe_only_in_reducing_layers_others_stay_sdpa(model: nn.Module, varian
         for i, layer in enumerate(layers):
             def hook(module: nn.Module, args: tuple, _key: tuple = (stage, i)) -> None:
                 attn = module.self_attn
-                state[_key] = (attn.config._attn_implementation, hasattr(attn, "_ficoco_probe"))
+                state[_key] = (attn.config._attn_implementation, hasattr(attn, slot))
 
             hooks.append(layer.register_forward_pre_hook(hook))
     stage = "vision" if variant == "v" else "llm"
+    # V's probe is the tower's hook point (shared with ToMe, VisionZip, ...), L's the decoder's.
+    implementation, slot = ("ficoco_tower_rows", "_ficoco_tower") if variant == "v" else \
+        (PROBE_IMPLEMENTATION, "_ficoco_probe")
     try:
-        with ficoco.apply(model, variant, schedule=how), probe_calls() as calls:
+        with ficoco.apply(model, variant, schedule=how), probe_calls(implementation, slot) as calls:
             model(**inputs(model, batch=2, seed=17))
     finally:
         for h in hooks:
             h.remove()
     assert len(state) == len(vision_layers(model)) + len(decoder_layers(model))
+    probe = implementation
     for (where, i), (implementation, probed) in state.items():
         reducing = where == stage and i in how
-        assert implementation == ("ficoco_probe" if reducing else "sdpa"), (where, i)
+        assert implementation == (probe if reducing else "sdpa"), (where, i)
         assert probed is reducing, (where, i)
     layers = vision_layers(model) if variant == "v" else decoder_layers(model)
     assert [(m, armed) for m, armed in calls] == [(layers[i].self_attn, True) for i in sorted(how)]
@@ -594,7 +600,7 @@ def test_l_probe_armed_once_per_reducing_layer_in_prefill_never_in_decode(model:
 
 
 def test_v_probe_armed_once_per_reducing_layer_per_image_forward(model: nn.Module) -> None:
-    with ficoco.apply(model, "v", keep=8) as handle, probe_calls() as calls:
+    with ficoco.apply(model, "v", keep=8) as handle, probe_calls("ficoco_tower_rows", "_ficoco_tower") as calls:
         greedy(model, inputs(model, batch=2, seed=19), new=4)
     reducing = sorted(handle.schedule.removed_at())
     assert calls == [(vision_layers(model)[i].self_attn, True) for i in reducing]

@@ -219,3 +219,34 @@ class StepInput:
     query_key_row: Tensor | None = None
     final_norm: object = None
     prepared: object = None
+
+
+@dataclass(frozen=True)
+class InLayerInput:
+    """What the model adapter hands a method that acts inside decoder layer ``L`` (after its attention
+    residual, before its MLP; FiCoCo-L). A method's module offers
+    ``layer_step(inputs, settings) -> LReduction`` (ficoco.reduction.ficoco_l's result type: the
+    kept positions of the sequence and of the visual tokens, the discarded ones and their merge
+    targets, where the kept visual tokens are afterwards).
+
+    Attributes:
+        hidden: ``(B, T, D)`` the layer's tokens after the attention residual.
+        attention: ``(B, T, T)`` head-mean probabilities of this call's queries over this call's keys
+            (the layer's own attention, computed once by the probe; keys of earlier turns left out).
+        remove: visual tokens to remove at this layer, all image spans of a sample together.
+        visual_rows: ``(B, N)`` where the visual tokens are in the current sequence (several spans).
+        suffix_mask: ``(B, T)`` True on real text tokens after the last visual token.
+        first_suffix_row: the earliest row a suffix token can be in (host-known).
+        protected: ``(B, N)`` visual tokens that must stay (LLaVA-NeXT's row newlines), or None;
+            max_protected: the most of them in any sample.
+    """
+
+    hidden: Tensor
+    attention: Tensor
+    remove: int
+    visual_rows: Tensor
+    suffix_mask: Tensor
+    first_suffix_row: int
+    protected: Tensor | None = None
+    max_protected: int = 0
+

@@ -70,6 +70,10 @@ class TowerInput:
         size: ``(items, T)`` how many original tokens each token stands for (carried between a
             forward's in-layer steps; None before the first).
         positions: ``(items, T)`` the original token index each token continues (None: ``arange``).
+        attention: ``(items, T, T)`` head-mean probabilities of every query over every key of the
+            step's layer (the probe computed the layer's output from them), when the method asks for
+            ``attention_rows`` of ``all`` rows; else None.
+        grid_hw: the item's patch grid (rows, cols), for methods that act on the grid.
     """
 
     hidden: Tensor
@@ -81,6 +85,8 @@ class TowerInput:
     scale: float | None = None
     size: Tensor | None = None
     positions: Tensor | None = None
+    attention: Tensor | None = None
+    grid_hw: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,10 @@ class TowerOutput:
         size, positions: carried to the next in-layer step of the same forward (see `TowerInput`).
         attention_bias: ``(items, 1, 1, T')`` additive logits every later tower layer adds to its
             keys (ToMe's proportional attention), or None.
+        discarded: ``(items, r)`` the original patch index of every patch the step removed, in the
+            order `merged_into` follows; None: the adapter derives them (ascending).
+        merged_into: ``(items, r)`` the kept patch (original index) that received the largest share
+            of each discarded one, for a method that folds what it removes into kept tokens; or None.
     """
 
     hidden: Tensor
@@ -104,6 +114,8 @@ class TowerOutput:
     size: Tensor | None = None
     positions: Tensor | None = None
     attention_bias: Tensor | None = None
+    discarded: Tensor | None = None
+    merged_into: Tensor | None = None
 
 
 def patch_scores_from_cls(inputs: TowerInput, reduce_heads: str = "mean") -> Tensor:

@@ -138,7 +138,7 @@ def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     own_config = getattr(module, "_ficoco_original_config", None)
     weights = own_config is not None and own_config._attn_implementation == "eager"
     with timer.span("probe", query.device) if timer is not None else contextlib.nullcontext():
-        output, attn, per_head = _attention_with_probabilities(module, query, key, value, attention_mask, scaling,
+        output, attn, per_head = attention_with_probabilities(module, query, key, value, attention_mask, scaling,
                                                                is_causal, keep_heads=weights)
     keys = key if slot.want_keys else None
     if slot.chunks is not None:
@@ -148,7 +148,7 @@ def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     return output, per_head
 
 
-def _attention_with_probabilities(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+def attention_with_probabilities(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                                   attention_mask: Tensor | None, scaling: float | None,
                                   is_causal: bool | None, keep_heads: bool = False
                                   ) -> tuple[Tensor, Tensor, Tensor | None]:

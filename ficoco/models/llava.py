@@ -10,34 +10,18 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from ficoco import testing_hooks
 from ficoco.errors import FicocoError
-from ficoco.models.attention import check_attention_implementation, install_probe, remove_probe
+from ficoco.models.attention import check_attention_implementation
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
 from ficoco.models.patching import LanguageState, Patches, gather_rows
-from ficoco.reduction import reduce_l, reduce_v
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
-
-
-def _targets(kept: Tensor, merge_target: Tensor | None) -> Tensor | None:
-    """The kept token (in `kept`'s index space) each discarded token went into, for the records."""
-    return None if merge_target is None else torch.gather(kept, 1, merge_target)
-
-
-def _timed(handle: Handle, device: torch.device, fn: Callable[[], Any]) -> Any:
-    """Run one reduction inside the handle's "reduction" span (CUDA events, no host sync)."""
-    with handle.timer.span("reduction", device):
-        if testing_hooks.REDUCTION_DELAY_S:  # test-only slowdown (FICOCO_TEST_DELAY_REDUCTION_MS), off unless set
-            testing_hooks.delay_reduction()
-        return fn()
 
 
 class LlavaAdapter:
@@ -79,39 +63,6 @@ class LlavaAdapter:
         return {"vision": getattr(inner, self.tower_attribute), "projector": inner.multi_modal_projector,
                 "llm": inner.language_model, "lm_head": self.model.lm_head}
 
-    # -- FiCoCo-V ---------------------------------------------------------------------------
-    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
-        """Reduce inside the CLIP layers of `removed`; the LLM gets a shorter image span."""
-        params = handle.hyperparameters
-        for layer_idx, r in sorted(removed.items()):
-            layer = self.vision_layers[layer_idx]
-            slot = install_probe(layer.self_attn, want_keys=params.equivalent_token, timer=handle.timer)
-            patches.on_undo(lambda attn=layer.self_attn: remove_probe(attn))
-
-            def forward(hidden_states: Tensor, attention_mask: Tensor | None = None, *args: Any,
-                        _layer: nn.Module = layer, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
-                        **kwargs: Any) -> Tensor:
-                residual = hidden_states
-                attn_out, _ = _layer.self_attn(hidden_states=_layer.layer_norm1(hidden_states),
-                                               attention_mask=attention_mask, **kwargs)
-                hidden = residual + attn_out
-                attn, keys = _slot.take()
-                state = handle.vision_state
-                if state is None or state.shape[0] != hidden.shape[0] or state.shape[1] != hidden.shape[1] - 1:
-                    # First reducing layer of this forward: every patch at its own grid place.
-                    state = torch.arange(self.patches, device=hidden.device).expand(hidden.shape[0], -1)
-                red = _timed(handle, hidden.device, lambda: reduce_v(
-                    hidden, attn, _r, state, self.grid_hw, has_cls=True, keys=keys, lam=params.lam,
-                    eps=params.eps, window=params.window, coefficient=params.coefficient,
-                    equivalent=params.equivalent_token))
-                handle.vision_state = red.grid_index
-                handle.record("vision", _idx, kept=red.grid_index, discarded=red.discarded_grid,
-                              merged_into=_targets(red.grid_index, red.merge_target))
-                hidden = red.hidden
-                return hidden + _layer.mlp(_layer.layer_norm2(hidden))
-
-            patches.set(layer, "forward", forward)
-
     def kept_token_index(self, input_ids: Tensor, keep: int) -> Tensor | None:
         """(B, T') the positions of `input_ids` that FiCoCo-V's shortened prompt keeps: every token
         but the placeholders past the first `keep` of every full span unit (`span_tokens`: an
@@ -139,7 +90,7 @@ class LlavaAdapter:
         length = input_ids.shape[1] - (total // self.span_tokens) * (self.span_tokens - keep)
         return torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :length]
 
-    # -- methods that act before the LLM (ToMe, VisionZip, FasterVLM, PruMerge+, ...) -----------
+    # -- methods that act before the LLM (FiCoCo-V, ToMe, VisionZip, FasterVLM, PruMerge+, ...) ---
     # Where an image call's pixels go and the model's own function that encodes them, for a method
     # whose count is known only once the tower ran (an adaptive count): (input, modality, encoder).
     encoder_inputs: tuple[tuple[str, str, str], ...] = (("pixel_values", "image", "get_image_features"),)
@@ -223,74 +174,13 @@ class LlavaAdapter:
                              prior_positions=dict(prior_positions or {}), first_suffix_row=earliest_last + 1,
                              images=most_spans)
 
-    def patch_language(self, handle: Handle, patches: Patches, removed: dict[int, int], first: int) -> None:
-        """Reduce inside the decoder layers of `removed`; layers from `first` on see the shorter
-        sequence through sliced masks and rotary tables."""
-        params = handle.hyperparameters
-        for layer_idx in range(first, len(self.decoder_layers)):
-            layer = self.decoder_layers[layer_idx]
-            r = removed.get(layer_idx, 0)
-            original = layer.forward
-            slot = None
-            if r:
-                slot = install_probe(layer.self_attn, armed=False, timer=handle.timer)
-                patches.on_undo(lambda attn=layer.self_attn: remove_probe(attn))
+    # -- methods in the decoder (FiCoCo-L inside layers; FastV, PDrop, SparseVLM, DART at their input)
+    def patch_in_layer(self, handle: Handle, patches: Patches, spec: Any, schedule: Any, first: int) -> None:
+        """The decoder's in-layer hook point (ficoco.models.llm_steps): layers from `first` on see the
+        shorter sequence through sliced masks and rotary tables."""
+        from ficoco.models.llm_steps import InLayerPatch
 
-            def forward(hidden_states: Tensor, attention_mask: Tensor | None = None,
-                        position_ids: Tensor | None = None, past_key_values: Any = None, use_cache: bool = False,
-                        position_embeddings: tuple[Tensor, Tensor] | None = None, *,
-                        _layer: nn.Module = layer, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
-                        _original: Callable[..., Tensor] = original, **kwargs: Any) -> Tensor:
-                state = handle.language_state
-                if state is None:
-                    return _original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                     past_key_values=past_key_values, use_cache=use_cache,
-                                     position_embeddings=position_embeddings, **kwargs)
-                query_len = hidden_states.shape[1]
-                attention_mask = state.slice_mask(attention_mask, _idx, query_len)
-                if not state.decoding:
-                    index = state.index
-                    if position_ids is not None and position_ids.shape[-1] != index.shape[1]:
-                        position_ids = gather_rows(position_ids, index, 1)
-                    if position_embeddings is not None and position_embeddings[0].shape[1] != index.shape[1]:
-                        cos, sin = position_embeddings
-                        position_embeddings = (gather_rows(cos, index, 1), gather_rows(sin, index, 1))
-                    # What this layer's cache holds after the call: its earlier keys and the
-                    # tokens it sees now (before its own reduction).
-                    state.cached_positions[_idx] = state.key_positions(_idx)
-                if state.decoding or not _r:
-                    return _original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                     past_key_values=past_key_values, use_cache=use_cache,
-                                     position_embeddings=position_embeddings, **kwargs)
-                residual = hidden_states
-                _slot.armed = True
-                try:
-                    attn_out, _ = _layer.self_attn(
-                        hidden_states=_layer.input_layernorm(hidden_states), attention_mask=attention_mask,
-                        position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                        position_embeddings=position_embeddings, **kwargs)
-                finally:
-                    _slot.armed = False
-                hidden = residual + attn_out
-                attn, _ = _slot.take()
-                # Keys of earlier turns come first; the method reads this call's tokens alone.
-                attn = attn[:, :, attn.shape[2] - attn.shape[1]:]
-                # The schedule's counts are per image: a prompt of k images loses k times as many
-                # tokens at this layer, chosen among all its visual tokens together.
-                red = _timed(handle, hidden.device, lambda: reduce_l(
-                    hidden, attn, _r * state.images, state.visual_rows[:, 0], state.num_visual, state.suffix_mask,
-                    beta=params.beta, gamma=params.gamma, eps=params.eps, protected=state.protected,
-                    first_suffix_row=state.first_suffix_row, max_protected=state.max_protected,
-                    visual_positions=state.visual_rows))
-                kept_ranks = torch.gather(state.visual_ranks, 1, red.kept_visual)
-                handle.record("llm", _idx, kept=kept_ranks,
-                              discarded=torch.gather(state.visual_ranks, 1, red.discarded_visual),
-                              merged_into=_targets(kept_ranks, red.merge_target))
-                state.keep(red.kept_positions, red.kept_visual, red.visual_positions)
-                hidden = red.hidden
-                return hidden + _layer.mlp(_layer.post_attention_layernorm(hidden))
-
-            patches.set(layer, "forward", forward)
+        InLayerPatch(self, handle, spec, schedule, first).install(patches)
 
     # -- methods at the input of decoder layers (FastV, PDrop, SparseVLM, DART, ...) -----------
     def patch_layer_input(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
@@ -341,7 +231,7 @@ class LlavaAdapter:
         # A count known only once the tower ran (PruMerge+ without --keep): the images are encoded
         # first, and the spans shortened to what they measured.
         adaptive = bool(handle.schedule.settings_dict().get("adaptive"))
-        if variant == "l":
+        if spec.placement == "in_layer":  # in the decoder (FiCoCo-L): several spans, later turns
             new_state = self.language_state
         else:
             new_state = functools.partial(self.step_state, spec.title)

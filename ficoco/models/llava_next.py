@@ -7,15 +7,14 @@ a CLIP batch item; the crop features are put back on one large patch grid, the g
 to the image's aspect ratio, and one `image_newline` token ends every row; the base view's tokens
 come first. So:
 
-- FiCoCo-V reduces every item (base view and crops) inside the tower with LLaVA-1.5's batched
-  layer patch. The packing that follows cannot reshape reduced crops into a grid, so it is
-  replaced, while V runs, by one that places every kept token where the unreduced packing puts
-  it (from the grid coordinates the V stage records per item) and still ends every row with a
-  newline token. The prompt's placeholder span is shortened to the reduced count at the entry.
-- The methods that cut before the LLM (ToMe, VisionZip, FasterVLM, PruMerge+) run through
-  LLaVA-1.5's tower and projector hook points, every item a batch row, and are packed by the
-  same function (`ImageLayout.pack`): tokens that continue a patch at its place, the others
-  (contextual, extra) after the crop grid; FiCoCo-V's kept grid is the case "every token placed".
+- Every method that acts before the LLM (FiCoCo-V, ToMe, VisionZip, FasterVLM, PruMerge+) runs
+  through LLaVA-1.5's tower and projector hook points, every item (base view and crops) a batch
+  row reduced alike. The packing that follows cannot reshape reduced crops into a grid, so it is
+  replaced, while such a method runs, by `ImageLayout.pack`: every token that continues a patch
+  goes where the unreduced packing puts that patch, every row still ends with a newline token,
+  and tokens without a grid place (contextual, extra) follow the crop grid; FiCoCo-V's kept grid
+  is the case "every token placed". The prompt's placeholder span is shortened to the reduced
+  count at the entry.
 - FiCoCo-L reduces the whole span (base, crops and newlines) with LLaVA-1.5's decoder patch; the
   newline tokens count as visual tokens but are protected: never selected for removal.
 
@@ -227,10 +226,11 @@ class LlavaNextAdapter(LlavaAdapter):
         return [self.layout(size) for size in self.image_sizes]
 
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        """A method that cuts before the LLM (ToMe, VisionZip, FasterVLM, PruMerge+), per crop: every
-        item (base view and crops) is a batch row of LLaVA-1.5's tower and projector hook points,
-        reduced alike; the AnyRes packing is replaced by `ImageLayout.pack`, which reads where every
-        output token came from (`TowerOutput.kept`, left by the hook points in `handle.vision_state`).
+        """A method that acts before the LLM (FiCoCo-V, ToMe, VisionZip, FasterVLM, PruMerge+), per
+        crop: every item (base view and crops) is a batch row of LLaVA-1.5's tower and projector hook
+        points, reduced alike; the AnyRes packing is replaced by `ImageLayout.pack`, which reads where
+        every output token came from (`TowerOutput.kept`, left by the hook points in
+        `handle.vision_state`).
 
         Placement, after VisionZip's official AnyRes code (`restore_image_features_sorted`): the base
         view's tokens in the method's order; the crops' placed tokens at their grid places; then every
@@ -238,11 +238,14 @@ class LlavaNextAdapter(LlavaAdapter):
         AnyRes unpadding (it reshapes the whole crop grid, so a non-square image is mis-packed; here the
         layout's unpadded grid, and images whose unpadding drops tokens are refused, since the count
         would depend on which tokens stay) and it drops the newline tokens (computed, never used; here
-        one ends every row, as in the unreduced model).
+        one ends every row, as in the unreduced model). FiCoCo-V places every token.
 
         The span length follows from the schedule before the LLM runs: items x (placed + unplaced) +
         newline rows. An adaptive count (PruMerge+ without --keep) is measured by encoding first; the
         items of one call (every crop of every image) must then agree, or the call is refused."""
+        if getattr(self.model.config, "vision_feature_select_strategy", "default") != "default":
+            raise FicocoError(f"{spec.title} on LLaVA-NeXT needs vision_feature_select_strategy='default' "
+                              "([CLS] dropped before packing)")
         super().patch_tower(handle, patches, spec, schedule)
         removals = [r for r in schedule.removals if r.stage == "vision"]
         self.method_title = spec.title
@@ -251,20 +254,6 @@ class LlavaNextAdapter(LlavaAdapter):
         self.unplaced_per_item = sum(r.added for r in removals)
         inner = self.model.model
         patches.set(inner, "pack_image_features", self._packing(inner.pack_image_features, lambda: handle.vision_state))
-
-    # -- FiCoCo-V ---------------------------------------------------------------------------
-    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
-        """Reduce every item inside the CLIP layers (LLaVA-1.5's patch: items are batch rows) and
-        pack the reduced items in the unreduced model's order."""
-        if getattr(self.model.config, "vision_feature_select_strategy", "default") != "default":
-            raise FicocoError("FiCoCo-V on LLaVA-NeXT needs vision_feature_select_strategy='default' "
-                              "([CLS] dropped before packing)")
-        super().patch_vision(handle, patches, removed)
-        self.method_title, self.unplaced_per_item = "FiCoCo-V", 0
-        self.kept_per_item = self.patches - sum(removed.values())
-        inner = self.model.model
-        packing = self._packing(inner.pack_image_features, lambda: handle.vision_state)
-        patches.set(inner, "pack_image_features", packing)
 
     def patch_for_tracing(self, patches: Patches) -> None:
         """Let torch.jit trace the forward (fvcore counts by tracing): transformers' unpadding rounds
@@ -322,7 +311,7 @@ class LlavaNextAdapter(LlavaAdapter):
         title = self.method_title
         adaptive = self.kept_per_item is None
         if adaptive and keep is None:
-            raise RuntimeError(f"{title} on LLaVA-NeXT shortens prompts only after patch_vision or patch_tower")
+            raise RuntimeError(f"{title} on LLaVA-NeXT shortens prompts only after patch_tower")
         placed, unplaced = (keep, 0) if adaptive else (self.kept_per_item, self.unplaced_per_item)
         layouts = self._layouts_of_call(title)
         batch = input_ids.shape[0]

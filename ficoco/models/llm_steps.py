@@ -1,6 +1,13 @@
-"""The decoder's hook points and probes for every method that acts at the input of a decoder layer
-(FastV, PDrop, SparseVLM, DART, and any later one): one implementation, read from the method's
-registry entry, for every family whose decoder is a stack of LLaMA-style layers.
+"""The decoder's hook points and probes for every method that acts in the LLM, read from the method's
+registry entry, for every family whose decoder is a stack of LLaMA-style layers. Two placements:
+
+- ``in_layer`` (FiCoCo-L, and any later method that reduces between a layer's attention and its
+  MLP): `InLayerPatch`. The reducing layer is re-composed from its own submodules; its attention
+  runs through the probe (ficoco.models.attention), which computes the output from the head-mean
+  probabilities it keeps, and the method's ``layer_step`` gets them with the layer's tokens.
+- ``layer_input`` (FastV, PDrop, SparseVLM, DART, and any later one): `LayerInputPatch`, below.
+
+The rest of this docstring is about ``layer_input``.
 
 What a method asks for (its `MethodSpec.needs`) decides what is computed, and only there:
 
@@ -37,8 +44,8 @@ from transformers import AttentionInterface
 from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
-from ficoco.methods.stages import StepInput, last_row_attention, rows_attention
-from ficoco.models.attention import own_attention, route_attention
+from ficoco.methods.stages import InLayerInput, StepInput, last_row_attention, rows_attention
+from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
 from ficoco.models.patching import LanguageState, Patches, gather_rows
 
 if TYPE_CHECKING:
@@ -125,6 +132,102 @@ def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, vis
     query = rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
     keys = rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
     return last_row_attention(query[:, :, 0], keys, visible, attn.scaling)
+
+
+def method_settings(handle: Handle, spec: MethodSpec, schedule: Schedule) -> dict[str, Any]:
+    """The settings a method's functions get: its registry defaults, the schedule's own settings, and
+    the handle's hyperparameters where they name one of the method's (FiCoCo's, set per handle)."""
+    settings = dict(spec.hyperparameters)
+    settings.update(schedule.settings_dict())
+    for name in spec.hyperparameters:
+        if hasattr(handle.hyperparameters, name):
+            settings[name] = getattr(handle.hyperparameters, name)
+    return settings
+
+
+def merge_targets(kept: Tensor, merge_target: Tensor | None) -> Tensor | None:
+    """The kept token (in `kept`'s index space) each discarded token went into, for the records."""
+    return None if merge_target is None else torch.gather(kept, 1, merge_target)
+
+
+class InLayerPatch:
+    """Patches a decoder for a method that reduces inside its layers (between the attention residual
+    and the MLP): the probe on every reducing layer's attention, the step, and the masks, positions
+    and caches of every later layer (FiCoCo-L's `LanguageState`: several image spans, a new turn on
+    an earlier turn's cache, decode steps)."""
+
+    def __init__(self, adapter: Any, handle: Handle, spec: MethodSpec, schedule: Schedule, first: int) -> None:
+        self.adapter, self.handle, self.spec = adapter, handle, spec
+        self.step = spec.load().layer_step
+        self.settings = method_settings(handle, spec, schedule)
+        self.removed = schedule.removed_at()
+        self.first = first
+
+    def install(self, patches: Patches) -> None:
+        layers = self.adapter.decoder_layers
+        for index in range(self.first, len(layers)):
+            layer = layers[index]
+            slot = None
+            if self.removed.get(index, 0):
+                slot = install_probe(layer.self_attn, armed=False, timer=self.handle.timer)
+                patches.on_undo(lambda attn=layer.self_attn: remove_probe(attn))
+            patches.set(layer, "forward", self._forward(index, layer, layer.forward, slot))
+
+    def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor], slot: Any
+                 ) -> Callable[..., Tensor]:
+        handle, remove = self.handle, self.removed.get(index, 0)
+
+        def forward(hidden_states: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                    past_key_values: Any = None, use_cache: bool = False,
+                    position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs: Any) -> Tensor:
+            state = handle.language_state
+            if state is None:
+                return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                past_key_values=past_key_values, use_cache=use_cache,
+                                position_embeddings=position_embeddings, **kwargs)
+            attention_mask = state.slice_mask(attention_mask, index, hidden_states.shape[1])
+            if not state.decoding:
+                rows = state.index
+                if position_ids is not None and position_ids.shape[-1] != rows.shape[1]:
+                    position_ids = gather_rows(position_ids, rows, 1)
+                if position_embeddings is not None and position_embeddings[0].shape[1] != rows.shape[1]:
+                    cos, sin = position_embeddings
+                    position_embeddings = (gather_rows(cos, rows, 1), gather_rows(sin, rows, 1))
+                # What this layer's cache holds after the call: its earlier keys and the tokens it
+                # sees now (before its own reduction).
+                state.cached_positions[index] = state.key_positions(index)
+            if state.decoding or not remove:
+                return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                past_key_values=past_key_values, use_cache=use_cache,
+                                position_embeddings=position_embeddings, **kwargs)
+            residual = hidden_states
+            slot.armed = True
+            try:
+                attn_out, _ = layer.self_attn(
+                    hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
+                    position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
+                    position_embeddings=position_embeddings, **kwargs)
+            finally:
+                slot.armed = False
+            hidden = residual + attn_out
+            attn, _ = slot.take()
+            # Keys of earlier turns come first; the method reads this call's tokens alone. The
+            # schedule's counts are per image: a prompt of k images loses k times as many tokens
+            # at this layer, chosen among all its visual tokens together.
+            inputs = InLayerInput(hidden=hidden, attention=attn[:, :, attn.shape[2] - attn.shape[1]:],
+                                  remove=remove * state.images, visual_rows=state.visual_rows,
+                                  suffix_mask=state.suffix_mask, first_suffix_row=state.first_suffix_row,
+                                  protected=state.protected, max_protected=state.max_protected)
+            red = handle.run_method(index, self.step, inputs, self.settings)
+            kept_ranks = torch.gather(state.visual_ranks, 1, red.kept_visual)
+            handle.record("llm", index, kept=kept_ranks,
+                          discarded=torch.gather(state.visual_ranks, 1, red.discarded_visual),
+                          merged_into=merge_targets(kept_ranks, red.merge_target))
+            state.keep(red.kept_positions, red.kept_visual, red.visual_positions)
+            hidden = red.hidden
+            return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+        return forward
 
 
 @dataclass

@@ -40,11 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import method
 from ficoco.models.attention import install_probe, remove_probe
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava import (
     LlavaAdapter,
-    _timed,
     arange_like,
     check_call_options,
     follow_shortened_prompt,
@@ -53,7 +53,6 @@ from ficoco.models.llava import (
 )
 from ficoco.models.patching import Patches, span_lengths
 from ficoco.profiles import FAMILY_DEFAULTS
-from ficoco.reduction import VReduction, equivalent_token_redundancy, reduce_v
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -62,77 +61,6 @@ if TYPE_CHECKING:
 PREFIX_TOKENS = 4
 # "<|vision_end|>" before the question, "<|im_end|> \n <|im_start|> assistant \n" after it.
 _SUFFIX_TEMPLATE_TOKENS = 6
-
-
-@dataclass(frozen=True)
-class GroupReduction:
-    """One FiCoCo-V step on merge groups.
-
-    Attributes:
-        hidden: ``(B, (G - r) * merge, D)`` the kept groups' patches, members consecutive.
-        kept_groups: ``(B, G - r)`` original group index (row-major on the group grid) of every
-            kept group, increasing.
-        discarded_groups: ``(B, r)`` original group index of every removed group, increasing.
-        kept_positions: ``(B, G - r)`` index of every kept group in the input sequence of groups.
-        merge_target: ``(B, r)`` for every removed group, the column in ``kept_groups`` of the
-            group that received most of it (member m went into member m); None when none was removed.
-    """
-
-    hidden: Tensor
-    kept_groups: Tensor
-    discarded_groups: Tensor
-    kept_positions: Tensor
-    merge_target: Tensor | None = None
-
-
-def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor, r: int, group_index: Tensor,
-                  group_grid: tuple[int, int], *, merge: int = 4, lam: float = 0.35, eps: float = 0.998,
-                  window: int = 2, coefficient: float = 2.0) -> GroupReduction:
-    """FiCoCo-V on patches that leave in groups of `merge` consecutive tokens.
-
-    A group's redundancy is the mean of its members' (`lam * v_j - (1 - lam) * a_j`, `a_j`
-    from the equivalent token of `keys`), its correlation to another group is the mean
-    attention between their members, and compressing folds member `m` of a discarded group
-    into member `m` of the kept groups it correlates with. The local penalty acts on the grid
-    of groups.
-
-    Args:
-        hidden: ``(B, G * merge, D)`` patches of one image per sample, members consecutive.
-        attn: ``(B, T, T)`` head-mean attention probabilities of the layer (T = G * merge).
-        keys: ``(B, H, T, d)`` the layer's key states.
-        r: groups to remove, ``0 <= r < G``.
-        group_index: ``(B, G)`` original group index of every current group (row-major on
-            the group grid).
-        group_grid: ``(rows, cols)`` of the original group grid.
-
-    Returns:
-        A :class:`GroupReduction`.
-    """
-    batch, tokens, dim = hidden.shape
-    if tokens % merge:
-        raise ValueError(f"{tokens} tokens are not whole groups of {merge}")
-    groups = tokens // merge
-    # Both terms of the score are linear, so the mean of the members' scores is the score of
-    # the members' mean terms; the correlation is the block mean of the attention.
-    semantic = equivalent_token_redundancy(keys, has_cls=False).view(batch, groups, merge).mean(dim=2)
-    group_attn = attn.view(batch, groups, merge, groups, merge).mean(dim=(2, 4))
-    # reduce_v reads the semantic term of its score from the [CLS] query's row (A[0, j]).
-    # Groups have no [CLS], so a stand-in row 0 carries the groups' equivalent-token term there;
-    # the stand-in token is never removed and is dropped below. The members of a group travel
-    # as one vector of merge x D, so compress folds them member by member.
-    stand_in = group_attn.new_zeros(batch, 1 + groups, 1 + groups)
-    stand_in[:, 0, 1:] = semantic.to(stand_in.dtype)
-    stand_in[:, 1:, 1:] = group_attn
-    vectors = torch.cat([hidden.new_zeros(batch, 1, merge * dim), hidden.reshape(batch, groups, merge * dim)], 1)
-    red: VReduction = reduce_v(vectors, stand_in, r, group_index, group_grid, has_cls=True, lam=lam, eps=eps,
-                               window=window, coefficient=coefficient)
-    return GroupReduction(
-        hidden=red.hidden[:, 1:].reshape(batch, -1, dim),
-        kept_groups=red.grid_index,
-        discarded_groups=red.discarded_grid,
-        kept_positions=red.kept_positions[:, 1:] - 1,
-        merge_target=red.merge_target,
-    )
 
 
 def _members(groups: Tensor, grid_w: int, merge_size: int) -> Tensor:
@@ -212,16 +140,23 @@ class Qwen2VLAdapter(LlavaAdapter):
                 "lm_head": self.model.lm_head}
 
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        """Vision-side methods other than FiCoCo-V are planned on Qwen2-VL (the equivalent token in place
-        of [CLS], per merge group) but its packed tower (cu_seqlens) has no hook points for them yet."""
-        raise FicocoError(f"--variant {spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco flops` "
-                          "(the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed vision "
-                          "tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
+        """The packed tower's hook point (cu_seqlens: every image one segment): inside a tower layer, on
+        merge groups, for a method whose module offers ``reduce_groups`` (FiCoCo-V). Other vision-side
+        methods are planned on Qwen2-VL (the equivalent token in place of [CLS], per merge group) but have
+        no step on merge groups: refused in one line."""
+        step = getattr(spec.load(), "reduce_groups", None)
+        if spec.placement != "in_layer" or step is None:
+            raise FicocoError(f"--variant {spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
+                              "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
+                              "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
+        self.patch_vision(handle, patches, schedule.removed_at(), step)
 
     # -- FiCoCo-V: the tower ----------------------------------------------------------------
-    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int]) -> None:
+    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int],
+                     reduce_groups: Callable[..., Any]) -> None:
         """Reduce whole merge groups in the ViT blocks of `removed`; the blocks after the first
         reducing one run on the kept patches' rotary table and image boundaries."""
+        self._group_step = reduce_groups
         params = handle.hyperparameters
         visual = self.visual
         original_tower = visual.forward
@@ -262,8 +197,8 @@ class Qwen2VLAdapter(LlavaAdapter):
                                        position_embeddings=position_embeddings, **kwargs)
                 hidden = residual + attn_out
                 chunks = _slot.take_chunks()
-                hidden = _timed(handle, hidden.device, lambda: self._reduce(
-                    handle, tower, hidden, chunks, _r, _idx, position_embeddings, cu_seqlens, params))
+                hidden = self._reduce(handle, tower, hidden, chunks, _r, _idx, position_embeddings, cu_seqlens,
+                                      params)
                 return hidden + _layer.mlp(_layer.norm2(hidden))
 
             patches.set(layer, "forward", forward)
@@ -304,9 +239,10 @@ class Qwen2VLAdapter(LlavaAdapter):
             attn = torch.cat([chunks[i][0] for i in images])
             keys = torch.cat([chunks[i][1] for i in images])
             index = torch.stack([tower.kept_groups[i] for i in images])
-            red = reduce_groups(x, attn, keys, r, index, (rows // self.merge_size, cols // self.merge_size),
-                                merge=self.merge, lam=params.lam, eps=params.eps, window=params.window,
-                                coefficient=params.coefficient)
+            red = handle.run_method(("vision", layer_idx), self._group_step, x, attn, keys, r, index,
+                                    (rows // self.merge_size, cols // self.merge_size), merge=self.merge,
+                                    lam=params.lam, eps=params.eps, window=params.window,
+                                    coefficient=params.coefficient)
             merged_into = None if red.merge_target is None else group_patch_targets(
                 red.discarded_groups, torch.gather(red.kept_groups, 1, red.merge_target), cols, self.merge_size)
             handle.record("vision", layer_idx, kept=group_patches(red.kept_groups, cols, self.merge_size),
@@ -553,7 +489,7 @@ class Qwen2VLAdapter(LlavaAdapter):
     def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
         """FiCoCo-L: LLaVA's entry. FiCoCo-V: encode the images first, then run the shortened
         prompt with the kept tokens' original 3-D positions (forward and generate)."""
-        if variant != "v":
+        if not method(variant).per_item:  # in the decoder: LLaVA's entry
             super().patch_entry(handle, patches, variant, keep_per_image)
             self.patch_later_turn_images(handle, patches)
             return

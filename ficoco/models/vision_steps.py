@@ -29,6 +29,7 @@ wrapper shortens the prompt's image spans to them (ficoco.models.llava).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,8 @@ from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
-from ficoco.models.attention import own_attention, route_attention
+from ficoco.models.attention import attention_with_probabilities, own_attention, route_attention
+from ficoco.models.llm_steps import method_settings
 from ficoco.models.patching import Patches
 
 if TYPE_CHECKING:
@@ -55,15 +57,20 @@ class TowerSlot:
     """What one tower attention module is asked to keep in a forward, and what it left."""
 
     want_cls: bool = False
+    # The head-mean probabilities of every query (FiCoCo-V): the layer's output is then computed
+    # from them (one pass, ficoco.models.attention's probe) instead of the module's own kernel.
+    want_probabilities: bool = False
+    timer: Any = None  # the handle's StageTimer: the probe's time goes into its "probe" span
     armed: bool = False
     keys: Tensor | None = None  # (items, H, T, d)
     cls_query: Tensor | None = None  # (items, H, d)
     scale: float | None = None
+    probabilities: Tensor | None = None  # (items, T, T) float32
 
-    def take(self) -> tuple[Tensor | None, Tensor | None, float | None]:
-        keys, query, scale = self.keys, self.cls_query, self.scale
-        self.keys = self.cls_query = None
-        return keys, query, scale
+    def take(self) -> tuple[Tensor | None, Tensor | None, float | None, Tensor | None]:
+        taken = self.keys, self.cls_query, self.scale, self.probabilities
+        self.keys = self.cls_query = self.probabilities = None
+        return taken
 
 
 def tower_rows_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -75,6 +82,14 @@ def tower_rows_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         slot.keys = key
         slot.cls_query = query[:, :, 0] if slot.want_cls else None
         slot.scale = scaling
+        if slot.want_probabilities:
+            # A module whose own implementation is eager returns its attention matrix (what
+            # output_attentions collects): return the one this layer computed, every head.
+            eager = module._ficoco_tower_config._attn_implementation == "eager"
+            with slot.timer.span("probe", query.device) if slot.timer is not None else contextlib.nullcontext():
+                output, slot.probabilities, per_head = attention_with_probabilities(
+                    module, query, key, value, attention_mask, scaling, is_causal, keep_heads=eager)
+            return output, per_head
     return own_attention(module, module._ficoco_tower_config, query, key, value, attention_mask, dropout=dropout,
                          scaling=scaling, is_causal=is_causal, **kwargs)
 
@@ -94,7 +109,7 @@ class TowerState:
     size: Tensor | None = None
     positions: Tensor | None = None
     bias: Tensor | None = None
-    probes: dict[int, tuple[Tensor | None, Tensor | None, float | None]] = field(default_factory=dict)
+    probes: dict[int, tuple[Tensor | None, Tensor | None, float | None, Tensor | None]] = field(default_factory=dict)
 
 
 def complement(kept: Tensor, total: int, width: int | None = None) -> Tensor:
@@ -119,27 +134,30 @@ class TowerPatch:
     def __init__(self, adapter: Any, handle: Handle, spec: MethodSpec, schedule: Schedule) -> None:
         self.adapter, self.handle, self.spec = adapter, handle, spec
         self.module = spec.load()
-        self.settings = schedule.settings_dict()
+        self.settings = method_settings(handle, spec, schedule)
         removals = [r for r in schedule.removals if r.stage == "vision"]
         self.in_layer: dict[int, Removal] = {r.layer: r for r in removals if r.where == "in_layer"}
         self.cuts: dict[str, Removal] = {r.where: r for r in removals if r.where != "in_layer"}
         last = len(adapter.vision_layers) - 1
         step_layers = sorted({r.layer for r in removals})
-        self.probes: dict[int, bool] = {}  # tower layer -> whether the [CLS] query is wanted too
+        # tower layer -> (whether the [CLS] query is wanted, whether every row's probabilities are)
+        self.probes: dict[int, tuple[bool, bool]] = {}
         for need in spec.needs:
             words = need.layer.split()
             if need.kind not in ("keys", "attention_rows", "query_key") or words[:1] != ["vision"]:
                 continue
+            every_row = need.kind == "attention_rows" and need.rows == "all"
             for layer in ([last] if words[1:] == ["last"] else step_layers):
-                self.probes[layer] = self.probes.get(layer, False) or need.rows == "cls"
+                cls, rows = self.probes.get(layer, (False, False))
+                self.probes[layer] = (cls or need.rows == "cls", rows or every_row)
         # The probe a cut reads: the one layer probed for it (the layer the projector reads, or the last).
         self.cut_probe = next(iter(sorted(set(self.probes) - set(self.in_layer))), None)
         self.slots: dict[int, TowerSlot] = {}
 
     def install(self, patches: Patches) -> None:
         layers = self.adapter.vision_layers
-        for layer, want_cls in self.probes.items():
-            slot = TowerSlot(want_cls=want_cls)
+        for layer, (want_cls, want_probabilities) in self.probes.items():
+            slot = TowerSlot(want_cls=want_cls, want_probabilities=want_probabilities, timer=self.handle.timer)
             install_tower_rows(layers[layer].self_attn, slot, patches)
             self.slots[layer] = slot
         for index, layer in enumerate(layers):
@@ -175,9 +193,10 @@ class TowerPatch:
                     slot.armed = False
                     state.probes[index] = slot.take()
             hidden = residual + attn_out
-            keys, query, scale = state.probes.pop(index, (None, None, None))
+            keys, query, scale, probabilities = state.probes.pop(index, (None, None, None, None))
             inputs = TowerInput(hidden=hidden, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
-                                cls_query=query, scale=scale, size=state.size, positions=state.positions)
+                                cls_query=query, scale=scale, size=state.size, positions=state.positions,
+                                attention=probabilities, grid_hw=self.adapter.grid_hw)
             before = state.positions
             out: TowerOutput = self.handle.run_method(("vision", index), self.module.tower_step, inputs,
                                                       self.settings)
@@ -185,8 +204,9 @@ class TowerPatch:
             patches = self.adapter.patches
             present = before[:, 1:] - 1 if before is not None else \
                 torch.arange(patches, device=hidden.device).expand(hidden.shape[0], -1)
-            self.handle.record("vision", index, kept=out.kept,
-                               discarded=_gone(present, out.kept, patches, removal.remove))
+            discarded = out.discarded if out.discarded is not None else \
+                _gone(present, out.kept, patches, removal.remove)
+            self.handle.record("vision", index, kept=out.kept, discarded=discarded, merged_into=out.merged_into)
             hidden = out.hidden
             return hidden + layer.mlp(layer.layer_norm2(hidden))
 
@@ -231,8 +251,8 @@ class TowerPatch:
         if units != expected:
             raise FicocoError(f"{self.spec.title} cuts {expected} patches per item at the tower's output, but the "
                               f"projector received {units}; vision_feature_select_strategy must be 'default'")
-        keys, query, scale = state.probes.get(self.cut_probe, (None, None, None)) if self.cut_probe is not None \
-            else (None, None, None)
+        keys, query, scale, _ = state.probes.get(self.cut_probe, (None, None, None, None)) \
+            if self.cut_probe is not None else (None, None, None, None)
         inputs = TowerInput(hidden=features, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
                             cls_query=query, scale=scale)
         out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
