@@ -141,7 +141,7 @@ def test_prumerge_default_is_adaptive_and_says_so():
 
 
 @pytest.mark.parametrize("argv", [
-    ["flops", "--verify", "--model", "llava-next-tiny", "--variant", "tome", "--keep", "8"],
+    ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "fastervlm", "--keep", "8"],
     ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "visionzip", "--keep", "8"],
 ])
 def test_vision_methods_on_families_not_wired_yet_are_refused_in_one_line(argv):

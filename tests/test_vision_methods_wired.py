@@ -265,7 +265,7 @@ def test_video_llava_runs_the_methods_per_frame(name: str, method: str) -> None:
     assert torch.equal(tokens[:, :inp["input_ids"].shape[1]], inp["input_ids"])
 
 
-@pytest.mark.parametrize("name,method", [("llava-next-tiny", "tome"), ("qwen2-vl-tiny", "visionzip")])
+@pytest.mark.parametrize("name,method", [("qwen2-vl-tiny", "visionzip"), ("qwen2-vl-tiny", "fastervlm")])
 def test_families_not_wired_yet_are_refused_in_one_line_and_left_unpatched(name: str, method: str) -> None:
     model = ficoco.build_model(name, dtype="fp32")
     with pytest.raises(FicocoError, match="not wired into") as info:
@@ -288,3 +288,57 @@ def test_flops_verify_passes_with_the_methods_work_as_its_own_stage(method: str,
     assert stages["method"]["analytic_flops"] > 0 and all(s["within_tolerance"] for s in stages.values())
     if not setting:  # the adaptive count is counted as measured
         assert any(r.get("added") == 1 for r in run["schedule"]) and run["visual_tokens"] < 65
+
+
+def _next_turn(model: nn.Module, sequences: Tensor, seed: int) -> dict[str, Tensor]:
+    """The conversation so far, then a new user turn with a new image: the whole conversation's
+    input_ids and the new image, as HF users continue a chat on a cache."""
+    turn = inputs(model, batch=sequences.shape[0], seed=seed)
+    ids = torch.cat([sequences, turn["input_ids"][:, 1:]], dim=1)  # no second BOS
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": turn["pixel_values"]}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_new_image_and_a_text_turn_on_the_cache_equal_the_whole_conversation(model: nn.Module, method: str) -> None:
+    """generate with the whole conversation's input_ids on the first turn's cache gives the tokens
+    of the conversation run as one prompt (every image span shortened alike, wherever it is), and
+    the cache ends as long; a text turn runs only what the cache lacks."""
+    options = {"max_new_tokens": NEW, "min_new_tokens": NEW, "do_sample": False, "return_dict_in_generate": True}
+    first = inputs(model, batch=2, seed=20)
+    question = inputs(model, seed=21)["input_ids"][:, -4:].expand(2, -1)
+    with torch.no_grad(), ficoco.apply(model, method, keep=KEEP):
+        turn1 = model.generate(**first, **options)
+        turn = _next_turn(model, turn1.sequences, seed=22)
+        turn2 = model.generate(**turn, past_key_values=turn1.past_key_values, **options)
+        pixels = torch.stack([first["pixel_values"], turn["pixel_values"]], dim=1).flatten(0, 1)
+        whole = model.generate(**{**turn, "pixel_values": pixels}, **options)
+        length = turn["input_ids"].shape[1]
+        assert torch.equal(turn2.sequences[:, :length], turn["input_ids"])
+        assert torch.equal(turn2.sequences[:, length:], whole.sequences[:, length:])
+        assert turn2.past_key_values.get_seq_length() == whole.past_key_values.get_seq_length() == \
+            length - 2 * (PATCHES - KEEP) + NEW - 1
+        turn1 = model.generate(**first, **options)
+        ids = torch.cat([turn1.sequences, question], dim=1)
+        text = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        later = model.generate(**text, past_key_values=turn1.past_key_values, **options)
+        one = model.generate(**text, pixel_values=first["pixel_values"], **options)
+    assert torch.equal(later.sequences, one.sequences)
+    assert later.past_key_values.get_seq_length() == one.past_key_values.get_seq_length()
+
+
+def test_prumerge_adaptive_count_on_a_conversations_cache_is_refused_in_one_line(model: nn.Module) -> None:
+    """Each turn's adaptive count is measured on its own images, so the earlier turns' spans the cache
+    holds cannot be told from this call's: refused (it ran silently misaligned before)."""
+    options = {"max_new_tokens": NEW, "min_new_tokens": NEW, "do_sample": False, "return_dict_in_generate": True}
+    first = inputs(model, seed=23)
+    with torch.no_grad(), ficoco.apply(model, "prumerge"):
+        turn1 = model.generate(**first, **options)
+        turn = _next_turn(model, turn1.sequences, seed=24)
+        ids = torch.cat([turn1.sequences, inputs(model, seed=25)["input_ids"][:, -4:]], dim=1)
+        for call in (turn, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}):  # a new image; text only
+            with pytest.raises(FicocoError, match="adaptive count is measured per call") as info:
+                model.generate(**call, past_key_values=turn1.past_key_values, **options)
+            assert "\n" not in str(info.value) and "--keep" in str(info.value)
+        # Without a cache the turn is a prompt of its own: served.
+        fresh = model.generate(**inputs(model, seed=24), **options)
+    assert fresh.sequences.shape[1] == TEXT + PATCHES + NEW

@@ -322,6 +322,13 @@ class LlavaAdapter:
             kept = None
             keep = keep_per_image
             if shortens and adaptive and prompt is not None:
+                cache = kwargs.get("past_key_values")
+                if cache is not None and cache.get_seq_length() and bool((prompt == self.image_token_id).any()):
+                    # Each turn's count is measured on its own images: the spans the cache holds
+                    # shortened cannot be told from this call's (silently misaligned otherwise).
+                    raise FicocoError(f"{spec.title}'s adaptive count is measured per call, so the image spans of "
+                                      "a conversation on a cache cannot be shortened as its earlier turns were; "
+                                      "give a fixed count with --keep (keep=)")
                 keep = self.encode_first(handle, kwargs)
             if shortens and keep is not None and prompt is not None:
                 # Every image span of the prompt, also those of earlier turns on a cache that

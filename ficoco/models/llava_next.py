@@ -7,11 +7,14 @@ a CLIP batch item; the crop features are put back on one large patch grid, the g
 to the image's aspect ratio, and one `image_newline` token ends every row; the base view's tokens
 come first. So:
 
-- FiCoCo-V reduces every item (base view and crops) inside the tower with LLaVA-1.5's batched
-  layer patch. The packing that follows cannot reshape reduced crops into a grid, so it is
-  replaced, while V runs, by one that places every kept token where the unreduced packing puts
-  it (from the grid coordinates the V stage records per item) and still ends every row with a
-  newline token. The prompt's placeholder span is shortened to the reduced count at the entry.
+- Every method that acts before the LLM (FiCoCo-V, ToMe, VisionZip, FasterVLM, PruMerge+) runs
+  through LLaVA-1.5's tower and projector hook points, every item (base view and crops) a batch
+  row reduced alike. The packing that follows cannot reshape reduced crops into a grid, so it is
+  replaced, while such a method runs, by `ImageLayout.pack`: every token that continues a patch
+  goes where the unreduced packing puts that patch, every row still ends with a newline token,
+  and tokens without a grid place (contextual, extra) follow the crop grid; FiCoCo-V's kept grid
+  is the case "every token placed". The prompt's placeholder span is shortened to the reduced
+  count at the entry.
 - FiCoCo-L reduces the whole span (base, crops and newlines) with LLaVA-1.5's decoder patch; the
   newline tokens count as visual tokens but are protected: never selected for removal.
 
@@ -77,13 +80,16 @@ class ImageLayout:
         """Visual tokens of the unreduced image (the processor's placeholder count)."""
         return self.side * self.side + self.unpadded.numel() + self.newline_rows
 
-    def reduced_tokens(self, kept_per_item: int) -> int:
-        """Visual tokens when FiCoCo-V keeps `kept_per_item` patches of every item."""
+    def reduced_tokens(self, placed_per_item: int, unplaced_per_item: int = 0, method: str = "FiCoCo-V") -> int:
+        """Visual tokens when `method` hands on `placed_per_item` tokens with a grid place (kept or
+        merged-into patches) and `unplaced_per_item` without one (contextual, extra) of every item:
+        every item's tokens, and one newline per row of the crop grid. Refused where unpadding
+        drops crop tokens: how many go would depend on which tokens stay."""
         if self.unpadding_drops:
             raise FicocoError(
-                f"FiCoCo-V on LLaVA-NeXT: AnyRes unpadding of this image drops {self.unpadding_drops} crop "
+                f"{method} on LLaVA-NeXT: AnyRes unpadding of this image drops {self.unpadding_drops} crop "
                 "tokens, so the reduced count depends on which tokens stay; use square images or FiCoCo-L")
-        return self.items * kept_per_item + self.newline_rows
+        return self.items * (placed_per_item + unplaced_per_item) + self.newline_rows
 
     def newline_flags(self) -> Tensor:
         """(tokens,) bool: True on the newline tokens of the unreduced span."""
@@ -106,35 +112,45 @@ class ImageLayout:
         slots[self.unpadded.flatten()] = place.flatten()
         return slots
 
-    def pack(self, features: Tensor, kept_grid: Tensor, newline: Tensor | None) -> Tensor:
-        """Pack one image's reduced item features in the unreduced model's order.
+    def pack(self, features: Tensor, kept: Tensor, newline: Tensor | None) -> Tensor:
+        """Pack one image's reduced item features in AnyRes order: one function for FiCoCo-V (every
+        token placed) and the methods that cut before the LLM (some tokens without a grid place).
 
         Args:
-            features: (items, k, D) projected features, every item's kept patches in grid order.
-            kept_grid: (items, k) the original grid index (row-major within its item) of each.
+            features: (items, k, D) projected features of every item, in the method's output order.
+            kept: (items, k) the original grid index (row-major within its item) of each token, -1
+                for a token without a grid place (merged from many, contextual, extra).
             newline: (D,) the newline embedding, or None (then no newline tokens, as transformers).
 
         Returns:
-            (items * k + newline rows, D): the base view's tokens, then the kept crop tokens in the
-            packed order, one newline ending every row (rows that lost tokens keep theirs).
+            The base view's tokens in the method's order; then the crops' placed tokens at their
+            places in the unpadded crop grid, one newline ending every row (rows that lost tokens
+            keep theirs); then every crop's unplaced tokens, crop by crop, each crop's in its
+            order. Every token placed: (items * k + newline rows, D), the unreduced model's order.
         """
         base = features[0]
         if newline is not None:
             newline = newline.to(device=features.device, dtype=features.dtype)
         if self.items == 1:
             return base if newline is None else torch.cat([base, newline[None]], dim=0)
-        crops, grid = features[1:], kept_grid[1:].to(features.device)
-        crop_index = torch.arange(crops.shape[0], device=grid.device)[:, None]
+        crops, grid = features[1:], kept[1:].to(features.device)
+        crop_count, per_crop = grid.shape
+        crop_index = torch.arange(crop_count, device=grid.device)[:, None]
+        placed = grid >= 0
+        cell = grid.clamp(min=0)
         crops_w = self.crops_hw[1]
-        rows_in, cols_in = grid // self.side, grid % self.side
+        rows_in, cols_in = cell // self.side, cell % self.side
         grid_row = (crop_index // crops_w) * self.side + rows_in
         grid_col = (crop_index % crops_w) * self.side + cols_in
-        slots = self.crop_slots().to(grid.device)[grid_row * self.grid_hw[1] + grid_col].flatten()
+        slots = self.crop_slots().to(grid.device)[grid_row * self.grid_hw[1] + grid_col]
+        # Unplaced tokens sort after the whole grid (its rows and newlines), in crop order.
+        rows_u, cols_u = self.unpadded.shape
+        after_grid = rows_u * (cols_u + 1) + torch.arange(crop_count * per_crop, device=grid.device)
+        slots = torch.where(placed, slots, after_grid.view(crop_count, per_crop)).flatten()
         tokens = crops.reshape(-1, crops.shape[-1])
-        if bool((slots < 0).any()):  # unpadded away (the entry refuses such images for V)
+        if bool((slots < 0).any()):  # placed where unpadding drops (the entry refuses such images for cuts)
             tokens, slots = tokens[slots >= 0], slots[slots >= 0]
         if newline is not None:
-            rows_u, cols_u = self.unpadded.shape
             newline_slots = torch.arange(rows_u, device=grid.device) * (cols_u + 1) + cols_u
             tokens = torch.cat([tokens, newline[None].expand(rows_u, -1)], dim=0)
             slots = torch.cat([slots, newline_slots])
@@ -187,7 +203,11 @@ class LlavaNextAdapter(LlavaAdapter):
         if not getattr(config, "image_grid_pinpoints", None):
             raise FicocoError(f"{type(model).__name__} has no image_grid_pinpoints; not a LLaVA-NeXT model")
         self._layouts: dict[tuple[int, int], ImageLayout] = {}
-        self.kept_per_item: int | None = None  # FiCoCo-V: patches every item keeps
+        # A method that cuts before the LLM (FiCoCo-V, ToMe, VisionZip, ...): its title, and the tokens
+        # every item hands on with a grid place and without one (None: an adaptive count, measured).
+        self.method_title = "FiCoCo-V"
+        self.kept_per_item: int | None = None
+        self.unplaced_per_item = 0
         self.image_sizes: Tensor | None = None  # the current call's image_sizes (see patch_entry)
 
     def layout(self, size_hw: Any) -> ImageLayout:
@@ -206,34 +226,47 @@ class LlavaNextAdapter(LlavaAdapter):
         return [self.layout(size) for size in self.image_sizes]
 
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        """Reduce every item inside the CLIP layers through the tower's hook points (items are batch
-        rows, as on LLaVA-1.5) and pack the reduced items in the unreduced model's order, each token
-        at its grid place (the projector hook leaves them in `handle.vision_state`)."""
-        if spec.plans_itself:
-            raise FicocoError(f"--variant {spec.name}: {spec.title} on LLaVA-NeXT is planned and counted per crop "
-                              "by `ficoco flops` but not wired into LLaVA-NeXT's AnyRes packing yet; run it on a "
-                              "LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) or an in-LLM method here")
+        """A method that acts before the LLM (FiCoCo-V, ToMe, VisionZip, FasterVLM, PruMerge+), per
+        crop: every item (base view and crops) is a batch row of LLaVA-1.5's tower and projector hook
+        points, reduced alike; the AnyRes packing is replaced by `ImageLayout.pack`, which reads where
+        every output token came from (`TowerOutput.kept`, left by the hook points in
+        `handle.vision_state`).
+
+        Placement, after VisionZip's official AnyRes code (`restore_image_features_sorted`): the base
+        view's tokens in the method's order; the crops' placed tokens at their grid places; then every
+        crop's unplaced tokens (contextual, extra) in crop order. Its defects, fixed here: it ignores
+        AnyRes unpadding (it reshapes the whole crop grid, so a non-square image is mis-packed; here the
+        layout's unpadded grid, and images whose unpadding drops tokens are refused, since the count
+        would depend on which tokens stay) and it drops the newline tokens (computed, never used; here
+        one ends every row, as in the unreduced model). FiCoCo-V places every token.
+
+        The span length follows from the schedule before the LLM runs: items x (placed + unplaced) +
+        newline rows. An adaptive count (PruMerge+ without --keep) is measured by encoding first; the
+        items of one call (every crop of every image) must then agree, or the call is refused."""
         if getattr(self.model.config, "vision_feature_select_strategy", "default") != "default":
             raise FicocoError(f"{spec.title} on LLaVA-NeXT needs vision_feature_select_strategy='default' "
                               "([CLS] dropped before packing)")
         super().patch_tower(handle, patches, spec, schedule)
-        self.kept_per_item = self.patches - sum(r.remove - r.added for r in schedule.removals)
+        removals = [r for r in schedule.removals if r.stage == "vision"]
+        self.method_title = spec.title
+        adaptive = bool(schedule.settings_dict().get("adaptive"))
+        self.kept_per_item = None if adaptive else self.patches - sum(r.remove for r in removals)
+        self.unplaced_per_item = sum(r.added for r in removals)
         inner = self.model.model
-        packing = self._packing(inner.pack_image_features, lambda: handle.vision_state)
-        patches.set(inner, "pack_image_features", packing)
+        patches.set(inner, "pack_image_features", self._packing(inner.pack_image_features, lambda: handle.vision_state))
 
     def patch_for_tracing(self, patches: Patches) -> None:
         """Let torch.jit trace the forward (fvcore counts by tracing): transformers' unpadding rounds
         sizes that the tracer turns into tensors, so the layout packing (the same result) stands in."""
         inner = self.model.model
-        if "pack_image_features" not in inner.__dict__:  # FiCoCo-V's packing is traceable already
+        if "pack_image_features" not in inner.__dict__:  # a reducing method's packing is traceable already
             patches.set(inner, "pack_image_features", self._packing(inner.pack_image_features, lambda: None))
 
     def _packing(self, original: Callable[..., Any], kept_grid_of: Callable[[], Tensor | None]
                  ) -> Callable[..., tuple[list[Tensor], Tensor]]:
-        """A stand-in for `pack_image_features` that packs the items FiCoCo-V reduced (their kept
-        grid indices from `kept_grid_of`) in the unreduced model's order; unreduced items go to
-        `original`, except under torch.jit tracing."""
+        """A stand-in for `pack_image_features` that packs the items a method reduced before the LLM
+        (where each output token came from: `kept_grid_of`, see `ImageLayout.pack`) in AnyRes order;
+        unreduced items go to `original`, except under torch.jit tracing."""
 
         def pack_image_features(image_features: Any, image_sizes: Tensor, vision_feature_select_strategy: str,
                                 image_newline: Tensor | None = None) -> tuple[list[Tensor], Tensor]:
@@ -248,7 +281,7 @@ class LlavaNextAdapter(LlavaAdapter):
                 raise FicocoError("FiCoCo on LLaVA-NeXT packs features of vision_feature_select_strategy="
                                   f"'default' only, not '{vision_feature_select_strategy}'")
             if tuple(kept_grid.shape) != (items, image_features[0].shape[1]):
-                raise RuntimeError(f"the V stage kept {tuple(kept_grid.shape)} patches for {items} items of "
+                raise RuntimeError(f"the method kept {tuple(kept_grid.shape)} tokens for {items} items of "
                                    f"{image_features[0].shape[1]} features")
             packed, start = [], 0
             for features, size in zip(image_features, image_sizes, strict=True):
@@ -260,21 +293,27 @@ class LlavaNextAdapter(LlavaAdapter):
 
         return pack_image_features
 
-    def kept_token_index(self, input_ids: Tensor, keep: int) -> Tensor | None:
-        """(B, T') the positions FiCoCo-V's shortened prompt keeps: the first placeholders of every
-        image span, as many as the image's reduced count (items x kept patches + its newline rows;
-        `keep` is that count at the profile's image size). None without placeholders.
+    def kept_token_index(self, input_ids: Tensor, keep: int | None) -> Tensor | None:
+        """(B, T') the positions the shortened prompt of a method that cuts before the LLM keeps: the
+        first placeholders of every image span, as many as the image's reduced count (items x the
+        tokens every item hands on + its newline rows). `keep` is the count at the profile's image size
+        and is not read, except for an adaptive count: then it is the tokens every item of this call
+        measured. None without placeholders.
 
         The call's image_sizes give the layouts of its own images, the last spans of every sample.
         Spans before them belong to earlier turns of a conversation, whose images came in earlier
         calls (their shortened form is in the cache): each one's layout follows from its length
-        (`earlier_span_layout`). One host synchronisation (the span lengths)."""
+        (`earlier_span_layout`); an adaptive count cannot tell theirs, and refuses them. One host
+        synchronisation (the span lengths)."""
         is_image = input_ids == self.image_token_id
         if not bool(is_image.any()):
             return None
-        if self.kept_per_item is None:
-            raise RuntimeError("LLaVA-NeXT shortens prompts only after patch_tower")
-        layouts = self._layouts_of_call("FiCoCo-V")
+        title = self.method_title
+        adaptive = self.kept_per_item is None
+        if adaptive and keep is None:
+            raise RuntimeError(f"{title} on LLaVA-NeXT shortens prompts only after patch_tower")
+        placed, unplaced = (keep, 0) if adaptive else (self.kept_per_item, self.unplaced_per_item)
+        layouts = self._layouts_of_call(title)
         batch = input_ids.shape[0]
         spans = span_lengths(is_image)
         if len(layouts) % batch or any(len(row) < len(layouts) // batch for row in spans):
@@ -283,14 +322,24 @@ class LlavaNextAdapter(LlavaAdapter):
         own = len(layouts) // batch
         full, reduced = [], []
         for b, row in enumerate(spans):
-            span_layouts = [self.earlier_span_layout(tokens) for tokens in row[:len(row) - own]]
+            earlier = row[:len(row) - own]
+            if earlier and adaptive:
+                raise FicocoError(f"{title}'s adaptive count was measured on each earlier turn's images, which this "
+                                  "call does not hold, so the cache's spans are unknown: give a fixed count with "
+                                  "--keep (keep=) to continue a conversation on its cache")
+            span_layouts = [self.earlier_span_layout(tokens) for tokens in earlier]
             span_layouts += layouts[b * own:(b + 1) * own]
             expected = [layout.tokens for layout in span_layouts]
             if row != expected:
                 raise FicocoError(f"the input's image spans hold {row} image placeholders, but its images "
                                   f"(image_sizes {self._sizes_of_call()}, earlier turns' first) need {expected}")
             full += expected
-            reduced += [layout.reduced_tokens(self.kept_per_item) for layout in span_layouts]
+            for layout in span_layouts:
+                count = layout.reduced_tokens(placed, unplaced, title)
+                if count > layout.tokens:  # the prompt is shortened, never lengthened
+                    raise FicocoError(f"{title} hands the LLM {count} visual tokens for an image of "
+                                      f"{layout.tokens} placeholders; give a setting that keeps fewer")
+                reduced.append(count)
         full_t, reduced_t = torch.tensor(full), torch.tensor(reduced)
         # Placeholders are consumed in row-major order (masked_scatter): the k-th one overall
         # belongs to the span whose cumulative count first exceeds k.
@@ -303,24 +352,27 @@ class LlavaNextAdapter(LlavaAdapter):
         lengths = kept.sum(dim=1)
         if not bool((lengths == lengths[0]).all()):
             raise FicocoError("every sample of a batch must hold the same number of images of the same "
-                              "layout for FiCoCo-V")
+                              f"layout for {title}")
         length = int(lengths[0])
         # A stable sort of the drop flags lists the kept positions first, in order.
         return torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :length]
 
     def earlier_span_layout(self, tokens: int) -> ImageLayout:
         """The layout of an image of an earlier turn, from its span's `tokens` placeholders: the
-        AnyRes grid (one of the config's pinpoints) whose unpadded span has that many (FiCoCo-V
-        serves images whose unpadding drops nothing, so the span is the whole grid)."""
+        AnyRes grid (one of the config's pinpoints) whose unpadded span has that many (a method
+        that cuts before the LLM serves images whose unpadding drops nothing, so the span is the
+        whole grid). Fixed counts only (see `kept_token_index`)."""
+        assert self.kept_per_item is not None
         candidates = {}
         for height, width in self.model.config.image_grid_pinpoints:
             layout = self.layout((height, width))
             if layout.tokens == tokens and not layout.unpadding_drops:
-                candidates[layout.reduced_tokens(self.kept_per_item)] = layout
+                candidates[layout.reduced_tokens(self.kept_per_item, self.unplaced_per_item)] = layout
         if len(candidates) != 1:
             what = "no AnyRes grid" if not candidates else "several AnyRes grids"
             raise FicocoError(f"an earlier turn's image span of {tokens} placeholders matches {what} of this model, "
-                              "so FiCoCo-V cannot tell how many the cache holds; run the conversation in one prompt")
+                              f"so {self.method_title} cannot tell how many the cache holds; run the conversation in "
+                              "one prompt")
         return next(iter(candidates.values()))
 
     # -- FiCoCo-L ---------------------------------------------------------------------------

@@ -221,27 +221,31 @@ class TowerPatch:
             self.handle.tower_state = None  # this tower pass's features: consumed once
             # Video-LLaVA keeps every frame's [CLS] in the LLM: the cuts act on the patches after it.
             keeps_cls = self.adapter.projector_keeps_cls
-            # Where every token the projector maps sits on its item's patch grid (-1: no place), for
-            # families that lay the tokens out by grid place (LLaVA-NeXT's AnyRes packing).
-            placed = state.positions[:, 1:] - 1 if state.positions is not None else None
+            # Where every token the projector maps came from: the patch each continues after the in-layer
+            # steps (ToMe's merged tokens continue their B token), every patch when none ran.
+            origin = state.positions[:, 1:] - 1 if state.positions is not None else \
+                torch.arange(self.adapter.patches, device=features.device).expand(features.shape[0], -1)
             cut = self.cuts.get("tower_output")
             if cut is not None:
-                reduced, placed = self._cut(cut, features[:, int(keeps_cls):], state)
+                reduced, origin = self._cut(cut, features[:, int(keeps_cls):], state, origin)
                 features = torch.cat([features[:, :1], reduced], dim=1) if keeps_cls else reduced
             out = original(features, *args, **kwargs)
             cut = self.cuts.get("after_projector")
             if cut is not None:
-                reduced, placed = self._cut(cut, out[:, int(keeps_cls):], state)
+                reduced, origin = self._cut(cut, out[:, int(keeps_cls):], state, origin)
                 out = torch.cat([out[:, :1], reduced], dim=1) if keeps_cls else reduced
-            self.handle.vision_state = placed
+            # (items, tokens) per output token its original patch, -1 without a grid place: what an
+            # adapter that packs the tokens by place reads (LLaVA-NeXT's AnyRes grid).
+            self.handle.vision_state = origin
             # Counted as the method's settings count (Video-LLaVA's frame [CLS] apart).
             self.handle.measured_tokens_per_item = int(out.shape[1]) - int(keeps_cls)
             return out
 
         return forward
 
-    def _cut(self, removal: Removal, features: Tensor, state: TowerState) -> tuple[Tensor, Tensor]:
-        """The cut's tokens per item, and the patch each continues (-1: none)."""
+    def _cut(self, removal: Removal, features: Tensor, state: TowerState, origin: Tensor) -> tuple[Tensor, Tensor]:
+        """Run a cut on `features` (items, units, D) whose tokens continue the patches `origin`; the
+        tokens that go on and the patch each continues (-1 without a grid place)."""
         items, units = features.shape[:2]
         expected = self.adapter.patches - sum(r.remove for r in self.in_layer.values())
         if units != expected:
@@ -258,14 +262,15 @@ class TowerPatch:
             # are shortened alike (a batch's prompts keep equal lengths).
             counts = sorted(set(out.counts.tolist()))
             if len(counts) > 1:
-                raise FicocoError(f"{self.spec.title}'s adaptive count differs between the items (images, frames) "
-                                  f"of this call ({', '.join(map(str, counts))} tokens): run one image per call, or "
-                                  "give a fixed count with --keep (keep=)")
+                raise FicocoError(f"{self.spec.title}'s adaptive count differs between the items (images, crops, "
+                                  f"frames) of this call ({', '.join(map(str, counts))} tokens): give a fixed count "
+                                  "with --keep (keep=), or run one single-item image per call (LLaVA-1.5)")
             hidden = hidden[:, :counts[0]]
         present = torch.arange(units, device=features.device).expand(items, -1)
         kept = out.kept[:, :hidden.shape[1]]
         self.handle.record("vision", removal.layer, kept=kept, discarded=_gone(present, kept, units))
-        return hidden, kept
+        placed = torch.gather(origin.to(kept.device), 1, kept.clamp(min=0))
+        return hidden, torch.where(kept >= 0, placed, torch.full_like(kept, -1))
 
 
 def _gone(present: Tensor, kept: Tensor, total: int, width: int | None = None) -> Tensor:
