@@ -23,7 +23,7 @@ from ficoco.accounting import architecture
 from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
 from ficoco.api import Hyperparameters, profile_of
 from ficoco.errors import FicocoError
-from ficoco.models.attention import PROBE_IMPLEMENTATION, probe_attention
+from ficoco.models.attention import PROBE_IMPLEMENTATION
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs
 
 TEXT = 12  # text tokens per prompt
