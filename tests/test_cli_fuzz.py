@@ -52,7 +52,8 @@ PROFILES_DIR = ROOT / "profiles"
 TINY = ("llava-tiny", "llava-gqa-tiny", "llava-next-tiny", "qwen2-vl-tiny", "video-llava-tiny")
 LARGE = ("llava-1.5-7b", "llava-1.5-13b", "llava-next-7b", "qwen2-vl-7b", "video-llava-7b")
 GPUS = tuple(sorted(p.stem for p in (PROFILES_DIR / "hardware").glob("*.json")))
-VARIANTS = ("v", "l", "vanilla", "fastv", "pdrop", "sparsevlm", "dart")  # reducing ones first: hypothesis favours the first, and they go deeper
+# Reducing ones first: hypothesis favours the first, and they go deeper.
+VARIANTS = ("v", "l", "vanilla", "fastv", "pdrop", "sparsevlm", "dart")
 QUANTS = ("fp16", "int8", "int4")
 T = TypeVar("T")
 

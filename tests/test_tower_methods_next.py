@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from decoding import prefill_and_decode
 from test_cli_flops import COMMAND
 from torch import Tensor, nn
 
@@ -308,18 +309,10 @@ def test_generate_matches_a_hand_written_prefill_and_decode_loop(model: nn.Modul
     prompt = inp["input_ids"].shape[1]
     with torch.no_grad(), ficoco.apply(model, method, keep=KEEP) as handle:
         generated = greedy(model, inp)
-        out = model(**inp, use_cache=True)
-        positions = handle.output_positions
-        cache, mask = out.past_key_values, inp["attention_mask"]
-        tokens = [out.logits[:, -1].argmax(-1)]
-        for _ in range(NEW - 1):
-            # The mask grows from the caller's prompt, as a hand-written loop grows it.
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            step = model(input_ids=tokens[-1][:, None], attention_mask=mask, past_key_values=cache, use_cache=True)
-            cache = step.past_key_values
-            tokens.append(step.logits[:, -1].argmax(-1))
+        # The mask grows from the caller's prompt, as a hand-written loop grows it.
+        out, positions, decoded, cache = prefill_and_decode(model, inp, NEW, handle)
     assert torch.equal(generated[:, :prompt], inp["input_ids"])  # the caller's own prompt comes back
-    assert torch.equal(generated[:, prompt:], torch.stack(tokens, dim=1))
+    assert torch.equal(generated[:, prompt:], decoded)
     short = prompt - TOKENS[SQUARE] + reduced(SQUARE)
     assert cache.get_seq_length() == short + NEW - 1
     assert positions.shape == out.logits.shape[:2] == (2, short)

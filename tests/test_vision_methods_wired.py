@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from decoding import prefill_and_decode
 from test_cli_flops import COMMAND
 from torch import Tensor, nn
 
@@ -144,19 +145,11 @@ def test_generate_matches_a_hand_written_prefill_and_decode_loop(model: nn.Modul
     setting = {} if adaptive else {"keep": KEEP}
     with torch.no_grad(), ficoco.apply(model, method.removesuffix("-adaptive"), **setting) as handle:
         generated = greedy(model, inp)
-        out = model(**inp, use_cache=True)
-        positions = handle.output_positions
+        # The mask grows from the caller's prompt, as a hand-written loop grows it.
+        out, positions, decoded, cache = prefill_and_decode(model, inp, NEW, handle)
         keep = handle.measured_tokens_per_item
-        cache, mask = out.past_key_values, inp["attention_mask"]
-        tokens = [out.logits[:, -1].argmax(-1)]
-        for _ in range(NEW - 1):
-            # The mask grows from the caller's prompt, as a hand-written loop grows it.
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            step = model(input_ids=tokens[-1][:, None], attention_mask=mask, past_key_values=cache, use_cache=True)
-            cache = step.past_key_values
-            tokens.append(step.logits[:, -1].argmax(-1))
     assert torch.equal(generated[:, :prompt], inp["input_ids"])  # the caller's own prompt comes back
-    assert torch.equal(generated[:, prompt:], torch.stack(tokens, dim=1))
+    assert torch.equal(generated[:, prompt:], decoded)
     assert (keep == KEEP) if not adaptive else 2 <= keep <= PATCHES + 1
     # The LLM ran the prompt with `keep` placeholders per image; output positions name input positions.
     assert cache.get_seq_length() == prompt - PATCHES + keep + NEW - 1
