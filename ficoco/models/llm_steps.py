@@ -46,7 +46,7 @@ from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.stages import InLayerInput, StepInput, last_row_attention, rows_attention
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
-from ficoco.models.patching import LanguageState, Patches, gather_rows
+from ficoco.models.patching import LanguageState, Patches, gather_rows, method_settings
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -132,17 +132,6 @@ def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, vis
     query = rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
     keys = rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
     return last_row_attention(query[:, :, 0], keys, visible, attn.scaling)
-
-
-def method_settings(handle: Handle, spec: MethodSpec, schedule: Schedule) -> dict[str, Any]:
-    """The settings a method's functions get: its registry defaults, the schedule's own settings, and
-    the handle's hyperparameters where they name one of the method's (FiCoCo's, set per handle)."""
-    settings = dict(spec.hyperparameters)
-    settings.update(schedule.settings_dict())
-    for name in spec.hyperparameters:
-        if hasattr(handle.hyperparameters, name):
-            settings[name] = getattr(handle.hyperparameters, name)
-    return settings
 
 
 def merge_targets(kept: Tensor, merge_target: Tensor | None) -> Tensor | None:

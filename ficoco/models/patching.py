@@ -65,6 +65,17 @@ def span_lengths(is_placeholder: Tensor) -> list[list[int]]:
     return rows
 
 
+def method_settings(handle: Any, spec: Any, schedule: Any) -> dict[str, Any]:
+    """The settings a method's functions get: its registry defaults, the schedule's own settings, and
+    the handle's hyperparameters where they name one of the method's (FiCoCo's, set per handle)."""
+    settings = dict(spec.hyperparameters)
+    settings.update(schedule.settings_dict())
+    for name in spec.hyperparameters:
+        if hasattr(handle.hyperparameters, name):
+            settings[name] = getattr(handle.hyperparameters, name)
+    return settings
+
+
 @dataclass
 class LanguageState:
     """FiCoCo-L bookkeeping for one prefill and the decode steps that follow it.

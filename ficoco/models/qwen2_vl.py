@@ -156,7 +156,6 @@ class Qwen2VLAdapter(LlavaAdapter):
                      reduce_groups: Callable[..., Any]) -> None:
         """Reduce whole merge groups in the ViT blocks of `removed`; the blocks after the first
         reducing one run on the kept patches' rotary table and image boundaries."""
-        self._group_step = reduce_groups
         params = handle.hyperparameters
         visual = self.visual
         original_tower = visual.forward
@@ -197,8 +196,8 @@ class Qwen2VLAdapter(LlavaAdapter):
                                        position_embeddings=position_embeddings, **kwargs)
                 hidden = residual + attn_out
                 chunks = _slot.take_chunks()
-                hidden = self._reduce(handle, tower, hidden, chunks, _r, _idx, position_embeddings, cu_seqlens,
-                                      params)
+                hidden = self._reduce(handle, reduce_groups, tower, hidden, chunks, _r, _idx, position_embeddings,
+                                      cu_seqlens, params)
                 return hidden + _layer.mlp(_layer.norm2(hidden))
 
             patches.set(layer, "forward", forward)
@@ -213,9 +212,9 @@ class Qwen2VLAdapter(LlavaAdapter):
                           kept_groups=[torch.arange(h * w // self.merge, device=device) for _, h, w in grids],
                           merge=self.merge)
 
-    def _reduce(self, handle: Handle, tower: _TowerPass, hidden: Tensor, chunks: list[tuple[Tensor, Any]], r: int,
-                layer_idx: int, position_embeddings: tuple[Tensor, Tensor], cu_seqlens: Tensor, params: Any
-                ) -> Tensor:
+    def _reduce(self, handle: Handle, reduce_groups: Callable[..., Any], tower: _TowerPass, hidden: Tensor,
+                chunks: list[tuple[Tensor, Any]], r: int, layer_idx: int,
+                position_embeddings: tuple[Tensor, Tensor], cu_seqlens: Tensor, params: Any) -> Tensor:
         """Remove `r` groups of every image (one batched step per image size); update the pass."""
         lengths = tower.lengths
         if len(chunks) != len(lengths):
@@ -239,7 +238,7 @@ class Qwen2VLAdapter(LlavaAdapter):
             attn = torch.cat([chunks[i][0] for i in images])
             keys = torch.cat([chunks[i][1] for i in images])
             index = torch.stack([tower.kept_groups[i] for i in images])
-            red = handle.run_method(("vision", layer_idx), self._group_step, x, attn, keys, r, index,
+            red = handle.run_method(("vision", layer_idx), reduce_groups, x, attn, keys, r, index,
                                     (rows // self.merge_size, cols // self.merge_size), merge=self.merge,
                                     lam=params.lam, eps=params.eps, window=params.window,
                                     coefficient=params.coefficient)

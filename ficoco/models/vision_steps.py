@@ -43,8 +43,7 @@ from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
 from ficoco.models.attention import attention_with_probabilities, own_attention, route_attention
-from ficoco.models.llm_steps import method_settings
-from ficoco.models.patching import Patches
+from ficoco.models.patching import Patches, method_settings
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
