@@ -22,7 +22,7 @@ from ficoco.accounting.methods import method_schedule
 from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import METHODS, method
-from ficoco.models import adapter_for
+from ficoco.models import adapter_for, hf_compat
 from ficoco.models.attention import SUPPORTED_ATTENTION, check_attention_implementation  # noqa: F401
 from ficoco.models.build import build_model
 from ficoco.models.patching import LanguageState, Patches
@@ -226,6 +226,9 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     spec.check_wired("ficoco.apply")
     if "_ficoco_handle" in model.__dict__:
         raise FicocoError("this model is already patched; call handle.remove() first")
+    # On a transformers release outside the tested range: one warning line, then what changed named
+    # in one line (never a crash inside a forward first); on every release, the model's paths.
+    hf_compat.ensure_supported(model)
     check_attention_implementation(model)
     check_cache_implementation(model)
     profile = profile_of(model, getattr(model, "_ficoco_profile_name", None))

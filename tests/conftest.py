@@ -30,8 +30,14 @@ from ficoco.profiles import load_profile
 GPU_TESTS = os.environ.get("FICOCO_GPU_TESTS") == "1"
 
 
+# The contract with transformers' internals runs first: on a release that changed one, its one-line
+# failure names the contact before the behavioural tests run into it.
+CONTRACT_TESTS = "test_transformers_contract.py"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests need FICOCO_GPU_TESTS=1 and a CUDA device torch can use."""
+    """The contract tests first; `gpu` tests need FICOCO_GPU_TESTS=1 and a CUDA device torch can use."""
+    items.sort(key=lambda item: item.path.name != CONTRACT_TESTS)  # stable: the rest keep their order
     if GPU_TESTS:
         import torch
 

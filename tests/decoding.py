@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ficoco.models.hf_compat import cache_argument, output_cache
+
 
 def prefill_and_decode(model: nn.Module, inputs: dict[str, Any], new: int, handle: Any = None
                        ) -> tuple[Any, Tensor | None, Tensor, Any]:
@@ -16,11 +18,11 @@ def prefill_and_decode(model: nn.Module, inputs: dict[str, Any], new: int, handl
     and the cache after the last step."""
     out = model(**inputs, use_cache=True)
     positions = handle.output_positions if handle is not None else None
-    cache, mask = out.past_key_values, inputs["attention_mask"]
+    cache, mask = output_cache(out), inputs["attention_mask"]
     tokens = [out.logits[:, -1].argmax(-1)]
     for _ in range(new - 1):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        step = model(input_ids=tokens[-1][:, None], attention_mask=mask, past_key_values=cache, use_cache=True)
-        cache = step.past_key_values
+        step = model(input_ids=tokens[-1][:, None], attention_mask=mask, **cache_argument(cache), use_cache=True)
+        cache = output_cache(step)
         tokens.append(step.logits[:, -1].argmax(-1))
     return out, positions, torch.stack(tokens, dim=1), cache

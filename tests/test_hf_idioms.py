@@ -20,6 +20,7 @@ from torch import Tensor, nn
 import ficoco
 from ficoco.errors import FicocoError
 from ficoco.models import synthetic_inputs
+from ficoco.models.hf_compat import cache_argument, output_cache
 
 TEXT = 12  # text tokens per prompt
 NEW = 6  # generated tokens
@@ -116,12 +117,12 @@ def greedy_by_hand(model: nn.Module, inp: dict[str, Tensor], new: int) -> Tensor
     none: with one, transformers recomputes 3-D positions from the mask alone)."""
     out = model(**inp, use_cache=True)
     tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
-    cache = out.past_key_values
+    cache = output_cache(out)
     mask = inp["attention_mask"]
     for _ in range(new - 1):
         mask = torch.cat([mask, torch.ones_like(tokens[-1])], dim=1)
         step = {} if model.config.model_type == "qwen2_vl" else {"attention_mask": mask}
-        out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True, **step)
+        out = model(input_ids=tokens[-1], **cache_argument(cache), use_cache=True, **step)
         tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
     return torch.cat(tokens, dim=1)
 
@@ -346,10 +347,10 @@ def test_return_dict_false_gives_the_tuple_and_keeps_decode_state(models: Any, v
     with ficoco.apply(model, variant, keep=8):
         as_dict = model(**inp, use_cache=True)
         token = as_dict.logits[:, -1:].argmax(-1)
-        step_dict = model(input_ids=token, past_key_values=as_dict.past_key_values, use_cache=True).logits
+        step_dict = model(input_ids=token, **cache_argument(output_cache(as_dict)), use_cache=True).logits
         as_tuple = model(**inp, use_cache=True, return_dict=False)
         assert isinstance(as_tuple, tuple)
-        step_tuple = model(input_ids=token, past_key_values=as_tuple[1], use_cache=True, return_dict=False)[0]
+        step_tuple = model(input_ids=token, **cache_argument(as_tuple[1]), use_cache=True, return_dict=False)[0]
     torch.testing.assert_close(as_tuple[0], as_dict.logits)
     torch.testing.assert_close(step_tuple, step_dict)
 
@@ -364,7 +365,7 @@ def test_use_cache_false_forward_and_generate_equal_the_cached_path(models: Any,
         uncached = model(**inp, use_cache=False)
         with_cache = model.generate(**inp, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
         without = model.generate(**inp, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, use_cache=False)
-    assert uncached.past_key_values is None
+    assert output_cache(uncached) is None
     torch.testing.assert_close(uncached.logits, cached)
     assert torch.equal(without, with_cache)
 
@@ -498,7 +499,7 @@ def test_v_second_turn_with_a_new_image_on_the_first_turns_cache(models: Any, na
             turn1 = model.generate(**first, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                                    return_dict_in_generate=True)
             nxt = second_turn(model, turn1.sequences, seed=19, every_grid=every_grid)
-            turn2 = model.generate(**nxt, past_key_values=turn1.past_key_values, max_new_tokens=NEW,
+            turn2 = model.generate(**nxt, **cache_argument(output_cache(turn1)), max_new_tokens=NEW,
                                    min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
             # Reference without a cache: the whole conversation, both images, in one prompt.
             whole = model.generate(**whole_conversation(model, nxt, first), max_new_tokens=NEW, min_new_tokens=NEW,
@@ -507,7 +508,7 @@ def test_v_second_turn_with_a_new_image_on_the_first_turns_cache(models: Any, na
             assert torch.equal(turn2.sequences[:, :length], nxt["input_ids"])
             assert torch.equal(turn2.sequences[:, length:], whole.sequences[:, length:])
             # The cache holds the shortened conversation, as long as the one prompt's.
-            assert turn2.past_key_values.get_seq_length() == whole.past_key_values.get_seq_length()
+            assert output_cache(turn2).get_seq_length() == output_cache(whole).get_seq_length()
 
 
 @pytest.mark.parametrize("name", V_TURNS)
@@ -525,14 +526,14 @@ def test_v_text_turn_on_the_cache_of_an_image_turn_runs_only_what_follows(models
         nxt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         if name == "qwen2-vl-tiny":
             nxt["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
-        turn2 = model.generate(**nxt, past_key_values=turn1.past_key_values, max_new_tokens=NEW,
+        turn2 = model.generate(**nxt, **cache_argument(output_cache(turn1)), max_new_tokens=NEW,
                                min_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
         images = {key: first[key] for key in IMAGE_INPUTS if key in first}
         whole = model.generate(**nxt, **images, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                                return_dict_in_generate=True)
     assert torch.equal(turn2.sequences[:, :ids.shape[1]], ids)
     assert torch.equal(turn2.sequences, whole.sequences)
-    assert turn2.past_key_values.get_seq_length() == whole.past_key_values.get_seq_length()
+    assert output_cache(turn2).get_seq_length() == output_cache(whole).get_seq_length()
 
 
 @pytest.mark.parametrize("name", V_TURNS)
@@ -549,13 +550,13 @@ def test_v_second_turn_forward_on_the_cache_equals_the_one_prompt(models: Any, n
         # Run after the first turns: each turn continues on its own cache, whatever ran since.
         one = model(**whole_conversation(model, nxt, first))
         one_positions = handle.output_positions
-        past = turns[0].past_key_values.get_seq_length()
+        past = output_cache(turns[0]).get_seq_length()
         after = nxt["input_ids"].shape[1] - (turns[0].sequences.shape[1] - 1)  # what the cache lacks
         call = {key: value[:, -after:] if key in ("input_ids", "mm_token_type_ids") else value
                 for key, value in nxt.items() if key != "attention_mask"}
         for turn1, mask in zip(turns, (None, torch.ones(1, past + after, dtype=torch.long)), strict=True):
-            cache = turn1.past_key_values
-            out = model(**call, past_key_values=cache, use_cache=True,
+            cache = output_cache(turn1)
+            out = model(**call, **cache_argument(cache), use_cache=True,
                         **({} if mask is None else {"attention_mask": mask}))
             kept = out.logits.shape[1]
             torch.testing.assert_close(out.logits, one.logits[:, -kept:], atol=1e-5, rtol=1e-5)
@@ -577,7 +578,7 @@ def test_v_second_turn_with_an_empty_schedule_is_the_unpatched_conversation(mode
         call = nxt
         if vanilla and every_grid is not None:
             call = encoded_beforehand(model, nxt, inputs(model, seed=33)["image_grid_thw"])
-        return model.generate(**call, past_key_values=turn1.past_key_values, max_new_tokens=NEW,
+        return model.generate(**call, **cache_argument(output_cache(turn1)), max_new_tokens=NEW,
                               min_new_tokens=NEW, do_sample=False), nxt
 
     with ficoco.apply(model, "v", schedule={}):
@@ -604,7 +605,7 @@ def test_l_second_turn_on_qwen2_vl_takes_every_images_grid_as_transformers_does(
         turn1 = model.generate(**first, **run, return_dict_in_generate=True)
         nxt = second_turn(model, turn1.sequences, seed=35, every_grid=every_grid)
         call = encoded_beforehand(model, nxt, turn_grid) if encode else nxt
-        return turn1, nxt, model.generate(**call, past_key_values=turn1.past_key_values, **run)
+        return turn1, nxt, model.generate(**call, **cache_argument(output_cache(turn1)), **run)
 
     vanilla = turns(encode=True)[2]
     with ficoco.apply(model, "l", schedule={}):
@@ -612,14 +613,14 @@ def test_l_second_turn_on_qwen2_vl_takes_every_images_grid_as_transformers_does(
         assert torch.equal(turns(encode=True)[2], vanilla)
     with ficoco.apply(model, "l", schedule={1: 4}) as handle:
         turn1, nxt, reduced = turns(encode=False)
-        cache = turn1.past_key_values
+        cache = output_cache(turn1)
         after = [cache.get_seq_length(i) for i in range(DECODER_LAYERS)]
         records = handle.records
         assert torch.equal(turns(encode=True)[2], reduced)
         this_turn_only = dict(nxt, image_grid_thw=turn_grid)
         turn1 = model.generate(**first, **run, return_dict_in_generate=True)
         with pytest.raises(FicocoError, match="every image's grid") as info:
-            model.generate(**this_turn_only, past_key_values=turn1.past_key_values, **run)
+            model.generate(**this_turn_only, **cache_argument(output_cache(turn1)), **run)
         assert "\n" not in str(info.value)
     length = nxt["input_ids"].shape[1]
     assert torch.equal(reduced[:, :length], nxt["input_ids"])
@@ -637,11 +638,11 @@ def test_l_second_turn_with_a_new_image_on_the_first_turns_cache(models: Any) ->
         turn1 = model.generate(**first, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                                return_dict_in_generate=True)
         nxt = second_turn(model, turn1.sequences, seed=21)
-        empty = model.generate(**nxt, past_key_values=turn1.past_key_values, max_new_tokens=NEW,
+        empty = model.generate(**nxt, **cache_argument(output_cache(turn1)), max_new_tokens=NEW,
                                min_new_tokens=NEW, do_sample=False)
     vanilla1 = model.generate(**first, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                               return_dict_in_generate=True)
-    vanilla2 = model.generate(**nxt, past_key_values=vanilla1.past_key_values, max_new_tokens=NEW,
+    vanilla2 = model.generate(**nxt, **cache_argument(output_cache(vanilla1)), max_new_tokens=NEW,
                               min_new_tokens=NEW, do_sample=False)
     assert torch.equal(empty, vanilla2)  # nothing removed: the unpatched conversation
 
@@ -650,13 +651,13 @@ def test_l_second_turn_with_a_new_image_on_the_first_turns_cache(models: Any) ->
         turn1, again = (model.generate(**first, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                                        return_dict_in_generate=True) for _ in range(2))
         nxt = second_turn(model, turn1.sequences, seed=21)
-        cache = turn1.past_key_values
+        cache = output_cache(turn1)
         before = [cache.get_seq_length(i) for i in range(DECODER_LAYERS)]
         step = model(**{k: v[:, before[0]:] if k in ("input_ids", "attention_mask") else v for k, v in nxt.items()},
-                     past_key_values=again.past_key_values, use_cache=True)
+                     **cache_argument(output_cache(again)), use_cache=True)
         with pytest.raises(FicocoError, match="cache object the model returned"):
-            model(input_ids=nxt["input_ids"][:, -1:], past_key_values=copy.deepcopy(cache))
-        turn2 = model.generate(**nxt, past_key_values=cache, max_new_tokens=NEW, min_new_tokens=NEW,
+            model(input_ids=nxt["input_ids"][:, -1:], **cache_argument(copy.deepcopy(cache)))
+        turn2 = model.generate(**nxt, **cache_argument(cache), max_new_tokens=NEW, min_new_tokens=NEW,
                                do_sample=False)
         after = [cache.get_seq_length(i) for i in range(DECODER_LAYERS)]
         records = handle.records
@@ -686,7 +687,7 @@ def test_static_cache_is_refused_at_apply_and_at_the_call(models: Any, variant: 
     assert "_ficoco_handle" not in model.__dict__
     with ficoco.apply(model, variant, keep=8):
         with pytest.raises(FicocoError, match="DynamicCache"):
-            model(**inp, past_key_values=StaticCache(config=model.config, max_cache_len=128))
+            model(**inp, **cache_argument(StaticCache(config=model.config, max_cache_len=128)))
         with pytest.raises(FicocoError, match="dynamic"):
             model.generate(**inp, max_new_tokens=2, cache_implementation="static")
 

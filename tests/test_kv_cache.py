@@ -23,6 +23,7 @@ from ficoco.accounting.schedule import Schedule, plan_tokens
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
 from ficoco.models import synthetic_inputs
+from ficoco.models.hf_compat import cache_argument, output_cache
 from ficoco.models.kv_cache import cache_config, quantized_cache
 from ficoco.profiling.trackers import cache_bytes, cache_tokens
 
@@ -43,7 +44,7 @@ def inputs(model: nn.Module, batch: int = 2) -> dict[str, Any]:
 
 
 def greedy(model: nn.Module, inp: dict[str, Any], cache: Any, new: int = NEW) -> Any:
-    return model.generate(**inp, max_new_tokens=new, min_new_tokens=new, do_sample=False, past_key_values=cache,
+    return model.generate(**inp, max_new_tokens=new, min_new_tokens=new, do_sample=False, **cache_argument(cache),
                           return_dict_in_generate=True)
 
 
@@ -61,9 +62,9 @@ def test_empty_schedule_decodes_like_the_unpatched_model_with_a_quantized_cache(
         assert "forward" in model.__dict__  # the patched path really runs
         out = greedy(model, inp, quantized_cache(model, kv_bits, residual_tokens=4))
     assert torch.equal(out.sequences, ref.sequences)
-    assert cache_tokens(out.past_key_values) == cache_tokens(ref.past_key_values)
-    assert cache_bytes(out.past_key_values) == cache_bytes(ref.past_key_values)
-    for mine, theirs in zip(out.past_key_values.layers, ref.past_key_values.layers, strict=True):
+    assert cache_tokens(output_cache(out)) == cache_tokens(output_cache(ref))
+    assert cache_bytes(output_cache(out)) == cache_bytes(output_cache(ref))
+    for mine, theirs in zip(output_cache(out).layers, output_cache(ref).layers, strict=True):
         assert torch.equal(mine._quantized_keys[0], theirs._quantized_keys[0])
         assert torch.equal(mine.keys, theirs.keys)  # the residual window
 
@@ -73,8 +74,8 @@ def test_a_quantized_cache_really_quantizes_and_differs_from_the_full_precision_
     model = model_of("llava-tiny")
     inp = inputs(model, batch=1)
     with torch.inference_mode():
-        full = model(**inp, use_cache=True).past_key_values
-        quantized = model(**inp, use_cache=True, past_key_values=quantized_cache(model, 2)).past_key_values
+        full = output_cache(model(**inp, use_cache=True))
+        quantized = output_cache(model(**inp, use_cache=True, **cache_argument(quantized_cache(model, 2))))
     layer = quantized.layers[0]
     codes, meta = layer._quantized_keys
     assert codes.dtype == torch.uint8 and meta["nbits"] == 2
@@ -109,7 +110,7 @@ def test_cache_tokens_and_bytes_equal_the_accountant_after_prefill_and_decode(na
             return quantized_cache(model, kv_bits) if kv_bits < 16 else None
 
         with torch.inference_mode():
-            prefill = model(**inp, use_cache=True, past_key_values=cache()).past_key_values
+            prefill = output_cache(model(**inp, use_cache=True, **cache_argument(cache())))
         out = greedy(model, inp, cache(), new=NEW)
     finally:
         if handle is not None:
@@ -121,8 +122,8 @@ def test_cache_tokens_and_bytes_equal_the_accountant_after_prefill_and_decode(na
     assert cache_bytes(prefill) == stored_kv_cache_bytes(arch, plan, batch=batch, kv_bits=bits,
                                                          element_bytes=element_bytes)
     # generate() feeds back all but the last new token.
-    assert cache_tokens(out.past_key_values) == [n + NEW - 1 for n in per_layer]
-    assert cache_bytes(out.past_key_values) == stored_kv_cache_bytes(
+    assert cache_tokens(output_cache(out)) == [n + NEW - 1 for n in per_layer]
+    assert cache_bytes(output_cache(out)) == stored_kv_cache_bytes(
         arch, plan, batch=batch, kv_bits=bits, element_bytes=element_bytes, decode_steps=NEW - 1)
 
 
@@ -138,9 +139,9 @@ def test_bytes_follow_the_residual_window_across_a_flush(variant):
         if handle is not None:
             handle.remove()
     steps = new - 1
-    assert [layer.keys.shape[-2] for layer in out.past_key_values.layers] == [steps % KV_RESIDUAL_TOKENS] * 4
-    assert cache_tokens(out.past_key_values) == [n + steps for n in per_layer]
-    assert cache_bytes(out.past_key_values) == stored_kv_cache_bytes(arch, plan, batch=1, kv_bits=4,
+    assert [layer.keys.shape[-2] for layer in output_cache(out).layers] == [steps % KV_RESIDUAL_TOKENS] * 4
+    assert cache_tokens(output_cache(out)) == [n + steps for n in per_layer]
+    assert cache_bytes(output_cache(out)) == stored_kv_cache_bytes(arch, plan, batch=1, kv_bits=4,
                                                                      element_bytes=4, decode_steps=steps)
 
 

@@ -25,6 +25,7 @@ from ficoco.api import profile_of
 from ficoco.errors import FicocoError
 from ficoco.methods import registry
 from ficoco.models import synthetic_inputs
+from ficoco.models.hf_compat import cache_argument, output_cache
 
 TEXT = 12
 VISUAL = 64
@@ -227,7 +228,7 @@ def test_several_image_spans_or_a_new_image_on_a_cache_are_refused_in_one_line(m
             model(**two)
         out = model(**inp, use_cache=True)
         with pytest.raises(FicocoError, match="new image on an earlier turn's cache"):
-            model(**inp, past_key_values=out.past_key_values)
+            model(**inp, **cache_argument(output_cache(out)))
 
 
 def test_a_method_added_to_the_registry_runs_without_a_change_elsewhere(model: nn.Module,

@@ -24,6 +24,7 @@ from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
 from ficoco.api import Hyperparameters, profile_of
 from ficoco.errors import FicocoError
 from ficoco.models.attention import PROBE_IMPLEMENTATION
+from ficoco.models.hf_compat import cache_argument, output_cache
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs
 
 TEXT = 12  # text tokens per prompt
@@ -359,11 +360,11 @@ def test_l_decode_step_uses_original_length_position_and_each_layers_cache(model
     batch, length = inp["input_ids"].shape
     with ficoco.apply(model, "l", keep=8, **params):
         out = model(**inp, use_cache=True)
-        reference_cache = copy.deepcopy(out.past_key_values)
+        reference_cache = copy.deepcopy(output_cache(out))
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([inp["attention_mask"], torch.ones(batch, 1, dtype=torch.long)], dim=1)
         position = torch.full((batch, 1), length)
-        step = model(input_ids=token, past_key_values=out.past_key_values, attention_mask=mask,
+        step = model(input_ids=token, **cache_argument(output_cache(out)), attention_mask=mask,
                      position_ids=position, use_cache=True).logits[:, -1]
         generated = model.generate(**inp, max_new_tokens=2, do_sample=False, output_logits=True,
                                    return_dict_in_generate=True)
@@ -372,11 +373,11 @@ def test_l_decode_step_uses_original_length_position_and_each_layers_cache(model
     torch.testing.assert_close(generated.logits[1], step, atol=1e-5, rtol=0)
     # Independent reference: the unpatched model, every layer attending to all of its own
     # cache entries, the new token at the original (unreduced) length.
-    reference = model(input_ids=token, past_key_values=copy.deepcopy(reference_cache), position_ids=position,
+    reference = model(input_ids=token, **cache_argument(copy.deepcopy(reference_cache)), position_ids=position,
                       use_cache=True).logits[:, -1]
     torch.testing.assert_close(step, reference, atol=1e-5, rtol=0)
     # ... and the position matters: the reduced length would give other logits.
-    wrong = model(input_ids=token, past_key_values=copy.deepcopy(reference_cache),
+    wrong = model(input_ids=token, **cache_argument(copy.deepcopy(reference_cache)),
                   position_ids=torch.full((batch, 1), out.logits.shape[1]), use_cache=True).logits[:, -1]
     assert (wrong - step).abs().max() > 1e-4
 
@@ -390,11 +391,11 @@ def test_l_decode_mask_follows_each_layers_cached_positions(model: nn.Module) ->
     inp["attention_mask"][:, hole] = 0
     with ficoco.apply(model, "l", keep=8, **L_SAMPLE_DEPENDENT):
         out = model(**inp, use_cache=True)
-        reference_cache = copy.deepcopy(out.past_key_values)
+        reference_cache = copy.deepcopy(output_cache(out))
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         mask = torch.cat([inp["attention_mask"], torch.ones(batch, 1, dtype=torch.long)], dim=1)
         position = torch.full((batch, 1), length)
-        step = model(input_ids=token, past_key_values=out.past_key_values, attention_mask=mask,
+        step = model(input_ids=token, **cache_argument(output_cache(out)), attention_mask=mask,
                      position_ids=position, use_cache=True).logits[:, -1]
     # Reference: drop the masked entry from every layer's cache (the suffix is never reduced,
     # so it is the same distance from the end everywhere) and attend to all that is left.
@@ -402,7 +403,7 @@ def test_l_decode_mask_follows_each_layers_cached_positions(model: nn.Module) ->
         j = layer.keys.shape[-2] - (length - hole)
         layer.keys = torch.cat([layer.keys[..., :j, :], layer.keys[..., j + 1:, :]], dim=-2)
         layer.values = torch.cat([layer.values[..., :j, :], layer.values[..., j + 1:, :]], dim=-2)
-    reference = model(input_ids=token, past_key_values=reference_cache, position_ids=position,
+    reference = model(input_ids=token, **cache_argument(reference_cache), position_ids=position,
                       use_cache=True).logits[:, -1]
     torch.testing.assert_close(step, reference, atol=1e-5, rtol=0)
 
@@ -411,7 +412,7 @@ def test_l_decode_mask_follows_each_layers_cached_positions(model: nn.Module) ->
 def test_l_kv_cache_of_each_layer_holds_the_tokens_it_saw(model: nn.Module, arch: Any, how: dict) -> None:
     inp = inputs(model, batch=2, seed=10)
     with ficoco.apply(model, "l", **how) as handle:
-        cache = model(**inp, use_cache=True).past_key_values
+        cache = output_cache(model(**inp, use_cache=True))
         plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
     lengths = [layer.keys.shape[-2] for layer in cache.layers]
     assert lengths == [entering for entering, _ in plan.llm]

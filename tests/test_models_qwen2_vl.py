@@ -23,6 +23,7 @@ from ficoco.accounting import architecture
 from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
+from ficoco.models.hf_compat import cache_argument, output_cache
 from ficoco.models.qwen2_vl import PREFIX_TOKENS, synthetic_inputs
 from ficoco.profiles import load_profile
 from ficoco.verify import verify
@@ -334,9 +335,9 @@ def test_v_generate_and_decoding_after_reduced_prefill(model: nn.Module, arch: A
         alone = [greedy(model, sample(batch, i)) for i in range(2)]
         out = model(**batch, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        reference_cache = copy.deepcopy(out.past_key_values)
+        reference_cache = copy.deepcopy(output_cache(out))
         # A decode step without position ids: transformers adds the rope_deltas to the cache length.
-        step = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True).logits[:, -1]
+        step = model(input_ids=token, **cache_argument(output_cache(out)), use_cache=True).logits[:, -1]
         generated = greedy(model, batch, new=2, output_logits=True, return_dict_in_generate=True)
     # The caller's own prompt comes back (the LLM ran it with the image spans shortened to the
     # kept groups), then the new tokens.
@@ -351,10 +352,10 @@ def test_v_generate_and_decoding_after_reduced_prefill(model: nn.Module, arch: A
     torch.testing.assert_close(generated.logits[1], step, atol=1e-5, rtol=0)
     # Independent reference: the next token at the unreduced prompt's next 3-D position.
     after = torch.full((3, 2, 1), full_last + 1)
-    reference = model(input_ids=token, past_key_values=copy.deepcopy(reference_cache), position_ids=after,
+    reference = model(input_ids=token, **cache_argument(copy.deepcopy(reference_cache)), position_ids=after,
                       use_cache=True).logits[:, -1]
     torch.testing.assert_close(step, reference, atol=1e-5, rtol=0)
-    wrong = model(input_ids=token, past_key_values=copy.deepcopy(reference_cache),
+    wrong = model(input_ids=token, **cache_argument(copy.deepcopy(reference_cache)),
                   position_ids=torch.full((3, 2, 1), TEXT + 8), use_cache=True).logits[:, -1]
     assert (wrong - step).abs().max() > 1e-4
 
@@ -370,10 +371,10 @@ def test_l_generate_and_decoding_after_reduced_prefill(model: nn.Module, arch: A
         plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
         alone = [greedy(model, sample(batch, i)) for i in range(2)]
         out = model(**batch, use_cache=True)
-        lengths = [layer.keys.shape[-2] for layer in out.past_key_values.layers]
+        lengths = [layer.keys.shape[-2] for layer in output_cache(out).layers]
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        reference_cache = copy.deepcopy(out.past_key_values)
-        step = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True).logits[:, -1]
+        reference_cache = copy.deepcopy(output_cache(out))
+        step = model(input_ids=token, **cache_argument(output_cache(out)), use_cache=True).logits[:, -1]
         generated = greedy(model, batch, new=2, output_logits=True, return_dict_in_generate=True)
     assert together.shape == (2, length + NEW)
     for i in range(2):
@@ -389,10 +390,10 @@ def test_l_generate_and_decoding_after_reduced_prefill(model: nn.Module, arch: A
     # Independent reference: the unpatched model on the reduced cache, each layer attending to
     # all of its own entries, the new token at the unreduced prompt's next 3-D position.
     after = torch.full((3, 2, 1), full_last + 1)
-    reference = model(input_ids=token, past_key_values=copy.deepcopy(reference_cache), position_ids=after,
+    reference = model(input_ids=token, **cache_argument(copy.deepcopy(reference_cache)), position_ids=after,
                       use_cache=True).logits[:, -1]
     torch.testing.assert_close(step, reference, atol=1e-5, rtol=0)
-    wrong = model(input_ids=token, past_key_values=copy.deepcopy(reference_cache),
+    wrong = model(input_ids=token, **cache_argument(copy.deepcopy(reference_cache)),
                   position_ids=torch.full((3, 2, 1), plan.llm[-1][1]), use_cache=True).logits[:, -1]
     assert (wrong - step).abs().max() > 1e-4
 

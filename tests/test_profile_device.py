@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import ficoco
 from ficoco.errors import FicocoError
+from ficoco.models.hf_compat import output_cache
 from ficoco.profiling import matrix, trackers
 from ficoco.profiling.matrix import ProfileConfig, gpu_profile_for, plan_run, resolve_device, run_profile
 from ficoco_cli.app import app
@@ -93,7 +94,7 @@ def test_the_previous_runs_kv_cache_is_gone_before_the_next_forward() -> None:
     def spy(*args: Any, **kwargs: Any) -> Any:
         alive_at_call.append(bool(previous) and previous[-1]() is not None)
         out = original(*args, **kwargs)
-        previous.append(weakref.ref(out.past_key_values))
+        previous.append(weakref.ref(output_cache(out)))
         return out
 
     model.__dict__["forward"] = spy

@@ -29,6 +29,7 @@ from ficoco.accounting import architecture
 from ficoco.accounting.schedule import plan_tokens
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
+from ficoco.models.hf_compat import cache_argument, output_cache
 from ficoco.models.llava_next import PREFIX_TOKENS, image_layout, synthetic_inputs
 
 TEXT = 12
@@ -361,23 +362,23 @@ def test_a_new_image_and_a_text_turn_on_the_cache_equal_the_whole_conversation(m
     with torch.no_grad(), ficoco.apply(model, method, keep=KEEP):
         turn1 = model.generate(**first, **options)
         turn = next_turn(model, turn1.sequences, seed=12)
-        turn2 = model.generate(**turn, past_key_values=turn1.past_key_values, **options)
+        turn2 = model.generate(**turn, **cache_argument(output_cache(turn1)), **options)
         whole = model.generate(**as_one_prompt(first, turn), **options)
         length = turn["input_ids"].shape[1]
         assert torch.equal(turn2.sequences[:, :length], turn["input_ids"])
         assert torch.equal(turn2.sequences[:, length:], whole.sequences[:, length:])
         # The cache holds the shortened conversation, as long as the one prompt's.
         visual = reduced(SQUARE) + reduced(WIDE)
-        assert turn2.past_key_values.get_seq_length() == whole.past_key_values.get_seq_length() == \
+        assert output_cache(turn2).get_seq_length() == output_cache(whole).get_seq_length() == \
             length - TOKENS[SQUARE] - TOKENS[WIDE] + visual + NEW - 1
         # A text turn on the first turn's cache: runs only what the cache lacks, as the one prompt.
         turn1 = model.generate(**first, **options)
         ids = torch.cat([turn1.sequences, question], dim=1)
         text = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        later = model.generate(**text, past_key_values=turn1.past_key_values, **options)
+        later = model.generate(**text, **cache_argument(output_cache(turn1)), **options)
         one = model.generate(**text, pixel_values=first["pixel_values"], image_sizes=first["image_sizes"], **options)
     assert torch.equal(later.sequences, one.sequences)
-    assert later.past_key_values.get_seq_length() == one.past_key_values.get_seq_length()
+    assert output_cache(later).get_seq_length() == output_cache(one).get_seq_length()
 
 
 # -- refusals, in one line ---------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from ficoco.accounting.schedule import plan_tokens
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
 from ficoco.models import synthetic_inputs
+from ficoco.models.hf_compat import cache_argument, output_cache
 
 TEXT = 12
 PATCHES = 64
@@ -302,21 +303,21 @@ def test_a_new_image_and_a_text_turn_on_the_cache_equal_the_whole_conversation(m
     with torch.no_grad(), ficoco.apply(model, method, keep=KEEP):
         turn1 = model.generate(**first, **options)
         turn = _next_turn(model, turn1.sequences, seed=22)
-        turn2 = model.generate(**turn, past_key_values=turn1.past_key_values, **options)
+        turn2 = model.generate(**turn, **cache_argument(output_cache(turn1)), **options)
         pixels = torch.stack([first["pixel_values"], turn["pixel_values"]], dim=1).flatten(0, 1)
         whole = model.generate(**{**turn, "pixel_values": pixels}, **options)
         length = turn["input_ids"].shape[1]
         assert torch.equal(turn2.sequences[:, :length], turn["input_ids"])
         assert torch.equal(turn2.sequences[:, length:], whole.sequences[:, length:])
-        assert turn2.past_key_values.get_seq_length() == whole.past_key_values.get_seq_length() == \
+        assert output_cache(turn2).get_seq_length() == output_cache(whole).get_seq_length() == \
             length - 2 * (PATCHES - KEEP) + NEW - 1
         turn1 = model.generate(**first, **options)
         ids = torch.cat([turn1.sequences, question], dim=1)
         text = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        later = model.generate(**text, past_key_values=turn1.past_key_values, **options)
+        later = model.generate(**text, **cache_argument(output_cache(turn1)), **options)
         one = model.generate(**text, pixel_values=first["pixel_values"], **options)
     assert torch.equal(later.sequences, one.sequences)
-    assert later.past_key_values.get_seq_length() == one.past_key_values.get_seq_length()
+    assert output_cache(later).get_seq_length() == output_cache(one).get_seq_length()
 
 
 def test_prumerge_adaptive_count_on_a_conversations_cache_is_refused_in_one_line(model: nn.Module) -> None:
@@ -330,7 +331,7 @@ def test_prumerge_adaptive_count_on_a_conversations_cache_is_refused_in_one_line
         ids = torch.cat([turn1.sequences, inputs(model, seed=25)["input_ids"][:, -4:]], dim=1)
         for call in (turn, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}):  # a new image; text only
             with pytest.raises(FicocoError, match="adaptive count is measured per call") as info:
-                model.generate(**call, past_key_values=turn1.past_key_values, **options)
+                model.generate(**call, **cache_argument(output_cache(turn1)), **options)
             assert "\n" not in str(info.value) and "--keep" in str(info.value)
         # Without a cache the turn is a prompt of its own: served.
         fresh = model.generate(**inputs(model, seed=24), **options)

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
 
 PROBE_IMPLEMENTATION = "ficoco_probe"
 
@@ -35,7 +33,7 @@ def check_attention_implementation(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     configs = [config] + [getattr(config, key, None) for key in ("text_config", "vision_config")]
     for sub in filter(None, configs):
-        implementation = getattr(sub, "_attn_implementation", None)
+        implementation = hf.attention_implementation(sub)
         if implementation is not None and implementation not in SUPPORTED_ATTENTION:
             raise FicocoError(f"attn_implementation '{implementation}' is not supported by the FiCoCo patches; "
                               f"load the model with attn_implementation='sdpa' (or 'eager')")
@@ -104,9 +102,7 @@ def own_attention(module: nn.Module, own_config: Any, query: Tensor, key: Tensor
                   attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, Any]:
     """The module's own attention implementation (the one `own_config` names), for a routed module
     whose config copy points at one of ficoco's registered functions."""
-    # "eager" is not in the registry: each model file has its own eager function.
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    implementation = ALL_ATTENTION_FUNCTIONS.get_interface(own_config._attn_implementation, eager)
+    implementation = hf.attention_function(module, hf.attention_implementation(own_config))
     return implementation(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -117,7 +113,7 @@ def route_attention(attention: nn.Module, implementation: str, patches: Any, con
     other `attributes` (a slot), and `patches` undoes all of it."""
     original = attention.config
     config = copy.copy(original)
-    config._attn_implementation_internal = implementation
+    hf.set_attention_implementation(config, implementation)
     patches.set(attention, config_attribute, original)
     for name, value in attributes.items():
         patches.set(attention, name, value)
@@ -136,7 +132,7 @@ def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     # A module whose own implementation is eager returns its attention matrix (what
     # output_attentions collects): return the one this layer computed, every head.
     own_config = getattr(module, "_ficoco_original_config", None)
-    weights = own_config is not None and own_config._attn_implementation == "eager"
+    weights = own_config is not None and hf.attention_implementation(own_config) == "eager"
     with timer.span("probe", query.device) if timer is not None else contextlib.nullcontext():
         output, attn, per_head = attention_with_probabilities(module, query, key, value, attention_mask, scaling,
                                                                is_causal, keep_heads=weights)
@@ -195,7 +191,7 @@ def attention_with_probabilities(module: nn.Module, query: Tensor, key: Tensor, 
     return output.transpose(1, 2).contiguous(), attn_sum.div_(heads), per_head
 
 
-AttentionInterface.register(PROBE_IMPLEMENTATION, probe_attention)
+hf.register_attention(PROBE_IMPLEMENTATION, probe_attention)
 
 
 def install_probe(attention: nn.Module, *, want_keys: bool = False, armed: bool = True,
@@ -206,7 +202,7 @@ def install_probe(attention: nn.Module, *, want_keys: bool = False, armed: bool 
     slot = ProbeSlot(want_keys=want_keys, armed=armed, chunks=[] if chunked else None, timer=timer)
     attention._ficoco_original_config = attention.config  # type: ignore[assignment]
     probe_config = copy.copy(attention.config)
-    probe_config._attn_implementation_internal = PROBE_IMPLEMENTATION
+    hf.set_attention_implementation(probe_config, PROBE_IMPLEMENTATION)
     attention.config = probe_config
     attention._ficoco_probe = slot  # type: ignore[assignment]
     return slot

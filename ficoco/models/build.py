@@ -262,7 +262,8 @@ def build_model(profile: Profile | str, weights: str = "random", *,
         raise FicocoError(f"unknown quant '{quant}': choose from {', '.join(QUANTS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForImageTextToText
-    from transformers.initialization import no_init_weights
+
+    from ficoco.models import hf_compat as hf
 
     if isinstance(profile, str):
         profile = load_profile(profile, overrides)
@@ -279,11 +280,11 @@ def build_model(profile: Profile | str, weights: str = "random", *,
     build_dtype = choice.storage if quant == "fp16" else choice.compute
     if weights == "random":
         config = _hf_config(profile)
-        config._attn_implementation = attn_implementation
+        hf.configure_attention(config, attn_implementation)
         # Parameters start on the meta device (no init functions run) and are materialised,
         # filled and (for int8/int4) quantized module by module; buffers such as rotary
         # frequencies are computed by the constructors as usual.
-        with torch.device(device), no_init_weights(), _parameters_on_meta():
+        with torch.device(device), hf.no_init_weights(), _parameters_on_meta():
             model = AutoModelForImageTextToText.from_config(config, dtype=build_dtype)
         quantize = quantizer(model, quant, compute_dtype=choice.compute)
         _materialize_(model, device, _Filler(seed, 0.02), quantize)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
 from ficoco.models.attention import check_attention_implementation
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
 from ficoco.models.patching import LanguageState, Patches, gather_rows
@@ -36,16 +37,9 @@ class LlavaAdapter:
     pixel_inputs: tuple[str, ...] = ("pixel_values",)
 
     def __init__(self, model: nn.Module) -> None:
-        inner = getattr(model, "model", None)
-        if inner is None or not hasattr(inner, self.tower_attribute) or not hasattr(inner, "language_model"):
-            raise FicocoError(f"{type(model).__name__} is not a LLaVA-style model "
-                              f"(no {self.tower_attribute}/language_model)")
         self.model = model
-        tower = getattr(inner, self.tower_attribute)
-        # transformers 5 flattens CLIPVisionModel; older layouts nest it under vision_model.
-        tower = getattr(tower, "vision_model", tower)
-        self.vision_layers = tower.encoder.layers
-        self.decoder_layers = inner.language_model.layers
+        self.vision_layers = hf.clip_layers(hf.clip_tower(model, self.tower_attribute))
+        self.decoder_layers = hf.decoder_layers(model)
         config = model.config
         # The placeholder id of the span FiCoCo acts on (LLaVA: the image placeholder).
         self.image_token_id = next((value for key in self.placeholder_config_keys
@@ -59,9 +53,9 @@ class LlavaAdapter:
 
     def stage_modules(self) -> dict[str, nn.Module]:
         """The modules of the accountant's stages, for counters that attribute by module."""
-        inner = self.model.model
-        return {"vision": getattr(inner, self.tower_attribute), "projector": inner.multi_modal_projector,
-                "llm": inner.language_model, "lm_head": self.model.lm_head}
+        model = self.model
+        return {"vision": hf.clip_tower(model, self.tower_attribute), "projector": hf.projector(model),
+                "llm": hf.language_model(model), "lm_head": hf.lm_head(model)}
 
     def kept_token_index(self, input_ids: Tensor, keep: int) -> Tensor | None:
         """(B, T') the positions of `input_ids` that FiCoCo-V's shortened prompt keeps: every token
@@ -112,19 +106,18 @@ class LlavaAdapter:
         """Encode the call's pixels before the LLM runs (the model's own encoder, patched), hand the
         features to the forward as `mm_encoder_outputs`, and return the visual tokens every item
         hands the LLM, as measured; None when the call holds no pixels."""
-        inner = self.model.model
-        encoded = call.get("mm_encoder_outputs") or {}
+        encoded = call.get(hf.ENCODED_FEATURES_KEYWORD) or {}
         for key, modality, encoder in self.encoder_inputs:
             pixels = call.get(key)
             if pixels is None:
                 continue
             options = {name: call[name] for name in ("vision_feature_layer", "vision_feature_select_strategy",
                                                      "image_sizes") if call.get(name) is not None}
-            encoded[modality] = getattr(inner, encoder)(pixels, return_dict=True, **options)
+            encoded[modality] = hf.encode_features(self.model, encoder, pixels, **options)
             del call[key]
         if not encoded:
             return None
-        call["mm_encoder_outputs"] = encoded
+        call[hf.ENCODED_FEATURES_KEYWORD] = encoded
         measured = handle.measured_tokens_per_item
         # The placeholders of one span unit: the method's tokens, and the [CLS] a frame keeps (Video-LLaVA).
         return None if measured is None else measured + int(self.projector_keeps_cls)
@@ -198,12 +191,12 @@ class LlavaAdapter:
 
     def rotary(self, hidden: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         """The decoder's rotary tables at `position_ids` (compacted positions)."""
-        return self.model.model.language_model.rotary_emb(hidden, position_ids)
+        return hf.decoder_rotary(self.model)(hidden, position_ids)
 
     @property
     def final_norm(self) -> nn.Module:
         """The decoder's final norm (DART reads hidden states through it)."""
-        return self.model.model.language_model.norm
+        return hf.decoder_norm(self.model)
 
     # -- the top-level model ----------------------------------------------------------------
     def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
@@ -253,7 +246,7 @@ class LlavaAdapter:
             has_pixels = any(call.get(key) is not None for key in self.pixel_inputs)
             if has_pixels:
                 handle.begin_forward()
-            visual = has_pixels or bool(call.get("mm_encoder_outputs"))
+            visual = has_pixels or bool(call.get(hf.ENCODED_FEATURES_KEYWORD))
             positions = None
             if shortens and not visual:
                 follow_shortened_prompt(handle, call)
@@ -264,7 +257,7 @@ class LlavaAdapter:
                     # whole prompt again at every step, followed by the new tokens.
                     kept, length = generating["prompt_positions"]
                     kept = kept.repeat_interleave(input_ids.shape[0] // kept.shape[0], dim=0)
-                    cache = call.get("past_key_values")
+                    cache = hf.cache_in(call)
                     past = int(cache.get_seq_length()) if cache is not None else 0
                     end = past + input_ids.shape[1]
                     extra = torch.arange(length, length + max(0, end - kept.shape[1]), device=kept.device)
@@ -276,7 +269,7 @@ class LlavaAdapter:
                         shorten_call(call, positions, input_ids.shape[1])
                         handle.prompt_map = (positions, input_ids.shape[1])
             starts_prefill = visual and input_ids is not None
-            cache = call.get("past_key_values")
+            cache = hf.cache_in(call)
             labels = None
             if in_llm:
                 # The state that filled this cache (a conversation may go on on any cache the
@@ -299,7 +292,7 @@ class LlavaAdapter:
             output = original_forward(**call, return_dict=True)
             state = handle.language_state
             if in_llm and state is not None and not state.decoding:
-                state.cache = getattr(output, "past_key_values", None)
+                state.cache = hf.output_cache(output)
                 if state.cache is not None:
                     handle.cache_states[state.cache] = state
                 state.decoding = True
@@ -322,7 +315,7 @@ class LlavaAdapter:
             kept = None
             keep = keep_per_image
             if shortens and adaptive and prompt is not None:
-                cache = kwargs.get("past_key_values")
+                cache = hf.cache_in(kwargs)
                 if cache is not None and cache.get_seq_length() and bool((prompt == self.image_token_id).any()):
                     # Each turn's count is measured on its own images: the spans the cache holds
                     # shortened cannot be told from this call's (silently misaligned otherwise).
@@ -366,7 +359,7 @@ def follow_shortened_prompt(handle: Handle, call: dict[str, Any]) -> None:
     """A decode step after a FiCoCo-V prefill, with the caller's attention mask grown from the
     caller's (unshortened) prompt, as a hand-written decode loop grows it: drop the columns of
     the placeholders the prefill removed, so the mask lines up with the cache."""
-    mask, cache, prompt = call.get("attention_mask"), call.get("past_key_values"), handle.prompt_map
+    mask, cache, prompt = call.get("attention_mask"), hf.cache_in(call), handle.prompt_map
     input_ids = call.get("input_ids")
     if mask is None or cache is None or prompt is None or input_ids is None or mask.dim() != 2:
         return
@@ -433,10 +426,10 @@ def check_call_options(model: nn.Module, call: dict[str, Any], variant: str) -> 
         wants_attentions = getattr(model.config, "output_attentions", False)
     if wants_attentions:
         text = getattr(model.config, "text_config", model.config)
-        if getattr(text, "_attn_implementation", None) != "eager":
+        if hf.attention_implementation(text) != "eager":
             raise FicocoError("output_attentions=True needs the model loaded with attn_implementation='eager' "
                               "(sdpa returns no attention matrices, so some layers would be missing)")
-    cache = call.get("past_key_values")
+    cache = hf.cache_in(call)
     if cache is not None and getattr(cache, "is_compileable", False):
         raise FicocoError(f"{type(cache).__name__} is not supported by the FiCoCo patches (reduced layers cache "
                           "fewer tokens); use the default DynamicCache")

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import PREFIX_TOKENS, place_inputs
 from ficoco.models.llava import LlavaAdapter
 from ficoco.models.patching import LanguageState, Patches, span_lengths
@@ -174,20 +175,16 @@ def _unpadded_window(rows: int, cols: int, size_hw: list[int]) -> tuple[slice, s
 def image_layout(config: Any, size_hw: Any) -> ImageLayout:
     """The layout of one image of `size_hw` (H, W), from transformers' own AnyRes grid choice and
     its unpadding arithmetic, so that it is what the model packs."""
-    from transformers.models.llava_next.modeling_llava_next import (
-        get_anyres_image_grid_shape,
-        image_size_to_num_patches,
-    )
-
     size = [int(v) for v in (size_hw.tolist() if isinstance(size_hw, Tensor) else size_hw)]
     if len(size) != 2 or min(size) < 1:
         raise FicocoError(f"image size {size_hw} is not (height, width) in pixels")
     vision = config.vision_config
     side = vision.image_size // vision.patch_size
     pinpoints = config.image_grid_pinpoints
-    if image_size_to_num_patches(size, pinpoints, vision.image_size) == 1:
+    grid = hf.anyres_grid(size, pinpoints, vision.image_size)
+    if grid is None:
         return ImageLayout(side, (0, 0), torch.zeros(0, 0, dtype=torch.long))
-    crops_h, crops_w = get_anyres_image_grid_shape(size, pinpoints, vision.image_size)
+    crops_h, crops_w = grid
     rows, cols = crops_h * side, crops_w * side
     keep_rows, keep_cols = _unpadded_window(rows, cols, size)
     unpadded = torch.arange(rows * cols).view(rows, cols)[keep_rows, keep_cols]
@@ -252,15 +249,16 @@ class LlavaNextAdapter(LlavaAdapter):
         adaptive = bool(schedule.settings_dict().get("adaptive"))
         self.kept_per_item = None if adaptive else self.patches - sum(r.remove for r in removals)
         self.unplaced_per_item = sum(r.added for r in removals)
-        inner = self.model.model
-        patches.set(inner, "pack_image_features", self._packing(inner.pack_image_features, lambda: handle.vision_state))
+        inner = hf.inner_model(self.model)
+        packing = hf.PACK_FEATURES
+        patches.set(inner, packing, self._packing(getattr(inner, packing), lambda: handle.vision_state))
 
     def patch_for_tracing(self, patches: Patches) -> None:
         """Let torch.jit trace the forward (fvcore counts by tracing): transformers' unpadding rounds
         sizes that the tracer turns into tensors, so the layout packing (the same result) stands in."""
-        inner = self.model.model
-        if "pack_image_features" not in inner.__dict__:  # a reducing method's packing is traceable already
-            patches.set(inner, "pack_image_features", self._packing(inner.pack_image_features, lambda: None))
+        inner, packing = hf.inner_model(self.model), hf.PACK_FEATURES
+        if packing not in inner.__dict__:  # a reducing method's packing is traceable already
+            patches.set(inner, packing, self._packing(getattr(inner, packing), lambda: None))
 
     def _packing(self, original: Callable[..., Any], kept_grid_of: Callable[[], Tensor | None]
                  ) -> Callable[..., tuple[list[Tensor], Tensor]]:

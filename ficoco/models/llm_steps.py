@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AttentionInterface
 
 from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.stages import InLayerInput, StepInput, last_row_attention, rows_attention
+from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
 from ficoco.models.patching import LanguageState, Patches, gather_rows, method_settings
 
@@ -101,7 +101,7 @@ def rows_attention_function(module: nn.Module, query: Tensor, key: Tensor, value
                          scaling=scaling, is_causal=is_causal, **kwargs)
 
 
-AttentionInterface.register(ROWS_IMPLEMENTATION, rows_attention_function)
+hf.register_attention(ROWS_IMPLEMENTATION, rows_attention_function)
 
 
 def install_rows(attention: nn.Module, slot: RowsSlot, patches: Patches) -> None:
@@ -122,16 +122,15 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor) -> Tensor:
     """(B, H, T) the last row's attention recomputed with the layer's own input norm, q (last row) and
     k projections and RoPE (PDrop's rank layer), softmaxed in float32 over the visible keys."""
-    attn = layer.self_attn
-    head_dim = attn.head_dim
-    normed = layer.input_layernorm(hidden)
+    parts = hf.layer_parts(layer, hf.DECODER_LAYER)
+    q_proj, k_proj, head_dim, scaling = hf.attention_projections(parts.attention)
+    normed = parts.input_norm(hidden)
     batch, length, _ = normed.shape
-    q_proj, k_proj = attn.q_proj, attn.k_proj
     query = F.linear(normed[:, -1:], q_proj.weight, q_proj.bias).view(batch, 1, -1, head_dim).transpose(1, 2)
     keys = F.linear(normed, k_proj.weight, k_proj.bias).view(batch, length, -1, head_dim).transpose(1, 2)
     query = rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
     keys = rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
-    return last_row_attention(query[:, :, 0], keys, visible, attn.scaling)
+    return last_row_attention(query[:, :, 0], keys, visible, scaling)
 
 
 def merge_targets(kept: Tensor, merge_target: Tensor | None) -> Tensor | None:
@@ -158,21 +157,23 @@ class InLayerPatch:
             layer = layers[index]
             slot = None
             if self.removed.get(index, 0):
-                slot = install_probe(layer.self_attn, armed=False, timer=self.handle.timer)
-                patches.on_undo(lambda attn=layer.self_attn: remove_probe(attn))
+                attention = hf.layer_parts(layer, hf.DECODER_LAYER).attention
+                slot = install_probe(attention, armed=False, timer=self.handle.timer)
+                patches.on_undo(lambda attn=attention: remove_probe(attn))
             patches.set(layer, "forward", self._forward(index, layer, layer.forward, slot))
 
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor], slot: Any
                  ) -> Callable[..., Tensor]:
         handle, remove = self.handle, self.removed.get(index, 0)
+        parts = hf.layer_parts(layer, hf.DECODER_LAYER)
 
+        # The model calls its layers with these by keyword (hf_compat.DECODER_LAYER_KEYWORDS); the
+        # cache and everything else pass through under the installed release's own names.
         def forward(hidden_states: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
-                    past_key_values: Any = None, use_cache: bool = False,
                     position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs: Any) -> Tensor:
             state = handle.language_state
             if state is None:
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                past_key_values=past_key_values, use_cache=use_cache,
                                 position_embeddings=position_embeddings, **kwargs)
             attention_mask = state.slice_mask(attention_mask, index, hidden_states.shape[1])
             if not state.decoding:
@@ -187,15 +188,13 @@ class InLayerPatch:
                 state.cached_positions[index] = state.key_positions(index)
             if state.decoding or not remove:
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                past_key_values=past_key_values, use_cache=use_cache,
                                 position_embeddings=position_embeddings, **kwargs)
             residual = hidden_states
             slot.armed = True
             try:
-                attn_out, _ = layer.self_attn(
-                    hidden_states=layer.input_layernorm(hidden_states), attention_mask=attention_mask,
-                    position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-                    position_embeddings=position_embeddings, **kwargs)
+                attn_out, _ = parts.attention(
+                    hidden_states=parts.input_norm(hidden_states), attention_mask=attention_mask,
+                    position_ids=position_ids, position_embeddings=position_embeddings, **kwargs)
             finally:
                 slot.armed = False
             hidden = residual + attn_out
@@ -214,7 +213,7 @@ class InLayerPatch:
                           merged_into=merge_targets(kept_ranks, red.merge_target))
             state.keep(red.kept_positions, red.kept_visual, red.visual_positions)
             hidden = red.hidden
-            return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            return hidden + parts.mlp(parts.post_norm(hidden))
 
         return forward
 
@@ -291,7 +290,7 @@ class LayerInputPatch:
         for layer in self.steps:
             if self.rows or self.keys:
                 slot = RowsSlot(rows=self.rows, want_keys=self.keys, layer=layer - 1, runner=self.handle.run_method)
-                install_rows(layers[layer - 1].self_attn, slot, patches)
+                install_rows(hf.layer_parts(layers[layer - 1], hf.DECODER_LAYER).attention, slot, patches)
                 self.slots[layer - 1] = slot
         for index, layer in enumerate(layers):
             patches.set(layer, "forward", self._forward(index, layer, layer.forward))
@@ -299,12 +298,10 @@ class LayerInputPatch:
     # -- the wrapped decoder layer ----------------------------------------------------------
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
         def forward(hidden_states: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
-                    past_key_values: Any = None, use_cache: bool = False,
                     position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs: Any) -> Tensor:
             state = self.handle.language_state
             if not isinstance(state, StepState):
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                past_key_values=past_key_values, use_cache=use_cache,
                                 position_embeddings=position_embeddings, **kwargs)
             if state.decoding:
                 attention_mask = state.decode_mask(attention_mask, index)
@@ -313,7 +310,6 @@ class LayerInputPatch:
                     position_ids = position_ids - shift
                     position_embeddings = self.adapter.rotary(hidden_states, position_ids)
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                past_key_values=past_key_values, use_cache=use_cache,
                                 position_embeddings=position_embeddings, **kwargs)
             if index == 0:
                 self._start(state, hidden_states, position_ids)
@@ -339,7 +335,6 @@ class LayerInputPatch:
                     slot.suffix_rows = state.prepared.shape[1]
             try:
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                past_key_values=past_key_values, use_cache=use_cache,
                                 position_embeddings=position_embeddings, **kwargs)
             finally:
                 if slot is not None:

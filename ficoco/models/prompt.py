@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
 
 DEFAULT_QUESTION = {"video": "Describe the video.", "image": "Describe the image."}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -91,18 +92,6 @@ def _sample(count: int, frames: int) -> list[int]:
     return [round(i * (count - 1) / (frames - 1)) for i in range(frames)]
 
 
-def _video_backend() -> str | None:
-    """A video decoder transformers can use here, or None."""
-    from transformers.utils import import_utils
-
-    for backend, available in (("pyav", "is_av_available"), ("decord", "is_decord_available"),
-                               ("opencv", "is_cv2_available")):
-        check = getattr(import_utils, available, None)
-        if check is not None and check():
-            return backend
-    return None
-
-
 def read_video(path: str, frames: int | None, default_frames: int) -> tuple[list[Any], list[str]]:
     """`frames` RGB frames sampled evenly from a folder of frame images (in name order) or a video
     file (with a decoder library); without `frames`, the profile's `default_frames`, or every
@@ -126,15 +115,13 @@ def read_video(path: str, frames: int | None, default_frames: int) -> tuple[list
         return [read_image(str(files[i])) for i in _sample(len(files), wanted)], notes
     if not source.is_file():
         raise FicocoError(f"--video {path}: no such file or folder")
-    backend = _video_backend()
+    backend = hf.video_backend()
     if backend is None:
         raise FicocoError(f"--video {path}: reading a video file needs a decoder library (pip install av); "
                           "or give a folder of frame images")
-    from transformers.video_utils import load_video
-
     wanted = frames if frames is not None else default_frames
     try:
-        loaded = load_video(str(source), backend=backend,
+        loaded = hf.load_video(str(source), backend=backend,
                             sample_indices_fn=lambda metadata, **_: np.asarray(_sample(metadata.total_num_frames,
                                                                                       wanted)))
     except Exception as exc:  # each decoder raises its own errors

@@ -104,9 +104,9 @@ class Quantizer:
         self.skip: list[str] = []
         if quant != "fp16":
             self.bnb = _bitsandbytes()
-            from transformers.quantizers.base import get_keys_to_not_convert
+            from ficoco.models.hf_compat import keys_to_not_convert
 
-            self.skip = list(get_keys_to_not_convert(model))
+            self.skip = keys_to_not_convert(model)
 
     def __call__(self, name: str, module: nn.Module) -> None:
         if self.bnb is None or type(module) is not nn.Linear or _skipped(name, self.skip):

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import method
+from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, remove_probe
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava import (
@@ -115,13 +116,10 @@ class Qwen2VLAdapter(LlavaAdapter):
     def __init__(self, model: nn.Module) -> None:
         # LLaVA's attributes (the L code reads them), found where Qwen2-VL keeps them; LLaVA's
         # __init__ would look for a CLIP tower.
-        inner = getattr(model, "model", None)
-        if inner is None or not hasattr(inner, "visual") or not hasattr(inner, "language_model"):
-            raise FicocoError(f"{type(model).__name__} is not a Qwen2-VL model (no visual/language_model)")
         self.model = model
-        self.visual = inner.visual
-        self.vision_layers = inner.visual.blocks
-        self.decoder_layers = inner.language_model.layers
+        self.visual = hf.qwen2_vl_tower(model)
+        self.vision_layers = hf.qwen2_vl_blocks(self.visual)
+        self.decoder_layers = hf.decoder_layers(model)
         config = model.config
         self.image_token_id = config.image_token_id
         self.video_token_id = getattr(config, "video_token_id", None)
@@ -135,9 +133,9 @@ class Qwen2VLAdapter(LlavaAdapter):
 
     def stage_modules(self) -> dict[str, nn.Module]:
         """The accountant's stages; the projector (PatchMerger) sits inside the vision tower."""
-        inner = self.model.model
-        return {"vision": inner.visual, "projector": inner.visual.merger, "llm": inner.language_model,
-                "lm_head": self.model.lm_head}
+        model = self.model
+        return {"vision": self.visual, "projector": hf.qwen2_vl_merger(self.visual), "llm": hf.language_model(model),
+                "lm_head": hf.lm_head(model)}
 
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
         """The packed tower's hook point (cu_seqlens: every image one segment): inside a tower layer, on
@@ -175,13 +173,14 @@ class Qwen2VLAdapter(LlavaAdapter):
             layer = self.vision_layers[layer_idx]
             r = removed.get(layer_idx, 0)
             slot = None
+            parts = hf.layer_parts(layer, hf.QWEN2_VL_VISION_BLOCK)
             if r:
-                slot = install_probe(layer.attn, want_keys=True, chunked=True, timer=handle.timer)
+                slot = install_probe(parts.attention, want_keys=True, chunked=True, timer=handle.timer)
                 slots.append(slot)
-                patches.on_undo(lambda attn=layer.attn: remove_probe(attn))
+                patches.on_undo(lambda attn=parts.attention: remove_probe(attn))
 
             def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
-                        _layer: nn.Module = layer, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
+                        _parts: hf.Parts = parts, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
                         _original: Callable[..., Tensor] = layer.forward, **kwargs: Any) -> Tensor:
                 tower = self._tower
                 if tower is not None and tower.cu_seqlens is not None:  # an earlier layer reduced
@@ -192,13 +191,13 @@ class Qwen2VLAdapter(LlavaAdapter):
                     return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
                                      **kwargs)
                 residual = hidden_states
-                attn_out = _layer.attn(_layer.norm1(hidden_states), cu_seqlens=cu_seqlens,
-                                       position_embeddings=position_embeddings, **kwargs)
+                attn_out = _parts.attention(_parts.input_norm(hidden_states), cu_seqlens=cu_seqlens,
+                                            position_embeddings=position_embeddings, **kwargs)
                 hidden = residual + attn_out
                 chunks = _slot.take_chunks()
                 hidden = self._reduce(handle, reduce_groups, tower, hidden, chunks, _r, _idx, position_embeddings,
                                       cu_seqlens, params)
-                return hidden + _layer.mlp(_layer.norm2(hidden))
+                return hidden + _parts.mlp(_parts.post_norm(hidden))
 
             patches.set(layer, "forward", forward)
 
@@ -271,7 +270,8 @@ class Qwen2VLAdapter(LlavaAdapter):
         tower = self._tower
         if tower is None:
             raise RuntimeError("the Qwen2-VL vision tower ran without FiCoCo-V's bookkeeping")
-        out.pooler_output = torch.split(out.pooler_output, [len(groups) for groups in tower.kept_groups])
+        features = getattr(out, hf.FEATURES_FIELD)
+        setattr(out, hf.FEATURES_FIELD, torch.split(features, [len(groups) for groups in tower.kept_groups]))
         return out
 
     def kept_token_index(self, input_ids: Tensor, keep: int) -> Tensor | None:
@@ -319,8 +319,8 @@ class Qwen2VLAdapter(LlavaAdapter):
             raise FicocoError("FiCoCo-V on Qwen2-VL: every sample of a batch must lose the same number of "
                               "placeholders (the same number of images)")
         if position_ids is None:
-            position_ids, deltas = self.model.model.get_rope_index(
-                input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw, attention_mask=attention_mask)
+            position_ids, deltas = hf.rope_index(self.model, input_ids, mm_token_type_ids, image_grid_thw,
+                                                 attention_mask)
         else:
             # A 4-row tensor's first row is plain text order; a 2-D one is the same on all three axes.
             position_ids = position_ids[-3:] if position_ids.dim() == 3 else position_ids[None]
@@ -408,17 +408,16 @@ class Qwen2VLAdapter(LlavaAdapter):
             raise FicocoError(f"{held} for this turn's images of {patches} patches: give the pixel values of the "
                               "images after what the cache holds")
         encoded = self.encode_images(pixel_values, new_grid)
-        rope = self.model.model.get_rope_index
         if whole and all(len(row) == per_sample for row in spans):  # every image's grid: the whole layout
             full_mask = mask if mask is not None and mask.shape[1] == length else None
-            positions = rope(input_ids, types, image_grid_thw=grid, attention_mask=full_mask)[0][:, :, start:]
+            positions = hf.rope_index(self.model, input_ids, types, grid, full_mask)[0][:, :, start:]
         else:
-            earlier = self.turn_deltas.get(call["past_key_values"], self.model.model.rope_deltas)
+            earlier = self.turn_deltas.get(hf.cache_in(call), hf.rope_deltas(self.model))
             if earlier is None or batch % earlier.shape[0]:
                 raise FicocoError("FiCoCo-V on Qwen2-VL continues a conversation after the earlier turns' positions "
                                   "(rope_deltas of the turn that filled the cache); give every image's "
                                   "image_grid_thw with the whole conversation's input_ids")
-            local = rope(new_ids, new_types, image_grid_thw=new_grid, attention_mask=new_mask)[0]
+            local = hf.rope_index(self.model, new_ids, new_types, new_grid, new_mask)[0]
             offset = past + earlier.repeat_interleave(batch // earlier.shape[0], dim=0).to(local.device)
             positions = local + offset.view(1, batch, 1)
         short, deltas, kept = self.shorten_prompt(new_ids, new_mask, new_types, new_grid, self._tower.kept_groups,
@@ -455,7 +454,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         def generate(*args: Any, **kwargs: Any) -> Any:
             if args:
                 kwargs["input_ids"], args = args[0], args[1:]
-            cache, input_ids = kwargs.get("past_key_values"), kwargs.get("input_ids")
+            cache, input_ids = hf.cache_in(kwargs), kwargs.get("input_ids")
             grid, pixel_values = kwargs.get("image_grid_thw"), kwargs.get("pixel_values")
             past = int(cache.get_seq_length()) if cache is not None else 0
             if not past or input_ids is None or grid is None or input_ids.shape[1] <= past:
@@ -474,12 +473,13 @@ class Qwen2VLAdapter(LlavaAdapter):
                     raise FicocoError(f"FiCoCo-L on Qwen2-VL: pixel_values of {pixel_values.shape[0]} patches for this "
                                       f"turn's images of grids {new_grid.tolist()}: give the images after what the "
                                       "cache holds")
-                encoded = model.model.get_image_features(kwargs.pop("pixel_values"), new_grid, return_dict=True)
-                kwargs["mm_encoder_outputs"] = {**(kwargs.get("mm_encoder_outputs") or {}), "image": encoded}
+                encoded = hf.encode_features(model, "get_image_features", kwargs.pop("pixel_values"), new_grid)
+                features = hf.ENCODED_FEATURES_KEYWORD
+                kwargs[features] = {**(kwargs.get(features) or {}), "image": encoded}
             return run(*args, **kwargs)
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("mm_encoder_outputs"):  # images encoded beforehand: a new visual generation
+            if kwargs.get(hf.ENCODED_FEATURES_KEYWORD):  # images encoded beforehand: a new visual generation
                 handle.begin_forward()
             return inner_generate(*args, **kwargs)
 
@@ -493,7 +493,7 @@ class Qwen2VLAdapter(LlavaAdapter):
             self.patch_later_turn_images(handle, patches)
             return
         model = self.model
-        inner = model.model
+        inner = hf.inner_model(model)
         original_forward = model.forward
         original_generate = model.generate
         signature = inspect.signature(original_forward)
@@ -509,7 +509,7 @@ class Qwen2VLAdapter(LlavaAdapter):
                 raise FicocoError("FiCoCo-V on Qwen2-VL needs input_ids and image_grid_thw with pixel_values "
                                   "(the image spans are shortened in input_ids)")
             handle.begin_forward()
-            cache = call.get("past_key_values")
+            cache = hf.cache_in(call)
             past = int(cache.get_seq_length()) if cache is not None else 0
             if past:  # a later turn of a conversation whose earlier turns the cache holds
                 short, deltas, kept, encoded = self.continue_prompt(call, pixel_values, past, whole=text_row)
@@ -532,9 +532,10 @@ class Qwen2VLAdapter(LlavaAdapter):
                     text = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
                 short["position_ids"] = torch.cat([text[None].to(short["position_ids"]), short["position_ids"]])
             call.update({k: v for k, v in short.items() if v is not None or k in call})
-            call["mm_encoder_outputs"] = {**(call.get("mm_encoder_outputs") or {}), "image": encoded}
+            features = hf.ENCODED_FEATURES_KEYWORD
+            call[features] = {**(call.get(features) or {}), "image": encoded}
             # Decode steps that come without position ids take them from here (and the cache length).
-            inner.rope_deltas = deltas
+            hf.set_rope_deltas(model, deltas)
             return call
 
         # The shortened prompt's positions in the caller's input_ids, from `prepare` to the forward
@@ -552,19 +553,20 @@ class Qwen2VLAdapter(LlavaAdapter):
             if call.get("pixel_values") is not None or call.get("pixel_values_videos") is not None:
                 call = prepare(call, text_row=False)
                 handle.prompt_map = (generating["prompt_positions"], input_length)
-            elif not call.get("mm_encoder_outputs"):
+            elif not call.get(hf.ENCODED_FEATURES_KEYWORD):
                 follow_shortened_prompt(handle, call)
             # Otherwise: text, a decode step, or generate's prefill, whose images generate() encoded.
-            positions = generating.pop("prompt_positions", None) if call.get("mm_encoder_outputs") else None
+            positions = generating.pop("prompt_positions", None) if call.get(hf.ENCODED_FEATURES_KEYWORD) else None
             ids = call.get("input_ids")
             if positions is not None and ids is not None and positions.shape[1] > ids.shape[1]:
                 # generate's prefill on a later turn's cache runs the part after what the cache holds.
-                past = int(call["past_key_values"].get_seq_length())
+                past = int(hf.cache_in(call).get_seq_length())
                 positions = positions[:, past:past + ids.shape[1]]
             return_dict = call.pop("return_dict", None)
             output = original_forward(**call, return_dict=True)
-            if positions is not None and getattr(output, "past_key_values", None) is not None:
-                self.turn_deltas[output.past_key_values] = inner.rope_deltas
+            output_cache = hf.output_cache(output)
+            if positions is not None and output_cache is not None:
+                self.turn_deltas[output_cache] = hf.rope_deltas(model)
             if positions is not None and positions.shape[0] != output.logits.shape[0]:
                 positions = positions.repeat_interleave(output.logits.shape[0] // positions.shape[0], dim=0)
             handle.output_positions = positions if positions is not None else arange_like(output.logits)
@@ -589,7 +591,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         def text_turn(*args: Any, **kwargs: Any) -> Any:
             """generate without images: on a cache of earlier turns with images, the whole conversation
             as this handle shortened it (the cache holds that), so that generate runs what follows."""
-            cache, prompt = kwargs.get("past_key_values"), kwargs.get("input_ids")
+            cache, prompt = hf.cache_in(kwargs), kwargs.get("input_ids")
             past = int(cache.get_seq_length()) if cache is not None else 0
             if not past or prompt is None or not bool((prompt == self.image_token_id).any()):
                 return original_generate(*args, **kwargs)

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface
 
 from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
+from ficoco.models import hf_compat as hf
 from ficoco.models.attention import attention_with_probabilities, own_attention, route_attention
 from ficoco.models.patching import Patches, method_settings
 
@@ -84,7 +84,7 @@ def tower_rows_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         if slot.want_probabilities:
             # A module whose own implementation is eager returns its attention matrix (what
             # output_attentions collects): return the one this layer computed, every head.
-            eager = module._ficoco_tower_config._attn_implementation == "eager"
+            eager = hf.attention_implementation(module._ficoco_tower_config) == "eager"
             with slot.timer.span("probe", query.device) if slot.timer is not None else contextlib.nullcontext():
                 output, slot.probabilities, per_head = attention_with_probabilities(
                     module, query, key, value, attention_mask, scaling, is_causal, keep_heads=eager)
@@ -93,7 +93,7 @@ def tower_rows_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
                          scaling=scaling, is_causal=is_causal, **kwargs)
 
 
-AttentionInterface.register(TOWER_ROWS_IMPLEMENTATION, tower_rows_attention)
+hf.register_attention(TOWER_ROWS_IMPLEMENTATION, tower_rows_attention)
 
 
 def install_tower_rows(attention: nn.Module, slot: TowerSlot, patches: Patches) -> None:
@@ -157,7 +157,7 @@ class TowerPatch:
         layers = self.adapter.vision_layers
         for layer, (want_cls, want_probabilities) in self.probes.items():
             slot = TowerSlot(want_cls=want_cls, want_probabilities=want_probabilities, timer=self.handle.timer)
-            install_tower_rows(layers[layer].self_attn, slot, patches)
+            install_tower_rows(hf.layer_parts(layers[layer], hf.CLIP_LAYER).attention, slot, patches)
             self.slots[layer] = slot
         for index, layer in enumerate(layers):
             patches.set(layer, "forward", self._forward(index, layer, layer.forward))
@@ -167,6 +167,8 @@ class TowerPatch:
 
     # -- tower layers -----------------------------------------------------------------------
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        parts = hf.layer_parts(layer, hf.CLIP_LAYER)
+
         def forward(hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor:
             if index == 0:  # a new tower pass (each image call runs the tower once)
                 self.handle.tower_state = TowerState()
@@ -185,7 +187,7 @@ class TowerPatch:
                 if removal is None:
                     return original(hidden_states, attention_mask, **kwargs)
                 residual = hidden_states
-                attn_out, _ = layer.self_attn(hidden_states=layer.layer_norm1(hidden_states),
+                attn_out, _ = parts.attention(hidden_states=parts.input_norm(hidden_states),
                                               attention_mask=attention_mask, **kwargs)
             finally:
                 if slot is not None:
@@ -207,7 +209,7 @@ class TowerPatch:
                 _gone(present, out.kept, patches, removal.remove)
             self.handle.record("vision", index, kept=out.kept, discarded=discarded, merged_into=out.merged_into)
             hidden = out.hidden
-            return hidden + layer.mlp(layer.layer_norm2(hidden))
+            return hidden + parts.mlp(parts.post_norm(hidden))
 
         return forward
 

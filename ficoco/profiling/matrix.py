@@ -21,6 +21,7 @@ import torch
 from ficoco.accounting import CountOptions, Schedule, account, architecture, resolve_schedule
 from ficoco.accounting.memory import KV_QUANT_BITS, QUANT_BITS, Quant, stored_kv_cache_bytes, weight_bytes
 from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
 from ficoco.profiling.decode import DecodeRun, decode_metrics, timed_generate
 from ficoco.profiling.dtype_choice import DtypeChoice, row_dtypes
@@ -347,7 +348,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         # A fresh quantized cache per call (transformers' own QuantizedCache, ficoco.models.kv_cache).
         from ficoco.models.kv_cache import quantized_cache
 
-        return {"past_key_values": quantized_cache(model, kv_bits)} if kv_bits else {}
+        return hf.cache_argument(quantized_cache(model, kv_bits)) if kv_bits else {}
 
     def prefill() -> None:
         # The previous run's KV cache goes before this run allocates its own: alive, it would
@@ -356,7 +357,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         if handle is not None:
             handle.timer.reset()
         out = model(**inputs, use_cache=True, logits_to_keep=1, **new_cache())
-        last["cache"] = out.past_key_values
+        last["cache"] = hf.output_cache(out)
         last["logits"] = out.logits  # a reference, read after the timing (--fidelity)
 
     def after_each(_: int) -> None:
@@ -387,7 +388,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
                     out, run = timed_generate(model.generate, device, **inputs, max_new_tokens=config.new_tokens,
                                               min_new_tokens=config.new_tokens, do_sample=False,
                                               return_dict_in_generate=True, **new_cache())
-                    last["cache"], last["run"] = out.past_key_values, run
+                    last["cache"], last["run"] = hf.output_cache(out), run
                     generated["sequences"] = out.sequences  # read after the timing (--fidelity)
 
                 def on_generation_run(phase: str, k: int, n: int, seconds: float | None) -> None:

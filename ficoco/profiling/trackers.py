@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ficoco.models import hf_compat as hf
+
 
 @dataclass(frozen=True)
 class LatencyStats:
@@ -263,21 +265,13 @@ def cache_bytes(cache: Any) -> int:
             return sum(walk(v) for v in value.values())
         return 0
 
-    layers = getattr(cache, "layers", None)
-    return sum(walk(list(vars(layer).values())) for layer in layers) if layers is not None else 0
+    return sum(walk(list(vars(layer).values())) for layer in hf.cache_layers(cache))
 
 
 def cache_tokens(cache: Any) -> list[int]:
     """Tokens every decoder layer of a transformers cache holds (a quantized layer counts its
     quantized and residual tokens: `cumulative_length`)."""
-    counts = []
-    for layer in getattr(cache, "layers", None) or []:
-        length = getattr(layer, "cumulative_length", None)
-        if length is None:
-            keys = getattr(layer, "keys", None)
-            length = keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
-        counts.append(int(length))
-    return counts
+    return [hf.cache_layer_tokens(layer) for layer in hf.cache_layers(cache)]
 
 
 def _quant_state_tensors(quant_state: Any) -> list[torch.Tensor]:

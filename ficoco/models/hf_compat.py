@@ -1,0 +1,616 @@
+"""Every contact ficoco has with transformers' internals, in one place.
+
+ficoco patches Hugging Face models from the outside: it wraps forwards and reads their keyword
+arguments, reaches submodules by attribute, calls functions of the model files and registers
+attention functions. None of that is transformers' public API, and it moves between releases
+(5.24 renamed the cache argument `past_key_values` to `cache`, in every model, layer and
+output). So every such name, path and call shape lives here and nowhere else: the adapters
+(llava.py, qwen2_vl.py, ...), the hook points (llm_steps.py, vision_steps.py, attention.py), the
+builder and the profiler read them through this module.
+
+Each contact is registered with a check (`@contact`) that looks at the installed release (a
+signature, an attribute, a function's presence) and raises `ContactChanged`: one line that names
+the contact and what changed. `check_contacts()` runs them all; `check_model(model)` also checks
+the attribute paths of one built model. tests/test_transformers_contract.py runs both for every
+family before any behavioural test, and `ficoco.apply` runs them (once) on a release outside the
+tested range, after one warning line, so a renamed internal is named instead of crashing deep in
+a forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import Any
+
+from torch import nn
+
+from ficoco.errors import FicocoError
+
+# -- the registry ---------------------------------------------------------------------------
+
+
+class ContactChanged(FicocoError):
+    """The installed transformers no longer offers something ficoco's patches rely on."""
+
+    def __init__(self, contact: str, detail: str) -> None:
+        from ficoco.versions import installed_version, tested_ranges
+
+        tested = tested_ranges().get("transformers", "")
+        super().__init__(f"transformers {installed_version('transformers')} changed a contact ficoco patches "
+                         f"({contact}: {detail}); install a tested release: pip install 'transformers{tested}'")
+        self.contact = contact
+
+
+@dataclass(frozen=True)
+class Contact:
+    """One thing ficoco relies on, and how to check it against the installed release."""
+
+    name: str
+    check: Callable[[], None]
+
+
+CONTACTS: dict[str, Contact] = {}
+
+
+def contact(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Register a check of the installed release under `name` (its failure names it)."""
+
+    def register(check: Callable[[], None]) -> Callable[[], None]:
+        CONTACTS[name] = Contact(name, check)
+        return check
+
+    return register
+
+
+def check_contacts() -> list[str]:
+    """Every registered contact checked against the installed release: the one-line message of each
+    that changed (empty: all hold)."""
+    problems = []
+    for entry in CONTACTS.values():
+        try:
+            entry.check()
+        except ContactChanged as exc:
+            problems.append(str(exc))
+        except (ImportError, AttributeError, TypeError, ValueError) as exc:
+            problems.append(str(ContactChanged(entry.name, f"{type(exc).__name__}: {exc}")))
+    return problems
+
+
+def _module(name: str) -> Any:
+    return importlib.import_module(f"transformers.{name}")
+
+
+def _parameters(function: Callable[..., Any]) -> list[str]:
+    # inspect.signature follows functools.wraps (transformers' deprecation decorators) to the
+    # function's own parameters.
+    return list(inspect.signature(function).parameters)
+
+
+def _require_parameters(contact_name: str, function: Callable[..., Any], *names: str) -> None:
+    present = _parameters(function)
+    missing = [name for name in names if name not in present]
+    if missing:
+        raise ContactChanged(contact_name, f"{function.__qualname__} takes no {', '.join(missing)} "
+                                           f"(it takes {', '.join(p for p in present if p != 'self')})")
+
+
+def _require_attribute(contact_name: str, owner: Any, name: str) -> Any:
+    if not hasattr(owner, name):
+        label = getattr(owner, "__name__", type(owner).__name__)
+        raise ContactChanged(contact_name, f"{label} has no '{name}'")
+    return getattr(owner, name)
+
+
+# -- the cache keyword ----------------------------------------------------------------------
+# transformers 5.24 calls the cache `cache` in every forward (model, decoder layer, attention),
+# in generate's keyword arguments and in the outputs; earlier 5.x releases call it
+# `past_key_values`. 5.24 still accepts the old name with a deprecation warning, so a caller may
+# use either: `cache_in` reads both, and ficoco itself passes the installed release's name.
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+@cache
+def cache_keyword() -> str:
+    """The installed release's name for the cache argument of forward and generate."""
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    present = _parameters(LlamaModel.forward)
+    found = next((name for name in CACHE_NAMES if name in present), None)
+    if found is None:
+        raise ContactChanged("cache keyword", f"LlamaModel.forward takes none of {', '.join(CACHE_NAMES)}")
+    return found
+
+
+@cache
+def output_cache_field() -> str:
+    """The installed release's name for the cache field of a model's output."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    present = [f.name for f in fields(CausalLMOutputWithPast)]
+    found = next((name for name in CACHE_NAMES if name in present), None)
+    if found is None:
+        raise ContactChanged("output cache field", f"CausalLMOutputWithPast has none of {', '.join(CACHE_NAMES)}")
+    return found
+
+
+def cache_in(call: Mapping[str, Any]) -> Any:
+    """The cache a forward or generate call was given, under either name (None: none)."""
+    for name in CACHE_NAMES:
+        value = call.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def cache_argument(cache_object: Any) -> dict[str, Any]:
+    """Keyword arguments that hand `cache_object` to the installed release's forward or generate."""
+    return {cache_keyword(): cache_object}
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a forward or generate output holds (None: none)."""
+    return getattr(output, output_cache_field(), None)
+
+
+@contact("cache keyword")
+def _check_cache_keyword() -> None:
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.llava import modeling_llava as llava
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+
+    name = cache_keyword()
+    for function in (llama.LlamaModel.forward, llama.LlamaDecoderLayer.forward, llama.LlamaAttention.forward,
+                     llava.LlavaForConditionalGeneration.forward, qwen2_vl.Qwen2VLForConditionalGeneration.forward,
+                     qwen2_vl.Qwen2VLDecoderLayer.forward, qwen2_vl.Qwen2VLAttention.forward):
+        _require_parameters("cache keyword", function, name)
+    if output_cache_field() != name:
+        raise ContactChanged("cache keyword", f"forward takes '{name}' but outputs hold '{output_cache_field()}'")
+
+
+# -- decoder layers, attention and their call shapes ----------------------------------------
+# The patched decoder layers take these by keyword (the model calls its layers with them as
+# keywords; tests/test_transformers_contract.py checks the call) and pass everything else on.
+DECODER_LAYER_KEYWORDS = ("attention_mask", "position_ids", "position_embeddings")
+
+
+@contact("decoder layer call")
+def _check_decoder_layers() -> None:
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+
+    for layer in (llama.LlamaDecoderLayer, qwen2_vl.Qwen2VLDecoderLayer):
+        _require_parameters("decoder layer call", layer.forward, "hidden_states", *DECODER_LAYER_KEYWORDS)
+        if _parameters(layer.forward)[1] != "hidden_states":
+            raise ContactChanged("decoder layer call", f"{layer.__name__}.forward's first input is not hidden_states")
+    for attention in (llama.LlamaAttention, qwen2_vl.Qwen2VLAttention):
+        _require_parameters("decoder layer call", attention.forward, "hidden_states", "attention_mask",
+                            "position_embeddings")
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """A layer's submodules, by the attribute names its model file gives them: the patches
+    re-compose a reducing layer from them (norm, attention, residual, norm, MLP)."""
+
+    attention: str
+    input_norm: str
+    post_norm: str
+    mlp: str
+
+
+# LLaMA and Qwen2 decoder layers, CLIP encoder layers, Qwen2-VL vision blocks.
+DECODER_LAYER = LayerParts("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
+CLIP_LAYER = LayerParts("self_attn", "layer_norm1", "layer_norm2", "mlp")
+QWEN2_VL_VISION_BLOCK = LayerParts("attn", "norm1", "norm2", "mlp")
+
+
+@dataclass(frozen=True)
+class Parts:
+    """One layer's submodules (see LayerParts)."""
+
+    attention: nn.Module
+    input_norm: nn.Module
+    post_norm: nn.Module
+    mlp: nn.Module
+
+
+def layer_parts(layer: nn.Module, names: LayerParts) -> Parts:
+    """`layer`'s attention, norms and MLP, found by `names`."""
+    found = {f.name: _require_attribute(f"{type(layer).__name__} parts", layer, getattr(names, f.name))
+             for f in fields(names)}
+    return Parts(**found)
+
+
+# The attention modules' attributes PDrop's own-row recomputation reads (decoder attention).
+ATTENTION_ATTRIBUTES = ("q_proj", "k_proj", "head_dim", "scaling")
+
+
+def attention_projections(attention: nn.Module) -> tuple[nn.Module, nn.Module, int, float]:
+    """(q_proj, k_proj, head_dim, scaling) of a decoder attention module."""
+    q_proj, k_proj, head_dim, scaling = (_require_attribute(f"{type(attention).__name__} attributes", attention, name)
+                                         for name in ATTENTION_ATTRIBUTES)
+    return q_proj, k_proj, head_dim, scaling
+
+
+# -- attribute paths of the families ---------------------------------------------------------
+# From the top-level ...ForConditionalGeneration model; checked per built model (`check_model`).
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The base model under the generation head (`model.model`)."""
+    return _require_attribute("model layout", model, "model")
+
+
+def language_model(model: nn.Module) -> nn.Module:
+    """The decoder (`model.model.language_model`)."""
+    return _require_attribute("model layout", inner_model(model), "language_model")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return _require_attribute("model layout", language_model(model), "layers")
+
+
+def decoder_rotary(model: nn.Module) -> nn.Module:
+    """The decoder's rotary module: `rotary(hidden, position_ids)` -> (cos, sin)."""
+    return _require_attribute("model layout", language_model(model), "rotary_emb")
+
+
+def decoder_norm(model: nn.Module) -> nn.Module:
+    return _require_attribute("model layout", language_model(model), "norm")
+
+
+def lm_head(model: nn.Module) -> nn.Module:
+    return _require_attribute("model layout", model, "lm_head")
+
+
+def projector(model: nn.Module) -> nn.Module:
+    """LLaVA's projector (`multi_modal_projector`)."""
+    return _require_attribute("model layout", inner_model(model), "multi_modal_projector")
+
+
+def clip_tower(model: nn.Module, attribute: str) -> nn.Module:
+    """A LLaVA-style family's CLIP tower (`vision_tower`, Video-LLaVA's `video_tower`)."""
+    return _require_attribute("model layout", inner_model(model), attribute)
+
+
+def clip_layers(tower: nn.Module) -> nn.ModuleList:
+    """A CLIP tower's encoder layers (transformers 5 flattens CLIPVisionModel; a nested
+    `vision_model` is followed where a checkpoint's class keeps one)."""
+    tower = getattr(tower, "vision_model", tower)
+    encoder = _require_attribute("model layout", tower, "encoder")
+    return _require_attribute("model layout", encoder, "layers")
+
+
+def qwen2_vl_tower(model: nn.Module) -> nn.Module:
+    """Qwen2-VL's vision transformer (`model.model.visual`)."""
+    return _require_attribute("model layout", inner_model(model), "visual")
+
+
+def qwen2_vl_blocks(tower: nn.Module) -> nn.ModuleList:
+    return _require_attribute("model layout", tower, "blocks")
+
+
+def qwen2_vl_merger(tower: nn.Module) -> nn.Module:
+    """The PatchMerger (the projector, inside the tower)."""
+    return _require_attribute("model layout", tower, "merger")
+
+
+# The families whose paths `check_model` knows (model_type -> the tower the methods act in).
+FAMILY_TOWERS = {"llava": "vision_tower", "llava_next": "vision_tower", "video_llava": "video_tower",
+                 "qwen2_vl": "visual"}
+
+
+def check_model(model: nn.Module) -> None:
+    """Every attribute path ficoco reaches in `model` (its family's), and the parts of its layers:
+    a ContactChanged naming the first that is missing."""
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    if model_type not in FAMILY_TOWERS:
+        return  # not a family ficoco patches: adapter_for says so in its own words
+    for layer in decoder_layers(model):
+        layer_parts(layer, DECODER_LAYER)
+        attention_projections(layer_parts(layer, DECODER_LAYER).attention)
+    for path in (decoder_rotary, decoder_norm, lm_head):
+        path(model)
+    if model_type == "qwen2_vl":
+        tower = qwen2_vl_tower(model)
+        for block in qwen2_vl_blocks(tower):
+            layer_parts(block, QWEN2_VL_VISION_BLOCK)
+        qwen2_vl_merger(tower)
+        _require_attribute("model layout", inner_model(model), "rope_deltas")
+        return
+    projector(model)
+    for layer in clip_layers(clip_tower(model, FAMILY_TOWERS[model_type])):
+        layer_parts(layer, CLIP_LAYER)
+
+
+# -- the towers' call shapes ------------------------------------------------------------------
+
+
+@contact("CLIP encoder layer call")
+def _check_clip_layers() -> None:
+    from transformers.models.clip import modeling_clip as clip
+
+    for function in (clip.CLIPEncoderLayer.forward, clip.CLIPAttention.forward):
+        _require_parameters("CLIP encoder layer call", function, "hidden_states", "attention_mask")
+
+
+# Qwen2-VL's vision blocks: the packed sequence, its image boundaries and its rotary table; the
+# tower's forward takes the patches and every image's grid.
+QWEN2_VL_BLOCK_KEYWORDS = ("cu_seqlens", "position_embeddings")
+
+
+@contact("Qwen2-VL vision tower call")
+def _check_qwen2_vl_tower() -> None:
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+
+    name = "Qwen2-VL vision tower call"
+    _require_parameters(name, qwen2_vl.Qwen2VLVisionBlock.forward, "hidden_states", *QWEN2_VL_BLOCK_KEYWORDS)
+    _require_parameters(name, qwen2_vl.VisionAttention.forward, "hidden_states", *QWEN2_VL_BLOCK_KEYWORDS)
+    _require_parameters(name, qwen2_vl.Qwen2VisionTransformerPretrainedModel.forward, "hidden_states", "grid_thw")
+
+
+# -- model functions ficoco calls or replaces ----------------------------------------------
+# The forward keyword that hands generate/forward visual features encoded beforehand
+# ({"image": ..., "video": ...}, each a BaseModelOutputWithPooling whose pooler_output is the
+# features): how FiCoCo-V and the adaptive methods encode first and shorten the prompt.
+ENCODED_FEATURES_KEYWORD = "mm_encoder_outputs"
+FEATURES_FIELD = "pooler_output"
+
+
+@contact("encoded features keyword")
+def _check_encoded_features() -> None:
+    from transformers.models.llava import modeling_llava as llava
+    from transformers.models.llava_next import modeling_llava_next as llava_next
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+    from transformers.models.video_llava import modeling_video_llava as video_llava
+
+    for model in (llava.LlavaForConditionalGeneration, llava_next.LlavaNextForConditionalGeneration,
+                  video_llava.VideoLlavaForConditionalGeneration, qwen2_vl.Qwen2VLForConditionalGeneration):
+        _require_parameters("encoded features keyword", model.forward, ENCODED_FEATURES_KEYWORD)
+    _require_attribute("encoded features keyword", _module("modeling_outputs").BaseModelOutputWithPooling,
+                       "__dataclass_fields__")
+    if FEATURES_FIELD not in _module("modeling_outputs").BaseModelOutputWithPooling.__dataclass_fields__:
+        raise ContactChanged("encoded features keyword", f"BaseModelOutputWithPooling has no {FEATURES_FIELD}")
+
+
+@contact("image features functions")
+def _check_image_features() -> None:
+    from transformers.models.llava import modeling_llava as llava
+    from transformers.models.llava_next import modeling_llava_next as llava_next
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+    from transformers.models.video_llava import modeling_video_llava as video_llava
+
+    name = "image features functions"
+    _require_parameters(name, llava.LlavaModel.get_image_features, "pixel_values", "vision_feature_layer",
+                        "vision_feature_select_strategy", "image_sizes")
+    _require_parameters(name, llava_next.LlavaNextModel.get_image_features, "pixel_values", "image_sizes")
+    _require_parameters(name, video_llava.VideoLlavaModel.get_video_features, "pixel_values_videos")
+    _require_parameters(name, qwen2_vl.Qwen2VLModel.get_image_features, "pixel_values", "image_grid_thw")
+
+
+def encode_features(model: nn.Module, encoder: str, pixels: Any, *args: Any, **options: Any) -> Any:
+    """The base model's own encoder (`get_image_features`, `get_video_features`) on `pixels`, as the
+    output object whose `pooler_output` the forward takes through ENCODED_FEATURES_KEYWORD."""
+    function = _require_attribute("image features functions", inner_model(model), encoder)
+    return function(pixels, *args, return_dict=True, **options)
+
+
+@contact("Qwen2-VL rope index")
+def _check_rope_index() -> None:
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+
+    _require_parameters("Qwen2-VL rope index", qwen2_vl.Qwen2VLModel.get_rope_index, "input_ids",
+                        "mm_token_type_ids", "image_grid_thw", "attention_mask")
+
+
+def rope_index(model: nn.Module, input_ids: Any, mm_token_type_ids: Any, image_grid_thw: Any,
+               attention_mask: Any) -> tuple[Any, Any]:
+    """Qwen2-VL's 3-D position ids of a prompt and its rope_deltas (`get_rope_index`)."""
+    return inner_model(model).get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
+                                             attention_mask=attention_mask)
+
+
+def rope_deltas(model: nn.Module) -> Any:
+    """Qwen2-VL's rope_deltas of the last prefill, which its decode steps read."""
+    return _require_attribute("model layout", inner_model(model), "rope_deltas")
+
+
+def set_rope_deltas(model: nn.Module, deltas: Any) -> None:
+    inner_model(model).rope_deltas = deltas
+
+
+# LLaVA-NeXT's AnyRes: the model's packing method (replaced by ficoco's for reduced items) and the
+# model file's grid arithmetic (called, so the layout is the model's own).
+PACK_FEATURES = "pack_image_features"
+
+
+@contact("LLaVA-NeXT AnyRes packing")
+def _check_anyres() -> None:
+    from transformers.models.llava_next import modeling_llava_next as llava_next
+
+    name = "LLaVA-NeXT AnyRes packing"
+    _require_parameters(name, getattr(llava_next.LlavaNextModel, PACK_FEATURES), "image_features", "image_sizes",
+                        "vision_feature_select_strategy", "image_newline")
+    for function in ("get_anyres_image_grid_shape", "image_size_to_num_patches"):
+        _require_parameters(name, _require_attribute(name, llava_next, function), "image_size", "grid_pinpoints",
+                            "patch_size")
+
+
+def anyres_grid(size: list[int], pinpoints: Any, image_size: int) -> tuple[int, int] | None:
+    """(crops high, crops wide) transformers' AnyRes picks for an image of `size` (H, W), or None
+    when the image is its base view alone."""
+    from transformers.models.llava_next import modeling_llava_next as llava_next
+
+    if llava_next.image_size_to_num_patches(size, pinpoints, image_size) == 1:
+        return None
+    crops_h, crops_w = llava_next.get_anyres_image_grid_shape(size, pinpoints, image_size)
+    return int(crops_h), int(crops_w)
+
+
+# -- attention functions ------------------------------------------------------------------------
+# ficoco routes one attention module through a function of its own by registering it with
+# transformers' AttentionInterface and pointing a copy of the module's config at it (the model's
+# config stays); the function then calls the module's own implementation, looked up in the
+# registry (eager is each model file's `eager_attention_forward`, not in the registry).
+ATTENTION_FUNCTION_SIGNATURE = ("module", "query", "key", "value", "attention_mask")
+
+
+@contact("attention interface")
+def _check_attention_interface() -> None:
+    name = "attention interface"
+    interface = _require_attribute(name, importlib.import_module("transformers"), "AttentionInterface")
+    _require_attribute(name, interface, "register")
+    functions = _require_attribute(name, _module("modeling_utils"), "ALL_ATTENTION_FUNCTIONS")
+    _require_attribute(name, functions, "get_interface")
+    for family in ("llama", "clip", "qwen2_vl"):
+        eager = _require_attribute(name, _module(f"models.{family}.modeling_{family}"), "eager_attention_forward")
+        params = _parameters(eager)[:len(ATTENTION_FUNCTION_SIGNATURE)]
+        if tuple(params) != ATTENTION_FUNCTION_SIGNATURE:
+            raise ContactChanged(name, f"{family}'s eager_attention_forward takes ({', '.join(params)}, ...)")
+    config = copy.copy(_module("models.llama.configuration_llama").LlamaConfig())
+    set_attention_implementation(config, "sdpa")
+    if attention_implementation(config) != "sdpa":
+        raise ContactChanged(name, "a config's _attn_implementation does not follow _attn_implementation_internal")
+
+
+def register_attention(name: str, function: Callable[..., Any]) -> None:
+    """Register `function` as attention implementation `name`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, function)
+
+
+def attention_implementation(config: Any) -> str | None:
+    """The attention implementation a (sub)config names ("sdpa", "eager", ...)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attention_implementation(config: Any, name: str) -> None:
+    """Point `config` (a module's own copy) at the registered implementation `name`, alone (its
+    sub-configs keep theirs)."""
+    config._attn_implementation_internal = name
+
+
+def configure_attention(config: Any, name: str) -> None:
+    """The attention implementation a model is built with (`attn_implementation`), set on a config
+    before the build: the config's own setter, which sub-configs (text, vision) follow."""
+    config._attn_implementation = name
+
+
+def attention_function(module: nn.Module, implementation: str | None) -> Callable[..., Any]:
+    """The attention function `implementation` names, for `module` (eager: its model file's own)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
+
+
+# -- the cache object -----------------------------------------------------------------------------
+
+
+@contact("cache object")
+def _check_cache() -> None:
+    import torch
+    from transformers import DynamicCache, QuantizedCache
+
+    name = "cache object"
+    _require_parameters(name, QuantizedCache.__init__, "backend", "config", "nbits", "axis_key", "axis_value",
+                        "q_group_size", "residual_length")
+    cache_object = DynamicCache()
+    cache_object.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), 0)
+    layers = _require_attribute(name, cache_object, "layers")
+    if cache_layer_tokens(layers[0]) != 3 or cache_object.get_seq_length(0) != 3:
+        raise ContactChanged(name, "a DynamicCache layer does not hold its keys as (B, H, T, d) `keys`")
+
+
+def cache_layers(cache_object: Any) -> list[Any]:
+    """The per-layer objects of a cache (each holds its own tensors)."""
+    return list(getattr(cache_object, "layers", None) or [])
+
+
+def cache_layer_tokens(layer: Any) -> int:
+    """Tokens one cache layer holds (a quantized layer counts its quantized and residual tokens)."""
+    length = getattr(layer, "cumulative_length", None)
+    if length is None:
+        keys = getattr(layer, "keys", None)
+        length = keys.shape[-2] if keys is not None and getattr(keys, "dim", lambda: 0)() == 4 else 0
+    return int(length)
+
+
+def quantized_cache(config: Any, **options: Any) -> Any:
+    """transformers' QuantizedCache for a model of `config` (options: backend, nbits, ...)."""
+    from transformers import QuantizedCache
+
+    return QuantizedCache(config=config, **options)
+
+
+# -- building and quantizing -------------------------------------------------------------------
+
+
+@contact("model building")
+def _check_building() -> None:
+    name = "model building"
+    _require_attribute(name, _module("initialization"), "no_init_weights")
+    base = _require_attribute(name, _module("quantizers.base"), "get_keys_to_not_convert")
+    if len(_parameters(base)) < 1:
+        raise ContactChanged(name, "get_keys_to_not_convert takes no model")
+
+
+def no_init_weights() -> contextlib.AbstractContextManager[Any]:
+    """transformers' context in which constructors skip weight initialisation."""
+    return _module("initialization").no_init_weights()
+
+
+def keys_to_not_convert(model: nn.Module) -> list[str]:
+    """The module names transformers leaves unquantized (the LM head, tied weights)."""
+    return list(_module("quantizers.base").get_keys_to_not_convert(model))
+
+
+# -- video decoding ---------------------------------------------------------------------------
+VIDEO_BACKENDS = (("pyav", "is_av_available"), ("decord", "is_decord_available"), ("opencv", "is_cv2_available"))
+
+
+@contact("video decoding")
+def _check_video() -> None:
+    _require_parameters("video decoding", _module("video_utils").load_video, "video", "backend")
+
+
+def video_backend() -> str | None:
+    """A video decoder transformers can use here, or None."""
+    import_utils = _module("utils.import_utils")
+    for backend, available in VIDEO_BACKENDS:
+        check = getattr(import_utils, available, None)
+        if check is not None and check():
+            return backend
+    return None
+
+
+def load_video(path: str, **options: Any) -> Any:
+    return _module("video_utils").load_video(path, **options)
+
+
+# -- the release as a whole -----------------------------------------------------------------------
+_contacts_checked: list[str] | None = None
+
+
+def ensure_supported(model: nn.Module) -> None:
+    """At apply(): on a transformers release outside the tested range, one warning line, then every
+    contact checked (once per process), so that what changed is named in one line instead of failing
+    later inside a forward; on any release, this model's attribute paths (cheap attribute reads)."""
+    global _contacts_checked
+    from ficoco.versions import outside_tested_range, warn_if_untested
+
+    if any(p.name == "transformers" for p in outside_tested_range()):
+        warn_if_untested("transformers")
+        if _contacts_checked is None:
+            _contacts_checked = check_contacts()
+        if _contacts_checked:
+            raise FicocoError(_contacts_checked[0])
+    check_model(model)
