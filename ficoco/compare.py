@@ -86,7 +86,8 @@ KL_FLOOR_NATS = 1e-3
 
 FINGERPRINT_KEYS = ("model", "variant", "schedule", "quant", "dtype", "batch", "text_tokens", "new_tokens",
                     "device_kind", "kv_bits")  # kv_bits: None (absent in older reports) is the unquantized cache
-ENVIRONMENT_KEYS = ("device", "cpu", "threads", "python", "torch", "transformers", "bitsandbytes", "driver")
+ENVIRONMENT_KEYS = ("device", "cpu", "threads", "python", "torch", "transformers", "accelerate", "hqq", "bitsandbytes",
+                    "driver")
 
 
 def read_report(path: str | Path, schemas: tuple[str, ...] = (REPORT_SCHEMA,)) -> dict[str, Any]:

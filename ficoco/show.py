@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ficoco.errors import FicocoError
+from ficoco.versions import report_environment
 
 # CLIP's normalisation (LLaVA, LLaVA-NeXT, Video-LLaVA and Qwen2-VL's processors all use it).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -252,8 +253,8 @@ def show_data(model: nn.Module, variant: str, schedule: Any, inputs: dict[str, A
     # The pictures stay arrays for drawing; `to_json` leaves them out of the report.
     panels = [dict(panel, picture=picture) for panel, picture in zip(layout.panels, pictures, strict=True)]
     return {"schema": "ficoco.show/1", "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "family": layout.family, "variant": variant, "schedule": schedule.to_json(), "panels": panels,
-            "steps": steps, "end": end}
+            "environment": report_environment(), "family": layout.family, "variant": variant,
+            "schedule": schedule.to_json(), "panels": panels, "steps": steps, "end": end}
 
 
 def to_json(data: dict[str, Any]) -> dict[str, Any]:

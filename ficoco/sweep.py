@@ -25,6 +25,7 @@ from ficoco import accounting as acc
 from ficoco.accounting.flops import SCOPE_STAGES
 from ficoco.errors import FicocoError
 from ficoco.profiles import Profile, load_profile, set_layout
+from ficoco.versions import report_environment
 
 SWEEP_SCHEMA = "ficoco.sweep/1"
 VANILLA = "vanilla"
@@ -140,7 +141,8 @@ def new_report(config: SweepConfig, profile: Profile, points: list[Point]) -> di
         "scope": config.scope,
         "scope_stages": list(SCOPE_STAGES[config.scope]),
         "image_size": arch.image_size,
-        "environment": None,
+        # The touched packages' versions; a measured sweep replaces it with the device's environment.
+        "environment": report_environment(),
         "device": "analytic",
         "compute_dtype": None,
         "random_weights": config.weights == "random",

@@ -54,6 +54,7 @@ from ficoco.accounting.flops import STAGES, count_by_layer, count_by_stage, mode
 from ficoco.accounting.schedule import Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.profiles import Profile
+from ficoco.versions import report_environment
 
 SCHEMA = "ficoco.verify/1"
 # The memory guard's margin for --verify: fvcore's trace and the counters' records sit beside
@@ -289,7 +290,8 @@ class Verification:
         except PackageNotFoundError:
             fvcore_version = "unknown"
         return {
-            "schema": SCHEMA, "model": self.model, "convention": "flops", "scope": "all", "layer_exact": True,
+            "schema": SCHEMA, "model": self.model, "environment": report_environment(), "convention": "flops",
+            "scope": "all", "layer_exact": True,
             "stages": list(STAGES), "text_tokens": self.text_tokens, "batch": self.batch,
             "lm_head_tokens": self.lm_head_tokens, "dtype": self.dtype, "storage_dtype": self.storage_dtype,
             "dtype_reason": self.dtype_reason,

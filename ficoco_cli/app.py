@@ -21,6 +21,7 @@ from ficoco.accounting.schedule import SHAPES
 from ficoco.compare import JUDGE_CHOICES
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import METHODS, PRESETS, VARIANTS
+from ficoco.versions import report_environment
 from ficoco_cli import options as check
 from ficoco_cli.options import parse_image_size, split_list
 from ficoco_cli.report_cmd import FORMATS, REPORT_FORMATS
@@ -41,7 +42,11 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 220)
 
 def _version(value: bool) -> None:
     if value:
+        from ficoco.versions import package_versions
+
         print(f"ficoco {ficoco.__version__}")
+        for package in package_versions():
+            print(f"  {package.describe()}")
         raise typer.Exit()
 
 
@@ -91,7 +96,7 @@ def methods_command(
     (err if json_path == "-" else out).print(methods_table(rows))
     if json_path:
         write_json_atomic(json_path, {"schema": "ficoco.methods/1", "ficoco_version": ficoco.__version__,
-                                      "methods": rows})
+                                      "environment": report_environment(), "methods": rows})
 
 
 @app.command("models")
@@ -265,7 +270,7 @@ def flops_command(
         "text_tokens": text_tokens if text_tokens is not None else arch.text_tokens, "batch": batch,
         "lm_head_tokens": lm_head, "image_size": arch.image_size, "vision_items": arch.vision.items,
         "overrides": profile.overrides, "gpu": hardware.name if hardware else None,
-        "budget_tflops": tflops, "keep": keep, "preset": preset, "rows": rows,
+        "budget_tflops": tflops, "keep": keep, "preset": preset, "environment": report_environment(), "rows": rows,
     }
     console = err if json_path == "-" else out
     if compares_methods(report) and not wide:

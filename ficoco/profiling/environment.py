@@ -6,7 +6,6 @@ import os
 import platform
 import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +13,7 @@ import torch
 
 import ficoco
 from ficoco import testing_hooks
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
+from ficoco.versions import environment_versions
 
 
 def _cpu_model() -> str:
@@ -95,10 +88,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "ficoco": ficoco.__version__,
+        # torch, transformers, accelerate, hqq and bitsandbytes, their tested ranges and any outside them.
+        **environment_versions(),
         "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "bitsandbytes": _version("bitsandbytes"),
-        "accelerate": _version("accelerate"),
         "device_kind": device.type,
         "cpu": _cpu_model(),
         # The best vector ISA torch dispatches to here (AVX2, AVX512, AMX-capable ...): it
