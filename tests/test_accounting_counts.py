@@ -18,7 +18,7 @@ import pytest
 
 from ficoco.accounting import CountOptions, Schedule, account, make_quant, parameter_counts
 from ficoco.accounting.flops import count_by_layer, count_by_stage, model_ops
-from ficoco.accounting.memory import kv_cache_bytes, memory_access_bytes, weight_bytes
+from ficoco.accounting.memory import memory_access_bytes, stored_kv_cache_bytes, weight_bytes
 from ficoco.accounting.schedule import parse_schedule, plan_tokens
 from ficoco.profiles import load_gpu
 
@@ -315,7 +315,7 @@ def test_paper_overheads_tiny(arch_of):
 
 def kv_bytes(arch, variant="vanilla", schedule=None, *, batch=1, kv_bits=16, equivalent=False):
     sched = parse_schedule(schedule, arch, variant) if schedule else Schedule(variant)
-    return kv_cache_bytes(arch, plan_tokens(arch, sched, equivalent=equivalent), batch=batch, kv_bits=kv_bits)
+    return stored_kv_cache_bytes(arch, plan_tokens(arch, sched, equivalent=equivalent), batch=batch, kv_bits=kv_bits)
 
 
 def test_kv_cache_vanilla_llava7b_fp16(arch_of):
