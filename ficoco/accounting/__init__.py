@@ -160,12 +160,16 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
 class CostRow:
     """The analytic cost of one (variant, schedule, quant) under one set of count options.
 
-    `kv_cache_bytes` is the KV cache after the prefill in the convention's own figure,
-    `kv_cache_figure` names it (`KV_FIGURES`): LLM-Viewer's (values x kv_bits / 8) under
-    llm-viewer, the stored one under the conventions whose sources define none.
-    `kv_cache_stored_bytes` is always the cache as transformers stores it (quantized: codes and a
-    16-bit scale and zero point per group), what `ficoco profile` measures, and what the footprint
-    holds. Unquantized, the two are equal.
+    `kv_cache_bytes` is the KV cache after the prefill in the figure of the convention's source,
+    and `kv_cache_figure` names it (`KV_FIGURES`):
+    - llm-viewer: "llm-viewer", LLM-Viewer's own figure, values x kv_bits / 8 (no scales or zero
+      points), so that a quantized row is the tool's (LLaVA-1.5-7B int8: 166.7 MB);
+    - flops, macs, paper, visual-macs: "stored". Their sources (torch's counter, fvcore, the FiCoCo
+      appendix, PDrop's and SparseVLM's tables) count operations and define no KV figure, so the
+      row reports the cache as transformers stores it (177.1 MB for the same cache).
+    `kv_cache_stored_bytes` is always the stored cache (16-bit compute; quantized: codes and a 16-bit
+    scale and zero point per group), what `ficoco profile` measures and what the footprint holds.
+    Unquantized, the two are equal.
     """
 
     variant: str

@@ -50,8 +50,8 @@ def make_quant(name: str, kv_bits: int | None = None) -> Quant:
 #   visual-macs (PDrop's and SparseVLM's tables) count operations and define no KV-cache figure,
 #   quantized or not. For them ficoco reports the cache as transformers stores it
 #   (`stored_kv_cache_bytes`): the figure `ficoco profile` measures to the byte, and the one a
-#   footprint holds. (The FiCoCo paper's KV figures came from LLM-Viewer: `--convention
-#   llm-viewer` replays them.)
+#   footprint holds. (The FiCoCo paper's efficiency tables were made with LLM-Viewer:
+#   `--convention llm-viewer` replays its figures.)
 # Unquantized (kv_bits 16), both figures are the same: two bytes per value.
 KV_FIGURES = {"flops": "stored", "macs": "stored", "llm-viewer": "llm-viewer", "paper": "stored",
               "visual-macs": "stored"}
