@@ -206,6 +206,45 @@ def models_table(rows: list[dict[str, Any]]) -> Table:
 
 # ---- ficoco flops ----------------------------------------------------------------------------------------------
 
+# Which KV-cache figure a flops row's `kv_cache_bytes` is (its `kv_cache_figure`, set by the convention), named in
+# the column's header and defined under the table, so that LLM-Viewer's figure never passes for the stored one.
+KV_HEADERS = {"llm-viewer": "KV\nviewer", "stored": "KV\nstored"}
+KV_NOTES = {
+    "llm-viewer": "KV viewer: LLM-Viewer's KV cache, values x KV bits / 8 (no scales or zero points)",
+    "stored": "KV stored: the KV cache as transformers holds it (quantized: codes and a 16-bit scale and zero point "
+              "per group), as ficoco profile measures it",
+}
+STORED_KV_NOTE = ("KV stored (kv_cache_stored_bytes: codes and a 16-bit scale and zero point per group, as ficoco "
+                  "profile measures it)")
+
+
+def _kv_figure(rows: Sequence[dict[str, Any]]) -> str | None:
+    """The KV figure the rows' `kv_cache_bytes` share (a flops report's); None for older reports and measured rows."""
+    figures = {r.get("kv_cache_figure") for r in rows}
+    figure = figures.pop() if len(figures) == 1 else None
+    return figure if figure in KV_HEADERS else None
+
+
+def _stored_kv_differs(row: dict[str, Any]) -> bool:
+    stored = row.get("kv_cache_stored_bytes")
+    return _is_number(stored) and stored != row.get("kv_cache_bytes")
+
+
+def _kv_column(rows: Sequence[dict[str, Any]]) -> tuple[_Column, list[str]]:
+    """The KV cache column of accountant rows, its header naming the figure, and the notes that define it
+    (with the stored figure of every row whose cache it differs from, where the table has no column for it)."""
+    figure = _kv_figure(rows)
+    column = _scaled(KV_HEADERS[figure] if figure else "KV cache", [r.get("kv_cache_bytes") for r in rows],
+                     BYTE_UNITS)
+    return column, [KV_NOTES[figure]] if figure else []
+
+
+def _stored_kv_note(rows: Sequence[dict[str, Any]], labels: Sequence[str]) -> str | None:
+    differing = [f"{label} {_bytes_words(r['kv_cache_stored_bytes'])}"
+                 for r, label in zip(rows, labels, strict=True) if _stored_kv_differs(r)]
+    return f"{STORED_KV_NOTE}: " + ", ".join(differing) if differing else None
+
+
 def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bool = False) -> Table:
     """The accountant's rows: visual tokens, cost in scope and its reduction, KV cache, weights, memory access
     (and the roofline time with a GPU); `wide` adds the cost of every stage."""
@@ -236,7 +275,13 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
     # Names on two lines above their unit: with a quant column and a roofline the table still fits 80 columns.
     columns.append(_Column("vs\nvanilla\n%", [_percent(-r["reduction_vs_vanilla"], signed=True)
                                              if r.get("reduction_vs_vanilla") is not None else "-" for r in rows]))
-    columns.append(_scaled("KV cache", [r["kv_cache_bytes"] for r in rows], BYTE_UNITS))
+    kv_column, kv_notes = _kv_column(rows)
+    columns.append(kv_column)
+    # LLM-Viewer's quantized cache beside the stored one: a column of its own in --wide, else named under the table.
+    if stored_note := _stored_kv_note(rows, [f"{r['variant']} {r['quant']}" for r in rows]):
+        if wide:
+            columns.append(_scaled("KV\nstored", [r.get("kv_cache_stored_bytes") for r in rows], BYTE_UNITS))
+        kv_notes.append(KV_NOTES["stored"] if wide else stored_note)
     columns.append(_scaled("weights", [r["weight_bytes"] for r in rows], BYTE_UNITS))
     columns.append(_scaled("mem\naccess", [r["memory_access_bytes"] for r in rows], BYTE_UNITS))
     if show_roofline:
@@ -244,6 +289,7 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
     caption = (("stages marked * are outside the scope and not in the total; " if wide else
                 f"total: the cost in scope {report['scope']} (--wide: by stage); ")
                + "memory access is LLM-Viewer traffic, not a footprint; bytes in decimal units")
+    caption += "".join(f"; {note}" for note in kv_notes)
     # A budget's default shape that had to shorten its run of layers says which layers it used.
     for variant, note in dict.fromkeys((r["variant"], r.get("settings", {}).get("shape")) for r in rows):
         if isinstance(note, str):
@@ -664,6 +710,9 @@ def comparison_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
             "method_tflops": source.get("method_tflops"),
             # A measured row shows the measured cache; an unmeasured one the accountant's.
             "kv_cache_bytes": r.get("kv_cache_bytes") if measured and ok else source.get("kv_cache_bytes"),
+            # A flops report's rows name their KV figure and carry the stored one beside it.
+            "kv_cache_figure": None if measured else r.get("kv_cache_figure"),
+            "kv_cache_stored_bytes": None if measured else r.get("kv_cache_stored_bytes"),
             "median_ms": _get(r, "latency", "median_ms") if ok else None,
             "speedup": r.get("speedup_vs_vanilla") if ok else None,
             "agreement": (_get(r, "fidelity", "top1_agreement") if ok else None),
@@ -711,7 +760,10 @@ def comparison_cells(report: dict[str, Any], unit: str = "TFLOPs") -> tuple[list
         ratios.append(_percent(r["tflops"] / base - 1, signed=True)
                       if r["variant"] != "vanilla" and _is_number(base) and base and _is_number(r["tflops"]) else "-")
     columns.append(_Column("vs\nvanilla\n%", ratios))
-    columns.append(_scaled("KV cache", [r["kv_cache_bytes"] for r in rows], BYTE_UNITS))
+    kv_column, kv_notes = _kv_column(rows)
+    columns.append(kv_column)
+    if stored := _stored_kv_note(rows, [f"{r['variant']} {_text(r['quant'])}" for r in rows]):
+        kv_notes.append(stored)
     if any(_is_number(r["roofline_ms"]) for r in rows):
         columns.append(_scaled("roofline", [r["roofline_ms"] for r in rows], (), ("ms", 1.0)))
     if any(r["median_ms"] is not None for r in rows):
@@ -732,7 +784,7 @@ def comparison_cells(report: dict[str, Any], unit: str = "TFLOPs") -> tuple[list
             notes.append(note)
         if isinstance(shape := r["settings"].get("shape"), str):  # a budget's shortened default run
             notes.append(f"{r['variant']}: {shape}")
-    return columns, order, list(dict.fromkeys(notes))
+    return columns, order, list(dict.fromkeys(notes + kv_notes))
 
 
 def _comparison_title(report: dict[str, Any], unit: str) -> str:

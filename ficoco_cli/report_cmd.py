@@ -148,11 +148,12 @@ def check_flops_rows(report: dict[str, Any], path: str) -> None:
 
 FLOPS_HEADER = ["model", "variant", "quant", "visual_tokens", "layer_average_visual_tokens", "tflops_vision",
                 "tflops_projector", "tflops_llm", "tflops_lm_head", "method_tflops", "tflops", "kv_cache_bytes",
-                "settings"]
+                "kv_cache_figure", "kv_cache_stored_bytes", "settings"]
 
 
 def flops_report_csv(report: dict[str, Any]) -> str:
-    """A flops report (ficoco.flops/1) as CSV: one line per row, the cost by stage in its convention's unit."""
+    """A flops report (ficoco.flops/1) as CSV: one line per row, the cost by stage in its convention's unit, the
+    KV cache in its convention's figure (kv_cache_figure) and as stored."""
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow(FLOPS_HEADER)
@@ -162,5 +163,6 @@ def flops_report_csv(report: dict[str, Any]) -> str:
                          r.get("layer_average_visual_tokens", ""),
                          *(stages.get(s, "") for s in ("vision", "projector", "llm", "lm_head")),
                          r.get("method_tflops", ""), r.get("tflops", ""), r.get("kv_cache_bytes", ""),
+                         r.get("kv_cache_figure", ""), r.get("kv_cache_stored_bytes", ""),
                          json.dumps(r.get("settings") or {}, sort_keys=True)])
     return buffer.getvalue()

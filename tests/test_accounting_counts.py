@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from ficoco.accounting import CountOptions, Schedule, account, make_quant, parameter_counts
-from ficoco.accounting.flops import count_by_layer, count_by_stage, model_ops
-from ficoco.accounting.memory import kv_cache_bytes, memory_access_bytes, weight_bytes
+from ficoco.accounting import KV_FIGURES, CountOptions, Schedule, account, make_quant, parameter_counts
+from ficoco.accounting.flops import CONVENTIONS, count_by_layer, count_by_stage, model_ops
+from ficoco.accounting.memory import memory_access_bytes, stored_kv_cache_bytes, weight_bytes
 from ficoco.accounting.schedule import parse_schedule, plan_tokens
 from ficoco.profiles import load_gpu
 
@@ -315,7 +315,7 @@ def test_paper_overheads_tiny(arch_of):
 
 def kv_bytes(arch, variant="vanilla", schedule=None, *, batch=1, kv_bits=16, equivalent=False):
     sched = parse_schedule(schedule, arch, variant) if schedule else Schedule(variant)
-    return kv_cache_bytes(arch, plan_tokens(arch, sched, equivalent=equivalent), batch=batch, kv_bits=kv_bits)
+    return stored_kv_cache_bytes(arch, plan_tokens(arch, sched, equivalent=equivalent), batch=batch, kv_bits=kv_bits)
 
 
 def test_kv_cache_vanilla_llava7b_fp16(arch_of):
@@ -338,6 +338,69 @@ def test_kv_cache_gqa_tiny(arch_of):
     assert kv_bytes(arch, "l", "1:20,2:10") == 2 * (76 + 76 + 56 + 46) * 2 * 16 * 2
     assert kv_bytes(arch, "v", "2:30,3:10") == 4 * 2 * (12 + 24) * 2 * 16 * 2
     assert kv_bytes(arch, "l", "1:20,2:10", equivalent=True) == 4 * 2 * 46 * 2 * 16 * 2
+
+
+# LLM-Viewer's own KV cache (its memory_consumption_kv_cache): the prefill's k_proj and v_proj each store
+# oc * b * s * kv_bits / 8 bytes per layer, oc = kv heads * head dim; values times bits / 8, nothing more.
+# The stored cache (HQQ in transformers' QuantizedCache) adds a 16-bit scale and zero point per group of
+# gcd(64, head_dim) values. LLaVA-1.5-7B: 32 layers, 636 tokens, 32 kv heads of 128 (groups of 64).
+LLAVA7B_KV_VALUES = 32 * 2 * 1 * 636 * 32 * 128
+
+
+def kv_row(arch, convention, quant="int8", variant="vanilla", schedule=None, *, kv_bits=None, batch=1,
+           equivalent=False):
+    sched = parse_schedule(schedule, arch, variant) if schedule else Schedule(variant)
+    return account(arch, sched, make_quant(quant, kv_bits),
+                   CountOptions(convention=convention, batch=batch, equivalent=equivalent))
+
+
+@pytest.mark.parametrize("quant,bits,viewer,stored", [("int8", 8, 166_723_584, 177_143_808),
+                                                      ("int4", 4, 83_361_792, 93_782_016)])
+def test_llm_viewer_kv_cache_is_llm_viewers_own_figure_llava7b(arch_of, quant, bits, viewer, stored):
+    row = kv_row(arch_of("llava-1.5-7b"), "llm-viewer", quant)
+    assert row.kv_cache_figure == "llm-viewer"
+    assert row.kv_cache_bytes == LLAVA7B_KV_VALUES * bits / 8 == viewer  # 166.7 MB at int8
+    assert row.kv_cache_stored_bytes == LLAVA7B_KV_VALUES * bits / 8 + LLAVA7B_KV_VALUES / 64 * 2 * 2 == stored
+    data = row.to_json()
+    assert (data["kv_cache_bytes"], data["kv_cache_stored_bytes"], data["kv_cache_figure"]) == (
+        viewer, stored, "llm-viewer")
+
+
+@pytest.mark.parametrize("convention", ["flops", "macs", "paper", "visual-macs"])
+def test_conventions_without_a_kv_figure_of_their_own_report_the_stored_cache(arch_of, convention):
+    row = kv_row(arch_of("llava-1.5-7b"), convention, "int4")
+    assert row.kv_cache_figure == "stored"
+    assert row.kv_cache_bytes == row.kv_cache_stored_bytes == LLAVA7B_KV_VALUES / 2 + LLAVA7B_KV_VALUES / 64 * 4
+
+
+@pytest.mark.parametrize("convention", sorted(KV_FIGURES))
+def test_every_convention_reports_two_bytes_per_value_unquantized(arch_of, convention):
+    row = kv_row(arch_of("llava-1.5-7b"), convention, "fp16")
+    assert row.kv_cache_bytes == row.kv_cache_stored_bytes == LLAVA7B_KV_VALUES * 2 == 333_447_168
+
+
+def test_kv_figures_name_every_convention():
+    assert set(KV_FIGURES) == set(CONVENTIONS) and set(KV_FIGURES.values()) == {"llm-viewer", "stored"}
+
+
+def test_llm_viewer_kv_cache_counts_what_each_layer_saw_and_any_kv_bits(arch_of):
+    arch = arch_of("llava-1.5-7b")
+    tokens = 5 * 636 + 4 * 536 + 23 * 336  # FiCoCo-L 4:100,8:200, as the stored cache above
+    assert kv_row(arch, "llm-viewer", "int4", "l", "4:100,8:200").kv_cache_bytes == 2 * tokens * 32 * 128 / 2
+    assert kv_row(arch, "llm-viewer", "int4", "l", "4:100,8:200", equivalent=True).kv_cache_bytes == \
+        32 * 2 * 336 * 32 * 128 / 2
+    assert kv_row(arch, "llm-viewer", "fp16", kv_bits=2).kv_cache_bytes == LLAVA7B_KV_VALUES / 4
+    gqa = arch_of("llava-gqa-tiny")  # 2 kv heads of 16, batch 3; stored groups of 16 values
+    row = kv_row(gqa, "llm-viewer", "int4", batch=3)
+    values = 4 * 2 * 3 * 76 * 2 * 16
+    assert (row.kv_cache_bytes, row.kv_cache_stored_bytes) == (values / 2, values / 2 + values / 16 * 2 * 2)
+
+
+def test_footprint_holds_the_stored_cache_whatever_the_convention(arch_of):
+    arch = arch_of("llava-1.5-7b")
+    viewer, flops = kv_row(arch, "llm-viewer", "int8"), kv_row(arch, "flops", "int8")
+    assert viewer.kv_cache_bytes < flops.kv_cache_bytes
+    assert viewer.footprint_bytes == flops.footprint_bytes
 
 
 # ---- LLM-Viewer memory access ----------------------------------------------------------------------------

@@ -106,8 +106,8 @@ def test_json_path_writes_the_flops_report(tmp_path):
     assert [(r["variant"], r["quant"]) for r in rows] == [
         (v, q) for v in ("vanilla", "v", "l") for q in ("fp16", "int8")]
     for row in rows:
-        for field in ("visual_tokens", "tflops", "tflops_by_stage", "kv_cache_bytes", "weight_bytes",
-                      "memory_access_bytes", "schedule", "roofline_ms"):
+        for field in ("visual_tokens", "tflops", "tflops_by_stage", "kv_cache_bytes", "kv_cache_figure",
+                      "kv_cache_stored_bytes", "weight_bytes", "memory_access_bytes", "schedule", "roofline_ms"):
             assert field in row, field
         assert set(row["tflops_by_stage"]) == set(STAGES)
         assert row["tflops"] == pytest.approx(sum(row["tflops_by_stage"][s] for s in ("llm", "lm_head")), rel=1e-12)
@@ -125,6 +125,41 @@ def test_json_path_writes_the_flops_report(tmp_path):
     assert v["tflops"] < l_["tflops"] < vanilla["tflops"]
     assert vanilla["reduction_vs_vanilla"] is None
     assert v["reduction_vs_vanilla"] == pytest.approx(1 - v["tflops"] / vanilla["tflops"], rel=1e-12)
+
+
+def llm_viewer_kv_by_hand(profile: str, kv_bits: int) -> tuple[float, float]:
+    """LLM-Viewer's prefill KV cache of a profile's vanilla prompt, and the stored one, from the profile's own
+    shapes: every layer's k_proj and v_proj store tokens x (kv heads x head dim) values (LLM-Viewer: `oc * b *
+    s * kv_byte`), at kv_bits / 8 bytes each; stored, a 16-bit scale and zero point per group of 64 as well."""
+    config = json.loads((Path(__file__).resolve().parents[1] / "profiles" / f"{profile}.json").read_text())
+    text, extra = config["text_config"], config["ficoco"]
+    tokens = extra["text_tokens"] + extra["visual_tokens_per_image"]
+    kv_width = text["num_key_value_heads"] * text["hidden_size"] // text["num_attention_heads"]
+    values = text["num_hidden_layers"] * 2 * tokens * kv_width
+    return values * kv_bits / 8, values * kv_bits / 8 + values / 64 * 2 * 2
+
+
+def test_llm_viewer_reports_llm_viewers_kv_cache_and_the_stored_one_by_name(tmp_path):
+    """Issue 24: LLaVA-1.5-7B int8 at 60 text tokens is 166.7 MB in LLM-Viewer, 177.1 MB as stored."""
+    args = ("flops", "--model", "llava-1.5-7b", "--variant", "vanilla", "--quant", "int8", "--convention", "llm-viewer")
+    result = ficoco_cli(*args)
+    assert result.returncode == 0, result.stderr
+    words = " ".join(result.stdout.split())
+    (row,) = [line.split() for line in result.stdout.splitlines() if line.split()[:2] == ["vanilla", "576"]]
+    assert row[-3] == "166.7"  # KV viewer, weights, memory access
+    assert "KV viewer: LLM-Viewer's KV cache, values x KV bits / 8" in words
+    assert "KV stored (kv_cache_stored_bytes:" in words and "vanilla int8 177.1 MB" in words
+    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--quant", "int8,int4", "--convention", "llm-viewer")
+    for row, bits in zip(report["rows"], (8, 4), strict=True):
+        viewer, stored = llm_viewer_kv_by_hand("llava-1.5-7b", bits)
+        assert (row["kv_cache_figure"], row["kv_cache_bytes"], row["kv_cache_stored_bytes"]) == (
+            "llm-viewer", viewer, stored)
+    assert (report["rows"][0]["kv_cache_bytes"], report["rows"][0]["kv_cache_stored_bytes"]) == (
+        166_723_584, 177_143_808)
+    # The default convention reports the stored cache, named so.
+    flops = run_flops(tmp_path, "--model", "llava-1.5-7b", "--quant", "int8")["rows"][0]
+    assert (flops["kv_cache_figure"], flops["kv_cache_bytes"], flops["kv_cache_stored_bytes"]) == (
+        "stored", 177_143_808, 177_143_808)
 
 
 def test_lm_head_last_counts_one_token_per_sample(tmp_path):

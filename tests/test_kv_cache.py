@@ -17,7 +17,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 import ficoco
-from ficoco.accounting import architecture
+from ficoco.accounting import CONVENTIONS, CountOptions, account, architecture, make_quant
 from ficoco.accounting.memory import KV_RESIDUAL_TOKENS, kv_group_size, kv_layer_bytes, stored_kv_cache_bytes
 from ficoco.accounting.schedule import Schedule, plan_tokens
 from ficoco.api import profile_of
@@ -125,6 +125,35 @@ def test_cache_tokens_and_bytes_equal_the_accountant_after_prefill_and_decode(na
     assert cache_tokens(output_cache(out)) == [n + NEW - 1 for n in per_layer]
     assert cache_bytes(output_cache(out)) == stored_kv_cache_bytes(
         arch, plan, batch=batch, kv_bits=bits, element_bytes=element_bytes, decode_steps=NEW - 1)
+
+
+@pytest.mark.parametrize("kv_bits", [8, 4])
+@pytest.mark.parametrize("variant", ["vanilla", "l"])
+def test_flops_rows_name_the_measured_cache_kv_cache_stored_bytes_under_every_convention(variant, kv_bits):
+    """`ficoco flops` assumes 16-bit compute: a bf16 model's prefill cache is every row's kv_cache_stored_bytes,
+    whatever the convention; under llm-viewer the row's kv_cache_bytes is LLM-Viewer's values x kv_bits / 8,
+    the measured cache less its scales and zero points."""
+    name, batch = "llava-gqa-tiny", 2
+    model = model_of(name, "bf16")
+    arch, (handle, plan), per_layer = planned_layers(model, name, variant, 8)
+    try:
+        with torch.inference_mode():
+            prefill = model(**inputs(model, batch=batch), use_cache=True,
+                            past_key_values=quantized_cache(model, kv_bits)).past_key_values
+    finally:
+        if handle is not None:
+            handle.remove()
+    schedule = handle.schedule if handle is not None else Schedule("vanilla")
+    measured = cache_bytes(prefill)
+    rows = {convention: account(arch, schedule, make_quant("fp16", kv_bits),
+                                CountOptions(convention=convention, batch=batch, text_tokens=TEXT))
+            for convention in CONVENTIONS}
+    assert {c: row.kv_cache_stored_bytes for c, row in rows.items()} == dict.fromkeys(CONVENTIONS, measured)
+    values = 2 * batch * sum(per_layer) * 2 * 16  # 2 kv heads of 16
+    groups = values / 16  # gcd(64, 16) values per group, a bf16 scale and zero point each
+    assert measured == values * kv_bits / 8 + groups * 2 * 2
+    assert rows["llm-viewer"].kv_cache_bytes == values * kv_bits / 8 < measured
+    assert all(rows[c].kv_cache_bytes == measured for c in CONVENTIONS if c != "llm-viewer")
 
 
 @pytest.mark.parametrize("variant", ["vanilla", "l"])

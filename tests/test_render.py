@@ -352,6 +352,58 @@ def test_flops_in_an_80_column_terminal():
         assert_cells(row_line(text, variant, quant), cells)
 
 
+# The same table under --convention llm-viewer with all three quants: the KV column is LLM-Viewer's figure (values x
+# bits / 8), the stored one is named under the table. Figures: total TOPs, KV viewer, roofline ms.
+VIEWER_ARGS = ["flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--keep", "64", "--quant",
+               "fp16,int8,int4", "--gpu", "a100-80gb", "--convention", "llm-viewer"]
+VIEWER_CELLS = {
+    ("vanilla", "fp16"): ["576", "8.453", "333.4", "29.38"], ("vanilla", "int8"): ["576", "8.453", "166.7", "14.69"],
+    ("vanilla", "int4"): ["576", "8.453", "83.36", "14.00"], ("v", "int8"): ["64", "1.615", "-80.9", "32.51"],
+    ("l", "int4"): ["64", "357.5", "5.376", "-36.4", "54.72"],
+}
+
+
+def test_llm_viewer_flops_table_names_its_kv_figure_in_an_80_column_terminal():
+    text = in_pty(VIEWER_ARGS, 80)
+    assert ELLIPSIS not in text and max(len(line) for line in text.splitlines()) <= 80
+    for (variant, quant), cells in VIEWER_CELLS.items():
+        assert_cells(row_line(text, variant, quant), cells)
+    lines = text.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.split()[-4:] == ["viewer", "weights", "access", "roofline"]]
+    assert lines[at - 1].split()[-2:] == ["KV", "mem"]  # the header reads "KV viewer"
+    words = " ".join(text.split())
+    assert "KV viewer: LLM-Viewer's KV cache, values x KV bits / 8 (no scales or zero points)" in words
+    assert ("KV stored (kv_cache_stored_bytes: codes and a 16-bit scale and zero point per group, as ficoco profile "
+            "measures it): vanilla int8 177.1 MB, vanilla int4 93.78 MB, v int8 34.54 MB") in words
+    assert "vanilla fp16 333.4" not in words  # unquantized, the two figures are one
+
+
+def test_widest_llm_viewer_table_fits_80_columns_unsqueezed(tmp_path):
+    """In a wide console a table takes its natural width: within 80 columns nothing needs folding in a terminal."""
+    from ficoco_cli.app import app
+    from ficoco_cli.render import flops_table
+
+    path = tmp_path / "r.json"
+    app([*VIEWER_ARGS, "--json", str(path)], standalone_mode=False)
+    report = json.loads(path.read_text())
+    text = rendered(flops_table(report, report["units"], True), 200)
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
+    assert any(line.split()[-4:] == ["viewer", "weights", "access", "roofline"] for line in text.splitlines())
+
+
+def test_wide_llm_viewer_table_has_a_stored_kv_column(tmp_path):
+    from ficoco_cli.app import app
+    from ficoco_cli.render import flops_table
+
+    path = tmp_path / "r.json"
+    app([*VIEWER_ARGS, "--json", str(path)], standalone_mode=False)
+    report = json.loads(path.read_text())
+    text = rendered(flops_table(report, report["units"], True, wide=True), 220)
+    assert_cells(row_line(text, "vanilla", "int8"), ["576", "8.453", "166.7", "177.1", "7.007"])
+    assert_cells(row_line(text, "vanilla", "fp16"), ["576", "8.453", "333.4", "333.4", "13.48"])
+    assert "KV stored: the KV cache as transformers holds it" in " ".join(text.split())
+
+
 def test_main_job_in_a_pipe_keeps_the_table_and_one_line_per_verdict(main_job_path):
     result = subprocess.run([*COMMAND, "report", str(main_job_path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stderr == ""

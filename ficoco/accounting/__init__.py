@@ -20,12 +20,14 @@ from ficoco.accounting.flops import (
     scope_total,
 )
 from ficoco.accounting.memory import (
+    KV_FIGURES,
     Quant,
     activation_peak_bytes,
-    kv_cache_bytes,
+    llm_viewer_kv_cache_bytes,
     make_quant,
     memory_access_bytes,
     roofline_seconds,
+    stored_kv_cache_bytes,
     weight_bytes,
 )
 from ficoco.accounting.methods import (
@@ -49,8 +51,8 @@ from ficoco.methods.registry import METHODS, method
 from ficoco.profiles import Hardware
 
 __all__ = [
-    "CONVENTIONS", "SCOPES", "VARIANTS", "Architecture", "BudgetError", "CostRow", "CountOptions", "Quant",
-    "Schedule", "TokenPlan", "account", "architecture", "make_quant", "parameter_counts", "per_layer",
+    "CONVENTIONS", "KV_FIGURES", "SCOPES", "VARIANTS", "Architecture", "BudgetError", "CostRow", "CountOptions",
+    "Quant", "Schedule", "TokenPlan", "account", "architecture", "make_quant", "parameter_counts", "per_layer",
     "resolve_schedule", "method_schedule",
 ]
 
@@ -156,7 +158,19 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
 
 @dataclass(frozen=True)
 class CostRow:
-    """The analytic cost of one (variant, schedule, quant) under one set of count options."""
+    """The analytic cost of one (variant, schedule, quant) under one set of count options.
+
+    `kv_cache_bytes` is the KV cache after the prefill in the figure of the convention's source,
+    and `kv_cache_figure` names it (`KV_FIGURES`):
+    - llm-viewer: "llm-viewer", LLM-Viewer's own figure, values x kv_bits / 8 (no scales or zero
+      points), so that a quantized row is the tool's (LLaVA-1.5-7B int8: 166.7 MB);
+    - flops, macs, paper, visual-macs: "stored". Their sources (torch's counter, fvcore, the FiCoCo
+      appendix, PDrop's and SparseVLM's tables) count operations and define no KV figure, so the
+      row reports the cache as transformers stores it (177.1 MB for the same cache).
+    `kv_cache_stored_bytes` is always the stored cache (16-bit compute; quantized: codes and a 16-bit
+    scale and zero point per group), what `ficoco profile` measures and what the footprint holds.
+    Unquantized, the two are equal.
+    """
 
     variant: str
     quant: Quant
@@ -165,6 +179,8 @@ class CostRow:
     tflops: float
     tflops_by_stage: dict[str, float]
     kv_cache_bytes: float
+    kv_cache_stored_bytes: float
+    kv_cache_figure: str
     weight_bytes: float
     memory_access_bytes: float
     footprint_bytes: float
@@ -186,7 +202,8 @@ class CostRow:
             "method_tflops": self.method_tflops,
             "method_terms": [{"layer": layer, "term": term, "tera": t} for layer, term, t in self.method_terms],
             "tflops": self.tflops, "tflops_by_stage": self.tflops_by_stage,
-            "kv_cache_bytes": self.kv_cache_bytes, "weight_bytes": self.weight_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes, "kv_cache_figure": self.kv_cache_figure,
+            "kv_cache_stored_bytes": self.kv_cache_stored_bytes, "weight_bytes": self.weight_bytes,
             "memory_access_bytes": self.memory_access_bytes, "footprint_estimate_bytes": self.footprint_bytes,
             "schedule": self.schedule.to_json(),
         }
@@ -201,7 +218,9 @@ def account(arch: Architecture, schedule: Schedule, quant: Quant, opts: CountOpt
     plan = plan_tokens(arch, schedule, text_tokens=opts.text_tokens, equivalent=opts.equivalent)
     ops = model_ops(arch, plan, batch=opts.batch, lm_head_tokens=opts.lm_head_tokens)
     by_stage = count_by_stage(arch, plan, ops, opts.convention, batch=opts.batch)
-    kv = kv_cache_bytes(arch, plan, batch=opts.batch, kv_bits=quant.kv_bits)
+    stored_kv = stored_kv_cache_bytes(arch, plan, batch=opts.batch, kv_bits=quant.kv_bits)
+    figure = KV_FIGURES[opts.convention]
+    kv = llm_viewer_kv_cache_bytes(ops, quant) if figure == "llm-viewer" else stored_kv
     weights = weight_bytes(arch, opts.scope, quant)
     activations = activation_peak_bytes(arch, plan, batch=opts.batch, quant=quant,
                                         lm_head_tokens=opts.lm_head_tokens)
@@ -209,9 +228,10 @@ def account(arch: Architecture, schedule: Schedule, quant: Quant, opts: CountOpt
         variant=schedule.variant, quant=quant, schedule=schedule, plan=plan,
         tflops=scope_total(by_stage, opts.scope) / 1e12,
         tflops_by_stage={k: v / 1e12 for k, v in by_stage.items()},
-        kv_cache_bytes=kv, weight_bytes=weights,
+        kv_cache_bytes=kv, kv_cache_stored_bytes=stored_kv, kv_cache_figure=figure, weight_bytes=weights,
         memory_access_bytes=memory_access_bytes(ops, opts.scope, quant),
-        footprint_bytes=weight_bytes(arch, "all", quant) + kv + activations,
+        # A footprint is what memory holds: the stored cache, whatever the convention.
+        footprint_bytes=weight_bytes(arch, "all", quant) + stored_kv + activations,
         roofline_s=roofline_seconds(ops, opts.scope, quant, gpu) if gpu else None,
         method_terms=tuple((layer, term, _EXTRA_PER_MAC[opts.convention] * macs / 1e12)
                            for layer, term, macs in extra_macs(arch, schedule, plan, batch=opts.batch)),

@@ -42,13 +42,28 @@ def make_quant(name: str, kv_bits: int | None = None) -> Quant:
     return Quant(name, bits, bits, bits if kv_bits is None else kv_bits)
 
 
-def kv_cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: int) -> float:
-    """The KV cache after the prefill: every decoder layer holds 2 * b * s_layer * nkv * hd values,
-    with s_layer the tokens the layer attended over (a reducing layer caches what it saw before
-    reducing); below 16 bits in the layout the quantized cache really stores (codes, per-group
-    scales and zero points in the 16-bit compute dtype: `stored_kv_cache_bytes`), so that the
-    accountant's figure is the measured one. At 16 bits and more the cache is plain, at kv_bits."""
-    return stored_kv_cache_bytes(arch, plan, batch=batch, kv_bits=kv_bits, element_bytes=max(2.0, kv_bits / 8))
+# The KV-cache figure each convention reports as a row's `kv_cache_bytes` (every row also carries
+# the stored one as `kv_cache_stored_bytes`). A convention replays its own source:
+# - llm-viewer: LLM-Viewer's own figure (`llm_viewer_kv_cache_bytes`), the values times
+#   kv_bits / 8 and nothing more, so that its quantized rows are the tool's.
+# - flops (torch's counter), macs (fvcore), paper (the FiCoCo appendix's formulas) and
+#   visual-macs (PDrop's and SparseVLM's tables) count operations and define no KV-cache figure,
+#   quantized or not. For them ficoco reports the cache as transformers stores it
+#   (`stored_kv_cache_bytes`): the figure `ficoco profile` measures to the byte, and the one a
+#   footprint holds. (The FiCoCo paper's efficiency tables were made with LLM-Viewer:
+#   `--convention llm-viewer` replays its figures.)
+# Unquantized (kv_bits 16), both figures are the same: two bytes per value.
+KV_FIGURES = {"flops": "stored", "macs": "stored", "llm-viewer": "llm-viewer", "paper": "stored",
+              "visual-macs": "stored"}
+
+
+def llm_viewer_kv_cache_bytes(ops: list[Op], quant: Quant) -> float:
+    """LLM-Viewer's KV cache (its `memory_consumption_kv_cache`): what the prefill's k and v
+    projections store into the cache (`store_kv_cache`: oc * b * s * kv_bits / 8 each, per
+    layer), summed over the decoder's layers. Values times kv_bits / 8, nothing more: no scales,
+    no zero points, whatever the bit width. The replay's projections run over the tokens each
+    layer attends over (layer-exact; the final count with --equivalent), as its OPs do."""
+    return sum(op.kv_store for op in ops if op.stage == "llm") * quant.kv_bits / 8
 
 
 # transformers' quantized KV cache (QuantizedCache, HQQ backend; ficoco/models/kv_cache.py
@@ -84,11 +99,16 @@ def kv_layer_bytes(tokens: int, *, batch: int, kv_heads: int, head_dim: int, kv_
     return quantized * kv_bits / 8 + 2 * groups * element_bytes + residual * per_token * element_bytes
 
 
-def stored_kv_cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: int, element_bytes: float,
-                          decode_steps: int = 0) -> float:
+def stored_kv_cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: int,
+                          element_bytes: float | None = None, decode_steps: int = 0) -> float:
     """The KV cache as transformers stores it after the prefill and `decode_steps` decode steps
     (generate() feeds back all but the last new token): every layer holds the tokens it attended
-    over in the prefill plus the decoded ones, in the layout of `kv_layer_bytes`."""
+    over in the prefill plus the decoded ones, in the layout of `kv_layer_bytes` (below the
+    compute width: codes, a scale and a zero point per group, the residual window). This is the
+    figure the profiler's measured cache equals. `element_bytes` is the compute dtype's width;
+    by default 16 bits, or kv_bits where wider: what `ficoco flops` assumes."""
+    if element_bytes is None:
+        element_bytes = max(2.0, kv_bits / 8)
     d = arch.decoder
     return sum(kv_layer_bytes(n_in + decode_steps, batch=batch, kv_heads=d.kv_heads, head_dim=d.head_dim,
                               kv_bits=kv_bits, element_bytes=element_bytes, decode_steps=decode_steps)

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from ficoco.accounting import architecture
-from ficoco.accounting.memory import QUANT_BITS, Quant, activation_peak_bytes, kv_cache_bytes, weight_bytes
+from ficoco.accounting.memory import QUANT_BITS, Quant, activation_peak_bytes, stored_kv_cache_bytes, weight_bytes
 from ficoco.accounting.schedule import Schedule, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.profiles import Profile, apply_overrides
@@ -209,7 +209,7 @@ def memory_need_bytes(profile: Profile, rows: Sequence[RowShape], dtype: DtypeCh
     activations = kv = 0.0
     for row in rows:
         plan = plan_tokens(arch, row.schedule, text_tokens=text_tokens)
-        row_kv = kv_cache_bytes(arch, plan, batch=row.batch, kv_bits=q.kv_bits)
+        row_kv = stored_kv_cache_bytes(arch, plan, batch=row.batch, kv_bits=q.kv_bits)  # what memory holds
         # Decoded tokens wait unquantized in a quantized cache's residual window: the compute width.
         row_kv += 2 * row.batch * new_tokens * d.kv_heads * d.head_dim * d.layers * max(q.kv_bits, compute_bits) / 8
         row_act = activation_peak_bytes(arch, plan, batch=row.batch, quant=q, lm_head_tokens=lm_head_tokens)
