@@ -138,8 +138,8 @@ def test_flops_rows_name_the_measured_cache_kv_cache_stored_bytes_under_every_co
     arch, (handle, plan), per_layer = planned_layers(model, name, variant, 8)
     try:
         with torch.inference_mode():
-            prefill = model(**inputs(model, batch=batch), use_cache=True,
-                            past_key_values=quantized_cache(model, kv_bits)).past_key_values
+            prefill = output_cache(model(**inputs(model, batch=batch), use_cache=True,
+                            **cache_argument(quantized_cache(model, kv_bits))))
     finally:
         if handle is not None:
             handle.remove()
