@@ -672,6 +672,44 @@ def test_l_second_turn_with_a_new_image_on_the_first_turns_cache(models: Any) ->
     assert [r.layer for r in records] == [1, 3]
 
 
+def test_l_second_turn_of_a_left_padded_batch_equals_each_conversation_alone(models: Any) -> None:
+    """A later turn on a padded batch: generate hands the forward a mask over the cache and the new
+    turn (transformers keeps it when it is not all ones). Nothing removed: the unpatched
+    conversation; with a reduction: every sample's second turn as its conversation alone."""
+    model = models("llava-tiny")
+    long, short = inputs(model, seed=20), inputs(model, seed=23)
+    pad = torch.full((1, 2), model.config.pad_token_id)
+    short_ids = torch.cat([pad, short["input_ids"][:, :-2]], dim=1)  # two tokens shorter, padded left
+    first = {"input_ids": torch.cat([long["input_ids"], short_ids]),
+             "attention_mask": torch.cat([long["attention_mask"],
+                                          torch.cat([torch.zeros_like(pad), short["attention_mask"][:, :-2]], 1)]),
+             "pixel_values": torch.cat([long["pixel_values"], short["pixel_values"]])}
+    run = {"max_new_tokens": NEW, "min_new_tokens": NEW, "do_sample": False}
+    new_turn = inputs(model, batch=2, seed=21)  # each sample's new user turn and image
+
+    def conversation(prompt: dict[str, Tensor], rows: slice) -> Tensor:
+        turn1 = model.generate(**prompt, **run, return_dict_in_generate=True)
+        added = new_turn["input_ids"][rows, 1:]  # no second BOS
+        nxt = {"input_ids": torch.cat([turn1.sequences, added], dim=1),
+               # The whole conversation's mask, the first turn's padding kept: not all ones.
+               "attention_mask": torch.cat([prompt["attention_mask"],
+                                            torch.ones(added.shape[0], NEW + added.shape[1], dtype=torch.long)], 1),
+               "pixel_values": new_turn["pixel_values"][rows]}
+        return model.generate(**nxt, **cache_argument(output_cache(turn1)), **run)[:, -NEW:]
+
+    vanilla = conversation(first, slice(0, 2))
+    with ficoco.apply(model, "l", schedule={}):
+        assert torch.equal(conversation(first, slice(0, 2)), vanilla)
+    alone = [{"input_ids": long["input_ids"], "attention_mask": long["attention_mask"],
+              "pixel_values": long["pixel_values"]},
+             {"input_ids": short_ids[:, 2:], "attention_mask": short["attention_mask"][:, :-2],
+              "pixel_values": short["pixel_values"]}]
+    with ficoco.apply(model, "l", schedule={1: 20, 3: 30}):
+        together = conversation(first, slice(0, 2))
+        for i, prompt in enumerate(alone):
+            assert torch.equal(together[i:i + 1], conversation(prompt, slice(i, i + 1))), f"sample {i}"
+
+
 @pytest.mark.parametrize("variant", ["v", "l"])
 def test_static_cache_is_refused_at_apply_and_at_the_call(models: Any, variant: str) -> None:
     from transformers import StaticCache

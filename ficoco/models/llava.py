@@ -277,7 +277,12 @@ class LlavaAdapter:
                 filled = handle.cache_states.get(cache) if cache is not None else None
                 if starts_prefill:
                     past, priors = self.turn_on_cache(cache, filled)
-                    handle.language_state = new_state(input_ids, call.get("attention_mask"), past, priors)
+                    mask = call.get("attention_mask")
+                    if mask is not None and past and mask.shape[-1] == past + input_ids.shape[1]:
+                        # A later turn's mask covers the cache too (generate's, on a padded batch):
+                        # the state reads this call's columns.
+                        mask = mask[:, past:]
+                    handle.language_state = new_state(input_ids, mask, past, priors)
                 elif filled is None:
                     self.turn_on_cache(cache, None)  # refuses a reduced cache it cannot follow
                     handle.language_state = None
