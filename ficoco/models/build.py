@@ -265,6 +265,8 @@ def build_model(profile: Profile | str, weights: str = "random", *,
 
     from ficoco.models import hf_compat as hf
 
+    hf.check_release()  # an untested transformers: one warning line, and a changed contact named
+
     if isinstance(profile, str):
         profile = load_profile(profile, overrides)
     elif overrides:

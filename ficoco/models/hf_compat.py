@@ -600,17 +600,24 @@ def load_video(path: str, **options: Any) -> Any:
 _contacts_checked: list[str] | None = None
 
 
-def ensure_supported(model: nn.Module) -> None:
-    """At apply(): on a transformers release outside the tested range, one warning line, then every
-    contact checked (once per process), so that what changed is named in one line instead of failing
-    later inside a forward; on any release, this model's attribute paths (cheap attribute reads)."""
+def check_release() -> None:
+    """Before building or patching: on a transformers release outside the tested range, one warning
+    line, then every contact checked (once per process), so that what changed is named in one line
+    (a FicocoError) instead of failing later inside a build or a forward. Nothing on a tested release."""
     global _contacts_checked
     from ficoco.versions import outside_tested_range, warn_if_untested
 
-    if any(p.name == "transformers" for p in outside_tested_range()):
-        warn_if_untested("transformers")
-        if _contacts_checked is None:
-            _contacts_checked = check_contacts()
-        if _contacts_checked:
-            raise FicocoError(_contacts_checked[0])
+    if not any(p.name == "transformers" for p in outside_tested_range()):
+        return
+    warn_if_untested("transformers")
+    if _contacts_checked is None:
+        _contacts_checked = check_contacts()
+    if _contacts_checked:
+        raise FicocoError(_contacts_checked[0])
+
+
+def ensure_supported(model: nn.Module) -> None:
+    """At apply(): `check_release`, then this model's attribute paths (cheap attribute reads, on any
+    release)."""
+    check_release()
     check_model(model)
