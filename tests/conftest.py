@@ -30,14 +30,41 @@ from ficoco.profiles import load_profile
 GPU_TESTS = os.environ.get("FICOCO_GPU_TESTS") == "1"
 
 
-# The contract with transformers' internals runs first: on a release that changed one, its one-line
-# failure names the contact before the behavioural tests run into it.
+# The contract with transformers' internals (ficoco.models.hf_compat) is checked first: on a release
+# that changed a contact, its tests fail with one line naming it, and the behavioural tests that run
+# the patched models are skipped with that line instead of failing deep inside a forward.
 CONTRACT_TESTS = "test_transformers_contract.py"
+# The tests that run patched transformers models (marked `transformers`): .ci/run runs them on the
+# oldest release pyproject.toml allows as well (`-m transformers`).
+TRANSFORMERS_TESTS = frozenset({
+    CONTRACT_TESTS, "test_models_llava.py", "test_models_llava_next.py", "test_models_qwen2_vl.py",
+    "test_models_video_llava.py", "test_hf_idioms.py", "test_llm_methods.py", "test_vision_methods_wired.py",
+    "test_tower_methods_next.py", "test_kv_cache.py", "test_quantize.py", "test_real_inputs.py", "test_verify.py",
+})
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from ficoco.versions import package_versions
+
+    return "ficoco tested ranges: " + "; ".join(p.describe() for p in package_versions())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The contract tests first; `gpu` tests need FICOCO_GPU_TESTS=1 and a CUDA device torch can use."""
+    """The contract tests first and the transformers tests marked; a changed contact skips the
+    behavioural ones; `gpu` tests need FICOCO_GPU_TESTS=1 and a CUDA device torch can use."""
     items.sort(key=lambda item: item.path.name != CONTRACT_TESTS)  # stable: the rest keep their order
+    sensitive = [item for item in items if item.path.name in TRANSFORMERS_TESTS]
+    for item in sensitive:
+        item.add_marker(pytest.mark.transformers)
+    if any(item.path.name != CONTRACT_TESTS for item in sensitive):
+        from ficoco.models.hf_compat import check_contacts
+
+        problems = check_contacts()
+        if problems:
+            skip = pytest.mark.skip(reason=f"skipped: {problems[0]}")
+            for item in sensitive:
+                if item.path.name != CONTRACT_TESTS:
+                    item.add_marker(skip)
     if GPU_TESTS:
         import torch
 

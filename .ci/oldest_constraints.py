@@ -1,0 +1,37 @@
+"""Print pip constraints that pin every package whose internals ficoco touches to the lower bound of
+its tested range in pyproject.toml (`name==lower`), for CI's run on the oldest allowed releases.
+
+The bounds are read from pyproject.toml, so raising a lower bound there changes what CI tests. torch
+is left out: the README pins the build it installs first (on a CPU machine, the CPU build).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import tomllib
+
+PACKAGES = ("transformers", "accelerate", "hqq", "bitsandbytes")
+
+
+def lower_bounds(pyproject: Path) -> dict[str, str]:
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    bounds = {}
+    for requirement in dependencies:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()
+        lower = re.search(r">=\s*([^,;\s]+)", requirement)
+        if name in PACKAGES:
+            if lower is None:
+                sys.exit(f"pyproject.toml states no lower bound for {name}: CI cannot test its oldest release")
+            bounds[name] = lower.group(1)
+    missing = [name for name in PACKAGES if name not in bounds]
+    if missing:
+        sys.exit(f"pyproject.toml lists no {', '.join(missing)}")
+    return bounds
+
+
+if __name__ == "__main__":
+    for name, version in lower_bounds(Path(__file__).resolve().parent.parent / "pyproject.toml").items():
+        print(f"{name}=={version}")
