@@ -174,6 +174,7 @@ def test_bytes_follow_the_residual_window_across_a_flush(variant):
                                                                      element_bytes=4, decode_steps=steps)
 
 
+@pytest.mark.shapes_7b
 @pytest.mark.parametrize("kv_bits", [8, 4, 2])
 def test_a_7b_layer_holds_the_accountants_bytes(kv_bits):
     """LLaVA-1.5-7B's decoder layer (32 kv heads of 128) at its real widths, fed keys and values

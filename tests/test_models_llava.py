@@ -675,6 +675,7 @@ def llava7b() -> Iterator[nn.Module]:
     del built
 
 
+@pytest.mark.shapes_7b
 @pytest.mark.parametrize(("variant", "how"), [("v", {1: 200, 2: 300}), ("l", {1: 500})])
 def test_llava_7b_reduced_depth_prefill_and_generate_follow_schedule(llava7b: nn.Module, variant: str,
                                                                      how: dict) -> None:

@@ -105,6 +105,7 @@ def test_measured_weight_bytes_equal_the_accountants_on_every_tiny_profile(name:
     assert measured - buffers == pytest.approx(analytic, abs=1)
 
 
+@pytest.mark.shapes_7b
 @pytest.mark.parametrize("quant", ["fp16", "int8", "int4"])
 def test_measured_weight_bytes_equal_the_accountants_at_7b_shapes(quant: str) -> None:
     model = ficoco.build_model("llava-1.5-7b", quant=quant, dtype="bf16", overrides=list(SEVEN_B_SHAPES))

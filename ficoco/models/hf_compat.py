@@ -12,9 +12,9 @@ Each contact is registered with a check (`@contact`) that looks at the installed
 signature, an attribute, a function's presence) and raises `ContactChanged`: one line that names
 the contact and what changed. `check_contacts()` runs them all; `check_model(model)` also checks
 the attribute paths of one built model. tests/test_transformers_contract.py runs both for every
-family before any behavioural test, and `ficoco.apply` runs them (once) on a release outside the
-tested range, after one warning line, so a renamed internal is named instead of crashing deep in
-a forward.
+family before any behavioural test, and `ficoco.build_model` and `ficoco.apply` run them (once) on
+a release outside the tested range, after one warning line, so a renamed internal is named instead
+of crashing deep in a build or a forward (`apply` checks the model's paths on every release).
 """
 
 from __future__ import annotations
@@ -362,6 +362,8 @@ def _check_qwen2_vl_tower() -> None:
 # features): how FiCoCo-V and the adaptive methods encode first and shorten the prompt.
 ENCODED_FEATURES_KEYWORD = "mm_encoder_outputs"
 FEATURES_FIELD = "pooler_output"
+# The base models' own encoders, which ficoco calls (and on Qwen2-VL replaces, under FiCoCo-V).
+IMAGE_ENCODER, VIDEO_ENCODER = "get_image_features", "get_video_features"
 
 
 @contact("encoded features keyword")
@@ -374,9 +376,7 @@ def _check_encoded_features() -> None:
     for model in (llava.LlavaForConditionalGeneration, llava_next.LlavaNextForConditionalGeneration,
                   video_llava.VideoLlavaForConditionalGeneration, qwen2_vl.Qwen2VLForConditionalGeneration):
         _require_parameters("encoded features keyword", model.forward, ENCODED_FEATURES_KEYWORD)
-    _require_attribute("encoded features keyword", _module("modeling_outputs").BaseModelOutputWithPooling,
-                       "__dataclass_fields__")
-    if FEATURES_FIELD not in _module("modeling_outputs").BaseModelOutputWithPooling.__dataclass_fields__:
+    if FEATURES_FIELD not in {f.name for f in fields(_module("modeling_outputs").BaseModelOutputWithPooling)}:
         raise ContactChanged("encoded features keyword", f"BaseModelOutputWithPooling has no {FEATURES_FIELD}")
 
 
@@ -388,11 +388,11 @@ def _check_image_features() -> None:
     from transformers.models.video_llava import modeling_video_llava as video_llava
 
     name = "image features functions"
-    _require_parameters(name, llava.LlavaModel.get_image_features, "pixel_values", "vision_feature_layer",
+    _require_parameters(name, getattr(llava.LlavaModel, IMAGE_ENCODER), "pixel_values", "vision_feature_layer",
                         "vision_feature_select_strategy", "image_sizes")
-    _require_parameters(name, llava_next.LlavaNextModel.get_image_features, "pixel_values", "image_sizes")
-    _require_parameters(name, video_llava.VideoLlavaModel.get_video_features, "pixel_values_videos")
-    _require_parameters(name, qwen2_vl.Qwen2VLModel.get_image_features, "pixel_values", "image_grid_thw")
+    _require_parameters(name, getattr(llava_next.LlavaNextModel, IMAGE_ENCODER), "pixel_values", "image_sizes")
+    _require_parameters(name, getattr(video_llava.VideoLlavaModel, VIDEO_ENCODER), "pixel_values_videos")
+    _require_parameters(name, getattr(qwen2_vl.Qwen2VLModel, IMAGE_ENCODER), "pixel_values", "image_grid_thw")
 
 
 def encode_features(model: nn.Module, encoder: str, pixels: Any, *args: Any, **options: Any) -> Any:

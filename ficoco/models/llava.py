@@ -87,7 +87,7 @@ class LlavaAdapter:
     # -- methods that act before the LLM (FiCoCo-V, ToMe, VisionZip, FasterVLM, PruMerge+, ...) ---
     # Where an image call's pixels go and the model's own function that encodes them, for a method
     # whose count is known only once the tower ran (an adaptive count): (input, modality, encoder).
-    encoder_inputs: tuple[tuple[str, str, str], ...] = (("pixel_values", "image", "get_image_features"),)
+    encoder_inputs: tuple[tuple[str, str, str], ...] = (("pixel_values", "image", hf.IMAGE_ENCODER),)
     # Whether the projector's input keeps every item's [CLS] first (Video-LLaVA's frames).
     projector_keeps_cls = False
 

@@ -473,7 +473,7 @@ class Qwen2VLAdapter(LlavaAdapter):
                     raise FicocoError(f"FiCoCo-L on Qwen2-VL: pixel_values of {pixel_values.shape[0]} patches for this "
                                       f"turn's images of grids {new_grid.tolist()}: give the images after what the "
                                       "cache holds")
-                encoded = hf.encode_features(model, "get_image_features", kwargs.pop("pixel_values"), new_grid)
+                encoded = hf.encode_features(model, hf.IMAGE_ENCODER, kwargs.pop("pixel_values"), new_grid)
                 features = hf.ENCODED_FEATURES_KEYWORD
                 kwargs[features] = {**(kwargs.get(features) or {}), "image": encoded}
             return run(*args, **kwargs)
@@ -611,7 +611,7 @@ class Qwen2VLAdapter(LlavaAdapter):
             out = self.encode_images(pixel_values, image_grid_thw, **kwargs)
             return out if return_dict else out.to_tuple()
 
-        patches.set(inner, "get_image_features", get_image_features)
+        patches.set(inner, hf.IMAGE_ENCODER, get_image_features)
 
 
 def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> tuple[int, int]:

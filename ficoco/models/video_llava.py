@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava import LlavaAdapter
 from ficoco.models.patching import Patches
@@ -52,7 +53,7 @@ class VideoLlavaAdapter(LlavaAdapter):
     # Vision-side methods: the video features keep each frame's [CLS] before the projector, and
     # an adaptive count is measured by encoding the video first.
     projector_keeps_cls = True
-    encoder_inputs = (("pixel_values_videos", "video", "get_video_features"),)
+    encoder_inputs = (("pixel_values_videos", "video", hf.VIDEO_ENCODER),)
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
