@@ -35,7 +35,10 @@ def test_contact_holds_on_the_installed_release(name: str) -> None:
 
 @pytest.fixture(scope="module", params=TINY_FAMILIES)
 def tiny(request: pytest.FixtureRequest) -> nn.Module:
-    return ficoco.build_model(request.param, dtype="fp32")
+    try:
+        return ficoco.build_model(request.param, dtype="fp32")
+    except FicocoError as exc:  # a release outside the range whose contacts changed: named above
+        pytest.skip(str(exc))
 
 
 def test_every_attribute_path_resolves_in_every_family(tiny: nn.Module) -> None:
@@ -124,9 +127,9 @@ def _without_position_ids(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_removed_parameter_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     _without_position_ids(monkeypatch)
     problems = hf.check_contacts()
-    assert len(problems) == 1
-    assert "decoder layer call" in problems[0] and "position_ids" in problems[0] and "\n" not in problems[0]
-    assert "pip install 'transformers" in problems[0]
+    named = [line for line in problems if "decoder layer call" in line]
+    assert len(named) == 1 and "position_ids" in named[0] and "pip install 'transformers" in named[0]
+    assert all("\n" not in line for line in problems)
 
 
 def test_a_missing_attribute_is_named_in_one_line(tiny: nn.Module) -> None:
