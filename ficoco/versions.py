@@ -57,9 +57,6 @@ class PackageVersion:
         flag = " OUTSIDE the tested range" if self.within is False else ""
         return f"{self.name} {installed} (tested {self.tested}){flag}"
 
-    def to_json(self) -> dict[str, object]:
-        return {"installed": self.installed, "tested": self.tested, "within_tested_range": self.within}
-
 
 def _requirements_from_pyproject() -> list[str]:
     """pyproject.toml's dependencies, for a source checkout that was never installed."""

@@ -21,7 +21,7 @@ from ficoco.accounting.schedule import SHAPES
 from ficoco.compare import JUDGE_CHOICES
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import METHODS, PRESETS, VARIANTS
-from ficoco.versions import report_environment
+from ficoco.versions import package_versions, report_environment
 from ficoco_cli import options as check
 from ficoco_cli.options import parse_image_size, split_list
 from ficoco_cli.report_cmd import FORMATS, REPORT_FORMATS
@@ -42,8 +42,6 @@ err = Console(stderr=True, width=None if sys.stderr.isatty() else 220)
 
 def _version(value: bool) -> None:
     if value:
-        from ficoco.versions import package_versions
-
         print(f"ficoco {ficoco.__version__}")
         for package in package_versions():
             print(f"  {package.describe()}")

@@ -231,8 +231,7 @@ def _stored_kv_differs(row: dict[str, Any]) -> bool:
 
 
 def _kv_column(rows: Sequence[dict[str, Any]]) -> tuple[_Column, list[str]]:
-    """The KV cache column of accountant rows, its header naming the figure, and the notes that define it
-    (with the stored figure of every row whose cache it differs from, where the table has no column for it)."""
+    """The KV cache column of accountant rows, its header naming the figure, and the note that defines it."""
     figure = _kv_figure(rows)
     column = _scaled(KV_HEADERS[figure] if figure else "KV cache", [r.get("kv_cache_bytes") for r in rows],
                      BYTE_UNITS)

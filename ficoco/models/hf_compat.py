@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any
 
+import torch
 from torch import nn
 
 from ficoco.errors import FicocoError
@@ -314,7 +315,6 @@ def check_model(model: nn.Module) -> None:
     if model_type not in FAMILY_TOWERS:
         return  # not a family ficoco patches: adapter_for says so in its own words
     for layer in decoder_layers(model):
-        layer_parts(layer, DECODER_LAYER)
         attention_projections(layer_parts(layer, DECODER_LAYER).attention)
     for path in (decoder_rotary, decoder_norm, lm_head):
         path(model)
@@ -517,7 +517,6 @@ def attention_function(module: nn.Module, implementation: str | None) -> Callabl
 
 @contact("cache object")
 def _check_cache() -> None:
-    import torch
     from transformers import DynamicCache, QuantizedCache
 
     name = "cache object"
@@ -540,11 +539,11 @@ def cache_layer_tokens(layer: Any) -> int:
     length = getattr(layer, "cumulative_length", None)
     if length is None:
         keys = getattr(layer, "keys", None)
-        length = keys.shape[-2] if keys is not None and getattr(keys, "dim", lambda: 0)() == 4 else 0
+        length = keys.shape[-2] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 0
     return int(length)
 
 
-def quantized_cache(config: Any, **options: Any) -> Any:
+def new_quantized_cache(config: Any, **options: Any) -> Any:
     """transformers' QuantizedCache for a model of `config` (options: backend, nbits, ...)."""
     from transformers import QuantizedCache
 

@@ -46,8 +46,8 @@ def cache_config(model: nn.Module, kv_bits: int, residual_tokens: int = KV_RESID
 
 def quantized_cache(model: nn.Module, kv_bits: int, residual_tokens: int = KV_RESIDUAL_TOKENS) -> Any:
     """A fresh, empty QuantizedCache for one forward or generate() call of `model`."""
-    from ficoco.models.hf_compat import quantized_cache as new_cache
+    from ficoco.models.hf_compat import new_quantized_cache
 
     check_backend()
-    return new_cache(model.config, **cache_config(model, kv_bits, residual_tokens))
+    return new_quantized_cache(model.config, **cache_config(model, kv_bits, residual_tokens))
 
