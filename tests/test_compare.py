@@ -59,13 +59,25 @@ def ficoco_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def _spread(report: dict[str, Any]) -> float:
+    """The widest max/min of the fp16 rows' samples (what the real-sample checks need steady)."""
+    return max(max(s) / min(s) for r in report["rows"] if r["quant"] == "fp16"
+               for s in [r["latency"]["samples_ms"]])
+
+
 @pytest.fixture(scope="module")
 def real(tmp_path_factory) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("compare") / "base.json"
-    result = ficoco_cli("profile", "--model", MODEL, "--variant", ",".join(VARIANTS), "--keep", "8",
-                        "--quant", ",".join(QUANTS), "--warmup", "0", "--repeat", str(REPEAT), "--json", str(path))
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(path.read_text())
+    # The suite runs in two processes: a burst of the other one's work can spread these samples, so a
+    # run spread beyond what the real-sample checks accept is measured again (at most twice more).
+    for _ in range(3):
+        result = ficoco_cli("profile", "--model", MODEL, "--variant", ",".join(VARIANTS), "--keep", "8",
+                            "--quant", ",".join(QUANTS), "--warmup", "0", "--repeat", str(REPEAT), "--json",
+                            str(path))
+        assert result.returncode == 0, result.stderr[-3000:]
+        report = json.loads(path.read_text())
+        if _spread(report) <= 3:
+            break
     assert report["schema"] == REPORT_SCHEMA
     assert [(r["variant"], r["quant"], r["status"]) for r in report["rows"]] == [
         (v, q, "ok") for q in QUANTS for v in VARIANTS]
