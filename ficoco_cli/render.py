@@ -546,6 +546,15 @@ def _row_verdict(row: dict[str, Any], base: dict[str, Any] | None, config: dict[
         if _is_number(flops_ratio) and flops_ratio > 0:
             fewer = f"{_times(flops_ratio)} fewer" if flops_ratio >= 1 else f"{_times(1 / flops_ratio)} more"
             facts[-1] += f" (FLOPs {fewer})"
+        work = row.get("own_work_vs_savings")
+        if work and work["saved_ms"] <= 0:
+            facts.append(f"its fewer tokens save no measurable time and its own work adds {fmt_num(work['own_ms'])} ms")
+        elif work and work["eats_savings"]:
+            facts.append(f"its own work ({fmt_num(work['own_ms'])} ms) eats what its fewer tokens save "
+                         f"({fmt_num(work['saved_ms'])} ms)")
+        elif work:
+            facts.append(f"its own work takes {work['own_ms'] / work['saved_ms'] * 100:.0f} % of the "
+                         f"{fmt_num(work['saved_ms'])} ms its fewer tokens save")
     else:
         median = _get(row, "latency", "median_ms")
         unit, scale = pick_unit([median], TIME_UNITS_MS)

@@ -476,3 +476,23 @@ def test_reference_report_in_an_80_column_tmux_pane():
                                                      f"{row['speedup_vs_vanilla']:.2f}x", "ok"])
     verdicts = [line for line in lines if re.match(r"[vl] int[48] batch 1: |[vl] fp16 batch 1: ", line)]
     assert len(verdicts) == 6 and all("visual tokens, prefill" in line for line in verdicts)
+
+
+@pytest.mark.parametrize(("row_ms", "own_ms", "words"), [
+    # Vanilla 19400 ms; the row's model time without its work is row_ms - own_ms.
+    (19500.0, 500.0, "its own work (500.0 ms) eats what its fewer tokens save (400.0 ms)"),
+    (3527.0, 1747.0, "its own work takes 10 % of the 17,620 ms its fewer tokens save"),
+    (19500.0, 50.0, "its fewer tokens save no measurable time and its own work adds 50.00 ms"),
+])
+def test_verdict_says_when_the_methods_own_work_eats_its_savings(row_ms: float, own_ms: float, words: str) -> None:
+    from ficoco.profiling.matrix import own_work_vs_savings
+
+    report = main_job()
+    vanilla, row = report["rows"]
+    row["latency"]["median_ms"], row["reduction_ms"] = row_ms, own_ms
+    row["own_work_vs_savings"] = own_work_vs_savings(row, vanilla)
+    saved = vanilla["latency"]["median_ms"] - (row_ms - own_ms)
+    assert row["own_work_vs_savings"] == {"own_ms": own_ms, "saved_ms": saved, "eats_savings": own_ms >= saved}
+    assert own_work_vs_savings(vanilla, vanilla) is None
+    (line,) = [line for line in verdict_lines(report) if line.startswith("v:")]
+    assert words in line, line

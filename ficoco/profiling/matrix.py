@@ -580,6 +580,19 @@ def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str
     }
 
 
+def own_work_vs_savings(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any] | None:
+    """What the method's own work (its reduction stages and probes, `reduction_ms`) costs against
+    what its fewer tokens save: ``saved_ms`` is vanilla's median less this row's model time
+    without the method's work. ``eats_savings`` when the work costs at least that (DivPrune's
+    search on a short prompt, say): the row would be faster without its own overhead than it is
+    faster than vanilla. None for vanilla and for rows whose method ran no timed work."""
+    own_ms = row.get("reduction_ms") or 0.0
+    if row["variant"] == "vanilla" or own_ms <= 0:
+        return None
+    saved_ms = base["latency"]["median_ms"] - (row["latency"]["median_ms"] - own_ms)
+    return {"own_ms": own_ms, "saved_ms": saved_ms, "eats_savings": own_ms >= saved_ms}
+
+
 def add_comparisons(rows: list[dict[str, Any]]) -> None:
     """Speedup, memory saving and roofline ratio of every row against its vanilla row (same
     quant and batch) of the same run."""
@@ -597,6 +610,7 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             continue
         row["speedup_vs_vanilla"] = base["latency"]["median_ms"] / latency
         row["flops_ratio_vs_vanilla"] = base["analytic"]["tflops"] / row["analytic"]["tflops"]
+        row["own_work_vs_savings"] = own_work_vs_savings(row, base)
         peak, base_peak = row["memory"].get("peak_bytes"), base["memory"].get("peak_bytes")
         row["memory_saving_vs_vanilla"] = 1 - peak / base_peak if peak and base_peak else None
         # Answering end to end (decode.py's total), when both rows generated.
