@@ -239,12 +239,37 @@ def test_frames_and_crops_are_items_of_their_sample(profile: str, name: str) -> 
     assert torch.equal(tokens[:, :inp["input_ids"].shape[1]], inp["input_ids"])
 
 
-def test_qwen2_vl_is_planned_and_refused_at_run_in_one_line() -> None:
+def test_qwen2_vl_cuts_whole_merge_groups_after_the_merger() -> None:
+    """DivPrune and CDPruner on the PatchMerger's output (one LLM token per 2 x 2 group); VisPruner,
+    which reads the tower's [CLS] attention, is refused in one line."""
+    from ficoco.models.qwen2_vl import group_patches
+
     qwen = ficoco.build_model("qwen2-vl-tiny", dtype="fp32")
-    for name in METHODS:
-        with pytest.raises(FicocoError, match="not wired into") as info:
-            ficoco.apply(qwen, name, keep=4)
-        assert "\n" not in str(info.value)
+    batch = synthetic_inputs(qwen, batch=2, text_tokens=TEXT, seed=9)
+    length, images = batch["input_ids"].shape[1], batch["image_grid_thw"]
+    rows, cols = (int(v) for v in images[0, 1:])
+    per_image = batch["pixel_values"].shape[0] // 2
+    alone = [{k: v[i * per_image:(i + 1) * per_image] if k == "pixel_values" else v[i:i + 1]
+              for k, v in batch.items()} for i in range(2)]
+    with torch.no_grad():
+        merged = qwen.model.get_image_features(batch["pixel_values"], image_grid_thw=images, return_dict=True)
+        features = torch.stack(list(merged.pooler_output))  # (2, groups, D)
+        for name in ("divprune", "cdpruner"):
+            with ficoco.apply(qwen, name, keep=4) as handle:
+                out = qwen(**batch)
+                (record,) = handle.records
+                together = qwen.generate(**batch, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+                singles = [qwen.generate(**a, max_new_tokens=2, min_new_tokens=2, do_sample=False) for a in alone]
+            assert out.logits.shape[1] == length - features.shape[1] + 4
+            assert torch.equal(together[:, :length], batch["input_ids"])
+            assert torch.equal(together[:, length], out.logits[:, -1].argmax(-1))
+            assert all(torch.equal(together[i:i + 1], singles[i]) for i in range(2))
+            if name == "divprune":
+                expected = [_reference_divprune(features[b].double().numpy(), 4) for b in range(2)]
+                assert torch.equal(record.kept, group_patches(torch.tensor(expected), cols))
+    with pytest.raises(FicocoError, match="not wired into") as info:
+        ficoco.apply(qwen, "vispruner", keep=4)
+    assert "\n" not in str(info.value) and rows * cols == 4 * features.shape[1]
 
 
 def test_flops_verify_passes_with_each_methods_work_as_its_own_stage(tmp_path: Any) -> None:
