@@ -117,6 +117,9 @@ def test_cdpruner_greedy_map_maximises_the_determinant_and_batch_equals_items() 
         assert kept[b].tolist() == _reference_cdpruner(x[b].numpy(), real.numpy(), KEEP)
         assert torch.equal(cdpruner_select(x[b:b + 1], x[b:b + 1], real[None], KEEP)[0], kept[b])
     assert torch.equal(cdpruner_reduce(x, text, N, mask)[0], x)
+    # More picks than the features' width (the kernel's rank): still distinct tokens, in image order.
+    narrow = cdpruner_reduce(_random(width=4, seed=5), _random(tokens=5, width=4, seed=6), N - 1)[1]
+    assert all(len(set(row.tolist())) == N - 1 for row in narrow) and bool((narrow.diff(dim=1) > 0).all())
 
 
 def test_counts_and_cost_terms_equal_the_plan_on_the_literature_rows() -> None:

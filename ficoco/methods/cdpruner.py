@@ -25,7 +25,10 @@ what the OpenVINO GenAI port of CDPruner does for backbones without a CLIP text 
 official repository's Qwen2.5-VL / LLaVA-OneVision code is not in the stored index, so whether it
 does the same could not be checked. Reports label it (the entry's ``cls_note``).
 
-Departures: the min-max runs per item (the official code normalises over the whole batch of crops
+Departures: every pick is a new token (past the kernel's rank - more picks than the features'
+width, as a large Qwen2-VL image can ask - the official gains turn non-positive or NaN and its
+argmax picks NaN's index again; here a chosen token never outranks one not chosen, and NaN gains
+rank lowest); the min-max runs per item (the official code normalises over the whole batch of crops
 of one call, which would make an item's choice depend on its batch-mates); ``keep == N`` returns
 the input (the greedy would pick every token). Ties go to the lowest index (``argmax``). The kernel
 runs in float32 at least, as the official code does.
@@ -82,9 +85,15 @@ def greedy_map(kernel: Tensor, keep: int) -> Tensor:
     gains = torch.diagonal(kernel, dim1=1, dim2=2).clone()  # d_i^2
     factors = kernel.new_zeros(keep, batch, tokens)  # c_t, one row per pick
     chosen = torch.empty(batch, keep, dtype=torch.long, device=kernel.device)
+    selected = torch.zeros(batch, tokens, dtype=torch.bool, device=kernel.device)
+    lowest = torch.finfo(kernel.dtype).max
     for step in range(keep):
-        pick = gains.argmax(dim=1)
+        # Past the kernel's rank the gains are rounding noise, non-positive or NaN (the official code
+        # then picks NaN's index again and again): a token not yet chosen always outranks a chosen one.
+        scores = torch.nan_to_num(gains, nan=-lowest, posinf=lowest, neginf=-lowest)
+        pick = torch.where(selected, -float("inf"), scores).argmax(dim=1)
         chosen[:, step] = pick
+        selected[rows, pick] = True
         row = kernel[rows, pick]  # (B, N)
         if step:
             previous = factors[:step]  # (t, B, N)
@@ -92,7 +101,6 @@ def greedy_map(kernel: Tensor, keep: int) -> Tensor:
         direction = row / torch.sqrt(gains[rows, pick]).unsqueeze(-1)
         factors[step] = direction
         gains = gains - direction.square()
-        gains[rows, pick] = -float("inf")
     return chosen
 
 

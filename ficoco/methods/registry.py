@@ -586,7 +586,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "projector reads, head mean"),
                Need("hidden", "vision L", "all", "that layer's output, the projector's input (the duplicate "
                     "similarity's features)")),
-        hyperparameters={"important_ratio": 0.5, "default_keep_ratio": 128 / 576},
+        hyperparameters={"important_ratio": 0.5, "default_keep_ratio": 0.2222},
         families=ALL_FAMILIES, module="ficoco.methods.vispruner", function="vispruner_reduce",
         source="Theia-4869/VisPruner (copy anonymous-4869/VisPruner d01c757)",
         summary="keep half by [CLS] attention, the rest by removing duplicates among the others, then project",
@@ -599,7 +599,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         needs=(Need("hidden", "projector", "all", "the projector's output, every patch"),
                Need("input_embeddings", "embeddings", "suffix", "the LLM's input embeddings of the prompt's text "
                     "after the visual span: the instruction, in place of the CLIP text tower")),
-        hyperparameters={"default_keep_ratio": 128 / 576},
+        hyperparameters={"default_keep_ratio": 0.2222},
         families=ALL_FAMILIES, module="ficoco.methods.cdpruner", function="cdpruner_reduce",
         source="Theia-4869/CDPruner ed9c12d",
         summary="conditional DPP (cosine kernel weighted by instruction relevance), fast greedy MAP; relevance "
