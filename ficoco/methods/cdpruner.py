@@ -66,7 +66,8 @@ def relevance(image: Tensor, text: Tensor, text_mask: Tensor | None = None) -> T
         weight = text_mask.to(dtype).unsqueeze(1)
         score = (-cos * weight).sum(dim=-1) / weight.sum(dim=-1).clamp(min=1)
     low, high = score.min(dim=1, keepdim=True).values, score.max(dim=1, keepdim=True).values
-    return (score - low + 1e-6) / (high - low)
+    # Equal relevance everywhere (no text, or one token): the official 0 / 0; any constant picks the same.
+    return (score - low + 1e-6) / (high - low).clamp(min=1e-12)
 
 
 def conditional_kernel(features: Tensor, relevance_scores: Tensor) -> Tensor:

@@ -575,7 +575,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         needs=(Need("hidden", "projector", "all", "the projector's output, every patch"),),
         hyperparameters={"ratio": 0.098},
         families=ALL_FAMILIES, module="ficoco.methods.divprune", function="divprune_reduce",
-        source="vbdi/divprune (README and run script; the paper's Algorithm 1)",
+        source="vbdi/divprune (README; its DivPrune function as copied verbatim in ModelTC/llmc)",
         summary="keep the projected patches of greatest Max-Min cosine diversity, in image order",
         keep_means=_PER_ITEM + " (default: SUBSET_RATIO 0.098, 56 of 576)",
         steps=_divprune_steps, settings_for_keep=_divprune_for_keep, extra_macs=_divprune_extra, wired=True,
