@@ -104,6 +104,9 @@ class Handle:
     # adaptive count, or the planned count of any other method; a Video-LLaVA frame's [CLS] apart).
     tower_state: Any = None
     measured_tokens_per_item: int | None = None
+    # The prompt (input_ids, attention_mask) of the image call in progress, as the entry received it:
+    # a method before the LLM that reads the instruction (CDPruner) embeds its text tokens from it.
+    prompt_ids: tuple[Tensor, Tensor | None] | None = field(default=None, repr=False)
     language_state: LanguageState | None = None
     # (B, T_out) position in the last forward's input_ids of every output position (see above).
     output_positions: Tensor | None = None
@@ -168,6 +171,7 @@ class Handle:
         """Restore the model exactly as it was before `apply`."""
         self._patches.undo()
         self.language_state = self.vision_state = self.output_positions = self.prompt_map = None
+        self.prompt_ids = None
         self.tower_state = None
         self.cache_states.clear()
         if self.model.__dict__.get("_ficoco_handle") is self:

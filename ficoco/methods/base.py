@@ -127,6 +127,8 @@ class StepContext:
         suffix_tokens: text tokens after the visual span.
         dims: decoder widths (a vision step: the tower's, ``kv_heads == heads``).
         settings: the method's settings (as `steps` received them).
+        projected_width: the width of the projector's output (the LLM's hidden size): what an
+            ``after_projector`` step's tokens have (``dims`` are the tower's for a vision step).
     """
 
     step: Step
@@ -137,6 +139,7 @@ class StepContext:
     suffix_tokens: int
     dims: Dims
     settings: Mapping[str, Any]
+    projected_width: int = 0
 
 
 # (layer the work runs at, what it is, multiply-accumulates per sample); layer None: before layer 0.

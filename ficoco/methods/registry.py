@@ -379,6 +379,67 @@ def _prumerge_extra(ctx: StepContext) -> ExtraMacs:
             (layer, "prumerge_vision_extra_token", ctx.visual_before * d.hidden)]
 
 
+# ---- DivPrune, VisPruner, CDPruner (diversity-based selection before the LLM) -----------------------------------
+
+def _vispruner_rounds(residual: int, diverse: int) -> list[tuple[int, int, int]]:
+    # The duplicate-removal rounds (a, b, removed); ficoco.methods.vispruner runs the same plan (no torch here).
+    rounds = []
+    while (r := min(8, residual - diverse)) > 0:
+        a = (residual + 1) // 2
+        rounds.append((a, residual // 2, min(r, a)))
+        residual -= min(r, a)
+    return rounds
+
+
+def _cut_steps(title: str, where: str) -> Any:
+    def steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+        keep = settings["keep"]
+        _check_keep(title, keep, n_visual)
+        return (Step(n_layers - 1, n_visual - keep, 0, where, "vision"),) if keep < n_visual else ()
+    return steps
+
+
+def _ratio_for_keep(title: str, ratio_name: str, **fixed: Any) -> Any:
+    def for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+        if keep is None:  # the official default row, scaled to the item's tokens
+            keep = max(1, round(n_visual * hp[ratio_name]))
+        _check_keep(title, keep, n_visual)
+        return {"keep": keep, **{name: hp[name] for name in hp if name != ratio_name}, **fixed}
+    return for_keep
+
+
+def _divprune_extra(ctx: StepContext) -> ExtraMacs:
+    tokens = ctx.visual_before
+    # 1 - cos of every pair of projected tokens; the greedy Max-Min picks are comparisons (no MACs).
+    return [(ctx.step.layer, "divprune_projected_cosine_distance", tokens * tokens * ctx.projected_width)]
+
+
+def _vispruner_extra(ctx: StepContext) -> ExtraMacs:
+    d, s = ctx.dims, ctx.settings
+    important = int(s["keep"] * s["important_ratio"])
+    rounds = _vispruner_rounds(ctx.visual_before - important, s["keep"] - important)
+    return [(ctx.step.layer, "vispruner_vision_cls_row", d.heads * d.head_dim * ctx.seq_before),
+            # Each round: cosine of every even-place residual token with every odd-place one, tower width.
+            (ctx.step.layer, "vispruner_vision_duplicate_similarity", sum(a * b for a, b, _ in rounds) * d.hidden)]
+
+
+def _cdpruner_extra(ctx: StepContext) -> ExtraMacs:
+    tokens, keep, width = ctx.visual_before, ctx.settings["keep"], ctx.projected_width
+    return [(ctx.step.layer, "cdpruner_projected_similarity", tokens * tokens * width),
+            (ctx.step.layer, "cdpruner_text_relevance", tokens * ctx.suffix_tokens * width),
+            # Fast greedy MAP: pick t projects the kernel row on the t earlier factor rows.
+            (ctx.step.layer, "cdpruner_greedy_map", tokens * keep * (keep - 1) // 2)]
+
+
+_divprune_steps = _cut_steps("DivPrune", "after_projector")
+_vispruner_steps = _cut_steps("VisPruner", "tower_output")
+_cdpruner_steps = _cut_steps("CDPruner", "after_projector")
+_divprune_for_keep = _ratio_for_keep("DivPrune", "ratio")
+_vispruner_for_keep = _ratio_for_keep("VisPruner", "default_keep_ratio")
+_CDPRUNER_RELEVANCE = "LLM input embeddings of the prompt text (no CLIP text tower)"
+_cdpruner_for_keep = _ratio_for_keep("CDPruner", "default_keep_ratio", relevance=_CDPRUNER_RELEVANCE)
+
+
 # ---- the registry --------------------------------------------------------------------------------------------------
 
 _PER_ITEM = "visual tokens per image, crop or frame that reach the LLM"
@@ -507,6 +568,44 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without --keep "
                    "the count is adaptive, planned at assumed_tokens and measured at run time)",
         steps=_prumerge_steps, settings_for_keep=_prumerge_for_keep, extra_macs=_prumerge_extra, wired=True,
+    ),
+    MethodSpec(
+        name="divprune", title="DivPrune", acts_at="after_projector", placement="after_projector",
+        positions="grid",
+        needs=(Need("hidden", "projector", "all", "the projector's output, every patch"),),
+        hyperparameters={"ratio": 0.098},
+        families=ALL_FAMILIES, module="ficoco.methods.divprune", function="divprune_reduce",
+        source="vbdi/divprune (README; its DivPrune function as copied verbatim in ModelTC/llmc)",
+        summary="keep the projected patches of greatest Max-Min cosine diversity, in image order",
+        keep_means=_PER_ITEM + " (default: SUBSET_RATIO 0.098, 56 of 576)",
+        steps=_divprune_steps, settings_for_keep=_divprune_for_keep, extra_macs=_divprune_extra, wired=True,
+    ),
+    MethodSpec(
+        name="vispruner", title="VisPruner", acts_at="vision_layer", placement="tower_output", positions="grid",
+        needs=(Need("attention_rows", "vision L", "cls", "the [CLS] query's softmax over every key of the layer the "
+                    "projector reads, head mean"),
+               Need("hidden", "vision L", "all", "that layer's output, the projector's input (the duplicate "
+                    "similarity's features)")),
+        hyperparameters={"important_ratio": 0.5, "default_keep_ratio": 0.2222},
+        families=ALL_FAMILIES, module="ficoco.methods.vispruner", function="vispruner_reduce",
+        source="Theia-4869/VisPruner (copy anonymous-4869/VisPruner d01c757)",
+        summary="keep half by [CLS] attention, the rest by removing duplicates among the others, then project",
+        keep_means=_PER_ITEM + " (default: the README's 128 of 576)", cls_note=_EQUIVALENT,
+        steps=_vispruner_steps, settings_for_keep=_vispruner_for_keep, extra_macs=_vispruner_extra, wired=True,
+    ),
+    MethodSpec(
+        name="cdpruner", title="CDPruner", acts_at="after_projector", placement="after_projector",
+        positions="grid",
+        needs=(Need("hidden", "projector", "all", "the projector's output, every patch"),
+               Need("input_embeddings", "embeddings", "suffix", "the LLM's input embeddings of the prompt's text "
+                    "after the visual span: the instruction, in place of the CLIP text tower")),
+        hyperparameters={"default_keep_ratio": 0.2222},
+        families=ALL_FAMILIES, module="ficoco.methods.cdpruner", function="cdpruner_reduce",
+        source="Theia-4869/CDPruner ed9c12d",
+        summary="conditional DPP (cosine kernel weighted by instruction relevance), fast greedy MAP; relevance "
+                "from the LLM's input embeddings of the instruction (the checkpoints carry no CLIP text tower)",
+        keep_means=_PER_ITEM + " (default: the README's 128 of 576)",
+        steps=_cdpruner_steps, settings_for_keep=_cdpruner_for_keep, extra_macs=_cdpruner_extra, wired=True,
     ),
 )}
 

@@ -74,6 +74,10 @@ class TowerInput:
             step's layer (the probe computed the layer's output from them), when the method asks for
             ``attention_rows`` of ``all`` rows; else None.
         grid_hw: the item's patch grid (rows, cols), for methods that act on the grid.
+        text: ``(items, M, D)`` the LLM's input embeddings of the text after the visual span of the
+            prompt each item belongs to (padded to the longest), for a method that reads the
+            instruction (a need of kind ``input_embeddings``); else None. ``text_mask``: ``(items, M)``
+            True on real tokens.
     """
 
     hidden: Tensor
@@ -87,6 +91,8 @@ class TowerInput:
     positions: Tensor | None = None
     attention: Tensor | None = None
     grid_hw: tuple[int, int] | None = None
+    text: Tensor | None = None
+    text_mask: Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -620,3 +620,16 @@ def ensure_supported(model: nn.Module) -> None:
     release)."""
     check_release()
     check_model(model)
+
+
+# -- the LLM's input embedding table (CDPruner's instruction embeddings) ---------------------------------------
+
+
+@contact("input embeddings")
+def _check_input_embeddings() -> None:
+    _require_attribute("input embeddings", _module("modeling_utils").PreTrainedModel, "get_input_embeddings")
+
+
+def embed_tokens(model: nn.Module, input_ids: Any) -> Any:
+    """The LLM's input embeddings of `input_ids`, from the model's own table (`get_input_embeddings()`)."""
+    return _require_attribute("input embeddings", model, "get_input_embeddings")()(input_ids)

@@ -246,6 +246,8 @@ class LlavaAdapter:
             has_pixels = any(call.get(key) is not None for key in self.pixel_inputs)
             if has_pixels:
                 handle.begin_forward()
+                if input_ids is not None:
+                    handle.prompt_ids = (input_ids, call.get("attention_mask"))
             visual = has_pixels or bool(call.get(hf.ENCODED_FEATURES_KEYWORD))
             positions = None
             if shortens and not visual:
@@ -314,9 +316,11 @@ class LlavaAdapter:
             check_call_options(model, kwargs, variant)
             # transformers encodes the images before its first forward call, so a new
             # generation starts here, not in forward.
+            prompt = kwargs.get("input_ids")
             if any(kwargs.get(key) is not None for key in self.pixel_inputs):
                 handle.begin_forward()
-            prompt = kwargs.get("input_ids")
+                if prompt is not None:  # generate may encode the images before its first forward
+                    handle.prompt_ids = (prompt, kwargs.get("attention_mask"))
             kept = None
             keep = keep_per_image
             if shortens and adaptive and prompt is not None:

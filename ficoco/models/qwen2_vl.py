@@ -143,11 +143,64 @@ class Qwen2VLAdapter(LlavaAdapter):
         methods are planned on Qwen2-VL (the equivalent token in place of [CLS], per merge group) but have
         no step on merge groups: refused in one line."""
         step = getattr(spec.load(), "reduce_groups", None)
+        if spec.placement == "after_projector" and not any(n.layer.startswith("vision") for n in spec.needs):
+            # A cut on the merger's output that reads nothing of the tower (DivPrune, CDPruner).
+            self.patch_projector_cut(handle, patches, spec, schedule)
+            return
         if spec.placement != "in_layer" or step is None:
             raise FicocoError(f"--variant {spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
                               "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
                               "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
         self.patch_vision(handle, patches, schedule.removed_at(), step)
+
+    # -- a cut after the merger (DivPrune, CDPruner): whole merge groups per image ------------------------
+    def patch_projector_cut(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """Run the method's `tower_step` on the PatchMerger's output of every image (the LLM tokens, one
+        per 2 x 2 group), batched per image size, keeping ``keep`` groups per image; the prompt's spans are
+        then shortened to the kept groups and their 3-D positions, as for FiCoCo-V."""
+        from ficoco.methods.vision_stages import TowerInput
+        from ficoco.models.patching import method_settings
+        from ficoco.models.vision_steps import complement, prompt_text
+
+        module, settings = spec.load(), method_settings(handle, spec, schedule)
+        cut = next((r for r in schedule.removals if r.where == "after_projector"), None)
+        wants_text = any(need.kind == "input_embeddings" for need in spec.needs)
+        visual = self.visual
+        original_tower = visual.forward
+
+        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+            tower = self._tower = self._start_pass(grid_thw)
+            out = original_tower(hidden_states, grid_thw, **kwargs)
+            if cut is None:
+                return out
+            features = getattr(out, hf.FEATURES_FIELD)
+            pieces = list(features.split([len(groups) for groups in tower.kept_groups]))
+            text = prompt_text(handle, self, len(pieces), spec.title) if wants_text else (None, None)
+            sizes: dict[tuple[int, int], list[int]] = {}
+            for image, grid in enumerate(tower.grids):
+                sizes.setdefault(grid, []).append(image)
+            for (rows, cols), images in sizes.items():
+                groups, keep = len(tower.kept_groups[images[0]]), settings["keep"]
+                if keep > groups:
+                    raise FicocoError(f"{spec.title} keeps {keep} tokens per image, but an image of {rows}x{cols} "
+                                      f"patches has {groups}; give a smaller --keep")
+                chosen = torch.tensor(images, device=features.device)
+                inputs = TowerInput(hidden=torch.stack([pieces[i] for i in images]), has_cls=False,
+                                    remove=groups - keep,
+                                    text=None if text[0] is None else text[0][chosen.to(text[0].device)],
+                                    text_mask=None if text[1] is None else text[1][chosen.to(text[1].device)])
+                red = handle.run_method(("projector", None), module.tower_step, inputs, settings)
+                gone = complement(red.kept, groups)
+                handle.record("vision", cut.layer, kept=group_patches(red.kept, cols, self.merge_size),
+                              discarded=group_patches(gone, cols, self.merge_size))
+                for b, image in enumerate(images):
+                    pieces[image] = red.hidden[b]
+                    tower.kept_groups[image] = red.kept[b]
+            setattr(out, hf.FEATURES_FIELD, torch.cat(pieces))
+            return out
+
+        patches.set(visual, "forward", tower_forward)
+        patches.on_undo(lambda: setattr(self, "_tower", None))
 
     # -- FiCoCo-V: the tower ----------------------------------------------------------------
     def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int],
@@ -509,6 +562,7 @@ class Qwen2VLAdapter(LlavaAdapter):
                 raise FicocoError("FiCoCo-V on Qwen2-VL needs input_ids and image_grid_thw with pixel_values "
                                   "(the image spans are shortened in input_ids)")
             handle.begin_forward()
+            handle.prompt_ids = (input_ids, call.get("attention_mask"))  # a method that reads the instruction
             cache = hf.cache_in(call)
             past = int(cache.get_seq_length()) if cache is not None else 0
             if past:  # a later turn of a conversation whose earlier turns the cache holds

@@ -151,6 +151,8 @@ class TowerPatch:
                 self.probes[layer] = (cls or need.rows == "cls", rows or every_row)
         # The probe a cut reads: the one layer probed for it (the layer the projector reads, or the last).
         self.cut_probe = next(iter(sorted(set(self.probes) - set(self.in_layer))), None)
+        # A method that reads the instruction (CDPruner): the prompt's text embeddings at its cut.
+        self.wants_text = any(need.kind == "input_embeddings" for need in spec.needs)
         self.slots: dict[int, TowerSlot] = {}
 
     def install(self, patches: Patches) -> None:
@@ -254,8 +256,11 @@ class TowerPatch:
                               f"projector received {units}; vision_feature_select_strategy must be 'default'")
         keys, query, scale, _ = state.probes.get(self.cut_probe, (None, None, None, None)) \
             if self.cut_probe is not None else (None, None, None, None)
+        text = text_mask = None
+        if self.wants_text:
+            text, text_mask = prompt_text(self.handle, self.adapter, items, self.spec.title)
         inputs = TowerInput(hidden=features, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
-                            cls_query=query, scale=scale)
+                            cls_query=query, scale=scale, text=text, text_mask=text_mask)
         out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
         hidden = out.hidden
         if out.counts is not None:
@@ -272,6 +277,35 @@ class TowerPatch:
         self.handle.record("vision", removal.layer, kept=kept, discarded=_gone(present, kept, units))
         placed = torch.gather(origin.to(kept.device), 1, kept.clamp(min=0))
         return hidden, torch.where(kept >= 0, placed, torch.full_like(kept, -1))
+
+
+def prompt_text(handle: Handle, adapter: Any, items: int, title: str) -> tuple[Tensor, Tensor]:
+    """(items, M, D) the LLM's input embeddings of the text after the last visual placeholder of the
+    prompt each tower item belongs to, and (items, M) True on real tokens, for a method that reads the
+    instruction (a need of kind ``input_embeddings``: CDPruner). The items of a call are the samples'
+    images, crops or frames in sample order (generate repeats a prompt's rows in place), so item i
+    belongs to sample i // (items / samples). One host read (the longest text)."""
+    if handle.prompt_ids is None:
+        raise FicocoError(f"{title} reads the prompt's text: call the model with input_ids")
+    input_ids, mask = handle.prompt_ids
+    samples, length = input_ids.shape
+    if items % samples:
+        raise FicocoError(f"{title}: {items} tower items do not split evenly among the {samples} prompts of this "
+                          "call; give every sample the same number of images (crops, frames)")
+    visual = adapter.language_tokens(input_ids) | adapter.unreduced_visual(input_ids)
+    positions = torch.arange(length, device=input_ids.device).expand(samples, -1)
+    last = torch.where(visual, positions, -1).max(dim=1).values
+    text = positions > last.unsqueeze(1)
+    if mask is not None:
+        text = text & mask[:, -length:].bool().to(text.device)
+    counts = text.sum(dim=1)
+    width = max(1, int(counts.max()))
+    # A stable sort of the "not text" flags lists every sample's text positions first, in order.
+    order = torch.sort((~text).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    embeds = hf.embed_tokens(adapter.model, torch.gather(input_ids, 1, order))
+    real = torch.arange(width, device=input_ids.device).unsqueeze(0) < counts.unsqueeze(1)
+    copies = items // samples
+    return embeds.repeat_interleave(copies, dim=0), real.repeat_interleave(copies, dim=0)
 
 
 def _gone(present: Tensor, kept: Tensor, total: int, width: int | None = None) -> Tensor:
