@@ -104,6 +104,9 @@ class Handle:
     # adaptive count, or the planned count of any other method; a Video-LLaVA frame's [CLS] apart).
     tower_state: Any = None
     measured_tokens_per_item: int | None = None
+    # Qwen2.5-VL under FiCoCo-V: the query-key pairs every vision layer of the last tower pass ran
+    # (its windows, as the reduction left them), for flops --verify's accountant.
+    vision_attention_pairs: dict[int, int] = field(default_factory=dict, repr=False)
     language_state: LanguageState | None = None
     # (B, T_out) position in the last forward's input_ids of every output position (see above).
     output_positions: Tensor | None = None

@@ -38,6 +38,7 @@ when the last-token head is asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections import Counter
@@ -573,7 +574,14 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
         prefill.close()
         if handle is not None:
             handle.remove()
+    if handle is not None and handle.vision_attention_pairs:
+        # Windowed attention (Qwen2.5-VL): the query-key pairs the run's windows held, per vision layer.
+        _measured_pairs[:] = [handle.vision_attention_pairs[layer] for layer in range(len(paths.vision_layers))]
     return fv, tc, paths, method_paths, handle.measured_tokens_per_item if handle is not None else None
+
+
+# The query-key pairs per vision layer the last measured run's windows held (Qwen2.5-VL under a reduction).
+_measured_pairs: list[int] = []
 
 
 def _check_calls(method: nn.ModuleDict, plan: TokenPlan, counter: str) -> None:
@@ -611,6 +619,7 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
         raise FicocoError(f"unknown LM-head mode '{lm_head_tokens}': choose from all, last")
     plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
     inputs = synthetic_inputs(model, batch=batch, text_tokens=text_tokens, seed=seed)
+    _measured_pairs.clear()
     fv, tc, paths, method_paths, measured = _measure(model, inputs, schedule, plan,
                                                      1 if lm_head_tokens == "last" else 0)
     if schedule.settings_dict().get("adaptive") and measured is not None:
@@ -620,6 +629,8 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
 
         schedule = at_measured_count(arch, schedule, measured)
         plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
+    if _measured_pairs:
+        plan = dataclasses.replace(plan, vision_attention_pairs=tuple(_measured_pairs))
     by_stage, by_layer = analytic_counts(arch, plan, batch=batch, lm_head_tokens=lm_head_tokens)
     fv_stages, fv_layers, fv_method = _attribute(fv, paths, method_paths, method_inside=False)
     tc_stages, tc_layers, tc_method = _attribute(tc, paths, method_paths, method_inside=True)
