@@ -101,7 +101,10 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         vision-side methods as on Qwen2-VL."""
         step = getattr(spec.load(), "reduce_groups", None)
         if spec.placement != "in_layer" or step is None:
-            return super().patch_tower(handle, patches, spec, schedule)
+            try:
+                return super().patch_tower(handle, patches, spec, schedule)
+            except FicocoError as exc:  # Qwen2-VL's refusal, in this family's name
+                raise FicocoError(str(exc).replace("Qwen2-VL", "Qwen2.5-VL")) from None
         self.patch_vision(handle, patches, schedule.removed_at(), step)
 
     def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int],
