@@ -263,3 +263,46 @@ def test_fastv_runs_on_qwen2_5_vl_and_its_count_is_verified(model: nn.Module, ar
     assert [seen["llm-mlp"][i][0] for i in range(4)] == [n for _, n in plan.llm] == [TEXT + GROUPS] * 2 + [TEXT + 10] * 2
     result = verify(load_profile("qwen2.5-vl-tiny"), [handle.schedule], model=model)
     assert result.passed
+
+
+def test_v_images_of_different_sizes_each_keep_their_own_windows(model: nn.Module) -> None:
+    """A 6 x 7-group image (its right column of windows one group wide) beside a 5 x 4-group one."""
+    small = inputs(model, seed=7)
+    large = synthetic_inputs(model, text_tokens=TEXT, seed=8, image_size=(168, 196))
+    pad = large["input_ids"].shape[1] - small["input_ids"].shape[1]
+    batch = {k: torch.cat([torch.cat([torch.zeros(1, pad, dtype=small[k].dtype), small[k]], 1), large[k]])
+             for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    batch["pixel_values"] = torch.cat([small["pixel_values"], large["pixel_values"]])
+    batch["image_grid_thw"] = torch.cat([small["image_grid_thw"], large["image_grid_thw"]])
+    with ficoco.apply(model, "v", schedule={1: 4, 2: 3, 3: 4}):
+        together = model(**batch).logits
+        alone = [model(**x).logits for x in (small, large)]
+    assert together.shape[1] == large["input_ids"].shape[1] - 11
+    torch.testing.assert_close(together[0:1, pad:], alone[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(together[1:2], alone[1], atol=1e-5, rtol=0)
+
+
+def test_a_real_prompt_through_a_local_checkouts_processor_runs_v(tmp_path: Any) -> None:
+    """The checkpoint's processor and chat template lay the prompt out (Qwen2-VL's); the accountant plans
+    the processor's grid and V runs on it."""
+    from PIL import Image
+
+    from local_checkpoints import make_checkpoint
+    from ficoco.models.prompt import encode_prompt
+    from ficoco.profiles import set_layout
+
+    folder = make_checkpoint("qwen2_5_vl", tmp_path / "checkpoint")
+    picture = Image.new("RGB", (150, 100))
+    picture.putdata([(x % 256, (3 * x) % 256, 40) for x in range(150 * 100)])
+    picture.save(tmp_path / "wide.png")
+    profile = load_profile(str(folder))
+    prompt = encode_prompt(str(folder), profile.config, image=str(tmp_path / "wide.png"), prompt="What is shown?")
+    assert prompt.text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is shown?")
+    # 150x100 resizes to 140x112: 10 x 8 patches, 20 merge groups.
+    assert prompt.image_size == (112, 140) and prompt.visual_tokens == 20
+    set_layout(profile, image_size=prompt.image_size)
+    assert architecture(profile).visual_tokens == prompt.visual_tokens
+    model = ficoco.build_model(str(folder), weights=str(folder), dtype="fp32", check_memory=False)
+    with ficoco.apply(model, "v", schedule={1: 8}):
+        logits = model(**prompt.encoded).logits
+    assert logits.shape[1] == prompt.encoded["input_ids"].shape[1] - 8
