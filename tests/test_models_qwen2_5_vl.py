@@ -185,6 +185,15 @@ def test_v_in_a_window_layer_leaves_the_kept_groups_in_their_windows(model: nn.M
     assert later[0]["cu_seqlens"].tolist() == [0, *torch.tensor(expected).cumsum(0).tolist()]
     assert torch.equal(later[0]["position_embeddings"][0], first[0]["position_embeddings"][0][torch.tensor(rows)])
     assert pairs[3] == sum(n * n for n in expected) and pairs[2] == 2 * kept_tokens**2
+    # The window layer's attention map held no pair across windows: a discarded group folds into a kept
+    # group of its own window wherever its window keeps one.
+    rec = records[0]
+    for b in range(2):
+        kept = groups_of(rec.kept[b])
+        for patch, target in zip(rec.discarded[b].tolist(), rec.merged_into[b].tolist(), strict=True):
+            source, into = groups_of(torch.tensor([patch]))[0], groups_of(torch.tensor([target]))[0]
+            if any(window_of(k) == window_of(source) for k in kept):
+                assert window_of(into) == window_of(source), f"group {source} folded into group {into}"
     assert pairs[0] == 2 * sum(n * n for n in windows)
 
 

@@ -21,7 +21,9 @@ FiCoCo-V in this tower:
 - A reducing window layer ran one attention per window: the image's attention map is the block
   diagonal of its windows' maps (a group attends to, and correlates with, the groups of its own
   window only, as the layer computed), assembled before the method reads it; a full layer's map
-  is the image's.
+  is the image's. So a discarded group is folded into kept groups of its own window; one whose
+  window keeps no other group correlates with no kept group (a zero row), and FiCoCo's adaptive
+  weights spread it uniformly over the image's kept groups, as they do for any zero row.
 - A removed group leaves its window: the window boundaries after a reduction are recomputed from
   the windows of the groups still present (each keeps the window it started in; the sequence
   stays in window order because the method keeps the remaining groups in sequence order), and a
