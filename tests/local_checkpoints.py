@@ -69,7 +69,8 @@ def make_processor(family: str, model):
     pieces a checkpoint stores: (tokenizer, image processor, chat template)."""
     config = model.config
     _, specials = FAMILIES[family]
-    tokenizer = make_tokenizer(specials, config.get_text_config().vocab_size, add_bos=family not in ("qwen2_vl", "qwen2_5_vl"))
+    tokenizer = make_tokenizer(specials, config.get_text_config().vocab_size,
+                               add_bos=family not in ("qwen2_vl", "qwen2_5_vl"))
     if family in ("qwen2_vl", "qwen2_5_vl"):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

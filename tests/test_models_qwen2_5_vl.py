@@ -269,7 +269,8 @@ def test_fastv_runs_on_qwen2_5_vl_and_its_count_is_verified(model: nn.Module, ar
         model(**inp)
     plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
     # FastV cuts at layer 2's input, inside the wrapped layer: its MLP (and every later layer) runs on 10 fewer.
-    assert [seen["llm-mlp"][i][0] for i in range(4)] == [n for _, n in plan.llm] == [TEXT + GROUPS] * 2 + [TEXT + 10] * 2
+    entering_mlp = [seen["llm-mlp"][i][0] for i in range(4)]
+    assert entering_mlp == [n for _, n in plan.llm] == [TEXT + GROUPS] * 2 + [TEXT + 10] * 2
     result = verify(load_profile("qwen2.5-vl-tiny"), [handle.schedule], model=model)
     assert result.passed
 
