@@ -107,6 +107,9 @@ class Handle:
     # The prompt (input_ids, attention_mask) of the image call in progress, as the entry received it:
     # a method before the LLM that reads the instruction (CDPruner) embeds its text tokens from it.
     prompt_ids: tuple[Tensor, Tensor | None] | None = field(default=None, repr=False)
+    # Qwen2.5-VL under FiCoCo-V: the query-key pairs every vision layer of the last tower pass ran
+    # (its windows, as the reduction left them), for flops --verify's accountant.
+    vision_attention_pairs: dict[int, int] = field(default_factory=dict, repr=False)
     language_state: LanguageState | None = None
     # (B, T_out) position in the last forward's input_ids of every output position (see above).
     output_positions: Tensor | None = None

@@ -42,6 +42,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "family": "qwen2_vl", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4},
         "image_size": [672, 672],
     },
+    "qwen2_5_vl": {
+        "family": "qwen2_5_vl", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4},
+        "image_size": [672, 672],
+    },
 }
 
 
@@ -246,8 +250,9 @@ def set_layout(profile: Profile, *, image_size: tuple[int, int] | None = None, f
     """Record the input layout (image size (H, W), video frames) in the profile's defaults, so
     that the accountant, the built model and `apply` all plan for the same input."""
     if image_size is not None:
-        if profile.family not in ("llava_next", "qwen2_vl"):
-            raise FicocoError(f"--image-size applies to llava_next and qwen2_vl models, not {profile.family}")
+        if profile.family not in ("llava_next", "qwen2_vl", "qwen2_5_vl"):
+            raise FicocoError(f"--image-size applies to llava_next, qwen2_vl and qwen2_5_vl models, "
+                              f"not {profile.family}")
         profile.defaults["image_size"] = [int(image_size[0]), int(image_size[1])]
     if frames is not None:
         if profile.family != "video_llava":

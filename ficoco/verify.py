@@ -38,6 +38,7 @@ when the last-token head is asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections import Counter
@@ -534,9 +535,11 @@ def _attribute(measured: _Measured, paths: _Paths, method_paths: list[tuple[str,
 
 
 def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, plan: TokenPlan,
-             logits_to_keep: int) -> tuple[_Measured, _Measured, _Paths, list[tuple[str, int | None, str]], int | None]:
-    """Run the prefill of `schedule` under fvcore and under torch's counter; the last item is the
-    visual tokens per item the run handed the LLM, as measured (a method acting before the LLM)."""
+             logits_to_keep: int) -> tuple[_Measured, _Measured, _Paths, list[tuple[str, int | None, str]], int | None,
+                                           tuple[int, ...]]:
+    """Run the prefill of `schedule` under fvcore and under torch's counter; the last items are the
+    visual tokens per item the run handed the LLM, as measured (a method acting before the LLM), and
+    the query-key pairs every vision layer ran where the tower attends within windows (else empty)."""
     import ficoco.api
     from ficoco.models import adapter_for
     from ficoco.models.patching import Patches
@@ -573,7 +576,10 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
         prefill.close()
         if handle is not None:
             handle.remove()
-    return fv, tc, paths, method_paths, handle.measured_tokens_per_item if handle is not None else None
+    # Windowed attention (Qwen2.5-VL under a reduction): the query-key pairs the run's windows held per layer.
+    pairs = tuple(handle.vision_attention_pairs[layer] for layer in range(len(paths.vision_layers))) \
+        if handle is not None and handle.vision_attention_pairs else ()
+    return fv, tc, paths, method_paths, handle.measured_tokens_per_item if handle is not None else None, pairs
 
 
 def _check_calls(method: nn.ModuleDict, plan: TokenPlan, counter: str) -> None:
@@ -611,8 +617,8 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
         raise FicocoError(f"unknown LM-head mode '{lm_head_tokens}': choose from all, last")
     plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
     inputs = synthetic_inputs(model, batch=batch, text_tokens=text_tokens, seed=seed)
-    fv, tc, paths, method_paths, measured = _measure(model, inputs, schedule, plan,
-                                                     1 if lm_head_tokens == "last" else 0)
+    fv, tc, paths, method_paths, measured, pairs = _measure(model, inputs, schedule, plan,
+                                                            1 if lm_head_tokens == "last" else 0)
     if schedule.settings_dict().get("adaptive") and measured is not None:
         # An adaptive count (PruMerge+ without --keep) is known only once the tower ran: the accountant
         # counts the run at the count it measured (the same for every item, or the run refused).
@@ -620,6 +626,8 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
 
         schedule = at_measured_count(arch, schedule, measured)
         plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
+    if pairs:
+        plan = dataclasses.replace(plan, vision_attention_pairs=pairs)
     by_stage, by_layer = analytic_counts(arch, plan, batch=batch, lm_head_tokens=lm_head_tokens)
     fv_stages, fv_layers, fv_method = _attribute(fv, paths, method_paths, method_inside=False)
     tc_stages, tc_layers, tc_method = _attribute(tc, paths, method_paths, method_inside=True)

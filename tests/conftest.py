@@ -42,6 +42,7 @@ TRANSFORMERS_TESTS = frozenset({
     "test_tower_methods_next.py", "test_kv_cache.py", "test_quantize.py", "test_real_inputs.py", "test_verify.py",
 })
 TRANSFORMERS_TESTS |= {"test_methods_diversity.py"}  # issue 25: DivPrune, VisPruner, CDPruner
+TRANSFORMERS_TESTS |= {"test_models_qwen2_5_vl.py"}
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -36,6 +36,7 @@ FAMILIES = {
     "qwen2_vl": ("qwen2-vl-tiny", {300: "<|image_pad|>", 301: "<|video_pad|>", 302: "<|vision_start|>",
                                    303: "<|vision_end|>", 304: "<|im_start|>", 305: "<|im_end|>", 306: "<pad>"}),
 }
+FAMILIES["qwen2_5_vl"] = ("qwen2.5-vl-tiny", FAMILIES["qwen2_vl"][1])  # Qwen2-VL's tokens and processor
 
 
 def make_tokenizer(specials: dict[int, str], vocab_size: int, *, add_bos: bool):
@@ -68,8 +69,9 @@ def make_processor(family: str, model):
     pieces a checkpoint stores: (tokenizer, image processor, chat template)."""
     config = model.config
     _, specials = FAMILIES[family]
-    tokenizer = make_tokenizer(specials, config.get_text_config().vocab_size, add_bos=family != "qwen2_vl")
-    if family == "qwen2_vl":
+    tokenizer = make_tokenizer(specials, config.get_text_config().vocab_size,
+                               add_bos=family not in ("qwen2_vl", "qwen2_5_vl"))
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         vision = config.vision_config

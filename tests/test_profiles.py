@@ -17,6 +17,7 @@ PROFILES = [
     "llava-1.5-13b", "llava-1.5-7b", "llava-gqa-tiny", "llava-next-7b", "llava-next-tiny", "llava-tiny",
     "qwen2-vl-7b", "qwen2-vl-tiny", "video-llava-7b", "video-llava-tiny",
 ]
+PROFILES = sorted([*PROFILES, "qwen2.5-vl-7b", "qwen2.5-vl-tiny"])  # issue 25
 
 
 def raw_profile(name):

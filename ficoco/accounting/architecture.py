@@ -40,6 +40,12 @@ _QWEN2_VL_VISION_DEFAULTS = {
     "depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16, "in_channels": 3,
     "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
 }
+# Qwen2_5_VLVisionConfig's defaults (its hidden_size is the tower width, out_hidden_size the LLM's).
+_QWEN2_5_VL_VISION_DEFAULTS = {
+    "depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "num_heads": 16, "in_channels": 3,
+    "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+    "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31],
+}
 # Qwen2-VL's image processor bounds (min_pixels, max_pixels).
 _QWEN2_VL_MIN_PIXELS = 56 * 56
 _QWEN2_VL_MAX_PIXELS = 28 * 28 * 1280
@@ -54,7 +60,7 @@ class VisionTower:
     a crop of LLaVA-NeXT's AnyRes, a frame of Video-LLaVA, one image of Qwen2-VL.
     """
 
-    kind: str  # "clip" or "qwen2_vl"
+    kind: str  # "clip", "qwen2_vl" or "qwen2_5_vl"
     layers: int  # layers that run (Hugging Face runs the whole tower)
     hidden: int
     ffn: int
@@ -70,6 +76,11 @@ class VisionTower:
     merge: int  # patches joined into one LLM token (Qwen2-VL's PatchMerger: 4)
     towers: int  # parameter copies (Video-LLaVA has an image and a video tower)
     position_embeddings: int  # learned position rows (CLIP), 0 for rotary
+    # Qwen2.5-VL: merge groups in every attention window of an item, in the tower's window order
+    # (windows at the right and bottom edge partial), and the layers that attend over the whole item
+    # (fullatt_block_indexes); every other layer attends within windows. Empty: full attention everywhere.
+    window_groups: tuple[int, ...] = ()
+    full_attention_layers: frozenset[int] = frozenset()
 
     @property
     def patches(self) -> int:
@@ -84,6 +95,30 @@ class VisionTower:
         """Tower tokens of an item that holds `units` reducible units."""
         return units * self.merge + int(self.has_cls)
 
+    def windowed(self, layer: int) -> bool:
+        """Whether `layer` attends within windows (Qwen2.5-VL's layers outside fullatt_block_indexes)."""
+        return bool(self.window_groups) and layer not in self.full_attention_layers
+
+    def attention_pairs(self, layer: int, units: int) -> int:
+        """Query-key pairs of one item's attention in `layer` when it holds `units` units: tokens^2
+        under full attention, the sum over windows of (tokens in the window)^2 in a window layer.
+        Below the full count the kept units are spread over the windows in proportion to their size
+        (largest remainder): the estimate of an analytic count, since which windows lose groups is
+        known only once the method ran (a verification counts the windows the run measured)."""
+        tokens = self.tokens(units)
+        if not self.windowed(layer):
+            return tokens * tokens
+        total = sum(self.window_groups)
+        if units >= total:
+            kept = list(self.window_groups)
+        else:
+            shares = [units * w / total for w in self.window_groups]
+            kept = [int(share) for share in shares]
+            order = sorted(range(len(shares)), key=lambda k: kept[k] - shares[k])
+            for k in order[:units - sum(kept)]:
+                kept[k] += 1
+        return sum((k * self.merge) ** 2 for k in kept)
+
 
 @dataclass(frozen=True)
 class Projector:
@@ -91,6 +126,7 @@ class Projector:
 
     linears: tuple[tuple[int, int], ...]
     norm_dim: int  # Qwen2-VL's merger normalises the patches first; 0 when absent
+    norm_params_per_dim: int = 2  # LayerNorm: weight and bias; Qwen2.5-VL's RMSNorm: weight only
 
 
 @dataclass(frozen=True)
@@ -251,6 +287,18 @@ def qwen2_vl_resize(size_hw: tuple[int, int], factor: int) -> tuple[int, int]:
     return h, w
 
 
+def qwen2_5_vl_windows(group_rows: int, group_cols: int, window_groups: int) -> tuple[int, ...]:
+    """Merge groups in every attention window of a Qwen2.5-VL image of `group_rows` x `group_cols`
+    groups, in the tower's window order (row-major over windows): transformers' window index pads the
+    group grid to whole windows of `window_groups` per side and drops the padding, so the windows of
+    the last row and column are partial."""
+    sizes = []
+    for top in range(0, group_rows, window_groups):
+        for left in range(0, group_cols, window_groups):
+            sizes.append(min(window_groups, group_rows - top) * min(window_groups, group_cols - left))
+    return tuple(sizes)
+
+
 def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
                  frames: int | None = None) -> Architecture:
     """Shapes of `profile`'s model for one image of `image_size` (H, W) or one video of `frames`."""
@@ -326,6 +374,41 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         merged = embed * merge * merge
         projector = Projector(((merged, merged), (merged, _get(vcfg, "hidden_size", d))), embed)
         visual = vision.units
+    elif family == "qwen2_5_vl":
+        decoder = _llama_decoder(tcfg or cfg, _QWEN2_VL_TEXT_DEFAULTS, qkv_bias=True)
+        d = _QWEN2_5_VL_VISION_DEFAULTS
+        patch, merge = _get(vcfg, "patch_size", d), _get(vcfg, "spatial_merge_size", d)
+        size = size or (672, 672)
+        if max(size) / min(size) > _QWEN2_VL_MAX_ASPECT:
+            raise FicocoError(f"image size {size[1]}x{size[0]} (--image-size): Qwen2.5-VL's processor takes aspect "
+                              f"ratios up to {_QWEN2_VL_MAX_ASPECT}")
+        h_px, w_px = qwen2_vl_resize(size, patch * merge)
+        if not (h_px and w_px):
+            raise FicocoError(f"config values patch_size={patch} x spatial_merge_size={merge} exceed Qwen2.5-VL's "
+                              f"largest image ({_QWEN2_VL_MAX_PIXELS} pixels): no visual token fits")
+        embed = _get(vcfg, "hidden_size", d)
+        layers = _get(vcfg, "depth", d)
+        window_px = _get(vcfg, "window_size", d)
+        window_groups = window_px // merge // patch
+        if window_groups < 1:
+            raise FicocoError(f"config value window_size={window_px} is smaller than one merge group "
+                              f"({patch * merge} pixels); give a window of at least one group")
+        full = vcfg.get("fullatt_block_indexes", d["fullatt_block_indexes"])
+        if not isinstance(full, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in full):
+            raise FicocoError(f"config value fullatt_block_indexes={full!r} must be a list of layer indices")
+        grid_h, grid_w = h_px // patch, w_px // patch
+        vision = VisionTower(
+            kind="qwen2_5_vl", layers=layers, hidden=embed, ffn=_get(vcfg, "intermediate_size", d),
+            heads=_get(vcfg, "num_heads", d), patch_size=patch, channels=_get(vcfg, "in_channels", d),
+            temporal_patch=_get(vcfg, "temporal_patch_size", d), grid_h=grid_h, grid_w=grid_w,
+            items=1, has_cls=False, feature_layer=layers - 1, merge=merge * merge, towers=1,
+            position_embeddings=0,
+            window_groups=qwen2_5_vl_windows(grid_h // merge, grid_w // merge, window_groups),
+            full_attention_layers=frozenset(full),
+        )
+        merged = embed * merge * merge
+        projector = Projector(((merged, merged), (merged, _get(vcfg, "out_hidden_size", d))), embed, 1)
+        visual = vision.units
     else:  # profiles.load_profile admits only the families above
         raise FicocoError(f"family '{family}' has no accounting")
     return Architecture(
@@ -362,6 +445,10 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
     # A vision layer: q, k, v, o and two MLP linears, all with bias; two LayerNorms.
     v_linear_w = 4 * h * h + 2 * h * i
     v_layer = v_linear_w + 4 * h + i + h + 2 * 2 * h
+    if v.kind == "qwen2_5_vl":
+        # q, k, v (one fused linear) and proj with bias; gate, up and down with bias; two RMSNorms.
+        v_linear_w = 4 * h * h + 3 * h * i
+        v_layer = v_linear_w + 4 * h + 2 * i + h + 2 * h
     patch_embed = v.channels * v.temporal_patch * v.patch_size**2 * h
     if v.kind == "clip":
         # class embedding, position embedding, pre- and post-LayerNorm
@@ -371,7 +458,7 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
     vision = v.towers * (patch_embed + tower_extra + v.layers * v_layer)
     linear_vision = v.towers * v.layers * v_linear_w
     proj_w = sum(a * b for a, b in p.linears)
-    projector = proj_w + sum(b for _, b in p.linears) + 2 * p.norm_dim
+    projector = proj_w + sum(b for _, b in p.linears) + p.norm_params_per_dim * p.norm_dim
     if arch.image_newline_param:
         projector += dec.hidden
     q_out, kv_out = dec.heads * dec.head_dim, dec.kv_heads * dec.head_dim
@@ -380,12 +467,12 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
     decoder = dec.vocab * dec.hidden + dec.layers * d_layer + dec.hidden
     lm_head = 0 if dec.tied_embeddings else dec.vocab * dec.hidden
     rows = {
-        "vision": v.towers * v.layers * (4 * h + i + h),
+        "vision": v.towers * v.layers * ((4 * h + 2 * i + h) if v.kind == "qwen2_5_vl" else (4 * h + i + h)),
         "projector": sum(b for _, b in p.linears),
         "decoder": dec.layers * (q_out + 2 * kv_out + dec.hidden + 2 * dec.ffn + dec.hidden),
     }
     # CLIP: q, k, v, out and two MLP linears; Qwen2-VL's vision blocks fuse q, k, v into one.
-    vision_layer_linears = 6 if v.kind == "clip" else 4
+    vision_layer_linears = {"clip": 6, "qwen2_vl": 4, "qwen2_5_vl": 5}[v.kind]
     modules = {"vision": v.towers * v.layers * vision_layer_linears, "projector": len(p.linears),
                "decoder": dec.layers * 7}
     return ParameterCounts(

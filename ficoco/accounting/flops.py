@@ -56,15 +56,17 @@ def _elementwise(stage: str, layer: int | None, name: str, ops: int, load: int, 
 
 
 def _attention_ops(stage: str, layer: int, b: int, n: int, heads: int, kv_heads: int, head_dim: int,
-                   cached: bool) -> Iterator[Op]:
+                   cached: bool, pairs: int | None = None) -> Iterator[Op]:
     """Scores, softmax and weighted values over n tokens (full square, as every counter does).
 
     In the decoder keys and values come from the KV cache; in the vision tower they are
-    plain activations.
+    plain activations. `pairs`: the query-key pairs of all `b` items where attention runs
+    in windows (Qwen2.5-VL), instead of b * n * n.
     """
-    macs = b * heads * n * n * head_dim
+    pairs = b * n * n if pairs is None else pairs
+    macs = heads * pairs * head_dim
     kv = n * head_dim * b * kv_heads
-    probs = b * heads * n * n
+    probs = heads * pairs
     # LLM-Viewer sizes the query load by the KV heads (a quirk kept for compatibility).
     keys = {"act_load": kv, "kv_load": kv} if cached else {"act_load": 2 * kv}
     values = {"act_load": probs, "kv_load": kv} if cached else {"act_load": probs + kv}
@@ -94,17 +96,26 @@ def decoder_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: 
     yield _elementwise(s, layer, "mlp_add", b * h * n_out, b * h * n_out, b * h * n_out)
 
 
-def vision_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: int) -> Iterator[Op]:
-    """A pre-LN ViT layer (CLIP or Qwen2-VL's), biased linears and a 2-matrix GELU MLP."""
+def vision_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: int,
+                     pairs: int | None = None) -> Iterator[Op]:
+    """A pre-norm ViT layer (CLIP or Qwen2-VL's), biased linears and a 2-matrix GELU MLP; Qwen2.5-VL's
+    has a gated 3-matrix SiLU MLP, and `pairs` query-key pairs where it attends within windows."""
     v = arch.vision
     h, s = v.hidden, "vision"
     yield _elementwise(s, layer, "norm1", 7 * b * h * n_in, b * h * n_in, b * h * n_in)
     for name in ("q_proj", "k_proj", "v_proj"):
         yield _linear(s, layer, name, b, n_in, h, h)
-    yield from _attention_ops(s, layer, b, n_in, v.heads, v.heads, h // v.heads, cached=False)
+    yield from _attention_ops(s, layer, b, n_in, v.heads, v.heads, h // v.heads, cached=False, pairs=pairs)
     yield _linear(s, layer, "o_proj", b, n_in, h, h)
     yield _elementwise(s, layer, "attn_add", b * h * n_in, b * h * n_in, b * h * n_in)
     yield _elementwise(s, layer, "norm2", 7 * b * h * n_out, b * h * n_out, b * h * n_out)
+    if v.kind == "qwen2_5_vl":
+        yield _linear(s, layer, "gate_proj", b, n_out, h, v.ffn)
+        yield _linear(s, layer, "up_proj", b, n_out, h, v.ffn)
+        yield _elementwise(s, layer, "mlp_act", 2 * b * v.ffn * n_out, 2 * b * v.ffn * n_out, b * v.ffn * n_out)
+        yield _linear(s, layer, "down_proj", b, n_out, v.ffn, h)
+        yield _elementwise(s, layer, "mlp_add", b * h * n_out, b * h * n_out, b * h * n_out)
+        return
     yield _linear(s, layer, "fc1", b, n_out, h, v.ffn)
     yield _elementwise(s, layer, "mlp_act", 2 * b * v.ffn * n_out, b * v.ffn * n_out, b * v.ffn * n_out)
     yield _linear(s, layer, "fc2", b, n_out, v.ffn, h)
@@ -121,7 +132,7 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
     patch_in = v.channels * v.temporal_patch * v.patch_size**2
     ops.append(_linear("vision", None, "patch_embed", items, v.patches, patch_in, v.hidden))
     for layer, (n_in, n_out) in enumerate(plan.vision):
-        ops.extend(vision_layer_ops(arch, layer, items, n_in, n_out))
+        ops.extend(vision_layer_ops(arch, layer, items, n_in, n_out, vision_attention_pairs(arch, plan, layer, items)))
     # The projector sees the visual tokens that reach the LLM, without LLaVA-NeXT's newlines
     # (those are a learned vector, not projected) and before Qwen2-VL's merge is undone. It runs
     # before LLaVA-NeXT's unpadding, so it also projects the tokens unpadding drops (FiCoCo-V,
@@ -142,6 +153,19 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
                   viewer_ops=batch * d.hidden * d.vocab, weight_elems=d.hidden * d.vocab,
                   act_load=d.hidden, act_store=d.vocab))
     return ops
+
+
+def vision_attention_pairs(arch: Architecture, plan: TokenPlan, layer: int, items: int) -> int | None:
+    """Query-key pairs of all `items` in vision layer `layer` where the tower attends within windows
+    (Qwen2.5-VL): what a run measured when the plan carries it, else the windows' estimate; None
+    (a full square per item) elsewhere."""
+    v = arch.vision
+    if not v.windowed(layer):
+        return None
+    if plan.vision_attention_pairs:
+        return plan.vision_attention_pairs[layer]
+    units = (plan.vision[layer][0] - int(v.has_cls)) // v.merge
+    return items * v.attention_pairs(layer, units)
 
 
 def _paper_layer(n_in: int, n_out: int, dim: int, ffn: int) -> int:

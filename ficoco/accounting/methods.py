@@ -26,6 +26,7 @@ PLACEMENT_ORDER = ("layer_input", "in_layer", "tower_output", "after_projector")
 # Text tokens before the visual span in the families' templates ("USER: <image>\n..."; Qwen2-VL's
 # "<|im_start|>user\n<|vision_start|>"), the same the model adapters' synthetic inputs use.
 PREFIX_TOKENS = {"llava": 5, "llava_next": 5, "video_llava": 5, "qwen2_vl": 4}
+PREFIX_TOKENS["qwen2_5_vl"] = 4  # Qwen2-VL's chat template
 
 
 def _hashable(value: Any) -> Any:

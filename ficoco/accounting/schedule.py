@@ -113,6 +113,9 @@ class TokenPlan:
     # projects every patch and cuts after the projector.
     projected_visual_tokens: int | None = None
     variant: str = ""
+    # Qwen2.5-VL: query-key pairs of the whole run (every item) per vision layer, as a run measured
+    # them (the windows a reduction leaves depend on which groups it removed); empty: estimated.
+    vision_attention_pairs: tuple[int, ...] = ()
 
     @property
     def projector_tokens(self) -> int:

@@ -18,6 +18,8 @@ from ficoco.methods.base import Dims, ExtraMacs, MethodSpec, Need, Step, StepCon
 
 LLAVA_FAMILIES = ("llava", "llava_next", "video_llava")
 ALL_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava")
+# Qwen2.5-VL runs every method Qwen2-VL runs (FiCoCo-V/-L, FastV, DART, VisionZip, FasterVLM).
+ALL_FAMILIES += ("qwen2_5_vl",)
 # The rows the literature reports: "192 / 128 / 64 tokens" on LLaVA-1.5-7B.
 PRESETS = (192, 128, 64)
 

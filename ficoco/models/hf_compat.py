@@ -306,6 +306,7 @@ def qwen2_vl_merger(tower: nn.Module) -> nn.Module:
 # The families whose paths `check_model` knows (model_type -> the tower the methods act in).
 FAMILY_TOWERS = {"llava": "vision_tower", "llava_next": "vision_tower", "video_llava": "video_tower",
                  "qwen2_vl": "visual"}
+FAMILY_TOWERS["qwen2_5_vl"] = "visual"
 
 
 def check_model(model: nn.Module) -> None:
@@ -318,7 +319,7 @@ def check_model(model: nn.Module) -> None:
         attention_projections(layer_parts(layer, DECODER_LAYER).attention)
     for path in (decoder_rotary, decoder_norm, lm_head):
         path(model)
-    if model_type == "qwen2_vl":
+    if model_type in ("qwen2_vl", "qwen2_5_vl"):
         tower = qwen2_vl_tower(model)
         for block in qwen2_vl_blocks(tower):
             layer_parts(block, QWEN2_VL_VISION_BLOCK)
@@ -354,6 +355,53 @@ def _check_qwen2_vl_tower() -> None:
     _require_parameters(name, qwen2_vl.Qwen2VLVisionBlock.forward, "hidden_states", *QWEN2_VL_BLOCK_KEYWORDS)
     _require_parameters(name, qwen2_vl.VisionAttention.forward, "hidden_states", *QWEN2_VL_BLOCK_KEYWORDS)
     _require_parameters(name, qwen2_vl.Qwen2VisionTransformerPretrainedModel.forward, "hidden_states", "grid_thw")
+
+
+# Qwen2.5-VL's windowed tower: the layers that attend over the whole image (the others within windows),
+# and transformers' own window order and boundaries of a batch of images (what the tower computes).
+QWEN2_5_VL_FULL_LAYERS = "fullatt_block_indexes"
+
+
+def qwen2_5_vl_full_attention_layers(tower: nn.Module) -> list[int]:
+    """The tower layers that attend over the whole image (`fullatt_block_indexes`)."""
+    return list(_require_attribute("Qwen2.5-VL window attention", tower, QWEN2_5_VL_FULL_LAYERS))
+
+
+def qwen2_5_vl_window_index(tower: nn.Module, grid_thw: Any) -> tuple[Any, Any]:
+    """(window_index, cu_window_seqlens) of `grid_thw` as the tower computes them: the merge groups'
+    window order and the window boundaries in patches."""
+    name = "Qwen2.5-VL window attention"
+    function = _require_attribute(name, _module("vision_utils"), "get_vision_window_index")
+    return function(grid_thw, spatial_merge_size=_require_attribute(name, tower, "spatial_merge_size"),
+                    window_size=_require_attribute(name, tower, "window_size"),
+                    patch_size=_require_attribute(name, tower, "patch_size"))
+
+
+@contact("Qwen2.5-VL window attention")
+def _check_qwen2_5_vl_windows() -> None:
+    import torch
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen2_5_vl
+
+    name = "Qwen2.5-VL window attention"
+    _require_parameters(name, _require_attribute(name, _module("vision_utils"), "get_vision_window_index"),
+                        "grid_thw", "spatial_merge_size", "window_size", "patch_size")
+    _require_parameters(name, qwen2_5_vl.Qwen2_5_VLVisionBlock.forward, "hidden_states", *QWEN2_VL_BLOCK_KEYWORDS)
+    _require_parameters(name, qwen2_5_vl.Qwen2_5_VLVisionAttention.forward, "hidden_states",
+                        *QWEN2_VL_BLOCK_KEYWORDS)
+    _require_parameters(name, qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel.forward, "hidden_states",
+                        "grid_thw")
+    _require_parameters(name, qwen2_5_vl.Qwen2_5_VLModel.get_rope_index, "input_ids", "mm_token_type_ids",
+                        "image_grid_thw", "attention_mask")
+    _require_parameters(name, qwen2_5_vl.Qwen2_5_VLForConditionalGeneration.forward, ENCODED_FEATURES_KEYWORD)
+    config = _module("models.qwen2_5_vl.configuration_qwen2_5_vl").Qwen2_5_VLVisionConfig()
+    if not hasattr(config, QWEN2_5_VL_FULL_LAYERS) or not hasattr(config, "window_size"):
+        raise ContactChanged(name, f"Qwen2_5_VLVisionConfig has no {QWEN2_5_VL_FULL_LAYERS} or window_size")
+    # A 3 x 3-group image in windows of 2 x 2 groups: 4 windows (2 partial), groups in window order.
+    tower = type("Tower", (), {"spatial_merge_size": 2, "window_size": 56, "patch_size": 14})()
+    index, cu = qwen2_5_vl_window_index(tower, torch.tensor([[1, 6, 6]]))
+    if index.tolist() != [0, 1, 3, 4, 2, 5, 6, 7, 8] or cu.tolist() != [0, 16, 24, 32, 36]:
+        raise ContactChanged(name, f"get_vision_window_index gives {index.tolist()} / {cu.tolist()} for a 3 x 3 "
+                                   "group grid in 2 x 2 windows")
 
 
 # -- model functions ficoco calls or replaces ----------------------------------------------

@@ -193,7 +193,7 @@ def load_processor(folder: str) -> _Processor:
 
 def _fallback_text(family: str, media: str, question: str) -> str:
     """The family's documented prompt format, for a checkpoint without a chat template."""
-    if family == "qwen2_vl":
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         return (f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
                 "<|im_start|>assistant\n")
     return f"USER: <{media}>\n{question} ASSISTANT:"
@@ -255,7 +255,7 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
     if family == "llava_next":
         height, width = (int(v) for v in encoded["image_sizes"][0].tolist())
         image_size = (height, width)
-    elif family == "qwen2_vl":
+    elif family in ("qwen2_vl", "qwen2_5_vl"):
         # The size the processor resized to: the accountant's own resize keeps it, whatever
         # min_pixels and max_pixels the checkpoint's processor uses.
         patch = int((config.get("vision_config") or {}).get("patch_size", 14))
@@ -293,7 +293,7 @@ def _encode(processor: _Processor, family: str, media: str, text: str, pictures:
 def _encode_pieces(processor: _Processor, family: str, media: str, text: str, pictures: list[Any],
                    placeholder: str, config: dict[str, Any]) -> dict[str, Tensor]:
     vision = config.get("vision_config") or {}
-    if family == "qwen2_vl":
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         pixels = processor.image_processor(images=pictures, return_tensors="pt")
         grid = pixels["image_grid_thw"]
         merge = int(getattr(processor.image_processor, "merge_size", vision.get("spatial_merge_size", 2)))

@@ -1,0 +1,299 @@
+"""FiCoCo inside Hugging Face's Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): Qwen2-VL's
+layout (a ViT without [CLS] over native-resolution patches, a PatchMerger joining every 2 x 2
+group into one LLM token, a Qwen2 decoder with 3-D rotary positions) with a tower that attends
+within windows in every layer outside `fullatt_block_indexes` and over the whole image in those.
+
+Everything outside the tower is Qwen2-VL's (`Qwen2VLAdapter`): FiCoCo-L in the decoder, and
+FiCoCo-V's entry, which encodes the images first and shortens every placeholder span to the
+groups the tower kept, with the unreduced prompt's 3-D positions.
+
+The tower, as transformers runs it: the merge groups of every image are put in window order
+before the first block (`window_index`: windows row-major over the group grid, padded to whole
+windows whose padding is dropped, so windows at the bottom and right edges are partial; groups
+row-major inside a window), window layers cut the packed sequence at `cu_window_seqlens`, full
+layers at `cu_seqlens` (images), and the merger's output is put back in grid order after it.
+
+FiCoCo-V in this tower:
+
+- The tokens stay in window order throughout. Every image's current groups are kept as their
+  original group-grid indices in window order (`kept_groups`), so the method's local penalty and
+  every record work on the original grid of groups, whatever order the sequence is in.
+- A reducing window layer ran one attention per window: the image's attention map is the block
+  diagonal of its windows' maps (a group attends to, and correlates with, the groups of its own
+  window only, as the layer computed), assembled before the method reads it; a full layer's map
+  is the image's. So a discarded group is folded into kept groups of its own window; one whose
+  window keeps no other group correlates with no kept group (a zero row), and FiCoCo's adaptive
+  weights spread it uniformly over the image's kept groups, as they do for any zero row.
+- A removed group leaves its window: the window boundaries after a reduction are recomputed from
+  the windows of the groups still present (each keeps the window it started in; the sequence
+  stays in window order because the method keeps the remaining groups in sequence order), and a
+  window left empty is dropped, as transformers drops its padding windows. Full layers get the
+  shorter images' boundaries, every later layer the rotary table sliced to the kept patches.
+- After the blocks the merger maps the kept groups only; its output is scattered back to the
+  unreduced window-order rows (the removed groups' rows zero), so that the tower's own reverse
+  order puts it in grid order, and the entry reads every image's kept groups from there.
+- The query-key pairs every vision layer ran (the sum over its windows of tokens^2) are left in
+  `Handle.vision_attention_pairs`, which `flops --verify` hands the accountant: which windows
+  lose groups is known only once the method ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
+from ficoco.models.attention import install_probe, remove_probe
+from ficoco.models.inputs import place_inputs
+from ficoco.models.patching import Patches
+from ficoco.models.qwen2_vl import (
+    _SUFFIX_TEMPLATE_TOKENS,
+    PREFIX_TOKENS,
+    Qwen2VLAdapter,
+    _TowerPass,
+)
+from ficoco.profiles import FAMILY_DEFAULTS
+
+if TYPE_CHECKING:
+    from ficoco.api import Handle
+
+__all__ = ["PREFIX_TOKENS", "Qwen2_5_VLAdapter", "image_grid", "synthetic_inputs"]
+
+
+@dataclass
+class _WindowPass(_TowerPass):
+    """Qwen2-VL's tower pass plus the windows: per image, the window of every original group and the
+    group's row in the unreduced window order; the window boundaries after a reduction."""
+
+    group_window: list[Tensor] = field(default_factory=list)  # per image: window id of every original group
+    window_rows: list[Tensor] = field(default_factory=list)  # per image: window-order row of every group
+    image_rows: list[int] = field(default_factory=list)  # first window-order row of every image
+    windows: list[int] = field(default_factory=list)  # windows of every image, unreduced
+    cu_window_seqlens: Tensor | None = None
+    max_window_seqlen: int | None = None
+
+    def window_lengths(self) -> list[Tensor]:
+        """Per image, the tokens now in every window (empty windows included)."""
+        return [torch.bincount(self.group_window[i][kept], minlength=self.windows[i]) * self.merge
+                for i, kept in enumerate(self.kept_groups)]
+
+
+def _pairs(cu: Tensor) -> int:
+    lengths = (cu[1:] - cu[:-1]).long()
+    return int((lengths * lengths).sum())
+
+
+class Qwen2_5_VLAdapter(Qwen2VLAdapter):
+    """Where the method goes in a Qwen2.5-VL model: Qwen2-VL's, with the tower's windows followed."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        vision = model.config.vision_config
+        self.full_layers = frozenset(hf.qwen2_5_vl_full_attention_layers(self.visual))
+        self.vision_config = vision
+
+    def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """FiCoCo-V (a method whose module offers ``reduce_groups``) in the windowed tower; other
+        vision-side methods as on Qwen2-VL."""
+        step = getattr(spec.load(), "reduce_groups", None)
+        if spec.placement != "in_layer" or step is None:
+            try:
+                return super().patch_tower(handle, patches, spec, schedule)
+            except FicocoError as exc:  # Qwen2-VL's refusal, in this family's name
+                raise FicocoError(str(exc).replace("Qwen2-VL", "Qwen2.5-VL")) from None
+        self.patch_vision(handle, patches, schedule.removed_at(), step)
+
+    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int],
+                     reduce_groups: Callable[..., Any]) -> None:
+        """Reduce whole merge groups in the blocks of `removed`; every block after the first reducing
+        one runs on the kept patches' rotary table and on the windows (or images) they now form."""
+        params = handle.hyperparameters
+        visual = self.visual
+        original_tower = visual.forward
+        slots: list[Any] = []
+        pairs = handle.vision_attention_pairs
+
+        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+            self._tower = self._start_pass(grid_thw)
+            pairs.clear()
+            for slot in slots:  # nothing left over from a pass that ended in an error
+                slot.chunks.clear()
+            return original_tower(hidden_states, grid_thw, **kwargs)
+
+        patches.set(visual, "forward", tower_forward)
+        patches.on_undo(lambda: setattr(self, "_tower", None))
+        self.removed_per_image = sum(removed.values())
+        for layer_idx, layer in enumerate(self.vision_layers):
+            r = removed.get(layer_idx, 0)
+            slot = None
+            parts = hf.layer_parts(layer, hf.QWEN2_VL_VISION_BLOCK)
+            if r:
+                slot = install_probe(parts.attention, want_keys=True, chunked=True, timer=handle.timer)
+                slots.append(slot)
+                patches.on_undo(lambda attn=parts.attention: remove_probe(attn))
+
+            def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
+                        _parts: hf.Parts = parts, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
+                        _original: Callable[..., Tensor] = layer.forward, **kwargs: Any) -> Tensor:
+                tower = self._tower
+                full = _idx in self.full_layers
+                if tower is not None and tower.cu_seqlens is not None:  # an earlier layer reduced
+                    cu_seqlens = tower.cu_seqlens if full else tower.cu_window_seqlens
+                    position_embeddings = tower.position_embeddings
+                    if "max_seqlen" in kwargs:
+                        kwargs["max_seqlen"] = tower.max_seqlen if full else tower.max_window_seqlen
+                pairs[_idx] = _pairs(cu_seqlens)
+                if tower is None or not _r:
+                    return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
+                                     **kwargs)
+                residual = hidden_states
+                attn_out = _parts.attention(_parts.input_norm(hidden_states), cu_seqlens=cu_seqlens,
+                                            position_embeddings=position_embeddings, **kwargs)
+                hidden = residual + attn_out
+                chunks = _slot.take_chunks()
+                if not full:
+                    chunks = self._image_chunks(tower, chunks)
+                hidden = self._reduce(handle, reduce_groups, tower, hidden, chunks, _r, _idx, position_embeddings,
+                                      cu_seqlens, params)
+                self._set_windows(tower, cu_seqlens)
+                return hidden + _parts.mlp(_parts.post_norm(hidden))
+
+            patches.set(layer, "forward", forward)
+
+        merger = hf.qwen2_vl_merger(visual)
+        original_merger = merger.forward
+
+        def merger_forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            merged = original_merger(hidden_states, *args, **kwargs)
+            tower = self._tower
+            if tower is None or tower.cu_seqlens is None:
+                return merged
+            # Back to the unreduced window-order rows, which the tower's reverse order expects.
+            rows = torch.cat([start + tower.window_rows[i][kept]
+                              for i, (start, kept) in enumerate(zip(tower.image_rows, tower.kept_groups,
+                                                                    strict=True))])
+            total = tower.image_rows[-1] + len(tower.window_rows[-1])
+            out = merged.new_zeros(total, merged.shape[-1])
+            return out.index_copy(0, rows.to(merged.device), merged)
+
+        patches.set(merger, "forward", merger_forward)
+
+    def _start_pass(self, grid_thw: Tensor) -> _WindowPass:
+        base = super()._start_pass(grid_thw)
+        window_index, cu_window = hf.qwen2_5_vl_window_index(self.visual, grid_thw)
+        window_index, cu_window = window_index.to(grid_thw.device), cu_window.to(grid_thw.device)
+        groups = [h * w // self.merge for h, w in base.grids]
+        bounds = (cu_window // self.merge).tolist()
+        group_window, window_rows, kept, image_rows, windows = [], [], [], [], []
+        start = 0
+        for count in groups:
+            order = window_index[start:start + count] - start  # original group of every window-order row
+            rows = torch.empty_like(order)
+            rows[order] = torch.arange(count, device=order.device)
+            # Windows of this image: the boundaries inside [start, start + count).
+            inner = [b - start for b in bounds if start < b <= start + count]
+            sizes = torch.tensor([inner[0]] + [b - a for a, b in zip(inner, inner[1:], strict=False)],
+                                 device=order.device)
+            window_of_row = torch.repeat_interleave(torch.arange(len(inner), device=order.device), sizes)
+            group_window.append(window_of_row[rows])
+            window_rows.append(rows)
+            kept.append(order)
+            image_rows.append(start)
+            windows.append(len(inner))
+            start += count
+        return _WindowPass(grids=base.grids, kept_groups=kept, merge=self.merge, group_window=group_window,
+                           window_rows=window_rows, image_rows=image_rows, windows=windows)
+
+    def _image_chunks(self, tower: _WindowPass, chunks: list[tuple[Tensor, Any]]) -> list[tuple[Tensor, Any]]:
+        """A window layer's per-window (attn, keys) as one per image: the block diagonal of the image's
+        windows' attention maps (no attention across windows ran), the keys in sequence order."""
+        per_image = []
+        at = 0
+        for lengths in tower.window_lengths():
+            count = int((lengths > 0).sum())
+            mine = chunks[at:at + count]
+            at += count
+            attn = torch.block_diag(*[a[0] for a, _ in mine]).unsqueeze(0)
+            keys = torch.cat([k for _, k in mine], dim=2)
+            per_image.append((attn, keys))
+        if at != len(chunks):
+            raise RuntimeError(f"the vision attention ran {len(chunks)} windows, the tower pass holds {at}")
+        return per_image
+
+    def _set_windows(self, tower: _WindowPass, cu_seqlens: Tensor) -> None:
+        """The window boundaries of the groups still present (empty windows dropped)."""
+        lengths = torch.cat(tower.window_lengths())
+        lengths = lengths[lengths > 0]
+        tower.cu_window_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(cu_seqlens.dtype)
+        tower.max_window_seqlen = int(lengths.max())
+
+    def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
+        """The (reduced) tower's output, every image's kept groups in grid order (the rows of the removed
+        groups dropped), split per image."""
+        visual = self.visual
+        out = visual(pixel_values.type(visual.dtype), grid_thw=image_grid_thw, **kwargs)
+        tower = self._tower
+        if tower is None:
+            raise RuntimeError("the Qwen2.5-VL vision tower ran without FiCoCo-V's bookkeeping")
+        features = getattr(out, hf.FEATURES_FIELD)
+        rows = torch.cat([start + kept.sort().values for start, kept in zip(tower.image_rows, tower.kept_groups,
+                                                                             strict=True)])
+        kept = features.index_select(0, rows.to(features.device))
+        setattr(out, hf.FEATURES_FIELD, torch.split(kept, [len(groups) for groups in tower.kept_groups]))
+        return out
+
+
+def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(rows, cols) of patches Qwen2.5-VL's processor makes of an image of `image_size` (H, W), by
+    default the profile's image size (Qwen2-VL's smart resize)."""
+    from ficoco.accounting.architecture import qwen2_vl_resize
+
+    if image_size is None:
+        defaults = {**FAMILY_DEFAULTS["qwen2_5_vl"], **(getattr(model, "_ficoco_defaults", None) or {})}
+        image_size = tuple(defaults["image_size"])
+    vision = model.config.vision_config
+    height, width = qwen2_vl_resize(tuple(image_size), vision.patch_size * vision.spatial_merge_size)
+    return height // vision.patch_size, width // vision.patch_size
+
+
+def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
+                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                     image_size: tuple[int, int] | None = None) -> dict[str, Tensor]:
+    """Inputs of `batch` prompts of one image each, laid out like Qwen2.5-VL's processor (Qwen2-VL's
+    chat template and patch rows; see `ficoco.models.qwen2_vl.synthetic_inputs`)."""
+    import functools
+
+    config = model.config
+    if config.model_type != "qwen2_5_vl":
+        raise FicocoError(f"these synthetic inputs are laid out for Qwen2.5-VL only, not '{config.model_type}'")
+    fixed = PREFIX_TOKENS + _SUFFIX_TEMPLATE_TOKENS
+    if text_tokens < fixed:
+        raise FicocoError(f"--text-tokens must be at least the {fixed} template tokens around the image")
+    rows, cols = image_grid(model, image_size)
+    vision = config.vision_config
+    placeholders = rows * cols // vision.spatial_merge_size**2
+    start, end = config.vision_start_token_id, config.vision_end_token_id
+    im_start, im_end = start - 8, start - 7  # Qwen2's tokenizer: 8 and 7 ids before <|vision_start|>
+    special = [t for t in (config.image_token_id, config.video_token_id, start, end, im_start) if t is not None]
+    text_vocab = min(config.text_config.vocab_size, *special) - 3
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(3, 3 + text_vocab, (batch, text_tokens), generator=generator)
+    column = functools.partial(torch.full, (batch, 1), dtype=torch.long)
+    question = text_tokens - fixed
+    input_ids = torch.cat([
+        column(im_start), words[:, :2], column(start),
+        torch.full((batch, placeholders), config.image_token_id, dtype=torch.long),
+        column(end), words[:, 2:2 + question],
+        column(im_end), words[:, 2 + question:3 + question], column(im_start), words[:, 3 + question:5 + question],
+    ], dim=1)
+    channels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(batch * rows * cols, channels, generator=generator)
+    return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
+                        image_grid_thw=torch.tensor([[1, rows, cols]] * batch),
+                        mm_token_type_ids=(input_ids == config.image_token_id).int())
