@@ -127,6 +127,8 @@ class StepContext:
         suffix_tokens: text tokens after the visual span.
         dims: decoder widths (a vision step: the tower's, ``kv_heads == heads``).
         settings: the method's settings (as `steps` received them).
+        items: tower items per sample (a video's frames), for a method whose terms are per sample.
+        projected: the projector's output width (the LLM's hidden), for work on projected tokens.
     """
 
     step: Step
@@ -137,6 +139,8 @@ class StepContext:
     suffix_tokens: int
     dims: Dims
     settings: Mapping[str, Any]
+    items: int = 1
+    projected: int = 0
 
 
 # (layer the work runs at, what it is, multiply-accumulates per sample); layer None: before layer 0.
@@ -178,6 +182,8 @@ class MethodSpec:
     extra_macs: Callable[[StepContext], ExtraMacs] | None = None
     wired: bool = False  # whether the model adapters run it yet
     cls_note: str = ""  # towers without [CLS] (Qwen2-VL): what replaces the [CLS] attention
+    # A vision method whose extra_macs are per sample (work across a video's frames), not per item.
+    extra_per_sample: bool = False
 
     @property
     def per_item(self) -> bool:

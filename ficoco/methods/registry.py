@@ -10,6 +10,7 @@ has no published setting, the rule used instead is stated in the entry.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -509,6 +510,52 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         steps=_prumerge_steps, settings_for_keep=_prumerge_for_keep, extra_macs=_prumerge_extra, wired=True,
     ),
 )}
+
+# ---- HoliTom (temporal segmentation, temporal + spatial merging of a video's frames, after the projector) --------
+
+def _holitom_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    keep = settings["keep"]
+    _check_keep("HoliTom", keep, n_visual)
+    return (Step(n_layers - 1, n_visual - keep, 0, "after_projector", "vision"),) if keep < n_visual else ()
+
+
+def _holitom_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+    if keep is None:  # the official RETAIN_RATIO of every frame's tokens (default 0.10; the paper's rows 25/15/10 %)
+        keep = max(1, math.ceil(n_visual * hp["retain_ratio"] - 1e-9))
+    _check_keep("HoliTom", keep, n_visual)
+    return {"keep": keep, **{name: hp[name] for name in ("tau", "beta", "neighbours", "contextual_share",
+                                                         "max_window")}}
+
+
+def _holitom_extra(ctx: StepContext) -> ExtraMacs:
+    """Per video (``extra_per_sample``): the work on its ``items`` frames of ``visual_before`` projected
+    tokens of width ``projected``, as the batched module runs it (every frame slot, masked)."""
+    frames, tokens, width, layer = ctx.items, ctx.visual_before, ctx.projected, ctx.step.layer
+    rows = [(layer, "holitom_frame_similarity", (frames - 1) * tokens * width),
+            # DPC-kNN distances of the static tokens of every window that can start at a frame (not the last).
+            (layer, "holitom_static_cluster_distances", (frames - 1) * tokens * tokens * width)]
+    if ctx.settings["contextual_share"] > 0:
+        rows.append((layer, "holitom_contextual_cluster_distances", frames * tokens * tokens * width))
+    return [row for row in rows if row[2]]
+
+
+METHODS["holitom"] = MethodSpec(
+    name="holitom", title="HoliTom", acts_at="after_projector", placement="after_projector", positions="grid",
+    needs=(Need("attention_rows", "vision L", "all", "head-mean probabilities of every query over every key of the "
+                "layer the projector reads: the mean attention each patch receives (queries and heads averaged)"),
+           Need("hidden", "projector", "all", "the projector's output, every patch of every frame of a video "
+                "together (the adapter groups a video's frames)")),
+    hyperparameters={"retain_ratio": 0.10, "tau": 0.8, "beta": 0.6, "neighbours": 7, "contextual_share": 0.0,
+                     "max_window": 1024},
+    families=("video_llava",), module="ficoco.methods.holitom", function="holitom_reduce",
+    source="cokeshao/HoliTom b1d1412 (outer-LLM merging; the inner-LLM merge is not implemented)",
+    summary="segment a video's frames by global temporal redundancy, merge static tokens over each segment, "
+            "keep each frame's most attended tokens and cluster the static ones (DPC-kNN)",
+    keep_means="visual tokens per frame that reach the LLM, on average: a video hands on frames x keep tokens "
+               "(Video-LLaVA's frame [CLS] apart), spread over its segments and frames by HoliTom",
+    steps=_holitom_steps, settings_for_keep=_holitom_for_keep, extra_macs=_holitom_extra, wired=True,
+    extra_per_sample=True,
+)
 
 VARIANTS = ("vanilla", *METHODS)
 

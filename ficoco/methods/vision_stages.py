@@ -74,6 +74,8 @@ class TowerInput:
             step's layer (the probe computed the layer's output from them), when the method asks for
             ``attention_rows`` of ``all`` rows; else None.
         grid_hw: the item's patch grid (rows, cols), for methods that act on the grid.
+        frames: items that belong to one sample, consecutive (a video's frames, for a method that
+            reads them together: HoliTom), or None when the adapter hands independent items.
     """
 
     hidden: Tensor
@@ -87,6 +89,7 @@ class TowerInput:
     positions: Tensor | None = None
     attention: Tensor | None = None
     grid_hw: tuple[int, int] | None = None
+    frames: int | None = None
 
 
 @dataclass(frozen=True)

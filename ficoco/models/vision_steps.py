@@ -252,10 +252,12 @@ class TowerPatch:
         if units != expected:
             raise FicocoError(f"{self.spec.title} cuts {expected} patches per item at the tower's output, but the "
                               f"projector received {units}; vision_feature_select_strategy must be 'default'")
-        keys, query, scale, _ = state.probes.get(self.cut_probe, (None, None, None, None)) \
+        keys, query, scale, probabilities = state.probes.get(self.cut_probe, (None, None, None, None)) \
             if self.cut_probe is not None else (None, None, None, None)
+        # A video's frames, for a method that reads them together (HoliTom); None: independent items.
         inputs = TowerInput(hidden=features, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
-                            cls_query=query, scale=scale)
+                            cls_query=query, scale=scale, attention=probabilities,
+                            frames=getattr(self.adapter, "frames_in_call", None))
         out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
         hidden = out.hidden
         if out.counts is not None:
