@@ -232,3 +232,32 @@ def test_flops_verify_counts_the_methods_work_as_fvcore_sees_it(model: nn.Module
     run = verify_run(model, arch, schedule, text_tokens=TEXT, batch=2)
     stages = {s.stage: s for s in run.stages}
     assert stages["method"].analytic > 0 and run.passed(0.5)
+
+
+def test_the_llm_receives_the_reference_tokens_of_an_independent_attention_and_projector(model: nn.Module) -> None:
+    """The scores from the tower layer the projector reads, recomputed here from its q and k (every
+    query's softmax, heads and queries averaged), and the vanilla projector output, through the
+    per-video reference: the tokens the LLM's first layer receives in the video span."""
+    inp = synthetic_inputs(model, batch=1, text_tokens=TEXT, seed=11)
+    tower, layer = model.model.video_tower, model.model.video_tower.encoder.layers[4]
+    with torch.no_grad():
+        states = tower(inp["pixel_values_videos"].flatten(0, 1), output_hidden_states=True).hidden_states
+        normed = layer.layer_norm1(states[4])
+        heads = layer.self_attn.num_heads
+        q = layer.self_attn.q_proj(normed).unflatten(-1, (heads, -1)).transpose(1, 2)
+        k = layer.self_attn.k_proj(normed).unflatten(-1, (heads, -1)).transpose(1, 2)
+        probabilities = ((q @ k.transpose(-1, -2)) * layer.self_attn.scale).softmax(-1).mean(dim=1)
+        scores = probabilities.mean(dim=1)[:, 1:].reshape(FRAMES, PATCHES)
+        projected = model.model.multi_modal_projector(states[5])[:, 1:]
+        tokens, _ = reference(projected, scores, FRAMES * KEEP)
+        seen: list[Tensor] = []
+        first = model.model.language_model.layers[0]
+        hook = first.register_forward_pre_hook(lambda m, a, kw: seen.append(a[0] if a else kw["hidden_states"]),
+                                            with_kwargs=True)
+        try:
+            with ficoco.apply(model, "holitom", keep=KEEP):
+                model(**inp)
+        finally:
+            hook.remove()
+    span = seen[0][0, 5:5 + FRAMES * (KEEP + 1)].reshape(FRAMES, KEEP + 1, -1)
+    torch.testing.assert_close(span[:, 1:].flatten(0, 1), tokens, atol=1e-4, rtol=1e-4)
