@@ -18,7 +18,7 @@ from ficoco.accounting import architecture
 from ficoco.accounting.methods import extra_macs
 from ficoco.accounting.schedule import plan_tokens
 from ficoco.api import profile_of
-from ficoco.methods.holitom import holitom_reduce, segment_frames
+from ficoco.methods.holitom import holitom_reduce, inner_merge, segment_frames
 from ficoco.methods.registry import method
 from ficoco.models import synthetic_inputs
 from ficoco.profiles import load_profile
@@ -171,9 +171,13 @@ def test_the_plan_counts_each_videos_work_once_and_maps_the_retain_ratio() -> No
     plan = plan_tokens(arch, schedule, text_tokens=TEXT)
     assert plan.llm_visual_tokens == 8 * (26 + 1)
     rows = {term: macs for _, term, macs in extra_macs(arch, schedule, plan, batch=2)}
-    width = arch.decoder.hidden
+    width, visual = arch.decoder.hidden, 8 * 27
+    assert [(r.stage, r.layer, r.remove) for r in schedule.removals] == [("vision", 22, 256 - 26), ("llm", 18, 108)]
     assert rows == {"holitom_frame_similarity": 2 * 7 * 256 * width,
-                    "holitom_static_cluster_distances": 2 * 7 * 256 * 256 * width}
+                    "holitom_static_cluster_distances": 2 * 7 * 256 * 256 * width,
+                    # inside the LLM: the last row of layer 17 over every key, then 108 merged x 108 kept cosines
+                    "holitom_last_row_scores": 2 * width * (TEXT + visual),
+                    "holitom_merge_similarity": 2 * 108 * 108 * width}
 
 
 # ---- inside the tiny Video-LLaVA ----------------------------------------------------------------------------------
@@ -187,7 +191,7 @@ def test_keep_all_equals_vanilla(model: nn.Module) -> None:
     inp = synthetic_inputs(model, batch=1, text_tokens=TEXT)
     with torch.no_grad():
         vanilla = model(**inp).logits
-        with ficoco.apply(model, "holitom", keep=PATCHES) as handle:
+        with ficoco.apply(model, "holitom", keep=PATCHES, merge_ratio=0.0) as handle:
             same = model(**inp).logits
     assert not handle.schedule.removals and torch.equal(same, vanilla)
 
@@ -196,16 +200,19 @@ def test_the_llm_sees_the_planned_tokens_and_a_batch_equals_its_videos_alone(mod
     inp = synthetic_inputs(model, batch=2, text_tokens=TEXT, seed=7)
     arch = architecture(profile_of(model))
     seen: list[int] = []
-    layer = model.model.language_model.layers[0].self_attn
     with torch.no_grad(), ficoco.apply(model, "holitom", keep=KEEP) as handle:
-        hook = layer.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].shape[1]),
-                                               with_kwargs=True)
+        hooks = [layer.self_attn.register_forward_pre_hook(
+            lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True)
+            for layer in model.model.language_model.layers]
         try:
             together = model(**inp).logits[:, -1]
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
         plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
-        assert seen == [plan.llm[0][0]] and plan.llm_visual_tokens == FRAMES * (KEEP + 1)
+        # Outer: 4 frames x ([CLS] + 3); inner: half of them merged at the last layer (3, the tiny has 4).
+        assert seen == [n for n, _ in plan.llm] == [TEXT + 16] * 3 + [TEXT + 8]
+        assert plan.llm_visual_tokens == FRAMES * (KEEP + 1)
         assert handle.measured_tokens_per_item == KEEP
         for i in range(2):
             alone = model(**{k: v[i:i + 1] for k, v in inp.items()}).logits[:, -1]
@@ -220,7 +227,38 @@ def test_generate_matches_a_hand_written_prefill_and_decode_loop(model: nn.Modul
         out, positions, decoded, cache = prefill_and_decode(model, inp, 4, handle)
     assert torch.equal(generated[:, :prompt], inp["input_ids"]) and torch.equal(generated[:, prompt:], decoded)
     shortened = prompt - FRAMES * (PATCHES - KEEP)
-    assert out.logits.shape[1] == shortened and cache.get_seq_length() == shortened + 3
+    merged = FRAMES * (KEEP + 1) // 2  # inside the LLM, at the tiny's last layer (its cache keeps the rest)
+    assert out.logits.shape[1] == shortened - merged and cache.get_seq_length() == shortened + 3
+    # Output positions name the caller's prompt: the last is its last token, the video's are placeholders.
+    ids = torch.gather(inp["input_ids"], 1, positions)
+    assert torch.equal(positions[:, -1], torch.full_like(positions[:, -1], prompt - 1))
+    assert torch.equal((ids == model.config.video_token_id).sum(dim=1), torch.full((2,), FRAMES * (KEEP + 1) - merged))
+
+
+def test_labels_give_the_loss_over_the_positions_that_remain(model: nn.Module) -> None:
+    inp = synthetic_inputs(model, batch=2, text_tokens=TEXT, seed=4)
+    labels = inp["input_ids"].masked_fill(inp["input_ids"] == model.config.video_token_id, -100)
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=KEEP) as handle:
+        out = model(**inp, labels=labels)
+        kept_labels = torch.gather(labels, 1, handle.output_positions)
+    vocab = model.config.text_config.vocab_size
+    expected = model.loss_function(logits=out.logits, labels=kept_labels, vocab_size=vocab)
+    assert torch.equal(out.loss, expected) and torch.isfinite(out.loss)
+
+
+def test_the_inner_merge_equals_the_official_one_token_at_a_time_average() -> None:
+    generator = torch.Generator().manual_seed(9)
+    visual, scores = torch.randn(3, 20, 8, generator=generator), torch.rand(3, 20, generator=generator)
+    merged, kept = inner_merge(visual, scores, 7)
+    for b in range(3):
+        top = sorted(sorted(range(20), key=lambda i: (-float(scores[b, i]), i))[:7])
+        states = visual[b].double().clone()
+        unit = torch.nn.functional.normalize(states, dim=-1)
+        for j in (j for j in range(20) if j not in top):  # ascending, similarities of the layer's input
+            target = top[max(range(7), key=lambda t: (float(unit[j] @ unit[top[t]]), -t))]
+            states[target] = (states[target] + states[j]) / 2
+        assert kept[b].tolist() == top
+        torch.testing.assert_close(merged[b].double(), states[top], atol=1e-5, rtol=1e-5)
 
 
 def test_flops_verify_counts_the_methods_work_as_fvcore_sees_it(model: nn.Module) -> None:

@@ -184,6 +184,9 @@ class MethodSpec:
     cls_note: str = ""  # towers without [CLS] (Qwen2-VL): what replaces the [CLS] attention
     # A vision method whose extra_macs are per sample (work across a video's frames), not per item.
     extra_per_sample: bool = False
+    # A method acting before the LLM and again inside it (HoliTom): the part in the decoder, a
+    # layer-input spec whose `steps` count the visual tokens the outer part handed the LLM.
+    inner: MethodSpec | None = None
 
     @property
     def per_item(self) -> bool:

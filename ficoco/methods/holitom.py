@@ -47,11 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ficoco.methods.fastv import fastv_scores
+from ficoco.methods.stages import Reduced, StepInput, check_span, rebuild, top_indices
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
-from ficoco.reduction.stages import compute_dtype
+from ficoco.reduction.stages import compute_dtype, gather_tokens, visual_positions
 
-__all__ = ["HolitomOutput", "apportion", "dpc_knn_merge", "frame_similarity", "holitom_reduce", "segment_frames",
-           "tower_step"]
+__all__ = ["HolitomOutput", "apportion", "dpc_knn_merge", "frame_similarity", "holitom_reduce", "inner_merge",
+           "segment_frames", "step", "tower_step"]
 
 
 @dataclass(frozen=True)
@@ -301,3 +303,61 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     own = ~out.merged.reshape(items, keep) & (origin // tokens == row_frame)
     kept = torch.where(own, origin % tokens, torch.full_like(origin, -1))
     return TowerOutput(hidden=hidden, kept=kept)
+
+
+# ---- inside the LLM: attention-ranked keep, the rest merged into their most similar kept token ----------------------
+
+def inner_merge(visual: Tensor, scores: Tensor, keep: int) -> tuple[Tensor, Tensor]:
+    """HoliTom's inner-LLM merge of every sample's visual span, batched.
+
+    The ``keep`` tokens of highest ``scores`` (the last prompt token's head-mean attention in the
+    layer before) stay; every other visual token is averaged into the kept token of highest cosine
+    similarity (similarities of the layer's input, computed once). The official code averages one
+    token at a time in ascending order (``h_t = (h_t + h_j) / 2``), so a kept token with members
+    ``j_1 < ... < j_m`` ends as ``h_t / 2^m + sum_i h_{j_i} / 2^(m - i + 1)``: that closed form,
+    in float32.
+
+    Args:
+        visual: ``(B, N, D)`` the visual tokens at the merge layer's input.
+        scores: ``(B, N)`` their scores.
+        keep: tokens that stay.
+
+    Returns ``(merged, kept)``: ``merged`` ``(B, keep, D)`` the kept tokens after the merge, and
+    ``kept`` ``(B, keep)`` their ascending indices in the span.
+    """
+    batch, count, width = visual.shape
+    kept = top_indices(scores, keep)
+    dtype = compute_dtype(visual.dtype)
+    stays = torch.zeros(batch, count, dtype=torch.int8, device=visual.device).scatter(
+        1, kept, torch.ones_like(kept, dtype=torch.int8))
+    rest = torch.sort(stays, dim=1, stable=True).indices[:, :count - keep]  # ascending
+    kept_hidden = gather_tokens(visual, kept).to(dtype)
+    if keep == count:
+        return kept_hidden.to(visual.dtype), kept
+    rest_hidden = gather_tokens(visual, rest).to(dtype)
+    similarity = F.normalize(rest_hidden, dim=-1) @ F.normalize(kept_hidden, dim=-1).transpose(1, 2)
+    target = torch.sort(similarity, dim=-1, descending=True, stable=True).indices[..., 0]  # (B, N - keep)
+    one_hot = F.one_hot(target, keep).to(dtype)  # (B, N - keep, keep)
+    # Members of the same target at this index or later: the halvings each member still goes through.
+    later = one_hot.flip(1).cumsum(1).flip(1)
+    halvings = torch.gather(later, 2, target.unsqueeze(-1)).squeeze(-1)
+    members = one_hot.sum(dim=1)  # (B, keep)
+    weighted = torch.zeros_like(kept_hidden).scatter_add(
+        1, target.unsqueeze(-1).expand(-1, -1, width), rest_hidden * torch.pow(0.5, halvings).unsqueeze(-1))
+    merged = kept_hidden * torch.pow(0.5, members).unsqueeze(-1) + weighted
+    return merged.to(visual.dtype), kept
+
+
+def step(inputs: StepInput, settings: Mapping[str, Any]) -> Reduced:
+    """The adapters' call at the input of the merge layer (HoliTom's inner-LLM part): rank by the
+    last prompt token's attention in the layer before, merge, and keep the original positions."""
+    if inputs.row_attention is None:
+        raise RuntimeError("HoliTom's inner merge needs layer K-1's last-row attention from the adapter's probe")
+    check_span(inputs.hidden, inputs.visual_start, inputs.num_visual)
+    scores = fastv_scores(inputs.row_attention, inputs.visual_start, inputs.num_visual)
+    columns = visual_positions(inputs.visual_start.to(inputs.hidden.device), inputs.num_visual)
+    merged, kept = inner_merge(gather_tokens(inputs.hidden, columns), scores, inputs.keep)
+    at = torch.gather(columns, 1, kept).unsqueeze(-1).expand(-1, -1, inputs.hidden.shape[-1])
+    hidden = inputs.hidden.scatter(1, at, merged)
+    return rebuild(hidden, kept, inputs.visual_start.to(hidden.device), inputs.num_visual, inputs.position_ids,
+                   "original", inputs.attention_mask)

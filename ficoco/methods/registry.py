@@ -524,7 +524,39 @@ def _holitom_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mappin
         keep = max(1, math.ceil(n_visual * hp["retain_ratio"] - 1e-9))
     _check_keep("HoliTom", keep, n_visual)
     return {"keep": keep, **{name: hp[name] for name in ("tau", "beta", "neighbours", "contextual_share",
-                                                         "max_window")}}
+                                                         "max_window", "merge_layer", "merge_ratio")}}
+
+
+def _holitom_inner_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    """The inner-LLM merge on the `n_visual` tokens the outer part handed the LLM."""
+    ratio = settings["merge_ratio"]
+    if not 0 <= ratio < 1:
+        raise FicocoError(f"HoliTom: merge_ratio {ratio} is outside [0, 1) (the share of visual tokens merged "
+                          "inside the LLM)")
+    keep = max(1, round(n_visual * (1 - ratio)))
+    # The official HOLITOM_k (18, a layer every 7B decoder has); a shallower decoder merges at its last layer.
+    layer = min(settings["merge_layer"], n_layers - 1)
+    return (Step(layer, n_visual - keep),) if keep < n_visual else ()
+
+
+def _holitom_inner_extra(ctx: StepContext) -> ExtraMacs:
+    d = ctx.dims
+    kept = ctx.visual_before - ctx.step.remove
+    return [(ctx.step.layer - 1, "holitom_last_row_scores", d.heads * d.head_dim * ctx.seq_before),
+            # Cosine of every merged visual token with every kept one (the layer's input).
+            (ctx.step.layer, "holitom_merge_similarity", ctx.step.remove * kept * d.hidden)]
+
+
+_HOLITOM_INNER = MethodSpec(
+    name="holitom", title="HoliTom", acts_at="llm_layer", placement="layer_input", positions="original",
+    needs=(Need("attention_rows", "L-1", "last", "softmax over all keys of layer K-1, head mean, of " + _LAST_ROW),
+           Need("hidden", "L", "all", "the input of layer K (the merge's cosine similarities)")),
+    hyperparameters={"merge_layer": 18, "merge_ratio": 0.5}, families=("video_llava",),
+    module="ficoco.methods.holitom", function="step", source="cokeshao/HoliTom e5f7da2 (holitom/modeling_qwen2.py)",
+    summary="keep the visual tokens the last prompt token attends to most, average the rest into their most "
+            "similar kept token", keep_means="the share merge_ratio of the visual tokens merged at merge_layer",
+    steps=_holitom_inner_steps, extra_macs=_holitom_inner_extra, wired=True,
+)
 
 
 def _holitom_extra(ctx: StepContext) -> ExtraMacs:
@@ -546,15 +578,17 @@ METHODS["holitom"] = MethodSpec(
            Need("hidden", "projector", "all", "the projector's output, every patch of every frame of a video "
                 "together (the adapter groups a video's frames)")),
     hyperparameters={"retain_ratio": 0.10, "tau": 0.8, "beta": 0.6, "neighbours": 7, "contextual_share": 0.0,
-                     "max_window": 1024},
+                     "max_window": 1024, "merge_layer": 18, "merge_ratio": 0.5},
     families=("video_llava",), module="ficoco.methods.holitom", function="holitom_reduce",
-    source="cokeshao/HoliTom b1d1412 (outer-LLM merging; the inner-LLM merge is not implemented)",
+    source="cokeshao/HoliTom b1d1412 (holitom/llava_arch.py, holitom/modeling_qwen2.py; README's run: "
+           "RETAIN_RATIO T=0.80 HOLITOM_k=18 HOLITOM_r=0.5)",
     summary="segment a video's frames by global temporal redundancy, merge static tokens over each segment, "
-            "keep each frame's most attended tokens and cluster the static ones (DPC-kNN)",
+            "keep each frame's most attended tokens and cluster the static ones (DPC-kNN); inside the LLM, "
+            "merge half the visual tokens into the most attended ones at layer 18",
     keep_means="visual tokens per frame that reach the LLM, on average: a video hands on frames x keep tokens "
                "(Video-LLaVA's frame [CLS] apart), spread over its segments and frames by HoliTom",
     steps=_holitom_steps, settings_for_keep=_holitom_for_keep, extra_macs=_holitom_extra, wired=True,
-    extra_per_sample=True,
+    extra_per_sample=True, inner=_HOLITOM_INNER,
 )
 
 VARIANTS = ("vanilla", *METHODS)
