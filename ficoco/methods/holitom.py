@@ -1,6 +1,7 @@
-"""HoliTom (cokeshao/HoliTom, NeurIPS'25): holistic token merging for video LLMs, the outer-LLM part.
+"""HoliTom (cokeshao/HoliTom, NeurIPS'25): holistic token merging for video LLMs.
 
-On the projector's output of every frame of one video, ``(frames, N, D)``, before the LLM:
+**Outer-LLM merging** (`tower_step`, `holitom_reduce`), on the projector's output of every frame
+of one video, ``(frames, N, D)``, before the LLM:
 
 1. **Frame similarity**: the cosine of every grid position between consecutive frames,
    ``(frames - 1, N)``.
@@ -35,6 +36,13 @@ On the projector's output of every frame of one video, ``(frames, N, D)``, befor
   over every frame slot with masks, so the work is one counted product per group.
 
 Ties among equal attention scores or cluster scores: the lowest index.
+
+**Inner-LLM merging** (`step`, `inner_merge`; ``holitom/modeling_qwen2.py``): at the input of decoder
+layer K (``HOLITOM_k``, 18 in the README's runs), the ``round(n * (1 - r))`` visual tokens the last
+prompt token attends to most in layer K-1 (head mean, FastV's row) stay, with their original
+position ids; every other one is averaged into the kept token it is most cosine-similar to
+(``HOLITOM_r = 0.5``). The official code reads the row from eager attention of batch 1; here the
+probe recomputes it from layer K-1's q and k (SDPA stays on), per sample, padding masked.
 """
 
 from __future__ import annotations

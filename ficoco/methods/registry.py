@@ -586,7 +586,8 @@ METHODS["holitom"] = MethodSpec(
             "keep each frame's most attended tokens and cluster the static ones (DPC-kNN); inside the LLM, "
             "merge half the visual tokens into the most attended ones at layer 18",
     keep_means="visual tokens per frame that reach the LLM, on average: a video hands on frames x keep tokens "
-               "(Video-LLaVA's frame [CLS] apart), spread over its segments and frames by HoliTom",
+               "(Video-LLaVA's frame [CLS] apart), spread over its segments and frames by HoliTom; inside the LLM "
+               "merge_ratio of them merge into the rest at merge_layer",
     steps=_holitom_steps, settings_for_keep=_holitom_for_keep, extra_macs=_holitom_extra, wired=True,
     extra_per_sample=True, inner=_HOLITOM_INNER,
 )
