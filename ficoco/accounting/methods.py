@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ficoco.accounting.architecture import Architecture
-from ficoco.accounting.schedule import BudgetError, Removal, Schedule, TokenPlan
+from ficoco.accounting.schedule import BudgetError, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods.base import Dims, MethodSpec, Step, StepContext
 from ficoco.methods.registry import method
@@ -109,8 +109,6 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
 def with_inner_steps(arch: Architecture, spec: MethodSpec, schedule: Schedule) -> Schedule:
     """`schedule` of a method acting before the LLM, with the steps of its part inside the LLM
     (`MethodSpec.inner`) on the visual tokens the outer part hands the LLM."""
-    from ficoco.accounting.schedule import plan_tokens
-
     assert spec.inner is not None and spec.inner.steps is not None
     settings = schedule.settings_dict()
     visual, layers = plan_tokens(arch, schedule).llm_visual_tokens, arch.decoder.layers
