@@ -248,7 +248,7 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
             ctx = StepContext(step=Step(removal.layer, removal.remove, removal.added, removal.where, "vision"),
                               index=index, seq_before=v.tokens(units), visual_before=units, visual_initial=v.units,
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings,
-                              items=plan.vision_items, projected=arch.decoder.hidden)
+                              items=plan.vision_items, projected_width=arch.decoder.hidden)
             per = batch if spec.extra_per_sample else batch * plan.vision_items
             rows += [(layer, term, per * macs) for layer, term, macs in spec.extra_macs(ctx)]
             index += 1

@@ -128,7 +128,8 @@ class StepContext:
         dims: decoder widths (a vision step: the tower's, ``kv_heads == heads``).
         settings: the method's settings (as `steps` received them).
         items: tower items per sample (a video's frames), for a method whose terms are per sample.
-        projected: the projector's output width (the LLM's hidden), for work on projected tokens.
+        projected_width: the width of the projector's output (the LLM's hidden size): what an
+            ``after_projector`` step's tokens have (``dims`` are the tower's for a vision step).
     """
 
     step: Step
@@ -140,7 +141,7 @@ class StepContext:
     dims: Dims
     settings: Mapping[str, Any]
     items: int = 1
-    projected: int = 0
+    projected_width: int = 0
 
 
 # (layer the work runs at, what it is, multiply-accumulates per sample); layer None: before layer 0.

@@ -561,8 +561,8 @@ _HOLITOM_INNER = MethodSpec(
 
 def _holitom_extra(ctx: StepContext) -> ExtraMacs:
     """Per video (``extra_per_sample``): the work on its ``items`` frames of ``visual_before`` projected
-    tokens of width ``projected``, as the batched module runs it (every frame slot, masked)."""
-    frames, tokens, width, layer = ctx.items, ctx.visual_before, ctx.projected, ctx.step.layer
+    tokens of width ``projected_width``, as the batched module runs it (every frame slot, masked)."""
+    frames, tokens, width, layer = ctx.items, ctx.visual_before, ctx.projected_width, ctx.step.layer
     rows = [(layer, "holitom_frame_similarity", (frames - 1) * tokens * width),
             # DPC-kNN distances of the static tokens of every window that can start at a frame (not the last).
             (layer, "holitom_static_cluster_distances", (frames - 1) * tokens * tokens * width)]
