@@ -219,6 +219,19 @@ def test_the_llm_sees_the_planned_tokens_and_a_batch_equals_its_videos_alone(mod
             torch.testing.assert_close(together[i:i + 1], alone, atol=1e-4, rtol=0)
 
 
+def test_a_left_padded_batch_equals_its_videos_alone(model: nn.Module) -> None:
+    short = synthetic_inputs(model, batch=1, text_tokens=TEXT, seed=1)
+    long = synthetic_inputs(model, batch=1, text_tokens=TEXT + 3, seed=2)
+    zeros = torch.zeros(1, 3, dtype=torch.long)
+    batch = {"input_ids": torch.cat([torch.cat([zeros, short["input_ids"]], 1), long["input_ids"]]),
+             "attention_mask": torch.cat([torch.cat([zeros, short["attention_mask"]], 1), long["attention_mask"]]),
+             "pixel_values_videos": torch.cat([short["pixel_values_videos"], long["pixel_values_videos"]])}
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=KEEP):
+        together = model(**batch).logits[:, -1]
+        for i, sample in enumerate((short, long)):
+            torch.testing.assert_close(together[i:i + 1], model(**sample).logits[:, -1], atol=1e-4, rtol=0)
+
+
 def test_generate_matches_a_hand_written_prefill_and_decode_loop(model: nn.Module) -> None:
     inp = synthetic_inputs(model, batch=2, text_tokens=TEXT, seed=3)
     prompt = inp["input_ids"].shape[1]
