@@ -302,6 +302,10 @@ def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any
                               f"{arch.visual_tokens} placeholders of the prompt; keep at most {arch.visual_tokens}")
         handle.keep_per_image = None if adaptive else reaching
         adapter.patch_tower(handle, handle._patches, spec, sched)
+        inner = tuple(r for r in sched.removals if r.stage == "llm")
+        if spec.inner is not None and inner:  # the method's part inside the LLM (HoliTom's merge)
+            adapter.patch_layer_input(handle, handle._patches, spec.inner, Schedule(sched.variant, inner,
+                                                                                    sched.settings))
     else:
         start = min(removed) if removed else (arch.first_layer_l if first_layer is None else first_layer)
         adapter.patch_in_layer(handle, handle._patches, spec, sched, start)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ficoco.accounting.architecture import Architecture
-from ficoco.accounting.schedule import BudgetError, Removal, Schedule, TokenPlan
+from ficoco.accounting.schedule import BudgetError, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods.base import Dims, MethodSpec, Step, StepContext
 from ficoco.methods.registry import method
@@ -103,7 +103,24 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
     if spec.cls_note and not arch.vision.has_cls:
         # Labelled wherever the row appears: the [CLS] attention this method scores by does not exist here.
         settings["score"] = EQUIVALENT_SCORE
-    return schedule_from_steps(arch, spec, spec.steps(settings, visual, layers), settings)
+    schedule = schedule_from_steps(arch, spec, spec.steps(settings, visual, layers), settings)
+    return schedule if spec.inner is None else with_inner_steps(arch, spec, schedule)
+
+
+def with_inner_steps(arch: Architecture, spec: MethodSpec, schedule: Schedule) -> Schedule:
+    """`schedule` of a method acting before the LLM, with the steps of its part inside the LLM
+    (`MethodSpec.inner`) on the visual tokens the outer part hands the LLM."""
+    assert spec.inner is not None and spec.inner.steps is not None
+    settings = schedule.settings_dict()
+    visual, layers = plan_tokens(arch, schedule).llm_visual_tokens, arch.decoder.layers
+    removals = list(schedule.removals)
+    for step in spec.inner.steps(settings, visual, layers):
+        if not 1 <= step.layer < layers or step.remove >= visual:
+            raise FicocoError(f"{spec.title}: the LLM step at layer {step.layer} removing {step.remove} of {visual} "
+                              f"visual tokens does not fit the decoder's layers 1..{layers - 1}")
+        visual += step.added - step.remove
+        removals.append(Removal(step.stage, step.layer, step.remove, step.where, step.added))
+    return Schedule(schedule.variant, tuple(removals), schedule.settings)
 
 
 def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
@@ -232,10 +249,13 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
             ctx = StepContext(step=Step(removal.layer, removal.remove, removal.added, removal.where, "vision"),
                               index=index, seq_before=v.tokens(units), visual_before=units, visual_initial=v.units,
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings,
-                              projected_width=arch.decoder.hidden)
-            rows += [(layer, term, batch * plan.vision_items * macs) for layer, term, macs in spec.extra_macs(ctx)]
+                              items=plan.vision_items, projected_width=arch.decoder.hidden)
+            per = batch if spec.extra_per_sample else batch * plan.vision_items
+            rows += [(layer, term, per * macs) for layer, term, macs in spec.extra_macs(ctx)]
             index += 1
-        return rows
+        if spec.inner is None or spec.inner.extra_macs is None:
+            return rows
+        spec = spec.inner  # its steps inside the LLM follow
     steps = [r for r in schedule.removals if r.stage == "llm" and r.where == "layer_input"]
     for index, removal in enumerate(steps):
         layer_seq = plan.llm[removal.layer - 1][1]  # what layer L-1 hands on, before the step

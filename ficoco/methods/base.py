@@ -127,6 +127,7 @@ class StepContext:
         suffix_tokens: text tokens after the visual span.
         dims: decoder widths (a vision step: the tower's, ``kv_heads == heads``).
         settings: the method's settings (as `steps` received them).
+        items: tower items per sample (a video's frames), for a method whose terms are per sample.
         projected_width: the width of the projector's output (the LLM's hidden size): what an
             ``after_projector`` step's tokens have (``dims`` are the tower's for a vision step).
     """
@@ -139,6 +140,7 @@ class StepContext:
     suffix_tokens: int
     dims: Dims
     settings: Mapping[str, Any]
+    items: int = 1
     projected_width: int = 0
 
 
@@ -181,6 +183,11 @@ class MethodSpec:
     extra_macs: Callable[[StepContext], ExtraMacs] | None = None
     wired: bool = False  # whether the model adapters run it yet
     cls_note: str = ""  # towers without [CLS] (Qwen2-VL): what replaces the [CLS] attention
+    # A vision method whose extra_macs are per sample (work across a video's frames), not per item.
+    extra_per_sample: bool = False
+    # A method acting before the LLM and again inside it (HoliTom): the part in the decoder, a
+    # layer-input spec whose `steps` count the visual tokens the outer part handed the LLM.
+    inner: MethodSpec | None = None
 
     @property
     def per_item(self) -> bool:

@@ -10,6 +10,7 @@ has no published setting, the rule used instead is stated in the entry.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -610,6 +611,87 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         steps=_cdpruner_steps, settings_for_keep=_cdpruner_for_keep, extra_macs=_cdpruner_extra, wired=True,
     ),
 )}
+
+# ---- HoliTom (temporal segmentation, temporal + spatial merging of a video's frames, after the projector) --------
+
+def _holitom_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    keep = settings["keep"]
+    _check_keep("HoliTom", keep, n_visual)
+    return (Step(n_layers - 1, n_visual - keep, 0, "after_projector", "vision"),) if keep < n_visual else ()
+
+
+def _holitom_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
+    if keep is None:  # the official RETAIN_RATIO of every frame's tokens (default 0.10; the paper's rows 25/15/10 %)
+        keep = max(1, math.ceil(n_visual * hp["retain_ratio"] - 1e-9))
+    _check_keep("HoliTom", keep, n_visual)
+    return {"keep": keep, **{name: hp[name] for name in ("tau", "beta", "neighbours", "contextual_share",
+                                                         "max_window", "merge_layer", "merge_ratio")}}
+
+
+def _holitom_inner_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
+    """The inner-LLM merge on the `n_visual` tokens the outer part handed the LLM."""
+    ratio = settings["merge_ratio"]
+    if not 0 <= ratio < 1:
+        raise FicocoError(f"HoliTom: merge_ratio {ratio} is outside [0, 1) (the share of visual tokens merged "
+                          "inside the LLM)")
+    keep = max(1, round(n_visual * (1 - ratio)))
+    # The official HOLITOM_k (18, a layer every 7B decoder has); a shallower decoder merges at its last layer.
+    layer = min(settings["merge_layer"], n_layers - 1)
+    return (Step(layer, n_visual - keep),) if keep < n_visual else ()
+
+
+def _holitom_inner_extra(ctx: StepContext) -> ExtraMacs:
+    d = ctx.dims
+    kept = ctx.visual_before - ctx.step.remove
+    return [(ctx.step.layer - 1, "holitom_last_row_scores", d.heads * d.head_dim * ctx.seq_before),
+            # Cosine of every merged visual token with every kept one (the layer's input).
+            (ctx.step.layer, "holitom_merge_similarity", ctx.step.remove * kept * d.hidden)]
+
+
+_HOLITOM_INNER = MethodSpec(
+    name="holitom", title="HoliTom", acts_at="llm_layer", placement="layer_input", positions="original",
+    needs=(Need("attention_rows", "L-1", "last", "softmax over all keys of layer K-1, head mean, of " + _LAST_ROW),
+           Need("hidden", "L", "all", "the input of layer K (the merge's cosine similarities)")),
+    hyperparameters={"merge_layer": 18, "merge_ratio": 0.5}, families=("video_llava",),
+    module="ficoco.methods.holitom", function="step", source="cokeshao/HoliTom e5f7da2 (holitom/modeling_qwen2.py)",
+    summary="keep the visual tokens the last prompt token attends to most, average the rest into their most "
+            "similar kept token", keep_means="the share merge_ratio of the visual tokens merged at merge_layer",
+    steps=_holitom_inner_steps, extra_macs=_holitom_inner_extra, wired=True,
+)
+
+
+def _holitom_extra(ctx: StepContext) -> ExtraMacs:
+    """Per video (``extra_per_sample``): the work on its ``items`` frames of ``visual_before`` projected
+    tokens of width ``projected_width``, as the batched module runs it (every frame slot, masked)."""
+    frames, tokens, width, layer = ctx.items, ctx.visual_before, ctx.projected_width, ctx.step.layer
+    rows = [(layer, "holitom_frame_similarity", (frames - 1) * tokens * width),
+            # DPC-kNN distances of the static tokens of every window that can start at a frame (not the last).
+            (layer, "holitom_static_cluster_distances", (frames - 1) * tokens * tokens * width)]
+    if ctx.settings["contextual_share"] > 0:
+        rows.append((layer, "holitom_contextual_cluster_distances", frames * tokens * tokens * width))
+    return [row for row in rows if row[2]]
+
+
+METHODS["holitom"] = MethodSpec(
+    name="holitom", title="HoliTom", acts_at="after_projector", placement="after_projector", positions="grid",
+    needs=(Need("attention_rows", "vision L", "all", "head-mean probabilities of every query over every key of the "
+                "layer the projector reads: the mean attention each patch receives (queries and heads averaged)"),
+           Need("hidden", "projector", "all", "the projector's output, every patch of every frame of a video "
+                "together (the adapter groups a video's frames)")),
+    hyperparameters={"retain_ratio": 0.10, "tau": 0.8, "beta": 0.6, "neighbours": 7, "contextual_share": 0.0,
+                     "max_window": 1024, "merge_layer": 18, "merge_ratio": 0.5},
+    families=("video_llava",), module="ficoco.methods.holitom", function="holitom_reduce",
+    source="cokeshao/HoliTom b1d1412 (holitom/llava_arch.py, holitom/modeling_qwen2.py; README's run: "
+           "RETAIN_RATIO T=0.80 HOLITOM_k=18 HOLITOM_r=0.5)",
+    summary="segment a video's frames by global temporal redundancy, merge static tokens over each segment, "
+            "keep each frame's most attended tokens and cluster the static ones (DPC-kNN); inside the LLM, "
+            "merge half the visual tokens into the most attended ones at layer 18",
+    keep_means="visual tokens per frame that reach the LLM, on average: a video hands on frames x keep tokens "
+               "(Video-LLaVA's frame [CLS] apart), spread over its segments and frames by HoliTom; inside the LLM "
+               "merge_ratio of them merge into the rest at merge_layer",
+    steps=_holitom_steps, settings_for_keep=_holitom_for_keep, extra_macs=_holitom_extra, wired=True,
+    extra_per_sample=True, inner=_HOLITOM_INNER,
+)
 
 VARIANTS = ("vanilla", *METHODS)
 

@@ -78,6 +78,8 @@ class TowerInput:
             prompt each item belongs to (padded to the longest), for a method that reads the
             instruction (a need of kind ``input_embeddings``); else None. ``text_mask``: ``(items, M)``
             True on real tokens.
+        frames: items that belong to one sample, consecutive (a video's frames, for a method that
+            reads them together: HoliTom), or None when the adapter hands independent items.
     """
 
     hidden: Tensor
@@ -93,6 +95,7 @@ class TowerInput:
     grid_hw: tuple[int, int] | None = None
     text: Tensor | None = None
     text_mask: Tensor | None = None
+    frames: int | None = None
 
 
 @dataclass(frozen=True)

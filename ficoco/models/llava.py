@@ -220,7 +220,8 @@ class LlavaAdapter:
         # per-prefill state of the decoder's sequence: FiCoCo-L's, or the layer-input methods' (the
         # registry entry's title names the method in refusals).
         shortens = spec.per_item
-        in_llm = not shortens
+        # A method acting before the LLM and again inside it (HoliTom) does both, in that order.
+        in_llm = not shortens or spec.inner is not None
         # A count known only once the tower ran (PruMerge+ without --keep): the images are encoded
         # first, and the spans shortened to what they measured.
         adaptive = bool(handle.schedule.settings_dict().get("adaptive"))
@@ -284,7 +285,8 @@ class LlavaAdapter:
                         # A later turn's mask covers the cache too (generate's, on a padded batch):
                         # the state reads this call's columns.
                         mask = mask[:, past:]
-                    handle.language_state = new_state(input_ids, mask, past, priors)
+                    # The prompt the LLM runs (shortened above by a method acting before the LLM too).
+                    handle.language_state = new_state(call["input_ids"], mask, past, priors)
                 elif filled is None:
                     self.turn_on_cache(cache, None)  # refuses a reduced cache it cannot follow
                     handle.language_state = None
@@ -303,10 +305,11 @@ class LlavaAdapter:
                 if state.cache is not None:
                     handle.cache_states[state.cache] = state
                 state.decoding = True
-                positions = state.index
+                if labels is not None:  # the call's labels (of the shortened prompt, if shortened above)
+                    output.loss = remaining_loss(model, output.logits, labels, state.index)
+                # Positions in the caller's prompt: through the shortened prompt's, where shortened above.
+                positions = state.index if positions is None else torch.gather(positions, 1, state.index)
             handle.output_positions = positions if positions is not None else arange_like(output.logits)
-            if labels is not None:
-                output.loss = remaining_loss(model, output.logits, labels, positions)
             return output if wants_dict(model, return_dict) else output.to_tuple()
 
         @functools.wraps(original_generate)

@@ -22,7 +22,7 @@ span (0..2055 for 8 frames).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +63,22 @@ class VideoLlavaAdapter(LlavaAdapter):
         self.span_tokens = self.patches + 1
         config = model.config
         self.still_image_token_id = getattr(config, "image_token_id", getattr(config, "image_token_index", None))
+
+    # Frames per video of the call being encoded (its pixel_values_videos), for a method that reads a
+    # video's frames together (HoliTom); the tower sees them as batch items, sample-major.
+    frames_in_call: int | None = None
+
+    def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """LLaVA's hook points, and the frame count of every video call kept for the cut."""
+        super().patch_tower(handle, patches, spec, schedule)
+        inner = hf.inner_model(self.model)
+        original = getattr(inner, hf.VIDEO_ENCODER)
+
+        def encode(pixel_values_videos: Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.frames_in_call = int(pixel_values_videos.shape[1])
+            return original(pixel_values_videos, *args, **kwargs)
+
+        patches.set(inner, hf.VIDEO_ENCODER, encode)
 
     def unreduced_visual(self, input_ids: Tensor) -> Tensor:
         """Image placeholders beside a video: FiCoCo leaves images alone (their tower is not the

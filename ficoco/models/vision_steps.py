@@ -254,13 +254,15 @@ class TowerPatch:
         if units != expected:
             raise FicocoError(f"{self.spec.title} cuts {expected} patches per item at the tower's output, but the "
                               f"projector received {units}; vision_feature_select_strategy must be 'default'")
-        keys, query, scale, _ = state.probes.get(self.cut_probe, (None, None, None, None)) \
+        keys, query, scale, probabilities = state.probes.get(self.cut_probe, (None, None, None, None)) \
             if self.cut_probe is not None else (None, None, None, None)
         text = text_mask = None
         if self.wants_text:
             text, text_mask = prompt_text(self.handle, self.adapter, items, self.spec.title)
+        # A video's frames, for a method that reads them together (HoliTom); None: independent items.
         inputs = TowerInput(hidden=features, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
-                            cls_query=query, scale=scale, text=text, text_mask=text_mask)
+                            cls_query=query, scale=scale, attention=probabilities, text=text, text_mask=text_mask,
+                            frames=getattr(self.adapter, "frames_in_call", None))
         out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
         hidden = out.hidden
         if out.counts is not None:

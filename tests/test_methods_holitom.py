@@ -1,0 +1,314 @@
+"""HoliTom (outer-LLM merging of a video's frames after the projector): the tensor module against a
+small per-video re-implementation written from the paper and the official code's structure, and the
+method inside the tiny Video-LLaVA (4 frames of 16 patches + [CLS], seeded random weights, fp32)."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from decoding import prefill_and_decode
+from torch import Tensor, nn
+
+import ficoco
+from ficoco import accounting as acc
+from ficoco.accounting import architecture
+from ficoco.accounting.methods import extra_macs
+from ficoco.accounting.schedule import plan_tokens
+from ficoco.api import profile_of
+from ficoco.methods.holitom import holitom_reduce, inner_merge, segment_frames
+from ficoco.methods.registry import method
+from ficoco.models import synthetic_inputs
+from ficoco.profiles import load_profile
+
+TEXT = 12
+FRAMES, PATCHES = 4, 16
+KEEP = 3
+
+
+# ---- the reference: one video at a time, plain Python loops ------------------------------------------------------
+
+def _dpc(x: Tensor, clusters: int, neighbours: int, beta: float) -> list[tuple[int, Tensor]]:
+    """(index, token) of every cluster of the rows of `x`, centres ascending (DPC-kNN, then merge)."""
+    if clusters == 0:
+        return []
+    count, width = x.shape
+    dist = torch.cdist(x.double(), x.double(), compute_mode="donot_use_mm_for_euclid_dist") / math.sqrt(width)
+    k = min(neighbours, clusters)
+    density = [math.exp(-float((dist[i].sort().values[:k] ** 2).mean())) for i in range(count)]
+    largest = float(dist.max())
+    score = []
+    for i in range(count):
+        higher = [float(dist[i, j]) for j in range(count)
+                  if density[j] > density[i] or (density[j] == density[i] and j < i)]
+        score.append(min(higher, default=largest) * density[i])
+    centres = sorted(sorted(range(count), key=lambda i: (-score[i], i))[:clusters])
+    members: dict[int, list[int]] = {c: [] for c in centres}
+    for i in range(count):
+        if i not in members:
+            members[min(centres, key=lambda c: (float(dist[i, c]), c))].append(i)
+    out = []
+    for c in centres:
+        token = x[c] if not members[c] else beta * x[c] + (1 - beta) * x[members[c]].mean(dim=0)
+        out.append((c, token))
+    return out
+
+
+def _quotas(sizes: list[int], budget: int) -> list[int]:
+    total = sum(sizes)
+    exact = [Fraction(s * budget, total) for s in sizes]
+    floors = [math.floor(e) for e in exact]
+    order = sorted(range(len(sizes)), key=lambda p: (-(exact[p] - floors[p]), p))
+    for p in order[:budget - sum(floors)]:
+        floors[p] += 1
+    return floors
+
+
+def reference(features: Tensor, scores: Tensor, budget: int, tau: float = 0.8, beta: float = 0.6,
+              neighbours: int = 7, share: float = 0.0) -> tuple[Tensor, list[int]]:
+    """One video ``(F, N, D)``: the tokens HoliTom hands on and the unit (f * N + n) each stands at."""
+    frames, tokens, _ = features.shape
+    unit = features / features.norm(dim=-1, keepdim=True)
+    similar = (unit[:-1] * unit[1:]).sum(-1) > tau  # (F - 1, N)
+
+    def static(s: int, e: int) -> Tensor:
+        return similar[s:e].all(dim=0) if e > s else torch.zeros(tokens, dtype=torch.bool)
+
+    best, first = [0] * (frames + 1), [0] * frames
+    for i in range(frames):
+        best[i + 1], first[i] = best[i], i
+        for j in range(i - 1, -1, -1):  # windows [j, i] of 2, 3, ... frames; only a strict gain replaces
+            gain = best[j] + (i - j) * int(static(j, i).sum())
+            if gain > best[i + 1]:
+                best[i + 1], first[i] = gain, j
+    windows, i = [], frames - 1
+    while i >= 0:
+        windows.append((first[i], i))
+        i = first[i] - 1
+    windows.reverse()
+    if frames * tokens - best[frames] < budget:
+        windows = [(f, f) for f in range(frames)]
+    parts = []  # (kind, frame, positions, features)
+    for s, e in windows:
+        mask = static(s, e)
+        if e > s:
+            parts.append(("static", s, mask.nonzero().flatten().tolist(), features[s:e + 1].mean(dim=0)))
+        for f in range(s, e + 1):
+            parts.append(("dynamic", f, (~mask).nonzero().flatten().tolist(), features[f]))
+    quotas = _quotas([len(p[2]) for p in parts], budget)
+    chosen: list[tuple[int, Tensor]] = []
+    for (kind, f, positions, x), quota in zip(parts, quotas, strict=True):
+        if kind == "static":
+            chosen += [(f * tokens + positions[c], t) for c, t in _dpc(x[positions], quota, neighbours, beta)]
+            continue
+        dominant_count = round(quota * (1 - share))
+        ranked = sorted(positions, key=lambda n: (-float(scores[f, n]), n))
+        dominant = ranked[:dominant_count]
+        chosen += [(f * tokens + n, x[n]) for n in dominant]
+        rest = [n for n in positions if n not in dominant]
+        chosen += [(f * tokens + rest[c], t) for c, t in _dpc(x[rest], quota - dominant_count, neighbours, beta)]
+    chosen.sort(key=lambda item: item[0])
+    return torch.stack([t for _, t in chosen]).float(), [u for u, _ in chosen]
+
+
+def videos(count: int = 2, frames: int = 6, tokens: int = 12, width: int = 16, seed: int = 0) -> Tensor:
+    """Videos with temporal redundancy: a few positions change little over runs of frames."""
+    generator = torch.Generator().manual_seed(seed)
+    out = torch.randn(count, frames, tokens, width, generator=generator)
+    for v in range(count):
+        still = torch.rand(tokens, generator=generator) < 0.6
+        cut = 2 + v  # the scene changes after frame `cut`
+        for f in range(1, frames):
+            if f != cut:
+                noise = 0.1 * torch.randn(tokens, width, generator=generator)
+                out[v, f, still] = out[v, f - 1, still] + noise[still]
+    return out
+
+
+@pytest.mark.parametrize("budget,share", [(10, 0.0), (23, 0.0), (17, 0.5), (40, 0.3)])
+def test_an_independent_per_video_reimplementation_picks_the_same_tokens(budget: int, share: float) -> None:
+    features = videos()
+    scores = torch.rand(features.shape[:3], generator=torch.Generator().manual_seed(1))
+    out = holitom_reduce(features, scores, budget, contextual_share=share)
+    assert out.hidden.shape == (2, budget, 16)
+    for v in range(2):
+        hidden, units = reference(features[v], scores[v], budget, share=share)
+        assert out.origin[v].tolist() == units
+        torch.testing.assert_close(out.hidden[v], hidden, atol=1e-5, rtol=1e-5)
+    # The temporal merge found windows of several frames (the test data has them).
+    assert bool((out.segment_start != torch.arange(6)).any())
+
+
+def test_a_batch_equals_its_videos_alone_and_a_full_budget_is_the_identity() -> None:
+    features = videos(count=3, seed=4)
+    scores = torch.rand(features.shape[:3], generator=torch.Generator().manual_seed(5))
+    together = holitom_reduce(features, scores, 20, contextual_share=0.4)
+    for v in range(3):
+        alone = holitom_reduce(features[v:v + 1], scores[v:v + 1], 20, contextual_share=0.4)
+        assert torch.equal(alone.hidden[0], together.hidden[v]) and torch.equal(alone.origin[0], together.origin[v])
+    whole = holitom_reduce(features, scores, 6 * 12)
+    assert torch.equal(whole.hidden, features.flatten(1, 2)) and not whole.merged.any()
+
+
+def test_the_segmentation_saves_the_most_tokens_and_keeps_a_frame_alone_on_a_tie() -> None:
+    # Frames 0-2 alike at every position, frame 3 new, frame 4 like frame 3 at 2 of 4 positions.
+    static_pairs = torch.tensor([[[True] * 4, [True] * 4, [False] * 4, [True, True, False, False]]])
+    start, end, saved = segment_frames(static_pairs, max_window=8)
+    assert start.tolist() == [[0, 0, 0, 3, 3]] and end.tolist() == [[2, 2, 2, 4, 4]]
+    assert saved.tolist() == [2 * 4 + 1 * 2]
+    start, _, saved = segment_frames(static_pairs, max_window=2)  # windows of at most 2 frames
+    assert start.tolist() == [[0, 0, 2, 3, 3]] and saved.tolist() == [4 + 2]
+
+
+def test_the_plan_counts_each_videos_work_once_and_maps_the_retain_ratio() -> None:
+    spec = method("holitom")
+    settings = spec.settings_for_keep(None, 256, 23, spec.hyperparameters)
+    assert settings["keep"] == 26  # ceil(10 % of 256) per frame on average
+    arch = acc.architecture(load_profile("video-llava-7b"))
+    schedule = acc.resolve_schedule(arch, "holitom", acc.CountOptions(), keep=26)
+    plan = plan_tokens(arch, schedule, text_tokens=TEXT)
+    assert plan.llm_visual_tokens == 8 * (26 + 1)
+    rows = {term: macs for _, term, macs in extra_macs(arch, schedule, plan, batch=2)}
+    width, visual = arch.decoder.hidden, 8 * 27
+    assert [(r.stage, r.layer, r.remove) for r in schedule.removals] == [("vision", 22, 256 - 26), ("llm", 18, 108)]
+    assert rows == {"holitom_frame_similarity": 2 * 7 * 256 * width,
+                    "holitom_static_cluster_distances": 2 * 7 * 256 * 256 * width,
+                    # inside the LLM: the last row of layer 17 over every key, then 108 merged x 108 kept cosines
+                    "holitom_last_row_scores": 2 * width * (TEXT + visual),
+                    "holitom_merge_similarity": 2 * 108 * 108 * width}
+
+
+# ---- inside the tiny Video-LLaVA ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model() -> nn.Module:
+    return ficoco.build_model("video-llava-tiny", dtype="fp32")
+
+
+def test_keep_all_equals_vanilla(model: nn.Module) -> None:
+    inp = synthetic_inputs(model, batch=1, text_tokens=TEXT)
+    with torch.no_grad():
+        vanilla = model(**inp).logits
+        with ficoco.apply(model, "holitom", keep=PATCHES, merge_ratio=0.0) as handle:
+            same = model(**inp).logits
+    assert not handle.schedule.removals and torch.equal(same, vanilla)
+
+
+def test_the_llm_sees_the_planned_tokens_and_a_batch_equals_its_videos_alone(model: nn.Module) -> None:
+    inp = synthetic_inputs(model, batch=2, text_tokens=TEXT, seed=7)
+    arch = architecture(profile_of(model))
+    seen: list[int] = []
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=KEEP) as handle:
+        hooks = [layer.self_attn.register_forward_pre_hook(
+            lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True)
+            for layer in model.model.language_model.layers]
+        try:
+            together = model(**inp).logits[:, -1]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+        # Outer: 4 frames x ([CLS] + 3); inner: half of them merged at the last layer (3, the tiny has 4).
+        assert seen == [n for n, _ in plan.llm] == [TEXT + 16] * 3 + [TEXT + 8]
+        assert plan.llm_visual_tokens == FRAMES * (KEEP + 1)
+        assert handle.measured_tokens_per_item == KEEP
+        for i in range(2):
+            alone = model(**{k: v[i:i + 1] for k, v in inp.items()}).logits[:, -1]
+            torch.testing.assert_close(together[i:i + 1], alone, atol=1e-4, rtol=0)
+
+
+def test_a_left_padded_batch_equals_its_videos_alone(model: nn.Module) -> None:
+    short = synthetic_inputs(model, batch=1, text_tokens=TEXT, seed=1)
+    long = synthetic_inputs(model, batch=1, text_tokens=TEXT + 3, seed=2)
+    zeros = torch.zeros(1, 3, dtype=torch.long)
+    batch = {"input_ids": torch.cat([torch.cat([zeros, short["input_ids"]], 1), long["input_ids"]]),
+             "attention_mask": torch.cat([torch.cat([zeros, short["attention_mask"]], 1), long["attention_mask"]]),
+             "pixel_values_videos": torch.cat([short["pixel_values_videos"], long["pixel_values_videos"]])}
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=KEEP):
+        together = model(**batch).logits[:, -1]
+        for i, sample in enumerate((short, long)):
+            torch.testing.assert_close(together[i:i + 1], model(**sample).logits[:, -1], atol=1e-4, rtol=0)
+
+
+def test_generate_matches_a_hand_written_prefill_and_decode_loop(model: nn.Module) -> None:
+    inp = synthetic_inputs(model, batch=2, text_tokens=TEXT, seed=3)
+    prompt = inp["input_ids"].shape[1]
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=KEEP) as handle:
+        generated = model.generate(**inp, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        out, positions, decoded, cache = prefill_and_decode(model, inp, 4, handle)
+    assert torch.equal(generated[:, :prompt], inp["input_ids"]) and torch.equal(generated[:, prompt:], decoded)
+    shortened = prompt - FRAMES * (PATCHES - KEEP)
+    merged = FRAMES * (KEEP + 1) // 2  # inside the LLM, at the tiny's last layer (its cache keeps the rest)
+    assert out.logits.shape[1] == shortened - merged and cache.get_seq_length() == shortened + 3
+    # Output positions name the caller's prompt: the last is its last token, the video's are placeholders.
+    ids = torch.gather(inp["input_ids"], 1, positions)
+    assert torch.equal(positions[:, -1], torch.full_like(positions[:, -1], prompt - 1))
+    assert torch.equal((ids == model.config.video_token_id).sum(dim=1), torch.full((2,), FRAMES * (KEEP + 1) - merged))
+
+
+def test_labels_give_the_loss_over_the_positions_that_remain(model: nn.Module) -> None:
+    inp = synthetic_inputs(model, batch=2, text_tokens=TEXT, seed=4)
+    labels = inp["input_ids"].masked_fill(inp["input_ids"] == model.config.video_token_id, -100)
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=KEEP) as handle:
+        out = model(**inp, labels=labels)
+        kept_labels = torch.gather(labels, 1, handle.output_positions)
+    vocab = model.config.text_config.vocab_size
+    expected = model.loss_function(logits=out.logits, labels=kept_labels, vocab_size=vocab)
+    assert torch.equal(out.loss, expected) and torch.isfinite(out.loss)
+
+
+def test_the_inner_merge_equals_the_official_one_token_at_a_time_average() -> None:
+    generator = torch.Generator().manual_seed(9)
+    visual, scores = torch.randn(3, 20, 8, generator=generator), torch.rand(3, 20, generator=generator)
+    merged, kept = inner_merge(visual, scores, 7)
+    for b in range(3):
+        top = sorted(sorted(range(20), key=lambda i: (-float(scores[b, i]), i))[:7])
+        states = visual[b].double().clone()
+        unit = torch.nn.functional.normalize(states, dim=-1)
+        for j in (j for j in range(20) if j not in top):  # ascending, similarities of the layer's input
+            target = top[max(range(7), key=lambda t: (float(unit[j] @ unit[top[t]]), -t))]
+            states[target] = (states[target] + states[j]) / 2
+        assert kept[b].tolist() == top
+        torch.testing.assert_close(merged[b].double(), states[top], atol=1e-5, rtol=1e-5)
+
+
+def test_flops_verify_counts_the_methods_work_as_fvcore_sees_it(model: nn.Module) -> None:
+    """What `ficoco flops --model video-llava-tiny --variant holitom --verify` checks, in process."""
+    from ficoco.verify import verify_run
+
+    arch = architecture(profile_of(model))
+    schedule = acc.resolve_schedule(arch, "holitom", acc.CountOptions(), keep=KEEP)
+    run = verify_run(model, arch, schedule, text_tokens=TEXT, batch=2)
+    stages = {s.stage: s for s in run.stages}
+    assert stages["method"].analytic > 0 and run.passed(0.5)
+
+
+def test_the_llm_receives_the_reference_tokens_of_an_independent_attention_and_projector(model: nn.Module) -> None:
+    """The scores from the tower layer the projector reads, recomputed here from its q and k (every
+    query's softmax, heads and queries averaged), and the vanilla projector output, through the
+    per-video reference: the tokens the LLM's first layer receives in the video span."""
+    inp = synthetic_inputs(model, batch=1, text_tokens=TEXT, seed=11)
+    tower, layer = model.model.video_tower, model.model.video_tower.encoder.layers[4]
+    with torch.no_grad():
+        states = tower(inp["pixel_values_videos"].flatten(0, 1), output_hidden_states=True).hidden_states
+        normed = layer.layer_norm1(states[4])
+        heads = layer.self_attn.num_heads
+        q = layer.self_attn.q_proj(normed).unflatten(-1, (heads, -1)).transpose(1, 2)
+        k = layer.self_attn.k_proj(normed).unflatten(-1, (heads, -1)).transpose(1, 2)
+        probabilities = ((q @ k.transpose(-1, -2)) * layer.self_attn.scale).softmax(-1).mean(dim=1)
+        scores = probabilities.mean(dim=1)[:, 1:].reshape(FRAMES, PATCHES)
+        projected = model.model.multi_modal_projector(states[5])[:, 1:]
+        tokens, _ = reference(projected, scores, FRAMES * KEEP)
+        seen: list[Tensor] = []
+        first = model.model.language_model.layers[0]
+        hook = first.register_forward_pre_hook(lambda m, a, kw: seen.append(a[0] if a else kw["hidden_states"]),
+                                            with_kwargs=True)
+        try:
+            with ficoco.apply(model, "holitom", keep=KEEP):
+                model(**inp)
+        finally:
+            hook.remove()
+    span = seen[0][0, 5:5 + FRAMES * (KEEP + 1)].reshape(FRAMES, KEEP + 1, -1)
+    torch.testing.assert_close(span[:, 1:].flatten(0, 1), tokens, atol=1e-4, rtol=1e-4)
