@@ -26,6 +26,7 @@ PLACEMENT_ORDER = ("layer_input", "in_layer", "tower_output", "after_projector")
 # Text tokens before the visual span in the families' templates ("USER: <image>\n..."; Qwen2-VL's
 # "<|im_start|>user\n<|vision_start|>"), the same the model adapters' synthetic inputs use.
 PREFIX_TOKENS = {"llava": 5, "llava_next": 5, "video_llava": 5, "qwen2_vl": 4}
+PREFIX_TOKENS["llava_onevision"] = 3  # "<|im_start|>user\n<image>"
 
 
 def _hashable(value: Any) -> Any:
@@ -63,6 +64,9 @@ def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
         raise FicocoError(f"{spec.title} on {arch.name} at image size {arch.image_size}: AnyRes unpadding drops "
                           f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; use a "
                           "square --image-size or a method inside the LLM")
+    if spec.per_item and arch.resampled:
+        raise FicocoError(f"{spec.title} on {arch.name}: {arch.resampled}; use a smaller --image-size or a method "
+                          "inside the LLM")
 
 
 def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step, ...],

@@ -163,6 +163,8 @@ def _check_variant(arch: Architecture, variant: str) -> None:
             f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; "
             "use a square --image-size (or --image) or FiCoCo-L"
         )
+    if _in_tower(variant) and arch.resampled:
+        raise FicocoError(f"FiCoCo-V on {arch.name}: {arch.resampled}; use a smaller --image-size or FiCoCo-L")
 
 
 def parse_schedule(text: str, arch: Architecture, variant: str) -> Schedule:
