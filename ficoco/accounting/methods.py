@@ -65,8 +65,8 @@ def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
                           f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; use a "
                           "square --image-size or a method inside the LLM")
     if spec.per_item and arch.resampled:
-        raise FicocoError(f"{spec.title} on {arch.name}: {arch.resampled}; use a smaller --image-size or a method "
-                          "inside the LLM")
+        instead = "a method" if arch.pooled_frames else "a smaller --image-size or a method"
+        raise FicocoError(f"{spec.title} on {arch.name}: {arch.resampled}; use {instead} inside the LLM")
 
 
 def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step, ...],

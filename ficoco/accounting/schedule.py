@@ -164,7 +164,8 @@ def _check_variant(arch: Architecture, variant: str) -> None:
             "use a square --image-size (or --image) or FiCoCo-L"
         )
     if _in_tower(variant) and arch.resampled:
-        raise FicocoError(f"FiCoCo-V on {arch.name}: {arch.resampled}; use a smaller --image-size or FiCoCo-L")
+        instead = "FiCoCo-L" if arch.pooled_frames else "a smaller --image-size or FiCoCo-L"
+        raise FicocoError(f"FiCoCo-V on {arch.name}: {arch.resampled}; use {instead}")
 
 
 def parse_schedule(text: str, arch: Architecture, variant: str) -> Schedule:

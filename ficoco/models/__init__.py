@@ -23,6 +23,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "llava_next": ("ficoco.models.llava_next", "LlavaNextAdapter"),
     "qwen2_vl": ("ficoco.models.qwen2_vl", "Qwen2VLAdapter"),
 }
+FAMILIES["llava_onevision"] = ("ficoco.models.llava_onevision", "LlavaOnevisionAdapter")
 
 
 def family_module(model_type: str | None) -> Any:
