@@ -41,6 +41,7 @@ TRANSFORMERS_TESTS = frozenset({
     "test_models_video_llava.py", "test_hf_idioms.py", "test_llm_methods.py", "test_vision_methods_wired.py",
     "test_tower_methods_next.py", "test_kv_cache.py", "test_quantize.py", "test_real_inputs.py", "test_verify.py",
 })
+TRANSFORMERS_TESTS |= {"test_models_llava_onevision.py"}
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -294,6 +294,22 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
                               "the LLM (FiCoCo-L)")
         return super().kept_token_index(input_ids, keep)
 
+    def earlier_span_layout(self, tokens: int) -> ImageLayout:
+        """LLaVA-NeXT's reading of an earlier turn's span, among the pinpoint grids that a method cutting
+        before the LLM serves (neither unpadded nor downscaled)."""
+        assert self.kept_per_item is not None
+        candidates = {}
+        for height, width in self.model.config.image_grid_pinpoints:
+            layout = self.layout((height, width))
+            if layout.tokens == tokens and not layout.unpadding_drops and not layout.downscaled:
+                candidates[layout.reduced_tokens(self.kept_per_item, self.unplaced_per_item)] = layout
+        if len(candidates) != 1:
+            what = "no AnyRes grid" if not candidates else "several AnyRes grids"
+            raise FicocoError(f"an earlier turn's image span of {tokens} placeholders matches {what} of this model, "
+                              f"so {self.method_title} cannot tell how many the cache holds; run the conversation in "
+                              "one prompt")
+        return next(iter(candidates.values()))
+
     # -- the top-level model ---------------------------------------------------------------------------
     def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
         """LLaVA-NeXT's entry wrappers, inside wrappers that keep the call's batch_num_images (a sample of
