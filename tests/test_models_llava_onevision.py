@@ -247,3 +247,49 @@ def test_verify_passes_on_tiny_for_vanilla_v_and_l_and_a_downscaled_image(model:
     big = architecture(profile)
     result = verify(profile, [schedule_for_keep(big, "l", 30)], tolerance_percent=0.5)
     assert result.passed, result.to_json()
+
+
+# -- a real prompt through a local checkout's processor pieces -------------------------------------
+
+def test_real_prompt_of_a_local_checkout_runs_vanilla_v_and_l(tmp_path: Any) -> None:
+    """A 150 x 90 picture through the checkout's OneVision image processor and ChatML template (the
+    whole processor needs torchvision, so ficoco counts the placeholders by the processor's rule):
+    the count is the accountant's, the model accepts it, and FiCoCo-V and -L run on it."""
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+
+    from ficoco.models.prompt import encode_prompt
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from local_checkpoints import make_checkpoint
+
+    folder = make_checkpoint("llava_onevision", tmp_path / "ov")
+    picture = tmp_path / "wide.png"
+    Image.new("RGB", (150, 90), (40, 90, 160)).save(picture)
+    profile = load_profile(str(folder))
+    prompt = encode_prompt(str(folder), profile.config, image=str(picture), prompt="What is shown?")
+    assert prompt.text.startswith("<|im_start|>user\n<image>\nWhat is shown?<|im_end|>")
+    assert prompt.image_size == (90, 150)
+    set_layout(profile, image_size=prompt.image_size)
+    arch = architecture(profile)
+    assert arch.visual_tokens == prompt.visual_tokens == int((prompt.encoded["input_ids"] == IMAGE_TOKEN).sum())
+    model = ficoco.build_model(str(folder), dtype="fp32", check_memory=False)
+    encoded = {k: v for k, v in prompt.encoded.items()}
+    reference = model(**encoded).logits
+    assert reference.shape[1] == prompt.encoded["input_ids"].shape[1]
+    # A checkout has no ficoco section: the family's first reducing layer (4) is past this decoder's.
+    with ficoco.apply(model, "l", keep=arch.newline_tokens + 10, first_layer=1, image_size=prompt.image_size):
+        assert model(**encoded).logits.shape[1] == prompt.text_tokens + arch.newline_tokens + 10
+    # 150 x 90: 2 x 3 crops, unpadded to 8 x 12 (over anyres_max_4, resized to 6 x 9): V is refused.
+    assert arch.post_projector_drops > 0
+    with pytest.raises(FicocoError, match="unpadding drops 48 tokens"):
+        ficoco.apply(model, "v", keep=arch.vision.items * 4 + arch.newline_tokens, first_layer=1,
+                     image_size=prompt.image_size)
+    square = tmp_path / "square.png"
+    Image.new("RGB", (112, 112), (40, 90, 160)).save(square)
+    prompt = encode_prompt(str(folder), profile.config, image=str(square))
+    keep = v_keep(6)
+    with ficoco.apply(model, "v", keep=keep, first_layer=1, image_size=prompt.image_size):
+        assert model(**prompt.encoded).logits.shape[1] == prompt.text_tokens + keep

@@ -254,6 +254,20 @@ def pooled_side(side: int) -> int:
     return -(-side // 2)
 
 
+def onevision_image_tokens(cfg: dict[str, Any], size_hw: tuple[int, int]) -> int:
+    """Visual tokens LLaVA-OneVision's processor gives one image of `size_hw` (H, W) of a config dict:
+    the base view, the unpadded (and, over anyres_max_N, downscaled) crop grid, a newline per row."""
+    vcfg = cfg.get("vision_config") or {}
+    crop = _get(vcfg, "image_size", _ONEVISION_SIGLIP_DEFAULTS)
+    side = crop // _get(vcfg, "patch_size", _ONEVISION_SIGLIP_DEFAULTS)
+    pinpoints = [_size("image_grid_pinpoints", p) for p in cfg.get("image_grid_pinpoints") or [[crop, crop]]]
+    best_h, best_w = select_best_resolution(size_hw, pinpoints)
+    rows, cols = unpadded_grid(best_h // crop * side, best_w // crop * side, size_hw)
+    rows, cols = onevision_downscaled(rows, cols, side, anyres_max_patches(cfg.get("vision_aspect_ratio",
+                                                                                  "anyres_max_9")))
+    return side * side + rows * cols + rows
+
+
 def _llama_decoder(tcfg: dict[str, Any], defaults: dict[str, Any], *, qkv_bias: bool | None = None) -> Decoder:
     hidden = _get(tcfg, "hidden_size", defaults)
     heads = _get(tcfg, "num_attention_heads", defaults)

@@ -196,6 +196,8 @@ def _fallback_text(family: str, media: str, question: str) -> str:
     if family == "qwen2_vl":
         return (f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
                 "<|im_start|>assistant\n")
+    if family == "llava_onevision":
+        return f"<|im_start|>user\n<{media}>\n{question}<|im_end|>\n<|im_start|>assistant\n"
     return f"USER: <{media}>\n{question} ASSISTANT:"
 
 
@@ -252,7 +254,7 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
     ids = encoded["input_ids"]
     visual = int((ids == placeholder_id).sum())
     image_size: tuple[int, int] | None = None
-    if family == "llava_next":
+    if family in ("llava_next", "llava_onevision"):
         height, width = (int(v) for v in encoded["image_sizes"][0].tolist())
         image_size = (height, width)
     elif family == "qwen2_vl":
@@ -313,5 +315,15 @@ def _encode_pieces(processor: _Processor, family: str, media: str, text: str, pi
         ids = processor.tokenizer([text.replace(placeholder, placeholder * (per_frame * frames.shape[0]))],
                                   return_tensors="pt")
         return {**ids, "pixel_values_videos": frames.unsqueeze(0)}
+    if family == "llava_onevision":
+        # transformers builds LlavaOnevisionProcessor only with its video processor (torchvision): the
+        # image processor's crops and sizes, and the placeholder count by the processor's own rule.
+        from ficoco.accounting.architecture import onevision_image_tokens
+
+        pixels = processor.image_processor(images=pictures, return_tensors="pt")
+        sizes = pixels["image_sizes"]
+        count = onevision_image_tokens(config, (int(sizes[0][0]), int(sizes[0][1])))
+        ids = processor.tokenizer([text.replace(placeholder, placeholder * count)], return_tensors="pt")
+        return {**ids, "pixel_values": pixels["pixel_values"], "image_sizes": sizes}
     raise FicocoError(f"the checkpoint's {family} processor could not be built by transformers here; "
                       "check its processor files")
