@@ -11,7 +11,9 @@ blind spots"):
 
 - fvcore traces with `torch.jit` and counts one multiply-add as one flop. Its handles are
   reduced to the matrix-type ops (its defaults for linear, matmul, bmm, addmm, mm, einsum and
-  convolution, plus `aten::scaled_dot_product_attention` and `aten::baddbmm` added here); its
+  convolution, plus `aten::scaled_dot_product_attention`, `aten::baddbmm` and
+  `aten::_convolution_mode` (a convolution with named padding: SigLIP's "valid" patch embedding)
+  added here); its
   default norm and pooling handles are dropped because the convention counts matrix work only.
   Every op left without a handle is listed as skipped, and the ones that carry matrix work are
   named. fvcore's MACs are doubled explicitly (`FVCORE_FLOPS_PER_UNIT`).
