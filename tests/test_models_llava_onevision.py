@@ -203,6 +203,28 @@ def test_text_turn_on_the_cache_equals_the_whole_conversation(model: nn.Module, 
     assert output_cache(turn2).get_seq_length() == output_cache(whole).get_seq_length()
 
 
+def test_images_of_a_multi_image_sample_are_base_views_with_one_newline(model: nn.Module) -> None:
+    """batch_num_images [2]: transformers packs each image as its base view and one newline (17 tokens);
+    the empty schedule is the unpatched model, V hands on 2 x (kept + 1) tokens, L keeps both newlines."""
+    prompt = inputs(model, seed=40)["input_ids"]
+    text = prompt[prompt != IMAGE_TOKEN].view(1, TEXT)
+    span = torch.full((1, PATCHES + 1), IMAGE_TOKEN)
+    ids = torch.cat([text[:, :3], span, text[:, 3:6], span, text[:, 6:]], dim=1)
+    inp = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": torch.randn(2, ITEMS, 3, 56, 56),
+           "image_sizes": torch.tensor([[112, 112], [112, 112]]), "batch_num_images": torch.tensor([2])}
+    reference = model(**inp).logits
+    for variant in ("v", "l"):
+        with ficoco.apply(model, variant, schedule={}):
+            assert torch.equal(model(**inp).logits, reference)
+    with ficoco.apply(model, "v", keep=v_keep(8)):
+        assert model(**inp).logits.shape[1] == TEXT + 2 * (8 + 1)
+    with ficoco.apply(model, "l", schedule={1: 6}) as handle:  # removed per image span
+        assert model(**inp).logits.shape[1] == ids.shape[1] - 12
+        kept = handle.records[0].kept[0]
+    newlines = torch.tensor([PATCHES, 2 * PATCHES + 1])
+    assert bool(torch.isin(newlines, kept).all())
+
+
 # -- refusals -------------------------------------------------------------------------------------
 
 def test_methods_that_cut_before_the_llm_refuse_resampled_grids(model: nn.Module) -> None:
