@@ -315,3 +315,17 @@ def test_real_prompt_of_a_local_checkout_runs_vanilla_v_and_l(tmp_path: Any) -> 
     keep = v_keep(6)
     with ficoco.apply(model, "v", keep=keep, first_layer=1, image_size=prompt.image_size):
         assert model(**prompt.encoded).logits.shape[1] == prompt.text_tokens + keep
+    # A video: a folder of 3 frames, every one pooled 2 x 2 after the projector, one newline after them.
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for index in range(3):
+        Image.new("RGB", (80, 60), (30 * index, 90, 160)).save(frames / f"{index}.png")
+    profile = load_profile(str(folder))
+    prompt = encode_prompt(str(folder), profile.config, video=str(frames), frames=3)
+    assert prompt.media == "video" and prompt.frames == 3 and prompt.visual_tokens == 3 * 4 + 1
+    assert "<video>" in prompt.text
+    set_layout(profile, frames=prompt.frames)
+    assert architecture(profile).visual_tokens == prompt.visual_tokens
+    with ficoco.apply(model, "l", keep=7, first_layer=1, frames=3) as handle:
+        assert model(**prompt.encoded).logits.shape[1] == prompt.text_tokens + 7
+        assert bool((handle.records[-1].kept == prompt.visual_tokens - 1).any())  # the newline stays
