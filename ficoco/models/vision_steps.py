@@ -259,8 +259,8 @@ class TowerPatch:
                               f"projector received {units}; vision_feature_select_strategy must be 'default'")
         keys, query, scale, _ = state.probes.get(self.cut_probe, (None, None, None, None)) \
             if self.cut_probe is not None else (None, None, None, None)
-        inputs = TowerInput(hidden=features, has_cls=self.has_cls, remove=removal.remove, added=removal.added, keys=keys,
-                            cls_query=query, scale=scale)
+        inputs = TowerInput(hidden=features, has_cls=self.has_cls, remove=removal.remove, added=removal.added,
+                            keys=keys, cls_query=query, scale=scale)
         out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
         hidden = out.hidden
         if out.counts is not None:
