@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 
 import ficoco
-from ficoco.accounting import architecture
+from ficoco.accounting import CountOptions, architecture, resolve_schedule
+from ficoco.accounting.methods import extra_macs
 from ficoco.accounting.schedule import plan_tokens, schedule_for_keep
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
@@ -269,6 +270,12 @@ def test_verify_passes_on_tiny_for_vanilla_v_and_l_and_a_downscaled_image(model:
     big = architecture(profile)
     result = verify(profile, [schedule_for_keep(big, "l", 30)], tolerance_percent=0.5)
     assert result.passed, result.to_json()
+    # VisionZip scores with the equivalent token: no [CLS] row is computed, and none is counted.
+    schedule = resolve_schedule(arch, "visionzip", CountOptions(), keep=8)
+    result = verify(load_profile(NAME), [schedule], tolerance_percent=0.5, model=model)
+    assert result.passed, result.to_json()
+    assert not any(term.endswith("_cls_row") for _, term, _ in
+                   extra_macs(arch, schedule, plan_tokens(arch, schedule)))
 
 
 # -- a real prompt through a local checkout's processor pieces -------------------------------------

@@ -235,7 +235,12 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
             ctx = StepContext(step=Step(removal.layer, removal.remove, removal.added, removal.where, "vision"),
                               index=index, seq_before=v.tokens(units), visual_before=units, visual_initial=v.units,
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings)
-            rows += [(layer, term, batch * plan.vision_items * macs) for layer, term, macs in spec.extra_macs(ctx)]
+            terms = spec.extra_macs(ctx)
+            if settings.get("score") == EQUIVALENT_SCORE:
+                # No [CLS] row to compute: the equivalent token (head-mean keys, their mean, a cosine per
+                # patch) is elementwise work and reductions, which the matrix conventions do not count.
+                terms = [(layer, term, macs) for layer, term, macs in terms if not term.endswith("_cls_row")]
+            rows += [(layer, term, batch * plan.vision_items * macs) for layer, term, macs in terms]
             index += 1
         return rows
     steps = [r for r in schedule.removals if r.stage == "llm" and r.where == "layer_input"]
