@@ -258,6 +258,8 @@ def set_layout(profile: Profile, *, image_size: tuple[int, int] | None = None, f
         if frames is not None and profile.family == "llava_onevision":
             raise FicocoError("give --image-size (an image) or --frames (a video) for llava_onevision, not both")
         profile.defaults["image_size"] = [int(image_size[0]), int(image_size[1])]
+        if profile.family == "llava_onevision":
+            profile.defaults.pop("frames", None)  # an image now, not the video an earlier layout set
     if frames is not None:
         if profile.family not in ("video_llava", "llava_onevision"):
             raise FicocoError(f"--frames applies to video_llava and llava_onevision models, not {profile.family}")
