@@ -46,6 +46,12 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "family": "qwen2_5_vl", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4},
         "image_size": [672, 672],
     },
+    # LLaVA-OneVision: an image by default (a 768 px square: the 2 x 2 AnyRes grid); --frames N makes the
+    # input a video of N frames instead.
+    "llava_onevision": {
+        "family": "llava_onevision", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4},
+        "image_size": [768, 768],
+    },
 }
 
 
@@ -250,13 +256,17 @@ def set_layout(profile: Profile, *, image_size: tuple[int, int] | None = None, f
     """Record the input layout (image size (H, W), video frames) in the profile's defaults, so
     that the accountant, the built model and `apply` all plan for the same input."""
     if image_size is not None:
-        if profile.family not in ("llava_next", "qwen2_vl", "qwen2_5_vl"):
-            raise FicocoError(f"--image-size applies to llava_next, qwen2_vl and qwen2_5_vl models, "
+        if profile.family not in ("llava_next", "qwen2_vl", "qwen2_5_vl", "llava_onevision"):
+            raise FicocoError(f"--image-size applies to llava_next, qwen2_vl, qwen2_5_vl and llava_onevision models, "
                               f"not {profile.family}")
+        if frames is not None and profile.family == "llava_onevision":
+            raise FicocoError("give --image-size (an image) or --frames (a video) for llava_onevision, not both")
         profile.defaults["image_size"] = [int(image_size[0]), int(image_size[1])]
+        if profile.family == "llava_onevision":
+            profile.defaults.pop("frames", None)  # an image now, not the video an earlier layout set
     if frames is not None:
-        if profile.family != "video_llava":
-            raise FicocoError(f"--frames applies to video_llava models, not {profile.family}")
+        if profile.family not in ("video_llava", "llava_onevision"):
+            raise FicocoError(f"--frames applies to video_llava and llava_onevision models, not {profile.family}")
         if frames < 1:
             raise FicocoError(f"--frames {frames} must be at least 1")
         profile.defaults["frames"] = int(frames)

@@ -48,12 +48,15 @@ class Layout:
         self.family = config.model_type
         vision = config.vision_config
         self.patch = vision.patch_size
-        if self.family in ("llava", "llava_next", "video_llava"):
+        if self.family in ("llava", "llava_next", "video_llava", "llava_onevision"):
             self.side = vision.image_size // vision.patch_size
         if self.family == "llava":
             self.panels = [{"name": "image", "rows": self.side, "cols": self.side}]
-        elif self.family == "llava_next":
-            from ficoco.models.llava_next import image_layout
+        elif self.family in ("llava_next", "llava_onevision"):  # OneVision: NeXT's AnyRes (no [CLS], images)
+            if self.family == "llava_next":
+                from ficoco.models.llava_next import image_layout
+            else:
+                from ficoco.models.llava_onevision import image_layout
 
             self.image_size = tuple(_defaults(model).get("image_size") or (2 * vision.image_size,) * 2)
             self.next = image_layout(config, self.image_size)
@@ -104,6 +107,8 @@ class Layout:
             return None  # the newline after the base view
         cols_u = layout.unpadded.shape[1]
         row_u, col_u = divmod(index - side * side, cols_u + 1)
+        if getattr(layout, "packed_hw", None) is not None:
+            return None  # OneVision's downscaled grid: a token is a blend of patches, no one cell
         if col_u == cols_u:
             return None  # a row's newline
         flat = int(layout.unpadded[row_u, col_u])
@@ -146,7 +151,7 @@ def picture_inputs(model: nn.Module, layout: Layout, image: str | None, *, weigh
     from ficoco.models import synthetic_inputs
 
     layout_kwargs: dict[str, Any] = {}
-    if layout.family in ("llava_next", "qwen2_vl", "qwen2_5_vl"):
+    if layout.family in ("llava_next", "qwen2_vl", "qwen2_5_vl", "llava_onevision"):
         layout_kwargs["image_size"] = layout.image_size
     inputs = synthetic_inputs(model, batch=1, text_tokens=text_tokens, seed=seed, **layout_kwargs)
     if image is None:
@@ -168,7 +173,7 @@ def picture_inputs(model: nn.Module, layout: Layout, image: str | None, *, weigh
         else:  # the picture as every frame of a still video
             name, value = "pixel_values_videos", pixels[None, None].expand(1, layout.frames, -1, -1, -1)
         pictures = [np.asarray(square)] * len(layout.panels)
-    elif layout.family == "llava_next":
+    elif layout.family in ("llava_next", "llava_onevision"):
         size = vision.image_size
         base = picture.resize((size, size), Image.BICUBIC)
         items = [_normalised(base, mean, std)]

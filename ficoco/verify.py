@@ -11,7 +11,9 @@ blind spots"):
 
 - fvcore traces with `torch.jit` and counts one multiply-add as one flop. Its handles are
   reduced to the matrix-type ops (its defaults for linear, matmul, bmm, addmm, mm, einsum and
-  convolution, plus `aten::scaled_dot_product_attention` and `aten::baddbmm` added here); its
+  convolution, plus `aten::scaled_dot_product_attention`, `aten::baddbmm` and
+  `aten::_convolution_mode` (a convolution with named padding: SigLIP's "valid" patch embedding)
+  added here); its
   default norm and pooling handles are dropped because the convention counts matrix work only.
   Every op left without a handle is listed as skipped, and the ones that carry matrix work are
   named. fvcore's MACs are doubled explicitly (`FVCORE_FLOPS_PER_UNIT`).
@@ -110,6 +112,14 @@ def baddbmm_flop_jit(inputs: list[Any], outputs: list[Any]) -> int:
     return batch * n * k * _shape(inputs[2])[-1]
 
 
+def convolution_mode_flop_jit(inputs: list[Any], outputs: list[Any]) -> int:
+    """`aten::_convolution_mode(input, weight, bias, stride, padding: str, ...)` (a convolution whose
+    padding is named, SigLIP's "valid"): every output position of every output channel multiplies the
+    weight's input channels x kernel, `N * prod(out spatial) * prod(weight shape)` MACs."""
+    weight, output = _shape(inputs[1]), _shape(outputs[0])
+    return output[0] * math.prod(output[2:]) * math.prod(weight)
+
+
 def fvcore_handles() -> dict[str, Callable[[list[Any], list[Any]], Any]]:
     """The matrix-type handles fvcore counts with (in MACs): its own and the added ones."""
     from fvcore.nn.jit_handles import (
@@ -126,10 +136,11 @@ def fvcore_handles() -> dict[str, Callable[[list[Any], list[Any]], Any]]:
         "aten::einsum": einsum_flop_jit, "aten::matmul": matmul_flop_jit, "aten::mm": matmul_flop_jit,
         "aten::linear": linear_flop_jit,
         "aten::scaled_dot_product_attention": sdpa_flop_jit, "aten::baddbmm": baddbmm_flop_jit,
+        "aten::_convolution_mode": convolution_mode_flop_jit,
     }
 
 
-ADDED_FVCORE_HANDLES = ("aten::scaled_dot_product_attention", "aten::baddbmm")
+ADDED_FVCORE_HANDLES = ("aten::scaled_dot_product_attention", "aten::baddbmm", "aten::_convolution_mode")
 DROPPED_FVCORE_HANDLES = ("aten::layer_norm", "aten::group_norm", "aten::batch_norm", "aten::instance_norm",
                           "aten::upsample_nearest2d", "aten::upsample_bilinear2d", "aten::adaptive_avg_pool2d",
                           "aten::grid_sampler")

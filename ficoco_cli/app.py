@@ -147,9 +147,10 @@ TextTokensOpt = Annotated[int | None, typer.Option(
     "--text-tokens", callback=check.whole_number(1), help="Text tokens per prompt (default 60).")]
 BatchOpt = Annotated[int, typer.Option("--batch", callback=check.whole_number(1), help="Batch size.")]
 ImageSizeOpt = Annotated[str | None, typer.Option(
-    "--image-size", callback=check.image_size, help="WxH, for AnyRes and Qwen2-VL.")]
+    "--image-size", callback=check.image_size, help="WxH, for AnyRes (LLaVA-NeXT, LLaVA-OneVision) and Qwen2-VL.")]
 FramesOpt = Annotated[int | None, typer.Option(
-    "--frames", callback=check.whole_number(1), help="Video frames (Video-LLaVA).")]
+    "--frames", callback=check.whole_number(1),
+    help="Video frames (Video-LLaVA; LLaVA-OneVision: a video instead of an image).")]
 JsonOpt = Annotated[str | None, typer.Option(
     "--json", callback=check.output_file, help="Write the JSON report here (- for stdout).")]
 WideOpt = Annotated[bool, typer.Option(

@@ -44,6 +44,7 @@ TRANSFORMERS_TESTS = frozenset({
 TRANSFORMERS_TESTS |= {"test_methods_diversity.py"}  # issue 25: DivPrune, VisPruner, CDPruner
 TRANSFORMERS_TESTS |= {"test_models_qwen2_5_vl.py"}
 TRANSFORMERS_TESTS |= {"test_methods_holitom.py"}  # issue 25: HoliTom inside the tiny Video-LLaVA
+TRANSFORMERS_TESTS |= {"test_models_llava_onevision.py"}
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -28,11 +28,23 @@ _CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# LLaVA-OneVision (Qwen2's ChatML, "<image>\n" before the text, as llava-hf's template lays it out).
+_ONEVISION_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>\n' }}"
+    "{% elif part['type'] == 'video' %}{{ '<video>\n' }}{% endif %}{% endfor %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 # Family -> (profile, special tokens by id).
 FAMILIES = {
     "llava": ("llava-tiny", {300: "<image>", 301: "<pad>"}),
     "llava_next": ("llava-next-tiny", {300: "<image>", 301: "<pad>"}),
     "video_llava": ("video-llava-tiny", {300: "<image>", 301: "<video>", 302: "<pad>"}),
+    "llava_onevision": ("llava-onevision-tiny", {300: "<image>", 301: "<video>", 302: "<|im_start|>",
+                                                 303: "<|im_end|>", 304: "<pad>"}),
     "qwen2_vl": ("qwen2-vl-tiny", {300: "<|image_pad|>", 301: "<|video_pad|>", 302: "<|vision_start|>",
                                    303: "<|vision_end|>", 304: "<|im_start|>", 305: "<|im_end|>", 306: "<pad>"}),
 }
@@ -70,7 +82,7 @@ def make_processor(family: str, model):
     config = model.config
     _, specials = FAMILIES[family]
     tokenizer = make_tokenizer(specials, config.get_text_config().vocab_size,
-                               add_bos=family not in ("qwen2_vl", "qwen2_5_vl"))
+                               add_bos=family not in ("qwen2_vl", "qwen2_5_vl", "llava_onevision"))
     if family in ("qwen2_vl", "qwen2_5_vl"):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -79,6 +91,15 @@ def make_processor(family: str, model):
                                           temporal_patch_size=vision.temporal_patch_size)
         return tokenizer, images, _CHATML
     side = config.vision_config.image_size
+    if family == "llava_onevision":  # its whole processor needs torchvision (the video processor)
+        from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+            LlavaOnevisionImageProcessorPil,
+        )
+
+        images = LlavaOnevisionImageProcessorPil(size={"height": side, "width": side},
+                                                 crop_size={"height": side, "width": side},
+                                                 image_grid_pinpoints=config.image_grid_pinpoints)
+        return tokenizer, images, _ONEVISION_CHATML
     if family == "video_llava":
         from transformers import VideoLlavaImageProcessor
 

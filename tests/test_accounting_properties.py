@@ -29,7 +29,7 @@ from ficoco.errors import FicocoError
 
 FAST = settings(max_examples=50, deadline=None, derandomize=True, database=None)
 
-TINY = ["llava-tiny", "llava-gqa-tiny", "llava-next-tiny", "qwen2-vl-tiny", "video-llava-tiny"]
+TINY = ["llava-tiny", "llava-gqa-tiny", "llava-next-tiny", "qwen2-vl-tiny", "video-llava-tiny", "llava-onevision-tiny"]
 PROFILES = [*TINY, "llava-1.5-7b"]
 COUNTINGS = [(c, s) for c in CONVENTIONS for s in SCOPES if not (c in LLM_ONLY_CONVENTIONS and s == "all")]
 FP16 = make_quant("fp16")

@@ -22,8 +22,8 @@ from ficoco_cli.app import app
 SCRIPT = Path(sys.executable).parent / "ficoco"
 COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
 PROFILES = [
-    "llava-1.5-13b", "llava-1.5-7b", "llava-gqa-tiny", "llava-next-7b", "llava-next-tiny", "llava-tiny",
-    "qwen2-vl-7b", "qwen2-vl-tiny", "video-llava-7b", "video-llava-tiny",
+    "llava-1.5-13b", "llava-1.5-7b", "llava-gqa-tiny", "llava-next-7b", "llava-next-tiny", "llava-onevision-7b",
+    "llava-onevision-tiny", "llava-tiny", "qwen2-vl-7b", "qwen2-vl-tiny", "video-llava-7b", "video-llava-tiny",
 ]
 STAGES = ["vision", "projector", "llm", "lm_head"]
 SCOPE_STAGES = {"llm": ["llm", "lm_head"], "all": STAGES}

@@ -27,7 +27,7 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
     assert by_name["fastv"]["acts_at"] == "llm_layer" and by_name["fastv"]["placement"] == "layer_input"
     assert by_name["fastv"]["hyperparameters"] == {"layer": 2, "ratio": 0.5}
     assert by_name["v"]["acts_at"] == "vision_layer" and by_name["v"]["wired"]
-    assert by_name["pdrop"]["families"] == ["llava", "llava_next"]
+    assert by_name["pdrop"]["families"] == ["llava", "llava_next", "llava_onevision"]
 
 
 def test_the_comparison_line_costs_every_method_under_one_budget(tmp_path: Path):

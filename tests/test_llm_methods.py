@@ -212,7 +212,7 @@ def test_other_families_run_the_methods_they_are_defined_on(name: str, method: s
 
 def test_a_family_the_method_is_not_defined_on_is_refused_naming_those_it_is() -> None:
     model = ficoco.build_model("qwen2-vl-tiny", dtype="fp32")
-    with pytest.raises(FicocoError, match="PDrop is defined on llava, llava_next models"):
+    with pytest.raises(FicocoError, match="PDrop is defined on llava, llava_next, llava_onevision models"):
         ficoco.apply(model, "pdrop", keep=8)
     assert "_ficoco_handle" not in model.__dict__
 

@@ -382,7 +382,7 @@ def test_every_method_loads_its_entry_point():
 
 def test_a_method_refuses_families_it_is_not_defined_on():
     arch = acc.architecture(load_profile("qwen2-vl-7b"))
-    with pytest.raises(Exception, match="PDrop is defined on llava, llava_next models"):
+    with pytest.raises(Exception, match="PDrop is defined on llava, llava_next, llava_onevision models"):
         acc.resolve_schedule(arch, "pdrop", acc.CountOptions(), keep=128)
 
 

@@ -14,8 +14,8 @@ from ficoco.errors import FicocoError
 from ficoco.profiles import PROFILES_DIR, list_gpus, list_profiles, load_gpu, load_profile, parse_overrides
 
 PROFILES = [
-    "llava-1.5-13b", "llava-1.5-7b", "llava-gqa-tiny", "llava-next-7b", "llava-next-tiny", "llava-tiny",
-    "qwen2-vl-7b", "qwen2-vl-tiny", "video-llava-7b", "video-llava-tiny",
+    "llava-1.5-13b", "llava-1.5-7b", "llava-gqa-tiny", "llava-next-7b", "llava-next-tiny", "llava-onevision-7b",
+    "llava-onevision-tiny", "llava-tiny", "qwen2-vl-7b", "qwen2-vl-tiny", "video-llava-7b", "video-llava-tiny",
 ]
 PROFILES = sorted([*PROFILES, "qwen2.5-vl-7b", "qwen2.5-vl-tiny"])  # issue 25
 

@@ -22,7 +22,7 @@ from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models import synthetic_inputs
 
-TINY_FAMILIES = ("llava-tiny", "llava-next-tiny", "video-llava-tiny", "qwen2-vl-tiny")
+TINY_FAMILIES = ("llava-tiny", "llava-next-tiny", "video-llava-tiny", "qwen2-vl-tiny", "llava-onevision-tiny")
 TINY_FAMILIES += ("qwen2.5-vl-tiny",)
 
 

@@ -36,6 +36,16 @@ _CLIP_DEFAULTS = {
     "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
     "patch_size": 32, "image_size": 224, "num_channels": 3,
 }
+# Qwen2Config's defaults (LLaVA-OneVision's text model) and SiglipVisionConfig's as
+# LlavaOnevisionConfig overrides them (so400m at 384 px, 26 layers, no pooling head).
+_QWEN2_TEXT_DEFAULTS = {
+    "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "vocab_size": 151936, "tie_word_embeddings": False,
+}
+_ONEVISION_SIGLIP_DEFAULTS = {
+    "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 26, "num_attention_heads": 16,
+    "patch_size": 14, "image_size": 384, "num_channels": 3,
+}
 _QWEN2_VL_VISION_DEFAULTS = {
     "depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16, "in_channels": 3,
     "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
@@ -60,7 +70,7 @@ class VisionTower:
     a crop of LLaVA-NeXT's AnyRes, a frame of Video-LLaVA, one image of Qwen2-VL.
     """
 
-    kind: str  # "clip", "qwen2_vl" or "qwen2_5_vl"
+    kind: str  # "clip", "siglip", "qwen2_vl" or "qwen2_5_vl"
     layers: int  # layers that run (Hugging Face runs the whole tower)
     hidden: int
     ffn: int
@@ -162,6 +172,15 @@ class Architecture:
     first_layer_v: int
     first_layer_l: int
     image_size: tuple[int, int] | None
+    # Visual tokens the projector maps that the LLM never receives, beyond unpadding's: LLaVA-OneVision's
+    # bilinear downscale of a packed image over its anyres_max_N budget, and its 2x2 pooling of every
+    # video frame (both resample the projected grid).
+    post_projector_drops: int = 0
+    # Why a method that cuts every item before the LLM cannot run on this layout ("" when it can): a
+    # resampled grid needs every patch in place.
+    resampled: str = ""
+    # LLaVA-OneVision's video: frames pooled 2x2 after the projector, (frames, pooled tokens per frame).
+    pooled_frames: tuple[int, int] | None = None
 
     def llm_visual_tokens(self, units_per_item: int) -> int:
         """Visual tokens in the LLM when every item keeps `units_per_item` units."""
@@ -224,6 +243,65 @@ def _clip_tower(vcfg: dict[str, Any], defaults: dict[str, Any], feature_layer: A
         feature_layer=_feature_layer(feature_layer, layers), merge=1, towers=towers,
         position_embeddings=grid * grid + 1,
     )
+
+
+def _siglip_tower(vcfg: dict[str, Any], feature_layer: Any, *, items: int) -> VisionTower:
+    """SigLIP as LLaVA-OneVision builds it: no [CLS], learned positions for the patches alone, a
+    post-LayerNorm (run, its output unread at vision_feature_layer -1) and no pooling head."""
+    d = _ONEVISION_SIGLIP_DEFAULTS
+    layers = _get(vcfg, "num_hidden_layers", d)
+    patch, size = _get(vcfg, "patch_size", d), _get(vcfg, "image_size", d)
+    grid = size // patch
+    if grid < 1:
+        raise FicocoError(f"config value image_size={size} is smaller than patch_size={patch}: no patch fits")
+    if vcfg.get("vision_use_head"):
+        raise FicocoError("vision_config.vision_use_head=true: LLaVA-OneVision's SigLIP runs without the pooling "
+                          "head (its output is never read); set it to false")
+    return VisionTower(
+        kind="siglip", layers=layers, hidden=_get(vcfg, "hidden_size", d), ffn=_get(vcfg, "intermediate_size", d),
+        heads=_get(vcfg, "num_attention_heads", d), patch_size=patch, channels=_get(vcfg, "num_channels", d),
+        temporal_patch=1, grid_h=grid, grid_w=grid, items=items, has_cls=False,
+        feature_layer=_feature_layer(feature_layer, layers), merge=1, towers=1, position_embeddings=grid * grid,
+    )
+
+
+def anyres_max_patches(value: Any) -> int:
+    """N of LLaVA-OneVision's `vision_aspect_ratio` "anyres_max_N": the packed crop grid's budget, in
+    crops' worth of patches."""
+    text = str(value)
+    digits = text.strip("anyres_max_")  # transformers' own parsing (a character strip)
+    if not text.startswith("anyres_max_") or not digits.isdigit() or int(digits) < 1:
+        raise FicocoError(f"config value vision_aspect_ratio={value!r} must be 'anyres_max_N' with N >= 1")
+    return int(digits)
+
+
+def onevision_downscaled(rows: int, cols: int, side: int, max_patches: int) -> tuple[int, int]:
+    """The crop grid LLaVA-OneVision packs after unpadding: `rows x cols` as it is, or, when it holds
+    more than 1.1^2 x `max_patches` crops' worth (`side`^2 each), bilinearly resized to
+    (rows // ratio, cols // ratio), ratio = sqrt(rows * cols / (max_patches * side^2))."""
+    ratio = math.sqrt(rows * cols / (max_patches * side**2))
+    if ratio > 1.1:
+        return int(rows // ratio), int(cols // ratio)
+    return rows, cols
+
+
+def pooled_side(side: int) -> int:
+    """Patches per axis of a LLaVA-OneVision video frame after its 2x2 bilinear pooling (ceil)."""
+    return -(-side // 2)
+
+
+def onevision_image_tokens(cfg: dict[str, Any], size_hw: tuple[int, int]) -> int:
+    """Visual tokens LLaVA-OneVision's processor gives one image of `size_hw` (H, W) of a config dict:
+    the base view, the unpadded (and, over anyres_max_N, downscaled) crop grid, a newline per row."""
+    vcfg = cfg.get("vision_config") or {}
+    crop = _get(vcfg, "image_size", _ONEVISION_SIGLIP_DEFAULTS)
+    side = crop // _get(vcfg, "patch_size", _ONEVISION_SIGLIP_DEFAULTS)
+    pinpoints = [_size("image_grid_pinpoints", p) for p in cfg.get("image_grid_pinpoints") or [[crop, crop]]]
+    best_h, best_w = select_best_resolution(size_hw, pinpoints)
+    rows, cols = unpadded_grid(best_h // crop * side, best_w // crop * side, size_hw)
+    rows, cols = onevision_downscaled(rows, cols, side, anyres_max_patches(cfg.get("vision_aspect_ratio",
+                                                                                  "anyres_max_9")))
+    return side * side + rows * cols + rows
 
 
 def _llama_decoder(tcfg: dict[str, Any], defaults: dict[str, Any], *, qkv_bias: bool | None = None) -> Decoder:
@@ -350,6 +428,58 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
             visual = vision.patches + kept_rows * kept_cols + newline_tokens
             image_newline = True
         projector = Projector(((vision.hidden, decoder.hidden), (decoder.hidden, decoder.hidden)), 0)
+    elif family == "llava_onevision":
+        decoder = _llama_decoder(tcfg, _QWEN2_TEXT_DEFAULTS, qkv_bias=True)
+        feature = cfg.get("vision_feature_layer", -1)
+        if cfg.get("vision_feature_select_strategy", "full") != "full":
+            raise FicocoError("vision_feature_select_strategy must be 'full' for LLaVA-OneVision: SigLIP has no "
+                              "[CLS] to drop")
+        video_frames = frames if frames is not None else defaults.get("frames")
+        image_newline = True
+        if video_frames is not None:
+            items = _whole("ficoco.frames", video_frames)
+            vision = _siglip_tower(vcfg, feature, items=items)
+            pooled = pooled_side(vision.grid_h) * pooled_side(vision.grid_w)
+            # Every frame pooled 2x2, then one image_newline after the whole video (transformers' order).
+            newline_tokens = 1
+            visual = items * pooled + newline_tokens
+            post_drops = items * (vision.patches - pooled)
+            resampled = "every video frame is pooled 2x2 (bilinear) after the projector, which needs its whole grid"
+            pooled_frames = (items, pooled)
+            size = None
+        else:
+            crop_px = _get(vcfg, "image_size", _ONEVISION_SIGLIP_DEFAULTS)
+            size = size or (crop_px * 2, crop_px * 2)
+            pinpoints = cfg.get("image_grid_pinpoints") or [[crop_px, crop_px]]
+            if not isinstance(pinpoints, list):
+                raise FicocoError(f"config value image_grid_pinpoints={pinpoints!r} must be a list of [height, width]")
+            pinpoints = [_size("image_grid_pinpoints", p) for p in pinpoints]
+            best_h, best_w = select_best_resolution(size, pinpoints)
+            crops_h, crops_w = best_h // crop_px, best_w // crop_px
+            if not (crops_h and crops_w):
+                raise FicocoError(f"image_grid_pinpoints: the chosen [{best_h}, {best_w}] is smaller than one "
+                                  f"{crop_px}-pixel crop (vision_config.image_size)")
+            vision = _siglip_tower(vcfg, feature, items=1 + crops_h * crops_w)
+            rows, cols = crops_h * vision.grid_h, crops_w * vision.grid_w
+            kept_rows, kept_cols = unpadded_grid(rows, cols, size)
+            budget = anyres_max_patches(cfg.get("vision_aspect_ratio", "anyres_max_9"))
+            packed_rows, packed_cols = onevision_downscaled(kept_rows, kept_cols, vision.grid_h, budget)
+            newline_tokens = packed_rows
+            unpadding_drops = rows * cols - kept_rows * kept_cols
+            post_drops = kept_rows * kept_cols - packed_rows * packed_cols
+            resampled = "" if not post_drops else (
+                f"the packed crop grid ({kept_rows}x{kept_cols}) exceeds anyres_max_{budget} and is downscaled "
+                f"bilinearly to {packed_rows}x{packed_cols}, which needs the whole grid")
+            pooled_frames = None
+            visual = vision.patches + packed_rows * packed_cols + newline_tokens
+        projector = Projector(((vision.hidden, decoder.hidden), (decoder.hidden, decoder.hidden)), 0)
+        return Architecture(
+            name=profile.name, family=family, vision=vision, projector=projector, decoder=decoder,
+            visual_tokens=visual, newline_tokens=newline_tokens, cls_in_llm=False,
+            unpadding_drops=unpadding_drops, image_newline_param=image_newline,
+            text_tokens=text_tokens, first_layer_v=first_v, first_layer_l=first_l, image_size=size,
+            post_projector_drops=post_drops, resampled=resampled, pooled_frames=pooled_frames,
+        )
     elif family == "qwen2_vl":
         decoder = _llama_decoder(tcfg or cfg, _QWEN2_VL_TEXT_DEFAULTS, qkv_bias=True)
         d = _QWEN2_VL_VISION_DEFAULTS
@@ -453,6 +583,9 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
     if v.kind == "clip":
         # class embedding, position embedding, pre- and post-LayerNorm
         tower_extra = h + v.position_embeddings * h + 2 * 2 * h
+    elif v.kind == "siglip":
+        # the patch convolution's bias, position embedding, post-LayerNorm
+        tower_extra = h + v.position_embeddings * h + 2 * h
     else:
         tower_extra = 0
     vision = v.towers * (patch_embed + tower_extra + v.layers * v_layer)
@@ -472,7 +605,7 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
         "decoder": dec.layers * (q_out + 2 * kv_out + dec.hidden + 2 * dec.ffn + dec.hidden),
     }
     # CLIP: q, k, v, out and two MLP linears; Qwen2-VL's vision blocks fuse q, k, v into one.
-    vision_layer_linears = {"clip": 6, "qwen2_vl": 4, "qwen2_5_vl": 5}[v.kind]
+    vision_layer_linears = {"clip": 6, "siglip": 6, "qwen2_vl": 4, "qwen2_5_vl": 5}[v.kind]
     modules = {"vision": v.towers * v.layers * vision_layer_linears, "projector": len(p.linears),
                "decoder": dec.layers * 7}
     return ParameterCounts(

@@ -122,6 +122,28 @@ def vision_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: i
     yield _elementwise(s, layer, "mlp_add", b * h * n_out, b * h * n_out, b * h * n_out)
 
 
+# Bilinear interpolation: every output value weighs 4 inputs (fvcore's own upsample handle counts 4 per
+# output element). Not matrix work, so the flops and macs conventions count none of it.
+BILINEAR_OPS_PER_OUTPUT = 4
+
+
+def resampling_ops(arch: Architecture, batch: int) -> list[Op]:
+    """LLaVA-OneVision's bilinear resampling of the projected features (elementwise: no MACs, counted in
+    ops and memory traffic): every video frame's 2x2 pooling, or an image's anyres_max_N downscale."""
+    width = arch.decoder.hidden
+    if arch.pooled_frames is not None:
+        frames, pooled = arch.pooled_frames
+        inputs, outputs = frames * arch.vision.patches, frames * pooled
+        name = "video_pooling"
+    elif arch.post_projector_drops:
+        outputs = arch.visual_tokens - arch.vision.patches - arch.newline_tokens
+        inputs, name = outputs + arch.post_projector_drops, "anyres_downscale"
+    else:
+        return []
+    outputs, inputs = batch * outputs * width, batch * inputs * width
+    return [_elementwise("projector", None, name, BILINEAR_OPS_PER_OUTPUT * outputs, inputs, outputs)]
+
+
 def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_tokens: str = "all") -> list[Op]:
     """Every op of one prefill of `batch` samples (one image or video each) under `plan`."""
     if lm_head_tokens not in LM_HEAD_TOKENS:
@@ -137,13 +159,15 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
     # (those are a learned vector, not projected) and before Qwen2-VL's merge is undone. It runs
     # before LLaVA-NeXT's unpadding, so it also projects the tokens unpadding drops (FiCoCo-V,
     # whose kept counts would depend on them, is refused where unpadding drops any).
-    projected = batch * (plan.projector_tokens - arch.newline_tokens + arch.unpadding_drops)
+    projected = batch * (plan.projector_tokens - arch.newline_tokens + arch.unpadding_drops
+                         + arch.post_projector_drops)
     if arch.projector.norm_dim:
         dim = arch.projector.norm_dim
         ops.append(_elementwise("projector", None, "norm", 7 * projected * v.merge * dim,
                                 projected * v.merge * dim, projected * v.merge * dim))
     for k, (ic, oc) in enumerate(arch.projector.linears):
         ops.append(_linear("projector", None, f"linear_{k + 1}", 1, projected, ic, oc))
+    ops.extend(resampling_ops(arch, batch))
     for layer, (n_in, n_out) in enumerate(plan.llm):
         ops.extend(decoder_layer_ops(arch, layer, batch, n_in, n_out))
     final_tokens = plan.llm[-1][1] if plan.llm else plan.text_tokens + plan.llm_visual_tokens

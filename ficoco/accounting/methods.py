@@ -27,6 +27,7 @@ PLACEMENT_ORDER = ("layer_input", "in_layer", "tower_output", "after_projector")
 # "<|im_start|>user\n<|vision_start|>"), the same the model adapters' synthetic inputs use.
 PREFIX_TOKENS = {"llava": 5, "llava_next": 5, "video_llava": 5, "qwen2_vl": 4}
 PREFIX_TOKENS["qwen2_5_vl"] = 4  # Qwen2-VL's chat template
+PREFIX_TOKENS["llava_onevision"] = 3  # "<|im_start|>user\n<image>"
 
 
 def _hashable(value: Any) -> Any:
@@ -64,6 +65,9 @@ def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
         raise FicocoError(f"{spec.title} on {arch.name} at image size {arch.image_size}: AnyRes unpadding drops "
                           f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; use a "
                           "square --image-size or a method inside the LLM")
+    if spec.per_item and arch.resampled:
+        instead = "a method" if arch.pooled_frames else "a smaller --image-size or a method"
+        raise FicocoError(f"{spec.title} on {arch.name}: {arch.resampled}; use {instead} inside the LLM")
 
 
 def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step, ...],
@@ -250,8 +254,13 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                               index=index, seq_before=v.tokens(units), visual_before=units, visual_initial=v.units,
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings,
                               items=plan.vision_items, projected_width=arch.decoder.hidden)
+            terms = spec.extra_macs(ctx)
+            if settings.get("score") == EQUIVALENT_SCORE:
+                # No [CLS] row to compute: the equivalent token (head-mean keys, their mean, a cosine per
+                # patch) is elementwise work and reductions, which the matrix conventions do not count.
+                terms = [(layer, term, macs) for layer, term, macs in terms if not term.endswith("_cls_row")]
             per = batch if spec.extra_per_sample else batch * plan.vision_items
-            rows += [(layer, term, per * macs) for layer, term, macs in spec.extra_macs(ctx)]
+            rows += [(layer, term, per * macs) for layer, term, macs in terms]
             index += 1
         if spec.inner is None or spec.inner.extra_macs is None:
             return rows

@@ -166,6 +166,9 @@ def _check_variant(arch: Architecture, variant: str) -> None:
             f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; "
             "use a square --image-size (or --image) or FiCoCo-L"
         )
+    if _in_tower(variant) and arch.resampled:
+        instead = "FiCoCo-L" if arch.pooled_frames else "a smaller --image-size or FiCoCo-L"
+        raise FicocoError(f"FiCoCo-V on {arch.name}: {arch.resampled}; use {instead}")
 
 
 def parse_schedule(text: str, arch: Architecture, variant: str) -> Schedule:

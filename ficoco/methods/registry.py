@@ -18,7 +18,7 @@ from ficoco.errors import FicocoError
 from ficoco.methods.base import Dims, ExtraMacs, MethodSpec, Need, Step, StepContext
 
 LLAVA_FAMILIES = ("llava", "llava_next", "video_llava")
-ALL_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava")
+ALL_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision")
 # Qwen2.5-VL runs every method Qwen2-VL runs (FiCoCo-V/-L, FastV, DART, VisionZip, FasterVLM).
 ALL_FAMILIES += ("qwen2_5_vl",)
 # The rows the literature reports: "192 / 128 / 64 tokens" on LLaVA-1.5-7B.
@@ -490,7 +490,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "(all rows), RoPE, softmax over all keys, head mean: one row, on the sequence entering the stage"),
                Need("hidden", "L", "all", "the input of the rank layer")),
         hyperparameters={"spacing": 8, "ratio": 0.5},
-        families=("llava", "llava_next"), module="ficoco.methods.pdrop", function="pdrop_reduce",
+        families=("llava", "llava_next", "llava_onevision"), module="ficoco.methods.pdrop", function="pdrop_reduce",
         source="Cooperx521/PyramidDrop 6444f30",
         summary="rank by the last instruction token at 3 stages, keep a pyramid",
         keep_means="layer-average visual tokens",
@@ -504,7 +504,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "every suffix row (raters are a subset)"),
                Need("hidden", "L", "all", "the output of the sparse layer (input of the next)")),
         hyperparameters={"layers": (2, 6, 15), "recycle_ratio": 0.3, "cluster_divisor": 10},
-        families=LLAVA_FAMILIES, module="ficoco.methods.sparsevlm", function="sparsevlm_reduce",
+        families=(*LLAVA_FAMILIES, "llava_onevision"), module="ficoco.methods.sparsevlm", function="sparsevlm_reduce",
         source="Gumpest/SparseVLMs v1.5 (56bef80)",
         summary="rate image tokens by text raters, prune after layers 2/6/15, recycle pruned tokens into clusters",
         keep_means="the v1.5 schedule of the literature's row (192, 128, 96, 64)",
@@ -527,7 +527,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "after the attention residual, before the MLP; the token sizes "
                     "carried from layer to layer add log(size) to every key's logits (proportional attention)")),
         hyperparameters={"r": 16, "prop_attn": True, "order": "spatial"},
-        families=LLAVA_FAMILIES, module="ficoco.methods.tome", function="tome_merge",
+        families=(*LLAVA_FAMILIES, "llava_onevision"), module="ficoco.methods.tome", function="tome_merge",
         source="facebookresearch/ToMe af95e4b",
         summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
         keep_means=_PER_ITEM,

@@ -24,6 +24,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2_vl": ("ficoco.models.qwen2_vl", "Qwen2VLAdapter"),
 }
 FAMILIES["qwen2_5_vl"] = ("ficoco.models.qwen2_5_vl", "Qwen2_5_VLAdapter")
+FAMILIES["llava_onevision"] = ("ficoco.models.llava_onevision", "LlavaOnevisionAdapter")
 
 
 def family_module(model_type: str | None) -> Any:

@@ -307,6 +307,7 @@ def qwen2_vl_merger(tower: nn.Module) -> nn.Module:
 FAMILY_TOWERS = {"llava": "vision_tower", "llava_next": "vision_tower", "video_llava": "video_tower",
                  "qwen2_vl": "visual"}
 FAMILY_TOWERS["qwen2_5_vl"] = "visual"
+FAMILY_TOWERS["llava_onevision"] = "vision_tower"  # SigLIP: the same encoder layer parts as CLIP's
 
 
 def check_model(model: nn.Module) -> None:
@@ -499,6 +500,60 @@ def anyres_grid(size: list[int], pinpoints: Any, image_size: int) -> tuple[int, 
     if llava_next.image_size_to_num_patches(size, pinpoints, image_size) == 1:
         return None
     crops_h, crops_w = llava_next.get_anyres_image_grid_shape(size, pinpoints, image_size)
+    return int(crops_h), int(crops_w)
+
+
+# LLaVA-OneVision: LLaVA-NeXT's AnyRes with its own packing method (no select strategy; an anyres_max_N
+# budget over which the unpadded crop grid is resized bilinearly), the model file's grid arithmetic, and
+# the 2x2 pooling of video frames (`apply_pooling`).
+ONEVISION_POOLING = "apply_pooling"
+
+
+@contact("LLaVA-OneVision AnyRes packing")
+def _check_onevision_anyres() -> None:
+    import torch
+    from transformers.models.llava_onevision import modeling_llava_onevision as onevision
+
+    name = "LLaVA-OneVision AnyRes packing"
+    model = onevision.LlavaOnevisionModel
+    _require_parameters(name, getattr(model, PACK_FEATURES), "image_features", "image_sizes", "image_newline",
+                        "vision_aspect_ratio")
+    _require_parameters(name, getattr(model, IMAGE_ENCODER), "pixel_values", "image_sizes", "batch_num_images")
+    _require_parameters(name, getattr(model, VIDEO_ENCODER), "pixel_values_videos")
+    _require_parameters(name, _require_attribute(name, model, ONEVISION_POOLING), "image_features")
+    for function in ("get_anyres_image_grid_shape", "image_size_to_num_patches"):
+        _require_parameters(name, _require_attribute(name, onevision, function), "image_size", "grid_pinpoints",
+                            "patch_size")
+    # The downscale is arithmetic inside the packing, not a function of its own: run the packing on a
+    # 3 x 3 grid of 2 x 2-patch crops at anyres_max_1 (a 6 x 6 grid resized to 4 x 4) and compare.
+    from ficoco.accounting.architecture import onevision_downscaled
+
+    config = _SimpleConfig(image_grid_pinpoints=[[2, 2], [6, 6]],
+                           vision_config=_SimpleConfig(image_size=2, patch_size=1))
+    features = [torch.zeros(10, 4, 1)]
+    packed, _ = getattr(model, PACK_FEATURES)(_SimpleConfig(config=config), features, torch.tensor([[6, 6]]),
+                                               image_newline=torch.zeros(1), vision_aspect_ratio="anyres_max_1")
+    rows, cols = onevision_downscaled(6, 6, 2, 1)
+    if packed[0].shape[0] != 4 + rows * cols + rows:
+        raise ContactChanged(name, f"the packing of a 6x6 crop grid at anyres_max_1 gave {packed[0].shape[0]} "
+                                   f"tokens, not the {4 + rows * cols + rows} of ficoco's arithmetic")
+
+
+class _SimpleConfig:
+    """Attribute access to keyword values (a stand-in config for a contact check)."""
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__.update(values)
+
+
+def onevision_anyres_grid(size: list[int], pinpoints: Any, image_size: int) -> tuple[int, int] | None:
+    """(crops high, crops wide) LLaVA-OneVision's AnyRes picks for an image of `size` (H, W), or None
+    when the image is its base view alone."""
+    from transformers.models.llava_onevision import modeling_llava_onevision as onevision
+
+    if onevision.image_size_to_num_patches(size, pinpoints, image_size) == 1:
+        return None
+    crops_h, crops_w = onevision.get_anyres_image_grid_shape(size, pinpoints, image_size)
     return int(crops_h), int(crops_w)
 
 

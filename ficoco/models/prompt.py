@@ -196,6 +196,8 @@ def _fallback_text(family: str, media: str, question: str) -> str:
     if family in ("qwen2_vl", "qwen2_5_vl"):
         return (f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
                 "<|im_start|>assistant\n")
+    if family == "llava_onevision":
+        return f"<|im_start|>user\n<{media}>\n{question}<|im_end|>\n<|im_start|>assistant\n"
     return f"USER: <{media}>\n{question} ASSISTANT:"
 
 
@@ -206,12 +208,15 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
     error is one FicocoError line."""
     family = config.get("model_type", "")
     media = "video" if family == "video_llava" else "image"
+    if family == "llava_onevision" and video is not None:  # OneVision takes images and videos
+        media = "video"
     given = video if media == "video" else image
     if media == "video" and image is not None:
         raise FicocoError("--image: Video-LLaVA runs are planned for a video; give --video (a video file or a "
                           "folder of frames) instead")
     if media == "image" and video is not None:
-        raise FicocoError(f"--video applies to Video-LLaVA checkpoints, not '{family}'; give --image")
+        raise FicocoError(f"--video applies to Video-LLaVA and LLaVA-OneVision checkpoints, not '{family}'; "
+                          "give --image")
     if given is None:
         raise FicocoError(f"--prompt needs --{media} as well (a {family} prompt here holds one {media})")
     notes: list[str] = []
@@ -252,7 +257,7 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
     ids = encoded["input_ids"]
     visual = int((ids == placeholder_id).sum())
     image_size: tuple[int, int] | None = None
-    if family == "llava_next":
+    if family in ("llava_next", "llava_onevision") and media == "image":
         height, width = (int(v) for v in encoded["image_sizes"][0].tolist())
         image_size = (height, width)
     elif family in ("qwen2_vl", "qwen2_5_vl"):
@@ -290,6 +295,29 @@ def _encode(processor: _Processor, family: str, media: str, text: str, pictures:
     return {name: value for name, value in encoded.items() if isinstance(value, Tensor)}
 
 
+def _onevision_video(processor: _Processor, text: str, pictures: list[Any], placeholder: str,
+                     vision: dict[str, Any]) -> dict[str, Tensor]:
+    """A LLaVA-OneVision video as its video processor lays it out (which transformers builds only with
+    torchvision): every frame resized to the tower's square (bicubic), rescaled and normalised with the
+    checkpoint's image mean and std (one SigLIP normalisation for images and videos); the
+    placeholders frames x ceil(side / 2)^2 + 1 (the 2x2 pooling and the newline)."""
+    import numpy as np
+    from PIL import Image
+
+    size = int(vision.get("image_size", 384))
+    side = size // int(vision.get("patch_size", 14))
+    mean = tuple(getattr(processor.image_processor, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073))
+    std = tuple(getattr(processor.image_processor, "image_std", None) or (0.26862954, 0.26130258, 0.27577711))
+    frames = []
+    for picture in pictures:
+        array = np.asarray(picture.resize((size, size), Image.BICUBIC), dtype=np.float32) / 255.0
+        frames.append(torch.from_numpy((array - np.asarray(mean, np.float32)) / np.asarray(std, np.float32))
+                      .permute(2, 0, 1))
+    count = len(frames) * (-(-side // 2)) ** 2 + 1
+    ids = processor.tokenizer([text.replace(placeholder, placeholder * count)], return_tensors="pt")
+    return {**ids, "pixel_values_videos": torch.stack(frames)[None]}
+
+
 def _encode_pieces(processor: _Processor, family: str, media: str, text: str, pictures: list[Any],
                    placeholder: str, config: dict[str, Any]) -> dict[str, Tensor]:
     vision = config.get("vision_config") or {}
@@ -313,5 +341,17 @@ def _encode_pieces(processor: _Processor, family: str, media: str, text: str, pi
         ids = processor.tokenizer([text.replace(placeholder, placeholder * (per_frame * frames.shape[0]))],
                                   return_tensors="pt")
         return {**ids, "pixel_values_videos": frames.unsqueeze(0)}
+    if family == "llava_onevision" and media == "video":
+        return _onevision_video(processor, text, pictures, placeholder, vision)
+    if family == "llava_onevision":
+        # transformers builds LlavaOnevisionProcessor only with its video processor (torchvision): the
+        # image processor's crops and sizes, and the placeholder count by the processor's own rule.
+        from ficoco.accounting.architecture import onevision_image_tokens
+
+        pixels = processor.image_processor(images=pictures, return_tensors="pt")
+        sizes = pixels["image_sizes"]
+        count = onevision_image_tokens(config, (int(sizes[0][0]), int(sizes[0][1])))
+        ids = processor.tokenizer([text.replace(placeholder, placeholder * count)], return_tensors="pt")
+        return {**ids, "pixel_values": pixels["pixel_values"], "image_sizes": sizes}
     raise FicocoError(f"the checkpoint's {family} processor could not be built by transformers here; "
                       "check its processor files")

@@ -134,6 +134,9 @@ class TowerPatch:
         self.adapter, self.handle, self.spec = adapter, handle, spec
         self.module = spec.load()
         self.settings = method_settings(handle, spec, schedule)
+        # A tower without [CLS] (SigLIP): positions are patch indices, and the methods score with the
+        # equivalent token in place of the [CLS] row.
+        self.has_cls = bool(getattr(adapter, "tower_has_cls", True))
         removals = [r for r in schedule.removals if r.stage == "vision"]
         self.in_layer: dict[int, Removal] = {r.layer: r for r in removals if r.where == "in_layer"}
         self.cuts: dict[str, Removal] = {r.where: r for r in removals if r.where != "in_layer"}
@@ -148,7 +151,7 @@ class TowerPatch:
             every_row = need.kind == "attention_rows" and need.rows == "all"
             for layer in ([last] if words[1:] == ["last"] else step_layers):
                 cls, rows = self.probes.get(layer, (False, False))
-                self.probes[layer] = (cls or need.rows == "cls", rows or every_row)
+                self.probes[layer] = (cls or (need.rows == "cls" and self.has_cls), rows or every_row)
         # The probe a cut reads: the one layer probed for it (the layer the projector reads, or the last).
         self.cut_probe = next(iter(sorted(set(self.probes) - set(self.in_layer))), None)
         # A method that reads the instruction (CDPruner): the prompt's text embeddings at its cut.
@@ -197,15 +200,16 @@ class TowerPatch:
                     state.probes[index] = slot.take()
             hidden = residual + attn_out
             keys, query, scale, probabilities = state.probes.pop(index, (None, None, None, None))
-            inputs = TowerInput(hidden=hidden, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
-                                cls_query=query, scale=scale, size=state.size, positions=state.positions,
+            inputs = TowerInput(hidden=hidden, has_cls=self.has_cls, remove=removal.remove, added=removal.added,
+                                keys=keys, cls_query=query, scale=scale, size=state.size, positions=state.positions,
                                 attention=probabilities, grid_hw=self.adapter.grid_hw)
             before = state.positions
             out: TowerOutput = self.handle.run_method(("vision", index), self.module.tower_step, inputs,
                                                       self.settings)
             state.size, state.positions, state.bias = out.size, out.positions, out.attention_bias
             patches = self.adapter.patches
-            present = before[:, 1:] - 1 if before is not None else \
+            offset = int(self.has_cls)
+            present = before[:, offset:] - offset if before is not None else \
                 torch.arange(patches, device=hidden.device).expand(hidden.shape[0], -1)
             discarded = out.discarded if out.discarded is not None else \
                 _gone(present, out.kept, patches, removal.remove)
@@ -226,7 +230,8 @@ class TowerPatch:
             keeps_cls = self.adapter.projector_keeps_cls
             # Where every token the projector maps came from: the patch each continues after the in-layer
             # steps (ToMe's merged tokens continue their B token), every patch when none ran.
-            origin = state.positions[:, 1:] - 1 if state.positions is not None else \
+            offset = int(self.has_cls)
+            origin = state.positions[:, offset:] - offset if state.positions is not None else \
                 torch.arange(self.adapter.patches, device=features.device).expand(features.shape[0], -1)
             cut = self.cuts.get("tower_output")
             if cut is not None:
@@ -260,9 +265,9 @@ class TowerPatch:
         if self.wants_text:
             text, text_mask = prompt_text(self.handle, self.adapter, items, self.spec.title)
         # A video's frames, for a method that reads them together (HoliTom); None: independent items.
-        inputs = TowerInput(hidden=features, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
-                            cls_query=query, scale=scale, attention=probabilities, text=text, text_mask=text_mask,
-                            frames=getattr(self.adapter, "frames_in_call", None))
+        inputs = TowerInput(hidden=features, has_cls=self.has_cls, remove=removal.remove, added=removal.added,
+                            keys=keys, cls_query=query, scale=scale, attention=probabilities, text=text,
+                            text_mask=text_mask, frames=getattr(self.adapter, "frames_in_call", None))
         out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
         hidden = out.hidden
         if out.counts is not None:

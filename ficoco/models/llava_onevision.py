@@ -1,0 +1,379 @@
+"""FiCoCo inside Hugging Face's LLaVA-OneVision (`LlavaOnevisionForConditionalGeneration`): a SigLIP
+tower (no [CLS]; the projector reads the last layer's every patch, `vision_feature_select_strategy`
+"full"), a Qwen2 decoder, AnyRes images as LLaVA-NeXT packs them, and videos. This file alone knows
+what OneVision does differently from LLaVA-NeXT (ficoco.models.llava_next, whose adapter it extends):
+
+- The packed crop grid of an image has a budget, `vision_aspect_ratio` "anyres_max_N": when the
+  unpadded grid holds more than 1.1^2 x N crops' worth of patches, transformers resizes it bilinearly
+  to (rows // ratio, cols // ratio) before the newline tokens are appended. The layout
+  (`OnevisionLayout`) follows the model's own arithmetic, so the span FiCoCo-L reduces is exact; a
+  method that cuts every item before the LLM is refused on such an image (the resize needs the whole
+  grid), as LLaVA-NeXT refuses images whose unpadding drops patches.
+- In a sample of several images (`batch_num_images` > 1) every image is its base view alone (one
+  item, one newline), as transformers packs them.
+- A video: every frame through the tower, projected, pooled 2x2 (bilinear, `ceil(side / 2)` per
+  axis), the frames' tokens in a row and one `image_newline` after the whole video. FiCoCo-L and the
+  methods inside the decoder reduce the video span (its newline protected, as LLaVA-NeXT's); a method
+  that cuts frames before the LLM is refused (the pooling needs every patch of the frame).
+- SigLIP has no [CLS]: FiCoCo-V scores with FiCoCo's equivalent token (SPEC.md), and the methods
+  that rank by the [CLS] attention use it too (their registry `cls_note`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from ficoco.accounting.architecture import anyres_max_patches, onevision_downscaled
+from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
+from ficoco.models.inputs import place_inputs
+from ficoco.models.llava_next import ImageLayout, LlavaNextAdapter, _unpadded_window
+from ficoco.models.patching import Patches
+
+if TYPE_CHECKING:
+    from ficoco.api import Handle
+
+__all__ = ["PREFIX_TOKENS", "LlavaOnevisionAdapter", "OnevisionLayout", "image_layout", "synthetic_inputs",
+           "video_tokens"]
+
+# "<|im_start|>user\n" before the image span, as Qwen2's template tokenises it.
+PREFIX_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class OnevisionLayout(ImageLayout):
+    """Where one image's visual tokens sit in the LLM's span, as LLaVA-OneVision packs them: LLaVA-NeXT's
+    layout, except that an unpadded crop grid over the anyres_max_N budget is resized to `packed_hw`."""
+
+    packed_hw: tuple[int, int] | None = None  # the crop grid after the bilinear downscale; None: not resized
+    budget: int = 9  # N of anyres_max_N
+
+    @property
+    def downscaled(self) -> bool:
+        return self.packed_hw is not None
+
+    @property
+    def newline_rows(self) -> int:
+        return self.packed_hw[0] if self.packed_hw is not None else super().newline_rows
+
+    @property
+    def tokens(self) -> int:
+        if self.packed_hw is None:
+            return super().tokens
+        rows, cols = self.packed_hw
+        return self.side * self.side + rows * cols + rows
+
+    def resampled_note(self) -> str:
+        rows_u, cols_u = self.unpadded.shape
+        assert self.packed_hw is not None
+        return (f"the packed crop grid ({rows_u}x{cols_u}) exceeds anyres_max_{self.budget} and is downscaled "
+                f"bilinearly to {self.packed_hw[0]}x{self.packed_hw[1]}, which needs the whole grid")
+
+    def reduced_tokens(self, placed_per_item: int, unplaced_per_item: int = 0, method: str = "FiCoCo-V") -> int:
+        if self.packed_hw is not None:
+            raise FicocoError(f"{method} on LLaVA-OneVision: {self.resampled_note()}; use a smaller image or a "
+                              "method inside the LLM (FiCoCo-L)")
+        return super().reduced_tokens(placed_per_item, unplaced_per_item, method)
+
+    def newline_flags(self) -> Tensor:
+        if self.packed_hw is None:
+            return super().newline_flags()
+        flags = torch.zeros(self.tokens, dtype=torch.bool)
+        cols = self.packed_hw[1]
+        flags[self.side * self.side + cols::cols + 1] = True
+        return flags
+
+    def pack_resized(self, features: Tensor, newline: Tensor | None) -> Tensor:
+        """Every item's whole grid packed as transformers packs a downscaled image (crops to one grid,
+        unpadded, resized bilinearly, a newline after every row), in plain integers so that torch.jit
+        can trace it (transformers' unpadding rounds traced sizes)."""
+        assert self.packed_hw is not None
+        crops_h, crops_w = self.crops_hw
+        side, dim = self.side, features.shape[-1]
+        grid = features[1:].view(crops_h, crops_w, side, side, dim).permute(4, 0, 2, 1, 3)
+        grid = grid.reshape(dim, crops_h * side * crops_w * side)[:, self.unpadded.flatten().to(features.device)]
+        grid = grid.view(1, dim, *self.unpadded.shape)
+        grid = torch.nn.functional.interpolate(grid, list(self.packed_hw), mode="bilinear")[0]
+        if newline is not None:
+            column = newline.to(features.device, features.dtype)[:, None, None].expand(dim, self.packed_hw[0], 1)
+            grid = torch.cat([grid, column], dim=-1)
+        return torch.cat([features[0], grid.flatten(1, 2).transpose(0, 1)], dim=0)
+
+    def pack(self, features: Tensor, kept: Tensor, newline: Tensor | None) -> Tensor:
+        if self.packed_hw is not None:
+            raise FicocoError(f"a method that cuts before the LLM on LLaVA-OneVision: {self.resampled_note()}")
+        return super().pack(features, kept, newline)
+
+
+def _base_view(side: int) -> OnevisionLayout:
+    return OnevisionLayout(side, (0, 0), torch.zeros(0, 0, dtype=torch.long))
+
+
+def image_layout(config: Any, size_hw: Any, patched: bool = True) -> OnevisionLayout:
+    """The layout of one image of `size_hw` (H, W): transformers' AnyRes grid choice, its unpadding
+    and its anyres_max_N downscale; `patched` False: the base view alone (an image of a sample with
+    several, `batch_num_images` > 1)."""
+    size = [int(v) for v in (size_hw.tolist() if isinstance(size_hw, Tensor) else size_hw)]
+    if len(size) != 2 or min(size) < 1:
+        raise FicocoError(f"image size {size_hw} is not (height, width) in pixels")
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    grid = hf.onevision_anyres_grid(size, config.image_grid_pinpoints, vision.image_size) if patched else None
+    if grid is None:
+        return _base_view(side)
+    crops_h, crops_w = grid
+    rows, cols = crops_h * side, crops_w * side
+    keep_rows, keep_cols = _unpadded_window(rows, cols, size)
+    unpadded = torch.arange(rows * cols).view(rows, cols)[keep_rows, keep_cols]
+    budget = anyres_max_patches(getattr(config, "vision_aspect_ratio", "anyres_max_9"))
+    rows_u, cols_u = unpadded.shape
+    packed = onevision_downscaled(rows_u, cols_u, side, budget)
+    return OnevisionLayout(side, (crops_h, crops_w), unpadded, packed if packed != (rows_u, cols_u) else None,
+                           budget)
+
+
+def video_tokens(config: Any, frames: int) -> int:
+    """Visual tokens of a video of `frames` frames: every frame pooled 2x2, one newline after them."""
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    return frames * math.ceil(side / 2) ** 2 + 1
+
+
+class LlavaOnevisionAdapter(LlavaNextAdapter):
+    """Where the method goes in a LLaVA-OneVision model: LLaVA-NeXT's AnyRes bookkeeping with the
+    anyres_max_N downscale, a tower without [CLS], and video spans."""
+
+    tower_has_cls = False
+    pixel_inputs = ("pixel_values", "pixel_values_videos")
+    encoder_inputs = (("pixel_values", "image", hf.IMAGE_ENCODER),)
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        config = model.config
+        self.video_token_id = getattr(config, "video_token_id", None)
+        self.batch_num_images: Tensor | None = None  # the current call's batch_num_images (see patch_entry)
+        self.video_frames: list[int] = []  # the current call's frames per video, in order
+
+    def layout(self, size_hw: Any, patched: bool = True) -> OnevisionLayout:
+        key = (*(int(v) for v in (size_hw.tolist() if isinstance(size_hw, Tensor) else size_hw)), patched)
+        if key not in self._layouts:
+            self._layouts[key] = image_layout(self.model.config, key[:2], patched)
+        return self._layouts[key]  # type: ignore[return-value]
+
+    def _patched_flags(self, images: int) -> list[bool]:
+        """Per image of the call, whether transformers cuts it into AnyRes crops (not in a sample of several)."""
+        if self.batch_num_images is None:
+            return [True] * images
+        flags = [int(n) == 1 for n in self.batch_num_images.tolist() for _ in range(int(n))]
+        if len(flags) != images:
+            raise FicocoError(f"batch_num_images {self.batch_num_images.tolist()} counts {len(flags)} images, but "
+                              f"image_sizes gives {images}")
+        return flags
+
+    def _layouts_of_call(self, what: str) -> list[ImageLayout]:
+        if self.image_sizes is None:
+            raise FicocoError(f"{what} on LLaVA-OneVision needs the images' image_sizes in the same forward or "
+                              "generate call as the image placeholders")
+        flags = self._patched_flags(len(self.image_sizes))
+        return [self.layout(size, patched) for size, patched in zip(self.image_sizes, flags, strict=True)]
+
+    # -- the span FiCoCo-L and the decoder methods reduce: images and videos ----------------------------
+    def language_tokens(self, input_ids: Tensor) -> Tensor:
+        """(B, T) bool: the image and video placeholders (every visual span of the prompt)."""
+        visual = input_ids == self.image_token_id
+        if self.video_token_id is not None:
+            visual = visual | (input_ids == self.video_token_id)
+        return visual
+
+    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,
+                       prior_positions: dict[int, Tensor] | None = None) -> Any:
+        """LLaVA-NeXT's state for the images; a video span's last token (its newline) is protected too.
+        One prompt holds images or videos, not both (the spans' order would be the template's)."""
+        is_video = input_ids == self.video_token_id if self.video_token_id is not None else None
+        if is_video is None or not bool(is_video.any()):
+            return super().language_state(input_ids, attention_mask, past_length, prior_positions)
+        if bool((input_ids == self.image_token_id).any()):
+            raise FicocoError("FiCoCo-L on LLaVA-OneVision reduces the images or the video of a prompt, not both "
+                              "in one prompt; give them in separate turns")
+        state = super(LlavaNextAdapter, self).language_state(input_ids, attention_mask, past_length, prior_positions)
+        if state is None:
+            return None
+        # The newline ends every run of video placeholders (the token after it is text).
+        following = torch.nn.functional.pad(is_video[:, 1:], (0, 1), value=False)
+        newline = is_video & ~following
+        state.protected = torch.gather(newline, 1, state.visual_rows)
+        state.max_protected = int(state.protected.sum(dim=1).max())
+        return state
+
+    # -- methods that cut before the LLM ---------------------------------------------------------------
+    def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """LLaVA-NeXT's per-crop hook points (ficoco.models.vision_steps.TowerPatch) on a tower without
+        [CLS] (`tower_has_cls`: the methods score with the equivalent token), and OneVision's packing
+        in place of `pack_image_features` while the method runs. Videos are refused (each frame is
+        pooled 2x2 after the projector, which needs its whole grid)."""
+        from ficoco.models.vision_steps import TowerPatch
+
+        config = self.model.config
+        if getattr(config, "vision_feature_select_strategy", "full") != "full" or \
+                not isinstance(getattr(config, "vision_feature_layer", -1), int):
+            raise FicocoError(f"{spec.title} on LLaVA-OneVision needs vision_feature_select_strategy='full' and one "
+                              "vision_feature_layer (SigLIP has no [CLS])")
+        TowerPatch(self, handle, spec, schedule).install(patches)
+        removals = [r for r in schedule.removals if r.stage == "vision"]
+        self.method_title = spec.title
+        adaptive = bool(schedule.settings_dict().get("adaptive"))
+        self.kept_per_item = None if adaptive else self.patches - sum(r.remove for r in removals)
+        self.unplaced_per_item = sum(r.added for r in removals)
+        inner = hf.inner_model(self.model)
+        packing = hf.PACK_FEATURES
+        patches.set(inner, packing, self._packing(getattr(inner, packing), lambda: handle.vision_state))
+
+    def _packing(self, original: Callable[..., Any], kept_grid_of: Callable[[], Tensor | None]
+                 ) -> Callable[..., tuple[list[Tensor], Tensor]]:
+        """A stand-in for OneVision's `pack_image_features(image_features, image_sizes, image_newline,
+        vision_aspect_ratio)` that packs reduced items by place (`ImageLayout.pack`); unreduced items go to
+        `original`, except under torch.jit tracing (its unpadding rounds traced sizes)."""
+
+        def pack_image_features(image_features: Any, image_sizes: Tensor, image_newline: Tensor | None = None,
+                                vision_aspect_ratio: str = "anyres_max_9") -> tuple[list[Tensor], Tensor]:
+            kept_grid = kept_grid_of()
+            items = sum(int(f.shape[0]) for f in image_features)
+            if kept_grid is None:
+                if not torch.jit.is_tracing():
+                    return original(image_features, image_sizes, image_newline=image_newline,
+                                    vision_aspect_ratio=vision_aspect_ratio)
+                kept_grid = torch.arange(self.patches, device=image_features[0].device).expand(items, -1)
+            if tuple(kept_grid.shape) != (items, image_features[0].shape[1]):
+                raise RuntimeError(f"the method kept {tuple(kept_grid.shape)} tokens for {items} items of "
+                                   f"{image_features[0].shape[1]} features")
+            packed, start = [], 0
+            for features, size in zip(image_features, image_sizes, strict=True):
+                grid = kept_grid[start:start + features.shape[0]]
+                start += features.shape[0]
+                packed.append(self.layout(size, patched=features.shape[0] > 1).pack(features, grid, image_newline))
+            lengths = torch.tensor([p.shape[0] for p in packed], dtype=torch.long, device=packed[0].device)
+            return packed, lengths
+
+        return pack_image_features
+
+    def patch_for_tracing(self, patches: Patches) -> None:
+        """Let torch.jit trace the forward: the unpadding's rounded sizes become layout packing, except
+        where the grid is downscaled (then transformers' own packing runs; fvcore counts no resize)."""
+        inner, packing = hf.inner_model(self.model), hf.PACK_FEATURES
+        if packing not in inner.__dict__:
+            original = getattr(inner, packing)
+            stand_in = self._packing(original, lambda: None)
+
+            def pack_image_features(image_features: Any, image_sizes: Tensor, image_newline: Tensor | None = None,
+                                    vision_aspect_ratio: str = "anyres_max_9") -> tuple[list[Tensor], Tensor]:
+                if not torch.jit.is_tracing():
+                    return original(image_features, image_sizes, image_newline=image_newline,
+                                    vision_aspect_ratio=vision_aspect_ratio)
+                packed = []
+                for features, size in zip(image_features, image_sizes, strict=True):
+                    layout = self.layout(size, patched=features.shape[0] > 1)
+                    packed.append(layout.pack_resized(features, image_newline) if layout.downscaled else
+                                  stand_in([features], size[None], image_newline, vision_aspect_ratio)[0][0])
+                lengths = torch.tensor([p.shape[0] for p in packed], dtype=torch.long, device=packed[0].device)
+                return packed, lengths
+
+            patches.set(inner, packing, pack_image_features)
+
+    def kept_token_index(self, input_ids: Tensor, keep: int | None) -> Tensor | None:
+        """LLaVA-NeXT's shortened prompt; a prompt with a video is refused for a method that cuts before
+        the LLM (each frame is pooled 2x2 after the projector, which needs its whole grid)."""
+        if self.video_token_id is not None and bool((input_ids == self.video_token_id).any()):
+            raise FicocoError(f"{self.method_title} on a LLaVA-OneVision video: every frame is pooled 2x2 "
+                              "(bilinear) after the projector, which needs its whole grid; use a method inside "
+                              "the LLM (FiCoCo-L)")
+        return super().kept_token_index(input_ids, keep)
+
+    def earlier_span_layout(self, tokens: int) -> ImageLayout:
+        """LLaVA-NeXT's reading of an earlier turn's span, among the pinpoint grids that a method cutting
+        before the LLM serves (neither unpadded nor downscaled)."""
+        assert self.kept_per_item is not None
+        candidates = {}
+        for height, width in self.model.config.image_grid_pinpoints:
+            layout = self.layout((height, width))
+            if layout.tokens == tokens and not layout.unpadding_drops and not layout.downscaled:
+                candidates[layout.reduced_tokens(self.kept_per_item, self.unplaced_per_item)] = layout
+        if len(candidates) != 1:
+            what = "no AnyRes grid" if not candidates else "several AnyRes grids"
+            raise FicocoError(f"an earlier turn's image span of {tokens} placeholders matches {what} of this model, "
+                              f"so {self.method_title} cannot tell how many the cache holds; run the conversation in "
+                              "one prompt")
+        return next(iter(candidates.values()))
+
+    # -- the top-level model ---------------------------------------------------------------------------
+    def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
+        """LLaVA-NeXT's entry wrappers, inside wrappers that keep the call's batch_num_images (a sample of
+        several images packs each as its base view alone)."""
+        super().patch_entry(handle, patches, variant, keep_per_image)
+        model = self.model
+        inner_forward, inner_generate = model.forward, model.generate
+
+        def with_counts(counts: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
+            if counts is None:
+                return call(*args, **kwargs)
+            previous, self.batch_num_images = self.batch_num_images, torch.as_tensor(counts).reshape(-1).cpu()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.batch_num_images = previous
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return with_counts(kwargs.get("batch_num_images"), inner_forward, *args, **kwargs)
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            return with_counts(kwargs.get("batch_num_images"), inner_generate, *args, **kwargs)
+
+        patches.set(model, "forward", functools.wraps(inner_forward)(forward))
+        patches.set(model, "generate", functools.wraps(inner_generate)(generate))
+
+
+def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
+                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                     image_size: tuple[int, int] | None = None, frames: int | None = None) -> dict[str, Tensor]:
+    """`batch` prompts "<|im_start|>user\\n<image>\\n...": input_ids, attention_mask, pixel_values (B, items,
+    3, crop, crop) and image_sizes for one image of `image_size` (H, W; the profile's default otherwise),
+    laid out as the OneVision processor lays them out; with `frames` (or a profile whose layout is a
+    video) one video of that many frames instead: pixel_values_videos (B, frames, 3, crop, crop)."""
+    config = model.config
+    if config.model_type != "llava_onevision":
+        raise FicocoError(f"these synthetic inputs are laid out for LLaVA-OneVision only, not '{config.model_type}'")
+    if text_tokens <= PREFIX_TOKENS:
+        raise FicocoError(f"--text-tokens must exceed the {PREFIX_TOKENS} template tokens before the image")
+    defaults = getattr(model, "_ficoco_defaults", None) or {}
+    if frames is None and image_size is None:
+        frames = defaults.get("frames")
+    vision = config.vision_config
+    special = [t for t in (config.image_token_id, getattr(config, "video_token_id", None)) if t is not None]
+    # Ordinary text ids: below the special tokens the vocabulary appends.
+    text_vocab = min(config.text_config.vocab_size, *special) - 3
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, 3 + text_vocab, (batch, text_tokens), generator=generator)
+    if frames is not None:
+        if frames < 1:
+            raise FicocoError(f"--frames {frames} must be at least 1")
+        span = torch.full((batch, video_tokens(config, frames)), config.video_token_id, dtype=torch.long)
+        input_ids = torch.cat([text[:, :PREFIX_TOKENS], span, text[:, PREFIX_TOKENS:]], dim=1)
+        pixels = torch.randn(batch, frames, vision.num_channels, vision.image_size, vision.image_size,
+                             generator=generator)
+        return place_inputs(model, input_ids, "pixel_values_videos", pixels, dtype=dtype, device=device)
+    if image_size is None:
+        default = defaults.get("image_size")
+        image_size = tuple(default) if default else (2 * vision.image_size, 2 * vision.image_size)
+    height, width = (int(v) for v in image_size)
+    layout = image_layout(config, (height, width))
+    span = torch.full((batch, layout.tokens), config.image_token_id, dtype=torch.long)
+    input_ids = torch.cat([text[:, :PREFIX_TOKENS], span, text[:, PREFIX_TOKENS:]], dim=1)
+    pixels = torch.randn(batch, layout.items, vision.num_channels, vision.image_size, vision.image_size,
+                         generator=generator)
+    return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
+                        image_sizes=torch.tensor([[height, width]] * batch, dtype=torch.long))
