@@ -4,14 +4,18 @@ of methods the models do not run yet (real subprocesses, as a user runs them).""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_cli_flops import assert_one_error_line, ficoco_cli
+from test_cli_flops import COMMAND, assert_one_error_line, ficoco_cli
 
 from ficoco.methods import METHODS
+from ficoco.methods.base import NOT_WIRED
+from ficoco.methods.registry import method_matrix
+from ficoco.profiles import FAMILY_DEFAULTS
 
 ALL = "vanilla,v,l,fastv,pdrop,sparsevlm,dart"
 
@@ -27,7 +31,29 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
     assert by_name["fastv"]["acts_at"] == "llm_layer" and by_name["fastv"]["placement"] == "layer_input"
     assert by_name["fastv"]["hyperparameters"] == {"layer": 2, "ratio": 0.5}
     assert by_name["v"]["acts_at"] == "vision_layer" and by_name["v"]["wired"]
-    assert by_name["pdrop"]["families"] == ["llava", "llava_next"]
+    assert by_name["pdrop"]["families"] == ["llava", "llava_next", "qwen2_vl", "video_llava"]
+    assert by_name["tome"]["refusals"] == {"qwen2_vl": METHODS["tome"].refusals["qwen2_vl"]}
+    cells = {row["name"]: row["families"] for row in report["matrix"]}
+    assert list(cells) == list(METHODS) and list(cells["v"]) == list(FAMILY_DEFAULTS)
+    assert cells["pdrop"]["qwen2_vl"] == {"status": "yes", "reason": ""}
+    assert cells["tome"]["qwen2_vl"] == {"status": "refused", "reason": METHODS["tome"].refusals["qwen2_vl"]}
+    assert cells["visionzip"]["qwen2_vl"]["status"] == "flops only"
+
+
+def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(monkeypatch: pytest.MonkeyPatch):
+    result = subprocess.run([*COMMAND, "methods", "--matrix"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "COLUMNS": "400"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if "method" in line and "qwen2_vl" in line)
+    assert [f for f in FAMILY_DEFAULTS if f in header] == list(FAMILY_DEFAULTS)
+    tome = next(line for line in lines if "tome (ToMe)" in line)
+    assert tome.count("yes") == 3 and "refused: not wired: ToMe on Qwen2-VL" in tome
+    assert "yes" in next(line for line in lines if "pdrop (PDrop)" in line)
+    # A family no entry names yet (one more in FAMILY_DEFAULTS) is refused by every method, with the default line.
+    monkeypatch.setitem(FAMILY_DEFAULTS, "new_family", {})
+    cells = {row["name"]: row["families"]["new_family"] for row in method_matrix(FAMILY_DEFAULTS)}
+    assert set(cells) == set(METHODS) and all(c == {"status": "refused", "reason": NOT_WIRED} for c in cells.values())
 
 
 def test_the_comparison_line_costs_every_method_under_one_budget(tmp_path: Path):
@@ -80,8 +106,8 @@ def test_an_unwired_method_is_refused_in_one_line(argv):
 
 
 def test_a_family_the_method_is_not_defined_on_is_named():
-    line = assert_one_error_line(ficoco_cli("flops", "--model", "qwen2-vl-7b", "--variant", "pdrop"))
-    assert "PDrop is defined on llava, llava_next" in line
+    line = assert_one_error_line(ficoco_cli("flops", "--model", "qwen2-vl-7b", "--variant", "prumerge"))
+    assert "PruMerge+ is defined on llava, llava_next, video_llava" in line and "not wired" in line
 
 
 def test_visual_macs_refuses_scope_all():

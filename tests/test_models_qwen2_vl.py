@@ -398,6 +398,46 @@ def test_l_generate_and_decoding_after_reduced_prefill(model: nn.Module, arch: A
     assert (wrong - step).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("method", ["pdrop", "sparsevlm"])
+def test_compacting_methods_run_keeping_3d_positions(model: nn.Module, arch: Any, method: str) -> None:
+    """PDrop and SparseVLM (issue 25): the planned counts, each sample as if alone, and generate equal to a
+    decode at the unreduced prompt's next 3-D positions (the kept tokens keep theirs; no 1-D compaction)."""
+    batch = inputs(model, batch=2, seed=12)
+    full_last = int(model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                               image_grid_thw=batch["image_grid_thw"])[0].max())
+    new = 3
+    with torch.no_grad(), ficoco.apply(model, method, schedule="1:6,3:4") as handle:
+        with entering_tokens(model, images=2) as seen:
+            together = greedy(model, batch, new=new)
+        plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+        alone = [greedy(model, sample(batch, i), new=new) for i in range(2)]
+        cos_seen: list[Tensor] = []
+        hooks = [layer.self_attn.register_forward_pre_hook(
+            lambda m, args, kwargs: cos_seen.append(kwargs["position_embeddings"][0]), with_kwargs=True)
+            for layer in (decoder_layers(model)[0], decoder_layers(model)[-1])]
+        try:
+            out = model(**batch, use_cache=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        # generate's min_new_tokens keeps EOS out: so does the reference.
+        eos = torch.tensor(model.generation_config.eos_token_id).reshape(-1)
+        tokens, cache = [out.logits[:, -1].index_fill(-1, eos, -torch.inf).argmax(-1)], output_cache(out)
+        for k in range(new - 1):
+            step = model(input_ids=tokens[-1][:, None], **cache_argument(cache), use_cache=True,
+                         position_ids=torch.full((3, 2, 1), full_last + 1 + k))
+            cache = output_cache(step)
+            tokens.append(step.logits[:, -1].index_fill(-1, eos, -torch.inf).argmax(-1))
+    assert [calls[0] for _, calls in sorted(seen["llm-mlp"].items())] == [entering for entering, _ in plan.llm]
+    assert plan.llm[-1][0] < plan.llm[0][0]
+    for i in range(2):
+        assert torch.equal(together[i:i + 1], alone[i])
+    assert torch.equal(together[:, -new:], torch.stack(tokens, dim=1))
+    # After the steps the last prompt token still has its 3-D position (1-D compaction would move it).
+    assert cos_seen[1].shape[1] < cos_seen[0].shape[1]
+    assert torch.equal(cos_seen[1][:, -1], cos_seen[0][:, -1])
+
+
 @pytest.mark.parametrize(("variant", "params"), [("v", {}), ("l", {}), ("l", {"beta": 0.0})],
                          ids=["v", "l", "l-beta0"])
 def test_generate_left_padded_batch_equals_samples_alone(model: nn.Module, variant: str, params: dict) -> None:

@@ -10,7 +10,7 @@ has no published setting, the rule used instead is stated in the entry.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ficoco.errors import FicocoError
@@ -385,6 +385,14 @@ _PER_ITEM = "visual tokens per image, crop or frame that reach the LLM"
 _EQUIVALENT = ("towers without [CLS] (Qwen2-VL): FiCoCo's equivalent token (-cos of each patch's head-mean key to "
                "their mean) scores the patches in place of the [CLS] attention, averaged over each 2x2 merge group")
 _LAST_ROW = "the last prompt token (left padding puts it at T - 1 in every sample)"
+# Why a family does not run a method (MethodSpec.refusals; `ficoco methods --matrix` prints them).
+_QWEN2_VL_TOWER = ("not wired into Qwen2-VL's packed vision tower yet (a cut of whole 2x2 merge groups with the "
+                   "kept groups' 3-D positions is FiCoCo-V's path only so far); run it on a LLaVA-1.5 or Video-LLaVA "
+                   "model, or use FiCoCo-V (v) here")
+_QWEN2_VL_TOME = ("not wired: ToMe on Qwen2-VL would merge whole 2x2 merge groups in every block of the packed "
+                  "tower (rotary table and cu_seqlens following, as FiCoCo-V's path does); that step is not written")
+_QWEN2_VL_PRUMERGE = ("not wired: PruMerge+ on Qwen2-VL would keep and merge whole 2x2 merge groups at the tower's "
+                      "output and place its extra token in the 3-D positions; that step is not written")
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(
@@ -426,7 +434,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "(all rows), RoPE, softmax over all keys, head mean: one row, on the sequence entering the stage"),
                Need("hidden", "L", "all", "the input of the rank layer")),
         hyperparameters={"spacing": 8, "ratio": 0.5},
-        families=("llava", "llava_next"), module="ficoco.methods.pdrop", function="pdrop_reduce",
+        families=ALL_FAMILIES, module="ficoco.methods.pdrop", function="pdrop_reduce",
         source="Cooperx521/PyramidDrop 6444f30",
         summary="rank by the last instruction token at 3 stages, keep a pyramid",
         keep_means="layer-average visual tokens",
@@ -440,7 +448,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "every suffix row (raters are a subset)"),
                Need("hidden", "L", "all", "the output of the sparse layer (input of the next)")),
         hyperparameters={"layers": (2, 6, 15), "recycle_ratio": 0.3, "cluster_divisor": 10},
-        families=LLAVA_FAMILIES, module="ficoco.methods.sparsevlm", function="sparsevlm_reduce",
+        families=ALL_FAMILIES, module="ficoco.methods.sparsevlm", function="sparsevlm_reduce",
         source="Gumpest/SparseVLMs v1.5 (56bef80)",
         summary="rate image tokens by text raters, prune after layers 2/6/15, recycle pruned tokens into clusters",
         keep_means="the v1.5 schedule of the literature's row (192, 128, 96, 64)",
@@ -464,6 +472,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "carried from layer to layer add log(size) to every key's logits (proportional attention)")),
         hyperparameters={"r": 16, "prop_attn": True, "order": "spatial"},
         families=LLAVA_FAMILIES, module="ficoco.methods.tome", function="tome_merge",
+        refusals={"qwen2_vl": _QWEN2_VL_TOME},
         source="facebookresearch/ToMe af95e4b",
         summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
         keep_means=_PER_ITEM,
@@ -477,6 +486,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "that layer's output, the projector's input")),
         hyperparameters={"dominant": 54, "contextual": 10, "contextual_mode": "mean"},
         families=ALL_FAMILIES, module="ficoco.methods.visionzip", function="visionzip_reduce",
+        refusals={"qwen2_vl": _QWEN2_VL_TOWER},
         source="dvlab-research/VisionZip 3151f6d",
         summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",
         keep_means=_PER_ITEM + " (dominant + contextual: 162+30, 108+20, 54+10)", cls_note=_EQUIVALENT,
@@ -490,6 +500,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "projector", "all", "the projector's output, every patch")),
         hyperparameters={"ratio": 0.75},
         families=ALL_FAMILIES, module="ficoco.methods.fastervlm", function="fastervlm_reduce",
+        refusals={"qwen2_vl": _QWEN2_VL_TOWER},
         source="Theia-4869/FasterVLM f5d5f12",
         summary="keep the projected patches [CLS] attends to most, in image order",
         keep_means=_PER_ITEM, cls_note=_EQUIVALENT,
@@ -502,6 +513,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "the output of the layer the projector reads")),
         hyperparameters={"assumed_tokens": 144, "neighbours": 32, "attention": "heads"},
         families=LLAVA_FAMILIES, module="ficoco.methods.prumerge", function="prumerge_reduce",
+        refusals={"qwen2_vl": _QWEN2_VL_PRUMERGE},
         source="42Shawn/LLaVA-PruMerge 097c041",
         summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
         keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without --keep "
@@ -518,6 +530,22 @@ def method(name: str) -> MethodSpec:
     if name not in METHODS:
         raise FicocoError(f"unknown method '{name}': choose from {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def method_matrix(families: Iterable[str]) -> list[dict[str, Any]]:
+    """Methods x `families` (ficoco.profiles.FAMILY_DEFAULTS, so a new family shows up as soon as it has
+    defaults): per method and family, "yes", "flops only" or "refused", and the one-line reason."""
+    families = tuple(families)
+    rows = []
+    for spec in METHODS.values():
+        cells = {}
+        for family in families:
+            status, reason = spec.family_status(family)
+            if status == "yes" and not spec.wired:
+                status, reason = "flops only", "not wired into the models yet"
+            cells[family] = {"status": status, "reason": reason}
+        rows.append({"name": spec.name, "title": spec.title, "families": cells})
+    return rows
 
 
 def dims_of(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> Dims:

@@ -275,7 +275,7 @@ class LayerInputPatch:
         self.settings = schedule.settings_dict()
         self.steps: dict[int, Removal] = {r.layer: r for r in schedule.removals}
         self.order = {layer: k for k, layer in enumerate(sorted(self.steps))}
-        self.compact = spec.positions == "compact"
+        self.compact = spec.positions == "compact" and adapter.compacts_positions
         needs = {(n.kind, n.layer, n.rows) for n in spec.needs}
         self.rows = next((rows for kind, where, rows in needs if kind == "attention_rows" and where == "L-1"), None)
         self.keys = any(kind == "keys" and where == "L-1" for kind, where, _ in needs)

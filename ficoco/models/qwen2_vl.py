@@ -112,6 +112,13 @@ class Qwen2VLAdapter(LlavaAdapter):
 
     # Videos start a new visual forward as well (FiCoCo-L leaves them unreduced).
     pixel_inputs = ("pixel_values", "pixel_values_videos")
+    # PDrop's and SparseVLM's compaction renumbers 1-D positions; Qwen2-VL's rotary table is 3-D
+    # (an image's tokens share their row/column positions and the text after it starts past the
+    # grid, not past the token count), so a renumbered arange would throw the image grid away and
+    # disagree with the decode steps' positions (cache length + rope_deltas). The kept tokens keep
+    # their 3-D positions instead, as FastV's and DART's do; an added (recycled) token takes its
+    # image span's last placeholder's.
+    compacts_positions = False
 
     def __init__(self, model: nn.Module) -> None:
         # LLaVA's attributes (the L code reads them), found where Qwen2-VL keeps them; LLaVA's
