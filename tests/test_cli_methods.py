@@ -212,3 +212,17 @@ def test_measured_rows_add_latency_speedup_and_agreement_columns():
     assert [line.split()[0] for line in text.splitlines() if line.split()[:1] in (["v"], ["l"], ["vanilla"])] == [
         "v", "l", "vanilla"]
     assert "| v | 8 | 8.0 |" in method_comparison_markdown(report) and "2.50x" in text and "90.0" in text
+
+
+def test_a_sweep_of_every_method_leaves_out_refused_and_unreachable_points_with_their_reason():
+    from ficoco.sweep import SweepConfig, new_report, plan_points, sweep_profile
+
+    config = SweepConfig(model="qwen2-vl-tiny", variants=tuple(METHODS), keep=(12,), text_tokens=12)
+    profile = sweep_profile(config)
+    skipped: list[dict] = []
+    points = plan_points(config, profile, skipped)
+    reasons = {entry["variant"]: entry["reason"] for entry in skipped}
+    assert reasons["tome"] == f"refused on qwen2_vl: {METHODS['tome'].refusals['qwen2_vl']}"
+    assert "v1.5 schedules exist" in reasons["sparsevlm"]  # a budget one method cannot reach
+    assert {p.variant for p in points} == {"vanilla", *METHODS} - set(reasons)
+    assert new_report(config, profile, points, skipped)["skipped"] == skipped
