@@ -3,6 +3,7 @@ of methods the models do not run yet (real subprocesses, as a user runs them).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from test_cli_flops import COMMAND, assert_one_error_line, ficoco_cli
 
+from ficoco.errors import FicocoError
 from ficoco.methods import METHODS
 from ficoco.methods.base import NOT_WIRED
 from ficoco.methods.registry import method_matrix
@@ -37,7 +39,7 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
     assert list(cells) == list(METHODS) and list(cells["v"]) == list(FAMILY_DEFAULTS)
     assert cells["pdrop"]["qwen2_vl"] == {"status": "yes", "reason": ""}
     assert cells["tome"]["qwen2_vl"] == {"status": "refused", "reason": METHODS["tome"].refusals["qwen2_vl"]}
-    assert cells["visionzip"]["qwen2_vl"]["status"] == "flops only"
+    assert cells["visionzip"]["qwen2_vl"]["status"] == "yes"
 
 
 def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(monkeypatch: pytest.MonkeyPatch):
@@ -54,6 +56,11 @@ def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(mon
     monkeypatch.setitem(FAMILY_DEFAULTS, "new_family", {})
     cells = {row["name"]: row["families"]["new_family"] for row in method_matrix(FAMILY_DEFAULTS)}
     assert set(cells) == set(METHODS) and all(c == {"status": "refused", "reason": NOT_WIRED} for c in cells.values())
+    # A family an entry plans but whose models it does not run yet: "flops only", and apply's line says why.
+    planned = dataclasses.replace(METHODS["fastv"], refusals={"llava": "no hook point yet"})
+    assert planned.family_status("llava") == ("flops only", "no hook point yet")
+    with pytest.raises(FicocoError, match="planned and counted by `ficoco flops` but the models do not run it: no hook"):
+        planned.check_runs("llava", "llava-tiny")
 
 
 def test_the_comparison_line_costs_every_method_under_one_budget(tmp_path: Path):
@@ -167,12 +174,12 @@ def test_prumerge_default_is_adaptive_and_says_so():
 
 
 @pytest.mark.parametrize("argv", [
-    ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "fastervlm", "--keep", "8"],
-    ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "visionzip", "--keep", "8"],
+    ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "tome", "--keep", "8"],
+    ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "prumerge", "--keep", "8"],
 ])
 def test_vision_methods_on_families_not_wired_yet_are_refused_in_one_line(argv):
     line = assert_one_error_line(ficoco_cli(*argv))
-    assert "not wired into" in line and "LLaVA-1.5" in line
+    assert "not wired: " in line and "is defined on llava, llava_next, video_llava" in line
 
 
 @pytest.mark.parametrize(("argv", "words"), [

@@ -398,6 +398,48 @@ def test_l_generate_and_decoding_after_reduced_prefill(model: nn.Module, arch: A
     assert (wrong - step).abs().max() > 1e-4
 
 
+def reference_decode(model: nn.Module, batch: dict[str, Tensor], new: int) -> Tensor:
+    """Greedy tokens of a prefill and decode steps at the unreduced prompt's next 3-D positions (no
+    rope_deltas read), EOS kept out as generate's min_new_tokens does."""
+    full_last = int(model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                               image_grid_thw=batch["image_grid_thw"])[0].max())
+    eos = torch.tensor(model.generation_config.eos_token_id).reshape(-1)
+    out = model(**batch, use_cache=True)
+    tokens, cache = [out.logits[:, -1].index_fill(-1, eos, -torch.inf).argmax(-1)], output_cache(out)
+    rows = batch["input_ids"].shape[0]
+    for k in range(new - 1):
+        step = model(input_ids=tokens[-1][:, None], **cache_argument(cache), use_cache=True,
+                     position_ids=torch.full((3, rows, 1), full_last + 1 + k))
+        cache = output_cache(step)
+        tokens.append(step.logits[:, -1].index_fill(-1, eos, -torch.inf).argmax(-1))
+    return torch.stack(tokens, dim=1)
+
+
+@pytest.mark.parametrize("method", ["visionzip", "fastervlm"])
+def test_cuts_of_whole_groups_run_with_the_kept_groups_3d_positions(model: nn.Module, arch: Any, method: str) -> None:
+    """VisionZip (before the PatchMerger) and FasterVLM (after it), issue 25: whole merge groups, the
+    planned count, each sample as if alone, generate equal to a decode at the unreduced next position."""
+    batch = inputs(model, batch=2, seed=13)
+    length, new = batch["input_ids"].shape[1], 3
+    with torch.no_grad(), ficoco.apply(model, method, keep=8) as handle:
+        with entering_tokens(model, images=2) as seen:
+            together = greedy(model, batch, new=new)
+        records = list(handle.records)
+        plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+        alone = [greedy(model, sample(batch, i), new=new) for i in range(2)]
+        reference = reference_decode(model, batch, new)
+    assert seen["llm"][0][0] == plan.llm[0][0] == TEXT + 8
+    assert [tuple(r.kept.shape) for r in records] == [(2, 8 * 4)]
+    rec = records[0]
+    members = torch.stack([(groups_of(rec.kept) == g).sum(1) for g in range(GROUPS)], 1)
+    assert bool(((members == 0) | (members == 4)).all())  # whole 2 x 2 groups (a contextual token: its target's)
+    assert torch.equal(torch.cat([rec.kept, rec.discarded], 1).sort(1).values, torch.arange(PATCHES).expand(2, -1))
+    assert torch.equal(together[:, :length], batch["input_ids"])
+    for i in range(2):
+        assert torch.equal(together[i:i + 1], alone[i])
+    assert torch.equal(together[:, -new:], reference)
+
+
 @pytest.mark.parametrize("method", ["pdrop", "sparsevlm"])
 def test_compacting_methods_run_keeping_3d_positions(model: nn.Module, arch: Any, method: str) -> None:
     """PDrop and SparseVLM (issue 25): the planned counts, each sample as if alone, and generate equal to a

@@ -230,7 +230,7 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                 units += sum(r.added - r.remove for r in schedule.removals if r.where == "tower_output")
             ctx = StepContext(step=Step(removal.layer, removal.remove, removal.added, removal.where, "vision"),
                               index=index, seq_before=v.tokens(units), visual_before=units, visual_initial=v.units,
-                              suffix_tokens=suffix, dims=vision_dims(arch), settings=settings)
+                              suffix_tokens=suffix, dims=vision_dims(arch), settings=settings, has_cls=v.has_cls)
             rows += [(layer, term, batch * plan.vision_items * macs) for layer, term, macs in spec.extra_macs(ctx)]
             index += 1
         return rows

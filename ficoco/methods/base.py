@@ -132,6 +132,8 @@ class StepContext:
         suffix_tokens: text tokens after the visual span.
         dims: decoder widths (a vision step: the tower's, ``kv_heads == heads``).
         settings: the method's settings (as `steps` received them).
+        has_cls: a vision step's tower has [CLS] (False: Qwen2-VL, whose methods score by the
+            equivalent token, elementwise work no counter counts, in place of a [CLS] row).
     """
 
     step: Step
@@ -142,6 +144,7 @@ class StepContext:
     suffix_tokens: int
     dims: Dims
     settings: Mapping[str, Any]
+    has_cls: bool = True
 
 
 # (layer the work runs at, what it is, multiply-accumulates per sample); layer None: before layer 0.

@@ -319,10 +319,11 @@ def _visionzip_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapp
 def _visionzip_extra(ctx: StepContext) -> ExtraMacs:
     d, s = ctx.dims, ctx.settings
     remaining = ctx.visual_before - s["dominant"]
-    return [(ctx.step.layer, "visionzip_vision_cls_row", d.heads * d.head_dim * ctx.seq_before),
-            # Cosine of every non-target remaining patch with every target, head-mean keys.
-            (ctx.step.layer, "visionzip_vision_contextual_similarity",
-             (remaining - s["contextual"]) * s["contextual"] * d.head_dim)]
+    cls_row = [(ctx.step.layer, "visionzip_vision_cls_row", d.heads * d.head_dim * ctx.seq_before)] if ctx.has_cls \
+        else []
+    # Cosine of every non-target remaining patch (merge group) with every target, head-mean keys.
+    return cls_row + [(ctx.step.layer, "visionzip_vision_contextual_similarity",
+                       (remaining - s["contextual"]) * s["contextual"] * d.head_dim)]
 
 
 # ---- FasterVLM ([CLS] attention top-k after the projector) --------------------------------------------------------
@@ -342,7 +343,7 @@ def _fastervlm_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapp
 
 def _fastervlm_extra(ctx: StepContext) -> ExtraMacs:
     d = ctx.dims
-    return [(ctx.step.layer, "fastervlm_vision_cls_row", d.heads * d.head_dim * ctx.seq_before)]
+    return [(ctx.step.layer, "fastervlm_vision_cls_row", d.heads * d.head_dim * ctx.seq_before)] if ctx.has_cls else []
 
 
 # ---- PruMerge+ (IQR outliers + spatial samples, merged by key similarity) -----------------------------------------
@@ -386,9 +387,6 @@ _EQUIVALENT = ("towers without [CLS] (Qwen2-VL): FiCoCo's equivalent token (-cos
                "their mean) scores the patches in place of the [CLS] attention, averaged over each 2x2 merge group")
 _LAST_ROW = "the last prompt token (left padding puts it at T - 1 in every sample)"
 # Why a family does not run a method (MethodSpec.refusals; `ficoco methods --matrix` prints them).
-_QWEN2_VL_TOWER = ("not wired into Qwen2-VL's packed vision tower yet (a cut of whole 2x2 merge groups with the "
-                   "kept groups' 3-D positions is FiCoCo-V's path only so far); run it on a LLaVA-1.5 or Video-LLaVA "
-                   "model, or use FiCoCo-V (v) here")
 _QWEN2_VL_TOME = ("not wired: ToMe on Qwen2-VL would merge whole 2x2 merge groups in every block of the packed "
                   "tower (rotary table and cu_seqlens following, as FiCoCo-V's path does); that step is not written")
 _QWEN2_VL_PRUMERGE = ("not wired: PruMerge+ on Qwen2-VL would keep and merge whole 2x2 merge groups at the tower's "
@@ -486,7 +484,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "that layer's output, the projector's input")),
         hyperparameters={"dominant": 54, "contextual": 10, "contextual_mode": "mean"},
         families=ALL_FAMILIES, module="ficoco.methods.visionzip", function="visionzip_reduce",
-        refusals={"qwen2_vl": _QWEN2_VL_TOWER},
         source="dvlab-research/VisionZip 3151f6d",
         summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",
         keep_means=_PER_ITEM + " (dominant + contextual: 162+30, 108+20, 54+10)", cls_note=_EQUIVALENT,
@@ -500,7 +497,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "projector", "all", "the projector's output, every patch")),
         hyperparameters={"ratio": 0.75},
         families=ALL_FAMILIES, module="ficoco.methods.fastervlm", function="fastervlm_reduce",
-        refusals={"qwen2_vl": _QWEN2_VL_TOWER},
         source="Theia-4869/FasterVLM f5d5f12",
         summary="keep the projected patches [CLS] attends to most, in image order",
         keep_means=_PER_ITEM, cls_note=_EQUIVALENT,

@@ -15,7 +15,7 @@ from ficoco.methods.stages import last_row_attention
 from ficoco.reduction.ficoco_v import equivalent_token_redundancy
 
 __all__ = ["TowerInput", "TowerOutput", "cls_attention", "equivalent_token_scores", "merge_group_scores",
-           "patch_scores_from_cls"]
+           "patch_scores_from_cls", "unit_keys"]
 
 
 def cls_attention(query: Tensor, keys: Tensor, scale: float | None = None) -> Tensor:
@@ -74,6 +74,10 @@ class TowerInput:
             step's layer (the probe computed the layer's output from them), when the method asks for
             ``attention_rows`` of ``all`` rows; else None.
         grid_hw: the item's patch grid (rows, cols), for methods that act on the grid.
+        merge: patches per unit: 1, or Qwen2-VL's merge group (4 consecutive patches, one LLM
+            token) for a cut of whole groups; `hidden` then holds one row per group (its members'
+            states side by side, as the PatchMerger reads them, or the merger's output), `keys`
+            every patch's.
     """
 
     hidden: Tensor
@@ -87,6 +91,7 @@ class TowerInput:
     positions: Tensor | None = None
     attention: Tensor | None = None
     grid_hw: tuple[int, int] | None = None
+    merge: int = 1
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,10 @@ class TowerOutput:
             order `merged_into` follows; None: the adapter derives them (ascending).
         merged_into: ``(items, r)`` the kept patch (original index) that received the largest share
             of each discarded one, for a method that folds what it removes into kept tokens; or None.
+
+    A cut's `positions` (optional): ``(items, T')`` the unit every output token stands at, a merged
+    token included (VisionZip's contextual token: its target's), for adapters that place tokens by
+    unit (Qwen2-VL's 3-D positions).
     """
 
     hidden: Tensor
@@ -124,8 +133,21 @@ def patch_scores_from_cls(inputs: TowerInput, reduce_heads: str = "mean") -> Ten
     if inputs.keys is None:
         raise RuntimeError("the method needs the probed layer's keys from the adapter")
     if not inputs.has_cls:
-        return equivalent_token_scores(inputs.keys)
+        scores = equivalent_token_scores(inputs.keys)
+        return merge_group_scores(scores, inputs.merge) if inputs.merge > 1 else scores
     if inputs.cls_query is None:
         raise RuntimeError("the method needs the [CLS] query of the probed layer from the adapter")
     row = cls_attention(inputs.cls_query, inputs.keys, inputs.scale)[:, :, 1:]
     return row.sum(dim=1) if reduce_heads == "sum" else row.mean(dim=1)
+
+
+def unit_keys(inputs: TowerInput) -> Tensor:
+    """``(items, units, d)`` the head-mean keys of every unit's patches ([CLS] dropped), averaged over a
+    merge group's patches when units are groups (a merge metric for whole groups)."""
+    if inputs.keys is None:
+        raise RuntimeError("the method needs the probed layer's keys from the adapter")
+    keys = inputs.keys.mean(dim=1)[:, int(inputs.has_cls):]
+    if inputs.merge > 1:
+        items, patches, dim = keys.shape
+        keys = keys.reshape(items, patches // inputs.merge, inputs.merge, dim).mean(dim=2)
+    return keys

@@ -145,16 +145,107 @@ class Qwen2VLAdapter(LlavaAdapter):
                 "lm_head": hf.lm_head(model)}
 
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        """The packed tower's hook point (cu_seqlens: every image one segment): inside a tower layer, on
-        merge groups, for a method whose module offers ``reduce_groups`` (FiCoCo-V). Other vision-side
-        methods are planned on Qwen2-VL (the equivalent token in place of [CLS], per merge group) but have
-        no step on merge groups: refused in one line."""
-        step = getattr(spec.load(), "reduce_groups", None)
-        if spec.placement != "in_layer" or step is None:
-            raise FicocoError(f"--variant {spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
-                              "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
-                              "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
-        self.patch_vision(handle, patches, schedule.removed_at(), step)
+        """The packed tower's hook points (cu_seqlens: every image one segment), on whole merge groups:
+        inside a tower layer for a method whose module offers ``reduce_groups`` (FiCoCo-V); a cut at the
+        tower's output (before the PatchMerger: VisionZip) or after it (FasterVLM) for one whose module
+        offers ``tower_step``, scored by the equivalent token in place of [CLS]. Others: one line."""
+        module = spec.load()
+        step = getattr(module, "reduce_groups", None)
+        if spec.placement == "in_layer" and step is not None:
+            self.patch_vision(handle, patches, schedule.removed_at(), step)
+            return
+        if spec.placement in ("tower_output", "after_projector") and hasattr(module, "tower_step"):
+            self.patch_cut(handle, patches, spec, schedule)
+            return
+        raise FicocoError(f"--variant {spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
+                          "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
+                          "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
+
+    # -- cuts of whole merge groups at the tower's output or after the PatchMerger -------------
+    def patch_cut(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """One cut per image of whole merge groups: before the PatchMerger on the groups' patches side by
+        side (what the merger reads; a merged token averages its groups patch by patch) or on the merger's
+        output. The last block's keys (one chunk per image) give the equivalent token's scores. The
+        groups the cut keeps, or where its merged tokens stand, go into `_TowerPass.kept_groups`, from
+        which the entry shortens the prompt and gives the kept tokens their 3-D positions."""
+        from ficoco.models.patching import method_settings
+
+        module = spec.load()
+        settings = method_settings(handle, spec, schedule)
+        removals = [r for r in schedule.removals if r.stage == "vision"]
+        if len(removals) > 1 or any(r.where not in ("tower_output", "after_projector") for r in removals):
+            raise FicocoError(f"{spec.title} on Qwen2-VL cuts once, at the tower's output or after the merger")
+        removal = removals[0] if removals else None
+        visual = self.visual
+        original_tower = visual.forward
+        attention = hf.layer_parts(self.vision_layers[-1], hf.QWEN2_VL_VISION_BLOCK).attention
+        slot = None
+        if removal is not None:
+            slot = install_probe(attention, want_keys=True, chunked=True, timer=handle.timer)
+            patches.on_undo(lambda: remove_probe(attention))
+
+        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+            self._tower = self._start_pass(grid_thw)
+            if slot is not None:  # nothing left over from a pass that ended in an error
+                slot.chunks.clear()
+            return original_tower(hidden_states, grid_thw, **kwargs)
+
+        patches.set(visual, "forward", tower_forward)
+        patches.on_undo(lambda: setattr(self, "_tower", None))
+        self.removed_per_image = removal.remove - removal.added if removal is not None else 0
+        merger = hf.qwen2_vl_merger(visual)
+        original_merger = merger.forward
+
+        def merger_forward(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            tower = self._tower
+            if tower is None or removal is None or slot is None:
+                return original_merger(hidden, *args, **kwargs)
+            keys = [key for _, key in slot.take_chunks()]
+            if len(keys) != len(tower.grids):
+                raise RuntimeError(f"the last vision block ran {len(keys)} segments for {len(tower.grids)} images")
+            if removal.where == "tower_output":
+                units = hidden.reshape(-1, hidden.shape[-1] * self.merge)  # a group's patches side by side
+                reduced = self._cut(handle, module, settings, spec, removal, units, keys, tower)
+                return original_merger(reduced.reshape(-1, hidden.shape[-1]), *args, **kwargs)
+            out = original_merger(hidden, *args, **kwargs)
+            return self._cut(handle, module, settings, spec, removal, out, keys, tower)
+
+        patches.set(merger, "forward", merger_forward)
+
+    def _cut(self, handle: Handle, module: Any, settings: dict[str, Any], spec: Any, removal: Any, units: Tensor,
+             keys: list[Tensor], tower: _TowerPass) -> Tensor:
+        """Run the method's `tower_step` on every image's groups (one batched call per image size);
+        `units` (groups of all images, W) -> the tokens that go on, in group order."""
+        from ficoco.methods.vision_stages import TowerInput
+        from ficoco.models.vision_steps import complement
+        from ficoco.reduction.stages import gather_tokens
+
+        sizes: dict[tuple[int, int], list[int]] = {}
+        for image, grid in enumerate(tower.grids):
+            sizes.setdefault(grid, []).append(image)
+        pieces = units.split([len(groups) for groups in tower.kept_groups])
+        out_pieces: list[Tensor | None] = [None] * len(pieces)
+        for (rows, cols), images in sizes.items():
+            groups = pieces[images[0]].shape[0]
+            inputs = TowerInput(hidden=torch.stack([pieces[i] for i in images]), has_cls=False,
+                                remove=removal.remove, added=removal.added,
+                                keys=torch.cat([keys[i] for i in images]), merge=self.merge,
+                                grid_hw=(rows // self.merge_size, cols // self.merge_size))
+            out = handle.run_method(("projector", None), module.tower_step, inputs, settings)
+            places = out.positions if out.positions is not None else out.kept
+            if out.counts is not None or places.shape[1] != out.hidden.shape[1] or bool((places < 0).any()):
+                raise FicocoError(f"{spec.title} on Qwen2-VL hands the LLM tokens without a merge group's place "
+                                  "(3-D position); it runs on LLaVA-1.5 and Video-LLaVA models")
+            order = torch.sort(places, dim=1)
+            kept = order.values
+            hidden = gather_tokens(out.hidden, order.indices)
+            discarded = complement(kept, groups, groups - kept.shape[1])
+            handle.record("vision", removal.layer, kept=group_patches(kept, cols, self.merge_size),
+                          discarded=group_patches(discarded, cols, self.merge_size))
+            for b, image in enumerate(images):
+                out_pieces[image] = hidden[b]
+                tower.kept_groups[image] = kept[b]
+        return torch.cat(out_pieces)  # type: ignore[arg-type]
 
     # -- FiCoCo-V: the tower ----------------------------------------------------------------
     def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int],
