@@ -34,11 +34,12 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
     assert by_name["fastv"]["hyperparameters"] == {"layer": 2, "ratio": 0.5}
     assert by_name["v"]["acts_at"] == "vision_layer" and by_name["v"]["wired"]
     assert by_name["pdrop"]["families"] == ["llava", "llava_next", "qwen2_vl", "video_llava"]
-    assert by_name["tome"]["refusals"] == {"qwen2_vl": METHODS["tome"].refusals["qwen2_vl"]}
+    assert by_name["prumerge"]["refusals"] == {"qwen2_vl": METHODS["prumerge"].refusals["qwen2_vl"]}
     cells = {row["name"]: row["families"] for row in report["matrix"]}
     assert list(cells) == list(METHODS) and list(cells["v"]) == list(FAMILY_DEFAULTS)
     assert cells["pdrop"]["qwen2_vl"] == {"status": "yes", "reason": ""}
-    assert cells["tome"]["qwen2_vl"] == {"status": "refused", "reason": METHODS["tome"].refusals["qwen2_vl"]}
+    assert cells["prumerge"]["qwen2_vl"] == {"status": "refused", "reason": METHODS["prumerge"].refusals["qwen2_vl"]}
+    assert all(cells[name]["qwen2_vl"]["status"] == "yes" for name in METHODS if name != "prumerge")
     assert cells["visionzip"]["qwen2_vl"]["status"] == "yes"
 
 
@@ -49,8 +50,8 @@ def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(mon
     lines = result.stdout.splitlines()
     header = next(line for line in lines if "method" in line and "qwen2_vl" in line)
     assert [f for f in FAMILY_DEFAULTS if f in header] == list(FAMILY_DEFAULTS)
-    tome = next(line for line in lines if "tome (ToMe)" in line)
-    assert tome.count("yes") == 3 and "refused: not wired: ToMe on Qwen2-VL" in tome
+    prumerge = next(line for line in lines if "prumerge (PruMerge+)" in line)
+    assert prumerge.count("yes") == 3 and "refused: not wired: PruMerge+'s extra token" in prumerge
     assert "yes" in next(line for line in lines if "pdrop (PDrop)" in line)
     # A family no entry names yet (one more in FAMILY_DEFAULTS) is refused by every method, with the default line.
     monkeypatch.setitem(FAMILY_DEFAULTS, "new_family", {})
@@ -174,7 +175,6 @@ def test_prumerge_default_is_adaptive_and_says_so():
 
 
 @pytest.mark.parametrize("argv", [
-    ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "tome", "--keep", "8"],
     ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "prumerge", "--keep", "8"],
 ])
 def test_vision_methods_on_families_not_wired_yet_are_refused_in_one_line(argv):
@@ -183,7 +183,7 @@ def test_vision_methods_on_families_not_wired_yet_are_refused_in_one_line(argv):
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-    (["flops", "--model", "qwen2-vl-7b", "--variant", "tome"], "ToMe is defined on llava"),
+    (["flops", "--model", "qwen2-vl-7b", "--variant", "prumerge"], "PruMerge+ is defined on llava"),
     (["flops", "--model", "llava-1.5-7b", "--variant", "visionzip", "--schedule", "3:10"], "cuts once"),
     (["flops", "--model", "llava-1.5-7b", "--variant", "tome", "--schedule", "0:400"], "at most half"),
     (["flops", "--model", "llava-next-7b", "--image-size", "700x500", "--variant", "fastervlm"], "unpadding"),
@@ -229,7 +229,7 @@ def test_a_sweep_of_every_method_leaves_out_refused_and_unreachable_points_with_
     skipped: list[dict] = []
     points = plan_points(config, profile, skipped)
     reasons = {entry["variant"]: entry["reason"] for entry in skipped}
-    assert reasons["tome"] == f"refused on qwen2_vl: {METHODS['tome'].refusals['qwen2_vl']}"
+    assert reasons["prumerge"] == f"refused on qwen2_vl: {METHODS['prumerge'].refusals['qwen2_vl']}"
     assert "v1.5 schedules exist" in reasons["sparsevlm"]  # a budget one method cannot reach
     assert {p.variant for p in points} == {"vanilla", *METHODS} - set(reasons)
     assert new_report(config, profile, points, skipped)["skipped"] == skipped

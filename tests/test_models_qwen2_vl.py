@@ -440,6 +440,29 @@ def test_cuts_of_whole_groups_run_with_the_kept_groups_3d_positions(model: nn.Mo
     assert torch.equal(together[:, -new:], reference)
 
 
+def test_tome_merges_whole_groups_in_tower_blocks(model: nn.Module, arch: Any) -> None:
+    """ToMe (issue 25): whole merge groups merge in the tower's blocks (rotary table and cu_seqlens follow),
+    the planned counts, each sample as if alone, generate equal to a decode at the unreduced next position."""
+    batch = inputs(model, batch=2, seed=14)
+    with torch.no_grad(), ficoco.apply(model, "tome", keep=8) as handle:
+        with entering_tokens(model, images=2) as seen:
+            together = greedy(model, batch, new=3)
+        records = list(handle.records)
+        plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+        alone = [greedy(model, sample(batch, i), new=3) for i in range(2)]
+        reference = reference_decode(model, batch, 3)
+    assert [seen["vision"][i][0] for i in range(len(vision_layers(model)))] == [entering for entering, _ in plan.vision]
+    assert seen["llm"][0][0] == plan.llm[0][0] == TEXT + 8
+    assert tuple(records[-1].kept.shape) == (2, 8 * 4) and len(records) > 1
+    for rec in records:
+        members = torch.stack([(groups_of(part) == g).sum(1) for part in (rec.kept, rec.discarded)
+                               for g in range(GROUPS)], 1)
+        assert bool(((members == 0) | (members == 4)).all())
+    for i in range(2):
+        assert torch.equal(together[i:i + 1], alone[i])
+    assert torch.equal(together[:, -3:], reference)
+
+
 @pytest.mark.parametrize("method", ["pdrop", "sparsevlm"])
 def test_compacting_methods_run_keeping_3d_positions(model: nn.Module, arch: Any, method: str) -> None:
     """PDrop and SparseVLM (issue 25): the planned counts, each sample as if alone, and generate equal to a

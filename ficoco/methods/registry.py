@@ -274,7 +274,7 @@ def _tome_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[s
 
 
 def _tome_extra(ctx: StepContext) -> ExtraMacs:
-    tokens = ctx.seq_before
+    tokens = ctx.visual_before + int(ctx.has_cls)  # units that match (Qwen2-VL: merge groups), [CLS] included
     # Cosine scores of the A half (even positions) against the B half, head-mean keys (head_dim wide).
     return [(ctx.step.layer, "tome_vision_matching", ((tokens + 1) // 2) * (tokens // 2) * ctx.dims.head_dim)]
 
@@ -387,10 +387,9 @@ _EQUIVALENT = ("towers without [CLS] (Qwen2-VL): FiCoCo's equivalent token (-cos
                "their mean) scores the patches in place of the [CLS] attention, averaged over each 2x2 merge group")
 _LAST_ROW = "the last prompt token (left padding puts it at T - 1 in every sample)"
 # Why a family does not run a method (MethodSpec.refusals; `ficoco methods --matrix` prints them).
-_QWEN2_VL_TOME = ("not wired: ToMe on Qwen2-VL would merge whole 2x2 merge groups in every block of the packed "
-                  "tower (rotary table and cu_seqlens following, as FiCoCo-V's path does); that step is not written")
-_QWEN2_VL_PRUMERGE = ("not wired: PruMerge+ on Qwen2-VL would keep and merge whole 2x2 merge groups at the tower's "
-                      "output and place its extra token in the 3-D positions; that step is not written")
+_QWEN2_VL_PRUMERGE = ("not wired: PruMerge+'s extra token (the sum of the patches it did not keep) stands at no "
+                      "merge group, so Qwen2-VL's 3-D positions give it no place; whole groups without it would be "
+                      "another method")
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(
@@ -469,8 +468,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "after the attention residual, before the MLP; the token sizes "
                     "carried from layer to layer add log(size) to every key's logits (proportional attention)")),
         hyperparameters={"r": 16, "prop_attn": True, "order": "spatial"},
-        families=LLAVA_FAMILIES, module="ficoco.methods.tome", function="tome_merge",
-        refusals={"qwen2_vl": _QWEN2_VL_TOME},
+        families=ALL_FAMILIES, module="ficoco.methods.tome", function="tome_merge",
         source="facebookresearch/ToMe af95e4b",
         summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
         keep_means=_PER_ITEM,
