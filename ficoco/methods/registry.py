@@ -18,6 +18,9 @@ from ficoco.methods.base import Dims, ExtraMacs, MethodSpec, Need, Step, StepCon
 
 LLAVA_FAMILIES = ("llava", "llava_next", "video_llava")
 ALL_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava")
+# The families the entries that name this tuple are tested on (issue 25's matrix): written out, so that a
+# family added to ALL_FAMILIES shows as refused ("not wired") for them until their tests run there.
+TESTED_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava")
 # The rows the literature reports: "192 / 128 / 64 tokens" on LLaVA-1.5-7B.
 PRESETS = (192, 128, 64)
 
@@ -387,6 +390,10 @@ _EQUIVALENT = ("towers without [CLS] (Qwen2-VL): FiCoCo's equivalent token (-cos
                "their mean) scores the patches in place of the [CLS] attention, averaged over each 2x2 merge group")
 _LAST_ROW = "the last prompt token (left padding puts it at T - 1 in every sample)"
 # Why a family does not run a method (MethodSpec.refusals; `ficoco methods --matrix` prints them).
+# Qwen2.5-VL (issue 25, another branch): the merge-group steps of Qwen2-VL's packed tower read patches in image
+# order and keys per image; its tower runs most blocks on windows, in window order.
+_WINDOWED_TOWER = ("not wired: Qwen2.5-VL's tower runs most blocks on windows (patches in window order, attention "
+                   "per window), which the merge-group steps written for Qwen2-VL's packed tower do not follow yet")
 _QWEN2_VL_PRUMERGE = ("not wired: PruMerge+'s extra token (the sum of the patches it did not keep) stands at no "
                       "merge group, so Qwen2-VL's 3-D positions give it no place; whole groups without it would be "
                       "another method")
@@ -431,7 +438,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "(all rows), RoPE, softmax over all keys, head mean: one row, on the sequence entering the stage"),
                Need("hidden", "L", "all", "the input of the rank layer")),
         hyperparameters={"spacing": 8, "ratio": 0.5},
-        families=ALL_FAMILIES, module="ficoco.methods.pdrop", function="pdrop_reduce",
+        families=TESTED_FAMILIES, module="ficoco.methods.pdrop", function="pdrop_reduce",
         source="Cooperx521/PyramidDrop 6444f30",
         summary="rank by the last instruction token at 3 stages, keep a pyramid",
         keep_means="layer-average visual tokens",
@@ -445,7 +452,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "every suffix row (raters are a subset)"),
                Need("hidden", "L", "all", "the output of the sparse layer (input of the next)")),
         hyperparameters={"layers": (2, 6, 15), "recycle_ratio": 0.3, "cluster_divisor": 10},
-        families=ALL_FAMILIES, module="ficoco.methods.sparsevlm", function="sparsevlm_reduce",
+        families=TESTED_FAMILIES, module="ficoco.methods.sparsevlm", function="sparsevlm_reduce",
         source="Gumpest/SparseVLMs v1.5 (56bef80)",
         summary="rate image tokens by text raters, prune after layers 2/6/15, recycle pruned tokens into clusters",
         keep_means="the v1.5 schedule of the literature's row (192, 128, 96, 64)",
@@ -468,7 +475,8 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "after the attention residual, before the MLP; the token sizes "
                     "carried from layer to layer add log(size) to every key's logits (proportional attention)")),
         hyperparameters={"r": 16, "prop_attn": True, "order": "spatial"},
-        families=ALL_FAMILIES, module="ficoco.methods.tome", function="tome_merge",
+        families=TESTED_FAMILIES, module="ficoco.methods.tome", function="tome_merge",
+        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="facebookresearch/ToMe af95e4b",
         summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
         keep_means=_PER_ITEM,
@@ -482,6 +490,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "that layer's output, the projector's input")),
         hyperparameters={"dominant": 54, "contextual": 10, "contextual_mode": "mean"},
         families=ALL_FAMILIES, module="ficoco.methods.visionzip", function="visionzip_reduce",
+        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="dvlab-research/VisionZip 3151f6d",
         summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",
         keep_means=_PER_ITEM + " (dominant + contextual: 162+30, 108+20, 54+10)", cls_note=_EQUIVALENT,
@@ -495,6 +504,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "projector", "all", "the projector's output, every patch")),
         hyperparameters={"ratio": 0.75},
         families=ALL_FAMILIES, module="ficoco.methods.fastervlm", function="fastervlm_reduce",
+        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="Theia-4869/FasterVLM f5d5f12",
         summary="keep the projected patches [CLS] attends to most, in image order",
         keep_means=_PER_ITEM, cls_note=_EQUIVALENT,
