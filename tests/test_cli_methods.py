@@ -61,7 +61,7 @@ def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(mon
     # A family an entry plans but whose models it does not run yet: "flops only", and apply's line says why.
     planned = dataclasses.replace(METHODS["fastv"], refusals={"llava": "no hook point yet"})
     assert planned.family_status("llava") == ("flops only", "no hook point yet")
-    with pytest.raises(FicocoError, match="planned and counted by `ficoco flops` but the models do not run it: no hook"):
+    with pytest.raises(FicocoError, match="counted by `ficoco flops` but the models do not run it: no hook"):
         planned.check_runs("llava", "llava-tiny")
 
 
