@@ -240,6 +240,7 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     check_cache_implementation(model)
     profile = profile_of(model, getattr(model, "_ficoco_profile_name", None))
     arch = architecture(profile, image_size=image_size, frames=frames)
+    spec.check_runs(arch.family, arch.name)  # before anything is planned or patched: one line on why not
     opts = count or CountOptions()
     if spec.plans_itself:
         spec.check_family(arch.family, arch.name)

@@ -103,32 +103,58 @@ def sweep_profile(config: SweepConfig) -> Profile:
     return profile
 
 
-def plan_points(config: SweepConfig, profile: Profile) -> list[Point]:
+def plan_points(config: SweepConfig, profile: Profile, skipped: list[dict[str, Any]] | None = None) -> list[Point]:
     """Every point, its schedule resolved and costed (every user mistake is found here, before
-    any model is built). Vanilla comes first in every quant."""
+    any model is built). Vanilla comes first in every quant.
+
+    A sweep runs every method on any family: a method the family refuses (the registry's
+    reason, `ficoco methods --matrix`), or a budget one method cannot reach where others can
+    (FastV's layer average, SparseVLM's published schedules, ...), is a point left out with its
+    one-line reason, appended to `skipped`; a sweep of which no reducing point is left is refused
+    with the first reason."""
+    from ficoco.methods.registry import METHODS
+
     arch = acc.architecture(profile)
     opts = acc.CountOptions(convention=config.convention, scope=config.scope, text_tokens=config.text_tokens)
     variants = [VANILLA, *(v for v in config.variants if v != VANILLA)]
     points: list[Point] = []
+    left_out: list[tuple[dict[str, Any], FicocoError]] = []
     for quant_name in config.quants:
         quant = acc.make_quant(quant_name, None)
         for variant in variants:
             budgets: list[dict[str, float] | None] = [None] if variant == VANILLA else list(config.budgets)
             for budget in budgets:
+                what = next(iter(budget)) if budget else "schedule"
+                where = f"sweep point {variant} at --{what} {budget[what] if budget else ''}"
+                status, reason = METHODS[variant].family_status(arch.family) if variant in METHODS else ("yes", "")
+                if status == "refused":
+                    error = FicocoError(f"{where}: {METHODS[variant].title} does not run on '{arch.family}' models: "
+                                        f"{reason}")
+                    left_out.append(({"variant": variant, "quant": quant_name, "budget": budget,
+                                      "reason": f"refused on {arch.family}: {reason}"}, error))
+                    continue
                 try:
                     schedule = acc.resolve_schedule(arch, variant, opts, shape=config.shape,
                                                     first_layer=config.first_layer, **(budget or {}))
                 except FicocoError as exc:
-                    what = next(iter(budget)) if budget else "schedule"
-                    raise FicocoError(f"sweep point {variant} at --{what} {budget[what] if budget else ''}: "
-                                      f"{exc}") from None
+                    if variant == VANILLA:
+                        raise FicocoError(f"{where}: {exc}") from None
+                    left_out.append(({"variant": variant, "quant": quant_name, "budget": budget,
+                                      "reason": str(exc)}, FicocoError(f"{where}: {exc}")))
+                    continue
                 cost = acc.account(arch, schedule, quant, opts).to_json()
                 points.append(Point(variant, quant_name, budget, schedule, analytic=cost))
+    if left_out and all(p.variant == VANILLA for p in points):
+        raise left_out[0][1]
+    if skipped is not None:
+        skipped += [entry for entry, _ in left_out]
     return points
 
 
-def new_report(config: SweepConfig, profile: Profile, points: list[Point]) -> dict[str, Any]:
-    """The report of a sweep before anything is measured (the accountant's figures only)."""
+def new_report(config: SweepConfig, profile: Profile, points: list[Point],
+               skipped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The report of a sweep before anything is measured (the accountant's figures only), with the
+    points `plan_points` left out and why."""
     arch = acc.architecture(profile)
     return {
         "schema": SWEEP_SCHEMA,
@@ -147,6 +173,7 @@ def new_report(config: SweepConfig, profile: Profile, points: list[Point]) -> di
         "compute_dtype": None,
         "random_weights": config.weights == "random",
         "points": [p.to_json() for p in points],
+        "skipped": list(skipped or []),
     }
 
 
@@ -245,7 +272,10 @@ def run_models(config: SweepConfig, profile: Profile, points: list[Point], repor
                 rows.append(measured)
                 point.measured = measured
             if config.fidelity:
-                point.fidelity = _fidelity_of(model, point, config, inputs, reference)
+                try:
+                    point.fidelity = _fidelity_of(model, point, config, inputs, reference)
+                except FicocoError as exc:  # planned by the accountant, not run by this family's model
+                    point.fidelity = {"status": "unsupported", "reason": str(exc)}
             report["points"][index] = point.to_json()
             if on_point:
                 on_point(index, point, "done")

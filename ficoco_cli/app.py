@@ -85,16 +85,21 @@ def check_wired(variants: list[str], where: str) -> None:
 def methods_command(
     json_path: Annotated[str | None, typer.Option(
         "--json", callback=check.output_file, help="Write the registry as JSON here (- for stdout).")] = None,
+    matrix: Annotated[bool, typer.Option(
+        "--matrix", help="Print methods x model families: yes, flops only, or refused, with the reason.")] = False,
 ) -> None:
     """List the reduction methods: where each acts, its defaults, the families it runs on."""
+    from ficoco.methods.registry import method_matrix
+    from ficoco.profiles import FAMILY_DEFAULTS
     from ficoco.report import write_json_atomic
-    from ficoco_cli.render import methods_table
+    from ficoco_cli.render import matrix_table, methods_table
 
     rows = [spec.to_json() for spec in METHODS.values()]
-    (err if json_path == "-" else out).print(methods_table(rows))
+    cells = method_matrix(FAMILY_DEFAULTS)
+    (err if json_path == "-" else out).print(matrix_table(cells) if matrix else methods_table(rows))
     if json_path:
         write_json_atomic(json_path, {"schema": "ficoco.methods/1", "ficoco_version": ficoco.__version__,
-                                      "environment": report_environment(), "methods": rows})
+                                      "environment": report_environment(), "methods": rows, "matrix": cells})
 
 
 @app.command("models")

@@ -310,6 +310,23 @@ def methods_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def matrix_table(rows: list[dict[str, Any]]) -> Table:
+    """Methods x model families (`ficoco methods --matrix`): yes, or why not, in one line per cell."""
+    families = list(rows[0]["families"]) if rows else []
+    table = Table(title="methods x families (yes: the models run it; flops only: `ficoco flops` plans it; "
+                        "refused: neither)", title_justify="left")
+    table.add_column("method", justify="left")
+    for family in families:
+        table.add_column(family, justify="left", overflow="fold")
+    for r in rows:
+        cells = []
+        for family in families:
+            cell = r["families"][family]
+            cells.append(cell["status"] + (f": {cell['reason']}" if cell["reason"] else ""))
+        table.add_row(f"{r['name']} ({r['title']})", *cells)
+    return table
+
+
 def per_layer_table(row: dict[str, Any], unit: str) -> Table:
     table = Table(title=f"{row['variant']} per layer ({unit})", title_justify="left")
     for col in ("stage", "layer", "tokens in", "tokens out", "removed", unit):

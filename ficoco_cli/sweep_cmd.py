@@ -35,6 +35,16 @@ def sweep_table(report: dict[str, Any]) -> Table:
             _num(latency, ".4g") if measured.get("status") in (None, "ok") else str(measured.get("status")),
             _num(speedup, ".2f", "x"), _num(fidelity.get("top1_agreement"), ".2f"),
             _num(fidelity.get("kl_divergence"), ".3g"))
+    # Points a method cannot run here (the family refuses it, or the budget is out of its reach), one
+    # line each under the table.
+    skipped = []
+    for entry in report.get("skipped") or []:
+        budget = ", ".join(f"{k} {v:g}" for k, v in (entry.get("budget") or {}).items())
+        skipped.append(f"skipped {entry.get('variant')} {entry.get('quant')}{' ' + budget if budget else ''}: "
+                       f"{entry.get('reason')}")
+    if skipped:
+        table.caption = "\n".join(skipped)
+        table.caption_justify = "left"
     return table
 
 
@@ -62,8 +72,9 @@ def run_sweep(config: Any, json_path: str | None, plot: str | None, console: Con
     from ficoco.sweep import new_report, plan_points, run_models, sweep_profile
 
     profile = sweep_profile(config)
-    points = plan_points(config, profile)
-    report = new_report(config, profile, points)
+    skipped: list[dict[str, Any]] = []
+    points = plan_points(config, profile, skipped)
+    report = new_report(config, profile, points, skipped)
     if config.measure or config.fidelity:
         what = " and ".join(w for w, on in (("measuring", config.measure), ("comparing with vanilla", config.fidelity))
                             if on)

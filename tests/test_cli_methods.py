@@ -3,15 +3,21 @@ of methods the models do not run yet (real subprocesses, as a user runs them).""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_cli_flops import assert_one_error_line, ficoco_cli
+from test_cli_flops import COMMAND, assert_one_error_line, ficoco_cli
 
+from ficoco.errors import FicocoError
 from ficoco.methods import METHODS
+from ficoco.methods.base import NOT_WIRED
+from ficoco.methods.registry import method_matrix
+from ficoco.profiles import FAMILY_DEFAULTS
 
 ALL = "vanilla,v,l,fastv,pdrop,sparsevlm,dart"
 
@@ -27,7 +33,36 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
     assert by_name["fastv"]["acts_at"] == "llm_layer" and by_name["fastv"]["placement"] == "layer_input"
     assert by_name["fastv"]["hyperparameters"] == {"layer": 2, "ratio": 0.5}
     assert by_name["v"]["acts_at"] == "vision_layer" and by_name["v"]["wired"]
-    assert by_name["pdrop"]["families"] == ["llava", "llava_next", "llava_onevision"]
+    assert by_name["pdrop"]["families"] == ["llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision"]
+    assert by_name["prumerge"]["refusals"] == {"qwen2_vl": METHODS["prumerge"].refusals["qwen2_vl"]}
+    cells = {row["name"]: row["families"] for row in report["matrix"]}
+    assert list(cells) == list(METHODS) and list(cells["v"]) == list(FAMILY_DEFAULTS)
+    assert cells["pdrop"]["qwen2_vl"] == {"status": "yes", "reason": ""}
+    assert cells["prumerge"]["qwen2_vl"] == {"status": "refused", "reason": METHODS["prumerge"].refusals["qwen2_vl"]}
+    issue_25 = ("v", "l", "fastv", "pdrop", "sparsevlm", "dart", "tome", "visionzip", "fastervlm")
+    assert all(cells[name]["qwen2_vl"]["status"] == "yes" for name in issue_25)
+    assert cells["visionzip"]["qwen2_vl"]["status"] == "yes"
+
+
+def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(monkeypatch: pytest.MonkeyPatch):
+    result = subprocess.run([*COMMAND, "methods", "--matrix"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "COLUMNS": "400"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if "method" in line and "qwen2_vl" in line)
+    assert [f for f in FAMILY_DEFAULTS if f in header] == list(FAMILY_DEFAULTS)
+    prumerge = next(line for line in lines if "prumerge (PruMerge+)" in line)
+    assert prumerge.count("yes") == 3 and "refused: not wired: PruMerge+'s extra token" in prumerge
+    assert "yes" in next(line for line in lines if "pdrop (PDrop)" in line)
+    # A family no entry names yet (one more in FAMILY_DEFAULTS) is refused by every method, with the default line.
+    monkeypatch.setitem(FAMILY_DEFAULTS, "new_family", {})
+    cells = {row["name"]: row["families"]["new_family"] for row in method_matrix(FAMILY_DEFAULTS)}
+    assert set(cells) == set(METHODS) and all(c == {"status": "refused", "reason": NOT_WIRED} for c in cells.values())
+    # A family an entry plans but whose models it does not run yet: "flops only", and apply's line says why.
+    planned = dataclasses.replace(METHODS["fastv"], refusals={"llava": "no hook point yet"})
+    assert planned.family_status("llava") == ("flops only", "no hook point yet")
+    with pytest.raises(FicocoError, match="counted by `ficoco flops` but the models do not run it: no hook"):
+        planned.check_runs("llava", "llava-tiny")
 
 
 def test_the_comparison_line_costs_every_method_under_one_budget(tmp_path: Path):
@@ -80,8 +115,8 @@ def test_an_unwired_method_is_refused_in_one_line(argv):
 
 
 def test_a_family_the_method_is_not_defined_on_is_named():
-    line = assert_one_error_line(ficoco_cli("flops", "--model", "qwen2-vl-7b", "--variant", "pdrop"))
-    assert "PDrop is defined on llava, llava_next" in line
+    line = assert_one_error_line(ficoco_cli("flops", "--model", "qwen2-vl-7b", "--variant", "prumerge"))
+    assert "PruMerge+ is defined on llava, llava_next, video_llava" in line and "not wired" in line
 
 
 def test_visual_macs_refuses_scope_all():
@@ -141,16 +176,15 @@ def test_prumerge_default_is_adaptive_and_says_so():
 
 
 @pytest.mark.parametrize("argv", [
-    ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "fastervlm", "--keep", "8"],
-    ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "visionzip", "--keep", "8"],
+    ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "prumerge", "--keep", "8"],
 ])
 def test_vision_methods_on_families_not_wired_yet_are_refused_in_one_line(argv):
     line = assert_one_error_line(ficoco_cli(*argv))
-    assert "not wired into" in line and "LLaVA-1.5" in line
+    assert "not wired: " in line and "is defined on llava, llava_next, video_llava" in line
 
 
 @pytest.mark.parametrize(("argv", "words"), [
-    (["flops", "--model", "qwen2-vl-7b", "--variant", "tome"], "ToMe is defined on llava"),
+    (["flops", "--model", "qwen2-vl-7b", "--variant", "prumerge"], "PruMerge+ is defined on llava"),
     (["flops", "--model", "llava-1.5-7b", "--variant", "visionzip", "--schedule", "3:10"], "cuts once"),
     (["flops", "--model", "llava-1.5-7b", "--variant", "tome", "--schedule", "0:400"], "at most half"),
     (["flops", "--model", "llava-next-7b", "--image-size", "700x500", "--variant", "fastervlm"], "unpadding"),
@@ -186,3 +220,17 @@ def test_measured_rows_add_latency_speedup_and_agreement_columns():
     assert [line.split()[0] for line in text.splitlines() if line.split()[:1] in (["v"], ["l"], ["vanilla"])] == [
         "v", "l", "vanilla"]
     assert "| v | 8 | 8.0 |" in method_comparison_markdown(report) and "2.50x" in text and "90.0" in text
+
+
+def test_a_sweep_of_every_method_leaves_out_refused_and_unreachable_points_with_their_reason():
+    from ficoco.sweep import SweepConfig, new_report, plan_points, sweep_profile
+
+    config = SweepConfig(model="qwen2-vl-tiny", variants=tuple(METHODS), keep=(12,), text_tokens=12)
+    profile = sweep_profile(config)
+    skipped: list[dict] = []
+    points = plan_points(config, profile, skipped)
+    reasons = {entry["variant"]: entry["reason"] for entry in skipped}
+    assert reasons["prumerge"] == f"refused on qwen2_vl: {METHODS['prumerge'].refusals['qwen2_vl']}"
+    assert "v1.5 schedules exist" in reasons["sparsevlm"]  # a budget one method cannot reach
+    assert {p.variant for p in points} == {"vanilla", *METHODS} - set(reasons)
+    assert new_report(config, profile, points, skipped)["skipped"] == skipped

@@ -193,7 +193,7 @@ def test_probes_run_only_in_the_layers_a_method_reads_and_sdpa_stays_on(model: n
 
 @pytest.mark.parametrize("name,method", [
     ("llava-next-tiny", "fastv"), ("video-llava-tiny", "dart"), ("qwen2-vl-tiny", "fastv"), ("qwen2-vl-tiny", "dart"),
-    ("llava-next-tiny", "pdrop"), ("video-llava-tiny", "sparsevlm"),
+    ("llava-next-tiny", "pdrop"), ("video-llava-tiny", "sparsevlm"), ("video-llava-tiny", "pdrop"),
 ])
 def test_other_families_run_the_methods_they_are_defined_on(name: str, method: str) -> None:
     model = ficoco.build_model(name, dtype="fp32")
@@ -211,21 +211,77 @@ def test_other_families_run_the_methods_they_are_defined_on(name: str, method: s
 
 
 def test_a_family_the_method_is_not_defined_on_is_refused_naming_those_it_is() -> None:
+    # PDrop runs on Qwen2-VL since issue 25; PruMerge+ is still refused there, with the registry's reason.
     model = ficoco.build_model("qwen2-vl-tiny", dtype="fp32")
-    with pytest.raises(FicocoError, match="PDrop is defined on llava, llava_next, llava_onevision models"):
-        ficoco.apply(model, "pdrop", keep=8)
+    with pytest.raises(FicocoError, match="PruMerge\\+ is defined on llava, llava_next, video_llava models") as info:
+        ficoco.apply(model, "prumerge", keep=8)
+    assert registry.METHODS["prumerge"].refusals["qwen2_vl"] in str(info.value)
     assert "_ficoco_handle" not in model.__dict__
 
 
-def test_several_image_spans_or_a_new_image_on_a_cache_are_refused_in_one_line(model: nn.Module) -> None:
+def two_image_prompts(model: nn.Module, seeds: tuple[int, ...] = (0, 1)) -> tuple[dict[str, Tensor],
+                                                                                   list[dict[str, Tensor]]]:
+    """Prompts of two images each with text between them (the template twice), batched and alone."""
+    alone = []
+    for seed in seeds:
+        first, second = inputs(model, seed=seed), inputs(model, seed=seed + 10)
+        ids = torch.cat([first["input_ids"], second["input_ids"][:, 1:]], 1)
+        alone.append({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                      "pixel_values": torch.cat([first["pixel_values"], second["pixel_values"]])})
+    return {key: torch.cat([a[key] for a in alone]) for key in alone[0]}, alone
+
+
+def fastv_reference_kept(model: nn.Module, inp: dict[str, Tensor], layer: int, keep: int) -> Tensor:
+    """FastV's choice written out on the unpatched model: layer K-1's last-row attention (its own norm,
+    q/k projections and RoPE), head mean, over every image token of the prompt; the top `keep`, sorted."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    language = model.model.language_model
+    with torch.no_grad():
+        hidden = model(**inp, output_hidden_states=True).hidden_states[layer - 1]
+        attention = language.layers[layer - 1].self_attn
+        normed = language.layers[layer - 1].input_layernorm(hidden)
+        batch, length, _ = normed.shape
+        dim = attention.head_dim
+        q = attention.q_proj(normed).view(batch, length, -1, dim).transpose(1, 2)
+        k = attention.k_proj(normed).view(batch, length, -1, dim).transpose(1, 2)
+        cos, sin = language.rotary_emb(normed, torch.arange(length)[None])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        row = torch.softmax((q[:, :, -1:] @ k.transpose(-1, -2)).squeeze(2) * dim**-0.5, dim=-1).mean(dim=1)
+    scores = row[inp["input_ids"] == model.config.image_token_id].view(batch, -1)
+    return torch.sort(torch.topk(scores, keep, dim=1).indices, dim=1).values
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_several_images_are_reduced_together_keeping_the_planned_count(model: nn.Module, method: str) -> None:
+    """Issue 25: two image spans per prompt are one set of visual tokens; every step removes twice one
+    image's planned count among them (SparseVLM's clusters follow from all the pruned tokens together)."""
+    batch, alone = two_image_prompts(model)
+    length = batch["input_ids"].shape[1]
+    with torch.no_grad(), ficoco.apply(model, method, **SETTINGS[method]) as handle:
+        seen = entering_tokens(model, batch)
+        records = list(handle.records)
+        generated = greedy(model, batch, new=3)
+        _, _, decoded, _ = prefill_and_decode(model, batch, 3, handle)
+        singles = [greedy(model, sample, new=3) for sample in alone]
+    removals = handle.schedule.removals
+    assert [tuple(r.discarded.shape) for r in records] == [(2, 2 * r.remove) for r in removals]
+    if method != "sparsevlm":  # no added tokens: the sequence is twice one image's plan shorter
+        plan = plan_tokens(architecture(profile_of(model)), handle.schedule, text_tokens=TEXT)
+        assert seen == [length - 2 * (VISUAL - (entering - TEXT)) for entering, _ in plan.llm]
+    assert seen[-1] < length and torch.equal(generated[:, -3:], decoded)
+    for i, single in enumerate(singles):
+        assert torch.equal(generated[i:i + 1], single)
+    if method == "fastv":  # across both images, as written out on the unpatched model
+        keep = records[0].kept.shape[1]
+        assert torch.equal(records[0].kept, fastv_reference_kept(model, batch, 2, keep))
+        assert bool((records[0].kept < VISUAL).any()) and bool((records[0].kept >= VISUAL).any())
+
+
+def test_a_new_image_on_a_cache_is_refused_in_one_line(model: nn.Module) -> None:
     inp = inputs(model)
-    ids = inp["input_ids"]
-    two = {"input_ids": torch.cat([ids, ids[:, 1:]], 1), "attention_mask": torch.ones(1, 2 * ids.shape[1] - 1,
-                                                                                        dtype=torch.long),
-           "pixel_values": torch.cat([inp["pixel_values"]] * 2)}
     with torch.no_grad(), ficoco.apply(model, "fastv"):
-        with pytest.raises(FicocoError, match="one image span per prompt"):
-            model(**two)
         out = model(**inp, use_cache=True)
         with pytest.raises(FicocoError, match="new image on an earlier turn's cache"):
             model(**inp, **cache_argument(output_cache(out)))

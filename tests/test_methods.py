@@ -382,8 +382,8 @@ def test_every_method_loads_its_entry_point():
 
 def test_a_method_refuses_families_it_is_not_defined_on():
     arch = acc.architecture(load_profile("qwen2-vl-7b"))
-    with pytest.raises(Exception, match="PDrop is defined on llava, llava_next, llava_onevision models"):
-        acc.resolve_schedule(arch, "pdrop", acc.CountOptions(), keep=128)
+    with pytest.raises(Exception, match="PruMerge\\+ is defined on llava, llava_next, video_llava models"):
+        acc.resolve_schedule(arch, "prumerge", acc.CountOptions(), keep=128)
 
 
 def test_sparsevlm_keeps_only_published_schedules_and_budgets_pick_among_them():

@@ -148,11 +148,14 @@ def test_tome_schedules_of_the_literature_rows(keep, rates):
     assert hidden.shape[1] - 1 == plan.llm_visual_tokens == keep  # LLaVA drops [CLS]
 
 
-def test_tome_refuses_a_keep_it_cannot_reach_and_qwen2_vl():
+def test_tome_refuses_a_keep_it_cannot_reach_and_plans_merge_groups_on_qwen2_vl():
     with pytest.raises(FicocoError, match="cannot merge"):
         tome_rates(576, 575, 3)
-    with pytest.raises(FicocoError, match="ToMe is defined on llava"):
-        acc.resolve_schedule(_arch("qwen2-vl-7b"), "tome", acc.CountOptions(), keep=64)
+    # Issue 25: on Qwen2-VL ToMe merges whole 2x2 merge groups (one LLM token each).
+    arch = _arch("qwen2-vl-7b")
+    schedule = acc.resolve_schedule(arch, "tome", acc.CountOptions(), keep=64)
+    plan = acc.plan_tokens(arch, schedule)
+    assert plan.llm_visual_tokens == 64 and plan.vision[-1][1] == 64 * 4
 
 
 # ---- VisionZip ---------------------------------------------------------------------------------------------------

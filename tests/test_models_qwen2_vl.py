@@ -398,6 +398,111 @@ def test_l_generate_and_decoding_after_reduced_prefill(model: nn.Module, arch: A
     assert (wrong - step).abs().max() > 1e-4
 
 
+def reference_decode(model: nn.Module, batch: dict[str, Tensor], new: int) -> Tensor:
+    """Greedy tokens of a prefill and decode steps at the unreduced prompt's next 3-D positions (no
+    rope_deltas read), EOS kept out as generate's min_new_tokens does."""
+    full_last = int(model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                               image_grid_thw=batch["image_grid_thw"])[0].max())
+    eos = torch.tensor(model.generation_config.eos_token_id).reshape(-1)
+    out = model(**batch, use_cache=True)
+    tokens, cache = [out.logits[:, -1].index_fill(-1, eos, -torch.inf).argmax(-1)], output_cache(out)
+    rows = batch["input_ids"].shape[0]
+    for k in range(new - 1):
+        step = model(input_ids=tokens[-1][:, None], **cache_argument(cache), use_cache=True,
+                     position_ids=torch.full((3, rows, 1), full_last + 1 + k))
+        cache = output_cache(step)
+        tokens.append(step.logits[:, -1].index_fill(-1, eos, -torch.inf).argmax(-1))
+    return torch.stack(tokens, dim=1)
+
+
+@pytest.mark.parametrize("method", ["visionzip", "fastervlm"])
+def test_cuts_of_whole_groups_run_with_the_kept_groups_3d_positions(model: nn.Module, arch: Any, method: str) -> None:
+    """VisionZip (before the PatchMerger) and FasterVLM (after it), issue 25: whole merge groups, the
+    planned count, each sample as if alone, generate equal to a decode at the unreduced next position."""
+    batch = inputs(model, batch=2, seed=13)
+    length, new = batch["input_ids"].shape[1], 3
+    with torch.no_grad(), ficoco.apply(model, method, keep=8) as handle:
+        with entering_tokens(model, images=2) as seen:
+            together = greedy(model, batch, new=new)
+        records = list(handle.records)
+        plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+        alone = [greedy(model, sample(batch, i), new=new) for i in range(2)]
+        reference = reference_decode(model, batch, new)
+    assert seen["llm"][0][0] == plan.llm[0][0] == TEXT + 8
+    assert [tuple(r.kept.shape) for r in records] == [(2, 8 * 4)]
+    rec = records[0]
+    members = torch.stack([(groups_of(rec.kept) == g).sum(1) for g in range(GROUPS)], 1)
+    assert bool(((members == 0) | (members == 4)).all())  # whole 2 x 2 groups (a contextual token: its target's)
+    assert torch.equal(torch.cat([rec.kept, rec.discarded], 1).sort(1).values, torch.arange(PATCHES).expand(2, -1))
+    assert torch.equal(together[:, :length], batch["input_ids"])
+    for i in range(2):
+        assert torch.equal(together[i:i + 1], alone[i])
+    assert torch.equal(together[:, -new:], reference)
+
+
+def test_tome_merges_whole_groups_in_tower_blocks(model: nn.Module, arch: Any) -> None:
+    """ToMe (issue 25): whole merge groups merge in the tower's blocks (rotary table and cu_seqlens follow),
+    the planned counts, each sample as if alone, generate equal to a decode at the unreduced next position."""
+    batch = inputs(model, batch=2, seed=14)
+    with torch.no_grad(), ficoco.apply(model, "tome", keep=8) as handle:
+        with entering_tokens(model, images=2) as seen:
+            together = greedy(model, batch, new=3)
+        records = list(handle.records)
+        plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+        alone = [greedy(model, sample(batch, i), new=3) for i in range(2)]
+        reference = reference_decode(model, batch, 3)
+    assert [seen["vision"][i][0] for i in range(len(vision_layers(model)))] == [entering for entering, _ in plan.vision]
+    assert seen["llm"][0][0] == plan.llm[0][0] == TEXT + 8
+    assert tuple(records[-1].kept.shape) == (2, 8 * 4) and len(records) > 1
+    for rec in records:
+        members = torch.stack([(groups_of(part) == g).sum(1) for part in (rec.kept, rec.discarded)
+                               for g in range(GROUPS)], 1)
+        assert bool(((members == 0) | (members == 4)).all())
+    for i in range(2):
+        assert torch.equal(together[i:i + 1], alone[i])
+    assert torch.equal(together[:, -3:], reference)
+
+
+@pytest.mark.parametrize("method", ["pdrop", "sparsevlm"])
+def test_compacting_methods_run_keeping_3d_positions(model: nn.Module, arch: Any, method: str) -> None:
+    """PDrop and SparseVLM (issue 25): the planned counts, each sample as if alone, and generate equal to a
+    decode at the unreduced prompt's next 3-D positions (the kept tokens keep theirs; no 1-D compaction)."""
+    batch = inputs(model, batch=2, seed=12)
+    full_last = int(model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                               image_grid_thw=batch["image_grid_thw"])[0].max())
+    new = 3
+    with torch.no_grad(), ficoco.apply(model, method, schedule="1:6,3:4") as handle:
+        with entering_tokens(model, images=2) as seen:
+            together = greedy(model, batch, new=new)
+        plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+        alone = [greedy(model, sample(batch, i), new=new) for i in range(2)]
+        cos_seen: list[Tensor] = []
+        hooks = [layer.self_attn.register_forward_pre_hook(
+            lambda m, args, kwargs: cos_seen.append(kwargs["position_embeddings"][0]), with_kwargs=True)
+            for layer in (decoder_layers(model)[0], decoder_layers(model)[-1])]
+        try:
+            out = model(**batch, use_cache=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        # generate's min_new_tokens keeps EOS out: so does the reference.
+        eos = torch.tensor(model.generation_config.eos_token_id).reshape(-1)
+        tokens, cache = [out.logits[:, -1].index_fill(-1, eos, -torch.inf).argmax(-1)], output_cache(out)
+        for k in range(new - 1):
+            step = model(input_ids=tokens[-1][:, None], **cache_argument(cache), use_cache=True,
+                         position_ids=torch.full((3, 2, 1), full_last + 1 + k))
+            cache = output_cache(step)
+            tokens.append(step.logits[:, -1].index_fill(-1, eos, -torch.inf).argmax(-1))
+    assert [calls[0] for _, calls in sorted(seen["llm-mlp"].items())] == [entering for entering, _ in plan.llm]
+    assert plan.llm[-1][0] < plan.llm[0][0]
+    for i in range(2):
+        assert torch.equal(together[i:i + 1], alone[i])
+    assert torch.equal(together[:, -new:], torch.stack(tokens, dim=1))
+    # After the steps the last prompt token still has its 3-D position (1-D compaction would move it).
+    assert cos_seen[1].shape[1] < cos_seen[0].shape[1]
+    assert torch.equal(cos_seen[1][:, -1], cos_seen[0][:, -1])
+
+
 @pytest.mark.parametrize(("variant", "params"), [("v", {}), ("l", {}), ("l", {"beta": 0.0})],
                          ids=["v", "l", "l-beta0"])
 def test_generate_left_padded_batch_equals_samples_alone(model: nn.Module, variant: str, params: dict) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -39,6 +39,11 @@ PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector")
 STAGES = ("vision", "llm")
 POSITION_SCHEMES = ("original", "compact", "grid")
 NEED_KINDS = ("attention_rows", "query_key", "keys", "hidden", "input_embeddings")
+# A family's cell in the method matrix (`ficoco methods --matrix`): the models run the method there;
+# `ficoco flops` plans it but the models refuse it; or it is refused outright (a stated reason, or
+# NOT_WIRED for a family no entry names yet: a new family shows up refused until an entry lists it).
+FAMILY_STATUSES = ("yes", "flops only", "refused")
+NOT_WIRED = "not wired: the registry entry names no hook points for this family yet"
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,8 @@ class StepContext:
         items: tower items per sample (a video's frames), for a method whose terms are per sample.
         projected_width: the width of the projector's output (the LLM's hidden size): what an
             ``after_projector`` step's tokens have (``dims`` are the tower's for a vision step).
+        has_cls: a vision step's tower has [CLS] (False: Qwen2-VL, whose methods score by the
+            equivalent token, elementwise work no counter counts, in place of a [CLS] row).
     """
 
     step: Step
@@ -142,6 +149,7 @@ class StepContext:
     settings: Mapping[str, Any]
     items: int = 1
     projected_width: int = 0
+    has_cls: bool = True
 
 
 # (layer the work runs at, what it is, multiply-accumulates per sample); layer None: before layer 0.
@@ -188,6 +196,10 @@ class MethodSpec:
     # A method acting before the LLM and again inside it (HoliTom): the part in the decoder, a
     # layer-input spec whose `steps` count the visual tokens the outer part handed the LLM.
     inner: MethodSpec | None = None
+    # Per family, one line on why the models do not run the method there. A family of `families`
+    # listed here is planned by `ficoco flops` but refused by the models ("flops only"); a family
+    # outside `families` is refused everywhere, with this reason or NOT_WIRED's.
+    refusals: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def per_item(self) -> bool:
@@ -215,11 +227,27 @@ class MethodSpec:
         """The method's main tensor function."""
         return getattr(self.load(), self.function)
 
+    def family_status(self, family: str) -> tuple[str, str]:
+        """(one of FAMILY_STATUSES, the reason; empty for "yes") of the method on `family`."""
+        if family in self.families:
+            reason = self.refusals.get(family, "")
+            return ("flops only", reason) if reason else ("yes", "")
+        return "refused", self.refusals.get(family, NOT_WIRED)
+
     def check_family(self, family: str, model: str) -> None:
-        """Refuse a family the method is not defined on, naming those it is."""
-        if family not in self.families:
+        """Refuse a family the method is not defined on, naming those it is and why not this one."""
+        status, reason = self.family_status(family)
+        if status == "refused":
             raise FicocoError(f"--variant {self.name}: {self.title} is defined on {', '.join(self.families)} "
-                              f"models; {model} is a '{family}' model")
+                              f"models; {model} is a '{family}' model ({reason})")
+
+    def check_runs(self, family: str, model: str) -> None:
+        """Refuse a family the models do not run the method on (`ficoco flops` may still plan it)."""
+        self.check_family(family, model)
+        status, reason = self.family_status(family)
+        if status != "yes":
+            raise FicocoError(f"--variant {self.name}: {self.title} on '{family}' models ({model}) is planned and "
+                              f"counted by `ficoco flops` but the models do not run it: {reason}")
 
     def check_wired(self, where: str) -> None:
         """Refuse running a method whose model hooks are not in place yet (the accountant plans it)."""
@@ -232,6 +260,6 @@ class MethodSpec:
             "name": self.name, "title": self.title, "acts_at": self.acts_at, "placement": self.placement,
             "positions": self.positions, "needs": [n.to_json() for n in self.needs],
             "hyperparameters": dict(self.hyperparameters), "families": list(self.families),
-            "keep_means": self.keep_means, "cls_note": self.cls_note,
+            "keep_means": self.keep_means, "cls_note": self.cls_note, "refusals": dict(self.refusals),
             "source": self.source, "summary": self.summary, "wired": self.wired,
         }

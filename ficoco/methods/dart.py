@@ -37,7 +37,7 @@ from ficoco.errors import FicocoError
 from ficoco.methods.stages import Reduced, StepInput, check_span, rebuild
 from ficoco.reduction.stages import compute_dtype, gather_tokens, visual_positions
 
-__all__ = ["cpython_set_order", "dart_pivots", "dart_reduce", "dart_select", "step"]
+__all__ = ["cpython_set_order", "dart_pivots", "dart_reduce", "dart_select", "several_images", "step"]
 
 # CPython's set: a table of 8 slots, linear probing of up to 9 neighbours, growth to a quarter-full table.
 _SET_MINSIZE = 8
@@ -186,6 +186,18 @@ def dart_reduce(hidden: Tensor, keys: Tensor, hidden_normed: Tensor, visual_star
                        pivot_image, pivot_text, pivot_order)
     return rebuild(hidden, kept, visual_start.to(hidden.device), num_visual, position_ids, "original",
                    attention_mask)
+
+
+def several_images(settings: dict, images: int) -> dict:
+    """DART's settings for a prompt of `images` images when the schedule counts one image's tokens:
+    image pivots, text pivots and the target each `images` times, which retains exactly `images`
+    times one image's tokens (4 + 8 x (N // 8) per image), chosen among all the images together."""
+    scaled = dict(settings)
+    for key, default in (("pivot_image", 4), ("pivot_text", 4)):
+        scaled[key] = settings.get(key, default) * images
+    if settings.get("max_num_trunction") is not None:
+        scaled["max_num_trunction"] = settings["max_num_trunction"] * images
+    return scaled
 
 
 def step(inputs: StepInput, settings: dict) -> Reduced:

@@ -11,7 +11,7 @@ has no published setting, the rule used instead is stated in the entry.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ficoco.errors import FicocoError
@@ -21,6 +21,9 @@ LLAVA_FAMILIES = ("llava", "llava_next", "video_llava")
 ALL_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision")
 # Qwen2.5-VL runs every method Qwen2-VL runs (FiCoCo-V/-L, FastV, DART, VisionZip, FasterVLM).
 ALL_FAMILIES += ("qwen2_5_vl",)
+# The families the entries that name this tuple are tested on (issue 25's matrix): written out, so that a
+# family added to ALL_FAMILIES shows as refused ("not wired") for them until their tests run there.
+TESTED_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision")
 # The rows the literature reports: "192 / 128 / 64 tokens" on LLaVA-1.5-7B.
 PRESETS = (192, 128, 64)
 
@@ -277,7 +280,7 @@ def _tome_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[s
 
 
 def _tome_extra(ctx: StepContext) -> ExtraMacs:
-    tokens = ctx.seq_before
+    tokens = ctx.visual_before + int(ctx.has_cls)  # units that match (Qwen2-VL: merge groups), [CLS] included
     # Cosine scores of the A half (even positions) against the B half, head-mean keys (head_dim wide).
     return [(ctx.step.layer, "tome_vision_matching", ((tokens + 1) // 2) * (tokens // 2) * ctx.dims.head_dim)]
 
@@ -322,10 +325,11 @@ def _visionzip_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapp
 def _visionzip_extra(ctx: StepContext) -> ExtraMacs:
     d, s = ctx.dims, ctx.settings
     remaining = ctx.visual_before - s["dominant"]
-    return [(ctx.step.layer, "visionzip_vision_cls_row", d.heads * d.head_dim * ctx.seq_before),
-            # Cosine of every non-target remaining patch with every target, head-mean keys.
-            (ctx.step.layer, "visionzip_vision_contextual_similarity",
-             (remaining - s["contextual"]) * s["contextual"] * d.head_dim)]
+    cls_row = [(ctx.step.layer, "visionzip_vision_cls_row", d.heads * d.head_dim * ctx.seq_before)] if ctx.has_cls \
+        else []
+    # Cosine of every non-target remaining patch (merge group) with every target, head-mean keys.
+    return cls_row + [(ctx.step.layer, "visionzip_vision_contextual_similarity",
+                       (remaining - s["contextual"]) * s["contextual"] * d.head_dim)]
 
 
 # ---- FasterVLM ([CLS] attention top-k after the projector) --------------------------------------------------------
@@ -345,7 +349,7 @@ def _fastervlm_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapp
 
 def _fastervlm_extra(ctx: StepContext) -> ExtraMacs:
     d = ctx.dims
-    return [(ctx.step.layer, "fastervlm_vision_cls_row", d.heads * d.head_dim * ctx.seq_before)]
+    return [(ctx.step.layer, "fastervlm_vision_cls_row", d.heads * d.head_dim * ctx.seq_before)] if ctx.has_cls else []
 
 
 # ---- PruMerge+ (IQR outliers + spatial samples, merged by key similarity) -----------------------------------------
@@ -449,6 +453,14 @@ _PER_ITEM = "visual tokens per image, crop or frame that reach the LLM"
 _EQUIVALENT = ("towers without [CLS] (Qwen2-VL): FiCoCo's equivalent token (-cos of each patch's head-mean key to "
                "their mean) scores the patches in place of the [CLS] attention, averaged over each 2x2 merge group")
 _LAST_ROW = "the last prompt token (left padding puts it at T - 1 in every sample)"
+# Why a family does not run a method (MethodSpec.refusals; `ficoco methods --matrix` prints them).
+# Qwen2.5-VL (issue 25, another branch): the merge-group steps of Qwen2-VL's packed tower read patches in image
+# order and keys per image; its tower runs most blocks on windows, in window order.
+_WINDOWED_TOWER = ("not wired: Qwen2.5-VL's tower runs most blocks on windows (patches in window order, attention "
+                   "per window), which the merge-group steps written for Qwen2-VL's packed tower do not follow yet")
+_QWEN2_VL_PRUMERGE = ("not wired: PruMerge+'s extra token (the sum of the patches it did not keep) stands at no "
+                      "merge group, so Qwen2-VL's 3-D positions give it no place; whole groups without it would be "
+                      "another method")
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(
@@ -490,7 +502,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "(all rows), RoPE, softmax over all keys, head mean: one row, on the sequence entering the stage"),
                Need("hidden", "L", "all", "the input of the rank layer")),
         hyperparameters={"spacing": 8, "ratio": 0.5},
-        families=("llava", "llava_next", "llava_onevision"), module="ficoco.methods.pdrop", function="pdrop_reduce",
+        families=TESTED_FAMILIES, module="ficoco.methods.pdrop", function="pdrop_reduce",
         source="Cooperx521/PyramidDrop 6444f30",
         summary="rank by the last instruction token at 3 stages, keep a pyramid",
         keep_means="layer-average visual tokens",
@@ -504,7 +516,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "every suffix row (raters are a subset)"),
                Need("hidden", "L", "all", "the output of the sparse layer (input of the next)")),
         hyperparameters={"layers": (2, 6, 15), "recycle_ratio": 0.3, "cluster_divisor": 10},
-        families=(*LLAVA_FAMILIES, "llava_onevision"), module="ficoco.methods.sparsevlm", function="sparsevlm_reduce",
+        families=TESTED_FAMILIES, module="ficoco.methods.sparsevlm", function="sparsevlm_reduce",
         source="Gumpest/SparseVLMs v1.5 (56bef80)",
         summary="rate image tokens by text raters, prune after layers 2/6/15, recycle pruned tokens into clusters",
         keep_means="the v1.5 schedule of the literature's row (192, 128, 96, 64)",
@@ -527,7 +539,8 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "after the attention residual, before the MLP; the token sizes "
                     "carried from layer to layer add log(size) to every key's logits (proportional attention)")),
         hyperparameters={"r": 16, "prop_attn": True, "order": "spatial"},
-        families=(*LLAVA_FAMILIES, "llava_onevision"), module="ficoco.methods.tome", function="tome_merge",
+        families=TESTED_FAMILIES, module="ficoco.methods.tome", function="tome_merge",
+        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="facebookresearch/ToMe af95e4b",
         summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
         keep_means=_PER_ITEM,
@@ -541,6 +554,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "that layer's output, the projector's input")),
         hyperparameters={"dominant": 54, "contextual": 10, "contextual_mode": "mean"},
         families=ALL_FAMILIES, module="ficoco.methods.visionzip", function="visionzip_reduce",
+        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="dvlab-research/VisionZip 3151f6d",
         summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",
         keep_means=_PER_ITEM + " (dominant + contextual: 162+30, 108+20, 54+10)", cls_note=_EQUIVALENT,
@@ -554,6 +568,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "projector", "all", "the projector's output, every patch")),
         hyperparameters={"ratio": 0.75},
         families=ALL_FAMILIES, module="ficoco.methods.fastervlm", function="fastervlm_reduce",
+        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="Theia-4869/FasterVLM f5d5f12",
         summary="keep the projected patches [CLS] attends to most, in image order",
         keep_means=_PER_ITEM, cls_note=_EQUIVALENT,
@@ -566,6 +581,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "the output of the layer the projector reads")),
         hyperparameters={"assumed_tokens": 144, "neighbours": 32, "attention": "heads"},
         families=LLAVA_FAMILIES, module="ficoco.methods.prumerge", function="prumerge_reduce",
+        refusals={"qwen2_vl": _QWEN2_VL_PRUMERGE},
         source="42Shawn/LLaVA-PruMerge 097c041",
         summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
         keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without --keep "
@@ -701,6 +717,22 @@ def method(name: str) -> MethodSpec:
     if name not in METHODS:
         raise FicocoError(f"unknown method '{name}': choose from {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def method_matrix(families: Iterable[str]) -> list[dict[str, Any]]:
+    """Methods x `families` (ficoco.profiles.FAMILY_DEFAULTS, so a new family shows up as soon as it has
+    defaults): per method and family, "yes", "flops only" or "refused", and the one-line reason."""
+    families = tuple(families)
+    rows = []
+    for spec in METHODS.values():
+        cells = {}
+        for family in families:
+            status, reason = spec.family_status(family)
+            if status == "yes" and not spec.wired:
+                status, reason = "flops only", "not wired into the models yet"
+            cells[family] = {"status": status, "reason": reason}
+        rows.append({"name": spec.name, "title": spec.title, "families": cells})
+    return rows
 
 
 def dims_of(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> Dims:

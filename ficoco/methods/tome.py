@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ficoco.errors import FicocoError
-from ficoco.methods.vision_stages import TowerInput, TowerOutput
+from ficoco.methods.vision_stages import TowerInput, TowerOutput, unit_keys
 from ficoco.reduction.stages import compute_dtype, gather_tokens
 
 __all__ = ["ToMeMerged", "bipartite_matching", "proportional_attention_bias", "tome_merge", "tower_step"]
@@ -179,7 +179,9 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     ``prop_attn`` every later layer adds ``log(size)`` to its keys' logits."""
     if inputs.keys is None:
         raise RuntimeError("ToMe needs the layer's key states from the adapter's probe")
-    merged = tome_merge(inputs.hidden, inputs.keys.mean(dim=1), inputs.remove, inputs.size, inputs.positions,
+    # Units of several patches (Qwen2-VL's merge groups): their head-mean keys averaged over the group.
+    metric = inputs.keys.mean(dim=1) if inputs.merge == 1 else unit_keys(inputs)
+    merged = tome_merge(inputs.hidden, metric, inputs.remove, inputs.size, inputs.positions,
                         has_cls=inputs.has_cls, order=settings.get("order", "spatial"))
     offset = int(inputs.has_cls)
     bias = proportional_attention_bias(merged.size, inputs.hidden.dtype) if settings.get("prop_attn", True) else None

@@ -15,7 +15,7 @@ from ficoco.methods.stages import last_row_attention
 from ficoco.reduction.ficoco_v import equivalent_token_redundancy
 
 __all__ = ["TowerInput", "TowerOutput", "cls_attention", "equivalent_token_scores", "merge_group_scores",
-           "patch_scores_from_cls"]
+           "patch_scores_from_cls", "unit_keys"]
 
 
 def cls_attention(query: Tensor, keys: Tensor, scale: float | None = None) -> Tensor:
@@ -80,6 +80,10 @@ class TowerInput:
             True on real tokens.
         frames: items that belong to one sample, consecutive (a video's frames, for a method that
             reads them together: HoliTom), or None when the adapter hands independent items.
+        merge: patches per unit: 1, or Qwen2-VL's merge group (4 consecutive patches, one LLM
+            token) for a cut of whole groups; `hidden` then holds one row per group (its members'
+            states side by side, as the PatchMerger reads them, or the merger's output), `keys`
+            every patch's.
     """
 
     hidden: Tensor
@@ -96,6 +100,7 @@ class TowerInput:
     text: Tensor | None = None
     text_mask: Tensor | None = None
     frames: int | None = None
+    merge: int = 1
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,10 @@ class TowerOutput:
             order `merged_into` follows; None: the adapter derives them (ascending).
         merged_into: ``(items, r)`` the kept patch (original index) that received the largest share
             of each discarded one, for a method that folds what it removes into kept tokens; or None.
+
+    A cut's `positions` (optional): ``(items, T')`` the unit every output token stands at, a merged
+    token included (VisionZip's contextual token: its target's), for adapters that place tokens by
+    unit (Qwen2-VL's 3-D positions).
     """
 
     hidden: Tensor
@@ -133,8 +142,21 @@ def patch_scores_from_cls(inputs: TowerInput, reduce_heads: str = "mean") -> Ten
     if inputs.keys is None:
         raise RuntimeError("the method needs the probed layer's keys from the adapter")
     if not inputs.has_cls:
-        return equivalent_token_scores(inputs.keys)
+        scores = equivalent_token_scores(inputs.keys)
+        return merge_group_scores(scores, inputs.merge) if inputs.merge > 1 else scores
     if inputs.cls_query is None:
         raise RuntimeError("the method needs the [CLS] query of the probed layer from the adapter")
     row = cls_attention(inputs.cls_query, inputs.keys, inputs.scale)[:, :, 1:]
     return row.sum(dim=1) if reduce_heads == "sum" else row.mean(dim=1)
+
+
+def unit_keys(inputs: TowerInput) -> Tensor:
+    """``(items, units, d)`` the head-mean keys of every unit's patches ([CLS] dropped), averaged over a
+    merge group's patches when units are groups (a merge metric for whole groups)."""
+    if inputs.keys is None:
+        raise RuntimeError("the method needs the probed layer's keys from the adapter")
+    keys = inputs.keys.mean(dim=1)[:, int(inputs.has_cls):]
+    if inputs.merge > 1:
+        items, patches, dim = keys.shape
+        keys = keys.reshape(items, patches // inputs.merge, inputs.merge, dim).mean(dim=2)
+    return keys

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from ficoco.errors import FicocoError
 from ficoco.methods.stages import top_indices
-from ficoco.methods.vision_stages import TowerInput, TowerOutput, patch_scores_from_cls
+from ficoco.methods.vision_stages import TowerInput, TowerOutput, patch_scores_from_cls, unit_keys
 from ficoco.reduction.stages import compute_dtype, gather_tokens
 
 __all__ = ["VisionZipOutput", "tower_step", "visionzip_reduce", "visionzip_scores"]
@@ -139,9 +139,11 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     if inputs.keys is None:
         raise RuntimeError("VisionZip needs the layer's key states from the adapter's probe")
     scores = patch_scores_from_cls(inputs, "sum")
-    metric = inputs.keys.mean(dim=1)[:, int(inputs.has_cls):]
+    metric = unit_keys(inputs)
     dominant, contextual = settings["dominant"], settings["contextual"]
     out = visionzip_reduce(inputs.hidden, scores, metric, dominant, contextual, has_cls=False,
                            contextual_mode=settings.get("contextual_mode", "mean"))
     merged = torch.full((inputs.hidden.shape[0], contextual), -1, dtype=torch.long, device=inputs.hidden.device)
-    return TowerOutput(hidden=out.hidden, kept=torch.cat([out.dominant_index, merged], dim=1))
+    # positions: where each token stands (a contextual token at its target), for adapters that place by unit.
+    return TowerOutput(hidden=out.hidden, kept=torch.cat([out.dominant_index, merged], dim=1),
+                       positions=torch.cat([out.dominant_index, out.target_index], dim=1))

@@ -35,6 +35,9 @@ class LlavaAdapter:
     tower_attribute = "vision_tower"
     placeholder_config_keys: tuple[str, ...] = ("image_token_id", "image_token_index")
     pixel_inputs: tuple[str, ...] = ("pixel_values",)
+    # Whether a method of the "compact" position scheme (PDrop, SparseVLM) renumbers the reduced
+    # sequence's 1-D positions here (False: the kept tokens keep their original positions).
+    compacts_positions = True
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

@@ -33,7 +33,7 @@ module during `flops --verify`); its time goes into the handle's "reduction" spa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
-from ficoco.methods.stages import InLayerInput, StepInput, last_row_attention, rows_attention
+from ficoco.methods.stages import InLayerInput, Reduced, StepInput, last_row_attention, rows_attention
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
 from ficoco.models.patching import LanguageState, Patches, gather_rows, method_settings
@@ -62,6 +62,9 @@ class RowsSlot:
     want_keys: bool = False
     armed: bool = False
     suffix_rows: int = 0  # M, for "suffix"
+    # (B, M) the rows to compute for "suffix" when they are not the trailing M (several image spans:
+    # the text between spans and after the last); None: the trailing M rows.
+    row_index: Tensor | None = None
     layer: int = 0
     runner: Callable[..., Any] | None = None  # runs the method's matrix work (Handle.run_method)
     row_attention: Tensor | None = None
@@ -79,6 +82,17 @@ def _visible(mask: Tensor | None, batch: int, rows: int, q_len: int, k_len: int,
     return (torch.arange(k_len, device=device).unsqueeze(0) <= query).unsqueeze(0).expand(batch, -1, -1)
 
 
+def _visible_rows(mask: Tensor | None, rows: Tensor, q_len: int, k_len: int) -> Tensor:
+    """(B, M, K) bool: which keys the query rows `rows` ((B, M) indices among the q_len queries) may
+    attend, from the layer's 4-D mask, or the causal rule when the mask is None."""
+    if mask is not None:
+        part = gather_rows(mask[:, 0], rows, 1)[..., :k_len] if mask.shape[-2] > 1 else \
+            mask[:, 0, :, :k_len].expand(rows.shape[0], rows.shape[1], -1)
+        return part if part.dtype == torch.bool else part == 0
+    keys = torch.arange(k_len, device=rows.device)
+    return keys.view(1, 1, -1) <= (rows + (k_len - q_len)).unsqueeze(-1)
+
+
 def rows_attention_function(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                             attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                             is_causal: bool | None = None, **kwargs: Any) -> tuple[Tensor, Any]:
@@ -90,6 +104,11 @@ def rows_attention_function(module: nn.Module, query: Tensor, key: Tensor, value
         if slot.rows == "last":
             visible = _visible(attention_mask, batch, 1, q_len, k_len, query.device)[:, 0]
             slot.row_attention = slot.runner(slot.layer, last_row_attention, query[:, :, -1], key, visible, scaling)
+        elif slot.rows == "suffix" and slot.row_index is not None:
+            index = slot.row_index
+            visible = _visible_rows(attention_mask, index, q_len, k_len)
+            slot.row_attention = slot.runner(slot.layer, rows_attention, gather_rows(query, index, 2), key, visible,
+                                             scaling)
         elif slot.rows == "suffix":
             rows = slot.suffix_rows
             visible = _visible(attention_mask, batch, rows, q_len, k_len, query.device)
@@ -237,6 +256,9 @@ class StepState(LanguageState):
     stage: int = 0
     prepared: Any = None
     steps_done: int = 0
+    # Several image spans per sample (text between them): the methods, which read one span, see the
+    # sequence grouped (`grouping`), their result is put back in reading order.
+    gapped: bool = False
     _mask_cache: dict[int, tuple[Any, Tensor | None]] = field(default_factory=dict)
 
     def layer_mask(self, mask: Tensor | None, layer: int) -> Tensor | None:
@@ -258,6 +280,17 @@ class StepState(LanguageState):
         self._mask_cache = {self.steps_done: (mask, sliced)}
         return sliced
 
+    def grouping(self) -> Tensor:
+        """(B, T_now) an order of the current sequence with every visual token in one span: the
+        prefix before the first, the visual tokens in reading order, then the text after the first
+        (between spans and after the last) in reading order; the last prompt token stays last."""
+        batch, length = self.index.shape
+        slots = torch.arange(length, device=self.index.device).expand(batch, -1)
+        visual = torch.zeros_like(slots, dtype=torch.bool).scatter(1, self.visual_rows, True)
+        before = slots < self.visual_start.unsqueeze(1)
+        key = torch.where(before, slots, torch.where(visual, length + slots, 2 * length + slots))
+        return torch.sort(key, dim=1).indices
+
     def decode_mask(self, mask: Tensor | None, layer: int) -> Tensor | None:
         """A decode step's mask sliced to what this layer cached (a layer before any step: as is)."""
         if mask is None or self.shift.get(layer) is None:
@@ -275,7 +308,7 @@ class LayerInputPatch:
         self.settings = schedule.settings_dict()
         self.steps: dict[int, Removal] = {r.layer: r for r in schedule.removals}
         self.order = {layer: k for k, layer in enumerate(sorted(self.steps))}
-        self.compact = spec.positions == "compact"
+        self.compact = spec.positions == "compact" and adapter.compacts_positions
         needs = {(n.kind, n.layer, n.rows) for n in spec.needs}
         self.rows = next((rows for kind, where, rows in needs if kind == "attention_rows" and where == "L-1"), None)
         self.keys = any(kind == "keys" and where == "L-1" for kind, where, _ in needs)
@@ -327,12 +360,14 @@ class LayerInputPatch:
                         cos, sin = position_embeddings
                         position_embeddings = (gather_rows(cos, state.index, 1), gather_rows(sin, state.index, 1))
                 state.cached_positions[index] = state.key_positions(index)
-                state.shift[index] = self._shift(index)
+                # Positions compacted away before this layer (removed minus added tokens).
+                state.shift[index] = state.prefill_length - state.past_length - state.index.shape[1]
             slot = self.slots.get(index)
             if slot is not None:
                 slot.armed = True
                 if slot.rows == "suffix":
                     slot.suffix_rows = state.prepared.shape[1]
+                    slot.row_index = state.grouping()[:, -slot.suffix_rows:] if state.gapped else None
             try:
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                 position_embeddings=position_embeddings, **kwargs)
@@ -341,10 +376,6 @@ class LayerInputPatch:
                     slot.armed = False
 
         return forward
-
-    def _shift(self, layer: int) -> int:
-        """Positions compacted away before `layer` (removed minus added by the steps up to it)."""
-        return sum(r.remove - r.added for at, r in self.steps.items() if at <= layer)
 
     def _start(self, state: StepState, embeds: Tensor, position_ids: Tensor | None) -> None:
         """Layer 0's input: the prefill's positions, and the method's `prepare` on the embeddings."""
@@ -357,7 +388,8 @@ class LayerInputPatch:
         state.text_positions = (mask.long().cumsum(1) - 1).clamp(min=0) if mask is not None else \
             torch.arange(length, device=embeds.device).expand(batch, -1)
         if self.embeddings:
-            state.prepared = self.handle.run_method(0, self.module.prepare, embeds, state.visual_start,
+            grouped = gather_rows(embeds, state.grouping(), 1) if state.gapped else embeds
+            state.prepared = self.handle.run_method(0, self.module.prepare, grouped, state.visual_start,
                                                     state.num_visual)
 
     def _step(self, state: StepState, index: int, layer: nn.Module, hidden: Tensor, mask: Tensor | None,
@@ -379,20 +411,34 @@ class LayerInputPatch:
             visible = _visible(state.layer_mask(mask, index), hidden.shape[0], 1, hidden.shape[1], hidden.shape[1],
                                hidden.device)[:, 0]
             own_row = self.handle.run_method(index, own_last_row, layer, hidden, cos, sin, visible)
+        # The schedule's counts are per image: a prompt of k images loses k times as many tokens,
+        # chosen among all its visual tokens together (FiCoCo-L's rule).
+        remove = removal.remove * state.images
         inputs = StepInput(
             hidden=hidden, visual_start=state.visual_start, num_visual=state.num_visual,
-            keep=state.num_visual - removal.remove, stage=self.order[index], position_ids=state.positions,
+            keep=state.num_visual - remove, stage=self.order[index], position_ids=state.positions,
             text_positions=state.text_positions, attention_mask=state.mask2d, row_attention=row_attention,
             keys=keys, query_key_row=own_row, final_norm=self.adapter.final_norm, prepared=state.prepared)
-        red = self.handle.run_method(index, self.module.step, inputs, self.settings)
-        expected = state.num_visual - removal.remove + removal.added
-        if red.num_visual != expected:
+        order = state.grouping() if state.gapped else None
+        if order is not None:
+            inputs = _grouped(inputs, order)
+        settings = self.settings
+        if state.images > 1 and hasattr(self.module, "several_images"):  # counts per image (DART's pivots)
+            settings = self.module.several_images(settings, state.images)
+        red = self.handle.run_method(index, self.module.step, inputs, settings)
+        if order is not None:
+            red = _reading_order(red, order, state, self.spec.positions == "compact")
+        # Tokens a method adds (SparseVLM's clusters) follow from all the pruned tokens of the prompt
+        # together: with several images only the kept count is the schedule's.
+        expected = state.num_visual - remove + removal.added
+        kept_count = red.kept_visual.shape[1]
+        if red.num_visual != expected and (state.images == 1 or kept_count != state.num_visual - remove):
             raise FicocoError(f"{self.spec.title} at layer {index} left {red.num_visual} visual tokens where its "
                               f"schedule plans {expected}; give a schedule the method can meet")
-        # Bookkeeping: added tokens stand at the span's last placeholder in input positions.
+        # Bookkeeping: added tokens stand at the last visual token's place in input positions.
         source = red.kept_positions
         is_added = source < 0
-        last_visual = (state.visual_start + state.num_visual - 1).unsqueeze(1)
+        last_visual = state.visual_rows[:, -1:]
         anchor = torch.where(is_added, last_visual, source)
         discarded = self._discarded(red.kept_visual, state.num_visual)
         kept_ranks = torch.gather(state.visual_ranks, 1, red.kept_visual)
@@ -408,7 +454,13 @@ class LayerInputPatch:
         added = is_added if previously_added is None else is_added | torch.gather(previously_added, 1, anchor)
         state.added = added if bool(extra) or previously_added is not None else None
         state.visual_ranks = ranks
-        state.visual_rows = state.visual_start.unsqueeze(1) + torch.arange(red.num_visual, device=hidden.device)
+        if state.gapped:  # kept visual tokens and added ones, wherever they are now
+            was_visual = torch.zeros(source.shape[0], hidden.shape[1], dtype=torch.bool, device=hidden.device)
+            now = torch.gather(was_visual.scatter(1, state.visual_rows, True), 1, anchor) | is_added
+            slots = torch.arange(now.shape[1], device=hidden.device).expand(now.shape[0], -1)
+            state.visual_rows = torch.sort(torch.where(now, slots, now.shape[1]), dim=1).values[:, :red.num_visual]
+        else:
+            state.visual_rows = state.visual_start.unsqueeze(1) + torch.arange(red.num_visual, device=hidden.device)
         state.mask2d = red.attention_mask
         if self.compact:
             state.positions = red.position_ids
@@ -428,29 +480,74 @@ class LayerInputPatch:
 
 def step_state(input_ids: Tensor, attention_mask: Tensor | None, visual: Tensor, past_length: int,
                title: str) -> StepState | None:
-    """The state of a prefill whose visual tokens are `visual` ((B, T) bool): one contiguous span of
-    the same length in every sample (found from the placeholders, never from offsets). None when the
-    input holds no placeholder. One host synchronisation."""
+    """The state of a prefill whose visual tokens are `visual` ((B, T) bool): one span, or several
+    (images with text between them: the visual tokens are their union, and the method ranks them all
+    together), the same number of tokens and of spans in every sample (found from the placeholders,
+    never from offsets). None when the input holds no placeholder. One host synchronisation."""
     batch, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
     counts = visual.sum(dim=1)
     first = torch.where(visual, positions, length).min(dim=1).values
     last = torch.where(visual, positions, -1).max(dim=1).values
-    fewest, most, gaps = torch.stack([counts.min(), counts.max(), (last - first + 1 - counts).abs().max()]).tolist()
+    spans = (visual & ~F.pad(visual[:, :-1], (1, 0), value=False)).sum(dim=1)
+    fewest, most, gaps, fewest_spans, most_spans, ends_visual = torch.stack(
+        [counts.min(), counts.max(), (last - first + 1 - counts).abs().max(), spans.min(), spans.max(),
+         visual[:, -1].any()]).tolist()
     if most == 0:
         return None
     if fewest != most:
         raise FicocoError(f"every sample of a batch must hold the same number of image tokens for {title}")
-    if gaps:
-        raise FicocoError(f"{title} reduces one image span per prompt; this prompt holds several (or a span cut by "
-                          "text): run one image per prompt")
+    if fewest_spans != most_spans:
+        raise FicocoError(f"every sample of a batch must hold the same number of images for {title}")
+    if gaps and ends_visual:
+        raise FicocoError(f"{title} ranks the images of a prompt by the text after them; end the prompt with text")
     if past_length:
         raise FicocoError(f"{title} starts a conversation on an empty cache: a new image on an earlier turn's cache "
                           "is not supported (text turns on its cache are); start a new cache for a new image")
-    rows = first.unsqueeze(1) + torch.arange(most, device=input_ids.device)
+    if gaps:  # a stable sort of the "not visual" flags lists every sample's visual rows first, in order
+        rows = torch.sort((~visual).to(torch.int8), dim=1, stable=True).indices[:, :most]
+    else:
+        rows = first.unsqueeze(1) + torch.arange(most, device=input_ids.device)
     real = attention_mask.bool() if attention_mask is not None else torch.ones_like(visual)
     suffix = (positions > last[:, None]) & real
     ranks = torch.arange(most, device=input_ids.device).expand(batch, -1)
     return StepState(index=positions.clone(), visual_rows=rows, visual_ranks=ranks, suffix_mask=suffix,
-                     prefill_length=length, past_length=0, visual_start=first,
+                     prefill_length=length, past_length=0, visual_start=first, images=most_spans, gapped=bool(gaps),
                      mask2d=attention_mask.to(torch.long) if attention_mask is not None else None)
+
+
+def _grouped(inputs: StepInput, order: Tensor) -> StepInput:
+    """`inputs` seen in `order` (`StepState.grouping`): one visual span, as every method reads it."""
+    def rows(x: Tensor | None) -> Tensor | None:
+        return None if x is None else gather_rows(x, order, 1)
+
+    def columns(x: Tensor | None) -> Tensor | None:
+        return None if x is None else gather_rows(x, order, x.dim() - 1)
+
+    return replace(inputs, hidden=rows(inputs.hidden), position_ids=rows(inputs.position_ids),
+                   text_positions=rows(inputs.text_positions), attention_mask=rows(inputs.attention_mask),
+                   row_attention=columns(inputs.row_attention), keys=rows(inputs.keys),
+                   query_key_row=columns(inputs.query_key_row))
+
+
+def _reading_order(red: Reduced, order: Tensor, state: StepState, compact: bool) -> Reduced:
+    """A method's result on the grouped sequence put back in reading order: every token at its
+    place, added tokens right after the last visual token, compacted positions numbered again."""
+    source = red.kept_positions
+    is_added = source < 0
+    current = torch.where(is_added, -1, torch.gather(order, 1, source.clamp(min=0)))
+    last_visual = state.visual_rows[:, -1:]
+    place = torch.where(is_added, 2 * last_visual + 1, 2 * current)  # added: just after the last visual
+    back = torch.sort(place, dim=1, stable=True).indices
+    hidden = gather_rows(red.hidden, back, 1)
+    kept_positions = torch.gather(current, 1, back)
+    mask = None if red.attention_mask is None else torch.gather(red.attention_mask, 1, back)
+    if not compact:
+        positions = torch.gather(red.position_ids, 1, back)  # original positions travel with their tokens
+    else:  # compacted: the prefix keeps its own, then numbered on from the first visual token's
+        start = state.visual_start.unsqueeze(1)
+        slots = torch.arange(source.shape[1], device=source.device).expand(source.shape[0], -1)
+        prefix = torch.gather(state.positions, 1, slots.clamp(max=state.positions.shape[1] - 1))
+        positions = torch.where(slots < start, prefix, torch.gather(state.positions, 1, start) + slots - start)
+    return Reduced(hidden=hidden, kept_positions=kept_positions, position_ids=positions, attention_mask=mask,
+                   kept_visual=red.kept_visual, num_visual=red.num_visual)

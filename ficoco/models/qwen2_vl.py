@@ -32,7 +32,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import method
 from ficoco.models import hf_compat as hf
-from ficoco.models.attention import install_probe, remove_probe
+from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava import (
     LlavaAdapter,
@@ -101,10 +101,47 @@ class _TowerPass:
     cu_seqlens: Tensor | None = None
     max_seqlen: int | None = None
     position_embeddings: tuple[Tensor, Tensor] | None = None
+    # ToMe: per image, how many original groups every group stands for, and the log of it per patch
+    # (proportional attention: every later block adds it to its keys' logits); None before a merge.
+    size: list[Tensor] | None = None
+    bias: list[Tensor | None] = field(default_factory=list)
 
     @property
     def lengths(self) -> list[int]:
         return [self.merge * len(groups) for groups in self.kept_groups]
+
+
+# The packed tower's attention runs one call per image (cu_seqlens segments, outside flash attention):
+# a routed module keeps each call's keys and adds each image's proportional-attention bias (ToMe).
+CHUNKS_IMPLEMENTATION = "ficoco_qwen2_vl_chunks"
+
+
+@dataclass
+class _ChunkSlot:
+    """One tower block's routed attention in one call of the block: per image, in call order."""
+
+    bias: list[Tensor | None] = field(default_factory=list)  # (1, 1, 1, T_i) additive logits, or None
+    keys: list[Tensor] = field(default_factory=list)  # (1, H, T_i, d) post-rotary keys, when armed
+    armed: bool = False
+    call: int = 0
+
+
+def chunks_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                     **kwargs: Any) -> tuple[Tensor, Any]:
+    """The module's own attention on one image's segment, with that image's bias added to the keys'
+    logits and its keys kept when the slot is armed."""
+    slot: _ChunkSlot = module._ficoco_chunks  # type: ignore[assignment]
+    index, slot.call = slot.call, slot.call + 1
+    if slot.armed:
+        slot.keys.append(key)
+    bias = slot.bias[index] if index < len(slot.bias) else None
+    if bias is not None:
+        bias = bias.to(query.dtype)
+        attention_mask = bias if attention_mask is None else attention_mask + bias
+    return own_attention(module, module._ficoco_chunks_config, query, key, value, attention_mask, **kwargs)
+
+
+hf.register_attention(CHUNKS_IMPLEMENTATION, chunks_attention)
 
 
 class Qwen2VLAdapter(LlavaAdapter):
@@ -112,6 +149,13 @@ class Qwen2VLAdapter(LlavaAdapter):
 
     # Videos start a new visual forward as well (FiCoCo-L leaves them unreduced).
     pixel_inputs = ("pixel_values", "pixel_values_videos")
+    # PDrop's and SparseVLM's compaction renumbers 1-D positions; Qwen2-VL's rotary table is 3-D
+    # (an image's tokens share their row/column positions and the text after it starts past the
+    # grid, not past the token count), so a renumbered arange would throw the image grid away and
+    # disagree with the decode steps' positions (cache length + rope_deltas). The kept tokens keep
+    # their 3-D positions instead, as FastV's and DART's do; an added (recycled) token takes its
+    # image span's last placeholder's.
+    compacts_positions = False
 
     def __init__(self, model: nn.Module) -> None:
         # LLaVA's attributes (the L code reads them), found where Qwen2-VL keeps them; LLaVA's
@@ -138,20 +182,228 @@ class Qwen2VLAdapter(LlavaAdapter):
                 "lm_head": hf.lm_head(model)}
 
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        """The packed tower's hook point (cu_seqlens: every image one segment): inside a tower layer, on
-        merge groups, for a method whose module offers ``reduce_groups`` (FiCoCo-V). Other vision-side
-        methods are planned on Qwen2-VL (the equivalent token in place of [CLS], per merge group) but have
-        no step on merge groups: refused in one line."""
-        step = getattr(spec.load(), "reduce_groups", None)
+        """The packed tower's hook points (cu_seqlens: every image one segment), on whole merge groups:
+        inside a tower layer for a method whose module offers ``reduce_groups`` (FiCoCo-V); a cut at the
+        tower's output (before the PatchMerger: VisionZip) or after it (FasterVLM) for one whose module
+        offers ``tower_step``, scored by the equivalent token in place of [CLS]. Others: one line."""
         if spec.placement == "after_projector" and not any(n.layer.startswith("vision") for n in spec.needs):
             # A cut on the merger's output that reads nothing of the tower (DivPrune, CDPruner).
             self.patch_projector_cut(handle, patches, spec, schedule)
             return
-        if spec.placement != "in_layer" or step is None:
-            raise FicocoError(f"--variant {spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
-                              "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
-                              "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
-        self.patch_vision(handle, patches, schedule.removed_at(), step)
+        module = spec.load()
+        step = getattr(module, "reduce_groups", None)
+        if spec.placement == "in_layer" and step is not None:
+            self.patch_vision(handle, patches, schedule.removed_at(), step)
+            return
+        if spec.placement in ("tower_output", "after_projector") and hasattr(module, "tower_step"):
+            self.patch_cut(handle, patches, spec, schedule)
+            return
+        if spec.placement == "in_layer" and hasattr(module, "tower_step"):
+            self.patch_merges(handle, patches, spec, schedule)
+            return
+        raise FicocoError(f"--variant {spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
+                          "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
+                          "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
+
+    # -- merges of whole merge groups inside tower blocks (ToMe) ------------------------------
+    def patch_merges(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """A method that merges units inside tower blocks (ToMe's `tower_step`), on whole merge groups:
+        a group's patches side by side are one unit, its head-mean keys averaged over the group are
+        the matching metric, a merged group stands at its destination's place (the rotary table and
+        cu_seqlens follow, as FiCoCo-V's path does), and with proportional attention every later block
+        adds log(size) to each patch's logits, image by image."""
+        from ficoco.models.patching import method_settings
+
+        module = spec.load()
+        settings = method_settings(handle, spec, schedule)
+        if settings.get("order", "spatial") != "spatial":
+            raise FicocoError(f"{spec.title} on Qwen2-VL keeps the groups in image order (the PatchMerger and the "
+                              "3-D positions read them so); order='official' is not supported here")
+        rates = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "in_layer"}
+        self.removed_per_image = sum(rates.values())
+        visual = self.visual
+        original_tower = visual.forward
+        slots: list[_ChunkSlot] = []
+
+        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+            self._tower = self._start_pass(grid_thw)
+            return original_tower(hidden_states, grid_thw, **kwargs)
+
+        patches.set(visual, "forward", tower_forward)
+        patches.on_undo(lambda: setattr(self, "_tower", None))
+        first = min(rates) if rates else len(self.vision_layers)
+        for layer_idx in range(first, len(self.vision_layers)):
+            layer = self.vision_layers[layer_idx]
+            parts = hf.layer_parts(layer, hf.QWEN2_VL_VISION_BLOCK)
+            slot = _ChunkSlot()
+            slots.append(slot)
+            route_attention(parts.attention, CHUNKS_IMPLEMENTATION, patches, "_ficoco_chunks_config",
+                            _ficoco_chunks=slot)
+
+            def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
+                        _parts: hf.Parts = parts, _slot: _ChunkSlot = slot, _r: int = rates.get(layer_idx, 0),
+                        _idx: int = layer_idx, _original: Callable[..., Tensor] = layer.forward,
+                        **kwargs: Any) -> Tensor:
+                tower = self._tower
+                if tower is not None and tower.cu_seqlens is not None:  # an earlier block merged
+                    cu_seqlens, position_embeddings = tower.cu_seqlens, tower.position_embeddings
+                    if "max_seqlen" in kwargs:
+                        kwargs["max_seqlen"] = tower.max_seqlen
+                _slot.call, _slot.keys = 0, []
+                _slot.bias = list(tower.bias) if tower is not None else []
+                _slot.armed = tower is not None and bool(_r)
+                if not _slot.armed:
+                    return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
+                                     **kwargs)
+                try:
+                    attn_out = _parts.attention(_parts.input_norm(hidden_states), cu_seqlens=cu_seqlens,
+                                                position_embeddings=position_embeddings, **kwargs)
+                finally:
+                    _slot.armed = False
+                hidden = self._merge(handle, module, settings, tower, hidden_states + attn_out, _slot.keys, _r, _idx,
+                                     position_embeddings, cu_seqlens)
+                return hidden + _parts.mlp(_parts.post_norm(hidden))
+
+            patches.set(layer, "forward", forward)
+
+    def _merge(self, handle: Handle, module: Any, settings: dict[str, Any], tower: _TowerPass, hidden: Tensor,
+               keys: list[Tensor], r: int, layer_idx: int, position_embeddings: tuple[Tensor, Tensor],
+               cu_seqlens: Tensor) -> Tensor:
+        """Merge `r` groups of every image (one batched call per image size); update the pass."""
+        from ficoco.methods.vision_stages import TowerInput
+
+        lengths = tower.lengths
+        if len(keys) != len(lengths):
+            raise RuntimeError(f"the vision attention ran {len(keys)} segments for {len(lengths)} images")
+        if tower.size is None:
+            tower.size = [torch.ones(len(groups), device=hidden.device) for groups in tower.kept_groups]
+            tower.bias = [None] * len(lengths)
+        sizes: dict[tuple[int, int], list[int]] = {}
+        for image, grid in enumerate(tower.grids):
+            sizes.setdefault(grid, []).append(image)
+        pieces = hidden.split(lengths)
+        new_hidden: list[Tensor | None] = [None] * len(lengths)
+        current: list[Tensor | None] = [None] * len(lengths)
+        width = hidden.shape[-1] * self.merge
+        for (rows, cols), images in sizes.items():
+            before = torch.stack([tower.kept_groups[i] for i in images])
+            inputs = TowerInput(hidden=torch.stack([pieces[i] for i in images]).view(len(images), -1, width),
+                                has_cls=False, remove=r, keys=torch.cat([keys[i] for i in images]),
+                                size=torch.stack([tower.size[i] for i in images]), positions=before,
+                                merge=self.merge, grid_hw=(rows // self.merge_size, cols // self.merge_size))
+            out = handle.run_method(("vision", layer_idx), module.tower_step, inputs, settings)
+            kept = out.positions  # original group of every unit that goes on, in image order
+            gone = torch.zeros(len(images), rows * cols // self.merge, dtype=torch.bool, device=kept.device)
+            # Tensor sources (fvcore's torch.jit trace has no scatter overload for a bool scalar).
+            gone = gone.scatter(1, before, torch.ones_like(before, dtype=torch.bool)).scatter(
+                1, kept, torch.zeros_like(kept, dtype=torch.bool))
+            discarded = torch.sort((~gone).to(torch.int8), dim=1, stable=True).indices[:, :r]
+            handle.record("vision", layer_idx, kept=group_patches(kept, cols, self.merge_size),
+                          discarded=group_patches(discarded, cols, self.merge_size))
+            # Where the units that go on were among this block's units (both lists ascending).
+            where = torch.searchsorted(before, kept)
+            for b, image in enumerate(images):
+                new_hidden[image] = out.hidden[b].reshape(-1, hidden.shape[-1])
+                current[image] = where[b]
+                tower.kept_groups[image] = kept[b]
+                tower.size[image] = out.size[b]
+                tower.bias[image] = None if out.attention_bias is None else \
+                    out.size[b].log().repeat_interleave(self.merge)[None, None, None, :]
+        members = torch.arange(self.merge, device=hidden.device)
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
+        rows_now = torch.cat([start + (units[:, None] * self.merge + members).flatten()
+                              for start, units in zip(starts, current, strict=True)])
+        tower.position_embeddings = (position_embeddings[0][rows_now], position_embeddings[1][rows_now])
+        tower.cu_seqlens = F.pad(torch.tensor(tower.lengths, device=cu_seqlens.device).cumsum(0), (1, 0)).to(
+            cu_seqlens.dtype)
+        tower.max_seqlen = max(tower.lengths)
+        return torch.cat(new_hidden)  # type: ignore[arg-type]
+
+    # -- cuts of whole merge groups at the tower's output or after the PatchMerger -------------
+    def patch_cut(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """One cut per image of whole merge groups: before the PatchMerger on the groups' patches side by
+        side (what the merger reads; a merged token averages its groups patch by patch) or on the merger's
+        output. The last block's keys (one chunk per image) give the equivalent token's scores. The
+        groups the cut keeps, or where its merged tokens stand, go into `_TowerPass.kept_groups`, from
+        which the entry shortens the prompt and gives the kept tokens their 3-D positions."""
+        from ficoco.models.patching import method_settings
+
+        module = spec.load()
+        settings = method_settings(handle, spec, schedule)
+        removals = [r for r in schedule.removals if r.stage == "vision"]
+        if len(removals) > 1 or any(r.where not in ("tower_output", "after_projector") for r in removals):
+            raise FicocoError(f"{spec.title} on Qwen2-VL cuts once, at the tower's output or after the merger")
+        removal = removals[0] if removals else None
+        visual = self.visual
+        original_tower = visual.forward
+        attention = hf.layer_parts(self.vision_layers[-1], hf.QWEN2_VL_VISION_BLOCK).attention
+        slot = None
+        if removal is not None:
+            slot = install_probe(attention, want_keys=True, chunked=True, timer=handle.timer)
+            patches.on_undo(lambda: remove_probe(attention))
+
+        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+            self._tower = self._start_pass(grid_thw)
+            if slot is not None:  # nothing left over from a pass that ended in an error
+                slot.chunks.clear()
+            return original_tower(hidden_states, grid_thw, **kwargs)
+
+        patches.set(visual, "forward", tower_forward)
+        patches.on_undo(lambda: setattr(self, "_tower", None))
+        self.removed_per_image = removal.remove - removal.added if removal is not None else 0
+        merger = hf.qwen2_vl_merger(visual)
+        original_merger = merger.forward
+
+        def merger_forward(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            tower = self._tower
+            if tower is None or removal is None or slot is None:
+                return original_merger(hidden, *args, **kwargs)
+            keys = [key for _, key in slot.take_chunks()]
+            if len(keys) != len(tower.grids):
+                raise RuntimeError(f"the last vision block ran {len(keys)} segments for {len(tower.grids)} images")
+            if removal.where == "tower_output":
+                units = hidden.reshape(-1, hidden.shape[-1] * self.merge)  # a group's patches side by side
+                reduced = self._cut(handle, module, settings, spec, removal, units, keys, tower)
+                return original_merger(reduced.reshape(-1, hidden.shape[-1]), *args, **kwargs)
+            out = original_merger(hidden, *args, **kwargs)
+            return self._cut(handle, module, settings, spec, removal, out, keys, tower)
+
+        patches.set(merger, "forward", merger_forward)
+
+    def _cut(self, handle: Handle, module: Any, settings: dict[str, Any], spec: Any, removal: Any, units: Tensor,
+             keys: list[Tensor], tower: _TowerPass) -> Tensor:
+        """Run the method's `tower_step` on every image's groups (one batched call per image size);
+        `units` (groups of all images, W) -> the tokens that go on, in group order."""
+        from ficoco.methods.vision_stages import TowerInput
+        from ficoco.models.vision_steps import complement
+        from ficoco.reduction.stages import gather_tokens
+
+        sizes: dict[tuple[int, int], list[int]] = {}
+        for image, grid in enumerate(tower.grids):
+            sizes.setdefault(grid, []).append(image)
+        pieces = units.split([len(groups) for groups in tower.kept_groups])
+        out_pieces: list[Tensor | None] = [None] * len(pieces)
+        for (rows, cols), images in sizes.items():
+            groups = pieces[images[0]].shape[0]
+            inputs = TowerInput(hidden=torch.stack([pieces[i] for i in images]), has_cls=False,
+                                remove=removal.remove, added=removal.added,
+                                keys=torch.cat([keys[i] for i in images]), merge=self.merge,
+                                grid_hw=(rows // self.merge_size, cols // self.merge_size))
+            out = handle.run_method(("projector", None), module.tower_step, inputs, settings)
+            places = out.positions if out.positions is not None else out.kept
+            if out.counts is not None or places.shape[1] != out.hidden.shape[1] or bool((places < 0).any()):
+                raise FicocoError(f"{spec.title} on Qwen2-VL hands the LLM tokens without a merge group's place "
+                                  "(3-D position); it runs on LLaVA-1.5 and Video-LLaVA models")
+            order = torch.sort(places, dim=1)
+            kept = order.values
+            hidden = gather_tokens(out.hidden, order.indices)
+            discarded = complement(kept, groups, groups - kept.shape[1])
+            handle.record("vision", removal.layer, kept=group_patches(kept, cols, self.merge_size),
+                          discarded=group_patches(discarded, cols, self.merge_size))
+            for b, image in enumerate(images):
+                out_pieces[image] = hidden[b]
+                tower.kept_groups[image] = kept[b]
+        return torch.cat(out_pieces)  # type: ignore[arg-type]
 
     # -- a cut after the merger (DivPrune, CDPruner): whole merge groups per image ------------------------
     def patch_projector_cut(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
