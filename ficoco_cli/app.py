@@ -87,16 +87,25 @@ def methods_command(
         "--json", callback=check.output_file, help="Write the registry as JSON here (- for stdout).")] = None,
     matrix: Annotated[bool, typer.Option(
         "--matrix", help="Print methods x model families: yes, flops only, or refused, with the reason.")] = False,
+    markdown: Annotated[bool, typer.Option(
+        "--markdown", help="With --matrix: print it as a Markdown table, reasons below (for a README).")] = False,
 ) -> None:
     """List the reduction methods: where each acts, its defaults, the families it runs on."""
     from ficoco.methods.registry import method_matrix
     from ficoco.profiles import FAMILY_DEFAULTS
     from ficoco.report import write_json_atomic
-    from ficoco_cli.render import matrix_table, methods_table
+    from ficoco_cli.render import matrix_markdown, matrix_table, methods_table
 
+    if markdown and not matrix:
+        raise FicocoError("--markdown prints the matrix: give --matrix with it")
     rows = [spec.to_json() for spec in METHODS.values()]
     cells = method_matrix(FAMILY_DEFAULTS)
-    (err if json_path == "-" else out).print(matrix_table(cells) if matrix else methods_table(rows))
+    console = err if json_path == "-" else out
+    if markdown:
+        # Plain text, not rich markup: the table goes into a README as it is printed.
+        console.print(matrix_markdown(cells), markup=False, highlight=False, soft_wrap=True)
+    else:
+        console.print(matrix_table(cells) if matrix else methods_table(rows))
     if json_path:
         write_json_atomic(json_path, {"schema": "ficoco.methods/1", "ficoco_version": ficoco.__version__,
                                       "environment": report_environment(), "methods": rows, "matrix": cells})

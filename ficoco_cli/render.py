@@ -327,6 +327,26 @@ def matrix_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def matrix_markdown(rows: list[dict[str, Any]]) -> str:
+    """The matrix as a Markdown table (`methods --matrix --markdown`): a cell says yes, flops only or
+    refused with a footnote number; the numbered reasons follow the table, each reason once."""
+    families = list(rows[0]["families"]) if rows else []
+    reasons: list[str] = []
+    lines = ["| method | " + " | ".join(families) + " |", "| --- |" + " --- |" * len(families)]
+    for r in rows:
+        cells = []
+        for family in families:
+            cell = r["families"][family]
+            if not cell["reason"]:
+                cells.append(cell["status"])
+                continue
+            if cell["reason"] not in reasons:
+                reasons.append(cell["reason"])
+            cells.append(f"{cell['status']} ({reasons.index(cell['reason']) + 1})")
+        lines.append(f"| {r['name']} ({r['title']}) | " + " | ".join(cells) + " |")
+    return "\n".join([*lines, "", *(f"({i}) {reason}" for i, reason in enumerate(reasons, 1))]).rstrip()
+
+
 def per_layer_table(row: dict[str, Any], unit: str) -> Table:
     table = Table(title=f"{row['variant']} per layer ({unit})", title_justify="left")
     for col in ("stage", "layer", "tokens in", "tokens out", "removed", unit):

@@ -725,7 +725,8 @@ def test_set_any_keys_and_values_end_in_a_result_or_one_error_line(paths: Paths)
 
 
 @fuzz(examples=20)
-@given(st.lists(st.sampled_from(["--bogus", "extra", "--help", "--json", "--matrix", "--model", "-"]), max_size=3))
+@given(st.lists(st.sampled_from(["--bogus", "extra", "--help", "--json", "--matrix", "--markdown", "--model", "-"]),
+                max_size=3))
 def test_methods_any_arguments_end_in_the_table_or_one_error_line(extra: list[str]) -> None:
     run_and_check(["methods", *extra], [Arg((token,)) for token in extra])
 

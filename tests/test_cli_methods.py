@@ -239,3 +239,16 @@ def test_a_sweep_of_every_method_leaves_out_refused_and_unreachable_points_with_
     assert "v1.5 schedules exist" in reasons["sparsevlm"]  # a budget one method cannot reach
     assert {p.variant for p in points} == {"vanilla", *METHODS} - set(reasons)
     assert new_report(config, profile, points, skipped)["skipped"] == skipped
+
+
+def test_readme_matrix_is_the_registrys() -> None:
+    """The README's method x family table is what `ficoco methods --matrix --markdown` prints today: a
+    method or family added, wired or refused shows up there (regenerate it with that command)."""
+    from ficoco_cli.render import matrix_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = "<!-- methods --matrix --markdown: start -->\n", "\n<!-- methods --matrix --markdown: end -->"
+    assert start in readme and end in readme, "README lacks the matrix markers"
+    table = readme[readme.index(start) + len(start):readme.index(end)]
+    assert table.strip() == matrix_markdown(method_matrix(FAMILY_DEFAULTS)).strip()
+    assert table.count("\n| ") == len(METHODS) + 1  # a row per method below the header and its rule
