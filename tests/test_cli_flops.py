@@ -377,3 +377,24 @@ UNCHECKED_SHAPES = {
 @pytest.mark.parametrize("case", sorted(UNCHECKED_SHAPES))
 def test_invalid_shapes_and_frames_end_with_exit_2_and_one_error_line(case):
     assert_one_error_line(ficoco_cli(*UNCHECKED_SHAPES[case]))
+
+
+def test_methods_side_by_side_leave_out_those_a_family_refuses_with_the_reason(tmp_path: Path) -> None:
+    """Several methods at one setting run on any family, as a sweep does: HoliTom (a video method) on
+    LLaVA-1.5 and FastV below its reachable layer average are left out with their one-line reasons,
+    the others are costed; one method alone, or none left, is refused in one line."""
+    from ficoco.methods import METHODS
+
+    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "vanilla,v,holitom,fastv,divprune",
+                       "--keep", "30")
+    assert [r["variant"] for r in report["rows"]] == ["vanilla", "v", "divprune"]
+    skipped = {entry["variant"]: entry["reason"] for entry in report["skipped"]}
+    assert set(skipped) == {"holitom", "fastv"}
+    assert METHODS["holitom"].family_status("llava")[1] in skipped["holitom"]
+    assert "FastV at layer 2 averages" in skipped["fastv"]
+    printed = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,holitom", "--keep", "64")
+    assert printed.returncode == 0 and "left out holitom: --variant holitom:" in printed.stdout
+    assert "HoliTom is defined on" in assert_one_error_line(ficoco_cli(
+        "flops", "--model", "llava-1.5-7b", "--variant", "vanilla,holitom", "--keep", "64"))
+    assert "HoliTom is defined on" in assert_one_error_line(ficoco_cli(
+        "flops", "--model", "llava-1.5-7b", "--variant", "holitom,fastv", "--keep", "30"))

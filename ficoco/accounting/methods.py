@@ -189,6 +189,10 @@ def schedule_for_method_budget(arch: Architecture, name: str, budget: float, cos
     """
     spec = method(name)
     keeps = _feasible_keeps(arch, spec)
+    if not keeps:  # published schedules only (SparseVLM), each keeping more than the image has
+        raise BudgetError(f"no {spec.title} setting exists on {arch.name}: its settings keep "
+                          f"{', '.join(map(str, spec.keep_choices or ()))} visual tokens, more than the "
+                          f"{counted_shape(arch, spec)[0]} it receives (--schedule gives any)")
 
     def schedule(k: int) -> Schedule | None:
         try:
