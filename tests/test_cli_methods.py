@@ -4,6 +4,7 @@ of methods the models do not run yet (real subprocesses, as a user runs them).""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -50,13 +51,17 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
 
 def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(monkeypatch: pytest.MonkeyPatch):
     result = subprocess.run([*COMMAND, "methods", "--matrix"], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "COLUMNS": "400"})
+                            env={**os.environ, "COLUMNS": "1000"})
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     header = next(line for line in lines if "method" in line and "qwen2_vl" in line)
     assert [f for f in FAMILY_DEFAULTS if f in header] == list(FAMILY_DEFAULTS)
-    prumerge = next(line for line in lines if "prumerge (PruMerge+)" in line)
-    assert prumerge.count("yes") == 3 and "refused: not wired: PruMerge+'s extra token" in prumerge
+    at = next(i for i, line in enumerate(lines) if "prumerge (PruMerge+)" in line)
+    prumerge = lines[at]
+    # A refusal's reason wraps inside its cell: the row's cells, read down its continuation lines.
+    block = [prumerge] + list(itertools.takewhile(lambda line: line.startswith("│       "), lines[at + 1:]))
+    cells = [" ".join(" ".join(parts).split()) for parts in zip(*(line.split("│")[2:-1] for line in block))]
+    assert prumerge.count("yes") == 3 and cells[3].startswith("refused: not wired: PruMerge+'s extra token")
     assert "yes" in next(line for line in lines if "pdrop (PDrop)" in line)
     # A family no entry names yet (one more in FAMILY_DEFAULTS) is refused by every method, with the default line.
     monkeypatch.setitem(FAMILY_DEFAULTS, "new_family", {})

@@ -238,7 +238,8 @@ def test_frames_and_crops_are_items_of_their_sample(profile: str, name: str) -> 
 
 def test_qwen2_vl_cuts_whole_merge_groups_after_the_merger() -> None:
     """DivPrune and CDPruner on the PatchMerger's output (one LLM token per 2 x 2 group); VisPruner,
-    which reads the tower's [CLS] attention, is refused in one line."""
+    which reads the tower's [CLS] attention, cuts whole groups before the merger, scored by the
+    equivalent token (Qwen2-VL's tower has no [CLS])."""
     from ficoco.models.qwen2_vl import group_patches
 
     qwen = ficoco.build_model("qwen2-vl-tiny", dtype="fp32")
@@ -264,9 +265,14 @@ def test_qwen2_vl_cuts_whole_merge_groups_after_the_merger() -> None:
             if name == "divprune":
                 expected = [_reference_divprune(features[b].double().numpy(), 4) for b in range(2)]
                 assert torch.equal(record.kept, group_patches(torch.tensor(expected), cols))
-    with pytest.raises(FicocoError, match="not wired into") as info:
-        ficoco.apply(qwen, "vispruner", keep=4)
-    assert "\n" not in str(info.value) and rows * cols == 4 * features.shape[1]
+        with ficoco.apply(qwen, "vispruner", keep=4) as handle:
+            out = qwen(**batch)
+            (record,) = handle.records
+            singles = [qwen(**a).logits for a in alone]
+    assert out.logits.shape[1] == length - features.shape[1] + 4 and rows * cols == 4 * features.shape[1]
+    assert record.kept.shape == (2, 4 * 4)  # 4 whole groups of 4 patches per image
+    assert (record.kept.view(2, 4, 4) // cols // 2 == record.kept.view(2, 4, 4)[..., :1] // cols // 2).all()
+    assert all(torch.allclose(out.logits[i:i + 1], singles[i], atol=1e-5) for i in range(2))
 
 
 @pytest.mark.parametrize("name", METHODS)
