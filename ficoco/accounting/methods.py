@@ -72,6 +72,9 @@ def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
         raise FicocoError(f"{spec.title} on {arch.name} at image size {arch.image_size}: AnyRes unpadding drops "
                           f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; use a "
                           "square --image-size or a method inside the LLM")
+    if spec.pooled_grid and arch.family == "llava_onevision" and arch.pooled_frames is None:
+        raise FicocoError(f"{spec.title} on {arch.name}: a video method (it cuts a video's pooled frames together); "
+                          "an image is one frame: give --frames N (a video), or a method that reduces images")
     if spec.per_item and arch.resampled and pooled_units(arch, spec) is None:
         instead = "a method" if arch.pooled_frames else "a smaller --image-size or a method"
         raise FicocoError(f"{spec.title} on {arch.name}: {arch.resampled}; use {instead} inside the LLM")

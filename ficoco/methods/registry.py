@@ -695,7 +695,10 @@ def _holitom_extra(ctx: StepContext) -> ExtraMacs:
 # 2x2 pooling of every frame, as the official code does on OneVision / LLaVA-Video).
 _HOLITOM_IMAGE_ONLY = ("a video method: its temporal segmentation and merging need a video's frames, and this family "
                        "takes images (an image is one frame)")
-_HOLITOM_REFUSALS = {"llava": _HOLITOM_IMAGE_ONLY, "llava_next": _HOLITOM_IMAGE_ONLY}
+_HOLITOM_QWEN = ("not wired: the hook points before the LLM on this family take images (grid_t 1); a video's "
+                 "temporal patches and 3-D merge groups through HoliTom's frame-by-frame cut are not written yet")
+_HOLITOM_REFUSALS = {"llava": _HOLITOM_IMAGE_ONLY, "llava_next": _HOLITOM_IMAGE_ONLY, "qwen2_vl": _HOLITOM_QWEN,
+                     "qwen2_5_vl": _HOLITOM_QWEN}
 
 METHODS["holitom"] = MethodSpec(
     name="holitom", title="HoliTom", acts_at="after_projector", placement="after_projector", positions="grid",
@@ -713,7 +716,8 @@ METHODS["holitom"] = MethodSpec(
             "keep each frame's most attended tokens and cluster the static ones (DPC-kNN); inside the LLM, "
             "merge half the visual tokens into the most attended ones at layer 18",
     keep_means="visual tokens per frame that reach the LLM, on average: a video hands on frames x keep tokens "
-               "(Video-LLaVA's frame [CLS] apart), spread over its segments and frames by HoliTom; inside the LLM "
+               "(Video-LLaVA's frame [CLS] and OneVision's newline apart; on OneVision keep counts the frame's "
+               "pooled grid), spread over its segments and frames by HoliTom; inside the LLM "
                "merge_ratio of them merge into the rest at merge_layer",
     steps=_holitom_steps, settings_for_keep=_holitom_for_keep, extra_macs=_holitom_extra, wired=True,
     extra_per_sample=True, inner=_HOLITOM_INNER,

@@ -14,7 +14,9 @@ what OneVision does differently from LLaVA-NeXT (ficoco.models.llava_next, whose
 - A video: every frame through the tower, projected, pooled 2x2 (bilinear, `ceil(side / 2)` per
   axis), the frames' tokens in a row and one `image_newline` after the whole video. FiCoCo-L and the
   methods inside the decoder reduce the video span (its newline protected, as LLaVA-NeXT's); a method
-  that cuts frames before the LLM is refused (the pooling needs every patch of the frame).
+  that cuts frames before the LLM is refused (the pooling needs every patch of the frame), except one
+  that cuts after the pooling (`MethodSpec.pooled_grid`: HoliTom, where its official code acts on
+  OneVision), which reads a video's frames together, with the attention each patch receives pooled alike.
 - SigLIP has no [CLS]: FiCoCo-V scores with FiCoCo's equivalent token (SPEC.md), and the methods
   that rank by the [CLS] attention use it too (their registry `cls_note`).
 """
@@ -216,7 +218,8 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         """LLaVA-NeXT's per-crop hook points (ficoco.models.vision_steps.TowerPatch) on a tower without
         [CLS] (`tower_has_cls`: the methods score with the equivalent token), and OneVision's packing
         in place of `pack_image_features` while the method runs. Videos are refused (each frame is
-        pooled 2x2 after the projector, which needs its whole grid)."""
+        pooled 2x2 after the projector, which needs its whole grid), except for a method that cuts the
+        pooled frames (`pooled_grid`): its cut runs after the pooling (`_patch_video_cut`)."""
         from ficoco.models.vision_steps import TowerPatch
 
         config = self.model.config
@@ -288,7 +291,8 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         drop = is_video & (rank >= torch.gather(limit, 1, span.clamp(max=most - 1)))
         lengths = (~drop).sum(dim=1).tolist()
         if len(set(lengths)) != 1:
-            raise FicocoError(f"every sample of a batch must hold videos of the same frame count for {self.method_title}")
+            raise FicocoError(f"every sample of a batch must hold videos of the same frame count for "
+                              f"{self.method_title}")
         # A stable sort of the drop flags lists the kept positions first, in order.
         return torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :lengths[0]]
 
@@ -345,7 +349,8 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
 
     def kept_token_index(self, input_ids: Tensor, keep: int | None) -> Tensor | None:
         """LLaVA-NeXT's shortened prompt; a prompt with a video is refused for a method that cuts before
-        the LLM (each frame is pooled 2x2 after the projector, which needs its whole grid)."""
+        the LLM (each frame is pooled 2x2 after the projector, which needs its whole grid), except for one
+        that cuts the pooled frames (HoliTom), which shortens video spans and refuses images."""
         if self.pooled_cut:
             if bool((input_ids == self.image_token_id).any()):
                 raise FicocoError(f"{self.method_title} on LLaVA-OneVision acts on a video's pooled frames; an image "
