@@ -362,6 +362,20 @@ def test_holitom_on_a_video_generates_as_a_hand_written_decode_and_refuses_an_im
     assert bool((ids == VIDEO_TOKEN).sum(dim=1).eq(4).all())  # 7 outer tokens, 3 merged inside the LLM
 
 
+def test_holitom_text_turn_on_a_video_cache_equals_the_whole_conversation(video_model: nn.Module) -> None:
+    model = video_model
+    first, question = inputs(model, seed=36), inputs(model, seed=37)["input_ids"][:, -4:]
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=KEEP_FRAME):
+        turn1 = greedy(model, first, return_dict_in_generate=True)
+        ids = torch.cat([turn1.sequences, question], dim=1)
+        nxt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        turn2 = greedy(model, nxt, return_dict_in_generate=True, **cache_argument(output_cache(turn1)))
+        whole = greedy(model, {**nxt, "pixel_values_videos": first["pixel_values_videos"]},
+                       return_dict_in_generate=True)
+    assert torch.equal(turn2.sequences, whole.sequences)
+    assert output_cache(turn2).get_seq_length() == output_cache(whole).get_seq_length()
+
+
 def test_holitom_merges_pooled_frames_by_the_pooled_attention_each_patch_receives(video_model: nn.Module) -> None:
     """Independently: the last SigLIP layer's softmax (heads and queries averaged) and the projector's
     output, both pooled 2x2 bilinearly as the official code pools them, through the per-video reference
