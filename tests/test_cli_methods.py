@@ -35,7 +35,7 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
     assert by_name["fastv"]["hyperparameters"] == {"layer": 2, "ratio": 0.5}
     assert by_name["v"]["acts_at"] == "vision_layer" and by_name["v"]["wired"]
     assert by_name["pdrop"]["families"] == ["llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision"]
-    assert by_name["prumerge"]["refusals"] == {"qwen2_vl": METHODS["prumerge"].refusals["qwen2_vl"]}
+    assert by_name["prumerge"]["refusals"]["qwen2_vl"] == METHODS["prumerge"].refusals["qwen2_vl"]
     cells = {row["name"]: row["families"] for row in report["matrix"]}
     assert list(cells) == list(METHODS) and list(cells["v"]) == list(FAMILY_DEFAULTS)
     assert cells["pdrop"]["qwen2_vl"] == {"status": "yes", "reason": ""}
@@ -43,6 +43,10 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
     issue_25 = ("v", "l", "fastv", "pdrop", "sparsevlm", "dart", "tome", "visionzip", "fastervlm")
     assert all(cells[name]["qwen2_vl"]["status"] == "yes" for name in issue_25)
     assert cells["visionzip"]["qwen2_vl"]["status"] == "yes"
+    # The OneVision column: HoliTom runs on its videos; PruMerge+ and HoliTom's image families say why not.
+    assert cells["holitom"]["llava_onevision"] == {"status": "yes", "reason": ""}
+    assert cells["prumerge"]["llava_onevision"]["reason"].startswith("not wired: PruMerge+ picks IQR outliers")
+    assert all(cells["holitom"][f]["reason"].startswith("a video method") for f in ("llava", "llava_next"))
 
 
 def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(monkeypatch: pytest.MonkeyPatch):

@@ -233,8 +233,10 @@ def test_methods_that_cut_before_the_llm_refuse_resampled_grids(model: nn.Module
         ficoco.apply(model, "v", keep=v_keep(8), image_size=(168, 168))
     with pytest.raises(FicocoError, match="pooled 2x2"):
         ficoco.apply(model, "visionzip", keep=4, frames=3)
-    with pytest.raises(FicocoError, match="PruMerge\\+ is defined on"):
+    with pytest.raises(FicocoError, match="PruMerge\\+ is defined on .*SigLIP has no \\[CLS\\]"):
         ficoco.apply(model, "prumerge", keep=4)
+    with pytest.raises(FicocoError, match="HoliTom on llava-onevision-tiny: a video method.*give --frames"):
+        ficoco.apply(model, "holitom", keep=2)  # the profile's image
     assert "forward" not in model.__dict__
 
 
@@ -276,6 +278,140 @@ def test_verify_passes_on_tiny_for_vanilla_v_and_l_and_a_downscaled_image(model:
     assert result.passed, result.to_json()
     assert not any(term.endswith("_cls_row") for _, term, _ in
                    extra_macs(arch, schedule, plan_tokens(arch, schedule)))
+
+
+# -- the diversity methods on an image: the plan runs, batched, and fvcore agrees -----------------
+
+def test_divprune_vispruner_and_cdpruner_run_the_plan_generate_batched_and_verify(model: nn.Module, arch: Any) -> None:
+    batch = inputs(model, batch=2, seed=13)
+    schedules = []
+    for variant in ("divprune", "vispruner", "cdpruner"):
+        with torch.no_grad(), ficoco.apply(model, variant, keep=8) as handle:
+            length = model(**batch).logits.shape[1]
+            together = greedy(model, batch)
+            alone = greedy(model, {k: v[1:] for k, v in batch.items()})
+        assert length == TEXT + plan_tokens(arch, handle.schedule, text_tokens=TEXT).llm_visual_tokens
+        assert length == TEXT + ITEMS * 8 + ROWS
+        assert torch.equal(together[1:], alone), variant
+        schedules.append(handle.schedule)
+    result = verify(load_profile(NAME), schedules, tolerance_percent=0.5, model=model)
+    assert result.passed, result.to_json()
+    assert all(run.stages[-1].analytic > 0 for run in result.runs)  # the method's own stage is counted
+
+
+# -- HoliTom on a video: every frame's pooled grid, as its official code runs on OneVision ----------
+
+FRAMES, POOLED, KEEP_FRAME = 3, 4, 2  # a frame's 4 x 4 patches pool to 2 x 2; HoliTom keeps 2 per frame
+
+
+@pytest.fixture()
+def video_model(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> nn.Module:
+    """The tiny model laid out for a video of FRAMES frames (its synthetic inputs, verify's run)."""
+    defaults = {k: v for k, v in model.__dict__["_ficoco_defaults"].items() if k != "image_size"}
+    monkeypatch.setitem(model.__dict__, "_ficoco_defaults", {**defaults, "frames": FRAMES})
+    return model
+
+
+def video_arch() -> Any:
+    profile = load_profile(NAME)
+    set_layout(profile, frames=FRAMES)
+    return architecture(profile)
+
+
+def test_holitom_on_a_video_runs_the_plan_batched_as_videos_alone_and_keep_all_is_vanilla(
+        video_model: nn.Module) -> None:
+    model, arch = video_model, video_arch()
+    inp = inputs(model, batch=2, seed=5)
+    with torch.no_grad():
+        vanilla = model(**inp).logits
+        with ficoco.apply(model, "holitom", keep=POOLED, merge_ratio=0.0) as handle:
+            assert not handle.schedule.removals and torch.equal(model(**inp).logits, vanilla)
+        with entering_tokens(model) as seen, ficoco.apply(model, "holitom", keep=KEEP_FRAME) as handle:
+            together = model(**inp).logits[:, -1]
+            assert handle.measured_tokens_per_item == KEEP_FRAME
+            for i in range(2):
+                alone = model(**{k: v[i:i + 1] for k, v in inp.items()}).logits[:, -1]
+                torch.testing.assert_close(together[i:i + 1], alone, atol=1e-5, rtol=0)
+    plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+    # Outer: 3 frames x 2 + the newline; inner: round(7 / 2) stay at the tiny's last layer (HOLITOM_k 18).
+    assert plan.llm_visual_tokens == FRAMES * KEEP_FRAME + 1
+    # (The merge runs at layer 3's input, inside the layer's call: its MLP sees the merged sequence.)
+    assert [seen["llm-mlp"][i][0][1] for i in range(4)] == [n for n, _ in plan.llm] == [TEXT + 7] * 3 + [TEXT + 4]
+    assert seen["vision"][0][0] == (2 * FRAMES, PATCHES)  # the tower runs every patch of every frame
+    from ficoco.verify import verify_run
+
+    run = verify_run(model, arch, handle.schedule, text_tokens=TEXT, batch=2)
+    stages = {s.stage: s for s in run.stages}
+    assert stages["method"].analytic > 0 and run.passed(0.5)
+
+
+def test_holitom_on_a_video_generates_as_a_hand_written_decode_and_refuses_an_image(video_model: nn.Module) -> None:
+    from decoding import prefill_and_decode
+
+    model = video_model
+    inp = inputs(model, batch=2, seed=6)
+    prompt = inp["input_ids"].shape[1]
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=KEEP_FRAME) as handle:
+        generated = greedy(model, inp)
+        out, positions, decoded, _ = prefill_and_decode(model, inp, NEW, handle)
+        with pytest.raises(FicocoError, match="an image is one frame"):
+            model(**inputs(model, image_size=(112, 112)))
+    assert torch.equal(generated[:, :prompt], inp["input_ids"]) and torch.equal(generated[:, prompt:], decoded)
+    ids = torch.gather(inp["input_ids"], 1, positions)
+    assert torch.equal(positions[:, -1], torch.full((2,), prompt - 1))
+    assert bool((ids == VIDEO_TOKEN).sum(dim=1).eq(4).all())  # 7 outer tokens, 3 merged inside the LLM
+
+
+def test_holitom_text_turn_on_a_video_cache_equals_the_whole_conversation(video_model: nn.Module) -> None:
+    model = video_model
+    first, question = inputs(model, seed=36), inputs(model, seed=37)["input_ids"][:, -4:]
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=KEEP_FRAME):
+        turn1 = greedy(model, first, return_dict_in_generate=True)
+        ids = torch.cat([turn1.sequences, question], dim=1)
+        nxt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        turn2 = greedy(model, nxt, return_dict_in_generate=True, **cache_argument(output_cache(turn1)))
+        whole = greedy(model, {**nxt, "pixel_values_videos": first["pixel_values_videos"]},
+                       return_dict_in_generate=True)
+    assert torch.equal(turn2.sequences, whole.sequences)
+    assert output_cache(turn2).get_seq_length() == output_cache(whole).get_seq_length()
+
+
+def test_holitom_merges_pooled_frames_by_the_pooled_attention_each_patch_receives(video_model: nn.Module) -> None:
+    """Independently: the last SigLIP layer's softmax (heads and queries averaged) and the projector's
+    output, both pooled 2x2 bilinearly as the official code pools them, through the per-video reference
+    of tests/test_methods_holitom.py; frames 0 and 1 are one picture, so the temporal merge acts."""
+    from test_methods_holitom import reference
+
+    model = video_model
+    inp = inputs(model, batch=1, seed=11)
+    inp["pixel_values_videos"][:, 1] = inp["pixel_values_videos"][:, 0]
+    tower, last = model.model.vision_tower, model.model.vision_tower.encoder.layers[-1]
+
+    def pool(x: Tensor) -> Tensor:
+        grid = x.view(FRAMES, SIDE, SIDE, -1).permute(0, 3, 1, 2)
+        return torch.nn.functional.interpolate(grid, size=(2, 2), mode="bilinear").permute(0, 2, 3, 1).flatten(1, 2)
+
+    with torch.no_grad():
+        states = tower(inp["pixel_values_videos"].flatten(0, 1), output_hidden_states=True).hidden_states
+        normed = last.layer_norm1(states[-2])
+        heads = last.self_attn.num_heads
+        q = last.self_attn.q_proj(normed).unflatten(-1, (heads, -1)).transpose(1, 2)
+        k = last.self_attn.k_proj(normed).unflatten(-1, (heads, -1)).transpose(1, 2)
+        received = ((q @ k.transpose(-1, -2)) * last.self_attn.scale).softmax(-1).mean(dim=1).mean(dim=1)
+        scores = pool(received.unsqueeze(-1)).squeeze(-1)
+        tokens, units = reference(pool(model.model.multi_modal_projector(states[-1])), scores, FRAMES * KEEP_FRAME)
+        seen: list[Tensor] = []
+        first = model.model.language_model.layers[0]
+        hook = first.register_forward_pre_hook(lambda m, a, kw: seen.append(a[0] if a else kw["hidden_states"]),
+                                               with_kwargs=True)
+        try:
+            with ficoco.apply(model, "holitom", keep=KEEP_FRAME):
+                model(**inp)
+        finally:
+            hook.remove()
+    assert len(units) == FRAMES * KEEP_FRAME
+    span = seen[0][0, PREFIX_TOKENS:PREFIX_TOKENS + FRAMES * KEEP_FRAME]
+    torch.testing.assert_close(span, tokens, atol=1e-4, rtol=1e-4)
 
 
 # -- a real prompt through a local checkout's processor pieces -------------------------------------

@@ -54,8 +54,15 @@ def counted_shape(arch: Architecture, spec: MethodSpec) -> tuple[int, int]:
     method acting before the LLM the patches (units) of one tower item and the tower layers up to
     the one the projector reads."""
     if spec.per_item:
-        return arch.vision.units, arch.vision.feature_layer + 1
+        return pooled_units(arch, spec) or arch.vision.units, arch.vision.feature_layer + 1
     return arch.visual_tokens, arch.decoder.layers
+
+
+def pooled_units(arch: Architecture, spec: MethodSpec) -> int | None:
+    """Tokens per frame of LLaVA-OneVision's pooled video grid where `spec` cuts on it (HoliTom); else None."""
+    if spec.pooled_grid and arch.pooled_frames is not None:
+        return arch.pooled_frames[1]
+    return None
 
 
 def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
@@ -65,7 +72,10 @@ def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
         raise FicocoError(f"{spec.title} on {arch.name} at image size {arch.image_size}: AnyRes unpadding drops "
                           f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; use a "
                           "square --image-size or a method inside the LLM")
-    if spec.per_item and arch.resampled:
+    if spec.pooled_grid and arch.family == "llava_onevision" and arch.pooled_frames is None:
+        raise FicocoError(f"{spec.title} on {arch.name}: a video method (it cuts a video's pooled frames together); "
+                          "an image is one frame: give --frames N (a video), or a method that reduces images")
+    if spec.per_item and arch.resampled and pooled_units(arch, spec) is None:
         instead = "a method" if arch.pooled_frames else "a smaller --image-size or a method"
         raise FicocoError(f"{spec.title} on {arch.name}: {arch.resampled}; use {instead} inside the LLM")
 
@@ -254,6 +264,7 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                                   if r.stage == "vision" and r.where == "in_layer" and r.layer < removal.layer)
             if removal.where == "after_projector":
                 units += sum(r.added - r.remove for r in schedule.removals if r.where == "tower_output")
+                units = pooled_units(arch, spec) or units  # OneVision's video: the cut sees the pooled frames
             ctx = StepContext(step=Step(removal.layer, removal.remove, removal.added, removal.where, "vision"),
                               index=index, seq_before=v.tokens(units), visual_before=units, visual_initial=v.units,
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings,

@@ -302,6 +302,10 @@ def plan_tokens(arch: Architecture, schedule: Schedule, *, text_tokens: int | No
     for where in ("tower_output", "after_projector"):
         cut = before_llm.get(where)
         if cut is not None:
+            if where == "after_projector" and arch.pooled_frames is not None:
+                # LLaVA-OneVision's video (HoliTom, the one cut allowed there): the cut acts on every
+                # frame's pooled grid.
+                units = arch.pooled_frames[1]
             reductions.append(Reduction("vision", cut.layer, units * v.merge, cut.remove * v.merge, where, cut.added))
             if where == "after_projector":
                 projected_visual = arch.llm_visual_tokens(units)

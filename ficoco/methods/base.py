@@ -200,6 +200,9 @@ class MethodSpec:
     # listed here is planned by `ficoco flops` but refused by the models ("flops only"); a family
     # outside `families` is refused everywhere, with this reason or NOT_WIRED's.
     refusals: Mapping[str, str] = field(default_factory=dict)
+    # A cut after the projector that acts on LLaVA-OneVision's pooled video frames (the official code's
+    # place for HoliTom: after the 2x2 pooling); the other cuts before the LLM are refused on a pooled grid.
+    pooled_grid: bool = False
 
     @property
     def per_item(self) -> bool:

@@ -21,6 +21,11 @@ of one video, ``(frames, N, D)``, before the LLM:
 5. **Order**: frame by frame, every frame's tokens in grid order, a window's static clusters with
    its first frame (the official ``mm_newline_position="grid"`` order, without newline tokens).
 
+**Where it runs**: on Video-LLaVA, on every frame's projected patches ([CLS] apart); on LLaVA-OneVision
+(the official code's backbone), after every frame's 2x2 pooling, on the pooled grid, with the attention
+each patch receives pooled the same way (the official ``get_2dPool`` of the scores; the adapter hands a
+pooled query-mean row, whose mean is the same score since pooling is linear).
+
 **Where this differs from the official code** (each says why):
 
 - *A fixed count*: the official per-part counts (``round``/``ceil`` of ``size * ratio``) make the

@@ -461,6 +461,9 @@ _WINDOWED_TOWER = ("not wired: Qwen2.5-VL's tower runs most blocks on windows (p
 _QWEN2_VL_PRUMERGE = ("not wired: PruMerge+'s extra token (the sum of the patches it did not keep) stands at no "
                       "merge group, so Qwen2-VL's 3-D positions give it no place; whole groups without it would be "
                       "another method")
+_ONEVISION_PRUMERGE = ("not wired: PruMerge+ picks IQR outliers of [CLS]'s softmax attention and weighs the patches "
+                       "it merges by it; SigLIP has no [CLS], and FiCoCo's equivalent token gives a signed cosine, "
+                       "not weights that sum to one, so the kept and merged tokens would not be PruMerge+'s")
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(
@@ -581,7 +584,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "the output of the layer the projector reads")),
         hyperparameters={"assumed_tokens": 144, "neighbours": 32, "attention": "heads"},
         families=LLAVA_FAMILIES, module="ficoco.methods.prumerge", function="prumerge_reduce",
-        refusals={"qwen2_vl": _QWEN2_VL_PRUMERGE},
+        refusals={"qwen2_vl": _QWEN2_VL_PRUMERGE, "llava_onevision": _ONEVISION_PRUMERGE},
         source="42Shawn/LLaVA-PruMerge 097c041",
         summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
         keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without --keep "
@@ -668,7 +671,7 @@ _HOLITOM_INNER = MethodSpec(
     name="holitom", title="HoliTom", acts_at="llm_layer", placement="layer_input", positions="original",
     needs=(Need("attention_rows", "L-1", "last", "softmax over all keys of layer K-1, head mean, of " + _LAST_ROW),
            Need("hidden", "L", "all", "the input of layer K (the merge's cosine similarities)")),
-    hyperparameters={"merge_layer": 18, "merge_ratio": 0.5}, families=("video_llava",),
+    hyperparameters={"merge_layer": 18, "merge_ratio": 0.5}, families=("video_llava", "llava_onevision"),
     module="ficoco.methods.holitom", function="step", source="cokeshao/HoliTom e5f7da2 (holitom/modeling_qwen2.py)",
     summary="keep the visual tokens the last prompt token attends to most, average the rest into their most "
             "similar kept token", keep_means="the share merge_ratio of the visual tokens merged at merge_layer",
@@ -688,6 +691,15 @@ def _holitom_extra(ctx: StepContext) -> ExtraMacs:
     return [row for row in rows if row[2]]
 
 
+# HoliTom's cells outside its families: one line each on why (LLaVA-OneVision runs it on videos, after the
+# 2x2 pooling of every frame, as the official code does on OneVision / LLaVA-Video).
+_HOLITOM_IMAGE_ONLY = ("a video method: its temporal segmentation and merging need a video's frames, and this family "
+                       "takes images (an image is one frame)")
+_HOLITOM_QWEN = ("not wired: the hook points before the LLM on this family take images (grid_t 1); a video's "
+                 "temporal patches and 3-D merge groups through HoliTom's frame-by-frame cut are not written yet")
+_HOLITOM_REFUSALS = {"llava": _HOLITOM_IMAGE_ONLY, "llava_next": _HOLITOM_IMAGE_ONLY, "qwen2_vl": _HOLITOM_QWEN,
+                     "qwen2_5_vl": _HOLITOM_QWEN}
+
 METHODS["holitom"] = MethodSpec(
     name="holitom", title="HoliTom", acts_at="after_projector", placement="after_projector", positions="grid",
     needs=(Need("attention_rows", "vision L", "all", "head-mean probabilities of every query over every key of the "
@@ -696,14 +708,16 @@ METHODS["holitom"] = MethodSpec(
                 "together (the adapter groups a video's frames)")),
     hyperparameters={"retain_ratio": 0.10, "tau": 0.8, "beta": 0.6, "neighbours": 7, "contextual_share": 0.0,
                      "max_window": 1024, "merge_layer": 18, "merge_ratio": 0.5},
-    families=("video_llava",), module="ficoco.methods.holitom", function="holitom_reduce",
+    families=("video_llava", "llava_onevision"), module="ficoco.methods.holitom", function="holitom_reduce",
+    refusals=_HOLITOM_REFUSALS, pooled_grid=True,
     source="cokeshao/HoliTom b1d1412 (holitom/llava_arch.py, holitom/modeling_qwen2.py; README's run: "
            "RETAIN_RATIO T=0.80 HOLITOM_k=18 HOLITOM_r=0.5)",
     summary="segment a video's frames by global temporal redundancy, merge static tokens over each segment, "
             "keep each frame's most attended tokens and cluster the static ones (DPC-kNN); inside the LLM, "
             "merge half the visual tokens into the most attended ones at layer 18",
     keep_means="visual tokens per frame that reach the LLM, on average: a video hands on frames x keep tokens "
-               "(Video-LLaVA's frame [CLS] apart), spread over its segments and frames by HoliTom; inside the LLM "
+               "(Video-LLaVA's frame [CLS] and OneVision's newline apart; on OneVision keep counts the frame's "
+               "pooled grid), spread over its segments and frames by HoliTom; inside the LLM "
                "merge_ratio of them merge into the rest at merge_layer",
     steps=_holitom_steps, settings_for_keep=_holitom_for_keep, extra_macs=_holitom_extra, wired=True,
     extra_per_sample=True, inner=_HOLITOM_INNER,

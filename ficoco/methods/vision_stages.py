@@ -72,7 +72,8 @@ class TowerInput:
         positions: ``(items, T)`` the original token index each token continues (None: ``arange``).
         attention: ``(items, T, T)`` head-mean probabilities of every query over every key of the
             step's layer (the probe computed the layer's output from them), when the method asks for
-            ``attention_rows`` of ``all`` rows; else None.
+            ``attention_rows`` of ``all`` rows; else None. For a cut on LLaVA-OneVision's pooled video
+            frames, ``(items, 1, T')``: the query-mean row, pooled as the frame's grid was.
         grid_hw: the item's patch grid (rows, cols), for methods that act on the grid.
         text: ``(items, M, D)`` the LLM's input embeddings of the text after the visual span of the
             prompt each item belongs to (padded to the longest), for a method that reads the

@@ -14,7 +14,9 @@ what OneVision does differently from LLaVA-NeXT (ficoco.models.llava_next, whose
 - A video: every frame through the tower, projected, pooled 2x2 (bilinear, `ceil(side / 2)` per
   axis), the frames' tokens in a row and one `image_newline` after the whole video. FiCoCo-L and the
   methods inside the decoder reduce the video span (its newline protected, as LLaVA-NeXT's); a method
-  that cuts frames before the LLM is refused (the pooling needs every patch of the frame).
+  that cuts frames before the LLM is refused (the pooling needs every patch of the frame), except one
+  that cuts after the pooling (`MethodSpec.pooled_grid`: HoliTom, where its official code acts on
+  OneVision), which reads a video's frames together, with the attention each patch receives pooled alike.
 - SigLIP has no [CLS]: FiCoCo-V scores with FiCoCo's equivalent token (SPEC.md), and the methods
   that rank by the [CLS] attention use it too (their registry `cls_note`).
 """
@@ -35,7 +37,7 @@ from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava_next import ImageLayout, LlavaNextAdapter, _unpadded_window
-from ficoco.models.patching import Patches
+from ficoco.models.patching import Patches, span_lengths
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -216,7 +218,8 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         """LLaVA-NeXT's per-crop hook points (ficoco.models.vision_steps.TowerPatch) on a tower without
         [CLS] (`tower_has_cls`: the methods score with the equivalent token), and OneVision's packing
         in place of `pack_image_features` while the method runs. Videos are refused (each frame is
-        pooled 2x2 after the projector, which needs its whole grid)."""
+        pooled 2x2 after the projector, which needs its whole grid), except for a method that cuts the
+        pooled frames (`pooled_grid`): its cut runs after the pooling (`_patch_video_cut`)."""
         from ficoco.models.vision_steps import TowerPatch
 
         config = self.model.config
@@ -224,7 +227,8 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
                 not isinstance(getattr(config, "vision_feature_layer", -1), int):
             raise FicocoError(f"{spec.title} on LLaVA-OneVision needs vision_feature_select_strategy='full' and one "
                               "vision_feature_layer (SigLIP has no [CLS])")
-        TowerPatch(self, handle, spec, schedule).install(patches)
+        tower = TowerPatch(self, handle, spec, schedule)
+        tower.install(patches)
         removals = [r for r in schedule.removals if r.stage == "vision"]
         self.method_title = spec.title
         adaptive = bool(schedule.settings_dict().get("adaptive"))
@@ -233,6 +237,64 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         inner = hf.inner_model(self.model)
         packing = hf.PACK_FEATURES
         patches.set(inner, packing, self._packing(getattr(inner, packing), lambda: handle.vision_state))
+        self.pooled_cut = bool(getattr(spec, "pooled_grid", False))
+        if self.pooled_cut:
+            self._patch_video_cut(tower, removals, patches)
+
+    # -- a cut on a video's pooled frames (HoliTom, where its official code acts on OneVision) ----------
+    pooled_cut = False  # whether the method cuts a video's frames after their 2x2 pooling
+    cut_after_pooling = False  # True while a video is encoded: the projector leaves the cut to the pooling
+    frames_in_call: int | None = None  # frames per video of the call being encoded (TowerInput.frames)
+
+    def _patch_video_cut(self, tower: Any, removals: list[Any], patches: Patches) -> None:
+        """The video encoder marks its call (the frames the method reads together) and the pooling runs the
+        cut that the projector left (`TowerPatch.cut_pooled`), on every frame's pooled grid."""
+        pooled_side = math.ceil(self.grid_hw[0] / 2), math.ceil(self.grid_hw[1] / 2)
+        self.pooled_per_frame = pooled_side[0] * pooled_side[1]
+        self.video_keep_per_frame = self.pooled_per_frame - sum(r.remove - r.added for r in removals
+                                                                if r.where == "after_projector")
+        inner = hf.inner_model(self.model)
+        encode_video, pooling = getattr(inner, hf.VIDEO_ENCODER), getattr(inner, hf.ONEVISION_POOLING)
+
+        def encode(pixel_values_videos: Tensor, *args: Any, **kwargs: Any) -> Any:
+            previous = self.frames_in_call, self.cut_after_pooling
+            self.frames_in_call, self.cut_after_pooling = int(pixel_values_videos.shape[1]), True
+            try:
+                return encode_video(pixel_values_videos, *args, **kwargs)
+            finally:
+                self.frames_in_call, self.cut_after_pooling = previous
+
+        def apply_pooling(image_features: Tensor) -> Tensor:
+            return tower.cut_pooled(pooling(image_features), pooling)
+
+        patches.set(inner, hf.VIDEO_ENCODER, encode)
+        patches.set(inner, hf.ONEVISION_POOLING, apply_pooling)
+
+    def _video_kept_index(self, input_ids: Tensor, is_video: Tensor) -> Tensor:
+        """The positions a video prompt keeps when the method cuts its pooled frames: the first
+        `frames x keep + 1` placeholders of every video span (its tokens, then its newline), the frames
+        read from the span's length. One host synchronisation (the span lengths)."""
+        pooled, keep = self.pooled_per_frame, self.video_keep_per_frame
+        limits = []
+        for row in span_lengths(is_video):
+            if any((length - 1) % pooled for length in row):
+                raise FicocoError(f"video spans of {row} placeholders are not frames x {pooled} + 1 (give the prompt "
+                                  f"as the processor lays it out; {self.method_title} cannot continue a "
+                                  "conversation whose cache holds a shortened video)")
+            limits.append([(length - 1) // pooled * keep + 1 for length in row])
+        most = max(len(row) for row in limits)
+        limit = torch.tensor([row + [0] * (most - len(row)) for row in limits], device=input_ids.device)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        starts = is_video & ~torch.nn.functional.pad(is_video[:, :-1], (1, 0), value=False)
+        span = (torch.cumsum(starts.long(), dim=1) - 1).clamp(min=0)
+        rank = positions - torch.where(starts, positions, 0).cummax(dim=1).values
+        drop = is_video & (rank >= torch.gather(limit, 1, span.clamp(max=most - 1)))
+        lengths = (~drop).sum(dim=1).tolist()
+        if len(set(lengths)) != 1:
+            raise FicocoError(f"every sample of a batch must hold videos of the same frame count for "
+                              f"{self.method_title}")
+        # A stable sort of the drop flags lists the kept positions first, in order.
+        return torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :lengths[0]]
 
     def _packing(self, original: Callable[..., Any], kept_grid_of: Callable[[], Tensor | None]
                  ) -> Callable[..., tuple[list[Tensor], Tensor]]:
@@ -287,7 +349,14 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
 
     def kept_token_index(self, input_ids: Tensor, keep: int | None) -> Tensor | None:
         """LLaVA-NeXT's shortened prompt; a prompt with a video is refused for a method that cuts before
-        the LLM (each frame is pooled 2x2 after the projector, which needs its whole grid)."""
+        the LLM (each frame is pooled 2x2 after the projector, which needs its whole grid), except for one
+        that cuts the pooled frames (HoliTom), which shortens video spans and refuses images."""
+        if self.pooled_cut:
+            if bool((input_ids == self.image_token_id).any()):
+                raise FicocoError(f"{self.method_title} on LLaVA-OneVision acts on a video's pooled frames; an image "
+                                  "is one frame: give the images to a method that reduces images")
+            is_video = input_ids == self.video_token_id
+            return self._video_kept_index(input_ids, is_video) if bool(is_video.any()) else None
         if self.video_token_id is not None and bool((input_ids == self.video_token_id).any()):
             raise FicocoError(f"{self.method_title} on a LLaVA-OneVision video: every frame is pooled 2x2 "
                               "(bilinear) after the projector, which needs its whole grid; use a method inside "

@@ -157,6 +157,9 @@ class TowerPatch:
         # A method that reads the instruction (CDPruner): the prompt's text embeddings at its cut.
         self.wants_text = any(need.kind == "input_embeddings" for need in spec.needs)
         self.slots: dict[int, TowerSlot] = {}
+        # The after-projector cut of this forward, left to the adapter to run after its pooling
+        # (LLaVA-OneVision's video frames, `cut_after_pooling`), with the tower pass it reads.
+        self.deferred: tuple[Removal, TowerState] | None = None
 
     def install(self, patches: Patches) -> None:
         layers = self.adapter.vision_layers
@@ -239,6 +242,12 @@ class TowerPatch:
                 features = torch.cat([features[:, :1], reduced], dim=1) if keeps_cls else reduced
             out = original(features, *args, **kwargs)
             cut = self.cuts.get("after_projector")
+            if cut is not None and getattr(self.adapter, "cut_after_pooling", False):
+                # LLaVA-OneVision's video: the cut acts on every frame's pooled grid, so the adapter
+                # runs it after the pooling (`cut_pooled`), which also measures the count.
+                self.deferred = (cut, state)
+                self.handle.vision_state = None
+                return out
             if cut is not None:
                 reduced, origin = self._cut(cut, out[:, int(keeps_cls):], state, origin)
                 out = torch.cat([out[:, :1], reduced], dim=1) if keeps_cls else reduced
@@ -251,11 +260,36 @@ class TowerPatch:
 
         return forward
 
-    def _cut(self, removal: Removal, features: Tensor, state: TowerState, origin: Tensor) -> tuple[Tensor, Tensor]:
-        """Run a cut on `features` (items, units, D) whose tokens continue the patches `origin`; the
-        tokens that go on and the patch each continues (-1 without a grid place)."""
+    def cut_pooled(self, features: Tensor, pool: Callable[[Tensor], Tensor]) -> Tensor:
+        """Run the cut the projector left (`deferred`) on `features` (items, pooled, D), every video frame's
+        pooled grid, with the probed attention each patch receives pooled by `pool` (the model's own
+        pooling of a (items, patches, channels) grid) as the features were: the official code pools both.
+        Returns what goes on: `features` as they are when no cut was left."""
+        if self.deferred is None:
+            return features
+        (cut, state), self.deferred = self.deferred, None
+        if self.cut_probe is not None and self.cut_probe in state.probes:
+            keys, query, scale, probabilities = state.probes[self.cut_probe]
+            if probabilities is not None:
+                # Queries averaged first (pooling is linear over keys): one pooled row per item, which the
+                # method averages over its one query as it would over every query.
+                received = pool(probabilities.mean(dim=1).unsqueeze(-1)).transpose(1, 2)
+                state.probes[self.cut_probe] = (keys, query, scale, received)
         items, units = features.shape[:2]
-        expected = self.adapter.patches - sum(r.remove for r in self.in_layer.values())
+        origin = torch.arange(units, device=features.device).expand(items, -1)
+        reduced, origin = self._cut(cut, features, state, origin, expected_units=units)
+        self.handle.vision_state = origin
+        self.handle.measured_tokens_per_item = int(reduced.shape[1])
+        return reduced
+
+    def _cut(self, removal: Removal, features: Tensor, state: TowerState, origin: Tensor,
+             expected_units: int | None = None) -> tuple[Tensor, Tensor]:
+        """Run a cut on `features` (items, units, D) whose tokens continue the patches `origin`; the
+        tokens that go on and the patch each continues (-1 without a grid place). `expected_units`: the count the
+        cut expects per item (None: the tower's patches after its in-layer steps)."""
+        items, units = features.shape[:2]
+        expected = self.adapter.patches - sum(r.remove for r in self.in_layer.values()) \
+            if expected_units is None else expected_units
         if units != expected:
             raise FicocoError(f"{self.spec.title} cuts {expected} patches per item at the tower's output, but the "
                               f"projector received {units}; vision_feature_select_strategy must be 'default'")
