@@ -176,32 +176,6 @@ DtypeOpt = Annotated[str, typer.Option(
          "does not fit), bf16, fp16 or fp32.")]
 
 
-def resolve_side_by_side(arch: Any, variants: list[str], opts: Any, *, strict: bool, **budget: Any
-                         ) -> tuple[list[Any], list[dict[str, str]]]:
-    """The schedules of `variants` at one setting, and the methods left out. Several methods side by side
-    run on any family, as a sweep does: one the family refuses (`ficoco methods --matrix`) or that
-    cannot reach the setting where others can is left out with its one-line reason; one method alone,
-    --verify, or a setting no method reaches is refused with that reason."""
-    from ficoco import accounting as acc
-    from ficoco.methods.registry import METHODS
-
-    reducing = [v for v in variants if v != "vanilla"]
-    schedules, skipped, first_error = [], [], None
-    for v in variants:
-        try:
-            if v in METHODS and METHODS[v].family_status(arch.family)[0] == "refused":
-                METHODS[v].check_family(arch.family, arch.name)  # raises the refusal's line
-            schedules.append(acc.resolve_schedule(arch, v, opts, **budget))
-        except FicocoError as exc:
-            if strict or v == "vanilla" or len(reducing) < 2:
-                raise
-            first_error = first_error or exc
-            skipped.append({"variant": v, "reason": str(exc)})
-    if reducing and len(skipped) == len(reducing):
-        raise first_error  # type: ignore[misc]
-    return schedules, skipped
-
-
 @app.command("flops")
 def flops_command(
     model: ModelOpt,
@@ -275,8 +249,9 @@ def flops_command(
                             text_tokens=text_tokens, lm_head_tokens=lm_head)
     quants = [acc.make_quant(q, kv_bits) for q in split_list(quant, "--quant")]
     hardware = load_gpu(gpu) if gpu else None
-    schedules, skipped = resolve_side_by_side(arch, variants, opts, strict=verify, keep=keep, tflops=tflops,
-                                              schedule=schedule, shape=shape, first_layer=first_layer, preset=preset)
+    schedules, skipped = acc.resolve_side_by_side(arch, variants, opts, strict=verify, keep=keep, tflops=tflops,
+                                                  schedule=schedule, shape=shape, first_layer=first_layer,
+                                                  preset=preset)
     if verify:
         from ficoco_cli.verify_cmd import verify_command
 

@@ -53,7 +53,7 @@ from ficoco.profiles import Hardware
 __all__ = [
     "CONVENTIONS", "KV_FIGURES", "SCOPES", "VARIANTS", "Architecture", "BudgetError", "CostRow", "CountOptions",
     "Quant", "Schedule", "TokenPlan", "account", "architecture", "make_quant", "parameter_counts", "per_layer",
-    "resolve_schedule", "method_schedule",
+    "resolve_schedule", "resolve_side_by_side", "method_schedule",
 ]
 
 # The unit each convention's totals are in, for labels ("TFLOPs", "TMACs", ...).
@@ -210,6 +210,31 @@ class CostRow:
         if self.roofline_s is not None:
             row["roofline_ms"] = self.roofline_s * 1e3
         return row
+
+
+def resolve_side_by_side(arch: Architecture, variants: list[str], opts: CountOptions, *, strict: bool,
+                         **budget: Any) -> tuple[list[Schedule], list[dict[str, str]]]:
+    """The schedules of `variants` at one setting, and the methods left out. Several methods side by side
+    run on any family, as a sweep does: one the family refuses (`ficoco methods --matrix`) or that
+    cannot reach the setting where others can is left out with its one-line reason; one method alone,
+    --verify, or a setting no method reaches is refused with that reason."""
+    reducing = [v for v in variants if v != "vanilla"]
+    schedules: list[Schedule] = []
+    skipped: list[dict[str, str]] = []
+    first_error: FicocoError | None = None
+    for v in variants:
+        try:
+            if v in METHODS and METHODS[v].family_status(arch.family)[0] == "refused":
+                METHODS[v].check_family(arch.family, arch.name)  # raises the refusal's line
+            schedules.append(resolve_schedule(arch, v, opts, **budget))
+        except FicocoError as exc:
+            if strict or v == "vanilla" or len(reducing) < 2:
+                raise
+            first_error = first_error or exc
+            skipped.append({"variant": v, "reason": str(exc)})
+    if reducing and len(skipped) == len(reducing):
+        raise first_error  # type: ignore[misc]
+    return schedules, skipped
 
 
 def account(arch: Architecture, schedule: Schedule, quant: Quant, opts: CountOptions, *,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ficoco.accounting import CountOptions, Schedule, account, architecture, resolve_schedule
+from ficoco.accounting import CountOptions, Schedule, account, architecture, resolve_side_by_side
 from ficoco.accounting.memory import KV_QUANT_BITS, QUANT_BITS, Quant, stored_kv_cache_bytes, weight_bytes
 from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
@@ -215,11 +215,13 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     arch = architecture(profile)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
                         text_tokens=config.text_tokens)
-    schedules = {
-        variant: resolve_schedule(arch, variant, opts, keep=config.keep, tflops=config.tflops,
-                                  schedule=config.schedule, shape=config.shape, first_layer=config.first_layer)
-        for variant in config.variants
-    }
+    resolved, skipped = resolve_side_by_side(arch, list(config.variants), opts, strict=False, keep=config.keep,
+                                             tflops=config.tflops, schedule=config.schedule, shape=config.shape,
+                                             first_layer=config.first_layer)
+    schedules = {schedule.variant: schedule for schedule in resolved}
+    # Several methods side by side run on any family: one it refuses, or one that cannot reach the
+    # setting, is left out with its reason (said before the run, and kept in the report's notes).
+    notes.extend(f"left out {entry['variant']}: {entry['reason']}" for entry in skipped)
     plan = Plan(device=device, profile=profile, gpu=known_gpu(device), notes=notes, warmup=config.warmup,
                 repeat=config.repeat, prompt=prompt)
     if prompt is not None:
@@ -232,7 +234,8 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     for quant in config.quants:
         for batch in config.batches:
             for variant in config.variants:
-                plan.rows.append(RowSpec(variant, quant, batch, schedules[variant]))
+                if variant in schedules:
+                    plan.rows.append(RowSpec(variant, quant, batch, schedules[variant]))
     # The dtypes and the memory check come last: every other mistake is cheaper to report,
     # and nothing is built before the plan says it fits.
     from ficoco.models.build import checkpoint_dtype
