@@ -426,8 +426,10 @@ def _vispruner_extra(ctx: StepContext) -> ExtraMacs:
     important = int(s["keep"] * s["important_ratio"])
     rounds = _vispruner_rounds(ctx.visual_before - important, s["keep"] - important)
     return [(ctx.step.layer, "vispruner_vision_cls_row", d.heads * d.head_dim * ctx.seq_before),
-            # Each round: cosine of every even-place residual token with every odd-place one, tower width.
-            (ctx.step.layer, "vispruner_vision_duplicate_similarity", sum(a * b for a, b, _ in rounds) * d.hidden)]
+            # Each round: cosine of every even-place residual token with every odd-place one, at the units' width
+            # (Qwen2-VL: a merge group's patches side by side).
+            (ctx.step.layer, "vispruner_vision_duplicate_similarity",
+             sum(a * b for a, b, _ in rounds) * (ctx.unit_width or d.hidden))]
 
 
 def _cdpruner_extra(ctx: StepContext) -> ExtraMacs:
@@ -554,7 +556,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "that layer's output, the projector's input")),
         hyperparameters={"dominant": 54, "contextual": 10, "contextual_mode": "mean"},
         families=ALL_FAMILIES, module="ficoco.methods.visionzip", function="visionzip_reduce",
-        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="dvlab-research/VisionZip 3151f6d",
         summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",
         keep_means=_PER_ITEM + " (dominant + contextual: 162+30, 108+20, 54+10)", cls_note=_EQUIVALENT,
@@ -568,7 +569,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "projector", "all", "the projector's output, every patch")),
         hyperparameters={"ratio": 0.75},
         families=ALL_FAMILIES, module="ficoco.methods.fastervlm", function="fastervlm_reduce",
-        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="Theia-4869/FasterVLM f5d5f12",
         summary="keep the projected patches [CLS] attends to most, in image order",
         keep_means=_PER_ITEM, cls_note=_EQUIVALENT,

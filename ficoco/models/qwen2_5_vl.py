@@ -84,6 +84,20 @@ class _WindowPass(_TowerPass):
                 for i, kept in enumerate(self.kept_groups)]
 
 
+def _total_groups(tower: _WindowPass) -> int:
+    """Merge groups of every image of the pass, unreduced."""
+    return tower.image_rows[-1] + len(tower.window_rows[-1])
+
+
+def _to_window_rows(merged: Tensor, tower: _WindowPass) -> Tensor:
+    """The merger's output of every image's kept groups (in `kept_groups` order) at the groups' rows of the
+    unreduced window order (the removed groups' rows zero), which the tower's reverse order expects."""
+    rows = torch.cat([start + tower.window_rows[i][kept]
+                      for i, (start, kept) in enumerate(zip(tower.image_rows, tower.kept_groups, strict=True))])
+    out = merged.new_zeros(_total_groups(tower), merged.shape[-1])
+    return out.index_copy(0, rows.to(merged.device), merged)
+
+
 def _pairs(cu: Tensor) -> int:
     lengths = (cu[1:] - cu[:-1]).long()
     return int((lengths * lengths).sum())
@@ -174,15 +188,55 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
             tower = self._tower
             if tower is None or tower.cu_seqlens is None:
                 return merged
-            # Back to the unreduced window-order rows, which the tower's reverse order expects.
-            rows = torch.cat([start + tower.window_rows[i][kept]
-                              for i, (start, kept) in enumerate(zip(tower.image_rows, tower.kept_groups,
-                                                                    strict=True))])
-            total = tower.image_rows[-1] + len(tower.window_rows[-1])
-            out = merged.new_zeros(total, merged.shape[-1])
-            return out.index_copy(0, rows.to(merged.device), merged)
+            return _to_window_rows(merged, tower)
 
         patches.set(merger, "forward", merger_forward)
+
+    # -- cuts of whole merge groups (VisionZip, VisPruner, FasterVLM; DivPrune, CDPruner) -------------
+    def patch_cut(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """Qwen2-VL's cut at the tower's output or after the merger, on the groups in grid order: `_cut`
+        reorders the window-order units and the last block's keys before the method sees them, and the
+        merger's output (the kept groups, grid order) goes back to the unreduced window-order rows, which
+        the tower's own reverse order puts in grid order (the removed groups' rows zero)."""
+        super().patch_cut(handle, patches, spec, schedule)
+        merger = hf.qwen2_vl_merger(self.visual)
+        cut_merger = merger.forward
+
+        def merger_forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            merged = cut_merger(hidden_states, *args, **kwargs)
+            tower = self._tower
+            if tower is None or merged.shape[0] == _total_groups(tower):
+                return merged
+            return _to_window_rows(merged, tower)
+
+        patches.set(merger, "forward", merger_forward)
+
+    def _image_keys(self, chunks: list[tuple[Tensor, Tensor]], tower: _TowerPass) -> list[Tensor]:
+        """The last block's keys per image, in window order: a window layer ran one call per window."""
+        assert isinstance(tower, _WindowPass)
+        if len(self.vision_layers) - 1 in self.full_layers:
+            return super()._image_keys(chunks, tower)
+        keys, at = [], 0
+        for lengths in tower.window_lengths():
+            count = int((lengths > 0).sum())
+            keys.append(torch.cat([key for _, key in chunks[at:at + count]], dim=2))
+            at += count
+        if at != len(chunks):
+            raise RuntimeError(f"the last vision block ran {len(chunks)} windows, the tower pass holds {at}")
+        return keys
+
+    def _cut(self, handle: Handle, module: Any, settings: dict[str, Any], spec: Any, removal: Any, units: Tensor,
+             keys: list[Tensor], tower: _TowerPass) -> Tensor:
+        """Qwen2-VL's cut on every image's groups put in grid order (units, and the keys patch by patch);
+        the groups it keeps come back as grid indices, the tokens in grid order."""
+        assert isinstance(tower, _WindowPass)
+        members = torch.arange(self.merge, device=units.device)
+        rows = [r.to(units.device) for r in tower.window_rows]  # window-order row of every group
+        order = torch.cat([start + r for start, r in zip(tower.image_rows, rows, strict=True)])
+        grid_keys = [key[:, :, (r[:, None] * self.merge + members).flatten().to(key.device)]
+                     for key, r in zip(keys, rows, strict=True)]
+        tower.kept_groups = [torch.arange(len(r), device=units.device) for r in rows]
+        return super()._cut(handle, module, settings, spec, removal, units[order], grid_keys, tower)
 
     def _start_pass(self, grid_thw: Tensor) -> _WindowPass:
         base = super()._start_pass(grid_thw)
@@ -242,9 +296,12 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         if tower is None:
             raise RuntimeError("the Qwen2.5-VL vision tower ran without FiCoCo-V's bookkeeping")
         features = getattr(out, hf.FEATURES_FIELD)
-        rows = torch.cat([start + kept.sort().values for start, kept in zip(tower.image_rows, tower.kept_groups,
-                                                                             strict=True)])
-        kept = features.index_select(0, rows.to(features.device))
+        if features.shape[0] == _total_groups(tower):  # every group's row, the removed ones' zero
+            rows = torch.cat([start + kept.sort().values for start, kept in zip(tower.image_rows, tower.kept_groups,
+                                                                                 strict=True)])
+            kept = features.index_select(0, rows.to(features.device))
+        else:  # a cut on the tower's grid-order output (DivPrune, CDPruner): the kept groups only
+            kept = features
         setattr(out, hf.FEATURES_FIELD, torch.split(kept, [len(groups) for groups in tower.kept_groups]))
         return out
 
