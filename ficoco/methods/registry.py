@@ -24,6 +24,9 @@ ALL_FAMILIES += ("qwen2_5_vl",)
 # The families the entries that name this tuple are tested on (issue 25's matrix): written out, so that a
 # family added to ALL_FAMILIES shows as refused ("not wired") for them until their tests run there.
 TESTED_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision")
+# PDrop and SparseVLM act in Qwen2-VL's decoder (3-D positions kept, no compaction), ToMe merges groups in its
+# windowed tower in grid order: tested on Qwen2.5-VL too (issue 25).
+TESTED_FAMILIES += ("qwen2_5_vl",)
 # The rows the literature reports: "192 / 128 / 64 tokens" on LLaVA-1.5-7B.
 PRESETS = (192, 128, 64)
 
@@ -456,10 +459,6 @@ _EQUIVALENT = ("towers without [CLS] (Qwen2-VL): FiCoCo's equivalent token (-cos
                "their mean) scores the patches in place of the [CLS] attention, averaged over each 2x2 merge group")
 _LAST_ROW = "the last prompt token (left padding puts it at T - 1 in every sample)"
 # Why a family does not run a method (MethodSpec.refusals; `ficoco methods --matrix` prints them).
-# Qwen2.5-VL (issue 25, another branch): the merge-group steps of Qwen2-VL's packed tower read patches in image
-# order and keys per image; its tower runs most blocks on windows, in window order.
-_WINDOWED_TOWER = ("not wired: Qwen2.5-VL's tower runs most blocks on windows (patches in window order, attention "
-                   "per window), which the merge-group steps written for Qwen2-VL's packed tower do not follow yet")
 _QWEN2_VL_PRUMERGE = ("not wired: PruMerge+'s extra token (the sum of the patches it did not keep) stands at no "
                       "merge group, so Qwen2-VL's 3-D positions give it no place; whole groups without it would be "
                       "another method")
@@ -542,7 +541,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "carried from layer to layer add log(size) to every key's logits (proportional attention)")),
         hyperparameters={"r": 16, "prop_attn": True, "order": "spatial"},
         families=TESTED_FAMILIES, module="ficoco.methods.tome", function="tome_merge",
-        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="facebookresearch/ToMe af95e4b",
         summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
         keep_means=_PER_ITEM,
@@ -581,7 +579,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "the output of the layer the projector reads")),
         hyperparameters={"assumed_tokens": 144, "neighbours": 32, "attention": "heads"},
         families=LLAVA_FAMILIES, module="ficoco.methods.prumerge", function="prumerge_reduce",
-        refusals={"qwen2_vl": _QWEN2_VL_PRUMERGE},
+        refusals={"qwen2_vl": _QWEN2_VL_PRUMERGE, "qwen2_5_vl": _QWEN2_VL_PRUMERGE.replace("Qwen2-VL", "Qwen2.5-VL")},
         source="42Shawn/LLaVA-PruMerge 097c041",
         summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
         keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without --keep "
@@ -688,6 +686,10 @@ def _holitom_extra(ctx: StepContext) -> ExtraMacs:
     return [row for row in rows if row[2]]
 
 
+# Qwen2-VL and Qwen2.5-VL (issue 25): their adapters cut before the LLM on images only.
+_QWEN_VIDEO_HOLITOM = ("not wired: HoliTom reduces a video's frames together, and ficoco's Qwen2-VL and Qwen2.5-VL "
+                       "adapters cut before the LLM on images only (a prompt's videos pass the tower unreduced)")
+
 METHODS["holitom"] = MethodSpec(
     name="holitom", title="HoliTom", acts_at="after_projector", placement="after_projector", positions="grid",
     needs=(Need("attention_rows", "vision L", "all", "head-mean probabilities of every query over every key of the "
@@ -697,6 +699,7 @@ METHODS["holitom"] = MethodSpec(
     hyperparameters={"retain_ratio": 0.10, "tau": 0.8, "beta": 0.6, "neighbours": 7, "contextual_share": 0.0,
                      "max_window": 1024, "merge_layer": 18, "merge_ratio": 0.5},
     families=("video_llava",), module="ficoco.methods.holitom", function="holitom_reduce",
+    refusals={family: _QWEN_VIDEO_HOLITOM for family in ("qwen2_vl", "qwen2_5_vl")},
     source="cokeshao/HoliTom b1d1412 (holitom/llava_arch.py, holitom/modeling_qwen2.py; README's run: "
            "RETAIN_RATIO T=0.80 HOLITOM_k=18 HOLITOM_r=0.5)",
     summary="segment a video's frames by global temporal redundancy, merge static tokens over each segment, "
