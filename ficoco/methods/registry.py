@@ -19,7 +19,7 @@ from ficoco.methods.base import Dims, ExtraMacs, MethodSpec, Need, Step, StepCon
 
 LLAVA_FAMILIES = ("llava", "llava_next", "video_llava")
 ALL_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision")
-# Qwen2.5-VL runs every method Qwen2-VL runs (FiCoCo-V/-L, FastV, DART, VisionZip, FasterVLM).
+# Qwen2.5-VL runs every method Qwen2-VL runs (its adapter maps its tower's window order to grid order).
 ALL_FAMILIES += ("qwen2_5_vl",)
 # The families the entries that name this tuple are tested on (issue 25's matrix): written out, so that a
 # family added to ALL_FAMILIES shows as refused ("not wired") for them until their tests run there.

@@ -35,6 +35,21 @@ FiCoCo-V in this tower:
 - The query-key pairs every vision layer ran (the sum over its windows of tokens^2) are left in
   `Handle.vision_attention_pairs`, which `flops --verify` hands the accountant: which windows
   lose groups is known only once the method ran.
+
+The other vision-side methods run Qwen2-VL's merge-group steps (`Qwen2VLAdapter.patch_cut`,
+`patch_projector_cut`, `_merge`) on every image's groups put in grid order, the order they have
+on Qwen2-VL, and this file maps between the orders around them:
+
+- A cut at the tower's output or after the merger (VisionZip, VisPruner, FasterVLM): the units
+  (window order) and the last block's keys (one chunk per window in a window block, joined per
+  image) are put in grid order before the method, which keeps groups by their grid indices; the
+  merger's output of the kept groups is scattered back to their unreduced window-order rows, so
+  the tower's own reverse order puts it in grid order, and `encode_images` reads the kept rows.
+- A cut on the tower's output (DivPrune, CDPruner) sees the grid order the tower hands out.
+- ToMe merges in the blocks: the matching runs over the whole image in grid order, as on
+  Qwen2-VL; the units that go on return to window order, each at its destination group's place
+  (its window, its rotary rows), the window boundaries are recomputed as for FiCoCo-V, and
+  proportional attention's log(size) is split per window in the window blocks.
 """
 
 from __future__ import annotations
