@@ -34,8 +34,9 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
     assert by_name["fastv"]["acts_at"] == "llm_layer" and by_name["fastv"]["placement"] == "layer_input"
     assert by_name["fastv"]["hyperparameters"] == {"layer": 2, "ratio": 0.5}
     assert by_name["v"]["acts_at"] == "vision_layer" and by_name["v"]["wired"]
-    assert by_name["pdrop"]["families"] == ["llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision"]
-    assert by_name["prumerge"]["refusals"]["qwen2_vl"] == METHODS["prumerge"].refusals["qwen2_vl"]
+    assert by_name["pdrop"]["families"] == ["llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision",
+                                            "qwen2_5_vl"]
+    assert set(by_name["prumerge"]["refusals"]) == {"qwen2_vl", "qwen2_5_vl", "llava_onevision"}
     cells = {row["name"]: row["families"] for row in report["matrix"]}
     assert list(cells) == list(METHODS) and list(cells["v"]) == list(FAMILY_DEFAULTS)
     assert cells["pdrop"]["qwen2_vl"] == {"status": "yes", "reason": ""}
@@ -47,6 +48,13 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
     assert cells["holitom"]["llava_onevision"] == {"status": "yes", "reason": ""}
     assert cells["prumerge"]["llava_onevision"]["reason"].startswith("not wired: PruMerge+ picks IQR outliers")
     assert all(cells["holitom"][f]["reason"].startswith("a video method") for f in ("llava", "llava_next"))
+    # Qwen2.5-VL runs every method Qwen2-VL runs; PruMerge+ and HoliTom say why not, in one line each.
+    qwen2_vl_runs = [name for name in cells if cells[name]["qwen2_vl"]["status"] == "yes"]
+    assert all(cells[name]["qwen2_5_vl"]["status"] == "yes" for name in qwen2_vl_runs) and len(qwen2_vl_runs) == 12
+    for name in ("prumerge", "holitom"):
+        cell = cells[name]["qwen2_5_vl"]
+        assert cell["status"] == "refused" and cell["reason"] == METHODS[name].refusals["qwen2_5_vl"]
+        assert "Qwen2.5-VL" in cell["reason"] and "\n" not in cell["reason"]
 
 
 def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(monkeypatch: pytest.MonkeyPatch):

@@ -316,3 +316,123 @@ def test_a_real_prompt_through_a_local_checkouts_processor_runs_v(tmp_path: Any)
     with ficoco.apply(model, "v", schedule={1: 8}):
         logits = model(**prompt.encoded).logits
     assert logits.shape[1] == prompt.encoded["input_ids"].shape[1] - 8
+
+
+# -- every other method Qwen2-VL runs (issue 25's matrix) ---------------------------------------------
+
+@pytest.mark.parametrize(("method", "how"), [
+    ("divprune", {"keep": 6}), ("cdpruner", {"keep": 6}), ("vispruner", {"keep": 6}), ("visionzip", {"keep": 6}),
+    ("fastervlm", {"keep": 6}), ("tome", {"keep": 6}), ("pdrop", {"schedule": "1:6,3:4"}),
+    ("sparsevlm", {"schedule": "1:6,3:4"})])
+def test_every_method_runs_the_planned_counts_batch_equals_samples_and_verifies(model: nn.Module, arch: Any,
+                                                                               method: str, how: dict) -> None:
+    """The tokens entering every layer are the plan's, each sample of a batch is as if alone, whole merge
+    groups leave (the records), and the accountant's count is what fvcore measures (`flops --verify`)."""
+    from ficoco.verify import verify_run
+
+    batch = inputs(model, batch=2, seed=15)
+    with torch.no_grad(), ficoco.apply(model, method, **how) as handle:
+        with entering_tokens(model, images=2) as seen:
+            together = model(**batch).logits
+        records = list(handle.records)
+        alone = [model(**sample(batch, i)).logits for i in range(2)]
+    plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+    assert handle.schedule.total_removed > 0
+    for i in range(4):
+        assert seen["vision"][i][0] == plan.vision[i][0] and seen["vision-mlp"][i][0] == plan.vision[i][1]
+        # PDrop and SparseVLM cut at a layer's input, inside the wrapped layer: its MLP sees what it hands on.
+        assert seen["llm-mlp"][i][0] == plan.llm[i][0 if method in ("pdrop", "sparsevlm") else 1]
+    for i in range(2):
+        torch.testing.assert_close(together[i:i + 1], alone[i], atol=1e-5, rtol=0)
+    for rec in records if records and records[0].stage == "vision" else []:
+        for b in range(2):
+            groups = groups_of(rec.kept[b])
+            assert len(groups) * 4 == rec.kept.shape[1]  # whole 2 x 2 groups, each once
+    run = verify_run(model, arch, handle.schedule, text_tokens=TEXT)
+    assert all(abs(stage.fvcore - stage.analytic) <= 0.005 * max(stage.analytic, 1) for stage in run.stages), \
+        [(s.stage, s.analytic, s.fvcore) for s in run.stages]
+
+
+def test_divprune_keeps_the_groups_an_independent_max_min_picks_on_the_unpatched_features(model: nn.Module) -> None:
+    """DivPrune on the merger's output in grid order (the tower's own reverse of its window order): the
+    kept groups are those a plain-loop Max-Min choice picks from the unpatched model's image features."""
+    batch = inputs(model, batch=2, seed=16)
+    with torch.no_grad():
+        features = model.model.get_image_features(batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                                                  return_dict=True).pooler_output
+        with ficoco.apply(model, "divprune", keep=5) as handle:
+            model(**batch)
+            (record,) = handle.records
+    for b in range(2):
+        unit = F.normalize(features[b].double(), dim=-1)
+        distance = (1 - unit @ unit.T).tolist()
+        nearest = [min(d for j, d in enumerate(row) if j != i) for i, row in enumerate(distance)]
+        picked = [max(range(GROUPS), key=lambda i: (nearest[i], -i))]
+        while len(picked) < 5:
+            rest = [i for i in range(GROUPS) if i not in picked]
+            picked.append(max(rest, key=lambda i: (min(distance[i][j] for j in picked), -i)))
+        assert groups_of(record.kept[b]) == sorted(picked)
+
+
+def test_tome_merges_keep_every_unit_in_its_destination_groups_window(model: nn.Module) -> None:
+    """After ToMe's merges the window layers run on the windows the destination groups stand in, in
+    the tower's window order, and the query-key pairs are those windows'."""
+    batch = inputs(model, batch=2, seed=17)
+    blocks, names = model.model.visual.blocks, ("cu_seqlens", "position_embeddings")
+    with torch.no_grad(), captured(blocks[0].attn, *names) as first, captured(blocks[3].attn, *names) as last, \
+            ficoco.apply(model, "tome", schedule={0: 3, 1: 3, 2: 3}) as handle:
+        model(**batch)
+        records, pairs = list(handle.records), dict(handle.vision_attention_pairs)
+    expected, rows = [], []
+    order = sorted(range(GROUPS), key=lambda g: (window_of(g), g))  # the tower's window order
+    for b in range(2):
+        kept = groups_of(records[-1].kept[b])
+        assert len(kept) == GROUPS - 9
+        expected += [4 * c for w in range(6) if (c := sum(window_of(g) == w for g in kept))]
+        for g in sorted(kept, key=lambda g: (window_of(g), g)):  # every unit at its destination's rotary rows
+            rows += [b * PATCHES + 4 * order.index(g) + m for m in range(4)]
+    assert last[0]["cu_seqlens"].tolist() == [0, *torch.tensor(expected).cumsum(0).tolist()]
+    assert torch.equal(last[0]["position_embeddings"][0], first[0]["position_embeddings"][0][torch.tensor(rows)])
+    assert pairs[3] == sum(n * n for n in expected)
+
+
+def test_fastervlm_keeps_the_groups_the_last_blocks_equivalent_token_ranks_first(model: nn.Module) -> None:
+    """FasterVLM through the cut at the merger: the last block (a window block) ran per window in window
+    order; the groups kept are the top ones by the equivalent token (-cos of a patch's head-mean key to
+    the image's mean key, averaged per group) computed here from the unpatched block's own input, and
+    the LLM receives the unpatched merger's features of exactly those groups."""
+    batch = inputs(model, batch=1, seed=18)
+    attn = model.model.visual.blocks[3].attn
+    seen: list[tuple[Tensor, tuple[Tensor, Tensor]]] = []
+    hook = attn.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"],
+                                               kwargs["position_embeddings"])), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            features = model.model.get_image_features(batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                                                      return_dict=True).pooler_output[0]
+    finally:
+        hook.remove()
+    hidden, (cos, sin) = seen[0]
+    heads = model.config.vision_config.num_heads
+    keys = attn.qkv(hidden).reshape(PATCHES, 3, heads, -1)[:, 1]  # (patches, heads, d), window order
+    half = keys.shape[-1] // 2
+    rotated = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
+    keys = (keys * cos[:, None] + rotated * sin[:, None]).mean(dim=1)
+    scores = -F.cosine_similarity(keys, keys.mean(dim=0, keepdim=True), dim=-1).view(GROUPS, 4).mean(dim=1)
+    order = sorted(range(GROUPS), key=lambda g: (window_of(g), g))  # the group at every window-order row
+    by_group = torch.empty(GROUPS)
+    by_group[torch.tensor(order)] = scores
+    expected = sorted(by_group.topk(7).indices.tolist())
+    captured_features: list[Tensor] = []
+    with torch.no_grad(), ficoco.apply(model, "fastervlm", keep=7) as handle:
+        hook = model.model.language_model.register_forward_pre_hook(
+            lambda mod, args, kwargs: captured_features.append(kwargs["inputs_embeds"]), with_kwargs=True)
+        try:
+            model(**batch)
+        finally:
+            hook.remove()
+        (record,) = handle.records
+    assert groups_of(record.kept[0]) == expected
+    span = captured_features[0][0, 4:4 + 7]  # the image span after "<|im_start|> user \n <|vision_start|>"
+    torch.testing.assert_close(span, features[torch.tensor(expected)], atol=1e-5, rtol=0)

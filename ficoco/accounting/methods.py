@@ -269,7 +269,7 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                               index=index, seq_before=v.tokens(units), visual_before=units, visual_initial=v.units,
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings,
                               items=plan.vision_items, projected_width=arch.decoder.hidden,
-                              has_cls=v.has_cls)
+                              has_cls=v.has_cls, unit_width=v.hidden * v.merge)
             terms = spec.extra_macs(ctx)
             if settings.get("score") == EQUIVALENT_SCORE:
                 # No [CLS] row to compute: the equivalent token (head-mean keys, their mean, a cosine per

@@ -137,6 +137,9 @@ class StepContext:
             ``after_projector`` step's tokens have (``dims`` are the tower's for a vision step).
         has_cls: a vision step's tower has [CLS] (False: Qwen2-VL, whose methods score by the
             equivalent token, elementwise work no counter counts, in place of a [CLS] row).
+        unit_width: the width of a vision step's units before the projector: the tower's hidden size
+            times the patches of a unit (Qwen2-VL's merge groups, their patches side by side); 0: unknown
+            (the tower's hidden size).
     """
 
     step: Step
@@ -150,6 +153,7 @@ class StepContext:
     items: int = 1
     projected_width: int = 0
     has_cls: bool = True
+    unit_width: int = 0
 
 
 # (layer the work runs at, what it is, multiply-accumulates per sample); layer None: before layer 0.

@@ -19,11 +19,14 @@ from ficoco.methods.base import Dims, ExtraMacs, MethodSpec, Need, Step, StepCon
 
 LLAVA_FAMILIES = ("llava", "llava_next", "video_llava")
 ALL_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision")
-# Qwen2.5-VL runs every method Qwen2-VL runs (FiCoCo-V/-L, FastV, DART, VisionZip, FasterVLM).
+# Qwen2.5-VL runs every method Qwen2-VL runs (its adapter maps its tower's window order to grid order).
 ALL_FAMILIES += ("qwen2_5_vl",)
 # The families the entries that name this tuple are tested on (issue 25's matrix): written out, so that a
 # family added to ALL_FAMILIES shows as refused ("not wired") for them until their tests run there.
 TESTED_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision")
+# PDrop and SparseVLM act in Qwen2-VL's decoder (3-D positions kept, no compaction), ToMe merges groups in its
+# windowed tower in grid order: tested on Qwen2.5-VL too (issue 25).
+TESTED_FAMILIES += ("qwen2_5_vl",)
 # The rows the literature reports: "192 / 128 / 64 tokens" on LLaVA-1.5-7B.
 PRESETS = (192, 128, 64)
 
@@ -426,8 +429,10 @@ def _vispruner_extra(ctx: StepContext) -> ExtraMacs:
     important = int(s["keep"] * s["important_ratio"])
     rounds = _vispruner_rounds(ctx.visual_before - important, s["keep"] - important)
     return [(ctx.step.layer, "vispruner_vision_cls_row", d.heads * d.head_dim * ctx.seq_before),
-            # Each round: cosine of every even-place residual token with every odd-place one, tower width.
-            (ctx.step.layer, "vispruner_vision_duplicate_similarity", sum(a * b for a, b, _ in rounds) * d.hidden)]
+            # Each round: cosine of every even-place residual token with every odd-place one, at the units' width
+            # (Qwen2-VL: a merge group's patches side by side).
+            (ctx.step.layer, "vispruner_vision_duplicate_similarity",
+             sum(a * b for a, b, _ in rounds) * (ctx.unit_width or d.hidden))]
 
 
 def _cdpruner_extra(ctx: StepContext) -> ExtraMacs:
@@ -454,10 +459,6 @@ _EQUIVALENT = ("towers without [CLS] (Qwen2-VL): FiCoCo's equivalent token (-cos
                "their mean) scores the patches in place of the [CLS] attention, averaged over each 2x2 merge group")
 _LAST_ROW = "the last prompt token (left padding puts it at T - 1 in every sample)"
 # Why a family does not run a method (MethodSpec.refusals; `ficoco methods --matrix` prints them).
-# Qwen2.5-VL (issue 25, another branch): the merge-group steps of Qwen2-VL's packed tower read patches in image
-# order and keys per image; its tower runs most blocks on windows, in window order.
-_WINDOWED_TOWER = ("not wired: Qwen2.5-VL's tower runs most blocks on windows (patches in window order, attention "
-                   "per window), which the merge-group steps written for Qwen2-VL's packed tower do not follow yet")
 _QWEN2_VL_PRUMERGE = ("not wired: PruMerge+'s extra token (the sum of the patches it did not keep) stands at no "
                       "merge group, so Qwen2-VL's 3-D positions give it no place; whole groups without it would be "
                       "another method")
@@ -543,7 +544,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                     "carried from layer to layer add log(size) to every key's logits (proportional attention)")),
         hyperparameters={"r": 16, "prop_attn": True, "order": "spatial"},
         families=TESTED_FAMILIES, module="ficoco.methods.tome", function="tome_merge",
-        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="facebookresearch/ToMe af95e4b",
         summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
         keep_means=_PER_ITEM,
@@ -557,7 +557,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "that layer's output, the projector's input")),
         hyperparameters={"dominant": 54, "contextual": 10, "contextual_mode": "mean"},
         families=ALL_FAMILIES, module="ficoco.methods.visionzip", function="visionzip_reduce",
-        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="dvlab-research/VisionZip 3151f6d",
         summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",
         keep_means=_PER_ITEM + " (dominant + contextual: 162+30, 108+20, 54+10)", cls_note=_EQUIVALENT,
@@ -571,7 +570,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "projector", "all", "the projector's output, every patch")),
         hyperparameters={"ratio": 0.75},
         families=ALL_FAMILIES, module="ficoco.methods.fastervlm", function="fastervlm_reduce",
-        refusals={"qwen2_5_vl": _WINDOWED_TOWER},
         source="Theia-4869/FasterVLM f5d5f12",
         summary="keep the projected patches [CLS] attends to most, in image order",
         keep_means=_PER_ITEM, cls_note=_EQUIVALENT,
@@ -584,7 +582,8 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                Need("hidden", "vision L", "all", "the output of the layer the projector reads")),
         hyperparameters={"assumed_tokens": 144, "neighbours": 32, "attention": "heads"},
         families=LLAVA_FAMILIES, module="ficoco.methods.prumerge", function="prumerge_reduce",
-        refusals={"qwen2_vl": _QWEN2_VL_PRUMERGE, "llava_onevision": _ONEVISION_PRUMERGE},
+        refusals={"qwen2_vl": _QWEN2_VL_PRUMERGE, "llava_onevision": _ONEVISION_PRUMERGE,
+                  "qwen2_5_vl": _QWEN2_VL_PRUMERGE.replace("Qwen2-VL", "Qwen2.5-VL")},
         source="42Shawn/LLaVA-PruMerge 097c041",
         summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
         keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without --keep "
@@ -695,10 +694,11 @@ def _holitom_extra(ctx: StepContext) -> ExtraMacs:
 # 2x2 pooling of every frame, as the official code does on OneVision / LLaVA-Video).
 _HOLITOM_IMAGE_ONLY = ("a video method: its temporal segmentation and merging need a video's frames, and this family "
                        "takes images (an image is one frame)")
-_HOLITOM_QWEN = ("not wired: the hook points before the LLM on this family take images (grid_t 1); a video's "
-                 "temporal patches and 3-D merge groups through HoliTom's frame-by-frame cut are not written yet")
-_HOLITOM_REFUSALS = {"llava": _HOLITOM_IMAGE_ONLY, "llava_next": _HOLITOM_IMAGE_ONLY, "qwen2_vl": _HOLITOM_QWEN,
-                     "qwen2_5_vl": _HOLITOM_QWEN}
+# Qwen2-VL and Qwen2.5-VL (issue 25): their adapters cut before the LLM on images only.
+_QWEN_VIDEO_HOLITOM = ("not wired: HoliTom reduces a video's frames together, and ficoco's Qwen2-VL and Qwen2.5-VL "
+                       "adapters cut before the LLM on images only (a prompt's videos pass the tower unreduced)")
+_HOLITOM_REFUSALS = {"llava": _HOLITOM_IMAGE_ONLY, "llava_next": _HOLITOM_IMAGE_ONLY, "qwen2_vl": _QWEN_VIDEO_HOLITOM,
+                     "qwen2_5_vl": _QWEN_VIDEO_HOLITOM}
 
 METHODS["holitom"] = MethodSpec(
     name="holitom", title="HoliTom", acts_at="after_projector", placement="after_projector", positions="grid",

@@ -35,6 +35,21 @@ FiCoCo-V in this tower:
 - The query-key pairs every vision layer ran (the sum over its windows of tokens^2) are left in
   `Handle.vision_attention_pairs`, which `flops --verify` hands the accountant: which windows
   lose groups is known only once the method ran.
+
+The other vision-side methods run Qwen2-VL's merge-group steps (`Qwen2VLAdapter.patch_cut`,
+`patch_projector_cut`, `_merge`) on every image's groups put in grid order, the order they have
+on Qwen2-VL, and this file maps between the orders around them:
+
+- A cut at the tower's output or after the merger (VisionZip, VisPruner, FasterVLM): the units
+  (window order) and the last block's keys (one chunk per window in a window block, joined per
+  image) are put in grid order before the method, which keeps groups by their grid indices; the
+  merger's output of the kept groups is scattered back to their unreduced window-order rows, so
+  the tower's own reverse order puts it in grid order, and `encode_images` reads the kept rows.
+- A cut on the tower's output (DivPrune, CDPruner) sees the grid order the tower hands out.
+- ToMe merges in the blocks: the matching runs over the whole image in grid order, as on
+  Qwen2-VL; the units that go on return to window order, each at its destination group's place
+  (its window, its rotary rows), the window boundaries are recomputed as for FiCoCo-V, and
+  proportional attention's log(size) is split per window in the window blocks.
 """
 
 from __future__ import annotations
@@ -49,7 +64,7 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
-from ficoco.models.attention import install_probe, remove_probe
+from ficoco.models.attention import install_probe, remove_probe, route_attention
 from ficoco.models.inputs import place_inputs
 from ficoco.models.patching import Patches
 from ficoco.models.qwen2_vl import (
@@ -82,6 +97,32 @@ class _WindowPass(_TowerPass):
         """Per image, the tokens now in every window (empty windows included)."""
         return [torch.bincount(self.group_window[i][kept], minlength=self.windows[i]) * self.merge
                 for i, kept in enumerate(self.kept_groups)]
+
+
+def _total_groups(tower: _WindowPass) -> int:
+    """Merge groups of every image of the pass, unreduced."""
+    return tower.image_rows[-1] + len(tower.window_rows[-1])
+
+
+def _to_window_rows(merged: Tensor, tower: _WindowPass) -> Tensor:
+    """The merger's output of every image's kept groups (in `kept_groups` order) at the groups' rows of the
+    unreduced window order (the removed groups' rows zero), which the tower's reverse order expects."""
+    rows = torch.cat([start + tower.window_rows[i][kept]
+                      for i, (start, kept) in enumerate(zip(tower.image_rows, tower.kept_groups, strict=True))])
+    out = merged.new_zeros(_total_groups(tower), merged.shape[-1])
+    return out.index_copy(0, rows.to(merged.device), merged)
+
+
+def _keys_per_image(keys: list[Tensor], tower: _WindowPass) -> list[Tensor]:
+    """A window block's keys, one (1, H, T_w, d) per window it ran, as one (1, H, T, d) per image."""
+    per_image, at = [], 0
+    for lengths in tower.window_lengths():
+        count = int((lengths > 0).sum())
+        per_image.append(torch.cat(keys[at:at + count], dim=2))
+        at += count
+    if at != len(keys):
+        raise RuntimeError(f"the vision attention ran {len(keys)} windows, the tower pass holds {at}")
+    return per_image
 
 
 def _pairs(cu: Tensor) -> int:
@@ -166,23 +207,165 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
 
             patches.set(layer, "forward", forward)
 
-        merger = hf.qwen2_vl_merger(visual)
-        original_merger = merger.forward
+        self._scatter_merger(patches)
+
+    # -- merges of whole merge groups inside tower blocks (ToMe) -------------------------------------------
+    def patch_merges(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """ToMe in the windowed tower: Qwen2-VL's merge step on every image's groups put in grid order (the
+        matching runs over the whole image, as on Qwen2-VL); the units that go on return to window order,
+        each in its destination group's window, and the later blocks get the windows (or images) they form,
+        the rotary table sliced to them and, with proportional attention, every window's share of log(size)."""
+        from ficoco.models.patching import method_settings
+        from ficoco.models.qwen2_vl import CHUNKS_IMPLEMENTATION, _ChunkSlot
+
+        module = spec.load()
+        settings = method_settings(handle, spec, schedule)
+        if settings.get("order", "spatial") != "spatial":
+            raise FicocoError(f"{spec.title} on Qwen2.5-VL keeps the groups in image order (the PatchMerger and the "
+                              "3-D positions read them so); order='official' is not supported here")
+        rates = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "in_layer"}
+        self.removed_per_image = sum(rates.values())
+        visual = self.visual
+        original_tower = visual.forward
+        pairs = handle.vision_attention_pairs
+
+        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+            self._tower = self._start_pass(grid_thw)
+            pairs.clear()
+            return original_tower(hidden_states, grid_thw, **kwargs)
+
+        patches.set(visual, "forward", tower_forward)
+        patches.on_undo(lambda: setattr(self, "_tower", None))
+        first = min(rates) if rates else len(self.vision_layers)
+        for layer_idx, layer in enumerate(self.vision_layers):
+            parts = hf.layer_parts(layer, hf.QWEN2_VL_VISION_BLOCK)
+            slot = None
+            if layer_idx >= first:
+                slot = _ChunkSlot()
+                route_attention(parts.attention, CHUNKS_IMPLEMENTATION, patches, "_ficoco_chunks_config",
+                                _ficoco_chunks=slot)
+
+            def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
+                        _parts: hf.Parts = parts, _slot: Any = slot, _r: int = rates.get(layer_idx, 0),
+                        _idx: int = layer_idx, _original: Callable[..., Tensor] = layer.forward,
+                        **kwargs: Any) -> Tensor:
+                tower = self._tower
+                full = _idx in self.full_layers
+                if tower is not None and tower.cu_seqlens is not None:  # an earlier block merged
+                    cu_seqlens = tower.cu_seqlens if full else tower.cu_window_seqlens
+                    position_embeddings = tower.position_embeddings
+                    if "max_seqlen" in kwargs:
+                        kwargs["max_seqlen"] = tower.max_seqlen if full else tower.max_window_seqlen
+                pairs[_idx] = _pairs(cu_seqlens)
+                if _slot is None:
+                    return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
+                                     **kwargs)
+                _slot.call, _slot.keys = 0, []
+                _slot.bias = self._call_bias(tower, full) if tower is not None else []
+                _slot.armed = tower is not None and bool(_r)
+                if not _slot.armed:
+                    return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
+                                     **kwargs)
+                try:
+                    attn_out = _parts.attention(_parts.input_norm(hidden_states), cu_seqlens=cu_seqlens,
+                                                position_embeddings=position_embeddings, **kwargs)
+                finally:
+                    _slot.armed = False
+                keys = _slot.keys if full else _keys_per_image(_slot.keys, tower)
+                hidden = self._merge_in_windows(handle, module, settings, tower, hidden_states + attn_out, keys, _r,
+                                                _idx, position_embeddings, cu_seqlens)
+                return hidden + _parts.mlp(_parts.post_norm(hidden))
+
+            patches.set(layer, "forward", forward)
+        self._scatter_merger(patches)
+
+    def _scatter_merger(self, patches: Patches) -> None:
+        """The merger's output of a reduced pass back at the unreduced window-order rows (`_to_window_rows`)."""
+        merger = hf.qwen2_vl_merger(self.visual)
+        inner_merger = merger.forward
 
         def merger_forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-            merged = original_merger(hidden_states, *args, **kwargs)
+            merged = inner_merger(hidden_states, *args, **kwargs)
             tower = self._tower
-            if tower is None or tower.cu_seqlens is None:
+            if tower is None or merged.shape[0] == _total_groups(tower):
                 return merged
-            # Back to the unreduced window-order rows, which the tower's reverse order expects.
-            rows = torch.cat([start + tower.window_rows[i][kept]
-                              for i, (start, kept) in enumerate(zip(tower.image_rows, tower.kept_groups,
-                                                                    strict=True))])
-            total = tower.image_rows[-1] + len(tower.window_rows[-1])
-            out = merged.new_zeros(total, merged.shape[-1])
-            return out.index_copy(0, rows.to(merged.device), merged)
+            return _to_window_rows(merged, tower)
 
         patches.set(merger, "forward", merger_forward)
+
+    def _call_bias(self, tower: _WindowPass, full: bool) -> list[Tensor | None]:
+        """Proportional attention's log(size) per attention call: per image in a full block, per (non-empty)
+        window in a window block, in sequence order."""
+        if not full and tower.bias:  # (no bias before the first merge)
+            pieces: list[Tensor | None] = []
+            for bias, lengths in zip(tower.bias, tower.window_lengths(), strict=True):
+                tokens = [int(n) for n in lengths if n > 0]
+                pieces += [None] * len(tokens) if bias is None else list(bias.split(tokens, dim=-1))
+            return pieces
+        return list(tower.bias)
+
+    def _merge_in_windows(self, handle: Handle, module: Any, settings: dict[str, Any], tower: _WindowPass,
+                          hidden: Tensor, keys: list[Tensor], r: int, layer_idx: int,
+                          position_embeddings: tuple[Tensor, Tensor], cu_seqlens: Tensor) -> Tensor:
+        """Qwen2-VL's `_merge` on every image's groups in grid order, the result put back in window order."""
+        members = torch.arange(self.merge, device=hidden.device)
+        lengths = tower.lengths
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
+
+        def patch_rows(units: Tensor) -> Tensor:
+            return (units[:, None] * self.merge + members).flatten()
+
+        # Sequence (window) order -> grid order, image by image.
+        to_grid = [kept.argsort() for kept in tower.kept_groups]
+        rows = torch.cat([start + patch_rows(order) for start, order in zip(starts, to_grid, strict=True)])
+        keys = [key[:, :, patch_rows(order).to(key.device)] for key, order in zip(keys, to_grid, strict=True)]
+        tower.kept_groups = [kept[order] for kept, order in zip(tower.kept_groups, to_grid, strict=True)]
+        if tower.size is not None:
+            tower.size = [size[order] for size, order in zip(tower.size, to_grid, strict=True)]
+        grid_embeddings = (position_embeddings[0][rows], position_embeddings[1][rows])
+        merged = self._merge(handle, module, settings, tower, hidden[rows], keys, r, layer_idx, grid_embeddings,
+                             cu_seqlens)
+        # Grid order -> window order: every unit that goes on at its destination group's window row.
+        to_window = [tower.window_rows[i][kept].argsort() for i, kept in enumerate(tower.kept_groups)]
+        starts = [0, *torch.tensor(tower.lengths).cumsum(0).tolist()[:-1]]
+        rows = torch.cat([start + patch_rows(order) for start, order in zip(starts, to_window, strict=True)])
+        tower.kept_groups = [kept[order] for kept, order in zip(tower.kept_groups, to_window, strict=True)]
+        tower.size = [size[order] for size, order in zip(tower.size, to_window, strict=True)]  # type: ignore[arg-type]
+        tower.bias = [None if bias is None else bias[..., patch_rows(order)]
+                      for bias, order in zip(tower.bias, to_window, strict=True)]
+        embeddings = tower.position_embeddings
+        tower.position_embeddings = (embeddings[0][rows], embeddings[1][rows])  # type: ignore[index]
+        self._set_windows(tower, cu_seqlens)
+        return merged[rows]
+
+    # -- cuts of whole merge groups (VisionZip, VisPruner, FasterVLM; DivPrune, CDPruner) -------------
+    def patch_cut(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """Qwen2-VL's cut at the tower's output or after the merger, on the groups in grid order: `_cut`
+        reorders the window-order units and the last block's keys before the method sees them, and the
+        merger's output (the kept groups, grid order) goes back to the unreduced window-order rows, which
+        the tower's own reverse order puts in grid order (the removed groups' rows zero)."""
+        super().patch_cut(handle, patches, spec, schedule)
+        self._scatter_merger(patches)
+
+    def _image_keys(self, chunks: list[tuple[Tensor, Tensor]], tower: _TowerPass) -> list[Tensor]:
+        """The last block's keys per image, in window order: a window layer ran one call per window."""
+        assert isinstance(tower, _WindowPass)
+        if len(self.vision_layers) - 1 in self.full_layers:
+            return super()._image_keys(chunks, tower)
+        return _keys_per_image([key for _, key in chunks], tower)
+
+    def _cut(self, handle: Handle, module: Any, settings: dict[str, Any], spec: Any, removal: Any, units: Tensor,
+             keys: list[Tensor], tower: _TowerPass) -> Tensor:
+        """Qwen2-VL's cut on every image's groups put in grid order (units, and the keys patch by patch);
+        the groups it keeps come back as grid indices, the tokens in grid order."""
+        assert isinstance(tower, _WindowPass)
+        members = torch.arange(self.merge, device=units.device)
+        rows = [r.to(units.device) for r in tower.window_rows]  # window-order row of every group
+        order = torch.cat([start + r for start, r in zip(tower.image_rows, rows, strict=True)])
+        grid_keys = [key[:, :, (r[:, None] * self.merge + members).flatten().to(key.device)]
+                     for key, r in zip(keys, rows, strict=True)]
+        tower.kept_groups = [torch.arange(len(r), device=units.device) for r in rows]
+        return super()._cut(handle, module, settings, spec, removal, units[order], grid_keys, tower)
 
     def _start_pass(self, grid_thw: Tensor) -> _WindowPass:
         base = super()._start_pass(grid_thw)
@@ -242,9 +425,12 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         if tower is None:
             raise RuntimeError("the Qwen2.5-VL vision tower ran without FiCoCo-V's bookkeeping")
         features = getattr(out, hf.FEATURES_FIELD)
-        rows = torch.cat([start + kept.sort().values for start, kept in zip(tower.image_rows, tower.kept_groups,
-                                                                             strict=True)])
-        kept = features.index_select(0, rows.to(features.device))
+        if features.shape[0] == _total_groups(tower):  # every group's row, the removed ones' zero
+            rows = torch.cat([start + kept.sort().values for start, kept in zip(tower.image_rows, tower.kept_groups,
+                                                                                 strict=True)])
+            kept = features.index_select(0, rows.to(features.device))
+        else:  # a cut on the tower's grid-order output (DivPrune, CDPruner): the kept groups only
+            kept = features
         setattr(out, hf.FEATURES_FIELD, torch.split(kept, [len(groups) for groups in tower.kept_groups]))
         return out
 

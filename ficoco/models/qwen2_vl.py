@@ -358,9 +358,7 @@ class Qwen2VLAdapter(LlavaAdapter):
             tower = self._tower
             if tower is None or removal is None or slot is None:
                 return original_merger(hidden, *args, **kwargs)
-            keys = [key for _, key in slot.take_chunks()]
-            if len(keys) != len(tower.grids):
-                raise RuntimeError(f"the last vision block ran {len(keys)} segments for {len(tower.grids)} images")
+            keys = self._image_keys(slot.take_chunks(), tower)
             if removal.where == "tower_output":
                 units = hidden.reshape(-1, hidden.shape[-1] * self.merge)  # a group's patches side by side
                 reduced = self._cut(handle, module, settings, spec, removal, units, keys, tower)
@@ -369,6 +367,14 @@ class Qwen2VLAdapter(LlavaAdapter):
             return self._cut(handle, module, settings, spec, removal, out, keys, tower)
 
         patches.set(merger, "forward", merger_forward)
+
+    def _image_keys(self, chunks: list[tuple[Tensor, Tensor]], tower: _TowerPass) -> list[Tensor]:
+        """The last block's keys from its attention calls, one (1, H, T, d) per image in the tower's
+        token order (the packed tower runs one segment per image; a windowed one overrides this)."""
+        keys = [key for _, key in chunks]
+        if len(keys) != len(tower.grids):
+            raise RuntimeError(f"the last vision block ran {len(keys)} segments for {len(tower.grids)} images")
+        return keys
 
     def _cut(self, handle: Handle, module: Any, settings: dict[str, Any], spec: Any, removal: Any, units: Tensor,
              keys: list[Tensor], tower: _TowerPass) -> Tensor:
