@@ -377,6 +377,19 @@ def qwen2_5_vl_windows(group_rows: int, group_cols: int, window_groups: int) -> 
     return tuple(sizes)
 
 
+def _qwen_image_pixels(size: tuple[int, int], patch: int, merge: int, title: str) -> tuple[int, int]:
+    """(height, width) in pixels Qwen2-VL's and Qwen2.5-VL's processor resizes `size` to, or one line
+    on why no image of that shape fits."""
+    if max(size) / min(size) > _QWEN2_VL_MAX_ASPECT:
+        raise FicocoError(f"image size {size[1]}x{size[0]} (--image-size): {title}'s processor takes aspect "
+                          f"ratios up to {_QWEN2_VL_MAX_ASPECT}")
+    h_px, w_px = qwen2_vl_resize(size, patch * merge)
+    if not (h_px and w_px):
+        raise FicocoError(f"config values patch_size={patch} x spatial_merge_size={merge} exceed {title}'s "
+                          f"largest image ({_QWEN2_VL_MAX_PIXELS} pixels): no visual token fits")
+    return h_px, w_px
+
+
 def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
                  frames: int | None = None) -> Architecture:
     """Shapes of `profile`'s model for one image of `image_size` (H, W) or one video of `frames`."""
@@ -485,13 +498,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         d = _QWEN2_VL_VISION_DEFAULTS
         patch, merge = _get(vcfg, "patch_size", d), _get(vcfg, "spatial_merge_size", d)
         size = size or (672, 672)
-        if max(size) / min(size) > _QWEN2_VL_MAX_ASPECT:
-            raise FicocoError(f"image size {size[1]}x{size[0]} (--image-size): Qwen2-VL's processor takes aspect "
-                              f"ratios up to {_QWEN2_VL_MAX_ASPECT}")
-        h_px, w_px = qwen2_vl_resize(size, patch * merge)
-        if not (h_px and w_px):
-            raise FicocoError(f"config values patch_size={patch} x spatial_merge_size={merge} exceed Qwen2-VL's "
-                              f"largest image ({_QWEN2_VL_MAX_PIXELS} pixels): no visual token fits")
+        h_px, w_px = _qwen_image_pixels(size, patch, merge, "Qwen2-VL")
         embed = _get(vcfg, "embed_dim", d)
         layers = _get(vcfg, "depth", d)
         vision = VisionTower(
@@ -509,13 +516,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         d = _QWEN2_5_VL_VISION_DEFAULTS
         patch, merge = _get(vcfg, "patch_size", d), _get(vcfg, "spatial_merge_size", d)
         size = size or (672, 672)
-        if max(size) / min(size) > _QWEN2_VL_MAX_ASPECT:
-            raise FicocoError(f"image size {size[1]}x{size[0]} (--image-size): Qwen2.5-VL's processor takes aspect "
-                              f"ratios up to {_QWEN2_VL_MAX_ASPECT}")
-        h_px, w_px = qwen2_vl_resize(size, patch * merge)
-        if not (h_px and w_px):
-            raise FicocoError(f"config values patch_size={patch} x spatial_merge_size={merge} exceed Qwen2.5-VL's "
-                              f"largest image ({_QWEN2_VL_MAX_PIXELS} pixels): no visual token fits")
+        h_px, w_px = _qwen_image_pixels(size, patch, merge, "Qwen2.5-VL")
         embed = _get(vcfg, "hidden_size", d)
         layers = _get(vcfg, "depth", d)
         window_px = _get(vcfg, "window_size", d)
