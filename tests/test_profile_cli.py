@@ -537,12 +537,18 @@ def test_a_row_that_raises_is_recorded_and_later_rows_still_run(tmp_path, monkey
 
 # ---- interrupted runs keep their finished rows --------------------------------------------------------------
 
+# Timed runs per row of the interrupted run: enough that the rows after the first outlast the
+# SIGINT's way in (with 3, a fast machine finished all nine rows before it landed).
+INTERRUPT_REPEAT = 40
+
+
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("profile_interrupt")
     path = folder / "p.json"
     proc = subprocess.Popen([*COMMAND, "profile", "--model", MODEL, "--variant", ",".join(VARIANTS), "--keep",
-                             str(KEEP), "--quant", ",".join(QUANTS), "--repeat", "3", "--json", str(path)],
+                             str(KEEP), "--quant", ",".join(QUANTS), "--repeat", str(INTERRUPT_REPEAT), "--json",
+                             str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: list[dict[str, Any]] = []
     reads = 0
@@ -578,7 +584,7 @@ def test_interrupted_run_keeps_every_finished_row(interrupted):
     assert rows[: len(interrupted["seen"])] == interrupted["seen"]
     for row in rows:
         assert row["status"] == "ok"
-        assert len(row["latency"]["samples_ms"]) == 3
+        assert len(row["latency"]["samples_ms"]) == INTERRUPT_REPEAT
         assert row["kv_cache_bytes"] == row["analytic"]["kv_cache_bytes"]
     assert "Traceback" not in interrupted["stderr"] + interrupted["stdout"]
     assert sorted(p.name for p in interrupted["folder"].iterdir()) == ["p.json"]  # no stray temporary file
