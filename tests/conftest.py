@@ -87,6 +87,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture
+def flops_verify(tmp_path):
+    """`flops_verify("--model", "llava-tiny", "--variant", "fastv", ...)`: `ficoco flops --verify` run in this
+    process (the same command, without a new interpreter's seconds of imports) and its JSON report; a
+    failed verdict exits 1 (SystemExit), which fails the test."""
+    import json
+
+    from ficoco_cli.app import app
+
+    def run(*args: str) -> dict:
+        path = tmp_path / "verify.json"
+        app(["flops", "--verify", *args, "--json", str(path)], standalone_mode=False)
+        return json.loads(path.read_text())
+
+    return run
+
+
 @functools.cache
 def _architecture(name: str) -> Architecture:
     return architecture(load_profile(name))

@@ -31,7 +31,7 @@ import shutil
 import stat
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -271,6 +271,18 @@ def not_writable(folder: Path) -> str:
     if not os.access(locked, os.W_OK):
         return str(locked / "out.json")
     return "/proc/ficoco-fuzz.json"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_a_scratch_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Run every drawn command line in a folder of its own: a drawn `--json --model` writes a report
+    named "--model" into the working directory (that is the command's right), not into the checkout."""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("fuzz_cwd"))
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 @pytest.fixture(scope="module")

@@ -307,15 +307,9 @@ def test_a_method_added_to_the_registry_runs_without_a_change_elsewhere(model: n
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_flops_verify_passes_with_the_methods_work_as_its_own_stage(method: str, tmp_path: Any) -> None:
-    import json
-
+def test_flops_verify_passes_with_the_methods_work_as_its_own_stage(method: str, flops_verify: Any) -> None:
     setting = {"fastv": [], "pdrop": ["--keep", "24"], "sparsevlm": ["--schedule", "1:30,3:10"],
                "dart": ["--keep", "32"]}[method]
-    path = tmp_path / "verify.json"
-    result = subprocess.run([*COMMAND, "flops", "--verify", "--model", "llava-tiny", "--variant", method, *setting,
-                             "--json", str(path)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    run = json.loads(path.read_text())["runs"][0]
+    run = flops_verify("--model", "llava-tiny", "--variant", method, *setting)["runs"][0]
     stages = {s["stage"]: s for s in run["stages"]}
     assert stages["method"]["analytic_flops"] > 0 and all(s["within_tolerance"] for s in stages.values())

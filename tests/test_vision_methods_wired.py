@@ -273,12 +273,8 @@ def test_families_not_wired_yet_are_refused_in_one_line_and_left_unpatched(name:
                                             ("fastervlm", ["--keep", "16"]), ("prumerge", ["--keep", "16"]),
                                             ("prumerge", [])])
 def test_flops_verify_passes_with_the_methods_work_as_its_own_stage(method: str, setting: list[str],
-                                                                    tmp_path: Any) -> None:
-    path = tmp_path / "verify.json"
-    result = subprocess.run([*COMMAND, "flops", "--verify", "--model", "llava-tiny", "--variant", method, *setting,
-                             "--json", str(path)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    run = json.loads(path.read_text())["runs"][0]
+                                                                    flops_verify: Any) -> None:
+    run = flops_verify("--model", "llava-tiny", "--variant", method, *setting)["runs"][0]
     stages = {s["stage"]: s for s in run["stages"]}
     assert stages["method"]["analytic_flops"] > 0 and all(s["within_tolerance"] for s in stages.values())
     if not setting:  # the adaptive count is counted as measured
