@@ -312,3 +312,124 @@ def test_the_llm_receives_the_reference_tokens_of_an_independent_attention_and_p
             hook.remove()
     span = seen[0][0, 5:5 + FRAMES * (KEEP + 1)].reshape(FRAMES, KEEP + 1, -1)
     torch.testing.assert_close(span[:, 1:].flatten(0, 1), tokens, atol=1e-4, rtol=1e-4)
+
+
+# ---- inside the tiny Qwen2-VL, on a video: its temporal slices are HoliTom's frames -------------------------------
+
+Q_FRAMES, Q_SLICES, Q_GROUPS, Q_KEEP = 6, 3, 16, 4  # 6 frames of 8 x 8 patches: 3 slices of 16 merge groups
+
+
+@pytest.fixture(scope="module")
+def qwen_video() -> nn.Module:
+    from ficoco.profiles import set_layout
+
+    profile = load_profile("qwen2-vl-tiny")
+    set_layout(profile, frames=Q_FRAMES)
+    return ficoco.build_model(profile, dtype="fp32")
+
+
+def qwen_inputs(model: nn.Module, batch: int, seed: int) -> dict[str, Tensor]:
+    """Synthetic video prompts whose first two slices are one picture (the temporal merge acts)."""
+    inp = synthetic_inputs(model, batch=batch, text_tokens=TEXT, seed=seed)
+    pixels = inp["pixel_values_videos"].view(batch, Q_SLICES, -1, inp["pixel_values_videos"].shape[-1]).clone()
+    pixels[:, 1] = pixels[:, 0]
+    inp["pixel_values_videos"] = pixels.flatten(0, 2)
+    return inp
+
+
+def qwen_sample(inp: dict[str, Tensor], i: int) -> dict[str, Tensor]:
+    """Prompt `i` of a batch alone (its video's rows of the flattened patches)."""
+    rows = inp["pixel_values_videos"].shape[0] // inp["input_ids"].shape[0]
+    alone = {k: v[i:i + 1] for k, v in inp.items() if k != "pixel_values_videos"}
+    return {**alone, "pixel_values_videos": inp["pixel_values_videos"][i * rows:(i + 1) * rows]}
+
+
+def test_qwen2_vl_video_keep_all_equals_vanilla_and_an_image_layout_is_refused(qwen_video: nn.Module) -> None:
+    inp = qwen_inputs(qwen_video, batch=1, seed=0)
+    assert inp["video_grid_thw"].tolist() == [[Q_SLICES, 8, 8]]
+    with torch.no_grad():
+        vanilla = qwen_video(**inp).logits
+        with ficoco.apply(qwen_video, "holitom", keep=Q_GROUPS, merge_ratio=0.0) as handle:
+            same = qwen_video(**inp).logits
+    assert not handle.schedule.removals and torch.equal(same, vanilla)
+    image = acc.architecture(load_profile("qwen2-vl-tiny"))
+    with pytest.raises(ficoco.FicocoError, match="HoliTom on qwen2-vl-tiny: a video method.*--frames"):
+        acc.resolve_schedule(image, "holitom", acc.CountOptions(), keep=Q_KEEP)
+
+
+def test_qwen2_vl_video_runs_the_plan_at_the_unreduced_positions_batched_as_videos_alone(
+        qwen_video: nn.Module) -> None:
+    from ficoco.models import hf_compat as hf
+
+    model = qwen_video
+    inp = qwen_inputs(model, batch=2, seed=7)
+    arch = architecture(profile_of(model))
+    seen: list[int] = []
+    given: list[Tensor] = []
+    language_model = model.model.language_model
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True) for layer in language_model.layers]
+    hooks.append(language_model.register_forward_pre_hook(lambda m, a, k: given.append(k["position_ids"]),
+                                                          with_kwargs=True))
+    try:
+        with torch.no_grad(), ficoco.apply(model, "holitom", keep=Q_KEEP) as handle:
+            together = model(**inp).logits[:, -1]
+            kept_in_prompt = handle.prompt_map[0]
+            plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+            # Outer: 3 slices x 4; inner: half of the 12 merged at the tiny's last layer (HOLITOM_k 18).
+            assert seen == [n for n, _ in plan.llm] == [TEXT + 12] * 3 + [TEXT + 6]
+            assert plan.llm_visual_tokens == Q_SLICES * Q_KEEP
+            for i in range(2):
+                alone = model(**qwen_sample(inp, i)).logits[:, -1]
+                torch.testing.assert_close(together[i:i + 1], alone, atol=1e-4, rtol=0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # Every kept token sits at the 3-D position the unreduced prompt gives it (transformers' rope index).
+    unreduced, _ = hf.rope_index(model, inp["input_ids"], inp["mm_token_type_ids"], None, inp["attention_mask"],
+                                 video_grid_thw=inp["video_grid_thw"])
+    expected = torch.gather(unreduced, 2, kept_in_prompt.unsqueeze(0).expand(3, -1, -1))
+    assert torch.equal(given[0], expected)
+    # The temporal merge acted: slices 0 and 1 are one picture, so slice 1 hands on none of its own tokens.
+    video = kept_in_prompt[0][torch.gather(inp["input_ids"][0], 0, kept_in_prompt[0]) == model.config.video_token_id]
+    slices = (video - int((inp["input_ids"][0] == model.config.video_token_id).nonzero()[0])) // Q_GROUPS
+    assert 1 not in slices.tolist() and len(video) == Q_SLICES * Q_KEEP
+
+
+def test_qwen2_vl_video_generate_equals_each_video_alone_and_continues_where_the_unreduced_model_would(
+        qwen_video: nn.Module) -> None:
+    """generate of a batch equals each video alone, its first token is the reduced prefill's, and the
+    rope_deltas it decodes with put the next token where the unreduced prompt's would be. (A hand-written
+    decode loop with a grown attention mask and no position ids fails on vanilla Qwen2-VL in transformers
+    5.24 itself: its 3-D positions from the mask are not cut to the new token.)"""
+    from ficoco.models import hf_compat as hf
+
+    model = qwen_video
+    inp = qwen_inputs(model, batch=2, seed=3)
+    prompt, new = inp["input_ids"].shape[1], 3
+    with torch.no_grad():
+        model(**inp)
+        unreduced_deltas = hf.rope_deltas(model).clone()
+        with ficoco.apply(model, "holitom", keep=Q_KEEP):
+            prefill = model(**inp).logits[:, -1].argmax(-1)
+            deltas = hf.rope_deltas(model).clone()
+            together = model.generate(**inp, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            singles = [model.generate(**qwen_sample(inp, i), max_new_tokens=new, min_new_tokens=new,
+                                      do_sample=False) for i in range(2)]
+    removed = Q_SLICES * (Q_GROUPS - Q_KEEP)
+    assert torch.equal(together[:, :prompt], inp["input_ids"]) and torch.equal(together[:, prompt], prefill)
+    assert all(torch.equal(together[i:i + 1], singles[i]) for i in range(2))
+    # The next token's position: the shortened prompt's length + deltas = the unreduced prompt's + its deltas.
+    assert torch.equal(deltas, unreduced_deltas + removed)
+
+
+def test_qwen2_vl_video_flops_verify_counts_the_methods_work_as_fvcore_sees_it(qwen_video: nn.Module) -> None:
+    """What `ficoco flops --model qwen2-vl-tiny --frames 6 --variant holitom --verify` checks, in process."""
+    from ficoco.verify import verify_run
+
+    arch = architecture(profile_of(qwen_video))
+    assert arch.vision.items == Q_SLICES and arch.visual_tokens == Q_SLICES * Q_GROUPS
+    schedule = acc.resolve_schedule(arch, "holitom", acc.CountOptions(), keep=Q_KEEP)
+    run = verify_run(qwen_video, arch, schedule, text_tokens=TEXT, batch=2)
+    stages = {s.stage: s for s in run.stages}
+    assert stages["method"].analytic > 0 and run.passed(0.5)

@@ -456,14 +456,16 @@ def _check_rope_index() -> None:
     from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
 
     _require_parameters("Qwen2-VL rope index", qwen2_vl.Qwen2VLModel.get_rope_index, "input_ids",
-                        "mm_token_type_ids", "image_grid_thw", "attention_mask")
+                        "mm_token_type_ids", "image_grid_thw", "attention_mask", "video_grid_thw")
 
 
 def rope_index(model: nn.Module, input_ids: Any, mm_token_type_ids: Any, image_grid_thw: Any,
-               attention_mask: Any) -> tuple[Any, Any]:
-    """Qwen2-VL's 3-D position ids of a prompt and its rope_deltas (`get_rope_index`)."""
+               attention_mask: Any, video_grid_thw: Any = None) -> tuple[Any, Any]:
+    """Qwen2-VL's 3-D position ids of a prompt and its rope_deltas (`get_rope_index`); a video's grids
+    through `video_grid_thw` (HoliTom's video cut)."""
+    options = {} if video_grid_thw is None else {"video_grid_thw": video_grid_thw}
     return inner_model(model).get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
-                                             attention_mask=attention_mask)
+                                             attention_mask=attention_mask, **options)
 
 
 def rope_deltas(model: nn.Module) -> Any:
