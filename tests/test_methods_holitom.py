@@ -433,3 +433,46 @@ def test_qwen2_vl_video_flops_verify_counts_the_methods_work_as_fvcore_sees_it(q
     run = verify_run(qwen_video, arch, schedule, text_tokens=TEXT, batch=2)
     stages = {s.stage: s for s in run.stages}
     assert stages["method"].analytic > 0 and run.passed(0.5)
+
+
+def test_qwen2_vl_video_llm_receives_the_reference_tokens_of_an_independent_attention_and_merger(
+        qwen_video: nn.Module) -> None:
+    """The last vision block's attention recomputed here from its q and k (rotary applied, every slice its
+    own softmax, heads and queries averaged, a merge group's 4 patches averaged) and the vanilla merger
+    output, through the per-video reference: the tokens the LLM receives in the video span."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    model = qwen_video
+    inp = qwen_inputs(model, batch=1, seed=11)
+    visual, block = model.model.visual, model.model.visual.blocks[-1]
+    captured: dict[str, object] = {}
+    hook = block.register_forward_pre_hook(lambda m, a, k: captured.update(x=a[0] if a else k["hidden_states"],
+                                                                            pe=k["position_embeddings"]),
+                                           with_kwargs=True)
+    with torch.no_grad():
+        try:
+            features = visual(inp["pixel_values_videos"], grid_thw=inp["video_grid_thw"]).pooler_output
+        finally:
+            hook.remove()
+        x, (cos, sin) = captured["x"], captured["pe"]
+        heads = block.attn.num_heads
+        q, k, _ = block.attn.qkv(block.norm1(x)).reshape(x.shape[0], 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+        q, k = (t.view(Q_SLICES, -1, heads, t.shape[-1]).transpose(1, 2) for t in (q, k))  # one softmax per slice
+        probabilities = ((q @ k.transpose(-1, -2)) * block.attn.scaling).softmax(-1).mean(dim=1)
+        scores = probabilities.mean(dim=1).view(Q_SLICES, Q_GROUPS, 4).mean(-1)
+        tokens, units = reference(features.view(Q_SLICES, Q_GROUPS, -1), scores, Q_SLICES * Q_KEEP)
+        seen: list[Tensor] = []
+        first = model.model.language_model
+        hook = first.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["inputs_embeds"]), with_kwargs=True)
+        try:
+            with ficoco.apply(model, "holitom", keep=Q_KEEP, merge_ratio=0.0) as handle:
+                model(**inp)
+                kept_in_prompt = handle.prompt_map[0][0]
+        finally:
+            hook.remove()
+    is_video = inp["input_ids"][0, kept_in_prompt] == model.config.video_token_id
+    torch.testing.assert_close(seen[0][0, is_video], tokens, atol=1e-4, rtol=1e-4)
+    # Each token at its unit's place in the unreduced span (the merged ones at their window's first slice).
+    span_start = int((inp["input_ids"][0] == model.config.video_token_id).nonzero()[0])
+    assert (kept_in_prompt[is_video] - span_start).tolist() == units
