@@ -476,3 +476,26 @@ def test_qwen2_vl_video_llm_receives_the_reference_tokens_of_an_independent_atte
     # Each token at its unit's place in the unreduced span (the merged ones at their window's first slice).
     span_start = int((inp["input_ids"][0] == model.config.video_token_id).nonzero()[0])
     assert (kept_in_prompt[is_video] - span_start).tolist() == units
+
+
+def test_qwen2_vl_video_left_padded_batch_equals_its_videos_alone_and_labels_give_the_remaining_loss(
+        qwen_video: nn.Module) -> None:
+    model = qwen_video
+    short = synthetic_inputs(model, batch=1, text_tokens=TEXT, seed=1)
+    long = synthetic_inputs(model, batch=1, text_tokens=TEXT + 3, seed=2)
+    zeros = torch.zeros(1, 3, dtype=torch.long)
+    batch = {key: torch.cat([torch.cat([zeros.to(short[key].dtype), short[key]], 1), long[key]])
+             for key in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    batch.update({key: torch.cat([short[key], long[key]]) for key in ("pixel_values_videos", "video_grid_thw")})
+    inp = qwen_inputs(model, batch=2, seed=4)
+    labels = inp["input_ids"].masked_fill(inp["input_ids"] == model.config.video_token_id, -100)
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=Q_KEEP) as handle:
+        together = model(**batch).logits[:, -1]
+        for i, sample in enumerate((short, long)):
+            torch.testing.assert_close(together[i:i + 1], model(**sample).logits[:, -1], atol=1e-4, rtol=0)
+        out = model(**inp, labels=labels)
+        kept_labels = torch.gather(labels, 1, handle.output_positions)
+    assert out.logits.shape[1] == inp["input_ids"].shape[1] - Q_SLICES * (Q_GROUPS - Q_KEEP) - Q_SLICES * Q_KEEP // 2
+    vocab = model.config.text_config.vocab_size
+    expected = model.loss_function(logits=out.logits, labels=kept_labels, vocab_size=vocab)
+    assert torch.equal(out.loss, expected) and torch.isfinite(out.loss)
