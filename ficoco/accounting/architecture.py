@@ -181,7 +181,7 @@ class Architecture:
     resampled: str = ""
     # LLaVA-OneVision's video: frames pooled 2x2 after the projector, (frames, pooled tokens per frame).
     pooled_frames: tuple[int, int] | None = None
-    # Qwen2-VL's video: the frames given (--frames); its tower items are the temporal slices of
+    # Qwen2-VL's (Qwen2.5-VL's) video: the frames given (--frames); its tower items are the temporal slices of
     # temporal_patch frames each (the last padded by repetition, as the processor does). None: an image.
     video_frames: int | None = None
 
@@ -396,7 +396,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
     size = image_size or defaults.get("image_size") or None
     size = _size("ficoco.image_size", size) if size is not None else None
     newline_tokens = unpadding_drops = 0
-    qwen_frames = None  # Qwen2-VL's video frames (Architecture.video_frames)
+    qwen_frames = None  # Qwen2-VL's and Qwen2.5-VL's video frames (Architecture.video_frames)
     cls_in_llm = image_newline = False
     if family in ("llava", "llava_next", "video_llava"):
         decoder = _llama_decoder(tcfg, _LLAMA_DEFAULTS)
@@ -546,7 +546,11 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         )
         merged = embed * merge * merge
         projector = Projector(((merged, merged), (merged, _get(vcfg, "out_hidden_size", d))), embed, 1)
-        visual = vision.units
+        qwen_frames = frames if frames is not None else defaults.get("frames")
+        if qwen_frames is not None:  # a video: every temporal slice an item, in its own windows (as Qwen2-VL)
+            qwen_frames = _whole("ficoco.frames", qwen_frames)
+            vision = replace(vision, items=-(-qwen_frames // vision.temporal_patch))
+        visual = vision.items * vision.units
     else:  # profiles.load_profile admits only the families above
         raise FicocoError(f"family '{family}' has no accounting")
     return Architecture(

@@ -28,7 +28,10 @@ pooled query-mean row, whose mean is the same score since pooling is linear); on
 PatchMerger's output: a "frame" is one temporal slice of ``temporal_patch_size`` (2) frames (the tower's
 attention segment, ``video_grid_thw``'s t), its tokens the (h/2) x (w/2) merge groups, and a token's score
 the mean attention received by the group's 4 patches in the last vision block (the merger's input; no
-[CLS], no pooling), each kept token at its unit's 3-D position of the unreduced prompt.
+[CLS], no pooling), each kept token at its unit's 3-D position of the unreduced prompt; on Qwen2.5-VL
+alike, the scores put back from the tower's window order into grid order (its last block may attend within
+windows: a window's received attention over the slice's queries is its column sums, since no query outside
+the window attends to it) and the temporal positions scaled by ``second_per_grid_ts`` as transformers does.
 
 **Where this differs from the official code** (each says why):
 

@@ -536,13 +536,25 @@ class Qwen2VLAdapter(LlavaAdapter):
         patches.on_undo(lambda: setattr(self, "_tower", None))
 
     def _received_by_group(self, chunks: list[tuple[Tensor, Any]], tower: _TowerPass) -> list[Tensor]:
-        """Per video, ``(t, groups)``: the mean attention each merge group's patches receive in the probed
-        block, from its calls (one per temporal slice, videos in order; head-mean probabilities)."""
-        if len(chunks) != sum(tower.frames):
-            raise RuntimeError(f"the last vision block ran {len(chunks)} segments for {sum(tower.frames)} slices")
-        scores = [attn.mean(dim=1).view(-1, self.merge).mean(dim=-1) for attn, _ in chunks]
-        starts = [0, *torch.tensor(tower.frames).cumsum(0).tolist()]
-        return [torch.stack(scores[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        """Per video, ``(t, groups)`` in grid order: the mean attention each merge group's patches receive
+        in the probed block over every query of its slice (heads averaged), from the block's calls in
+        sequence order (one per temporal slice; a windowed block one per window, whose keys no query
+        outside the window attends to: its column sums over the window's queries are the slice's)."""
+        received = torch.cat([attn[0].sum(dim=0) for attn, _ in chunks])  # every patch, in sequence order
+        patches = [frames * rows * cols for (rows, cols), frames in zip(tower.grids, tower.frames, strict=True)]
+        if received.shape[0] != sum(patches):
+            raise RuntimeError(f"the last vision block's calls hold {received.shape[0]} keys for {sum(patches)} "
+                               "patches")
+        out = []
+        for video, piece in enumerate(received.split(patches)):
+            rows, cols = tower.grids[video]
+            slices = piece.view(tower.frames[video], rows * cols) / (rows * cols)  # the mean over the slice's queries
+            out.append(self._video_grid_order(slices.view(tower.frames[video], -1, self.merge).mean(dim=-1), video))
+        return out
+
+    def _video_grid_order(self, scores: Tensor, video: int) -> Tensor:
+        """Per-slice group scores ``(t, groups)`` of video `video` in grid order (the tower's order here)."""
+        return scores
 
     def _video_patches(self, units: Tensor, groups: int, rows: int, cols: int) -> Tensor:
         """Video patch indices (slice x rows x cols + row-major patch) of the video units `units` (B, K)
@@ -692,9 +704,11 @@ class Qwen2VLAdapter(LlavaAdapter):
     # -- FiCoCo-V: the prompt ---------------------------------------------------------------
     def shorten_prompt(self, input_ids: Tensor, attention_mask: Tensor | None, mm_token_type_ids: Tensor | None,
                        image_grid_thw: Tensor, kept_groups: list[Tensor], position_ids: Tensor | None = None,
-                       *, video: bool = False) -> tuple[dict[str, Tensor | None], Tensor, Tensor]:
+                       *, video: bool = False, second_per_grid_ts: Tensor | None = None
+                       ) -> tuple[dict[str, Tensor | None], Tensor, Tensor]:
         """Shorten every image's placeholder span to its kept groups (`video`: every video's span, to the
-        units of its temporal slices it kept; `image_grid_thw` is then `video_grid_thw`).
+        units of its temporal slices it kept; `image_grid_thw` is then `video_grid_thw`, and Qwen2.5-VL's
+        `second_per_grid_ts` scale its temporal positions).
 
         Returns the shortened `input_ids`, `attention_mask`, `mm_token_type_ids` and 3-D
         `position_ids` (3, B, T'): the positions the unreduced prompt gives the kept tokens
@@ -732,7 +746,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         if position_ids is None:
             grids = (None, image_grid_thw) if video else (image_grid_thw, None)
             position_ids, deltas = hf.rope_index(self.model, input_ids, mm_token_type_ids, grids[0], attention_mask,
-                                                 video_grid_thw=grids[1])
+                                                 video_grid_thw=grids[1], second_per_grid_ts=second_per_grid_ts)
         else:
             # A 4-row tensor's first row is plain text order; a 2-D one is the same on all three axes.
             position_ids = position_ids[-3:] if position_ids.dim() == 3 else position_ids[None]
@@ -957,7 +971,8 @@ class Qwen2VLAdapter(LlavaAdapter):
             encoded = self.encode_images(pixel_values, grid)
             short, deltas, kept = self.shorten_prompt(input_ids, call.get("attention_mask"),
                                                       call.get("mm_token_type_ids"), grid, self._tower.kept_groups,
-                                                      call.get("position_ids"), video=True)
+                                                      call.get("position_ids"), video=True,
+                                                      second_per_grid_ts=call.get("second_per_grid_ts"))
             return finish(call, short, deltas, kept, "video", encoded, text_row=text_row)
 
         def finish(call: dict[str, Any], short: dict[str, Tensor | None], deltas: Tensor, kept: Tensor,
