@@ -353,6 +353,10 @@ def test_qwen2_vl_video_keep_all_equals_vanilla_and_an_image_layout_is_refused(q
         with ficoco.apply(qwen_video, "holitom", keep=Q_GROUPS, merge_ratio=0.0) as handle:
             same = qwen_video(**inp).logits
     assert not handle.schedule.removals and torch.equal(same, vanilla)
+    picture = synthetic_inputs(qwen_video, batch=1, text_tokens=TEXT, image_size=(112, 112))
+    with ficoco.apply(qwen_video, "holitom", keep=Q_KEEP), \
+            pytest.raises(ficoco.FicocoError, match="HoliTom on Qwen2-VL acts on a video's frames; an image"):
+        qwen_video(**picture)
     image = acc.architecture(load_profile("qwen2-vl-tiny"))
     with pytest.raises(ficoco.FicocoError, match="HoliTom on qwen2-vl-tiny: a video method.*--frames"):
         acc.resolve_schedule(image, "holitom", acc.CountOptions(), keep=Q_KEEP)

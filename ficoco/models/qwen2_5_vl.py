@@ -136,6 +136,8 @@ def _pairs(cu: Tensor) -> int:
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):
     """Where the method goes in a Qwen2.5-VL model: Qwen2-VL's, with the tower's windows followed."""
 
+    family_title = "Qwen2.5-VL"
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         vision = model.config.vision_config

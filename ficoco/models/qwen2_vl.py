@@ -163,6 +163,7 @@ class Qwen2VLAdapter(LlavaAdapter):
     # True under a method that cuts a video's temporal slices together after the merger (HoliTom): the
     # tower takes videos, the entry shortens video spans, and the LLM-side steps see video placeholders.
     video_cut = False
+    family_title = "Qwen2-VL"  # in the video path's one-line refusals
 
     def __init__(self, model: nn.Module) -> None:
         # LLaVA's attributes (the L code reads them), found where Qwen2-VL keeps them; LLaVA's
@@ -953,19 +954,19 @@ class Qwen2VLAdapter(LlavaAdapter):
         def prepare_video(call: dict[str, Any], *, text_row: bool) -> dict[str, Any]:
             """A video method's prompt: encode the videos (the cut runs in the tower's forward), shorten
             every video span to the units it kept, at their unreduced 3-D positions."""
-            title = method(variant).title
+            title = f"{method(variant).title} on {self.family_title}"
             if call.get("pixel_values") is not None:
-                raise FicocoError(f"{title} on Qwen2-VL acts on a video's frames; an image is one frame: give the "
-                                  "image as a video, or a method that reduces images")
+                raise FicocoError(f"{title} acts on a video's frames; an image is one frame: give the image as a "
+                                  "video, or a method that reduces images")
             pixel_values = call.pop("pixel_values_videos")
             input_ids, grid = call.get("input_ids"), call.get("video_grid_thw")
             if input_ids is None or grid is None:
-                raise FicocoError(f"{title} on Qwen2-VL needs input_ids and video_grid_thw with pixel_values_videos "
-                                  "(the video spans are shortened in input_ids)")
+                raise FicocoError(f"{title} needs input_ids and video_grid_thw with pixel_values_videos (the video "
+                                  "spans are shortened in input_ids)")
             cache = hf.cache_in(call)
             if cache is not None and int(cache.get_seq_length()):
-                raise FicocoError(f"{title} on Qwen2-VL: a video on a later turn's cache is not supported; give the "
-                                  "video in the conversation's first turn")
+                raise FicocoError(f"{title}: a video on a later turn's cache is not supported; give the video in the "
+                                  "conversation's first turn")
             handle.begin_forward()
             handle.prompt_ids = (input_ids, call.get("attention_mask"))
             encoded = self.encode_images(pixel_values, grid)
@@ -1087,8 +1088,8 @@ class Qwen2VLAdapter(LlavaAdapter):
             cache, prompt = hf.cache_in(kwargs), kwargs.get("input_ids")
             past = int(cache.get_seq_length()) if cache is not None else 0
             if past and prompt is not None and self.video_cut and bool((prompt == self.video_token_id).any()):
-                raise FicocoError(f"{method(variant).title} on Qwen2-VL: a later turn on a video's cache is not "
-                                  "supported; run the whole conversation in one prompt")
+                raise FicocoError(f"{method(variant).title} on {self.family_title}: a later turn on a video's cache is "
+                                  "not supported; run the whole conversation in one prompt")
             if not past or prompt is None or not bool((prompt == self.image_token_id).any()):
                 return original_generate(*args, **kwargs)
             kept, _ = self.cached_part(prompt == self.image_token_id, past)
