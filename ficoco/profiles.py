@@ -265,8 +265,9 @@ def set_layout(profile: Profile, *, image_size: tuple[int, int] | None = None, f
         if profile.family == "llava_onevision":
             profile.defaults.pop("frames", None)  # an image now, not the video an earlier layout set
     if frames is not None:
-        if profile.family not in ("video_llava", "llava_onevision"):
-            raise FicocoError(f"--frames applies to video_llava and llava_onevision models, not {profile.family}")
+        if profile.family not in ("video_llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl"):
+            raise FicocoError(f"--frames applies to video_llava, llava_onevision, qwen2_vl and qwen2_5_vl models, "
+                              f"not {profile.family}")
         if frames < 1:
             raise FicocoError(f"--frames {frames} must be at least 1")
         profile.defaults["frames"] = int(frames)

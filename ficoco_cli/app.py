@@ -164,7 +164,7 @@ ImageSizeOpt = Annotated[str | None, typer.Option(
     "--image-size", callback=check.image_size, help="WxH, for AnyRes (LLaVA-NeXT, LLaVA-OneVision) and Qwen2-VL.")]
 FramesOpt = Annotated[int | None, typer.Option(
     "--frames", callback=check.whole_number(1),
-    help="Video frames (Video-LLaVA; LLaVA-OneVision: a video instead of an image).")]
+    help="Video frames (Video-LLaVA; LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL: a video instead of an image).")]
 JsonOpt = Annotated[str | None, typer.Option(
     "--json", callback=check.output_file, help="Write the JSON report here (- for stdout).")]
 WideOpt = Annotated[bool, typer.Option(

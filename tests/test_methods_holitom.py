@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from typing import Any
 
 import pytest
 import torch
@@ -312,3 +313,288 @@ def test_the_llm_receives_the_reference_tokens_of_an_independent_attention_and_p
             hook.remove()
     span = seen[0][0, 5:5 + FRAMES * (KEEP + 1)].reshape(FRAMES, KEEP + 1, -1)
     torch.testing.assert_close(span[:, 1:].flatten(0, 1), tokens, atol=1e-4, rtol=1e-4)
+
+
+# ---- inside the tiny Qwen2-VL, on a video: its temporal slices are HoliTom's frames -------------------------------
+
+Q_FRAMES, Q_SLICES, Q_GROUPS, Q_KEEP = 6, 3, 16, 4  # 6 frames of 8 x 8 patches: 3 slices of 16 merge groups
+
+
+@pytest.fixture(scope="module")
+def qwen_video() -> nn.Module:
+    from ficoco.profiles import set_layout
+
+    profile = load_profile("qwen2-vl-tiny")
+    set_layout(profile, frames=Q_FRAMES)
+    return ficoco.build_model(profile, dtype="fp32")
+
+
+def qwen_inputs(model: nn.Module, batch: int, seed: int) -> dict[str, Tensor]:
+    """Synthetic video prompts whose first two slices are one picture (the temporal merge acts)."""
+    inp = synthetic_inputs(model, batch=batch, text_tokens=TEXT, seed=seed)
+    pixels = inp["pixel_values_videos"].view(batch, Q_SLICES, -1, inp["pixel_values_videos"].shape[-1]).clone()
+    pixels[:, 1] = pixels[:, 0]
+    inp["pixel_values_videos"] = pixels.flatten(0, 2)
+    return inp
+
+
+def qwen_sample(inp: dict[str, Tensor], i: int) -> dict[str, Tensor]:
+    """Prompt `i` of a batch alone (its video's rows of the flattened patches)."""
+    rows = inp["pixel_values_videos"].shape[0] // inp["input_ids"].shape[0]
+    alone = {k: v[i:i + 1] for k, v in inp.items() if k != "pixel_values_videos"}
+    return {**alone, "pixel_values_videos": inp["pixel_values_videos"][i * rows:(i + 1) * rows]}
+
+
+def test_qwen2_vl_video_keep_all_equals_vanilla_and_an_image_layout_is_refused(qwen_video: nn.Module) -> None:
+    inp = qwen_inputs(qwen_video, batch=1, seed=0)
+    assert inp["video_grid_thw"].tolist() == [[Q_SLICES, 8, 8]]
+    with torch.no_grad():
+        vanilla = qwen_video(**inp).logits
+        with ficoco.apply(qwen_video, "holitom", keep=Q_GROUPS, merge_ratio=0.0) as handle:
+            same = qwen_video(**inp).logits
+    assert not handle.schedule.removals and torch.equal(same, vanilla)
+    picture = synthetic_inputs(qwen_video, batch=1, text_tokens=TEXT, image_size=(112, 112))
+    with ficoco.apply(qwen_video, "holitom", keep=Q_KEEP), \
+            pytest.raises(ficoco.FicocoError, match="HoliTom on Qwen2-VL acts on a video's frames; an image"):
+        qwen_video(**picture)
+    image = acc.architecture(load_profile("qwen2-vl-tiny"))
+    with pytest.raises(ficoco.FicocoError, match="HoliTom on qwen2-vl-tiny: a video method.*--frames"):
+        acc.resolve_schedule(image, "holitom", acc.CountOptions(), keep=Q_KEEP)
+
+
+def test_qwen2_vl_video_runs_the_plan_at_the_unreduced_positions_batched_as_videos_alone(
+        qwen_video: nn.Module) -> None:
+    from ficoco.models import hf_compat as hf
+
+    model = qwen_video
+    inp = qwen_inputs(model, batch=2, seed=7)
+    arch = architecture(profile_of(model))
+    seen: list[int] = []
+    given: list[Tensor] = []
+    language_model = model.model.language_model
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True) for layer in language_model.layers]
+    hooks.append(language_model.register_forward_pre_hook(lambda m, a, k: given.append(k["position_ids"]),
+                                                          with_kwargs=True))
+    try:
+        with torch.no_grad(), ficoco.apply(model, "holitom", keep=Q_KEEP) as handle:
+            together = model(**inp).logits[:, -1]
+            kept_in_prompt = handle.prompt_map[0]
+            plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+            # Outer: 3 slices x 4; inner: half of the 12 merged at the tiny's last layer (HOLITOM_k 18).
+            assert seen == [n for n, _ in plan.llm] == [TEXT + 12] * 3 + [TEXT + 6]
+            assert plan.llm_visual_tokens == Q_SLICES * Q_KEEP
+            for i in range(2):
+                alone = model(**qwen_sample(inp, i)).logits[:, -1]
+                torch.testing.assert_close(together[i:i + 1], alone, atol=1e-4, rtol=0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # Every kept token sits at the 3-D position the unreduced prompt gives it (transformers' rope index).
+    unreduced, _ = hf.rope_index(model, inp["input_ids"], inp["mm_token_type_ids"], None, inp["attention_mask"],
+                                 video_grid_thw=inp["video_grid_thw"])
+    expected = torch.gather(unreduced, 2, kept_in_prompt.unsqueeze(0).expand(3, -1, -1))
+    assert torch.equal(given[0], expected)
+    # The temporal merge acted: slices 0 and 1 are one picture, so slice 1 hands on none of its own tokens.
+    video = kept_in_prompt[0][torch.gather(inp["input_ids"][0], 0, kept_in_prompt[0]) == model.config.video_token_id]
+    slices = (video - int((inp["input_ids"][0] == model.config.video_token_id).nonzero()[0])) // Q_GROUPS
+    assert 1 not in slices.tolist() and len(video) == Q_SLICES * Q_KEEP
+
+
+def test_qwen2_vl_video_generate_equals_each_video_alone_and_continues_where_the_unreduced_model_would(
+        qwen_video: nn.Module) -> None:
+    """generate of a batch equals each video alone, its first token is the reduced prefill's, and the
+    rope_deltas it decodes with put the next token where the unreduced prompt's would be. (A hand-written
+    decode loop with a grown attention mask and no position ids fails on vanilla Qwen2-VL in transformers
+    5.24 itself: its 3-D positions from the mask are not cut to the new token.)"""
+    from ficoco.models import hf_compat as hf
+
+    model = qwen_video
+    inp = qwen_inputs(model, batch=2, seed=3)
+    prompt, new = inp["input_ids"].shape[1], 3
+    with torch.no_grad():
+        model(**inp)
+        unreduced_deltas = hf.rope_deltas(model).clone()
+        with ficoco.apply(model, "holitom", keep=Q_KEEP):
+            prefill = model(**inp).logits[:, -1].argmax(-1)
+            deltas = hf.rope_deltas(model).clone()
+            together = model.generate(**inp, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            singles = [model.generate(**qwen_sample(inp, i), max_new_tokens=new, min_new_tokens=new,
+                                      do_sample=False) for i in range(2)]
+    removed = Q_SLICES * (Q_GROUPS - Q_KEEP)
+    assert torch.equal(together[:, :prompt], inp["input_ids"]) and torch.equal(together[:, prompt], prefill)
+    assert all(torch.equal(together[i:i + 1], singles[i]) for i in range(2))
+    # The next token's position: the shortened prompt's length + deltas = the unreduced prompt's + its deltas.
+    assert torch.equal(deltas, unreduced_deltas + removed)
+
+
+def test_qwen2_vl_video_flops_verify_counts_the_methods_work_as_fvcore_sees_it(qwen_video: nn.Module) -> None:
+    """What `ficoco flops --model qwen2-vl-tiny --frames 6 --variant holitom --verify` checks, in process."""
+    from ficoco.verify import verify_run
+
+    arch = architecture(profile_of(qwen_video))
+    assert arch.vision.items == Q_SLICES and arch.visual_tokens == Q_SLICES * Q_GROUPS
+    schedule = acc.resolve_schedule(arch, "holitom", acc.CountOptions(), keep=Q_KEEP)
+    run = verify_run(qwen_video, arch, schedule, text_tokens=TEXT, batch=2)
+    stages = {s.stage: s for s in run.stages}
+    assert stages["method"].analytic > 0 and run.passed(0.5)
+
+
+def llm_video_tokens_against_reference(model: nn.Module, inp: dict[str, Tensor], slices: int, groups: int,
+                                       keep: int, window_order: Tensor | None) -> None:
+    """The last vision block's attention recomputed here from its q and k (rotary applied, every segment
+    the block ran its own softmax: a slice, or a window of it; the received attention summed over the
+    segment's queries and divided by the slice's patches, heads averaged, a merge group's 4 patches
+    averaged, put in grid order by `window_order` (the video unit of every row; None: the rows are in
+    grid order)) and the vanilla merger output, through the per-video reference: the tokens the LLM
+    receives in the video span, each at its unit's place in the unreduced span."""
+    import importlib
+
+    rotary = importlib.import_module(type(model).__module__).apply_rotary_pos_emb_vision
+    visual, block = model.model.visual, model.model.visual.blocks[-1]
+    captured: dict[str, Any] = {}
+    hook = block.register_forward_pre_hook(lambda m, a, k: captured.update(x=a[0] if a else k["hidden_states"], **k),
+                                           with_kwargs=True)
+    with torch.no_grad():
+        try:
+            features = visual(inp["pixel_values_videos"], grid_thw=inp["video_grid_thw"]).pooler_output
+        finally:
+            hook.remove()
+        x, (cos, sin), bounds = captured["x"], captured["position_embeddings"], captured["cu_seqlens"].tolist()
+        heads = block.attn.num_heads
+        q, k, _ = block.attn.qkv(block.norm1(x)).reshape(x.shape[0], 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = rotary(q, k, cos, sin)
+        received = torch.cat([((q[a:b].transpose(0, 1) @ k[a:b].transpose(0, 1).transpose(-1, -2))
+                               * block.attn.scaling).softmax(-1).mean(dim=0).sum(dim=0)
+                              for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+        rows = (received.view(slices, -1) / (received.numel() // slices)).view(slices, groups, 4).mean(-1).flatten()
+        scores = rows if window_order is None else torch.empty_like(rows).index_copy(0, window_order, rows)
+        tokens, units = reference(features.view(slices, groups, -1), scores.view(slices, groups), slices * keep)
+        seen: list[Tensor] = []
+        language = model.model.language_model
+        hook = language.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["inputs_embeds"]),
+                                                  with_kwargs=True)
+        try:
+            with ficoco.apply(model, "holitom", keep=keep, merge_ratio=0.0) as handle:
+                model(**inp)
+                kept_in_prompt = handle.prompt_map[0][0]
+        finally:
+            hook.remove()
+    is_video = inp["input_ids"][0, kept_in_prompt] == model.config.video_token_id
+    torch.testing.assert_close(seen[0][0, is_video], tokens, atol=1e-4, rtol=1e-4)
+    span_start = int((inp["input_ids"][0] == model.config.video_token_id).nonzero()[0])
+    assert (kept_in_prompt[is_video] - span_start).tolist() == units
+
+
+def test_qwen2_vl_video_llm_receives_the_reference_tokens_of_an_independent_attention_and_merger(
+        qwen_video: nn.Module) -> None:
+    llm_video_tokens_against_reference(qwen_video, qwen_inputs(qwen_video, batch=1, seed=11), Q_SLICES, Q_GROUPS,
+                                       Q_KEEP, None)
+
+
+def test_qwen2_vl_video_left_padded_batch_equals_its_videos_alone_and_labels_give_the_remaining_loss(
+        qwen_video: nn.Module) -> None:
+    model = qwen_video
+    short = synthetic_inputs(model, batch=1, text_tokens=TEXT, seed=1)
+    long = synthetic_inputs(model, batch=1, text_tokens=TEXT + 3, seed=2)
+    zeros = torch.zeros(1, 3, dtype=torch.long)
+    batch = {key: torch.cat([torch.cat([zeros.to(short[key].dtype), short[key]], 1), long[key]])
+             for key in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    batch.update({key: torch.cat([short[key], long[key]]) for key in ("pixel_values_videos", "video_grid_thw")})
+    inp = qwen_inputs(model, batch=2, seed=4)
+    labels = inp["input_ids"].masked_fill(inp["input_ids"] == model.config.video_token_id, -100)
+    with torch.no_grad(), ficoco.apply(model, "holitom", keep=Q_KEEP) as handle:
+        together = model(**batch).logits[:, -1]
+        for i, sample in enumerate((short, long)):
+            torch.testing.assert_close(together[i:i + 1], model(**sample).logits[:, -1], atol=1e-4, rtol=0)
+        out = model(**inp, labels=labels)
+        kept_labels = torch.gather(labels, 1, handle.output_positions)
+    assert out.logits.shape[1] == inp["input_ids"].shape[1] - Q_SLICES * (Q_GROUPS - Q_KEEP) - Q_SLICES * Q_KEEP // 2
+    vocab = model.config.text_config.vocab_size
+    expected = model.loss_function(logits=out.logits, labels=kept_labels, vocab_size=vocab)
+    assert torch.equal(out.loss, expected) and torch.isfinite(out.loss)
+
+
+# ---- the tiny Qwen2.5-VL (windowed tower: its last block attends within windows), on a video ----------------------
+
+W_SLICES, W_GROUPS, W_KEEP = 3, 20, 4  # 6 frames of 10 x 8 patches (its 140 x 112 image size): 3 slices of 20 groups
+
+
+@pytest.fixture(scope="module")
+def qwen25_video() -> nn.Module:
+    from ficoco.profiles import set_layout
+
+    profile = load_profile("qwen2.5-vl-tiny")
+    set_layout(profile, frames=Q_FRAMES)
+    return ficoco.build_model(profile, dtype="fp32")
+
+
+def test_qwen2_5_vl_video_keep_all_is_vanilla_the_plan_runs_at_the_unreduced_positions_as_videos_alone(
+        qwen25_video: nn.Module) -> None:
+    from ficoco.models import hf_compat as hf
+
+    model = qwen25_video
+    inp = synthetic_inputs(model, batch=2, text_tokens=TEXT, seed=5)
+    inp["second_per_grid_ts"] = torch.tensor([1.0, 2.5])  # temporal positions scaled per video, as the processor's
+    assert inp["video_grid_thw"].tolist() == [[W_SLICES, 10, 8]] * 2
+    arch = architecture(profile_of(model))
+    given: list[Tensor] = []
+    language = model.model.language_model
+    hook = language.register_forward_pre_hook(lambda m, a, k: given.append(k["position_ids"]), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            vanilla = model(**inp).logits
+            with ficoco.apply(model, "holitom", keep=W_GROUPS, merge_ratio=0.0):
+                assert torch.equal(model(**inp).logits, vanilla)
+            given.clear()
+            with ficoco.apply(model, "holitom", keep=W_KEEP) as handle:
+                together = model(**inp).logits
+                kept_in_prompt = handle.prompt_map[0]
+                plan = plan_tokens(arch, handle.schedule, text_tokens=TEXT)
+                for i in range(2):
+                    torch.testing.assert_close(together[i:i + 1, -1], model(**qwen_sample(inp, i)).logits[:, -1],
+                                               atol=1e-4, rtol=0)
+    finally:
+        hook.remove()
+    assert plan.llm_visual_tokens == W_SLICES * W_KEEP and together.shape[1] == TEXT + W_SLICES * W_KEEP // 2
+    unreduced, _ = hf.rope_index(model, inp["input_ids"], inp["mm_token_type_ids"], None, inp["attention_mask"],
+                                 video_grid_thw=inp["video_grid_thw"], second_per_grid_ts=inp["second_per_grid_ts"])
+    assert torch.equal(given[0], torch.gather(unreduced, 2, kept_in_prompt.unsqueeze(0).expand(3, -1, -1)))
+
+
+def test_qwen2_5_vl_video_generate_equals_each_video_alone_and_verify_passes(qwen25_video: nn.Module) -> None:
+    from ficoco.models import hf_compat as hf
+    from ficoco.verify import verify_run
+
+    model = qwen25_video
+    inp = synthetic_inputs(model, batch=2, text_tokens=TEXT, seed=6)
+    prompt = inp["input_ids"].shape[1]
+    with torch.no_grad():
+        model(**inp)
+        unreduced_deltas = hf.rope_deltas(model).clone()
+        with ficoco.apply(model, "holitom", keep=W_KEEP):
+            prefill = model(**inp).logits[:, -1].argmax(-1)
+            deltas = hf.rope_deltas(model).clone()
+            together = model.generate(**inp, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+            singles = [model.generate(**qwen_sample(inp, i), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+                       for i in range(2)]
+    assert torch.equal(together[:, :prompt], inp["input_ids"]) and torch.equal(together[:, prompt], prefill)
+    assert all(torch.equal(together[i:i + 1], singles[i]) for i in range(2))
+    assert torch.equal(deltas, unreduced_deltas + W_SLICES * (W_GROUPS - W_KEEP))
+    arch = architecture(profile_of(model))
+    schedule = acc.resolve_schedule(arch, "holitom", acc.CountOptions(), keep=W_KEEP)
+    run = verify_run(model, arch, schedule, text_tokens=TEXT, batch=2)
+    assert {s.stage: s for s in run.stages}["method"].analytic > 0 and run.passed(0.5)
+
+
+def test_qwen2_5_vl_video_llm_receives_the_reference_tokens_of_its_windowed_attention(qwen25_video: nn.Module) -> None:
+    from ficoco.models import hf_compat as hf
+
+    model = qwen25_video
+    inp = synthetic_inputs(model, batch=1, text_tokens=TEXT, seed=12)
+    pixels = inp["pixel_values_videos"].view(W_SLICES, -1, inp["pixel_values_videos"].shape[-1]).clone()
+    pixels[1] = pixels[0]  # one picture over the first two slices: the temporal merge acts
+    inp["pixel_values_videos"] = pixels.flatten(0, 1)
+    order = hf.qwen2_5_vl_window_index(model.model.visual, inp["video_grid_thw"])[0]
+    assert not torch.equal(order, torch.arange(order.numel()))  # the windows reorder the groups
+    llm_video_tokens_against_reference(model, inp, W_SLICES, W_GROUPS, W_KEEP, order)

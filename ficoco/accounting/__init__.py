@@ -120,6 +120,11 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
     if variant == "vanilla":
         return Schedule("vanilla")
     spec = method(variant)
+    if arch.video_frames is not None and not spec.pooled_grid:
+        # Qwen2-VL's and Qwen2.5-VL's video layout (issue 25): the adapters reduce image placeholders; HoliTom
+        # alone cuts videos.
+        raise FicocoError(f"--variant {variant}: {spec.title} on {arch.name} reduces images, and a video here "
+                          "passes it unreduced: give an image (no --frames), or --variant holitom for a video")
     if spec.plans_itself:
         spec.check_family(arch.family, arch.name)
         # Name the option the setting came from, so that the one error line points at it.

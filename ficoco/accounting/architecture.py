@@ -8,7 +8,7 @@ shapes that `from_config` would build.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ficoco.errors import FicocoError
@@ -181,6 +181,9 @@ class Architecture:
     resampled: str = ""
     # LLaVA-OneVision's video: frames pooled 2x2 after the projector, (frames, pooled tokens per frame).
     pooled_frames: tuple[int, int] | None = None
+    # Qwen2-VL's (Qwen2.5-VL's) video: the frames given (--frames); its tower items are the temporal slices of
+    # temporal_patch frames each (the last padded by repetition, as the processor does). None: an image.
+    video_frames: int | None = None
 
     def llm_visual_tokens(self, units_per_item: int) -> int:
         """Visual tokens in the LLM when every item keeps `units_per_item` units."""
@@ -406,6 +409,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
     size = image_size or defaults.get("image_size") or None
     size = _size("ficoco.image_size", size) if size is not None else None
     newline_tokens = unpadding_drops = 0
+    qwen_frames = None  # Qwen2-VL's and Qwen2.5-VL's video frames (Architecture.video_frames)
     cls_in_llm = image_newline = False
     if family in ("llava", "llava_next", "video_llava"):
         decoder = _llama_decoder(tcfg, _LLAMA_DEFAULTS)
@@ -510,7 +514,11 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         )
         merged = embed * merge * merge
         projector = Projector(((merged, merged), (merged, _get(vcfg, "hidden_size", d))), embed)
-        visual = vision.units
+        qwen_frames = frames if frames is not None else defaults.get("frames")
+        if qwen_frames is not None:  # a video: one tower item (attention segment) per temporal slice
+            qwen_frames = _whole("ficoco.frames", qwen_frames)
+            vision = replace(vision, items=-(-qwen_frames // vision.temporal_patch))
+        visual = vision.items * vision.units
     elif family == "qwen2_5_vl":
         decoder = _llama_decoder(tcfg or cfg, _QWEN2_VL_TEXT_DEFAULTS, qkv_bias=True)
         d = _QWEN2_5_VL_VISION_DEFAULTS
@@ -539,7 +547,11 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         )
         merged = embed * merge * merge
         projector = Projector(((merged, merged), (merged, _get(vcfg, "out_hidden_size", d))), embed, 1)
-        visual = vision.units
+        qwen_frames = frames if frames is not None else defaults.get("frames")
+        if qwen_frames is not None:  # a video: every temporal slice an item, in its own windows (as Qwen2-VL)
+            qwen_frames = _whole("ficoco.frames", qwen_frames)
+            vision = replace(vision, items=-(-qwen_frames // vision.temporal_patch))
+        visual = vision.items * vision.units
     else:  # profiles.load_profile admits only the families above
         raise FicocoError(f"family '{family}' has no accounting")
     return Architecture(
@@ -547,6 +559,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         visual_tokens=visual, newline_tokens=newline_tokens, cls_in_llm=cls_in_llm,
         unpadding_drops=unpadding_drops, image_newline_param=image_newline,
         text_tokens=text_tokens, first_layer_v=first_v, first_layer_l=first_l, image_size=size,
+        video_frames=qwen_frames,
     )
 
 

@@ -75,6 +75,11 @@ def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
     if spec.pooled_grid and arch.family == "llava_onevision" and arch.pooled_frames is None:
         raise FicocoError(f"{spec.title} on {arch.name}: a video method (it cuts a video's pooled frames together); "
                           "an image is one frame: give --frames N (a video), or a method that reduces images")
+    # Qwen2-VL (issue 25): HoliTom cuts a video's temporal slices together (the other methods on its video
+    # layout: accounting.resolve_schedule refuses them).
+    if spec.pooled_grid and arch.family in ("qwen2_vl", "qwen2_5_vl") and arch.video_frames is None:
+        raise FicocoError(f"{spec.title} on {arch.name}: a video method (it merges a video's frames together); "
+                          "an image is one frame: give --frames N (a video), or a method that reduces images")
     if spec.per_item and arch.resampled and pooled_units(arch, spec) is None:
         instead = "a method" if arch.pooled_frames else "a smaller --image-size or a method"
         raise FicocoError(f"{spec.title} on {arch.name}: {arch.resampled}; use {instead} inside the LLM")

@@ -24,7 +24,14 @@ of one video, ``(frames, N, D)``, before the LLM:
 **Where it runs**: on Video-LLaVA, on every frame's projected patches ([CLS] apart); on LLaVA-OneVision
 (the official code's backbone), after every frame's 2x2 pooling, on the pooled grid, with the attention
 each patch receives pooled the same way (the official ``get_2dPool`` of the scores; the adapter hands a
-pooled query-mean row, whose mean is the same score since pooling is linear).
+pooled query-mean row, whose mean is the same score since pooling is linear); on Qwen2-VL videos, on the
+PatchMerger's output: a "frame" is one temporal slice of ``temporal_patch_size`` (2) frames (the tower's
+attention segment, ``video_grid_thw``'s t), its tokens the (h/2) x (w/2) merge groups, and a token's score
+the mean attention received by the group's 4 patches in the last vision block (the merger's input; no
+[CLS], no pooling), each kept token at its unit's 3-D position of the unreduced prompt; on Qwen2.5-VL
+alike, the scores put back from the tower's window order into grid order (its last block may attend within
+windows: a window's received attention over the slice's queries is its column sums, since no query outside
+the window attends to it) and the temporal positions scaled by ``second_per_grid_ts`` as transformers does.
 
 **Where this differs from the official code** (each says why):
 
@@ -298,7 +305,8 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     """The adapters' call after the projector: ``inputs.hidden`` ``(videos x frames, N, D)`` the
     projected patches of every frame, consecutive per video (``inputs.frames`` each; None: every item
     a one-frame video); every item hands on ``settings["keep"]`` tokens: the video's
-    ``frames x keep`` tokens in HoliTom's order, ``keep`` per frame's row of the prompt's span."""
+    ``frames x keep`` tokens in HoliTom's order, ``keep`` per frame's row of the prompt's span.
+    ``positions`` ``(items, keep)`` name the video unit each token stands at (frame x N + token)."""
     if inputs.attention is None:
         raise RuntimeError("HoliTom needs the probed layer's attention probabilities from the adapter")
     items, tokens, width = inputs.hidden.shape
@@ -315,7 +323,9 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     origin = out.origin.reshape(items, keep)
     own = ~out.merged.reshape(items, keep) & (origin // tokens == row_frame)
     kept = torch.where(own, origin % tokens, torch.full_like(origin, -1))
-    return TowerOutput(hidden=hidden, kept=kept)
+    # positions: the video's unit (frame x N + token) every token stands at (a static token: its window's
+    # first frame; a cluster: its centre), ascending over the video: Qwen2-VL gives it that unit's 3-D position.
+    return TowerOutput(hidden=hidden, kept=kept, positions=origin)
 
 
 # ---- inside the LLM: attention-ranked keep, the rest merged into their most similar kept token ----------------------

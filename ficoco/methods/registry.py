@@ -670,7 +670,8 @@ _HOLITOM_INNER = MethodSpec(
     name="holitom", title="HoliTom", acts_at="llm_layer", placement="layer_input", positions="original",
     needs=(Need("attention_rows", "L-1", "last", "softmax over all keys of layer K-1, head mean, of " + _LAST_ROW),
            Need("hidden", "L", "all", "the input of layer K (the merge's cosine similarities)")),
-    hyperparameters={"merge_layer": 18, "merge_ratio": 0.5}, families=("video_llava", "llava_onevision"),
+    hyperparameters={"merge_layer": 18, "merge_ratio": 0.5},
+    families=("video_llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl"),
     module="ficoco.methods.holitom", function="step", source="cokeshao/HoliTom e5f7da2 (holitom/modeling_qwen2.py)",
     summary="keep the visual tokens the last prompt token attends to most, average the rest into their most "
             "similar kept token", keep_means="the share merge_ratio of the visual tokens merged at merge_layer",
@@ -694,11 +695,8 @@ def _holitom_extra(ctx: StepContext) -> ExtraMacs:
 # 2x2 pooling of every frame, as the official code does on OneVision / LLaVA-Video).
 _HOLITOM_IMAGE_ONLY = ("a video method: its temporal segmentation and merging need a video's frames, and this family "
                        "takes images (an image is one frame)")
-# Qwen2-VL and Qwen2.5-VL (issue 25): their adapters cut before the LLM on images only.
-_QWEN_VIDEO_HOLITOM = ("not wired: HoliTom reduces a video's frames together, and ficoco's Qwen2-VL and Qwen2.5-VL "
-                       "adapters cut before the LLM on images only (a prompt's videos pass the tower unreduced)")
-_HOLITOM_REFUSALS = {"llava": _HOLITOM_IMAGE_ONLY, "llava_next": _HOLITOM_IMAGE_ONLY, "qwen2_vl": _QWEN_VIDEO_HOLITOM,
-                     "qwen2_5_vl": _QWEN_VIDEO_HOLITOM}
+# Qwen2-VL and Qwen2.5-VL (issue 25) run it on videos: their temporal slices are the frames.
+_HOLITOM_REFUSALS = {"llava": _HOLITOM_IMAGE_ONLY, "llava_next": _HOLITOM_IMAGE_ONLY}
 
 METHODS["holitom"] = MethodSpec(
     name="holitom", title="HoliTom", acts_at="after_projector", placement="after_projector", positions="grid",
@@ -708,7 +706,8 @@ METHODS["holitom"] = MethodSpec(
                 "together (the adapter groups a video's frames)")),
     hyperparameters={"retain_ratio": 0.10, "tau": 0.8, "beta": 0.6, "neighbours": 7, "contextual_share": 0.0,
                      "max_window": 1024, "merge_layer": 18, "merge_ratio": 0.5},
-    families=("video_llava", "llava_onevision"), module="ficoco.methods.holitom", function="holitom_reduce",
+    families=("video_llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl"), module="ficoco.methods.holitom",
+    function="holitom_reduce",
     refusals=_HOLITOM_REFUSALS, pooled_grid=True,
     source="cokeshao/HoliTom b1d1412 (holitom/llava_arch.py, holitom/modeling_qwen2.py; README's run: "
            "RETAIN_RATIO T=0.80 HOLITOM_k=18 HOLITOM_r=0.5)",
@@ -717,7 +716,8 @@ METHODS["holitom"] = MethodSpec(
             "merge half the visual tokens into the most attended ones at layer 18",
     keep_means="visual tokens per frame that reach the LLM, on average: a video hands on frames x keep tokens "
                "(Video-LLaVA's frame [CLS] and OneVision's newline apart; on OneVision keep counts the frame's "
-               "pooled grid), spread over its segments and frames by HoliTom; inside the LLM "
+               "pooled grid; on Qwen2-VL and Qwen2.5-VL a frame is one temporal slice of 2 frames (video_grid_thw's "
+               "t) and keep counts its merge groups), spread over its segments and frames by HoliTom; inside the LLM "
                "merge_ratio of them merge into the rest at merge_layer",
     steps=_holitom_steps, settings_for_keep=_holitom_for_keep, extra_macs=_holitom_extra, wired=True,
     extra_per_sample=True, inner=_HOLITOM_INNER,

@@ -392,7 +392,7 @@ def _check_qwen2_5_vl_windows() -> None:
     _require_parameters(name, qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel.forward, "hidden_states",
                         "grid_thw")
     _require_parameters(name, qwen2_5_vl.Qwen2_5_VLModel.get_rope_index, "input_ids", "mm_token_type_ids",
-                        "image_grid_thw", "attention_mask")
+                        "image_grid_thw", "attention_mask", "video_grid_thw", "second_per_grid_ts")
     _require_parameters(name, qwen2_5_vl.Qwen2_5_VLForConditionalGeneration.forward, ENCODED_FEATURES_KEYWORD)
     config = _module("models.qwen2_5_vl.configuration_qwen2_5_vl").Qwen2_5_VLVisionConfig()
     if not hasattr(config, QWEN2_5_VL_FULL_LAYERS) or not hasattr(config, "window_size"):
@@ -456,14 +456,17 @@ def _check_rope_index() -> None:
     from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
 
     _require_parameters("Qwen2-VL rope index", qwen2_vl.Qwen2VLModel.get_rope_index, "input_ids",
-                        "mm_token_type_ids", "image_grid_thw", "attention_mask")
+                        "mm_token_type_ids", "image_grid_thw", "attention_mask", "video_grid_thw")
 
 
 def rope_index(model: nn.Module, input_ids: Any, mm_token_type_ids: Any, image_grid_thw: Any,
-               attention_mask: Any) -> tuple[Any, Any]:
-    """Qwen2-VL's 3-D position ids of a prompt and its rope_deltas (`get_rope_index`)."""
+               attention_mask: Any, video_grid_thw: Any = None, second_per_grid_ts: Any = None) -> tuple[Any, Any]:
+    """Qwen2-VL's 3-D position ids of a prompt and its rope_deltas (`get_rope_index`); a video's grids
+    through `video_grid_thw` (HoliTom's video cut) and, on Qwen2.5-VL, its `second_per_grid_ts`."""
+    options = {name: value for name, value in (("video_grid_thw", video_grid_thw),
+                                               ("second_per_grid_ts", second_per_grid_ts)) if value is not None}
     return inner_model(model).get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw,
-                                             attention_mask=attention_mask)
+                                             attention_mask=attention_mask, **options)
 
 
 def rope_deltas(model: nn.Module) -> Any:

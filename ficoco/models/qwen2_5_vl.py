@@ -46,6 +46,9 @@ on Qwen2-VL, and this file maps between the orders around them:
   merger's output of the kept groups is scattered back to their unreduced window-order rows, so
   the tower's own reverse order puts it in grid order, and `encode_images` reads the kept rows.
 - A cut on the tower's output (DivPrune, CDPruner) sees the grid order the tower hands out.
+- HoliTom on a video (its temporal slices together, after the merger): Qwen2-VL's cut on the tower's
+  grid-order output; only the scores (the attention each group's patches receive in the last block,
+  one call per slice or per window) come in window order, and are put back in grid order per video.
 - ToMe merges in the blocks: the matching runs over the whole image in grid order, as on
   Qwen2-VL; the units that go on return to window order, each at its destination group's place
   (its window, its rotary rows), the window boundaries are recomputed as for FiCoCo-V, and
@@ -133,11 +136,14 @@ def _pairs(cu: Tensor) -> int:
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):
     """Where the method goes in a Qwen2.5-VL model: Qwen2-VL's, with the tower's windows followed."""
 
+    family_title = "Qwen2.5-VL"
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         vision = model.config.vision_config
         self.full_layers = frozenset(hf.qwen2_5_vl_full_attention_layers(self.visual))
         self.vision_config = vision
+        self.video_windows: list[Tensor] = []  # HoliTom: per video, the video unit of every window-order row
 
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
         """FiCoCo-V (a method whose module offers ``reduce_groups``) in the windowed tower; other
@@ -368,6 +374,12 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         return super()._cut(handle, module, settings, spec, removal, units[order], grid_keys, tower)
 
     def _start_pass(self, grid_thw: Tensor) -> _WindowPass:
+        if self.video_cut:  # HoliTom on videos: Qwen2-VL's pass, and every video's window order for its scores
+            window_index = hf.qwen2_5_vl_window_index(self.visual, grid_thw)[0].to(grid_thw.device)
+            counts = (grid_thw.prod(dim=-1) // self.merge).tolist()
+            starts = [0, *torch.tensor(counts).cumsum(0).tolist()[:-1]]
+            self.video_windows = [window_index[a:a + n] - a for a, n in zip(starts, counts, strict=True)]
+            return super()._start_pass(grid_thw)  # type: ignore[return-value]
         base = super()._start_pass(grid_thw)
         window_index, cu_window = hf.qwen2_5_vl_window_index(self.visual, grid_thw)
         window_index, cu_window = window_index.to(grid_thw.device), cu_window.to(grid_thw.device)
@@ -416,9 +428,18 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         tower.cu_window_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(cu_seqlens.dtype)
         tower.max_window_seqlen = int(lengths.max())
 
+    def _video_grid_order(self, scores: Tensor, video: int) -> Tensor:
+        """A video's per-slice group scores from the tower's window order (slice by slice: the window
+        index is frame-major) to grid order."""
+        order = self.video_windows[video]  # the video unit of every window-order row
+        flat = scores.flatten()
+        return torch.empty_like(flat).index_copy(0, order.to(flat.device), flat).view_as(scores)
+
     def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
         """The (reduced) tower's output, every image's kept groups in grid order (the rows of the removed
-        groups dropped), split per image."""
+        groups dropped), split per image. HoliTom's videos: Qwen2-VL's (the tower hands out grid order)."""
+        if self.video_cut:
+            return super().encode_images(pixel_values, image_grid_thw, **kwargs)
         visual = self.visual
         out = visual(pixel_values.type(visual.dtype), grid_thw=image_grid_thw, **kwargs)
         tower = self._tower
@@ -450,9 +471,11 @@ def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> t
 
 def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
                      dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                     image_size: tuple[int, int] | None = None) -> dict[str, Tensor]:
+                     image_size: tuple[int, int] | None = None, frames: int | None = None) -> dict[str, Tensor]:
     """Inputs of `batch` prompts of one image each, laid out like Qwen2.5-VL's processor (Qwen2-VL's
-    chat template and patch rows; see `ficoco.models.qwen2_vl.synthetic_inputs`)."""
+    chat template and patch rows; see `ficoco.models.qwen2_vl.synthetic_inputs`); with `frames` (or a
+    profile whose layout is a video) one video of ceil(frames / temporal_patch_size) slices, with the
+    processor's `second_per_grid_ts` at 2 frames per second (1 s per slice)."""
     import functools
 
     config = model.config
@@ -463,7 +486,13 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
         raise FicocoError(f"--text-tokens must be at least the {fixed} template tokens around the image")
     rows, cols = image_grid(model, image_size)
     vision = config.vision_config
-    placeholders = rows * cols // vision.spatial_merge_size**2
+    if frames is None and image_size is None:
+        frames = (getattr(model, "_ficoco_defaults", None) or {}).get("frames")
+    if frames is not None and frames < 1:
+        raise FicocoError(f"--frames {frames} must be at least 1")
+    slices = 1 if frames is None else -(-frames // vision.temporal_patch_size)
+    placeholder = config.image_token_id if frames is None else config.video_token_id
+    placeholders = slices * rows * cols // vision.spatial_merge_size**2
     start, end = config.vision_start_token_id, config.vision_end_token_id
     im_start, im_end = start - 8, start - 7  # Qwen2's tokenizer: 8 and 7 ids before <|vision_start|>
     special = [t for t in (config.image_token_id, config.video_token_id, start, end, im_start) if t is not None]
@@ -474,12 +503,17 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     question = text_tokens - fixed
     input_ids = torch.cat([
         column(im_start), words[:, :2], column(start),
-        torch.full((batch, placeholders), config.image_token_id, dtype=torch.long),
+        torch.full((batch, placeholders), placeholder, dtype=torch.long),
         column(end), words[:, 2:2 + question],
         column(im_end), words[:, 2 + question:3 + question], column(im_start), words[:, 3 + question:5 + question],
     ], dim=1)
     channels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    pixels = torch.randn(batch * rows * cols, channels, generator=generator)
+    pixels = torch.randn(batch * slices * rows * cols, channels, generator=generator)
+    if frames is not None:
+        return place_inputs(model, input_ids, "pixel_values_videos", pixels, dtype=dtype, device=device,
+                            video_grid_thw=torch.tensor([[slices, rows, cols]] * batch),
+                            second_per_grid_ts=torch.ones(batch),
+                            mm_token_type_ids=2 * (input_ids == placeholder).int())
     return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
                         image_grid_thw=torch.tensor([[1, rows, cols]] * batch),
                         mm_token_type_ids=(input_ids == config.image_token_id).int())

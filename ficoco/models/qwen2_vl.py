@@ -49,6 +49,7 @@ from ficoco.models.llava import (
     arange_like,
     check_call_options,
     follow_shortened_prompt,
+    remaining_loss,
     restore_prompt,
     wants_dict,
 )
@@ -105,6 +106,9 @@ class _TowerPass:
     # (proportional attention: every later block adds it to its keys' logits); None before a merge.
     size: list[Tensor] | None = None
     bias: list[Tensor | None] = field(default_factory=list)
+    # Per item: its temporal slices (video_grid_thw's t; 1 for an image), whose groups `kept_groups` numbers
+    # slice by slice (slice x groups per slice + group).
+    frames: list[int] = field(default_factory=list)
 
     @property
     def lengths(self) -> list[int]:
@@ -156,6 +160,10 @@ class Qwen2VLAdapter(LlavaAdapter):
     # their 3-D positions instead, as FastV's and DART's do; an added (recycled) token takes its
     # image span's last placeholder's.
     compacts_positions = False
+    # True under a method that cuts a video's temporal slices together after the merger (HoliTom): the
+    # tower takes videos, the entry shortens video spans, and the LLM-side steps see video placeholders.
+    video_cut = False
+    family_title = "Qwen2-VL"  # in the video path's one-line refusals
 
     def __init__(self, model: nn.Module) -> None:
         # LLaVA's attributes (the L code reads them), found where Qwen2-VL keeps them; LLaVA's
@@ -185,7 +193,11 @@ class Qwen2VLAdapter(LlavaAdapter):
         """The packed tower's hook points (cu_seqlens: every image one segment), on whole merge groups:
         inside a tower layer for a method whose module offers ``reduce_groups`` (FiCoCo-V); a cut at the
         tower's output (before the PatchMerger: VisionZip) or after it (FasterVLM) for one whose module
-        offers ``tower_step``, scored by the equivalent token in place of [CLS]. Others: one line."""
+        offers ``tower_step``, scored by the equivalent token in place of [CLS]; a video method's cut on the
+        merger's output of a video's temporal slices together (HoliTom, ``patch_video_cut``). Others: one line."""
+        if spec.pooled_grid:  # a cut of a video's frames together (HoliTom)
+            self.patch_video_cut(handle, patches, spec, schedule)
+            return
         if spec.placement == "after_projector" and not any(n.layer.startswith("vision") for n in spec.needs):
             # A cut on the merger's output that reads nothing of the tower (DivPrune, CDPruner).
             self.patch_projector_cut(handle, patches, spec, schedule)
@@ -460,6 +472,106 @@ class Qwen2VLAdapter(LlavaAdapter):
         patches.set(visual, "forward", tower_forward)
         patches.on_undo(lambda: setattr(self, "_tower", None))
 
+    # -- a video's temporal slices cut together after the merger (HoliTom) ---------------------------
+    def patch_video_cut(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """Run the method's `tower_step` on the PatchMerger's output of every video, its t temporal slices
+        (``video_grid_thw``'s t: ``temporal_patch_size`` frames each, one attention segment of the tower) as
+        the frames it reads together, batched per video shape. A token's score is the attention its merge
+        group's patches receive in the last vision block (the merger's input), queries, heads and the group's
+        4 patches averaged: Qwen2-VL has no [CLS] and no pooling. Every video keeps ``t x keep`` tokens at
+        the units `TowerOutput.positions` names (a merged token: its window's first slice, or its cluster's
+        centre), from which the entry shortens the video span and gives each token that unit's 3-D position."""
+        from ficoco.methods.vision_stages import TowerInput
+        from ficoco.models.patching import method_settings
+        from ficoco.models.vision_steps import complement
+
+        module, settings = spec.load(), method_settings(handle, spec, schedule)
+        cut = next((r for r in schedule.removals if r.where == "after_projector"), None)
+        self.video_cut = True
+        patches.on_undo(lambda: setattr(self, "video_cut", False))
+        visual = self.visual
+        original_tower = visual.forward
+        attention = hf.layer_parts(self.vision_layers[-1], hf.QWEN2_VL_VISION_BLOCK).attention
+        slot = None
+        if cut is not None:
+            slot = install_probe(attention, chunked=True, timer=handle.timer)
+            patches.on_undo(lambda: remove_probe(attention))
+
+        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+            tower = self._tower = self._start_pass(grid_thw)
+            if slot is not None:  # nothing left over from a pass that ended in an error
+                slot.chunks.clear()
+            out = original_tower(hidden_states, grid_thw, **kwargs)
+            if cut is None or slot is None:
+                return out
+            received = self._received_by_group(slot.take_chunks(), tower)
+            features = getattr(out, hf.FEATURES_FIELD)
+            pieces = list(features.split([len(groups) for groups in tower.kept_groups]))
+            shapes: dict[tuple[int, int, int], list[int]] = {}
+            for video, ((rows, cols), frames) in enumerate(zip(tower.grids, tower.frames, strict=True)):
+                shapes.setdefault((frames, rows, cols), []).append(video)
+            keep = settings["keep"]
+            for (frames, rows, cols), videos in shapes.items():
+                groups = rows * cols // self.merge
+                if keep > groups:
+                    raise FicocoError(f"{spec.title} keeps {keep} tokens per frame, but a video frame of {rows}x{cols} "
+                                      f"patches has {groups}; give a smaller --keep")
+                count = len(videos)
+                inputs = TowerInput(hidden=torch.stack([pieces[v] for v in videos]).view(count * frames, groups, -1),
+                                    has_cls=False, remove=groups - keep, frames=frames,
+                                    attention=torch.stack([received[v] for v in videos]).view(count * frames, 1,
+                                                                                               groups))
+                red = handle.run_method(("projector", None), module.tower_step, inputs, settings)
+                units = red.positions.reshape(count, frames * keep)
+                gone = complement(units, frames * groups)
+                handle.record("vision", cut.layer, kept=self._video_patches(units, groups, rows, cols),
+                              discarded=self._video_patches(gone, groups, rows, cols))
+                tokens = red.hidden.reshape(count, frames * keep, -1)
+                for b, video in enumerate(videos):
+                    pieces[video] = tokens[b]
+                    tower.kept_groups[video] = units[b]
+            setattr(out, hf.FEATURES_FIELD, torch.cat(pieces))
+            return out
+
+        patches.set(visual, "forward", tower_forward)
+        patches.on_undo(lambda: setattr(self, "_tower", None))
+
+    def _received_by_group(self, chunks: list[tuple[Tensor, Any]], tower: _TowerPass) -> list[Tensor]:
+        """Per video, ``(t, groups)`` in grid order: the mean attention each merge group's patches receive
+        in the probed block over every query of its slice (heads averaged), from the block's calls in
+        sequence order (one per temporal slice; a windowed block one per window, whose keys no query
+        outside the window attends to: its column sums over the window's queries are the slice's)."""
+        received = torch.cat([attn[0].sum(dim=0) for attn, _ in chunks])  # every patch, in sequence order
+        patches = [frames * rows * cols for (rows, cols), frames in zip(tower.grids, tower.frames, strict=True)]
+        if received.shape[0] != sum(patches):
+            raise RuntimeError(f"the last vision block's calls hold {received.shape[0]} keys for {sum(patches)} "
+                               "patches")
+        out = []
+        for video, piece in enumerate(received.split(patches)):
+            rows, cols = tower.grids[video]
+            slices = piece.view(tower.frames[video], rows * cols) / (rows * cols)  # the mean over the slice's queries
+            out.append(self._video_grid_order(slices.view(tower.frames[video], -1, self.merge).mean(dim=-1), video))
+        return out
+
+    def _video_grid_order(self, scores: Tensor, video: int) -> Tensor:
+        """Per-slice group scores ``(t, groups)`` of video `video` in grid order (the tower's order here)."""
+        return scores
+
+    def _video_patches(self, units: Tensor, groups: int, rows: int, cols: int) -> Tensor:
+        """Video patch indices (slice x rows x cols + row-major patch) of the video units `units` (B, K)
+        (slice x groups + group), ascending."""
+        frame, group = units // groups, units % groups
+        members = _members(group, cols, self.merge_size).view(*units.shape, -1)
+        return (members + (frame * rows * cols).unsqueeze(-1)).flatten(1).sort(dim=1).values
+
+    def language_tokens(self, input_ids: Tensor) -> Tensor:
+        """(B, T) bool: the placeholders an LLM-side step reduces: the images', and under a video method
+        (HoliTom's inner merge) the videos' as well."""
+        tokens = super().language_tokens(input_ids)
+        if self.video_cut and self.video_token_id is not None:
+            tokens = tokens | (input_ids == self.video_token_id)
+        return tokens
+
     # -- FiCoCo-V: the tower ----------------------------------------------------------------
     def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int],
                      reduce_groups: Callable[..., Any]) -> None:
@@ -514,13 +626,13 @@ class Qwen2VLAdapter(LlavaAdapter):
 
     def _start_pass(self, grid_thw: Tensor) -> _TowerPass:
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
-        if any(t != 1 for t, _, _ in grids):
+        if not self.video_cut and any(t != 1 for t, _, _ in grids):
             raise FicocoError("FiCoCo-V on Qwen2-VL reduces images (grid_t = 1); videos are not supported, "
                               "use FiCoCo-L for them")
         device = grid_thw.device
         return _TowerPass(grids=[(h, w) for _, h, w in grids],
-                          kept_groups=[torch.arange(h * w // self.merge, device=device) for _, h, w in grids],
-                          merge=self.merge)
+                          kept_groups=[torch.arange(t * h * w // self.merge, device=device) for t, h, w in grids],
+                          merge=self.merge, frames=[t for t, _, _ in grids])
 
     def _reduce(self, handle: Handle, reduce_groups: Callable[..., Any], tower: _TowerPass, hidden: Tensor,
                 chunks: list[tuple[Tensor, Any]], r: int, layer_idx: int,
@@ -592,9 +704,12 @@ class Qwen2VLAdapter(LlavaAdapter):
 
     # -- FiCoCo-V: the prompt ---------------------------------------------------------------
     def shorten_prompt(self, input_ids: Tensor, attention_mask: Tensor | None, mm_token_type_ids: Tensor | None,
-                       image_grid_thw: Tensor, kept_groups: list[Tensor], position_ids: Tensor | None = None
+                       image_grid_thw: Tensor, kept_groups: list[Tensor], position_ids: Tensor | None = None,
+                       *, video: bool = False, second_per_grid_ts: Tensor | None = None
                        ) -> tuple[dict[str, Tensor | None], Tensor, Tensor]:
-        """Shorten every image's placeholder span to its kept groups.
+        """Shorten every image's placeholder span to its kept groups (`video`: every video's span, to the
+        units of its temporal slices it kept; `image_grid_thw` is then `video_grid_thw`, and Qwen2.5-VL's
+        `second_per_grid_ts` scale its temporal positions).
 
         Returns the shortened `input_ids`, `attention_mask`, `mm_token_type_ids` and 3-D
         `position_ids` (3, B, T'): the positions the unreduced prompt gives the kept tokens
@@ -605,9 +720,9 @@ class Qwen2VLAdapter(LlavaAdapter):
         """
         batch, length = input_ids.shape
         device = input_ids.device
-        is_image = input_ids == self.image_token_id
+        is_image = input_ids == (self.video_token_id if video else self.image_token_id)
         if mm_token_type_ids is None:
-            mm_token_type_ids = is_image.int()
+            mm_token_type_ids = (input_ids == self.image_token_id).int()
             if self.video_token_id is not None:
                 mm_token_type_ids = mm_token_type_ids + 2 * (input_ids == self.video_token_id).int()
         groups = [int(t * h * w) // self.merge for t, h, w in image_grid_thw.tolist()]
@@ -630,8 +745,9 @@ class Qwen2VLAdapter(LlavaAdapter):
             raise FicocoError("FiCoCo-V on Qwen2-VL: every sample of a batch must lose the same number of "
                               "placeholders (the same number of images)")
         if position_ids is None:
-            position_ids, deltas = hf.rope_index(self.model, input_ids, mm_token_type_ids, image_grid_thw,
-                                                 attention_mask)
+            grids = (None, image_grid_thw) if video else (image_grid_thw, None)
+            position_ids, deltas = hf.rope_index(self.model, input_ids, mm_token_type_ids, grids[0], attention_mask,
+                                                 video_grid_thw=grids[1], second_per_grid_ts=second_per_grid_ts)
         else:
             # A 4-row tensor's first row is plain text order; a 2-D one is the same on all three axes.
             position_ids = position_ids[-3:] if position_ids.dim() == 3 else position_ids[None]
@@ -808,9 +924,12 @@ class Qwen2VLAdapter(LlavaAdapter):
         original_forward = model.forward
         original_generate = model.generate
         signature = inspect.signature(original_forward)
+        spec = method(variant)
 
         def prepare(call: dict[str, Any], *, text_row: bool) -> dict[str, Any]:
             """Encode the images, shorten the prompt and set its positions (in `call`)."""
+            if self.video_cut:
+                return prepare_video(call, text_row=text_row)
             if call.get("pixel_values_videos") is not None:
                 raise FicocoError("FiCoCo-V on Qwen2-VL reduces images only; run videos with FiCoCo-L")
             pixel_values = call.pop("pixel_values", None)
@@ -830,6 +949,37 @@ class Qwen2VLAdapter(LlavaAdapter):
                 short, deltas, kept = self.shorten_prompt(input_ids, call.get("attention_mask"),
                                                           call.get("mm_token_type_ids"), grid,
                                                           self._tower.kept_groups, call.get("position_ids"))
+            return finish(call, short, deltas, kept, "image", encoded, text_row=text_row)
+
+        def prepare_video(call: dict[str, Any], *, text_row: bool) -> dict[str, Any]:
+            """A video method's prompt: encode the videos (the cut runs in the tower's forward), shorten
+            every video span to the units it kept, at their unreduced 3-D positions."""
+            title = f"{method(variant).title} on {self.family_title}"
+            if call.get("pixel_values") is not None:
+                raise FicocoError(f"{title} acts on a video's frames; an image is one frame: give the image as a "
+                                  "video, or a method that reduces images")
+            pixel_values = call.pop("pixel_values_videos")
+            input_ids, grid = call.get("input_ids"), call.get("video_grid_thw")
+            if input_ids is None or grid is None:
+                raise FicocoError(f"{title} needs input_ids and video_grid_thw with pixel_values_videos (the video "
+                                  "spans are shortened in input_ids)")
+            cache = hf.cache_in(call)
+            if cache is not None and int(cache.get_seq_length()):
+                raise FicocoError(f"{title}: a video on a later turn's cache is not supported; give the video in the "
+                                  "conversation's first turn")
+            handle.begin_forward()
+            handle.prompt_ids = (input_ids, call.get("attention_mask"))
+            encoded = self.encode_images(pixel_values, grid)
+            short, deltas, kept = self.shorten_prompt(input_ids, call.get("attention_mask"),
+                                                      call.get("mm_token_type_ids"), grid, self._tower.kept_groups,
+                                                      call.get("position_ids"), video=True,
+                                                      second_per_grid_ts=call.get("second_per_grid_ts"))
+            return finish(call, short, deltas, kept, "video", encoded, text_row=text_row)
+
+        def finish(call: dict[str, Any], short: dict[str, Tensor | None], deltas: Tensor, kept: Tensor,
+                   modality: str, encoded: Any, *, text_row: bool) -> dict[str, Any]:
+            """Put the shortened prompt, its positions and the encoded features into `call`."""
+            input_ids = call["input_ids"]
             if isinstance(call.get("labels"), Tensor) and call["labels"].shape == input_ids.shape:
                 short["labels"] = torch.gather(call["labels"], 1, kept.to(call["labels"].device))
             generating["prompt_positions"] = kept
@@ -845,7 +995,7 @@ class Qwen2VLAdapter(LlavaAdapter):
                 short["position_ids"] = torch.cat([text[None].to(short["position_ids"]), short["position_ids"]])
             call.update({k: v for k, v in short.items() if v is not None or k in call})
             features = hf.ENCODED_FEATURES_KEYWORD
-            call[features] = {**(call.get(features) or {}), "image": encoded}
+            call[features] = {**(call.get(features) or {}), modality: encoded}
             # Decode steps that come without position ids take them from here (and the cache length).
             hf.set_rope_deltas(model, deltas)
             return call
@@ -874,6 +1024,7 @@ class Qwen2VLAdapter(LlavaAdapter):
                 # generate's prefill on a later turn's cache runs the part after what the cache holds.
                 past = int(hf.cache_in(call).get_seq_length())
                 positions = positions[:, past:past + ids.shape[1]]
+            labels = start_language_state(call, starts_prefill=positions is not None) if in_llm else None
             return_dict = call.pop("return_dict", None)
             output = original_forward(**call, return_dict=True)
             output_cache = hf.output_cache(output)
@@ -881,8 +1032,39 @@ class Qwen2VLAdapter(LlavaAdapter):
                 self.turn_deltas[output_cache] = hf.rope_deltas(model)
             if positions is not None and positions.shape[0] != output.logits.shape[0]:
                 positions = positions.repeat_interleave(output.logits.shape[0] // positions.shape[0], dim=0)
+            state = handle.language_state
+            if in_llm and state is not None and not state.decoding:
+                state.cache = hf.output_cache(output)
+                if state.cache is not None:
+                    handle.cache_states[state.cache] = state
+                state.decoding = True
+                if labels is not None:  # the shortened prompt's labels, over the positions the LLM kept
+                    output.loss = remaining_loss(model, output.logits, labels, state.index)
+                positions = state.index if positions is None else torch.gather(positions, 1, state.index)
             handle.output_positions = positions if positions is not None else arange_like(output.logits)
             return output if wants_dict(model, return_dict) else output.to_tuple()
+
+        # A method that acts before the LLM and again inside it (HoliTom's merge): the decoder's per-prefill
+        # state of the shortened prompt, as LLaVA's entry keeps it.
+        in_llm = spec.inner is not None
+
+        def start_language_state(call: dict[str, Any], *, starts_prefill: bool) -> Tensor | None:
+            """Set `handle.language_state` for this call (a prefill's new state, a decode step's, or none);
+            return the labels the call held when its prefill's loss is computed over what stays."""
+            cache = hf.cache_in(call)
+            filled = handle.cache_states.get(cache) if cache is not None else None
+            if starts_prefill and call.get("input_ids") is not None:
+                past, priors = self.turn_on_cache(cache, filled)
+                handle.language_state = self.step_state(spec.title, call["input_ids"], call.get("attention_mask"),
+                                                        past, priors)
+            elif filled is None:
+                self.turn_on_cache(cache, None)  # refuses a reduced cache it cannot follow
+                handle.language_state = None
+            else:
+                handle.language_state = filled
+                filled.decoding = True
+            state = handle.language_state
+            return call.pop("labels", None) if state is not None and not state.decoding else None
 
         @functools.wraps(original_generate)
         def generate(*args: Any, **kwargs: Any) -> Any:
@@ -905,6 +1087,9 @@ class Qwen2VLAdapter(LlavaAdapter):
             as this handle shortened it (the cache holds that), so that generate runs what follows."""
             cache, prompt = hf.cache_in(kwargs), kwargs.get("input_ids")
             past = int(cache.get_seq_length()) if cache is not None else 0
+            if past and prompt is not None and self.video_cut and bool((prompt == self.video_token_id).any()):
+                raise FicocoError(f"{method(variant).title} on {self.family_title}: a later turn on a video's cache is "
+                                  "not supported; run the whole conversation in one prompt")
             if not past or prompt is None or not bool((prompt == self.image_token_id).any()):
                 return original_generate(*args, **kwargs)
             kept, _ = self.cached_part(prompt == self.image_token_id, past)
@@ -941,8 +1126,11 @@ def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> t
 
 def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
                      dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                     image_size: tuple[int, int] | None = None) -> dict[str, Tensor]:
-    """Inputs of `batch` prompts of one image each, laid out like Qwen2-VL's processor.
+                     image_size: tuple[int, int] | None = None, frames: int | None = None) -> dict[str, Tensor]:
+    """Inputs of `batch` prompts of one image each, laid out like Qwen2-VL's processor; with `frames`
+    (or a profile whose layout is a video) one video of that many frames of `image_size` instead:
+    ceil(frames / temporal_patch_size) temporal slices, `<|video_pad|>` placeholders,
+    `pixel_values_videos` and `video_grid_thw`.
 
     Text: "<|im_start|>user\\n<|vision_start|>" + one `<|image_pad|>` per merge group +
     "<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\n", `text_tokens` text tokens
@@ -958,7 +1146,13 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
         raise FicocoError(f"--text-tokens must be at least the {fixed} template tokens around the image")
     rows, cols = image_grid(model, image_size)
     vision = config.vision_config
-    placeholders = rows * cols // vision.spatial_merge_size**2
+    if frames is None and image_size is None:
+        frames = (getattr(model, "_ficoco_defaults", None) or {}).get("frames")
+    if frames is not None and frames < 1:
+        raise FicocoError(f"--frames {frames} must be at least 1")
+    slices = 1 if frames is None else -(-frames // vision.temporal_patch_size)
+    placeholder = config.image_token_id if frames is None else config.video_token_id
+    placeholders = slices * rows * cols // vision.spatial_merge_size**2
     start, end = config.vision_start_token_id, config.vision_end_token_id
     # Qwen2's tokenizer puts <|im_start|> and <|im_end|> 8 and 7 ids before <|vision_start|>.
     im_start, im_end = start - 8, start - 7
@@ -970,12 +1164,16 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     question = text_tokens - fixed
     input_ids = torch.cat([
         column(im_start), words[:, :2], column(start),  # <|im_start|> user \n <|vision_start|>
-        torch.full((batch, placeholders), config.image_token_id, dtype=torch.long),
+        torch.full((batch, placeholders), placeholder, dtype=torch.long),
         column(end), words[:, 2:2 + question],
         column(im_end), words[:, 2 + question:3 + question], column(im_start), words[:, 3 + question:5 + question],
     ], dim=1)
     channels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    pixels = torch.randn(batch * rows * cols, channels, generator=generator)
+    pixels = torch.randn(batch * slices * rows * cols, channels, generator=generator)
+    if frames is not None:
+        return place_inputs(model, input_ids, "pixel_values_videos", pixels, dtype=dtype, device=device,
+                            video_grid_thw=torch.tensor([[slices, rows, cols]] * batch),
+                            mm_token_type_ids=2 * (input_ids == placeholder).int())
     return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
                         image_grid_thw=torch.tensor([[1, rows, cols]] * batch),
                         mm_token_type_ids=(input_ids == config.image_token_id).int())
