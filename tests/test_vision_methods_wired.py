@@ -8,15 +8,12 @@ a 4-layer LLaMA decoder, 12 text tokens per prompt.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 from typing import Any
 
 import pytest
 import torch
 from decoding import prefill_and_decode
-from test_cli_flops import COMMAND
 from torch import Tensor, nn
 
 import ficoco
