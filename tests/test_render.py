@@ -481,7 +481,7 @@ def test_reference_report_in_an_80_column_tmux_pane():
 @pytest.mark.parametrize(("row_ms", "own_ms", "words"), [
     # Vanilla 19400 ms; the row's model time without its work is row_ms - own_ms.
     (19500.0, 500.0, "its own work (500.0 ms) eats what its fewer tokens save (400.0 ms)"),
-    (3527.0, 1747.0, "its own work takes 10 % of the 17,620 ms its fewer tokens save"),
+    (3527.0, 1747.0, "its own work (1,747 ms) takes 9.9 % of the 17,620 ms its fewer tokens save"),
     (19500.0, 50.0, "its fewer tokens save no measurable time and its own work adds 50.00 ms"),
 ])
 def test_verdict_says_when_the_methods_own_work_eats_its_savings(row_ms: float, own_ms: float, words: str) -> None:
