@@ -380,6 +380,21 @@ def qwen2_5_vl_windows(group_rows: int, group_cols: int, window_groups: int) -> 
     return tuple(sizes)
 
 
+def _anyres_crops(cfg: dict[str, Any], size: tuple[int, int], crop_px: int) -> tuple[int, int]:
+    """(rows, cols) of crops AnyRes (LLaVA-NeXT, LLaVA-OneVision) cuts an image of `size` into: the
+    config's grid pinpoint that best fits it, in whole `crop_px` crops."""
+    pinpoints = cfg.get("image_grid_pinpoints") or [[crop_px, crop_px]]
+    if not isinstance(pinpoints, list):
+        raise FicocoError(f"config value image_grid_pinpoints={pinpoints!r} must be a list of [height, width]")
+    pinpoints = [_size("image_grid_pinpoints", p) for p in pinpoints]
+    best_h, best_w = select_best_resolution(size, pinpoints)
+    crops_h, crops_w = best_h // crop_px, best_w // crop_px
+    if not (crops_h and crops_w):
+        raise FicocoError(f"image_grid_pinpoints: the chosen [{best_h}, {best_w}] is smaller than one "
+                          f"{crop_px}-pixel crop (vision_config.image_size)")
+    return crops_h, crops_w
+
+
 def _qwen_image_pixels(size: tuple[int, int], patch: int, merge: int, title: str) -> tuple[int, int]:
     """(height, width) in pixels Qwen2-VL's and Qwen2.5-VL's processor resizes `size` to, or one line
     on why no image of that shape fits."""
@@ -428,15 +443,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         else:
             crop_px = _get(vcfg, "image_size", clip_defaults)
             size = size or (crop_px * 2, crop_px * 2)
-            pinpoints = cfg.get("image_grid_pinpoints") or [[crop_px, crop_px]]
-            if not isinstance(pinpoints, list):
-                raise FicocoError(f"config value image_grid_pinpoints={pinpoints!r} must be a list of [height, width]")
-            pinpoints = [_size("image_grid_pinpoints", p) for p in pinpoints]
-            best_h, best_w = select_best_resolution(size, pinpoints)
-            crops_h, crops_w = best_h // crop_px, best_w // crop_px
-            if not (crops_h and crops_w):
-                raise FicocoError(f"image_grid_pinpoints: the chosen [{best_h}, {best_w}] is smaller than one "
-                                  f"{crop_px}-pixel crop (vision_config.image_size)")
+            crops_h, crops_w = _anyres_crops(cfg, size, crop_px)
             vision = _clip_tower(vcfg, clip_defaults, feature, image_px=None, items=1 + crops_h * crops_w, towers=1)
             rows, cols = crops_h * vision.grid_h, crops_w * vision.grid_w
             kept_rows, kept_cols = unpadded_grid(rows, cols, size)
@@ -467,15 +474,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         else:
             crop_px = _get(vcfg, "image_size", _ONEVISION_SIGLIP_DEFAULTS)
             size = size or (crop_px * 2, crop_px * 2)
-            pinpoints = cfg.get("image_grid_pinpoints") or [[crop_px, crop_px]]
-            if not isinstance(pinpoints, list):
-                raise FicocoError(f"config value image_grid_pinpoints={pinpoints!r} must be a list of [height, width]")
-            pinpoints = [_size("image_grid_pinpoints", p) for p in pinpoints]
-            best_h, best_w = select_best_resolution(size, pinpoints)
-            crops_h, crops_w = best_h // crop_px, best_w // crop_px
-            if not (crops_h and crops_w):
-                raise FicocoError(f"image_grid_pinpoints: the chosen [{best_h}, {best_w}] is smaller than one "
-                                  f"{crop_px}-pixel crop (vision_config.image_size)")
+            crops_h, crops_w = _anyres_crops(cfg, size, crop_px)
             vision = _siglip_tower(vcfg, feature, items=1 + crops_h * crops_w)
             rows, cols = crops_h * vision.grid_h, crops_w * vision.grid_w
             kept_rows, kept_cols = unpadded_grid(rows, cols, size)

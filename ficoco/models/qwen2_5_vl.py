@@ -68,15 +68,15 @@ from torch import Tensor, nn
 from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, remove_probe, route_attention
-from ficoco.models.inputs import place_inputs
 from ficoco.models.patching import Patches
+# The prompt layout and the image grid are Qwen2-VL's (the same processor rules): one function each.
 from ficoco.models.qwen2_vl import (
-    _SUFFIX_TEMPLATE_TOKENS,
     PREFIX_TOKENS,
     Qwen2VLAdapter,
     _TowerPass,
+    image_grid,
+    synthetic_inputs,
 )
-from ficoco.profiles import FAMILY_DEFAULTS
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -454,66 +454,3 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
             kept = features
         setattr(out, hf.FEATURES_FIELD, torch.split(kept, [len(groups) for groups in tower.kept_groups]))
         return out
-
-
-def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> tuple[int, int]:
-    """(rows, cols) of patches Qwen2.5-VL's processor makes of an image of `image_size` (H, W), by
-    default the profile's image size (Qwen2-VL's smart resize)."""
-    from ficoco.accounting.architecture import qwen2_vl_resize
-
-    if image_size is None:
-        defaults = {**FAMILY_DEFAULTS["qwen2_5_vl"], **(getattr(model, "_ficoco_defaults", None) or {})}
-        image_size = tuple(defaults["image_size"])
-    vision = model.config.vision_config
-    height, width = qwen2_vl_resize(tuple(image_size), vision.patch_size * vision.spatial_merge_size)
-    return height // vision.patch_size, width // vision.patch_size
-
-
-def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
-                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                     image_size: tuple[int, int] | None = None, frames: int | None = None) -> dict[str, Tensor]:
-    """Inputs of `batch` prompts of one image each, laid out like Qwen2.5-VL's processor (Qwen2-VL's
-    chat template and patch rows; see `ficoco.models.qwen2_vl.synthetic_inputs`); with `frames` (or a
-    profile whose layout is a video) one video of ceil(frames / temporal_patch_size) slices, with the
-    processor's `second_per_grid_ts` at 2 frames per second (1 s per slice)."""
-    import functools
-
-    config = model.config
-    if config.model_type != "qwen2_5_vl":
-        raise FicocoError(f"these synthetic inputs are laid out for Qwen2.5-VL only, not '{config.model_type}'")
-    fixed = PREFIX_TOKENS + _SUFFIX_TEMPLATE_TOKENS
-    if text_tokens < fixed:
-        raise FicocoError(f"--text-tokens must be at least the {fixed} template tokens around the image")
-    rows, cols = image_grid(model, image_size)
-    vision = config.vision_config
-    if frames is None and image_size is None:
-        frames = (getattr(model, "_ficoco_defaults", None) or {}).get("frames")
-    if frames is not None and frames < 1:
-        raise FicocoError(f"--frames {frames} must be at least 1")
-    slices = 1 if frames is None else -(-frames // vision.temporal_patch_size)
-    placeholder = config.image_token_id if frames is None else config.video_token_id
-    placeholders = slices * rows * cols // vision.spatial_merge_size**2
-    start, end = config.vision_start_token_id, config.vision_end_token_id
-    im_start, im_end = start - 8, start - 7  # Qwen2's tokenizer: 8 and 7 ids before <|vision_start|>
-    special = [t for t in (config.image_token_id, config.video_token_id, start, end, im_start) if t is not None]
-    text_vocab = min(config.text_config.vocab_size, *special) - 3
-    generator = torch.Generator().manual_seed(seed)
-    words = torch.randint(3, 3 + text_vocab, (batch, text_tokens), generator=generator)
-    column = functools.partial(torch.full, (batch, 1), dtype=torch.long)
-    question = text_tokens - fixed
-    input_ids = torch.cat([
-        column(im_start), words[:, :2], column(start),
-        torch.full((batch, placeholders), placeholder, dtype=torch.long),
-        column(end), words[:, 2:2 + question],
-        column(im_end), words[:, 2 + question:3 + question], column(im_start), words[:, 3 + question:5 + question],
-    ], dim=1)
-    channels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    pixels = torch.randn(batch * slices * rows * cols, channels, generator=generator)
-    if frames is not None:
-        return place_inputs(model, input_ids, "pixel_values_videos", pixels, dtype=dtype, device=device,
-                            video_grid_thw=torch.tensor([[slices, rows, cols]] * batch),
-                            second_per_grid_ts=torch.ones(batch),
-                            mm_token_type_ids=2 * (input_ids == placeholder).int())
-    return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
-                        image_grid_thw=torch.tensor([[1, rows, cols]] * batch),
-                        mm_token_type_ids=(input_ids == config.image_token_id).int())

@@ -1112,12 +1112,12 @@ class Qwen2VLAdapter(LlavaAdapter):
 
 
 def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> tuple[int, int]:
-    """(rows, cols) of patches Qwen2-VL's processor makes of an image of `image_size` (H, W),
-    by default the profile's image size."""
+    """(rows, cols) of patches Qwen2-VL's (and Qwen2.5-VL's) processor makes of an image of
+    `image_size` (H, W), by default the profile's image size."""
     from ficoco.accounting.architecture import qwen2_vl_resize
 
     if image_size is None:
-        defaults = {**FAMILY_DEFAULTS["qwen2_vl"], **(getattr(model, "_ficoco_defaults", None) or {})}
+        defaults = {**FAMILY_DEFAULTS[model.config.model_type], **(getattr(model, "_ficoco_defaults", None) or {})}
         image_size = tuple(defaults["image_size"])
     vision = model.config.vision_config
     height, width = qwen2_vl_resize(tuple(image_size), vision.patch_size * vision.spatial_merge_size)
@@ -1136,11 +1136,13 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     "<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\n", `text_tokens` text tokens
     in all (random ordinary ids for the words). Pixels: the flattened patches the processor
     makes, (batch x rows x cols, 3 x 2 x 14 x 14), with `image_grid_thw` and `mm_token_type_ids`.
-    The image is `image_size` (H, W), the profile's by default.
+    The image is `image_size` (H, W), the profile's by default. Qwen2.5-VL's processor lays prompts
+    out the same way and adds a video's `second_per_grid_ts` (here 1 s per slice: 2 frames per second).
     """
     config = model.config
-    if config.model_type != "qwen2_vl":
-        raise FicocoError(f"these synthetic inputs are laid out for Qwen2-VL only, not '{config.model_type}'")
+    if config.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+        raise FicocoError(f"these synthetic inputs are laid out for Qwen2-VL and Qwen2.5-VL only, not "
+                          f"'{config.model_type}'")
     fixed = PREFIX_TOKENS + _SUFFIX_TEMPLATE_TOKENS
     if text_tokens < fixed:
         raise FicocoError(f"--text-tokens must be at least the {fixed} template tokens around the image")
@@ -1171,9 +1173,10 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     channels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     pixels = torch.randn(batch * slices * rows * cols, channels, generator=generator)
     if frames is not None:
+        seconds = {"second_per_grid_ts": torch.ones(batch)} if config.model_type == "qwen2_5_vl" else {}
         return place_inputs(model, input_ids, "pixel_values_videos", pixels, dtype=dtype, device=device,
                             video_grid_thw=torch.tensor([[slices, rows, cols]] * batch),
-                            mm_token_type_ids=2 * (input_ids == placeholder).int())
+                            mm_token_type_ids=2 * (input_ids == placeholder).int(), **seconds)
     return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
                         image_grid_thw=torch.tensor([[1, rows, cols]] * batch),
                         mm_token_type_ids=(input_ids == config.image_token_id).int())
