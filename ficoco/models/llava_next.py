@@ -244,6 +244,12 @@ class LlavaNextAdapter(LlavaAdapter):
             raise FicocoError(f"{spec.title} on LLaVA-NeXT needs vision_feature_select_strategy='default' "
                               "([CLS] dropped before packing)")
         super().patch_tower(handle, patches, spec, schedule)
+        self._pack_reduced_items(handle, patches, spec, schedule)
+
+    def _pack_reduced_items(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> list[Any]:
+        """What every item hands on under the schedule's vision steps (placed and unplaced tokens; None
+        for an adaptive count), and the layout packing in place of `pack_image_features` while the
+        method runs. Returns the vision removals."""
         removals = [r for r in schedule.removals if r.stage == "vision"]
         self.method_title = spec.title
         adaptive = bool(schedule.settings_dict().get("adaptive"))
@@ -252,6 +258,7 @@ class LlavaNextAdapter(LlavaAdapter):
         inner = hf.inner_model(self.model)
         packing = hf.PACK_FEATURES
         patches.set(inner, packing, self._packing(getattr(inner, packing), lambda: handle.vision_state))
+        return removals
 
     def patch_for_tracing(self, patches: Patches) -> None:
         """Let torch.jit trace the forward (fvcore counts by tracing): transformers' unpadding rounds

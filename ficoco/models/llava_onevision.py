@@ -229,14 +229,7 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
                               "vision_feature_layer (SigLIP has no [CLS])")
         tower = TowerPatch(self, handle, spec, schedule)
         tower.install(patches)
-        removals = [r for r in schedule.removals if r.stage == "vision"]
-        self.method_title = spec.title
-        adaptive = bool(schedule.settings_dict().get("adaptive"))
-        self.kept_per_item = None if adaptive else self.patches - sum(r.remove for r in removals)
-        self.unplaced_per_item = sum(r.added for r in removals)
-        inner = hf.inner_model(self.model)
-        packing = hf.PACK_FEATURES
-        patches.set(inner, packing, self._packing(getattr(inner, packing), lambda: handle.vision_state))
+        removals = self._pack_reduced_items(handle, patches, spec, schedule)
         self.pooled_cut = bool(getattr(spec, "pooled_grid", False))
         if self.pooled_cut:
             self._patch_video_cut(tower, removals, patches)

@@ -156,6 +156,18 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
                 raise FicocoError(str(exc).replace("Qwen2-VL", "Qwen2.5-VL")) from None
         self.patch_vision(handle, patches, schedule.removed_at(), step)
 
+    def _block_segments(self, tower: _WindowPass | None, idx: int, cu_seqlens: Tensor, position_embeddings: Any,
+                        kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+        """The segments (windows, or whole images in a full-attention block) and the rotary table block
+        `idx` runs on once an earlier block reduced: the pass's, not the unreduced ones transformers
+        hands it; `max_seqlen` in `kwargs` follows."""
+        if tower is None or tower.cu_seqlens is None:
+            return cu_seqlens, position_embeddings
+        full = idx in self.full_layers
+        if "max_seqlen" in kwargs:
+            kwargs["max_seqlen"] = tower.max_seqlen if full else tower.max_window_seqlen
+        return (tower.cu_seqlens if full else tower.cu_window_seqlens), tower.position_embeddings
+
     def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int],
                      reduce_groups: Callable[..., Any]) -> None:
         """Reduce whole merge groups in the blocks of `removed`; every block after the first reducing
@@ -190,11 +202,8 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
                         _original: Callable[..., Tensor] = layer.forward, **kwargs: Any) -> Tensor:
                 tower = self._tower
                 full = _idx in self.full_layers
-                if tower is not None and tower.cu_seqlens is not None:  # an earlier layer reduced
-                    cu_seqlens = tower.cu_seqlens if full else tower.cu_window_seqlens
-                    position_embeddings = tower.position_embeddings
-                    if "max_seqlen" in kwargs:
-                        kwargs["max_seqlen"] = tower.max_seqlen if full else tower.max_window_seqlen
+                cu_seqlens, position_embeddings = self._block_segments(tower, _idx, cu_seqlens, position_embeddings,
+                                                                       kwargs)
                 pairs[_idx] = _pairs(cu_seqlens)
                 if tower is None or not _r:
                     return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
@@ -257,11 +266,8 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
                         **kwargs: Any) -> Tensor:
                 tower = self._tower
                 full = _idx in self.full_layers
-                if tower is not None and tower.cu_seqlens is not None:  # an earlier block merged
-                    cu_seqlens = tower.cu_seqlens if full else tower.cu_window_seqlens
-                    position_embeddings = tower.position_embeddings
-                    if "max_seqlen" in kwargs:
-                        kwargs["max_seqlen"] = tower.max_seqlen if full else tower.max_window_seqlen
+                cu_seqlens, position_embeddings = self._block_segments(tower, _idx, cu_seqlens, position_embeddings,
+                                                                       kwargs)
                 pairs[_idx] = _pairs(cu_seqlens)
                 if _slot is None:
                     return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
