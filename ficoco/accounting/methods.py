@@ -275,13 +275,8 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings,
                               items=plan.vision_items, projected_width=arch.decoder.hidden,
                               has_cls=v.has_cls, unit_width=v.hidden * v.merge)
-            terms = spec.extra_macs(ctx)
-            if settings.get("score") == EQUIVALENT_SCORE:
-                # No [CLS] row to compute: the equivalent token (head-mean keys, their mean, a cosine per
-                # patch) is elementwise work and reductions, which the matrix conventions do not count.
-                terms = [(layer, term, macs) for layer, term, macs in terms if not term.endswith("_cls_row")]
             per = batch if spec.extra_per_sample else batch * plan.vision_items
-            rows += [(layer, term, per * macs) for layer, term, macs in terms]
+            rows += [(layer, term, per * macs) for layer, term, macs in spec.extra_macs(ctx)]
             index += 1
         if spec.inner is None or spec.inner.extra_macs is None:
             return rows

@@ -428,7 +428,10 @@ def _vispruner_extra(ctx: StepContext) -> ExtraMacs:
     d, s = ctx.dims, ctx.settings
     important = int(s["keep"] * s["important_ratio"])
     rounds = _vispruner_rounds(ctx.visual_before - important, s["keep"] - important)
-    return [(ctx.step.layer, "vispruner_vision_cls_row", d.heads * d.head_dim * ctx.seq_before),
+    # No [CLS] row on a tower without one: the equivalent token is elementwise work no convention counts.
+    cls_row = [(ctx.step.layer, "vispruner_vision_cls_row", d.heads * d.head_dim * ctx.seq_before)] if ctx.has_cls \
+        else []
+    return [*cls_row,
             # Each round: cosine of every even-place residual token with every odd-place one, at the units' width
             # (Qwen2-VL: a merge group's patches side by side).
             (ctx.step.layer, "vispruner_vision_duplicate_similarity",
