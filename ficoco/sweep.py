@@ -3,10 +3,12 @@ measured by the profiler and compared with vanilla's outputs (fidelity).
 
 A point is one (method, budget, quant): `--keep 576,384,192` or `--tflops 3.3,2.4` gives one
 point per value and reducing method, and vanilla one point per quant. The accountant costs each
-point without torch. `--measure` builds one model per quant (in the profiler's dtypes, checked
-against free memory first) and measures every point on it with the profiler's `measure_row`;
-`--fidelity` runs the same model on a few seeded prompts and compares each point's next-token
-distribution with vanilla's. Methods come from the accountant's list of variants
+point without torch. `--measure` builds the point's model (in the profiler's dtypes, checked
+against free memory first) and measures the point on it with the profiler's `measure_row`;
+`--fidelity` runs the same model on a few seeded prompts and compares the point's next-token
+distribution with vanilla's. Each such point runs in its own process on an executor
+(ficoco.sweep_exec: a local pool, Ray, or Slurm through submitit) and is stored as it finishes
+(ficoco.sweep_store), so a stopped sweep resumes where it stopped. Methods come from the accountant's list of variants
 (`ficoco.accounting.VARIANTS`), so a method added there is swept without a change here.
 """
 
@@ -15,7 +17,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,12 @@ class SweepConfig:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SweepConfig:
+        """The config `to_json` wrote (a store's manifest): lists back to tuples."""
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**values)
+
 
 @dataclass
 class Point:
@@ -89,10 +96,26 @@ class Point:
     measured: dict[str, Any] | None = None
     fidelity: dict[str, Any] | None = None
 
+    @property
+    def key(self) -> str:
+        """The point's name in a results store (ficoco.sweep_store)."""
+        from ficoco.sweep_store import point_key
+
+        return point_key(self.variant, self.quant, self.budget)
+
     def to_json(self) -> dict[str, Any]:
         return {"variant": self.variant, "quant": self.quant, "budget": self.budget,
                 "schedule": self.schedule.to_json(), "analytic": self.analytic, "measured": self.measured,
                 "fidelity": self.fidelity}
+
+
+def default_store(config: SweepConfig) -> str:
+    """Where a sweep that runs models keeps its points when --out is not given: one folder per set
+    of settings, so the same command finds its own store again."""
+    import hashlib
+
+    digest = hashlib.sha1(json.dumps(config.to_json(), sort_keys=True).encode()).hexdigest()[:8]
+    return str(Path("sweeps") / f"{Path(config.model).name}-{digest}")
 
 
 def sweep_profile(config: SweepConfig) -> Profile:
@@ -210,80 +233,85 @@ def compare_logits(reference: list[Any], reduced: list[Any]) -> dict[str, Any]:
             "position": "last prompt token", "reference": "vanilla, same model and inputs"}
 
 
-def run_models(config: SweepConfig, profile: Profile, points: list[Point], report: dict[str, Any],
-               on_point: Callable[[int, Point, str], None] | None = None) -> None:
-    """Build one model per quant and measure (`--measure`) and compare (`--fidelity`) every point
-    on it; `on_point(index, point, what)` is told as each point starts ("start") and ends ("done")."""
+def profile_config(config: SweepConfig, variants: tuple[str, ...], quants: tuple[str, ...]) -> Any:
+    """The profiler's settings for points of this sweep (vanilla always among the variants: the
+    memory check plans for its row, the largest)."""
+    from ficoco.profiling.matrix import ProfileConfig
+
+    first = config.budgets[0]
+    return ProfileConfig(
+        model=config.model, variants=tuple(dict.fromkeys((VANILLA, *variants))), keep=first.get("keep"),
+        tflops=first.get("tflops"), shape=config.shape, first_layer=config.first_layer,
+        convention=config.convention, scope=config.scope, quants=quants, batches=(1,),
+        text_tokens=config.text_tokens, warmup=config.warmup, repeat=config.repeat, device=config.device,
+        weights=config.weights, overrides=config.overrides, seed=config.seed, image_size=config.image_size,
+        frames=config.frames, dtype=config.dtype)
+
+
+def check_run_here(config: SweepConfig, points: list[Point]) -> None:
+    """Before any worker starts on this machine: the profiler's checks of the run (the device, the
+    dtype, the weights, free memory for the largest row), so a user's mistake ends in one line
+    instead of a failed record per point. Not for an engine's nodes: the driver may have no GPU."""
+    from ficoco.profiling.matrix import plan_run
+
+    plan_run(profile_config(config, tuple(dict.fromkeys(p.variant for p in points)), config.quants))
+
+
+def run_point(config: SweepConfig, profile: Profile, point: Point) -> dict[str, Any]:
+    """Measure (`--measure`) and compare with vanilla (`--fidelity`) one point in this process, on a
+    model built for it: what a sweep's worker runs, one point per process (ficoco.sweep_worker), so
+    a crash or an out-of-memory of one point takes no other down. The fidelity's reference is
+    vanilla on the same model and prompts, computed here. Returns the point's JSON with the
+    environment it was measured in (speedups against vanilla are added when the store's report is
+    assembled: vanilla is another point, another process)."""
     import torch
 
     from ficoco.profiling.environment import environment
     from ficoco.profiling.estimate import estimate_run, plan_runs
-    from ficoco.profiling.matrix import (
-        ProfileConfig,
-        RowSpec,
-        _row_base,
-        add_comparisons,
-        build_for,
-        measure_row,
-        plan_run,
-    )
+    from ficoco.profiling.matrix import RowSpec, _row_base, build_for, measure_row, plan_run
     from ficoco.profiling.trackers import model_weight_bytes
 
-    first = config.budgets[0]
-    reducing = tuple(dict.fromkeys(p.variant for p in points))
-    pconfig = ProfileConfig(
-        model=config.model, variants=reducing, keep=first.get("keep"), tflops=first.get("tflops"),
-        shape=config.shape, first_layer=config.first_layer, convention=config.convention, scope=config.scope,
-        quants=config.quants, batches=(1,), text_tokens=config.text_tokens, warmup=config.warmup,
-        repeat=config.repeat, device=config.device, weights=config.weights, overrides=config.overrides,
-        seed=config.seed, image_size=config.image_size, frames=config.frames, dtype=config.dtype)
-    # plan_run checks the run (device, dtype, free memory for the largest row: vanilla's); the
-    # rows are then the sweep's points, each with its own schedule.
+    pconfig = profile_config(config, (point.variant,), (point.quant,))
+    # plan_run checks the run (device, dtype, free memory for the largest row: vanilla's); the row
+    # measured is the point's own schedule.
     plan = plan_run(pconfig)
-    plan.rows = [RowSpec(p.variant, p.quant, 1, p.schedule) for p in points]
+    row = RowSpec(point.variant, point.quant, 1, point.schedule)
+    plan.rows = [row]
     if config.measure:
         plan_runs(plan, estimate_run(pconfig, plan))
-    report["environment"] = environment(plan.device)
-    report["device"] = report["environment"].get("device") if plan.device.type == "cuda" else \
-        f"cpu: {report['environment'].get('cpu')}"
-    report["notes"] = list(plan.notes)
+    env = environment(plan.device)
     torch.manual_seed(config.seed)
-    rows: list[dict[str, Any]] = []
-    for quant in config.quants:
-        indices = [i for i, p in enumerate(points) if p.quant == quant]
-        model = build_for(pconfig, plan, quant)
-        info = getattr(model, "_ficoco_quant", {})
-        dtype = str(next(p for p in model.parameters() if p.is_floating_point()).dtype).removeprefix("torch.")
-        report["compute_dtype"] = dtype
-        weights_measured = model_weight_bytes(model)
-        inputs = fidelity_inputs(model, config, plan.device) if config.fidelity else []
-        reference = next_token_logits(model, inputs) if config.fidelity else []
-        for index in indices:
-            point, row = points[index], plan.rows[index]
-            if on_point:
-                on_point(index, point, "start")
-            if config.measure:
-                measured = _row_base(plan, pconfig, row, {"compute_dtype": dtype, **info})
-                measured["weight_bytes"] = weights_measured
-                try:
-                    measured |= {"status": "ok", **measure_row(model, row, pconfig, plan)}
-                except FicocoError as exc:
-                    measured |= {"status": "unsupported", "reason": str(exc)}
-                rows.append(measured)
-                point.measured = measured
-            if config.fidelity:
-                try:
-                    point.fidelity = _fidelity_of(model, point, config, inputs, reference)
-                except FicocoError as exc:  # planned by the accountant, not run by this family's model
-                    point.fidelity = {"status": "unsupported", "reason": str(exc)}
-            report["points"][index] = point.to_json()
-            if on_point:
-                on_point(index, point, "done")
-        del model
+    model = build_for(pconfig, plan, point.quant)
+    info = getattr(model, "_ficoco_quant", {})
+    dtype = str(next(p for p in model.parameters() if p.is_floating_point()).dtype).removeprefix("torch.")
+    if config.measure:
+        measured = _row_base(plan, pconfig, row, {"compute_dtype": dtype, **info})
+        measured["weight_bytes"] = model_weight_bytes(model)
+        try:
+            measured |= {"status": "ok", **measure_row(model, row, pconfig, plan)}
+        except FicocoError as exc:
+            measured |= {"status": "unsupported", "reason": str(exc)}
+        point.measured = measured
+    if config.fidelity:
+        inputs = fidelity_inputs(model, config, plan.device)
+        reference = next_token_logits(model, inputs)
+        try:
+            point.fidelity = _fidelity_of(model, point, config, inputs, reference)
+        except FicocoError as exc:  # planned by the accountant, not run by this family's model
+            point.fidelity = {"status": "unsupported", "reason": str(exc)}
+    device = env.get("device") if plan.device.type == "cuda" else f"cpu: {env.get('cpu')}"
+    return {"point": point.to_json(), "environment": env, "device": device, "compute_dtype": dtype,
+            "notes": list(plan.notes)}
+
+
+def add_point_comparisons(points: list[dict[str, Any]]) -> None:
+    """Each measured point against the vanilla point of its quant (speedup, FLOPs ratio, memory
+    saving, own work against savings), in place: the points were measured in separate processes."""
+    from ficoco.report import add_comparisons
+
+    rows = [p["measured"] for p in points if isinstance(p.get("measured"), dict) and "latency" in p["measured"]]
     if rows:
-        add_comparisons(rows)  # the rows are the points' own dicts: speedup against vanilla, in place
-        for index, point in enumerate(points):
-            report["points"][index] = point.to_json()
+        add_comparisons(rows)
 
 
 def _fidelity_of(model: Any, point: Point, config: SweepConfig, inputs: list[dict[str, Any]],
@@ -300,8 +328,16 @@ def _fidelity_of(model: Any, point: Point, config: SweepConfig, inputs: list[dic
 
 def read_report_any(path: str) -> dict[str, Any]:
     """A saved sweep (ficoco.sweep/1), profile (ficoco.report/1) or flops (ficoco.flops/1) report,
-    validated enough to render or draw; one clear error otherwise."""
+    or a sweep's results store (a folder: its report as the store holds it now, also while the
+    sweep runs), validated enough to render or draw; one clear error otherwise."""
     from ficoco.compare import FLOPS_SCHEMA, REPORT_SCHEMA, read_report
+    from ficoco.sweep_store import SweepStore
+
+    if str(path).strip() and Path(path).expanduser().is_dir():
+        if not SweepStore.is_store(path):
+            raise FicocoError(f"{path} is a folder but not a sweep's results store (no manifest.json); give a "
+                              "report file or the folder a sweep's --out wrote")
+        return SweepStore(path).report()
 
     try:
         text = Path(path).read_text() if str(path).strip() else ""

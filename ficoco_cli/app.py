@@ -21,6 +21,7 @@ from ficoco.accounting.schedule import SHAPES
 from ficoco.compare import JUDGE_CHOICES
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import METHODS, PRESETS, VARIANTS
+from ficoco.sweep_exec import EXECUTORS
 from ficoco.versions import package_versions, report_environment
 from ficoco_cli import options as check
 from ficoco_cli.options import parse_image_size, split_list
@@ -561,8 +562,29 @@ def sweep_command(
     json_path: JsonOpt = None,
     plot: Annotated[str | None, typer.Option(
         "--plot", callback=check.plot_folder, help="Draw the figures (PNG and SVG) into this folder.")] = None,
+    out_folder: Annotated[str | None, typer.Option(
+        "--out", help="Models runs: the results store, one file per finished point; the same command resumes it "
+                      "(default sweeps/<model>-<settings hash>).")] = None,
+    executor: Annotated[str, typer.Option(
+        "--executor", callback=check.choice(EXECUTORS),
+        help="Models runs: local (worker processes here), ray or slurm (submitit).")] = "local",
+    workers: Annotated[int | None, typer.Option(
+        "--workers", callback=check.whole_number(1, 4096),
+        help="Points at once (local default: one per GPU, else 1).")] = None,
+    gpus_per_point: Annotated[float | None, typer.Option(
+        "--gpus-per-point", min=0, help="ray/slurm: GPUs per point (default 1 where the sweep runs on CUDA).")] = None,
+    cpus_per_point: Annotated[int | None, typer.Option(
+        "--cpus-per-point", callback=check.whole_number(1, 4096), help="ray/slurm: CPUs per point (default 1).")
+    ] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="ray: a running cluster (auto, ray://head:10001); default a local instance.")] = None,
+    slurm_partition: Annotated[str | None, typer.Option(
+        "--slurm-partition", help="slurm: the partition to submit to.")] = None,
+    timeout_min: Annotated[int, typer.Option(
+        "--timeout-min", callback=check.whole_number(1, 60 * 24 * 30), help="slurm: each point's time limit.")] = 120,
 ) -> None:
-    """Cost (and with --measure/--fidelity measure) every method at every budget point; one report, figures."""
+    """Cost (and with --measure/--fidelity measure) every method at every budget point; one report, figures.
+    Measured points run each in its own process (--executor), stored as they finish in --out; a rerun resumes."""
     from ficoco.sweep import SweepConfig
     from ficoco_cli.sweep_cmd import run_sweep
 
@@ -577,9 +599,18 @@ def sweep_command(
             raise FicocoError(f"{name} applies to --measure; add --measure")
     if not models_run:
         for name, given, default in (("--device", device, "auto"), ("--weights", weights, "random"),
-                                     ("--dtype", dtype, "auto")):
+                                     ("--dtype", dtype, "auto"), ("--out", out_folder, None),
+                                     ("--executor", executor, "local"), ("--workers", workers, None),
+                                     ("--gpus-per-point", gpus_per_point, None), ("--cpus-per-point", cpus_per_point, None),
+                                     ("--ray-address", ray_address, None), ("--slurm-partition", slurm_partition, None),
+                                     ("--timeout-min", timeout_min, 120)):
             if given != default:
                 raise FicocoError(f"{name} applies when models run; add --measure or --fidelity")
+    from ficoco.sweep_exec import ExecutorOptions
+
+    options = ExecutorOptions(name=executor, workers=workers, gpus_per_point=gpus_per_point,
+                              cpus_per_point=cpus_per_point, ray_address=ray_address, slurm_partition=slurm_partition,
+                              timeout_min=timeout_min, device=device)
     config = SweepConfig(
         model=model, variants=tuple(split_list(variant, "--variant")),
         keep=tuple(int(x) for x in split_list(keep, "--keep")) if keep else (),
@@ -588,7 +619,9 @@ def sweep_command(
         quants=tuple(split_list(quant, "--quant")), text_tokens=text_tokens, image_size=parse_image_size(image_size),
         frames=frames, overrides=tuple(set_values or ()), measure=measure, fidelity=fidelity, samples=samples,
         warmup=warmup, repeat=repeat, device=device, weights=weights, dtype=dtype, seed=seed)
-    run_sweep(config, json_path, plot, err if json_path == "-" else out)
+    report = run_sweep(config, json_path, plot, err if json_path == "-" else out, out=out_folder, executor=options)
+    if report.get("failed"):
+        raise typer.Exit(1)
 
 
 @app.command("show")

@@ -14,8 +14,8 @@ from rich.text import Text
 
 from ficoco.profiling.environment import environment
 from ficoco.profiling.estimate import Eta, RunEstimate
-from ficoco.profiling.matrix import BUILD_STEP, Phase, Plan, ProfileConfig, RowSpec, add_comparisons, run_profile
-from ficoco.report import write_json_atomic
+from ficoco.profiling.matrix import BUILD_STEP, Phase, Plan, ProfileConfig, RowSpec, run_profile
+from ficoco.report import add_comparisons, write_json_atomic
 from ficoco_cli.render import fmt_duration, print_profile
 
 SCHEMA = "ficoco.report/1"

@@ -42,6 +42,15 @@ def sweep_table(report: dict[str, Any]) -> Table:
         budget = ", ".join(f"{k} {v:g}" for k, v in (entry.get("budget") or {}).items())
         skipped.append(f"skipped {entry.get('variant')} {entry.get('quant')}{' ' + budget if budget else ''}: "
                        f"{entry.get('reason')}")
+    for entry in report.get("failed") or []:
+        skipped.append(f"failed {entry.get('key')} (attempt {entry.get('attempt')}): {entry.get('error')}")
+    progress = report.get("progress") or {}
+    if progress and progress.get("done") != progress.get("total"):
+        from ficoco.sweep_store import Progress
+
+        skipped.append(f"store {report.get('store')}: {Progress(**progress).line()}")
+    if report.get("concurrency_note"):
+        skipped.append(f"note: {report['concurrency_note']}")
     if skipped:
         table.caption = "\n".join(skipped)
         table.caption_justify = "left"
@@ -65,37 +74,101 @@ def draw_report(report: dict[str, Any], folder: str, console: Console) -> list[s
     return written
 
 
-def run_sweep(config: Any, json_path: str | None, plot: str | None, console: Console) -> dict[str, Any]:
-    """Plan every point (all mistakes first), cost it, measure and compare it when asked, write
-    the report (atomically, after every point when models run) and the figures."""
+def run_sweep(config: Any, json_path: str | None, plot: str | None, console: Console, *,
+              out: str | None = None, executor: Any = None) -> dict[str, Any]:
+    """Plan every point (all mistakes first) and cost it; when models run, run each point in its
+    own process on the executor, every finished point stored at once in the results store (`out`)
+    and a rerun of the same command resuming it; then the report (atomically, after every point)
+    and the figures. The report's `failed` names the points that failed (the CLI exits 1)."""
     from ficoco.report import write_json_atomic
-    from ficoco.sweep import new_report, plan_points, run_models, sweep_profile
+    from ficoco.sweep import default_store, new_report, plan_points, sweep_profile
 
     profile = sweep_profile(config)
     skipped: list[dict[str, Any]] = []
     points = plan_points(config, profile, skipped)
     report = new_report(config, profile, points, skipped)
+    failed: list[str] = []
     if config.measure or config.fidelity:
-        what = " and ".join(w for w, on in (("measuring", config.measure), ("comparing with vanilla", config.fidelity))
-                            if on)
-        console.print(f"{len(points)} point(s), {what}; one model per quant ({', '.join(config.quants)})",
-                      markup=False, highlight=False, soft_wrap=True)
-
-        def on_point(index: int, point: Any, step: str) -> None:
-            if step == "done":
-                budget = ", ".join(f"{k} {v:g}" for k, v in (point.budget or {}).items()) or "reference"
-                console.print(f"[{index + 1}/{len(points)}] {point.variant} {point.quant} {budget}: done",
-                              markup=False, highlight=False, soft_wrap=True)
-                if json_path and json_path != "-":
-                    write_json_atomic(json_path, report)
-
-        run_models(config, profile, points, report, on_point)
+        report, failed = _run_stored(config, report, points, out or default_store(config), executor, json_path,
+                                     console)
     console.print(sweep_table(report))
     if json_path:
         write_json_atomic(json_path, report)
     if plot:
         draw_report(report, plot, console)
+    if failed:
+        console.print(f"{len(failed)} of {len(points)} point(s) failed ({', '.join(failed)}; the reasons are under the "
+                      f"table and in {report.get('store')}); rerun the same command to redo them",
+                      markup=False, highlight=False, soft_wrap=True)
     return report
+
+
+def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: str, options: Any,
+                json_path: str | None, console: Console) -> tuple[dict[str, Any], list[str]]:
+    from ficoco.report import write_json_atomic
+    from ficoco.sweep_exec import ExecutorOptions, make_executor, run_points
+    from ficoco.sweep_store import SweepStore
+
+    from ficoco.sweep import check_run_here
+
+    if (options is None or options.name == "local"):
+        check_run_here(config, points)
+    store = SweepStore(folder)
+    keys = [p.key for p in points]
+    resumed = store.create_or_resume(config.to_json(), report, keys)
+    options = options or ExecutorOptions(device=config.device)
+    executor = make_executor(options)
+    by_key = {p.key: p for p in points}
+
+    def say(text: str) -> None:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def save() -> dict[str, Any]:
+        current = store.report()
+        write_json_atomic(str(store.report_path), current)
+        if json_path and json_path != "-":
+            write_json_atomic(json_path, current)
+        return current
+
+    with store.driver_lock():
+        store.clear_stale_claims()
+        seen = {k: (store.record(k) or {}).get("finished_unix") for k in keys}
+        done = sum(store.is_done(k) for k in keys)
+        what = " and ".join(w for w, on in (("measuring", config.measure), ("comparing with vanilla", config.fidelity))
+                            if on)
+        say(f"{len(points)} point(s), {what}, each in its own process; results store {store.folder} "
+            f"({f'resuming: {done} done' if resumed else 'new'}; rerun the same command to resume)")
+        say(executor.describe())
+
+        def on_tick() -> None:
+            changed = False
+            for key in keys:
+                record = store.record(key) or {}
+                if record.get("finished_unix") == seen[key]:
+                    continue
+                seen[key], changed = record.get("finished_unix"), True
+                point = by_key[key]
+                budget = ", ".join(f"{k} {v:g}" for k, v in (point.budget or {}).items()) or "reference"
+                took = record.get("duration_s")
+                how = f"done in {took:.1f} s" if record.get("status") == "done" and took is not None else \
+                    f"failed: {record.get('error')}"
+                say(f"[{store.progress(executor.parallel).line()}] {point.variant} {point.quant} {budget}: {how}")
+            if changed:
+                save()
+
+        try:
+            failed = run_points(store, executor, keys, on_tick)
+            # After the run: Ray knows the resources per point (and so whether CPU points shared) only connected.
+            store.note_run({"executor": options.name, "describe": executor.describe(),
+                            "parallel": executor.parallel, "shares_cpu": executor.shares_cpu,
+                            "failed": failed})
+        except KeyboardInterrupt:
+            save()
+            say(f"stopped: {sum(store.is_done(k) for k in keys)} of {len(keys)} point(s) are in {store.folder}; "
+                "rerun the same command to finish")
+            raise
+        on_tick()
+    return save(), failed
 
 
 def run_show(*, model: str, variant: str, keep: int | None, tflops: float | None, schedule: str | None,

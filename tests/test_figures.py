@@ -45,11 +45,14 @@ def analytic_report() -> dict:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """A measured sweep with fidelity on llava-tiny, through the command line (a few seconds)."""
+    """A measured sweep with fidelity on llava-tiny, through the command line: seven points, each in its
+    own worker process (float32 named: "auto" would time matmuls per dtype in each)."""
     folder = tmp_path_factory.mktemp("sweep")
     code, _, err = run(["sweep", "--model", "llava-tiny", "--variant", "v,l", "--keep", "64,32,16", "--scope", "all",
                         "--measure", "--fidelity", "--samples", "2", "--warmup", "0", "--repeat", "1",
-                        "--device", "cpu", "--json", str(folder / "sweep.json"), "--plot", str(folder / "figures")])
+                        "--device", "cpu", "--dtype", "fp32", "--json", str(folder / "sweep.json"),
+                        "--plot", str(folder / "figures"),
+                        "--out", str(folder / "store"), "--workers", "2"])
     assert code == 0, err
     return json.loads((folder / "sweep.json").read_text()), folder
 

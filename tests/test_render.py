@@ -66,7 +66,7 @@ def _row(variant: str, tokens: int, tflops: float, samples_ms: list[float], peak
 
 
 def _compare(rows: list[dict[str, Any]]) -> None:
-    """The comparisons `ficoco profile` adds (ficoco.profiling.matrix.add_comparisons, which needs torch)."""
+    """The comparisons `ficoco profile` adds (ficoco.report.add_comparisons)."""
     base = rows[0]
     for row in rows:
         row["speedup_vs_vanilla"] = base["latency"]["median_ms"] / row["latency"]["median_ms"]
@@ -485,7 +485,7 @@ def test_reference_report_in_an_80_column_tmux_pane():
     (19500.0, 50.0, "its fewer tokens save no measurable time and its own work adds 50.00 ms"),
 ])
 def test_verdict_says_when_the_methods_own_work_eats_its_savings(row_ms: float, own_ms: float, words: str) -> None:
-    from ficoco.profiling.matrix import own_work_vs_savings
+    from ficoco.report import own_work_vs_savings
 
     report = main_job()
     vanilla, row = report["rows"]
