@@ -606,6 +606,8 @@ def sweep_command(
                                      ("--timeout-min", timeout_min, 120)):
             if given != default:
                 raise FicocoError(f"{name} applies when models run; add --measure or --fidelity")
+    if out_folder is not None and not out_folder.strip():
+        raise FicocoError("--out is empty; give a folder for the sweep's results store")
     from ficoco.sweep_exec import ExecutorOptions
 
     options = ExecutorOptions(name=executor, workers=workers, gpus_per_point=gpus_per_point,

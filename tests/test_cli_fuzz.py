@@ -620,6 +620,13 @@ def sweep_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
         "seed": number("--seed", floats=False, low=0, high=2**32 - 1),
         "json": output("--json", paths),
         "plot": plot_folder(paths),
+        # The results store of a measured sweep (a new folder each time: a store holding another
+        # sweep's settings is refused); the local pool only, an engine would start a cluster.
+        "out": mostly(st.uuids().map(lambda u: option("--out", str(paths.folder / "stores" / u.hex), path=True)),
+                      st.sampled_from([paths.report, paths.bad_inputs[2], "", " "]).map(
+                          lambda p: option("--out", p, bad=True, path=True))),
+        "executor": choice("--executor", ["local"]),
+        "workers": counts("--workers", cheap=2),
     }
     base = [draw(model(paths, ["llava-tiny", "qwen2-vl-tiny", "llava-next-tiny"])),
             draw(names_list("--variant", VARIANTS))]
