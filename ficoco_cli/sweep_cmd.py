@@ -4,6 +4,7 @@ is in ficoco.sweep, ficoco.show and ficoco.figures)."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,7 @@ def run_sweep(config: Any, json_path: str | None, plot: str | None, console: Con
     failed: list[str] = []
     if config.measure or config.fidelity:
         report, failed = _run_stored(config, report, points, out or default_store(config), executor, json_path,
-                                     console)
+                                     plot, console)
     console.print(sweep_table(report))
     if json_path:
         write_json_atomic(json_path, report)
@@ -103,8 +104,13 @@ def run_sweep(config: Any, json_path: str | None, plot: str | None, console: Con
     return report
 
 
+# While a sweep runs, its figures (--plot) are redrawn from the store at most this often: minutes-long
+# points get every point drawn, a tiny test sweep is not slowed by drawing.
+REDRAW_EVERY_S = 60.0
+
+
 def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: str, options: Any,
-                json_path: str | None, console: Console) -> tuple[dict[str, Any], list[str]]:
+                json_path: str | None, plot: str | None, console: Console) -> tuple[dict[str, Any], list[str]]:
     from ficoco.report import write_json_atomic
     from ficoco.sweep_exec import ExecutorOptions, make_executor, run_points
     from ficoco.sweep_store import SweepStore
@@ -123,11 +129,19 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
     def say(text: str) -> None:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
 
+    drawn = [time.monotonic()]
+
     def save() -> dict[str, Any]:
         current = store.report()
         write_json_atomic(str(store.report_path), current)
         if json_path and json_path != "-":
             write_json_atomic(json_path, current)
+        if plot and time.monotonic() - drawn[0] >= REDRAW_EVERY_S:
+            from ficoco.figures import save_figure, sweep_figures
+
+            for name, figure in sweep_figures(current).items():
+                save_figure(figure, plot, name)
+            drawn[0] = time.monotonic()
         return current
 
     with store.driver_lock():
