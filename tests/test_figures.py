@@ -5,29 +5,15 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from unittest import mock
 
 import matplotlib
 import pytest
-from typer.testing import CliRunner
 
+from cli_runner import run_cli as run
 from ficoco.figures import DPI, FIGURE_SIZE_IN, cost_figure, fidelity_figure, latency_figure, sweep_figures
 from ficoco.sweep import SweepConfig, new_report, plan_points, sweep_profile
-from ficoco_cli.app import main
-
-
-def run(argv: list[str]) -> tuple[int, str, str]:
-    """`ficoco ARGV` in-process through main(): exit code, stdout, stderr."""
-    with CliRunner().isolation() as (out, err, _), mock.patch.object(sys, "argv", ["ficoco", *argv]):
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 0
-        return code, out.getvalue().decode(), err.getvalue().decode()
 
 
 def lines_by_gid(axes) -> dict[str, tuple[list[float], list[float]]]:

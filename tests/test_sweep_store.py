@@ -11,26 +11,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import pytest
-from typer.testing import CliRunner
 
+from cli_runner import run_cli as run
 from ficoco.errors import FicocoError
 from ficoco.sweep import SweepConfig, new_report, plan_points, sweep_profile
 from ficoco.sweep_exec import ExecutorOptions, run_points
 from ficoco.sweep_store import STALE_AFTER_S, SweepStore, claim_is_live, point_key
-from ficoco_cli.app import main
-
-
-def run(argv: list[str]) -> tuple[int, str, str]:
-    with CliRunner().isolation() as (out, err, _), mock.patch.object(sys, "argv", ["ficoco", *argv]):
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 0
-        return code, out.getvalue().decode(), err.getvalue().decode()
 
 
 CONFIG = SweepConfig(model="llava-tiny", variants=("v", "l"), keep=(32, 16), measure=True, warmup=0, repeat=1,
