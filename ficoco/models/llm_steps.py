@@ -46,7 +46,7 @@ from ficoco.methods.base import MethodSpec
 from ficoco.methods.stages import InLayerInput, Reduced, StepInput, last_row_attention, rows_attention
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
-from ficoco.models.patching import LanguageState, Patches, gather_rows, method_settings
+from ficoco.models.patching import LanguageState, Patches, forward_of, gather_rows, method_settings
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -179,7 +179,7 @@ class InLayerPatch:
                 attention = hf.layer_parts(layer, hf.DECODER_LAYER).attention
                 slot = install_probe(attention, armed=False, timer=self.handle.timer)
                 patches.on_undo(lambda attn=attention: remove_probe(attn))
-            patches.set(layer, "forward", self._forward(index, layer, layer.forward, slot))
+            patches.set(layer, "forward", self._forward(index, layer, forward_of(layer), slot))
 
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor], slot: Any
                  ) -> Callable[..., Tensor]:
@@ -194,6 +194,7 @@ class InLayerPatch:
             if state is None:
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                 position_embeddings=position_embeddings, **kwargs)
+            state.follow(hidden_states.device)
             attention_mask = state.slice_mask(attention_mask, index, hidden_states.shape[1])
             if not state.decoding:
                 rows = state.index
@@ -326,7 +327,7 @@ class LayerInputPatch:
                 install_rows(hf.layer_parts(layers[layer - 1], hf.DECODER_LAYER).attention, slot, patches)
                 self.slots[layer - 1] = slot
         for index, layer in enumerate(layers):
-            patches.set(layer, "forward", self._forward(index, layer, layer.forward))
+            patches.set(layer, "forward", self._forward(index, layer, forward_of(layer)))
 
     # -- the wrapped decoder layer ----------------------------------------------------------
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -336,6 +337,7 @@ class LayerInputPatch:
             if not isinstance(state, StepState):
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                 position_embeddings=position_embeddings, **kwargs)
+            state.follow(hidden_states.device)
             if state.decoding:
                 attention_mask = state.decode_mask(attention_mask, index)
                 shift = state.shift.get(index)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -12,13 +12,32 @@ from torch import Tensor
 _MISSING = object()
 
 
+def _accelerate_wrapped(obj: Any) -> bool:
+    """True for a module accelerate's `add_hook_to_module` wrapped (a device-map's alignment hook,
+    offload hook): its `forward` is accelerate's wrapper, which calls `_old_forward` between the
+    hook's pre_forward (inputs and weights onto the module's device) and post_forward."""
+    return "_hf_hook" in obj.__dict__ and "_old_forward" in obj.__dict__
+
+
+def forward_of(module: Any) -> Callable[..., Any]:
+    """The forward a patch wraps: the module's own (`module.forward`), or under an accelerate hook
+    the wrapped one (`_old_forward`), so that the patch runs inside the hook, on the module's device
+    with its offloaded weights loaded, and calling `module.forward` still runs the hook first."""
+    return module.__dict__["_old_forward"] if _accelerate_wrapped(module) else module.forward
+
+
 class Patches:
-    """Instance attributes set on modules, restored exactly (in reverse order) by `undo`."""
+    """Instance attributes set on modules, restored exactly (in reverse order) by `undo`.
+
+    Setting `forward` on a module accelerate has wrapped sets its wrapped forward (`_old_forward`)
+    instead, keeping the hook outside the patch; a patch takes its original from `forward_of`."""
 
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
+        if name == "forward" and _accelerate_wrapped(obj):
+            name = "_old_forward"
         previous = obj.__dict__.get(name, _MISSING)
 
         def restore() -> None:
@@ -113,6 +132,23 @@ class LanguageState:
     @property
     def num_visual(self) -> int:
         return self.visual_rows.shape[1]
+
+    def follow(self, device: torch.device) -> None:
+        """Move the bookkeeping onto `device`, the device of the layer about to run: under a device map
+        (accelerate) a layer's hook moves its inputs there, not this state, which the layers share.
+        Free when nothing moves (one device compare); the KV cache itself stays where each layer keeps it."""
+        if self.index.device == device:
+            return
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, Tensor):
+                setattr(self, item.name, value.to(device))
+            elif isinstance(value, tuple) and value and all(isinstance(v, Tensor) for v in value):
+                setattr(self, item.name, tuple(v.to(device) for v in value))
+            elif isinstance(value, dict) and item.name != "_mask_cache":
+                setattr(self, item.name, {k: v.to(device) if isinstance(v, Tensor) else v for k, v in value.items()})
+        if hasattr(self, "_mask_cache"):
+            self._mask_cache = {}  # a mask sliced on the previous device: sliced again here
 
     def keep(self, kept_positions: Tensor, kept_visual: Tensor, visual_rows: Tensor) -> None:
         """Apply one reduction: `kept_positions` index the current sequence, `kept_visual` the

@@ -43,7 +43,7 @@ from ficoco.methods.base import MethodSpec
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import attention_with_probabilities, own_attention, route_attention
-from ficoco.models.patching import Patches, method_settings
+from ficoco.models.patching import Patches, forward_of, method_settings
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -168,10 +168,10 @@ class TowerPatch:
             install_tower_rows(hf.layer_parts(layers[layer], hf.CLIP_LAYER).attention, slot, patches)
             self.slots[layer] = slot
         for index, layer in enumerate(layers):
-            patches.set(layer, "forward", self._forward(index, layer, layer.forward))
+            patches.set(layer, "forward", self._forward(index, layer, forward_of(layer)))
         # The projector always: it measures what every item hands the LLM (and runs the cuts).
         projector = self.adapter.stage_modules()["projector"]
-        patches.set(projector, "forward", self._projector(projector.forward))
+        patches.set(projector, "forward", self._projector(forward_of(projector)))
 
     # -- tower layers -----------------------------------------------------------------------
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
