@@ -128,6 +128,15 @@ def device_name(device: int | str | torch.device) -> str:
     return f"cuda:{device}" if isinstance(device, int) else str(device)
 
 
+def temporary_offload_dir() -> str:
+    """A fresh folder for disk-offloaded weights (removed when the process ends)."""
+    import atexit
+
+    folder = tempfile.mkdtemp(prefix="ficoco-offload-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
 def dispatch(model: nn.Module, policy: str, max_memory: str | dict | None = None,
              offload_dir: str | None = None) -> nn.Module:
     """Dispatch a built model with accelerate under `policy`: the map from `device_map_for`, the hooks
@@ -144,7 +153,7 @@ def dispatch(model: nn.Module, policy: str, max_memory: str | dict | None = None
     weights = weight_bytes_per_device(model, device_map)
     if "disk" in device_map.values() and offload_dir is None:
         offload_dir = tempfile.mkdtemp(prefix="ficoco-offload-")
-        weakref.finalize(model, shutil.rmtree, offload_dir, True)
+        weakref.finalize(model, shutil.rmtree, offload_dir, True)  # with the model, or at exit
     compute = main_device(policy)
     dispatch_model(model, device_map=device_map, main_device=compute, offload_dir=offload_dir,
                    preload_module_classes=no_split_classes(model))

@@ -70,6 +70,8 @@ class ProfileConfig:
     dtype: str = "auto"  # auto, bf16, fp16, fp32 (dtype_choice.choose_dtype)
     video: str | None = None  # a video file or a folder of frames (Video-LLaVA)
     fidelity: bool = False  # reduced rows against vanilla on the same inputs (profiling/fidelity.py)
+    device_map: str | None = None  # auto, balanced, cpu-offload: split through accelerate (models/device_map.py)
+    max_memory: str | None = None  # per-device limits of the device map: "cpu=200MiB,cuda:0=20GiB"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,8 +201,17 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
         from ficoco.models.kv_cache import check_backend
 
         check_backend()
+    from ficoco.models import device_map as maps
+
+    if maps.check_policy(config.device_map) is None and config.max_memory:
+        raise FicocoError("--max-memory sets the limits of a device map; give --device-map too")
+    maps.parse_max_memory(config.max_memory)  # a malformed limit is refused before anything is planned
+    if config.device_map and any(quant != "fp16" for quant in config.quants):
+        raise FicocoError("--device-map works with unquantized weights; drop --quant or --device-map")
     notes: list[str] = []
     device = resolve_device(config.device, notes)
+    if config.device_map:
+        device = torch.device(maps.main_device(config.device_map))
     source = config.weights if config.weights != "random" and Path(config.weights).expanduser().is_dir() else None
     profile = load_profile(source or config.model, list(config.overrides))
     from ficoco.models import supported_families
@@ -241,9 +252,24 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     from ficoco.models.build import checkpoint_dtype
     from ficoco.profiling.memory_guard import resolve_dtype_and_memory
 
+    native = checkpoint_dtype(Path(source).expanduser()) if source else None
+    if config.device_map:
+        # The map is the fit: accelerate places what the limits leave out in CPU memory or on disk.
+        from ficoco.profiling.dtype_choice import choose_dtype
+        from ficoco.profiling.memory_guard import memory_need_bytes
+
+        plan.dtype = choose_dtype(config.dtype, device, native=native)
+        if plan.dtype.upcast:
+            raise FicocoError("--device-map and an upcast layout do not mix; give --dtype bf16, fp16 or fp32")
+        # What the run needs, for the report; nothing is refused (free None).
+        plan.memory = {**memory_need_bytes(profile, plan.rows, plan.dtype, "fp16", text_tokens=config.text_tokens,
+                                           new_tokens=config.new_tokens, kv_bits=config.kv_bits),
+                       "free": None, "quant": "fp16"}
+        notes.append(f"device map {config.device_map}" + (f" within {config.max_memory}" if config.max_memory else "")
+                     + f": accelerate places the weights, computing on {device}")
+        return plan
     plan.dtype, plan.memory = resolve_dtype_and_memory(
-        profile, plan.rows, config.dtype, device, config.quants,
-        native=checkpoint_dtype(Path(source).expanduser()) if source else None,
+        profile, plan.rows, config.dtype, device, config.quants, native=native,
         text_tokens=config.text_tokens, new_tokens=config.new_tokens, kv_bits=config.kv_bits)
     return plan
 
@@ -456,7 +482,8 @@ def build_for(config: ProfileConfig, plan: Plan, quant: str) -> Any:
 
     return build_model(plan.profile if config.weights == "random" else config.model, config.weights,
                        dtype=plan.dtype if plan.dtype is not None else config.dtype, device=str(plan.device),
-                       seed=config.seed, quant=quant, check_memory=plan.dtype is None)
+                       seed=config.seed, quant=quant, check_memory=plan.dtype is None,
+                       device_map=config.device_map, max_memory=config.max_memory)
 
 
 def _failure_status(exc: BaseException) -> str:
