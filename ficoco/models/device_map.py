@@ -195,15 +195,21 @@ def summary(model: nn.Module) -> dict[str, Any] | None:
             "map": {name: device_name(device) for name, device in device_map.items()}}
 
 
-def layer_devices(model: nn.Module, prefix: str, count: int) -> list[str]:
-    """The device each of `count` layers under `prefix` (e.g. "model.language_model.layers") runs on:
-    the map entry naming the layer or the nearest enclosing module ("cpu"/"disk" run on the main device,
-    but are reported as where the weights live)."""
+def decoder_layer_devices(model: nn.Module) -> list[str]:
+    """The device each decoder layer computes on (where its KV cache lives): its map entry's GPU, or
+    for a layer whose weights wait in CPU memory or on disk, the device they are brought to (the main
+    device: the first GPU in the map, else the CPU, as dispatch_model chooses)."""
     device_map = getattr(model, "hf_device_map", None) or {}
+    decoder = model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is decoder) + ".layers"
+    summary_ = model.__dict__.get("_ficoco_device_map") or {}
+    gpus = sorted({device for device in device_map.values() if isinstance(device, int)})
+    compute = summary_.get("main_device") or (f"cuda:{gpus[0]}" if gpus else "cpu")
     devices = []
-    for index in range(count):
+    for index in range(len(decoder.layers)):
         name = f"{prefix}.{index}"
         owner = next((key for key in sorted(device_map, key=len, reverse=True)
                       if key == "" or name == key or name.startswith(key + ".")), None)
-        devices.append(device_name(device_map[owner]) if owner is not None else "cpu")
+        where = device_name(device_map[owner]) if owner is not None else compute
+        devices.append(compute if where in ("cpu", "disk") else where)
     return devices

@@ -367,7 +367,10 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
     if row.variant != "vanilla":
         handle = ficoco.apply(model, row.variant, schedule=row.schedule, image_size=config.image_size,
                               frames=config.frames)
-    latency_tracker, memory_tracker = LatencyTracker(device), MemoryTracker(device)
+    from ficoco.models import device_map as maps
+
+    split = maps.summary(model)
+    latency_tracker, memory_tracker = LatencyTracker(device), MemoryTracker(device, per_device=split is not None)
     reduction_ms: list[float] = []
     probe_ms: list[float] = []
     last: dict[str, Any] = {}
@@ -406,6 +409,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
             # before the LLM with an adaptive count (PruMerge+) plans an assumed count, this is the real one.
             measured_tokens.append(handle.measured_tokens_per_item if handle is not None else None)
             kv_bytes, kv_tokens = cache_bytes(prefill_cache), cache_tokens(prefill_cache)
+            per_device = _memory_per_device(model, row, config, plan, split, prefill_cache, memory) if split else None
             del prefill_cache
             generation = None
             generated: dict[str, Any] = {}
@@ -472,6 +476,8 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         "reduction_share": method_ms / latency.median_ms if latency.median_ms else 0.0,
         "generation": generation,
         **({"fidelity": fidelity} if plan.fidelity is not None else {}),
+        **({"device_map": {k: v for k, v in split.items() if k != "map"}, "device_map_entries": split["map"],
+            "memory_per_device": per_device} if split else {}),
         **({"visual_tokens_per_item_measured": measured_tokens[0]} if measured_tokens and measured_tokens[0] else {}),
     }
 
@@ -572,6 +578,32 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
             on_row(result | {"wall_s": time.perf_counter() - begin, "build_s": build_s})
         del model
         release_device_cache(plan.device)
+
+
+def _memory_per_device(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan, split: dict[str, Any],
+                       cache: Any, memory: Any) -> dict[str, dict[str, Any]]:
+    """Per device of a split model: the accountant's weights (the map's) and KV cache (the layers that run
+    there), the measured KV cache of those layers, and the measured peak (a GPU's allocator peak, the
+    process's peak resident set for "cpu"; "disk" has none)."""
+    from ficoco.accounting.memory import kv_cache_bytes_per_layer, memory_per_device
+    from ficoco.accounting.schedule import plan_tokens
+    from ficoco.models import device_map as maps
+    from ficoco.profiling.trackers import cache_bytes_per_layer
+
+    layers = maps.decoder_layer_devices(model)
+    arch = architecture(plan.profile)
+    tokens = plan_tokens(arch, row.schedule, text_tokens=config.text_tokens)
+    compute_bits = torch.finfo(plan.dtype.compute).bits if plan.dtype is not None else 16
+    kv_bits = row_kv_bits(config, row.quant) or compute_bits
+    analytic_kv = kv_cache_bytes_per_layer(arch, tokens, batch=row.batch, kv_bits=kv_bits,
+                                           element_bytes=compute_bits / 8)
+    table: dict[str, dict[str, Any]] = memory_per_device(split["weight_bytes_per_device"], analytic_kv, layers)
+    measured = cache_bytes_per_layer(cache)
+    peaks = memory.values.get("peak_bytes_per_device", {})
+    for device, entry in table.items():
+        entry["kv_cache_measured_bytes"] = sum(b for b, d in zip(measured, layers, strict=False) if d == device)
+        entry["peak_bytes"] = peaks.get(device)
+    return table
 
 
 def _at_measured_count(result: dict[str, Any], row: RowSpec, config: ProfileConfig, plan: Plan) -> dict[str, Any]:
