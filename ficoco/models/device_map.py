@@ -63,6 +63,14 @@ def _device_key(device: Any) -> int | str:
     raise FicocoError(f"--max-memory device '{device}' is not one; name cpu or a GPU (cuda:0, cuda:1, ...)")
 
 
+def check_limits(max_memory: dict[int | str, int] | None) -> None:
+    """Refuse limits for a GPU torch does not see (one line)."""
+    gpus = _gpu_indices()
+    for key in (max_memory or {}):
+        if key != "cpu" and key not in gpus:
+            raise FicocoError(f"--max-memory names cuda:{key}, but torch sees {len(gpus)} GPU(s)")
+
+
 def check_policy(policy: str | None) -> str | None:
     """The policy name, or a one-line refusal naming the choices."""
     if policy in (None, "", "none"):
@@ -97,9 +105,7 @@ def device_map_for(model: nn.Module, policy: str, max_memory: dict[int | str, in
     policy = check_policy(policy) or "auto"
     classes = no_split_classes(model)
     gpus = _gpu_indices()
-    for key in (max_memory or {}):
-        if key != "cpu" and key not in gpus:
-            raise FicocoError(f"--max-memory names cuda:{key}, but torch sees {len(gpus)} GPU(s)")
+    check_limits(max_memory)
     if policy == "cpu-offload":
         # Weights in CPU memory (and on disk past its limit); the GPUs hold none, they compute.
         limits = {"cpu": (max_memory or {}).get("cpu", get_max_memory()["cpu"])}

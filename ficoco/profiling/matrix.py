@@ -205,7 +205,7 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
 
     if maps.check_policy(config.device_map) is None and config.max_memory:
         raise FicocoError("--max-memory sets the limits of a device map; give --device-map too")
-    maps.parse_max_memory(config.max_memory)  # a malformed limit is refused before anything is planned
+    maps.check_limits(maps.parse_max_memory(config.max_memory))  # refused before anything is planned
     if config.device_map and any(quant != "fp16" for quant in config.quants):
         raise FicocoError("--device-map works with unquantized weights; drop --quant or --device-map")
     notes: list[str] = []
