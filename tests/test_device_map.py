@@ -101,6 +101,27 @@ def test_a_decoder_split_by_the_user_gives_the_unsplit_results(reference: nn.Mod
     assert torch.equal(logits, split_logits) and torch.equal(tokens, split_tokens) and records == split_records
 
 
+@pytest.mark.parametrize("family,keep", [("qwen2-vl-tiny", 4), ("llava-next-tiny", 28)])
+def test_other_families_offloaded_give_the_unsplit_results(family: str, keep: int) -> None:
+    """Qwen2-VL's own tower, merger and entry patches, LLaVA-NeXT's crops, with the vision tower split
+    between CPU memory and disk and the decoder on disk."""
+    whole = ficoco.build_model(family, dtype="fp32")
+    split = ficoco.build_model(family, dtype="fp32", device_map="cpu-offload", max_memory={"cpu": 700_000})
+    assert {"cpu", "disk"} <= set(split.hf_device_map.values())
+    inputs = synthetic_inputs(whole, batch=1, text_tokens=16, seed=1)
+    for variant in ("v", "l"):
+        results = []
+        for model in (whole, split):
+            handle = ficoco.apply(model, variant, keep=keep)
+            try:
+                with torch.no_grad():
+                    results.append((model(**inputs).logits, [r.kept.tolist() for r in handle.records]))
+            finally:
+                handle.remove()
+        (logits, kept), (split_logits, split_kept) = results
+        assert kept and kept == split_kept and torch.equal(logits, split_logits)
+
+
 def test_patches_wrap_the_hooked_forward_and_undo_restores_accelerates_hooks(decoder_split: nn.Module) -> None:
     hooked = {name: module for name, module in decoder_split.named_modules() if "_hf_hook" in module.__dict__}
     layer = decoder_split.model.language_model.layers[2]
