@@ -93,7 +93,9 @@ def main_device(policy: str) -> str:
 def no_split_classes(model: nn.Module) -> list[str]:
     """The module classes accelerate must keep whole on one device: the model's own `_no_split_modules`
     (its decoder and vision layers), as transformers' from_pretrained(device_map=...) uses them."""
-    return sorted(getattr(model, "_no_split_modules", None) or [])
+    from ficoco.models import hf_compat as hf
+
+    return hf.no_split_modules(model)
 
 
 def device_map_for(model: nn.Module, policy: str, max_memory: dict[int | str, int] | None = None
