@@ -57,6 +57,26 @@ class Patches:
             self._undo.pop()()
 
 
+def _moved(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, tuple) and value and all(v is None or isinstance(v, (Tensor, float, int)) for v in value):
+        return tuple(_moved(v, device) for v in value)
+    if isinstance(value, list) and value and all(v is None or isinstance(v, Tensor) for v in value):
+        return [_moved(v, device) for v in value]
+    if isinstance(value, dict):
+        return {key: _moved(v, device) for key, v in value.items()}
+    return value
+
+
+def follow_device(state: Any, device: torch.device, skip: tuple[str, ...] = ()) -> None:
+    """Move a per-forward state dataclass's tensors (also inside its tuples and dicts) onto `device`:
+    the device of the layer about to read them, under a device map that splits the model."""
+    for item in fields(state):
+        if item.name not in skip:
+            setattr(state, item.name, _moved(getattr(state, item.name), device))
+
+
 def gather_rows(x: Tensor | None, index: Tensor, dim: int) -> Tensor | None:
     """x[b, ..., index[b], ...] along `dim` (batch 0), broadcasting a batch-1 `x` first."""
     if x is None:
@@ -139,14 +159,7 @@ class LanguageState:
         Free when nothing moves (one device compare); the KV cache itself stays where each layer keeps it."""
         if self.index.device == device:
             return
-        for item in fields(self):
-            value = getattr(self, item.name)
-            if isinstance(value, Tensor):
-                setattr(self, item.name, value.to(device))
-            elif isinstance(value, tuple) and value and all(isinstance(v, Tensor) for v in value):
-                setattr(self, item.name, tuple(v.to(device) for v in value))
-            elif isinstance(value, dict) and item.name != "_mask_cache":
-                setattr(self, item.name, {k: v.to(device) if isinstance(v, Tensor) else v for k, v in value.items()})
+        follow_device(self, device, skip=("_mask_cache",))
         if hasattr(self, "_mask_cache"):
             self._mask_cache = {}  # a mask sliced on the previous device: sliced again here
 

@@ -68,7 +68,7 @@ from torch import Tensor, nn
 from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, remove_probe, route_attention
-from ficoco.models.patching import Patches, forward_of
+from ficoco.models.patching import Patches, follow_device, forward_of
 # The prompt layout and the image grid are Qwen2-VL's (the same processor rules): one function each.
 from ficoco.models.qwen2_vl import (
     PREFIX_TOKENS,
@@ -201,6 +201,8 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
                         _parts: hf.Parts = parts, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
                         _original: Callable[..., Tensor] = forward_of(layer), **kwargs: Any) -> Tensor:
                 tower = self._tower
+                if tower is not None:  # a tower split across devices (device maps)
+                    follow_device(tower, hidden_states.device)
                 full = _idx in self.full_layers
                 cu_seqlens, position_embeddings = self._block_segments(tower, _idx, cu_seqlens, position_embeddings,
                                                                        kwargs)
@@ -265,6 +267,8 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
                         _idx: int = layer_idx, _original: Callable[..., Tensor] = forward_of(layer),
                         **kwargs: Any) -> Tensor:
                 tower = self._tower
+                if tower is not None:  # a tower split across devices (device maps)
+                    follow_device(tower, hidden_states.device)
                 full = _idx in self.full_layers
                 cu_seqlens, position_embeddings = self._block_segments(tower, _idx, cu_seqlens, position_embeddings,
                                                                        kwargs)
@@ -299,6 +303,8 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         def merger_forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
             merged = inner_merger(hidden_states, *args, **kwargs)
             tower = self._tower
+            if tower is not None:  # a tower split across devices (device maps)
+                follow_device(tower, merged.device)
             if tower is None or merged.shape[0] == _total_groups(tower):
                 return merged
             return _to_window_rows(merged, tower)

@@ -53,7 +53,7 @@ from ficoco.models.llava import (
     restore_prompt,
     wants_dict,
 )
-from ficoco.models.patching import Patches, forward_of, span_lengths
+from ficoco.models.patching import Patches, follow_device, forward_of, span_lengths
 from ficoco.profiles import FAMILY_DEFAULTS
 
 if TYPE_CHECKING:
@@ -257,6 +257,8 @@ class Qwen2VLAdapter(LlavaAdapter):
                         _idx: int = layer_idx, _original: Callable[..., Tensor] = forward_of(layer),
                         **kwargs: Any) -> Tensor:
                 tower = self._tower
+                if tower is not None:  # a tower split across devices (device maps)
+                    follow_device(tower, hidden_states.device)
                 if tower is not None and tower.cu_seqlens is not None:  # an earlier block merged
                     cu_seqlens, position_embeddings = tower.cu_seqlens, tower.position_embeddings
                     if "max_seqlen" in kwargs:
@@ -368,6 +370,8 @@ class Qwen2VLAdapter(LlavaAdapter):
 
         def merger_forward(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
             tower = self._tower
+            if tower is not None:  # a tower split across devices (device maps)
+                follow_device(tower, hidden.device)
             if tower is None or removal is None or slot is None:
                 return original_merger(hidden, *args, **kwargs)
             keys = self._image_keys(slot.take_chunks(), tower)
@@ -606,6 +610,8 @@ class Qwen2VLAdapter(LlavaAdapter):
                         _parts: hf.Parts = parts, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
                         _original: Callable[..., Tensor] = forward_of(layer), **kwargs: Any) -> Tensor:
                 tower = self._tower
+                if tower is not None:  # a tower split across devices (device maps)
+                    follow_device(tower, hidden_states.device)
                 if tower is not None and tower.cu_seqlens is not None:  # an earlier layer reduced
                     cu_seqlens, position_embeddings = tower.cu_seqlens, tower.position_embeddings
                     if "max_seqlen" in kwargs:
