@@ -79,6 +79,15 @@ def test_the_map_offloads_past_the_cpu_limit(offloaded: nn.Module) -> None:
     assert any(p.device.type == "meta" for p in offloaded.parameters())  # offloaded weights: not in memory
 
 
+def test_a_model_wholly_on_disk_takes_its_inputs_on_the_computing_device(reference: nn.Module) -> None:
+    on_disk = ficoco.build_model("llava-tiny", dtype="fp32", device_map="cpu-offload", max_memory="cpu=1KiB")
+    assert set(on_disk.hf_device_map.values()) == {"disk"} and next(on_disk.parameters()).device.type == "meta"
+    inputs = synthetic_inputs(on_disk, batch=1, text_tokens=8, seed=4)  # placed on the CPU, not on meta
+    assert {value.device.type for value in inputs.values()} == {"cpu"}
+    with torch.no_grad():
+        assert torch.equal(on_disk(**inputs).logits, reference(**inputs).logits)
+
+
 @pytest.mark.parametrize("variant", [None, *METHODS])
 def test_offloaded_model_gives_the_unsplit_logits_kept_tokens_and_generation(
         reference: nn.Module, offloaded: nn.Module, variant: str | None) -> None:
@@ -213,11 +222,11 @@ def test_a_gpu_split_gives_the_unsplit_tokens() -> None:
     the model on one GPU: the same generated tokens and kept tokens for vanilla and the methods."""
     whole = ficoco.build_model("llava-tiny", dtype="fp32", device="cuda")
     gpus = torch.cuda.device_count()
-    limits = {index: "700KiB" for index in range(gpus)} | {"cpu": "1GiB"}
+    limits = {index: "1200KiB" for index in range(gpus)} | {"cpu": "1GiB"}  # llava-tiny: about 2 MB in fp32
     split = ficoco.build_model("llava-tiny", dtype="fp32", device_map="balanced" if gpus > 1 else "auto",
                                max_memory=limits)
     devices = set(split.hf_device_map.values())
-    assert len(devices) > 1 and 0 in devices
+    assert len(devices) > 1
     inputs = synthetic_inputs(whole, batch=2, text_tokens=8, seed=3, device="cuda")
     for variant in (None, "v", "l", "fastv", "tome"):
         logits, tokens, records = run(whole, variant, inputs)

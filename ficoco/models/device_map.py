@@ -116,6 +116,11 @@ def device_map_for(model: nn.Module, policy: str, max_memory: dict[int | str, in
         if policy == "balanced" and len(gpus) > 1:
             limits = get_balanced_memory(model, max_memory=limits, no_split_module_classes=classes)
     device_map = infer_auto_device_map(model, max_memory=limits, no_split_module_classes=classes)
+    if set(device_map) == {""} and device_map[""] == "disk":
+        # The whole model on disk: dispatch_model saves disk entries by module name, and the model's
+        # own (empty) name saves nothing; the uncleaned map names every module.
+        device_map = infer_auto_device_map(model, max_memory=limits, no_split_module_classes=classes,
+                                           clean_result=False)
     return dict(device_map)
 
 
@@ -201,6 +206,20 @@ def summary(model: nn.Module) -> dict[str, Any] | None:
             "modules_per_device": _count(device_map),
             "weight_bytes_per_device": weight_bytes_per_device(model, device_map),
             "map": {name: device_name(device) for name, device in device_map.items()}}
+
+
+def main_device_of(model: nn.Module) -> torch.device | None:
+    """The device a dispatched model computes on first (where its inputs go): ficoco's map's main
+    device, or for a map the user made, its first GPU entry (the CPU when it has none), as
+    dispatch_model chooses; None for a model on one device."""
+    own = model.__dict__.get("_ficoco_device_map")
+    if own is not None and own.get("main_device"):
+        return torch.device(own["main_device"])
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map:
+        return None
+    gpus = [device for device in device_map.values() if device not in ("cpu", "disk")]
+    return torch.device(device_name(gpus[0]) if gpus else "cpu")
 
 
 def decoder_layer_devices(model: nn.Module) -> list[str]:
