@@ -131,6 +131,20 @@ def test_other_families_offloaded_give_the_unsplit_results(family: str, keep: in
         assert kept and kept == split_kept and torch.equal(logits, split_logits)
 
 
+def test_a_checkpoint_loads_into_the_map_and_gives_the_unsplit_results(reference: nn.Module, tmp_path) -> None:
+    """from_pretrained places the checkpoint itself (its hooks load each linear's weights when it is
+    called, not a whole layer's): PDrop's own query-key projections still see their weights."""
+    reference.save_pretrained(tmp_path)
+    split = ficoco.build_model("llava-tiny", str(tmp_path), dtype="fp32", device_map="auto",
+                               max_memory=f"cpu={CPU_LIMIT}")
+    assert {"cpu", "disk"} <= set(split.hf_device_map.values()) and split._ficoco_device_map["policy"] == "auto"
+    inputs = synthetic_inputs(reference, batch=1, text_tokens=8, seed=5)
+    for variant in ("l", "pdrop"):
+        logits, tokens, records = run(reference, variant, inputs)
+        split_logits, split_tokens, split_records = run(split, variant, inputs)
+        assert torch.equal(logits, split_logits) and torch.equal(tokens, split_tokens) and records == split_records
+
+
 def test_patches_wrap_the_hooked_forward_and_undo_restores_accelerates_hooks(decoder_split: nn.Module) -> None:
     hooked = {name: module for name, module in decoder_split.named_modules() if "_hf_hook" in module.__dict__}
     layer = decoder_split.model.language_model.layers[2]

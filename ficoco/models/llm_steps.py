@@ -145,8 +145,10 @@ def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, vis
     q_proj, k_proj, head_dim, scaling = hf.attention_projections(parts.attention)
     normed = parts.input_norm(hidden)
     batch, length, _ = normed.shape
-    query = F.linear(normed[:, -1:], q_proj.weight, q_proj.bias).view(batch, 1, -1, head_dim).transpose(1, 2)
-    keys = F.linear(normed, k_proj.weight, k_proj.bias).view(batch, length, -1, head_dim).transpose(1, 2)
+    # The projections are called as modules (not F.linear on their weights): an offloaded layer's
+    # weights are loaded by the module's own accelerate hook, a quantized or upcast linear computes its way.
+    query = q_proj(normed[:, -1:]).view(batch, 1, -1, head_dim).transpose(1, 2)
+    keys = k_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
     query = rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
     keys = rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
     return last_row_attention(query[:, :, 0], keys, visible, scaling)
