@@ -357,6 +357,11 @@ def offload_fit(profile: Profile, need: dict[str, float], dtype: DtypeChoice, fr
     if running > free_bytes:
         return None
     if device.type == "cuda":
+        host_free, _ = free_memory("cpu")
+        if host_free is not None and need["weights"] + MARGIN_BYTES > host_free:
+            host_limit_mib = int(max(host_free - MARGIN_BYTES, 0) / 2**20)
+            return (f"--device-map cpu-offload --max-memory cpu={host_limit_mib}MiB (weights past it on disk; "
+                    f"{_gb(running)} on the GPU, one layer's weights at a time)")
         return (f"--device-map cpu-offload (weights {_gb(need['weights'])} in CPU memory; {_gb(running)} "
                 f"on the GPU, one layer's weights at a time)")
     cpu_limit_mib = int((free_bytes - running) / 2**20)
