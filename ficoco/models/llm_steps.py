@@ -138,6 +138,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+def _project(linear: nn.Module, x: Tensor) -> Tensor:
+    """`linear` applied to `x` as the method's own work: F.linear on its weights (flops --verify counts it
+    in the method's stage, not the layer's), or, where accelerate hooked the linear itself (a checkpoint
+    offloaded by from_pretrained's device map, whose weights wait on meta until the module is called),
+    the module call, which loads them."""
+    if "_hf_hook" in linear.__dict__:
+        return linear(x)
+    return F.linear(x, linear.weight, linear.bias)
+
+
 def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor) -> Tensor:
     """(B, H, T) the last row's attention recomputed with the layer's own input norm, q (last row) and
     k projections and RoPE (PDrop's rank layer), softmaxed in float32 over the visible keys."""
@@ -145,10 +155,8 @@ def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, vis
     q_proj, k_proj, head_dim, scaling = hf.attention_projections(parts.attention)
     normed = parts.input_norm(hidden)
     batch, length, _ = normed.shape
-    # The projections are called as modules (not F.linear on their weights): an offloaded layer's
-    # weights are loaded by the module's own accelerate hook, a quantized or upcast linear computes its way.
-    query = q_proj(normed[:, -1:]).view(batch, 1, -1, head_dim).transpose(1, 2)
-    keys = k_proj(normed).view(batch, length, -1, head_dim).transpose(1, 2)
+    query = _project(q_proj, normed[:, -1:]).view(batch, 1, -1, head_dim).transpose(1, 2)
+    keys = _project(k_proj, normed).view(batch, length, -1, head_dim).transpose(1, 2)
     query = rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
     keys = rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
     return last_row_attention(query[:, :, 0], keys, visible, scaling)
