@@ -734,13 +734,15 @@ def device_map_lines(report: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     summary = rows[0].get("device_map") or {}
-    weights = ", ".join(f"{device} {fmt_bytes(n)}" for device, n in (summary.get("weight_bytes_per_device") or {}).items())
+    per_device = summary.get("weight_bytes_per_device") or {}
+    weights = ", ".join(f"{device} {fmt_bytes(n)}" for device, n in per_device.items())
     lines = [f"device map {summary.get('policy')}: computing on {summary.get('main_device') or 'its devices'}; "
              f"weights {weights}"]
     for row in rows:
         parts = []
         for device, entry in row["memory_per_device"].items():
-            text = f"{device}: weights {fmt_bytes(entry.get('weights_bytes'))}, KV {fmt_bytes(entry.get('kv_cache_bytes'))}"
+            text = (f"{device}: weights {fmt_bytes(entry.get('weights_bytes'))}, "
+                    f"KV {fmt_bytes(entry.get('kv_cache_bytes'))}")
             if entry.get("peak_bytes") is not None:
                 text += f", peak {fmt_bytes(entry['peak_bytes'])}"
             parts.append(text)

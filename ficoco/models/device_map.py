@@ -45,7 +45,8 @@ def parse_max_memory(text: str | dict | None) -> dict[int | str, int] | None:
     limits: dict[int | str, int] = {}
     for device, size in items:
         if size is None:
-            raise FicocoError(f"--max-memory entry '{device}' has no size; write DEVICE=SIZE, e.g. cpu=200MiB,cuda:0=20GiB")
+            raise FicocoError(f"--max-memory entry '{device}' has no size; write DEVICE=SIZE, "
+                              "e.g. cpu=200MiB,cuda:0=20GiB")
         limits[_device_key(device)] = size if isinstance(size, int) else parse_size_bytes(size)
     return limits
 
