@@ -361,6 +361,13 @@ def profile_command(
     dtype: DtypeOpt = "auto",
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the plan and its time estimate, then exit without building a model.")] = False,
+    device_map: Annotated[str | None, typer.Option(
+        "--device-map", help="Split the model through accelerate: auto (GPUs, then CPU memory, then disk), balanced "
+                             "(even over the GPUs) or cpu-offload (weights in CPU memory and on disk, computed "
+                             "on the GPU, else the CPU).")] = None,
+    max_memory: Annotated[str | None, typer.Option(
+        "--max-memory", help="Per-device limits for --device-map, e.g. cpu=200MiB,cuda:0=20GiB (what fits nowhere "
+                             "goes to disk).")] = None,
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
     from ficoco.profiling.config import parse_batches
@@ -384,7 +391,7 @@ def profile_command(
         new_tokens=new_tokens, warmup=warmup, repeat=repeat, device=device, weights=weights, image=image,
         prompt=prompt, overrides=tuple(set_values or ()), seed=seed, kv_bits=kv_bits,
         image_size=parse_image_size(image_size), frames=frames, dtype=parse_dtype(dtype), video=video,
-        fidelity=fidelity,
+        fidelity=fidelity, device_map=device_map, max_memory=max_memory,
     )
     # A real prompt is laid out by the checkpoint's processor first: its mistakes are the user's,
     # and the run is planned for the layout it made.

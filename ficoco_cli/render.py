@@ -721,8 +721,34 @@ def print_profile(console: Console, report: dict[str, Any], wide: bool = False) 
         console.print(table)
         for line in fidelity_lines(report):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for line in device_map_lines(report):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     if line := time_line(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def device_map_lines(report: dict[str, Any]) -> list[str]:
+    """Under --device-map: the map in one line, then per row the memory of every device (the accountant's
+    weights and KV cache there, the measured peak); none for a model on one device."""
+    rows = [row for row in report.get("rows", []) if row.get("memory_per_device")]
+    if not rows:
+        return []
+    summary = rows[0].get("device_map") or {}
+    per_device = summary.get("weight_bytes_per_device") or {}
+    weights = ", ".join(f"{device} {fmt_bytes(n)}" for device, n in per_device.items())
+    lines = [f"device map {summary.get('policy')}: computing on {summary.get('main_device') or 'its devices'}; "
+             f"weights {weights}"]
+    for row in rows:
+        parts = []
+        for device, entry in row["memory_per_device"].items():
+            text = (f"{device}: weights {fmt_bytes(entry.get('weights_bytes'))}, "
+                    f"KV {fmt_bytes(entry.get('kv_cache_bytes'))}")
+            if entry.get("peak_bytes") is not None:
+                text += f", peak {fmt_bytes(entry['peak_bytes'])}"
+            parts.append(text)
+        label = f"{row.get('variant')} {row.get('quant')} b{row.get('batch')}"
+        lines.append(f"memory per device, {label}: " + "; ".join(parts))
+    return lines
 
 
 # ---- the method comparison (ficoco flops / profile / report with several methods) --------------------------------

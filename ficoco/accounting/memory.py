@@ -183,3 +183,28 @@ def roofline_seconds(ops: list[Op], scope: str, quant: Quant, gpu: Hardware) -> 
         for op in ops
         if op.stage in SCOPE_STAGES[scope]
     )
+
+
+def memory_per_device(weight_bytes_per_device: dict[str, float], kv_bytes_per_layer: list[float],
+                      layer_devices: list[str]) -> dict[str, dict[str, float]]:
+    """Under a device map: per device, the weights the map puts there and the KV cache of the decoder
+    layers that run there (layer k's cache lives where layer k computes). Devices are names such as
+    "cuda:0", "cpu", "disk"; a device with weights but no layer holds no cache."""
+    if len(kv_bytes_per_layer) != len(layer_devices):
+        raise ValueError(f"{len(kv_bytes_per_layer)} layers' KV bytes for {len(layer_devices)} layer devices")
+    devices = list(dict.fromkeys([*weight_bytes_per_device, *layer_devices]))
+    table = {device: {"weights_bytes": float(weight_bytes_per_device.get(device, 0)), "kv_cache_bytes": 0.0}
+             for device in devices}
+    for kv, device in zip(kv_bytes_per_layer, layer_devices, strict=True):
+        table[device]["kv_cache_bytes"] += kv
+    return table
+
+
+def kv_cache_bytes_per_layer(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: int,
+                             element_bytes: float | None = None) -> list[float]:
+    """`stored_kv_cache_bytes` after the prefill, layer by layer (its terms, in layer order)."""
+    if element_bytes is None:
+        element_bytes = max(2.0, kv_bits / 8)
+    d = arch.decoder
+    return [kv_layer_bytes(n_in, batch=batch, kv_heads=d.kv_heads, head_dim=d.head_dim, kv_bits=kv_bits,
+                           element_bytes=element_bytes, decode_steps=0) for n_in, _ in plan.llm]

@@ -242,6 +242,7 @@ def build_model(profile: Profile | str, weights: str = "random", *,
                 dtype: str | torch.dtype | DtypeChoice | None = "auto", device: str = "cpu",
                 overrides: list[str] | dict[str, Any] | None = None, seed: int = 0,
                 attn_implementation: str = "sdpa", quant: str = "fp16", check_memory: bool = True,
+                device_map: str | None = None, max_memory: str | dict | None = None, offload_dir: str | None = None,
                 **load_kwargs: Any) -> nn.Module:
     """Build the profile's model.
 
@@ -255,6 +256,12 @@ def build_model(profile: Profile | str, weights: str = "random", *,
     in `dtype`), both through bitsandbytes. With `check_memory` the build is refused with a
     FicocoError (and advice) when it would not fit in free memory. The choice is kept on the
     model as `_ficoco_dtype`. `trust_remote_code` stays off.
+    `device_map` (auto, balanced, cpu-offload; see ficoco.models.device_map) splits the model across
+    devices, CPU memory and disk through accelerate, within `max_memory` ("cpu=200MiB,cuda:0=20GiB" or
+    {"cpu": "200MiB", 0: "20GiB"}); disk entries go to `offload_dir` (a temporary folder by default).
+    Random weights are built in host memory, then dispatched; a checkpoint is loaded into the map by
+    from_pretrained (auto, balanced) or loaded in host memory, then dispatched (cpu-offload). The
+    memory guard is then skipped: the map is what fits.
     """
     from ficoco.models.quantize import QUANTS, bitsandbytes_config, check_quantized, quantizer
 
@@ -273,9 +280,20 @@ def build_model(profile: Profile | str, weights: str = "random", *,
         from ficoco.profiles import apply_overrides
 
         apply_overrides(profile, overrides)
+    from ficoco.models import device_map as maps
+
+    policy = maps.check_policy(device_map)
+    limits = maps.parse_max_memory(max_memory)
+    if policy is not None:
+        if quant != "fp16":
+            raise FicocoError("--device-map works with unquantized weights (quant fp16); drop --quant or the map")
+        device = maps.main_device(policy)
+        check_memory = False
     path = Path(weights).expanduser()
     native = checkpoint_dtype(path) if weights != "random" and path.is_dir() else None
     choice = _choose(profile, dtype, device, quant, native, check_memory)
+    if policy is not None and choice.upcast:
+        raise FicocoError("--device-map and an upcast layout do not mix; give --dtype bf16, fp16 or fp32")
     upcast = choice.upcast and quant == "fp16"
     # Built in the storage dtype (an upcast layout converts all but its upcast weights after);
     # bitsandbytes replaces the linears, and the rest computes in the compute dtype.
@@ -286,30 +304,47 @@ def build_model(profile: Profile | str, weights: str = "random", *,
         # Parameters start on the meta device (no init functions run) and are materialised,
         # filled and (for int8/int4) quantized module by module; buffers such as rotary
         # frequencies are computed by the constructors as usual.
-        with torch.device(device), hf.no_init_weights(), _parameters_on_meta():
+        # Under a device map the weights are made in host memory, then dispatched.
+        build_device = "cpu" if policy is not None else device
+        with torch.device(build_device), hf.no_init_weights(), _parameters_on_meta():
             model = AutoModelForImageTextToText.from_config(config, dtype=build_dtype)
         quantize = quantizer(model, quant, compute_dtype=choice.compute)
-        _materialize_(model, device, _Filler(seed, 0.02), quantize)
+        _materialize_(model, build_device, _Filler(seed, 0.02), quantize)
         if getattr(model.config, "tie_word_embeddings", False) or getattr(
                 model.config.get_text_config(), "tie_word_embeddings", False):
             model.tie_weights()
         info = quantize.info() if quant != "fp16" else {"backend": "torch", "scheme": str(build_dtype)}
         check_quantized(model, quant)
+        if policy is not None:
+            maps.dispatch(model, policy, limits, offload_dir)
     else:
         source = str(path) if path.exists() else weights
         if path.exists() and not (path / "config.json").is_file():
             raise FicocoError(f"{weights} has no config.json; give a model checkout folder")
+        placement: dict[str, Any] = {"device_map": device if device != "cpu" else None}
+        if policy in ("auto", "balanced"):
+            # Loaded straight into transformers' map of the same name (never whole in host memory).
+            placement = {"device_map": policy, "max_memory": limits,
+                         "offload_folder": offload_dir or maps.temporary_offload_dir()}
+        elif policy == "cpu-offload":
+            placement = {"device_map": None}  # whole in host memory, then dispatched below
         try:
             model = AutoModelForImageTextToText.from_pretrained(
                 source, dtype=build_dtype, local_files_only=True, trust_remote_code=False,
-                attn_implementation=attn_implementation, device_map=device if device != "cpu" else None,
-                quantization_config=bitsandbytes_config(quant, choice.compute), **load_kwargs,
+                attn_implementation=attn_implementation,
+                quantization_config=bitsandbytes_config(quant, choice.compute), **placement, **load_kwargs,
             )
         except (OSError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise FicocoError(f"cannot load '{weights}' offline: {first}") from None
         check_quantized(model, quant)
         info = {"backend": "transformers + bitsandbytes" if quant != "fp16" else "torch", "scheme": quant}
+        if policy == "cpu-offload":
+            maps.dispatch(model, policy, limits, offload_dir)
+        elif policy is not None and getattr(model, "hf_device_map", None):
+            hf_map = dict(model.hf_device_map)
+            maps.remember_device_map(model, policy, hf_map, maps.weight_bytes_per_device(model, hf_map), device,
+                                     limits, placement["offload_folder"])
     if upcast:
         info["upcast_layers"] = apply_upcast_layout_(model, choice)
         info["upcast_ms_per_forward"] = time_upcast_ms(model)

@@ -739,3 +739,21 @@ def _check_input_embeddings() -> None:
 def embed_tokens(model: nn.Module, input_ids: Any) -> Any:
     """The LLM's input embeddings of `input_ids`, from the model's own table (`get_input_embeddings()`)."""
     return _require_attribute("input embeddings", model, "get_input_embeddings")()(input_ids)
+
+
+# -- device maps (ficoco.models.device_map): the layers accelerate must keep whole ---------------------------------
+
+
+@contact("no-split modules")
+def _check_no_split_modules() -> None:
+    from transformers.models.llama import modeling_llama as llama
+
+    _require_attribute("no-split modules", _module("modeling_utils").PreTrainedModel, "_no_split_modules")
+    if "LlamaDecoderLayer" not in (llama.LlamaPreTrainedModel._no_split_modules or ()):
+        raise ContactChanged("no-split modules", "LlamaPreTrainedModel._no_split_modules no longer names its layer")
+
+
+def no_split_modules(model: nn.Module) -> list[str]:
+    """The module classes a device map must keep whole on one device (the model's decoder and vision
+    layers, gathered from its parts at construction), as from_pretrained(device_map=...) uses them."""
+    return sorted(_require_attribute("no-split modules", model, "_no_split_modules") or [])

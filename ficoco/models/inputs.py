@@ -42,13 +42,21 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device)
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where a model's inputs go: its first parameter's device, or under a device map (whose first
+    parameter may wait on disk, on the meta device) the device the map computes on first."""
+    from ficoco.models.device_map import main_device_of
+
+    return main_device_of(model) or next(model.parameters()).device
+
+
 def place_inputs(model: nn.Module, input_ids: Tensor, pixel_name: str, pixels: Tensor, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  **extra: Tensor) -> dict[str, Tensor]:
     """The inputs on the model's device (or `device`), pixels in its floating dtype (or `dtype`),
     with an all-ones attention mask."""
     param = next(model.parameters())
-    device = device or param.device
+    device = device or input_device(model)
     pixel_dtype = dtype or (param.dtype if param.is_floating_point() else torch.float16)
     return {
         "input_ids": input_ids.to(device),
@@ -73,7 +81,7 @@ def real_inputs(model: nn.Module, weights: str, *, image: str | None, prompt: st
     except (OSError, UnidentifiedImageError) as exc:
         raise FicocoError(f"--image {image}: cannot read it as an image ({exc})") from None
     param = next(model.parameters())
-    device = device or param.device
+    device = device or input_device(model)
     pixel_dtype = param.dtype if param.is_floating_point() else torch.float16
     size = model.config.vision_config.image_size
     # LLaVA-1.5's preprocessing: shortest side to the tower's size, centre crop, CLIP's mean/std.

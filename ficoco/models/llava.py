@@ -19,7 +19,7 @@ from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import check_attention_implementation
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
-from ficoco.models.patching import LanguageState, Patches, gather_rows
+from ficoco.models.patching import LanguageState, Patches, forward_of, gather_rows
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -212,7 +212,7 @@ class LlavaAdapter:
         turn `labels` into the loss over the positions that remain (see `Handle`).
         """
         model = self.model
-        original_forward = model.forward
+        original_forward = forward_of(model)
         original_generate = model.generate
         signature = inspect.signature(original_forward)
         from ficoco.methods.registry import method
@@ -304,6 +304,7 @@ class LlavaAdapter:
             output = original_forward(**call, return_dict=True)
             state = handle.language_state
             if in_llm and state is not None and not state.decoding:
+                state.follow(output.logits.device)  # the last layer's device, under a device map
                 state.cache = hf.output_cache(output)
                 if state.cache is not None:
                     handle.cache_states[state.cache] = state

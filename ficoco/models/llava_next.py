@@ -38,7 +38,7 @@ from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import PREFIX_TOKENS, place_inputs
 from ficoco.models.llava import LlavaAdapter
-from ficoco.models.patching import LanguageState, Patches, span_lengths
+from ficoco.models.patching import LanguageState, Patches, forward_of, span_lengths
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -416,7 +416,7 @@ class LlavaNextAdapter(LlavaAdapter):
         bookkeeping (a forward inside generate sees the generation's)."""
         super().patch_entry(handle, patches, variant, keep_per_image)
         model = self.model
-        inner_forward, inner_generate = model.forward, model.generate
+        inner_forward, inner_generate = forward_of(model), model.generate
         signature = inspect.signature(inner_forward)  # the model's own (followed through __wrapped__)
 
         def with_sizes(sizes: Any, call: Any, *args: Any, **kwargs: Any) -> Any:

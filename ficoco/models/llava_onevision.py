@@ -37,7 +37,7 @@ from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava_next import ImageLayout, LlavaNextAdapter, _unpadded_window
-from ficoco.models.patching import Patches, span_lengths
+from ficoco.models.patching import Patches, forward_of, span_lengths
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -378,7 +378,7 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         several images packs each as its base view alone)."""
         super().patch_entry(handle, patches, variant, keep_per_image)
         model = self.model
-        inner_forward, inner_generate = model.forward, model.generate
+        inner_forward, inner_generate = forward_of(model), model.generate
 
         def with_counts(counts: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
             if counts is None:

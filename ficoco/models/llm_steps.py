@@ -46,7 +46,7 @@ from ficoco.methods.base import MethodSpec
 from ficoco.methods.stages import InLayerInput, Reduced, StepInput, last_row_attention, rows_attention
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
-from ficoco.models.patching import LanguageState, Patches, gather_rows, method_settings
+from ficoco.models.patching import LanguageState, Patches, forward_of, gather_rows, method_settings
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -138,6 +138,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+def _project(linear: nn.Module, x: Tensor) -> Tensor:
+    """`linear` applied to `x` as the method's own work: F.linear on its weights (flops --verify counts it
+    in the method's stage, not the layer's), or, where accelerate hooked the linear itself (a checkpoint
+    offloaded by from_pretrained's device map, whose weights wait on meta until the module is called),
+    the module call, which loads them."""
+    if "_hf_hook" in linear.__dict__:
+        return linear(x)
+    return F.linear(x, linear.weight, linear.bias)
+
+
 def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor) -> Tensor:
     """(B, H, T) the last row's attention recomputed with the layer's own input norm, q (last row) and
     k projections and RoPE (PDrop's rank layer), softmaxed in float32 over the visible keys."""
@@ -145,8 +155,8 @@ def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, vis
     q_proj, k_proj, head_dim, scaling = hf.attention_projections(parts.attention)
     normed = parts.input_norm(hidden)
     batch, length, _ = normed.shape
-    query = F.linear(normed[:, -1:], q_proj.weight, q_proj.bias).view(batch, 1, -1, head_dim).transpose(1, 2)
-    keys = F.linear(normed, k_proj.weight, k_proj.bias).view(batch, length, -1, head_dim).transpose(1, 2)
+    query = _project(q_proj, normed[:, -1:]).view(batch, 1, -1, head_dim).transpose(1, 2)
+    keys = _project(k_proj, normed).view(batch, length, -1, head_dim).transpose(1, 2)
     query = rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
     keys = rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
     return last_row_attention(query[:, :, 0], keys, visible, scaling)
@@ -179,7 +189,7 @@ class InLayerPatch:
                 attention = hf.layer_parts(layer, hf.DECODER_LAYER).attention
                 slot = install_probe(attention, armed=False, timer=self.handle.timer)
                 patches.on_undo(lambda attn=attention: remove_probe(attn))
-            patches.set(layer, "forward", self._forward(index, layer, layer.forward, slot))
+            patches.set(layer, "forward", self._forward(index, layer, forward_of(layer), slot))
 
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor], slot: Any
                  ) -> Callable[..., Tensor]:
@@ -194,6 +204,7 @@ class InLayerPatch:
             if state is None:
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                 position_embeddings=position_embeddings, **kwargs)
+            state.follow(hidden_states.device)
             attention_mask = state.slice_mask(attention_mask, index, hidden_states.shape[1])
             if not state.decoding:
                 rows = state.index
@@ -326,7 +337,7 @@ class LayerInputPatch:
                 install_rows(hf.layer_parts(layers[layer - 1], hf.DECODER_LAYER).attention, slot, patches)
                 self.slots[layer - 1] = slot
         for index, layer in enumerate(layers):
-            patches.set(layer, "forward", self._forward(index, layer, layer.forward))
+            patches.set(layer, "forward", self._forward(index, layer, forward_of(layer)))
 
     # -- the wrapped decoder layer ----------------------------------------------------------
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -336,6 +347,7 @@ class LayerInputPatch:
             if not isinstance(state, StepState):
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                 position_embeddings=position_embeddings, **kwargs)
+            state.follow(hidden_states.device)
             if state.decoding:
                 attention_mask = state.decode_mask(attention_mask, index)
                 shift = state.shift.get(index)

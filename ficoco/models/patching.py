@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -12,13 +12,32 @@ from torch import Tensor
 _MISSING = object()
 
 
+def _accelerate_wrapped(obj: Any) -> bool:
+    """True for a module accelerate's `add_hook_to_module` wrapped (a device-map's alignment hook,
+    offload hook): its `forward` is accelerate's wrapper, which calls `_old_forward` between the
+    hook's pre_forward (inputs and weights onto the module's device) and post_forward."""
+    return "_hf_hook" in obj.__dict__ and "_old_forward" in obj.__dict__
+
+
+def forward_of(module: Any) -> Callable[..., Any]:
+    """The forward a patch wraps: the module's own (`module.forward`), or under an accelerate hook
+    the wrapped one (`_old_forward`), so that the patch runs inside the hook, on the module's device
+    with its offloaded weights loaded, and calling `module.forward` still runs the hook first."""
+    return module.__dict__["_old_forward"] if _accelerate_wrapped(module) else module.forward
+
+
 class Patches:
-    """Instance attributes set on modules, restored exactly (in reverse order) by `undo`."""
+    """Instance attributes set on modules, restored exactly (in reverse order) by `undo`.
+
+    Setting `forward` on a module accelerate has wrapped sets its wrapped forward (`_old_forward`)
+    instead, keeping the hook outside the patch; a patch takes its original from `forward_of`."""
 
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
+        if name == "forward" and _accelerate_wrapped(obj):
+            name = "_old_forward"
         previous = obj.__dict__.get(name, _MISSING)
 
         def restore() -> None:
@@ -36,6 +55,26 @@ class Patches:
     def undo(self) -> None:
         while self._undo:
             self._undo.pop()()
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, tuple) and value and all(v is None or isinstance(v, (Tensor, float, int)) for v in value):
+        return tuple(_moved(v, device) for v in value)
+    if isinstance(value, list) and value and all(v is None or isinstance(v, Tensor) for v in value):
+        return [_moved(v, device) for v in value]
+    if isinstance(value, dict):
+        return {key: _moved(v, device) for key, v in value.items()}
+    return value
+
+
+def follow_device(state: Any, device: torch.device, skip: tuple[str, ...] = ()) -> None:
+    """Move a per-forward state dataclass's tensors (also inside its tuples and dicts) onto `device`:
+    the device of the layer about to read them, under a device map that splits the model."""
+    for item in fields(state):
+        if item.name not in skip:
+            setattr(state, item.name, _moved(getattr(state, item.name), device))
 
 
 def gather_rows(x: Tensor | None, index: Tensor, dim: int) -> Tensor | None:
@@ -113,6 +152,16 @@ class LanguageState:
     @property
     def num_visual(self) -> int:
         return self.visual_rows.shape[1]
+
+    def follow(self, device: torch.device) -> None:
+        """Move the bookkeeping onto `device`, the device of the layer about to run: under a device map
+        (accelerate) a layer's hook moves its inputs there, not this state, which the layers share.
+        Free when nothing moves (one device compare); the KV cache itself stays where each layer keeps it."""
+        if self.index.device == device:
+            return
+        follow_device(self, device, skip=("_mask_cache",))
+        if hasattr(self, "_mask_cache"):
+            self._mask_cache = {}  # a mask sliced on the previous device: sliced again here
 
     def keep(self, kept_positions: Tensor, kept_visual: Tensor, visual_rows: Tensor) -> None:
         """Apply one reduction: `kept_positions` index the current sequence, `kept_visual` the

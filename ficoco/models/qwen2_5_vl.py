@@ -68,7 +68,7 @@ from torch import Tensor, nn
 from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, remove_probe, route_attention
-from ficoco.models.patching import Patches
+from ficoco.models.patching import Patches, follow_device, forward_of
 # The prompt layout and the image grid are Qwen2-VL's (the same processor rules): one function each.
 from ficoco.models.qwen2_vl import (
     PREFIX_TOKENS,
@@ -174,7 +174,7 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         one runs on the kept patches' rotary table and on the windows (or images) they now form."""
         params = handle.hyperparameters
         visual = self.visual
-        original_tower = visual.forward
+        original_tower = forward_of(visual)
         slots: list[Any] = []
         pairs = handle.vision_attention_pairs
 
@@ -199,8 +199,10 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
 
             def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
                         _parts: hf.Parts = parts, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
-                        _original: Callable[..., Tensor] = layer.forward, **kwargs: Any) -> Tensor:
+                        _original: Callable[..., Tensor] = forward_of(layer), **kwargs: Any) -> Tensor:
                 tower = self._tower
+                if tower is not None:  # a tower split across devices (device maps)
+                    follow_device(tower, hidden_states.device)
                 full = _idx in self.full_layers
                 cu_seqlens, position_embeddings = self._block_segments(tower, _idx, cu_seqlens, position_embeddings,
                                                                        kwargs)
@@ -241,7 +243,7 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         rates = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "in_layer"}
         self.removed_per_image = sum(rates.values())
         visual = self.visual
-        original_tower = visual.forward
+        original_tower = forward_of(visual)
         pairs = handle.vision_attention_pairs
 
         def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
@@ -262,9 +264,11 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
 
             def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
                         _parts: hf.Parts = parts, _slot: Any = slot, _r: int = rates.get(layer_idx, 0),
-                        _idx: int = layer_idx, _original: Callable[..., Tensor] = layer.forward,
+                        _idx: int = layer_idx, _original: Callable[..., Tensor] = forward_of(layer),
                         **kwargs: Any) -> Tensor:
                 tower = self._tower
+                if tower is not None:  # a tower split across devices (device maps)
+                    follow_device(tower, hidden_states.device)
                 full = _idx in self.full_layers
                 cu_seqlens, position_embeddings = self._block_segments(tower, _idx, cu_seqlens, position_embeddings,
                                                                        kwargs)
@@ -294,11 +298,13 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
     def _scatter_merger(self, patches: Patches) -> None:
         """The merger's output of a reduced pass back at the unreduced window-order rows (`_to_window_rows`)."""
         merger = hf.qwen2_vl_merger(self.visual)
-        inner_merger = merger.forward
+        inner_merger = forward_of(merger)
 
         def merger_forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
             merged = inner_merger(hidden_states, *args, **kwargs)
             tower = self._tower
+            if tower is not None:  # a tower split across devices (device maps)
+                follow_device(tower, merged.device)
             if tower is None or merged.shape[0] == _total_groups(tower):
                 return merged
             return _to_window_rows(merged, tower)

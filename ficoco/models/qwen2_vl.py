@@ -53,7 +53,7 @@ from ficoco.models.llava import (
     restore_prompt,
     wants_dict,
 )
-from ficoco.models.patching import Patches, span_lengths
+from ficoco.models.patching import Patches, follow_device, forward_of, span_lengths
 from ficoco.profiles import FAMILY_DEFAULTS
 
 if TYPE_CHECKING:
@@ -234,7 +234,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         rates = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "in_layer"}
         self.removed_per_image = sum(rates.values())
         visual = self.visual
-        original_tower = visual.forward
+        original_tower = forward_of(visual)
         slots: list[_ChunkSlot] = []
 
         def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
@@ -254,9 +254,11 @@ class Qwen2VLAdapter(LlavaAdapter):
 
             def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
                         _parts: hf.Parts = parts, _slot: _ChunkSlot = slot, _r: int = rates.get(layer_idx, 0),
-                        _idx: int = layer_idx, _original: Callable[..., Tensor] = layer.forward,
+                        _idx: int = layer_idx, _original: Callable[..., Tensor] = forward_of(layer),
                         **kwargs: Any) -> Tensor:
                 tower = self._tower
+                if tower is not None:  # a tower split across devices (device maps)
+                    follow_device(tower, hidden_states.device)
                 if tower is not None and tower.cu_seqlens is not None:  # an earlier block merged
                     cu_seqlens, position_embeddings = tower.cu_seqlens, tower.position_embeddings
                     if "max_seqlen" in kwargs:
@@ -347,7 +349,7 @@ class Qwen2VLAdapter(LlavaAdapter):
             raise FicocoError(f"{spec.title} on Qwen2-VL cuts once, at the tower's output or after the merger")
         removal = removals[0] if removals else None
         visual = self.visual
-        original_tower = visual.forward
+        original_tower = forward_of(visual)
         attention = hf.layer_parts(self.vision_layers[-1], hf.QWEN2_VL_VISION_BLOCK).attention
         slot = None
         if removal is not None:
@@ -364,10 +366,12 @@ class Qwen2VLAdapter(LlavaAdapter):
         patches.on_undo(lambda: setattr(self, "_tower", None))
         self.removed_per_image = removal.remove - removal.added if removal is not None else 0
         merger = hf.qwen2_vl_merger(visual)
-        original_merger = merger.forward
+        original_merger = forward_of(merger)
 
         def merger_forward(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
             tower = self._tower
+            if tower is not None:  # a tower split across devices (device maps)
+                follow_device(tower, hidden.device)
             if tower is None or removal is None or slot is None:
                 return original_merger(hidden, *args, **kwargs)
             keys = self._image_keys(slot.take_chunks(), tower)
@@ -436,7 +440,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         cut = next((r for r in schedule.removals if r.where == "after_projector"), None)
         wants_text = any(need.kind == "input_embeddings" for need in spec.needs)
         visual = self.visual
-        original_tower = visual.forward
+        original_tower = forward_of(visual)
 
         def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
             tower = self._tower = self._start_pass(grid_thw)
@@ -490,7 +494,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         self.video_cut = True
         patches.on_undo(lambda: setattr(self, "video_cut", False))
         visual = self.visual
-        original_tower = visual.forward
+        original_tower = forward_of(visual)
         attention = hf.layer_parts(self.vision_layers[-1], hf.QWEN2_VL_VISION_BLOCK).attention
         slot = None
         if cut is not None:
@@ -579,7 +583,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         reducing one run on the kept patches' rotary table and image boundaries."""
         params = handle.hyperparameters
         visual = self.visual
-        original_tower = visual.forward
+        original_tower = forward_of(visual)
         slots: list[Any] = []
 
         def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
@@ -604,8 +608,10 @@ class Qwen2VLAdapter(LlavaAdapter):
 
             def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
                         _parts: hf.Parts = parts, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
-                        _original: Callable[..., Tensor] = layer.forward, **kwargs: Any) -> Tensor:
+                        _original: Callable[..., Tensor] = forward_of(layer), **kwargs: Any) -> Tensor:
                 tower = self._tower
+                if tower is not None:  # a tower split across devices (device maps)
+                    follow_device(tower, hidden_states.device)
                 if tower is not None and tower.cu_seqlens is not None:  # an earlier layer reduced
                     cu_seqlens, position_embeddings = tower.cu_seqlens, tower.position_embeddings
                     if "max_seqlen" in kwargs:
@@ -921,7 +927,7 @@ class Qwen2VLAdapter(LlavaAdapter):
             return
         model = self.model
         inner = hf.inner_model(model)
-        original_forward = model.forward
+        original_forward = forward_of(model)
         original_generate = model.generate
         signature = inspect.signature(original_forward)
         spec = method(variant)
@@ -1034,6 +1040,7 @@ class Qwen2VLAdapter(LlavaAdapter):
                 positions = positions.repeat_interleave(output.logits.shape[0] // positions.shape[0], dim=0)
             state = handle.language_state
             if in_llm and state is not None and not state.decoding:
+                state.follow(output.logits.device)  # the last layer's device, under a device map
                 state.cache = hf.output_cache(output)
                 if state.cache is not None:
                     handle.cache_states[state.cache] = state

@@ -43,7 +43,7 @@ from ficoco.methods.base import MethodSpec
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import attention_with_probabilities, own_attention, route_attention
-from ficoco.models.patching import Patches, method_settings
+from ficoco.models.patching import Patches, follow_device, forward_of, method_settings
 
 if TYPE_CHECKING:
     from ficoco.api import Handle
@@ -168,10 +168,10 @@ class TowerPatch:
             install_tower_rows(hf.layer_parts(layers[layer], hf.CLIP_LAYER).attention, slot, patches)
             self.slots[layer] = slot
         for index, layer in enumerate(layers):
-            patches.set(layer, "forward", self._forward(index, layer, layer.forward))
+            patches.set(layer, "forward", self._forward(index, layer, forward_of(layer)))
         # The projector always: it measures what every item hands the LLM (and runs the cuts).
         projector = self.adapter.stage_modules()["projector"]
-        patches.set(projector, "forward", self._projector(projector.forward))
+        patches.set(projector, "forward", self._projector(forward_of(projector)))
 
     # -- tower layers -----------------------------------------------------------------------
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -184,6 +184,7 @@ class TowerPatch:
             state = self.handle.tower_state
             if state is None:  # a tower call that did not start at layer 0 is not ours to change
                 return original(hidden_states, attention_mask, **kwargs)
+            follow_device(state, hidden_states.device)  # a tower split across devices (device maps)
             if state.bias is not None:
                 bias = state.bias.to(hidden_states.dtype)
                 attention_mask = bias if attention_mask is None else attention_mask + bias
@@ -229,6 +230,7 @@ class TowerPatch:
             if state is None:  # features of a tower the method leaves alone (Video-LLaVA's images)
                 return original(features, *args, **kwargs)
             self.handle.tower_state = None  # this tower pass's features: consumed once
+            follow_device(state, features.device)
             # Video-LLaVA keeps every frame's [CLS] in the LLM: the cuts act on the patches after it.
             keeps_cls = self.adapter.projector_keeps_cls
             # Where every token the projector maps came from: the patch each continues after the in-layer

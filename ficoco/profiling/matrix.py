@@ -70,6 +70,8 @@ class ProfileConfig:
     dtype: str = "auto"  # auto, bf16, fp16, fp32 (dtype_choice.choose_dtype)
     video: str | None = None  # a video file or a folder of frames (Video-LLaVA)
     fidelity: bool = False  # reduced rows against vanilla on the same inputs (profiling/fidelity.py)
+    device_map: str | None = None  # auto, balanced, cpu-offload: split through accelerate (models/device_map.py)
+    max_memory: str | None = None  # per-device limits of the device map: "cpu=200MiB,cuda:0=20GiB"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,8 +201,17 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
         from ficoco.models.kv_cache import check_backend
 
         check_backend()
+    from ficoco.models import device_map as maps
+
+    if maps.check_policy(config.device_map) is None and config.max_memory:
+        raise FicocoError("--max-memory sets the limits of a device map; give --device-map too")
+    maps.check_limits(maps.parse_max_memory(config.max_memory))  # refused before anything is planned
+    if config.device_map and any(quant != "fp16" for quant in config.quants):
+        raise FicocoError("--device-map works with unquantized weights; drop --quant or --device-map")
     notes: list[str] = []
     device = resolve_device(config.device, notes)
+    if config.device_map:
+        device = torch.device(maps.main_device(config.device_map))
     source = config.weights if config.weights != "random" and Path(config.weights).expanduser().is_dir() else None
     profile = load_profile(source or config.model, list(config.overrides))
     from ficoco.models import supported_families
@@ -241,9 +252,24 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     from ficoco.models.build import checkpoint_dtype
     from ficoco.profiling.memory_guard import resolve_dtype_and_memory
 
+    native = checkpoint_dtype(Path(source).expanduser()) if source else None
+    if config.device_map:
+        # The map is the fit: accelerate places what the limits leave out in CPU memory or on disk.
+        from ficoco.profiling.dtype_choice import choose_dtype
+        from ficoco.profiling.memory_guard import memory_need_bytes
+
+        plan.dtype = choose_dtype(config.dtype, device, native=native)
+        if plan.dtype.upcast:
+            raise FicocoError("--device-map and an upcast layout do not mix; give --dtype bf16, fp16 or fp32")
+        # What the run needs, for the report; nothing is refused (free None).
+        plan.memory = {**memory_need_bytes(profile, plan.rows, plan.dtype, "fp16", text_tokens=config.text_tokens,
+                                           new_tokens=config.new_tokens, kv_bits=config.kv_bits),
+                       "free": None, "quant": "fp16"}
+        notes.append(f"device map {config.device_map}" + (f" within {config.max_memory}" if config.max_memory else "")
+                     + f": accelerate places the weights, computing on {device}")
+        return plan
     plan.dtype, plan.memory = resolve_dtype_and_memory(
-        profile, plan.rows, config.dtype, device, config.quants,
-        native=checkpoint_dtype(Path(source).expanduser()) if source else None,
+        profile, plan.rows, config.dtype, device, config.quants, native=native,
         text_tokens=config.text_tokens, new_tokens=config.new_tokens, kv_bits=config.kv_bits)
     return plan
 
@@ -341,7 +367,10 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
     if row.variant != "vanilla":
         handle = ficoco.apply(model, row.variant, schedule=row.schedule, image_size=config.image_size,
                               frames=config.frames)
-    latency_tracker, memory_tracker = LatencyTracker(device), MemoryTracker(device)
+    from ficoco.models import device_map as maps
+
+    split = maps.summary(model)
+    latency_tracker, memory_tracker = LatencyTracker(device), MemoryTracker(device, per_device=split is not None)
     reduction_ms: list[float] = []
     probe_ms: list[float] = []
     last: dict[str, Any] = {}
@@ -380,6 +409,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
             # before the LLM with an adaptive count (PruMerge+) plans an assumed count, this is the real one.
             measured_tokens.append(handle.measured_tokens_per_item if handle is not None else None)
             kv_bytes, kv_tokens = cache_bytes(prefill_cache), cache_tokens(prefill_cache)
+            per_device = _memory_per_device(model, row, config, plan, split, prefill_cache, memory) if split else None
             del prefill_cache
             generation = None
             generated: dict[str, Any] = {}
@@ -446,6 +476,8 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         "reduction_share": method_ms / latency.median_ms if latency.median_ms else 0.0,
         "generation": generation,
         **({"fidelity": fidelity} if plan.fidelity is not None else {}),
+        **({"device_map": {k: v for k, v in split.items() if k != "map"}, "device_map_entries": split["map"],
+            "memory_per_device": per_device} if split else {}),
         **({"visual_tokens_per_item_measured": measured_tokens[0]} if measured_tokens and measured_tokens[0] else {}),
     }
 
@@ -456,7 +488,8 @@ def build_for(config: ProfileConfig, plan: Plan, quant: str) -> Any:
 
     return build_model(plan.profile if config.weights == "random" else config.model, config.weights,
                        dtype=plan.dtype if plan.dtype is not None else config.dtype, device=str(plan.device),
-                       seed=config.seed, quant=quant, check_memory=plan.dtype is None)
+                       seed=config.seed, quant=quant, check_memory=plan.dtype is None,
+                       device_map=config.device_map, max_memory=config.max_memory)
 
 
 def _failure_status(exc: BaseException) -> str:
@@ -545,6 +578,32 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
             on_row(result | {"wall_s": time.perf_counter() - begin, "build_s": build_s})
         del model
         release_device_cache(plan.device)
+
+
+def _memory_per_device(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan, split: dict[str, Any],
+                       cache: Any, memory: Any) -> dict[str, dict[str, Any]]:
+    """Per device of a split model: the accountant's weights (the map's) and KV cache (the layers that run
+    there), the measured KV cache of those layers, and the measured peak (a GPU's allocator peak, the
+    process's peak resident set for "cpu"; "disk" has none)."""
+    from ficoco.accounting.memory import kv_cache_bytes_per_layer, memory_per_device
+    from ficoco.accounting.schedule import plan_tokens
+    from ficoco.models import device_map as maps
+    from ficoco.profiling.trackers import cache_bytes_per_layer
+
+    layers = maps.decoder_layer_devices(model)
+    arch = architecture(plan.profile)
+    tokens = plan_tokens(arch, row.schedule, text_tokens=config.text_tokens)
+    compute_bits = torch.finfo(plan.dtype.compute).bits if plan.dtype is not None else 16
+    kv_bits = row_kv_bits(config, row.quant) or compute_bits
+    analytic_kv = kv_cache_bytes_per_layer(arch, tokens, batch=row.batch, kv_bits=kv_bits,
+                                           element_bytes=compute_bits / 8)
+    table: dict[str, dict[str, Any]] = memory_per_device(split["weight_bytes_per_device"], analytic_kv, layers)
+    measured = cache_bytes_per_layer(cache)
+    peaks = memory.values.get("peak_bytes_per_device", {})
+    for device, entry in table.items():
+        entry["kv_cache_measured_bytes"] = sum(b for b, d in zip(measured, layers, strict=False) if d == device)
+        entry["peak_bytes"] = peaks.get(device)
+    return table
 
 
 def _at_measured_count(result: dict[str, Any], row: RowSpec, config: ProfileConfig, plan: Plan) -> dict[str, Any]:

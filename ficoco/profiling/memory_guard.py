@@ -54,7 +54,7 @@ MARGIN_FRACTION = 0.05
 UPCAST_SPARE_FRACTION = 0.1
 # The kinds of alternative a failed check may name: --quant int8/int4, --dtype bf16, fewer
 # decoder layers with --set, a GPU.
-ADVICE = ("quant", "dtype", "layers", "gpu")
+ADVICE = ("quant", "dtype", "layers", "gpu", "offload")
 # A cgroup limit at or above this is "no limit" (v1 writes 2**63 rounded down to a page).
 _NO_LIMIT = 1 << 60
 
@@ -330,6 +330,9 @@ def check_memory(profile: Profile, rows: Sequence[RowShape], dtype: DtypeChoice,
     fewer = _fewer_layers(profile, rows, dtype, worst, free_bytes, **need_options) if "layers" in advice else None
     if fewer is not None:
         fits.append(f"--set {_layers_key(profile)}={fewer[0]} ({_gb(fewer[1])})")
+    offload = offload_fit(profile, need, dtype, free_bytes, device) if "offload" in advice else None
+    if offload is not None:
+        fits.append(offload)
     if "gpu" in advice and device.type != "cuda":
         fits.append(f"a GPU with {_gb(need['total'])} free")
     stored = dtype_name(dtype.storage) + (f" upcast to {dtype_name(dtype.compute)}" if dtype.upcast else "")
@@ -338,6 +341,34 @@ def check_memory(profile: Profile, rows: Sequence[RowShape], dtype: DtypeChoice,
     what = f"{profile.name} at --quant {worst} in {stored}" if "quant" in advice else f"{profile.name} in {stored}"
     raise FicocoError(f"{what} needs {_gb(need['total'])} ({parts}) but {_gb(free_bytes)} is free "
                       f"({free_source or 'given'}); what fits: {', or '.join(fits) if fits else 'nothing smaller'}")
+
+
+def offload_fit(profile: Profile, need: dict[str, float], dtype: DtypeChoice, free_bytes: float,
+                device: torch.device) -> str | None:
+    """The advice to offload weights (`--device-map cpu-offload`), when it fits: the computing device
+    then holds the activations, the KV cache, the margin and one decoder layer's weights at a time
+    (accelerate brings each layer's weights in for its forward); the weights wait in CPU memory, and on
+    disk past `--max-memory cpu=...`. None when even that does not fit."""
+    d = architecture(profile).decoder
+    # One decoder layer's weights, an upper bound (as many key/value heads as query heads).
+    layer_bytes = (4 * d.hidden * d.heads * d.head_dim + 3 * d.hidden * d.ffn) * _bits(dtype.compute) / 8
+    running = need["activations"] + need["kv_cache"] + MARGIN_BYTES + MARGIN_FRACTION * (
+        need["activations"] + need["kv_cache"] + layer_bytes) + layer_bytes
+    if running > free_bytes:
+        return None
+    if device.type == "cuda":
+        host_free, _ = free_memory("cpu")
+        if host_free is not None and need["weights"] + MARGIN_BYTES > host_free:
+            host_limit_mib = int(max(host_free - MARGIN_BYTES, 0) / 2**20)
+            return (f"--device-map cpu-offload --max-memory cpu={host_limit_mib}MiB (weights past it on disk; "
+                    f"{_gb(running)} on the GPU, one layer's weights at a time)")
+        return (f"--device-map cpu-offload (weights {_gb(need['weights'])} in CPU memory; {_gb(running)} "
+                f"on the GPU, one layer's weights at a time)")
+    cpu_limit_mib = int((free_bytes - running) / 2**20)
+    if cpu_limit_mib < 1:
+        return None
+    return (f"--device-map cpu-offload --max-memory cpu={cpu_limit_mib}MiB (weights past it on disk, read per "
+            f"layer; {_gb(running)} for the run)")
 
 
 def resolve_dtype_and_memory(profile: Profile, rows: Sequence[RowShape], requested: str, device: torch.device | str,

@@ -55,8 +55,11 @@ RunHook = Callable[[str, int, int, float | None], None]
 class LatencyTracker:
     """CUDA events (synchronised) on GPU, `perf_counter` on CPU."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, per_device: bool = False) -> None:
         self.device = device
+        # Under a device map: every GPU's allocator peak and the process's (weights offloaded to CPU
+        # memory), in `peak_bytes_per_device`.
+        self.per_device = per_device
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -180,8 +183,11 @@ class MemoryTracker:
     collected and the allocator's cached blocks returned before the peak is reset, so earlier
     rows and the build do not leak in."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, per_device: bool = False) -> None:
         self.device = device
+        # Under a device map: every GPU's allocator peak and the process's (weights offloaded to CPU
+        # memory), in `peak_bytes_per_device`.
+        self.per_device = per_device
 
     @contextmanager
     def track(self) -> Iterator[MemoryReading]:
@@ -193,6 +199,11 @@ class MemoryTracker:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+            gpus = range(torch.cuda.device_count()) if self.per_device else ()
+            for index in gpus:
+                torch.cuda.reset_peak_memory_stats(index)
+            if self.per_device:
+                _reset_cpu_peak()
             before = nvml_used_bytes(self.device)
             sampler = _NvmlSampler(self.device)
             sampler.start()
@@ -212,11 +223,21 @@ class MemoryTracker:
             reading.method = ("torch.cuda max_memory_allocated/reserved (reset after empty_cache); NVML device "
                               "used memory sampled every 10 ms (device-wide: other processes included)")
             reading.values["peak_bytes"] = reading.values["cuda_max_allocated_bytes"]
+            if self.per_device:
+                for index in gpus:
+                    torch.cuda.synchronize(index)
+                reading.values["peak_bytes_per_device"] = {
+                    **{f"cuda:{index}": torch.cuda.max_memory_allocated(index) for index in gpus},
+                    "cpu": _proc_status_bytes("VmHWM")}
+                reading.values["nvml_used_bytes_per_device"] = {
+                    f"cuda:{index}": nvml_used_bytes(torch.device("cuda", index)) for index in gpus}
         else:
             reset = _reset_cpu_peak()
             yield reading
             peak = _proc_status_bytes("VmHWM")
             reading.values = {"peak_rss_bytes": peak, "peak_bytes": peak}
+            if self.per_device:
+                reading.values["peak_bytes_per_device"] = {"cpu": peak}
             reading.method = ("process peak RSS (VmHWM), reset via /proc/self/clear_refs before the row" if reset else
                               "process peak RSS (VmHWM) since start: could not reset, rows may include earlier peaks")
 
@@ -266,6 +287,18 @@ def cache_bytes(cache: Any) -> int:
         return 0
 
     return sum(walk(list(vars(layer).values())) for layer in hf.cache_layers(cache))
+
+
+def cache_bytes_per_layer(cache: Any) -> list[int]:
+    """`cache_bytes`, decoder layer by decoder layer."""
+    return [cache_bytes(_OneLayer(layer)) for layer in hf.cache_layers(cache)]
+
+
+class _OneLayer:
+    """A cache of one layer, for `cache_bytes` (which walks `hf.cache_layers`)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layers = [layer]
 
 
 def cache_tokens(cache: Any) -> list[int]:
