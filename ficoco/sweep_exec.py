@@ -42,7 +42,7 @@ class ExecutorOptions:
     cpus_per_point: int | None = None  # ray/slurm (local: the cores split between the workers)
     ray_address: str | None = None  # a running cluster ("auto", "ray://host:10001"); None starts a local one
     slurm_partition: str | None = None
-    timeout_min: int = 120  # slurm: a point's time limit
+    timeout_min: int | None = None  # slurm: a point's time limit (default 120)
     device: str = "auto"  # the sweep's --device: whether points want a GPU
 
     def __post_init__(self) -> None:
@@ -50,8 +50,8 @@ class ExecutorOptions:
             raise FicocoError(f"unknown --executor '{self.name}': choose from {', '.join(EXECUTORS)}")
         if self.name != "ray" and self.ray_address is not None:
             raise FicocoError("--ray-address applies to --executor ray")
-        if self.name != "slurm" and self.slurm_partition is not None:
-            raise FicocoError("--slurm-partition applies to --executor slurm")
+        if self.name != "slurm" and (self.slurm_partition is not None or self.timeout_min is not None):
+            raise FicocoError("--slurm-partition and --timeout-min apply to --executor slurm")
         if self.name == "local" and (self.gpus_per_point is not None or self.cpus_per_point is not None):
             raise FicocoError("--gpus-per-point and --cpus-per-point apply to --executor ray or slurm (the local "
                               "pool gives each worker one GPU, or its share of the cores)")
@@ -278,7 +278,7 @@ class SlurmExecutor:
                                                           and _visible_gpus()) else 0
         executor = submitit.AutoExecutor(folder=store.slurm_folder, cluster=self.cluster)
         executor.update_parameters(
-            name="ficoco-sweep", timeout_min=self.options.timeout_min, nodes=1, tasks_per_node=1,
+            name="ficoco-sweep", timeout_min=self.options.timeout_min or 120, nodes=1, tasks_per_node=1,
             gpus_per_node=int(gpus), cpus_per_task=self.options.cpus_per_point or 1,
             slurm_partition=self.options.slurm_partition, slurm_array_parallelism=self.parallel)
         # Submitted in slices of `parallel` where submitit's own executor has no array limit.

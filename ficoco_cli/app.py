@@ -587,8 +587,9 @@ def sweep_command(
         "--ray-address", help="ray: a running cluster (auto, ray://head:10001); default a local instance.")] = None,
     slurm_partition: Annotated[str | None, typer.Option(
         "--slurm-partition", help="slurm: the partition to submit to.")] = None,
-    timeout_min: Annotated[int, typer.Option(
-        "--timeout-min", callback=check.whole_number(1, 60 * 24 * 30), help="slurm: each point's time limit.")] = 120,
+    timeout_min: Annotated[int | None, typer.Option(
+        "--timeout-min", callback=check.whole_number(1, 60 * 24 * 30),
+        help="slurm: each point's time limit in minutes (default 120).")] = None,
 ) -> None:
     """Cost (and with --measure/--fidelity measure) every method at every budget point; one report, figures.
     Measured points run each in its own process (--executor), stored as they finish in --out; a rerun resumes."""
@@ -610,7 +611,7 @@ def sweep_command(
                                      ("--executor", executor, "local"), ("--workers", workers, None),
                                      ("--gpus-per-point", gpus_per_point, None), ("--cpus-per-point", cpus_per_point, None),
                                      ("--ray-address", ray_address, None), ("--slurm-partition", slurm_partition, None),
-                                     ("--timeout-min", timeout_min, 120)):
+                                     ("--timeout-min", timeout_min, None)):
             if given != default:
                 raise FicocoError(f"{name} applies when models run; add --measure or --fidelity")
     if out_folder is not None and not out_folder.strip():

@@ -542,6 +542,11 @@ def profile_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
         "fidelity": switch("--fidelity"),
         "set": set_option(cheap=True),
         "seed": number("--seed", floats=False, low=0, high=2**32 - 1),
+        "device-map": choice("--device-map", ["auto", "balanced", "cpu-offload"]),
+        "max-memory": mostly(st.sampled_from(["cpu=900KiB", "cpu=1GiB", "cpu=2MB"]).map(
+                                 lambda v: option("--max-memory", v)),
+                             st.sampled_from(["cpu=lots", "gpu7=1GiB", "cpu", "cuda:3=1GiB", "=1GiB"]).map(
+                                 lambda v: option("--max-memory", v, bad=True))),
     }
     base = [draw(model(paths, ["llava-tiny", "llava-gqa-tiny", "qwen2-vl-tiny"])),
             draw(names_list("--variant", VARIANTS))]
@@ -627,6 +632,11 @@ def sweep_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
                           lambda p: option("--out", p, bad=True, path=True))),
         "executor": choice("--executor", ["local"]),
         "workers": counts("--workers", cheap=2),
+        # The engines' own settings: refused with the local pool (the only executor drawn here).
+        **{flag.lstrip("-"): st.sampled_from(values).map(lambda v, flag=flag: option(flag, v, bad=True))
+           for flag, values in (("--gpus-per-point", ["1", "0", "-1", "x"]), ("--cpus-per-point", ["1", "0", "x"]),
+                                ("--ray-address", ["auto", ""]), ("--slurm-partition", ["gpu", ""]),
+                                ("--timeout-min", ["60", "0", "x"]))},
     }
     base = [draw(model(paths, ["llava-tiny", "qwen2-vl-tiny", "llava-next-tiny"])),
             draw(names_list("--variant", VARIANTS))]
