@@ -58,6 +58,8 @@ class SweepConfig:
     weights: str = "random"
     dtype: str = "auto"
     seed: int = 0
+    device_map: str | None = None  # auto, balanced, cpu-offload: each point's model split by accelerate
+    max_memory: str | None = None  # the map's per-device limits, "cpu=200MiB,cuda:0=20GiB"
 
     def __post_init__(self) -> None:
         if bool(self.keep) == bool(self.tflops):
@@ -245,7 +247,7 @@ def profile_config(config: SweepConfig, variants: tuple[str, ...], quants: tuple
         convention=config.convention, scope=config.scope, quants=quants, batches=(1,),
         text_tokens=config.text_tokens, warmup=config.warmup, repeat=config.repeat, device=config.device,
         weights=config.weights, overrides=config.overrides, seed=config.seed, image_size=config.image_size,
-        frames=config.frames, dtype=config.dtype)
+        frames=config.frames, dtype=config.dtype, device_map=config.device_map, max_memory=config.max_memory)
 
 
 def check_run_here(config: SweepConfig, points: list[Point]) -> None:

@@ -44,6 +44,7 @@ class ExecutorOptions:
     slurm_partition: str | None = None
     timeout_min: int | None = None  # slurm: a point's time limit (default 120)
     device: str = "auto"  # the sweep's --device: whether points want a GPU
+    whole_machine: bool = False  # each point's model is split over every GPU (--device-map): one at a time
 
     def __post_init__(self) -> None:
         if self.name not in EXECUTORS:
@@ -104,7 +105,11 @@ class LocalExecutor:
 
     def __init__(self, options: ExecutorOptions) -> None:
         self.gpus = _visible_gpus() if options.device in ("auto", "cuda") else 0
-        self.parallel = options.workers or max(1, self.gpus)
+        self.whole_machine = options.whole_machine
+        if self.whole_machine and (options.workers or 1) > 1:
+            raise FicocoError("--device-map splits each point's model over all of this machine's devices: the local "
+                              "pool runs one point at a time (drop --workers, or run on Ray or Slurm)")
+        self.parallel = 1 if self.whole_machine else options.workers or max(1, self.gpus)
         self.threads = max(1, (os.cpu_count() or 1) // self.parallel)
         self.shares_cpu = not self.gpus and self.parallel > 1
         self._procs: dict[str, subprocess.Popen] = {}
@@ -112,6 +117,8 @@ class LocalExecutor:
 
     def describe(self) -> str:
         where = f"{self.gpus} GPU(s), one each" if self.gpus else f"{self.threads} CPU thread(s) each"
+        if self.whole_machine:
+            where = "each point's model split over this machine's devices (--device-map), one point at a time"
         return f"local pool: {self.parallel} worker process(es), {where}"
 
     def _run_one(self, store: SweepStore, key: str, lanes: queue.Queue) -> None:
@@ -120,7 +127,7 @@ class LocalExecutor:
             if self._stopping.is_set():
                 return
             env = dict(os.environ)
-            if self.gpus:
+            if self.gpus and not self.whole_machine:
                 env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(self.gpus)))) \
                     .split(",")[lane % self.gpus]
             else:

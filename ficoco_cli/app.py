@@ -171,6 +171,13 @@ JsonOpt = Annotated[str | None, typer.Option(
 WideOpt = Annotated[bool, typer.Option(
     "--wide", help="Show every column (the default table fits 80 columns; the JSON report has everything).")]
 DTYPES = ("auto", "bf16", "fp16", "fp32")
+DeviceMapOpt = Annotated[str | None, typer.Option(
+    "--device-map", help="Split the model through accelerate: auto (GPUs, then CPU memory, then disk), balanced "
+                         "(even over the GPUs) or cpu-offload (weights in CPU memory and on disk, computed "
+                         "on the GPU, else the CPU).")]
+MaxMemoryOpt = Annotated[str | None, typer.Option(
+    "--max-memory", help="Per-device limits for --device-map, e.g. cpu=200MiB,cuda:0=20GiB (what fits nowhere "
+                         "goes to disk).")]
 DtypeOpt = Annotated[str, typer.Option(
     "--dtype", callback=check.choice(DTYPES),
     help="auto (float16 on a GPU; on a CPU the fastest measured there, upcasting 16-bit weights when float32 "
@@ -361,13 +368,8 @@ def profile_command(
     dtype: DtypeOpt = "auto",
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the plan and its time estimate, then exit without building a model.")] = False,
-    device_map: Annotated[str | None, typer.Option(
-        "--device-map", help="Split the model through accelerate: auto (GPUs, then CPU memory, then disk), balanced "
-                             "(even over the GPUs) or cpu-offload (weights in CPU memory and on disk, computed "
-                             "on the GPU, else the CPU).")] = None,
-    max_memory: Annotated[str | None, typer.Option(
-        "--max-memory", help="Per-device limits for --device-map, e.g. cpu=200MiB,cuda:0=20GiB (what fits nowhere "
-                             "goes to disk).")] = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
     from ficoco.profiling.config import parse_batches
@@ -590,6 +592,8 @@ def sweep_command(
     timeout_min: Annotated[int | None, typer.Option(
         "--timeout-min", callback=check.whole_number(1, 60 * 24 * 30),
         help="slurm: each point's time limit in minutes (default 120).")] = None,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
 ) -> None:
     """Cost (and with --measure/--fidelity measure) every method at every budget point; one report, figures.
     Measured points run each in its own process (--executor), stored as they finish in --out; a rerun resumes."""
@@ -609,9 +613,11 @@ def sweep_command(
         for name, given, default in (("--device", device, "auto"), ("--weights", weights, "random"),
                                      ("--dtype", dtype, "auto"), ("--out", out_folder, None),
                                      ("--executor", executor, "local"), ("--workers", workers, None),
-                                     ("--gpus-per-point", gpus_per_point, None), ("--cpus-per-point", cpus_per_point, None),
+                                     ("--gpus-per-point", gpus_per_point, None),
+                                     ("--cpus-per-point", cpus_per_point, None),
                                      ("--ray-address", ray_address, None), ("--slurm-partition", slurm_partition, None),
-                                     ("--timeout-min", timeout_min, None)):
+                                     ("--timeout-min", timeout_min, None), ("--device-map", device_map, None),
+                                     ("--max-memory", max_memory, None)):
             if given != default:
                 raise FicocoError(f"{name} applies when models run; add --measure or --fidelity")
     if out_folder is not None and not out_folder.strip():
@@ -620,7 +626,7 @@ def sweep_command(
 
     options = ExecutorOptions(name=executor, workers=workers, gpus_per_point=gpus_per_point,
                               cpus_per_point=cpus_per_point, ray_address=ray_address, slurm_partition=slurm_partition,
-                              timeout_min=timeout_min, device=device)
+                              timeout_min=timeout_min, device=device, whole_machine=device_map is not None)
     config = SweepConfig(
         model=model, variants=tuple(split_list(variant, "--variant")),
         keep=tuple(int(x) for x in split_list(keep, "--keep")) if keep else (),
@@ -628,7 +634,8 @@ def sweep_command(
         shape=shape, first_layer=first_layer, convention=convention, scope=scope,
         quants=tuple(split_list(quant, "--quant")), text_tokens=text_tokens, image_size=parse_image_size(image_size),
         frames=frames, overrides=tuple(set_values or ()), measure=measure, fidelity=fidelity, samples=samples,
-        warmup=warmup, repeat=repeat, device=device, weights=weights, dtype=dtype, seed=seed)
+        warmup=warmup, repeat=repeat, device=device, weights=weights, dtype=dtype, seed=seed,
+        device_map=device_map, max_memory=max_memory)
     report = run_sweep(config, json_path, plot, err if json_path == "-" else out, out=out_folder, executor=options)
     if report.get("failed"):
         raise typer.Exit(1)

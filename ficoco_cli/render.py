@@ -590,7 +590,8 @@ def _row_verdict(row: dict[str, Any], base: dict[str, Any] | None, config: dict[
             facts.append(f"its own work ({fmt_num(work['own_ms'])} ms) eats what its fewer tokens save "
                          f"({fmt_num(work['saved_ms'])} ms)")
         elif work:
-            facts.append(f"its own work ({fmt_num(work['own_ms'])} ms) takes {work['own_ms'] / work['saved_ms'] * 100:.2g} "
+            share = work["own_ms"] / work["saved_ms"] * 100
+            facts.append(f"its own work ({fmt_num(work['own_ms'])} ms) takes {share:.2g} "
                          f"% of the {fmt_num(work['saved_ms'])} ms its fewer tokens save")
     else:
         median = _get(row, "latency", "median_ms")

@@ -112,10 +112,9 @@ REDRAW_EVERY_S = 60.0
 def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: str, options: Any,
                 json_path: str | None, plot: str | None, console: Console) -> tuple[dict[str, Any], list[str]]:
     from ficoco.report import write_json_atomic
+    from ficoco.sweep import check_run_here
     from ficoco.sweep_exec import ExecutorOptions, make_executor, run_points
     from ficoco.sweep_store import SweepStore
-
-    from ficoco.sweep import check_run_here
 
     if (options is None or options.name == "local"):
         check_run_here(config, points)

@@ -69,7 +69,8 @@ def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(mon
     prumerge = lines[at]
     # A refusal's reason wraps inside its cell: the row's cells, read down its continuation lines.
     block = [prumerge] + list(itertools.takewhile(lambda line: line.startswith("│       "), lines[at + 1:]))
-    cells = [" ".join(" ".join(parts).split()) for parts in zip(*(line.split("│")[2:-1] for line in block))]
+    columns = zip(*(line.split("│")[2:-1] for line in block), strict=False)
+    cells = [" ".join(" ".join(parts).split()) for parts in columns]
     assert prumerge.count("yes") == 3 and cells[3].startswith("refused: not wired: PruMerge+'s extra token")
     assert "yes" in next(line for line in lines if "pdrop (PDrop)" in line)
     # A family no entry names yet (one more in FAMILY_DEFAULTS) is refused by every method, with the default line.

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import matplotlib
 import pytest
-
 from cli_runner import run_cli as run
+
 from ficoco.figures import DPI, FIGURE_SIZE_IN, cost_figure, fidelity_figure, latency_figure, sweep_figures
 from ficoco.sweep import SweepConfig, new_report, plan_points, sweep_profile
 

@@ -130,10 +130,12 @@ def test_a_killed_worker_a_killed_driver_and_ctrl_c_lose_no_point(tmp_path: Path
 def test_an_engine_runs_each_point_in_its_own_process(tmp_path: Path, executor: str) -> None:
     pytest.importorskip({"ray": "ray", "slurm": "submitit"}[executor])
     folder = tmp_path / "store"
+    # On the Slurm array, each point's model split by accelerate: weights past 900 KiB on disk.
+    split = ["--device-map", "cpu-offload", "--max-memory", "cpu=900KiB"] if executor == "slurm" else []
     run = subprocess.run([*COMMAND, "sweep", "--model", "llava-tiny", "--variant", "v", "--keep", "16", "--measure",
                           "--fidelity", "--samples", "1", "--warmup", "0", "--repeat", "1", "--device", "cpu",
                           "--dtype", "fp32", "--out", str(folder), "--executor", executor, "--workers", "2",
-                          "--cpus-per-point", "1"],
+                          "--cpus-per-point", "1", *split],
                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     store = SweepStore(folder)
@@ -145,3 +147,6 @@ def test_an_engine_runs_each_point_in_its_own_process(tmp_path: Path, executor: 
     assert report["runs"][-1]["executor"] == executor and report["concurrency_note"]  # 2 CPU points at once
     if executor == "slurm":
         assert any(store.slurm_folder.glob("*_log.out"))  # submitit's log folder, in the store
+        for point in report["points"]:
+            assert point["measured"]["device_map"]["policy"] == "cpu-offload"
+            assert point["measured"]["device_map"]["weight_bytes_per_device"]["disk"] > 0

@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cli_runner import run_cli as run
+
 from ficoco.errors import FicocoError
 from ficoco.sweep import SweepConfig, new_report, plan_points, sweep_profile
 from ficoco.sweep_exec import ExecutorOptions, run_points
 from ficoco.sweep_store import STALE_AFTER_S, SweepStore, claim_is_live, point_key
-
 
 CONFIG = SweepConfig(model="llava-tiny", variants=("v", "l"), keep=(32, 16), measure=True, warmup=0, repeat=1,
                      device="cpu")

@@ -272,7 +272,7 @@ def anyres_max_patches(value: Any) -> int:
     """N of LLaVA-OneVision's `vision_aspect_ratio` "anyres_max_N": the packed crop grid's budget, in
     crops' worth of patches."""
     text = str(value)
-    digits = text.strip("anyres_max_")  # transformers' own parsing (a character strip)
+    digits = text.strip("anyres_max_")  # noqa: B005 - transformers' own parsing (a character strip)
     if not text.startswith("anyres_max_") or not digits.isdigit() or int(digits) < 1:
         raise FicocoError(f"config value vision_aspect_ratio={value!r} must be 'anyres_max_N' with N >= 1")
     return int(digits)

@@ -69,6 +69,7 @@ from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, remove_probe, route_attention
 from ficoco.models.patching import Patches, follow_device, forward_of
+
 # The prompt layout and the image grid are Qwen2-VL's (the same processor rules): one function each.
 from ficoco.models.qwen2_vl import (
     PREFIX_TOKENS,
@@ -197,9 +198,10 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
                 slots.append(slot)
                 patches.on_undo(lambda attn=parts.attention: remove_probe(attn))
 
+            original = forward_of(layer)  # accelerate's wrapped forward where a device map hooked it
             def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
                         _parts: hf.Parts = parts, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
-                        _original: Callable[..., Tensor] = forward_of(layer), **kwargs: Any) -> Tensor:
+                        _original: Callable[..., Tensor] = original, **kwargs: Any) -> Tensor:
                 tower = self._tower
                 if tower is not None:  # a tower split across devices (device maps)
                     follow_device(tower, hidden_states.device)
@@ -262,9 +264,10 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
                 route_attention(parts.attention, CHUNKS_IMPLEMENTATION, patches, "_ficoco_chunks_config",
                                 _ficoco_chunks=slot)
 
+            original = forward_of(layer)  # accelerate's wrapped forward where a device map hooked it
             def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
                         _parts: hf.Parts = parts, _slot: Any = slot, _r: int = rates.get(layer_idx, 0),
-                        _idx: int = layer_idx, _original: Callable[..., Tensor] = forward_of(layer),
+                        _idx: int = layer_idx, _original: Callable[..., Tensor] = original,
                         **kwargs: Any) -> Tensor:
                 tower = self._tower
                 if tower is not None:  # a tower split across devices (device maps)

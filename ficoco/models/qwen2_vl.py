@@ -252,9 +252,10 @@ class Qwen2VLAdapter(LlavaAdapter):
             route_attention(parts.attention, CHUNKS_IMPLEMENTATION, patches, "_ficoco_chunks_config",
                             _ficoco_chunks=slot)
 
+            original = forward_of(layer)  # accelerate's wrapped forward where a device map hooked it
             def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
                         _parts: hf.Parts = parts, _slot: _ChunkSlot = slot, _r: int = rates.get(layer_idx, 0),
-                        _idx: int = layer_idx, _original: Callable[..., Tensor] = forward_of(layer),
+                        _idx: int = layer_idx, _original: Callable[..., Tensor] = original,
                         **kwargs: Any) -> Tensor:
                 tower = self._tower
                 if tower is not None:  # a tower split across devices (device maps)
@@ -606,9 +607,10 @@ class Qwen2VLAdapter(LlavaAdapter):
                 slots.append(slot)
                 patches.on_undo(lambda attn=parts.attention: remove_probe(attn))
 
+            original = forward_of(layer)  # accelerate's wrapped forward where a device map hooked it
             def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
                         _parts: hf.Parts = parts, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
-                        _original: Callable[..., Tensor] = forward_of(layer), **kwargs: Any) -> Tensor:
+                        _original: Callable[..., Tensor] = original, **kwargs: Any) -> Tensor:
                 tower = self._tower
                 if tower is not None:  # a tower split across devices (device maps)
                     follow_device(tower, hidden_states.device)
