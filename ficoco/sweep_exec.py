@@ -194,6 +194,7 @@ class RayExecutor:
 
         if ray.is_initialized():
             return False
+        _check_reachable(self.options.ray_address)
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
         if self.options.ray_address is None and self.options.workers:
             kwargs["num_cpus"] = self.options.workers * (self.options.cpus_per_point or 1)
@@ -246,6 +247,25 @@ class RayExecutor:
         finally:
             if started_here:
                 ray.shutdown()
+
+
+def _check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """A cluster address that nothing answers is refused in one line before Ray is asked: ray.init
+    retries an unreachable head for minutes, printing its own warnings meanwhile."""
+    if address in (None, "auto", "local"):
+        return
+    import socket
+
+    where = address.removeprefix("ray://")
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        raise FicocoError(f"--ray-address {address}: give HOST:PORT (the head's GCS port, 6379 by default), "
+                          "ray://HOST:10001 or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise FicocoError(f"--ray-address {address}: nothing answers there ({exc.strerror or exc}); start the "
+                          "cluster (ray start --head) or leave --ray-address out for a local one") from None
 
 
 class SlurmExecutor:

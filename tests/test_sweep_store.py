@@ -175,3 +175,18 @@ def test_the_driver_waits_for_an_earlier_drivers_live_worker_and_redoes_failed_p
     assert ExecutorOptions(name="local").name == "local"
     with pytest.raises(FicocoError, match="--ray-address applies to --executor ray"):
         ExecutorOptions(name="local", ray_address="auto")
+
+
+def test_an_unreachable_ray_address_is_one_line_before_ray_is_asked() -> None:
+    import socket
+
+    from ficoco.sweep_exec import _check_reachable
+
+    with socket.socket() as probe:  # a port nothing listens on: bound, then closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(FicocoError, match=f"--ray-address 127.0.0.1:{port}: nothing answers there"):
+        _check_reachable(f"127.0.0.1:{port}", timeout_s=2)
+    with pytest.raises(FicocoError, match="give HOST:PORT"):
+        _check_reachable("head-node")
+    _check_reachable("auto")  # left to Ray: it finds a running cluster itself
