@@ -21,4 +21,6 @@ def run_cli(argv: Sequence[str]) -> tuple[int, str, str]:
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        sys.stdout.flush()  # what a command wrote with sys.stdout.write (--json -) is buffered until now
+        sys.stderr.flush()
         return code, out.getvalue().decode(), err.getvalue().decode()
