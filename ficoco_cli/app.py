@@ -368,49 +368,24 @@ def profile_command(
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
     from ficoco.profiling.config import parse_batches
-    from ficoco.profiling.dtype_choice import parse_dtype
-    from ficoco.profiling.estimate import estimate_run, plan_runs
-    from ficoco.profiling.matrix import ProfileConfig, plan_run
-    from ficoco.profiling.real_inputs import resolve_prompt
-    from ficoco_cli.profile_run import estimate_lines, run_and_report
+    from ficoco_cli.profile_run import run_and_report
 
     variants = split_list(variant, "--variant")
     check_schedule_options(variants, keep, tflops, schedule, preset)
     check_wired(variants, "ficoco profile")
-    if preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: --keep N
-        keep = preset
-    if not no_reference and "vanilla" not in variants:
-        variants = ["vanilla", *variants]
-    config = ProfileConfig(
-        model=model, variants=tuple(variants), keep=keep, tflops=tflops, schedule=schedule, shape=shape,
-        first_layer=first_layer, convention=convention, scope=scope,
-        quants=tuple(split_list(quant, "--quant")), batches=parse_batches(batch), text_tokens=text_tokens,
+    settings = dict(
+        model=model, variants=variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+        first_layer=first_layer, convention=convention, scope=scope, reference=not no_reference,
+        quants=split_list(quant, "--quant"), batches=parse_batches(batch), text_tokens=text_tokens,
         new_tokens=new_tokens, warmup=warmup, repeat=repeat, device=device, weights=weights, image=image,
-        prompt=prompt, overrides=tuple(set_values or ()), seed=seed, kv_bits=kv_bits,
-        image_size=parse_image_size(image_size), frames=frames, dtype=parse_dtype(dtype), video=video,
+        prompt=prompt, overrides=set_values or (), seed=seed, kv_bits=kv_bits,
+        image_size=parse_image_size(image_size), frames=frames, dtype=dtype, video=video,
         fidelity=fidelity, device_map=device_map, max_memory=max_memory,
     )
-    # A real prompt is laid out by the checkpoint's processor first: its mistakes are the user's,
-    # and the run is planned for the layout it made.
-    config, prompt_inputs = resolve_prompt(config)
-    try:
-        plan = plan_run(config, prompt_inputs)
-    except FicocoError as exc:
-        if preset is None:
-            raise
-        from ficoco.accounting import preset_message
-
-        raise FicocoError(preset_message(str(exc), preset)) from None
-    estimate = estimate_run(config, plan)
-    plan_runs(plan, estimate)
     console = out if json_path != "-" else err
-    if dry_run:
-        for note in plan.notes:
-            console.print(note, markup=False, highlight=False, soft_wrap=True)
-        for line in estimate_lines(plan, estimate):
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
+    report = run_and_report(settings, json_path, console, wide, dry_run=dry_run)
+    if report is None:  # --dry-run: the plan and its estimate were printed
         return
-    report = run_and_report(config, plan, json_path, console, estimate, wide)
     if not any(row.get("status") == "ok" for row in report["rows"]):
         reasons = sorted({f"{row.get('status')}: {row.get('reason')}" for row in report["rows"]})
         err.print(f"error: no row was measured ({'; '.join(reasons)[:400]})", markup=False, highlight=False,
