@@ -122,10 +122,12 @@ def test_profile_callbacks_see_the_plan_then_each_row(profiles):
     assert seen["phases"] > 0
 
 
-def test_profile_dry_run_plans_without_measuring():
+def test_profile_dry_run_plans_without_measuring_and_keeps_the_notes():
     planned = []
-    report = ficoco.profile("llava-tiny", "v", keep=8, reference=False, device="cpu", dry_run=True,
+    report = ficoco.profile("llava-tiny", "v,holitom", keep=8, reference=False, device="cpu", dry_run=True,
                             on_plan=planned.append)
     assert report["schema"] == REPORT_SCHEMA and report["rows"] == []
-    assert list(report["config"]["variants"]) == ["v"]  # reference=False: no vanilla row added
-    assert len(planned) == 1 and len(planned[0].estimate.rows) == 1
+    assert list(report["config"]["variants"]) == ["v", "holitom"]  # reference=False: no vanilla row added
+    assert len(planned) == 1 and [row.variant for row in planned[0].plan.rows] == ["v"]
+    # HoliTom (a video method) is left out on LLaVA: said in the report, not only printed.
+    assert [note for note in report["notes"] if note.startswith("left out holitom")]

@@ -30,7 +30,7 @@ class ProfilePlan:
 
 
 def profile_header(config: Any, plan: Any, estimate: Any, env: dict[str, Any]) -> dict[str, Any]:
-    """The report before its first row: schema, time, environment, config with the runs' rule, estimate."""
+    """The report before its first row: schema, time, environment, config with the runs' rule, estimate, notes."""
     auto = "auto"
     return {
         "schema": REPORT_SCHEMA,
@@ -41,6 +41,9 @@ def profile_header(config: Any, plan: Any, estimate: Any, env: dict[str, Any]) -
                                       "repeat": auto if plan.repeat is None else plan.repeat,
                                       "runs_rule": estimate.runs_rule},
         "estimate": estimate.to_json(),
+        # What was said before the run (a device fallback, a method left out with its reason): a
+        # library caller sees it here, where the CLI prints it.
+        "notes": list(plan.notes),
         "wall_s": 0.0,
         "rows": [],
     }
