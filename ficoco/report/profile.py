@@ -75,7 +75,12 @@ def plan_profile(model: str, variants: str | Sequence[str] = "v", *, keep: int |
     from ficoco.profiling.matrix import ProfileConfig, plan_run
     from ficoco.profiling.real_inputs import resolve_prompt
 
+    from ficoco.methods.registry import METHODS
+
     variants = names(variants)
+    for name in variants:  # a method the model adapters do not run yet: refused before anything is planned
+        if name != "vanilla" and name in METHODS:
+            METHODS[name].check_wired("ficoco.profile")
     if preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: keep N
         keep = preset
     if reference and "vanilla" not in variants:
