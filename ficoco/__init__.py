@@ -1,8 +1,9 @@
 """ficoco: FiCoCo visual-token reduction for multimodal LLMs, made measurable.
 
 Importing the package is cheap and never imports torch: the accounting path
-(`ficoco flops`) must start in well under a second. The model-facing API
-(`build_model`, `apply`) is loaded on first use.
+(`ficoco flops`, `ficoco.flops(...)`) must start in well under a second. The model-facing API
+(`build_model`, `apply`, `profile`) is loaded on first use. `flops` and `profile` return the
+reports the CLI writes (`ficoco.report`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "FicocoError", "apply", "build_model", "quantized_cache"]
+__all__ = ["__version__", "FicocoError", "apply", "build_model", "flops", "profile", "quantized_cache"]
 
 from ficoco.errors import FicocoError
 
 _LAZY = {"build_model": "ficoco.api", "apply": "ficoco.api", "quantized_cache": "ficoco.models.kv_cache"}
+# The report builders, under the names a user calls: ficoco.flops(...), ficoco.profile(...).
+_LAZY_AS = {"flops": ("ficoco.report.flops", "flops_report"), "profile": ("ficoco.report.profile", "profile_report")}
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +26,9 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY_AS:
+        import importlib
+
+        module, attribute = _LAZY_AS[name]
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'ficoco' has no attribute {name!r}")

@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ficoco.errors import FicocoError
+from ficoco.report.schemas import REPORT_SCHEMA
 
-REPORT_SCHEMA = "ficoco.report/1"
-FLOPS_SCHEMA = "ficoco.flops/1"  # `ficoco flops --json`: `ficoco report` renders it
 DETERMINISTIC_TOLERANCE = 0.001  # 0.1%
 SIGNIFICANCE = 0.05
 

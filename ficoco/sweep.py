@@ -26,9 +26,9 @@ from ficoco import accounting as acc
 from ficoco.accounting.flops import SCOPE_STAGES
 from ficoco.errors import FicocoError
 from ficoco.profiles import Profile, load_profile, set_layout
+from ficoco.report.schemas import SWEEP_SCHEMA
 from ficoco.versions import report_environment
 
-SWEEP_SCHEMA = "ficoco.sweep/1"
 VANILLA = "vanilla"
 
 
@@ -332,7 +332,8 @@ def read_report_any(path: str) -> dict[str, Any]:
     """A saved sweep (ficoco.sweep/1), profile (ficoco.report/1) or flops (ficoco.flops/1) report,
     or a sweep's results store (a folder: its report as the store holds it now, also while the
     sweep runs), validated enough to render or draw; one clear error otherwise."""
-    from ficoco.compare import FLOPS_SCHEMA, REPORT_SCHEMA, read_report
+    from ficoco.compare import read_report
+    from ficoco.report.schemas import FLOPS_SCHEMA, REPORT_SCHEMA
     from ficoco.sweep_store import SweepStore
 
     if str(path).strip() and Path(path).expanduser().is_dir():

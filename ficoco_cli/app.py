@@ -94,7 +94,7 @@ def methods_command(
     """List the reduction methods: where each acts, its defaults, the families it runs on."""
     from ficoco.methods.registry import method_matrix
     from ficoco.profiles import FAMILY_DEFAULTS
-    from ficoco.report import write_json_atomic
+    from ficoco.report import METHODS_SCHEMA, write_json_atomic
     from ficoco_cli.render import matrix_markdown, matrix_table, methods_table
 
     if markdown and not matrix:
@@ -108,7 +108,7 @@ def methods_command(
     else:
         console.print(matrix_table(cells) if matrix else methods_table(rows))
     if json_path:
-        write_json_atomic(json_path, {"schema": "ficoco.methods/1", "ficoco_version": ficoco.__version__,
+        write_json_atomic(json_path, {"schema": METHODS_SCHEMA, "ficoco_version": ficoco.__version__,
                                       "environment": report_environment(), "methods": rows, "matrix": cells})
 
 
@@ -229,9 +229,7 @@ def flops_command(
         help="--verify: auto (the fastest on this CPU that fits), bf16, fp16 or fp32.")] = None,
 ) -> None:
     """Analytic cost: TFLOPs by stage, KV cache, weights, memory access, roofline time."""
-    from ficoco import accounting as acc
-    from ficoco.accounting.flops import SCOPE_STAGES, STAGES
-    from ficoco.profiles import load_gpu, load_profile, set_layout
+    from ficoco.accounting import UNITS
     from ficoco.report import write_json_atomic
     from ficoco_cli.render import compares_methods, flops_table, method_comparison_table, per_layer_table
 
@@ -244,67 +242,64 @@ def flops_command(
     if dtype is not None and not verify:
         raise FicocoError("--dtype applies to --verify (the analytic count has no dtype; --quant sets its bit "
                           "widths); add --verify")
-    profile = load_profile(model, set_values or [])
-    set_layout(profile, image_size=parse_image_size(image_size), frames=frames)
     if verify:
-        from ficoco.verify import check_supported
-        from ficoco_cli.verify_cmd import check_verify_options
-
-        check_supported(profile)
-        check_verify_options(quant=quant, kv_bits=kv_bits, gpu=gpu)
-    arch = acc.architecture(profile)
-    opts = acc.CountOptions(convention=convention, scope=scope, equivalent=equivalent, batch=batch,
-                            text_tokens=text_tokens, lm_head_tokens=lm_head)
-    quants = [acc.make_quant(q, kv_bits) for q in split_list(quant, "--quant")]
-    hardware = load_gpu(gpu) if gpu else None
-    schedules, skipped = acc.resolve_side_by_side(arch, variants, opts, strict=verify, keep=keep, tflops=tflops,
-                                                  schedule=schedule, shape=shape, first_layer=first_layer,
-                                                  preset=preset)
-    if verify:
-        from ficoco_cli.verify_cmd import verify_command
-
-        request = {"variants": variants, "keep": keep if preset is None else preset, "tflops": tflops,
-                   "schedule": schedule, "shape": shape,
-                   "first_layer": first_layer, "convention": convention, "scope": scope, "equivalent": equivalent}
-        code = verify_command(profile, schedules, text_tokens=text_tokens, batch=batch, lm_head=lm_head,
-                              tolerance=tolerance, per_layer=per_layer, json_path=json_path,
-                              console=err if json_path == "-" else out, request=request, dtype=dtype or "auto")
-        if code:
-            sys.exit(code)  # the verdict, after the tables (typer.Exit would not reach main's exit code)
+        _verify_flops(model, variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                      first_layer=first_layer, convention=convention, scope=scope, equivalent=equivalent,
+                      quant=quant, kv_bits=kv_bits, gpu=gpu, text_tokens=text_tokens, batch=batch, lm_head=lm_head,
+                      image_size=image_size, frames=frames, per_layer=per_layer, set_values=set_values,
+                      json_path=json_path, tolerance=tolerance, dtype=dtype)
         return
-    vanilla = acc.account(arch, acc.Schedule("vanilla"), quants[0], opts)
-    rows: list[dict[str, Any]] = []
-    for sched in schedules:
-        layers = acc.per_layer(arch, sched, opts) if per_layer else None
-        for q in quants:
-            row = acc.account(arch, sched, q, opts, gpu=hardware).to_json()
-            row["reduction_vs_vanilla"] = None if sched.variant == "vanilla" else 1 - row["tflops"] / vanilla.tflops
-            if layers is not None:
-                row["per_layer"] = layers
-            rows.append(row)
-    report = {
-        "schema": "ficoco.flops/1", "ficoco_version": ficoco.__version__, "model": arch.name,
-        "convention": opts.convention, "units": acc.UNITS[opts.convention], "scope": opts.scope,
-        "scope_stages": list(SCOPE_STAGES[opts.scope]), "stages": list(STAGES), "equivalent": opts.equivalent,
-        "text_tokens": text_tokens if text_tokens is not None else arch.text_tokens, "batch": batch,
-        "lm_head_tokens": lm_head, "image_size": arch.image_size, "vision_items": arch.vision.items,
-        "overrides": profile.overrides, "gpu": hardware.name if hardware else None,
-        "budget_tflops": tflops, "keep": keep, "preset": preset, "environment": report_environment(), "rows": rows,
-        "skipped": skipped,
-    }
+    quants = split_list(quant, "--quant")
+    report = ficoco.flops(model, variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                          first_layer=first_layer, convention=convention, scope=scope, equivalent=equivalent,
+                          quants=quants, kv_bits=kv_bits, gpu=gpu, text_tokens=text_tokens, batch=batch,
+                          lm_head=lm_head, image_size=parse_image_size(image_size), frames=frames,
+                          per_layer=per_layer, overrides=set_values or ())
+    unit = UNITS[convention]
     console = err if json_path == "-" else out
     if compares_methods(report) and not wide:
         # Several methods under one setting: one table, cheapest first (--wide: every column, as given).
-        console.print(method_comparison_table(report, acc.UNITS[opts.convention]))
+        console.print(method_comparison_table(report, unit))
     else:
-        console.print(flops_table(report, acc.UNITS[opts.convention], hardware is not None, wide))
-    for entry in skipped:
+        console.print(flops_table(report, unit, report["gpu"] is not None, wide))
+    for entry in report["skipped"]:
         console.print(f"left out {entry['variant']}: {entry['reason']}", markup=False, highlight=False)
     if per_layer:
-        for row in rows[:: len(quants)]:
-            console.print(per_layer_table(row, acc.UNITS[opts.convention]))
+        for row in report["rows"][:: len(quants)]:
+            console.print(per_layer_table(row, unit))
     if json_path:
         write_json_atomic(json_path, report)
+
+
+def _verify_flops(model: str, variants: list[str], *, keep: int | None, preset: int | None, tflops: float | None,
+                  schedule: str | None, shape: str | None, first_layer: int | None, convention: str, scope: str,
+                  equivalent: bool, quant: str, kv_bits: int | None, gpu: str | None, text_tokens: int | None,
+                  batch: int, lm_head: str, image_size: str | None, frames: int | None, per_layer: bool,
+                  set_values: list[str] | None, json_path: str | None, tolerance: float | None,
+                  dtype: str | None) -> None:
+    """`ficoco flops --verify`: the prefill under fvcore and torch's counter against the analytic count, per stage."""
+    from ficoco import accounting as acc
+    from ficoco.profiles import load_profile, set_layout
+    from ficoco.verify import check_supported
+    from ficoco_cli.verify_cmd import check_verify_options, verify_command
+
+    profile = load_profile(model, set_values or [])
+    set_layout(profile, image_size=parse_image_size(image_size), frames=frames)
+    check_supported(profile)
+    check_verify_options(quant=quant, kv_bits=kv_bits, gpu=gpu)
+    arch = acc.architecture(profile)
+    opts = acc.CountOptions(convention=convention, scope=scope, equivalent=equivalent, batch=batch,
+                            text_tokens=text_tokens, lm_head_tokens=lm_head)
+    schedules, _ = acc.resolve_side_by_side(arch, variants, opts, strict=True, keep=keep, tflops=tflops,
+                                            schedule=schedule, shape=shape, first_layer=first_layer, preset=preset)
+    request = {"variants": variants, "keep": keep if preset is None else preset, "tflops": tflops,
+               "schedule": schedule, "shape": shape,
+               "first_layer": first_layer, "convention": convention, "scope": scope, "equivalent": equivalent}
+    code = verify_command(profile, schedules, text_tokens=text_tokens, batch=batch, lm_head=lm_head,
+                          tolerance=tolerance, per_layer=per_layer, json_path=json_path,
+                          console=err if json_path == "-" else out, request=request, dtype=dtype or "auto")
+    if code:
+        sys.exit(code)  # the verdict, after the tables (typer.Exit would not reach main's exit code)
 
 
 @app.command("profile")
@@ -373,49 +368,24 @@ def profile_command(
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
     from ficoco.profiling.config import parse_batches
-    from ficoco.profiling.dtype_choice import parse_dtype
-    from ficoco.profiling.estimate import estimate_run, plan_runs
-    from ficoco.profiling.matrix import ProfileConfig, plan_run
-    from ficoco.profiling.real_inputs import resolve_prompt
-    from ficoco_cli.profile_run import estimate_lines, run_and_report
+    from ficoco_cli.profile_run import run_and_report
 
     variants = split_list(variant, "--variant")
     check_schedule_options(variants, keep, tflops, schedule, preset)
     check_wired(variants, "ficoco profile")
-    if preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: --keep N
-        keep = preset
-    if not no_reference and "vanilla" not in variants:
-        variants = ["vanilla", *variants]
-    config = ProfileConfig(
-        model=model, variants=tuple(variants), keep=keep, tflops=tflops, schedule=schedule, shape=shape,
-        first_layer=first_layer, convention=convention, scope=scope,
-        quants=tuple(split_list(quant, "--quant")), batches=parse_batches(batch), text_tokens=text_tokens,
+    settings = dict(
+        model=model, variants=variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+        first_layer=first_layer, convention=convention, scope=scope, reference=not no_reference,
+        quants=split_list(quant, "--quant"), batches=parse_batches(batch), text_tokens=text_tokens,
         new_tokens=new_tokens, warmup=warmup, repeat=repeat, device=device, weights=weights, image=image,
-        prompt=prompt, overrides=tuple(set_values or ()), seed=seed, kv_bits=kv_bits,
-        image_size=parse_image_size(image_size), frames=frames, dtype=parse_dtype(dtype), video=video,
+        prompt=prompt, overrides=set_values or (), seed=seed, kv_bits=kv_bits,
+        image_size=parse_image_size(image_size), frames=frames, dtype=dtype, video=video,
         fidelity=fidelity, device_map=device_map, max_memory=max_memory,
     )
-    # A real prompt is laid out by the checkpoint's processor first: its mistakes are the user's,
-    # and the run is planned for the layout it made.
-    config, prompt_inputs = resolve_prompt(config)
-    try:
-        plan = plan_run(config, prompt_inputs)
-    except FicocoError as exc:
-        if preset is None:
-            raise
-        from ficoco.accounting import preset_message
-
-        raise FicocoError(preset_message(str(exc), preset)) from None
-    estimate = estimate_run(config, plan)
-    plan_runs(plan, estimate)
     console = out if json_path != "-" else err
-    if dry_run:
-        for note in plan.notes:
-            console.print(note, markup=False, highlight=False, soft_wrap=True)
-        for line in estimate_lines(plan, estimate):
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
+    report = run_and_report(settings, json_path, console, wide, dry_run=dry_run)
+    if report is None:  # --dry-run: the plan and its estimate were printed
         return
-    report = run_and_report(config, plan, json_path, console, estimate, wide)
     if not any(row.get("status") == "ok" for row in report["rows"]):
         reasons = sorted({f"{row.get('status')}: {row.get('reason')}" for row in report["rows"]})
         err.print(f"error: no row was measured ({'; '.join(reasons)[:400]})", markup=False, highlight=False,
@@ -484,8 +454,8 @@ def report_command(
 ) -> None:
     """Render a saved profile or flops report as a table, markdown or CSV (several methods: compared by cost);
     a sweep report as a table; --plot draws figures."""
-    from ficoco.compare import FLOPS_SCHEMA
-    from ficoco.sweep import SWEEP_SCHEMA, read_report_any
+    from ficoco.report import FLOPS_SCHEMA, SWEEP_SCHEMA
+    from ficoco.sweep import read_report_any
     from ficoco_cli.render import method_comparison_table, print_profile
     from ficoco_cli.report_cmd import flops_report_csv, report_csv, report_markdown
     from ficoco_cli.sweep_cmd import draw_report, sweep_table

@@ -4,6 +4,7 @@ rewritten after every row."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
 from typing import Any
@@ -12,13 +13,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from ficoco.profiling.environment import environment
 from ficoco.profiling.estimate import Eta, RunEstimate
-from ficoco.profiling.matrix import BUILD_STEP, Phase, Plan, ProfileConfig, RowSpec, run_profile
-from ficoco.report import add_comparisons, write_json_atomic
+from ficoco.profiling.matrix import BUILD_STEP, Phase, Plan, RowSpec
+from ficoco.report import ProfilePlan, write_json_atomic
 from ficoco_cli.render import fmt_duration, print_profile
 
-SCHEMA = "ficoco.report/1"
 # In a log, a step's line is printed when the kind of step changes (build, warm-up, timed runs,
 # generation, done) or when this long has passed since the last line: a tiny model's ten 5 ms
 # runs make one line, a 7B model's minute-long runs one line each.
@@ -153,48 +152,48 @@ class ProgressDisplay:
         self.last = None
 
 
-def run_and_report(config: ProfileConfig, plan: Plan, json_path: str | None, console: Console,
-                   estimate: RunEstimate, wide: bool = False) -> dict[str, Any]:
-    """Run the plan, rewriting the report after every row; returns the report."""
-    env = environment(plan.device)
-    auto = "auto"
-    report: dict[str, Any] = {
-        "schema": SCHEMA,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "environment": env,
-        "config": config.to_json() | {"gpu_profile": plan.gpu.key if plan.gpu else None,
-                                      "warmup": auto if plan.warmup is None else plan.warmup,
-                                      "repeat": auto if plan.repeat is None else plan.repeat,
-                                      "runs_rule": estimate.runs_rule},
-        "estimate": estimate.to_json(),
-        "wall_s": 0.0,
-        "rows": [],
-    }
-    for note in plan.notes:
-        console.print(note, markup=False, highlight=False, soft_wrap=True)
-    console.print(device_line(env, plan), markup=False, highlight=False, soft_wrap=True)
-    for line in estimate_lines(plan, estimate):
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
-    display = ProgressDisplay(console, plan, estimate)
-    begin = time.perf_counter()
+def run_and_report(settings: dict[str, Any], json_path: str | None, console: Console, wide: bool = False,
+                   dry_run: bool = False) -> dict[str, Any] | None:
+    """`ficoco.profile(**settings)` with the plan and its estimate printed first, a progress display,
+    the report rewritten after every row (`--json FILE`) and its table at the end; returns the
+    report (None after a dry run: the plan is printed, nothing else)."""
+    import ficoco
 
-    def on_row(row: dict[str, Any]) -> None:
-        index = len(report["rows"])
-        row["estimate"] = estimate.rows[index].to_json() | {"build_s": estimate.build_s.get(row["quant"])}
-        report["rows"].append(row)
-        report["wall_s"] = time.perf_counter() - begin
-        add_comparisons(report["rows"])
-        # Rewritten after every row, atomically: an interrupted run keeps what it measured.
-        if json_path and json_path != "-":
-            write_json_atomic(json_path, report)
-        display.on_row(index, row)
+    held: dict[str, Any] = {}  # the report as it grows: its table is printed even after Ctrl-C
 
-    try:
-        with display:
-            run_profile(config, plan, on_row, on_phase=display.on_phase)
-    finally:
-        if report["rows"]:
-            print_profile(console, report, wide)
+    with contextlib.ExitStack() as stack:
+
+        def on_plan(planned: ProfilePlan) -> None:
+            plan, estimate = planned.plan, planned.estimate
+            held["report"] = planned.report
+            for note in plan.notes:
+                console.print(note, markup=False, highlight=False, soft_wrap=True)
+            if not dry_run:
+                console.print(device_line(planned.report["environment"], plan), markup=False, highlight=False,
+                              soft_wrap=True)
+            for line in estimate_lines(plan, estimate):
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
+            if not dry_run:
+                held["display"] = stack.enter_context(ProgressDisplay(console, plan, estimate))
+
+        def on_phase(phase: Phase) -> None:
+            held["display"].on_phase(phase)
+
+        def on_row(report: dict[str, Any]) -> None:
+            # Rewritten after every row, atomically: an interrupted run keeps what it measured.
+            if json_path and json_path != "-":
+                write_json_atomic(json_path, report)
+            index = len(report["rows"]) - 1
+            held["display"].on_row(index, report["rows"][index])
+
+        try:
+            ficoco.profile(on_plan=on_plan, on_phase=on_phase, on_row=on_row, dry_run=dry_run, **settings)
+        finally:
+            stack.close()  # the progress display ends before the table
+            if held.get("report", {}).get("rows"):
+                print_profile(console, held["report"], wide)
+    if dry_run:
+        return None
     if json_path == "-":
-        write_json_atomic("-", report)
-    return report
+        write_json_atomic("-", held["report"])
+    return held["report"]

@@ -604,13 +604,13 @@ def test_interrupted_run_exits_non_zero(interrupted):
 
 
 def test_keyboard_interrupt_in_main_exits_130(monkeypatch, capsys):
-    import ficoco_cli.profile_run as profile_run
+    import ficoco.profiling.matrix as matrix
     from ficoco_cli.app import main
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(profile_run, "run_profile", interrupt)
+    monkeypatch.setattr(matrix, "run_profile", interrupt)  # what ficoco.profile runs the rows with
     monkeypatch.setattr(sys, "argv", ["ficoco", "profile", "--model", MODEL, "--variant", "v", "--keep", "8"])
     with pytest.raises(SystemExit) as exc:
         main()

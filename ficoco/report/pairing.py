@@ -1,0 +1,46 @@
+"""The pairing of each measured row with its vanilla row (same quant and batch) of the same run:
+speedup, FLOPs ratio, memory saving, the method's own work against what it saves. No torch: read
+back by `ficoco report` and a sweep's store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def own_work_vs_savings(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any] | None:
+    """What the method's own work (its reduction stages and probes, `reduction_ms`) costs against
+    what its fewer tokens save: ``saved_ms`` is vanilla's median less this row's model time
+    without the method's work. ``eats_savings`` when the work costs at least that (DivPrune's
+    search on a short prompt, say): the row would be faster without its own overhead than it is
+    faster than vanilla. None for vanilla and for rows whose method ran no timed work."""
+    own_ms = row.get("reduction_ms") or 0.0
+    if row["variant"] == "vanilla" or own_ms <= 0:
+        return None
+    saved_ms = base["latency"]["median_ms"] - (row["latency"]["median_ms"] - own_ms)
+    return {"own_ms": own_ms, "saved_ms": saved_ms, "eats_savings": own_ms >= saved_ms}
+
+
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """Speedup, memory saving and roofline ratio of every row against its vanilla row (same
+    quant and batch) of the same run."""
+    reference = {(r["quant"], r["batch"]): r for r in rows if r["variant"] == "vanilla" and r.get("status") == "ok"}
+    for row in rows:
+        if row.get("status") != "ok":
+            continue
+        latency = row["latency"]["median_ms"]
+        row["achieved_tflops_per_s"] = row["analytic"]["tflops"] / (latency / 1e3)
+        roofline = row["analytic"].get("roofline_ms")
+        row["measured_over_roofline"] = latency / roofline if roofline else None
+        base = reference.get((row["quant"], row["batch"]))
+        if base is None:
+            row["speedup_vs_vanilla"] = row["memory_saving_vs_vanilla"] = row["flops_ratio_vs_vanilla"] = None
+            continue
+        row["speedup_vs_vanilla"] = base["latency"]["median_ms"] / latency
+        row["flops_ratio_vs_vanilla"] = base["analytic"]["tflops"] / row["analytic"]["tflops"]
+        row["own_work_vs_savings"] = own_work_vs_savings(row, base)
+        peak, base_peak = row["memory"].get("peak_bytes"), base["memory"].get("peak_bytes")
+        row["memory_saving_vs_vanilla"] = 1 - peak / base_peak if peak and base_peak else None
+        # Answering end to end (decode.py's total), when both rows generated.
+        total, base_total = ((r.get("generation") or {}).get("total", {}).get("median_ms") for r in (row, base))
+        if total and base_total:
+            row["generation_speedup_vs_vanilla"] = base_total / total
