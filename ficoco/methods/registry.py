@@ -186,6 +186,11 @@ def _sparsevlm_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapp
             "recycle_ratio": hp["recycle_ratio"], "cluster_divisor": hp["cluster_divisor"]}
 
 
+def _sparsevlm_added(removed: int, settings: Mapping[str, Any]) -> int:
+    # --schedule LAYER:REMOVED: the recycled clusters join at the same step, by the default rule.
+    return sparsevlm_recycled(removed, settings["recycle_ratio"], settings["cluster_divisor"])[1]
+
+
 def _sparsevlm_extra(ctx: StepContext) -> ExtraMacs:
     d, s = ctx.dims, ctx.settings
     rows: ExtraMacs = []
@@ -455,6 +460,9 @@ _CDPRUNER_RELEVANCE = "LLM input embeddings of the prompt text (no CLIP text tow
 _cdpruner_for_keep = _ratio_for_keep("CDPruner", "default_keep_ratio", relevance=_CDPRUNER_RELEVANCE)
 
 
+# FiCoCo-V and -L: any count at any reducing layer from `first_layer` (ficoco.accounting.schedule plans them).
+_PER_LAYER = "ficoco.accounting.schedule:plan_per_layer"
+
 # ---- the registry --------------------------------------------------------------------------------------------------
 
 _PER_ITEM = "visual tokens per image, crop or frame that reach the LLM"
@@ -481,6 +489,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         families=ALL_FAMILIES, module="ficoco.methods.ficoco_v", function="reduce",
         source="SPEC.md (FiCoCo paper)", summary="filter by vision- and [CLS]-redundancy, fold into kept patches",
         keep_means="visual tokens that reach the LLM", wired=True,
+        planner=_PER_LAYER, default_setting=False, appendix_formulas=True,
     ),
     MethodSpec(
         name="l", title="FiCoCo-L", acts_at="llm_layer", placement="in_layer", positions="original",
@@ -491,6 +500,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         families=ALL_FAMILIES, module="ficoco.methods.ficoco_l", function="reduce",
         source="SPEC.md (FiCoCo paper)", summary="filter by vision- and task-redundancy, fold into kept tokens",
         keep_means="visual tokens that leave the LLM", wired=True,
+        planner=_PER_LAYER, default_setting=False, appendix_formulas=True,
     ),
     MethodSpec(
         name="fastv", title="FastV", acts_at="llm_layer", placement="layer_input", positions="original",
@@ -529,6 +539,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         keep_means="the v1.5 schedule of the literature's row (192, 128, 96, 64)",
         keep_choices=tuple(sorted(SPARSEVLM_SCHEDULES)),
         steps=_sparsevlm_steps, settings_for_keep=_sparsevlm_for_keep, extra_macs=_sparsevlm_extra, wired=True,
+        added_for_removed=_sparsevlm_added,
     ),
     MethodSpec(
         name="dart", title="DART", acts_at="llm_layer", placement="layer_input", positions="original",
