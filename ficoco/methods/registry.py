@@ -11,7 +11,8 @@ has no published setting, the rule used instead is stated in the entry.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from ficoco.errors import FicocoError
@@ -737,7 +738,36 @@ METHODS["holitom"] = MethodSpec(
     extra_per_sample=True, inner=_HOLITOM_INNER,
 )
 
-VARIANTS = ("vanilla", *METHODS)
+class _Variants(Sequence[str]):
+    """"vanilla" and every registered method, as the registry holds them now (a method registered later,
+    `register_method`, is a variant as soon as it is registered, wherever VARIANTS was imported)."""
+
+    def _names(self) -> tuple[str, ...]:
+        return ("vanilla", *METHODS)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return 1 + len(METHODS)
+
+    def __contains__(self, name: object) -> bool:
+        return name == "vanilla" or name in METHODS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+VARIANTS: Sequence[str] = _Variants()
 
 
 def method(name: str) -> MethodSpec:
@@ -765,3 +795,37 @@ def method_matrix(families: Iterable[str]) -> list[dict[str, Any]]:
 
 def dims_of(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> Dims:
     return Dims(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn)
+
+
+# ---- methods registered from outside the package (a plugin, a test's toy method) -------------------------------
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Add `spec` to the registry: the CLI, the accountant, `apply` and `ficoco methods` see it at once.
+    Its module is imported on use; its planner plans it (`plan_by_steps` by default). Refuses a name
+    that is taken."""
+    if spec.name == "vanilla" or spec.name in METHODS:
+        raise FicocoError(f"method '{spec.name}' is registered already; choose another name")
+    METHODS[spec.name] = spec
+    return spec
+
+
+def unregister_method(name: str) -> None:
+    """Remove a method `register_method` added (one of the package's own entries is refused)."""
+    if name not in METHODS:
+        raise FicocoError(f"unknown method '{name}': choose from {', '.join(METHODS)}")
+    if name in _BUILT_IN:
+        raise FicocoError(f"method '{name}' is one of the package's own entries; it cannot be unregistered")
+    del METHODS[name]
+
+
+@contextmanager
+def registered(spec: MethodSpec) -> Iterator[MethodSpec]:
+    """`register_method(spec)` for the block, `unregister_method` after it (even on an error)."""
+    register_method(spec)
+    try:
+        yield spec
+    finally:
+        unregister_method(spec.name)
+
+
+_BUILT_IN = frozenset(METHODS)
