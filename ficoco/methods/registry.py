@@ -1,8 +1,10 @@
 """The method registry: one `MethodSpec` per method, and the arithmetic of its schedule.
 
-Adding a method is adding its tensor module under ficoco/methods/ and one entry here; the
-CLI, the accountant and the report read the registry and name no method themselves. No torch
-is imported here (the accountant reads this module).
+Adding a method is adding its tensor module under ficoco/methods/ (the functions
+ficoco.methods.contract names) and one entry here, or `register_method(spec)` from outside the
+package; the CLI, the accountant and the report read the registry and name no method themselves.
+Each entry is planned through its `planner` and states its defaults once, in its
+`hyperparameters`. No torch is imported here (the accountant reads this module).
 
 Settings follow each method's official code (../shared/BASELINES.md); where a paper's table
 has no published setting, the rule used instead is stated in the entry.
