@@ -233,10 +233,10 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     fields = {f.name for f in dataclasses.fields(Hyperparameters)}
     if isinstance(schedule, Schedule):
         sched = schedule
-        unknown = sorted(set(hyperparameters) - set(spec.hyperparameters))
+        unknown = sorted(set(hyperparameters) - set(spec.hyperparameters) - fields)
         if unknown:
             raise FicocoError(f"unknown hyperparameter {', '.join(unknown)} for {spec.title}: choose from "
-                              f"{', '.join(spec.hyperparameters)}")
+                              f"{', '.join(dict.fromkeys([*spec.hyperparameters, *fields]))}")
     else:
         # The entry's planner plans every method: the request's keep / preset / budget / schedule, and the
         # hyperparameters (checked against the entry's).

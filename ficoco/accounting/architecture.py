@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import METHODS
 from ficoco.profiles import MAX_COUNT, Profile
 
 # The accountant counts layer by layer (and a budget search counts a model many times): a config
@@ -419,8 +420,6 @@ def _qwen_image_pixels(size: tuple[int, int], patch: int, merge: int, title: str
 def _first_reducing_layers(defaults: dict[str, Any]) -> tuple[tuple[str, int], ...]:
     """The first reducing layer of every registered method that has one (a `first_layer`
     hyperparameter): the profile's ficoco.first_reducing_layer.NAME, else the entry's default."""
-    from ficoco.methods.registry import METHODS  # plain data, no torch
-
     first = defaults.get("first_reducing_layer", {})
     starts = {name: spec.hyperparameters["first_layer"] for name, spec in METHODS.items()
               if "first_layer" in spec.hyperparameters}

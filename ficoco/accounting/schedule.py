@@ -460,12 +460,15 @@ def plan_per_layer(arch: Architecture, spec: MethodSpec, request: PlanRequest) -
     """The planner of a method that removes any count at any of its reducing layers (FiCoCo-V and -L):
     explicit removals, `keep` (or `preset`) tokens uniformly from the first reducing layer (or all at it,
     "oneshot"), or the most tokens whose cost fits `tflops`. Hyperparameters do not change the schedule;
-    they are checked against the entry's."""
+    they are checked against those of the entries this planner plans (FiCoCo-V's and -L's: one set,
+    which the handle holds)."""
     variant = spec.name
-    unknown = sorted(set(request.hyperparameters) - set(spec.hyperparameters))
+    known = dict.fromkeys(name for other in METHODS.values() if other.planner == spec.planner
+                          for name in other.hyperparameters)
+    unknown = sorted(set(request.hyperparameters) - set(known))
     if unknown:
         raise FicocoError(f"unknown hyperparameter {', '.join(unknown)} for {spec.title}: choose from "
-                          f"{', '.join(spec.hyperparameters)}")
+                          f"{', '.join(known)}")
     shape, first = request.shape, request.first_layer
     if request.preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: --keep N
         try:
