@@ -25,3 +25,7 @@ class Hyperparameters:
     window: int = _FICOCO["window"]  # V local penalty window
     coefficient: float = _FICOCO["coefficient"]  # V local penalty factor
     equivalent_token: bool = _FICOCO["equivalent_token"]  # V: score with the equivalent token instead of [CLS]
+
+
+# The paper's values, as the defaults of the algorithm's functions (ficoco.reduction) read them.
+PAPER = Hyperparameters()
