@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,9 +19,9 @@ from torch import Tensor, nn
 
 from ficoco import testing_hooks
 from ficoco.accounting import CountOptions, architecture, resolve_schedule
-from ficoco.accounting.methods import method_schedule
-from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
+from ficoco.accounting.schedule import Schedule, plan_tokens
 from ficoco.errors import FicocoError
+from ficoco.methods.hyperparameters import Hyperparameters
 from ficoco.methods.registry import METHODS, method
 from ficoco.models import adapter_for, hf_compat
 from ficoco.models.attention import SUPPORTED_ATTENTION, check_attention_implementation  # noqa: F401
@@ -30,19 +31,6 @@ from ficoco.profiles import FAMILY_DEFAULTS, Profile
 from ficoco.profiling.stage_timer import StageTimer
 
 __all__ = ["Handle", "Hyperparameters", "LayerRecord", "apply", "build_model", "profile_of"]
-
-
-@dataclass(frozen=True)
-class Hyperparameters:
-    """The paper's defaults (SPEC.md); every one can be set per handle."""
-
-    lam: float = 0.35  # V filter: vision-aware vs semantic term
-    beta: float = 0.6  # L filter: vision-aware vs task-aware term
-    gamma: float = 0.6  # L correlate: direct vs indirect term
-    eps: float = 0.998  # quantile of the token-adaptive K
-    window: int = 2  # V local penalty window
-    coefficient: float = 2.0  # V local penalty factor
-    equivalent_token: bool = False  # V: score with the equivalent token instead of [CLS]
 
 
 @dataclass(frozen=True)
@@ -242,33 +230,20 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     arch = architecture(profile, image_size=image_size, frames=frames)
     spec.check_runs(arch.family, arch.name)  # before anything is planned or patched: one line on why not
     opts = count or CountOptions()
-    if spec.plans_itself:
-        spec.check_family(arch.family, arch.name)
-        params = Hyperparameters()
-        if isinstance(schedule, dict):
-            schedule = ",".join(f"{layer}:{removed}" for layer, removed in sorted(schedule.items()))
-        if isinstance(schedule, Schedule):
-            sched = schedule
-        elif hyperparameters:
-            if schedule is not None or tflops is not None:
-                raise FicocoError(f"{spec.title} hyperparameters set a setting of their own; give them with keep= "
-                                  "or preset=, not with a schedule or a budget")
-            sched = method_schedule(arch, variant, keep if preset is None else preset, **hyperparameters)
-        else:
-            sched = resolve_schedule(arch, variant, opts, keep=keep, tflops=tflops, schedule=schedule,
-                                     preset=preset)
+    fields = {f.name for f in dataclasses.fields(Hyperparameters)}
+    if isinstance(schedule, Schedule):
+        sched = schedule
+        unknown = sorted(set(hyperparameters) - set(spec.hyperparameters) - fields)
+        if unknown:
+            raise FicocoError(f"unknown hyperparameter {', '.join(unknown)} for {spec.title}: choose from "
+                              f"{', '.join(dict.fromkeys([*spec.hyperparameters, *fields]))}")
     else:
-        try:
-            params = Hyperparameters(**hyperparameters)
-        except TypeError as exc:
-            raise FicocoError(f"unknown hyperparameter: {exc}") from None
-        if isinstance(schedule, Schedule):
-            sched = schedule
-        elif isinstance(schedule, dict):
-            sched = make_schedule(arch, variant, schedule)
-        else:
-            sched = resolve_schedule(arch, variant, opts, keep=keep, tflops=tflops, schedule=schedule,
-                                     shape=shape, first_layer=first_layer, preset=preset)
+        # The entry's planner plans every method: the request's keep / preset / budget / schedule, and the
+        # hyperparameters (checked against the entry's).
+        sched = resolve_schedule(arch, variant, opts, keep=keep, tflops=tflops, schedule=schedule, shape=shape,
+                                 first_layer=first_layer, preset=preset, hyperparameters=hyperparameters)
+    # FiCoCo's hyperparameters live on the handle (set per handle); the others in the schedule's settings.
+    params = Hyperparameters(**{name: value for name, value in hyperparameters.items() if name in fields})
     if sched.variant != variant:
         raise FicocoError(f"the schedule is for variant '{sched.variant}', not '{variant}'")
     adapter = adapter_for(model)
@@ -308,6 +283,7 @@ def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any
             adapter.patch_layer_input(handle, handle._patches, spec.inner, Schedule(sched.variant, inner,
                                                                                     sched.settings))
     else:
-        start = min(removed) if removed else (arch.first_layer_l if first_layer is None else first_layer)
+        start = min(removed) if removed else (arch.first_reducing_layer(spec.name) if first_layer is None
+                                              else first_layer)
         adapter.patch_in_layer(handle, handle._patches, spec, sched, start)
     adapter.patch_entry(handle, handle._patches, variant, handle.keep_per_image)

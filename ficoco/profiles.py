@@ -28,28 +28,29 @@ HARDWARE_DIR = PROFILES_DIR / "hardware"
 MAX_COUNT = 2**31 - 1
 
 # Families the toolkit knows, by the config's model_type, with the defaults used when a
-# plain config.json (no ficoco section) is given. First reducing layers follow SPEC.md.
+# plain config.json (no ficoco section) is given. First reducing layers (ficoco.first_reducing_layer.NAME)
+# default to each method's registry entry (its `first_layer` hyperparameter, SPEC.md's).
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llava": {"family": "llava", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4}},
+    "llava": {"family": "llava", "text_tokens": 60},
     "llava_next": {
-        "family": "llava_next", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4},
+        "family": "llava_next", "text_tokens": 60,
         "image_size": [672, 672],
     },
     "video_llava": {
-        "family": "video_llava", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4}, "frames": 8,
+        "family": "video_llava", "text_tokens": 60, "frames": 8,
     },
     "qwen2_vl": {
-        "family": "qwen2_vl", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4},
+        "family": "qwen2_vl", "text_tokens": 60,
         "image_size": [672, 672],
     },
     "qwen2_5_vl": {
-        "family": "qwen2_5_vl", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4},
+        "family": "qwen2_5_vl", "text_tokens": 60,
         "image_size": [672, 672],
     },
     # LLaVA-OneVision: an image by default (a 768 px square: the 2 x 2 AnyRes grid); --frames N makes the
     # input a video of N frames instead.
     "llava_onevision": {
-        "family": "llava_onevision", "text_tokens": 60, "first_reducing_layer": {"v": 12, "l": 4},
+        "family": "llava_onevision", "text_tokens": 60,
         "image_size": [768, 768],
     },
 }

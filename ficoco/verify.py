@@ -366,13 +366,13 @@ class MethodWork(nn.Module):
         return function(*args, **kwargs)
 
 
-def _registry_spec(schedule: Schedule) -> Any:
-    """The registry entry of a method planned through its own steps and cost terms (every method but
-    FiCoCo-V and -L: at decoder-layer inputs, in the tower, at its output, after the projector), or None."""
+def _extra_terms_spec(schedule: Schedule) -> Any:
+    """The registry entry of a method whose own work is its extra cost terms (`extra_macs`, checked as one
+    stage), or None: vanilla, or a method costed by the appendix's per-layer formulas (`appendix_formulas`)."""
     from ficoco.methods.registry import METHODS
 
     spec = METHODS.get(schedule.variant)
-    return spec if spec is not None and spec.plans_itself else None
+    return spec if spec is not None and not spec.appendix_formulas else None
 
 
 def _method_key(stage: str, layer: int | None) -> int | tuple[str, int | None]:
@@ -651,7 +651,7 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
                                  tc_layers.get((stage, layer), 0)))
     # Tokens after the image span: the rows FiCoCo-L's task prior and indirect product read.
     suffix = plan.text_tokens - family_module(model.config.model_type).PREFIX_TOKENS
-    if _registry_spec(schedule) is not None:
+    if _extra_terms_spec(schedule) is not None:
         # The method's own matrix work is a stage of its own, gated like the others: the registry's
         # extra cost terms (multiply-accumulates) against what the counters saw in its modules.
         from ficoco.accounting.methods import extra_macs

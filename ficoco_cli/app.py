@@ -59,17 +59,17 @@ def root(
 
 def check_schedule_options(variants: list[str], keep: int | None, tflops: float | None, schedule: str | None,
                            preset: int | None = None) -> None:
-    """At most one schedule option, and one when FiCoCo-V or -L runs (the other methods fall back to their
-    official default setting); none when nothing reduces (it would be ignored)."""
+    """At most one schedule option, and one when a method without an official default setting runs (FiCoCo-V
+    and -L; the other methods fall back to theirs); none when nothing reduces (it would be ignored)."""
     given = [name for name, value in (("--keep", keep), ("--preset", preset), ("--tflops", tflops),
                                       ("--schedule", schedule)) if value is not None]
     reducing = [v for v in variants if v != "vanilla"]
     if given and not reducing:
-        raise FicocoError(f"{given[0]} applies to the v and l variants and the other reducing methods "
-                          f"({', '.join(m for m in METHODS if m not in ('v', 'l'))}); add --variant v or --variant l")
+        raise FicocoError(f"{given[0]} applies to the reducing methods ({', '.join(METHODS)}); add one with "
+                          f"--variant (e.g. --variant {next(iter(METHODS))})")
     if len(given) > 1:
         raise FicocoError(f"give one of --keep, --preset, --tflops and --schedule, not {' and '.join(given)}")
-    needs_schedule = [v for v in reducing if not METHODS[v].plans_itself]
+    needs_schedule = [v for v in reducing if not METHODS[v].default_setting]
     if needs_schedule and not given:
         raise FicocoError(f"--variant {needs_schedule[0]} needs a schedule: give --keep, --preset, --tflops or "
                           "--schedule")

@@ -123,7 +123,7 @@ def test_uniform_schedule_removes_exactly_what_it_is_asked(arch_of, case, shape,
     name, variant, fraction = case
     arch = arch_of(name)
     valid = layer_range(arch, variant)
-    default_first = arch.first_layer_v if variant == "v" else arch.first_layer_l
+    default_first = arch.first_reducing_layer(variant)
     first = data.draw(st.sampled_from([None, valid.start, default_first, valid.stop - 1]))
     removed = removed_units(arch, variant, fraction)
     sched = uniform_schedule(arch, variant, removed, shape=shape, first=first)

@@ -353,8 +353,8 @@ def test_usage_error_ends_with_exit_2_and_one_error_line(case):
 # A schedule option given with only the vanilla variant would be ignored: it is refused instead
 # (a value wrong by its kind alone, such as a negative budget, is refused first, where it enters).
 IGNORED_FOR_VANILLA = {
-    "bad schedule syntax": ([*M7, "--schedule", "12-40"], "applies to the v and l variants"),
-    "budget": ([*M7, "--tflops", "1.5"], "--tflops applies to the v and l variants"),
+    "bad schedule syntax": ([*M7, "--schedule", "12-40"], "applies to the reducing methods"),
+    "budget": ([*M7, "--tflops", "1.5"], "--tflops applies to the reducing methods"),
     "negative budget": ([*M7, "--tflops", "-1"], "--tflops -1: give a finite number above 0"),
 }
 

@@ -39,7 +39,7 @@ def schedules(arch: Architecture) -> dict[str, Schedule]:
     return {
         "vanilla": Schedule("vanilla"),
         "v-keep8": schedule_for_keep(arch, "v", 8),
-        "v-oneshot": make_schedule(arch, "v", {arch.first_layer_v: 40}),
+        "v-oneshot": make_schedule(arch, "v", {arch.first_reducing_layer("v"): 40}),
         "v-multi": make_schedule(arch, "v", {0: 6, 3: 20, 4: 10}),
         "l-keep8": schedule_for_keep(arch, "l", 8),
         "l-oneshot": make_schedule(arch, "l", {2: 50}),

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,21 +31,15 @@ from ficoco.accounting.memory import (
     stored_kv_cache_bytes,
     weight_bytes,
 )
-from ficoco.accounting.methods import (
-    extra_macs,
-    method_schedule,
-    parse_method_schedule,
-    schedule_for_method_budget,
-)
+from ficoco.accounting.methods import extra_macs, method_schedule
 from ficoco.accounting.schedule import (
     VARIANTS,
     BudgetError,
+    PlanRequest,
     Schedule,
     TokenPlan,
-    parse_schedule,
     plan_tokens,
-    schedule_for_budget,
-    schedule_for_keep,
+    preset_message,
 )
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import METHODS, method
@@ -53,7 +48,7 @@ from ficoco.profiles import Hardware
 __all__ = [
     "CONVENTIONS", "KV_FIGURES", "SCOPES", "VARIANTS", "Architecture", "BudgetError", "CostRow", "CountOptions",
     "Quant", "Schedule", "TokenPlan", "account", "architecture", "make_quant", "parameter_counts", "per_layer",
-    "resolve_schedule", "resolve_side_by_side", "method_schedule",
+    "PlanRequest", "preset_message", "resolve_schedule", "resolve_side_by_side", "method_schedule",
 ]
 
 # The unit each convention's totals are in, for labels ("TFLOPs", "TMACs", ...).
@@ -91,26 +86,22 @@ def compute_tera(arch: Architecture, schedule: Schedule, opts: CountOptions) -> 
     return scope_total(count_by_stage(arch, plan, ops, opts.convention, batch=opts.batch), opts.scope) / 1e12
 
 
-def preset_message(message: str, preset: int) -> str:
-    """An error about `--keep N` that came from `--preset N`, reworded to name the option given."""
-    if f"--keep {preset}" in message:
-        return message.replace(f"--keep {preset}", f"--preset {preset} (--keep {preset})", 1)
-    return f"--preset {preset}: {message}"
-
-
 def _budget_label(opts: CountOptions) -> str:
     return f"{UNITS[opts.convention]} ({opts.convention}, scope {opts.scope}, " + (
         "equivalent)" if opts.equivalent else "layer-exact)")
 
 
 def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, keep: int | None = None,
-                     tflops: float | None = None, schedule: str | None = None, shape: str | None = None,
-                     first_layer: int | None = None, preset: int | None = None) -> Schedule:
-    """The schedule of `variant` from at most one of keep / preset / tflops / schedule.
+                     tflops: float | None = None, schedule: str | Mapping[int, int] | None = None,
+                     shape: str | None = None, first_layer: int | None = None, preset: int | None = None,
+                     hyperparameters: Mapping[str, Any] | None = None) -> Schedule:
+    """The schedule of `variant` from at most one of keep / preset / tflops / schedule, planned by the
+    method's registry entry (`MethodSpec.plan`).
 
     `preset` N is the literature's "N tokens" row and means the same as `keep` N (each method's
-    `--keep` counts what its papers count). FiCoCo-V and -L need one of them; every other method
-    falls back to its official default setting.
+    `--keep` counts what its papers count). A method without an official default setting
+    (`MethodSpec.default_setting`: FiCoCo-V and -L) needs one of them; every other method falls
+    back to its official default setting.
     """
     given = [x is not None for x in (keep, tflops, schedule, preset)]
     if sum(given) > 1:
@@ -125,40 +116,11 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
         # alone cuts videos.
         raise FicocoError(f"--variant {variant}: {spec.title} on {arch.name} reduces images, and a video here "
                           "passes it unreduced: give an image (no --frames), or --variant holitom for a video")
-    if spec.plans_itself:
-        spec.check_family(arch.family, arch.name)
-        # Name the option the setting came from, so that the one error line points at it.
-        source = ("--schedule" if schedule is not None else f"--preset {preset}" if preset is not None
-                  else f"--keep {keep}" if keep is not None else "--tflops" if tflops is not None
-                  else f"--variant {variant}")
-        try:
-            if schedule is not None:
-                return parse_method_schedule(arch, variant, schedule)
-            if tflops is not None:
-                return schedule_for_method_budget(arch, variant, tflops, lambda s: compute_tera(arch, s, opts),
-                                                  label=_budget_label(opts))
-            return method_schedule(arch, variant, keep if preset is None else preset)
-        except FicocoError as exc:
-            if str(exc).startswith("--"):
-                raise
-            raise type(exc)(f"{source}: {exc}") from None
-    if preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: --keep N
-        try:
-            return schedule_for_keep(arch, variant, preset, shape=shape, first=first_layer)
-        except FicocoError as exc:
-            raise type(exc)(preset_message(str(exc), preset)) from None
-    if schedule is not None:
-        return parse_schedule(schedule, arch, variant)
-    if keep is not None:
-        return schedule_for_keep(arch, variant, keep, shape=shape, first=first_layer)
-    if tflops is not None:
-        return schedule_for_budget(
-            arch, variant, tflops, lambda s: compute_tera(arch, s, opts), label=_budget_label(opts), shape=shape,
-            first=first_layer, equivalent=opts.equivalent,
-            # V in scope llm: the LLM sees the final count in every layer already.
-            equivalent_helps=spec.acts_at == "llm_layer" or opts.scope == "all",
-        )
-    raise FicocoError(f"variant '{variant}' needs a schedule: give --keep, --tflops or --schedule")
+    request = PlanRequest(keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                          first_layer=first_layer, hyperparameters=dict(hyperparameters or {}),
+                          cost=lambda s: compute_tera(arch, s, opts), label=_budget_label(opts),
+                          equivalent=opts.equivalent, scope=opts.scope)
+    return spec.plan(arch, request)
 
 
 @dataclass(frozen=True)

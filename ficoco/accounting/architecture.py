@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import METHODS
 from ficoco.profiles import MAX_COUNT, Profile
 
 # The accountant counts layer by layer (and a budget search counts a model many times): a config
@@ -169,8 +170,9 @@ class Architecture:
     unpadding_drops: int  # LLaVA-NeXT tokens removed by unpadding (depends on the aspect ratio)
     image_newline_param: bool
     text_tokens: int
-    first_layer_v: int
-    first_layer_l: int
+    # Per method with a `first_layer` hyperparameter: the profile's first reducing layer (its
+    # ficoco.first_reducing_layer section), else the registry entry's default.
+    first_reducing_layers: tuple[tuple[str, int], ...]
     image_size: tuple[int, int] | None
     # Visual tokens the projector maps that the LLM never receives, beyond unpadding's: LLaVA-OneVision's
     # bilinear downscale of a packed image over its anyres_max_N budget, and its 2x2 pooling of every
@@ -184,6 +186,13 @@ class Architecture:
     # Qwen2-VL's (Qwen2.5-VL's) video: the frames given (--frames); its tower items are the temporal slices of
     # temporal_patch frames each (the last padded by repetition, as the processor does). None: an image.
     video_frames: int | None = None
+
+    def first_reducing_layer(self, method: str) -> int:
+        """The first layer method `method` reduces at by default (its entry's `first_layer`, or the profile's)."""
+        layers = dict(self.first_reducing_layers)
+        if method not in layers:
+            raise FicocoError(f"{method} has no first reducing layer (its registry entry has no first_layer)")
+        return layers[method]
 
     def llm_visual_tokens(self, units_per_item: int) -> int:
         """Visual tokens in the LLM when every item keeps `units_per_item` units."""
@@ -408,6 +417,19 @@ def _qwen_image_pixels(size: tuple[int, int], patch: int, merge: int, title: str
     return h_px, w_px
 
 
+def _first_reducing_layers(defaults: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """The first reducing layer of every registered method that has one (a `first_layer`
+    hyperparameter): the profile's ficoco.first_reducing_layer.NAME, else the entry's default."""
+    first = defaults.get("first_reducing_layer", {})
+    starts = {name: spec.hyperparameters["first_layer"] for name, spec in METHODS.items()
+              if "first_layer" in spec.hyperparameters}
+    if not isinstance(first, dict):
+        example = ", ".join(f'"{name}": {layer}' for name, layer in starts.items())
+        raise FicocoError(f"ficoco.first_reducing_layer={first!r} must be a section such as {{{example}}}")
+    return tuple((name, _whole(f"ficoco.first_reducing_layer.{name}", first.get(name, layer), low=0))
+                 for name, layer in starts.items())
+
+
 def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
                  frames: int | None = None) -> Architecture:
     """Shapes of `profile`'s model for one image of `image_size` (H, W) or one video of `frames`."""
@@ -415,11 +437,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
     family = profile.family
     tcfg = cfg.get("text_config") or {}
     vcfg = cfg.get("vision_config") or {}
-    first = defaults.get("first_reducing_layer", {})
-    if not isinstance(first, dict):
-        raise FicocoError(f"ficoco.first_reducing_layer={first!r} must be a section such as {{\"v\": 12, \"l\": 4}}")
-    first_v = _whole("ficoco.first_reducing_layer.v", first.get("v", 12), low=0)
-    first_l = _whole("ficoco.first_reducing_layer.l", first.get("l", 4), low=0)
+    first_layers = _first_reducing_layers(defaults)
     text_tokens = _whole("ficoco.text_tokens", defaults.get("text_tokens", 60))
     size = image_size or defaults.get("image_size") or None
     size = _size("ficoco.image_size", size) if size is not None else None
@@ -493,7 +511,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
             name=profile.name, family=family, vision=vision, projector=projector, decoder=decoder,
             visual_tokens=visual, newline_tokens=newline_tokens, cls_in_llm=False,
             unpadding_drops=unpadding_drops, image_newline_param=image_newline,
-            text_tokens=text_tokens, first_layer_v=first_v, first_layer_l=first_l, image_size=size,
+            text_tokens=text_tokens, first_reducing_layers=first_layers, image_size=size,
             post_projector_drops=post_drops, resampled=resampled, pooled_frames=pooled_frames,
         )
     elif family == "qwen2_vl":
@@ -557,7 +575,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         name=profile.name, family=family, vision=vision, projector=projector, decoder=decoder,
         visual_tokens=visual, newline_tokens=newline_tokens, cls_in_llm=cls_in_llm,
         unpadding_drops=unpadding_drops, image_newline_param=image_newline,
-        text_tokens=text_tokens, first_layer_v=first_v, first_layer_l=first_l, image_size=size,
+        text_tokens=text_tokens, first_reducing_layers=first_layers, image_size=size,
         video_frames=qwen_frames,
     )
 

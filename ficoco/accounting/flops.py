@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.schedule import TokenPlan
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import METHODS
 
 CONVENTIONS = ("flops", "macs", "llm-viewer", "paper", "visual-macs")
 # Conventions that define the decoder only.
@@ -211,10 +212,13 @@ def paper_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1) -> li
     method's overhead at reducing layers. It defines transformer layers only."""
     v, d = arch.vision, arch.decoder
     items = batch * plan.vision_items
-    # The appendix's overhead formula is FiCoCo's (its in-layer stages); other methods (ToMe reduces
-    # in-layer too) have none here: their own work is the accountant's method terms.
+    # The appendix's overhead formula is FiCoCo's (its in-layer stages: entries with `appendix_formulas`, or a
+    # plan of no method); other methods (ToMe reduces in-layer too) have none here: their own work is the
+    # accountant's method terms.
+    spec = METHODS.get(plan.variant)
+    with_overhead = not plan.variant or (spec is not None and spec.appendix_formulas)
     overhead = {(red.stage, red.layer): red for red in plan.reductions
-                if red.where == "in_layer" and plan.variant in ("", "v", "l")}
+                if red.where == "in_layer" and with_overhead}
     rows: list[tuple[str, int, int]] = []
     for stage, layers, mult, dim, ffn in (("vision", plan.vision, items, v.hidden, v.ffn),
                                           ("llm", plan.llm, batch, d.hidden, d.ffn)):

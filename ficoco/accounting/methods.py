@@ -1,10 +1,10 @@
-"""Schedules and extra cost terms of the methods that plan through their registry entry.
+"""Schedules and extra cost terms of the methods planned through their entry's steps.
 
-FiCoCo-V and -L are planned by ficoco.accounting.schedule (removals per reducing layer). Every
-other method (FastV, PDrop, SparseVLM, DART, ...) declares in its `MethodSpec` how a setting
-turns into token-count steps and how `--keep` maps to a setting; this module turns those
-steps into a `Schedule` the accountant counts like any other, resolves `--keep`, `--preset`,
-`--tflops` and `--schedule` for them, and sums their extra matrix work. No torch.
+`plan_by_steps` is the default planner (`MethodSpec.planner`): a method (FastV, PDrop, SparseVLM,
+DART, ...) declares in its `MethodSpec` how a setting turns into token-count steps and how `--keep`
+maps to a setting; this module turns those steps into a `Schedule` the accountant counts like any
+other, resolves `--keep`, `--preset`, `--tflops` and `--schedule` for them, and sums their extra
+matrix work. FiCoCo-V and -L name ficoco.accounting.schedule's per-layer planner instead. No torch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ficoco.accounting.architecture import Architecture
-from ficoco.accounting.schedule import BudgetError, Removal, Schedule, TokenPlan, plan_tokens
+from ficoco.accounting.schedule import BudgetError, PlanRequest, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods.base import Dims, MethodSpec, Step, StepContext
 from ficoco.methods.registry import method
@@ -109,14 +109,13 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
     spec = method(name)
     spec.check_family(arch.family, arch.name)
     check_per_item(arch, spec)
-    if not spec.plans_itself:
-        raise FicocoError(f"{spec.title} is planned by ficoco.accounting.schedule, not here")
+    if spec.steps is None or spec.settings_for_keep is None:
+        raise FicocoError(f"{spec.title} has no steps of its own: its planner ({spec.planner}) plans it")
     unknown = set(hyperparameters) - set(spec.hyperparameters)
     if unknown:
         raise FicocoError(f"unknown {spec.title} hyperparameter(s) {', '.join(sorted(unknown))}: "
                           f"choose from {', '.join(spec.hyperparameters)}")
     hp = {**spec.hyperparameters, **hyperparameters}
-    assert spec.settings_for_keep is not None and spec.steps is not None
     visual, layers = counted_shape(arch, spec)
     settings = spec.settings_for_keep(keep, visual, layers, hp)
     if spec.cls_note and not arch.vision.has_cls:
@@ -124,6 +123,39 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
         settings["score"] = EQUIVALENT_SCORE
     schedule = schedule_from_steps(arch, spec, spec.steps(settings, visual, layers), settings)
     return schedule if spec.inner is None else with_inner_steps(arch, spec, schedule)
+
+
+def plan_by_steps(arch: Architecture, spec: MethodSpec, request: PlanRequest) -> Schedule:
+    """The default planner (`MethodSpec.planner`): the schedule of a method that declares its steps
+    (`steps`, `settings_for_keep`): `--schedule` removals, the setting of the `--keep` (`--preset`) row,
+    the setting keeping the most tokens within `--tflops`, or the official default setting; with
+    hyperparameters, the setting of the `keep` row (or the default) under them."""
+    spec.check_family(arch.family, arch.name)
+    keep = request.keep if request.preset is None else request.preset
+    schedule = request.schedule
+    if isinstance(schedule, Mapping):
+        schedule = ",".join(f"{layer}:{removed}" for layer, removed in sorted(schedule.items()))
+    if request.hyperparameters:
+        if schedule is not None or request.tflops is not None:
+            raise FicocoError(f"{spec.title} hyperparameters set a setting of their own; give them with keep= "
+                              "or preset=, not with a schedule or a budget")
+        return method_schedule(arch, spec.name, keep, **request.hyperparameters)
+    # Name the option the setting came from, so that the one error line points at it.
+    source = ("--schedule" if schedule is not None else f"--preset {request.preset}" if request.preset is not None
+              else f"--keep {request.keep}" if request.keep is not None
+              else "--tflops" if request.tflops is not None else f"--variant {spec.name}")
+    try:
+        if schedule is not None:
+            return parse_method_schedule(arch, spec.name, schedule)
+        if request.tflops is not None:
+            if request.cost is None:
+                raise FicocoError(f"--tflops for {spec.title} needs a cost to plan against")
+            return schedule_for_method_budget(arch, spec.name, request.tflops, request.cost, label=request.label)
+        return method_schedule(arch, spec.name, keep)
+    except FicocoError as exc:
+        if str(exc).startswith("--"):
+            raise
+        raise type(exc)(f"{source}: {exc}") from None
 
 
 def with_inner_steps(arch: Architecture, spec: MethodSpec, schedule: Schedule) -> Schedule:
@@ -171,10 +203,8 @@ def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
     steps = []
     for layer in sorted(removals):
         added = 0
-        if spec.name == "sparsevlm" and removals[layer]:
-            from ficoco.methods.registry import sparsevlm_recycled
-
-            added = sparsevlm_recycled(removals[layer], default["recycle_ratio"], default["cluster_divisor"])[1]
+        if spec.added_for_removed is not None and removals[layer]:
+            added = spec.added_for_removed(removals[layer], default)
         if removals[layer]:
             steps.append(Step(layer, removals[layer], added, spec.placement, "vision" if spec.per_item else "llm"))
     if spec.per_item:

@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from ficoco.accounting.architecture import Architecture
 from ficoco.errors import FicocoError
+from ficoco.methods.base import MethodSpec
 from ficoco.methods.registry import METHODS, VARIANTS
 
 SHAPES = ("uniform", "oneshot")
+# The planner (MethodSpec.planner) of the entries this module plans: any count at any reducing layer.
+PER_LAYER = "ficoco.accounting.schedule:plan_per_layer"
 
 
 def planned_per_layer(variant: str) -> bool:
     """Whether this module plans the variant's schedules (layer:removed, uniform or one-shot): vanilla
-    and every registry entry without settings of its own (FiCoCo-V and -L: any count at any reducing
-    layer). Every other method plans through its registry entry (ficoco.accounting.methods)."""
-    return variant == "vanilla" or (variant in METHODS and not METHODS[variant].plans_itself)
+    and every registry entry whose planner is `plan_per_layer` (FiCoCo-V and -L)."""
+    return variant == "vanilla" or (variant in METHODS and METHODS[variant].planner == PER_LAYER)
 
 
 def _in_tower(variant: str) -> bool:
@@ -136,7 +139,8 @@ def stage_of(variant: str) -> str:
 
 
 def first_layer(arch: Architecture, variant: str) -> int:
-    return arch.first_layer_v if _in_tower(variant) else arch.first_layer_l
+    """The variant's first reducing layer: its entry's `first_layer` hyperparameter, or the profile's."""
+    return arch.first_reducing_layer(variant)
 
 
 def layer_range(arch: Architecture, variant: str) -> range:
@@ -415,3 +419,75 @@ def _budget_miss(arch: Architecture, variant: str, budget: float, cheapest: floa
         hint += "; --equivalent counts every layer at the final token count, as papers do"
     return (f"no {name} schedule on {arch.name} fits --tflops {budget:g} {label}: the cheapest {shape} schedule "
             f"from layer {start}, keeping {low} visual token(s), costs {cheapest:.3g}{hint}")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a run asks a method's planner for (`MethodSpec.plan`): at most one of `keep`, `preset`,
+    `tflops` and `schedule` (none: the method's official default setting, where it has one).
+
+    Attributes:
+        keep: visual tokens to keep, in the method's `--keep` meaning.
+        preset: the literature's "N tokens" row (the same as `keep` N).
+        tflops: a budget in `cost`'s unit; `cost` maps a schedule to it and `label` names the unit.
+        schedule: explicit removals, ``"LAYER:REMOVED,..."`` or {layer: removed}.
+        shape, first_layer: a per-layer planner's uniform/oneshot shape and first reducing layer.
+        hyperparameters: the caller's hyperparameters (checked against the entry's).
+        equivalent, scope: how `cost` counts (a budget miss says whether --equivalent would help).
+    """
+
+    keep: int | None = None
+    preset: int | None = None
+    tflops: float | None = None
+    schedule: str | Mapping[int, int] | None = None
+    shape: str | None = None
+    first_layer: int | None = None
+    hyperparameters: Mapping[str, Any] = field(default_factory=dict)
+    cost: Callable[[Schedule], float] | None = None
+    label: str = ""
+    equivalent: bool = False
+    scope: str = "llm"
+
+
+def preset_message(message: str, preset: int) -> str:
+    """An error about `--keep N` that came from `--preset N`, reworded to name the option given."""
+    if f"--keep {preset}" in message:
+        return message.replace(f"--keep {preset}", f"--preset {preset} (--keep {preset})", 1)
+    return f"--preset {preset}: {message}"
+
+
+def plan_per_layer(arch: Architecture, spec: MethodSpec, request: PlanRequest) -> Schedule:
+    """The planner of a method that removes any count at any of its reducing layers (FiCoCo-V and -L):
+    explicit removals, `keep` (or `preset`) tokens uniformly from the first reducing layer (or all at it,
+    "oneshot"), or the most tokens whose cost fits `tflops`. Hyperparameters do not change the schedule;
+    they are checked against those of the entries this planner plans (FiCoCo-V's and -L's: one set,
+    which the handle holds)."""
+    variant = spec.name
+    known = dict.fromkeys(name for other in METHODS.values() if other.planner == spec.planner
+                          for name in other.hyperparameters)
+    unknown = sorted(set(request.hyperparameters) - set(known))
+    if unknown:
+        raise FicocoError(f"unknown hyperparameter {', '.join(unknown)} for {spec.title}: choose from "
+                          f"{', '.join(known)}")
+    shape, first = request.shape, request.first_layer
+    if request.preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: --keep N
+        try:
+            return schedule_for_keep(arch, variant, request.preset, shape=shape, first=first)
+        except FicocoError as exc:
+            raise type(exc)(preset_message(str(exc), request.preset)) from None
+    if isinstance(request.schedule, Mapping):
+        return make_schedule(arch, variant, dict(request.schedule))
+    if request.schedule is not None:
+        return parse_schedule(request.schedule, arch, variant)
+    if request.keep is not None:
+        return schedule_for_keep(arch, variant, request.keep, shape=shape, first=first)
+    if request.tflops is not None:
+        if request.cost is None:
+            raise FicocoError(f"--tflops for {spec.title} needs a cost to plan against")
+        return schedule_for_budget(
+            arch, variant, request.tflops, request.cost, label=request.label, shape=shape, first=first,
+            equivalent=request.equivalent,
+            # V in scope llm: the LLM sees the final count in every layer already.
+            equivalent_helps=spec.acts_at == "llm_layer" or request.scope == "all",
+        )
+    raise FicocoError(f"variant '{variant}' needs a schedule: give --keep, --tflops or --schedule")

@@ -6,6 +6,15 @@ arithmetic that the accountant reads; each method's tensor module is imported on
 """
 
 from ficoco.methods.base import Dims, MethodSpec, Need, Step, StepContext
-from ficoco.methods.registry import METHODS, PRESETS, VARIANTS, method
+from ficoco.methods.registry import (
+    METHODS,
+    PRESETS,
+    VARIANTS,
+    method,
+    register_method,
+    registered,
+    unregister_method,
+)
 
-__all__ = ["METHODS", "PRESETS", "VARIANTS", "Dims", "MethodSpec", "Need", "Step", "StepContext", "method"]
+__all__ = ["METHODS", "PRESETS", "VARIANTS", "Dims", "MethodSpec", "Need", "Step", "StepContext", "method",
+           "register_method", "registered", "unregister_method"]

@@ -30,7 +30,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 from ficoco.errors import FicocoError
 
@@ -160,14 +160,24 @@ class StepContext:
 ExtraMacs = list[tuple[int | None, str, int]]
 
 
+class Planner(Protocol):
+    """The hook every registry entry plans through (`MethodSpec.planner` names one): the schedule of
+    `spec` on `arch` (an Architecture) for `request` (a ficoco.accounting.schedule.PlanRequest). It
+    raises FicocoError with one line when the request does not fit."""
+
+    def __call__(self, arch: Any, spec: MethodSpec, request: Any) -> Any: ...
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """A reduction method, as the registry, the accountant, the CLI and the adapters see it.
 
-    `steps`, `settings_for_keep` and `extra_macs` are None for FiCoCo-V and FiCoCo-L, whose
-    removal schedules (layer:removed per reducing layer, budgets by bisection) the accountant
-    has always planned itself (ficoco.accounting.schedule); every other method plans through
-    them.
+    Every method is planned through its entry's `planner` ("module:function", imported on use, no
+    torch): `plan(arch, spec, request)` turns a request (--keep, --preset, --tflops, --schedule,
+    hyperparameters) into a `Schedule`. The default planner (ficoco.accounting.methods.plan_by_steps)
+    reads `steps`, `settings_for_keep` and `extra_macs`; FiCoCo-V and -L name the per-layer planner
+    (ficoco.accounting.schedule.plan_per_layer: any count at any reducing layer from `first_layer`,
+    uniform or one-shot, budgets by bisection), and have no `steps`.
 
     A method that acts before the LLM (`acts_at` ``vision_layer`` or ``after_projector``)
     counts per tower item: its `steps` and `settings_for_keep` receive the patches (units) of
@@ -207,6 +217,18 @@ class MethodSpec:
     # A cut after the projector that acts on LLaVA-OneVision's pooled video frames (the official code's
     # place for HoliTom: after the 2x2 pooling); the other cuts before the LLM are refused on a pooled grid.
     pooled_grid: bool = False
+    # How the entry is planned: "module:function" with the signature of `Planner.plan` (see above).
+    planner: str = "ficoco.accounting.methods:plan_by_steps"
+    # False: the method has no official default setting, so a run needs --keep, --preset, --tflops or
+    # --schedule (FiCoCo-V and -L).
+    default_setting: bool = True
+    # The method's own work is the FiCoCo appendix's formulas per in-layer reduction (FiCoCo-V and -L): the
+    # `paper` convention's overhead, and --verify's per-layer method check (ficoco.verify.method_formulas).
+    # False: its own work is its `extra_macs`, checked by --verify as one stage.
+    appendix_formulas: bool = False
+    # --schedule LAYER:REMOVED of a layer-input method: the tokens that join at the same step, from the removed
+    # count and the default settings (SparseVLM's recycled clusters); None: none join.
+    added_for_removed: Callable[[int, Mapping[str, Any]], int] | None = None
 
     @property
     def per_item(self) -> bool:
@@ -221,10 +243,12 @@ class MethodSpec:
         if self.positions not in POSITION_SCHEMES:
             raise ValueError(f"{self.name}: unknown position scheme {self.positions!r}")
 
-    @property
-    def plans_itself(self) -> bool:
-        """True for methods planned through `steps` (every method but FiCoCo-V and -L)."""
-        return self.steps is not None
+    def plan(self, arch: Any, request: Any) -> Any:
+        """The `Schedule` of this method on `arch` (an Architecture) for `request` (a
+        ficoco.accounting.schedule.PlanRequest), through the entry's `planner`."""
+        module, _, function = self.planner.partition(":")
+        planner: Planner = getattr(importlib.import_module(module), function)
+        return planner(arch, self, request)
 
     def load(self) -> ModuleType:
         """Import the module that holds the method's tensor functions (imports torch)."""

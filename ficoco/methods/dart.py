@@ -34,8 +34,12 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import method
 from ficoco.methods.stages import Reduced, StepInput, check_span, rebuild
 from ficoco.reduction.stages import compute_dtype, gather_tokens, visual_positions
+
+# The official defaults, as the registry entry states them.
+_HP = method("dart").hyperparameters
 
 __all__ = ["cpython_set_order", "dart_pivots", "dart_reduce", "dart_select", "several_images", "step"]
 
@@ -86,8 +90,8 @@ def cpython_set_order(values: list[int]) -> list[int]:
     return [v for v in table if v is not None]
 
 
-def dart_pivots(keys: Tensor, visual_start: Tensor, num_visual: int, pivot_image: int = 4,
-                pivot_text: int = 4) -> tuple[Tensor, Tensor, Tensor]:
+def dart_pivots(keys: Tensor, visual_start: Tensor, num_visual: int, pivot_image: int = _HP["pivot_image"],
+                pivot_text: int = _HP["pivot_text"]) -> tuple[Tensor, Tensor, Tensor]:
     """Pivots by the L1 norm of the keys: ``(image (B, pi), text (B, pt), text_valid (B, pt))``.
 
     Image pivots are indices within the span, text pivots sequence positions after it (each in
@@ -107,7 +111,7 @@ def dart_pivots(keys: Tensor, visual_start: Tensor, num_visual: int, pivot_image
 
 
 def dart_select(keys: Tensor, hidden_normed: Tensor, visual_start: Tensor, num_visual: int, position_ids: Tensor,
-                max_num_trunction: int, pivot_image: int = 4, pivot_text: int = 4,
+                max_num_trunction: int, pivot_image: int = _HP["pivot_image"], pivot_text: int = _HP["pivot_text"],
                 pivot_order: str = "set") -> Tensor:
     """``(B, k)`` ascending indices within the span of the image tokens DART keeps.
 
@@ -171,7 +175,8 @@ def dart_select(keys: Tensor, hidden_normed: Tensor, visual_start: Tensor, num_v
 
 
 def dart_reduce(hidden: Tensor, keys: Tensor, hidden_normed: Tensor, visual_start: Tensor, num_visual: int,
-                position_ids: Tensor, max_num_trunction: int = 128, pivot_image: int = 4, pivot_text: int = 4,
+                position_ids: Tensor, max_num_trunction: int = _HP["max_num_trunction"],
+                pivot_image: int = _HP["pivot_image"], pivot_text: int = _HP["pivot_text"],
                 attention_mask: Tensor | None = None, pivot_order: str = "set") -> Reduced:
     """Prune the input of layer K to DART's retained image tokens (original positions).
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ficoco.methods.hyperparameters import PAPER
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
 from ficoco.reduction.ficoco_v import VReduction, equivalent_token_redundancy, vision_correlation, vision_scores
 from ficoco.reduction.ficoco_v import reduce_v as reduce
@@ -65,8 +66,8 @@ class GroupReduction:
 
 
 def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor, r: int, group_index: Tensor,
-                  group_grid: tuple[int, int], *, merge: int = 4, lam: float = 0.35, eps: float = 0.998,
-                  window: int = 2, coefficient: float = 2.0) -> GroupReduction:
+                  group_grid: tuple[int, int], *, merge: int = 4, lam: float = PAPER.lam, eps: float = PAPER.eps,
+                  window: int = PAPER.window, coefficient: float = PAPER.coefficient) -> GroupReduction:
     """FiCoCo-V on patches that leave in groups of `merge` consecutive tokens.
 
     A group's redundancy is the mean of its members' (`lam * v_j - (1 - lam) * a_j`, `a_j`

@@ -68,9 +68,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ficoco.methods.fastv import fastv_scores
+from ficoco.methods.registry import method
 from ficoco.methods.stages import Reduced, StepInput, check_span, rebuild, top_indices
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
 from ficoco.reduction.stages import compute_dtype, gather_tokens, visual_positions
+
+# The official defaults, as the registry entry states them.
+_HP = method("holitom").hyperparameters
 
 __all__ = ["HolitomOutput", "apportion", "dpc_knn_merge", "frame_similarity", "holitom_reduce", "inner_merge",
            "segment_frames", "step", "tower_step"]
@@ -215,8 +219,10 @@ def dpc_knn_merge(x: Tensor, valid: Tensor, clusters: Tensor, neighbours: int, b
     return centre, merged
 
 
-def holitom_reduce(features: Tensor, scores: Tensor, budget: int, *, tau: float = 0.8, beta: float = 0.6,
-                   neighbours: int = 7, contextual_share: float = 0.0, max_window: int = 1024) -> HolitomOutput:
+def holitom_reduce(features: Tensor, scores: Tensor, budget: int, *, tau: float = _HP["tau"],
+                   beta: float = _HP["beta"], neighbours: int = _HP["neighbours"],
+                   contextual_share: float = _HP["contextual_share"], max_window: int = _HP["max_window"]
+                   ) -> HolitomOutput:
     """HoliTom's outer-LLM merging of a batch of videos, each handing on exactly ``budget`` tokens.
 
     Args:

@@ -46,9 +46,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import method
 from ficoco.methods.stages import last_row_attention
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
 from ficoco.reduction.stages import compute_dtype, gather_tokens
+
+# The official defaults, as the registry entry states them.
+_HP = method("prumerge").hyperparameters
 
 __all__ = ["PruMergeOutput", "prumerge_cls_attention", "prumerge_reduce", "prumerge_selection", "tower_step"]
 
@@ -67,7 +71,7 @@ class PruMergeOutput:
     kept: Tensor
 
 
-def prumerge_cls_attention(query: Tensor, keys: Tensor, heads: int, attention: str = "heads") -> Tensor:
+def prumerge_cls_attention(query: Tensor, keys: Tensor, heads: int, attention: str = _HP["attention"]) -> Tensor:
     """``(B, N)`` ``cls_attn``: the [CLS] row over every key, patch columns.
 
     Args:

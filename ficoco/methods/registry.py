@@ -1,8 +1,10 @@
 """The method registry: one `MethodSpec` per method, and the arithmetic of its schedule.
 
-Adding a method is adding its tensor module under ficoco/methods/ and one entry here; the
-CLI, the accountant and the report read the registry and name no method themselves. No torch
-is imported here (the accountant reads this module).
+Adding a method is adding its tensor module under ficoco/methods/ (the functions
+ficoco.methods.contract names) and one entry here, or `register_method(spec)` from outside the
+package; the CLI, the accountant and the report read the registry and name no method themselves.
+Each entry is planned through its `planner` and states its defaults once, in its
+`hyperparameters`. No torch is imported here (the accountant reads this module).
 
 Settings follow each method's official code (../shared/BASELINES.md); where a paper's table
 has no published setting, the rule used instead is stated in the entry.
@@ -11,7 +13,8 @@ has no published setting, the rule used instead is stated in the entry.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from ficoco.errors import FicocoError
@@ -184,6 +187,11 @@ def _sparsevlm_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapp
                           f"--keep {keep} has none (--schedule gives any)")
     return {"layers": list(hp["layers"]), "keeps": list(SPARSEVLM_SCHEDULES[keep]),
             "recycle_ratio": hp["recycle_ratio"], "cluster_divisor": hp["cluster_divisor"]}
+
+
+def _sparsevlm_added(removed: int, settings: Mapping[str, Any]) -> int:
+    # --schedule LAYER:REMOVED: the recycled clusters join at the same step, by the default rule.
+    return sparsevlm_recycled(removed, settings["recycle_ratio"], settings["cluster_divisor"])[1]
 
 
 def _sparsevlm_extra(ctx: StepContext) -> ExtraMacs:
@@ -455,6 +463,9 @@ _CDPRUNER_RELEVANCE = "LLM input embeddings of the prompt text (no CLIP text tow
 _cdpruner_for_keep = _ratio_for_keep("CDPruner", "default_keep_ratio", relevance=_CDPRUNER_RELEVANCE)
 
 
+# FiCoCo-V and -L: any count at any reducing layer from `first_layer` (ficoco.accounting.schedule plans them).
+_PER_LAYER = "ficoco.accounting.schedule:plan_per_layer"
+
 # ---- the registry --------------------------------------------------------------------------------------------------
 
 _PER_ITEM = "visual tokens per image, crop or frame that reach the LLM"
@@ -481,6 +492,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         families=ALL_FAMILIES, module="ficoco.methods.ficoco_v", function="reduce",
         source="SPEC.md (FiCoCo paper)", summary="filter by vision- and [CLS]-redundancy, fold into kept patches",
         keep_means="visual tokens that reach the LLM", wired=True,
+        planner=_PER_LAYER, default_setting=False, appendix_formulas=True,
     ),
     MethodSpec(
         name="l", title="FiCoCo-L", acts_at="llm_layer", placement="in_layer", positions="original",
@@ -491,6 +503,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         families=ALL_FAMILIES, module="ficoco.methods.ficoco_l", function="reduce",
         source="SPEC.md (FiCoCo paper)", summary="filter by vision- and task-redundancy, fold into kept tokens",
         keep_means="visual tokens that leave the LLM", wired=True,
+        planner=_PER_LAYER, default_setting=False, appendix_formulas=True,
     ),
     MethodSpec(
         name="fastv", title="FastV", acts_at="llm_layer", placement="layer_input", positions="original",
@@ -529,6 +542,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         keep_means="the v1.5 schedule of the literature's row (192, 128, 96, 64)",
         keep_choices=tuple(sorted(SPARSEVLM_SCHEDULES)),
         steps=_sparsevlm_steps, settings_for_keep=_sparsevlm_for_keep, extra_macs=_sparsevlm_extra, wired=True,
+        added_for_removed=_sparsevlm_added,
     ),
     MethodSpec(
         name="dart", title="DART", acts_at="llm_layer", placement="layer_input", positions="original",
@@ -726,7 +740,36 @@ METHODS["holitom"] = MethodSpec(
     extra_per_sample=True, inner=_HOLITOM_INNER,
 )
 
-VARIANTS = ("vanilla", *METHODS)
+class _Variants(Sequence[str]):
+    """"vanilla" and every registered method, as the registry holds them now (a method registered later,
+    `register_method`, is a variant as soon as it is registered, wherever VARIANTS was imported)."""
+
+    def _names(self) -> tuple[str, ...]:
+        return ("vanilla", *METHODS)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return 1 + len(METHODS)
+
+    def __contains__(self, name: object) -> bool:
+        return name == "vanilla" or name in METHODS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+VARIANTS: Sequence[str] = _Variants()
 
 
 def method(name: str) -> MethodSpec:
@@ -754,3 +797,37 @@ def method_matrix(families: Iterable[str]) -> list[dict[str, Any]]:
 
 def dims_of(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> Dims:
     return Dims(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, ffn=ffn)
+
+
+# ---- methods registered from outside the package (a plugin, a test's toy method) -------------------------------
+
+def register_method(spec: MethodSpec) -> MethodSpec:
+    """Add `spec` to the registry: the CLI, the accountant, `apply` and `ficoco methods` see it at once.
+    Its module is imported on use; its planner plans it (`plan_by_steps` by default). Refuses a name
+    that is taken."""
+    if spec.name == "vanilla" or spec.name in METHODS:
+        raise FicocoError(f"method '{spec.name}' is registered already; choose another name")
+    METHODS[spec.name] = spec
+    return spec
+
+
+def unregister_method(name: str) -> None:
+    """Remove a method `register_method` added (one of the package's own entries is refused)."""
+    if name not in METHODS:
+        raise FicocoError(f"unknown method '{name}': choose from {', '.join(METHODS)}")
+    if name in _BUILT_IN:
+        raise FicocoError(f"method '{name}' is one of the package's own entries; it cannot be unregistered")
+    del METHODS[name]
+
+
+@contextmanager
+def registered(spec: MethodSpec) -> Iterator[MethodSpec]:
+    """`register_method(spec)` for the block, `unregister_method` after it (even on an error)."""
+    register_method(spec)
+    try:
+        yield spec
+    finally:
+        unregister_method(spec.name)
+
+
+_BUILT_IN = frozenset(METHODS)

@@ -35,8 +35,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.methods.registry import method
 from ficoco.methods.vision_stages import TowerInput, TowerOutput, patch_scores_from_cls
 from ficoco.reduction.stages import compute_dtype, gather_tokens
+
+# The official defaults, as the registry entry states them.
+_HP = method("vispruner").hyperparameters
 
 __all__ = ["DUPLICATES_PER_ROUND", "important_count", "tower_step", "vispruner_reduce", "vispruner_rounds",
            "vispruner_select"]
@@ -64,7 +68,8 @@ def vispruner_rounds(residual: int, diverse: int) -> list[tuple[int, int, int]]:
         residual -= removed
 
 
-def vispruner_select(features: Tensor, scores: Tensor, keep: int, important_ratio: float = 0.5) -> Tensor:
+def vispruner_select(features: Tensor, scores: Tensor, keep: int, important_ratio: float = _HP["important_ratio"]
+                     ) -> Tensor:
     """``(B, keep)`` ascending indices of the important and diverse tokens.
 
     Args:
@@ -89,7 +94,7 @@ def vispruner_select(features: Tensor, scores: Tensor, keep: int, important_rati
     return torch.cat([order[:, :important], residual], dim=1).sort(dim=1).values
 
 
-def vispruner_reduce(features: Tensor, scores: Tensor, keep: int, important_ratio: float = 0.5
+def vispruner_reduce(features: Tensor, scores: Tensor, keep: int, important_ratio: float = _HP["important_ratio"]
                      ) -> tuple[Tensor, Tensor]:
     """``(features (B, keep, D), kept (B, keep))`` in image order; ``keep == N`` returns the input."""
     kept = vispruner_select(features, scores, keep, important_ratio)

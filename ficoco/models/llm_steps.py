@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
+from ficoco.methods.contract import InLayerModule, LayerInputModule, PreparesModule, load_module
 from ficoco.methods.stages import InLayerInput, Reduced, StepInput, last_row_attention, rows_attention
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
@@ -175,7 +176,7 @@ class InLayerPatch:
 
     def __init__(self, adapter: Any, handle: Handle, spec: MethodSpec, schedule: Schedule, first: int) -> None:
         self.adapter, self.handle, self.spec = adapter, handle, spec
-        self.step = spec.load().layer_step
+        self.step = load_module(spec, InLayerModule).layer_step
         self.settings = method_settings(handle, spec, schedule)
         self.removed = schedule.removed_at()
         self.first = first
@@ -315,7 +316,8 @@ class LayerInputPatch:
 
     def __init__(self, adapter: Any, handle: Handle, spec: MethodSpec, schedule: Schedule) -> None:
         self.adapter, self.handle, self.spec = adapter, handle, spec
-        self.module = spec.load()
+        protocol = PreparesModule if any(n.kind == "input_embeddings" for n in spec.needs) else LayerInputModule
+        self.module: LayerInputModule = load_module(spec, protocol)
         self.settings = schedule.settings_dict()
         self.steps: dict[int, Removal] = {r.layer: r for r in schedule.removals}
         self.order = {layer: k for k, layer in enumerate(sorted(self.steps))}
@@ -401,8 +403,8 @@ class LayerInputPatch:
             torch.arange(length, device=embeds.device).expand(batch, -1)
         if self.embeddings:
             grouped = gather_rows(embeds, state.grouping(), 1) if state.gapped else embeds
-            state.prepared = self.handle.run_method(0, self.module.prepare, grouped, state.visual_start,
-                                                    state.num_visual)
+            prepare = cast(PreparesModule, self.module).prepare
+            state.prepared = self.handle.run_method(0, prepare, grouped, state.visual_start, state.num_visual)
 
     def _step(self, state: StepState, index: int, layer: nn.Module, hidden: Tensor, mask: Tensor | None,
               position_embeddings: tuple[Tensor, Tensor] | None) -> Tensor:
@@ -436,7 +438,7 @@ class LayerInputPatch:
             inputs = _grouped(inputs, order)
         settings = self.settings
         if state.images > 1 and hasattr(self.module, "several_images"):  # counts per image (DART's pivots)
-            settings = self.module.several_images(settings, state.images)
+            settings = self.module.several_images(settings, state.images)  # type: ignore[attr-defined]
         red = self.handle.run_method(index, self.module.step, inputs, settings)
         if order is not None:
             red = _reading_order(red, order, state, self.spec.positions == "compact")

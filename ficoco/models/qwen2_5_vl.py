@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.methods.contract import GroupsModule
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, remove_probe, route_attention
 from ficoco.models.patching import Patches, follow_device, forward_of
@@ -149,13 +150,13 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
         """FiCoCo-V (a method whose module offers ``reduce_groups``) in the windowed tower; other
         vision-side methods as on Qwen2-VL."""
-        step = getattr(spec.load(), "reduce_groups", None)
-        if spec.placement != "in_layer" or step is None:
+        module = spec.load()
+        if spec.placement != "in_layer" or not isinstance(module, GroupsModule):
             try:
                 return super().patch_tower(handle, patches, spec, schedule)
             except FicocoError as exc:  # Qwen2-VL's refusal, in this family's name
                 raise FicocoError(str(exc).replace("Qwen2-VL", "Qwen2.5-VL")) from None
-        self.patch_vision(handle, patches, schedule.removed_at(), step)
+        self.patch_vision(handle, patches, schedule.removed_at(), module.reduce_groups)
 
     def _block_segments(self, tower: _WindowPass | None, idx: int, cu_seqlens: Tensor, position_embeddings: Any,
                         kwargs: dict[str, Any]) -> tuple[Tensor, Any]:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.methods.contract import GroupsModule, TowerModule
 from ficoco.methods.registry import method
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
@@ -203,14 +204,13 @@ class Qwen2VLAdapter(LlavaAdapter):
             self.patch_projector_cut(handle, patches, spec, schedule)
             return
         module = spec.load()
-        step = getattr(module, "reduce_groups", None)
-        if spec.placement == "in_layer" and step is not None:
-            self.patch_vision(handle, patches, schedule.removed_at(), step)
+        if spec.placement == "in_layer" and isinstance(module, GroupsModule):
+            self.patch_vision(handle, patches, schedule.removed_at(), module.reduce_groups)
             return
-        if spec.placement in ("tower_output", "after_projector") and hasattr(module, "tower_step"):
+        if spec.placement in ("tower_output", "after_projector") and isinstance(module, TowerModule):
             self.patch_cut(handle, patches, spec, schedule)
             return
-        if spec.placement == "in_layer" and hasattr(module, "tower_step"):
+        if spec.placement == "in_layer" and isinstance(module, TowerModule):
             self.patch_merges(handle, patches, spec, schedule)
             return
         raise FicocoError(f"--variant {spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "

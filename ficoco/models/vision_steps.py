@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
+from ficoco.methods.contract import TowerModule, load_module
 from ficoco.methods.vision_stages import TowerInput, TowerOutput
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import attention_with_probabilities, own_attention, route_attention
@@ -132,7 +133,7 @@ class TowerPatch:
 
     def __init__(self, adapter: Any, handle: Handle, spec: MethodSpec, schedule: Schedule) -> None:
         self.adapter, self.handle, self.spec = adapter, handle, spec
-        self.module = spec.load()
+        self.module: TowerModule = load_module(spec, TowerModule)
         self.settings = method_settings(handle, spec, schedule)
         # A tower without [CLS] (SigLIP): positions are patch indices, and the methods score with the
         # equivalent token in place of the [CLS] row.

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.methods.hyperparameters import PAPER
 from ficoco.reduction.stages import (
     adaptive_weights,
     compress,
@@ -123,7 +124,7 @@ def language_scores(
     visual_start: Tensor,
     num_visual: int,
     suffix_mask: Tensor,
-    beta: float = 0.6,
+    beta: float = PAPER.beta,
     first_suffix_row: int | None = None,
     visual_positions: Tensor | None = None,
 ) -> Tensor:
@@ -175,7 +176,7 @@ def language_correlation(
     visual_start: Tensor,
     num_visual: int,
     suffix_mask: Tensor,
-    gamma: float = 0.6,
+    gamma: float = PAPER.gamma,
     first_suffix_row: int | None = None,
     visual_positions: Tensor | None = None,
 ) -> Tensor:
@@ -223,9 +224,9 @@ def reduce_l(
     visual_start: Tensor,
     num_visual: int,
     suffix_mask: Tensor,
-    beta: float = 0.6,
-    gamma: float = 0.6,
-    eps: float = 0.998,
+    beta: float = PAPER.beta,
+    gamma: float = PAPER.gamma,
+    eps: float = PAPER.eps,
     protected: Tensor | None = None,
     first_suffix_row: int | None = None,
     max_protected: int | None = None,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.methods.hyperparameters import PAPER
 from ficoco.reduction.stages import (
     adaptive_weights,
     compress,
@@ -82,7 +83,7 @@ def vision_scores(
     attn: Tensor,
     has_cls: bool,
     keys: Tensor | None = None,
-    lam: float = 0.35,
+    lam: float = PAPER.lam,
     equivalent: bool = False,
 ) -> Tensor:
     """FiCoCo-V redundancy of every patch, ``s_j = lam * v_j - (1 - lam) * a_j``.
@@ -119,8 +120,8 @@ def local_penalty(
     scores: Tensor,
     grid_index: Tensor,
     grid_hw: tuple[int, int],
-    window: int = 2,
-    coefficient: float = 2.0,
+    window: int = PAPER.window,
+    coefficient: float = PAPER.coefficient,
 ) -> Tensor:
     """Raise the top score of every ``window x window`` cell of the original grid.
 
@@ -201,10 +202,10 @@ def reduce_v(
     grid_hw: tuple[int, int],
     has_cls: bool = True,
     keys: Tensor | None = None,
-    lam: float = 0.35,
-    eps: float = 0.998,
-    window: int = 2,
-    coefficient: float = 2.0,
+    lam: float = PAPER.lam,
+    eps: float = PAPER.eps,
+    window: int = PAPER.window,
+    coefficient: float = PAPER.coefficient,
     equivalent: bool = False,
 ) -> VReduction:
     """One FiCoCo-V step: filter, correlate and compress ``r`` patches of one layer.

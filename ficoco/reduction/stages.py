@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.methods.hyperparameters import PAPER
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -85,7 +86,7 @@ def select(scores: Tensor, r: int) -> tuple[Tensor, Tensor]:
     return source, target
 
 
-def adaptive_weights(correlation: Tensor, eps: float = 0.998) -> Tensor:
+def adaptive_weights(correlation: Tensor, eps: float = PAPER.eps) -> Tensor:
     """Token-adaptive K: each discarded token spreads its weight over its top kept tokens.
 
     For row ``i`` (a discarded token) ``tau_i = quantile(C[i, :], eps)`` with linear
