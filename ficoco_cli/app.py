@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import sys
-from typing import Annotated, Any
+from typing import Annotated
 
 import click
 import typer

@@ -69,13 +69,12 @@ def plan_profile(model: str, variants: str | Sequence[str] = "v", *, keep: int |
                  image_size: tuple[int, int] | None = None, frames: int | None = None, dtype: Any = "auto",
                  device_map: str | None = None, max_memory: str | None = None) -> ProfilePlan:
     """Plan a profile run (the arguments of `profile_report`) and estimate its time; builds no model."""
+    from ficoco.methods.registry import METHODS
     from ficoco.profiling.dtype_choice import parse_dtype
     from ficoco.profiling.environment import environment
     from ficoco.profiling.estimate import estimate_run, plan_runs
     from ficoco.profiling.matrix import ProfileConfig, plan_run
     from ficoco.profiling.real_inputs import resolve_prompt
-
-    from ficoco.methods.registry import METHODS
 
     variants = names(variants)
     for name in variants:  # a method the model adapters do not run yet: refused before anything is planned
