@@ -306,16 +306,6 @@ def run_point(config: SweepConfig, profile: Profile, point: Point) -> dict[str, 
             "notes": list(plan.notes)}
 
 
-def add_point_comparisons(points: list[dict[str, Any]]) -> None:
-    """Each measured point against the vanilla point of its quant (speedup, FLOPs ratio, memory
-    saving, own work against savings), in place: the points were measured in separate processes."""
-    from ficoco.report import add_comparisons
-
-    rows = [p["measured"] for p in points if isinstance(p.get("measured"), dict) and "latency" in p["measured"]]
-    if rows:
-        add_comparisons(rows)
-
-
 def _fidelity_of(model: Any, point: Point, config: SweepConfig, inputs: list[dict[str, Any]],
                  reference: list[Any]) -> dict[str, Any]:
     if point.variant == VANILLA:

@@ -123,6 +123,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _add_point_comparisons(points: list[dict[str, Any]]) -> None:
+    """Each measured point against the vanilla point of its quant (speedup, FLOPs ratio, memory
+    saving, own work against savings), in place: the points were measured in separate processes."""
+    from ficoco.report import add_comparisons
+
+    rows = [p["measured"] for p in points if isinstance(p.get("measured"), dict) and "latency" in p["measured"]]
+    if rows:
+        add_comparisons(rows)
+
+
 class SweepStore:
     """One sweep's results folder (see the module docstring for its layout)."""
 
@@ -303,8 +313,6 @@ class SweepStore:
         """The sweep report (ficoco.sweep/1) of what the store holds now: the plan, each finished
         point's figures in place of its planned one, speedups against the vanilla point of its quant,
         and the progress (also while the sweep is still running)."""
-        from ficoco.sweep import add_point_comparisons
-
         manifest = self.manifest()
         report = copy.deepcopy(manifest["plan"])
         failed: list[dict[str, Any]] = []
@@ -329,7 +337,7 @@ class SweepStore:
                 f"{shared[-1].get('parallel')} points ran at once on the CPU ({shared[-1].get('executor')} executor): "
                 "their timings share cores and memory bandwidth; for timings to compare, run one point at a time "
                 "(--workers 1)")
-        add_point_comparisons(report["points"])
+        _add_point_comparisons(report["points"])
         report["store"] = str(self.folder)
         report["progress"] = self.progress().to_json()
         report["failed"] = failed

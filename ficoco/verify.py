@@ -681,8 +681,8 @@ def verify(profile: Profile, schedules: list[Schedule], *, text_tokens: int | No
     `model` reuses an already built model of the same profile (tests).
     """
     from ficoco.api import build_model
-    from ficoco.profiling.dtype_choice import dtype_name
-    from ficoco.profiling.memory_guard import VanillaRow, resolve_dtype_and_memory
+    from ficoco.machine.dtype_choice import dtype_name
+    from ficoco.machine.memory_guard import VanillaRow, resolve_dtype_and_memory
 
     check_supported(profile)
     if tolerance_percent < 0:

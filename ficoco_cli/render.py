@@ -882,8 +882,6 @@ def method_comparison_table(report: dict[str, Any], unit: str = "TFLOPs") -> Tab
 
 def method_comparison_markdown(report: dict[str, Any], unit: str = "TFLOPs") -> str:
     """The method comparison as a markdown table, for a pull request."""
-    from ficoco_cli.report_cmd import markdown_table
-
     columns, order, notes = comparison_cells(report, unit)
     header = [" ".join(c.header.split("\n")) for c in columns]
     rows = [[c.cells[i] for c in columns] for i in order]
@@ -896,3 +894,13 @@ def compares_methods(report: dict[str, Any]) -> bool:
     rows = report.get("rows") or []
     variants = {r.get("variant") for r in rows}
     return len(variants) > 1 and len({(r.get("quant"), r.get("batch", report.get("batch"))) for r in rows}) == 1
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub markdown table (pipes in cells escaped, one line per row)."""
+    def esc(cell: str) -> str:
+        return str(cell).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(esc(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ficoco.compare import Comparison
 from ficoco.errors import FicocoError
-from ficoco_cli.render import fmt_bytes
+from ficoco_cli.render import fmt_bytes, markdown_table
 
 FORMATS = ("table", "markdown", "json")
 REPORT_FORMATS = ("table", "markdown", "csv")
@@ -63,15 +63,6 @@ def comparison_table(result: Comparison) -> Table:
     for cells in comparison_rows(result):
         table.add_row(*cells, style=styles.get(cells[6]))
     return table
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    def esc(cell: str) -> str:
-        return str(cell).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(esc(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
 
 
 def comparison_markdown(result: Comparison) -> str:

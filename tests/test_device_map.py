@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 import ficoco
 from ficoco.accounting.memory import memory_per_device
 from ficoco.errors import FicocoError
+from ficoco.machine.dtype_choice import DtypeChoice
+from ficoco.machine.memory_guard import VanillaRow, check_memory
 from ficoco.models import synthetic_inputs
 from ficoco.models.device_map import parse_max_memory
 from ficoco.profiles import load_profile
-from ficoco.profiling.dtype_choice import DtypeChoice
-from ficoco.profiling.memory_guard import VanillaRow, check_memory
 from ficoco_cli.app import app
 
 CPU_LIMIT = "900KiB"  # llava-tiny in float32 holds about 2 MB of weights

@@ -22,14 +22,9 @@ import ficoco
 from ficoco.accounting import architecture, parameter_counts
 from ficoco.accounting.memory import make_quant, weight_bytes
 from ficoco.errors import FicocoError
-from ficoco.models import build as build_module
-from ficoco.models.inputs import synthetic_inputs
-from ficoco.models.upcast import UpcastLinear, upcast_layers
-from ficoco.profiles import load_profile
-from ficoco.profiling import compute_rate, memory_guard
-from ficoco.profiling.dtype_choice import DtypeChoice, choose_dtype
-from ficoco.profiling.matrix import ProfileConfig, plan_run
-from ficoco.profiling.memory_guard import (
+from ficoco.machine import compute_rate, memory_guard
+from ficoco.machine.dtype_choice import DtypeChoice, choose_dtype
+from ficoco.machine.memory_guard import (
     LIMIT_ENV,
     VanillaRow,
     check_memory,
@@ -37,6 +32,11 @@ from ficoco.profiling.memory_guard import (
     memory_need_bytes,
     with_fp32_layers,
 )
+from ficoco.models import build as build_module
+from ficoco.models.inputs import synthetic_inputs
+from ficoco.models.upcast import UpcastLinear, upcast_layers
+from ficoco.profiles import load_profile
+from ficoco.profiling.matrix import ProfileConfig, plan_run
 from ficoco.profiling.trackers import model_weight_bytes
 from ficoco_cli.app import app
 
@@ -222,7 +222,7 @@ def test_an_upcast_layout_needs_16_bit_linears_and_float32_for_the_rest(seven_b)
 
 
 def test_an_upcast_layout_copies_the_upcast_layers_linears_per_forward(seven_b):
-    from ficoco.profiling.memory_guard import upcast_weights_per_forward
+    from ficoco.machine.memory_guard import upcast_weights_per_forward
 
     per_layer = 4 * 4096 * 4096 + 3 * 4096 * 11008
     ten_kept = DtypeChoice(BF16, F32, "", upcast=True, fp32_layers=10)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ficoco.errors import FicocoError
+from ficoco.machine.dtype_choice import DtypeChoice, choose_dtype, dtype_name, parse_dtype
 from ficoco.profiles import Profile, load_profile
-from ficoco.profiling.dtype_choice import DtypeChoice, choose_dtype, dtype_name, parse_dtype
 
 # Size of the random pool that parameters are filled from: large enough that neighbouring
 # rows differ, small enough to draw in milliseconds. Filling 7 B parameters with normal_()
@@ -232,7 +232,7 @@ def _choose(profile: Profile, dtype: str | torch.dtype | DtypeChoice | None, dev
     requested = "auto" if dtype is None else parse_dtype(dtype)
     if not check_memory:
         return choose_dtype(requested, torch.device(device), native=native)
-    from ficoco.profiling.memory_guard import VanillaRow, resolve_dtype_and_memory
+    from ficoco.machine.memory_guard import VanillaRow, resolve_dtype_and_memory
 
     choice, _ = resolve_dtype_and_memory(profile, [VanillaRow()], requested, device, [quant], native=native)
     return choice

@@ -36,8 +36,8 @@ import torch
 from ficoco.accounting import Architecture, Schedule, architecture
 from ficoco.accounting.memory import QUANT_BITS, Quant, weight_bytes
 from ficoco.accounting.schedule import plan_tokens
+from ficoco.machine.compute_rate import matmul_flops_per_s
 from ficoco.profiles import Hardware
-from ficoco.profiling.compute_rate import matmul_flops_per_s
 from ficoco.profiling.matrix import Plan, ProfileConfig, analytic
 from ficoco.profiling.runs import choose_runs, rule_text
 
@@ -301,7 +301,7 @@ def memory_text(plan: Plan) -> str:
     memory = getattr(plan, "memory", None)
     if not isinstance(memory, dict):
         return "-"
-    # The memory guard's breakdown (ficoco.profiling.memory_guard.check_memory): "total" is the
+    # The memory guard's breakdown (ficoco.machine.memory_guard.check_memory): "total" is the
     # need of the largest build, "free" what the device has.
     need, free = memory.get("total"), memory.get("free")
     if not isinstance(need, int | float):

@@ -21,10 +21,10 @@ import torch
 from ficoco.accounting import CountOptions, Schedule, account, architecture, resolve_side_by_side
 from ficoco.accounting.memory import KV_QUANT_BITS, QUANT_BITS, Quant, stored_kv_cache_bytes, weight_bytes
 from ficoco.errors import FicocoError
+from ficoco.machine.dtype_choice import DtypeChoice, row_dtypes
 from ficoco.models import hf_compat as hf
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
 from ficoco.profiling.decode import DecodeRun, decode_metrics, timed_generate
-from ficoco.profiling.dtype_choice import DtypeChoice, row_dtypes
 from ficoco.profiling.runs import choose_runs, max_runs
 from ficoco.profiling.trackers import LatencyStats, LatencyTracker, MemoryTracker, RunHook, cache_bytes, cache_tokens
 
@@ -249,14 +249,14 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
                     plan.rows.append(RowSpec(variant, quant, batch, schedules[variant]))
     # The dtypes and the memory check come last: every other mistake is cheaper to report,
     # and nothing is built before the plan says it fits.
+    from ficoco.machine.memory_guard import resolve_dtype_and_memory
     from ficoco.models.build import checkpoint_dtype
-    from ficoco.profiling.memory_guard import resolve_dtype_and_memory
 
     native = checkpoint_dtype(Path(source).expanduser()) if source else None
     if config.device_map:
         # The map is the fit: accelerate places what the limits leave out in CPU memory or on disk.
-        from ficoco.profiling.dtype_choice import choose_dtype
-        from ficoco.profiling.memory_guard import memory_need_bytes
+        from ficoco.machine.dtype_choice import choose_dtype
+        from ficoco.machine.memory_guard import memory_need_bytes
 
         plan.dtype = choose_dtype(config.dtype, device, native=native)
         if plan.dtype.upcast:

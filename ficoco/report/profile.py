@@ -69,8 +69,8 @@ def plan_profile(model: str, variants: str | Sequence[str] = "v", *, keep: int |
                  image_size: tuple[int, int] | None = None, frames: int | None = None, dtype: Any = "auto",
                  device_map: str | None = None, max_memory: str | None = None) -> ProfilePlan:
     """Plan a profile run (the arguments of `profile_report`) and estimate its time; builds no model."""
+    from ficoco.machine.dtype_choice import parse_dtype
     from ficoco.methods.registry import METHODS
-    from ficoco.profiling.dtype_choice import parse_dtype
     from ficoco.profiling.environment import environment
     from ficoco.profiling.estimate import estimate_run, plan_runs
     from ficoco.profiling.matrix import ProfileConfig, plan_run

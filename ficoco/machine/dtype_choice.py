@@ -126,7 +126,7 @@ def choose_dtype(requested: str, device: torch.device, *, need_bytes_by_dtype: d
             return DtypeChoice(torch.bfloat16, torch.bfloat16, "auto on CUDA: bfloat16, the checkpoint's own dtype "
                                "(float16 may overflow its activations)")
         return DtypeChoice(torch.float16, torch.float16, "auto on CUDA: float16")
-    from ficoco.profiling.compute_rate import matmul_flops_per_s
+    from ficoco.machine.compute_rate import matmul_flops_per_s
 
     candidates = [torch.float32, torch.bfloat16] + ([] if native == torch.bfloat16 else [torch.float16])
     rates = {dtype: matmul_flops_per_s(dtype, device) for dtype in candidates}

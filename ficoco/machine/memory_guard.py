@@ -40,8 +40,8 @@ from ficoco.accounting import architecture
 from ficoco.accounting.memory import QUANT_BITS, Quant, activation_peak_bytes, stored_kv_cache_bytes, weight_bytes
 from ficoco.accounting.schedule import Schedule, plan_tokens
 from ficoco.errors import FicocoError
+from ficoco.machine.dtype_choice import DtypeChoice, choose_dtype, dtype_name
 from ficoco.profiles import Profile, apply_overrides
-from ficoco.profiling.dtype_choice import DtypeChoice, choose_dtype, dtype_name
 
 LIMIT_ENV = "FICOCO_MEMORY_LIMIT_BYTES"
 # Testing only: the free memory to assume, whatever the machine has (a cap would still depend on
