@@ -4,7 +4,7 @@ placed on the image's patch grid.
 A *cell* is `[panel, row, col, height, width]` in patch units: the panel is the part of the
 picture a token belongs to (the image; LLaVA-NeXT's base view and its crops; a video frame),
 height and width are 2 for Qwen2-VL's LLM tokens (one per 2 x 2 group of patches). Record
-indices come from `handle.records` (ficoco.api.LayerRecord) and are mapped to cells here, the
+indices come from `handle.records` (ficoco.models.handle.LayerRecord) and are mapped to cells here, the
 one place that knows how each family lays its tokens out. Tokens that have no place on the
 picture (LLaVA-NeXT's row newlines, Video-LLaVA's per-frame [CLS]) map to None.
 

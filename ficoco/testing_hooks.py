@@ -1,7 +1,7 @@
 """Test-only hooks, read once from the environment at import; unset, each costs one falsy check.
 
 FICOCO_TEST_DELAY_REDUCTION_MS: sleep this many milliseconds inside every timed reduction span
-(`ficoco.api.Handle.run_method`), a known slowdown of the method's own stages. It exists so that the
+(`ficoco.models.handle.Handle.run_method`), a known slowdown of the method's own stages. It exists so that the
 CI gate's power to catch a slower reduction can be shown (benchmarks/gate_noise.py); a report
 made with it set records the fact in its environment (`test_hooks`). Never set it otherwise.
 

@@ -17,8 +17,8 @@ import torch
 
 import ficoco
 from ficoco.models import synthetic_inputs
+from ficoco.models.stage_timer import StageTimer
 from ficoco.profiling.host_sync import count_host_syncs
-from ficoco.profiling.stage_timer import StageTimer
 
 # (profile, variant, schedule with few reducing layers, schedule with more, the most syncs a
 # prefill may add to vanilla's). LLaVA-NeXT's entry also reads image_sizes (one copy to the

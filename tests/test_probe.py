@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ficoco.models import attention
 from ficoco.models.attention import ProbeSlot, probe_attention, probe_chunks
-from ficoco.profiling.stage_timer import StageTimer
+from ficoco.models.stage_timer import StageTimer
 
 
 @settings(max_examples=200, deadline=None)

@@ -22,7 +22,7 @@ from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  
 from ficoco.models.patching import LanguageState, Patches, forward_of, gather_rows
 
 if TYPE_CHECKING:
-    from ficoco.api import Handle
+    from ficoco.models.handle import Handle
 
 
 class LlavaAdapter:

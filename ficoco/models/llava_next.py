@@ -41,7 +41,7 @@ from ficoco.models.llava import LlavaAdapter
 from ficoco.models.patching import LanguageState, Patches, forward_of, span_lengths
 
 if TYPE_CHECKING:
-    from ficoco.api import Handle
+    from ficoco.models.handle import Handle
 
 __all__ = ["PREFIX_TOKENS", "ImageLayout", "LlavaNextAdapter", "image_layout", "synthetic_inputs"]
 

@@ -40,7 +40,7 @@ from ficoco.models.llava_next import ImageLayout, LlavaNextAdapter, _unpadded_wi
 from ficoco.models.patching import Patches, forward_of, span_lengths
 
 if TYPE_CHECKING:
-    from ficoco.api import Handle
+    from ficoco.models.handle import Handle
 
 __all__ = ["PREFIX_TOKENS", "LlavaOnevisionAdapter", "OnevisionLayout", "image_layout", "synthetic_inputs",
            "video_tokens"]

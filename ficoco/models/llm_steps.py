@@ -50,7 +50,7 @@ from ficoco.models.attention import install_probe, own_attention, remove_probe, 
 from ficoco.models.patching import LanguageState, Patches, forward_of, gather_rows, method_settings
 
 if TYPE_CHECKING:
-    from ficoco.api import Handle
+    from ficoco.models.handle import Handle
 
 ROWS_IMPLEMENTATION = "ficoco_rows"
 

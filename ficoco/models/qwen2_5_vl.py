@@ -81,7 +81,7 @@ from ficoco.models.qwen2_vl import (
 )
 
 if TYPE_CHECKING:
-    from ficoco.api import Handle
+    from ficoco.models.handle import Handle
 
 __all__ = ["PREFIX_TOKENS", "Qwen2_5_VLAdapter", "image_grid", "synthetic_inputs"]
 

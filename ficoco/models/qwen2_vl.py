@@ -58,7 +58,7 @@ from ficoco.models.patching import Patches, follow_device, forward_of, span_leng
 from ficoco.profiles import FAMILY_DEFAULTS
 
 if TYPE_CHECKING:
-    from ficoco.api import Handle
+    from ficoco.models.handle import Handle
 
 # "<|im_start|> user \n <|vision_start|>" before the image span.
 PREFIX_TOKENS = 4

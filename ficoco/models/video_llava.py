@@ -35,7 +35,7 @@ from ficoco.models.patching import Patches
 from ficoco.profiles import FAMILY_DEFAULTS
 
 if TYPE_CHECKING:
-    from ficoco.api import Handle
+    from ficoco.models.handle import Handle
 
 # "<s> USER :" before the video, as the Video-LLaVA template ("USER: <video>\n... ASSISTANT:")
 # tokenises it with the LLaMA tokenizer: the same prefix as LLaVA-1.5's.

@@ -47,7 +47,7 @@ from ficoco.models.attention import attention_with_probabilities, own_attention,
 from ficoco.models.patching import Patches, follow_device, forward_of, method_settings
 
 if TYPE_CHECKING:
-    from ficoco.api import Handle
+    from ficoco.models.handle import Handle
 
 TOWER_ROWS_IMPLEMENTATION = "ficoco_tower_rows"
 
