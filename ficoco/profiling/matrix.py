@@ -639,4 +639,19 @@ def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str
         "kv_bits": row_kv_bits(config, row.quant),
         "schedule": row.schedule.to_json(), "backend": backend, "note": None,
         "analytic": analytic(plan.profile, row, config, plan.gpu, plan.dtype), "threads": torch.get_num_threads(),
+        **predicted(plan, config, row),
     }
+
+
+def predicted(plan: Plan, config: ProfileConfig, row: RowSpec) -> dict[str, Any]:
+    """The row's prefill as this machine's rates predict it (profiling/predict.py): `predicted_ms`
+    and its parts. None under a device map, whose transfers the prediction does not price."""
+    if config.device_map:
+        return {"predicted_ms": None}
+    from ficoco.profiling.estimate import compute_dtype
+    from ficoco.profiling.predict import row_prediction
+
+    dtype = plan.dtype if plan.dtype is not None else compute_dtype(plan, config)[0]
+    prediction = row_prediction(plan.profile, row.schedule, quant=row.quant, batch=row.batch,
+                                text_tokens=config.text_tokens, dtype=dtype, device=plan.device)
+    return {"predicted_ms": prediction.total_s * 1e3, "predicted": prediction.to_json()}
