@@ -405,9 +405,14 @@ def _runs_count(rows: list[dict[str, Any]], config: dict[str, Any], key: str) ->
 
 def _profile_caption(rows: list[dict[str, Any]], wide: bool) -> str:
     method = next((m for r in rows if (m := _get(r, "memory", "method"))), None)
-    text = ("FLOPs: analytic, whole model, LM head on the last token. "
-            + ("speedup, FLOPs ratio" if wide else "speedup (FLOPs)")
-            + ": vanilla's median latency (FLOPs) over this row's, same quant and batch.")
+    text = "FLOPs: analytic, whole model, LM head on the last token. "
+    if any(_is_number(_measured(r, "predicted_speedup_vs_vanilla")) for r in rows):
+        text += (("speedup, predicted, FLOPs ratio" if wide else "speedup (pred., FLOPs)")
+                 + ": vanilla's median latency (its prefill predicted from the accountant's ops at this machine's "
+                   "measured rates; its FLOPs) over this row's, same quant and batch.")
+    else:
+        text += (("speedup, FLOPs ratio" if wide else "speedup (FLOPs)")
+                 + ": vanilla's median latency (FLOPs) over this row's, same quant and batch.")
     if method:
         text += f" peak mem: {method}."
     if not wide:
@@ -424,15 +429,25 @@ def _profile_columns(rows: list[dict[str, Any]]) -> list[_Column]:
     """The columns a user reads first."""
     tflops, tera_unit = _flops_values(rows)
     speedups = []
+    predicting = any(_is_number(_measured(r, "predicted_speedup_vs_vanilla")) for r in rows)
     for r in rows:
         speedup, ratio = _measured(r, "speedup_vs_vanilla"), _measured(r, "flops_ratio_vs_vanilla")
-        speedups.append("-" if speedup is None and ratio is None else f"{_ratio(speedup)} ({_ratio(ratio)})")
+        if speedup is None and ratio is None:
+            speedups.append("-")
+        elif predicting:
+            # The yardstick (profiling/predict.py) beside the measured speedup, then the FLOPs ratio;
+            # no "x" inside the brackets, so that the default table stays within 80 columns.
+            predicted = _measured(r, "predicted_speedup_vs_vanilla")
+            speedups.append(f"{_ratio(speedup)} ({_ratio(predicted).removesuffix('x')}, "
+                            f"{_ratio(ratio).removesuffix('x')})")
+        else:  # a report made before the prediction
+            speedups.append(f"{_ratio(speedup)} ({_ratio(ratio)})")
     return [
         _Column("variant", [_text(r.get("variant")) for r in rows], left=True),
         _Column("visual\ntokens", [_text(_get(r, "analytic", "visual_tokens")) for r in rows]),
         _scaled("", tflops, (), tera_unit),
         _scaled("median", [_measured(r, "latency", "median_ms") for r in rows], TIME_UNITS_MS),
-        _Column("speedup\n(FLOPs)", speedups),
+        _Column("speedup\n(pred., FLOPs)" if predicting else "speedup\n(FLOPs)", speedups),
         _scaled("peak mem", [_measured(r, "memory", "peak_bytes") for r in rows], BYTE_UNITS),
         _scaled("KV cache", [_measured(r, "kv_cache_bytes") for r in rows], BYTE_UNITS),
         _Column("status", [_text(r.get("status")) for r in rows], left=True),
@@ -468,7 +483,10 @@ def _profile_wide_columns(report: dict[str, Any], rows: list[dict[str, Any]]) ->
         _scaled("method", [_measured(r, "reduction_ms") for r in rows], (), ("ms", 1.0)),
         _Column("method\n%", [_percent(_measured(r, "reduction_share")) for r in rows]),
         _Column("speedup", [_ratio(_measured(r, "speedup_vs_vanilla")) for r in rows]),
+        _Column("predicted\nspeedup", [_ratio(_measured(r, "predicted_speedup_vs_vanilla")) for r in rows]),
         _Column("FLOPs\nratio", [_ratio(_measured(r, "flops_ratio_vs_vanilla")) for r in rows]),
+        _scaled("predicted", [r.get("predicted_ms") for r in rows], (), time_unit),
+        _Column("measured /\npredicted", [_ratio(_measured(r, "measured_over_predicted")) for r in rows]),
         _scaled("peak mem", [_measured(r, "memory", "peak_bytes") for r in rows], BYTE_UNITS),
         _Column("mem\nsaving %", [_percent(_measured(r, "memory_saving_vs_vanilla")) for r in rows]),
         _scaled("KV measured", kv_measured, (), kv_unit),
@@ -580,9 +598,17 @@ def _row_verdict(row: dict[str, Any], base: dict[str, Any] | None, config: dict[
     speedup, flops_ratio = row.get("speedup_vs_vanilla"), row.get("flops_ratio_vs_vanilla")
     if _is_number(speedup):
         facts.append(_faster(speedup, "prefill"))
+        said = []
+        predicted = row.get("predicted_speedup_vs_vanilla")
+        if _is_number(predicted) and predicted > 0:
+            # The honest yardstick: what this machine's rates predict for the pair (profiling/predict.py).
+            pace = _times(predicted) if predicted >= 1 else f"{_times(1 / predicted)} slower"
+            said.append(f"predicted {pace} at this machine's rates")
         if _is_number(flops_ratio) and flops_ratio > 0:
             fewer = f"{_times(flops_ratio)} fewer" if flops_ratio >= 1 else f"{_times(1 / flops_ratio)} more"
-            facts[-1] += f" (FLOPs {fewer})"
+            said.append(f"FLOPs {fewer}")
+        if said:
+            facts[-1] += f" ({'; '.join(said)})"
         work = row.get("own_work_vs_savings")
         if work and work["saved_ms"] <= 0:
             facts.append(f"its fewer tokens save no measurable time and its own work adds {fmt_num(work['own_ms'])} ms")
