@@ -25,7 +25,6 @@ model is built. A test gives `TableRates` instead, whose fixed rates make the ti
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -41,8 +40,7 @@ from ficoco.accounting.memory import QUANT_BITS, Quant
 # matmuls run at these shares of the compute dtype's measured rate (estimate.MATMUL_EFFICIENCY's
 # ratios to fp16, fitted on an AMX Xeon with 2 decoder layers; not refitted for this prediction).
 QUANT_MATMUL_SHARE = {"fp16": 1.0, "int8": 0.4, "int4": 0.12}
-# A timed matmul shorter than this is repeated (median of up to 3); a longer one is timed once
-# after its warm-up: a 7B shape takes a third of a second, and each row needs only a few.
+# A first call shorter than this is a warm-up only (kernel choice and allocation weigh in it).
 _REPEAT_BELOW_S = 0.05
 
 
@@ -92,18 +90,23 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _time_s(call: Any, device: torch.device) -> float:
-    """One call's time after a warm-up call; the median of 3 when one call is short."""
-    call()  # kernel choice, the output's first allocation
-    times = []
-    for _ in range(3):
+    """The best of 3 calls (a short call after a warm-up call): on a machine shared with other
+    processes, one call of a third of a second can meet another's burst and read half the rate,
+    where a prefill of many seconds averages such bursts out."""
+    times: list[float] = []
+    first = True
+    while len(times) < 3:
         _synchronize(device)
         begin = time.perf_counter()
         call()
         _synchronize(device)
-        times.append(time.perf_counter() - begin)
-        if times[-1] >= _REPEAT_BELOW_S:
-            break
-    return statistics.median(times)
+        seconds = time.perf_counter() - begin
+        # The first call chooses kernels and allocates: it counts only when it is long enough
+        # that neither weighs in it.
+        if not first or seconds >= _REPEAT_BELOW_S:
+            times.append(seconds)
+        first = False
+    return min(times)
 
 
 @functools.cache
