@@ -1,10 +1,21 @@
 """check_report.py REPORT [cuda|cpu]: assert that a ficoco.report/1 is sane for its device and
-print one line per row; exit 1 on the first kind of doubt, 0 with PASS."""
+print one line per row; exit 1 on the first kind of doubt, 0 with PASS.
+
+Method speed: on a 7B model's shapes every reduced row's measured speedup is at least
+SPEED_OVER_PREDICTED of the speedup this machine's measured rates predict (profiling/predict.py):
+the honest yardstick, where a FLOPs ratio overstates what fewer tokens can save on any machine."""
 
 from __future__ import annotations
 
 import json
 import sys
+
+SPEED_OVER_PREDICTED = 0.9
+
+
+def seven_b_shapes(config: dict) -> bool:
+    """A 7B model's widths (its name says so; fewer layers through --set keep them)."""
+    return "7b" in str(config.get("model", "")).lower()
 
 
 def check(path: str, kind: str) -> list[str]:
@@ -52,11 +63,23 @@ def check(path: str, kind: str) -> list[str]:
             bad.append(f"{tag}: generated {row['generation']['new_tokens']} != {row['new_tokens']}")
         speedup, ratio = row.get("speedup_vs_vanilla"), row.get("flops_ratio_vs_vanilla")
         roofline = row.get("measured_over_roofline")
+        predicted = row.get("predicted_speedup_vs_vanilla")
+        speed = speedup / predicted if speedup is not None and predicted else None
+        over = row.get("measured_over_predicted")
+        if row["variant"] != "vanilla" and seven_b_shapes(config):
+            if speed is None:
+                bad.append(f"{tag}: no predicted speedup to check the method's speed against")
+            elif speed < SPEED_OVER_PREDICTED:
+                bad.append(f"{tag}: speedup {speedup:.2f}x is {speed:.2f} of the predicted {predicted:.2f}x "
+                           f"(< {SPEED_OVER_PREDICTED})")
         print(f"  {tag} {latency['median_ms']:10.2f} ms  peak {memory['peak_bytes'] / 1e9:6.2f} GB  "
               f"nvml peak {(memory.get('nvml_peak_used_bytes') or 0) / 1e9:6.2f} GB  "
               f"KV {row['kv_cache_bytes'] / 1e6:8.2f} MB  weights {measured_weights / 1e9:6.3f} GB  "
               f"speedup {'-' if speedup is None else f'{speedup:.2f}x'}  "
               f"FLOPs ratio {'-' if ratio is None else f'{ratio:.2f}x'}  "
+              f"predicted {'-' if predicted is None else f'{predicted:.2f}x'}  "
+              f"measured/predicted speedup {'-' if speed is None else f'{speed:.2f}'}  "
+              f"prefill measured/predicted {'-' if over is None else f'{over:.2f}'}  "
               f"measured/roofline {'-' if roofline is None else f'{roofline:.2f}'}  "
               f"method {row['reduction_share'] * 100:.1f}%")
     return bad

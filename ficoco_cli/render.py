@@ -20,6 +20,8 @@ from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
+from ficoco.report.schemas import FLOPS_SCHEMA
+
 BYTE_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1.0))
 TIME_UNITS_MS = (("s", 1e3), ("ms", 1.0))
 TERA_PREFIXES = (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9))
@@ -405,9 +407,14 @@ def _runs_count(rows: list[dict[str, Any]], config: dict[str, Any], key: str) ->
 
 def _profile_caption(rows: list[dict[str, Any]], wide: bool) -> str:
     method = next((m for r in rows if (m := _get(r, "memory", "method"))), None)
-    text = ("FLOPs: analytic, whole model, LM head on the last token. "
-            + ("speedup, FLOPs ratio" if wide else "speedup (FLOPs)")
-            + ": vanilla's median latency (FLOPs) over this row's, same quant and batch.")
+    text = "FLOPs: analytic, whole model, LM head on the last token. "
+    if any(_is_number(_measured(r, "predicted_speedup_vs_vanilla")) for r in rows):
+        text += (("speedup, predicted, FLOPs ratio" if wide else "speedup (pred., FLOPs)")
+                 + ": vanilla's median latency (its prefill predicted from the accountant's ops at this machine's "
+                   "measured rates; its FLOPs) over this row's, same quant and batch.")
+    else:
+        text += (("speedup, FLOPs ratio" if wide else "speedup (FLOPs)")
+                 + ": vanilla's median latency (FLOPs) over this row's, same quant and batch.")
     if method:
         text += f" peak mem: {method}."
     if not wide:
@@ -424,15 +431,25 @@ def _profile_columns(rows: list[dict[str, Any]]) -> list[_Column]:
     """The columns a user reads first."""
     tflops, tera_unit = _flops_values(rows)
     speedups = []
+    predicting = any(_is_number(_measured(r, "predicted_speedup_vs_vanilla")) for r in rows)
     for r in rows:
         speedup, ratio = _measured(r, "speedup_vs_vanilla"), _measured(r, "flops_ratio_vs_vanilla")
-        speedups.append("-" if speedup is None and ratio is None else f"{_ratio(speedup)} ({_ratio(ratio)})")
+        if speedup is None and ratio is None:
+            speedups.append("-")
+        elif predicting:
+            # The yardstick (profiling/predict.py) beside the measured speedup, then the FLOPs ratio;
+            # no "x" inside the brackets, so that the default table stays within 80 columns.
+            predicted = _measured(r, "predicted_speedup_vs_vanilla")
+            speedups.append(f"{_ratio(speedup)} ({_ratio(predicted).removesuffix('x')}, "
+                            f"{_ratio(ratio).removesuffix('x')})")
+        else:  # a report made before the prediction
+            speedups.append(f"{_ratio(speedup)} ({_ratio(ratio)})")
     return [
         _Column("variant", [_text(r.get("variant")) for r in rows], left=True),
         _Column("visual\ntokens", [_text(_get(r, "analytic", "visual_tokens")) for r in rows]),
         _scaled("", tflops, (), tera_unit),
         _scaled("median", [_measured(r, "latency", "median_ms") for r in rows], TIME_UNITS_MS),
-        _Column("speedup\n(FLOPs)", speedups),
+        _Column("speedup\n(pred., FLOPs)" if predicting else "speedup\n(FLOPs)", speedups),
         _scaled("peak mem", [_measured(r, "memory", "peak_bytes") for r in rows], BYTE_UNITS),
         _scaled("KV cache", [_measured(r, "kv_cache_bytes") for r in rows], BYTE_UNITS),
         _Column("status", [_text(r.get("status")) for r in rows], left=True),
@@ -468,6 +485,7 @@ def _profile_wide_columns(report: dict[str, Any], rows: list[dict[str, Any]]) ->
         _scaled("method", [_measured(r, "reduction_ms") for r in rows], (), ("ms", 1.0)),
         _Column("method\n%", [_percent(_measured(r, "reduction_share")) for r in rows]),
         _Column("speedup", [_ratio(_measured(r, "speedup_vs_vanilla")) for r in rows]),
+        _Column("pred.\nspeedup", [_ratio(_measured(r, "predicted_speedup_vs_vanilla")) for r in rows]),
         _Column("FLOPs\nratio", [_ratio(_measured(r, "flops_ratio_vs_vanilla")) for r in rows]),
         _scaled("peak mem", [_measured(r, "memory", "peak_bytes") for r in rows], BYTE_UNITS),
         _Column("mem\nsaving %", [_percent(_measured(r, "memory_saving_vs_vanilla")) for r in rows]),
@@ -580,9 +598,17 @@ def _row_verdict(row: dict[str, Any], base: dict[str, Any] | None, config: dict[
     speedup, flops_ratio = row.get("speedup_vs_vanilla"), row.get("flops_ratio_vs_vanilla")
     if _is_number(speedup):
         facts.append(_faster(speedup, "prefill"))
+        said = []
+        predicted = row.get("predicted_speedup_vs_vanilla")
+        if _is_number(predicted) and predicted > 0:
+            # The honest yardstick: what this machine's rates predict for the pair (profiling/predict.py).
+            pace = _times(predicted) if predicted >= 1 else f"{_times(1 / predicted)} slower"
+            said.append(f"predicted {pace} at this machine's rates")
         if _is_number(flops_ratio) and flops_ratio > 0:
             fewer = f"{_times(flops_ratio)} fewer" if flops_ratio >= 1 else f"{_times(1 / flops_ratio)} more"
-            facts[-1] += f" (FLOPs {fewer})"
+            said.append(f"FLOPs {fewer}")
+        if said:
+            facts[-1] += f" ({'; '.join(said)})"
         work = row.get("own_work_vs_savings")
         if work and work["saved_ms"] <= 0:
             facts.append(f"its fewer tokens save no measurable time and its own work adds {fmt_num(work['own_ms'])} ms")
@@ -769,7 +795,7 @@ def comparison_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows of a flops report (ficoco.flops/1) or a profile report (ficoco.report/1) in one shape:
     variant, quant, batch, visual tokens reaching the LLM, layer average, TFLOPs by stage and in total,
     the method's own work, KV cache, and - from measured rows - latency, speedup and agreement."""
-    measured = report.get("schema") != "ficoco.flops/1"
+    measured = report.get("schema") != FLOPS_SCHEMA
     rows = []
     for r in report.get("rows") or []:
         source = (r.get("analytic") or {}) if measured else r
@@ -860,7 +886,7 @@ def comparison_cells(report: dict[str, Any], unit: str = "TFLOPs") -> tuple[list
 
 
 def _comparison_title(report: dict[str, Any], unit: str) -> str:
-    if report.get("schema") == "ficoco.flops/1":
+    if report.get("schema") == FLOPS_SCHEMA:
         budget = (f"budget {report['budget_tflops']:g}" if report.get("budget_tflops") is not None
                   else f"preset {report['preset']}" if report.get("preset") is not None
                   else f"keep {report['keep']}" if report.get("keep") is not None else "default settings")

@@ -11,7 +11,7 @@ import torch
 
 from ficoco.accounting import architecture
 from ficoco.profiling import estimate as est
-from ficoco.profiling import trackers
+from ficoco.profiling import predict, trackers
 from ficoco.profiling.matrix import ProfileConfig, plan_run
 from ficoco.profiling.runs import choose_runs, rule_text
 
@@ -89,7 +89,7 @@ def test_without_a_rule_the_counts_are_kept_and_every_run_is_announced(monkeypat
 # ---- the estimate's arithmetic ------------------------------------------------------------------------------------
 
 def test_prefill_is_the_roofline_at_this_machines_rates_plus_dispatch_plus_probe_passes():
-    ops = est.FORWARD_OPS["fp16"] + 10 * est.LAYER_OPS["fp16"] + 3 * est.REDUCING_LAYER_OPS
+    ops = predict.FORWARD_OPS["fp16"] + 10 * predict.LAYER_OPS["fp16"] + 3 * predict.REDUCING_LAYER_OPS
     probe_s = est.PROBE_PASSES * 4 * 1e8 / 1e10  # 1e8 float32 scores at 10 GB/s
     assert est.dispatch_s(10, 3, "fp16", RATES) == pytest.approx(ops * 1e-5)
     assert est.predict_prefill_s(4.0, 10, 3, "fp16", RATES) == pytest.approx(4.0 + ops * 1e-5)
@@ -330,3 +330,121 @@ def test_the_title_says_what_ran_when_the_rule_gave_rows_different_counts():
     rows[1]["runs"] = {"warmup": 1, "repeat": 3}
     console.print(profile_table({"config": {"warmup": "auto", "repeat": "auto"}, "rows": rows}))
     assert "3 runs after 1 warm-up" in " ".join(console.export_text(clear=True).split())
+
+
+# ---- the per-row prediction at rates for the row's shapes (profiling/predict.py) ---------------------------------
+
+def _flat_rates(flops_per_s: float, **kwargs: Any):
+    from ficoco.profiling.predict import TableRates
+
+    # Memory so fast that only FLOPs count, no dispatch: the time is the FLOPs at the table's rates.
+    return TableRates(dtype="float32", flops_per_s_by_tokens={2: flops_per_s}, bandwidth_bytes_per_s=1e30,
+                      **kwargs)
+
+
+def _tiny(variant: str = "vanilla", **budget: Any):
+    from ficoco.accounting import CountOptions, architecture, resolve_schedule
+    from ficoco.profiles import load_profile
+
+    arch = architecture(load_profile("llava-tiny"))
+    return arch, resolve_schedule(arch, variant, CountOptions(text_tokens=12), **budget)
+
+
+def _accountant_flops(arch, schedule) -> float:
+    from ficoco.accounting import CountOptions, Quant, account
+
+    opts = CountOptions(convention="flops", scope="all", text_tokens=12, lm_head_tokens="last")
+    return account(arch, schedule, Quant("fp16", 16, 32, 32), opts).tflops * 1e12
+
+
+def test_a_prediction_at_one_rate_is_the_accountants_flops_at_that_rate():
+    from ficoco.profiling.predict import predict_prefill
+
+    arch, vanilla = _tiny()
+    prediction = predict_prefill(arch, vanilla, _flat_rates(1e9), text_tokens=12, compute_bits=32)
+    assert prediction.total_s == pytest.approx(_accountant_flops(arch, vanilla) / 1e9, rel=1e-9)
+    assert prediction.parts_s["upcast"] == prediction.parts_s["dispatch"] == prediction.parts_s["probe"] == 0
+
+
+def test_the_matmul_rate_is_the_one_measured_at_the_ops_token_count():
+    from ficoco.profiling.predict import TableRates, predict_prefill
+
+    arch, vanilla = _tiny()
+    # One token (the LM head on the last token) multiplies 1000 times slower than every longer op.
+    rates = TableRates(dtype="float32", flops_per_s_by_tokens={1: 1e6, 2: 1e9}, bandwidth_bytes_per_s=1e30)
+    head_flops = 2 * arch.decoder.hidden * arch.decoder.vocab
+    expected_s = (_accountant_flops(arch, vanilla) - head_flops) / 1e9 + head_flops / 1e6
+    assert predict_prefill(arch, vanilla, rates, text_tokens=12, compute_bits=32).total_s == pytest.approx(
+        expected_s, rel=1e-9)
+
+
+def test_attention_takes_its_own_rate():
+    from ficoco.accounting.flops import model_ops
+    from ficoco.accounting.schedule import plan_tokens
+    from ficoco.profiling.predict import predict_prefill
+
+    arch, vanilla = _tiny()
+    plain = predict_prefill(arch, vanilla, _flat_rates(1e9), text_tokens=12, compute_bits=32)
+    slow = predict_prefill(arch, vanilla, _flat_rates(1e9, attention_by_tokens={2: 5e8}), text_tokens=12,
+                           compute_bits=32)
+    ops = model_ops(arch, plan_tokens(arch, vanilla, text_tokens=12), lm_head_tokens="last")
+    attention_flops = sum(2 * op.macs for op in ops if op.name in ("qk", "sv"))
+    assert slow.parts_s["attention"] == pytest.approx(attention_flops / 5e8)
+    assert slow.total_s - plain.total_s == pytest.approx(attention_flops / 1e9)
+
+
+def test_memory_bound_ops_and_the_upcast_copy_take_bytes_over_the_measured_rates():
+    from ficoco.profiling.predict import TableRates, predict_prefill
+
+    arch, vanilla = _tiny()
+    d = arch.decoder
+    layer_weights = (d.hidden * d.heads * d.head_dim * 2 + 2 * d.hidden * d.kv_heads * d.head_dim
+                     + 3 * d.hidden * d.ffn)
+    # Matmuls infinitely fast: what is left is reading and writing memory, and converting 2 layers' weights.
+    rates = TableRates(dtype="float32", flops_per_s_by_tokens={2: 1e30}, bandwidth_bytes_per_s=1e9,
+                       convert_bytes_per_s=2e9)
+    upcast = predict_prefill(arch, vanilla, rates, text_tokens=12, compute_bits=32, upcast_layers=2)
+    assert upcast.parts_s["upcast"] == pytest.approx(2 * layer_weights * 4 / 2e9)
+    plain = predict_prefill(arch, vanilla, rates, text_tokens=12, compute_bits=32)
+    assert plain.parts_s["upcast"] == 0 and plain.parts_s["memory"] > 0
+    # A linear layer of one token is bound by reading its weights: the LM head's vocab x hidden floats.
+    assert plain.parts_s["linear"] >= d.vocab * d.hidden * 4 / 1e9
+
+
+def test_dispatch_probe_and_method_work_are_added_for_a_reducing_row():
+    from ficoco.accounting import CountOptions, Quant, account
+    from ficoco.profiling.predict import TableRates, predict_prefill
+
+    arch, v = _tiny("v", keep=8)
+    rates = TableRates(dtype="float32", flops_per_s_by_tokens={2: 1e9}, bandwidth_bytes_per_s=1e9, small_op_s=1e-5)
+    prediction = predict_prefill(arch, v, rates, text_tokens=12, compute_bits=32)
+    parts = prediction.parts_s
+    layers = arch.vision.layers + arch.decoder.layers
+    assert parts["dispatch"] == pytest.approx(est.dispatch_s(layers, len(v.removals), "fp16", rates))
+    # float32 passes over the scores, each read and written
+    assert parts["probe"] == pytest.approx(est.PROBE_PASSES * 4 * est.probe_scores(arch, v, 12, 1) * 2 / 1e9)
+    opts = CountOptions(convention="flops", scope="all", text_tokens=12, lm_head_tokens="last")
+    method_tflops = account(arch, v, Quant("fp16", 16, 32, 32), opts).method_tflops
+    assert parts["method"] == pytest.approx(method_tflops * 1e12 / 1e9)
+    assert prediction.total_s == pytest.approx(sum(parts.values()))
+    assert prediction.to_json()["prefill_ms"] == pytest.approx(prediction.total_s * 1e3)
+
+
+def test_a_profile_row_carries_its_prediction_and_the_pair_its_predicted_speedup():
+    from ficoco.profiling.matrix import predicted
+    from ficoco.report import add_comparisons
+
+    config = ProfileConfig(model="llava-tiny", variants=("vanilla", "v"), keep=8, device="cpu", dtype="fp32")
+    plan = plan_run(config)
+    rows = []
+    for spec in plan.rows:
+        figures = predicted(plan, config, spec)
+        assert figures["predicted_ms"] == pytest.approx(figures["predicted"]["prefill_ms"])
+        assert figures["predicted_ms"] > 0
+        rows.append({"variant": spec.variant, "quant": "fp16", "batch": 1, "status": "ok",
+                     "latency": {"median_ms": 10.0}, "analytic": {"tflops": 1.0}, "memory": {}, **figures})
+    add_comparisons(rows)
+    vanilla, v = rows
+    assert v["predicted_speedup_vs_vanilla"] == pytest.approx(vanilla["predicted_ms"] / v["predicted_ms"])
+    assert v["measured_over_predicted"] == pytest.approx(10.0 / v["predicted_ms"])
+    assert predicted(plan, ProfileConfig(model="llava-tiny", device_map="auto"), plan.rows[0]) == {"predicted_ms": None}

@@ -496,3 +496,40 @@ def test_verdict_says_when_the_methods_own_work_eats_its_savings(row_ms: float, 
     assert own_work_vs_savings(vanilla, vanilla) is None
     (line,) = [line for line in verdict_lines(report) if line.startswith("v:")]
     assert words in line, line
+
+
+# ---- the predicted speedup beside the measured one and the FLOPs ratio (profiling/predict.py) -----------------
+
+def predicted_main_job() -> dict[str, Any]:
+    """The main job with each row's prefill predicted at this machine's rates (ficoco.report.add_comparisons)."""
+    report = main_job()
+    vanilla, v = report["rows"]
+    vanilla["predicted_ms"], v["predicted_ms"] = 19000.0, 5000.0
+    for row in (vanilla, v):
+        row["predicted_speedup_vs_vanilla"] = vanilla["predicted_ms"] / row["predicted_ms"]
+        row["measured_over_predicted"] = row["latency"]["median_ms"] / row["predicted_ms"]
+    return report
+
+
+def test_the_table_shows_the_predicted_speedup_beside_the_measured_one_within_80_columns():
+    text = rendered(profile_table(predicted_main_job()), 200)
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
+    assert ELLIPSIS not in text
+    assert_cells(row_line(text, "v"), ["53", "1.801", "3.527", "5.50x", "(3.80,", "5.00)", "15.78", "59.01", "ok"])
+    assert "(pred.," in text and "speedup (pred., FLOPs)" in " ".join(text.split())
+
+
+def test_the_wide_table_shows_the_predicted_time_and_speedup():
+    text = rendered(profile_table(predicted_main_job(), wide=True), 260)
+    assert "pred." in text
+    # speedup, predicted speedup, FLOPs ratio (the predicted time and measured / predicted are in the JSON)
+    assert_cells(row_line(text, "v", "fp16"), ["5.50x", "3.80x", "5.00x"])
+
+
+def test_the_verdict_says_the_predicted_speedup_beside_the_flops_ratio():
+    (line,) = verdict_lines(predicted_main_job())
+    assert line.startswith("v: 53 visual tokens, prefill 5.5x faster (predicted 3.8x at this machine's rates; "
+                           "FLOPs 5.0x fewer), ")
+    report = predicted_main_job()
+    report["rows"][1]["predicted_speedup_vs_vanilla"] = 0.8
+    assert "(predicted 1.25x slower at this machine's rates; FLOPs 5.0x fewer)" in verdict_lines(report)[0]

@@ -9,6 +9,7 @@ Which dtype is fast, and how long a prefill will take, follows from a short cali
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 
 import torch
@@ -65,3 +66,65 @@ def matmul_flops_per_s(dtype: torch.dtype, device: torch.device | str = "cpu") -
     current thread count; measured once per process."""
     device = torch.device(device)
     return _rate(dtype, device.type, torch.get_num_threads())
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's; nothing to wait for on a CPU), so a timer reads it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.cache
+def small_op_s(dtype: torch.dtype, device_type: str) -> float:
+    """The time of one small op (dispatch and Python: what a tiny model's prefill is made of), the
+    median over a few blocks of a transformer layer's kinds of op; measured once per process."""
+    device = torch.device(device_type)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=generator).to(device=device, dtype=dtype)
+    w = torch.randn(64, 64, generator=generator).to(device=device, dtype=dtype)
+
+    def block() -> torch.Tensor:
+        # The kinds of op a transformer layer dispatches: a small linear, an activation, products,
+        # a norm, a softmax, a layout copy.
+        y = torch.nn.functional.linear(x, w)
+        y = torch.nn.functional.silu(y) * x + x
+        y = torch.nn.functional.layer_norm(y, (64,))
+        return torch.softmax(y, dim=-1).transpose(0, 1).contiguous()
+
+    ops_per_block, blocks = 8, 25
+    # Dispatch is the main thread's work. Timed on one thread, a small op does not wait at an
+    # OpenMP barrier for a second thread whose core another process holds: on a shared machine
+    # that wait multiplied this probe by up to 300 while a tiny prefill slowed 15-fold.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block()
+        times = []
+        for _ in range(5):
+            synchronize(device)
+            begin = time.perf_counter()
+            for _ in range(blocks):
+                block()
+            synchronize(device)
+            times.append((time.perf_counter() - begin) / (blocks * ops_per_block))
+    finally:
+        torch.set_num_threads(threads)
+    # The median, not the best: a prefill meets this machine's typical dispatch cost.
+    return statistics.median(times)
+
+
+@functools.cache
+def copy_bytes_per_s(device_type: str, threads: int) -> float:
+    """Bytes a 64 MiB copy moves per second (counted once), the best of three; once per process."""
+    device = torch.device(device_type)
+    source = torch.ones(1 << 25, dtype=torch.bfloat16, device=device)  # 64 MiB
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(3):
+        synchronize(device)
+        begin = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        best = min(best, time.perf_counter() - begin)
+    return source.numel() * source.element_size() / best

@@ -24,21 +24,19 @@ CALIBRATION's.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from ficoco.accounting import Architecture, Schedule, architecture
+from ficoco.accounting import architecture
 from ficoco.accounting.memory import QUANT_BITS, Quant, weight_bytes
-from ficoco.accounting.schedule import plan_tokens
-from ficoco.machine.compute_rate import matmul_flops_per_s
+from ficoco.machine.compute_rate import copy_bytes_per_s, matmul_flops_per_s, small_op_s
 from ficoco.profiles import Hardware
-from ficoco.profiling.matrix import Plan, ProfileConfig, analytic
+from ficoco.profiling.matrix import Plan, ProfileConfig, analytic, compute_dtype
+from ficoco.profiling.predict import PROBE_PASSES, dispatch_s, probe_scores
 from ficoco.profiling.runs import choose_runs, rule_text
 
 CALIBRATION = ("fitted on a 2-core Xeon with AMX, bf16, 2 threads, torch 2.13, at moments when no other process "
@@ -54,12 +52,8 @@ MATMUL_EFFICIENCY = {"fp16": 0.75, "int8": 0.3, "int4": 0.09}
 BANDWIDTH_EFFICIENCY = 0.9
 # Small ops per forward, per layer (vision and decoder) and per reducing layer (FiCoCo's stages
 # and its probe): the dispatch cost of a forward. bitsandbytes layers add Python of their own.
-FORWARD_OPS = {"fp16": 340.0, "int8": 1600.0, "int4": 760.0}
-LAYER_OPS = {"fp16": 61.0, "int8": 155.0, "int4": 62.0}
-REDUCING_LAYER_OPS = 150.0
 # float32 passes over a reducing layer's attention scores (scale, mask, softmax, head mean) and the
 # stages that read them: the v row of the main job measured 75 ms of probe and stages.
-PROBE_PASSES = 8.0
 FIRST_RUN_DISPATCH = 1.5  # a row's first run adds this many times its dispatch cost (kernel and shape setup)
 DECODE_STEP_OPS = 200.0  # generate's own work per new token (logits processing, cache update)
 ROW_OVERHEAD_S = 0.3  # per row outside its runs: inputs, patching, garbage collection before and after
@@ -73,64 +67,6 @@ BITSANDBYTES_IMPORT_S = 0.6
 
 
 # ---- rates measured on this machine ----------------------------------------------------------------------------
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@functools.cache
-def _small_op_s(dtype: torch.dtype, device_type: str) -> float:
-    device = torch.device(device_type)
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 64, generator=generator).to(device=device, dtype=dtype)
-    w = torch.randn(64, 64, generator=generator).to(device=device, dtype=dtype)
-
-    def block() -> torch.Tensor:
-        # The kinds of op a transformer layer dispatches: a small linear, an activation, products,
-        # a norm, a softmax, a layout copy.
-        y = torch.nn.functional.linear(x, w)
-        y = torch.nn.functional.silu(y) * x + x
-        y = torch.nn.functional.layer_norm(y, (64,))
-        return torch.softmax(y, dim=-1).transpose(0, 1).contiguous()
-
-    ops_per_block, blocks = 8, 25
-    # Dispatch is the main thread's work. Timed on one thread, a small op does not wait at an
-    # OpenMP barrier for a second thread whose core another process holds: on a shared machine
-    # that wait multiplied this probe by up to 300 while a tiny prefill slowed 15-fold.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        block()
-        times = []
-        for _ in range(5):
-            _synchronize(device)
-            begin = time.perf_counter()
-            for _ in range(blocks):
-                block()
-            _synchronize(device)
-            times.append((time.perf_counter() - begin) / (blocks * ops_per_block))
-    finally:
-        torch.set_num_threads(threads)
-    # The median, not the best: a prefill meets this machine's typical dispatch cost.
-    return statistics.median(times)
-
-
-@functools.cache
-def _copy_bytes_per_s(device_type: str, threads: int) -> float:
-    device = torch.device(device_type)
-    source = torch.ones(1 << 25, dtype=torch.bfloat16, device=device)  # 64 MiB
-    target = torch.empty_like(source)
-    target.copy_(source)
-    best = float("inf")
-    for _ in range(3):
-        _synchronize(device)
-        begin = time.perf_counter()
-        target.copy_(source)
-        _synchronize(device)
-        best = min(best, time.perf_counter() - begin)
-    return source.numel() * source.element_size() / best
-
 
 @dataclass(frozen=True)
 class Rates:
@@ -153,33 +89,11 @@ def measure_rates(dtype: torch.dtype, device: torch.device) -> Rates:
     threads = torch.get_num_threads()
     return Rates(device=device.type, dtype=str(dtype).removeprefix("torch."),
                  matmul_flops_per_s=matmul_flops_per_s(dtype, device),
-                 small_op_s=_small_op_s(dtype, device.type),
-                 copy_bytes_per_s=_copy_bytes_per_s(device.type, threads), threads=threads)
+                 small_op_s=small_op_s(dtype, device.type),
+                 copy_bytes_per_s=copy_bytes_per_s(device.type, threads), threads=threads)
 
 
 # ---- the model of a run's time ------------------------------------------------------------------------------------
-
-def probe_scores(arch: Architecture, schedule: Schedule, text_tokens: int, batch: int) -> int:
-    """Attention scores (heads x tokens^2 per sequence) that FiCoCo's probe computes in a prefill:
-    one set per reducing layer, at the tokens entering it."""
-    tokens = plan_tokens(arch, schedule, text_tokens=text_tokens)
-    scores = 0
-    for removal in schedule.removals:
-        if removal.stage == "vision":
-            entering = tokens.vision[removal.layer][0]
-            scores += tokens.vision_items * arch.vision.heads * entering**2
-        else:
-            entering = tokens.llm[removal.layer][0]
-            scores += arch.decoder.heads * entering**2
-    return batch * scores
-
-
-def dispatch_s(layers: int, reducing_layers: int, quant: str, rates: Rates) -> float:
-    """The dispatch cost of one forward: small ops per forward, per layer, per reducing layer."""
-    ops = (FORWARD_OPS.get(quant, FORWARD_OPS["fp16"]) + LAYER_OPS.get(quant, LAYER_OPS["fp16"]) * layers
-           + REDUCING_LAYER_OPS * reducing_layers)
-    return ops * rates.small_op_s
-
 
 def machine(rates: Rates, quant: str) -> Hardware:
     """This machine as the accountant's roofline sees a GPU: its measured rates, at the shares of
@@ -265,35 +179,6 @@ class RunEstimate:
         return {"total_s": self.total_s, "rows": len(self.rows), "build_s": self.build_s, "dtype": self.dtype,
                 "memory": self.memory, "rates": self.rates.to_json(), "runs_rule": self.runs_rule,
                 "calibration": CALIBRATION}
-
-
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32}
-
-
-def _name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def compute_dtype(plan: Plan, config: ProfileConfig) -> tuple[torch.dtype, str]:
-    """The dtype the models will compute in, and a word on why: the plan's choice where it makes one
-    (--dtype), else the one build_model picks (bf16 on CPU, fp16 on a GPU, a checkpoint's bf16)."""
-    choice = getattr(plan, "dtype", None)
-    compute = getattr(choice, "compute", None)
-    if compute is not None:
-        dtype = compute if isinstance(compute, torch.dtype) else _DTYPES[_name(compute)]
-        reason = getattr(choice, "reason", None)
-        return dtype, _name(dtype) + (f" ({reason})" if reason else "")
-    from pathlib import Path
-
-    from ficoco.models.build import checkpoint_dtype, resolve_dtype
-
-    path = Path(config.weights).expanduser()
-    native = checkpoint_dtype(path) if config.weights != "random" and path.is_dir() else None
-    dtype = resolve_dtype(None, plan.device.type, native)
-    why = "a checkpoint stored in bf16" if native == torch.bfloat16 else (
-        "16-bit on CPU computes in bf16" if plan.device.type == "cpu" else "16-bit on a GPU")
-    return dtype, f"{_name(dtype)} ({why})"
 
 
 def memory_text(plan: Plan) -> str:

@@ -639,4 +639,47 @@ def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str
         "kv_bits": row_kv_bits(config, row.quant),
         "schedule": row.schedule.to_json(), "backend": backend, "note": None,
         "analytic": analytic(plan.profile, row, config, plan.gpu, plan.dtype), "threads": torch.get_num_threads(),
+        **predicted(plan, config, row),
     }
+
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+def _name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compute_dtype(plan: Plan, config: ProfileConfig) -> tuple[torch.dtype, str]:
+    """The dtype the models will compute in, and a word on why: the plan's choice where it makes one
+    (--dtype), else the one build_model picks (bf16 on CPU, fp16 on a GPU, a checkpoint's bf16)."""
+    choice = getattr(plan, "dtype", None)
+    compute = getattr(choice, "compute", None)
+    if compute is not None:
+        dtype = compute if isinstance(compute, torch.dtype) else _DTYPES[_name(compute)]
+        reason = getattr(choice, "reason", None)
+        return dtype, _name(dtype) + (f" ({reason})" if reason else "")
+    from pathlib import Path
+
+    from ficoco.models.build import checkpoint_dtype, resolve_dtype
+
+    path = Path(config.weights).expanduser()
+    native = checkpoint_dtype(path) if config.weights != "random" and path.is_dir() else None
+    dtype = resolve_dtype(None, plan.device.type, native)
+    why = "a checkpoint stored in bf16" if native == torch.bfloat16 else (
+        "16-bit on CPU computes in bf16" if plan.device.type == "cpu" else "16-bit on a GPU")
+    return dtype, f"{_name(dtype)} ({why})"
+
+
+def predicted(plan: Plan, config: ProfileConfig, row: RowSpec) -> dict[str, Any]:
+    """The row's prefill as this machine's rates predict it (profiling/predict.py): `predicted_ms`
+    and its parts. None under a device map, whose transfers the prediction does not price."""
+    if config.device_map:
+        return {"predicted_ms": None}
+    from ficoco.profiling.predict import row_prediction
+
+    dtype = plan.dtype if plan.dtype is not None else compute_dtype(plan, config)[0]
+    prediction = row_prediction(plan.profile, row.schedule, quant=row.quant, batch=row.batch,
+                                text_tokens=config.text_tokens, dtype=dtype, device=plan.device)
+    return {"predicted_ms": prediction.total_s * 1e3, "predicted": prediction.to_json()}

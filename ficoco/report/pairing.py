@@ -31,12 +31,18 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         row["achieved_tflops_per_s"] = row["analytic"]["tflops"] / (latency / 1e3)
         roofline = row["analytic"].get("roofline_ms")
         row["measured_over_roofline"] = latency / roofline if roofline else None
+        predicted = row.get("predicted_ms")
+        row["measured_over_predicted"] = latency / predicted if predicted else None
         base = reference.get((row["quant"], row["batch"]))
         if base is None:
             row["speedup_vs_vanilla"] = row["memory_saving_vs_vanilla"] = row["flops_ratio_vs_vanilla"] = None
+            row["predicted_speedup_vs_vanilla"] = None
             continue
         row["speedup_vs_vanilla"] = base["latency"]["median_ms"] / latency
         row["flops_ratio_vs_vanilla"] = base["analytic"]["tflops"] / row["analytic"]["tflops"]
+        # What this machine's rates predict for the pair (profiling/predict.py): the yardstick of the speedup.
+        base_predicted = base.get("predicted_ms")
+        row["predicted_speedup_vs_vanilla"] = base_predicted / predicted if base_predicted and predicted else None
         row["own_work_vs_savings"] = own_work_vs_savings(row, base)
         peak, base_peak = row["memory"].get("peak_bytes"), base["memory"].get("peak_bytes")
         row["memory_saving_vs_vanilla"] = 1 - peak / base_peak if peak and base_peak else None
