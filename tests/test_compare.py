@@ -26,7 +26,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,7 +34,6 @@ from hypothesis import strategies as st
 
 from ficoco.compare import METRICS, REPORT_SCHEMA, mann_whitney_less, processor
 from ficoco.profiling.environment import CPU_FEATURES, cpu_features
-from ficoco_cli.app import main
 from ficoco_cli.report_cmd import HEADER, REPORT_HEADER
 
 SCRIPT = Path(sys.executable).parent / "ficoco"
@@ -148,22 +146,6 @@ def write(tmp_path) -> Callable[[str, Any], str]:
 
 
 @pytest.fixture
-def cli(monkeypatch, capsys) -> Callable[..., SimpleNamespace]:
-    """Run `ficoco ARGS...` in-process through main(): exit code, stdout, stderr."""
-    def _cli(*args: str) -> SimpleNamespace:
-        capsys.readouterr()
-        monkeypatch.setattr(sys, "argv", ["ficoco", *map(str, args)])
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        captured = capsys.readouterr()
-        return SimpleNamespace(code=code, out=captured.out, err=captured.err)
-    return _cli
-
-
-@pytest.fixture
 def compare_json(cli, write) -> Callable[..., tuple[int, dict[str, Any], str]]:
     """Compare two report dicts with --format json: exit code, the parsed comparison, stderr."""
     def _compare(base: dict[str, Any], new: dict[str, Any], *extra: str) -> tuple[int, dict[str, Any], str]:
@@ -208,10 +190,12 @@ def parse_markdown_table(text: str) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-def assert_one_error_line(result: SimpleNamespace | subprocess.CompletedProcess, code: int = 2) -> str:
-    rc = result.code if isinstance(result, SimpleNamespace) else result.returncode
-    err = result.err if isinstance(result, SimpleNamespace) else result.stderr
-    out = result.out if isinstance(result, SimpleNamespace) else result.stdout
+def assert_one_error_line(result: Any, code: int = 2) -> str:
+    """`result`: the CLI runner's (code, out, err), or a subprocess.CompletedProcess."""
+    completed = isinstance(result, subprocess.CompletedProcess)
+    rc = result.returncode if completed else result.code
+    err = result.stderr if completed else result.err
+    out = result.stdout if completed else result.out
     assert rc == code, (rc, err)
     assert "Traceback" not in err + out
     lines = err.splitlines()

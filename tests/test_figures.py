@@ -10,7 +10,6 @@ from pathlib import Path
 
 import matplotlib
 import pytest
-from cli_runner import run_cli as run
 
 from ficoco.figures import DPI, FIGURE_SIZE_IN, cost_figure, fidelity_figure, latency_figure, sweep_figures
 from ficoco.sweep import SweepConfig, new_report, plan_points, sweep_profile
@@ -30,11 +29,11 @@ def analytic_report() -> dict:
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+def measured(cli, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """A measured sweep with fidelity on llava-tiny, through the command line: seven points, each in its
     own worker process (float32 named: "auto" would time matmuls per dtype in each)."""
     folder = tmp_path_factory.mktemp("sweep")
-    code, _, err = run(["sweep", "--model", "llava-tiny", "--variant", "v,l", "--keep", "64,32,16", "--scope", "all",
+    code, _, err = cli(*["sweep", "--model", "llava-tiny", "--variant", "v,l", "--keep", "64,32,16", "--scope", "all",
                         "--measure", "--fidelity", "--samples", "2", "--warmup", "0", "--repeat", "1",
                         "--device", "cpu", "--dtype", "fp32", "--json", str(folder / "sweep.json"),
                         "--plot", str(folder / "figures"),
@@ -130,23 +129,23 @@ def test_sweep_writes_png_and_svg_of_the_stated_size(measured: tuple) -> None:
         assert (root.get("width"), root.get("height")) == stated
 
 
-def test_report_plot_draws_the_same_figures_from_the_saved_report(measured: tuple, tmp_path: Path) -> None:
+def test_report_plot_draws_the_same_figures_from_the_saved_report(cli, measured: tuple, tmp_path: Path) -> None:
     report, folder = measured
-    code, _, err = run(["report", str(folder / "sweep.json"), "--plot", str(tmp_path)])
+    code, _, err = cli(*["report", str(folder / "sweep.json"), "--plot", str(tmp_path)])
     assert code == 0, err
     for name in ("cost", "latency", "fidelity"):
         assert (tmp_path / f"{name}.png").read_bytes() == (folder / "figures" / f"{name}.png").read_bytes()
     assert set(sweep_figures(report)) == {"cost", "latency", "fidelity"}
 
 
-def test_report_plot_draws_a_profile_reports_rows(tmp_path: Path) -> None:
+def test_report_plot_draws_a_profile_reports_rows(cli, tmp_path: Path) -> None:
     reference = Path(__file__).resolve().parent.parent / "reports" / "llava-tiny-cpu.json"
-    code, _, err = run(["report", str(reference), "--plot", str(tmp_path)])
+    code, _, err = cli(*["report", str(reference), "--plot", str(tmp_path)])
     assert code == 0, err
     assert (tmp_path / "latency.png").is_file() and (tmp_path / "cost.svg").is_file()
 
 
-def test_sweep_refuses_mistakes_in_one_line(tmp_path: Path) -> None:
+def test_sweep_refuses_mistakes_in_one_line(cli, tmp_path: Path) -> None:
     cases = [
         (["sweep", "--model", "llava-tiny"], "--keep"),
         (["sweep", "--model", "llava-tiny", "--keep", "8", "--tflops", "1"], "--tflops"),
@@ -157,6 +156,6 @@ def test_sweep_refuses_mistakes_in_one_line(tmp_path: Path) -> None:
         (["sweep", "--model", "llava-tiny", "--variant", "v", "--keep", "9999"], "9999"),
     ]
     for argv, named in cases:
-        code, _, err = run(argv)
+        code, _, err = cli(*argv)
         lines = [x for x in err.splitlines() if x.strip()]
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], (argv, err)

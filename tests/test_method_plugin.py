@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from cli_runner import run_cli
 
 import ficoco
 from ficoco.accounting.schedule import plan_tokens
@@ -111,15 +110,15 @@ def test_apply_reduces_the_tokens_the_plan_counts(model: torch.nn.Module) -> Non
         assert plan_tokens(arch, handle.schedule).visual_tokens == round(arch.vision.units * 0.5)
 
 
-def test_flops_counts_it_and_verify_passes(tmp_path) -> None:
+def test_flops_counts_it_and_verify_passes(cli, tmp_path) -> None:
     counted = tmp_path / "flops.json"
-    code, out, err = run_cli(["flops", "--model", MODEL, "--variant", f"vanilla,{NAME}", "--keep", "6",
+    code, out, err = cli(*["flops", "--model", MODEL, "--variant", f"vanilla,{NAME}", "--keep", "6",
                               "--json", str(counted)])
     assert code == 0, out + err
     rows = {r["variant"]: r for r in json.loads(counted.read_text())["rows"]}
     assert rows[NAME]["visual_tokens"] == 6 and rows[NAME]["tflops"] < rows["vanilla"]["tflops"]
     path = tmp_path / "verify.json"
-    code, out, err = run_cli(["flops", "--model", MODEL, "--variant", NAME, "--keep", "6", "--verify",
+    code, out, err = cli(*["flops", "--model", MODEL, "--variant", NAME, "--keep", "6", "--verify",
                               "--json", str(path)])
     assert code == 0, out + err
     report = json.loads(path.read_text())
@@ -128,9 +127,9 @@ def test_flops_counts_it_and_verify_passes(tmp_path) -> None:
     assert run["variant"] == NAME and any(s["stage"] == "method" for s in run["stages"])
 
 
-def test_profile_runs_it(tmp_path, arch_of) -> None:
+def test_profile_runs_it(cli, tmp_path, arch_of) -> None:
     path = tmp_path / "profile.json"
-    code, out, err = run_cli(["profile", "--model", MODEL, "--variant", f"vanilla,{NAME}", "--keep", "6",
+    code, out, err = cli(*["profile", "--model", MODEL, "--variant", f"vanilla,{NAME}", "--keep", "6",
                               "--repeat", "1", "--warmup", "0", "--json", str(path)])
     assert code == 0, out + err
     rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}

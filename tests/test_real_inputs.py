@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -55,18 +54,6 @@ def media_args(family: str, media: dict[str, Path], *, square: bool = False) -> 
         return ["--video", str(media["frames"])]
     return ["--image", str(media["square" if square else "wide"])]
 
-
-def run_cli(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
-    from ficoco_cli.app import main
-
-    monkeypatch.setattr(sys, "argv", ["ficoco", *argv])
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def encode(family: str, checkpoints, media, **kwargs):
@@ -140,17 +127,15 @@ def test_a_checkpoint_without_a_chat_template_uses_the_family_format_and_says_so
 # ---- profile, flops and generate through the checkpoints -----------------------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_profile_runs_a_real_prompt_with_fidelity_through_a_local_checkpoint(family, checkpoints, media, tmp_path,
-                                                                             monkeypatch, capsys):
+def test_profile_runs_a_real_prompt_with_fidelity_through_a_local_checkpoint(cli, family, checkpoints, media, tmp_path):
     folder = str(checkpoints[family])
     report_path = tmp_path / "r.json"
     # V on LLaVA-NeXT needs a grid whose unpadding drops nothing: the square image.
     keep = {"llava": 8, "llava_next": 18, "qwen2_vl": 8, "video_llava": 18}[family]
-    code, out, err = run_cli(["profile", "--model", folder, "--weights", folder,
+    code, out, err = cli(*["profile", "--model", folder, "--weights", folder,
                               *media_args(family, media, square=True), "--prompt", "What is shown?",
                               "--variant", "v,l", "--keep", str(keep), *LAYERS, "--repeat", "1", "--warmup", "0",
-                              "--device", "cpu", "--new-tokens", "2", "--fidelity", "--json", str(report_path)],
-                             monkeypatch, capsys)
+                              "--device", "cpu", "--new-tokens", "2", "--fidelity", "--json", str(report_path)])
     assert code == 0, err
     report = json.loads(report_path.read_text())
     _, prompt = encode(family, checkpoints, {**media, "wide": media["square"]})
@@ -170,12 +155,11 @@ def test_profile_runs_a_real_prompt_with_fidelity_through_a_local_checkpoint(fam
     assert "fidelity against vanilla" in out
 
 
-def test_flops_reads_a_checkpoint_folder_and_plans_the_processors_tokens(checkpoints, media, monkeypatch, capsys):
+def test_flops_reads_a_checkpoint_folder_and_plans_the_processors_tokens(cli, checkpoints, media):
     _, prompt = encode("llava_next", checkpoints, media)
     height, width = prompt.image_size
     folder = str(checkpoints["llava_next"])
-    code, out, err = run_cli(["flops", "--model", folder, "--image-size", f"{width}x{height}", "--json", "-"],
-                             monkeypatch, capsys)
+    code, out, err = cli(*["flops", "--model", folder, "--image-size", f"{width}x{height}", "--json", "-"])
     assert code == 0, err
     assert json.loads(out)["rows"][0]["visual_tokens"] == prompt.visual_tokens
 
@@ -201,12 +185,12 @@ def test_generate_through_a_local_checkpoint_and_decode_the_new_tokens(family, c
 
 # ---- fidelity ----------------------------------------------------------------------------------------------------
 
-def test_empty_schedule_gives_kl_0_and_full_agreement_and_random_weights_are_named(tmp_path, monkeypatch, capsys):
+def test_empty_schedule_gives_kl_0_and_full_agreement_and_random_weights_are_named(cli, tmp_path):
     report_path = tmp_path / "r.json"
     # llava-tiny's 64 visual tokens all kept: the patched path with nothing removed.
-    code, out, err = run_cli(["profile", "--model", "llava-tiny", "--variant", "v,l", "--keep", "64", "--repeat", "1",
+    code, out, err = cli(*["profile", "--model", "llava-tiny", "--variant", "v,l", "--keep", "64", "--repeat", "1",
                               "--warmup", "0", "--device", "cpu", "--dtype", "fp32", "--new-tokens", "4",
-                              "--fidelity", "--json", str(report_path)], monkeypatch, capsys)
+                              "--fidelity", "--json", str(report_path)])
     assert code == 0, err
     report = json.loads(report_path.read_text())
     for row in report["rows"][1:]:
@@ -267,8 +251,7 @@ BAD = {
 
 
 @pytest.mark.parametrize("name", list(BAD))
-def test_bad_real_input_is_one_error_line_before_any_model_work(name, checkpoints, media, tmp_path, monkeypatch,
-                                                                 capsys):
+def test_bad_real_input_is_one_error_line_before_any_model_work(cli, name, checkpoints, media, tmp_path, monkeypatch):
     import ficoco.models.build as build
 
     family, extra, needle = BAD[name]
@@ -281,8 +264,8 @@ def test_bad_real_input_is_one_error_line_before_any_model_work(name, checkpoint
     monkeypatch.setattr(build, "build_model", no_build)
     folder = str(checkpoints[family])
     extra = [x.format(**{k: str(v) for k, v in media.items()}) for x in extra]
-    code, out, err = run_cli(["profile", "--model", folder, "--weights", folder, "--variant", "l", "--keep", "4",
-                              *LAYERS, *extra, "--json", str(tmp_path / "r.json")], monkeypatch, capsys)
+    code, out, err = cli(*["profile", "--model", folder, "--weights", folder, "--variant", "l", "--keep", "4",
+                              *LAYERS, *extra, "--json", str(tmp_path / "r.json")])
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), err
@@ -291,7 +274,7 @@ def test_bad_real_input_is_one_error_line_before_any_model_work(name, checkpoint
     assert built == [] and not (tmp_path / "r.json").exists()
 
 
-def test_random_weights_with_an_image_outside_llava_is_refused_before_the_build(media, monkeypatch, capsys):
-    code, _, err = run_cli(["profile", "--model", "qwen2-vl-tiny", "--variant", "l", "--keep", "4",
-                            "--image", str(media["wide"]), "--dry-run"], monkeypatch, capsys)
+def test_random_weights_with_an_image_outside_llava_is_refused_before_the_build(cli, media):
+    code, _, err = cli(*["profile", "--model", "qwen2-vl-tiny", "--variant", "l", "--keep", "4",
+                            "--image", str(media["wide"]), "--dry-run"])
     assert code == 2 and err.startswith("error: --image with random weights")

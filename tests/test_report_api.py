@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
 
 import ficoco
 from ficoco.report import FLOPS_SCHEMA, REPORT_SCHEMA
@@ -76,10 +75,10 @@ DETERMINISTIC = ("variant", "quant", "batch", "status", "analytic", "visual_toke
 
 
 @pytest.fixture(scope="module")
-def profiles(tmp_path_factory):
+def profiles(cli, tmp_path_factory):
     """The report ficoco.profile returns (and what its callbacks saw) and the one the CLI wrote."""
     path = tmp_path_factory.mktemp("report_api") / "cli.json"
-    code, _, stderr = run_cli(["profile", *PROFILE_CLI, "--json", str(path)])
+    code, _, stderr = cli(*["profile", *PROFILE_CLI, "--json", str(path)])
     assert code == 0, stderr
     seen: dict = {"plans": [], "rows": [], "phases": 0}
 

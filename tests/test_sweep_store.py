@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli as run
 
 from ficoco.errors import FicocoError
 from ficoco.sweep import SweepConfig, new_report, plan_points, sweep_profile
@@ -92,7 +91,7 @@ def test_a_second_driver_on_a_live_store_is_refused(tmp_path: Path) -> None:
     assert not (store.folder / "driver.json").exists()
 
 
-def test_records_give_progress_eta_and_the_report_also_mid_sweep(tmp_path: Path) -> None:
+def test_records_give_progress_eta_and_the_report_also_mid_sweep(cli, tmp_path: Path) -> None:
     store, points = new_store(tmp_path / "s")
     by_key = {p.key: p for p in points}
     now = time.time()
@@ -116,19 +115,19 @@ def test_records_give_progress_eta_and_the_report_also_mid_sweep(tmp_path: Path)
     assert report["points"][1].get("measured") is None  # still running: the plan's row
     assert report["failed"] == [{"key": "l-fp16-keep32", "attempt": 1, "error": "out of memory"}]
 
-    code, out, err = run(["report", str(store.folder)])  # the store read as it stands
+    code, out, err = cli(*["report", str(store.folder)])  # the store read as it stands
     assert code == 0, err
     words = " ".join(out.split())  # the caption wraps at the terminal's width
     assert "4.00x" in words and "failed l-fp16-keep32 (attempt 1): out of memory" in words
     assert "2/5 done, 1 running, 1 failed, 1 pending" in words
-    code, _, err = run(["report", str(store.folder), "--plot", str(tmp_path / "figs")])
+    code, _, err = cli(*["report", str(store.folder), "--plot", str(tmp_path / "figs")])
     assert code == 0, err
     assert (tmp_path / "figs" / "latency.png").is_file() and (tmp_path / "figs" / "cost.svg").is_file()
     store.release("v-fp16-keep32")
 
 
-def test_report_of_a_folder_that_is_no_store_is_one_line(tmp_path: Path) -> None:
-    code, _, err = run(["report", str(tmp_path)])
+def test_report_of_a_folder_that_is_no_store_is_one_line(cli, tmp_path: Path) -> None:
+    code, _, err = cli(*["report", str(tmp_path)])
     assert code == 2 and err.count("\n") == 1 and "not a sweep's results store" in err
 
 
