@@ -15,7 +15,6 @@ from ficoco import accounting as acc
 from ficoco.api import profile_of
 from ficoco.figures import token_figure
 from ficoco.show import Layout, picture_inputs, show_data
-from tests.test_figures import run
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +126,11 @@ def test_video_llava_show_draws_every_frame(picture: str) -> None:
         assert kept[frame] == {(g // side, g % side, 1, 1) for g in records[0].kept[frame].tolist()}
 
 
-def test_show_command_writes_the_picture_and_the_same_data_as_json(picture: str, tmp_path: Path) -> None:
+def test_show_command_writes_the_picture_and_the_same_data_as_json(cli, picture: str, tmp_path: Path) -> None:
     from PIL import Image
 
     out, report = tmp_path / "tokens.png", tmp_path / "tokens.json"
-    code, _, err = run(["show", "--model", "llava-tiny", "--variant", "v", "--keep", "16", "--image", picture,
+    code, _, err = cli(*["show", "--model", "llava-tiny", "--variant", "v", "--keep", "16", "--image", picture,
                         "--out", str(out), "--json", str(report), "--dtype", "fp32"])
     assert code == 0, err
     with Image.open(out) as png:
@@ -141,13 +140,13 @@ def test_show_command_writes_the_picture_and_the_same_data_as_json(picture: str,
     records, _ = records_and_show("llava-tiny", "v", 16, picture)
     assert [s["records"]["discarded"] for s in data["steps"]] == [r.discarded.tolist() for r in records]
     assert [s["records"]["merged_into"] for s in data["steps"]] == [r.merged_into.tolist() for r in records]
-    code, _, err = run(["show", "--model", "llava-tiny", "--variant", "l", "--keep", "16", "--layer", "2",
+    code, _, err = cli(*["show", "--model", "llava-tiny", "--variant", "l", "--keep", "16", "--layer", "2",
                         "--out", str(tmp_path / "one.svg")])
     assert code == 0, err
     assert (tmp_path / "one.svg").read_text().lstrip().startswith("<?xml")
 
 
-def test_show_refuses_mistakes_in_one_line(picture: str, tmp_path: Path) -> None:
+def test_show_refuses_mistakes_in_one_line(cli, picture: str, tmp_path: Path) -> None:
     cases = [
         (["show", "--model", "llava-tiny", "--keep", "16", "--out", str(tmp_path / "x.txt")], "--out"),
         (["show", "--model", "llava-tiny", "--keep", "16", "--layer", "0", "--out", str(tmp_path / "x.png")],
@@ -159,6 +158,6 @@ def test_show_refuses_mistakes_in_one_line(picture: str, tmp_path: Path) -> None
           "--out", str(tmp_path / "x.png")], "--image"),
     ]
     for argv, named in cases:
-        code, _, err = run(argv)
+        code, _, err = cli(*argv)
         lines = [x for x in err.splitlines() if x.strip()]
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], (argv, err)
