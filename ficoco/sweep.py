@@ -27,6 +27,7 @@ from ficoco.accounting.flops import SCOPE_STAGES
 from ficoco.errors import FicocoError
 from ficoco.profiles import Profile, load_profile, set_layout
 from ficoco.report.schemas import SWEEP_SCHEMA
+from ficoco.sweep_store import SweepStore, point_key
 from ficoco.versions import report_environment
 
 VANILLA = "vanilla"
@@ -101,8 +102,6 @@ class Point:
     @property
     def key(self) -> str:
         """The point's name in a results store (ficoco.sweep_store)."""
-        from ficoco.sweep_store import point_key
-
         return point_key(self.variant, self.quant, self.budget)
 
     def to_json(self) -> dict[str, Any]:
@@ -324,8 +323,6 @@ def read_report_any(path: str) -> dict[str, Any]:
     sweep runs), validated enough to render or draw; one clear error otherwise."""
     from ficoco.compare import read_report
     from ficoco.report.schemas import FLOPS_SCHEMA, REPORT_SCHEMA
-    from ficoco.sweep_store import SweepStore
-
     if str(path).strip() and Path(path).expanduser().is_dir():
         if not SweepStore.is_store(path):
             raise FicocoError(f"{path} is a folder but not a sweep's results store (no manifest.json); give a "

@@ -82,6 +82,12 @@ def _visible_gpus() -> int:
         return 0
 
 
+def _first_line(exc: BaseException, empty: str | None = None) -> str:
+    """An engine's exception in one line: its message's first line, else `empty` (its type by default)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__ if empty is None else empty
+
+
 def _exit_reason(code: int, log_path: Any) -> str:
     """Why a worker process ended without a record, in one line."""
     if code < 0:
@@ -201,9 +207,8 @@ class RayExecutor:
         try:
             ray.init(address=self.options.ray_address, **kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise FicocoError(f"--ray-address {self.options.ray_address}: cannot connect ({first}); start the "
-                              "cluster (ray start --head) or leave --ray-address out for a local one") from None
+            raise FicocoError(f"--ray-address {self.options.ray_address}: cannot connect ({_first_line(exc)}); start "
+                              "the cluster (ray start --head) or leave --ray-address out for a local one") from None
         return True
 
     def _resources(self) -> tuple[float, int]:
@@ -241,8 +246,8 @@ class RayExecutor:
                     try:
                         ray.get(ref)
                     except ray.exceptions.RayError as exc:  # the worker crashed, was killed, or its node was lost
-                        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                        store.fail_unfinished(key, f"the Ray task ended: {type(exc).__name__}: {first}"[:400])
+                        why = f"{type(exc).__name__}: {_first_line(exc, empty='')}"
+                        store.fail_unfinished(key, f"the Ray task ended: {why}"[:400])
                 tick()
         finally:
             if started_here:
@@ -323,8 +328,7 @@ class SlurmExecutor:
                     try:
                         job.result()
                     except Exception as exc:  # noqa: BLE001 - submitit's failure of this task (killed, timed out, ...)
-                        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                        store.fail_unfinished(key, f"the Slurm task {job.job_id} ended: {first}"[:400])
+                        store.fail_unfinished(key, f"the Slurm task {job.job_id} ended: {_first_line(exc)}"[:400])
                 tick()
                 if pending:
                     time.sleep(POLL_S)

@@ -116,12 +116,12 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
     from ficoco.sweep_exec import ExecutorOptions, make_executor, run_points
     from ficoco.sweep_store import SweepStore
 
-    if (options is None or options.name == "local"):
+    options = options or ExecutorOptions(device=config.device)
+    if options.name == "local":
         check_run_here(config, points)
     store = SweepStore(folder)
     keys = [p.key for p in points]
     resumed = store.create_or_resume(config.to_json(), report, keys)
-    options = options or ExecutorOptions(device=config.device)
     executor = make_executor(options)
     by_key = {p.key: p for p in points}
 
