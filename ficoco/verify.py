@@ -53,9 +53,11 @@ from torch import Tensor, nn
 
 from ficoco.accounting import architecture
 from ficoco.accounting.architecture import Architecture
-from ficoco.accounting.flops import STAGES, count_by_layer, count_by_stage, model_ops, paper_overhead
+from ficoco.accounting.flops import STAGES, count_by_layer, count_by_stage, model_ops
 from ficoco.accounting.schedule import Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
+from ficoco.methods.base import LayerWork, MethodSpec
+from ficoco.methods.registry import METHODS
 from ficoco.profiles import Profile
 from ficoco.versions import report_environment
 
@@ -334,20 +336,19 @@ def analytic_counts(arch: Architecture, plan: TokenPlan, *, batch: int, lm_head_
             count_by_layer(arch, plan, ops, "flops", batch=batch))
 
 
-def method_formulas(arch: Architecture, plan: TokenPlan, *, batch: int, suffix_tokens: int
+def method_formulas(spec: MethodSpec, arch: Architecture, plan: TokenPlan, *, batch: int, suffix_tokens: int
                     ) -> list[tuple[int, int]]:
-    """Per reducing layer: (matrix products of the method in FLOPs, the paper's overhead)."""
+    """Per reducing layer: (the method's matrix products in FLOPs, its paper overhead), from the entry's
+    `layer_macs` and `paper_overhead` formulas."""
     rows = []
     for red in plan.reductions:
-        kept = red.visual_before - red.removed
         if red.stage == "vision":
-            items, dim = batch * plan.vision_items, arch.vision.hidden
-            # Qwen2-VL folds merge groups (merge x D vectors): (kept / m) * (removed / m) * (m * D).
-            macs = items * kept * red.removed * dim // arch.vision.merge
+            items, dim, merge = batch * plan.vision_items, arch.vision.hidden, arch.vision.merge
         else:
-            items, dim = batch, arch.decoder.hidden
-            macs = items * (kept * red.removed * dim + red.removed * suffix_tokens * kept)
-        rows.append((2 * macs, items * paper_overhead(red.stage, red.visual_before, red.removed, dim)))
+            items, dim, merge = batch, arch.decoder.hidden, 1
+        work = LayerWork(red.stage, items, red.visual_before, red.removed, dim, merge, suffix_tokens)
+        paper = spec.paper_overhead(red.stage, red.visual_before, red.removed, dim) if spec.paper_overhead else 0
+        rows.append((2 * spec.layer_macs(work), items * paper))
     return rows
 
 
@@ -364,15 +365,6 @@ class MethodWork(nn.Module):
     def forward(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         return function(*args, **kwargs)
-
-
-def _extra_terms_spec(schedule: Schedule) -> Any:
-    """The registry entry of a method whose own work is its extra cost terms (`extra_macs`, checked as one
-    stage), or None: vanilla, or a method costed by the appendix's per-layer formulas (`appendix_formulas`)."""
-    from ficoco.methods.registry import METHODS
-
-    spec = METHODS.get(schedule.variant)
-    return spec if spec is not None and not spec.appendix_formulas else None
 
 
 def _method_key(stage: str, layer: int | None) -> int | tuple[str, int | None]:
@@ -651,7 +643,8 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
                                  tc_layers.get((stage, layer), 0)))
     # Tokens after the image span: the rows FiCoCo-L's task prior and indirect product read.
     suffix = plan.text_tokens - family_module(model.config.model_type).PREFIX_TOKENS
-    if _extra_terms_spec(schedule) is not None:
+    spec = METHODS.get(schedule.variant)  # None: vanilla, which adds no work of its own
+    if spec is not None and spec.layer_macs is None:
         # The method's own matrix work is a stage of its own, gated like the others: the registry's
         # extra cost terms (multiply-accumulates) against what the counters saw in its modules.
         from ficoco.accounting.methods import extra_macs
@@ -659,13 +652,16 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
         analytic = 2 * sum(macs for _, _, macs in extra_macs(arch, schedule, plan, batch=batch))
         stages.append(StageCheck(METHOD_STAGE, analytic, sum(fv_method), sum(tc_method)))
         method = []
-    else:
-        formulas = method_formulas(arch, plan, batch=batch, suffix_tokens=suffix)
+    elif spec is not None:
+        # Checked per reducing layer, against the entry's `layer_macs` formula (FiCoCo-V and -L).
+        formulas = method_formulas(spec, arch, plan, batch=batch, suffix_tokens=suffix)
         place = {(stage, layer): k for k, (stage, layer, _) in enumerate(method_paths)}
         method = [MethodCheck(red.stage, red.layer, red.visual_before, red.removed, fv_method[place[key]],
                               tc_method[place[key]], formula, paper)
                   for red, (formula, paper) in zip(plan.reductions, formulas, strict=True)
                   for key in [(red.stage, red.layer)]]
+    else:
+        method = []
     total = StageCheck("total", sum(by_stage.values()), fv.total - sum(fv_method), tc.total - sum(tc_method))
     return RunCheck(schedule=schedule, plan=plan, stages=stages, layers=layers, method=method, total=total,
                     skipped_ops=fv.skipped, uncalled_modules=fv.uncalled)

@@ -198,27 +198,17 @@ def _paper_layer(n_in: int, n_out: int, dim: int, ffn: int) -> int:
     return 4 * n_in * dim * dim + 2 * n_in * n_in * dim + 2 * n_out * dim * ffn
 
 
-def paper_overhead(variant_stage: str, visual: int, removed: int, dim: int) -> int:
-    """The appendix's cost of one reducing layer's stages (V: vision, L: llm)."""
-    kept = visual - removed
-    quadratic = visual * visual + 2 * visual
-    if variant_stage == "llm":
-        quadratic *= 2
-    return quadratic + removed * (kept + 2 * dim + 1) + dim
-
-
 def paper_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1) -> list[tuple[str, int, int]]:
     """The `paper` convention per layer: (stage, layer, count), the appendix formula plus the
-    method's overhead at reducing layers. It defines transformer layers only."""
+    method's overhead (its entry's `paper_overhead`) at reducing layers. It defines transformer layers only."""
     v, d = arch.vision, arch.decoder
     items = batch * plan.vision_items
-    # The appendix's overhead formula is FiCoCo's (its in-layer stages: entries with `appendix_formulas`, or a
-    # plan of no method); other methods (ToMe reduces in-layer too) have none here: their own work is the
-    # accountant's method terms.
+    # The entry's overhead formula at its in-layer reductions (FiCoCo's appendix); methods without one
+    # (ToMe reduces in-layer too) add none here: their own work is the accountant's method terms.
     spec = METHODS.get(plan.variant)
-    with_overhead = not plan.variant or (spec is not None and spec.appendix_formulas)
+    overhead_of = spec.paper_overhead if spec is not None else None
     overhead = {(red.stage, red.layer): red for red in plan.reductions
-                if red.where == "in_layer" and with_overhead}
+                if red.where == "in_layer" and overhead_of is not None}
     rows: list[tuple[str, int, int]] = []
     for stage, layers, mult, dim, ffn in (("vision", plan.vision, items, v.hidden, v.ffn),
                                           ("llm", plan.llm, batch, d.hidden, d.ffn)):
@@ -226,7 +216,7 @@ def paper_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1) -> li
             count = _paper_layer(n_in, n_out, dim, ffn)
             red = overhead.get((stage, layer))
             if red:
-                count += paper_overhead(stage, red.visual_before, red.removed, dim)
+                count += overhead_of(stage, red.visual_before, red.removed, dim)
             rows.append((stage, layer, mult * count))
     return rows
 

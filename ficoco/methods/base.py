@@ -160,6 +160,29 @@ class StepContext:
 ExtraMacs = list[tuple[int | None, str, int]]
 
 
+@dataclass(frozen=True)
+class LayerWork:
+    """One in-layer reduction, as a method's `layer_macs` formula reads it.
+
+    Attributes:
+        stage: "vision" (a tower layer) or "llm" (a decoder layer).
+        items: the sequences the layer runs on (tower items of all samples, or samples).
+        visual_before: visual tokens entering the layer, per item (merge units' tokens in a packed tower).
+        removed: of those, the tokens the layer removes.
+        dim: the layer's hidden width.
+        merge: tokens per merge group (Qwen2-VL's packed tower: 4; 1 elsewhere).
+        suffix_tokens: the prompt's tokens after the visual span (the decoder's task rows).
+    """
+
+    stage: str
+    items: int
+    visual_before: int
+    removed: int
+    dim: int
+    merge: int = 1
+    suffix_tokens: int = 0
+
+
 class Planner(Protocol):
     """The hook every registry entry plans through (`MethodSpec.planner` names one): the schedule of
     `spec` on `arch` (an Architecture) for `request` (a ficoco.accounting.schedule.PlanRequest). It
@@ -222,10 +245,12 @@ class MethodSpec:
     # False: the method has no official default setting, so a run needs --keep, --preset, --tflops or
     # --schedule (FiCoCo-V and -L).
     default_setting: bool = True
-    # The method's own work is the FiCoCo appendix's formulas per in-layer reduction (FiCoCo-V and -L): the
-    # `paper` convention's overhead, and --verify's per-layer method check (ficoco.verify.method_formulas).
-    # False: its own work is its `extra_macs`, checked by --verify as one stage.
-    appendix_formulas: bool = False
+    # The method's own work at each in-layer reduction, as formulas (FiCoCo-V and -L:
+    # ficoco.methods.ficoco_costs). `paper_overhead(stage, visual, removed, dim)`: what the `paper`
+    # convention adds at the layer; `layer_macs(LayerWork)`: the matrix products --verify checks per
+    # layer against the counters. None: the method's own work is its `extra_macs`, checked as one stage.
+    paper_overhead: Callable[[str, int, int, int], int] | None = None
+    layer_macs: Callable[[LayerWork], int] | None = None
     # --schedule LAYER:REMOVED of a layer-input method: the tokens that join at the same step, from the removed
     # count and the default settings (SparseVLM's recycled clusters); None: none join.
     added_for_removed: Callable[[int, Mapping[str, Any]], int] | None = None

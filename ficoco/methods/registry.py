@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ficoco.errors import FicocoError
+from ficoco.methods import ficoco_costs
 from ficoco.methods.base import Dims, ExtraMacs, MethodSpec, Need, Step, StepContext
 
 LLAVA_FAMILIES = ("llava", "llava_next", "video_llava")
@@ -492,7 +493,8 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         families=ALL_FAMILIES, module="ficoco.methods.ficoco_v", function="reduce",
         source="SPEC.md (FiCoCo paper)", summary="filter by vision- and [CLS]-redundancy, fold into kept patches",
         keep_means="visual tokens that reach the LLM", wired=True,
-        planner=_PER_LAYER, default_setting=False, appendix_formulas=True,
+        planner=_PER_LAYER, default_setting=False,
+        paper_overhead=ficoco_costs.paper_overhead, layer_macs=ficoco_costs.layer_macs,
     ),
     MethodSpec(
         name="l", title="FiCoCo-L", acts_at="llm_layer", placement="in_layer", positions="original",
@@ -503,7 +505,8 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         families=ALL_FAMILIES, module="ficoco.methods.ficoco_l", function="reduce",
         source="SPEC.md (FiCoCo paper)", summary="filter by vision- and task-redundancy, fold into kept tokens",
         keep_means="visual tokens that leave the LLM", wired=True,
-        planner=_PER_LAYER, default_setting=False, appendix_formulas=True,
+        planner=_PER_LAYER, default_setting=False,
+        paper_overhead=ficoco_costs.paper_overhead, layer_macs=ficoco_costs.layer_macs,
     ),
     MethodSpec(
         name="fastv", title="FastV", acts_at="llm_layer", placement="layer_input", positions="original",
