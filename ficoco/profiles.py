@@ -12,20 +12,17 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ficoco.accounting.architecture import architecture
 from ficoco.errors import FicocoError
+from ficoco.profile_records import MAX_COUNT, Hardware, Profile  # noqa: F401  (their home before)
 
 # profiles/ sits at the repository root beside the package (editable install);
 # FICOCO_PROFILES points elsewhere when the package is installed on its own.
 PROFILES_DIR = Path(os.environ.get("FICOCO_PROFILES", Path(__file__).resolve().parent.parent / "profiles"))
 HARDWARE_DIR = PROFILES_DIR / "hardware"
-
-# The largest count (layers, widths, tokens, frames) a config or an option may give: far above any
-# real model, and small enough that every analytic cost stays a finite float.
-MAX_COUNT = 2**31 - 1
 
 # Families the toolkit knows, by the config's model_type, with the defaults used when a
 # plain config.json (no ficoco section) is given. First reducing layers (ficoco.first_reducing_layer.NAME)
@@ -54,25 +51,6 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "image_size": [768, 768],
     },
 }
-
-
-@dataclass
-class Profile:
-    """A model profile: the Hugging Face config dict and the toolkit's defaults."""
-
-    name: str
-    config: dict[str, Any]
-    defaults: dict[str, Any]
-    source: str = ""
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def family(self) -> str:
-        return self.defaults["family"]
-
-    def hf_config_dict(self) -> dict[str, Any]:
-        """The config as Hugging Face reads it (the ficoco section removed)."""
-        return copy.deepcopy(self.config)
 
 
 def list_profiles() -> list[str]:
@@ -213,8 +191,6 @@ def _check_same_kind(key: str, value: Any, current: Any) -> None:
 
 def _unreadable(profile: Profile) -> str | None:
     """Why the accountant cannot read the profile, or None when it can."""
-    from ficoco.accounting.architecture import architecture  # the accountant imports this module
-
     try:
         architecture(profile)
     except FicocoError as exc:
@@ -272,18 +248,6 @@ def set_layout(profile: Profile, *, image_size: tuple[int, int] | None = None, f
         if frames < 1:
             raise FicocoError(f"--frames {frames} must be at least 1")
         profile.defaults["frames"] = int(frames)
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """A GPU's peak figures as LLM-Viewer's roofline uses them."""
-
-    key: str
-    name: str
-    bandwidth_bytes_per_s: float
-    fp16_ops_per_s: float
-    int8_ops_per_s: float
-    memory_bytes: float
 
 
 def gpu_key(name: str) -> str:

@@ -43,7 +43,7 @@ from ficoco.accounting.schedule import (
 )
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import METHODS, method
-from ficoco.profiles import Hardware
+from ficoco.profile_records import Hardware
 
 __all__ = [
     "CONVENTIONS", "KV_FIGURES", "SCOPES", "VARIANTS", "Architecture", "BudgetError", "CostRow", "CountOptions",

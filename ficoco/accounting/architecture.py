@@ -13,7 +13,7 @@ from typing import Any
 
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import METHODS
-from ficoco.profiles import MAX_COUNT, Profile
+from ficoco.profile_records import MAX_COUNT, Profile
 
 # The accountant counts layer by layer (and a budget search counts a model many times): a config
 # with millions of layers would run for hours. No released model has more than a few hundred.

@@ -9,7 +9,7 @@ from ficoco.accounting.architecture import Architecture, parameter_counts
 from ficoco.accounting.flops import SCOPE_STAGES, Op
 from ficoco.accounting.schedule import TokenPlan
 from ficoco.errors import FicocoError
-from ficoco.profiles import Hardware
+from ficoco.profile_records import Hardware
 
 QUANT_BITS = {"fp16": 16, "int8": 8, "int4": 4}
 # bitsandbytes' per-weight metadata: LLM.int8 keeps one fp32 scale per output row; NF4 one

@@ -18,8 +18,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.methods import ficoco_costs
 from ficoco.methods.base import Dims, ExtraMacs, MethodSpec, Need, Step, StepContext
+from ficoco.methods.ficoco_costs import layer_macs as ficoco_layer_macs
+from ficoco.methods.ficoco_costs import paper_overhead as ficoco_paper_overhead
 
 LLAVA_FAMILIES = ("llava", "llava_next", "video_llava")
 ALL_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision")
@@ -494,7 +495,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         source="SPEC.md (FiCoCo paper)", summary="filter by vision- and [CLS]-redundancy, fold into kept patches",
         keep_means="visual tokens that reach the LLM", wired=True,
         planner=_PER_LAYER, default_setting=False,
-        paper_overhead=ficoco_costs.paper_overhead, layer_macs=ficoco_costs.layer_macs,
+        paper_overhead=ficoco_paper_overhead, layer_macs=ficoco_layer_macs,
     ),
     MethodSpec(
         name="l", title="FiCoCo-L", acts_at="llm_layer", placement="in_layer", positions="original",
@@ -506,7 +507,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         source="SPEC.md (FiCoCo paper)", summary="filter by vision- and task-redundancy, fold into kept tokens",
         keep_means="visual tokens that leave the LLM", wired=True,
         planner=_PER_LAYER, default_setting=False,
-        paper_overhead=ficoco_costs.paper_overhead, layer_macs=ficoco_costs.layer_macs,
+        paper_overhead=ficoco_paper_overhead, layer_macs=ficoco_layer_macs,
     ),
     MethodSpec(
         name="fastv", title="FastV", acts_at="llm_layer", placement="layer_input", positions="original",
