@@ -21,6 +21,7 @@ from ficoco.methods.registry import METHODS, method
 from ficoco.models import adapter_for, hf_compat
 from ficoco.models.attention import SUPPORTED_ATTENTION, check_attention_implementation  # noqa: F401
 from ficoco.models.build import build_model
+from ficoco.models.entry import Entry
 from ficoco.models.handle import Handle, LayerRecord
 from ficoco.profiles import FAMILY_DEFAULTS, Profile
 
@@ -116,7 +117,6 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
 def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any, removed: dict[int, int],
              first_layer: int | None) -> None:
     """Put the method's hook points into the model (`apply`'s second half)."""
-    variant = handle.variant
     if spec.placement == "layer_input":
         adapter.patch_layer_input(handle, handle._patches, spec, sched)
     elif spec.per_item:
@@ -138,4 +138,4 @@ def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any
         start = min(removed) if removed else (arch.first_reducing_layer(spec.name) if first_layer is None
                                               else first_layer)
         adapter.patch_in_layer(handle, handle._patches, spec, sched, start)
-    adapter.patch_entry(handle, handle._patches, variant, handle.keep_per_image)
+    Entry(adapter, handle, spec, handle.keep_per_image).install(handle._patches)

@@ -8,8 +8,8 @@ attention residual and the MLP, and every other layer runs its own forward.
 
 from __future__ import annotations
 
-import functools
-import inspect
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,11 +17,12 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
-from ficoco.models.attention import check_attention_implementation
+from ficoco.models.entry import follow_shortened_prompt, shorten_call
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
-from ficoco.models.patching import LanguageState, Patches, forward_of, gather_rows
+from ficoco.models.patching import LanguageState, Patches
 
 if TYPE_CHECKING:
+    from ficoco.models.entry import Entry
     from ficoco.models.handle import Handle
 
 
@@ -201,160 +202,90 @@ class LlavaAdapter:
         """The decoder's final norm (DART reads hidden states through it)."""
         return hf.decoder_norm(self.model)
 
-    # -- the top-level model ----------------------------------------------------------------
-    def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
-        """Wrap forward (and generate) to shorten V's image spans and to start L's state.
+    # -- the top-level model: the hooks of the one entry wrapper (ficoco.models.entry) ------------
+    def entry_keep(self, handle: Handle, spec: Any, keep_per_image: int | None) -> int | None:
+        """The count a method before the LLM shortens every image span to (None: measured per call)."""
+        return keep_per_image
 
-        V shortens the caller's prompt before the model runs and puts the caller's own prompt
-        back into what generate returns; L finds the visual tokens of every prefill (several
-        images, a new turn on an earlier turn's cache). Both leave, per forward, the position
-        in the call's `input_ids` of every output position in `handle.output_positions`, and
-        turn `labels` into the loss over the positions that remain (see `Handle`).
-        """
-        model = self.model
-        original_forward = forward_of(model)
-        original_generate = model.generate
-        signature = inspect.signature(original_forward)
-        from ficoco.methods.registry import method
+    @contextlib.contextmanager
+    def call_scope(self, call: dict[str, Any], *, generating: bool) -> Iterator[None]:
+        """The context a forward (or generate) call runs in: nothing for LLaVA-1.5."""
+        yield
 
-        spec = method(variant)
-        # A method that acts before the LLM (FiCoCo-V, ToMe, VisionZip, ...) hands it fewer visual
-        # tokens per image: the prompt's image spans are shortened to them. Every other keeps a
-        # per-prefill state of the decoder's sequence: FiCoCo-L's, or the layer-input methods' (the
-        # registry entry's title names the method in refusals).
-        shortens = spec.per_item
-        # A method acting before the LLM and again inside it (HoliTom) does both, in that order.
-        in_llm = not shortens or spec.inner is not None
-        # A count known only once the tower ran (PruMerge+ without --keep): the images are encoded
-        # first, and the spans shortened to what they measured.
-        adaptive = bool(handle.schedule.settings_dict().get("adaptive"))
-        if spec.placement == "in_layer":  # in the decoder (FiCoCo-L): several spans, later turns
-            new_state = self.language_state
-        else:
-            new_state = functools.partial(self.step_state, spec.title)
-        # Set while generate runs on a prompt it has shortened already (FiCoCo-V): its forwards
-        # must not shorten again; the prefill's positions refer to the caller's prompt.
-        generating: dict[str, Any] = {}
+    def enter_forward(self, entry: Entry, call: dict[str, Any]) -> tuple[Tensor | None, bool]:
+        """A forward's start, in place: a call with pixels starts a visual prefill (its prompt kept for
+        the methods that read the instruction); a method before the LLM shortens its image spans to the
+        kept tokens. Returns (the kept positions in the caller's prompt or None, whether the call starts
+        a prefill of the decoder's state)."""
+        handle = entry.handle
+        input_ids = call.get("input_ids")
+        # A call with pixels, or with the visual features generate() encoded before its first forward,
+        # starts a visual prefill; one without (a decode step, text only) cannot hold image features,
+        # and is passed on without asking the device anything.
+        has_pixels = any(call.get(key) is not None for key in self.pixel_inputs)
+        if has_pixels:
+            handle.begin_forward()
+            if input_ids is not None:
+                handle.prompt_ids = (input_ids, call.get("attention_mask"))
+        visual = has_pixels or bool(call.get(hf.ENCODED_FEATURES_KEYWORD))
+        positions = None
+        if entry.shortens and not visual:
+            follow_shortened_prompt(handle, call)
+        if entry.shortens and visual and input_ids is not None and (entry.keep is not None or entry.adaptive):
+            if entry.generating is not None:
+                # generate's prefill, shortened already (its rows repeated for beams/samples): the part
+                # after what a cache holds (a later turn), or, without a cache, the whole prompt again at
+                # every step, followed by the new tokens.
+                kept, length = entry.generating
+                kept = kept.repeat_interleave(input_ids.shape[0] // kept.shape[0], dim=0)
+                cache = hf.cache_in(call)
+                past = int(cache.get_seq_length()) if cache is not None else 0
+                end = past + input_ids.shape[1]
+                extra = torch.arange(length, length + max(0, end - kept.shape[1]), device=kept.device)
+                positions = torch.cat([kept, extra.expand(kept.shape[0], -1)], dim=1)[:, past:end]
+            else:
+                keep = self.encode_first(handle, call) if entry.adaptive and has_pixels else entry.keep
+                positions = self.kept_token_index(input_ids, keep) if keep is not None else None
+                if positions is not None:
+                    shorten_call(call, positions, input_ids.shape[1])
+                    handle.prompt_map = (positions, input_ids.shape[1])
+        return positions, visual and input_ids is not None
 
-        # generate() validates its kwargs against forward's signature: keep the original's.
-        @functools.wraps(original_forward)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind_partial(*args, **kwargs)
-            call = dict(bound.arguments)
-            call.update(call.pop("kwargs", {}))
-            check_call_options(model, call, variant)
-            input_ids = call.get("input_ids")
-            # A call with pixels, or with the visual features generate() encoded before its first
-            # forward, starts a visual prefill; one without (a decode step, text only) cannot
-            # hold image features, and is passed on without asking the device anything.
-            has_pixels = any(call.get(key) is not None for key in self.pixel_inputs)
-            if has_pixels:
-                handle.begin_forward()
-                if input_ids is not None:
-                    handle.prompt_ids = (input_ids, call.get("attention_mask"))
-            visual = has_pixels or bool(call.get(hf.ENCODED_FEATURES_KEYWORD))
-            positions = None
-            if shortens and not visual:
-                follow_shortened_prompt(handle, call)
-            if shortens and visual and input_ids is not None and (keep_per_image is not None or adaptive):
-                if "prompt_positions" in generating:
-                    # generate's prefill, shortened already (its rows repeated for beams/samples):
-                    # the part after what a cache holds (a later turn), or, without a cache, the
-                    # whole prompt again at every step, followed by the new tokens.
-                    kept, length = generating["prompt_positions"]
-                    kept = kept.repeat_interleave(input_ids.shape[0] // kept.shape[0], dim=0)
-                    cache = hf.cache_in(call)
-                    past = int(cache.get_seq_length()) if cache is not None else 0
-                    end = past + input_ids.shape[1]
-                    extra = torch.arange(length, length + max(0, end - kept.shape[1]), device=kept.device)
-                    positions = torch.cat([kept, extra.expand(kept.shape[0], -1)], dim=1)[:, past:end]
-                else:
-                    keep = self.encode_first(handle, call) if adaptive and has_pixels else keep_per_image
-                    positions = self.kept_token_index(input_ids, keep) if keep is not None else None
-                    if positions is not None:
-                        shorten_call(call, positions, input_ids.shape[1])
-                        handle.prompt_map = (positions, input_ids.shape[1])
-            starts_prefill = visual and input_ids is not None
-            cache = hf.cache_in(call)
-            labels = None
-            if in_llm:
-                # The state that filled this cache (a conversation may go on on any cache the
-                # handle filled; one it did not fill must hold every token in every layer).
-                filled = handle.cache_states.get(cache) if cache is not None else None
-                if starts_prefill:
-                    past, priors = self.turn_on_cache(cache, filled)
-                    mask = call.get("attention_mask")
-                    if mask is not None and past and mask.shape[-1] == past + input_ids.shape[1]:
-                        # A later turn's mask covers the cache too (generate's, on a padded batch):
-                        # the state reads this call's columns.
-                        mask = mask[:, past:]
-                    # The prompt the LLM runs (shortened above by a method acting before the LLM too).
-                    handle.language_state = new_state(call["input_ids"], mask, past, priors)
-                elif filled is None:
-                    self.turn_on_cache(cache, None)  # refuses a reduced cache it cannot follow
-                    handle.language_state = None
-                else:
-                    handle.language_state = filled
-                    filled.decoding = True
-                if handle.language_state is not None and not handle.language_state.decoding:
-                    labels = call.pop("labels", None)  # compared with what remains, below
-            # The state for the next step lives in the output: ask for the object form and give
-            # the caller the tuple it asked for at the end.
-            return_dict = call.pop("return_dict", None)
-            output = original_forward(**call, return_dict=True)
-            state = handle.language_state
-            if in_llm and state is not None and not state.decoding:
-                state.follow(output.logits.device)  # the last layer's device, under a device map
-                state.cache = hf.output_cache(output)
-                if state.cache is not None:
-                    handle.cache_states[state.cache] = state
-                state.decoding = True
-                if labels is not None:  # the call's labels (of the shortened prompt, if shortened above)
-                    output.loss = remaining_loss(model, output.logits, labels, state.index)
-                # Positions in the caller's prompt: through the shortened prompt's, where shortened above.
-                positions = state.index if positions is None else torch.gather(positions, 1, state.index)
-            handle.output_positions = positions if positions is not None else arange_like(output.logits)
-            return output if wants_dict(model, return_dict) else output.to_tuple()
+    def enter_generate(self, entry: Entry, kwargs: dict[str, Any]) -> bool:
+        """generate's start, in place: a method before the LLM shortens the prompt's image spans (also
+        those of earlier turns on a cache that holds them shortened); True when it did."""
+        handle = entry.handle
+        # transformers encodes the images before its first forward call, so a new generation starts
+        # here, not in forward.
+        prompt = kwargs.get("input_ids")
+        if any(kwargs.get(key) is not None for key in self.pixel_inputs):
+            handle.begin_forward()
+            if prompt is not None:  # generate may encode the images before its first forward
+                handle.prompt_ids = (prompt, kwargs.get("attention_mask"))
+        if not entry.shortens or prompt is None:
+            return False
+        keep = entry.keep
+        if entry.adaptive:
+            cache = hf.cache_in(kwargs)
+            if cache is not None and cache.get_seq_length() and bool((prompt == self.image_token_id).any()):
+                # Each turn's count is measured on its own images: the spans the cache holds shortened
+                # cannot be told from this call's (silently misaligned otherwise).
+                raise FicocoError(f"{entry.spec.title}'s adaptive count is measured per call, so the image spans "
+                                  "of a conversation on a cache cannot be shortened as its earlier turns were; "
+                                  "give a fixed count with keep=")
+            keep = self.encode_first(handle, kwargs)
+        kept = self.kept_token_index(prompt, keep) if keep is not None else None
+        if kept is None:
+            return False
+        shorten_call(kwargs, kept, prompt.shape[1])
+        entry.generating = (kept, prompt.shape[1])
+        return True
 
-        @functools.wraps(original_generate)
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            if args:
-                kwargs["input_ids"], args = args[0], args[1:]
-            check_call_options(model, kwargs, variant)
-            # transformers encodes the images before its first forward call, so a new
-            # generation starts here, not in forward.
-            prompt = kwargs.get("input_ids")
-            if any(kwargs.get(key) is not None for key in self.pixel_inputs):
-                handle.begin_forward()
-                if prompt is not None:  # generate may encode the images before its first forward
-                    handle.prompt_ids = (prompt, kwargs.get("attention_mask"))
-            kept = None
-            keep = keep_per_image
-            if shortens and adaptive and prompt is not None:
-                cache = hf.cache_in(kwargs)
-                if cache is not None and cache.get_seq_length() and bool((prompt == self.image_token_id).any()):
-                    # Each turn's count is measured on its own images: the spans the cache holds
-                    # shortened cannot be told from this call's (silently misaligned otherwise).
-                    raise FicocoError(f"{spec.title}'s adaptive count is measured per call, so the image spans of "
-                                      "a conversation on a cache cannot be shortened as its earlier turns were; "
-                                      "give a fixed count with --keep (keep=)")
-                keep = self.encode_first(handle, kwargs)
-            if shortens and keep is not None and prompt is not None:
-                # Every image span of the prompt, also those of earlier turns on a cache that
-                # holds them shortened (multi-turn).
-                kept = self.kept_token_index(prompt, keep)
-            if kept is None:
-                return original_generate(*args, **kwargs)
-            shorten_call(kwargs, kept, prompt.shape[1])
-            generating["prompt_positions"] = (kept, prompt.shape[1])
-            try:
-                output = original_generate(*args, **kwargs)
-            finally:
-                generating.clear()
-            return restore_prompt(output, prompt, kept.shape[1])
+    def after_forward(self, entry: Entry, call: dict[str, Any], output: Any, positions: Tensor | None) -> None:
+        """Bookkeeping of a forward's output: none for LLaVA-1.5."""
 
-        patches.set(model, "forward", forward)
-        patches.set(model, "generate", generate)
+    def patch_encoders(self, entry: Entry, patches: Patches) -> None:
+        """The model's own encoders the method needs patched beside forward and generate: none here."""
 
     def turn_on_cache(self, cache: Any, state: LanguageState | None) -> tuple[int, dict[int, Tensor]]:
         """(tokens already in `cache`, per reducing layer the positions its cache holds) for a
@@ -369,86 +300,3 @@ class LlavaAdapter:
             raise FicocoError("this cache holds FiCoCo-L-reduced layers that the handle did not fill (a copy, or "
                               "another handle's); continue the conversation on the cache object the model returned")
         return past, {}
-
-
-def follow_shortened_prompt(handle: Handle, call: dict[str, Any]) -> None:
-    """A decode step after a FiCoCo-V prefill, with the caller's attention mask grown from the
-    caller's (unshortened) prompt, as a hand-written decode loop grows it: drop the columns of
-    the placeholders the prefill removed, so the mask lines up with the cache."""
-    mask, cache, prompt = call.get("attention_mask"), hf.cache_in(call), handle.prompt_map
-    input_ids = call.get("input_ids")
-    if mask is None or cache is None or prompt is None or input_ids is None or mask.dim() != 2:
-        return
-    kept, length = prompt
-    removed = length - kept.shape[1]
-    if mask.shape[1] != int(cache.get_seq_length()) + input_ids.shape[1] + removed or mask.shape[0] != kept.shape[0]:
-        return  # lined up with the cache already (generate's own steps), or not this prompt's
-    call["attention_mask"] = torch.cat([torch.gather(mask[:, :length], 1, kept.to(mask.device)),
-                                        mask[:, length:]], dim=1)
-
-
-def arange_like(logits: Tensor) -> Tensor:
-    """(B, T) 0..T-1: output positions of a call that removed nothing."""
-    return torch.arange(logits.shape[1], device=logits.device).expand(logits.shape[0], -1)
-
-
-def shorten_call(call: dict[str, Any], kept: Tensor, length: int) -> None:
-    """Keep the `kept` positions of every per-token input of `call` (ids, masks, labels, 2-D
-    position ids, token types): FiCoCo-V's shortened prompt, in place."""
-    for key in ("input_ids", "attention_mask", "labels", "token_type_ids", "mm_token_type_ids"):
-        value = call.get(key)
-        if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == length:
-            call[key] = torch.gather(value, 1, kept.to(value.device))
-    position_ids = call.get("position_ids")
-    if isinstance(position_ids, Tensor) and position_ids.dim() == 2 and position_ids.shape[1] == length:
-        call["position_ids"] = gather_rows(position_ids, kept.to(position_ids.device), 1)
-
-
-def restore_prompt(output: Any, prompt_ids: Tensor, short_length: int) -> Any:
-    """generate's output with the caller's prompt in place of the shortened one it ran, so that
-    `out[:, prompt_ids.shape[1]:]` is exactly the new tokens (every returned sequence: beams and
-    num_return_sequences repeat each prompt, as generate expands them)."""
-    sequences = output if isinstance(output, Tensor) else output.sequences
-    copies = sequences.shape[0] // prompt_ids.shape[0]
-    prompt = prompt_ids.to(sequences.device).repeat_interleave(copies, dim=0)
-    restored = torch.cat([prompt, sequences[:, short_length:]], dim=1)
-    if isinstance(output, Tensor):
-        return restored
-    output.sequences = restored
-    return output
-
-
-def wants_dict(model: nn.Module, return_dict: bool | None) -> bool:
-    """Whether the caller asked for the output object (return_dict, else the config's)."""
-    if return_dict is not None:
-        return bool(return_dict)
-    return bool(getattr(model.config, "return_dict", True))
-
-
-def remaining_loss(model: nn.Module, logits: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
-    """The model's own causal-LM loss over the positions that remain: `labels` taken at the input
-    position of every output position (`positions`), so the logits at output t are scored
-    against the next token that remains, as transformers' shift does for an unreduced sequence."""
-    kept_labels = torch.gather(labels.to(positions.device), 1, positions)
-    vocab = getattr(getattr(model.config, "text_config", model.config), "vocab_size", logits.shape[-1])
-    return model.loss_function(logits=logits, labels=kept_labels, vocab_size=vocab)
-
-
-def check_call_options(model: nn.Module, call: dict[str, Any], variant: str) -> None:
-    """Refuse, at the call, options whose outputs the patched model could not give in full."""
-    check_attention_implementation(model)  # changed after apply() (set_attn_implementation)
-    wants_attentions = call.get("output_attentions")
-    if wants_attentions is None:
-        wants_attentions = getattr(model.config, "output_attentions", False)
-    if wants_attentions:
-        text = getattr(model.config, "text_config", model.config)
-        if hf.attention_implementation(text) != "eager":
-            raise FicocoError("output_attentions=True needs the model loaded with attn_implementation='eager' "
-                              "(sdpa returns no attention matrices, so some layers would be missing)")
-    cache = hf.cache_in(call)
-    if cache is not None and getattr(cache, "is_compileable", False):
-        raise FicocoError(f"{type(cache).__name__} is not supported by the FiCoCo patches (reduced layers cache "
-                          "fewer tokens); use the default DynamicCache")
-    if call.get("cache_implementation") not in (None, "dynamic"):
-        raise FicocoError(f"cache_implementation='{call['cache_implementation']}' is not supported by the FiCoCo "
-                          "patches (reduced layers cache fewer tokens); use the default dynamic cache")

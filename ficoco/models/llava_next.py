@@ -25,9 +25,8 @@ forward call, so a generation's sizes are taken at `generate`).
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,7 @@ from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import PREFIX_TOKENS, place_inputs
 from ficoco.models.llava import LlavaAdapter
-from ficoco.models.patching import LanguageState, Patches, forward_of, span_lengths
+from ficoco.models.patching import LanguageState, Patches, span_lengths
 
 if TYPE_CHECKING:
     from ficoco.models.handle import Handle
@@ -205,7 +204,7 @@ class LlavaNextAdapter(LlavaAdapter):
         self.method_title = "FiCoCo-V"
         self.kept_per_item: int | None = None
         self.unplaced_per_item = 0
-        self.image_sizes: Tensor | None = None  # the current call's image_sizes (see patch_entry)
+        self.image_sizes: Tensor | None = None  # the current call's image_sizes (see call_scope)
 
     def layout(self, size_hw: Any) -> ImageLayout:
         key = tuple(int(v) for v in (size_hw.tolist() if isinstance(size_hw, Tensor) else size_hw))
@@ -411,39 +410,23 @@ class LlavaNextAdapter(LlavaAdapter):
         return state
 
     # -- the top-level model ----------------------------------------------------------------
-    def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
-        """LLaVA-1.5's entry wrappers, inside wrappers that keep the call's image_sizes for the span
-        bookkeeping (a forward inside generate sees the generation's)."""
-        super().patch_entry(handle, patches, variant, keep_per_image)
-        model = self.model
-        inner_forward, inner_generate = forward_of(model), model.generate
-        signature = inspect.signature(inner_forward)  # the model's own (followed through __wrapped__)
-
-        def with_sizes(sizes: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
-            if sizes is None:
-                return call(*args, **kwargs)
-            previous, self.image_sizes = self.image_sizes, torch.as_tensor(sizes).reshape(-1, 2).cpu()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                self.image_sizes = previous
-
-        @functools.wraps(inner_forward)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            sizes = signature.bind_partial(*args, **kwargs).arguments.get("image_sizes")
-            return with_sizes(sizes, inner_forward, *args, **kwargs)
-
-        @functools.wraps(inner_generate)
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            sizes = kwargs.get("image_sizes")
-            if sizes is None and kwargs.get("pixel_values") is None:
-                # No images in this call: every span of the prompt is an earlier turn's (a text turn
-                # of a conversation on its cache).
-                sizes = torch.zeros(0, 2, dtype=torch.long)
-            return with_sizes(sizes, inner_generate, *args, **kwargs)
-
-        patches.set(model, "forward", forward)
-        patches.set(model, "generate", generate)
+    @contextlib.contextmanager
+    def call_scope(self, call: dict[str, Any], *, generating: bool) -> Iterator[None]:
+        """Keep the call's image_sizes for the span bookkeeping while it runs (a forward inside generate
+        sees the generation's)."""
+        sizes = call.get("image_sizes")
+        if generating and sizes is None and call.get("pixel_values") is None:
+            # No images in this call: every span of the prompt is an earlier turn's (a text turn of a
+            # conversation on its cache).
+            sizes = torch.zeros(0, 2, dtype=torch.long)
+        if sizes is None:
+            yield
+            return
+        previous, self.image_sizes = self.image_sizes, torch.as_tensor(sizes).reshape(-1, 2).cpu()
+        try:
+            yield
+        finally:
+            self.image_sizes = previous
 
 
 def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,

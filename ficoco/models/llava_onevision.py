@@ -23,9 +23,9 @@ what OneVision does differently from LLaVA-NeXT (ficoco.models.llava_next, whose
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava_next import ImageLayout, LlavaNextAdapter, _unpadded_window
-from ficoco.models.patching import Patches, forward_of, span_lengths
+from ficoco.models.patching import Patches, span_lengths
 
 if TYPE_CHECKING:
     from ficoco.models.handle import Handle
@@ -159,7 +159,7 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         super().__init__(model)
         config = model.config
         self.video_token_id = getattr(config, "video_token_id", None)
-        self.batch_num_images: Tensor | None = None  # the current call's batch_num_images (see patch_entry)
+        self.batch_num_images: Tensor | None = None  # the current call's batch_num_images (see call_scope)
         self.video_frames: list[int] = []  # the current call's frames per video, in order
 
     def layout(self, size_hw: Any, patched: bool = True) -> OnevisionLayout:
@@ -373,30 +373,20 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         return next(iter(candidates.values()))
 
     # -- the top-level model ---------------------------------------------------------------------------
-    def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
-        """LLaVA-NeXT's entry wrappers, inside wrappers that keep the call's batch_num_images (a sample of
-        several images packs each as its base view alone)."""
-        super().patch_entry(handle, patches, variant, keep_per_image)
-        model = self.model
-        inner_forward, inner_generate = forward_of(model), model.generate
-
-        def with_counts(counts: Any, call: Any, *args: Any, **kwargs: Any) -> Any:
+    @contextlib.contextmanager
+    def call_scope(self, call: dict[str, Any], *, generating: bool) -> Iterator[None]:
+        """LLaVA-NeXT's scope, inside one that keeps the call's batch_num_images (a sample of several images
+        packs each as its base view alone)."""
+        counts = call.get("batch_num_images")
+        with super().call_scope(call, generating=generating):
             if counts is None:
-                return call(*args, **kwargs)
+                yield
+                return
             previous, self.batch_num_images = self.batch_num_images, torch.as_tensor(counts).reshape(-1).cpu()
             try:
-                return call(*args, **kwargs)
+                yield
             finally:
                 self.batch_num_images = previous
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return with_counts(kwargs.get("batch_num_images"), inner_forward, *args, **kwargs)
-
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            return with_counts(kwargs.get("batch_num_images"), inner_generate, *args, **kwargs)
-
-        patches.set(model, "forward", functools.wraps(inner_forward)(forward))
-        patches.set(model, "generate", functools.wraps(inner_generate)(generate))
 
 
 def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,

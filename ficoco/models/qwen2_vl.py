@@ -29,7 +29,6 @@ FiCoCo-V is this file's:
 from __future__ import annotations
 
 import functools
-import inspect
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,23 +40,16 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.methods.contract import GroupsModule, TowerModule
-from ficoco.methods.registry import method
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
+from ficoco.models.entry import follow_shortened_prompt
 from ficoco.models.inputs import place_inputs
-from ficoco.models.llava import (
-    LlavaAdapter,
-    arange_like,
-    check_call_options,
-    follow_shortened_prompt,
-    remaining_loss,
-    restore_prompt,
-    wants_dict,
-)
+from ficoco.models.llava import LlavaAdapter
 from ficoco.models.patching import Patches, follow_device, forward_of, span_lengths
 from ficoco.profiles import FAMILY_DEFAULTS
 
 if TYPE_CHECKING:
+    from ficoco.models.entry import Entry
     from ficoco.models.handle import Handle
 
 # "<|im_start|> user \n <|vision_start|>" before the image span.
@@ -875,249 +867,184 @@ class Qwen2VLAdapter(LlavaAdapter):
         }
         return short, deltas, torch.cat([prefix, kept + start], dim=1), encoded
 
-    def patch_later_turn_images(self, handle: Handle, patches: Patches) -> None:
-        """FiCoCo-L's generate on a later turn's cache, with new images: transformers computes the
-        whole conversation's 3-D positions there, so it needs every image's `image_grid_thw`, and
-        takes the new images only encoded beforehand (`mm_encoder_outputs`; the tower would read
-        every grid against the new pixels). Given `pixel_values` of the new images and every
-        image's grid, encode the new ones with their own grids, as that form has it; given the new
-        images' grids alone, refuse at the call (transformers would stop inside)."""
-        model = self.model
-        inner_generate = model.generate
+    # -- the hooks of the one entry wrapper (ficoco.models.entry) ------------------------------
+    # FiCoCo-L and the other methods in the decoder: LLaVA's hooks, with later turns' images encoded
+    # first. A method before the LLM: the images encoded first, then the shortened prompt run with the
+    # kept tokens' original 3-D positions (forward and generate).
+    def enter_forward(self, entry: Entry, call: dict[str, Any]) -> tuple[Tensor | None, bool]:
+        if not entry.shortens:
+            return super().enter_forward(entry, call)
+        handle = entry.handle
+        input_length = call["input_ids"].shape[1] if call.get("input_ids") is not None else 0
+        if call.get("pixel_values") is not None or call.get("pixel_values_videos") is not None:
+            self._prepare(entry, call, text_row=False)
+            handle.prompt_map = (entry.generating[0], input_length)
+        elif not call.get(hf.ENCODED_FEATURES_KEYWORD):
+            follow_shortened_prompt(handle, call)
+        # Otherwise: text, a decode step, or generate's prefill, whose images generate() encoded.
+        positions = None
+        if call.get(hf.ENCODED_FEATURES_KEYWORD) and entry.generating is not None:
+            positions, entry.generating = entry.generating[0], None
+        ids = call.get("input_ids")
+        if positions is not None and ids is not None and positions.shape[1] > ids.shape[1]:
+            # generate's prefill on a later turn's cache runs the part after what the cache holds.
+            past = int(hf.cache_in(call).get_seq_length())
+            positions = positions[:, past:past + ids.shape[1]]
+        return positions, positions is not None
 
-        @functools.wraps(inner_generate)
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            if args:
-                kwargs["input_ids"], args = args[0], args[1:]
-            cache, input_ids = hf.cache_in(kwargs), kwargs.get("input_ids")
-            grid, pixel_values = kwargs.get("image_grid_thw"), kwargs.get("pixel_values")
-            past = int(cache.get_seq_length()) if cache is not None else 0
-            if not past or input_ids is None or grid is None or input_ids.shape[1] <= past:
-                return run(*args, **kwargs)
-            batch = input_ids.shape[0]
-            every = span_lengths(input_ids == self.image_token_id)
-            new = span_lengths(input_ids[:, past:] == self.image_token_id)
-            images = len(new[0])
-            if grid.shape[0] != batch * len(every[0]) or any(len(row) != len(every[0]) for row in every):
-                raise FicocoError(f"FiCoCo-L on Qwen2-VL: image_grid_thw has {grid.shape[0]} rows for a conversation "
-                                  f"of image spans {every}; on an earlier turn's cache give every image's grid, "
-                                  "earlier turns' first (transformers' 3-D positions count them all)")
-            if pixel_values is not None and images:
-                new_grid = grid.view(batch, -1, 3)[:, len(every[0]) - images:].reshape(-1, 3)
-                if pixel_values.shape[0] != int(new_grid.prod(dim=-1).sum()):
-                    raise FicocoError(f"FiCoCo-L on Qwen2-VL: pixel_values of {pixel_values.shape[0]} patches for this "
-                                      f"turn's images of grids {new_grid.tolist()}: give the images after what the "
-                                      "cache holds")
-                encoded = hf.encode_features(model, hf.IMAGE_ENCODER, kwargs.pop("pixel_values"), new_grid)
-                features = hf.ENCODED_FEATURES_KEYWORD
-                kwargs[features] = {**(kwargs.get(features) or {}), "image": encoded}
-            return run(*args, **kwargs)
+    def after_forward(self, entry: Entry, call: dict[str, Any], output: Any, positions: Tensor | None) -> None:
+        """A shortened prefill's rope deltas, kept per cache for the next turn on it."""
+        output_cache = hf.output_cache(output)
+        if entry.shortens and positions is not None and output_cache is not None:
+            self.turn_deltas[output_cache] = hf.rope_deltas(self.model)
 
-        def run(*args: Any, **kwargs: Any) -> Any:
+    def enter_generate(self, entry: Entry, kwargs: dict[str, Any]) -> bool:
+        if not entry.shortens:
+            self._encode_later_turn_images(kwargs)
             if kwargs.get(hf.ENCODED_FEATURES_KEYWORD):  # images encoded beforehand: a new visual generation
-                handle.begin_forward()
-            return inner_generate(*args, **kwargs)
+                entry.handle.begin_forward()
+            return super().enter_generate(entry, kwargs)
+        if kwargs.get("pixel_values") is None and kwargs.get("pixel_values_videos") is None:
+            return self._text_turn(entry, kwargs)
+        self._prepare(entry, kwargs, text_row=True)
+        return True
 
-        patches.set(model, "generate", generate)
-
-    def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
-        """FiCoCo-L: LLaVA's entry. FiCoCo-V: encode the images first, then run the shortened
-        prompt with the kept tokens' original 3-D positions (forward and generate)."""
-        if not method(variant).per_item:  # in the decoder: LLaVA's entry
-            super().patch_entry(handle, patches, variant, keep_per_image)
-            self.patch_later_turn_images(handle, patches)
+    def patch_encoders(self, entry: Entry, patches: Patches) -> None:
+        """A method before the LLM: get_image_features called directly (not through forward or generate)
+        splits its output by what the tower kept."""
+        if not entry.shortens:
             return
-        model = self.model
-        inner = hf.inner_model(model)
-        original_forward = forward_of(model)
-        original_generate = model.generate
-        signature = inspect.signature(original_forward)
-        spec = method(variant)
-
-        def prepare(call: dict[str, Any], *, text_row: bool) -> dict[str, Any]:
-            """Encode the images, shorten the prompt and set its positions (in `call`)."""
-            if self.video_cut:
-                return prepare_video(call, text_row=text_row)
-            if call.get("pixel_values_videos") is not None:
-                raise FicocoError("FiCoCo-V on Qwen2-VL reduces images only; run videos with FiCoCo-L")
-            pixel_values = call.pop("pixel_values", None)
-            input_ids = call.get("input_ids")
-            grid = call.get("image_grid_thw")
-            if input_ids is None or grid is None:
-                raise FicocoError("FiCoCo-V on Qwen2-VL needs input_ids and image_grid_thw with pixel_values "
-                                  "(the image spans are shortened in input_ids)")
-            handle.begin_forward()
-            handle.prompt_ids = (input_ids, call.get("attention_mask"))  # a method that reads the instruction
-            cache = hf.cache_in(call)
-            past = int(cache.get_seq_length()) if cache is not None else 0
-            if past:  # a later turn of a conversation whose earlier turns the cache holds
-                short, deltas, kept, encoded = self.continue_prompt(call, pixel_values, past, whole=text_row)
-            else:
-                encoded = self.encode_images(pixel_values, grid)
-                short, deltas, kept = self.shorten_prompt(input_ids, call.get("attention_mask"),
-                                                          call.get("mm_token_type_ids"), grid,
-                                                          self._tower.kept_groups, call.get("position_ids"))
-            return finish(call, short, deltas, kept, "image", encoded, text_row=text_row)
-
-        def prepare_video(call: dict[str, Any], *, text_row: bool) -> dict[str, Any]:
-            """A video method's prompt: encode the videos (the cut runs in the tower's forward), shorten
-            every video span to the units it kept, at their unreduced 3-D positions."""
-            title = f"{method(variant).title} on {self.family_title}"
-            if call.get("pixel_values") is not None:
-                raise FicocoError(f"{title} acts on a video's frames; an image is one frame: give the image as a "
-                                  "video, or a method that reduces images")
-            pixel_values = call.pop("pixel_values_videos")
-            input_ids, grid = call.get("input_ids"), call.get("video_grid_thw")
-            if input_ids is None or grid is None:
-                raise FicocoError(f"{title} needs input_ids and video_grid_thw with pixel_values_videos (the video "
-                                  "spans are shortened in input_ids)")
-            cache = hf.cache_in(call)
-            if cache is not None and int(cache.get_seq_length()):
-                raise FicocoError(f"{title}: a video on a later turn's cache is not supported; give the video in the "
-                                  "conversation's first turn")
-            handle.begin_forward()
-            handle.prompt_ids = (input_ids, call.get("attention_mask"))
-            encoded = self.encode_images(pixel_values, grid)
-            short, deltas, kept = self.shorten_prompt(input_ids, call.get("attention_mask"),
-                                                      call.get("mm_token_type_ids"), grid, self._tower.kept_groups,
-                                                      call.get("position_ids"), video=True,
-                                                      second_per_grid_ts=call.get("second_per_grid_ts"))
-            return finish(call, short, deltas, kept, "video", encoded, text_row=text_row)
-
-        def finish(call: dict[str, Any], short: dict[str, Tensor | None], deltas: Tensor, kept: Tensor,
-                   modality: str, encoded: Any, *, text_row: bool) -> dict[str, Any]:
-            """Put the shortened prompt, its positions and the encoded features into `call`."""
-            input_ids = call["input_ids"]
-            if isinstance(call.get("labels"), Tensor) and call["labels"].shape == input_ids.shape:
-                short["labels"] = torch.gather(call["labels"], 1, kept.to(call["labels"].device))
-            generating["prompt_positions"] = kept
-            if text_row:
-                # generate keeps a 4th (first) row of plain text order for its masks and extends all
-                # four by one per new token; that row follows the shortened prompt.
-                mask = short["attention_mask"]
-                if mask is None:
-                    text = torch.arange(short["input_ids"].shape[1], device=input_ids.device)
-                    text = text.expand(short["input_ids"].shape[0], -1)
-                else:
-                    text = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-                short["position_ids"] = torch.cat([text[None].to(short["position_ids"]), short["position_ids"]])
-            call.update({k: v for k, v in short.items() if v is not None or k in call})
-            features = hf.ENCODED_FEATURES_KEYWORD
-            call[features] = {**(call.get(features) or {}), modality: encoded}
-            # Decode steps that come without position ids take them from here (and the cache length).
-            hf.set_rope_deltas(model, deltas)
-            return call
-
-        # The shortened prompt's positions in the caller's input_ids, from `prepare` to the forward
-        # that runs it (generate's prefill runs later, inside generate).
-        generating: dict[str, Tensor] = {}
-
-        # generate() validates its kwargs against forward's signature: keep the original's.
-        @functools.wraps(original_forward)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind_partial(*args, **kwargs)
-            call = dict(bound.arguments)
-            call.update(call.pop("kwargs", {}))
-            check_call_options(model, call, variant)
-            input_length = call["input_ids"].shape[1] if call.get("input_ids") is not None else 0
-            if call.get("pixel_values") is not None or call.get("pixel_values_videos") is not None:
-                call = prepare(call, text_row=False)
-                handle.prompt_map = (generating["prompt_positions"], input_length)
-            elif not call.get(hf.ENCODED_FEATURES_KEYWORD):
-                follow_shortened_prompt(handle, call)
-            # Otherwise: text, a decode step, or generate's prefill, whose images generate() encoded.
-            positions = generating.pop("prompt_positions", None) if call.get(hf.ENCODED_FEATURES_KEYWORD) else None
-            ids = call.get("input_ids")
-            if positions is not None and ids is not None and positions.shape[1] > ids.shape[1]:
-                # generate's prefill on a later turn's cache runs the part after what the cache holds.
-                past = int(hf.cache_in(call).get_seq_length())
-                positions = positions[:, past:past + ids.shape[1]]
-            labels = start_language_state(call, starts_prefill=positions is not None) if in_llm else None
-            return_dict = call.pop("return_dict", None)
-            output = original_forward(**call, return_dict=True)
-            output_cache = hf.output_cache(output)
-            if positions is not None and output_cache is not None:
-                self.turn_deltas[output_cache] = hf.rope_deltas(model)
-            if positions is not None and positions.shape[0] != output.logits.shape[0]:
-                positions = positions.repeat_interleave(output.logits.shape[0] // positions.shape[0], dim=0)
-            state = handle.language_state
-            if in_llm and state is not None and not state.decoding:
-                state.follow(output.logits.device)  # the last layer's device, under a device map
-                state.cache = hf.output_cache(output)
-                if state.cache is not None:
-                    handle.cache_states[state.cache] = state
-                state.decoding = True
-                if labels is not None:  # the shortened prompt's labels, over the positions the LLM kept
-                    output.loss = remaining_loss(model, output.logits, labels, state.index)
-                positions = state.index if positions is None else torch.gather(positions, 1, state.index)
-            handle.output_positions = positions if positions is not None else arange_like(output.logits)
-            return output if wants_dict(model, return_dict) else output.to_tuple()
-
-        # A method that acts before the LLM and again inside it (HoliTom's merge): the decoder's per-prefill
-        # state of the shortened prompt, as LLaVA's entry keeps it.
-        in_llm = spec.inner is not None
-
-        def start_language_state(call: dict[str, Any], *, starts_prefill: bool) -> Tensor | None:
-            """Set `handle.language_state` for this call (a prefill's new state, a decode step's, or none);
-            return the labels the call held when its prefill's loss is computed over what stays."""
-            cache = hf.cache_in(call)
-            filled = handle.cache_states.get(cache) if cache is not None else None
-            if starts_prefill and call.get("input_ids") is not None:
-                past, priors = self.turn_on_cache(cache, filled)
-                handle.language_state = self.step_state(spec.title, call["input_ids"], call.get("attention_mask"),
-                                                        past, priors)
-            elif filled is None:
-                self.turn_on_cache(cache, None)  # refuses a reduced cache it cannot follow
-                handle.language_state = None
-            else:
-                handle.language_state = filled
-                filled.decoding = True
-            state = handle.language_state
-            return call.pop("labels", None) if state is not None and not state.decoding else None
-
-        @functools.wraps(original_generate)
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            if args:
-                kwargs["input_ids"], args = args[0], args[1:]
-            check_call_options(model, kwargs, variant)
-            if kwargs.get("pixel_values") is None and kwargs.get("pixel_values_videos") is None:
-                return text_turn(*args, **kwargs)
-            prompt = kwargs.get("input_ids")
-            kwargs = prepare(kwargs, text_row=True)
-            try:
-                output = original_generate(*args, **kwargs)
-            finally:
-                generating.clear()
-            # generate ran the shortened prompt: give back the caller's own.
-            return restore_prompt(output, prompt, kwargs["input_ids"].shape[1])
-
-        def text_turn(*args: Any, **kwargs: Any) -> Any:
-            """generate without images: on a cache of earlier turns with images, the whole conversation
-            as this handle shortened it (the cache holds that), so that generate runs what follows."""
-            cache, prompt = hf.cache_in(kwargs), kwargs.get("input_ids")
-            past = int(cache.get_seq_length()) if cache is not None else 0
-            if past and prompt is not None and self.video_cut and bool((prompt == self.video_token_id).any()):
-                raise FicocoError(f"{method(variant).title} on {self.family_title}: a later turn on a video's cache is "
-                                  "not supported; run the whole conversation in one prompt")
-            if not past or prompt is None or not bool((prompt == self.image_token_id).any()):
-                return original_generate(*args, **kwargs)
-            kept, _ = self.cached_part(prompt == self.image_token_id, past)
-            for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
-                value = kwargs.get(key)
-                if isinstance(value, Tensor) and value.shape == prompt.shape:
-                    kwargs[key] = torch.gather(value, 1, kept.to(value.device))
-            return restore_prompt(original_generate(*args, **kwargs), prompt, kept.shape[1])
-
-        patches.set(model, "forward", forward)
-        patches.set(model, "generate", generate)
 
         def get_image_features(pixel_values: Tensor, image_grid_thw: Tensor | None = None, **kwargs: Any) -> Any:
-            # Called directly (not through forward/generate): split by what the tower kept.
             return_dict = kwargs.pop("return_dict", True)
             out = self.encode_images(pixel_values, image_grid_thw, **kwargs)
             return out if return_dict else out.to_tuple()
 
-        patches.set(inner, hf.IMAGE_ENCODER, get_image_features)
+        patches.set(hf.inner_model(self.model), hf.IMAGE_ENCODER, get_image_features)
+
+    def _encode_later_turn_images(self, kwargs: dict[str, Any]) -> None:
+        """FiCoCo-L's generate on a later turn's cache, with new images: transformers computes the
+        whole conversation's 3-D positions there, so it needs every image's `image_grid_thw`, and
+        takes the new images only encoded beforehand (`mm_encoder_outputs`; the tower would read
+        every grid against the new pixels). Given `pixel_values` of the new images and every
+        image's grid, encode the new ones with their own grids (in `kwargs`), as that form has it;
+        given the new images' grids alone, refuse at the call (transformers would stop inside)."""
+        cache, input_ids = hf.cache_in(kwargs), kwargs.get("input_ids")
+        grid, pixel_values = kwargs.get("image_grid_thw"), kwargs.get("pixel_values")
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        if not past or input_ids is None or grid is None or input_ids.shape[1] <= past:
+            return
+        batch = input_ids.shape[0]
+        every = span_lengths(input_ids == self.image_token_id)
+        new = span_lengths(input_ids[:, past:] == self.image_token_id)
+        images = len(new[0])
+        if grid.shape[0] != batch * len(every[0]) or any(len(row) != len(every[0]) for row in every):
+            raise FicocoError(f"FiCoCo-L on Qwen2-VL: image_grid_thw has {grid.shape[0]} rows for a conversation "
+                              f"of image spans {every}; on an earlier turn's cache give every image's grid, "
+                              "earlier turns' first (transformers' 3-D positions count them all)")
+        if pixel_values is not None and images:
+            new_grid = grid.view(batch, -1, 3)[:, len(every[0]) - images:].reshape(-1, 3)
+            if pixel_values.shape[0] != int(new_grid.prod(dim=-1).sum()):
+                raise FicocoError(f"FiCoCo-L on Qwen2-VL: pixel_values of {pixel_values.shape[0]} patches for this "
+                                  f"turn's images of grids {new_grid.tolist()}: give the images after what the "
+                                  "cache holds")
+            encoded = hf.encode_features(self.model, hf.IMAGE_ENCODER, kwargs.pop("pixel_values"), new_grid)
+            features = hf.ENCODED_FEATURES_KEYWORD
+            kwargs[features] = {**(kwargs.get(features) or {}), "image": encoded}
+
+    def _prepare(self, entry: Entry, call: dict[str, Any], *, text_row: bool) -> None:
+        """Encode the images, shorten the prompt and set its positions (in `call`)."""
+        if self.video_cut:
+            self._prepare_video(entry, call, text_row=text_row)
+            return
+        if call.get("pixel_values_videos") is not None:
+            raise FicocoError("FiCoCo-V on Qwen2-VL reduces images only; run videos with FiCoCo-L")
+        handle = entry.handle
+        pixel_values = call.pop("pixel_values", None)
+        input_ids = call.get("input_ids")
+        grid = call.get("image_grid_thw")
+        if input_ids is None or grid is None:
+            raise FicocoError("FiCoCo-V on Qwen2-VL needs input_ids and image_grid_thw with pixel_values "
+                              "(the image spans are shortened in input_ids)")
+        handle.begin_forward()
+        handle.prompt_ids = (input_ids, call.get("attention_mask"))  # a method that reads the instruction
+        cache = hf.cache_in(call)
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        if past:  # a later turn of a conversation whose earlier turns the cache holds
+            short, deltas, kept, encoded = self.continue_prompt(call, pixel_values, past, whole=text_row)
+        else:
+            encoded = self.encode_images(pixel_values, grid)
+            short, deltas, kept = self.shorten_prompt(input_ids, call.get("attention_mask"),
+                                                      call.get("mm_token_type_ids"), grid,
+                                                      self._tower.kept_groups, call.get("position_ids"))
+        self._finish(entry, call, short, deltas, kept, "image", encoded, text_row=text_row)
+
+    def _prepare_video(self, entry: Entry, call: dict[str, Any], *, text_row: bool) -> None:
+        """A video method's prompt: encode the videos (the cut runs in the tower's forward), shorten
+        every video span to the units it kept, at their unreduced 3-D positions."""
+        title = f"{entry.spec.title} on {self.family_title}"
+        if call.get("pixel_values") is not None:
+            raise FicocoError(f"{title} acts on a video's frames; an image is one frame: give the image as a "
+                              "video, or a method that reduces images")
+        pixel_values = call.pop("pixel_values_videos")
+        input_ids, grid = call.get("input_ids"), call.get("video_grid_thw")
+        if input_ids is None or grid is None:
+            raise FicocoError(f"{title} needs input_ids and video_grid_thw with pixel_values_videos (the video "
+                              "spans are shortened in input_ids)")
+        cache = hf.cache_in(call)
+        if cache is not None and int(cache.get_seq_length()):
+            raise FicocoError(f"{title}: a video on a later turn's cache is not supported; give the video in the "
+                              "conversation's first turn")
+        entry.handle.begin_forward()
+        entry.handle.prompt_ids = (input_ids, call.get("attention_mask"))
+        encoded = self.encode_images(pixel_values, grid)
+        short, deltas, kept = self.shorten_prompt(input_ids, call.get("attention_mask"),
+                                                  call.get("mm_token_type_ids"), grid, self._tower.kept_groups,
+                                                  call.get("position_ids"), video=True,
+                                                  second_per_grid_ts=call.get("second_per_grid_ts"))
+        self._finish(entry, call, short, deltas, kept, "video", encoded, text_row=text_row)
+
+    def _finish(self, entry: Entry, call: dict[str, Any], short: dict[str, Tensor | None], deltas: Tensor,
+                kept: Tensor, modality: str, encoded: Any, *, text_row: bool) -> None:
+        """Put the shortened prompt, its positions and the encoded features into `call`; the kept positions
+        go to the forward that runs it (generate's prefill runs later, inside generate)."""
+        input_ids = call["input_ids"]
+        if isinstance(call.get("labels"), Tensor) and call["labels"].shape == input_ids.shape:
+            short["labels"] = torch.gather(call["labels"], 1, kept.to(call["labels"].device))
+        entry.generating = (kept, input_ids.shape[1])
+        if text_row:
+            # generate keeps a 4th (first) row of plain text order for its masks and extends all
+            # four by one per new token; that row follows the shortened prompt.
+            mask = short["attention_mask"]
+            if mask is None:
+                text = torch.arange(short["input_ids"].shape[1], device=input_ids.device)
+                text = text.expand(short["input_ids"].shape[0], -1)
+            else:
+                text = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            short["position_ids"] = torch.cat([text[None].to(short["position_ids"]), short["position_ids"]])
+        call.update({k: v for k, v in short.items() if v is not None or k in call})
+        features = hf.ENCODED_FEATURES_KEYWORD
+        call[features] = {**(call.get(features) or {}), modality: encoded}
+        # Decode steps that come without position ids take them from here (and the cache length).
+        hf.set_rope_deltas(self.model, deltas)
+
+    def _text_turn(self, entry: Entry, kwargs: dict[str, Any]) -> bool:
+        """generate without images: on a cache of earlier turns with images, the whole conversation
+        as this handle shortened it (the cache holds that), so that generate runs what follows; True
+        when it shortened the prompt (in `kwargs`)."""
+        cache, prompt = hf.cache_in(kwargs), kwargs.get("input_ids")
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        if past and prompt is not None and self.video_cut and bool((prompt == self.video_token_id).any()):
+            raise FicocoError(f"{entry.spec.title} on {self.family_title}: a later turn on a video's cache is "
+                              "not supported; run the whole conversation in one prompt")
+        if not past or prompt is None or not bool((prompt == self.image_token_id).any()):
+            return False
+        kept, _ = self.cached_part(prompt == self.image_token_id, past)
+        for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+            value = kwargs.get(key)
+            if isinstance(value, Tensor) and value.shape == prompt.shape:
+                kwargs[key] = torch.gather(value, 1, kept.to(value.device))
+        return True
 
 
 def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> tuple[int, int]:

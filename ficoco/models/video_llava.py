@@ -87,23 +87,16 @@ class VideoLlavaAdapter(LlavaAdapter):
             return torch.zeros_like(input_ids, dtype=torch.bool)
         return input_ids == self.still_image_token_id
 
-    def patch_entry(self, handle: Handle, patches: Patches, variant: str, keep_per_image: int | None) -> None:
-        """As LLaVA's, with the span of a method acting before the LLM (FiCoCo-V, ToMe, VisionZip,
-        ...) shortened frame by frame.
-
-        `keep_per_image` (the accountant's visual tokens per video) is frames x (1 + kept
-        patches) for the profile's frame count; shortening per frame instead keeps every frame's
-        [CLS] and kept patches whatever the number of frames the input holds. An adaptive count
-        (None here) is measured per frame when the video is encoded.
-        """
-        from ficoco.methods.registry import method
-
-        keep_per_frame = None
-        if method(variant).per_item and keep_per_image is not None:
-            # [CLS] and the patches every frame keeps (merged tokens a method adds count too).
-            change = sum(r.added - r.remove for r in handle.schedule.removals if r.stage == "vision")
-            keep_per_frame = 1 + self.patches + change
-        super().patch_entry(handle, patches, variant, keep_per_frame)
+    def entry_keep(self, handle: Handle, spec: Any, keep_per_image: int | None) -> int | None:
+        """A method acting before the LLM (FiCoCo-V, ToMe, VisionZip, ...) shortens the video span frame by
+        frame: the accountant's count per video is frames x (1 + kept patches) for the profile's frame
+        count; per frame, every frame's [CLS] and kept patches stay whatever the number of frames the
+        input holds. An adaptive count (None) is measured per frame when the video is encoded."""
+        if not spec.per_item or keep_per_image is None:
+            return None
+        # [CLS] and the patches every frame keeps (merged tokens a method adds count too).
+        change = sum(r.added - r.remove for r in handle.schedule.removals if r.stage == "vision")
+        return 1 + self.patches + change
 
 
 def frames_of(model: nn.Module) -> int:
