@@ -23,9 +23,10 @@ family differs):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -39,11 +40,41 @@ if TYPE_CHECKING:
     from ficoco.models.handle import Handle
 
 
+@runtime_checkable
+class EntryHooks(Protocol):
+    """What a family's adapter gives the entry wrapper (LlavaAdapter has every default)."""
+
+    model: Any
+    pixel_inputs: tuple[str, ...]
+
+    def entry_keep(self, handle: Handle, spec: Any, keep_per_image: int | None) -> int | None: ...
+
+    def call_scope(self, call: dict[str, Any], *, generating: bool) -> contextlib.AbstractContextManager[None]: ...
+
+    def enter_forward(self, entry: Entry, call: dict[str, Any]) -> tuple[Tensor | None, bool]: ...
+
+    def enter_generate(self, entry: Entry, kwargs: dict[str, Any]) -> bool: ...
+
+    def after_forward(self, entry: Entry, call: dict[str, Any], output: Any, positions: Tensor | None) -> None: ...
+
+    def patch_encoders(self, entry: Entry, patches: Patches) -> None: ...
+
+    def language_state(self, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,
+                       prior_positions: dict[int, Tensor] | None = None) -> Any: ...
+
+    def step_state(self, title: str, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,
+                   prior_positions: dict[int, Tensor] | None = None) -> Any: ...
+
+    def turn_on_cache(self, cache: Any, state: Any) -> tuple[int, dict[int, Tensor]]: ...
+
+
 class Entry:
     """The wrapper of one handle: its method's settings and the state shared between generate and
     the forwards it makes."""
 
-    def __init__(self, adapter: Any, handle: Handle, spec: Any, keep_per_item: int | None) -> None:
+    def __init__(self, adapter: EntryHooks, handle: Handle, spec: Any, keep_per_item: int | None) -> None:
+        if not isinstance(adapter, EntryHooks):
+            raise TypeError(f"{type(adapter).__name__} does not offer the entry wrapper's hooks (EntryHooks)")
         self.adapter = adapter
         self.handle = handle
         self.spec = spec
