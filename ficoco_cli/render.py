@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ficoco.report.schemas import FLOPS_SCHEMA
+from ficoco_cli.flags import cli_message
 
 BYTE_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1.0))
 TIME_UNITS_MS = (("s", 1e3), ("ms", 1.0))
@@ -731,7 +732,7 @@ def fidelity_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"{_text(row.get('variant'))}: vanilla {texts['vanilla'][0]!r} vs reduced "
                          f"{texts['reduced'][0]!r}")
         if fidelity.get("note"):
-            notes.add(f"fidelity: {fidelity['note']}")
+            notes.add(f"fidelity: {cli_message(fidelity['note'])}")
     return lines + sorted(notes)
 
 
