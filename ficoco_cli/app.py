@@ -264,7 +264,8 @@ def flops_command(
     else:
         console.print(flops_table(report, unit, report["gpu"] is not None, wide))
     for entry in report["skipped"]:
-        console.print(f"left out {entry['variant']}: {entry['reason']}", markup=False, highlight=False)
+        console.print(f"left out {entry['variant']}: {cli_message(str(entry['reason']))}", markup=False,
+                      highlight=False)
     if per_layer:
         for row in report["rows"][:: len(quants)]:
             console.print(per_layer_table(row, unit))
@@ -388,7 +389,7 @@ def profile_command(
     if report is None:  # --dry-run: the plan and its estimate were printed
         return
     if not any(row.get("status") == "ok" for row in report["rows"]):
-        reasons = sorted({f"{row.get('status')}: {row.get('reason')}" for row in report["rows"]})
+        reasons = sorted({f"{row.get('status')}: {cli_message(str(row.get('reason')))}" for row in report["rows"]})
         err.print(f"error: no row was measured ({'; '.join(reasons)[:400]})", markup=False, highlight=False,
                   soft_wrap=True)
         raise typer.Exit(1)

@@ -59,7 +59,6 @@ FLAGS: dict[str, str] = {
     "max_memory": "--max-memory",
     "measure": "--measure",
     "samples": "--samples",
-    "executor": "--executor",
     "workers": "--workers",
     "gpus_per_point": "--gpus-per-point",
     "cpus_per_point": "--cpus-per-point",
@@ -79,7 +78,7 @@ FLAGS: dict[str, str] = {
 # key (`--set text_config.keep=`) or of a flag. What follows decides the form: a value
 # (`keep=64` -> `--keep 64`), True/False for a switch, or nothing (`keep=,` -> `--keep,`).
 _KEYWORD = re.compile(r"(?<![\w.\-=])(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")=(True|False)?"
-                      r"(?=([^\s,;:)\]]?))")
+                      r"(?=([^\s,;:/)\]]?))")
 _LIBRARY = Path(__file__).resolve().parent.parent / "ficoco"
 
 

@@ -53,7 +53,7 @@ def sweep_table(report: dict[str, Any]) -> Table:
 
         skipped.append(f"store {report.get('store')}: {Progress(**progress).line()}")
     if report.get("concurrency_note"):
-        skipped.append(f"note: {report['concurrency_note']}")
+        skipped.append(f"note: {cli_message(report['concurrency_note'])}")
     if skipped:
         table.caption = "\n".join(skipped)
         table.caption_justify = "left"

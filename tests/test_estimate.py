@@ -183,7 +183,7 @@ def test_given_runs_are_kept_and_generation_is_estimated():
     (row,) = estimate.rows
     assert (row.warmup, row.repeat) == (0, 2) and row.generation_runs == (0, 2)
     assert row.generation_s is not None and row.generation_s > row.prefill_s
-    assert estimate.runs_rule == "--warmup/--repeat"
+    assert estimate.runs_rule == "warmup=/repeat="
 
 
 def test_the_plans_dtype_and_memory_are_shown_when_it_has_them():

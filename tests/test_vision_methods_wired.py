@@ -326,7 +326,7 @@ def test_prumerge_adaptive_count_on_a_conversations_cache_is_refused_in_one_line
         for call in (turn, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}):  # a new image; text only
             with pytest.raises(FicocoError, match="adaptive count is measured per call") as info:
                 model.generate(**call, **cache_argument(output_cache(turn1)), **options)
-            assert "\n" not in str(info.value) and "--keep" in str(info.value)
+            assert "\n" not in str(info.value) and "keep=" in str(info.value)
         # Without a cache the turn is a prompt of its own: served.
         fresh = model.generate(**inputs(model, seed=24), **options)
     assert fresh.sequences.shape[1] == TEXT + PATCHES + NEW
