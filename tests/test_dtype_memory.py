@@ -360,7 +360,7 @@ def test_profile_rows_name_their_storage_and_compute_dtypes_and_why(tmp_path):
     for row in report["rows"]:
         backend = row["backend"]
         assert backend["compute_dtype"] == "float32"
-        assert backend["dtype_reason"].startswith("requested (--dtype fp32)")
+        assert backend["dtype_reason"].startswith("requested (dtype=fp32)")
         assert backend["storage_dtype"] == ("float32" if row["quant"] == "fp16" else "NF4 linears, float32 rest")
         assert row["weight_bytes"] == pytest.approx(row["analytic"]["weight_bytes"], rel=0.005)
         assert row["kv_cache_bytes"] == row["analytic"]["kv_cache_bytes"]  # a float32 cache, as counted

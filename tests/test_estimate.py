@@ -299,7 +299,7 @@ def test_the_time_rule_revises_a_rows_runs_from_its_first_run(monkeypatch):
     plan = plan_run(explicit)
     result = matrix.measure_row(model, plan.rows[0], explicit, plan)
     assert result["runs"]["repeat"] == 2  # --repeat wins over the rule
-    assert result["runs"]["chosen_by"].endswith("; --repeat as given")
+    assert result["runs"]["chosen_by"].endswith("; repeat= as given")
 
 
 def test_the_time_line_compares_the_estimate_with_the_measured_time():
