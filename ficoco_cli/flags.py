@@ -43,7 +43,7 @@ FLAGS: dict[str, str] = {
     "frames": "--frames",
     "per_layer": "--per-layer",
     "overrides": "--set",
-    "reference": "--reference",
+    "reference": "--no-reference",  # a switch the CLI has only in its negative form
     "new_tokens": "--new-tokens",
     "warmup": "--warmup",
     "repeat": "--repeat",
@@ -65,7 +65,6 @@ FLAGS: dict[str, str] = {
     "ray_address": "--ray-address",
     "slurm_partition": "--slurm-partition",
     "timeout_min": "--timeout-min",
-    "store": "--out",
     "tolerance_pct": "--tolerance",
     "tolerance_percent": "--tolerance",
     "judge": "--judge",
@@ -85,10 +84,11 @@ _LIBRARY = Path(__file__).resolve().parent.parent / "ficoco"
 def _flag(match: re.Match[str]) -> str:
     flag = FLAGS[match.group(1)]
     switch, following = match.group(2), match.group(3)
+    negative = flag.startswith("--no-")
     if switch == "True":
-        return flag
+        return "--" + flag[len("--no-"):] if negative else flag
     if switch == "False":
-        return flag if flag.startswith("--no-") else "--no-" + flag[2:]
+        return flag if negative else "--no-" + flag[2:]
     return f"{flag} " if following else flag
 
 
