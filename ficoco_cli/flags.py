@@ -81,7 +81,13 @@ _KEYWORD = re.compile(r"(?<![\w.\-=])(" + "|".join(sorted(FLAGS, key=len, revers
 _LIBRARY = Path(__file__).resolve().parent.parent / "ficoco"
 
 
+# The library quotes a model config's own keys as `config value image_size=336`: a key, not an option.
+_CONFIG_VALUE = "config value "
+
+
 def _flag(match: re.Match[str]) -> str:
+    if match.string.endswith(_CONFIG_VALUE, 0, match.start()):
+        return match.group(0)
     flag = FLAGS[match.group(1)]
     switch, following = match.group(2), match.group(3)
     negative = flag.startswith("--no-")

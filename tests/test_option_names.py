@@ -114,8 +114,9 @@ def test_every_keyword_in_the_table_is_a_library_parameter_and_every_flag_a_cli_
     ("device_map=cpu-offload max_memory=cpu=7152MiB", "--device-map cpu-offload --max-memory cpu=7152MiB"),
     ("fidelity=True compares rows; drop reference=False", "--fidelity compares rows; drop --no-reference"),
     ("chosen by warmup=/repeat=", "chosen by --warmup/--repeat"),
-    # Only whole keywords: not the tail of another name, a dotted key or a value.
-    *[(text, text) for text in ("foo_keep=3, text_config.keep=2, x=keep=1, hidden_size=0",)],
+    # Only whole keywords: not the tail of another name, a dotted key, a value or a config's own key.
+    *[(text, text) for text in ("foo_keep=3, text_config.keep=2, x=keep=1, hidden_size=0",
+                                "config value image_size='a' must be a whole number")],
 ])
 def test_cli_message_maps_whole_keywords_to_flags(library, command_line):
     assert cli_message(library) == command_line
