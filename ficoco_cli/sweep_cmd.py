@@ -153,7 +153,7 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
                             if on)
         say(f"{len(points)} point(s), {what}, each in its own process; results store {store.folder} "
             f"({f'resuming: {done} done' if resumed else 'new'}; rerun the same command to resume)")
-        say(executor.describe())
+        say(cli_message(executor.describe()))
 
         def on_tick() -> None:
             changed = False

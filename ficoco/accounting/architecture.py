@@ -246,7 +246,7 @@ def _clip_tower(vcfg: dict[str, Any], defaults: dict[str, Any], feature_layer: A
     size = image_px or _get(vcfg, "image_size", defaults)
     grid = size // patch
     if grid < 1:
-        raise FicocoError(f"config value vision_config.image_size={size} is smaller than patch_size={patch}: no patch fits")
+        raise FicocoError(f"config value image_size={size} is smaller than patch_size={patch}: no patch fits")
     return VisionTower(
         kind="clip", layers=layers, hidden=_get(vcfg, "hidden_size", defaults),
         ffn=_get(vcfg, "intermediate_size", defaults), heads=_get(vcfg, "num_attention_heads", defaults),
@@ -265,7 +265,7 @@ def _siglip_tower(vcfg: dict[str, Any], feature_layer: Any, *, items: int) -> Vi
     patch, size = _get(vcfg, "patch_size", d), _get(vcfg, "image_size", d)
     grid = size // patch
     if grid < 1:
-        raise FicocoError(f"config value vision_config.image_size={size} is smaller than patch_size={patch}: no patch fits")
+        raise FicocoError(f"config value image_size={size} is smaller than patch_size={patch}: no patch fits")
     if vcfg.get("vision_use_head"):
         raise FicocoError("vision_config.vision_use_head=true: LLaVA-OneVision's SigLIP runs without the pooling "
                           "head (its output is never read); set it to false")
