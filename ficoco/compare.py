@@ -271,9 +271,9 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
     shown as not judged. Measured metrics are judged only when both reports name the same
     processor, or with `cross_machine`; a failed row is judged in every case."""
     if not (math.isfinite(tolerance_pct) and tolerance_pct >= 0):  # nan judges every change, inf none
-        raise FicocoError(f"--tolerance {tolerance_pct:g}: give a finite percentage of at least 0")
+        raise FicocoError(f"tolerance_pct={tolerance_pct:g}: give a finite percentage of at least 0")
     if judge not in JUDGE_CHOICES:
-        raise FicocoError(f"unknown --judge '{judge}': choose from {', '.join(JUDGE_CHOICES)}")
+        raise FicocoError(f"unknown judge='{judge}': choose from {', '.join(JUDGE_CHOICES)}")
     result = Comparison()
     base_env, new_env = base.get("environment", {}), new.get("environment", {})
     differs = [f"{k}: {base_env.get(k)} -> {new_env.get(k)}" for k in ENVIRONMENT_KEYS
@@ -284,11 +284,12 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
     timed_refused = ""
     if not same and judge != "deterministic":
         if cross_machine:
-            result.warnings.append(f"timed metrics judged across processors, as asked (--cross-machine): {processors}")
+            result.warnings.append(f"timed metrics judged across processors, as asked (cross_machine=True): "
+                                   f"{processors}")
         else:
             timed_refused = "processors differ or are unknown: see the warning"
             result.warnings.append(f"timed metrics not judged: {processors}; a speedup moves with the processor "
-                                   "(bf16 with AMX or AVX2 alone) as much as with the code; --cross-machine judges "
+                                   "(bf16 with AMX or AVX2 alone) as much as with the code; cross_machine=True judges "
                                    "them anyway")
     base_all = {fingerprint(r): r for r in base["rows"]}
     new_all = {fingerprint(r): r for r in new["rows"]}
@@ -333,20 +334,20 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
             if metric.kind == "fidelity":
                 verdict, detail = _judge_fidelity(metric, b, n, change, worse, tolerance, judge)
             elif metric.kind == "deterministic" and judge == "timed":
-                verdict, detail = "not judged", "--judge timed: deterministic metrics not judged"
+                verdict, detail = "not judged", "judge=timed: deterministic metrics not judged"
             elif metric.kind == "deterministic":
                 moved = abs(change) > DETERMINISTIC_TOLERANCE
                 verdict = "ok" if not moved else ("regression" if worse else "improvement")
                 detail = "deterministic: any change beyond 0.1% counts"
             elif judge == "deterministic":
-                verdict, detail = "not judged", "--judge deterministic: timed metrics not judged"
+                verdict, detail = "not judged", "judge=deterministic: timed metrics not judged"
             elif timed_refused:
                 verdict, detail = "not judged", timed_refused
             elif metric.kind == "ratio" or absolute:
                 verdict, detail = _judge_timed(metric, b_row, n_row, base_rows, new_rows, key, change, worse,
                                                tolerance)
             else:
-                verdict, detail = "not judged", "absolute figure: judged only with --absolute"
+                verdict, detail = "not judged", "absolute figure: judged only with absolute=True"
             result.verdicts.append(Verdict(name, metric.name, metric.kind, b, n, change, verdict, detail))
     return result
 
@@ -355,7 +356,7 @@ def _judge_fidelity(metric: Metric, base: float, new: float, change: float, wors
                     judge: str) -> tuple[str, str]:
     """Agreements move in points of a share; KL divergence relative to base, above a floor."""
     if judge == "timed":
-        return "not judged", "--judge timed: fidelity not judged"
+        return "not judged", "judge=timed: fidelity not judged"
     if metric.better == HIGHER:
         moved, rule = abs(change) > tolerance, f"{tolerance * 100:g} points"
     else:

@@ -153,7 +153,7 @@ def latency_figure(report: dict[str, Any]) -> Figure:
     latency scaled by the FLOPs ratio; the roofline where the report has it (a known GPU)."""
     points = [p for p in points_of(report) if _measured_ok(p)]
     if not points:
-        raise FicocoError("the report has no measured points: run ficoco sweep with --measure (or ficoco profile)")
+        raise FicocoError("the report has no measured points: run the sweep with measure=True (or a profile)")
     quants = list(dict.fromkeys(p["quant"] for p in points))
     figure, axes = _new_figure(len(quants), sharey=False)
     for ax, quant in zip(axes, quants, strict=True):
@@ -196,7 +196,7 @@ def fidelity_figure(report: dict[str, Any]) -> Figure:
     points = [p for p in points_of(report) if isinstance(p.get("fidelity"), dict)
               and finite(p["fidelity"].get("kl_divergence"))]
     if not points:
-        raise FicocoError("the report has no fidelity figures: run ficoco sweep with --fidelity")
+        raise FicocoError("the report has no fidelity figures: run the sweep with fidelity=True")
     quant = _first_quant(points)
     points = [p for p in points if p["quant"] == quant]
     figure, (agreement_ax, kl_ax) = _new_figure(2)
@@ -264,7 +264,7 @@ def save_figure(figure: Figure, folder: str | Path, name: str, formats: tuple[st
     return written
 
 
-def check_plot_folder(path: str, option: str = "--plot") -> None:
+def check_plot_folder(path: str, option: str = "the figures' folder") -> None:
     """A folder the figures can be written into (created if its parent exists), checked before any work."""
     folder = Path(path).expanduser()
     if not path.strip():
@@ -369,7 +369,7 @@ def token_figure(show: dict[str, Any], layer: int | None = None) -> Figure:
         chosen = [s for s in steps if s["layer"] == layer]
         if not chosen:
             layers = ", ".join(str(s["layer"]) for s in steps) or "none"
-            raise FicocoError(f"--layer {layer} does not reduce in this schedule; reducing layers: {layers}")
+            raise FicocoError(f"layer={layer} does not reduce in this schedule; reducing layers: {layers}")
         rows = chosen
     else:
         rows = [*steps, show["end"]]

@@ -87,17 +87,17 @@ def load_profile(model: str, overrides: list[str] | dict[str, Any] | None = None
     path = Path(model).expanduser()
     hint = f"give a profile name ({', '.join(list_profiles())}), a config.json or a checkout folder"
     if not model.strip():
-        raise FicocoError(f"--model is empty; {hint}")
+        raise FicocoError(f"model= is empty; {hint}")
     if (PROFILES_DIR / f"{model}.json").is_file() and os.sep not in model:
         path, name = PROFILES_DIR / f"{model}.json", model
     elif path.is_dir():
         if not (path / "config.json").is_file():
-            raise FicocoError(f"--model {model} is a folder without a config.json; give a model checkout folder")
+            raise FicocoError(f"model={model} is a folder without a config.json; give a model checkout folder")
         path, name = path / "config.json", path.name
     elif path.is_file():
         name = path.parent.name if path.name == "config.json" else path.stem
     else:
-        raise FicocoError(f"unknown --model '{model}': {hint}")
+        raise FicocoError(f"unknown model='{model}': {hint}")
     data = _read_json(path)
     defaults = data.pop("ficoco", None)
     model_type = data.get("model_type")
@@ -128,7 +128,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise FicocoError(f"--set '{item}' is not KEY=VALUE (e.g. --set text_config.num_hidden_layers=4)")
+            raise FicocoError(f"overrides='{item}' is not KEY=VALUE (e.g. overrides=text_config.num_hidden_layers=4)")
         try:
             value = json.loads(raw)
         except ValueError:  # not JSON (or an integer too long for Python to read): the text itself
@@ -139,7 +139,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def _shown(key: str, value: Any) -> str:
-    return f"--set {key}={value if isinstance(value, str) else json.dumps(value)}"
+    return f"overrides={key}={value if isinstance(value, str) else json.dumps(value)}"
 
 
 def _check_override(key: str, value: Any) -> None:
@@ -149,7 +149,7 @@ def _check_override(key: str, value: Any) -> None:
         raise FicocoError(f"{_shown(key, value)}: KEY must be dotted config names (e.g. text_config.hidden_size)")
     if key in _FIXED_KEYS:
         raise FicocoError(f"{_shown(key, value)}: {key} chooses the model family; give a config of that family "
-                          "with --model instead")
+                          "with model= instead")
     if parts == ["ficoco"]:
         raise FicocoError(f"{_shown(key, value)}: set a key inside the ficoco section (e.g. ficoco.text_tokens=32)")
     if not _finite(value):
@@ -234,19 +234,19 @@ def set_layout(profile: Profile, *, image_size: tuple[int, int] | None = None, f
     that the accountant, the built model and `apply` all plan for the same input."""
     if image_size is not None:
         if profile.family not in ("llava_next", "qwen2_vl", "qwen2_5_vl", "llava_onevision"):
-            raise FicocoError(f"--image-size applies to llava_next, qwen2_vl, qwen2_5_vl and llava_onevision models, "
+            raise FicocoError(f"image_size= applies to llava_next, qwen2_vl, qwen2_5_vl and llava_onevision models, "
                               f"not {profile.family}")
         if frames is not None and profile.family == "llava_onevision":
-            raise FicocoError("give --image-size (an image) or --frames (a video) for llava_onevision, not both")
+            raise FicocoError("give image_size= (an image) or frames= (a video) for llava_onevision, not both")
         profile.defaults["image_size"] = [int(image_size[0]), int(image_size[1])]
         if profile.family == "llava_onevision":
             profile.defaults.pop("frames", None)  # an image now, not the video an earlier layout set
     if frames is not None:
         if profile.family not in ("video_llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl"):
-            raise FicocoError(f"--frames applies to video_llava, llava_onevision, qwen2_vl and qwen2_5_vl models, "
+            raise FicocoError(f"frames= applies to video_llava, llava_onevision, qwen2_vl and qwen2_5_vl models, "
                               f"not {profile.family}")
         if frames < 1:
-            raise FicocoError(f"--frames {frames} must be at least 1")
+            raise FicocoError(f"frames={frames} must be at least 1")
         profile.defaults["frames"] = int(frames)
 
 

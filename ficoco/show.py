@@ -162,7 +162,7 @@ def picture_inputs(model: nn.Module, layout: Layout, image: str | None, *, weigh
         with Image.open(image) as opened:
             picture = opened.convert("RGB")
     except (OSError, UnidentifiedImageError) as exc:
-        raise FicocoError(f"--image {image}: cannot read it as an image ({exc})") from None
+        raise FicocoError(f"image={image}: cannot read it as an image ({exc})") from None
     mean, std = _normalisation(weights)
     vision = model.config.vision_config
     if layout.family in ("llava", "video_llava"):

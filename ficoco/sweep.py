@@ -64,10 +64,10 @@ class SweepConfig:
 
     def __post_init__(self) -> None:
         if bool(self.keep) == bool(self.tflops):
-            raise FicocoError("give the points as --keep N,N,... or --tflops X,X,... (one of them)")
+            raise FicocoError("give the points as keep=N,N,... or tflops=X,X,... (one of them)")
         for variant in self.variants:
             if variant not in acc.VARIANTS:
-                raise FicocoError(f"unknown --variant '{variant}': choose from {', '.join(acc.VARIANTS)}")
+                raise FicocoError(f"unknown variant '{variant}' in variants=: choose from {', '.join(acc.VARIANTS)}")
 
     @property
     def budgets(self) -> list[dict[str, float]]:
@@ -326,7 +326,7 @@ def read_report_any(path: str) -> dict[str, Any]:
     if str(path).strip() and Path(path).expanduser().is_dir():
         if not SweepStore.is_store(path):
             raise FicocoError(f"{path} is a folder but not a sweep's results store (no manifest.json); give a "
-                              "report file or the folder a sweep's --out wrote")
+                              "report file or a sweep's store folder")
         return SweepStore(path).report()
 
     try:

@@ -48,13 +48,13 @@ class ExecutorOptions:
 
     def __post_init__(self) -> None:
         if self.name not in EXECUTORS:
-            raise FicocoError(f"unknown --executor '{self.name}': choose from {', '.join(EXECUTORS)}")
+            raise FicocoError(f"unknown executor '{self.name}': choose from {', '.join(EXECUTORS)}")
         if self.name != "ray" and self.ray_address is not None:
-            raise FicocoError("--ray-address applies to --executor ray")
+            raise FicocoError("ray_address= applies to the ray executor")
         if self.name != "slurm" and (self.slurm_partition is not None or self.timeout_min is not None):
-            raise FicocoError("--slurm-partition and --timeout-min apply to --executor slurm")
+            raise FicocoError("slurm_partition= and timeout_min= apply to the slurm executor")
         if self.name == "local" and (self.gpus_per_point is not None or self.cpus_per_point is not None):
-            raise FicocoError("--gpus-per-point and --cpus-per-point apply to --executor ray or slurm (the local "
+            raise FicocoError("gpus_per_point= and cpus_per_point= apply to the ray or slurm executor (the local "
                               "pool gives each worker one GPU, or its share of the cores)")
 
 
@@ -113,8 +113,8 @@ class LocalExecutor:
         self.gpus = _visible_gpus() if options.device in ("auto", "cuda") else 0
         self.whole_machine = options.whole_machine
         if self.whole_machine and (options.workers or 1) > 1:
-            raise FicocoError("--device-map splits each point's model over all of this machine's devices: the local "
-                              "pool runs one point at a time (drop --workers, or run on Ray or Slurm)")
+            raise FicocoError("device_map= splits each point's model over all of this machine's devices: the local "
+                              "pool runs one point at a time (drop workers=, or run on Ray or Slurm)")
         self.parallel = 1 if self.whole_machine else options.workers or max(1, self.gpus)
         self.threads = max(1, (os.cpu_count() or 1) // self.parallel)
         self.shares_cpu = not self.gpus and self.parallel > 1
@@ -124,7 +124,7 @@ class LocalExecutor:
     def describe(self) -> str:
         where = f"{self.gpus} GPU(s), one each" if self.gpus else f"{self.threads} CPU thread(s) each"
         if self.whole_machine:
-            where = "each point's model split over this machine's devices (--device-map), one point at a time"
+            where = "each point's model split over this machine's devices (device_map=), one point at a time"
         return f"local pool: {self.parallel} worker process(es), {where}"
 
     def _run_one(self, store: SweepStore, key: str, lanes: queue.Queue) -> None:
@@ -184,7 +184,7 @@ class RayExecutor:
         try:
             import ray  # noqa: F401
         except ImportError:
-            raise FicocoError("--executor ray needs Ray: pip install 'ficoco[ray]'") from None
+            raise FicocoError("the ray executor needs Ray: pip install 'ficoco[ray]'") from None
         self.options = options
         self.parallel = options.workers or 1
         self.shares_cpu = False  # known once connected: CPU tasks, several at once
@@ -207,8 +207,8 @@ class RayExecutor:
         try:
             ray.init(address=self.options.ray_address, **kwargs)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise FicocoError(f"--ray-address {self.options.ray_address}: cannot connect ({_first_line(exc)}); start "
-                              "the cluster (ray start --head) or leave --ray-address out for a local one") from None
+            raise FicocoError(f"ray_address={self.options.ray_address}: cannot connect ({_first_line(exc)}); start "
+                              "the cluster (ray start --head) or leave ray_address= out for a local one") from None
         return True
 
     def _resources(self) -> tuple[float, int]:
@@ -264,13 +264,13 @@ def _check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
     where = address.removeprefix("ray://")
     host, _, port = where.rpartition(":")
     if not host or not port.isdigit():
-        raise FicocoError(f"--ray-address {address}: give HOST:PORT (the head's GCS port, 6379 by default), "
+        raise FicocoError(f"ray_address={address}: give HOST:PORT (the head's GCS port, 6379 by default), "
                           "ray://HOST:10001 or auto")
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as exc:
-        raise FicocoError(f"--ray-address {address}: nothing answers there ({exc.strerror or exc}); start the "
-                          "cluster (ray start --head) or leave --ray-address out for a local one") from None
+        raise FicocoError(f"ray_address={address}: nothing answers there ({exc.strerror or exc}); start the "
+                          "cluster (ray start --head) or leave ray_address= out for a local one") from None
 
 
 class SlurmExecutor:
@@ -284,7 +284,7 @@ class SlurmExecutor:
         try:
             import submitit
         except ImportError:
-            raise FicocoError("--executor slurm needs submitit: pip install 'ficoco[slurm]'") from None
+            raise FicocoError("the slurm executor needs submitit: pip install 'ficoco[slurm]'") from None
         self.options = options
         self.cluster = submitit.AutoExecutor.which()
         self.parallel = options.workers or 1

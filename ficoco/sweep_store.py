@@ -172,26 +172,26 @@ class SweepStore:
         resumes. A folder holding another sweep, or something else, is refused in one line."""
         config_json = json.loads(json.dumps(config_json))  # as the manifest reads back: tuples become lists
         if self.folder.exists() and not self.folder.is_dir():
-            raise FicocoError(f"--out {self.folder} is a file; give a folder for the sweep's results")
+            raise FicocoError(f"the store folder {self.folder} is a file; give a folder for the sweep's results")
         manifest = _read_json(self.manifest_path)
         if manifest is not None:
             if manifest.get("schema") != STORE_SCHEMA:
-                raise FicocoError(f"--out {self.folder} holds a store of schema '{manifest.get('schema')}'; this "
-                                  f"ficoco writes '{STORE_SCHEMA}': give another --out")
+                raise FicocoError(f"the store {self.folder} holds a store of schema '{manifest.get('schema')}'; this "
+                                  f"ficoco writes '{STORE_SCHEMA}': give another store folder")
             if manifest.get("config") != config_json:
                 changed = sorted(k for k in set(config_json) | set(manifest.get("config") or {})
                                  if (manifest.get("config") or {}).get(k) != config_json.get(k))
-                raise FicocoError(f"--out {self.folder} holds another sweep (differs in {', '.join(changed)}); rerun "
-                                  "that sweep's command to resume it, or give another --out")
+                raise FicocoError(f"the store {self.folder} holds another sweep (differs in {', '.join(changed)}); "
+                                  "rerun that sweep's command to resume it, or give another store folder")
             return True
         if self.folder.is_dir() and any(self.folder.iterdir()):
-            raise FicocoError(f"--out {self.folder} is a folder that is not a sweep's store and is not empty; "
+            raise FicocoError(f"the store folder {self.folder} is not a sweep's store and is not empty; "
                               "give a new or empty folder")
         try:
             for sub in ("points", "running", "logs"):
                 (self.folder / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise FicocoError(f"--out {self.folder}: cannot create it ({exc.strerror or exc})") from None
+            raise FicocoError(f"the store folder {self.folder}: cannot create it ({exc.strerror or exc})") from None
         write_json_atomic(str(self.manifest_path), {"schema": STORE_SCHEMA, "config": config_json, "keys": keys,
                                                     "plan": plan_report})
         return False
@@ -336,7 +336,7 @@ class SweepStore:
             report["concurrency_note"] = (
                 f"{shared[-1].get('parallel')} points ran at once on the CPU ({shared[-1].get('executor')} executor): "
                 "their timings share cores and memory bandwidth; for timings to compare, run one point at a time "
-                "(--workers 1)")
+                "(workers=1)")
         _add_point_comparisons(report["points"])
         report["store"] = str(self.folder)
         report["progress"] = self.progress().to_json()

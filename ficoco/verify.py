@@ -606,9 +606,9 @@ def check_supported(profile: Profile) -> None:
 
     if profile.family not in supported_families():
         raise FicocoError(
-            f"--verify is not supported yet for the {profile.family} family ({profile.name}): FiCoCo runs "
-            f"inside {', '.join(supported_families())} models only so far; "
-            "the analytic count without --verify works for every family")
+            f"the traced count (verify) is not supported yet for the {profile.family} family ({profile.name}): "
+            f"FiCoCo runs inside {', '.join(supported_families())} models only so far; "
+            "the analytic count (ficoco.flops) works for every family")
 
 
 def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text_tokens: int, batch: int = 1,
@@ -682,9 +682,9 @@ def verify(profile: Profile, schedules: list[Schedule], *, text_tokens: int | No
 
     check_supported(profile)
     if tolerance_percent < 0:
-        raise FicocoError(f"--tolerance {tolerance_percent:g} must not be negative")
+        raise FicocoError(f"tolerance_percent={tolerance_percent:g} must not be negative")
     if batch < 1:
-        raise FicocoError(f"--batch {batch} must be at least 1")
+        raise FicocoError(f"batch={batch} must be at least 1")
     arch = architecture(profile)
     text = arch.text_tokens if text_tokens is None else text_tokens
     storage, reason = None, None

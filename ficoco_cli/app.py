@@ -24,6 +24,7 @@ from ficoco.methods.registry import METHODS, PRESETS, VARIANTS
 from ficoco.sweep_exec import EXECUTORS
 from ficoco.versions import package_versions, report_environment
 from ficoco_cli import options as check
+from ficoco_cli.flags import cli_message, error_text
 from ficoco_cli.options import parse_image_size, split_list
 from ficoco_cli.report_cmd import FORMATS, REPORT_FORMATS
 
@@ -263,7 +264,8 @@ def flops_command(
     else:
         console.print(flops_table(report, unit, report["gpu"] is not None, wide))
     for entry in report["skipped"]:
-        console.print(f"left out {entry['variant']}: {entry['reason']}", markup=False, highlight=False)
+        console.print(f"left out {entry['variant']}: {cli_message(str(entry['reason']))}", markup=False,
+                      highlight=False)
     if per_layer:
         for row in report["rows"][:: len(quants)]:
             console.print(per_layer_table(row, unit))
@@ -387,7 +389,7 @@ def profile_command(
     if report is None:  # --dry-run: the plan and its estimate were printed
         return
     if not any(row.get("status") == "ok" for row in report["rows"]):
-        reasons = sorted({f"{row.get('status')}: {row.get('reason')}" for row in report["rows"]})
+        reasons = sorted({f"{row.get('status')}: {cli_message(str(row.get('reason')))}" for row in report["rows"]})
         err.print(f"error: no row was measured ({'; '.join(reasons)[:400]})", markup=False, highlight=False,
                   soft_wrap=True)
         raise typer.Exit(1)
@@ -421,7 +423,7 @@ def compare_command(
     result = compare(read_report(base), read_report(new), tolerance_pct=tolerance, absolute=absolute, judge=judge,
                      cross_machine=cross_machine)
     for warning in result.warnings:
-        err.print(f"warning: {warning}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"warning: {cli_message(warning)}", markup=False, highlight=False, soft_wrap=True)
     for side, rows in (("base", result.only_base), ("new", result.only_new)):
         if rows:
             err.print(f"only in {side}: {', '.join(rows)}", markup=False, highlight=False, soft_wrap=True)
@@ -670,7 +672,7 @@ def main() -> None:
         rc = app(standalone_mode=False)
     except FicocoError as exc:
         # One line even when the message quotes a value with a line break in it.
-        message = " ".join(str(exc).replace("\r", "\n").split("\n"))
+        message = " ".join(error_text(exc).replace("\r", "\n").split("\n"))
         err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except usage_errors as exc:

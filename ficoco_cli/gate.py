@@ -49,6 +49,7 @@ from ficoco.compare import (
     vanilla_of,
 )
 from ficoco.errors import FicocoError
+from ficoco_cli.flags import cli_message, error_text
 
 REFERENCE = "reports/llava-tiny-cpu.json"
 # The reference's own rows (reports/README.md), on the CPU. More timed runs than the reference's 7:
@@ -169,7 +170,7 @@ def run_profile(code: Path, json_path: Path, *, side: str, round_: int, environ:
     try:
         return Run(side, round_, seconds, read_report(json_path))
     except FicocoError as exc:
-        return Run(side, round_, seconds, None, str(exc))
+        return Run(side, round_, seconds, None, error_text(exc))
 
 
 def _deterministic(row: dict[str, Any]) -> dict[str, Any]:
@@ -294,7 +295,7 @@ def run_gate(root: Path, out: Path, *, reference: Path | None = None, base_overr
         try:
             base_report = combine(sides["base"])
         except FicocoError as exc:
-            result.pair_skipped = f"the base's runs cannot be combined ({exc})"
+            result.pair_skipped = f"the base's runs cannot be combined ({error_text(exc)})"
         else:
             _same_machine(base_report, new, base)
             _write(out / "base.json", base_report)
@@ -370,21 +371,21 @@ def render(result: GateResult) -> str:
         bad = [v for v in judged if v.verdict not in ("ok", "not judged")]
         lines.append(f"deterministic figures against the committed reference: {len(judged)} judged, "
                      f"{len(result.reference.regressions)} regression(s)")
-        lines += [f"  {v.verdict}: {v.metric} ({v.row}) {v.base} -> {v.new}: {v.detail}" for v in bad]
-        lines += [f"  warning: {w}" for w in result.reference.warnings]
+        lines += [f"  {v.verdict}: {v.metric} ({v.row}) {v.base} -> {v.new}: {cli_message(v.detail)}" for v in bad]
+        lines += [f"  warning: {cli_message(w)}" for w in result.reference.warnings]
     if result.pair is not None:
         lines.append(f"timed ratios, base against new on this machine: {len(result.pair.regressions)} regression(s)")
         lines.append(f"  {'row':44} {'base':>8} {'new':>8} {'change':>8}  verdict")
         for s in speedups(result.pair):
             change = "-" if s["change"] is None else f"{s['change'] * 100:+.1f}%"
             lines.append(f"  {s['row']:44} {s['base'] or 0:8.3f} {s['new'] or 0:8.3f} {change:>8}  "
-                         f"{s['verdict']} ({s['detail']})")
+                         f"{s['verdict']} ({cli_message(s['detail'])})")
         # Deterministic figures are the reference's to judge; a row that failed is shown here too.
         others = [v for v in result.pair.verdicts if v.metric != "speedup_vs_vanilla"
                   and (v.kind != "deterministic" or v.metric == "status")
                   and v.verdict in ("regression", "noise", "missing")]
-        lines += [f"  {v.verdict}: {v.metric} ({v.row}): {v.detail}" for v in others]
-        lines += [f"  warning: {w}" for w in result.pair.warnings]
+        lines += [f"  {v.verdict}: {v.metric} ({v.row}): {cli_message(v.detail)}" for v in others]
+        lines += [f"  warning: {cli_message(w)}" for w in result.pair.warnings]
     if result.pair_skipped:
         lines.append(f"timed ratios NOT judged: {result.pair_skipped}")
     lines += [f"failure: {f}" for f in result.failures]
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                           base_override=args.base or os.environ.get(BASE_VARIABLE), rounds=args.rounds,
                           tolerance_pct=args.tolerance)
     except FicocoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {error_text(exc)}", file=sys.stderr)
         return 2
     print(render(result))
     print(f"gate: every run's report and both comparisons are in {out}")

@@ -16,6 +16,7 @@ from rich.text import Text
 from ficoco.profiling.estimate import Eta, RunEstimate
 from ficoco.profiling.matrix import BUILD_STEP, Phase, Plan, RowSpec
 from ficoco.report import ProfilePlan, write_json_atomic
+from ficoco_cli.flags import cli_message
 from ficoco_cli.render import fmt_duration, print_profile
 
 # In a log, a step's line is printed when the kind of step changes (build, warm-up, timed runs,
@@ -167,7 +168,7 @@ def run_and_report(settings: dict[str, Any], json_path: str | None, console: Con
             plan, estimate = planned.plan, planned.estimate
             held["report"] = planned.report
             for note in plan.notes:
-                console.print(note, markup=False, highlight=False, soft_wrap=True)
+                console.print(cli_message(note), markup=False, highlight=False, soft_wrap=True)
             if not dry_run:
                 console.print(device_line(planned.report["environment"], plan), markup=False, highlight=False,
                               soft_wrap=True)

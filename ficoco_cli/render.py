@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ficoco.report.schemas import FLOPS_SCHEMA
+from ficoco_cli.flags import cli_message
 
 BYTE_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("B", 1.0))
 TIME_UNITS_MS = (("s", 1e3), ("ms", 1.0))
@@ -307,7 +308,7 @@ def methods_table(rows: list[dict[str, Any]]) -> Table:
     for r in rows:
         defaults = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in r["hyperparameters"].items())
         where = f"{r['acts_at'].replace('_', ' ')} ({r['placement'].replace('_', ' ')})"
-        table.add_row(r["name"], r["title"], where, r["positions"], defaults, r["keep_means"],
+        table.add_row(r["name"], r["title"], where, r["positions"], defaults, cli_message(r["keep_means"]),
                       ", ".join(r["families"]), "yes" if r["wired"] else "flops only")
     return table
 
@@ -572,7 +573,7 @@ def _caveats(row: dict[str, Any], base: dict[str, Any] | None, config: dict[str,
         # Said whenever the dtypes are not the plain float16 that an fp16 row's name suggests.
         if row.get("quant") != "fp16" or dtype != "float16" or storage != "float16":
             stored = f", weights stored as {storage}" if storage and storage != dtype else ""
-            caveats.append(f"computed in {dtype}{stored}: {reason}")
+            caveats.append(f"computed in {dtype}{stored}: {cli_message(reason)}")
     elif row.get("quant") == "fp16" and dtype not in (None, "float16"):
         caveats.append(f"computed in {dtype}, not float16, for speed"
                        + (" on CPU" if row.get("device_kind") == "cpu" else ""))
@@ -586,7 +587,7 @@ def _row_verdict(row: dict[str, Any], base: dict[str, Any] | None, config: dict[
     tflops = _get(row, "analytic", "tflops")
     facts = [f"{_text(tokens)} visual tokens"]
     if row.get("status") != "ok":
-        reason = row.get("reason") or "no reason recorded"
+        reason = cli_message(str(row.get("reason"))) if row.get("reason") else "no reason recorded"
         analytic = [f"{fmt_num(tflops)} TFLOPs"] if _is_number(tflops) else []
         if _is_number(kv := _get(row, "analytic", "kv_cache_bytes")):
             analytic.append(f"KV cache {_bytes_words(kv)}")
@@ -731,7 +732,7 @@ def fidelity_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"{_text(row.get('variant'))}: vanilla {texts['vanilla'][0]!r} vs reduced "
                          f"{texts['reduced'][0]!r}")
         if fidelity.get("note"):
-            notes.add(f"fidelity: {fidelity['note']}")
+            notes.add(f"fidelity: {cli_message(fidelity['note'])}")
     return lines + sorted(notes)
 
 

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ficoco.compare import Comparison
 from ficoco.errors import FicocoError
+from ficoco_cli.flags import cli_message
 from ficoco_cli.render import fmt_bytes, markdown_table
 
 FORMATS = ("table", "markdown", "json")
@@ -47,7 +48,7 @@ def _units() -> dict[str, str]:
 def comparison_rows(result: Comparison) -> list[list[str]]:
     units = _units()
     return [[v.row, v.metric, v.kind, _value(v.base, units.get(v.metric, "")),
-             _value(v.new, units.get(v.metric, "")), _change(v.change), v.verdict, v.detail]
+             _value(v.new, units.get(v.metric, "")), _change(v.change), v.verdict, cli_message(v.detail)]
             for v in result.verdicts]
 
 
@@ -67,7 +68,7 @@ def comparison_table(result: Comparison) -> Table:
 
 def comparison_markdown(result: Comparison) -> str:
     parts = [f"### ficoco compare: {len(result.regressions)} regression(s)\n"]
-    parts += [f"> warning: {w}\n" for w in result.warnings]
+    parts += [f"> warning: {cli_message(w)}\n" for w in result.warnings]
     if result.only_base:
         parts.append("Only in base: " + ", ".join(result.only_base) + "\n")
     if result.only_new:

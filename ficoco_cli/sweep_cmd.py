@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ficoco.errors import FicocoError
+from ficoco_cli.flags import cli_message
 
 
 def sweep_table(report: dict[str, Any]) -> Table:
@@ -42,16 +43,17 @@ def sweep_table(report: dict[str, Any]) -> Table:
     for entry in report.get("skipped") or []:
         budget = ", ".join(f"{k} {v:g}" for k, v in (entry.get("budget") or {}).items())
         skipped.append(f"skipped {entry.get('variant')} {entry.get('quant')}{' ' + budget if budget else ''}: "
-                       f"{entry.get('reason')}")
+                       f"{cli_message(str(entry.get('reason')))}")
     for entry in report.get("failed") or []:
-        skipped.append(f"failed {entry.get('key')} (attempt {entry.get('attempt')}): {entry.get('error')}")
+        skipped.append(f"failed {entry.get('key')} (attempt {entry.get('attempt')}): "
+                       f"{cli_message(str(entry.get('error')))}")
     progress = report.get("progress") or {}
     if progress and progress.get("done") != progress.get("total"):
         from ficoco.sweep_store import Progress
 
         skipped.append(f"store {report.get('store')}: {Progress(**progress).line()}")
     if report.get("concurrency_note"):
-        skipped.append(f"note: {report['concurrency_note']}")
+        skipped.append(f"note: {cli_message(report['concurrency_note'])}")
     if skipped:
         table.caption = "\n".join(skipped)
         table.caption_justify = "left"
@@ -151,7 +153,7 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
                             if on)
         say(f"{len(points)} point(s), {what}, each in its own process; results store {store.folder} "
             f"({f'resuming: {done} done' if resumed else 'new'}; rerun the same command to resume)")
-        say(executor.describe())
+        say(cli_message(executor.describe()))
 
         def on_tick() -> None:
             changed = False
@@ -164,7 +166,7 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
                 budget = ", ".join(f"{k} {v:g}" for k, v in (point.budget or {}).items()) or "reference"
                 took = record.get("duration_s")
                 how = f"done in {took:.1f} s" if record.get("status") == "done" and took is not None else \
-                    f"failed: {record.get('error')}"
+                    f"failed: {cli_message(str(record.get('error')))}"
                 say(f"[{store.progress(executor.parallel).line()}] {point.variant} {point.quant} {budget}: {how}")
             if changed:
                 save()

@@ -18,6 +18,7 @@ import ficoco
 from ficoco.accounting.schedule import Schedule
 from ficoco.errors import FicocoError
 from ficoco.profiles import Profile
+from ficoco_cli.flags import cli_message
 from ficoco_cli.options import finite_percent
 
 DEFAULT_TOLERANCE_PERCENT = 0.5
@@ -53,7 +54,7 @@ def stage_table(report: dict[str, Any]) -> Table:
     title = (f"{report['model']}: analytic vs fvcore vs torch FlopCounterMode, in FLOPs (2 per multiply-add; "
              f"fvcore's multiply-adds x2), scope all, layer-exact; batch {report['batch']}, "
              f"{report['text_tokens']} text tokens, LM head over {head}; {report['dtype']} on CPU"
-             + (f" ({report['dtype_reason']})" if report.get("dtype_reason") else ""))
+             + (f" ({cli_message(report['dtype_reason'])})" if report.get("dtype_reason") else ""))
     caption = (f"gate: |fvcore - analytic| <= {report['tolerance_percent']:g}% on every stage; torch's count "
                "(math SDPA backend) is shown, not gated")
     if any(run["method"] for run in report["runs"]):

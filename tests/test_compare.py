@@ -914,7 +914,7 @@ def test_judge_deterministic_leaves_timed_metrics_to_another_comparison(steady_b
     assert code == 1 and err.count("warning") == 0
     assert {m for _, m in regressions(parsed)} == {"kv_cache_bytes"}
     speedup = verdict_of(parsed, f"{MODEL} v fp16", "speedup_vs_vanilla")
-    assert speedup["verdict"] == "not judged" and "--judge deterministic" in speedup["detail"]
+    assert speedup["verdict"] == "not judged" and "judge=deterministic" in speedup["detail"]
 
 
 def test_judge_timed_leaves_deterministic_metrics_to_another_comparison(steady_base, compare_json):

@@ -217,8 +217,8 @@ def test_a_device_map_mistake_ends_in_one_line_and_exit_2(args: list[str], messa
     assert len(lines) == 1
 
 
-@pytest.mark.parametrize("device,offer", [("cpu", "--device-map cpu-offload --max-memory cpu="),
-                                          ("cuda", "--device-map cpu-offload (weights 14.1 GB in CPU memory")])
+@pytest.mark.parametrize("device,offer", [("cpu", "device_map=cpu-offload max_memory=cpu="),
+                                          ("cuda", "device_map=cpu-offload (weights 14.1 GB in CPU memory")])
 def test_the_guard_offers_offload_when_the_weights_do_not_fit(device: str, offer: str, monkeypatch) -> None:
     monkeypatch.setenv("FICOCO_TEST_FREE_MEMORY_BYTES", "64e9")  # the host's memory, for the GPU's advice
     profile = load_profile("llava-1.5-7b")
@@ -228,12 +228,12 @@ def test_the_guard_offers_offload_when_the_weights_do_not_fit(device: str, offer
     assert offer in str(error.value)
     with pytest.raises(FicocoError) as error:  # not even one layer and the activations fit: no offer
         check_memory(profile, [VanillaRow()], half, ["fp16"], device, free_bytes=0.3e9, free_source="test")
-    assert "--device-map" not in str(error.value)
+    assert "device_map=" not in str(error.value)
     if device == "cuda":  # a host without room for the weights: the rest on disk
         monkeypatch.setenv("FICOCO_TEST_FREE_MEMORY_BYTES", "8e9")
         with pytest.raises(FicocoError) as error:
             check_memory(profile, [VanillaRow()], half, ["fp16"], device, free_bytes=4e9, free_source="test")
-        assert "--device-map cpu-offload --max-memory cpu=7152MiB (weights past it on disk" in str(error.value)
+        assert "device_map=cpu-offload max_memory=cpu=7152MiB (weights past it on disk" in str(error.value)
 
 
 @pytest.mark.gpu

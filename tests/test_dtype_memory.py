@@ -250,9 +250,9 @@ def test_a_build_that_does_not_fit_names_alternatives_that_do(seven_b):
         check_memory(seven_b, rows, dtype, ["fp16"], CPU, free_bytes=free, free_source="test")
     message = str(exc.value)
     assert "\n" not in message
-    assert message.startswith("llava-1.5-7b at --quant fp16 in bfloat16 needs ")
+    assert message.startswith("llava-1.5-7b at quant=fp16 in bfloat16 needs ")
     assert "10.0 GB is free (test)" in message
-    assert "--quant int8" in message and "--quant int4" in message and "a GPU with" in message
+    assert "quant=int8" in message and "quant=int4" in message and "a GPU with" in message
     layers = int(message.split("text_config.num_hidden_layers=")[1].split()[0])
     # The suggested depth fits and one more layer would not.
     for count, fits in ((layers, True), (layers + 1, False)):
@@ -331,7 +331,7 @@ def test_a_build_that_does_not_fit_is_refused_before_anything_is_built(monkeypat
 def test_build_model_records_its_dtype_choice():
     model = ficoco.build_model("llava-tiny", dtype="fp16")
     choice = model._ficoco_dtype
-    assert (choice.storage, choice.compute, choice.reason) == (F16, F16, "requested (--dtype fp16)")
+    assert (choice.storage, choice.compute, choice.reason) == (F16, F16, "requested (dtype=fp16)")
     assert {p.dtype for p in model.parameters()} == {F16}
 
 
@@ -360,7 +360,7 @@ def test_profile_rows_name_their_storage_and_compute_dtypes_and_why(tmp_path):
     for row in report["rows"]:
         backend = row["backend"]
         assert backend["compute_dtype"] == "float32"
-        assert backend["dtype_reason"].startswith("requested (--dtype fp32)")
+        assert backend["dtype_reason"].startswith("requested (dtype=fp32)")
         assert backend["storage_dtype"] == ("float32" if row["quant"] == "fp16" else "NF4 linears, float32 rest")
         assert row["weight_bytes"] == pytest.approx(row["analytic"]["weight_bytes"], rel=0.005)
         assert row["kv_cache_bytes"] == row["analytic"]["kv_cache_bytes"]  # a float32 cache, as counted
@@ -432,13 +432,13 @@ def test_flops_verify_takes_a_dtype_and_refuses_what_does_not_fit(tmp_path, monk
     assert result.exit_code == 0, result.output
     report = json.loads(path.read_text())
     assert (report["dtype"], report["storage_dtype"], report["dtype_reason"]) == (
-        "float16", "float16", "requested (--dtype fp16)")
+        "float16", "float16", "requested (dtype=fp16)")
     monkeypatch.setenv(LIMIT_ENV, "1e8")
     result = runner.invoke(app, ["flops", "--verify", "--model", "llava-tiny"])
     assert isinstance(result.exception, FicocoError)
     message = str(result.exception)
     assert message.startswith("llava-tiny in ") and "0.1 GB is free" in message
-    assert "--quant" not in message and "GPU" not in message  # --verify takes neither: not offered
+    assert "quant=" not in message and "GPU" not in message  # --verify takes neither: not offered
 
 
 def test_dtype_without_verify_is_refused():

@@ -183,7 +183,7 @@ def test_given_runs_are_kept_and_generation_is_estimated():
     (row,) = estimate.rows
     assert (row.warmup, row.repeat) == (0, 2) and row.generation_runs == (0, 2)
     assert row.generation_s is not None and row.generation_s > row.prefill_s
-    assert estimate.runs_rule == "--warmup/--repeat"
+    assert estimate.runs_rule == "warmup=/repeat="
 
 
 def test_the_plans_dtype_and_memory_are_shown_when_it_has_them():
@@ -299,7 +299,7 @@ def test_the_time_rule_revises_a_rows_runs_from_its_first_run(monkeypatch):
     plan = plan_run(explicit)
     result = matrix.measure_row(model, plan.rows[0], explicit, plan)
     assert result["runs"]["repeat"] == 2  # --repeat wins over the rule
-    assert result["runs"]["chosen_by"].endswith("; --repeat as given")
+    assert result["runs"]["chosen_by"].endswith("; repeat= as given")
 
 
 def test_the_time_line_compares_the_estimate_with_the_measured_time():

@@ -235,7 +235,7 @@ def test_methods_that_cut_before_the_llm_refuse_resampled_grids(model: nn.Module
         ficoco.apply(model, "visionzip", keep=4, frames=3)
     with pytest.raises(FicocoError, match="PruMerge\\+ is defined on .*SigLIP has no \\[CLS\\]"):
         ficoco.apply(model, "prumerge", keep=4)
-    with pytest.raises(FicocoError, match="HoliTom on llava-onevision-tiny: a video method.*give --frames"):
+    with pytest.raises(FicocoError, match="HoliTom on llava-onevision-tiny: a video method.*give frames="):
         ficoco.apply(model, "holitom", keep=2)  # the profile's image
     assert "forward" not in model.__dict__
 

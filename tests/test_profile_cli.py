@@ -189,7 +189,7 @@ def test_measured_weight_bytes_stand_beside_the_accountants_within_half_a_percen
 def test_reduction_time_splits_into_stages_and_probe(report):
     for row in report["rows"]:
         assert row["reduction_ms"] == pytest.approx(row["reduction_stages_ms"] + row["probe_ms"])
-        assert row["runs"] == {"warmup": 0, "repeat": REPEAT, "chosen_by": "--warmup/--repeat"}
+        assert row["runs"] == {"warmup": 0, "repeat": REPEAT, "chosen_by": "warmup=/repeat="}
 
 
 def test_analytic_weight_bytes_shrink_with_the_quant(rows):
@@ -335,7 +335,7 @@ def test_progress_in_a_pipe_is_plain_lines_naming_step_row_elapsed_and_eta(full)
 
 def test_report_records_the_estimate_beside_the_measured_wall_time(report):
     estimate = report["estimate"]
-    assert estimate["rows"] == len(report["rows"]) and estimate["runs_rule"] == "--warmup/--repeat"
+    assert estimate["rows"] == len(report["rows"]) and estimate["runs_rule"] == "warmup=/repeat="
     assert set(estimate["build_s"]) == set(QUANTS) and estimate["total_s"] > 0
     assert estimate["total_s"] == pytest.approx(sum(estimate["build_s"].values())
                                                 + sum(r["estimate"]["wall_s"] for r in report["rows"]))

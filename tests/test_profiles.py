@@ -140,7 +140,7 @@ BAD_OVERRIDES = {
 @pytest.mark.parametrize("case", sorted(BAD_OVERRIDES))
 def test_overrides_are_checked_where_they_enter(case):
     items, words = BAD_OVERRIDES[case]
-    with pytest.raises(FicocoError, match="--set") as info:
+    with pytest.raises(FicocoError, match="overrides=") as info:
         load_profile("llava-tiny", items)
     assert words in str(info.value)
 
@@ -153,7 +153,7 @@ def test_a_config_unreadable_before_the_overrides_is_not_blamed_on_them(tmp_path
     profile = load_profile(str(path), ["text_config.vocab_size=100"])
     with pytest.raises(FicocoError, match="hidden_size=0") as info:
         architecture(profile)
-    assert "--set" not in str(info.value)
+    assert "overrides=" not in str(info.value)
 
 
 def test_a_binary_config_is_a_user_error(tmp_path):
@@ -164,7 +164,7 @@ def test_a_binary_config_is_a_user_error(tmp_path):
 
 
 def test_load_profile_errors(tmp_path):
-    with pytest.raises(FicocoError, match="unknown --model 'nosuch'"):
+    with pytest.raises(FicocoError, match="unknown model='nosuch'"):
         load_profile("nosuch")
     bad_json = tmp_path / "config.json"
     bad_json.write_text("{not json")

@@ -172,7 +172,7 @@ def test_the_driver_waits_for_an_earlier_drivers_live_worker_and_redoes_failed_p
     assert store.record(keys[0]) == first_done  # a finished point is never run again
     assert store.record(keys[1])["attempt"] == 2  # the failed point, redone
     assert ExecutorOptions(name="local").name == "local"
-    with pytest.raises(FicocoError, match="--ray-address applies to --executor ray"):
+    with pytest.raises(FicocoError, match="ray_address= applies to the ray executor"):
         ExecutorOptions(name="local", ray_address="auto")
 
 
@@ -184,7 +184,7 @@ def test_an_unreachable_ray_address_is_one_line_before_ray_is_asked() -> None:
     with socket.socket() as probe:  # a port nothing listens on: bound, then closed
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with pytest.raises(FicocoError, match=f"--ray-address 127.0.0.1:{port}: nothing answers there"):
+    with pytest.raises(FicocoError, match=f"ray_address=127.0.0.1:{port}: nothing answers there"):
         _check_reachable(f"127.0.0.1:{port}", timeout_s=2)
     with pytest.raises(FicocoError, match="give HOST:PORT"):
         _check_reachable("head-node")

@@ -392,13 +392,13 @@ def test_prumerge_adaptive_count_that_differs_between_crops_is_refused_naming_ke
             try:
                 model(**inputs(model, seed=seed))
             except FicocoError as error:
-                assert "\n" not in str(error) and "--keep" in str(error)
+                assert "\n" not in str(error) and "keep=" in str(error)
                 assert "adaptive count differs between the items" in str(error)
                 counts.add("refused")
             else:
                 counts.add(handle.measured_tokens_per_item)
         assert "refused" in counts
-        with pytest.raises(FicocoError, match="--keep"):
+        with pytest.raises(FicocoError, match="keep="):
             greedy(model, inp)
 
 

@@ -74,9 +74,9 @@ class CountOptions:
             raise FicocoError(f"unknown convention '{self.convention}': choose from {', '.join(CONVENTIONS)}")
         check_scope(self.convention, self.scope)
         if self.batch < 1:
-            raise FicocoError(f"--batch {self.batch} must be at least 1")
+            raise FicocoError(f"batch={self.batch} must be at least 1")
         if self.text_tokens is not None and self.text_tokens < 1:
-            raise FicocoError(f"--text-tokens {self.text_tokens} must be at least 1")
+            raise FicocoError(f"text_tokens={self.text_tokens} must be at least 1")
 
 
 def compute_tera(arch: Architecture, schedule: Schedule, opts: CountOptions) -> float:
@@ -105,7 +105,7 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
     """
     given = [x is not None for x in (keep, tflops, schedule, preset)]
     if sum(given) > 1:
-        raise FicocoError("give one of --keep, --preset, --tflops and --schedule, not several")
+        raise FicocoError("give one of keep=, preset=, tflops= and schedule=, not several")
     if variant != "vanilla" and variant not in METHODS:  # the registry as it is now (entries may be added)
         raise FicocoError(f"unknown variant '{variant}': choose from vanilla, {', '.join(METHODS)}")
     if variant == "vanilla":
@@ -114,8 +114,8 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
     if arch.video_frames is not None and not spec.pooled_grid:
         # Qwen2-VL's and Qwen2.5-VL's video layout (issue 25): the adapters reduce image placeholders; HoliTom
         # alone cuts videos.
-        raise FicocoError(f"--variant {variant}: {spec.title} on {arch.name} reduces images, and a video here "
-                          "passes it unreduced: give an image (no --frames), or --variant holitom for a video")
+        raise FicocoError(f"variant={variant}: {spec.title} on {arch.name} reduces images, and a video here "
+                          "passes it unreduced: give an image (no frames=), or variant=holitom for a video")
     request = PlanRequest(keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
                           first_layer=first_layer, hyperparameters=dict(hyperparameters or {}),
                           cost=lambda s: compute_tera(arch, s, opts), label=_budget_label(opts),

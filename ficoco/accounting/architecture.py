@@ -408,7 +408,7 @@ def _qwen_image_pixels(size: tuple[int, int], patch: int, merge: int, title: str
     """(height, width) in pixels Qwen2-VL's and Qwen2.5-VL's processor resizes `size` to, or one line
     on why no image of that shape fits."""
     if max(size) / min(size) > _QWEN2_VL_MAX_ASPECT:
-        raise FicocoError(f"image size {size[1]}x{size[0]} (--image-size): {title}'s processor takes aspect "
+        raise FicocoError(f"image size {size[1]}x{size[0]} (image_size=): {title}'s processor takes aspect "
                           f"ratios up to {_QWEN2_VL_MAX_ASPECT}")
     h_px, w_px = qwen2_vl_resize(size, patch * merge)
     if not (h_px and w_px):
@@ -451,7 +451,7 @@ def architecture(profile: Profile, *, image_size: tuple[int, int] | None = None,
         if family == "video_llava":
             items = _whole("ficoco.frames", defaults.get("frames", 8)) if frames is None else frames
             if items < 1:
-                raise FicocoError(f"--frames {items} must be at least 1")
+                raise FicocoError(f"frames={items} must be at least 1")
             vision = _clip_tower(vcfg, clip_defaults, feature, image_px=None, items=items, towers=2)
             cls_in_llm = True
             visual = items * (vision.patches + 1)

@@ -275,7 +275,7 @@ def check_scope(convention: str, scope: str) -> None:
         raise FicocoError(f"unknown scope '{scope}': choose from {', '.join(SCOPES)}")
     if convention in LLM_ONLY_CONVENTIONS and scope == "all":
         what = "replays" if convention == "llm-viewer" else "counts"
-        raise FicocoError(f"the {convention} convention {what} the decoder only; use --scope llm with it")
+        raise FicocoError(f"the {convention} convention {what} the decoder only; use scope=llm with it")
 
 
 def scope_total(by_stage: dict[str, int], scope: str) -> int:

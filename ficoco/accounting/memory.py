@@ -37,7 +37,7 @@ def make_quant(name: str, kv_bits: int | None = None) -> Quant:
     if name not in QUANT_BITS:
         raise FicocoError(f"unknown quant '{name}': choose from {', '.join(QUANT_BITS)}")
     if kv_bits is not None and kv_bits not in (2, 4, 8, 16):
-        raise FicocoError(f"--kv-bits {kv_bits} is not one of 2, 4, 8, 16")
+        raise FicocoError(f"kv_bits={kv_bits} is not one of 2, 4, 8, 16")
     bits = QUANT_BITS[name]
     return Quant(name, bits, bits, bits if kv_bits is None else kv_bits)
 

@@ -71,17 +71,17 @@ def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
     if spec.per_item and arch.unpadding_drops:
         raise FicocoError(f"{spec.title} on {arch.name} at image size {arch.image_size}: AnyRes unpadding drops "
                           f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; use a "
-                          "square --image-size or a method inside the LLM")
+                          "square image_size= or a method inside the LLM")
     if spec.pooled_grid and arch.family == "llava_onevision" and arch.pooled_frames is None:
         raise FicocoError(f"{spec.title} on {arch.name}: a video method (it cuts a video's pooled frames together); "
-                          "an image is one frame: give --frames N (a video), or a method that reduces images")
+                          "an image is one frame: give frames=N (a video), or a method that reduces images")
     # Qwen2-VL (issue 25): HoliTom cuts a video's temporal slices together (the other methods on its video
     # layout: accounting.resolve_schedule refuses them).
     if spec.pooled_grid and arch.family in ("qwen2_vl", "qwen2_5_vl") and arch.video_frames is None:
         raise FicocoError(f"{spec.title} on {arch.name}: a video method (it merges a video's frames together); "
-                          "an image is one frame: give --frames N (a video), or a method that reduces images")
+                          "an image is one frame: give frames=N (a video), or a method that reduces images")
     if spec.per_item and arch.resampled and pooled_units(arch, spec) is None:
-        instead = "a method" if arch.pooled_frames else "a smaller --image-size or a method"
+        instead = "a method" if arch.pooled_frames else "a smaller image_size= or a method"
         raise FicocoError(f"{spec.title} on {arch.name}: {arch.resampled}; use {instead} inside the LLM")
 
 
@@ -141,15 +141,15 @@ def plan_by_steps(arch: Architecture, spec: MethodSpec, request: PlanRequest) ->
                               "or preset=, not with a schedule or a budget")
         return method_schedule(arch, spec.name, keep, **request.hyperparameters)
     # Name the option the setting came from, so that the one error line points at it.
-    source = ("--schedule" if schedule is not None else f"--preset {request.preset}" if request.preset is not None
-              else f"--keep {request.keep}" if request.keep is not None
-              else "--tflops" if request.tflops is not None else f"--variant {spec.name}")
+    source = ("schedule=" if schedule is not None else f"preset={request.preset}" if request.preset is not None
+              else f"keep={request.keep}" if request.keep is not None
+              else "tflops=" if request.tflops is not None else f"variant={spec.name}")
     try:
         if schedule is not None:
             return parse_method_schedule(arch, spec.name, schedule)
         if request.tflops is not None:
             if request.cost is None:
-                raise FicocoError(f"--tflops for {spec.title} needs a cost to plan against")
+                raise FicocoError(f"tflops= for {spec.title} needs a cost to plan against")
             return schedule_for_method_budget(arch, spec.name, request.tflops, request.cost, label=request.label)
         return method_schedule(arch, spec.name, keep)
     except FicocoError as exc:
@@ -182,8 +182,8 @@ def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
     spec.check_family(arch.family, arch.name)
     check_per_item(arch, spec)
     if spec.per_item and spec.placement != "in_layer":
-        raise FicocoError(f"--schedule gives removals per layer; {spec.title} cuts once, after the tower: give "
-                          "--keep or --preset")
+        raise FicocoError(f"schedule= gives removals per layer; {spec.title} cuts once, after the tower: give "
+                          "keep= or preset=")
     visual, layers = counted_shape(arch, spec)
     # The rest of the setting: for a decoder method (SparseVLM's recycling rule) its default
     # hyperparameters; for a per-item method the default settings at its counted shape.
@@ -195,10 +195,10 @@ def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"(\d+):(\d+)", part)
         if not match:
-            raise FicocoError(f"--schedule entry '{part}' is not LAYER:REMOVED (e.g. --schedule 2:288)")
+            raise FicocoError(f"schedule= entry '{part}' is not LAYER:REMOVED (e.g. schedule=2:288)")
         layer, remove = int(match[1]), int(match[2])
         if layer in removals:
-            raise FicocoError(f"--schedule names layer {layer} twice; give each layer once")
+            raise FicocoError(f"schedule= names layer {layer} twice; give each layer once")
         removals[layer] = remove
     steps = []
     for layer in sorted(removals):
@@ -212,7 +212,7 @@ def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
         current = visual
         for step in steps:
             if step.remove > current // 2:
-                raise FicocoError(f"--schedule: {spec.title} merges at most half of a layer's {current} patches "
+                raise FicocoError(f"schedule=: {spec.title} merges at most half of a layer's {current} patches "
                                   f"({current // 2}); layer {step.layer} asks {step.remove}")
             current -= step.remove
     return schedule_from_steps(arch, spec, tuple(steps), {"schedule": text})
@@ -237,7 +237,7 @@ def schedule_for_method_budget(arch: Architecture, name: str, budget: float, cos
     if not keeps:  # published schedules only (SparseVLM), each keeping more than the image has
         raise BudgetError(f"no {spec.title} setting exists on {arch.name}: its settings keep "
                           f"{', '.join(map(str, spec.keep_choices or ()))} visual tokens, more than the "
-                          f"{counted_shape(arch, spec)[0]} it receives (--schedule gives any)")
+                          f"{counted_shape(arch, spec)[0]} it receives (schedule= gives any)")
 
     def schedule(k: int) -> Schedule | None:
         try:
@@ -254,8 +254,8 @@ def schedule_for_method_budget(arch: Architecture, name: str, budget: float, cos
         raise BudgetError(f"no {spec.title} setting exists on {arch.name}")
     cheapest = cost(first)
     if cheapest > budget:
-        raise BudgetError(f"no {spec.title} setting on {arch.name} fits --tflops {budget:g} {label}: the cheapest "
-                          f"(--keep {keeps[lo]}) costs {cheapest:.3g}")
+        raise BudgetError(f"no {spec.title} setting on {arch.name} fits tflops={budget:g} {label}: the cheapest "
+                          f"(keep={keeps[lo]}) costs {cheapest:.3g}")
     best, hi = lo, len(keeps) - 1
     while best < hi:
         mid = (best + hi + 1) // 2

@@ -168,10 +168,10 @@ def _check_variant(arch: Architecture, variant: str) -> None:
         raise FicocoError(
             f"FiCoCo-V on {arch.name} at image size {arch.image_size}: AnyRes unpadding drops "
             f"{arch.unpadding_drops} tokens, so the reduced count depends on which tokens stay; "
-            "use a square --image-size (or --image) or FiCoCo-L"
+            "use a square image_size= (or image=) or FiCoCo-L"
         )
     if _in_tower(variant) and arch.resampled:
-        instead = "FiCoCo-L" if arch.pooled_frames else "a smaller --image-size or FiCoCo-L"
+        instead = "FiCoCo-L" if arch.pooled_frames else "a smaller image_size= or FiCoCo-L"
         raise FicocoError(f"FiCoCo-V on {arch.name}: {arch.resampled}; use {instead}")
 
 
@@ -179,15 +179,15 @@ def parse_schedule(text: str, arch: Architecture, variant: str) -> Schedule:
     """Parse `layer:removed,layer:removed,...` into a validated schedule."""
     _check_variant(arch, variant)
     if variant == "vanilla":
-        raise FicocoError("--schedule applies to the v and l variants; vanilla removes nothing")
+        raise FicocoError("schedule= applies to the v and l variants; vanilla removes nothing")
     removals: dict[int, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"(\d+):(\d+)", part)
         if not match:
-            raise FicocoError(f"--schedule entry '{part}' is not LAYER:REMOVED (e.g. --schedule 12:40,13:40)")
+            raise FicocoError(f"schedule= entry '{part}' is not LAYER:REMOVED (e.g. schedule=12:40,13:40)")
         layer, remove = int(match[1]), int(match[2])
         if layer in removals:
-            raise FicocoError(f"--schedule names layer {layer} twice; give each layer once")
+            raise FicocoError(f"schedule= names layer {layer} twice; give each layer once")
         removals[layer] = remove
     return make_schedule(arch, variant, removals)
 
@@ -206,13 +206,13 @@ def make_schedule(arch: Architecture, variant: str, removals: dict[int, int]) ->
         if layer not in valid:
             extra = " (the last layer whose output the projector reads)" if _in_tower(variant) else ""
             raise FicocoError(
-                f"--schedule: layer {layer} is outside the {where}'s reducing layers "
+                f"schedule=: layer {layer} is outside the {where}'s reducing layers "
                 f"{valid.start}..{valid.stop - 1}{extra}"
             )
         left -= removals[layer]
         if left < floor:
             raise FicocoError(
-                f"--schedule removes more visual tokens than exist: by layer {layer} it removes "
+                f"schedule= removes more visual tokens than exist: by layer {layer} it removes "
                 f"{total_units(arch, variant) - left} of {total_units(arch, variant)}; at least {floor} must stay"
             )
     kept = tuple(Removal(stage, layer, removals[layer]) for layer in sorted(removals) if removals[layer] > 0)
@@ -228,12 +228,12 @@ def uniform_schedule(arch: Architecture, variant: str, removed: int, *, shape: s
     if variant == "vanilla" or removed == 0:
         return Schedule(variant)
     if shape not in SHAPES:
-        raise FicocoError(f"unknown --shape '{shape}': choose from {', '.join(SHAPES)}")
+        raise FicocoError(f"unknown shape='{shape}': choose from {', '.join(SHAPES)}")
     start = first_layer(arch, variant) if first is None else first
     valid = layer_range(arch, variant)
     if start not in valid:
-        given = f"--first-layer {start}" if first is not None else (
-            f"the profile's first reducing layer ({start}; --set ficoco.first_reducing_layer.{variant} moves it)")
+        given = f"first_layer={start}" if first is not None else (
+            f"the profile's first reducing layer ({start}; overrides=ficoco.first_reducing_layer.{variant} moves it)")
         raise FicocoError(f"{given} is outside {valid.start}..{valid.stop - 1}, the layers that may reduce")
     if shape == "oneshot":
         return make_schedule(arch, variant, {start: removed})
@@ -251,11 +251,11 @@ def keep_to_units(arch: Architecture, variant: str, keep: int) -> int:
     """Units kept per item (V) or in the span (L) so that `keep` visual tokens reach/leave the LLM."""
     _check_variant(arch, variant)
     if keep < 0:
-        raise FicocoError(f"--keep {keep} is negative; give the number of visual tokens to keep")
+        raise FicocoError(f"keep={keep} is negative; give the number of visual tokens to keep")
     if not _in_tower(variant):
         if not min_kept_units(arch, variant) <= keep <= arch.visual_tokens:
             raise FicocoError(
-                f"--keep {keep} is outside {min_kept_units(arch, variant)}..{arch.visual_tokens}, "
+                f"keep={keep} is outside {min_kept_units(arch, variant)}..{arch.visual_tokens}, "
                 f"the visual tokens {arch.name} can keep"
             )
         return keep
@@ -266,7 +266,7 @@ def keep_to_units(arch: Architecture, variant: str, keep: int) -> int:
         valid_low, valid_high = arch.llm_visual_tokens(1), arch.visual_tokens
         step = v.items
         raise FicocoError(
-            f"--keep {keep} is not reachable with FiCoCo-V on {arch.name}: the LLM receives "
+            f"keep={keep} is not reachable with FiCoCo-V on {arch.name}: the LLM receives "
             f"{fixed} fixed tokens plus the kept units of {v.items} item(s), so keep must be in "
             f"{valid_low}..{valid_high} in steps of {step}"
         )
@@ -363,7 +363,7 @@ def schedule_for_budget(arch: Architecture, variant: str, budget: float, cost: C
     shorter run removes earlier, so its cost does not grow as the run shortens.
     """
     if not (math.isfinite(budget) and budget > 0):  # nan passes `budget <= 0` and plans 1 token
-        raise FicocoError(f"--tflops {budget:g}: give a finite number above 0")
+        raise FicocoError(f"tflops={budget:g}: give a finite number above 0")
     if variant == "vanilla":
         return Schedule("vanilla")
     _check_variant(arch, variant)
@@ -411,13 +411,13 @@ def _budget_miss(arch: Architecture, variant: str, budget: float, cheapest: floa
     reach = {opt: cost(uniform_schedule(arch, variant, units - low, shape=opt[0], first=opt[1])) for opt in options}
     fitting = [opt for opt in options if reach[opt] <= budget and opt != (shape, start)]
     best = fitting[0] if fitting else min(reach, key=reach.__getitem__)
-    flags = " ".join(f for f in (f"--shape {best[0]}" if best[0] != shape else "",
-                                 f"--first-layer {best[1]}" if best[1] != start else "") if f)
+    flags = " ".join(f for f in (f"shape={best[0]}" if best[0] != shape else "",
+                                 f"first_layer={best[1]}" if best[1] != start else "") if f)
     verdict = "fits" if best in fitting else "the lowest reachable"
     hint = f"; {flags} reaches {reach[best]:.3g} ({verdict})" if flags else ""
     if suggest_equivalent:
-        hint += "; --equivalent counts every layer at the final token count, as papers do"
-    return (f"no {name} schedule on {arch.name} fits --tflops {budget:g} {label}: the cheapest {shape} schedule "
+        hint += "; equivalent=True counts every layer at the final token count, as papers do"
+    return (f"no {name} schedule on {arch.name} fits tflops={budget:g} {label}: the cheapest {shape} schedule "
             f"from layer {start}, keeping {low} visual token(s), costs {cheapest:.3g}{hint}")
 
 
@@ -451,9 +451,9 @@ class PlanRequest:
 
 def preset_message(message: str, preset: int) -> str:
     """An error about `--keep N` that came from `--preset N`, reworded to name the option given."""
-    if f"--keep {preset}" in message:
-        return message.replace(f"--keep {preset}", f"--preset {preset} (--keep {preset})", 1)
-    return f"--preset {preset}: {message}"
+    if f"keep={preset}" in message:
+        return message.replace(f"keep={preset}", f"preset={preset} (keep={preset})", 1)
+    return f"preset={preset}: {message}"
 
 
 def plan_per_layer(arch: Architecture, spec: MethodSpec, request: PlanRequest) -> Schedule:
@@ -483,11 +483,11 @@ def plan_per_layer(arch: Architecture, spec: MethodSpec, request: PlanRequest) -
         return schedule_for_keep(arch, variant, request.keep, shape=shape, first=first)
     if request.tflops is not None:
         if request.cost is None:
-            raise FicocoError(f"--tflops for {spec.title} needs a cost to plan against")
+            raise FicocoError(f"tflops= for {spec.title} needs a cost to plan against")
         return schedule_for_budget(
             arch, variant, request.tflops, request.cost, label=request.label, shape=shape, first=first,
             equivalent=request.equivalent,
             # V in scope llm: the LLM sees the final count in every layer already.
             equivalent_helps=spec.acts_at == "llm_layer" or request.scope == "all",
         )
-    raise FicocoError(f"variant '{variant}' needs a schedule: give --keep, --tflops or --schedule")
+    raise FicocoError(f"variant '{variant}' needs a schedule: give keep=, tflops= or schedule=")

@@ -115,7 +115,7 @@ def choose_dtype(requested: str, device: torch.device, *, need_bytes_by_dtype: d
 
     if requested != "auto":
         dtype = DTYPES[requested]
-        reason = f"requested (--dtype {requested})"
+        reason = f"requested (dtype={requested})"
         if dtype == torch.float32:
             choice = fp32_or_upcast(reason)
             if choice is not None:

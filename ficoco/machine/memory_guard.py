@@ -321,15 +321,15 @@ def check_memory(profile: Profile, rows: Sequence[RowShape], dtype: DtypeChoice,
         if QUANT_BITS[quant] < QUANT_BITS[worst]:
             total = memory_need_bytes(profile, rows, dtype, quant, **need_options)["total"]
             if total <= free_bytes:
-                fits.append(f"--quant {quant} ({_gb(total)})")
+                fits.append(f"quant={quant} ({_gb(total)})")
     if "dtype" in advice and dtype.compute == torch.float32 and not dtype.upcast:
         sixteen = DtypeChoice(torch.bfloat16, torch.bfloat16, "")
         total = max(memory_need_bytes(profile, rows, sixteen, q, **need_options)["total"] for q in quants)
         if total <= free_bytes:
-            fits.append(f"--dtype bf16 ({_gb(total)})")
+            fits.append(f"dtype=bf16 ({_gb(total)})")
     fewer = _fewer_layers(profile, rows, dtype, worst, free_bytes, **need_options) if "layers" in advice else None
     if fewer is not None:
-        fits.append(f"--set {_layers_key(profile)}={fewer[0]} ({_gb(fewer[1])})")
+        fits.append(f"overrides={_layers_key(profile)}={fewer[0]} ({_gb(fewer[1])})")
     offload = offload_fit(profile, need, dtype, free_bytes, device) if "offload" in advice else None
     if offload is not None:
         fits.append(offload)
@@ -338,7 +338,7 @@ def check_memory(profile: Profile, rows: Sequence[RowShape], dtype: DtypeChoice,
     stored = dtype_name(dtype.storage) + (f" upcast to {dtype_name(dtype.compute)}" if dtype.upcast else "")
     parts = ", ".join(f"{label} {_gb(need[name])}" for name, label in (
         ("weights", "weights"), ("activations", "activations"), ("kv_cache", "KV cache"), ("margin", "margin")))
-    what = f"{profile.name} at --quant {worst} in {stored}" if "quant" in advice else f"{profile.name} in {stored}"
+    what = f"{profile.name} at quant={worst} in {stored}" if "quant" in advice else f"{profile.name} in {stored}"
     raise FicocoError(f"{what} needs {_gb(need['total'])} ({parts}) but {_gb(free_bytes)} is free "
                       f"({free_source or 'given'}); what fits: {', or '.join(fits) if fits else 'nothing smaller'}")
 
@@ -360,14 +360,14 @@ def offload_fit(profile: Profile, need: dict[str, float], dtype: DtypeChoice, fr
         host_free, _ = free_memory("cpu")
         if host_free is not None and need["weights"] + MARGIN_BYTES > host_free:
             host_limit_mib = int(max(host_free - MARGIN_BYTES, 0) / 2**20)
-            return (f"--device-map cpu-offload --max-memory cpu={host_limit_mib}MiB (weights past it on disk; "
+            return (f"device_map=cpu-offload max_memory=cpu={host_limit_mib}MiB (weights past it on disk; "
                     f"{_gb(running)} on the GPU, one layer's weights at a time)")
-        return (f"--device-map cpu-offload (weights {_gb(need['weights'])} in CPU memory; {_gb(running)} "
+        return (f"device_map=cpu-offload (weights {_gb(need['weights'])} in CPU memory; {_gb(running)} "
                 f"on the GPU, one layer's weights at a time)")
     cpu_limit_mib = int((free_bytes - running) / 2**20)
     if cpu_limit_mib < 1:
         return None
-    return (f"--device-map cpu-offload --max-memory cpu={cpu_limit_mib}MiB (weights past it on disk, read per "
+    return (f"device_map=cpu-offload max_memory=cpu={cpu_limit_mib}MiB (weights past it on disk, read per "
             f"layer; {_gb(running)} for the run)")
 
 

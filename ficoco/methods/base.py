@@ -294,7 +294,7 @@ class MethodSpec:
         """Refuse a family the method is not defined on, naming those it is and why not this one."""
         status, reason = self.family_status(family)
         if status == "refused":
-            raise FicocoError(f"--variant {self.name}: {self.title} is defined on {', '.join(self.families)} "
+            raise FicocoError(f"variant={self.name}: {self.title} is defined on {', '.join(self.families)} "
                               f"models; {model} is a '{family}' model ({reason})")
 
     def check_runs(self, family: str, model: str) -> None:
@@ -302,14 +302,14 @@ class MethodSpec:
         self.check_family(family, model)
         status, reason = self.family_status(family)
         if status != "yes":
-            raise FicocoError(f"--variant {self.name}: {self.title} on '{family}' models ({model}) is planned and "
+            raise FicocoError(f"variant={self.name}: {self.title} on '{family}' models ({model}) is planned and "
                               f"counted by `ficoco flops` but the models do not run it: {reason}")
 
     def check_wired(self, where: str) -> None:
         """Refuse running a method whose model hooks are not in place yet (the accountant plans it)."""
         if not self.wired:
-            raise FicocoError(f"--variant {self.name}: {self.title} is not wired into the models yet, so {where} "
-                              "cannot run it; `ficoco flops` without --verify plans and counts it")
+            raise FicocoError(f"variant={self.name}: {self.title} is not wired into the models yet, so {where} "
+                              "cannot run it; the analytic count (ficoco.flops) plans and counts it")
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -107,7 +107,7 @@ def load_module(spec: MethodSpec, protocol: type[ModuleT]) -> ModuleT:
     if not isinstance(module, protocol):
         missing = [name for name in ("step", "prepare", "layer_step", "tower_step", "reduce_groups")
                    if hasattr(protocol, name) and not callable(getattr(module, name, None))]
-        raise FicocoError(f"--variant {spec.name}: its module {spec.module} offers no {', '.join(missing)}, which "
+        raise FicocoError(f"variant={spec.name}: its module {spec.module} offers no {', '.join(missing)}, which "
                           f"the model adapters call for a method at {spec.placement} (ficoco.methods.contract."
                           f"{protocol.__name__})")
     return module

@@ -65,7 +65,7 @@ def _fastv_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[
     if kept < 1 or keep > n_visual:
         low = -(-(layer * n_visual + n_layers - layer) // n_layers)
         raise FicocoError(f"FastV at layer {layer} averages {low}..{n_visual} visual tokens over {n_layers} layers; "
-                          f"--keep {keep} is outside")
+                          f"keep={keep} is outside")
     return {"layer": layer, "keep": kept}
 
 
@@ -118,7 +118,7 @@ def _pdrop_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[
         layers = _pdrop_layers(hp["spacing"], n_layers)
         if not layers:
             raise FicocoError(f"PDrop's stages {hp['spacing']}, {2 * hp['spacing']}, {3 * hp['spacing']} lie beyond "
-                              f"a {n_layers}-layer decoder; give --keep to plan a shorter pyramid")
+                              f"a {n_layers}-layer decoder; give keep= to plan a shorter pyramid")
         return {"layers": list(layers), "ratio": hp["ratio"]}
     _check_keep("PDrop", keep, n_visual)
     # The repo publishes no 192/128/64 settings (PyramidDrop issues #10, #27, #28). Rule used here: the
@@ -186,7 +186,7 @@ def _sparsevlm_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapp
     keep = 192 if keep is None else keep
     if keep not in SPARSEVLM_SCHEDULES:
         raise FicocoError(f"SparseVLM's v1.5 schedules exist for {', '.join(map(str, SPARSEVLM_SCHEDULES))} tokens; "
-                          f"--keep {keep} has none (--schedule gives any)")
+                          f"keep={keep} has none (schedule= gives any)")
     return {"layers": list(hp["layers"]), "keeps": list(SPARSEVLM_SCHEDULES[keep]),
             "recycle_ratio": hp["recycle_ratio"], "cluster_divisor": hp["cluster_divisor"]}
 
@@ -385,7 +385,7 @@ def _prumerge_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mappi
         tokens = min(hp["assumed_tokens"], n_visual)
         return {"adaptive": True, "tokens": tokens, "neighbours": hp["neighbours"], "attention": hp["attention"]}
     if not 2 <= keep <= n_visual + 1:
-        raise FicocoError(f"PruMerge+ hands the LLM 2..{n_visual + 1} tokens per item; --keep {keep} is outside")
+        raise FicocoError(f"PruMerge+ hands the LLM 2..{n_visual + 1} tokens per item; keep={keep} is outside")
     return {"adaptive": False, "tokens": keep, "neighbours": hp["neighbours"], "attention": hp["attention"]}
 
 
@@ -607,7 +607,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
                   "qwen2_5_vl": _QWEN2_VL_PRUMERGE.replace("Qwen2-VL", "Qwen2.5-VL")},
         source="42Shawn/LLaVA-PruMerge 097c041",
         summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
-        keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without --keep "
+        keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without keep="
                    "the count is adaptive, planned at assumed_tokens and measured at run time)",
         steps=_prumerge_steps, settings_for_keep=_prumerge_for_keep, extra_macs=_prumerge_extra, wired=True,
     ),

@@ -286,14 +286,14 @@ def build_model(profile: Profile | str, weights: str = "random", *,
     limits = maps.parse_max_memory(max_memory)
     if policy is not None:
         if quant != "fp16":
-            raise FicocoError("--device-map works with unquantized weights (quant fp16); drop --quant or the map")
+            raise FicocoError("device_map= works with unquantized weights (quant fp16); drop quant= or the map")
         device = maps.main_device(policy)
         check_memory = False
     path = Path(weights).expanduser()
     native = checkpoint_dtype(path) if weights != "random" and path.is_dir() else None
     choice = _choose(profile, dtype, device, quant, native, check_memory)
     if policy is not None and choice.upcast:
-        raise FicocoError("--device-map and an upcast layout do not mix; give --dtype bf16, fp16 or fp32")
+        raise FicocoError("device_map= and an upcast layout do not mix; give dtype=bf16, fp16 or fp32")
     upcast = choice.upcast and quant == "fp16"
     # Built in the storage dtype (an upcast layout converts all but its upcast weights after);
     # bitsandbytes replaces the linears, and the rest computes in the compute dtype.

@@ -45,7 +45,7 @@ def parse_max_memory(text: str | dict | None) -> dict[int | str, int] | None:
     limits: dict[int | str, int] = {}
     for device, size in items:
         if size is None:
-            raise FicocoError(f"--max-memory entry '{device}' has no size; write DEVICE=SIZE, "
+            raise FicocoError(f"max_memory= entry '{device}' has no size; write DEVICE=SIZE, "
                               "e.g. cpu=200MiB,cuda:0=20GiB")
         limits[_device_key(device)] = size if isinstance(size, int) else parse_size_bytes(size)
     return limits
@@ -61,7 +61,7 @@ def _device_key(device: Any) -> int | str:
     match = re.fullmatch(r"(?:cuda:)?([0-9]+)", name)
     if match:
         return int(match.group(1))
-    raise FicocoError(f"--max-memory device '{device}' is not one; name cpu or a GPU (cuda:0, cuda:1, ...)")
+    raise FicocoError(f"max_memory= device '{device}' is not one; name cpu or a GPU (cuda:0, cuda:1, ...)")
 
 
 def check_limits(max_memory: dict[int | str, int] | None) -> None:
@@ -69,7 +69,7 @@ def check_limits(max_memory: dict[int | str, int] | None) -> None:
     gpus = _gpu_indices()
     for key in (max_memory or {}):
         if key != "cpu" and key not in gpus:
-            raise FicocoError(f"--max-memory names cuda:{key}, but torch sees {len(gpus)} GPU(s)")
+            raise FicocoError(f"max_memory= names cuda:{key}, but torch sees {len(gpus)} GPU(s)")
 
 
 def check_policy(policy: str | None) -> str | None:
@@ -77,7 +77,7 @@ def check_policy(policy: str | None) -> str | None:
     if policy in (None, "", "none"):
         return None
     if policy not in POLICIES:
-        raise FicocoError(f"unknown --device-map '{policy}': choose from {', '.join(POLICIES)}")
+        raise FicocoError(f"unknown device_map='{policy}': choose from {', '.join(POLICIES)}")
     return policy
 
 

@@ -24,7 +24,7 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     if config.model_type != "llava":
         raise FicocoError(f"synthetic inputs are laid out for LLaVA-1.5 only, not '{config.model_type}'")
     if text_tokens <= PREFIX_TOKENS:
-        raise FicocoError(f"--text-tokens must exceed the {PREFIX_TOKENS} template tokens before the image")
+        raise FicocoError(f"text_tokens= must exceed the {PREFIX_TOKENS} template tokens before the image")
     vision = config.vision_config
     patches = (vision.image_size // vision.patch_size) ** 2
     image_token = getattr(config, "image_token_id", None)
@@ -79,7 +79,7 @@ def real_inputs(model: nn.Module, weights: str, *, image: str | None, prompt: st
     try:
         picture = Image.open(image).convert("RGB") if image else None
     except (OSError, UnidentifiedImageError) as exc:
-        raise FicocoError(f"--image {image}: cannot read it as an image ({exc})") from None
+        raise FicocoError(f"image={image}: cannot read it as an image ({exc})") from None
     param = next(model.parameters())
     device = device or input_device(model)
     pixel_dtype = param.dtype if param.is_floating_point() else torch.float16

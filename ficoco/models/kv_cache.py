@@ -28,14 +28,14 @@ BACKEND = "hqq"
 def check_backend() -> None:
     """A FicocoError (one line, what to do) when the HQQ backend is not installed."""
     if importlib.util.find_spec("hqq") is None:
-        raise FicocoError("--kv-bits: transformers' quantized KV cache needs the hqq package, a ficoco dependency "
+        raise FicocoError("kv_bits=: transformers' quantized KV cache needs the hqq package, a ficoco dependency "
                           "that is not installed here (pip install hqq)")
 
 
 def cache_config(model: nn.Module, kv_bits: int, residual_tokens: int = KV_RESIDUAL_TOKENS) -> dict[str, Any]:
     """QuantizedCache's arguments for `model` at `kv_bits` (8, 4 or 2)."""
     if kv_bits not in KV_QUANT_BITS:
-        raise FicocoError(f"--kv-bits {kv_bits}: the quantized KV cache stores 8, 4 or 2 bits")
+        raise FicocoError(f"kv_bits={kv_bits}: the quantized KV cache stores 8, 4 or 2 bits")
     text = model.config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     # axis 0 is transformers' default; a group must divide every tensor HQQ quantizes

@@ -330,7 +330,7 @@ class LlavaNextAdapter(LlavaAdapter):
             if earlier and adaptive:
                 raise FicocoError(f"{title}'s adaptive count was measured on each earlier turn's images, which this "
                                   "call does not hold, so the cache's spans are unknown: give a fixed count with "
-                                  "--keep (keep=) to continue a conversation on its cache")
+                                  "keep= to continue a conversation on its cache")
             span_layouts = [self.earlier_span_layout(tokens) for tokens in earlier]
             span_layouts += layouts[b * own:(b + 1) * own]
             expected = [layout.tokens for layout in span_layouts]
@@ -439,7 +439,7 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     if config.model_type != "llava_next":
         raise FicocoError(f"synthetic inputs here are laid out for LLaVA-NeXT only, not '{config.model_type}'")
     if text_tokens <= PREFIX_TOKENS:
-        raise FicocoError(f"--text-tokens must exceed the {PREFIX_TOKENS} template tokens before the image")
+        raise FicocoError(f"text_tokens= must exceed the {PREFIX_TOKENS} template tokens before the image")
     vision = config.vision_config
     if image_size is None:
         default = (getattr(model, "_ficoco_defaults", None) or {}).get("image_size")

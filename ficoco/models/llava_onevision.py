@@ -400,7 +400,7 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     if config.model_type != "llava_onevision":
         raise FicocoError(f"these synthetic inputs are laid out for LLaVA-OneVision only, not '{config.model_type}'")
     if text_tokens <= PREFIX_TOKENS:
-        raise FicocoError(f"--text-tokens must exceed the {PREFIX_TOKENS} template tokens before the image")
+        raise FicocoError(f"text_tokens= must exceed the {PREFIX_TOKENS} template tokens before the image")
     defaults = getattr(model, "_ficoco_defaults", None) or {}
     if frames is None and image_size is None:
         frames = defaults.get("frames")
@@ -412,7 +412,7 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     text = torch.randint(3, 3 + text_vocab, (batch, text_tokens), generator=generator)
     if frames is not None:
         if frames < 1:
-            raise FicocoError(f"--frames {frames} must be at least 1")
+            raise FicocoError(f"frames={frames} must be at least 1")
         span = torch.full((batch, video_tokens(config, frames)), config.video_token_id, dtype=torch.long)
         input_ids = torch.cat([text[:, :PREFIX_TOKENS], span, text[:, PREFIX_TOKENS:]], dim=1)
         pixels = torch.randn(batch, frames, vision.num_channels, vision.image_size, vision.image_size,

@@ -76,12 +76,12 @@ def read_image(path: str) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     if not Path(path).is_file():
-        raise FicocoError(f"--image {path}: no such file")
+        raise FicocoError(f"image={path}: no such file")
     try:
         with Image.open(path) as picture:
             return picture.convert("RGB")
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
-        raise FicocoError(f"--image {path}: not a readable image ({_first_line(exc)})") from None
+        raise FicocoError(f"image={path}: not a readable image ({_first_line(exc)})") from None
 
 
 def _sample(count: int, frames: int) -> list[int]:
@@ -104,20 +104,20 @@ def read_video(path: str, frames: int | None, default_frames: int) -> tuple[list
     if source.is_dir():
         files = sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
         if not files:
-            raise FicocoError(f"--video {path}: the folder holds no frame images ({', '.join(IMAGE_SUFFIXES)})")
+            raise FicocoError(f"video={path}: the folder holds no frame images ({', '.join(IMAGE_SUFFIXES)})")
         wanted = frames if frames is not None else min(default_frames, len(files))
         if wanted > len(files):
-            raise FicocoError(f"--video {path}: --frames {wanted} but the folder holds {len(files)} frame(s); "
-                              f"give --frames {len(files)} or fewer")
+            raise FicocoError(f"video={path}: frames={wanted} but the folder holds {len(files)} frame(s); "
+                              f"give frames={len(files)} or fewer")
         if frames is None and len(files) < default_frames:
-            notes.append(f"note: --video {path} holds {len(files)} frame(s), fewer than the profile's "
+            notes.append(f"note: video={path} holds {len(files)} frame(s), fewer than the profile's "
                          f"{default_frames}: all are used")
         return [read_image(str(files[i])) for i in _sample(len(files), wanted)], notes
     if not source.is_file():
-        raise FicocoError(f"--video {path}: no such file or folder")
+        raise FicocoError(f"video={path}: no such file or folder")
     backend = hf.video_backend()
     if backend is None:
-        raise FicocoError(f"--video {path}: reading a video file needs a decoder library (pip install av); "
+        raise FicocoError(f"video={path}: reading a video file needs a decoder library (pip install av); "
                           "or give a folder of frame images")
     wanted = frames if frames is not None else default_frames
     try:
@@ -125,7 +125,7 @@ def read_video(path: str, frames: int | None, default_frames: int) -> tuple[list
                             sample_indices_fn=lambda metadata, **_: np.asarray(_sample(metadata.total_num_frames,
                                                                                       wanted)))
     except Exception as exc:  # each decoder raises its own errors
-        raise FicocoError(f"--video {path}: cannot decode it ({_first_line(exc)})") from None
+        raise FicocoError(f"video={path}: cannot decode it ({_first_line(exc)})") from None
     video = loaded[0] if isinstance(loaded, tuple) else loaded
     return [Image.fromarray(np.asarray(frame)).convert("RGB") for frame in video], notes
 
@@ -164,11 +164,11 @@ def load_processor(folder: str) -> _Processor:
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    missing = (f"--weights {folder} has no processor to lay out --image/--video/--prompt with; save the "
+    missing = (f"weights={folder} has no processor to lay out image=/video=/prompt= with; save the "
                "checkpoint's processor there (processor.save_pretrained) or copy its preprocessor_config.json "
                "and tokenizer files")
     if not Path(folder).is_dir():
-        raise FicocoError(f"--weights {folder}: --image/--video/--prompt need a local checkpoint folder with its "
+        raise FicocoError(f"weights={folder}: image=/video=/prompt= need a local checkpoint folder with its "
                           "processor")
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the PIL fallback's warning is not the user's business
@@ -212,19 +212,19 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
         media = "video"
     given = video if media == "video" else image
     if media == "video" and image is not None:
-        raise FicocoError("--image: Video-LLaVA runs are planned for a video; give --video (a video file or a "
+        raise FicocoError("image=: Video-LLaVA runs are planned for a video; give video= (a video file or a "
                           "folder of frames) instead")
     if media == "image" and video is not None:
-        raise FicocoError(f"--video applies to Video-LLaVA and LLaVA-OneVision checkpoints, not '{family}'; "
-                          "give --image")
+        raise FicocoError(f"video= applies to Video-LLaVA and LLaVA-OneVision checkpoints, not '{family}'; "
+                          "give image=")
     if given is None:
-        raise FicocoError(f"--prompt needs --{media} as well (a {family} prompt here holds one {media})")
+        raise FicocoError(f"prompt= needs {media}= as well (a {family} prompt here holds one {media})")
     notes: list[str] = []
     if media == "video":
         pictures, notes = read_video(given, frames, default_frames)
     else:
         if frames is not None:
-            raise FicocoError(f"--frames applies to Video-LLaVA videos, not {family}")
+            raise FicocoError(f"frames= applies to Video-LLaVA videos, not {family}")
         pictures = [read_image(given)]
     processor = load_processor(folder)
     tokenizer = processor.tokenizer
@@ -232,7 +232,7 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
                       else _token_id(config, "image_token_id", "image_token_index"))
     placeholder = tokenizer.convert_ids_to_tokens(placeholder_id) if placeholder_id is not None else None
     if not isinstance(placeholder, str):
-        raise FicocoError(f"--weights {folder}: the tokenizer has no token for the config's {media} placeholder id "
+        raise FicocoError(f"weights={folder}: the tokenizer has no token for the config's {media} placeholder id "
                           f"{placeholder_id}; is it this checkpoint's tokenizer?")
     question = prompt if prompt is not None and prompt.strip() else DEFAULT_QUESTION[media]
     # A question that holds placeholders places the media itself; otherwise the template puts it first.
@@ -244,14 +244,14 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
                                                  chat_template=processor.chat_template, tokenize=False,
                                                  add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - jinja errors of the checkpoint's template
-            raise FicocoError(f"--weights {folder}: its chat template fails on this prompt ({_first_line(exc)})") \
+            raise FicocoError(f"weights={folder}: its chat template fails on this prompt ({_first_line(exc)})") \
                 from None
     else:
         text = _fallback_text(family, media, question) if placeholder not in question else question
         notes.append(f"note: {folder} has no chat template; the prompt follows the {family} format: {text!r}")
     count = text.count(placeholder)
     if count != 1:
-        raise FicocoError(f"--prompt holds {count} {placeholder} placeholders but one {media} is given "
+        raise FicocoError(f"prompt= holds {count} {placeholder} placeholders but one {media} is given "
                           f"(--{media}); use at most one {placeholder} in the prompt")
     encoded = _encode(processor, family, media, text, pictures, placeholder, config, given)
     ids = encoded["input_ids"]

@@ -118,10 +118,10 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     if config.model_type != "video_llava":
         raise FicocoError(f"these synthetic inputs are laid out for Video-LLaVA only, not '{config.model_type}'")
     if text_tokens <= PREFIX_TOKENS:
-        raise FicocoError(f"--text-tokens must exceed the {PREFIX_TOKENS} template tokens before the video")
+        raise FicocoError(f"text_tokens= must exceed the {PREFIX_TOKENS} template tokens before the video")
     frames = frames_of(model) if frames is None else frames
     if frames < 1:
-        raise FicocoError(f"--frames {frames} must be at least 1")
+        raise FicocoError(f"frames={frames} must be at least 1")
     vision = config.vision_config
     per_frame = (vision.image_size // vision.patch_size) ** 2 + 1  # patches + [CLS]
     video_token = config.video_token_id

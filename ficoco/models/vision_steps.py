@@ -314,7 +314,7 @@ class TowerPatch:
             if len(counts) > 1:
                 raise FicocoError(f"{self.spec.title}'s adaptive count differs between the items (images, crops, "
                                   f"frames) of this call ({', '.join(map(str, counts))} tokens): give a fixed count "
-                                  "with --keep (keep=), or run one single-item image per call (LLaVA-1.5)")
+                                  "with keep=, or run one single-item image per call (LLaVA-1.5)")
             hidden = hidden[:, :counts[0]]
         present = torch.arange(units, device=features.device).expand(items, -1)
         kept = out.kept[:, :hidden.shape[1]]

@@ -203,7 +203,7 @@ def estimate_run(config: ProfileConfig, plan: Plan, rates: Rates | None = None) 
     arch = architecture(plan.profile)
     layers = arch.vision.layers + arch.decoder.layers
     estimate = RunEstimate(rates=rates, dtype=dtype_text, memory=memory_text(plan),
-                           runs_rule="--warmup/--repeat" if plan.warmup is not None and plan.repeat is not None
+                           runs_rule="warmup=/repeat=" if plan.warmup is not None and plan.repeat is not None
                            else rule_text(plan.device.type))
     weights_16bit = weight_bytes(arch, "all", Quant("fp16", 16, 16, 16))
     imports_s = 0.0 if "transformers.models.llava.modeling_llava" in sys.modules else IMPORT_S

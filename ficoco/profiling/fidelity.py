@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 RANDOM_WEIGHTS_NOTE = ("random weights: these figures describe a randomly initialised model, not the checkpoint's "
-                       "quality; give --weights for a trained one")
+                       "quality; give weights= for a trained one")
 
 
 @dataclass

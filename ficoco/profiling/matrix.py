@@ -115,12 +115,12 @@ def check_image(path: str) -> None:
     from PIL import Image, UnidentifiedImageError
 
     if not Path(path).is_file():
-        raise FicocoError(f"--image {path}: no such file")
+        raise FicocoError(f"image={path}: no such file")
     try:
         with Image.open(path) as picture:
             picture.verify()
     except (OSError, UnidentifiedImageError, SyntaxError) as exc:
-        raise FicocoError(f"--image {path}: not a readable image ({exc})") from None
+        raise FicocoError(f"image={path}: not a readable image ({exc})") from None
 
 
 def row_kv_bits(config: ProfileConfig, quant: str) -> int | None:
@@ -134,13 +134,13 @@ def resolve_device(name: str, notes: list[str] | None = None) -> torch.device:
     """`auto` is CUDA when torch can use a GPU, else the CPU; a GPU that the driver shows but
     torch cannot use (a CPU build of torch, a driver too old for it) is said in `notes`."""
     if name not in ("auto", "cpu", "cuda"):
-        raise FicocoError(f"unknown --device '{name}': choose auto, cuda or cpu")
+        raise FicocoError(f"unknown device='{name}': choose auto, cuda or cpu")
     if name == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda")
     if name == "cuda":
-        raise FicocoError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu or auto")
+        raise FicocoError("device=cuda: no CUDA GPU is visible to torch here; use device=cpu or auto")
     from ficoco.profiling.trackers import nvml_visible_gpus
 
     gpus = nvml_visible_gpus()
@@ -174,29 +174,29 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     """Validate the configuration and resolve every row's schedule (no model is built). `prompt`
     is the real prompt `real_inputs.resolve_prompt` laid out (its layout is already in `config`)."""
     if config.repeat is not None and config.repeat < 1:
-        raise FicocoError(f"--repeat {config.repeat}: at least one measured run is needed")
+        raise FicocoError(f"repeat={config.repeat}: at least one measured run is needed")
     if config.warmup is not None and config.warmup < 0:
-        raise FicocoError(f"--warmup {config.warmup} must not be negative")
+        raise FicocoError(f"warmup={config.warmup} must not be negative")
     if config.new_tokens < 0:
-        raise FicocoError(f"--new-tokens {config.new_tokens} must not be negative")
+        raise FicocoError(f"new_tokens={config.new_tokens} must not be negative")
     for quant in config.quants:
         if quant not in QUANT_BITS:
             raise FicocoError(f"unknown quant '{quant}': choose from {', '.join(QUANT_BITS)}")
     for batch in config.batches:
         if batch < 1:
-            raise FicocoError(f"--batch {batch} must be at least 1")
+            raise FicocoError(f"batch size {batch} in batches= must be at least 1")
     if config.image is not None:
         check_image(config.image)
     if config.prompt is not None and config.weights == "random":
-        raise FicocoError("--prompt needs a tokenizer: give --weights with a local checkpoint folder")
+        raise FicocoError("prompt= needs a tokenizer: give weights= with a local checkpoint folder")
     if config.video is not None and config.weights == "random":
-        raise FicocoError("--video needs a checkpoint's processor: give --weights with a local Video-LLaVA "
+        raise FicocoError("video= needs a checkpoint's processor: give weights= with a local Video-LLaVA "
                           "checkpoint folder")
     if config.fidelity and "vanilla" not in config.variants:
-        raise FicocoError("--fidelity compares every reduced row with vanilla on the same inputs; drop "
-                          "--no-reference")
+        raise FicocoError("fidelity=True compares every reduced row with vanilla on the same inputs; drop "
+                          "reference=False")
     if config.kv_bits is not None and config.kv_bits not in (16, *KV_QUANT_BITS):
-        raise FicocoError(f"--kv-bits {config.kv_bits}: choose 16 (unquantized), 8, 4 or 2")
+        raise FicocoError(f"kv_bits={config.kv_bits}: choose 16 (unquantized), 8, 4 or 2")
     if any(row_kv_bits(config, quant) for quant in config.quants):
         from ficoco.models.kv_cache import check_backend
 
@@ -204,10 +204,10 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     from ficoco.models import device_map as maps
 
     if maps.check_policy(config.device_map) is None and config.max_memory:
-        raise FicocoError("--max-memory sets the limits of a device map; give --device-map too")
+        raise FicocoError("max_memory= sets the limits of a device map; give device_map= too")
     maps.check_limits(maps.parse_max_memory(config.max_memory))  # refused before anything is planned
     if config.device_map and any(quant != "fp16" for quant in config.quants):
-        raise FicocoError("--device-map works with unquantized weights; drop --quant or --device-map")
+        raise FicocoError("device_map= works with unquantized weights; drop quants= or device_map=")
     notes: list[str] = []
     device = resolve_device(config.device, notes)
     if config.device_map:
@@ -220,8 +220,8 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
         raise FicocoError(f"{source or config.model} is a '{profile.family}' model; ficoco profile runs "
                           f"{', '.join(supported_families())} models so far")
     if config.image is not None and prompt is None and profile.family != "llava":
-        raise FicocoError(f"--image with random weights lays out LLaVA-1.5 inputs only; for {profile.family} give "
-                          "--weights with a local checkpoint folder (its processor lays out the image)")
+        raise FicocoError(f"image= with random weights lays out LLaVA-1.5 inputs only; for {profile.family} give "
+                          "weights= with a local checkpoint folder (its processor lays out the image)")
     set_layout(profile, image_size=config.image_size, frames=config.frames)
     arch = architecture(profile)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
@@ -260,7 +260,7 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
 
         plan.dtype = choose_dtype(config.dtype, device, native=native)
         if plan.dtype.upcast:
-            raise FicocoError("--device-map and an upcast layout do not mix; give --dtype bf16, fp16 or fp32")
+            raise FicocoError("device_map= and an upcast layout do not mix; give dtype=bf16, fp16 or fp32")
         # What the run needs, for the report; nothing is refused (free None).
         plan.memory = {**memory_need_bytes(profile, plan.rows, plan.dtype, "fp16", text_tokens=config.text_tokens,
                                            new_tokens=config.new_tokens, kv_bits=config.kv_bits),
@@ -345,9 +345,9 @@ def _planned_runs(row: RowSpec, plan: Plan) -> tuple[tuple[int, int], Callable[[
 
 def _runs_json(latency: LatencyStats, plan: Plan) -> dict[str, Any]:
     """What ran, and what chose it."""
-    given = [name for name, n in (("--warmup", plan.warmup), ("--repeat", plan.repeat)) if n is not None]
+    given = [name for name, n in (("warmup=", plan.warmup), ("repeat=", plan.repeat)) if n is not None]
     if len(given) == 2:
-        chosen_by = "--warmup/--repeat"
+        chosen_by = "warmup=/repeat="
     else:
         first_s = (latency.warmup_ms or latency.samples_ms)[0] / 1e3
         chosen_by = f"time budget, from the first run ({first_s:.3g} s)" + (f"; {given[0]} as given" if given else "")

@@ -25,7 +25,7 @@ def resolve_prompt(config: Any) -> tuple[Any, Any]:
     if config.weights == "random" or all(value is None for value in wanted):
         return config, None
     if config.image_size is not None:
-        raise FicocoError("--image-size: with --image the image gives the size; drop --image-size")
+        raise FicocoError("image_size=: with image= the image gives the size; drop image_size=")
     folder = str(Path(config.weights).expanduser())
     source = folder if Path(folder).is_dir() else config.model
     profile = load_profile(source, list(config.overrides))
