@@ -23,13 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 FLAG = re.compile(r"(?<![\w-])--[a-z]")
 # Command lines of other programs the library runs or tells the user to run: their flags are theirs.
 OTHER_PROGRAMS = ("--porcelain", "--untracked-files=no", "ray start --head")
-# Qwen2-VL's adapter is converted with its entry code (issue 27); it must still hold a flag, so that
-# this entry is removed once it is converted and the file is checked like the rest.
-PENDING = {"ficoco/models/qwen2_vl.py"}
-# LLaVA's adapter is converted on main already (its entry code moved); drop this once merged.
-CONVERTED_ELSEWHERE = {"ficoco/models/llava.py"}
-
-
 def _docstrings(tree: ast.AST) -> set[int]:
     kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     return {id(node.body[0].value) for node in ast.walk(tree)
@@ -57,11 +50,9 @@ def flags_in_library_strings(root: Path = ROOT) -> dict[str, list[str]]:
 
 def test_no_library_string_spells_a_cli_flag():
     found = flags_in_library_strings()
-    offending = {path: lines for path, lines in found.items() if path not in PENDING | CONVERTED_ELSEWHERE}
+    offending = found
     assert not offending, "name the option by its keyword (keep=), not its flag:\n" + "\n".join(
         f"{path} {line}" for path, lines in offending.items() for line in lines)
-    converted = sorted(PENDING - set(found))
-    assert not converted, f"{converted} hold no flag any more: remove them from PENDING"
 
 
 def test_the_scan_sees_messages_and_skips_docstrings(tmp_path):

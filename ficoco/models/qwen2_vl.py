@@ -205,7 +205,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         if spec.placement == "in_layer" and isinstance(module, TowerModule):
             self.patch_merges(handle, patches, spec, schedule)
             return
-        raise FicocoError(f"--variant {spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
+        raise FicocoError(f"variant={spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
                           "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
                           "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
 
@@ -450,7 +450,7 @@ class Qwen2VLAdapter(LlavaAdapter):
                 groups, keep = len(tower.kept_groups[images[0]]), settings["keep"]
                 if keep > groups:
                     raise FicocoError(f"{spec.title} keeps {keep} tokens per image, but an image of {rows}x{cols} "
-                                      f"patches has {groups}; give a smaller --keep")
+                                      f"patches has {groups}; give a smaller keep=")
                 chosen = torch.tensor(images, device=features.device)
                 inputs = TowerInput(hidden=torch.stack([pieces[i] for i in images]), has_cls=False,
                                     remove=groups - keep,
@@ -512,7 +512,7 @@ class Qwen2VLAdapter(LlavaAdapter):
                 groups = rows * cols // self.merge
                 if keep > groups:
                     raise FicocoError(f"{spec.title} keeps {keep} tokens per frame, but a video frame of {rows}x{cols} "
-                                      f"patches has {groups}; give a smaller --keep")
+                                      f"patches has {groups}; give a smaller keep=")
                 count = len(videos)
                 inputs = TowerInput(hidden=torch.stack([pieces[v] for v in videos]).view(count * frames, groups, -1),
                                     has_cls=False, remove=groups - keep, frames=frames,
@@ -1081,13 +1081,13 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
                           f"'{config.model_type}'")
     fixed = PREFIX_TOKENS + _SUFFIX_TEMPLATE_TOKENS
     if text_tokens < fixed:
-        raise FicocoError(f"--text-tokens must be at least the {fixed} template tokens around the image")
+        raise FicocoError(f"text_tokens= must be at least the {fixed} template tokens around the image")
     rows, cols = image_grid(model, image_size)
     vision = config.vision_config
     if frames is None and image_size is None:
         frames = (getattr(model, "_ficoco_defaults", None) or {}).get("frames")
     if frames is not None and frames < 1:
-        raise FicocoError(f"--frames {frames} must be at least 1")
+        raise FicocoError(f"frames={frames} must be at least 1")
     slices = 1 if frames is None else -(-frames // vision.temporal_patch_size)
     placeholder = config.image_token_id if frames is None else config.video_token_id
     placeholders = slices * rows * cols // vision.spatial_merge_size**2
