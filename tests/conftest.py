@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite is pinned to the CPU, also on a machine with a GPU (and in the `ficoco`
@@ -25,41 +24,17 @@ os.environ.update({} if os.environ.get("FICOCO_GPU_TESTS") == "1" else {"CUDA_VI
 os.environ.setdefault("FICOCO_TEST_FREE_MEMORY_BYTES", "64e9")
 
 import pytest
+from helpers import run_cli
 
 from ficoco.accounting import Architecture, architecture
 from ficoco.profiles import load_profile
 
 
-class CliResult(NamedTuple):
-    """What `ficoco ARGS...` did: its exit code and what it printed (unpacks as (code, out, err))."""
-
-    code: int
-    out: str
-    err: str
-
-
-def run_cli(*args: Any) -> CliResult:
-    """`ficoco ARGS...` in process through `ficoco_cli.app.main`, as the console script runs it."""
-    from unittest import mock
-
-    from typer.testing import CliRunner
-
-    from ficoco_cli.app import main
-
-    with CliRunner().isolation() as (out, err, _), mock.patch.object(sys, "argv", ["ficoco", *map(str, args)]):
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        sys.stdout.flush()  # what a command wrote with sys.stdout.write (--json -) is buffered until now
-        sys.stderr.flush()
-        return CliResult(code, out.getvalue().decode(), err.getvalue().decode())
-
-
 @pytest.fixture(scope="session")
 def cli() -> Any:
-    """The one CLI runner of the suite: `cli("flops", "--model", ...)` -> CliResult(code, out, err)."""
+    """The one CLI runner of the suite: `cli("flops", "--model", ...)` -> CliResult(code, out, err);
+    `cli(..., in_subprocess=True)` in a real process (helpers.run_cli, which hypothesis tests call
+    directly: a fixture cannot be drawn inside @given)."""
     return run_cli
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from decoding import prefill_and_decode
+from helpers import prefill_and_decode
 from torch import Tensor, nn
 
 import ficoco

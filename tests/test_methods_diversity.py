@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from decoding import prefill_and_decode
+from helpers import prefill_and_decode
 from torch import Tensor, nn
 
 import ficoco

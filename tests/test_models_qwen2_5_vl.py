@@ -295,7 +295,7 @@ def test_v_images_of_different_sizes_each_keep_their_own_windows(model: nn.Modul
 def test_a_real_prompt_through_a_local_checkouts_processor_runs_v(tmp_path: Any) -> None:
     """The checkpoint's processor and chat template lay the prompt out (Qwen2-VL's); the accountant plans
     the processor's grid and V runs on it."""
-    from local_checkpoints import make_checkpoint
+    from helpers import make_checkpoint
     from PIL import Image
 
     from ficoco.models.prompt import encode_prompt

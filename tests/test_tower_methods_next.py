@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from decoding import prefill_and_decode
+from helpers import prefill_and_decode
 from test_cli_flops import COMMAND
 from torch import Tensor, nn
 
