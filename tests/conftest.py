@@ -8,8 +8,10 @@ core, which slowed the suite several-fold.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -103,16 +105,20 @@ def flops_verify(tmp_path):
     """`flops_verify("--model", "llava-tiny", "--variant", "fastv", ...)`: `ficoco flops --verify` run in this
     process (the same command, without a new interpreter's seconds of imports) and its JSON report; a
     failed verdict exits 1 (SystemExit), which fails the test."""
-    import json
+    return functools.partial(_json_report, tmp_path / "verify.json", "flops", "--verify")
 
-    from ficoco_cli.app import app
 
-    def run(*args: str) -> dict:
-        path = tmp_path / "verify.json"
-        app(["flops", "--verify", *args, "--json", str(path)], standalone_mode=False)
-        return json.loads(path.read_text())
+@pytest.fixture
+def flops_report(tmp_path):
+    """`flops_report("--model", "llava-1.5-7b", ...)`: `ficoco flops ARGS --json FILE` run in this process
+    and its JSON report; a user's mistake raises its FicocoError."""
+    return functools.partial(_json_report, tmp_path / "flops_report.json", "flops")
 
-    return run
+
+def _json_report(path: Path, *args: str) -> dict:
+    """The report `ficoco ARGS --json PATH` writes, the command run by the suite's runner as the bare app."""
+    run_cli(*args, "--json", path, standalone=False)
+    return json.loads(path.read_text())
 
 
 @functools.cache

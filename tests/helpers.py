@@ -57,8 +57,9 @@ def run_cli(*args: Any, standalone: bool = True, in_subprocess: bool = False, pr
     this environment)."""
     argv = [str(arg) for arg in args]
     if in_subprocess or prelude:
-        command = COMMAND if not prelude else [
-            sys.executable, "-c", f"{prelude}; from ficoco_cli.app import main; main()"]
+        # A prelude runs before `main()`, which then reads argv as the console script does.
+        script = f"import sys; sys.argv[0] = 'ficoco'; {prelude}; from ficoco_cli.app import main; main()"
+        command = [sys.executable, "-c", script] if prelude else COMMAND
         done = subprocess.run([*command, *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd,
                               env=None if env is None else {**os.environ, **env})
         return CliResult(done.returncode, done.stdout, done.stderr)
@@ -95,7 +96,7 @@ def assert_one_error_line(result: CliResult, code: int = 2) -> str:
     traceback; returns that line."""
     assert result.code == code, (result.code, result.err)
     assert "Traceback" not in result.err + result.out
-    lines = [line for line in result.err.splitlines() if line.strip()]
+    lines = result.err.splitlines()
     assert len(lines) == 1, result.err
     assert lines[0].startswith("error: ") and len(lines[0]) > len("error: "), result.err
     return lines[0]

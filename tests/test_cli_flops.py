@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_error_line, run_cli
+from helpers import assert_one_error_line
 
 import ficoco
 from ficoco.accounting import CountOptions, compute_tera
@@ -25,13 +25,6 @@ PROFILES = [
 ]
 STAGES = ["vision", "projector", "llm", "lm_head"]
 SCOPE_STAGES = {"llm": ["llm", "lm_head"], "all": STAGES}
-
-
-def run_flops(tmp_path: Path, *args: str) -> dict:
-    """Run `ficoco flops ARGS --json FILE` in-process and read the report."""
-    path = tmp_path / "report.json"
-    run_cli("flops", *args, "--json", path, standalone=False)
-    return json.loads(path.read_text())
 
 
 # ---- help, version, models ---------------------------------------------------------------------------------
@@ -123,7 +116,7 @@ def llm_viewer_kv_by_hand(profile: str, kv_bits: int) -> tuple[float, float]:
     return values * kv_bits / 8, values * kv_bits / 8 + values / 64 * 2 * 2
 
 
-def test_llm_viewer_reports_llm_viewers_kv_cache_and_the_stored_one_by_name(tmp_path, cli):
+def test_llm_viewer_reports_llm_viewers_kv_cache_and_the_stored_one_by_name(cli, flops_report):
     """Issue 24: LLaVA-1.5-7B int8 at 60 text tokens is 166.7 MB in LLM-Viewer, 177.1 MB as stored."""
     args = ("flops", "--model", "llava-1.5-7b", "--variant", "vanilla", "--quant", "int8", "--convention", "llm-viewer")
     result = cli(*args, in_subprocess=True)
@@ -133,7 +126,7 @@ def test_llm_viewer_reports_llm_viewers_kv_cache_and_the_stored_one_by_name(tmp_
     assert row[-3] == "166.7"  # KV viewer, weights, memory access
     assert "KV viewer: LLM-Viewer's KV cache, values x KV bits / 8" in words
     assert "KV stored (kv_cache_stored_bytes:" in words and "vanilla int8 177.1 MB" in words
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--quant", "int8,int4", "--convention", "llm-viewer")
+    report = flops_report("--model", "llava-1.5-7b", "--quant", "int8,int4", "--convention", "llm-viewer")
     for row, bits in zip(report["rows"], (8, 4), strict=True):
         viewer, stored = llm_viewer_kv_by_hand("llava-1.5-7b", bits)
         assert (row["kv_cache_figure"], row["kv_cache_bytes"], row["kv_cache_stored_bytes"]) == (
@@ -141,13 +134,13 @@ def test_llm_viewer_reports_llm_viewers_kv_cache_and_the_stored_one_by_name(tmp_
     assert (report["rows"][0]["kv_cache_bytes"], report["rows"][0]["kv_cache_stored_bytes"]) == (
         166_723_584, 177_143_808)
     # The default convention reports the stored cache, named so.
-    flops = run_flops(tmp_path, "--model", "llava-1.5-7b", "--quant", "int8")["rows"][0]
+    flops = flops_report("--model", "llava-1.5-7b", "--quant", "int8")["rows"][0]
     assert (flops["kv_cache_figure"], flops["kv_cache_bytes"], flops["kv_cache_stored_bytes"]) == (
         "stored", 177_143_808, 177_143_808)
 
 
-def test_lm_head_last_counts_one_token_per_sample(tmp_path):
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--lm-head", "last", "--batch", "2")
+def test_lm_head_last_counts_one_token_per_sample(flops_report):
+    report = flops_report("--model", "llava-1.5-7b", "--lm-head", "last", "--batch", "2")
     assert report["lm_head_tokens"] == "last"
     assert report["rows"][0]["tflops_by_stage"]["lm_head"] == pytest.approx(2 * 2 * 4096 * 32064 / 1e12, rel=1e-12)
 
@@ -165,10 +158,10 @@ def test_json_dash_writes_parseable_json_to_stdout_and_tables_to_stderr(cli):
 @pytest.mark.parametrize("convention,scope", [("flops", "llm"), ("flops", "all"), ("macs", "all"),
                                               ("llm-viewer", "llm"), ("paper", "llm"), ("paper", "all")])
 @pytest.mark.parametrize("equivalent", [False, True])
-def test_total_is_the_sum_of_the_scopes_stages(tmp_path, convention, scope, equivalent):
+def test_total_is_the_sum_of_the_scopes_stages(convention, scope, equivalent, flops_report):
     args = ["--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--keep", "64", "--convention", convention,
             "--scope", scope, "--per-layer"]
-    report = run_flops(tmp_path, *args, *(["--equivalent"] if equivalent else []))
+    report = flops_report(*args, *(["--equivalent"] if equivalent else []))
     assert report["scope_stages"] == SCOPE_STAGES[scope]
     assert (report["convention"], report["scope"], report["equivalent"]) == (convention, scope, equivalent)
     for row in report["rows"]:
@@ -181,25 +174,25 @@ def test_total_is_the_sum_of_the_scopes_stages(tmp_path, convention, scope, equi
             assert row["tflops"] < sum(row["tflops_by_stage"].values())
 
 
-def test_budget_run_reports_a_fitting_schedule(tmp_path):
+def test_budget_run_reports_a_fitting_schedule(flops_report):
     for args in (["--variant", "v"], ["--variant", "v,l", "--equivalent"]):
-        report = run_flops(tmp_path, "--model", "llava-1.5-7b", *args, "--tflops", "3.3")
+        report = flops_report("--model", "llava-1.5-7b", *args, "--tflops", "3.3")
         assert report["budget_tflops"] == 3.3
         assert all(row["tflops"] <= 3.3 for row in report["rows"])
         assert all(0 < row["visual_tokens"] < 576 for row in report["rows"])
 
 
-def test_impossible_layer_exact_budget_fits_when_equivalent(tmp_path):
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", "--equivalent")
+def test_impossible_layer_exact_budget_fits_when_equivalent(flops_report):
+    report = flops_report("--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", "--equivalent")
     (row,) = report["rows"]
     assert row["tflops"] <= 1.5
     assert report["equivalent"] is True
 
 
-def test_set_override_reaches_the_report(tmp_path):
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--set", "text_config.num_hidden_layers=4")
+def test_set_override_reaches_the_report(flops_report):
+    report = flops_report("--model", "llava-1.5-7b", "--set", "text_config.num_hidden_layers=4")
     assert report["overrides"] == {"text_config.num_hidden_layers": 4}
-    full = run_flops(tmp_path, "--model", "llava-1.5-7b")
+    full = flops_report("--model", "llava-1.5-7b")
     assert report["rows"][0]["tflops_by_stage"]["llm"] == pytest.approx(
         full["rows"][0]["tflops_by_stage"]["llm"] * 4 / 32, rel=1e-12)
 
@@ -295,12 +288,12 @@ def test_impossible_budget_names_the_cheapest_reachable_cost(arch_of, cli):
     assert "--equivalent" in line  # and what would reach lower
 
 
-def test_impossible_budget_hint_flags_do_fit(tmp_path, cli):
+def test_impossible_budget_hint_flags_do_fit(cli, flops_report):
     line = assert_one_error_line(cli(*M7, "--variant", "l", "--tflops", "1.5", "--shape", "uniform",
                                      in_subprocess=True))
     match = re.search(r"; ((?:--[a-z-]+ \S+ ?)+) reaches \S+ \(fits\)", line)
     assert match, line
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", *match[1].split())
+    report = flops_report("--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", *match[1].split())
     assert report["rows"][0]["tflops"] <= 1.5
 
 
@@ -314,10 +307,10 @@ USAGE_ERRORS = {
 }
 
 
-def test_the_comparison_line_runs_every_method_at_one_budget(tmp_path, cli):
+def test_the_comparison_line_runs_every_method_at_one_budget(cli, flops_report):
     # FiCoCo-L's full uniform run cannot reach 3.3 TFLOPs on LLaVA-1.5-7B: its default budget shape is the
     # longest uniform run from layer 4 that does, named in the row's settings.
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "vanilla,v,l,fastv,pdrop,sparsevlm,dart",
+    report = flops_report("--model", "llava-1.5-7b", "--variant", "vanilla,v,l,fastv,pdrop,sparsevlm,dart",
                        "--tflops", "3.3")
     rows = {row["variant"]: row for row in report["rows"]}
     assert list(rows) == ["vanilla", "v", "l", "fastv", "pdrop", "sparsevlm", "dart"]
@@ -365,13 +358,13 @@ def test_invalid_shapes_and_frames_end_with_exit_2_and_one_error_line(case, cli)
     assert_one_error_line(cli(*UNCHECKED_SHAPES[case], in_subprocess=True))
 
 
-def test_methods_side_by_side_leave_out_those_a_family_refuses_with_the_reason(tmp_path: Path, cli) -> None:
+def test_methods_side_by_side_leave_out_those_a_family_refuses_with_the_reason(cli, flops_report) -> None:
     """Several methods at one setting run on any family, as a sweep does: HoliTom (a video method) on
     LLaVA-1.5 and FastV below its reachable layer average are left out with their one-line reasons,
     the others are costed; one method alone, or none left, is refused in one line."""
     from ficoco.methods import METHODS
 
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "vanilla,v,holitom,fastv,divprune",
+    report = flops_report("--model", "llava-1.5-7b", "--variant", "vanilla,v,holitom,fastv,divprune",
                        "--keep", "30")
     assert [r["variant"] for r in report["rows"]] == ["vanilla", "v", "divprune"]
     skipped = {entry["variant"]: entry["reason"] for entry in report["skipped"]}
