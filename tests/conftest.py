@@ -53,14 +53,15 @@ TRANSFORMERS_TESTS = frozenset({
     CONTRACT_TESTS, "test_models_llava.py", "test_models_llava_next.py", "test_models_qwen2_vl.py",
     "test_models_qwen2_5_vl.py", "test_models_llava_onevision.py", "test_models_video_llava.py",
     "test_hf_idioms.py", "test_kv_cache.py", "test_quantize.py", "test_real_inputs.py", "test_verify.py",
-    "test_llm_methods.py", "test_vision_methods_wired.py", "test_tower_methods_next.py", "test_methods_diversity.py",
-    "test_methods_holitom.py",
+    "test_methods_llm_in_models.py", "test_methods_vision_in_models.py", "test_methods_vision_in_llava_next.py",
+    "test_methods_diversity.py", "test_methods_holitom.py",
 })
 # Of those, the suites of the methods inside the models (marked `method_suites` too): they reach
 # transformers only through the adapters' hook points, which every family's model tests cross with
 # FiCoCo-V and -L, so CI's oldest-release run leaves them out to keep the whole run under 15 minutes.
-METHOD_SUITES = frozenset({"test_llm_methods.py", "test_vision_methods_wired.py", "test_tower_methods_next.py",
-                           "test_methods_diversity.py", "test_methods_holitom.py"})
+METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision_in_models.py",
+                           "test_methods_vision_in_llava_next.py", "test_methods_diversity.py",
+                           "test_methods_holitom.py"})
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -25,7 +25,7 @@ KEYS = ["vanilla-fp16-reference", "v-fp16-keep32", "v-fp16-keep16", "l-fp16-keep
 
 def _default_sigint() -> None:
     # Background jobs of a shell without job control start with SIGINT ignored; the driver under
-    # test gets the default disposition, as one started from a terminal has (test_profile_cli.py).
+    # test gets the default disposition, as one started from a terminal has (test_cli_profile.py).
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

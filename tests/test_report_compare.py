@@ -41,7 +41,7 @@ QUANTS = ("fp16", "int4")
 REPEAT = 5
 STEADY = (0.98, 0.99, 1.0, 1.01, 1.02)  # a tight, tie-free spread whose median is the row's median
 VERDICTS = {"ok", "regression", "improvement", "noise", "not judged", "missing"}
-# Prefill-only reports: the decode metrics are judged in tests/test_decode.py.
+# Prefill-only reports: the decode metrics are judged in tests/test_profile_decode.py.
 DETERMINISTIC = [m for m in METRICS if m.kind == "deterministic" and m.path[0] != "generation"]
 
 
@@ -203,7 +203,7 @@ def test_identical_reports_give_ok_or_not_judged_everywhere(base, compare_json):
         assert v["change"] == 0.0
     assert by_kind == {"deterministic": {"ok"}, "ratio": {"ok"}, "absolute": {"not judged"}}
     # Every metric of every row, except the vanilla rows' ratios to themselves; a prefill-only
-    # report holds no decode metric (tests/test_decode.py judges those), and a report made without
+    # report holds no decode metric (tests/test_profile_decode.py judges those), and a report made without
     # --fidelity no fidelity metric.
     held = [m for m in METRICS if m.path[0] not in ("generation", "generation_speedup_vs_vanilla")
             and m.kind != "fidelity"]

@@ -53,7 +53,7 @@ STRIDE = MethodSpec(
     name=NAME, title="Stride (toy)", acts_at="after_projector", placement="after_projector", positions="grid",
     needs=(Need("hidden", "projector", "all", "the projector's output, every patch"),),
     hyperparameters={"ratio": 0.5}, families=("llava",), module=__name__, function="tower_step",
-    source="tests/test_method_plugin.py", summary="keep evenly spaced projected patches",
+    source="tests/test_methods_plugin.py", summary="keep evenly spaced projected patches",
     keep_means="visual tokens per image that reach the LLM", steps=_steps, settings_for_keep=_for_keep,
     wired=True,
 )
