@@ -273,7 +273,7 @@ def same_values_in_fp32():
 
 
 @pytest.mark.parametrize("fp32_layers", [0, 1, 4])
-def test_an_upcast_build_computes_exactly_what_float32_weights_would(same_values_in_fp32, fp32_layers):
+def test_an_upcast_build_computes_exactly_what_float32_weights_would(same_values_in_fp32, fp32_layers, arch_of):
     inputs, expected = same_values_in_fp32
     choice = DtypeChoice(BF16, F32, "test", upcast=True, fp32_layers=fp32_layers)
     model = ficoco.build_model("llava-tiny", dtype=choice)
@@ -283,7 +283,7 @@ def test_an_upcast_build_computes_exactly_what_float32_weights_would(same_values
     assert {p.dtype for p in model.parameters() if id(p) not in upcast_weights} == {F32}
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, expected)
-    arch = architecture(load_profile("llava-tiny"))
+    arch = arch_of("llava-tiny")
     analytic = weight_bytes(arch, "all", make_quant("fp16"), element_bytes=4, upcast_layers=4 - fp32_layers)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert model_weight_bytes(model) - buffers == analytic

@@ -77,11 +77,11 @@ def test_the_segmentation_saves_the_most_tokens_and_keeps_a_frame_alone_on_a_tie
     assert start.tolist() == [[0, 0, 2, 3, 3]] and saved.tolist() == [4 + 2]
 
 
-def test_the_plan_counts_each_videos_work_once_and_maps_the_retain_ratio() -> None:
+def test_the_plan_counts_each_videos_work_once_and_maps_the_retain_ratio(arch_of) -> None:
     spec = method("holitom")
     settings = spec.settings_for_keep(None, 256, 23, spec.hyperparameters)
     assert settings["keep"] == 26  # ceil(10 % of 256) per frame on average
-    arch = acc.architecture(load_profile("video-llava-7b"))
+    arch = arch_of("video-llava-7b")
     schedule = acc.resolve_schedule(arch, "holitom", acc.CountOptions(), keep=26)
     plan = plan_tokens(arch, schedule, text_tokens=TEXT)
     assert plan.llm_visual_tokens == 8 * (26 + 1)
@@ -259,7 +259,7 @@ def qwen_sample(inp: dict[str, Tensor], i: int) -> dict[str, Tensor]:
     return {**alone, "pixel_values_videos": inp["pixel_values_videos"][i * rows:(i + 1) * rows]}
 
 
-def test_qwen2_vl_video_keep_all_equals_vanilla_and_an_image_layout_is_refused(qwen_video: nn.Module) -> None:
+def test_qwen2_vl_video_keep_all_equals_vanilla_and_an_image_layout_is_refused(qwen_video: nn.Module, arch_of) -> None:
     inp = qwen_inputs(qwen_video, batch=1, seed=0)
     assert inp["video_grid_thw"].tolist() == [[Q_SLICES, 8, 8]]
     with torch.no_grad():
@@ -271,7 +271,7 @@ def test_qwen2_vl_video_keep_all_equals_vanilla_and_an_image_layout_is_refused(q
     with ficoco.apply(qwen_video, "holitom", keep=Q_KEEP), \
             pytest.raises(ficoco.FicocoError, match="HoliTom on Qwen2-VL acts on a video's frames; an image"):
         qwen_video(**picture)
-    image = acc.architecture(load_profile("qwen2-vl-tiny"))
+    image = arch_of("qwen2-vl-tiny")
     with pytest.raises(ficoco.FicocoError, match="HoliTom on qwen2-vl-tiny: a video method.*--frames"):
         acc.resolve_schedule(image, "holitom", acc.CountOptions(), keep=Q_KEEP)
 

@@ -108,8 +108,8 @@ def entering_tokens(model: nn.Module, images: int) -> Iterator[dict[str, dict[in
 
 # -- the profile and the accountant's windows ----------------------------------------------------
 
-def test_windows_and_parameters_are_the_built_models() -> None:
-    real = architecture(load_profile("qwen2.5-vl-7b"))
+def test_windows_and_parameters_are_the_built_models(arch_of) -> None:
+    real = arch_of("qwen2.5-vl-7b")
     # 672 x 672: 24 x 24 groups in windows of 112 px = 4 x 4 groups, 36 whole windows.
     assert real.vision.window_groups == (16,) * 36 and real.vision.full_attention_layers == {7, 15, 23, 31}
     assert qwen2_5_vl_windows(5, 4, 2) == (4, 4, 4, 4, 2, 2)
