@@ -122,6 +122,15 @@ def _json_report(path: Path, *args: str) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.fixture(scope="module")
+def model(request: pytest.FixtureRequest) -> Any:
+    """The tiny model of a module that names one (`TINY_PROFILE = "llava-tiny"`): seeded random weights in
+    fp32, built once per module, so one module's patches and state never reach another's."""
+    import ficoco
+
+    return ficoco.build_model(request.module.TINY_PROFILE, dtype="fp32")
+
+
 @functools.cache
 def _architecture(name: str) -> Architecture:
     return architecture(load_profile(name))

@@ -148,9 +148,7 @@ def test_counts_and_cost_terms_equal_the_plan_on_the_literature_rows(arch_of) ->
 
 # ---- in the tiny LLaVA ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("llava-tiny", dtype="fp32")
+TINY_PROFILE = "llava-tiny"  # built as this module's `model` (conftest.py)
 
 
 def _inputs(model: nn.Module, batch: int = 1, seed: int = 0, text: int = TEXT) -> dict[str, Tensor]:

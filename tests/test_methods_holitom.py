@@ -97,9 +97,7 @@ def test_the_plan_counts_each_videos_work_once_and_maps_the_retain_ratio(arch_of
 
 # ---- inside the tiny Video-LLaVA ----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("video-llava-tiny", dtype="fp32")
+TINY_PROFILE = "video-llava-tiny"  # built as this module's `model` (conftest.py)
 
 
 def test_keep_all_equals_vanilla(model: nn.Module) -> None:

@@ -37,9 +37,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 METHODS = tuple(SETTINGS)
 
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("llava-tiny", dtype="fp32")
+TINY_PROFILE = "llava-tiny"  # built as this module's `model` (conftest.py)
 
 
 def inputs(model: nn.Module, batch: int = 1, seed: int = 0, text: int = TEXT) -> dict[str, Tensor]:

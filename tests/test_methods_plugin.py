@@ -66,9 +66,7 @@ def _stride() -> Iterator[MethodSpec]:
     assert NAME not in METHODS and NAME not in VARIANTS  # cleaned up
 
 
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
-    return ficoco.build_model(MODEL, dtype="fp32")
+TINY_PROFILE = MODEL  # built as this module's `model` (conftest.py)
 
 
 def test_registered_method_is_a_variant_and_meets_its_module_contract() -> None:

@@ -56,9 +56,7 @@ def reduced(size: tuple[int, int], per_item: int = KEEP) -> int:
     return items_of(size) * per_item + rows_of(size)
 
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("llava-next-tiny", dtype="fp32")
+TINY_PROFILE = "llava-next-tiny"  # built as this module's `model` (conftest.py)
 
 
 def inputs(model: nn.Module, batch: int = 1, seed: int = 0, size: tuple[int, int] = SQUARE,

@@ -41,9 +41,7 @@ IMAGE_TOKEN, VIDEO_TOKEN = 300, 301
 NEW = 4
 
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model(NAME, dtype="fp32")
+TINY_PROFILE = NAME  # built as this module's `model` (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -37,9 +37,7 @@ GRID_W = 2 * COLS
 NEW = 4
 
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("qwen2.5-vl-tiny", dtype="fp32")
+TINY_PROFILE = "qwen2.5-vl-tiny"  # built as this module's `model` (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -38,9 +38,7 @@ NEW = 8  # generated tokens
 
 # -- fixtures and helpers ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("video-llava-tiny", dtype="fp32")
+TINY_PROFILE = "video-llava-tiny"  # built as this module's `model` (conftest.py)
 
 
 @pytest.fixture(scope="module")
