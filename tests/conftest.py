@@ -8,10 +8,11 @@ core, which slowed the suite several-fold.
 from __future__ import annotations
 
 import functools
+import json
 import os
-import sys
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The suite is pinned to the CPU, also on a machine with a GPU (and in the `ficoco`
@@ -25,41 +26,17 @@ os.environ.update({} if os.environ.get("FICOCO_GPU_TESTS") == "1" else {"CUDA_VI
 os.environ.setdefault("FICOCO_TEST_FREE_MEMORY_BYTES", "64e9")
 
 import pytest
+from helpers import run_cli
 
 from ficoco.accounting import Architecture, architecture
 from ficoco.profiles import load_profile
 
 
-class CliResult(NamedTuple):
-    """What `ficoco ARGS...` did: its exit code and what it printed (unpacks as (code, out, err))."""
-
-    code: int
-    out: str
-    err: str
-
-
-def run_cli(*args: Any) -> CliResult:
-    """`ficoco ARGS...` in process through `ficoco_cli.app.main`, as the console script runs it."""
-    from unittest import mock
-
-    from typer.testing import CliRunner
-
-    from ficoco_cli.app import main
-
-    with CliRunner().isolation() as (out, err, _), mock.patch.object(sys, "argv", ["ficoco", *map(str, args)]):
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        sys.stdout.flush()  # what a command wrote with sys.stdout.write (--json -) is buffered until now
-        sys.stderr.flush()
-        return CliResult(code, out.getvalue().decode(), err.getvalue().decode())
-
-
 @pytest.fixture(scope="session")
 def cli() -> Any:
-    """The one CLI runner of the suite: `cli("flops", "--model", ...)` -> CliResult(code, out, err)."""
+    """The one CLI runner of the suite: `cli("flops", "--model", ...)` -> CliResult(code, out, err);
+    `cli(..., in_subprocess=True)` in a real process (helpers.run_cli, which hypothesis tests call
+    directly: a fixture cannot be drawn inside @given)."""
     return run_cli
 
 
@@ -76,14 +53,15 @@ TRANSFORMERS_TESTS = frozenset({
     CONTRACT_TESTS, "test_models_llava.py", "test_models_llava_next.py", "test_models_qwen2_vl.py",
     "test_models_qwen2_5_vl.py", "test_models_llava_onevision.py", "test_models_video_llava.py",
     "test_hf_idioms.py", "test_kv_cache.py", "test_quantize.py", "test_real_inputs.py", "test_verify.py",
-    "test_llm_methods.py", "test_vision_methods_wired.py", "test_tower_methods_next.py", "test_methods_diversity.py",
-    "test_methods_holitom.py",
+    "test_methods_llm_in_models.py", "test_methods_vision_in_models.py", "test_methods_vision_in_llava_next.py",
+    "test_methods_diversity.py", "test_methods_holitom.py",
 })
 # Of those, the suites of the methods inside the models (marked `method_suites` too): they reach
 # transformers only through the adapters' hook points, which every family's model tests cross with
 # FiCoCo-V and -L, so CI's oldest-release run leaves them out to keep the whole run under 15 minutes.
-METHOD_SUITES = frozenset({"test_llm_methods.py", "test_vision_methods_wired.py", "test_tower_methods_next.py",
-                           "test_methods_diversity.py", "test_methods_holitom.py"})
+METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision_in_models.py",
+                           "test_methods_vision_in_llava_next.py", "test_methods_diversity.py",
+                           "test_methods_holitom.py"})
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -128,16 +106,29 @@ def flops_verify(tmp_path):
     """`flops_verify("--model", "llava-tiny", "--variant", "fastv", ...)`: `ficoco flops --verify` run in this
     process (the same command, without a new interpreter's seconds of imports) and its JSON report; a
     failed verdict exits 1 (SystemExit), which fails the test."""
-    import json
+    return functools.partial(_json_report, tmp_path / "verify.json", "flops", "--verify")
 
-    from ficoco_cli.app import app
 
-    def run(*args: str) -> dict:
-        path = tmp_path / "verify.json"
-        app(["flops", "--verify", *args, "--json", str(path)], standalone_mode=False)
-        return json.loads(path.read_text())
+@pytest.fixture
+def flops_report(tmp_path):
+    """`flops_report("--model", "llava-1.5-7b", ...)`: `ficoco flops ARGS --json FILE` run in this process
+    and its JSON report; a user's mistake raises its FicocoError."""
+    return functools.partial(_json_report, tmp_path / "flops_report.json", "flops")
 
-    return run
+
+def _json_report(path: Path, *args: str) -> dict:
+    """The report `ficoco ARGS --json PATH` writes, the command run by the suite's runner as the bare app."""
+    run_cli(*args, "--json", path, standalone=False)
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def model(request: pytest.FixtureRequest) -> Any:
+    """The tiny model of a module that names one (`TINY_PROFILE = "llava-tiny"`): seeded random weights in
+    fp32, built once per module, so one module's patches and state never reach another's."""
+    import ficoco
+
+    return ficoco.build_model(request.module.TINY_PROFILE, dtype="fp32")
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """The `ficoco` command: help, version, models, the flops report, and one-line errors.
 
 Exit codes and streams are checked on real subprocesses; the report's content is checked
-in-process (faster) through the same Typer app.
+in-process (faster) through the same Typer app (both through the suite's runner, `cli`).
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import assert_one_error_line
 
 import ficoco
 from ficoco.accounting import CountOptions, compute_tera
 from ficoco.accounting.schedule import uniform_schedule
-from ficoco_cli.app import app
 
-SCRIPT = Path(sys.executable).parent / "ficoco"
-COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
 PROFILES = [
     "llava-1.5-13b", "llava-1.5-7b", "llava-gqa-tiny", "llava-next-7b", "llava-next-tiny", "llava-onevision-7b",
     "llava-onevision-tiny", "llava-tiny", "qwen2-vl-7b", "qwen2-vl-tiny", "video-llava-7b", "video-llava-tiny",
@@ -29,74 +27,53 @@ STAGES = ["vision", "projector", "llm", "lm_head"]
 SCOPE_STAGES = {"llm": ["llm", "lm_head"], "all": STAGES}
 
 
-def ficoco_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
-
-
-def run_flops(tmp_path: Path, *args: str) -> dict:
-    """Run `ficoco flops ARGS --json FILE` in-process and read the report."""
-    path = tmp_path / "report.json"
-    app(["flops", *args, "--json", str(path)], standalone_mode=False)
-    return json.loads(path.read_text())
-
-
-def assert_one_error_line(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 2, (result.returncode, result.stderr)
-    assert "Traceback" not in result.stderr + result.stdout
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error:")
-    assert len(lines[0]) > len("error: ")
-    return lines[0]
-
-
 # ---- help, version, models ---------------------------------------------------------------------------------
 
-def test_help_lists_models_and_flops_with_descriptions():
-    result = ficoco_cli("--help")
-    assert result.returncode == 0
-    commands = {line.split()[0]: line.split(None, 1)[1:] for line in result.stdout.splitlines()
+def test_help_lists_models_and_flops_with_descriptions(cli):
+    result = cli("--help", in_subprocess=True)
+    assert result.code == 0
+    commands = {line.split()[0]: line.split(None, 1)[1:] for line in result.out.splitlines()
                 if line.strip() and line.split()[0] in ("models", "flops")}
     assert set(commands) == {"models", "flops"}
     assert all(description and description[0].strip() for description in commands.values())
 
 
-def test_flops_help_names_the_options():
-    result = ficoco_cli("flops", "--help")
-    assert result.returncode == 0
+def test_flops_help_names_the_options(cli):
+    result = cli("flops", "--help", in_subprocess=True)
+    assert result.code == 0
     for option in ("--model", "--variant", "--keep", "--tflops", "--schedule", "--convention", "--scope",
                    "--equivalent", "--quant", "--gpu", "--json"):
-        assert option in result.stdout
+        assert option in result.out
 
 
-def test_version():
-    result = ficoco_cli("--version")
-    assert result.returncode == 0
-    assert result.stdout.splitlines()[0] == f"ficoco {ficoco.__version__}"  # then the packages (test_versions.py)
+def test_version(cli):
+    result = cli("--version", in_subprocess=True)
+    assert result.code == 0
+    assert result.out.splitlines()[0] == f"ficoco {ficoco.__version__}"  # then the packages (test_versions.py)
 
 
-def test_models_lists_all_ten_profiles():
-    result = ficoco_cli("models")
-    assert result.returncode == 0, result.stderr
+def test_models_lists_all_ten_profiles(cli):
+    result = cli("models", in_subprocess=True)
+    assert result.code == 0, result.err
     for name in PROFILES:
-        assert name in result.stdout
+        assert name in result.out
 
 
-def test_flops_default_run_exits_zero_and_prints_the_vanilla_total():
-    result = ficoco_cli("flops", "--model", "llava-1.5-7b")
-    assert result.returncode == 0, result.stderr
-    assert "llava-1.5-7b" in result.stdout
-    assert "8.617" in result.stdout  # vanilla, flops convention, scope llm
-    assert result.stderr == ""
+def test_flops_default_run_exits_zero_and_prints_the_vanilla_total(cli):
+    result = cli("flops", "--model", "llava-1.5-7b", in_subprocess=True)
+    assert result.code == 0, result.err
+    assert "llava-1.5-7b" in result.out
+    assert "8.617" in result.out  # vanilla, flops convention, scope llm
+    assert result.err == ""
 
 
 # ---- JSON report --------------------------------------------------------------------------------------------
 
-def test_json_path_writes_the_flops_report(tmp_path):
+def test_json_path_writes_the_flops_report(tmp_path, cli):
     path = tmp_path / "flops.json"
-    result = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--keep", "64",
-                        "--quant", "fp16,int8", "--gpu", "a100-80gb", "--json", str(path))
-    assert result.returncode == 0, result.stderr
+    result = cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--keep", "64",
+                 "--quant", "fp16,int8", "--gpu", "a100-80gb", "--json", str(path), in_subprocess=True)
+    assert result.code == 0, result.err
     report = json.loads(path.read_text())
     assert report["schema"] == "ficoco.flops/1"
     assert report["model"] == "llava-1.5-7b"
@@ -139,17 +116,17 @@ def llm_viewer_kv_by_hand(profile: str, kv_bits: int) -> tuple[float, float]:
     return values * kv_bits / 8, values * kv_bits / 8 + values / 64 * 2 * 2
 
 
-def test_llm_viewer_reports_llm_viewers_kv_cache_and_the_stored_one_by_name(tmp_path):
+def test_llm_viewer_reports_llm_viewers_kv_cache_and_the_stored_one_by_name(cli, flops_report):
     """Issue 24: LLaVA-1.5-7B int8 at 60 text tokens is 166.7 MB in LLM-Viewer, 177.1 MB as stored."""
     args = ("flops", "--model", "llava-1.5-7b", "--variant", "vanilla", "--quant", "int8", "--convention", "llm-viewer")
-    result = ficoco_cli(*args)
-    assert result.returncode == 0, result.stderr
-    words = " ".join(result.stdout.split())
-    (row,) = [line.split() for line in result.stdout.splitlines() if line.split()[:2] == ["vanilla", "576"]]
+    result = cli(*args, in_subprocess=True)
+    assert result.code == 0, result.err
+    words = " ".join(result.out.split())
+    (row,) = [line.split() for line in result.out.splitlines() if line.split()[:2] == ["vanilla", "576"]]
     assert row[-3] == "166.7"  # KV viewer, weights, memory access
     assert "KV viewer: LLM-Viewer's KV cache, values x KV bits / 8" in words
     assert "KV stored (kv_cache_stored_bytes:" in words and "vanilla int8 177.1 MB" in words
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--quant", "int8,int4", "--convention", "llm-viewer")
+    report = flops_report("--model", "llava-1.5-7b", "--quant", "int8,int4", "--convention", "llm-viewer")
     for row, bits in zip(report["rows"], (8, 4), strict=True):
         viewer, stored = llm_viewer_kv_by_hand("llava-1.5-7b", bits)
         assert (row["kv_cache_figure"], row["kv_cache_bytes"], row["kv_cache_stored_bytes"]) == (
@@ -157,34 +134,34 @@ def test_llm_viewer_reports_llm_viewers_kv_cache_and_the_stored_one_by_name(tmp_
     assert (report["rows"][0]["kv_cache_bytes"], report["rows"][0]["kv_cache_stored_bytes"]) == (
         166_723_584, 177_143_808)
     # The default convention reports the stored cache, named so.
-    flops = run_flops(tmp_path, "--model", "llava-1.5-7b", "--quant", "int8")["rows"][0]
+    flops = flops_report("--model", "llava-1.5-7b", "--quant", "int8")["rows"][0]
     assert (flops["kv_cache_figure"], flops["kv_cache_bytes"], flops["kv_cache_stored_bytes"]) == (
         "stored", 177_143_808, 177_143_808)
 
 
-def test_lm_head_last_counts_one_token_per_sample(tmp_path):
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--lm-head", "last", "--batch", "2")
+def test_lm_head_last_counts_one_token_per_sample(flops_report):
+    report = flops_report("--model", "llava-1.5-7b", "--lm-head", "last", "--batch", "2")
     assert report["lm_head_tokens"] == "last"
     assert report["rows"][0]["tflops_by_stage"]["lm_head"] == pytest.approx(2 * 2 * 4096 * 32064 / 1e12, rel=1e-12)
 
 
-def test_json_dash_writes_parseable_json_to_stdout_and_tables_to_stderr():
-    result = ficoco_cli("flops", "--model", "llava-tiny", "--variant", "vanilla,l", "--keep", "16", "--per-layer",
-                        "--json", "-")
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+def test_json_dash_writes_parseable_json_to_stdout_and_tables_to_stderr(cli):
+    result = cli("flops", "--model", "llava-tiny", "--variant", "vanilla,l", "--keep", "16", "--per-layer",
+                 "--json", "-", in_subprocess=True)
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
     assert report["schema"] == "ficoco.flops/1"
     assert [r["visual_tokens"] for r in report["rows"]] == [64, 16]
-    assert "llava-tiny" in result.stderr  # the table went to stderr
+    assert "llava-tiny" in result.err  # the table went to stderr
 
 
 @pytest.mark.parametrize("convention,scope", [("flops", "llm"), ("flops", "all"), ("macs", "all"),
                                               ("llm-viewer", "llm"), ("paper", "llm"), ("paper", "all")])
 @pytest.mark.parametrize("equivalent", [False, True])
-def test_total_is_the_sum_of_the_scopes_stages(tmp_path, convention, scope, equivalent):
+def test_total_is_the_sum_of_the_scopes_stages(convention, scope, equivalent, flops_report):
     args = ["--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--keep", "64", "--convention", convention,
             "--scope", scope, "--per-layer"]
-    report = run_flops(tmp_path, *args, *(["--equivalent"] if equivalent else []))
+    report = flops_report(*args, *(["--equivalent"] if equivalent else []))
     assert report["scope_stages"] == SCOPE_STAGES[scope]
     assert (report["convention"], report["scope"], report["equivalent"]) == (convention, scope, equivalent)
     for row in report["rows"]:
@@ -197,25 +174,25 @@ def test_total_is_the_sum_of_the_scopes_stages(tmp_path, convention, scope, equi
             assert row["tflops"] < sum(row["tflops_by_stage"].values())
 
 
-def test_budget_run_reports_a_fitting_schedule(tmp_path):
+def test_budget_run_reports_a_fitting_schedule(flops_report):
     for args in (["--variant", "v"], ["--variant", "v,l", "--equivalent"]):
-        report = run_flops(tmp_path, "--model", "llava-1.5-7b", *args, "--tflops", "3.3")
+        report = flops_report("--model", "llava-1.5-7b", *args, "--tflops", "3.3")
         assert report["budget_tflops"] == 3.3
         assert all(row["tflops"] <= 3.3 for row in report["rows"])
         assert all(0 < row["visual_tokens"] < 576 for row in report["rows"])
 
 
-def test_impossible_layer_exact_budget_fits_when_equivalent(tmp_path):
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", "--equivalent")
+def test_impossible_layer_exact_budget_fits_when_equivalent(flops_report):
+    report = flops_report("--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", "--equivalent")
     (row,) = report["rows"]
     assert row["tflops"] <= 1.5
     assert report["equivalent"] is True
 
 
-def test_set_override_reaches_the_report(tmp_path):
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--set", "text_config.num_hidden_layers=4")
+def test_set_override_reaches_the_report(flops_report):
+    report = flops_report("--model", "llava-1.5-7b", "--set", "text_config.num_hidden_layers=4")
     assert report["overrides"] == {"text_config.num_hidden_layers": 4}
-    full = run_flops(tmp_path, "--model", "llava-1.5-7b")
+    full = flops_report("--model", "llava-1.5-7b")
     assert report["rows"][0]["tflops_by_stage"]["llm"] == pytest.approx(
         full["rows"][0]["tflops_by_stage"]["llm"] * 4 / 32, rel=1e-12)
 
@@ -294,15 +271,16 @@ BAD_INPUT = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUT))
-def test_bad_input_ends_with_exit_2_and_one_error_line(case):
+def test_bad_input_ends_with_exit_2_and_one_error_line(case, cli):
     args, expected = BAD_INPUT[case]
-    line = assert_one_error_line(ficoco_cli(*args))
+    line = assert_one_error_line(cli(*args, in_subprocess=True))
     assert expected in line
 
 
-def test_impossible_budget_names_the_cheapest_reachable_cost(arch_of):
+def test_impossible_budget_names_the_cheapest_reachable_cost(arch_of, cli):
     # An explicit --shape is honoured (the default would shorten the run of layers to fit).
-    line = assert_one_error_line(ficoco_cli(*M7, "--variant", "l", "--tflops", "1.5", "--shape", "uniform"))
+    line = assert_one_error_line(cli(*M7, "--variant", "l", "--tflops", "1.5", "--shape", "uniform",
+                                     in_subprocess=True))
     arch = arch_of("llava-1.5-7b")
     cheapest = compute_tera(arch, uniform_schedule(arch, "l", 575), CountOptions())
     assert cheapest > 1.5
@@ -310,11 +288,12 @@ def test_impossible_budget_names_the_cheapest_reachable_cost(arch_of):
     assert "--equivalent" in line  # and what would reach lower
 
 
-def test_impossible_budget_hint_flags_do_fit(tmp_path):
-    line = assert_one_error_line(ficoco_cli(*M7, "--variant", "l", "--tflops", "1.5", "--shape", "uniform"))
+def test_impossible_budget_hint_flags_do_fit(cli, flops_report):
+    line = assert_one_error_line(cli(*M7, "--variant", "l", "--tflops", "1.5", "--shape", "uniform",
+                                     in_subprocess=True))
     match = re.search(r"; ((?:--[a-z-]+ \S+ ?)+) reaches \S+ \(fits\)", line)
     assert match, line
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", *match[1].split())
+    report = flops_report("--model", "llava-1.5-7b", "--variant", "l", "--tflops", "1.5", *match[1].split())
     assert report["rows"][0]["tflops"] <= 1.5
 
 
@@ -328,10 +307,10 @@ USAGE_ERRORS = {
 }
 
 
-def test_the_comparison_line_runs_every_method_at_one_budget(tmp_path):
+def test_the_comparison_line_runs_every_method_at_one_budget(cli, flops_report):
     # FiCoCo-L's full uniform run cannot reach 3.3 TFLOPs on LLaVA-1.5-7B: its default budget shape is the
     # longest uniform run from layer 4 that does, named in the row's settings.
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "vanilla,v,l,fastv,pdrop,sparsevlm,dart",
+    report = flops_report("--model", "llava-1.5-7b", "--variant", "vanilla,v,l,fastv,pdrop,sparsevlm,dart",
                        "--tflops", "3.3")
     rows = {row["variant"]: row for row in report["rows"]}
     assert list(rows) == ["vanilla", "v", "l", "fastv", "pdrop", "sparsevlm", "dart"]
@@ -340,14 +319,14 @@ def test_the_comparison_line_runs_every_method_at_one_budget(tmp_path):
     assert layers == list(range(4, 4 + len(layers))) and layers[-1] < 31
     assert "longest run from layer 4" in rows["l"]["settings"]["shape"]
     # The printed comparison names the shortened run too, not only the JSON.
-    printed = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--tflops", "3.3")
-    assert printed.returncode == 0
-    assert "l: uniform over layers 4.." in " ".join(printed.stdout.split())
+    printed = cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,l", "--tflops", "3.3", in_subprocess=True)
+    assert printed.code == 0
+    assert "l: uniform over layers 4.." in " ".join(printed.out.split())
 
 
 @pytest.mark.parametrize("case", sorted(USAGE_ERRORS))
-def test_usage_error_ends_with_exit_2_and_one_error_line(case):
-    assert_one_error_line(ficoco_cli(*USAGE_ERRORS[case]))
+def test_usage_error_ends_with_exit_2_and_one_error_line(case, cli):
+    assert_one_error_line(cli(*USAGE_ERRORS[case], in_subprocess=True))
 
 
 # A schedule option given with only the vanilla variant would be ignored: it is refused instead
@@ -360,9 +339,9 @@ IGNORED_FOR_VANILLA = {
 
 
 @pytest.mark.parametrize("case", sorted(IGNORED_FOR_VANILLA))
-def test_bad_values_are_refused_for_the_default_vanilla_variant(case):
+def test_bad_values_are_refused_for_the_default_vanilla_variant(case, cli):
     args, expected = IGNORED_FOR_VANILLA[case]
-    assert expected in assert_one_error_line(ficoco_cli(*args))
+    assert expected in assert_one_error_line(cli(*args, in_subprocess=True))
 
 
 # Shapes and frames are checked before they reach the cost model.
@@ -375,26 +354,27 @@ UNCHECKED_SHAPES = {
 
 
 @pytest.mark.parametrize("case", sorted(UNCHECKED_SHAPES))
-def test_invalid_shapes_and_frames_end_with_exit_2_and_one_error_line(case):
-    assert_one_error_line(ficoco_cli(*UNCHECKED_SHAPES[case]))
+def test_invalid_shapes_and_frames_end_with_exit_2_and_one_error_line(case, cli):
+    assert_one_error_line(cli(*UNCHECKED_SHAPES[case], in_subprocess=True))
 
 
-def test_methods_side_by_side_leave_out_those_a_family_refuses_with_the_reason(tmp_path: Path) -> None:
+def test_methods_side_by_side_leave_out_those_a_family_refuses_with_the_reason(cli, flops_report) -> None:
     """Several methods at one setting run on any family, as a sweep does: HoliTom (a video method) on
     LLaVA-1.5 and FastV below its reachable layer average are left out with their one-line reasons,
     the others are costed; one method alone, or none left, is refused in one line."""
     from ficoco.methods import METHODS
 
-    report = run_flops(tmp_path, "--model", "llava-1.5-7b", "--variant", "vanilla,v,holitom,fastv,divprune",
+    report = flops_report("--model", "llava-1.5-7b", "--variant", "vanilla,v,holitom,fastv,divprune",
                        "--keep", "30")
     assert [r["variant"] for r in report["rows"]] == ["vanilla", "v", "divprune"]
     skipped = {entry["variant"]: entry["reason"] for entry in report["skipped"]}
     assert set(skipped) == {"holitom", "fastv"}
     assert METHODS["holitom"].family_status("llava")[1] in skipped["holitom"]
     assert "FastV at layer 2 averages" in skipped["fastv"]
-    printed = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,holitom", "--keep", "64")
-    assert printed.returncode == 0 and "left out holitom: --variant holitom:" in printed.stdout
-    assert "HoliTom is defined on" in assert_one_error_line(ficoco_cli(
-        "flops", "--model", "llava-1.5-7b", "--variant", "vanilla,holitom", "--keep", "64"))
-    assert "HoliTom is defined on" in assert_one_error_line(ficoco_cli(
-        "flops", "--model", "llava-1.5-7b", "--variant", "holitom,fastv", "--keep", "30"))
+    printed = cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,v,holitom", "--keep", "64",
+                  in_subprocess=True)
+    assert printed.code == 0 and "left out holitom: --variant holitom:" in printed.out
+    assert "HoliTom is defined on" in assert_one_error_line(cli(
+        "flops", "--model", "llava-1.5-7b", "--variant", "vanilla,holitom", "--keep", "64", in_subprocess=True))
+    assert "HoliTom is defined on" in assert_one_error_line(cli(
+        "flops", "--model", "llava-1.5-7b", "--variant", "holitom,fastv", "--keep", "30", in_subprocess=True))

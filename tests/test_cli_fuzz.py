@@ -5,7 +5,7 @@ and `report`: each example gives a few options a value drawn from that option's 
 with nan, inf, negatives, zero, huge values and text; lists with empty, repeated and unknown
 items; paths that are missing, folders, binary, unreadable or not writable; `--set` keys and
 values of every JSON kind and none). Each command line runs in-process through `main()`, the
-console script's entry point, inside Typer's runner isolation, and must
+console script's entry point, inside Typer's runner isolation (the suite's runner, helpers.run_cli), and must
 
 - end with exit 0 or 2 (1 only where the command defines it), never an exception;
 - on exit 2, print exactly one line on stderr, `error: ...`, that names an option it was given
@@ -29,21 +29,17 @@ import os
 import shlex
 import shutil
 import stat
-import sys
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-from unittest import mock
 
 import pytest
+from helpers import CliResult, run_cli
 from hypothesis import HealthCheck, currently_in_test_context, given, note, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
 from ficoco.profiles import MAX_COUNT
-from ficoco_cli.app import main
 
 SCALE = int(os.environ.get("FICOCO_FUZZ_SCALE", "1"))
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,31 +61,6 @@ def fuzz(examples: int) -> settings:
 
 
 # ---- running a command line and judging its outcome ---------------------------------------------------------
-
-@dataclass
-class Outcome:
-    code: int | None
-    stdout: str
-    stderr: str
-    crash: str  # the traceback of an exception main() let through, else ""
-
-
-def invoke(argv: Sequence[str]) -> Outcome:
-    """`ficoco ARGV` through `main()`, with stdout and stderr captured by Typer's runner."""
-    crash, code = "", None
-    with CliRunner().isolation() as (stdout, stderr, _), mock.patch.object(sys, "argv", ["ficoco", *argv]):
-        try:
-            main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except Exception:
-            crash = traceback.format_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        out, err = stdout.getvalue(), stderr.getvalue()
-    return Outcome(code, out.decode(errors="replace"), err.decode(errors="replace"), crash)
-
 
 @dataclass(frozen=True)
 class Arg:
@@ -114,26 +85,26 @@ def positional(value: str, bad: bool = False) -> Arg:
     return Arg((value,), bad, (value if value.strip() else "''",))
 
 
-def check(argv: Sequence[str], outcome: Outcome, args: Sequence[Arg], codes: tuple[int, ...] = (0, 2)) -> None:
+def check(argv: Sequence[str], outcome: CliResult, args: Sequence[Arg], codes: tuple[int, ...] = (0, 2)) -> None:
     """The contract of every command line (the module docstring)."""
     line = shlex.join(["ficoco", *argv])
     if currently_in_test_context():  # hypothesis prints it with the falsifying example
         note(f"command: {line}")
     assert not outcome.crash, f"{line}\n{outcome.crash}"
-    assert outcome.code in codes, f"{line}: exit {outcome.code}, expected one of {codes}\n{outcome.stderr[-2000:]}"
+    assert outcome.code in codes, f"{line}: exit {outcome.code}, expected one of {codes}\n{outcome.err[-2000:]}"
     bad = [arg.tokens[0] for arg in args if arg.bad]
     assert not bad or outcome.code == 2, f"{line}: exit {outcome.code} although {bad} is invalid by its kind"
     if outcome.code != 2:
         return
-    lines = [x for x in outcome.stderr.split("\n") if x.strip()]  # not splitlines: a value may hold \x1c or \u2028
+    lines = [x for x in outcome.err.split("\n") if x.strip()]  # not splitlines: a value may hold \x1c or \u2028
     assert len(lines) == 1 and lines[0].startswith("error: "), \
-        f"{line}: stderr is not one error line:\n{outcome.stderr[-2000:]}"
+        f"{line}: stderr is not one error line:\n{outcome.err[-2000:]}"
     names = {name for arg in args for name in arg.named_by()}
     assert any(name in lines[0] for name in names), f"{line}: '{lines[0]}' names none of {sorted(names)}"
 
 
 def run_and_check(argv: list[str], args: Sequence[Arg], codes: tuple[int, ...] = (0, 2)) -> None:
-    check(argv, invoke(argv), args, codes)
+    check(argv, run_cli(*argv), args, codes)
 
 
 def mostly(good: st.SearchStrategy[T], other: st.SearchStrategy[T]) -> st.SearchStrategy[T]:
@@ -770,10 +741,10 @@ def test_the_fuzzer_sees_the_holes_of_issue_18() -> None:
     """The three command lines of the issue, judged by the same check: each must now be refused."""
     for budget in ("nan", "inf", "1e309"):
         argv = ["flops", "--model", "llava-1.5-7b", "--variant", "v", "--tflops", budget]
-        outcome = invoke(argv)
+        outcome = run_cli(*argv)
         check(argv, outcome, [option("--model", "llava-1.5-7b"), option("--variant", "v"),
                               option("--tflops", budget, bad=True)])
-        assert outcome.code == 2 and "--tflops" in outcome.stderr
+        assert outcome.code == 2 and "--tflops" in outcome.err
 
 
 def test_every_option_of_every_command_is_fuzzed() -> None:

@@ -6,13 +6,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_cli_flops import COMMAND, assert_one_error_line, ficoco_cli
+from helpers import assert_one_error_line
 
 from ficoco.errors import FicocoError
 from ficoco.methods import METHODS
@@ -23,11 +20,11 @@ from ficoco.profiles import FAMILY_DEFAULTS
 ALL = "vanilla,v,l,fastv,pdrop,sparsevlm,dart"
 
 
-def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
-    result = ficoco_cli("methods", "--json", str(tmp_path / "m.json"))
-    assert result.returncode == 0, result.stderr
+def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path, cli):
+    result = cli("methods", "--json", str(tmp_path / "m.json"), in_subprocess=True)
+    assert result.code == 0, result.err
     for name, spec in METHODS.items():
-        assert name in result.stdout and spec.title in result.stdout
+        assert name in result.out and spec.title in result.out
     report = json.loads((tmp_path / "m.json").read_text())
     by_name = {m["name"]: m for m in report["methods"]}
     assert set(by_name) == set(METHODS)
@@ -58,11 +55,10 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path):
         assert "Qwen2.5-VL" in cell["reason"] and "\n" not in cell["reason"]
 
 
-def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(monkeypatch: pytest.MonkeyPatch):
-    result = subprocess.run([*COMMAND, "methods", "--matrix"], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "COLUMNS": "1000"})
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(monkeypatch: pytest.MonkeyPatch, cli):
+    result = cli("methods", "--matrix", in_subprocess=True, env={"COLUMNS": "1000"})
+    assert result.code == 0, result.err
+    lines = result.out.splitlines()
     header = next(line for line in lines if "method" in line and "qwen2_vl" in line)
     assert [f for f in FAMILY_DEFAULTS if f in header] == list(FAMILY_DEFAULTS)
     at = next(i for i, line in enumerate(lines) if "prumerge (PruMerge+)" in line)
@@ -84,11 +80,11 @@ def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(mon
         planned.check_runs("llava", "llava-tiny")
 
 
-def test_the_comparison_line_costs_every_method_under_one_budget(tmp_path: Path):
+def test_the_comparison_line_costs_every_method_under_one_budget(tmp_path: Path, cli):
     # FiCoCo-L cannot reach 3.3 TFLOPs layer-exact from layer 4 with the uniform shape; one-shot can.
-    result = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", ALL, "--tflops", "3.3", "--shape", "oneshot",
-                        "--json", str(tmp_path / "r.json"))
-    assert result.returncode == 0, result.stderr
+    result = cli("flops", "--model", "llava-1.5-7b", "--variant", ALL, "--tflops", "3.3", "--shape", "oneshot",
+                 "--json", str(tmp_path / "r.json"), in_subprocess=True)
+    assert result.code == 0, result.err
     rows = {r["variant"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
     assert list(rows) == ALL.split(",")
     for name, row in rows.items():
@@ -98,13 +94,13 @@ def test_the_comparison_line_costs_every_method_under_one_budget(tmp_path: Path)
     assert rows["fastv"]["settings"]["layer"] == 2
     assert rows["sparsevlm"]["settings"]["keeps"] == [303, 110, 36]
     assert rows["pdrop"]["method_tflops"] > 0  # its recomputed k projections are counted, apart from the total
-    assert "avg" in result.stdout  # the layer-average column
+    assert "avg" in result.out  # the layer-average column
 
 
-def test_preset_gives_the_literature_rows_in_visual_macs(tmp_path: Path):
-    result = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,fastv,sparsevlm,dart", "--preset",
-                        "128", "--convention", "visual-macs", "--json", str(tmp_path / "r.json"))
-    assert result.returncode == 0, result.stderr
+def test_preset_gives_the_literature_rows_in_visual_macs(tmp_path: Path, cli):
+    result = cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,fastv,sparsevlm,dart", "--preset",
+                 "128", "--convention", "visual-macs", "--json", str(tmp_path / "r.json"), in_subprocess=True)
+    assert result.code == 0, result.err
     report = json.loads((tmp_path / "r.json").read_text())
     rows = {r["variant"]: r for r in report["rows"]}
     assert report["preset"] == 128 and report["units"] == "TMACs (visual tokens)"
@@ -121,35 +117,33 @@ def test_preset_gives_the_literature_rows_in_visual_macs(tmp_path: Path):
     ["profile", "--model", "llava-tiny", "--variant", "fastv", "--dry-run"],
     ["flops", "--verify", "--model", "llava-tiny", "--variant", "v,pdrop", "--keep", "8"],
 ])
-def test_an_unwired_method_is_refused_in_one_line(argv):
+def test_an_unwired_method_is_refused_in_one_line(argv, cli):
     # Every shipped method is wired now: one marked unwired stands for a method the accountant plans
     # before its model hooks exist.
-    unwired = [sys.executable, "-c", "import dataclasses, ficoco.methods.registry as r; "
+    unwired = ("import dataclasses, ficoco.methods.registry as r; "
                "r.METHODS['fastv'] = dataclasses.replace(r.METHODS['fastv'], wired=False); "
-               "r.METHODS['pdrop'] = dataclasses.replace(r.METHODS['pdrop'], wired=False); "
-               "from ficoco_cli.app import main; main()"]
-    result = subprocess.run([*unwired, *argv], capture_output=True, text=True, timeout=600)
-    line = assert_one_error_line(result)
+               "r.METHODS['pdrop'] = dataclasses.replace(r.METHODS['pdrop'], wired=False)")
+    line = assert_one_error_line(cli(*argv, prelude=unwired))
     assert "is not wired into the models yet" in line and "--variant" in line
 
 
-def test_a_family_the_method_is_not_defined_on_is_named():
-    line = assert_one_error_line(ficoco_cli("flops", "--model", "qwen2-vl-7b", "--variant", "prumerge"))
+def test_a_family_the_method_is_not_defined_on_is_named(cli):
+    line = assert_one_error_line(cli("flops", "--model", "qwen2-vl-7b", "--variant", "prumerge", in_subprocess=True))
     assert "PruMerge+ is defined on llava, llava_next, video_llava" in line and "not wired" in line
 
 
-def test_visual_macs_refuses_scope_all():
-    line = assert_one_error_line(ficoco_cli("flops", "--model", "llava-1.5-7b", "--convention", "visual-macs",
-                                            "--scope", "all"))
+def test_visual_macs_refuses_scope_all(cli):
+    line = assert_one_error_line(cli("flops", "--model", "llava-1.5-7b", "--convention", "visual-macs",
+                                     "--scope", "all", in_subprocess=True))
     assert "decoder only" in line
 
 
 VISION = "vanilla,tome,visionzip,fastervlm,prumerge"
 
 
-def test_methods_lists_the_vision_side_methods_with_their_cls_note(tmp_path: Path):
-    result = ficoco_cli("methods", "--json", str(tmp_path / "m.json"))
-    assert result.returncode == 0, result.stderr
+def test_methods_lists_the_vision_side_methods_with_their_cls_note(tmp_path: Path, cli):
+    result = cli("methods", "--json", str(tmp_path / "m.json"), in_subprocess=True)
+    assert result.code == 0, result.err
     by_name = {m["name"]: m for m in json.loads((tmp_path / "m.json").read_text())["methods"]}
     assert by_name["tome"]["acts_at"] == "vision_layer" and by_name["tome"]["placement"] == "in_layer"
     assert by_name["visionzip"]["placement"] == "tower_output"
@@ -158,47 +152,47 @@ def test_methods_lists_the_vision_side_methods_with_their_cls_note(tmp_path: Pat
     assert all(by_name[n]["wired"] for n in ("tome", "visionzip", "fastervlm", "prumerge"))
 
 
-def test_one_budget_prints_one_table_sorted_by_cost(tmp_path: Path):
-    result = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", VISION, "--tflops", "3.3", "--scope", "all",
-                        "--json", str(tmp_path / "r.json"))
-    assert result.returncode == 0, result.stderr
+def test_one_budget_prints_one_table_sorted_by_cost(tmp_path: Path, cli):
+    result = cli("flops", "--model", "llava-1.5-7b", "--variant", VISION, "--tflops", "3.3", "--scope", "all",
+                 "--json", str(tmp_path / "r.json"), in_subprocess=True)
+    assert result.code == 0, result.err
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
-    order = [line.split()[0] for line in result.stdout.splitlines() if line.split() and line.split()[0] in VISION]
+    order = [line.split()[0] for line in result.out.splitlines() if line.split() and line.split()[0] in VISION]
     assert order == [r["variant"] for r in sorted(rows, key=lambda r: r["tflops"])]
-    assert "methods by cost" in result.stdout and "to LLM" in result.stdout and "KV cache" in result.stdout
+    assert "methods by cost" in result.out and "to LLM" in result.out and "KV cache" in result.out
     for row in rows:
         assert row["tflops"] <= 3.3 or row["variant"] == "vanilla"
-    assert "prumerge: adaptive" not in result.stdout  # a budget plans a fixed count
+    assert "prumerge: adaptive" not in result.out  # a budget plans a fixed count
 
 
-def test_report_renders_a_flops_comparison_as_markdown_and_csv(tmp_path: Path):
+def test_report_renders_a_flops_comparison_as_markdown_and_csv(tmp_path: Path, cli):
     path = tmp_path / "r.json"
-    result = ficoco_cli("flops", "--model", "qwen2-vl-7b", "--variant", "vanilla,visionzip,fastervlm,l", "--preset",
-                        "64", "--json", str(path))
-    assert result.returncode == 0, result.stderr
-    markdown = ficoco_cli("report", str(path), "--format", "markdown")
-    assert markdown.returncode == 0, markdown.stderr
-    lines = markdown.stdout.splitlines()
+    result = cli("flops", "--model", "qwen2-vl-7b", "--variant", "vanilla,visionzip,fastervlm,l", "--preset",
+                 "64", "--json", str(path), in_subprocess=True)
+    assert result.code == 0, result.err
+    markdown = cli("report", str(path), "--format", "markdown", in_subprocess=True)
+    assert markdown.code == 0, markdown.err
+    lines = markdown.out.splitlines()
     table = [line for line in lines if line.startswith("| ") and not line.startswith("| method")]
     costs = [float(line.split("|")[-4]) for line in table]  # the total column
     assert costs == sorted(costs) and len(table) == 4
-    assert "visionzip: scored by the equivalent token (no [CLS])" in markdown.stdout
-    csv_text = ficoco_cli("report", str(path), "--format", "csv").stdout
+    assert "visionzip: scored by the equivalent token (no [CLS])" in markdown.out
+    csv_text = cli("report", str(path), "--format", "csv", in_subprocess=True).out
     assert csv_text.splitlines()[0].startswith("model,variant,quant,visual_tokens,layer_average_visual_tokens")
     assert len(csv_text.splitlines()) == 5
 
 
-def test_prumerge_default_is_adaptive_and_says_so():
-    result = ficoco_cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,prumerge")
-    assert result.returncode == 0, result.stderr
-    assert "prumerge: adaptive count, planned at 144 tokens per item" in " ".join(result.stdout.split())
+def test_prumerge_default_is_adaptive_and_says_so(cli):
+    result = cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,prumerge", in_subprocess=True)
+    assert result.code == 0, result.err
+    assert "prumerge: adaptive count, planned at 144 tokens per item" in " ".join(result.out.split())
 
 
 @pytest.mark.parametrize("argv", [
     ["flops", "--verify", "--model", "qwen2-vl-tiny", "--variant", "prumerge", "--keep", "8"],
 ])
-def test_vision_methods_on_families_not_wired_yet_are_refused_in_one_line(argv):
-    line = assert_one_error_line(ficoco_cli(*argv))
+def test_vision_methods_on_families_not_wired_yet_are_refused_in_one_line(argv, cli):
+    line = assert_one_error_line(cli(*argv, in_subprocess=True))
     assert "not wired: " in line and "is defined on llava, llava_next, video_llava" in line
 
 
@@ -208,8 +202,8 @@ def test_vision_methods_on_families_not_wired_yet_are_refused_in_one_line(argv):
     (["flops", "--model", "llava-1.5-7b", "--variant", "tome", "--schedule", "0:400"], "at most half"),
     (["flops", "--model", "llava-next-7b", "--image-size", "700x500", "--variant", "fastervlm"], "unpadding"),
 ])
-def test_vision_method_mistakes_end_in_one_line(argv, words):
-    assert words in assert_one_error_line(ficoco_cli(*argv))
+def test_vision_method_mistakes_end_in_one_line(argv, words, cli):
+    assert words in assert_one_error_line(cli(*argv, in_subprocess=True))
 
 
 def test_measured_rows_add_latency_speedup_and_agreement_columns():

@@ -7,7 +7,6 @@ names offload. On the CPU; the GPU split is a `gpu` test."""
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from typing import Any
 
@@ -15,7 +14,6 @@ import pytest
 import torch
 from accelerate import dispatch_model
 from torch import nn
-from typer.testing import CliRunner
 
 import ficoco
 from ficoco.accounting.memory import memory_per_device
@@ -25,7 +23,6 @@ from ficoco.machine.memory_guard import VanillaRow, check_memory
 from ficoco.models import synthetic_inputs
 from ficoco.models.device_map import parse_max_memory
 from ficoco.profiles import load_profile
-from ficoco_cli.app import app
 
 CPU_LIMIT = "900KiB"  # llava-tiny in float32 holds about 2 MB of weights
 # One setting per method, each reducing something on llava-tiny (6 vision layers, 4 decoder layers).
@@ -177,16 +174,14 @@ def test_max_memory_parses_devices_and_units() -> None:
             parse_max_memory(bad)
 
 
-runner = CliRunner()
 TINY = ["profile", "--model", "llava-tiny", "--variant", "l", "--keep", "16", "--dtype", "fp32", "--repeat", "1",
         "--warmup", "0"]
 
 
-def test_profile_with_cpu_offload_reports_memory_per_device(tmp_path) -> None:
+def test_profile_with_cpu_offload_reports_memory_per_device(tmp_path, cli) -> None:
     path = tmp_path / "split.json"
-    result = runner.invoke(app, [*TINY, "--device-map", "cpu-offload", "--max-memory", f"cpu={CPU_LIMIT}",
-                                 "--json", str(path)])
-    assert result.exit_code == 0, result.output
+    result = cli(*TINY, "--device-map", "cpu-offload", "--max-memory", f"cpu={CPU_LIMIT}", "--json", str(path))
+    assert result.code == 0, result.err
     rows = json.loads(path.read_text())["rows"]
     assert [row["status"] for row in rows] == ["ok", "ok"]
     for row in rows:
@@ -205,14 +200,10 @@ def test_profile_with_cpu_offload_reports_memory_per_device(tmp_path) -> None:
     (["--max-memory", "cpu=1GiB"], "--max-memory sets the limits of a device map; give --device-map too"),
     (["--device-map", "auto", "--max-memory", "cuda:3=1GiB"], "--max-memory names cuda:3, but torch sees 0 GPU(s)"),
 ])
-def test_a_device_map_mistake_ends_in_one_line_and_exit_2(args: list[str], message: str, monkeypatch, capsys) -> None:
-    from ficoco_cli.app import main
-
-    monkeypatch.setattr(sys, "argv", ["ficoco", *TINY, *args])
-    with pytest.raises(SystemExit) as exit_:
-        main()
-    assert exit_.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+def test_a_device_map_mistake_ends_in_one_line_and_exit_2(args: list[str], message: str, cli) -> None:
+    result = cli(*TINY, *args)
+    assert result.code == 2
+    lines = [line for line in result.err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0] == f"error: {message}" or message in lines[0], lines
     assert len(lines) == 1
 

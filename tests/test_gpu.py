@@ -9,11 +9,9 @@ import pytest
 import torch
 
 import ficoco
-from ficoco.accounting import architecture
 from ficoco.accounting.memory import make_quant, weight_bytes
 from ficoco.models import synthetic_inputs
 from ficoco.models.attention import ProbeSlot, probe_attention
-from ficoco.profiles import load_profile
 from ficoco.profiling.matrix import ProfileConfig, plan_run, run_profile
 from ficoco.profiling.trackers import model_weight_bytes
 
@@ -21,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_weights_are_quantized_right_after_a_build_on_the_gpu(quant: str) -> None:
+def test_weights_are_quantized_right_after_a_build_on_the_gpu(quant: str, arch_of) -> None:
     import bitsandbytes as bnb
 
     model = ficoco.build_model("llava-tiny", device="cuda", quant=quant)
@@ -29,7 +27,7 @@ def test_weights_are_quantized_right_after_a_build_on_the_gpu(quant: str) -> Non
     weights = [m.weight for m in model.modules() if isinstance(m, kind)]
     assert weights and {w.dtype for w in weights} == {torch.int8 if quant == "int8" else torch.uint8}
     assert all(w.device.type == "cuda" for w in weights)
-    analytic = weight_bytes(architecture(load_profile("llava-tiny")), "all", make_quant(quant))
+    analytic = weight_bytes(arch_of("llava-tiny"), "all", make_quant(quant))
     assert model_weight_bytes(model) == pytest.approx(analytic, rel=0.005)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from decoding import prefill_and_decode
+from helpers import prefill_and_decode
 from torch import Tensor, nn
 
 import ficoco
@@ -26,7 +26,6 @@ from ficoco.methods.divprune import divprune_reduce
 from ficoco.methods.registry import method
 from ficoco.methods.vispruner import vispruner_reduce
 from ficoco.models import synthetic_inputs
-from ficoco.profiles import load_profile
 
 METHODS = ("divprune", "vispruner", "cdpruner")
 N, D, KEEP = 20, 6, 7
@@ -122,8 +121,8 @@ def test_cdpruner_greedy_map_maximises_the_determinant_and_batch_equals_items() 
     assert all(len(set(row.tolist())) == N - 1 for row in narrow) and bool((narrow.diff(dim=1) > 0).all())
 
 
-def test_counts_and_cost_terms_equal_the_plan_on_the_literature_rows() -> None:
-    arch = acc.architecture(load_profile("llava-1.5-7b"))
+def test_counts_and_cost_terms_equal_the_plan_on_the_literature_rows(arch_of) -> None:
+    arch = arch_of("llava-1.5-7b")
     terms = {"divprune": {"divprune_projected_cosine_distance": 576 * 576 * 4096},
              "vispruner": {"vispruner_vision_cls_row", "vispruner_vision_duplicate_similarity"},
              "cdpruner": {"cdpruner_projected_similarity", "cdpruner_text_relevance", "cdpruner_greedy_map"}}
@@ -149,9 +148,7 @@ def test_counts_and_cost_terms_equal_the_plan_on_the_literature_rows() -> None:
 
 # ---- in the tiny LLaVA ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("llava-tiny", dtype="fp32")
+TINY_PROFILE = "llava-tiny"  # built as this module's `model` (conftest.py)
 
 
 def _inputs(model: nn.Module, batch: int = 1, seed: int = 0, text: int = TEXT) -> dict[str, Tensor]:

@@ -1,16 +1,15 @@
 """HoliTom (outer-LLM merging of a video's frames after the projector): the tensor module against a
-small per-video re-implementation written from the paper and the official code's structure, and the
-method inside the tiny Video-LLaVA (4 frames of 16 patches + [CLS], seeded random weights, fp32)."""
+small per-video re-implementation written from the paper and the official code's structure
+(helpers.holitom_reference), and the method inside the tiny Video-LLaVA (4 frames of 16 patches +
+[CLS], seeded random weights, fp32)."""
 
 from __future__ import annotations
 
-import math
-from fractions import Fraction
 from typing import Any
 
 import pytest
 import torch
-from decoding import prefill_and_decode
+from helpers import holitom_reference, prefill_and_decode
 from torch import Tensor, nn
 
 import ficoco
@@ -27,91 +26,6 @@ from ficoco.profiles import load_profile
 TEXT = 12
 FRAMES, PATCHES = 4, 16
 KEEP = 3
-
-
-# ---- the reference: one video at a time, plain Python loops ------------------------------------------------------
-
-def _dpc(x: Tensor, clusters: int, neighbours: int, beta: float) -> list[tuple[int, Tensor]]:
-    """(index, token) of every cluster of the rows of `x`, centres ascending (DPC-kNN, then merge)."""
-    if clusters == 0:
-        return []
-    count, width = x.shape
-    dist = torch.cdist(x.double(), x.double(), compute_mode="donot_use_mm_for_euclid_dist") / math.sqrt(width)
-    k = min(neighbours, clusters)
-    density = [math.exp(-float((dist[i].sort().values[:k] ** 2).mean())) for i in range(count)]
-    largest = float(dist.max())
-    score = []
-    for i in range(count):
-        higher = [float(dist[i, j]) for j in range(count)
-                  if density[j] > density[i] or (density[j] == density[i] and j < i)]
-        score.append(min(higher, default=largest) * density[i])
-    centres = sorted(sorted(range(count), key=lambda i: (-score[i], i))[:clusters])
-    members: dict[int, list[int]] = {c: [] for c in centres}
-    for i in range(count):
-        if i not in members:
-            members[min(centres, key=lambda c: (float(dist[i, c]), c))].append(i)
-    out = []
-    for c in centres:
-        token = x[c] if not members[c] else beta * x[c] + (1 - beta) * x[members[c]].mean(dim=0)
-        out.append((c, token))
-    return out
-
-
-def _quotas(sizes: list[int], budget: int) -> list[int]:
-    total = sum(sizes)
-    exact = [Fraction(s * budget, total) for s in sizes]
-    floors = [math.floor(e) for e in exact]
-    order = sorted(range(len(sizes)), key=lambda p: (-(exact[p] - floors[p]), p))
-    for p in order[:budget - sum(floors)]:
-        floors[p] += 1
-    return floors
-
-
-def reference(features: Tensor, scores: Tensor, budget: int, tau: float = 0.8, beta: float = 0.6,
-              neighbours: int = 7, share: float = 0.0) -> tuple[Tensor, list[int]]:
-    """One video ``(F, N, D)``: the tokens HoliTom hands on and the unit (f * N + n) each stands at."""
-    frames, tokens, _ = features.shape
-    unit = features / features.norm(dim=-1, keepdim=True)
-    similar = (unit[:-1] * unit[1:]).sum(-1) > tau  # (F - 1, N)
-
-    def static(s: int, e: int) -> Tensor:
-        return similar[s:e].all(dim=0) if e > s else torch.zeros(tokens, dtype=torch.bool)
-
-    best, first = [0] * (frames + 1), [0] * frames
-    for i in range(frames):
-        best[i + 1], first[i] = best[i], i
-        for j in range(i - 1, -1, -1):  # windows [j, i] of 2, 3, ... frames; only a strict gain replaces
-            gain = best[j] + (i - j) * int(static(j, i).sum())
-            if gain > best[i + 1]:
-                best[i + 1], first[i] = gain, j
-    windows, i = [], frames - 1
-    while i >= 0:
-        windows.append((first[i], i))
-        i = first[i] - 1
-    windows.reverse()
-    if frames * tokens - best[frames] < budget:
-        windows = [(f, f) for f in range(frames)]
-    parts = []  # (kind, frame, positions, features)
-    for s, e in windows:
-        mask = static(s, e)
-        if e > s:
-            parts.append(("static", s, mask.nonzero().flatten().tolist(), features[s:e + 1].mean(dim=0)))
-        for f in range(s, e + 1):
-            parts.append(("dynamic", f, (~mask).nonzero().flatten().tolist(), features[f]))
-    quotas = _quotas([len(p[2]) for p in parts], budget)
-    chosen: list[tuple[int, Tensor]] = []
-    for (kind, f, positions, x), quota in zip(parts, quotas, strict=True):
-        if kind == "static":
-            chosen += [(f * tokens + positions[c], t) for c, t in _dpc(x[positions], quota, neighbours, beta)]
-            continue
-        dominant_count = round(quota * (1 - share))
-        ranked = sorted(positions, key=lambda n: (-float(scores[f, n]), n))
-        dominant = ranked[:dominant_count]
-        chosen += [(f * tokens + n, x[n]) for n in dominant]
-        rest = [n for n in positions if n not in dominant]
-        chosen += [(f * tokens + rest[c], t) for c, t in _dpc(x[rest], quota - dominant_count, neighbours, beta)]
-    chosen.sort(key=lambda item: item[0])
-    return torch.stack([t for _, t in chosen]).float(), [u for u, _ in chosen]
 
 
 def videos(count: int = 2, frames: int = 6, tokens: int = 12, width: int = 16, seed: int = 0) -> Tensor:
@@ -135,7 +49,7 @@ def test_an_independent_per_video_reimplementation_picks_the_same_tokens(budget:
     out = holitom_reduce(features, scores, budget, contextual_share=share)
     assert out.hidden.shape == (2, budget, 16)
     for v in range(2):
-        hidden, units = reference(features[v], scores[v], budget, share=share)
+        hidden, units = holitom_reference(features[v], scores[v], budget, share=share)
         assert out.origin[v].tolist() == units
         torch.testing.assert_close(out.hidden[v], hidden, atol=1e-5, rtol=1e-5)
     # The temporal merge found windows of several frames (the test data has them).
@@ -163,11 +77,11 @@ def test_the_segmentation_saves_the_most_tokens_and_keeps_a_frame_alone_on_a_tie
     assert start.tolist() == [[0, 0, 2, 3, 3]] and saved.tolist() == [4 + 2]
 
 
-def test_the_plan_counts_each_videos_work_once_and_maps_the_retain_ratio() -> None:
+def test_the_plan_counts_each_videos_work_once_and_maps_the_retain_ratio(arch_of) -> None:
     spec = method("holitom")
     settings = spec.settings_for_keep(None, 256, 23, spec.hyperparameters)
     assert settings["keep"] == 26  # ceil(10 % of 256) per frame on average
-    arch = acc.architecture(load_profile("video-llava-7b"))
+    arch = arch_of("video-llava-7b")
     schedule = acc.resolve_schedule(arch, "holitom", acc.CountOptions(), keep=26)
     plan = plan_tokens(arch, schedule, text_tokens=TEXT)
     assert plan.llm_visual_tokens == 8 * (26 + 1)
@@ -183,9 +97,7 @@ def test_the_plan_counts_each_videos_work_once_and_maps_the_retain_ratio() -> No
 
 # ---- inside the tiny Video-LLaVA ----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("video-llava-tiny", dtype="fp32")
+TINY_PROFILE = "video-llava-tiny"  # built as this module's `model` (conftest.py)
 
 
 def test_keep_all_equals_vanilla(model: nn.Module) -> None:
@@ -301,7 +213,7 @@ def test_the_llm_receives_the_reference_tokens_of_an_independent_attention_and_p
         probabilities = ((q @ k.transpose(-1, -2)) * layer.self_attn.scale).softmax(-1).mean(dim=1)
         scores = probabilities.mean(dim=1)[:, 1:].reshape(FRAMES, PATCHES)
         projected = model.model.multi_modal_projector(states[5])[:, 1:]
-        tokens, _ = reference(projected, scores, FRAMES * KEEP)
+        tokens, _ = holitom_reference(projected, scores, FRAMES * KEEP)
         seen: list[Tensor] = []
         first = model.model.language_model.layers[0]
         hook = first.register_forward_pre_hook(lambda m, a, kw: seen.append(a[0] if a else kw["hidden_states"]),
@@ -345,7 +257,7 @@ def qwen_sample(inp: dict[str, Tensor], i: int) -> dict[str, Tensor]:
     return {**alone, "pixel_values_videos": inp["pixel_values_videos"][i * rows:(i + 1) * rows]}
 
 
-def test_qwen2_vl_video_keep_all_equals_vanilla_and_an_image_layout_is_refused(qwen_video: nn.Module) -> None:
+def test_qwen2_vl_video_keep_all_equals_vanilla_and_an_image_layout_is_refused(qwen_video: nn.Module, arch_of) -> None:
     inp = qwen_inputs(qwen_video, batch=1, seed=0)
     assert inp["video_grid_thw"].tolist() == [[Q_SLICES, 8, 8]]
     with torch.no_grad():
@@ -357,7 +269,7 @@ def test_qwen2_vl_video_keep_all_equals_vanilla_and_an_image_layout_is_refused(q
     with ficoco.apply(qwen_video, "holitom", keep=Q_KEEP), \
             pytest.raises(ficoco.FicocoError, match="HoliTom on Qwen2-VL acts on a video's frames; an image"):
         qwen_video(**picture)
-    image = acc.architecture(load_profile("qwen2-vl-tiny"))
+    image = arch_of("qwen2-vl-tiny")
     with pytest.raises(ficoco.FicocoError, match="HoliTom on qwen2-vl-tiny: a video method.*frames="):
         acc.resolve_schedule(image, "holitom", acc.CountOptions(), keep=Q_KEEP)
 
@@ -469,7 +381,7 @@ def llm_video_tokens_against_reference(model: nn.Module, inp: dict[str, Tensor],
                               for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
         rows = (received.view(slices, -1) / (received.numel() // slices)).view(slices, groups, 4).mean(-1).flatten()
         scores = rows if window_order is None else torch.empty_like(rows).index_copy(0, window_order, rows)
-        tokens, units = reference(features.view(slices, groups, -1), scores.view(slices, groups), slices * keep)
+        tokens, units = holitom_reference(features.view(slices, groups, -1), scores.view(slices, groups), slices * keep)
         seen: list[Tensor] = []
         language = model.model.language_model
         hook = language.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["inputs_embeds"]),

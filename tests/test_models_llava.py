@@ -35,9 +35,7 @@ NEW = 16  # generated tokens
 
 # -- fixtures and helpers ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("llava-tiny", dtype="fp32")
+TINY_PROFILE = "llava-tiny"  # built as this module's `model` (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -44,9 +44,7 @@ NEWLINES = [PATCHES + (row + 1) * (COLS + 1) - 1 for row in range(ROWS)]
 
 # -- fixtures and helpers ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("llava-next-tiny", dtype="fp32")
+TINY_PROFILE = "llava-next-tiny"  # built as this module's `model` (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -41,9 +41,7 @@ IMAGE_TOKEN, VIDEO_TOKEN = 300, 301
 NEW = 4
 
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model(NAME, dtype="fp32")
+TINY_PROFILE = NAME  # built as this module's `model` (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +344,7 @@ def test_holitom_on_a_video_runs_the_plan_batched_as_videos_alone_and_keep_all_i
 
 
 def test_holitom_on_a_video_generates_as_a_hand_written_decode_and_refuses_an_image(video_model: nn.Module) -> None:
-    from decoding import prefill_and_decode
+    from helpers import prefill_and_decode
 
     model = video_model
     inp = inputs(model, batch=2, seed=6)
@@ -379,8 +377,8 @@ def test_holitom_text_turn_on_a_video_cache_equals_the_whole_conversation(video_
 def test_holitom_merges_pooled_frames_by_the_pooled_attention_each_patch_receives(video_model: nn.Module) -> None:
     """Independently: the last SigLIP layer's softmax (heads and queries averaged) and the projector's
     output, both pooled 2x2 bilinearly as the official code pools them, through the per-video reference
-    of tests/test_methods_holitom.py; frames 0 and 1 are one picture, so the temporal merge acts."""
-    from test_methods_holitom import reference
+    of tests/helpers.py (holitom_reference); frames 0 and 1 are one picture, so the temporal merge acts."""
+    from helpers import holitom_reference
 
     model = video_model
     inp = inputs(model, batch=1, seed=11)
@@ -399,7 +397,8 @@ def test_holitom_merges_pooled_frames_by_the_pooled_attention_each_patch_receive
         k = last.self_attn.k_proj(normed).unflatten(-1, (heads, -1)).transpose(1, 2)
         received = ((q @ k.transpose(-1, -2)) * last.self_attn.scale).softmax(-1).mean(dim=1).mean(dim=1)
         scores = pool(received.unsqueeze(-1)).squeeze(-1)
-        tokens, units = reference(pool(model.model.multi_modal_projector(states[-1])), scores, FRAMES * KEEP_FRAME)
+        projected = pool(model.model.multi_modal_projector(states[-1]))
+        tokens, units = holitom_reference(projected, scores, FRAMES * KEEP_FRAME)
         seen: list[Tensor] = []
         first = model.model.language_model.layers[0]
         hook = first.register_forward_pre_hook(lambda m, a, kw: seen.append(a[0] if a else kw["hidden_states"]),
@@ -428,7 +427,7 @@ def test_real_prompt_of_a_local_checkout_runs_vanilla_v_and_l(tmp_path: Any) -> 
     from ficoco.models.prompt import encode_prompt
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from local_checkpoints import make_checkpoint
+    from helpers import make_checkpoint
 
     folder = make_checkpoint("llava_onevision", tmp_path / "ov")
     picture = tmp_path / "wide.png"

@@ -37,9 +37,7 @@ GRID_W = 2 * COLS
 NEW = 4
 
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("qwen2.5-vl-tiny", dtype="fp32")
+TINY_PROFILE = "qwen2.5-vl-tiny"  # built as this module's `model` (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +106,8 @@ def entering_tokens(model: nn.Module, images: int) -> Iterator[dict[str, dict[in
 
 # -- the profile and the accountant's windows ----------------------------------------------------
 
-def test_windows_and_parameters_are_the_built_models() -> None:
-    real = architecture(load_profile("qwen2.5-vl-7b"))
+def test_windows_and_parameters_are_the_built_models(arch_of) -> None:
+    real = arch_of("qwen2.5-vl-7b")
     # 672 x 672: 24 x 24 groups in windows of 112 px = 4 x 4 groups, 36 whole windows.
     assert real.vision.window_groups == (16,) * 36 and real.vision.full_attention_layers == {7, 15, 23, 31}
     assert qwen2_5_vl_windows(5, 4, 2) == (4, 4, 4, 4, 2, 2)
@@ -295,7 +293,7 @@ def test_v_images_of_different_sizes_each_keep_their_own_windows(model: nn.Modul
 def test_a_real_prompt_through_a_local_checkouts_processor_runs_v(tmp_path: Any) -> None:
     """The checkpoint's processor and chat template lay the prompt out (Qwen2-VL's); the accountant plans
     the processor's grid and V runs on it."""
-    from local_checkpoints import make_checkpoint
+    from helpers import make_checkpoint
     from PIL import Image
 
     from ficoco.models.prompt import encode_prompt

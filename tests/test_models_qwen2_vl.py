@@ -38,9 +38,7 @@ NEW = 8  # generated tokens
 
 # -- fixtures and helpers ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("qwen2-vl-tiny", dtype="fp32")
+TINY_PROFILE = "qwen2-vl-tiny"  # built as this module's `model` (conftest.py)
 
 
 @pytest.fixture(scope="module")

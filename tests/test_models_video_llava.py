@@ -38,9 +38,7 @@ NEW = 8  # generated tokens
 
 # -- fixtures and helpers ---------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("video-llava-tiny", dtype="fp32")
+TINY_PROFILE = "video-llava-tiny"  # built as this module's `model` (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -383,15 +381,10 @@ def test_verify_passes_on_tiny_for_vanilla_v_and_l(model: nn.Module, arch: Any) 
     assert [len(run.method) for run in result.runs] == [0, 3, 3]
 
 
-def test_cli_flops_verify_video_llava_tiny_passes_within_0_1_percent(tmp_path: Any) -> None:
-    import json
-
-    from ficoco_cli.app import app
-
-    path = tmp_path / "verify.json"
-    app(["flops", "--verify", "--model", "video-llava-tiny", "--variant", "vanilla,v,l", "--keep", "28",
-         "--tolerance", "0.1", "--json", str(path)], standalone_mode=False)  # exit code 1 raises SystemExit
-    report = json.loads(path.read_text())
+def test_cli_flops_verify_video_llava_tiny_passes_within_0_1_percent(flops_verify: Any) -> None:
+    # a failed verdict (exit code 1) raises SystemExit
+    report = flops_verify("--model", "video-llava-tiny", "--variant", "vanilla,v,l", "--keep", "28",
+                          "--tolerance", "0.1")
     assert report["passed"] is True
     assert [(run["variant"], run["llm_visual_tokens"], run["visual_tokens"]) for run in report["runs"]] == [
         ("vanilla", SPAN, SPAN), ("v", 28, 28), ("l", SPAN, 28)]

@@ -12,17 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 import ficoco
 from ficoco.errors import FicocoError
 from ficoco.models.hf_compat import output_cache
 from ficoco.profiling import matrix, trackers
 from ficoco.profiling.matrix import ProfileConfig, gpu_profile_for, plan_run, resolve_device, run_profile
-from ficoco_cli.app import app
-
-runner = CliRunner()
-
 
 # ---- memory on CUDA (mocked) --------------------------------------------------------------------------------
 
@@ -120,11 +115,10 @@ def test_auto_falls_back_to_cpu_with_a_warning_when_the_driver_shows_a_gpu_torch
     assert resolve_device("auto", notes) == torch.device("cpu") and notes == []
 
 
-def test_profile_says_the_resolved_device_and_the_runs_first() -> None:
-    result = runner.invoke(app, ["profile", "--model", "llava-tiny", "--variant", "vanilla", "--repeat", "1",
-                                 "--warmup", "0"])
-    assert result.exit_code == 0, result.output
-    first = result.output.strip().splitlines()[0]
+def test_profile_says_the_resolved_device_and_the_runs_first(cli) -> None:
+    result = cli("profile", "--model", "llava-tiny", "--variant", "vanilla", "--repeat", "1", "--warmup", "0")
+    assert result.code == 0, result.err
+    first = result.out.strip().splitlines()[0]
     assert first.startswith("device cpu: ") and "0 warm-up and 1 timed run(s)" in first
 
 
@@ -154,7 +148,7 @@ def test_gpu_names_map_to_their_own_roofline_profile_or_none(name: str, key: str
 @pytest.mark.parametrize(("error", "status"), [
     (RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED"), "error"), (NotImplementedError("no int8 kernel"), "unsupported"),
     (torch.OutOfMemoryError("CUDA out of memory"), "oom")])
-def test_build_failures_are_classified_and_no_row_ok_exits_non_zero(monkeypatch, error, status) -> None:
+def test_build_failures_are_classified_and_no_row_ok_exits_non_zero(monkeypatch, error, status, cli) -> None:
     def failing_build(*args: Any, **kwargs: Any) -> Any:
         raise error
 
@@ -164,10 +158,9 @@ def test_build_failures_are_classified_and_no_row_ok_exits_non_zero(monkeypatch,
     run_profile(config, plan_run(config), rows.append)
     assert [r["status"] for r in rows] == [status, status]
     assert all(r["reason"].startswith("building the model: ") for r in rows)
-    result = runner.invoke(app, ["profile", "--model", "llava-tiny", "--variant", "v", "--keep", "8",
-                                 "--device", "cpu"])
-    assert result.exit_code == 1
-    assert result.output.strip().splitlines()[-1].startswith("error: no row was measured")
+    result = cli("profile", "--model", "llava-tiny", "--variant", "v", "--keep", "8", "--device", "cpu")
+    assert result.code == 1
+    assert result.err.strip().splitlines()[-1].startswith("error: no row was measured")
 
 
 def test_cleanup_after_a_failed_row_runs_once_its_traceback_is_gone(monkeypatch) -> None:

@@ -94,11 +94,11 @@ def test_an_unquantized_bitsandbytes_layer_is_refused() -> None:
 
 @pytest.mark.parametrize("quant", ["fp16", "int8", "int4"])
 @pytest.mark.parametrize("name", TINY)
-def test_measured_weight_bytes_equal_the_accountants_on_every_tiny_profile(name: str, quant: str) -> None:
+def test_measured_weight_bytes_equal_the_accountants_on_every_tiny_profile(name: str, quant: str, arch_of) -> None:
     model = ficoco.build_model(name, quant=quant)  # auto: the dtype depends on this CPU
     measured = model_weight_bytes(model)
     element_bytes = torch.finfo(model._ficoco_dtype.compute).bits / 8
-    analytic = weight_bytes(architecture(load_profile(name)), "all", make_quant(quant), element_bytes=element_bytes)
+    analytic = weight_bytes(arch_of(name), "all", make_quant(quant), element_bytes=element_bytes)
     assert measured == pytest.approx(analytic, rel=0.005)
     # What is left is the buffers (rotary tables, position ids), which the accountant omits.
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -1,7 +1,7 @@
 """Real prompts through tiny local checkpoints of every family (issue 11, line 6), fidelity
 against vanilla (line 7), and the bad inputs that end in one error line before any model work.
 
-The checkpoints are made offline (tests/local_checkpoints.py): a tiny profile's random model
+The checkpoints are made offline (tests/helpers.py, make_checkpoint): a tiny profile's random model
 saved with save_pretrained, a byte-level tokenizer made here and the family's processor config
 with a chat template.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from local_checkpoints import make_checkpoint
+from helpers import make_checkpoint
 
 # Tiny checkpoints carry no ficoco section: move the first reducing layers into their 4 layers.
 LAYERS = ["--set", "ficoco.first_reducing_layer.v=2", "--set", "ficoco.first_reducing_layer.l=1"]

@@ -35,12 +35,11 @@ FLOPS_SETTINGS = {
 
 
 @pytest.mark.parametrize("cli_args, settings", FLOPS_SETTINGS.values(), ids=list(FLOPS_SETTINGS))
-def test_flops_returns_the_report_the_cli_writes(cli_args, settings):
-    # In a process of its own, as a user runs it (the in-process runner does not see a write to stdout).
-    result = subprocess.run([sys.executable, "-c", "from ficoco_cli.app import main; main()", "flops", *cli_args,
-                             "--json", "-"], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
-    assert result.returncode == 0, result.stderr
-    written = json.loads(result.stdout)
+def test_flops_returns_the_report_the_cli_writes(cli_args, settings, cli):
+    # In a process of its own, as a user runs it.
+    result = cli("flops", *cli_args, "--json", "-", in_subprocess=True, cwd=ROOT, env=ENV, timeout=120)
+    assert result.code == 0, result.err
+    written = json.loads(result.out)
     returned = ficoco.flops(**settings)
     assert returned["schema"] == FLOPS_SCHEMA
     assert len(returned["rows"]) >= 2

@@ -8,16 +8,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from helpers import COMMAND
 
 from ficoco.sweep_store import SweepStore
 
-SCRIPT = Path(sys.executable).parent / "ficoco"
-COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
 # float32 named: "auto" on a CPU times a few matmuls per dtype in every worker process (a second each).
 SWEEP = ["sweep", "--model", "llava-tiny", "--variant", "v,l", "--keep", "32,16", "--measure", "--warmup", "0",
          "--repeat", "1", "--device", "cpu", "--dtype", "fp32"]
@@ -26,7 +25,7 @@ KEYS = ["vanilla-fp16-reference", "v-fp16-keep32", "v-fp16-keep16", "l-fp16-keep
 
 def _default_sigint() -> None:
     # Background jobs of a shell without job control start with SIGINT ignored; the driver under
-    # test gets the default disposition, as one started from a terminal has (test_profile_cli.py).
+    # test gets the default disposition, as one started from a terminal has (test_cli_profile.py).
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -69,7 +68,7 @@ def check_complete(store: SweepStore) -> dict:
     return report
 
 
-def test_a_killed_worker_a_killed_driver_and_ctrl_c_lose_no_point(tmp_path: Path) -> None:
+def test_a_killed_worker_a_killed_driver_and_ctrl_c_lose_no_point(tmp_path: Path, cli: Any) -> None:
     folder = tmp_path / "store"
     store = SweepStore(folder)
     # 1. Two workers; one is killed while it runs its point, then the driver is killed.
@@ -116,9 +115,9 @@ def test_a_killed_worker_a_killed_driver_and_ctrl_c_lose_no_point(tmp_path: Path
         assert store.record(key)["finished_unix"] == finished  # never run again
 
     # 3. The last rerun finishes: every point exactly once, the killed one redone.
-    final = subprocess.run([*COMMAND, *SWEEP, "--out", str(folder), "--workers", "2"], capture_output=True, text=True,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert final.returncode == 0, final.stdout + final.stderr
+    final = cli(*SWEEP, "--out", folder, "--workers", "2", in_subprocess=True, env={"OMP_NUM_THREADS": "1"},
+                timeout=300)
+    assert final.code == 0, final.out + final.err
     check_complete(store)
     assert store.record(victim["key"])["attempt"] >= 2  # failed once (killed), then done
     for key, finished in finished_before.items():
@@ -127,17 +126,16 @@ def test_a_killed_worker_a_killed_driver_and_ctrl_c_lose_no_point(tmp_path: Path
 
 
 @pytest.mark.parametrize("executor", ["ray", "slurm"])
-def test_an_engine_runs_each_point_in_its_own_process(tmp_path: Path, executor: str) -> None:
+def test_an_engine_runs_each_point_in_its_own_process(tmp_path: Path, executor: str, cli: Any) -> None:
     pytest.importorskip({"ray": "ray", "slurm": "submitit"}[executor])
     folder = tmp_path / "store"
     # On the Slurm array, each point's model split by accelerate: weights past 900 KiB on disk.
     split = ["--device-map", "cpu-offload", "--max-memory", "cpu=900KiB"] if executor == "slurm" else []
-    run = subprocess.run([*COMMAND, "sweep", "--model", "llava-tiny", "--variant", "v", "--keep", "16", "--measure",
-                          "--fidelity", "--samples", "1", "--warmup", "0", "--repeat", "1", "--device", "cpu",
-                          "--dtype", "fp32", "--out", str(folder), "--executor", executor, "--workers", "2",
-                          "--cpus-per-point", "1", *split],
-                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
+    run = cli("sweep", "--model", "llava-tiny", "--variant", "v", "--keep", "16", "--measure", "--fidelity",
+              "--samples", "1", "--warmup", "0", "--repeat", "1", "--device", "cpu", "--dtype", "fp32", "--out", folder,
+              "--executor", executor, "--workers", "2", "--cpus-per-point", "1", *split,
+              in_subprocess=True, env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert run.code == 0, run.out + run.err
     store = SweepStore(folder)
     records = [store.record(k) for k in ("vanilla-fp16-reference", "v-fp16-keep16")]
     assert all(r["status"] == "done" and r["worker"]["executor"] == executor for r in records)

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from ficoco import testing_hooks
 from ficoco.testing_hooks import DELAY_REDUCTION_VARIABLE
 
-COMMAND = [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
 DELAY_MS = 40.0
 
 
@@ -33,13 +30,12 @@ def test_a_bad_delay_is_refused_with_its_name(monkeypatch, text, words):
         testing_hooks._milliseconds(DELAY_REDUCTION_VARIABLE)
 
 
-def test_the_delay_lands_in_every_reduction_span_and_the_report_says_so(tmp_path):
+def test_the_delay_lands_in_every_reduction_span_and_the_report_says_so(tmp_path, cli):
     path = tmp_path / "delayed.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", DELAY_REDUCTION_VARIABLE: str(DELAY_MS)}
-    result = subprocess.run([*COMMAND, "profile", "--device", "cpu", "--model", "llava-tiny", "--variant",
-                             "vanilla,v,l", "--keep", "8", "--warmup", "0", "--repeat", "1", "--json", str(path)],
-                            capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    env = {"OMP_NUM_THREADS": "1", DELAY_REDUCTION_VARIABLE: str(DELAY_MS)}
+    result = cli("profile", "--device", "cpu", "--model", "llava-tiny", "--variant", "vanilla,v,l", "--keep", "8",
+                 "--warmup", "0", "--repeat", "1", "--json", path, in_subprocess=True, timeout=300, env=env)
+    assert result.code == 0, result.err[-3000:]
     report = json.loads(path.read_text())
     assert report["environment"]["test_hooks"] == {DELAY_REDUCTION_VARIABLE: DELAY_MS}
     rows = {r["variant"]: r for r in report["rows"]}

@@ -9,12 +9,12 @@ schedule and an explicit multi-layer one.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
+from helpers import assert_one_error_line
 from torch import nn
 
 import ficoco
@@ -25,13 +25,10 @@ from ficoco.errors import FicocoError
 from ficoco.models import FAMILIES
 from ficoco.profiles import load_profile
 from ficoco.verify import Prefill, RunCheck, sdpa_flop_jit, verify_run
-from ficoco_cli.app import app
 
 TOLERANCE_PERCENT = 0.1
 TEXT = 12  # the tiny profiles' text tokens
 TINY = ("llava-tiny", "llava-gqa-tiny")
-SCRIPT = Path(sys.executable).parent / "ficoco"
-COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
 
 
 def schedules(arch: Architecture) -> dict[str, Schedule]:
@@ -191,10 +188,10 @@ def test_sdpa_handle_counts_query_heads_under_grouped_query_attention():
 
 # ---- the command ------------------------------------------------------------------------------------------------
 
-def test_cli_verify_keep_8_passes_and_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_cli_verify_keep_8_passes_and_writes_the_report(tmp_path: Path, cli: Any):
     path = tmp_path / "verify.json"
-    app(["flops", "--verify", "--model", "llava-tiny", "--variant", "vanilla,v,l", "--keep", "8",
-         "--json", str(path)], standalone_mode=False)  # exit code 1 would raise SystemExit
+    result = cli("flops", "--verify", "--model", "llava-tiny", "--variant", "vanilla,v,l", "--keep", "8",
+                 "--json", path, standalone=False)  # exit code 1 would raise SystemExit
     report = json.loads(path.read_text())
     assert report["schema"] == "ficoco.verify/1"
     assert report["passed"] is True
@@ -207,12 +204,12 @@ def test_cli_verify_keep_8_passes_and_writes_the_report(tmp_path: Path, capsys: 
             assert stage["fvcore_flops"] == 2 * stage["fvcore_macs"]
         assert run["skipped_matrix_ops"] == []
         assert (run["method"] == []) == (run["variant"] == "vanilla")
-    shown = capsys.readouterr().out
+    shown = result.out
     assert "verdict: pass" in shown and "skipped ops that carry matrix work: none" in shown
 
 
 def test_cli_verify_exits_1_when_a_stage_differs_beyond_the_tolerance(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli: Any):
     original = verify_module.analytic_counts
 
     def one_percent_more_llm(*args, **kwargs):
@@ -221,37 +218,31 @@ def test_cli_verify_exits_1_when_a_stage_differs_beyond_the_tolerance(
 
     monkeypatch.setattr(verify_module, "analytic_counts", one_percent_more_llm)
     args = ["flops", "--verify", "--model", "llava-tiny", "--json", str(tmp_path / "v.json")]
-    with pytest.raises(SystemExit) as exit_info:
-        app(args, standalone_mode=False)
-    assert exit_info.value.code == 1
+    result = cli(*args)
+    assert result.code == 1
     report = json.loads((tmp_path / "v.json").read_text())
     assert report["passed"] is False
     assert [s["stage"] for s in report["runs"][0]["stages"] if not s["within_tolerance"]] == ["llm"]
-    shown = capsys.readouterr().out
+    shown = result.out
     assert "FAIL" in shown and "llm" in shown
     # The table is printed before the verdict; a wider tolerance accepts the same difference.
     assert shown.index("verdict: FAIL") > shown.index("lm_head")
-    app([*args, "--tolerance", "2"], standalone_mode=False)
+    cli(*args, "--tolerance", "2", standalone=False)
     assert json.loads((tmp_path / "v.json").read_text())["passed"] is True
 
 
-def test_cli_verify_refuses_families_not_wired_yet(monkeypatch: pytest.MonkeyPatch):
+def test_cli_verify_refuses_families_not_wired_yet(monkeypatch: pytest.MonkeyPatch, cli: Any):
     # Every shipped family is wired now: one taken out of the registry stands for a new family.
     monkeypatch.delitem(FAMILIES, "qwen2_vl")
     with pytest.raises(FicocoError, match="not supported yet"):
-        app(["flops", "--verify", "--model", "qwen2-vl-tiny"], standalone_mode=False)
+        cli("flops", "--verify", "--model", "qwen2-vl-tiny", standalone=False)
 
 
-def test_cli_verify_unsupported_family_ends_with_exit_2_and_one_error_line():
+def test_cli_verify_unsupported_family_ends_with_exit_2_and_one_error_line(cli: Any):
     # Every shipped family is wired now: qwen2_vl taken out of the registry stands for a new family.
-    unwired = [sys.executable, "-c", "import ficoco.models as m; m.FAMILIES.pop('qwen2_vl'); "
-               "from ficoco_cli.app import main; main()"]
-    result = subprocess.run([*unwired, "flops", "--verify", "--model", "qwen2-vl-tiny"], capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and "not supported yet" in lines[0]
+    result = cli("flops", "--verify", "--model", "qwen2-vl-tiny", prelude="import ficoco.models as m; "
+                 "m.FAMILIES.pop('qwen2_vl')", timeout=120)
+    assert "not supported yet" in assert_one_error_line(result)
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -260,6 +251,6 @@ def test_cli_verify_unsupported_family_ends_with_exit_2_and_one_error_line():
     (["--verify", "--quant", "int8"], "drop --quant"),
     (["--verify", "--gpu", "a100-80gb"], "drop it with --verify"),
 ])
-def test_cli_verify_option_mistakes_are_user_errors(args: list[str], message: str):
+def test_cli_verify_option_mistakes_are_user_errors(args: list[str], message: str, cli: Any):
     with pytest.raises(FicocoError, match=message):
-        app(["flops", "--model", "llava-tiny", *args], standalone_mode=False)
+        cli("flops", "--model", "llava-tiny", *args, standalone=False)

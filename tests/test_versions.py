@@ -4,8 +4,6 @@ report's environment, and one warning line when a patch runs on an untested tran
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -53,48 +51,45 @@ def test_the_environment_block_names_every_touched_package_and_flags_the_unteste
     assert env["outside_tested_range"] == ["hqq"]
 
 
-def _cli(*args: str, fake_transformers: str | None = None) -> subprocess.CompletedProcess:
-    """`ficoco ARGS` in a subprocess; with `fake_transformers`, as if that transformers were installed."""
-    fake = "" if fake_transformers is None else (
-        "import ficoco.versions as v; real = v.installed_version; "
-        f"v.installed_version = lambda n: {fake_transformers!r} if n == 'transformers' else real(n); ")
-    code = fake + f"import sys; sys.argv = ['ficoco', *{list(args)!r}]; from ficoco_cli.app import main; main()"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+def fake_transformers(version: str) -> str:
+    """Python for `cli(..., prelude=...)`: the subprocess sees `version` as the installed transformers."""
+    return ("import ficoco.versions as v; real = v.installed_version; "
+            f"v.installed_version = lambda n: {version!r} if n == 'transformers' else real(n)")
 
 
-def test_version_names_the_packages_and_their_ranges():
-    result = _cli("--version")
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+def test_version_names_the_packages_and_their_ranges(cli):
+    result = cli("--version", in_subprocess=True, cwd=ROOT)
+    assert result.code == 0, result.err
+    lines = result.out.splitlines()
     assert lines[0].startswith("ficoco ")
     for package in versions.TOUCHED_PACKAGES:
-        assert any(line.strip().startswith(f"{package} ") for line in lines[1:]), result.stdout
-    assert "OUTSIDE" not in result.stdout  # CI installs inside every range
+        assert any(line.strip().startswith(f"{package} ") for line in lines[1:]), result.out
+    assert "OUTSIDE" not in result.out  # CI installs inside every range
 
 
-def test_version_says_when_transformers_is_outside_its_range():
-    result = _cli("--version", fake_transformers="99.0.0")
-    assert "transformers 99.0.0 (tested " in result.stdout and "OUTSIDE the tested range" in result.stdout
+def test_version_says_when_transformers_is_outside_its_range(cli):
+    result = cli("--version", prelude=fake_transformers("99.0.0"), cwd=ROOT)
+    assert "transformers 99.0.0 (tested " in result.out and "OUTSIDE the tested range" in result.out
 
 
-def test_a_profile_on_an_untested_transformers_warns_in_one_line_and_runs(tmp_path):
+def test_a_profile_on_an_untested_transformers_warns_in_one_line_and_runs(tmp_path, cli):
     """The warning is one line on stderr, before anything is built; the run goes on (the contacts
     hold on the real release underneath) and its report names the untested release."""
     report = tmp_path / "r.json"
-    result = _cli("profile", "--model", "llava-tiny", "--variant", "vanilla,l", "--keep", "8", "--warmup", "0",
-                  "--repeat", "1", "--json", str(report), fake_transformers="99.0.0")
-    assert result.returncode == 0, result.stderr
-    warnings = [line for line in result.stderr.splitlines() if "outside the tested range" in line]
+    result = cli("profile", "--model", "llava-tiny", "--variant", "vanilla,l", "--keep", "8", "--warmup", "0",
+                 "--repeat", "1", "--json", str(report), prelude=fake_transformers("99.0.0"), cwd=ROOT)
+    assert result.code == 0, result.err
+    warnings = [line for line in result.err.splitlines() if "outside the tested range" in line]
     assert len(warnings) == 1 and warnings[0].startswith("ficoco: transformers 99.0.0 is outside the tested range")
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.err
     env = json.loads(report.read_text())["environment"]
     assert env["transformers"] == "99.0.0" and env["outside_tested_range"] == ["transformers"]
 
 
-def test_the_flops_report_records_the_versions(tmp_path):
+def test_the_flops_report_records_the_versions(tmp_path, cli):
     report = tmp_path / "f.json"
-    result = _cli("flops", "--model", "llava-tiny", "--json", str(report))
-    assert result.returncode == 0, result.stderr
+    result = cli("flops", "--model", "llava-tiny", "--json", str(report), in_subprocess=True, cwd=ROOT)
+    assert result.code == 0, result.err
     env = json.loads(report.read_text())["environment"]
     assert env["transformers"] == versions.installed_version("transformers")
     assert env["tested_ranges"]["transformers"] == versions.tested_ranges()["transformers"]

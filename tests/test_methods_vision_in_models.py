@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from decoding import prefill_and_decode
+from helpers import prefill_and_decode
 from torch import Tensor, nn
 
 import ficoco
@@ -32,9 +32,7 @@ KEEP = 16
 METHODS = ("tome", "visionzip", "fastervlm", "prumerge")
 
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("llava-tiny", dtype="fp32")
+TINY_PROFILE = "llava-tiny"  # built as this module's `model` (conftest.py)
 
 
 def inputs(model: nn.Module, batch: int = 1, seed: int = 0, text: int = TEXT) -> dict[str, Tensor]:

@@ -22,13 +22,12 @@ import math
 import os
 import re
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import assert_one_error_line
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,26 +35,17 @@ from ficoco.compare import METRICS, REPORT_SCHEMA, mann_whitney_less, processor
 from ficoco.profiling.environment import CPU_FEATURES, cpu_features
 from ficoco_cli.report_cmd import HEADER, REPORT_HEADER
 
-SCRIPT = Path(sys.executable).parent / "ficoco"
-COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
-
 MODEL = "llava-tiny"
 VARIANTS = ("vanilla", "v", "l")
 QUANTS = ("fp16", "int4")
 REPEAT = 5
 STEADY = (0.98, 0.99, 1.0, 1.01, 1.02)  # a tight, tie-free spread whose median is the row's median
 VERDICTS = {"ok", "regression", "improvement", "noise", "not judged", "missing"}
-# Prefill-only reports: the decode metrics are judged in tests/test_decode.py.
+# Prefill-only reports: the decode metrics are judged in tests/test_profile_decode.py.
 DETERMINISTIC = [m for m in METRICS if m.kind == "deterministic" and m.path[0] != "generation"]
 
 
 # ---- the one real report, and ways to edit copies of it ----------------------------------------------------
-
-def ficoco_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    # One thread: a 2-core machine shared with other jobs makes multi-threaded torch spin for ~100x longer.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=timeout, env=env)
-
 
 def _spread(report: dict[str, Any]) -> float:
     """The widest max/min of the fp16 rows' samples (what the real-sample checks need steady)."""
@@ -64,15 +54,15 @@ def _spread(report: dict[str, Any]) -> float:
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory) -> dict[str, Any]:
+def real(tmp_path_factory, cli) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("compare") / "base.json"
     # The suite runs in two processes: a burst of the other one's work can spread these samples, so a
     # run spread beyond what the real-sample checks accept is measured again (at most twice more).
     for _ in range(3):
-        result = ficoco_cli("profile", "--model", MODEL, "--variant", ",".join(VARIANTS), "--keep", "8",
-                            "--quant", ",".join(QUANTS), "--warmup", "0", "--repeat", str(REPEAT), "--json",
-                            str(path))
-        assert result.returncode == 0, result.stderr[-3000:]
+        result = cli("profile", "--model", MODEL, "--variant", ",".join(VARIANTS), "--keep", "8",
+                     "--quant", ",".join(QUANTS), "--warmup", "0", "--repeat", str(REPEAT), "--json",
+                     str(path), in_subprocess=True)
+        assert result.code == 0, result.err[-3000:]
         report = json.loads(path.read_text())
         if _spread(report) <= 3:
             break
@@ -190,28 +180,15 @@ def parse_markdown_table(text: str) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-def assert_one_error_line(result: Any, code: int = 2) -> str:
-    """`result`: the CLI runner's (code, out, err), or a subprocess.CompletedProcess."""
-    completed = isinstance(result, subprocess.CompletedProcess)
-    rc = result.returncode if completed else result.code
-    err = result.stderr if completed else result.err
-    out = result.stdout if completed else result.out
-    assert rc == code, (rc, err)
-    assert "Traceback" not in err + out
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
-
-
 # ---- identical reports -------------------------------------------------------------------------------------
 
-def test_identical_reports_compare_clean_in_a_real_subprocess(real):
+def test_identical_reports_compare_clean_in_a_real_subprocess(real, cli):
     path = str(real["path"])
-    result = ficoco_cli("compare", path, path)
-    assert result.returncode == 0, result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    assert result.stderr == ""
-    assert "ficoco compare: 0 regression(s)" in result.stdout
+    result = cli("compare", path, path, in_subprocess=True)
+    assert result.code == 0, result.err
+    assert "Traceback" not in result.out + result.err
+    assert result.err == ""
+    assert "ficoco compare: 0 regression(s)" in result.out
 
 
 def test_identical_reports_give_ok_or_not_judged_everywhere(base, compare_json):
@@ -226,7 +203,7 @@ def test_identical_reports_give_ok_or_not_judged_everywhere(base, compare_json):
         assert v["change"] == 0.0
     assert by_kind == {"deterministic": {"ok"}, "ratio": {"ok"}, "absolute": {"not judged"}}
     # Every metric of every row, except the vanilla rows' ratios to themselves; a prefill-only
-    # report holds no decode metric (tests/test_decode.py judges those), and a report made without
+    # report holds no decode metric (tests/test_profile_decode.py judges those), and a report made without
     # --fidelity no fidelity metric.
     held = [m for m in METRICS if m.path[0] not in ("generation", "generation_speedup_vs_vanilla")
             and m.kind != "fidelity"]
@@ -479,9 +456,9 @@ def test_bad_input_exits_2_with_one_error_line(real, tmp_path, cli, case, side):
 
 
 @pytest.mark.parametrize("case", ["truncated", "schema-report-2", "missing", "disjoint-rows"])
-def test_bad_input_exits_2_in_a_real_subprocess(real, tmp_path, case):
+def test_bad_input_exits_2_in_a_real_subprocess(real, tmp_path, case, cli):
     bad = bad_inputs(real["report"], tmp_path)[case]
-    assert_one_error_line(ficoco_cli("compare", str(real["path"]), bad))
+    assert_one_error_line(cli("compare", str(real["path"]), bad, in_subprocess=True))
 
 
 def test_a_binary_file_exits_2_with_one_error_line(real, tmp_path, cli):
@@ -735,8 +712,8 @@ def test_report_bad_file_exits_2(real, tmp_path, cli, case):
     assert_one_error_line(cli("report", bad_inputs(real["report"], tmp_path)[case]))
 
 
-def test_report_missing_file_exits_2_in_a_real_subprocess(tmp_path):
-    assert_one_error_line(ficoco_cli("report", str(tmp_path / "nothing.json"), "--format", "csv"))
+def test_report_missing_file_exits_2_in_a_real_subprocess(tmp_path, cli):
+    assert_one_error_line(cli("report", str(tmp_path / "nothing.json"), "--format", "csv", in_subprocess=True))
 
 
 # ---- mann_whitney_less -------------------------------------------------------------------------------------

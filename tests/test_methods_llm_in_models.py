@@ -7,13 +7,11 @@ llava-tiny: a 4-layer LLaMA decoder, one image span of 64 visual tokens, 12 text
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
-from decoding import prefill_and_decode
+from helpers import prefill_and_decode
 from torch import Tensor, nn
 
 import ficoco
@@ -39,9 +37,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 METHODS = tuple(SETTINGS)
 
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("llava-tiny", dtype="fp32")
+TINY_PROFILE = "llava-tiny"  # built as this module's `model` (conftest.py)
 
 
 def inputs(model: nn.Module, batch: int = 1, seed: int = 0, text: int = TEXT) -> dict[str, Tensor]:
@@ -287,7 +283,8 @@ def test_a_new_image_on_a_cache_is_refused_in_one_line(model: nn.Module) -> None
 
 
 def test_a_method_added_to_the_registry_runs_without_a_change_elsewhere(model: nn.Module,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         cli: Any) -> None:
     # A new entry (here FastV's module under another name and layer) is planned, applied and verified.
     mine = dataclasses.replace(registry.METHODS["fastv"], name="mine", title="Mine",
                                hyperparameters={"layer": 1, "ratio": 0.25})
@@ -296,13 +293,12 @@ def test_a_method_added_to_the_registry_runs_without_a_change_elsewhere(model: n
     with torch.no_grad(), ficoco.apply(model, "mine") as handle:
         seen = entering_tokens(model, inp)
     assert [r.layer for r in handle.schedule.removals] == [1] and seen[1] == seen[0] - VISUAL // 4
-    script = ("import dataclasses, ficoco.methods.registry as r; "
-              "r.METHODS['mine'] = dataclasses.replace(r.METHODS['fastv'], name='mine', title='Mine'); "
-              "r.VARIANTS = ('vanilla', *r.METHODS); from ficoco_cli.app import main; main()")
-    result = subprocess.run([sys.executable, "-c", script, "flops", "--verify", "--model", "llava-tiny",
-                             "--variant", "vanilla,mine"], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    assert "mine" in result.stdout and "method" in result.stdout and "verdict: pass" in result.stdout
+    mine_registered = ("import dataclasses, ficoco.methods.registry as r; "
+                       "r.METHODS['mine'] = dataclasses.replace(r.METHODS['fastv'], name='mine', title='Mine'); "
+                       "r.VARIANTS = ('vanilla', *r.METHODS)")
+    result = cli("flops", "--verify", "--model", "llava-tiny", "--variant", "vanilla,mine", prelude=mine_registered)
+    assert result.code == 0, result.err
+    assert "mine" in result.out and "method" in result.out and "verdict: pass" in result.out
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -21,9 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-SCRIPT = Path(sys.executable).parent / "ficoco"
-COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
+from helpers import COMMAND, CliResult, assert_one_error_line
 
 MODEL = "llava-tiny"
 VARIANTS = ["vanilla", "v", "l"]
@@ -34,28 +32,25 @@ VISUAL_TOKENS = 64  # llava-tiny: (image 32 / patch 4)^2 patches
 TEXT_TOKENS = 60  # the profile command's default
 
 
-def ficoco_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
-
-
 def by_key(report: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, Any]]:
     return {(r["variant"], r["quant"], r["batch"]): r for r in report["rows"]}
 
 
-def assert_clean_exit(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stdout + result.stderr
-    assert "error:" not in result.stderr
+def assert_clean_exit(result: CliResult) -> None:
+    assert result.code == 0, result.err[-3000:]
+    assert "Traceback" not in result.out + result.err
+    assert "error:" not in result.err
 
 
 # ---- the acceptance run: 3 variants x 3 quants --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def full(tmp_path_factory) -> dict[str, Any]:
+def full(tmp_path_factory, cli) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("profile_full")
     path = folder / "r.json"
-    result = ficoco_cli("profile", "--model", MODEL, "--variant", ",".join(VARIANTS), "--keep", str(KEEP),
-                        "--quant", ",".join(QUANTS), "--json", str(path), "--warmup", "0", "--repeat", str(REPEAT))
+    result = cli("profile", "--model", MODEL, "--variant", ",".join(VARIANTS), "--keep", str(KEEP),
+                 "--quant", ",".join(QUANTS), "--json", str(path), "--warmup", "0", "--repeat", str(REPEAT),
+                 in_subprocess=True)
     assert_clean_exit(result)
     return {"result": result, "report": json.loads(path.read_text()), "folder": folder}
 
@@ -71,7 +66,7 @@ def rows(report) -> dict[tuple[str, str, int], dict[str, Any]]:
 
 
 def test_full_run_exits_cleanly_and_prints_the_table(full):
-    stdout = full["result"].stdout
+    stdout = full["result"].out
     assert f"{MODEL} on " in stdout and "prefill" in stdout
     for column in ("variant", "quant", "median", "speedup", "KV"):
         assert column in stdout
@@ -310,7 +305,7 @@ def test_kv_cache_follows_the_accounting_formula(rows, arch_of):
 
 
 def test_progress_in_a_pipe_is_plain_lines_naming_step_row_elapsed_and_eta(full):
-    stdout = full["result"].stdout
+    stdout = full["result"].out
     assert "\x1b[" not in stdout and "\r" not in stdout  # no redrawing bar in a log
     lines = stdout.splitlines()
     # The dtype is auto's choice for this CPU (bfloat16 with AMX, float32 with AVX2 alone).
@@ -360,10 +355,10 @@ def test_no_temporary_files_are_left_beside_the_report(full):
 # ---- --new-tokens: the generation block ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def generation(tmp_path_factory) -> dict[str, Any]:
+def generation(tmp_path_factory, cli) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("profile_gen") / "g.json"
-    result = ficoco_cli("profile", "--model", MODEL, "--variant", "vanilla,v", "--keep", str(KEEP), "--quant", "fp16",
-                        "--new-tokens", "2", "--repeat", "1", "--warmup", "0", "--json", str(path))
+    result = cli("profile", "--model", MODEL, "--variant", "vanilla,v", "--keep", str(KEEP), "--quant", "fp16",
+                 "--new-tokens", "2", "--repeat", "1", "--warmup", "0", "--json", str(path), in_subprocess=True)
     assert_clean_exit(result)
     return {"result": result, "report": json.loads(path.read_text())}
 
@@ -386,7 +381,7 @@ def test_new_tokens_adds_a_generation_block(generation):
         assert len(row["latency"]["samples_ms"]) == 1
         assert row["kv_cache_bytes"] == row["analytic"]["kv_cache_bytes"]
     # The default table keeps its 80 columns: generation is in the verdict line, and in --wide's columns.
-    (verdict,) = [line for line in generation["result"].stdout.splitlines() if line.startswith("v: ")]
+    (verdict,) = [line for line in generation["result"].out.splitlines() if line.startswith("v: ")]
     assert "generating 2 tokens end to end" in verdict and "tok/s" in verdict
     from rich.console import Console
 
@@ -401,10 +396,11 @@ def test_new_tokens_adds_a_generation_block(generation):
 # ---- --no-reference with --batch 1,2 ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def batches(tmp_path_factory) -> dict[str, Any]:
+def batches(tmp_path_factory, cli) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("profile_batch") / "b.json"
-    result = ficoco_cli("profile", "--model", MODEL, "--variant", "v", "--keep", str(KEEP), "--quant", "fp16",
-                        "--no-reference", "--batch", "1,2", "--repeat", "1", "--warmup", "0", "--json", str(path))
+    result = cli("profile", "--model", MODEL, "--variant", "v", "--keep", str(KEEP), "--quant", "fp16",
+                 "--no-reference", "--batch", "1,2", "--repeat", "1", "--warmup", "0", "--json", str(path),
+                 in_subprocess=True)
     assert_clean_exit(result)
     return json.loads(path.read_text())
 
@@ -434,25 +430,25 @@ def test_batch_list_gives_a_row_per_batch_and_kv_scales_with_it(batches):
 # ---- --json -: report on stdout, table on stderr; the default reference rows ---------------------------------
 
 @pytest.fixture(scope="module")
-def to_stdout(tmp_path_factory) -> dict[str, Any]:
+def to_stdout(tmp_path_factory, cli) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("profile_stdout")
-    result = ficoco_cli("profile", "--model", MODEL, "--variant", "v", "--keep", str(KEEP), "--quant", "fp16",
-                        "--repeat", "1", "--warmup", "0", "--json", "-", cwd=folder)
+    result = cli("profile", "--model", MODEL, "--variant", "v", "--keep", str(KEEP), "--quant", "fp16",
+                 "--repeat", "1", "--warmup", "0", "--json", "-", cwd=folder, in_subprocess=True)
     assert_clean_exit(result)
     return {"result": result, "folder": folder}
 
 
 def test_json_dash_writes_the_report_to_stdout_and_the_table_to_stderr(to_stdout):
     result = to_stdout["result"]
-    report = json.loads(result.stdout)  # the whole of stdout is the report
+    report = json.loads(result.out)  # the whole of stdout is the report
     assert report["schema"] == "ficoco.report/1"
     assert all(r["status"] == "ok" for r in report["rows"])
-    assert "variant" in result.stderr and "median" in result.stderr and MODEL in result.stderr
+    assert "variant" in result.err and "median" in result.err and MODEL in result.err
     assert list(to_stdout["folder"].iterdir()) == []  # no file named "-" (nor anything else)
 
 
 def test_variant_v_alone_adds_the_vanilla_reference_by_default(to_stdout):
-    report = json.loads(to_stdout["result"].stdout)
+    report = json.loads(to_stdout["result"].out)
     assert report["config"]["variants"] == ["vanilla", "v"]
     assert [r["variant"] for r in report["rows"]] == ["vanilla", "v"]
     assert report["rows"][1]["speedup_vs_vanilla"] is not None
@@ -461,11 +457,11 @@ def test_variant_v_alone_adds_the_vanilla_reference_by_default(to_stdout):
 # ---- a failing row is recorded and the run goes on ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def kv_bits(tmp_path_factory) -> dict[str, Any]:
+def kv_bits(tmp_path_factory, cli) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("profile_kvbits") / "k.json"
-    result = ficoco_cli("profile", "--model", MODEL, "--variant", "vanilla,v", "--keep", str(KEEP), "--quant",
-                        "fp16,int4", "--kv-bits", "8", "--dtype", "bf16", "--repeat", "1", "--warmup", "0", "--json",
-                        str(path))
+    result = cli("profile", "--model", MODEL, "--variant", "vanilla,v", "--keep", str(KEEP), "--quant",
+                 "fp16,int4", "--kv-bits", "8", "--dtype", "bf16", "--repeat", "1", "--warmup", "0", "--json",
+                 str(path), in_subprocess=True)
     return {"result": result, "report": json.loads(path.read_text())}
 
 
@@ -492,26 +488,20 @@ def test_int8_and_int4_quantize_the_kv_cache_to_their_bits_unless_kv_bits_says_o
     assert row_kv_bits(ProfileConfig(model=MODEL, kv_bits=16), "int4") is None
 
 
-def test_a_missing_kv_backend_is_one_error_line_before_any_build(monkeypatch, capsys):
+def test_a_missing_kv_backend_is_one_error_line_before_any_build(monkeypatch, cli):
     import importlib.util
-
-    from ficoco_cli.app import main
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "hqq" else real(name, *a))
-    monkeypatch.setattr(sys, "argv", ["ficoco", "profile", "--model", MODEL, "--variant", "v", "--keep", str(KEEP),
-                                      "--quant", "int8", "--dry-run"])
-    with pytest.raises(SystemExit) as exit_info:
-        main()
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1
+    result = cli("profile", "--model", MODEL, "--variant", "v", "--keep", KEEP, "--quant", "int8", "--dry-run")
+    err = result.err.strip().splitlines()
+    assert result.code == 2 and len(err) == 1
     assert err[0].startswith("error: --kv-bits") and "pip install hqq" in err[0]
 
 
-def test_a_row_that_raises_is_recorded_and_later_rows_still_run(tmp_path, monkeypatch, capsys):
+def test_a_row_that_raises_is_recorded_and_later_rows_still_run(tmp_path, monkeypatch, cli):
     """In-process: the v row's measurement fails; vanilla before it and l after it are measured."""
     import ficoco.profiling.matrix as matrix
-    from ficoco_cli.app import main
 
     real = matrix.measure_row
 
@@ -522,9 +512,9 @@ def test_a_row_that_raises_is_recorded_and_later_rows_still_run(tmp_path, monkey
 
     monkeypatch.setattr(matrix, "measure_row", flaky)
     path = tmp_path / "m.json"
-    monkeypatch.setattr(sys, "argv", ["ficoco", "profile", "--model", MODEL, "--variant", "vanilla,v,l", "--keep",
-                                      str(KEEP), "--repeat", "1", "--warmup", "0", "--json", str(path)])
-    main()  # returns normally: exit 0
+    result = cli("profile", "--model", MODEL, "--variant", "vanilla,v,l", "--keep", KEEP, "--repeat", "1",
+                 "--warmup", "0", "--json", path)
+    assert result.code == 0, result.err
     report = json.loads(path.read_text())
     statuses = {r["variant"]: r["status"] for r in report["rows"]}
     assert statuses == {"vanilla": "ok", "v": "error", "l": "ok"}
@@ -532,7 +522,7 @@ def test_a_row_that_raises_is_recorded_and_later_rows_still_run(tmp_path, monkey
     assert failed["reason"] == "RuntimeError: simulated kernel failure"
     assert "latency" not in failed
     assert report["rows"][2]["speedup_vs_vanilla"] is not None
-    assert "error:" not in capsys.readouterr().err
+    assert "error:" not in result.err
 
 
 # ---- interrupted runs keep their finished rows --------------------------------------------------------------
@@ -603,19 +593,16 @@ def test_interrupted_run_exits_non_zero(interrupted):
     assert "interrupted" in interrupted["stderr"]
 
 
-def test_keyboard_interrupt_in_main_exits_130(monkeypatch, capsys):
+def test_keyboard_interrupt_in_main_exits_130(monkeypatch, cli):
     import ficoco.profiling.matrix as matrix
-    from ficoco_cli.app import main
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(matrix, "run_profile", interrupt)  # what ficoco.profile runs the rows with
-    monkeypatch.setattr(sys, "argv", ["ficoco", "profile", "--model", MODEL, "--variant", "v", "--keep", "8"])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    assert exc.value.code == 130
-    assert "interrupted" in capsys.readouterr().err
+    result = cli("profile", "--model", MODEL, "--variant", "v", "--keep", "8")
+    assert result.code == 130
+    assert "interrupted" in result.err
 
 
 # ---- user mistakes: one "error:" line on stderr, exit code 2 -------------------------------------------------
@@ -656,46 +643,28 @@ def profile_args(extra: list[str], bert: Path) -> list[str]:
     return [*args, *extra]
 
 
-def one_error_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("error:"), stderr
-    return lines[0]
-
-
 @pytest.mark.parametrize("name", list(BAD_OPTIONS))
-def test_bad_input_is_one_error_line_and_exit_2(name, bert_folder, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_error_line_and_exit_2(name, bert_folder, tmp_path, cli):
     import torch
 
     extra, needle = BAD_OPTIONS[name]
     if name == "cuda without a GPU" and torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    from ficoco_cli.app import main
-
     path = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["ficoco", *profile_args(extra, bert_folder), "--json", str(path)])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    assert exc.value.code == 2
-    captured = capsys.readouterr()
-    line = one_error_line(captured.err)
+    line = assert_one_error_line(cli(*profile_args(extra, bert_folder), "--json", path))
     assert needle in line
-    assert "Traceback" not in captured.out + captured.err
     assert not path.exists()  # nothing was measured
 
 
-def test_bad_input_in_a_real_process(bert_folder):
+def test_bad_input_in_a_real_process(bert_folder, cli):
     extra, needle = BAD_OPTIONS["not a llava checkpoint"]
-    result = ficoco_cli(*profile_args(extra, bert_folder), timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    assert needle in one_error_line(result.stderr)
-    assert result.stdout == ""
+    result = cli(*profile_args(extra, bert_folder), in_subprocess=True, timeout=120)
+    assert needle in assert_one_error_line(result)
+    assert result.out == ""
 
 
-def test_missing_json_folder_is_reported_before_any_model_is_built(tmp_path, monkeypatch, capsys):
+def test_missing_json_folder_is_reported_before_any_model_is_built(tmp_path, monkeypatch, cli):
     import ficoco.models.build as build
-    from ficoco_cli.app import main
 
     built: list[str] = []
 
@@ -704,24 +673,15 @@ def test_missing_json_folder_is_reported_before_any_model_is_built(tmp_path, mon
         raise RuntimeError("a model was built")
 
     monkeypatch.setattr(build, "build_model", no_build)
-    monkeypatch.setattr(sys, "argv", ["ficoco", "profile", "--model", MODEL, "--variant", "v", "--keep", "8",
-                                      "--json", str(tmp_path / "missing" / "r.json")])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    assert exc.value.code == 2
-    assert "missing" in one_error_line(capsys.readouterr().err)
+    result = cli("profile", "--model", MODEL, "--variant", "v", "--keep", "8",
+                 "--json", tmp_path / "missing" / "r.json")
+    assert "missing" in assert_one_error_line(result)
     assert built == []
 
 
-def test_unreadable_image_is_a_user_error(tmp_path, monkeypatch, capsys):
-    from ficoco_cli.app import main
-
+def test_unreadable_image_is_a_user_error(tmp_path, cli):
     image = tmp_path / "picture.png"
     image.write_text("not an image")
-    monkeypatch.setattr(sys, "argv", ["ficoco", "profile", "--model", MODEL, "--variant", "v", "--keep", "8",
-                                      "--repeat", "1", "--warmup", "0", "--image", str(image),
-                                      "--json", str(tmp_path / "r.json")])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    assert exc.value.code == 2
-    assert "picture.png" in one_error_line(capsys.readouterr().err)
+    result = cli("profile", "--model", MODEL, "--variant", "v", "--keep", "8", "--repeat", "1", "--warmup", "0",
+                 "--image", image, "--json", tmp_path / "r.json")
+    assert "picture.png" in assert_one_error_line(result)

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from decoding import prefill_and_decode
-from test_cli_flops import COMMAND
+from helpers import prefill_and_decode
 from torch import Tensor, nn
 
 import ficoco
@@ -58,9 +56,7 @@ def reduced(size: tuple[int, int], per_item: int = KEEP) -> int:
     return items_of(size) * per_item + rows_of(size)
 
 
-@pytest.fixture(scope="module")
-def model() -> nn.Module:
-    return ficoco.build_model("llava-next-tiny", dtype="fp32")
+TINY_PROFILE = "llava-next-tiny"  # built as this module's `model` (conftest.py)
 
 
 def inputs(model: nn.Module, batch: int = 1, seed: int = 0, size: tuple[int, int] = SQUARE,
@@ -166,14 +162,13 @@ def test_tokens_of_every_tower_and_decoder_layer_equal_the_plan(model: nn.Module
 
 @pytest.mark.parametrize("size", [SQUARE, WIDE])
 def test_measured_visual_tokens_per_image_equal_ficoco_flops_at_that_size(model: nn.Module, size: tuple[int, int],
-                                                                         tmp_path: Any) -> None:
+                                                                         tmp_path: Any, cli: Any) -> None:
     """`ficoco flops --image-size WxH` (the CLI's report) counts what the model runs, for every method;
     a model planned at the profile's 112 x 112 still shortens a 56 x 112 image to its own count."""
     path = tmp_path / "flops.json"
-    result = subprocess.run([*COMMAND, "flops", "--model", "llava-next-tiny", "--variant", ",".join(METHODS),
-                             "--keep", str(KEEP), "--image-size", f"{size[1]}x{size[0]}", "--json", str(path)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    result = cli("flops", "--model", "llava-next-tiny", "--variant", ",".join(METHODS), "--keep", KEEP,
+                 "--image-size", f"{size[1]}x{size[0]}", "--json", path, in_subprocess=True)
+    assert result.code == 0, result.err
     planned = {row["variant"]: row["visual_tokens"] for row in json.loads(path.read_text())["rows"]}
     inp = inputs(model, seed=2, size=size)
     for method in METHODS:
@@ -418,12 +413,11 @@ def test_an_image_whose_unpadding_drops_tokens_is_refused_at_the_call(model: nn.
 
 @pytest.mark.parametrize("size", [SQUARE, WIDE])
 def test_flops_verify_passes_per_crop_with_the_methods_work_as_its_own_stage(size: tuple[int, int],
-                                                                             tmp_path: Any) -> None:
+                                                                             tmp_path: Any, cli: Any) -> None:
     path = tmp_path / "verify.json"
-    result = subprocess.run([*COMMAND, "flops", "--verify", "--model", "llava-next-tiny", "--variant",
-                             ",".join(METHODS), "--keep", str(KEEP), "--image-size", f"{size[1]}x{size[0]}",
-                             "--json", str(path)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
+    result = cli("flops", "--verify", "--model", "llava-next-tiny", "--variant", ",".join(METHODS), "--keep", KEEP,
+                 "--image-size", f"{size[1]}x{size[0]}", "--json", path, in_subprocess=True)
+    assert result.code == 0, result.err
     runs = json.loads(path.read_text())["runs"]
     assert [run["variant"] for run in runs] == list(METHODS)
     for run in runs:

@@ -9,30 +9,22 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ficoco.compare import compare
 
-SCRIPT = Path(sys.executable).parent / "ficoco"
-COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
 NEW, REPEAT, KEEP = 4, 2, 8
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict[str, Any]:
+def report(tmp_path_factory, cli) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("decode") / "d.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([*COMMAND, "profile", "--model", "llava-tiny", "--variant", "vanilla,v,l", "--keep",
-                             str(KEEP), "--quant", "fp16", "--kv-bits", "4", "--new-tokens", str(NEW), "--repeat",
-                             str(REPEAT), "--warmup", "0", "--json", str(path)],
-                            capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = cli("profile", "--model", "llava-tiny", "--variant", "vanilla,v,l", "--keep", KEEP, "--quant", "fp16",
+                 "--kv-bits", "4", "--new-tokens", NEW, "--repeat", REPEAT, "--warmup", "0", "--json", path,
+                 in_subprocess=True)
+    assert result.code == 0, result.err[-3000:]
     return json.loads(path.read_text())
 
 

@@ -53,7 +53,7 @@ STRIDE = MethodSpec(
     name=NAME, title="Stride (toy)", acts_at="after_projector", placement="after_projector", positions="grid",
     needs=(Need("hidden", "projector", "all", "the projector's output, every patch"),),
     hyperparameters={"ratio": 0.5}, families=("llava",), module=__name__, function="tower_step",
-    source="tests/test_method_plugin.py", summary="keep evenly spaced projected patches",
+    source="tests/test_methods_plugin.py", summary="keep evenly spaced projected patches",
     keep_means="visual tokens per image that reach the LLM", steps=_steps, settings_for_keep=_for_keep,
     wired=True,
 )
@@ -66,9 +66,7 @@ def _stride() -> Iterator[MethodSpec]:
     assert NAME not in METHODS and NAME not in VARIANTS  # cleaned up
 
 
-@pytest.fixture(scope="module")
-def model() -> torch.nn.Module:
-    return ficoco.build_model(MODEL, dtype="fp32")
+TINY_PROFILE = MODEL  # built as this module's `model` (conftest.py)
 
 
 def test_registered_method_is_a_variant_and_meets_its_module_contract() -> None:

@@ -246,12 +246,9 @@ def test_eta_follows_the_runs_measured_so_far():
 
 # ---- the command: --dry-run, and the rule inside a real measurement -------------------------------------------------
 
-def test_dry_run_prints_the_plan_and_estimate_and_builds_nothing(monkeypatch, tmp_path):
-    from typer.testing import CliRunner
-
+def test_dry_run_prints_the_plan_and_estimate_and_builds_nothing(monkeypatch, tmp_path, cli):
     import ficoco.models.build as build
     from ficoco.profiling import matrix
-    from ficoco_cli.app import app
 
     built: list[str] = []
     monkeypatch.setattr(build, "build_model", lambda *a, **k: built.append("build_model"))
@@ -259,11 +256,11 @@ def test_dry_run_prints_the_plan_and_estimate_and_builds_nothing(monkeypatch, tm
     monkeypatch.setattr(est, "measure_rates", lambda dtype, device: RATES)
     path = tmp_path / "r.json"
     # --dtype bf16: auto would pick another dtype on a CPU without fast bf16 (CI's CPU varies).
-    result = CliRunner().invoke(app, ["profile", "--model", "llava-1.5-7b", "--variant", "v", "--tflops", "1.5",
-                                      "--dry-run", "--dtype", "bf16", "--json", str(path)])
-    assert result.exit_code == 0, result.output
+    result = cli("profile", "--model", "llava-1.5-7b", "--variant", "v", "--tflops", "1.5",
+                 "--dry-run", "--dtype", "bf16", "--json", str(path))
+    assert result.code == 0, result.err
     assert built == [] and not path.exists()
-    lines = result.output.splitlines()
+    lines = result.out.splitlines()
     assert lines[0].startswith("plan: 2 row(s), computing in bfloat16 (")
     assert lines[0].endswith(" vs 64.00 GB free") and "; memory need " in lines[0]
     assert lines[1].startswith("estimate: ") and "matmul 1 TFLOP/s in bfloat16, copy 10 GB/s" in lines[1]

@@ -20,13 +20,13 @@ import shlex
 import shutil
 import struct
 import subprocess
-import sys
 import termios
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import COMMAND
 from rich.console import Console
 
 from ficoco_cli.render import (
@@ -36,8 +36,6 @@ from ficoco_cli.render import (
     verdict_lines,
 )
 
-SCRIPT = Path(sys.executable).parent / "ficoco"
-COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
 REFERENCE = Path(__file__).resolve().parents[1] / "reports" / "llava-tiny-cpu.json"
 ELLIPSIS = "\u2026"
 
@@ -378,44 +376,37 @@ def test_llm_viewer_flops_table_names_its_kv_figure_in_an_80_column_terminal():
     assert "vanilla fp16 333.4" not in words  # unquantized, the two figures are one
 
 
-def test_widest_llm_viewer_table_fits_80_columns_unsqueezed(tmp_path):
+def test_widest_llm_viewer_table_fits_80_columns_unsqueezed(flops_report):
     """In a wide console a table takes its natural width: within 80 columns nothing needs folding in a terminal."""
-    from ficoco_cli.app import app
     from ficoco_cli.render import flops_table
 
-    path = tmp_path / "r.json"
-    app([*VIEWER_ARGS, "--json", str(path)], standalone_mode=False)
-    report = json.loads(path.read_text())
+    report = flops_report(*VIEWER_ARGS[1:])
     text = rendered(flops_table(report, report["units"], True), 200)
     assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
     assert any(line.split()[-4:] == ["viewer", "weights", "access", "roofline"] for line in text.splitlines())
 
 
-def test_wide_llm_viewer_table_has_a_stored_kv_column(tmp_path):
-    from ficoco_cli.app import app
+def test_wide_llm_viewer_table_has_a_stored_kv_column(flops_report):
     from ficoco_cli.render import flops_table
 
-    path = tmp_path / "r.json"
-    app([*VIEWER_ARGS, "--json", str(path)], standalone_mode=False)
-    report = json.loads(path.read_text())
+    report = flops_report(*VIEWER_ARGS[1:])
     text = rendered(flops_table(report, report["units"], True, wide=True), 220)
     assert_cells(row_line(text, "vanilla", "int8"), ["576", "8.453", "166.7", "177.1", "7.007"])
     assert_cells(row_line(text, "vanilla", "fp16"), ["576", "8.453", "333.4", "333.4", "13.48"])
     assert "KV stored: the KV cache as transformers holds it" in " ".join(text.split())
 
 
-def test_main_job_in_a_pipe_keeps_the_table_and_one_line_per_verdict(main_job_path):
-    result = subprocess.run([*COMMAND, "report", str(main_job_path)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and result.stderr == ""
-    assert_main_job_screen(result.stdout)
+def test_main_job_in_a_pipe_keeps_the_table_and_one_line_per_verdict(main_job_path, cli):
+    result = cli("report", main_job_path, in_subprocess=True, timeout=60)
+    assert result.code == 0 and result.err == ""
+    assert_main_job_screen(result.out)
 
 
-def test_wide_in_a_pipe_is_not_cut():
-    result = subprocess.run([*COMMAND, "report", str(REFERENCE), "--wide"], capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 0
-    assert ELLIPSIS not in result.stdout
-    assert "KV analytic" in result.stdout and "stdev" in result.stdout
+def test_wide_in_a_pipe_is_not_cut(cli):
+    result = cli("report", REFERENCE, "--wide", in_subprocess=True, timeout=60)
+    assert result.code == 0
+    assert ELLIPSIS not in result.out
+    assert "KV analytic" in result.out and "stdev" in result.out
 
 
 def tmux_capture(args: list[str], columns: int) -> str:

@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import bitsandbytes as bnb
 import pytest
 import torch
 from torch import nn
-from typer.testing import CliRunner
 
 import ficoco
 from ficoco.accounting import architecture, parameter_counts
@@ -38,7 +33,6 @@ from ficoco.models.upcast import UpcastLinear, upcast_layers
 from ficoco.profiles import load_profile
 from ficoco.profiling.matrix import ProfileConfig, plan_run
 from ficoco.profiling.trackers import model_weight_bytes
-from ficoco_cli.app import app
 
 CPU = torch.device("cpu")
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -46,8 +40,6 @@ GB = 1e9
 # Measured matmul rates (FLOP/s) of the two kinds of CPU in the issue.
 AVX2_RATES = {F32: 103e9, F16: 25e9, BF16: 20e9}
 AMX_RATES = {BF16: 650e9, F16: 150e9, F32: 120e9}
-SCRIPT = Path(sys.executable).parent / "ficoco"
-COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-c", "from ficoco_cli.app import main; main()"]
 
 
 @pytest.fixture
@@ -281,7 +273,7 @@ def same_values_in_fp32():
 
 
 @pytest.mark.parametrize("fp32_layers", [0, 1, 4])
-def test_an_upcast_build_computes_exactly_what_float32_weights_would(same_values_in_fp32, fp32_layers):
+def test_an_upcast_build_computes_exactly_what_float32_weights_would(same_values_in_fp32, fp32_layers, arch_of):
     inputs, expected = same_values_in_fp32
     choice = DtypeChoice(BF16, F32, "test", upcast=True, fp32_layers=fp32_layers)
     model = ficoco.build_model("llava-tiny", dtype=choice)
@@ -291,7 +283,7 @@ def test_an_upcast_build_computes_exactly_what_float32_weights_would(same_values
     assert {p.dtype for p in model.parameters() if id(p) not in upcast_weights} == {F32}
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, expected)
-    arch = architecture(load_profile("llava-tiny"))
+    arch = arch_of("llava-tiny")
     analytic = weight_bytes(arch, "all", make_quant("fp16"), element_bytes=4, upcast_layers=4 - fp32_layers)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert model_weight_bytes(model) - buffers == analytic
@@ -337,7 +329,6 @@ def test_build_model_records_its_dtype_choice():
 
 # ---- the commands ---------------------------------------------------------------------------------------------
 
-runner = CliRunner()
 TINY_ARGS = ["profile", "--model", "llava-tiny", "--variant", "vanilla,v", "--keep", "8", "--warmup", "0",
              "--repeat", "1"]
 
@@ -351,10 +342,10 @@ def _tiny_needs() -> tuple[float, float]:
     return needs[0], needs[1]
 
 
-def test_profile_rows_name_their_storage_and_compute_dtypes_and_why(tmp_path):
+def test_profile_rows_name_their_storage_and_compute_dtypes_and_why(tmp_path, cli):
     path = tmp_path / "r.json"
-    result = runner.invoke(app, [*TINY_ARGS, "--dtype", "fp32", "--quant", "fp16,int4", "--json", str(path)])
-    assert result.exit_code == 0, result.output
+    result = cli(*TINY_ARGS, "--dtype", "fp32", "--quant", "fp16,int4", "--json", str(path))
+    assert result.code == 0, result.err
     report = json.loads(path.read_text())
     assert report["config"]["dtype"] == "fp32"
     for row in report["rows"]:
@@ -366,13 +357,13 @@ def test_profile_rows_name_their_storage_and_compute_dtypes_and_why(tmp_path):
         assert row["kv_cache_bytes"] == row["analytic"]["kv_cache_bytes"]  # a float32 cache, as counted
 
 
-def test_profile_upcasts_when_float32_does_not_fit_and_says_so(tmp_path, monkeypatch):
+def test_profile_upcasts_when_float32_does_not_fit_and_says_so(tmp_path, monkeypatch, cli):
     fp32_need, upcast_need = _tiny_needs()
     assert upcast_need < fp32_need
     monkeypatch.setenv(LIMIT_ENV, str((fp32_need + upcast_need) / 2))
     path = tmp_path / "r.json"
-    result = runner.invoke(app, [*TINY_ARGS, "--dtype", "fp32", "--device", "cpu", "--json", str(path)])
-    assert result.exit_code == 0, result.output
+    result = cli(*TINY_ARGS, "--dtype", "fp32", "--device", "cpu", "--json", str(path))
+    assert result.code == 0, result.err
     for row in json.loads(path.read_text())["rows"]:
         backend = row["backend"]
         assert backend["storage_dtype"] == "bfloat16 (upcast linears), float32 rest"
@@ -381,69 +372,64 @@ def test_profile_upcasts_when_float32_does_not_fit_and_says_so(tmp_path, monkeyp
         assert backend["upcast_layers"] >= 1
         assert backend["upcast_ms_per_forward"] > 0  # measured at build, the same for every row
         assert row["weight_bytes"] == pytest.approx(row["analytic"]["weight_bytes"], rel=0.005)
-    assert "computed in float32, weights stored as bfloat16 (upcast linears)" in result.output
+    assert "computed in float32, weights stored as bfloat16 (upcast linears)" in result.out + result.err
 
 
-def test_profile_auto_names_the_measured_rates(tmp_path, rates):
+def test_profile_auto_names_the_measured_rates(tmp_path, rates, cli):
     rates(AVX2_RATES)
     path = tmp_path / "r.json"
-    result = runner.invoke(app, [*TINY_ARGS, "--json", str(path)])
-    assert result.exit_code == 0, result.output
+    result = cli(*TINY_ARGS, "--json", str(path))
+    assert result.code == 0, result.err
     for row in json.loads(path.read_text())["rows"]:
         assert row["backend"]["compute_dtype"] == "float32"
         assert row["backend"]["dtype_reason"].startswith("auto: float32 is the fastest on this CPU")
 
 
-def test_the_guard_ends_an_in_process_run_with_one_error_line_and_exit_2(monkeypatch, capsys, tmp_path):
-    from ficoco_cli.app import main
-
+def test_the_guard_ends_an_in_process_run_with_one_error_line_and_exit_2(monkeypatch, tmp_path, cli):
     monkeypatch.setenv(LIMIT_ENV, "1e8")
     path = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["ficoco", *TINY_ARGS, "--json", str(path)])
-    with pytest.raises(SystemExit) as exc:
-        main()
-    assert exc.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    result = cli(*TINY_ARGS, "--json", str(path))
+    assert result.code == 2
+    lines = [line for line in result.err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: llava-tiny at --quant fp16 in ")
     assert "0.1 GB is free (FICOCO_MEMORY_LIMIT_BYTES)" in lines[0]
     assert not path.exists()
 
 
-def test_the_guard_in_a_real_process_names_what_fits():
+def test_the_guard_in_a_real_process_names_what_fits(cli):
     # A cap well under what a shared machine has free, so the advice does not depend on it:
     # no quant of the 13B model fits in 6 GB, fewer layers do.
-    env = {**os.environ, LIMIT_ENV: "6e9"}
-    result = subprocess.run([*COMMAND, "profile", "--model", "llava-1.5-13b", "--variant", "v", "--keep", "64",
-                             "--dtype", "fp16"], capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
+    result = cli("profile", "--model", "llava-1.5-13b", "--variant", "v", "--keep", "64", "--dtype", "fp16",
+                 in_subprocess=True, env={LIMIT_ENV: "6e9"})
+    assert result.code == 2
+    lines = [line for line in result.err.splitlines() if line.strip()]
+    assert len(lines) == 1, result.err
     line = lines[0]
     assert line.startswith("error: llava-1.5-13b at --quant fp16 in float16 needs ")
     assert "--quant" not in line.split("what fits:")[1]
     assert "--set text_config.num_hidden_layers=" in line and line.endswith("or a GPU with 29.2 GB free")
-    assert "Traceback" not in result.stdout + result.stderr
+    assert "Traceback" not in result.out + result.err
 
 
-def test_flops_verify_takes_a_dtype_and_refuses_what_does_not_fit(tmp_path, monkeypatch):
+def test_flops_verify_takes_a_dtype_and_refuses_what_does_not_fit(tmp_path, monkeypatch, cli):
     path = tmp_path / "v.json"
-    result = runner.invoke(app, ["flops", "--verify", "--model", "llava-tiny", "--dtype", "fp16", "--json",
-                                 str(path)])
-    assert result.exit_code == 0, result.output
+    result = cli("flops", "--verify", "--model", "llava-tiny", "--dtype", "fp16", "--json", str(path))
+    assert result.code == 0, result.err
     report = json.loads(path.read_text())
     assert (report["dtype"], report["storage_dtype"], report["dtype_reason"]) == (
         "float16", "float16", "requested (dtype=fp16)")
     monkeypatch.setenv(LIMIT_ENV, "1e8")
-    result = runner.invoke(app, ["flops", "--verify", "--model", "llava-tiny"])
-    assert isinstance(result.exception, FicocoError)
-    message = str(result.exception)
+    with pytest.raises(FicocoError) as raised:
+        cli("flops", "--verify", "--model", "llava-tiny", standalone=False)
+    message = str(raised.value)
     assert message.startswith("llava-tiny in ") and "0.1 GB is free" in message
     assert "quant=" not in message and "GPU" not in message  # --verify takes neither: not offered
 
 
-def test_dtype_without_verify_is_refused():
-    result = runner.invoke(app, ["flops", "--model", "llava-tiny", "--dtype", "fp32"])
-    assert isinstance(result.exception, FicocoError) and "--verify" in str(result.exception)
+def test_dtype_without_verify_is_refused(cli):
+    with pytest.raises(FicocoError) as raised:
+        cli("flops", "--model", "llava-tiny", "--dtype", "fp32", standalone=False)
+    assert "--verify" in str(raised.value)
 
 
 def test_compare_tells_upcast_layouts_apart_and_keeps_plain_rows_keys():

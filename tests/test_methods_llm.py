@@ -288,10 +288,10 @@ def test_dart_batch_equals_samples_alone():
 
 @pytest.mark.parametrize("name", ["fastv", "pdrop", "sparsevlm", "dart"])
 @pytest.mark.parametrize("keep", [None, 192, 128, 64])
-def test_per_layer_tokens_equal_the_functions_step_by_step(name, keep):
+def test_per_layer_tokens_equal_the_functions_step_by_step(name, keep, arch_of):
     """Run each step's tensor function on a 7B-shaped token count (tiny width) and compare every layer's
     sequence length with the accountant's plan."""
-    arch = acc.architecture(load_profile("llava-1.5-7b"))
+    arch = arch_of("llava-1.5-7b")
     schedule = acc.resolve_schedule(arch, name, acc.CountOptions(), keep=keep)
     plan = acc.plan_tokens(arch, schedule)
     gen = torch.Generator().manual_seed(0)
@@ -325,8 +325,8 @@ def test_per_layer_tokens_equal_the_functions_step_by_step(name, keep):
     assert visual == plan.visual_tokens
 
 
-def test_empty_schedule_plans_like_vanilla():
-    arch = acc.architecture(load_profile("llava-1.5-7b"))
+def test_empty_schedule_plans_like_vanilla(arch_of):
+    arch = arch_of("llava-1.5-7b")
     for name in ("fastv", "dart"):
         full = acc.method_schedule(arch, name, 576) if name == "dart" else acc.resolve_schedule(
             arch, name, acc.CountOptions(), schedule="2:0")
@@ -380,14 +380,14 @@ def test_every_method_loads_its_entry_point():
         assert callable(spec.entry_point())
 
 
-def test_a_method_refuses_families_it_is_not_defined_on():
-    arch = acc.architecture(load_profile("qwen2-vl-7b"))
+def test_a_method_refuses_families_it_is_not_defined_on(arch_of):
+    arch = arch_of("qwen2-vl-7b")
     with pytest.raises(Exception, match="PruMerge\\+ is defined on llava, llava_next, video_llava models"):
         acc.resolve_schedule(arch, "prumerge", acc.CountOptions(), keep=128)
 
 
-def test_sparsevlm_keeps_only_published_schedules_and_budgets_pick_among_them():
-    arch = acc.architecture(load_profile("llava-1.5-7b"))
+def test_sparsevlm_keeps_only_published_schedules_and_budgets_pick_among_them(arch_of):
+    arch = arch_of("llava-1.5-7b")
     with pytest.raises(Exception, match="v1.5 schedules exist for"):
         acc.resolve_schedule(arch, "sparsevlm", acc.CountOptions(), keep=150)
     budget = acc.resolve_schedule(arch, "sparsevlm", acc.CountOptions(), tflops=3.3)
@@ -395,8 +395,8 @@ def test_sparsevlm_keeps_only_published_schedules_and_budgets_pick_among_them():
 
 
 @pytest.mark.parametrize("name", ["fastv", "pdrop", "dart"])
-def test_a_budget_keeps_the_most_tokens_that_fit(name):
-    arch = acc.architecture(load_profile("llava-1.5-7b"))
+def test_a_budget_keeps_the_most_tokens_that_fit(name, arch_of):
+    arch = arch_of("llava-1.5-7b")
     opts = acc.CountOptions()
     schedule = acc.resolve_schedule(arch, name, opts, tflops=3.3)
     cost = acc.account(arch, schedule, acc.make_quant("fp16", None), opts).tflops
