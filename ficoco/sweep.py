@@ -269,7 +269,7 @@ def run_point(config: SweepConfig, profile: Profile, point: Point) -> dict[str, 
 
     from ficoco.profiling.environment import environment
     from ficoco.profiling.estimate import estimate_run, plan_runs
-    from ficoco.profiling.matrix import RowSpec, _row_base, build_for, measure_row, plan_run
+    from ficoco.profiling.matrix import RowSpec, _row_base, build_for, measured_row, new_rates, plan_run
     from ficoco.profiling.trackers import model_weight_bytes
 
     pconfig = profile_config(config, (point.variant,), (point.quant,))
@@ -286,10 +286,11 @@ def run_point(config: SweepConfig, profile: Profile, point: Point) -> dict[str, 
     info = getattr(model, "_ficoco_quant", {})
     dtype = str(next(p for p in model.parameters() if p.is_floating_point()).dtype).removeprefix("torch.")
     if config.measure:
-        measured = _row_base(plan, pconfig, row, {"compute_dtype": dtype, **info})
+        rates = new_rates(plan, pconfig, model)
+        measured = _row_base(plan, pconfig, row, {"compute_dtype": dtype, **info}, rates)
         measured["weight_bytes"] = model_weight_bytes(model)
         try:
-            measured |= {"status": "ok", **measure_row(model, row, pconfig, plan)}
+            measured = measured_row(model, row, pconfig, plan, measured, rates)
         except FicocoError as exc:
             measured |= {"status": "unsupported", "reason": str(exc)}
         point.measured = measured

@@ -445,3 +445,148 @@ def test_a_profile_row_carries_its_prediction_and_the_pair_its_predicted_speedup
     assert v["predicted_speedup_vs_vanilla"] == pytest.approx(vanilla["predicted_ms"] / v["predicted_ms"])
     assert v["measured_over_predicted"] == pytest.approx(10.0 / v["predicted_ms"])
     assert predicted(plan, ProfileConfig(model="llava-tiny", device_map="auto"), plan.rows[0]) == {"predicted_ms": None}
+
+
+# ---- the rate probe: round-robin passes before, between and after a row's runs ---------------------------------------
+
+class _Clock:
+    """perf_counter for the probe: every timed call takes the next of `durations` (cycled)."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.durations, self.now, self.calls, self.started = durations, 0.0, 0, False
+
+    def __call__(self) -> float:
+        if self.started:  # an end: the call took its duration
+            self.now += self.durations[self.calls % len(self.durations)]
+            self.calls += 1
+        self.started = not self.started
+        return self.now
+
+
+LINEAR = [(4, 8, 8), (2, 8, 16)]
+ATTENTION = [(2, 4, 8, True)]
+
+
+def test_every_pass_times_every_shape_once_and_a_shape_is_measured_once():
+    rates = predict.MeasuredRates("float32")
+    rates.measure(linear=LINEAR, attention=ATTENTION)
+    keys = {("linear", *s) for s in LINEAR} | {("attention", *s) for s in ATTENTION} | {("bandwidth",)}
+    assert len(rates._passes) == predict.PASSES
+    assert all(set(one) == keys for one in rates._passes)
+    rates.measure(linear=LINEAR[:1])  # measured already: no new pass
+    assert len(rates._passes) == predict.PASSES
+    rates.measure(linear=[(3, 8, 8)])  # a new shape: passes of it alone
+    assert len(rates._passes) == 2 * predict.PASSES and set(rates._passes[-1]) == {("linear", 3, 8, 8)}
+    assert rates.linear_flops_per_s(3, 8, 8) > 0 and rates.attention_flops_per_s(*ATTENTION[0]) > 0
+
+
+def test_a_shapes_rate_is_its_work_over_the_median_pass_so_a_burst_does_not_count(monkeypatch):
+    rates = predict.MeasuredRates("float32", passes=3)
+    # One linear shape and the bandwidth copy per pass (sorted: bandwidth, then linear); the middle
+    # pass meets a burst that makes it ten times faster.
+    clock = _Clock([1.0, 2.0, 1.0, 0.2, 1.0, 2.0])
+    monkeypatch.setattr(predict.time, "perf_counter", clock)
+    rates.measure(linear=[(4, 8, 8)])
+    assert clock.calls == 6
+    assert rates.linear_flops_per_s(4, 8, 8) == pytest.approx(2 * 4 * 8 * 8 / 2.0)
+    assert rates.bandwidth_bytes_per_s == pytest.approx(2 * (1 << 25) * 2 / 1.0)
+    # Each pass's own rates: the burst shows there, not in the median.
+    per_pass = [one.linear_flops_per_s(4, 8, 8) for one in rates.pass_rates()]
+    assert per_pass == pytest.approx([2 * 4 * 8 * 8 / s for s in (2.0, 0.2, 2.0)])
+
+
+def test_a_pass_between_runs_borrows_the_models_weights_and_allocates_none(monkeypatch):
+    """Between timed runs the probe must not add memory beside the model (the row's peak is being
+    measured): a linear shape runs on the model's own weight of as many values, a shape with none is
+    left for the passes after the runs, and the bandwidth copy too."""
+    model = torch.nn.Linear(8, 16, bias=False)  # a weight of 128 values: the (2, 8, 16) shape borrows it
+    rates = predict.MeasuredRates("float32", weights=predict.model_weights(model))
+    rates.measure(linear=LINEAR, attention=ATTENTION)
+    requested: list[tuple[int, ...]] = []
+    weights_used: list[int] = []
+    original_tensor, original_linear = predict.MeasuredRates._tensor, torch.nn.functional.linear
+
+    def tensor(self, *shape, kind=None):
+        requested.append(shape)
+        return original_tensor(self, *shape, kind=kind)
+
+    def linear(x, weight, *args):
+        weights_used.append(weight.untyped_storage().data_ptr())
+        return original_linear(x, weight, *args)
+
+    monkeypatch.setattr(predict.MeasuredRates, "_tensor", tensor)
+    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+    rates.sample()
+    assert set(rates._passes[-1]) == {("linear", 2, 8, 16), ("attention", *ATTENTION[0])}
+    assert weights_used == [model.weight.untyped_storage().data_ptr()]
+    # Activations only: the (2 x 8) input and attention's q, k, v; no weight-sized buffer.
+    assert sorted(requested) == sorted([(2, 8), *[(1, 2, 4, 8)] * 3])
+    rates.sample(passes=2)  # after the runs: everything again, a buffer for the shape with no weight
+    assert len(rates._passes) == predict.PASSES + 3
+    assert all(len(one) == 4 for one in rates._passes[-2:])
+
+
+def test_a_prediction_prices_the_row_at_each_pass_and_says_how_far_they_spread(monkeypatch):
+    from ficoco.profiles import load_profile
+
+    arch, vanilla = _tiny()
+    rates = predict.MeasuredRates("float32")
+    monkeypatch.setattr(predict.time, "perf_counter", _Clock([1e-3]))  # a steady machine: every call alike
+    steady = predict.row_prediction(load_profile("llava-tiny"), vanilla, quant="fp16", batch=1, text_tokens=12,
+                                    dtype=torch.float32, rates=rates)
+    assert len(steady.passes_s) == predict.PASSES
+    assert steady.passes_s == pytest.approx([steady.total_s] * predict.PASSES) and steady.spread == 0
+    # One pass twice as slow for every shape: its total is twice the rate-bound parts (dispatch is not
+    # a rate), the median's is unchanged.
+    monkeypatch.setattr(predict.time, "perf_counter", _Clock([2e-3]))
+    rates._passes.clear()
+    rates._run_passes(sorted(rates._work, key=str), 1, allocate=True, warm_up=False)
+    monkeypatch.setattr(predict.time, "perf_counter", _Clock([1e-3]))
+    rates._run_passes(sorted(rates._work, key=str), 2, allocate=True, warm_up=False)
+    moved = predict.row_prediction(load_profile("llava-tiny"), vanilla, quant="fp16", batch=1, text_tokens=12,
+                                   dtype=torch.float32, rates=rates)
+    assert moved.total_s == pytest.approx(steady.total_s)
+    assert moved.passes_s[1:] == pytest.approx([steady.total_s] * 2)
+    assert moved.passes_s[0] == pytest.approx(2 * steady.total_s - steady.parts_s["dispatch"])
+    assert moved.spread == pytest.approx((moved.passes_s[0] - steady.total_s) / steady.total_s)
+    assert moved.to_json()["spread"] == moved.spread and len(moved.to_json()["passes_ms"]) == 3
+
+
+def test_a_measured_rows_rates_are_probed_before_between_and_after_its_runs():
+    from ficoco.profiling.matrix import run_profile
+
+    config = ProfileConfig(model="llava-tiny", variants=("vanilla",), device="cpu", dtype="fp32", warmup=1, repeat=2,
+                           text_tokens=12)
+    rows: list[dict[str, Any]] = []
+    run_profile(config, plan_run(config), rows.append)
+    (row,) = rows
+    assert row["status"] == "ok"
+    # PASSES before, one after each of the 2 timed runs, PASSES after.
+    assert len(row["predicted"]["passes_ms"]) == 2 * predict.PASSES + 2
+    assert row["predicted_ms"] == pytest.approx(row["predicted"]["prefill_ms"]) and row["predicted_ms"] > 0
+
+
+def test_a_width_with_many_token_counts_is_timed_at_a_few_and_read_between_them():
+    shapes = [(tokens, 8, 16) for tokens in range(1, 21)] + [(5, 4, 4), (9, 4, 4)]
+    grid = predict._TokenGrid(shapes, position=0)
+    timed = sorted(shape[0] for shape in grid.timed if shape[1:] == (8, 16))
+    assert len(timed) == predict.GRID_COUNTS and timed[0] == 1 and timed[-1] == 20
+    assert {shape for shape in grid.timed if shape[1:] == (4, 4)} == {(5, 4, 4), (9, 4, 4)}  # few: each timed
+    asked: list[tuple] = []
+
+    def rate_at(tokens: int, inner: int, outer: int) -> float:
+        asked.append((tokens, inner, outer))
+        return 10.0 * tokens + (0.5 if tokens % 2 else 0.0)
+
+    untimed = next(t for t in range(1, 21) if t not in timed)
+    below, above = max(t for t in timed if t < untimed), min(t for t in timed if t > untimed)
+    expected = rate_at(below, 8, 16) + (rate_at(above, 8, 16) - rate_at(below, 8, 16)) * (untimed - below) / (
+        above - below)
+    asked.clear()
+    assert grid.rate(rate_at, (untimed, 8, 16)) == pytest.approx(expected)
+    assert {shape[0] for shape in asked} == {below, above}  # only timed shapes are asked for
+    assert grid.rate(rate_at, (timed[2], 8, 16)) == rate_at(timed[2], 8, 16)
+    # Attention's count is its second field.
+    attention = predict._TokenGrid([(2, tokens, 8, True) for tokens in range(10, 30)], position=1)
+    assert all(shape[0] == 2 and shape[2:] == (8, True) for shape in attention.timed)
+    assert len(attention.timed) == predict.GRID_COUNTS

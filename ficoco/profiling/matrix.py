@@ -25,6 +25,7 @@ from ficoco.machine.dtype_choice import DtypeChoice, row_dtypes
 from ficoco.models import hf_compat as hf
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
 from ficoco.profiling.decode import DecodeRun, decode_metrics, timed_generate
+from ficoco.profiling.predict import PASSES, model_weights, rates_for, row_prediction
 from ficoco.profiling.runs import choose_runs, max_runs
 from ficoco.profiling.trackers import LatencyStats, LatencyTracker, MemoryTracker, RunHook, cache_bytes, cache_tokens
 
@@ -355,10 +356,10 @@ def _runs_json(latency: LatencyStats, plan: Plan) -> dict[str, Any]:
 
 
 def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
-                on_run: RunHook | None = None) -> dict[str, Any]:
+                on_run: RunHook | None = None, rates: Any = None) -> dict[str, Any]:
     """Prefill latency, memory, KV cache and (with --new-tokens) generation of one row; `on_run`
     is told when every run starts and ends (generation runs as "generation warm-up" and
-    "generation")."""
+    "generation"); `rates` (profiling/predict.py's MeasuredRates) take a pass after each timed prefill."""
     import ficoco
 
     device = plan.device
@@ -396,6 +397,9 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         # Read after the tracker's final synchronise: the stage events are complete by now.
         reduction_ms.append(handle.timer.total_ms("reduction") if handle is not None else 0.0)
         probe_ms.append(handle.timer.total_ms("probe") if handle is not None else 0.0)
+        if rates is not None:
+            # The machine's rates at this moment, between timed runs (outside their timing).
+            rates.sample()
 
     measured_tokens: list[int | None] = []
     try:
@@ -557,7 +561,9 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
             begin = time.perf_counter()
             if on_start:
                 on_start(row)
-            base = _row_base(plan, config, row, {"compute_dtype": dtype, **info})
+            # The machine's rates for the row's shapes: probed now, between its runs and after them.
+            rates = new_rates(plan, config, model)
+            base = _row_base(plan, config, row, {"compute_dtype": dtype, **info}, rates)
             base["weight_bytes"] = weights_measured
 
             def on_run(step: str, k: int, n: int, seconds: float | None, index: int = index) -> None:
@@ -567,8 +573,7 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
                 with warnings.catch_warnings():
                     # bitsandbytes warns on every INT8 matmul that it casts bf16 inputs to fp16.
                     warnings.simplefilter("ignore")
-                    result = base | {"status": "ok", **measure_row(model, row, config, plan, on_run=on_run)}
-                result = _at_measured_count(result, row, config, plan)
+                    result = measured_row(model, row, config, plan, base, rates, on_run=on_run)
             except FicocoError as exc:
                 result = base | {"status": "unsupported", "reason": str(exc)}
             except Exception as exc:
@@ -578,6 +583,19 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
             on_row(result | {"wall_s": time.perf_counter() - begin, "build_s": build_s})
         del model
         release_device_cache(plan.device)
+
+
+def measured_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan, base: dict[str, Any], rates: Any,
+                 on_run: RunHook | None = None) -> dict[str, Any]:
+    """`base` (the row's planned figures, its prediction at `rates` probed before its runs) with the row
+    measured, `rates` probed again between its runs and after them, and the row predicted at the
+    median over every pass, at the count it ran (an adaptive method's)."""
+    result = base | {"status": "ok", **measure_row(model, row, config, plan, on_run=on_run, rates=rates)}
+    result, ran = _at_measured_count(result, row, config, plan)
+    if rates is not None:
+        rates.sample(passes=PASSES)
+        result |= predicted(plan, config, ran, rates)
+    return result
 
 
 def _memory_per_device(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan, split: dict[str, Any],
@@ -606,22 +624,25 @@ def _memory_per_device(model: Any, row: RowSpec, config: ProfileConfig, plan: Pl
     return table
 
 
-def _at_measured_count(result: dict[str, Any], row: RowSpec, config: ProfileConfig, plan: Plan) -> dict[str, Any]:
+def _at_measured_count(result: dict[str, Any], row: RowSpec, config: ProfileConfig,
+                       plan: Plan) -> tuple[dict[str, Any], RowSpec]:
     """A row whose method counts adaptively (PruMerge+ without --keep) planned an assumed count; once
-    measured, its analytic columns and schedule are those of the measured count, and its note says so."""
+    measured, its analytic columns and schedule are those of the measured count, and its note says so.
+    Returns the row's result and the row as it ran."""
     from dataclasses import replace
 
     from ficoco.accounting.methods import at_measured_count
 
     measured = result.get("visual_tokens_per_item_measured")
     if not measured or not row.schedule.settings_dict().get("adaptive"):
-        return result
+        return result, row
     assumed = result["analytic"]["visual_tokens"]
     schedule = at_measured_count(architecture(plan.profile), row.schedule, measured)
     note = (f"adaptive count: measured {measured} visual tokens per item (planned at {assumed}); the analytic "
             "columns count the measured run")
+    ran = replace(row, schedule=schedule)
     return result | {"schedule": schedule.to_json(), "note": note,
-                     "analytic": analytic(plan.profile, replace(row, schedule=schedule), config, plan.gpu, plan.dtype)}
+                     "analytic": analytic(plan.profile, ran, config, plan.gpu, plan.dtype)}, ran
 
 
 def _reason(exc: BaseException) -> str:
@@ -629,7 +650,8 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str, Any] | None) -> dict[str, Any]:
+def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str, Any] | None,
+              rates: Any = None) -> dict[str, Any]:
     if plan.dtype is not None:
         # Every row names its dtypes, also a row whose build failed (backend None).
         backend = (backend or {}) | row_dtypes(plan.dtype, row.quant)
@@ -639,7 +661,7 @@ def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str
         "kv_bits": row_kv_bits(config, row.quant),
         "schedule": row.schedule.to_json(), "backend": backend, "note": None,
         "analytic": analytic(plan.profile, row, config, plan.gpu, plan.dtype), "threads": torch.get_num_threads(),
-        **predicted(plan, config, row),
+        **predicted(plan, config, row, rates),
     }
 
 
@@ -672,14 +694,24 @@ def compute_dtype(plan: Plan, config: ProfileConfig) -> tuple[torch.dtype, str]:
     return dtype, f"{_name(dtype)} ({why})"
 
 
-def predicted(plan: Plan, config: ProfileConfig, row: RowSpec) -> dict[str, Any]:
-    """The row's prefill as this machine's rates predict it (profiling/predict.py): `predicted_ms`
-    and its parts. None under a device map, whose transfers the prediction does not price."""
+def new_rates(plan: Plan, config: ProfileConfig, model: Any = None) -> Any:
+    """A new probe of this machine's rates for the plan's compute dtype and device (measured when a
+    prediction first asks for its shapes; between a row's runs on `model`'s own weights); None under
+    a device map, whose transfers the prediction does not price."""
     if config.device_map:
-        return {"predicted_ms": None}
-    from ficoco.profiling.predict import row_prediction
+        return None
+    dtype = plan.dtype if plan.dtype is not None else compute_dtype(plan, config)[0]
+    return rates_for(dtype, plan.device, model_weights(model) if model is not None else None)
 
+
+def predicted(plan: Plan, config: ProfileConfig, row: RowSpec, rates: Any = None) -> dict[str, Any]:
+    """The row's prefill as this machine's rates predict it (profiling/predict.py): `predicted_ms`
+    and its parts, at `rates` (a measured row's: probed before its runs, between them and after
+    them; a new probe where none is given). None under a device map."""
+    rates = rates if rates is not None else new_rates(plan, config)
+    if rates is None:
+        return {"predicted_ms": None}
     dtype = plan.dtype if plan.dtype is not None else compute_dtype(plan, config)[0]
     prediction = row_prediction(plan.profile, row.schedule, quant=row.quant, batch=row.batch,
-                                text_tokens=config.text_tokens, dtype=dtype, device=plan.device)
+                                text_tokens=config.text_tokens, dtype=dtype, device=plan.device, rates=rates)
     return {"predicted_ms": prediction.total_s * 1e3, "predicted": prediction.to_json()}

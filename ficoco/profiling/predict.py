@@ -18,14 +18,19 @@ same weights, and an upcast layout converts the same weights whatever the tokens
                 similarity matrix of its tokens, and FiCoCo's probe passes over its attention scores
               + dispatch: small ops per forward and per layer at the measured small-op time
 
-Every rate is measured once per process, dtype, device and thread count (`MeasuredRates`); no
-model is built. A test gives `TableRates` instead, whose fixed rates make the time exact.
+Every rate a row needs is measured for that row (`MeasuredRates`: its shapes timed in round-robin
+passes before its runs, between them and after them, the median of each), so that the prediction
+reads the machine over the same minutes as the measurement; no model is built for it. A test gives
+`TableRates` instead, whose fixed rates make the time exact.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,14 +41,12 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.flops import Op, model_ops
 from ficoco.accounting.memory import QUANT_BITS, Quant
 from ficoco.accounting.schedule import plan_tokens
-from ficoco.machine.compute_rate import copy_bytes_per_s, small_op_s, synchronize
+from ficoco.machine.compute_rate import small_op_s, synchronize
 
 # bitsandbytes on CPU computes INT8 through float16 and dequantizes NF4 weights on every call: its
 # matmuls run at these shares of the compute dtype's measured rate (estimate.MATMUL_EFFICIENCY's
 # ratios to fp16, fitted on an AMX Xeon with 2 decoder layers; not refitted for this prediction).
 QUANT_MATMUL_SHARE = {"fp16": 1.0, "int8": 0.4, "int4": 0.12}
-# A first call shorter than this is a warm-up only (kernel choice and allocation weigh in it).
-_REPEAT_BELOW_S = 0.05
 
 
 class ShapeRates(Protocol):
@@ -55,6 +58,8 @@ class ShapeRates(Protocol):
     bandwidth_bytes_per_s: float
     convert_bytes_per_s: float
     small_op_s: float
+
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None: ...
 
     def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float: ...
 
@@ -73,6 +78,9 @@ class TableRates:
     small_op_s: float = 0.0
     attention_by_tokens: dict[int, float] | None = None
 
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
+        """Nothing to measure: the rates are given."""
+
     @staticmethod
     def _nearest(table: dict[int, float], tokens: int) -> float:
         return table[min(table, key=lambda m: (abs(m - tokens), m))]
@@ -86,106 +94,209 @@ class TableRates:
         return self._nearest(self.attention_by_tokens or self.flops_per_s_by_tokens, tokens)
 
 
-def _time_s(call: Any, device: torch.device) -> float:
-    """The best of 3 calls (a short call after a warm-up call): on a machine shared with other
-    processes, one call of a third of a second can meet another's burst and read half the rate,
-    where a prefill of many seconds averages such bursts out."""
-    times: list[float] = []
-    first = True
-    while len(times) < 3:
-        synchronize(device)
-        begin = time.perf_counter()
-        call()
-        synchronize(device)
-        seconds = time.perf_counter() - begin
-        # The first call chooses kernels and allocates: it counts only when it is long enough
-        # that neither weighs in it.
-        if not first or seconds >= _REPEAT_BELOW_S:
-            times.append(seconds)
-        first = False
-    return min(times)
+# Passes of a probe of the rates before a row's runs, and again after them (one more between runs).
+PASSES = 3
+
+Key = tuple[Any, ...]  # ("linear", tokens, in, out), ("attention", heads, tokens, head width, causal), ("bandwidth",)
+# A tensor of this many values of this dtype that already exists (a model's weight), or None.
+WeightSource = Callable[[int, torch.dtype], "torch.Tensor | None"]
 
 
-@functools.cache
-def _linear_flops_per_s(dtype: torch.dtype, device_type: str, threads: int, tokens: int, inner: int,
-                        outer: int) -> float:
-    device = torch.device(device_type)
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, inner, generator=generator).to(device=device, dtype=dtype)
-    # nn.Linear's layout: the weight is (out, in), multiplied transposed.
-    w = torch.randn(outer, inner, generator=generator).to(device=device, dtype=dtype)
-    with torch.inference_mode():
-        seconds = _time_s(lambda: torch.nn.functional.linear(x, w), device)
-    return 2 * tokens * inner * outer / seconds
-
-
-@functools.cache
-def _attention_flops_per_s(dtype: torch.dtype, device_type: str, threads: int, heads: int, tokens: int,
-                           head_dim: int, causal: bool) -> float:
-    device = torch.device(device_type)
-    generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, tokens, head_dim, generator=generator).to(device=device, dtype=dtype)
-               for _ in range(3))
-    with torch.inference_mode():
-        seconds = _time_s(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                          device)
-    # The accountant's count: scores and weighted values over the full square, causal or not.
-    return 4 * heads * tokens * tokens * head_dim / seconds
-
-
-@functools.cache
-def _convert_bytes_per_s(storage: torch.dtype, compute: torch.dtype, device_type: str, threads: int,
-                         numel: int) -> float:
-    device = torch.device(device_type)
-    source = torch.ones(numel, dtype=storage, device=device)
-    target = torch.empty(numel, dtype=compute, device=device)
-    seconds = _time_s(lambda: target.copy_(source), device)
-    return numel * target.element_size() / seconds
-
-
-@dataclass(frozen=True)
+@dataclass
 class MeasuredRates:
-    """This machine's rates in `dtype` on `device`, each measured when first asked for (cached per
-    process and thread count): a 7B row's shapes take a few seconds, a tiny model's well under one."""
+    """This machine's rates in `dtype` on `device`, measured for the shapes a prediction asks for.
+
+    A shared machine's speed is not steady: on a 2-core AMX VM a bf16 matmul ran at 600 GFLOP/s for
+    tens of seconds, then at 1,700 for ten (a neighbour's idle spell), and back. A rate measured
+    once, minutes before a row runs, can be off by that much; so the shapes are timed in passes,
+    each pass timing every shape once (round robin: each shape's calls meet the same moments), a
+    few passes before the row's runs (`measure`), one after each timed run (`sample`, on the
+    model's own weights: no new memory beside the model while its peak is measured) and a few after
+    the last (`sample(passes=...)`), and each shape's rate is the median over every pass. The
+    prediction then reads the machine over the same minutes as the measurement, and each pass's
+    total says how far the machine moved (`pass_rates`).
+
+    A new object measures anew; nothing is shared between rows or processes."""
 
     dtype: str
     device: str = "cpu"
     threads: int = field(default_factory=torch.get_num_threads)
+    passes: int = PASSES
+    # Where `sample` takes a linear shape's weight from without allocating one (the model's own).
+    weights: WeightSource | None = None
+    _work: dict[Key, float] = field(default_factory=dict, repr=False)
+    _passes: list[dict[Key, float]] = field(default_factory=list, repr=False)
 
     @property
     def _torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    def _tensor(self, *shape: int, kind: torch.dtype | None = None) -> torch.Tensor:
+        # Values of a real activation's size; randn for the small ones, a constant fill for large
+        # buffers (randn of a 7B LM head's 130 M values takes a second).
+        kind = kind or self._torch_dtype
+        if math.prod(shape) > 1 << 22:
+            return torch.full(shape, 0.01, dtype=kind, device=self.device)
+        return torch.randn(*shape, generator=self._generator).to(device=self.device, dtype=kind)
+
     @functools.cached_property
+    def _generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(0)
+
+    def _calls(self, keys: list[Key], allocate: bool) -> list[tuple[Key, Callable[[], Any]]]:
+        """A call per key, with its tensors: linear weights from `weights`, else (with `allocate`) views of
+        one buffer of the largest; a key that would need new weight memory without `allocate` is skipped."""
+        calls: list[tuple[Key, Callable[[], Any]]] = []
+        linear = [key for key in keys if key[0] == "linear"]
+        borrowed = {key: self.weights(key[2] * key[3], self._torch_dtype) if self.weights else None for key in linear}
+        need = max((key[2] * key[3] for key in linear if borrowed[key] is None), default=0)
+        # One buffer for every weight not borrowed (its largest: an LM head's, 0.5 GB in float32).
+        buffer = self._tensor(need) if allocate and need else None
+        for key in keys:
+            kind, *shape = key
+            if kind == "linear":
+                tokens, inner, outer = shape
+                weight = borrowed[key] if borrowed[key] is not None else buffer
+                if weight is None:
+                    continue
+                # nn.Linear's layout: the weight is (out, in), multiplied transposed.
+                calls.append((key, functools.partial(torch.nn.functional.linear, self._tensor(tokens, inner),
+                                                     weight.reshape(-1)[:inner * outer].view(outer, inner))))
+            elif kind == "attention":
+                heads, tokens, head_dim, causal = shape
+                q, k, v = (self._tensor(1, heads, tokens, head_dim) for _ in range(3))
+                calls.append((key, functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v,
+                                                     is_causal=causal)))
+            elif allocate and kind == "bandwidth":
+                source = torch.ones(1 << 25, dtype=torch.bfloat16, device=self.device)  # 64 MiB
+                calls.append((key, functools.partial(torch.empty_like(source).copy_, source)))
+            elif allocate and kind == "convert":
+                # The upcast layout's per-forward work: a 7B MLP weight's values written in the compute
+                # dtype from its bfloat16 storage.
+                stored = torch.ones(4096 * 11008, dtype=torch.bfloat16, device=self.device)
+                calls.append((key, functools.partial(torch.empty(stored.shape, dtype=self._torch_dtype,
+                                                                 device=self.device).copy_, stored)))
+        return calls
+
+    def _run_passes(self, keys: list[Key], passes: int, *, allocate: bool, warm_up: bool) -> None:
+        calls = self._calls(keys, allocate)
+        device = torch.device(self.device)
+        with torch.inference_mode():
+            if warm_up:  # kernel choice, allocation
+                for _, call in calls:
+                    call()
+            for _ in range(passes):
+                seconds: dict[Key, float] = {}
+                for key, call in calls:
+                    synchronize(device)
+                    begin = time.perf_counter()
+                    call()
+                    synchronize(device)
+                    seconds[key] = time.perf_counter() - begin
+                self._passes.append(seconds)
+
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
+        """Time every linear (tokens, in, out) and attention (heads, tokens, head width, causal) shape
+        not measured yet, with the memory bandwidth (and with `convert`, the upcast layout's convert
+        rate): `passes` round-robin passes after an untimed one."""
+        work: dict[Key, float] = {("bandwidth",): 2 * (1 << 25) * 2}  # a copy moves each byte twice
+        if convert:
+            work[("convert",)] = 4096 * 11008 * self._torch_dtype.itemsize
+        for tokens, inner, outer in linear:
+            work[("linear", tokens, inner, outer)] = 2 * tokens * inner * outer
+        for heads, tokens, head_dim, causal in attention:
+            # The accountant's count: scores and weighted values over the full square, causal or not.
+            work[("attention", heads, tokens, head_dim, causal)] = 4 * heads * tokens * tokens * head_dim
+        new = sorted((key for key in work if key not in self._work), key=str)
+        if new:
+            self._work.update({key: work[key] for key in new})
+            self._run_passes(new, self.passes, allocate=True, warm_up=True)
+
+    def sample(self, passes: int = 1) -> None:
+        """`passes` more passes over every shape measured so far. One pass (between a row's timed runs)
+        times only what needs no new memory: linear shapes on the model's own weights, attention
+        (activations no larger than the prefill's own); several (after the runs) time everything."""
+        if self._work:
+            allocate = passes > 1
+            self._run_passes(sorted(self._work, key=str), passes, allocate=allocate, warm_up=allocate)
+
+    def _rate(self, key: Key, passes: list[dict[Key, float]] | None = None) -> float:
+        times = [seconds[key] for seconds in (passes or self._passes) if key in seconds]
+        if not times:
+            times = [seconds[key] for seconds in self._passes if key in seconds]
+        return self._work[key] / max(statistics.median(times), 1e-12)
+
+    def pass_rates(self) -> list[PassRates]:
+        """Each pass's rates (a shape the pass did not time at its median over every pass): a
+        prediction at each says how far the machine's speed moved while the row ran."""
+        return [PassRates(self, index) for index in range(len(self._passes))]
+
+    @property
     def bandwidth_bytes_per_s(self) -> float:
-        """Bytes moved (read and written) per second: a copy's rate counts each byte twice."""
-        return 2 * copy_bytes_per_s(self.device, self.threads)
+        """Bytes moved (read and written) per second."""
+        self.measure()
+        return self._rate(("bandwidth",))
+
+    @property
+    def convert_bytes_per_s(self) -> float:
+        """bfloat16 to the compute dtype, written bytes per second, on a 7B MLP weight's size."""
+        self.measure(convert=True)
+        return self._rate(("convert",))
 
     @functools.cached_property
     def small_op_s(self) -> float:
         """The time of one small op (estimate.py's probe: dispatch and Python)."""
         return small_op_s(self._torch_dtype, self.device)
 
-    @property
-    def convert_bytes_per_s(self) -> float:
-        """bfloat16 to the compute dtype, written bytes per second, on a 7B MLP weight's size."""
-        return self.convert_rate(torch.bfloat16, 4096 * 11008)
-
-    def convert_rate(self, storage: torch.dtype, numel: int) -> float:
-        """`storage` to the compute dtype over `numel` values: written bytes per second."""
-        return _convert_bytes_per_s(storage, self._torch_dtype, self.device, self.threads, numel)
-
     def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float:
         """FLOP/s of a linear layer of `inner` -> `outer` features on `tokens` rows, measured."""
-        return _linear_flops_per_s(self._torch_dtype, self.device, self.threads, tokens, inner, outer)
+        self.measure(linear=[(tokens, inner, outer)])
+        return self._rate(("linear", tokens, inner, outer))
 
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float:
         """FLOP/s (the accountant's full-square count) of SDPA over one sequence, measured."""
-        return _attention_flops_per_s(self._torch_dtype, self.device, self.threads, heads, tokens, head_dim, causal)
+        self.measure(attention=[(heads, tokens, head_dim, causal)])
+        return self._rate(("attention", heads, tokens, head_dim, causal))
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "device": self.device, "threads": self.threads,
+        return {"dtype": self.dtype, "device": self.device, "threads": self.threads, "passes": len(self._passes),
                 "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "small_op_s": self.small_op_s}
+
+
+@dataclass(frozen=True)
+class PassRates:
+    """The rates of one of a MeasuredRates' passes (ShapeRates)."""
+
+    rates: MeasuredRates
+    index: int
+
+    @property
+    def dtype(self) -> str:
+        return self.rates.dtype
+
+    @property
+    def small_op_s(self) -> float:
+        return self.rates.small_op_s
+
+    def _at(self, key: Key) -> float:
+        return self.rates._rate(key, [self.rates._passes[self.index]])
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        return self._at(("bandwidth",))
+
+    @property
+    def convert_bytes_per_s(self) -> float:
+        return self._at(("convert",))
+
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
+        """Nothing new is measured at a past pass."""
+
+    def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float:
+        return self._at(("linear", tokens, inner, outer))
+
+    def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float:
+        return self._at(("attention", heads, tokens, head_dim, causal))
 
 
 # Small ops dispatched per forward, per layer and per reducing layer, and FiCoCo's probe passes
@@ -220,14 +331,26 @@ def dispatch_s(layers: int, reducing_layers: int, quant: str, rates: Any) -> flo
 
 @dataclass
 class Prediction:
-    """One prefill's predicted time and its parts (seconds)."""
+    """One prefill's predicted time and its parts (seconds), at the median rates; `passes_s`: the same
+    prefill priced at each pass of the rate probe (MeasuredRates.pass_rates), where there were passes."""
 
     total_s: float
     parts_s: dict[str, float]
+    passes_s: list[float] = field(default_factory=list)
+
+    @property
+    def spread(self) -> float | None:
+        """How far the passes' totals lie apart, over the prediction: how much this machine's speed
+        moved while its rates were probed (a shared machine's neighbours come and go)."""
+        if len(self.passes_s) < 2 or not self.total_s:
+            return None
+        return (max(self.passes_s) - min(self.passes_s)) / self.total_s
 
     def to_json(self) -> dict[str, Any]:
-        return {"prefill_ms": self.total_s * 1e3, **{f"{k}_ms": v * 1e3 for k, v in self.parts_s.items()},
-                "method": "the accountant's ops at this machine's rates for their shapes (profiling/predict.py)"}
+        passes = {"passes_ms": [s * 1e3 for s in self.passes_s], "spread": self.spread} if self.passes_s else {}
+        return {"prefill_ms": self.total_s * 1e3, **{f"{k}_ms": v * 1e3 for k, v in self.parts_s.items()}, **passes,
+                "method": "the accountant's ops at this machine's rates for their shapes, the median over passes "
+                          "before, between and after the row's runs (profiling/predict.py)"}
 
 
 def _linear_shape(arch: Architecture, op: Op) -> tuple[int, int, int]:
@@ -237,8 +360,60 @@ def _linear_shape(arch: Architecture, op: Op) -> tuple[int, int, int]:
     return tokens, inner, op.weight_elems // inner
 
 
+def _attention_shape(arch: Architecture, plan: Any, op: Op) -> tuple[int, int, int, bool]:
+    """(heads, tokens, head width, causal) of a layer's attention, from its qk op: the decoder's is causal."""
+    vision = op.stage == "vision"
+    heads = arch.vision.heads if vision else arch.decoder.heads
+    head_dim = arch.vision.hidden // heads if vision else arch.decoder.head_dim
+    tokens = (plan.vision if vision else plan.llm)[op.layer][0]
+    return heads, tokens, head_dim, not vision
+
+
 def _op_bytes(op: Op, weight_bytes: float, act_bytes: float) -> float:
     return op.weight_elems * weight_bytes + (op.act_load + op.act_store + op.kv_load + op.kv_store) * act_bytes
+
+
+# A schedule that shortens the sequence layer by layer (FiCoCo-L in the decoder; FiCoCo-V and ToMe in
+# the tower) has a token count per layer, and timing each would cost a good part of a prefill per
+# pass: per width, rates are timed at this many of its counts at most, spread evenly over them (the
+# fewest and the most among them), and read in between by linear interpolation in the count.
+GRID_COUNTS = 6
+
+
+class _TokenGrid:
+    """The shapes to time for a set of shapes that differ in their token count (at `position`)."""
+
+    def __init__(self, shapes: list[tuple], position: int) -> None:
+        self.position = position
+        counts: dict[tuple, set[int]] = {}
+        for shape in shapes:
+            counts.setdefault(self._width(shape), set()).add(shape[position])
+        self.counts = {width: self._spread(sorted(found)) for width, found in counts.items()}
+        self.timed = [self._at(width, count) for width, grid in self.counts.items() for count in grid]
+
+    def _width(self, shape: tuple) -> tuple:
+        return shape[:self.position] + shape[self.position + 1:]
+
+    def _at(self, width: tuple, count: int) -> tuple:
+        return width[:self.position] + (count,) + width[self.position:]
+
+    @staticmethod
+    def _spread(counts: list[int]) -> list[int]:
+        if len(counts) <= GRID_COUNTS:
+            return counts
+        step = (len(counts) - 1) / (GRID_COUNTS - 1)
+        return sorted({counts[round(k * step)] for k in range(GRID_COUNTS)})
+
+    def rate(self, rate_at: Callable[..., float], shape: tuple) -> float:
+        """`rate_at(*shape)` where `shape` was timed, else between the timed counts around it."""
+        width, count = self._width(shape), shape[self.position]
+        grid = self.counts[width]
+        if count in grid:
+            return rate_at(*shape)
+        above = next(k for k in grid if k > count)
+        below = max(k for k in grid if k < count)
+        low, high = rate_at(*self._at(width, below)), rate_at(*self._at(width, above))
+        return low + (high - low) * (count - below) / (above - below)
 
 
 def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *, quant: str = "fp16",
@@ -256,34 +431,38 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     act_bytes = compute_bits / 8
     parts = dict.fromkeys(("linear", "attention", "memory", "upcast", "method", "probe", "dispatch"), 0.0)
     share = QUANT_MATMUL_SHARE.get(quant, 1.0)
+    # The shapes first, so that every rate the row needs is measured in one probe (MeasuredRates.measure).
+    linear = {id(op): _linear_shape(arch, op) for op in ops if op.macs and op.weight_elems}
+    attention = {id(op): _attention_shape(arch, plan, op) for op in ops
+                 if op.name == "qk" and op.macs and not op.weight_elems}
+    method_flops = cost.method_tflops * 1e12
+    # The method's similarity and scoring matrices: a (tokens x hidden) by (hidden x tokens) product.
+    method_tokens = max(plan.llm_visual_tokens, 1)
+    method_shape = (method_tokens, arch.decoder.hidden, method_tokens)
+    linear_grid = _TokenGrid(list(linear.values()) + ([method_shape] if method_flops else []), position=0)
+    attention_grid = _TokenGrid(list(attention.values()), position=1)
+    rates.measure(linear=linear_grid.timed, attention=attention_grid.timed, convert=bool(upcast_layers))
+    linear_rate = functools.partial(linear_grid.rate, rates.linear_flops_per_s)
+    attention_rate = functools.partial(attention_grid.rate, rates.attention_flops_per_s)
     upcast_elems = 0
     for op in ops:
         memory_s = _op_bytes(op, act_bytes, act_bytes) / rates.bandwidth_bytes_per_s
-        if op.macs and op.weight_elems:
-            tokens, inner, outer = _linear_shape(arch, op)
-            compute_s = 2 * op.macs / (rates.linear_flops_per_s(tokens, inner, outer) * share)
+        if id(op) in linear:
+            compute_s = 2 * op.macs / (linear_rate(linear[id(op)]) * share)
             parts["linear"] += max(compute_s, memory_s)
             if op.stage == "llm" and op.layer is not None and op.layer < upcast_layers:
                 upcast_elems += op.weight_elems
-        elif op.name == "qk" and op.macs:
+        elif id(op) in attention:
             # The layer's SDPA call, priced as one: scores, softmax and weighted values (sv, softmax skipped).
-            vision = op.stage == "vision"
-            heads = arch.vision.heads if vision else arch.decoder.heads
-            head_dim = arch.vision.hidden // heads if vision else arch.decoder.head_dim
-            tokens = (plan.vision if vision else plan.llm)[op.layer][0]
-            rate = rates.attention_flops_per_s(heads, tokens, head_dim, causal=not vision)
-            parts["attention"] += 4 * op.macs / rate  # qk and sv: 2 FLOPs per MAC each
+            parts["attention"] += 4 * op.macs / attention_rate(attention[id(op)])
         elif op.name in ("qk", "sv", "softmax"):
             continue
         else:
             parts["memory"] += memory_s
     if upcast_layers:
         parts["upcast"] = upcast_elems * act_bytes / rates.convert_bytes_per_s
-    method_flops = cost.method_tflops * 1e12
     if method_flops:
-        # The method's similarity and scoring matrices: a (tokens x hidden) by (hidden x tokens) product.
-        tokens = max(plan.llm_visual_tokens, 1)
-        parts["method"] = method_flops / rates.linear_flops_per_s(tokens, arch.decoder.hidden, tokens)
+        parts["method"] = method_flops / linear_rate(method_shape)
     # float32 passes over the reducing layers' scores, each a read and a write (estimate.py's term).
     scores = probe_scores(arch, schedule, text_tokens, batch)  # type: ignore[arg-type]
     parts["probe"] = PROBE_PASSES * 4 * scores * 2 / rates.bandwidth_bytes_per_s
@@ -292,15 +471,45 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     return Prediction(sum(parts.values()), parts)
 
 
+def rates_for(dtype: Any, device: torch.device | str = "cpu", weights: WeightSource | None = None) -> MeasuredRates:
+    """A new probe of this machine's rates in `dtype`'s compute dtype (a DtypeChoice or a torch dtype)
+    on `device`, borrowing `weights` between a row's runs: nothing is measured until a prediction asks
+    for its shapes."""
+    compute = getattr(dtype, "compute", dtype)
+    return MeasuredRates(str(compute).removeprefix("torch."), torch.device(device).type, weights=weights)
+
+
+def model_weights(model: torch.nn.Module) -> WeightSource:
+    """A model's floating-point parameters by value count: the weight a rate probe borrows for a linear
+    shape of as many values (the model's own of that shape, or another's memory of that size)."""
+    by_count: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and parameter.is_contiguous() and parameter.device.type != "meta":
+            by_count.setdefault((parameter.numel(), parameter.dtype), parameter.detach())
+
+    def weight(count: int, dtype: torch.dtype) -> torch.Tensor | None:
+        return by_count.get((count, dtype))
+
+    return weight
+
+
 def row_prediction(profile: Any, schedule: Schedule, *, quant: str, batch: int, text_tokens: int | None,
                    dtype: Any, device: torch.device | str = "cpu", rates: ShapeRates | None = None) -> Prediction:
     """A profile row's predicted prefill: `dtype` is the plan's DtypeChoice (or a torch dtype), its
-    compute dtype's rates measured on `device` unless `rates` is given."""
+    compute dtype's rates measured on `device` unless `rates` is given; a MeasuredRates' passes price
+    the row once each besides (`Prediction.passes_s`)."""
     arch = architecture(profile)
     compute = getattr(dtype, "compute", dtype)
     upcast = 0
     if getattr(dtype, "upcast", False) and quant == "fp16":
         upcast = arch.decoder.layers - min(dtype.fp32_layers, arch.decoder.layers)
-    rates = rates or MeasuredRates(str(compute).removeprefix("torch."), torch.device(device).type)
-    return predict_prefill(arch, schedule, rates, quant=quant, batch=batch, text_tokens=text_tokens,
-                           compute_bits=torch.finfo(compute).bits, upcast_layers=upcast)
+    rates = rates or rates_for(dtype, device)
+
+    def at(priced: ShapeRates) -> Prediction:
+        return predict_prefill(arch, schedule, priced, quant=quant, batch=batch, text_tokens=text_tokens,
+                               compute_bits=torch.finfo(compute).bits, upcast_layers=upcast)
+
+    prediction = at(rates)
+    if isinstance(rates, MeasuredRates):
+        prediction.passes_s = [at(one).total_s for one in rates.pass_rates()]
+    return prediction
