@@ -31,6 +31,9 @@ TERA_PREFIXES = (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9))
 NOISY_P90_OVER_MEDIAN = 1.2
 NOISY_STDEV_OVER_MEDIAN = 0.1
 FEW_TIMED_RUNS = 3  # below this, p90 and stdev say nothing about the spread
+# The row's prefill priced at each pass of its rate probe (before, between and after its runs) spread
+# by this share of the prediction or more: the machine's speed moved while the row ran.
+UNSTEADY_PASS_SPREAD = 0.3
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -565,6 +568,11 @@ def _caveats(row: dict[str, Any], base: dict[str, Any] | None, config: dict[str,
     for whose, timed_row in (("", row), ("vanilla ", base)):
         if timed_row is not None and (spread := _spread(timed_row)):
             caveats.append(f"noisy {whose}timing ({spread})")
+    for which, timed_row in (("this", row), ("the vanilla", base)):
+        spread = _get(timed_row, "predicted", "spread") if timed_row is not None else None
+        if _is_number(spread) and spread >= UNSTEADY_PASS_SPREAD:
+            caveats.append(f"this machine's speed moved while {which} row ran (the prediction at each pass of "
+                           f"its rate probe spread by {spread * 100:.0f} %)")
     if config.get("device") == "auto" and row.get("device_kind") == "cpu":
         caveats.append("CPU fallback (--device auto found no GPU)")
     dtype = _get(row, "backend", "compute_dtype")

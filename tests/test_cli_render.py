@@ -524,3 +524,16 @@ def test_the_verdict_says_the_predicted_speedup_beside_the_flops_ratio():
     report = predicted_main_job()
     report["rows"][1]["predicted_speedup_vs_vanilla"] = 0.8
     assert "(predicted 1.25x slower at this machine's rates; FLOPs 5.0x fewer)" in verdict_lines(report)[0]
+
+
+def test_the_verdict_says_when_the_machines_speed_moved_while_a_row_ran():
+    report = predicted_main_job()
+    vanilla, v = report["rows"]
+    v["predicted"] = {"spread": 0.45}
+    vanilla["predicted"] = {"spread": 0.1}
+    (line,) = verdict_lines(report)
+    assert "this machine's speed moved while this row ran (the prediction at each pass of its rate probe spread " \
+           "by 45 %)" in line
+    assert "while the vanilla row ran" not in line
+    vanilla["predicted"] = {"spread": 0.3}
+    assert "while the vanilla row ran" in verdict_lines(report)[0]
