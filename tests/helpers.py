@@ -1,5 +1,6 @@
 """Plain helpers the test files share (the fixtures are in conftest.py): the one CLI runner, a
-hand-written greedy decode, the per-video HoliTom reference, and tiny local checkpoints.
+hand-written greedy decode, the check that a batch equals its samples run alone, the per-video
+HoliTom reference, and tiny local checkpoints.
 
 Test files import them as `from helpers import ...` (tests/ is on sys.path under pytest's default
 import mode, as for conftest.py); no test file imports from another test file. torch and
@@ -127,6 +128,26 @@ def prefill_and_decode(model: nn.Module, inputs: dict[str, Any], new: int, handl
 
 
 # ---- HoliTom's reference: one video at a time, plain Python loops ---------------------------------------------
+
+def assert_batch_equals_samples_alone(model: nn.Module, handle: Any, batch: dict[str, Any], alone: list[dict[str, Any]],
+                                      items_per_sample: int | None = None) -> Tensor:
+    """The patched `model` run on `batch` gives each sample's last logits and kept tokens as the sample
+    run alone does (`items_per_sample`: a record's rows per sample, where a record holds a row per
+    image or crop rather than per sample). Returns the batch's last logits."""
+    import torch
+
+    together = model(**batch).logits[:, -1]
+    kept_together = [record.kept for record in handle.records]
+    for i, sample in enumerate(alone):
+        single = model(**sample).logits[:, -1]
+        torch.testing.assert_close(together[i:i + 1], single, atol=1e-4, rtol=0)
+        for record, kept in zip(handle.records, kept_together, strict=True):
+            if items_per_sample is None:
+                assert torch.equal(record.kept[0], kept[i])
+            else:
+                assert torch.equal(record.kept, kept[i * items_per_sample:(i + 1) * items_per_sample])
+    return together
+
 
 def _dpc(x: Tensor, clusters: int, neighbours: int, beta: float) -> list[tuple[int, Tensor]]:
     """(index, token) of every cluster of the rows of `x`, centres ascending (DPC-kNN, then merge)."""

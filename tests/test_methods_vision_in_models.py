@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import prefill_and_decode
+from helpers import assert_batch_equals_samples_alone, prefill_and_decode
 from torch import Tensor, nn
 
 import ficoco
@@ -124,13 +124,7 @@ def left_padded(model: nn.Module) -> tuple[dict[str, Tensor], list[dict[str, Ten
 def test_a_left_padded_batch_equals_its_samples_run_alone(model: nn.Module, method: str) -> None:
     batch, alone = left_padded(model)
     with torch.no_grad(), ficoco.apply(model, method, keep=KEEP) as handle:
-        together = model(**batch).logits[:, -1]
-        kept_together = [r.kept for r in handle.records]
-        for i, sample in enumerate(alone):
-            single = model(**sample).logits[:, -1]
-            torch.testing.assert_close(together[i:i + 1], single, atol=1e-4, rtol=0)
-            for record, kept in zip(handle.records, kept_together, strict=True):
-                assert torch.equal(record.kept[0], kept[i])
+        assert_batch_equals_samples_alone(model, handle, batch, alone)
 
 
 @pytest.mark.parametrize("method", [*METHODS, "prumerge-adaptive"])
