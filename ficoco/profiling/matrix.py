@@ -589,7 +589,7 @@ def measured_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan, ba
                  on_run: RunHook | None = None) -> dict[str, Any]:
     """`base` (the row's planned figures, its prediction at `rates` probed before its runs) with the row
     measured, `rates` probed again between its runs and after them, and the row predicted at the
-    median over every pass, at the count it ran (an adaptive method's)."""
+    mean over every pass, at the count it ran (an adaptive method's)."""
     result = base | {"status": "ok", **measure_row(model, row, config, plan, on_run=on_run, rates=rates)}
     result, ran = _at_measured_count(result, row, config, plan)
     if rates is not None:

@@ -19,7 +19,7 @@ same weights, and an upcast layout converts the same weights whatever the tokens
               + dispatch: small ops per forward and per layer at the measured small-op time
 
 Every rate a row needs is measured for that row (`MeasuredRates`: its shapes timed in round-robin
-passes before its runs, between them and after them, the median of each), so that the prediction
+passes before its runs, between them and after them, at the mean time of each), so that the prediction
 reads the machine over the same minutes as the measurement; no model is built for it. A test gives
 `TableRates` instead, whose fixed rates make the time exact.
 """
@@ -112,9 +112,11 @@ class MeasuredRates:
     each pass timing every shape once (round robin: each shape's calls meet the same moments), a
     few passes before the row's runs (`measure`), one after each timed run (`sample`, on the
     model's own weights: no new memory beside the model while its peak is measured) and a few after
-    the last (`sample(passes=...)`), and each shape's rate is the median over every pass. The
-    prediction then reads the machine over the same minutes as the measurement, and each pass's
-    total says how far the machine moved (`pass_rates`).
+    the last (`sample(passes=...)`), and each shape's rate is its work over its mean time per pass:
+    a run of seconds lasts as long as the time-average of the machine's states it meets, which the
+    mean of point samples estimates and their median does not (with two states, the median sits in
+    one of them). The prediction then reads the machine over the same minutes as the measurement,
+    and each pass's total says how far the machine moved (`pass_rates`).
 
     A new object measures anew; nothing is shared between rows or processes."""
 
@@ -224,10 +226,10 @@ class MeasuredRates:
         times = [seconds[key] for seconds in (passes or self._passes) if key in seconds]
         if not times:
             times = [seconds[key] for seconds in self._passes if key in seconds]
-        return self._work[key] / max(statistics.median(times), 1e-12)
+        return self._work[key] / max(statistics.fmean(times), 1e-12)
 
     def pass_rates(self) -> list[PassRates]:
-        """Each pass's rates (a shape the pass did not time at its median over every pass): a
+        """Each pass's rates (a shape the pass did not time at its mean over every pass): a
         prediction at each says how far the machine's speed moved while the row ran."""
         return [PassRates(self, index) for index in range(len(self._passes))]
 
@@ -331,7 +333,7 @@ def dispatch_s(layers: int, reducing_layers: int, quant: str, rates: Any) -> flo
 
 @dataclass
 class Prediction:
-    """One prefill's predicted time and its parts (seconds), at the median rates; `passes_s`: the same
+    """One prefill's predicted time and its parts (seconds), at the mean rates; `passes_s`: the same
     prefill priced at each pass of the rate probe (MeasuredRates.pass_rates), where there were passes."""
 
     total_s: float
@@ -349,7 +351,7 @@ class Prediction:
     def to_json(self) -> dict[str, Any]:
         passes = {"passes_ms": [s * 1e3 for s in self.passes_s], "spread": self.spread} if self.passes_s else {}
         return {"prefill_ms": self.total_s * 1e3, **{f"{k}_ms": v * 1e3 for k, v in self.parts_s.items()}, **passes,
-                "method": "the accountant's ops at this machine's rates for their shapes, the median over passes "
+                "method": "the accountant's ops at this machine's rates for their shapes, timed in passes "
                           "before, between and after the row's runs (profiling/predict.py)"}
 
 
