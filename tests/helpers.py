@@ -129,6 +129,19 @@ def prefill_and_decode(model: nn.Module, inputs: dict[str, Any], new: int, handl
 
 # ---- HoliTom's reference: one video at a time, plain Python loops ---------------------------------------------
 
+def forward_with_hooks(model: nn.Module, inputs: dict[str, Any], hooks: list[Any]) -> None:
+    """One no-grad forward of `model` on `inputs`, with `hooks` (handles of hooks registered to see it)
+    removed after it, whatever happens."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def assert_batch_equals_samples_alone(model: nn.Module, handle: Any, batch: dict[str, Any], alone: list[dict[str, Any]],
                                       items_per_sample: int | None = None) -> Tensor:
     """The patched `model` run on `batch` gives each sample's last logits and kept tokens as the sample

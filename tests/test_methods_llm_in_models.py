@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_batch_equals_samples_alone, prefill_and_decode
+from helpers import assert_batch_equals_samples_alone, forward_with_hooks, prefill_and_decode
 from torch import Tensor, nn
 
 import ficoco
@@ -55,12 +55,7 @@ def entering_tokens(model: nn.Module, inp: dict[str, Tensor]) -> list[int]:
     layers = model.model.language_model.layers
     hooks = [layer.self_attn.register_forward_pre_hook(lambda m, args, kwargs: seen.append(
         (args[0] if args else kwargs["hidden_states"]).shape[1]), with_kwargs=True) for layer in layers]
-    try:
-        with torch.no_grad():
-            model(**inp)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    forward_with_hooks(model, inp, hooks)
     return seen
 
 

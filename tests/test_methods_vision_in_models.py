@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_batch_equals_samples_alone, prefill_and_decode
+from helpers import assert_batch_equals_samples_alone, forward_with_hooks, prefill_and_decode
 from torch import Tensor, nn
 
 import ficoco
@@ -53,12 +53,7 @@ def entering(model: nn.Module, inp: dict[str, Tensor]) -> tuple[list[int], list[
             hooks.append(layer.self_attn.register_forward_pre_hook(
                 lambda m, args, kwargs, stage=stage: seen[stage].append(
                     (args[0] if args else kwargs["hidden_states"]).shape[1]), with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(**inp)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    forward_with_hooks(model, inp, hooks)
     return seen["vision"], seen["llm"]
 
 
@@ -168,12 +163,7 @@ def _cls_rows(model: nn.Module, inp: dict[str, Tensor], layer: int) -> Tensor:
     seen: dict[str, Tensor] = {}
     hooks = [attn.q_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("q", o)),
              attn.k_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("k", o))]
-    try:
-        with torch.no_grad():
-            model(**inp)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    forward_with_hooks(model, inp, hooks)
     heads = attn.num_heads
     batch, tokens, width = seen["k"].shape
     d = width // heads
