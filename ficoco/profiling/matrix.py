@@ -700,8 +700,12 @@ def new_rates(plan: Plan, config: ProfileConfig, model: Any = None) -> Any:
     a device map, whose transfers the prediction does not price."""
     if config.device_map:
         return None
-    dtype = plan.dtype if plan.dtype is not None else compute_dtype(plan, config)[0]
-    return rates_for(dtype, plan.device, model_weights(model) if model is not None else None)
+    return rates_for(_plan_dtype(plan, config), plan.device, model_weights(model) if model is not None else None)
+
+
+def _plan_dtype(plan: Plan, config: ProfileConfig) -> Any:
+    """The plan's DtypeChoice where it made one, else the torch dtype the models will compute in."""
+    return plan.dtype if plan.dtype is not None else compute_dtype(plan, config)[0]
 
 
 def predicted(plan: Plan, config: ProfileConfig, row: RowSpec, rates: Any = None) -> dict[str, Any]:
@@ -711,7 +715,7 @@ def predicted(plan: Plan, config: ProfileConfig, row: RowSpec, rates: Any = None
     rates = rates if rates is not None else new_rates(plan, config)
     if rates is None:
         return {"predicted_ms": None}
-    dtype = plan.dtype if plan.dtype is not None else compute_dtype(plan, config)[0]
     prediction = row_prediction(plan.profile, row.schedule, quant=row.quant, batch=row.batch,
-                                text_tokens=config.text_tokens, dtype=dtype, device=plan.device, rates=rates)
+                                text_tokens=config.text_tokens, dtype=_plan_dtype(plan, config), device=plan.device,
+                                rates=rates)
     return {"predicted_ms": prediction.total_s * 1e3, "predicted": prediction.to_json()}

@@ -122,7 +122,6 @@ class MeasuredRates:
 
     dtype: str
     device: str = "cpu"
-    threads: int = field(default_factory=torch.get_num_threads)
     passes: int = PASSES
     # Where `sample` takes a linear shape's weight from without allocating one (the model's own).
     weights: WeightSource | None = None
@@ -259,10 +258,6 @@ class MeasuredRates:
         """FLOP/s (the accountant's full-square count) of SDPA over one sequence, measured."""
         self.measure(attention=[(heads, tokens, head_dim, causal)])
         return self._rate(("attention", heads, tokens, head_dim, causal))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "device": self.device, "threads": self.threads, "passes": len(self._passes),
-                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "small_op_s": self.small_op_s}
 
 
 @dataclass(frozen=True)
