@@ -1,0 +1,73 @@
+"""Writes tests/golden/flops.json.gz: what `ficoco flops --json` reports for every shipped profile x
+method x convention x quant x budget form, made on main before a refactor so that
+tests/test_flops_golden.py can prove the refactor moved no figure.
+
+    python tests/golden/make_flops_golden.py          # rewrite (only when a figure is meant to move)
+
+The environment and version fields are left out: they describe the machine, not the count.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GOLDEN = HERE / "flops.json.gz"
+# The fields of a report that say where and when it was made, not what it counts.
+VOLATILE = ("environment", "ficoco_version")
+
+
+def cases() -> list[dict]:
+    """Every profile x convention x scope x budget form; all methods and quants in each call."""
+    from ficoco.accounting.flops import CONVENTIONS, LLM_ONLY_CONVENTIONS
+    from ficoco.methods import METHODS
+    from ficoco.profiles import list_profiles
+
+    variants = [name for name in METHODS]
+    budgets = [{}, {"preset": 64}, {"preset": 192}, {"keep": 100}, {"keep": 16}, {"tflops": 1.5}, {"tflops": 3.3},
+               {"schedule": "2:100", "variants": ["v", "l", "fastv", "pdrop", "tome"]}]
+    out = []
+    for model in list_profiles():
+        for convention in CONVENTIONS:
+            scopes = ("llm",) if convention in LLM_ONLY_CONVENTIONS else ("llm", "all")
+            for scope in scopes:
+                for budget in budgets:
+                    budget = dict(budget)
+                    names = budget.pop("variants", variants)
+                    out.append({"model": model, "variants": names, "convention": convention, "scope": scope,
+                                "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "h100-sxm",
+                                **budget})
+    # The count's other options, once each on the main job's model.
+    for options in ({"equivalent": True}, {"kv_bits": 4}, {"batch": 2}, {"text_tokens": 100}, {"lm_head": "last"},
+                    {"first_layer": 4, "tflops": 2.0}, {"shape": "uniform", "tflops": 2.0}):
+        out.append({"model": "llava-1.5-7b", "variants": variants, "convention": "flops", "scope": "all",
+                    "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "a800-80gb", **options})
+    return out
+
+
+def run(case: dict) -> dict:
+    """The report for one case, or the one-line error it ends in (a refused budget is a figure too)."""
+    import ficoco
+    from ficoco.errors import FicocoError
+
+    kwargs = {k: v for k, v in case.items() if k not in ("model", "variants")}
+    try:
+        report = ficoco.flops(case["model"], case["variants"], **kwargs)
+    except FicocoError as error:
+        return {"error": str(error)}
+    return {k: v for k, v in report.items() if k not in VOLATILE}
+
+
+def main() -> None:
+    results = [{"case": case, "report": run(case)} for case in cases()]
+    data = json.dumps(results, sort_keys=True, separators=(",", ":")).encode()
+    with gzip.GzipFile(GOLDEN, "wb", mtime=0) as f:
+        f.write(data)
+    print(f"{len(results)} cases -> {GOLDEN} ({GOLDEN.stat().st_size} bytes)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
