@@ -18,7 +18,7 @@ console script's entry point, inside Typer's runner isolation (the suite's runne
 `profile` and `flops --verify` build models, so their examples are few and their valid numbers
 small (a valid batch of 10**9 would be a valid, very long run); `flops` runs no model and gets
 the most. The seed is fixed (`derandomize`): CI runs the same cases every time. Set
-FICOCO_FUZZ_SCALE=N to run N times as many examples (README, Development).
+FICOCO_FUZZ_SCALE=N to run N times as many examples (docs/development.md, Fuzzing).
 """
 
 from __future__ import annotations

@@ -249,14 +249,16 @@ def test_a_sweep_of_every_method_leaves_out_refused_and_unreachable_points_with_
     assert new_report(config, profile, points, skipped)["skipped"] == skipped
 
 
-def test_readme_matrix_is_the_registrys() -> None:
-    """The README's method x family table is what `ficoco methods --matrix --markdown` prints today: a
-    method or family added, wired or refused shows up there (regenerate it with that command)."""
+@pytest.mark.parametrize("page", ["README.md", "docs/methods/index.md"])
+def test_readme_matrix_is_the_registrys(page: str) -> None:
+    """The method x family table of the README and of the methods' documentation page is what
+    `ficoco methods --matrix --markdown` prints today: a method or family added, wired or refused shows
+    up there (regenerate it with that command)."""
     from ficoco_cli.render import matrix_markdown
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / page).read_text()
     start, end = "<!-- methods --matrix --markdown: start -->\n", "\n<!-- methods --matrix --markdown: end -->"
-    assert start in readme and end in readme, "README lacks the matrix markers"
+    assert start in readme and end in readme, f"{page} lacks the matrix markers"
     table = readme[readme.index(start) + len(start):readme.index(end)]
     assert table.strip() == matrix_markdown(method_matrix(FAMILY_DEFAULTS)).strip()
     assert table.count("\n| ") == len(METHODS) + 1  # a row per method below the header and its rule

@@ -166,7 +166,7 @@ def test_flops_reads_a_checkpoint_folder_and_plans_the_processors_tokens(cli, ch
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_through_a_local_checkpoint_and_decode_the_new_tokens(family, checkpoints, media):
-    """The README's idiom: processor inputs, generate, decode the tokens after the prompt."""
+    """The idiom of docs/api.md (a local checkpoint): processor inputs, generate, decode the tokens after the prompt."""
     import ficoco
 
     folder = str(checkpoints[family])
