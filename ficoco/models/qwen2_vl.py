@@ -1050,7 +1050,7 @@ class Qwen2VLAdapter(LlavaAdapter):
 def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> tuple[int, int]:
     """(rows, cols) of patches Qwen2-VL's (and Qwen2.5-VL's) processor makes of an image of
     `image_size` (H, W), by default the profile's image size."""
-    from ficoco.accounting.architecture import qwen2_vl_resize
+    from ficoco.accounting.families.qwen2_vl import qwen2_vl_resize
 
     if image_size is None:
         defaults = {**FAMILY_DEFAULTS[model.config.model_type], **(getattr(model, "_ficoco_defaults", None) or {})}
