@@ -2,7 +2,7 @@
 [CLS] over native-resolution patches, a PatchMerger that joins every 2 x 2 group of patches
 into one LLM token, and a Qwen2 decoder with multimodal (3-D) rotary positions.
 
-FiCoCo-L is LLaVA's (`LlavaAdapter`): the decoder layers have the same parts and signature,
+FiCoCo-L is the base adapter's (`FamilyAdapter`, as LLaVA's): the decoder layers have the same parts and signature,
 the 3-D positions arrive as one (B, T, head_dim) rotary table per sequence, which the wrapped
 layers slice with the kept tokens like LLaVA's, and decoding needs nothing more because layer
 0 (never reduced) keeps the full prompt, so transformers' `rope_deltas` and the cache length
@@ -42,9 +42,9 @@ from ficoco.errors import FicocoError
 from ficoco.methods.contract import GroupsModule, TowerModule
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
+from ficoco.models.base import FamilyAdapter
 from ficoco.models.entry import follow_shortened_prompt
 from ficoco.models.inputs import place_inputs
-from ficoco.models.llava import LlavaAdapter
 from ficoco.models.patching import Patches, follow_device, forward_of, span_lengths
 from ficoco.profiles import FAMILY_DEFAULTS
 
@@ -141,8 +141,8 @@ def chunks_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
 hf.register_attention(CHUNKS_IMPLEMENTATION, chunks_attention)
 
 
-class Qwen2VLAdapter(LlavaAdapter):
-    """Where the method goes in a Qwen2-VL model; FiCoCo-L is LLaVA's, FiCoCo-V this class's."""
+class Qwen2VLAdapter(FamilyAdapter):
+    """Where the method goes in a Qwen2-VL model; FiCoCo-L is the base adapter's, FiCoCo-V this class's."""
 
     # Videos start a new visual forward as well (FiCoCo-L leaves them unreduced).
     pixel_inputs = ("pixel_values", "pixel_values_videos")
@@ -159,8 +159,7 @@ class Qwen2VLAdapter(LlavaAdapter):
     family_title = "Qwen2-VL"  # in the video path's one-line refusals
 
     def __init__(self, model: nn.Module) -> None:
-        # LLaVA's attributes (the L code reads them), found where Qwen2-VL keeps them; LLaVA's
-        # __init__ would look for a CLIP tower.
+        # The base adapter's attributes (the L code reads them), found where Qwen2-VL keeps them.
         self.model = model
         self.visual = hf.qwen2_vl_tower(model)
         self.vision_layers = hf.qwen2_vl_blocks(self.visual)
@@ -868,7 +867,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         return short, deltas, torch.cat([prefix, kept + start], dim=1), encoded
 
     # -- the hooks of the one entry wrapper (ficoco.models.entry) ------------------------------
-    # FiCoCo-L and the other methods in the decoder: LLaVA's hooks, with later turns' images encoded
+    # FiCoCo-L and the other methods in the decoder: the base adapter's hooks, with later turns' images encoded
     # first. A method before the LLM: the images encoded first, then the shortened prompt run with the
     # kept tokens' original 3-D positions (forward and generate).
     def enter_forward(self, entry: Entry, call: dict[str, Any]) -> tuple[Tensor | None, bool]:
