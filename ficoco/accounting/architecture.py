@@ -81,7 +81,7 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
     # A vision layer: q, k, v, o and two MLP linears, all with bias; two LayerNorms.
     v_linear_w = 4 * h * h + 2 * h * i
     v_layer = v_linear_w + 4 * h + i + h + 2 * 2 * h
-    if v.kind == "qwen2_5_vl":
+    if v.gated_mlp:
         # q, k, v (one fused linear) and proj with bias; gate, up and down with bias; two RMSNorms.
         v_linear_w = 4 * h * h + 3 * h * i
         v_layer = v_linear_w + 4 * h + 2 * i + h + 2 * h
@@ -106,12 +106,13 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
     decoder = dec.vocab * dec.hidden + dec.layers * d_layer + dec.hidden
     lm_head = 0 if dec.tied_embeddings else dec.vocab * dec.hidden
     rows = {
-        "vision": v.towers * v.layers * ((4 * h + 2 * i + h) if v.kind == "qwen2_5_vl" else (4 * h + i + h)),
+        "vision": v.towers * v.layers * ((4 * h + 2 * i + h) if v.gated_mlp else (4 * h + i + h)),
         "projector": sum(b for _, b in p.linears),
         "decoder": dec.layers * (q_out + 2 * kv_out + dec.hidden + 2 * dec.ffn + dec.hidden),
     }
-    # CLIP: q, k, v, out and two MLP linears; Qwen2-VL's vision blocks fuse q, k, v into one.
-    vision_layer_linears = {"clip": 6, "siglip": 6, "qwen2_vl": 4, "qwen2_5_vl": 5}[v.kind]
+    # CLIP: q, k, v, out and two MLP linears; Qwen2-VL's vision blocks fuse q, k, v into one (and
+    # Qwen2.5-VL's MLP is gated: three linears).
+    vision_layer_linears = (2 + (3 if v.gated_mlp else 2)) if v.fused_qkv else 6
     modules = {"vision": v.towers * v.layers * vision_layer_linears, "projector": len(p.linears),
                "decoder": dec.layers * 7}
     return ParameterCounts(

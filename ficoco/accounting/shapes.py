@@ -28,7 +28,7 @@ class VisionTower:
     a crop of LLaVA-NeXT's AnyRes, a frame of Video-LLaVA, one image of Qwen2-VL.
     """
 
-    kind: str  # "clip", "siglip", "qwen2_vl" or "qwen2_5_vl"
+    kind: str  # the tower's kind, as its family's shape module names it ("clip", "siglip", ...)
     layers: int  # layers that run (Hugging Face runs the whole tower)
     hidden: int
     ffn: int
@@ -49,6 +49,10 @@ class VisionTower:
     # (fullatt_block_indexes); every other layer attends within windows. Empty: full attention everywhere.
     window_groups: tuple[int, ...] = ()
     full_attention_layers: frozenset[int] = frozenset()
+    # A layer's linears: q, k and v fused into one (Qwen2-VL's towers), and a gated MLP of three linears with
+    # biases and RMSNorms (Qwen2.5-VL's); else q, k, v, out and two MLP linears, and LayerNorms (CLIP, SigLIP).
+    fused_qkv: bool = False
+    gated_mlp: bool = False
 
     @property
     def patches(self) -> int:

@@ -65,7 +65,7 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
         items=1, has_cls=False, feature_layer=layers - 1, merge=merge * merge, towers=1,
         position_embeddings=0,
         window_groups=windows(grid_h // merge, grid_w // merge, window_groups),
-        full_attention_layers=frozenset(full),
+        full_attention_layers=frozenset(full), fused_qkv=True, gated_mlp=True,
     )
     merged = embed * merge * merge
     projector = Projector(((merged, merged), (merged, get(vcfg, "out_hidden_size", d))), embed, 1)

@@ -2,7 +2,7 @@
 patches (the processor's smart resize), a PatchMerger joining every 2 x 2 group into one LLM token,
 and a Qwen2 decoder. A video is one tower item per temporal slice. No torch.
 
-Qwen2.5-VL (ficoco.accounting.families.qwen2_5_vl) reuses the decoder, the resize and the video
+Qwen2.5-VL's shape module reuses the decoder, the resize and the video
 layout, with its own windowed tower.
 """
 
@@ -126,7 +126,7 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
         heads=heads, patch_size=patch, channels=get(vcfg, "in_channels", d),
         temporal_patch=get(vcfg, "temporal_patch_size", d), grid_h=h_px // patch, grid_w=w_px // patch,
         items=1, has_cls=False, feature_layer=layers - 1, merge=merge * merge, towers=1,
-        position_embeddings=0,
+        position_embeddings=0, fused_qkv=True,
     )
     merged = embed * merge * merge
     projector = Projector(((merged, merged), (merged, get(vcfg, "hidden_size", d))), embed)
