@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ficoco.accounting.architecture import architecture
+from ficoco.accounting.families import FAMILIES
 from ficoco.errors import FicocoError
 from ficoco.profile_records import MAX_COUNT, Hardware, Profile  # noqa: F401  (their home before)
 
@@ -24,33 +25,11 @@ from ficoco.profile_records import MAX_COUNT, Hardware, Profile  # noqa: F401  (
 PROFILES_DIR = Path(os.environ.get("FICOCO_PROFILES", Path(__file__).resolve().parent.parent / "profiles"))
 HARDWARE_DIR = PROFILES_DIR / "hardware"
 
-# Families the toolkit knows, by the config's model_type, with the defaults used when a
-# plain config.json (no ficoco section) is given. First reducing layers (ficoco.first_reducing_layer.NAME)
-# default to each method's registry entry (its `first_layer` hyperparameter, SPEC.md's).
-FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llava": {"family": "llava", "text_tokens": 60},
-    "llava_next": {
-        "family": "llava_next", "text_tokens": 60,
-        "image_size": [672, 672],
-    },
-    "video_llava": {
-        "family": "video_llava", "text_tokens": 60, "frames": 8,
-    },
-    "qwen2_vl": {
-        "family": "qwen2_vl", "text_tokens": 60,
-        "image_size": [672, 672],
-    },
-    "qwen2_5_vl": {
-        "family": "qwen2_5_vl", "text_tokens": 60,
-        "image_size": [672, 672],
-    },
-    # LLaVA-OneVision: an image by default (a 768 px square: the 2 x 2 AnyRes grid); --frames N makes the
-    # input a video of N frames instead.
-    "llava_onevision": {
-        "family": "llava_onevision", "text_tokens": 60,
-        "image_size": [768, 768],
-    },
-}
+# Families the toolkit knows, by the config's model_type, with the defaults used when a plain
+# config.json (no ficoco section) is given: each family's shape module's (ficoco.accounting.families).
+# First reducing layers (ficoco.first_reducing_layer.NAME) default to each method's registry entry
+# (its `first_layer` hyperparameter).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {name: family.profile_defaults for name, family in FAMILIES.items()}
 
 
 def list_profiles() -> list[str]:
@@ -232,22 +211,28 @@ def apply_overrides(profile: Profile, overrides: list[str] | dict[str, Any]) -> 
 def set_layout(profile: Profile, *, image_size: tuple[int, int] | None = None, frames: int | None = None) -> None:
     """Record the input layout (image size (H, W), video frames) in the profile's defaults, so
     that the accountant, the built model and `apply` all plan for the same input."""
+    family = FAMILIES.get(profile.family)
     if image_size is not None:
-        if profile.family not in ("llava_next", "qwen2_vl", "qwen2_5_vl", "llava_onevision"):
-            raise FicocoError(f"image_size= applies to llava_next, qwen2_vl, qwen2_5_vl and llava_onevision models, "
+        if family is None or not family.takes_image_size:
+            raise FicocoError(f"image_size= applies to {_families_that('takes_image_size')} models, "
                               f"not {profile.family}")
-        if frames is not None and profile.family == "llava_onevision":
-            raise FicocoError("give image_size= (an image) or frames= (a video) for llava_onevision, not both")
+        if frames is not None and family.image_or_video:
+            raise FicocoError(f"give image_size= (an image) or frames= (a video) for {profile.family}, not both")
         profile.defaults["image_size"] = [int(image_size[0]), int(image_size[1])]
-        if profile.family == "llava_onevision":
+        if family.image_or_video:
             profile.defaults.pop("frames", None)  # an image now, not the video an earlier layout set
     if frames is not None:
-        if profile.family not in ("video_llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl"):
-            raise FicocoError(f"frames= applies to video_llava, llava_onevision, qwen2_vl and qwen2_5_vl models, "
-                              f"not {profile.family}")
+        if family is None or not family.takes_frames:
+            raise FicocoError(f"frames= applies to {_families_that('takes_frames')} models, not {profile.family}")
         if frames < 1:
             raise FicocoError(f"frames={frames} must be at least 1")
         profile.defaults["frames"] = int(frames)
+
+
+def _families_that(takes: str) -> str:
+    """The families whose shape module takes an input (`takes_image_size`, `takes_frames`), in words."""
+    names = [name for name, family in FAMILIES.items() if getattr(family, takes)]
+    return f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
 
 
 def gpu_key(name: str) -> str:

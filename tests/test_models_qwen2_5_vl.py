@@ -21,7 +21,8 @@ from torch import Tensor, nn
 
 import ficoco
 from ficoco.accounting import architecture
-from ficoco.accounting.architecture import parameter_counts, qwen2_5_vl_windows
+from ficoco.accounting.architecture import parameter_counts
+from ficoco.accounting.families.qwen2_5_vl import windows as qwen2_5_vl_windows
 from ficoco.accounting.schedule import Schedule, make_schedule, plan_tokens
 from ficoco.api import profile_of
 from ficoco.models.hf_compat import cache_argument, output_cache

@@ -209,3 +209,75 @@ def test_gpu_names_are_normalised_and_unknown_ones_refused():
     assert load_gpu("A100_80GB") == load_gpu("a100-80gb")
     with pytest.raises(FicocoError, match="unknown GPU 'b200'"):
         load_gpu("b200")
+
+
+# ---- a geometry the family's transformers classes refuse is refused by its shape module, in one line ------------
+
+# (profile, --set KEY=VALUE, what the one line says)
+REFUSED_GEOMETRY = {
+    "llava text heads": ("llava-1.5-7b", "text_config.hidden_size=4097",
+                         "text_config.hidden_size=4097 is not divisible by text_config.num_attention_heads=32"),
+    "llava vision heads": ("llava-1.5-7b", "vision_config.hidden_size=1025",
+                           "vision_config.hidden_size=1025 is not divisible by vision_config.num_attention_heads=16"),
+    "llava-next text heads": ("llava-next-7b", "text_config.hidden_size=4097",
+                              "text_config.hidden_size=4097 is not divisible by text_config.num_attention_heads=32"),
+    "video-llava vision heads": ("video-llava-7b", "vision_config.hidden_size=1025",
+                                 "vision_config.hidden_size=1025 is not divisible by "
+                                 "vision_config.num_attention_heads=16"),
+    "onevision siglip heads": ("llava-onevision-7b", "vision_config.hidden_size=1153",
+                               "vision_config.hidden_size=1153 is not divisible by "
+                               "vision_config.num_attention_heads=16"),
+    "qwen2-vl text heads": ("qwen2-vl-7b", "text_config.hidden_size=3585",
+                            "text_config.hidden_size=3585 is not divisible by text_config.num_attention_heads=28"),
+    "qwen2-vl tower heads": ("qwen2-vl-7b", "vision_config.embed_dim=1281",
+                             "vision_config.embed_dim=1281 is not divisible by vision_config.num_heads=16"),
+    "qwen2.5-vl text heads": ("qwen2.5-vl-7b", "text_config.hidden_size=3585",
+                              "text_config.hidden_size=3585 is not divisible by text_config.num_attention_heads=28"),
+    "qwen2.5-vl tower heads": ("qwen2.5-vl-7b", "vision_config.hidden_size=1281",
+                               "vision_config.hidden_size=1281 is not divisible by vision_config.num_heads=16"),
+    "kv heads": ("qwen2-vl-7b", "text_config.num_key_value_heads=5",
+                 "num_attention_heads=28 is not a multiple of num_key_value_heads=5"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_GEOMETRY.values(), ids=list(REFUSED_GEOMETRY))
+def test_flops_refuses_a_geometry_transformers_refuses_in_one_line(case):
+    from helpers import assert_one_error_line, run_cli
+
+    name, override, says = case
+    line = assert_one_error_line(run_cli("flops", "--model", name, "--set", override))
+    assert says in line and override.partition("=")[0] in line
+
+
+def test_profile_refuses_the_impossible_llava_before_building_it():
+    """The issue's case: `ficoco profile` with the override ended in transformers' cut-off
+    StrictDataclassClassValidationError; now the same one line as `ficoco flops`, exit 2."""
+    from helpers import assert_one_error_line, run_cli
+
+    line = assert_one_error_line(run_cli("profile", "--model", "llava-1.5-7b", "--set",
+                                         "text_config.hidden_size=4097", "--variant", "vanilla"))
+    assert "text_config.hidden_size=4097 is not divisible by text_config.num_attention_heads=32" in line
+    assert "StrictDataclass" not in line
+
+
+def test_a_geometry_transformers_takes_is_counted():
+    """LLaVA-OneVision's Qwen2 attention takes a hidden size that is not a multiple of the heads
+    (head_dim = hidden // heads): the shape module counts it rather than refuse it."""
+    profile = load_profile("llava-onevision-7b", ["text_config.hidden_size=3585"])
+    assert architecture(profile).decoder.head_dim == 3585 // 28
+
+
+def test_the_family_table_gives_the_profile_defaults_and_the_layout_options():
+    from ficoco.accounting.families import FAMILIES
+    from ficoco.profiles import FAMILY_DEFAULTS, set_layout
+
+    assert list(FAMILY_DEFAULTS) == list(FAMILIES)
+    assert all(defaults["family"] == name for name, defaults in FAMILY_DEFAULTS.items())
+    with pytest.raises(FicocoError, match=r"^image_size= applies to llava_next, qwen2_vl, qwen2_5_vl and "
+                                          r"llava_onevision models, not llava$"):
+        set_layout(load_profile("llava-tiny"), image_size=(336, 336))
+    with pytest.raises(FicocoError, match="not both"):
+        set_layout(load_profile("llava-onevision-tiny"), image_size=(384, 384), frames=4)
+    qwen = load_profile("qwen2-vl-tiny")
+    set_layout(qwen, image_size=(224, 224), frames=4)  # a video of frames of that size
+    assert qwen.defaults["image_size"] == [224, 224] and qwen.defaults["frames"] == 4

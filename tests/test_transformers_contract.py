@@ -172,3 +172,66 @@ def test_an_untested_release_whose_contacts_hold_patches_after_one_warning(
         handle = ficoco.apply(tiny, "l", schedule={})
     handle.remove()
     assert [r.getMessage() for r in caplog.records if r.name == "ficoco"][0].startswith("ficoco: transformers 99.0.0")
+
+
+# ---- the shape modules refuse what transformers' classes refuse, and count what they take ----------------------
+
+# (tiny profile, config key, value): a hidden size (tiny: 64 over 4 heads) that is not a multiple of the heads.
+GEOMETRIES = {
+    "llava text": ("llava-tiny", "text_config.hidden_size", 66, False),  # LlamaConfig's validator
+    "llava-next vision": ("llava-next-tiny", "vision_config.hidden_size", 66, False),  # CLIPVisionConfig's
+    "video-llava vision": ("video-llava-tiny", "vision_config.hidden_size", 66, False),
+    "onevision vision": ("llava-onevision-tiny", "vision_config.hidden_size", 66, False),  # SiglipAttention
+    "onevision text": ("llava-onevision-tiny", "text_config.hidden_size", 66, True),  # Qwen2 takes it
+    "qwen2-vl text": ("qwen2-vl-tiny", "text_config.hidden_size", 66, False),  # Qwen2VLAttention
+    "qwen2-vl tower": ("qwen2-vl-tiny", "vision_config.embed_dim", 66, False),  # its reshape, at the forward
+    "qwen2.5-vl tower": ("qwen2.5-vl-tiny", "vision_config.hidden_size", 66, False),
+}
+
+
+def _set(profile: Any, key: str, value: Any) -> None:
+    """Set a config key past the override checks (as a config.json of that geometry would hold it)."""
+    section, _, name = key.rpartition(".")
+    (profile.config[section] if section else profile.config)[name] = value
+
+
+def _transformers_runs(profile: Any) -> bool:
+    """Whether transformers builds the profile's model and runs a forward on it (random weights)."""
+    try:
+        model = ficoco.build_model(profile, dtype="fp32", check_memory=False)
+        with torch.no_grad():
+            model(**synthetic_inputs(model))
+    except Exception:  # noqa: BLE001 - a refusal of any kind, at the config, the build or the forward
+        return False
+    return True
+
+
+@pytest.mark.parametrize("case", GEOMETRIES.values(), ids=list(GEOMETRIES))
+def test_the_shape_module_refuses_what_transformers_refuses(case: tuple[str, str, int, bool]) -> None:
+    from ficoco.accounting import architecture
+    from ficoco.profiles import load_profile
+
+    name, key, value, taken = case
+    profile = load_profile(name)
+    _set(profile, key, value)
+    assert _transformers_runs(profile) == taken
+    if taken:
+        architecture(profile)
+    else:
+        with pytest.raises(FicocoError, match=rf"{key}={value} is not divisible by "):
+            architecture(profile)
+
+
+def test_the_build_turns_a_config_refusal_into_one_line() -> None:
+    """A config transformers' validators refuse (past the accountant: no memory check) ends in one
+    FicocoError line, not the strict dataclass's message of several lines cut off."""
+    from ficoco.profiles import load_profile
+
+    profile = load_profile("llava-tiny")
+    _set(profile, "text_config.hidden_size", 66)
+    with pytest.raises(FicocoError) as caught:
+        ficoco.build_model(profile, dtype="fp32", check_memory=False)
+    message = str(caught.value)
+    assert "\n" not in message and "validate_architecture" not in message
+    assert message.startswith("transformers refuses the config of llava-tiny: The hidden size (66) is not a "
+                              "multiple of the number of attention heads (4)")

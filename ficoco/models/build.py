@@ -190,11 +190,26 @@ def time_upcast_ms(model: nn.Module) -> float:
 
 
 def _hf_config(profile: Profile) -> Any:
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     data = profile.hf_config_dict()
     model_type = data.pop("model_type")
-    return AutoConfig.for_model(model_type, **data)
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (StrictDataclassError, ValueError, TypeError) as exc:  # a config class's validators
+        raise FicocoError(_refusal(profile, exc)) from None
+
+
+def _refusal(profile: Profile, exc: Exception) -> str:
+    """One line for a config transformers refuses: its config classes' validators, or a model class's
+    constructor, name the fault on the last line of a message of several (a strict dataclass's
+    "Class validation error for validator ...:" comes first)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    reason = lines[-1] if lines else type(exc).__name__
+    for prefix in ("ValueError: ", "TypeError: "):
+        reason = reason.removeprefix(prefix)
+    return f"transformers refuses the config of {profile.name}: {reason.rstrip('.')}; fix the config (or the override)"
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str, native: torch.dtype | None = None) -> torch.dtype:
@@ -307,7 +322,10 @@ def build_model(profile: Profile | str, weights: str = "random", *,
         # Under a device map the weights are made in host memory, then dispatched.
         build_device = "cpu" if policy is not None else device
         with torch.device(build_device), hf.no_init_weights(), _parameters_on_meta():
-            model = AutoModelForImageTextToText.from_config(config, dtype=build_dtype)
+            try:
+                model = AutoModelForImageTextToText.from_config(config, dtype=build_dtype)
+            except ValueError as exc:  # a module's constructor refuses the geometry (SiglipAttention's heads)
+                raise FicocoError(_refusal(profile, exc)) from None
         quantize = quantizer(model, quant, compute_dtype=choice.compute)
         _materialize_(model, build_device, _Filler(seed, 0.02), quantize)
         if getattr(model.config, "tie_word_embeddings", False) or getattr(

@@ -6,8 +6,8 @@ visual prefill and followed on its cache, the loss over the positions that remai
 the caller's `input_ids` of every output position (`Handle.output_positions`), the output in the
 form the caller asked for, and the caller's own prompt put back into what generate returns.
 
-What differs by family are the adapter's hooks (defaults on `LlavaAdapter`, overridden where a
-family differs):
+What differs by family are the adapter's hooks (defaults on the base adapter,
+ficoco.models.base.FamilyAdapter, overridden where a family differs):
 
 - `entry_keep(handle, spec, keep)`: the count a method before the LLM shortens each span unit to
   (Video-LLaVA: per frame, not per video);
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class EntryHooks(Protocol):
-    """What a family's adapter gives the entry wrapper (LlavaAdapter has every default)."""
+    """What a family's adapter gives the entry wrapper (`FamilyAdapter` has every default)."""
 
     model: Any
     pixel_inputs: tuple[str, ...]

@@ -529,7 +529,7 @@ def _check_onevision_anyres() -> None:
                             "patch_size")
     # The downscale is arithmetic inside the packing, not a function of its own: run the packing on a
     # 3 x 3 grid of 2 x 2-patch crops at anyres_max_1 (a 6 x 6 grid resized to 4 x 4) and compare.
-    from ficoco.accounting.architecture import onevision_downscaled
+    from ficoco.accounting.families.llava_onevision import onevision_downscaled
 
     config = _SimpleConfig(image_grid_pinpoints=[[2, 2], [6, 6]],
                            vision_config=_SimpleConfig(image_size=2, patch_size=1))

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ficoco.accounting.architecture import anyres_max_patches, onevision_downscaled
+from ficoco.accounting.families.llava_onevision import anyres_max_patches, onevision_downscaled
 from ficoco.errors import FicocoError
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs

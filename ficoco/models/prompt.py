@@ -346,7 +346,7 @@ def _encode_pieces(processor: _Processor, family: str, media: str, text: str, pi
     if family == "llava_onevision":
         # transformers builds LlavaOnevisionProcessor only with its video processor (torchvision): the
         # image processor's crops and sizes, and the placeholder count by the processor's own rule.
-        from ficoco.accounting.architecture import onevision_image_tokens
+        from ficoco.accounting.families.llava_onevision import onevision_image_tokens
 
         pixels = processor.image_processor(images=pictures, return_tensors="pt")
         sizes = pixels["image_sizes"]

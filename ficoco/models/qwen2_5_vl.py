@@ -57,7 +57,6 @@ on Qwen2-VL, and this file maps between the orders around them:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,15 +64,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ficoco.errors import FicocoError
-from ficoco.methods.contract import GroupsModule
 from ficoco.models import hf_compat as hf
-from ficoco.models.attention import install_probe, remove_probe, route_attention
 from ficoco.models.patching import Patches, follow_device, forward_of
 
 # The prompt layout and the image grid are Qwen2-VL's (the same processor rules): one function each.
 from ficoco.models.qwen2_vl import (
     PREFIX_TOKENS,
+    GridOrder,
     Qwen2VLAdapter,
     _TowerPass,
     image_grid,
@@ -130,195 +127,64 @@ def _keys_per_image(keys: list[Tensor], tower: _WindowPass) -> list[Tensor]:
     return per_image
 
 
-def _pairs(cu: Tensor) -> int:
-    lengths = (cu[1:] - cu[:-1]).long()
-    return int((lengths * lengths).sum())
+class WindowOrder(GridOrder):
+    """Qwen2.5-VL's tower order: every image's merge groups in window order, window blocks cut the
+    packed sequence at the windows (`cu_window_seqlens`), full blocks at the images; Qwen2-VL's passes
+    run on it through these hooks."""
 
+    records_pairs = True  # which windows lose groups is known only once the method ran
+    adapter: Qwen2_5_VLAdapter
 
-class Qwen2_5_VLAdapter(Qwen2VLAdapter):
-    """Where the method goes in a Qwen2.5-VL model: Qwen2-VL's, with the tower's windows followed."""
+    def full(self, idx: int) -> bool:
+        """Whether block `idx` attends over whole images (fullatt_block_indexes) rather than windows."""
+        return idx in self.adapter.full_layers
 
-    family_title = "Qwen2.5-VL"
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
-        vision = model.config.vision_config
-        self.full_layers = frozenset(hf.qwen2_5_vl_full_attention_layers(self.visual))
-        self.vision_config = vision
-        self.video_windows: list[Tensor] = []  # HoliTom: per video, the video unit of every window-order row
-
-    def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        """FiCoCo-V (a method whose module offers ``reduce_groups``) in the windowed tower; other
-        vision-side methods as on Qwen2-VL."""
-        module = spec.load()
-        if spec.placement != "in_layer" or not isinstance(module, GroupsModule):
-            try:
-                return super().patch_tower(handle, patches, spec, schedule)
-            except FicocoError as exc:  # Qwen2-VL's refusal, in this family's name
-                raise FicocoError(str(exc).replace("Qwen2-VL", "Qwen2.5-VL")) from None
-        self.patch_vision(handle, patches, schedule.removed_at(), module.reduce_groups)
-
-    def _block_segments(self, tower: _WindowPass | None, idx: int, cu_seqlens: Tensor, position_embeddings: Any,
-                        kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+    def segments(self, tower: _TowerPass | None, idx: int, cu_seqlens: Tensor, position_embeddings: Any,
+                 kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
         """The segments (windows, or whole images in a full-attention block) and the rotary table block
         `idx` runs on once an earlier block reduced: the pass's, not the unreduced ones transformers
         hands it; `max_seqlen` in `kwargs` follows."""
         if tower is None or tower.cu_seqlens is None:
             return cu_seqlens, position_embeddings
-        full = idx in self.full_layers
+        assert isinstance(tower, _WindowPass)
+        full = self.full(idx)
         if "max_seqlen" in kwargs:
             kwargs["max_seqlen"] = tower.max_seqlen if full else tower.max_window_seqlen
         return (tower.cu_seqlens if full else tower.cu_window_seqlens), tower.position_embeddings
 
-    def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int],
-                     reduce_groups: Callable[..., Any]) -> None:
-        """Reduce whole merge groups in the blocks of `removed`; every block after the first reducing
-        one runs on the kept patches' rotary table and on the windows (or images) they now form."""
-        params = handle.hyperparameters
-        visual = self.visual
-        original_tower = forward_of(visual)
-        slots: list[Any] = []
-        pairs = handle.vision_attention_pairs
+    def image_chunks(self, tower: _TowerPass, idx: int, chunks: list[tuple[Tensor, Any]]
+                     ) -> list[tuple[Tensor, Any]]:
+        """A window block's per-window (attn, keys) as one per image: the block diagonal of the image's
+        windows' attention maps (no attention across windows ran), the keys in sequence order."""
+        if self.full(idx):
+            return chunks
+        assert isinstance(tower, _WindowPass)
+        per_image = []
+        at = 0
+        for lengths in tower.window_lengths():
+            count = int((lengths > 0).sum())
+            mine = chunks[at:at + count]
+            at += count
+            attn = torch.block_diag(*[a[0] for a, _ in mine]).unsqueeze(0)
+            keys = torch.cat([k for _, k in mine], dim=2)
+            per_image.append((attn, keys))
+        if at != len(chunks):
+            raise RuntimeError(f"the vision attention ran {len(chunks)} windows, the tower pass holds {at}")
+        return per_image
 
-        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
-            self._tower = self._start_pass(grid_thw)
-            pairs.clear()
-            for slot in slots:  # nothing left over from a pass that ended in an error
-                slot.chunks.clear()
-            return original_tower(hidden_states, grid_thw, **kwargs)
+    def after_reduce(self, tower: _TowerPass, cu_seqlens: Tensor) -> None:
+        """The window boundaries of the groups still present (empty windows dropped)."""
+        assert isinstance(tower, _WindowPass)
+        lengths = torch.cat(tower.window_lengths())
+        lengths = lengths[lengths > 0]
+        tower.cu_window_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(cu_seqlens.dtype)
+        tower.max_window_seqlen = int(lengths.max())
 
-        patches.set(visual, "forward", tower_forward)
-        patches.on_undo(lambda: setattr(self, "_tower", None))
-        self.removed_per_image = sum(removed.values())
-        for layer_idx, layer in enumerate(self.vision_layers):
-            r = removed.get(layer_idx, 0)
-            slot = None
-            parts = hf.layer_parts(layer, hf.QWEN2_VL_VISION_BLOCK)
-            if r:
-                slot = install_probe(parts.attention, want_keys=True, chunked=True, timer=handle.timer)
-                slots.append(slot)
-                patches.on_undo(lambda attn=parts.attention: remove_probe(attn))
-
-            original = forward_of(layer)  # accelerate's wrapped forward where a device map hooked it
-            def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
-                        _parts: hf.Parts = parts, _slot: Any = slot, _r: int = r, _idx: int = layer_idx,
-                        _original: Callable[..., Tensor] = original, **kwargs: Any) -> Tensor:
-                tower = self._tower
-                if tower is not None:  # a tower split across devices (device maps)
-                    follow_device(tower, hidden_states.device)
-                full = _idx in self.full_layers
-                cu_seqlens, position_embeddings = self._block_segments(tower, _idx, cu_seqlens, position_embeddings,
-                                                                       kwargs)
-                pairs[_idx] = _pairs(cu_seqlens)
-                if tower is None or not _r:
-                    return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
-                                     **kwargs)
-                residual = hidden_states
-                attn_out = _parts.attention(_parts.input_norm(hidden_states), cu_seqlens=cu_seqlens,
-                                            position_embeddings=position_embeddings, **kwargs)
-                hidden = residual + attn_out
-                chunks = _slot.take_chunks()
-                if not full:
-                    chunks = self._image_chunks(tower, chunks)
-                hidden = self._reduce(handle, reduce_groups, tower, hidden, chunks, _r, _idx, position_embeddings,
-                                      cu_seqlens, params)
-                self._set_windows(tower, cu_seqlens)
-                return hidden + _parts.mlp(_parts.post_norm(hidden))
-
-            patches.set(layer, "forward", forward)
-
-        self._scatter_merger(patches)
-
-    # -- merges of whole merge groups inside tower blocks (ToMe) -------------------------------------------
-    def patch_merges(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        """ToMe in the windowed tower: Qwen2-VL's merge step on every image's groups put in grid order (the
-        matching runs over the whole image, as on Qwen2-VL); the units that go on return to window order,
-        each in its destination group's window, and the later blocks get the windows (or images) they form,
-        the rotary table sliced to them and, with proportional attention, every window's share of log(size)."""
-        from ficoco.models.patching import method_settings
-        from ficoco.models.qwen2_vl import CHUNKS_IMPLEMENTATION, _ChunkSlot
-
-        module = spec.load()
-        settings = method_settings(handle, spec, schedule)
-        if settings.get("order", "spatial") != "spatial":
-            raise FicocoError(f"{spec.title} on Qwen2.5-VL keeps the groups in image order (the PatchMerger and the "
-                              "3-D positions read them so); order='official' is not supported here")
-        rates = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "in_layer"}
-        self.removed_per_image = sum(rates.values())
-        visual = self.visual
-        original_tower = forward_of(visual)
-        pairs = handle.vision_attention_pairs
-
-        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
-            self._tower = self._start_pass(grid_thw)
-            pairs.clear()
-            return original_tower(hidden_states, grid_thw, **kwargs)
-
-        patches.set(visual, "forward", tower_forward)
-        patches.on_undo(lambda: setattr(self, "_tower", None))
-        first = min(rates) if rates else len(self.vision_layers)
-        for layer_idx, layer in enumerate(self.vision_layers):
-            parts = hf.layer_parts(layer, hf.QWEN2_VL_VISION_BLOCK)
-            slot = None
-            if layer_idx >= first:
-                slot = _ChunkSlot()
-                route_attention(parts.attention, CHUNKS_IMPLEMENTATION, patches, "_ficoco_chunks_config",
-                                _ficoco_chunks=slot)
-
-            original = forward_of(layer)  # accelerate's wrapped forward where a device map hooked it
-            def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
-                        _parts: hf.Parts = parts, _slot: Any = slot, _r: int = rates.get(layer_idx, 0),
-                        _idx: int = layer_idx, _original: Callable[..., Tensor] = original,
-                        **kwargs: Any) -> Tensor:
-                tower = self._tower
-                if tower is not None:  # a tower split across devices (device maps)
-                    follow_device(tower, hidden_states.device)
-                full = _idx in self.full_layers
-                cu_seqlens, position_embeddings = self._block_segments(tower, _idx, cu_seqlens, position_embeddings,
-                                                                       kwargs)
-                pairs[_idx] = _pairs(cu_seqlens)
-                if _slot is None:
-                    return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
-                                     **kwargs)
-                _slot.call, _slot.keys = 0, []
-                _slot.bias = self._call_bias(tower, full) if tower is not None else []
-                _slot.armed = tower is not None and bool(_r)
-                if not _slot.armed:
-                    return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
-                                     **kwargs)
-                try:
-                    attn_out = _parts.attention(_parts.input_norm(hidden_states), cu_seqlens=cu_seqlens,
-                                                position_embeddings=position_embeddings, **kwargs)
-                finally:
-                    _slot.armed = False
-                keys = _slot.keys if full else _keys_per_image(_slot.keys, tower)
-                hidden = self._merge_in_windows(handle, module, settings, tower, hidden_states + attn_out, keys, _r,
-                                                _idx, position_embeddings, cu_seqlens)
-                return hidden + _parts.mlp(_parts.post_norm(hidden))
-
-            patches.set(layer, "forward", forward)
-        self._scatter_merger(patches)
-
-    def _scatter_merger(self, patches: Patches) -> None:
-        """The merger's output of a reduced pass back at the unreduced window-order rows (`_to_window_rows`)."""
-        merger = hf.qwen2_vl_merger(self.visual)
-        inner_merger = forward_of(merger)
-
-        def merger_forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-            merged = inner_merger(hidden_states, *args, **kwargs)
-            tower = self._tower
-            if tower is not None:  # a tower split across devices (device maps)
-                follow_device(tower, merged.device)
-            if tower is None or merged.shape[0] == _total_groups(tower):
-                return merged
-            return _to_window_rows(merged, tower)
-
-        patches.set(merger, "forward", merger_forward)
-
-    def _call_bias(self, tower: _WindowPass, full: bool) -> list[Tensor | None]:
+    def call_bias(self, tower: _TowerPass, idx: int) -> list[Tensor | None]:
         """Proportional attention's log(size) per attention call: per image in a full block, per (non-empty)
         window in a window block, in sequence order."""
-        if not full and tower.bias:  # (no bias before the first merge)
+        assert isinstance(tower, _WindowPass)
+        if not self.full(idx) and tower.bias:  # (no bias before the first merge)
             pieces: list[Tensor | None] = []
             for bias, lengths in zip(tower.bias, tower.window_lengths(), strict=True):
                 tokens = [int(n) for n in lengths if n > 0]
@@ -326,16 +192,26 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
             return pieces
         return list(tower.bias)
 
-    def _merge_in_windows(self, handle: Handle, module: Any, settings: dict[str, Any], tower: _WindowPass,
-                          hidden: Tensor, keys: list[Tensor], r: int, layer_idx: int,
-                          position_embeddings: tuple[Tensor, Tensor], cu_seqlens: Tensor) -> Tensor:
-        """Qwen2-VL's `_merge` on every image's groups in grid order, the result put back in window order."""
-        members = torch.arange(self.merge, device=hidden.device)
+    def block_keys(self, tower: _TowerPass, idx: int, keys: list[Tensor]) -> list[Tensor]:
+        """A window block's keys, one chunk per window, joined per image."""
+        assert isinstance(tower, _WindowPass)
+        return keys if self.full(idx) else _keys_per_image(keys, tower)
+
+    def merge(self, handle: Handle, module: Any, settings: dict[str, Any], tower: _TowerPass, hidden: Tensor,
+              keys: list[Tensor], r: int, layer_idx: int, position_embeddings: tuple[Tensor, Tensor],
+              cu_seqlens: Tensor) -> Tensor:
+        """Qwen2-VL's `_merge` on every image's groups in grid order (the matching runs over the whole
+        image), the result put back in window order: every unit that goes on in its destination group's
+        window, at its rotary rows, with the windows recomputed."""
+        assert isinstance(tower, _WindowPass)
+        adapter = self.adapter
+        merge = adapter.merge
+        members = torch.arange(merge, device=hidden.device)
         lengths = tower.lengths
         starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
 
         def patch_rows(units: Tensor) -> Tensor:
-            return (units[:, None] * self.merge + members).flatten()
+            return (units[:, None] * merge + members).flatten()
 
         # Sequence (window) order -> grid order, image by image.
         to_grid = [kept.argsort() for kept in tower.kept_groups]
@@ -345,8 +221,8 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
         if tower.size is not None:
             tower.size = [size[order] for size, order in zip(tower.size, to_grid, strict=True)]
         grid_embeddings = (position_embeddings[0][rows], position_embeddings[1][rows])
-        merged = self._merge(handle, module, settings, tower, hidden[rows], keys, r, layer_idx, grid_embeddings,
-                             cu_seqlens)
+        merged = adapter._merge(handle, module, settings, tower, hidden[rows], keys, r, layer_idx, grid_embeddings,
+                                cu_seqlens)
         # Grid order -> window order: every unit that goes on at its destination group's window row.
         to_window = [tower.window_rows[i][kept].argsort() for i, kept in enumerate(tower.kept_groups)]
         starts = [0, *torch.tensor(tower.lengths).cumsum(0).tolist()[:-1]]
@@ -357,17 +233,40 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
                       for bias, order in zip(tower.bias, to_window, strict=True)]
         embeddings = tower.position_embeddings
         tower.position_embeddings = (embeddings[0][rows], embeddings[1][rows])  # type: ignore[index]
-        self._set_windows(tower, cu_seqlens)
+        self.after_reduce(tower, cu_seqlens)
         return merged[rows]
 
-    # -- cuts of whole merge groups (VisionZip, VisPruner, FasterVLM; DivPrune, CDPruner) -------------
-    def patch_cut(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        """Qwen2-VL's cut at the tower's output or after the merger, on the groups in grid order: `_cut`
-        reorders the window-order units and the last block's keys before the method sees them, and the
-        merger's output (the kept groups, grid order) goes back to the unreduced window-order rows, which
-        the tower's own reverse order puts in grid order (the removed groups' rows zero)."""
-        super().patch_cut(handle, patches, spec, schedule)
-        self._scatter_merger(patches)
+    def patch_merger(self, patches: Patches) -> None:
+        """The merger's output of a reduced pass back at the unreduced window-order rows (`_to_window_rows`),
+        which the tower's own reverse order puts in grid order (the removed groups' rows zero)."""
+        adapter = self.adapter
+        merger = hf.qwen2_vl_merger(adapter.visual)
+        inner_merger = forward_of(merger)
+
+        def merger_forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            merged = inner_merger(hidden_states, *args, **kwargs)
+            tower = adapter._tower
+            if tower is not None:  # a tower split across devices (device maps)
+                follow_device(tower, merged.device)
+            if tower is None or merged.shape[0] == _total_groups(tower):  # type: ignore[arg-type]
+                return merged
+            return _to_window_rows(merged, tower)  # type: ignore[arg-type]
+
+        patches.set(merger, "forward", merger_forward)
+
+
+class Qwen2_5_VLAdapter(Qwen2VLAdapter):
+    """Where the method goes in a Qwen2.5-VL model: Qwen2-VL's, with the tower's windows followed."""
+
+    family_title = "Qwen2.5-VL"
+    order_strategy = WindowOrder  # FiCoCo-V, ToMe and the cuts run Qwen2-VL's passes on the window order
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        vision = model.config.vision_config
+        self.full_layers = frozenset(hf.qwen2_5_vl_full_attention_layers(self.visual))
+        self.vision_config = vision
+        self.video_windows: list[Tensor] = []  # HoliTom: per video, the video unit of every window-order row
 
     def _image_keys(self, chunks: list[tuple[Tensor, Tensor]], tower: _TowerPass) -> list[Tensor]:
         """The last block's keys per image, in window order: a window layer ran one call per window."""
@@ -420,29 +319,6 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
             start += count
         return _WindowPass(grids=base.grids, kept_groups=kept, merge=self.merge, group_window=group_window,
                            window_rows=window_rows, image_rows=image_rows, windows=windows)
-
-    def _image_chunks(self, tower: _WindowPass, chunks: list[tuple[Tensor, Any]]) -> list[tuple[Tensor, Any]]:
-        """A window layer's per-window (attn, keys) as one per image: the block diagonal of the image's
-        windows' attention maps (no attention across windows ran), the keys in sequence order."""
-        per_image = []
-        at = 0
-        for lengths in tower.window_lengths():
-            count = int((lengths > 0).sum())
-            mine = chunks[at:at + count]
-            at += count
-            attn = torch.block_diag(*[a[0] for a, _ in mine]).unsqueeze(0)
-            keys = torch.cat([k for _, k in mine], dim=2)
-            per_image.append((attn, keys))
-        if at != len(chunks):
-            raise RuntimeError(f"the vision attention ran {len(chunks)} windows, the tower pass holds {at}")
-        return per_image
-
-    def _set_windows(self, tower: _WindowPass, cu_seqlens: Tensor) -> None:
-        """The window boundaries of the groups still present (empty windows dropped)."""
-        lengths = torch.cat(tower.window_lengths())
-        lengths = lengths[lengths > 0]
-        tower.cu_window_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(cu_seqlens.dtype)
-        tower.max_window_seqlen = int(lengths.max())
 
     def _video_grid_order(self, scores: Tensor, video: int) -> Tensor:
         """A video's per-slice group scores from the tower's window order (slice by slice: the window

@@ -2,7 +2,7 @@
 [CLS] over native-resolution patches, a PatchMerger that joins every 2 x 2 group of patches
 into one LLM token, and a Qwen2 decoder with multimodal (3-D) rotary positions.
 
-FiCoCo-L is LLaVA's (`LlavaAdapter`): the decoder layers have the same parts and signature,
+FiCoCo-L is the base adapter's (`FamilyAdapter`, as LLaVA's): the decoder layers have the same parts and signature,
 the 3-D positions arrive as one (B, T, head_dim) rotary table per sequence, which the wrapped
 layers slice with the kept tokens like LLaVA's, and decoding needs nothing more because layer
 0 (never reduced) keeps the full prompt, so transformers' `rope_deltas` and the cache length
@@ -42,9 +42,9 @@ from ficoco.errors import FicocoError
 from ficoco.methods.contract import GroupsModule, TowerModule
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
+from ficoco.models.base import FamilyAdapter
 from ficoco.models.entry import follow_shortened_prompt
 from ficoco.models.inputs import place_inputs
-from ficoco.models.llava import LlavaAdapter
 from ficoco.models.patching import Patches, follow_device, forward_of, span_lengths
 from ficoco.profiles import FAMILY_DEFAULTS
 
@@ -141,8 +141,64 @@ def chunks_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
 hf.register_attention(CHUNKS_IMPLEMENTATION, chunks_attention)
 
 
-class Qwen2VLAdapter(LlavaAdapter):
-    """Where the method goes in a Qwen2-VL model; FiCoCo-L is LLaVA's, FiCoCo-V this class's."""
+def attention_pairs(cu_seqlens: Tensor) -> int:
+    """Query-key pairs of a block's attention over the segments `cu_seqlens` cuts (sum of length^2)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return int((lengths * lengths).sum())
+
+
+class GridOrder:
+    """The packed tower's order, as Qwen2-VL runs it: every image's merge groups in grid order, one
+    attention segment (cu_seqlens) per image in every block. The adapter's tower passes (FiCoCo-V's
+    reduction, ToMe's merges, a cut before the merger) ask it where the order matters; Qwen2.5-VL's
+    windowed tower gives its own (`ficoco.models.qwen2_5_vl.WindowOrder`)."""
+
+    # Whether a block's query-key pairs depend on what the method removed (windows), so that every
+    # block's are recorded for `flops --verify` (`Handle.vision_attention_pairs`).
+    records_pairs = False
+
+    def __init__(self, adapter: Qwen2VLAdapter) -> None:
+        self.adapter = adapter
+
+    def segments(self, tower: _TowerPass | None, idx: int, cu_seqlens: Tensor, position_embeddings: Any,
+                 kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+        """The segments and the rotary table block `idx` runs on once an earlier block reduced: the pass's,
+        not the unreduced ones transformers hands it; `max_seqlen` in `kwargs` follows."""
+        if tower is not None and tower.cu_seqlens is not None:  # an earlier block reduced
+            cu_seqlens, position_embeddings = tower.cu_seqlens, tower.position_embeddings
+            if "max_seqlen" in kwargs:
+                kwargs["max_seqlen"] = tower.max_seqlen
+        return cu_seqlens, position_embeddings
+
+    def image_chunks(self, tower: _TowerPass, idx: int, chunks: list[tuple[Tensor, Any]]
+                     ) -> list[tuple[Tensor, Any]]:
+        """Block `idx`'s probed (attention, keys), one per image (here: one call per image already)."""
+        return chunks
+
+    def after_reduce(self, tower: _TowerPass, cu_seqlens: Tensor) -> None:
+        """The pass's bookkeeping after a reducing block (nothing beyond the images' segments here)."""
+
+    def call_bias(self, tower: _TowerPass, idx: int) -> list[Tensor | None]:
+        """Proportional attention's log(size) per attention call of block `idx` (one call per image)."""
+        return list(tower.bias)
+
+    def block_keys(self, tower: _TowerPass, idx: int, keys: list[Tensor]) -> list[Tensor]:
+        """Block `idx`'s keys from its attention calls, one (1, H, T, d) per image."""
+        return keys
+
+    def merge(self, handle: Handle, module: Any, settings: dict[str, Any], tower: _TowerPass, hidden: Tensor,
+              keys: list[Tensor], r: int, layer_idx: int, position_embeddings: tuple[Tensor, Tensor],
+              cu_seqlens: Tensor) -> Tensor:
+        """ToMe's merge step on every image's groups in grid order (`Qwen2VLAdapter._merge`)."""
+        return self.adapter._merge(handle, module, settings, tower, hidden, keys, r, layer_idx, position_embeddings,
+                                   cu_seqlens)
+
+    def patch_merger(self, patches: Patches) -> None:
+        """The merger's output after a reduced pass: in grid order already, nothing to put back."""
+
+
+class Qwen2VLAdapter(FamilyAdapter):
+    """Where the method goes in a Qwen2-VL model; FiCoCo-L is the base adapter's, FiCoCo-V this class's."""
 
     # Videos start a new visual forward as well (FiCoCo-L leaves them unreduced).
     pixel_inputs = ("pixel_values", "pixel_values_videos")
@@ -156,11 +212,12 @@ class Qwen2VLAdapter(LlavaAdapter):
     # True under a method that cuts a video's temporal slices together after the merger (HoliTom): the
     # tower takes videos, the entry shortens video spans, and the LLM-side steps see video placeholders.
     video_cut = False
-    family_title = "Qwen2-VL"  # in the video path's one-line refusals
+    family_title = "Qwen2-VL"  # in the one-line refusals
+    # The tower's token order (window strategy): Qwen2-VL's grid order; Qwen2.5-VL's window order.
+    order_strategy: type[GridOrder] = GridOrder
 
     def __init__(self, model: nn.Module) -> None:
-        # LLaVA's attributes (the L code reads them), found where Qwen2-VL keeps them; LLaVA's
-        # __init__ would look for a CLIP tower.
+        # The base adapter's attributes (the L code reads them), found where Qwen2-VL keeps them.
         self.model = model
         self.visual = hf.qwen2_vl_tower(model)
         self.vision_layers = hf.qwen2_vl_blocks(self.visual)
@@ -175,6 +232,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         # FiCoCo-V: the rope_deltas of the prefill that filled each cache, for the next turn on it
         # (the model's own rope_deltas are the last prefill's, of whichever conversation).
         self.turn_deltas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.order = self.order_strategy(self)
 
     def stage_modules(self) -> dict[str, nn.Module]:
         """The accountant's stages; the projector (PatchMerger) sits inside the vision tower."""
@@ -187,7 +245,16 @@ class Qwen2VLAdapter(LlavaAdapter):
         inside a tower layer for a method whose module offers ``reduce_groups`` (FiCoCo-V); a cut at the
         tower's output (before the PatchMerger: VisionZip) or after it (FasterVLM) for one whose module
         offers ``tower_step``, scored by the equivalent token in place of [CLS]; a video method's cut on the
-        merger's output of a video's temporal slices together (HoliTom, ``patch_video_cut``). Others: one line."""
+        merger's output of a video's temporal slices together (HoliTom, ``patch_video_cut``). Others: one line,
+        in the family's name."""
+        try:
+            self._install_tower(handle, patches, spec, schedule)
+        except FicocoError as exc:
+            if self.family_title == "Qwen2-VL":
+                raise
+            raise FicocoError(str(exc).replace("Qwen2-VL", self.family_title)) from None
+
+    def _install_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
         if spec.pooled_grid:  # a cut of a video's frames together (HoliTom)
             self.patch_video_cut(handle, patches, spec, schedule)
             return
@@ -214,50 +281,58 @@ class Qwen2VLAdapter(LlavaAdapter):
         """A method that merges units inside tower blocks (ToMe's `tower_step`), on whole merge groups:
         a group's patches side by side are one unit, its head-mean keys averaged over the group are
         the matching metric, a merged group stands at its destination's place (the rotary table and
-        cu_seqlens follow, as FiCoCo-V's path does), and with proportional attention every later block
-        adds log(size) to each patch's logits, image by image."""
+        the segments follow, as FiCoCo-V's path does), and with proportional attention every later block
+        adds log(size) to each patch's logits, image by image. The tower's order (`self.order`) gives the
+        segments, the calls' biases and keys, and the merge step in it."""
         from ficoco.models.patching import method_settings
 
         module = spec.load()
         settings = method_settings(handle, spec, schedule)
         if settings.get("order", "spatial") != "spatial":
-            raise FicocoError(f"{spec.title} on Qwen2-VL keeps the groups in image order (the PatchMerger and the "
-                              "3-D positions read them so); order='official' is not supported here")
+            raise FicocoError(f"{spec.title} on {self.family_title} keeps the groups in image order (the PatchMerger "
+                              "and the 3-D positions read them so); order='official' is not supported here")
         rates = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "in_layer"}
         self.removed_per_image = sum(rates.values())
+        order = self.order
         visual = self.visual
         original_tower = forward_of(visual)
-        slots: list[_ChunkSlot] = []
+        pairs = handle.vision_attention_pairs
 
         def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
             self._tower = self._start_pass(grid_thw)
+            if order.records_pairs:
+                pairs.clear()
             return original_tower(hidden_states, grid_thw, **kwargs)
 
         patches.set(visual, "forward", tower_forward)
         patches.on_undo(lambda: setattr(self, "_tower", None))
         first = min(rates) if rates else len(self.vision_layers)
-        for layer_idx in range(first, len(self.vision_layers)):
+        # Every block when its pairs are recorded (the windows it runs follow the merges), else from the first merge.
+        for layer_idx in range(0 if order.records_pairs else first, len(self.vision_layers)):
             layer = self.vision_layers[layer_idx]
             parts = hf.layer_parts(layer, hf.QWEN2_VL_VISION_BLOCK)
-            slot = _ChunkSlot()
-            slots.append(slot)
-            route_attention(parts.attention, CHUNKS_IMPLEMENTATION, patches, "_ficoco_chunks_config",
-                            _ficoco_chunks=slot)
+            slot = None
+            if layer_idx >= first:
+                slot = _ChunkSlot()
+                route_attention(parts.attention, CHUNKS_IMPLEMENTATION, patches, "_ficoco_chunks_config",
+                                _ficoco_chunks=slot)
 
             original = forward_of(layer)  # accelerate's wrapped forward where a device map hooked it
             def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
-                        _parts: hf.Parts = parts, _slot: _ChunkSlot = slot, _r: int = rates.get(layer_idx, 0),
+                        _parts: hf.Parts = parts, _slot: _ChunkSlot | None = slot, _r: int = rates.get(layer_idx, 0),
                         _idx: int = layer_idx, _original: Callable[..., Tensor] = original,
                         **kwargs: Any) -> Tensor:
                 tower = self._tower
                 if tower is not None:  # a tower split across devices (device maps)
                     follow_device(tower, hidden_states.device)
-                if tower is not None and tower.cu_seqlens is not None:  # an earlier block merged
-                    cu_seqlens, position_embeddings = tower.cu_seqlens, tower.position_embeddings
-                    if "max_seqlen" in kwargs:
-                        kwargs["max_seqlen"] = tower.max_seqlen
+                cu_seqlens, position_embeddings = order.segments(tower, _idx, cu_seqlens, position_embeddings, kwargs)
+                if order.records_pairs:
+                    pairs[_idx] = attention_pairs(cu_seqlens)
+                if _slot is None:
+                    return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
+                                     **kwargs)
                 _slot.call, _slot.keys = 0, []
-                _slot.bias = list(tower.bias) if tower is not None else []
+                _slot.bias = order.call_bias(tower, _idx) if tower is not None else []
                 _slot.armed = tower is not None and bool(_r)
                 if not _slot.armed:
                     return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
@@ -267,11 +342,13 @@ class Qwen2VLAdapter(LlavaAdapter):
                                                 position_embeddings=position_embeddings, **kwargs)
                 finally:
                     _slot.armed = False
-                hidden = self._merge(handle, module, settings, tower, hidden_states + attn_out, _slot.keys, _r, _idx,
+                keys = order.block_keys(tower, _idx, _slot.keys)
+                hidden = order.merge(handle, module, settings, tower, hidden_states + attn_out, keys, _r, _idx,
                                      position_embeddings, cu_seqlens)
                 return hidden + _parts.mlp(_parts.post_norm(hidden))
 
             patches.set(layer, "forward", forward)
+        order.patch_merger(patches)
 
     def _merge(self, handle: Handle, module: Any, settings: dict[str, Any], tower: _TowerPass, hidden: Tensor,
                keys: list[Tensor], r: int, layer_idx: int, position_embeddings: tuple[Tensor, Tensor],
@@ -376,6 +453,7 @@ class Qwen2VLAdapter(LlavaAdapter):
             return self._cut(handle, module, settings, spec, removal, out, keys, tower)
 
         patches.set(merger, "forward", merger_forward)
+        self.order.patch_merger(patches)
 
     def _image_keys(self, chunks: list[tuple[Tensor, Tensor]], tower: _TowerPass) -> list[Tensor]:
         """The last block's keys from its attention calls, one (1, H, T, d) per image in the tower's
@@ -573,14 +651,19 @@ class Qwen2VLAdapter(LlavaAdapter):
     def patch_vision(self, handle: Handle, patches: Patches, removed: dict[int, int],
                      reduce_groups: Callable[..., Any]) -> None:
         """Reduce whole merge groups in the ViT blocks of `removed`; the blocks after the first
-        reducing one run on the kept patches' rotary table and image boundaries."""
+        reducing one run on the kept patches' rotary table and on the segments the tower's order
+        (`self.order`) gives them: the shorter images, or the windows the kept groups form."""
         params = handle.hyperparameters
+        order = self.order
         visual = self.visual
         original_tower = forward_of(visual)
         slots: list[Any] = []
+        pairs = handle.vision_attention_pairs
 
         def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
             self._tower = self._start_pass(grid_thw)
+            if order.records_pairs:
+                pairs.clear()
             for slot in slots:  # nothing left over from a pass that ended in an error
                 slot.chunks.clear()
             return original_tower(hidden_states, grid_thw, **kwargs)
@@ -589,7 +672,8 @@ class Qwen2VLAdapter(LlavaAdapter):
         patches.on_undo(lambda: setattr(self, "_tower", None))
         self.removed_per_image = sum(removed.values())
         first = min(removed) if removed else len(self.vision_layers)
-        for layer_idx in range(first, len(self.vision_layers)):
+        # Every block when its pairs are recorded (the windows it runs follow the reductions), else from the first.
+        for layer_idx in range(0 if order.records_pairs else first, len(self.vision_layers)):
             layer = self.vision_layers[layer_idx]
             r = removed.get(layer_idx, 0)
             slot = None
@@ -606,10 +690,9 @@ class Qwen2VLAdapter(LlavaAdapter):
                 tower = self._tower
                 if tower is not None:  # a tower split across devices (device maps)
                     follow_device(tower, hidden_states.device)
-                if tower is not None and tower.cu_seqlens is not None:  # an earlier layer reduced
-                    cu_seqlens, position_embeddings = tower.cu_seqlens, tower.position_embeddings
-                    if "max_seqlen" in kwargs:
-                        kwargs["max_seqlen"] = tower.max_seqlen
+                cu_seqlens, position_embeddings = order.segments(tower, _idx, cu_seqlens, position_embeddings, kwargs)
+                if order.records_pairs:
+                    pairs[_idx] = attention_pairs(cu_seqlens)
                 if tower is None or not _r:
                     return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
                                      **kwargs)
@@ -617,12 +700,14 @@ class Qwen2VLAdapter(LlavaAdapter):
                 attn_out = _parts.attention(_parts.input_norm(hidden_states), cu_seqlens=cu_seqlens,
                                             position_embeddings=position_embeddings, **kwargs)
                 hidden = residual + attn_out
-                chunks = _slot.take_chunks()
+                chunks = order.image_chunks(tower, _idx, _slot.take_chunks())
                 hidden = self._reduce(handle, reduce_groups, tower, hidden, chunks, _r, _idx, position_embeddings,
                                       cu_seqlens, params)
+                order.after_reduce(tower, cu_seqlens)
                 return hidden + _parts.mlp(_parts.post_norm(hidden))
 
             patches.set(layer, "forward", forward)
+        order.patch_merger(patches)
 
     def _start_pass(self, grid_thw: Tensor) -> _TowerPass:
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
@@ -868,7 +953,7 @@ class Qwen2VLAdapter(LlavaAdapter):
         return short, deltas, torch.cat([prefix, kept + start], dim=1), encoded
 
     # -- the hooks of the one entry wrapper (ficoco.models.entry) ------------------------------
-    # FiCoCo-L and the other methods in the decoder: LLaVA's hooks, with later turns' images encoded
+    # FiCoCo-L and the other methods in the decoder: the base adapter's hooks, with later turns' images encoded
     # first. A method before the LLM: the images encoded first, then the shortened prompt run with the
     # kept tokens' original 3-D positions (forward and generate).
     def enter_forward(self, entry: Entry, call: dict[str, Any]) -> tuple[Tensor | None, bool]:
@@ -1050,7 +1135,7 @@ class Qwen2VLAdapter(LlavaAdapter):
 def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> tuple[int, int]:
     """(rows, cols) of patches Qwen2-VL's (and Qwen2.5-VL's) processor makes of an image of
     `image_size` (H, W), by default the profile's image size."""
-    from ficoco.accounting.architecture import qwen2_vl_resize
+    from ficoco.accounting.families.qwen2_vl import qwen2_vl_resize
 
     if image_size is None:
         defaults = {**FAMILY_DEFAULTS[model.config.model_type], **(getattr(model, "_ficoco_defaults", None) or {})}

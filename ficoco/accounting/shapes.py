@@ -1,0 +1,245 @@
+"""The shapes the accountant counts (one `Architecture` per model and input layout), the record of a
+family's shape module, and the readers of config values every shape module shares.
+
+No torch and no transformers: a family's shape module (ficoco.accounting.families) reads a Hugging Face
+config dict with its config classes' defaults, so that a bare config gives the shapes `from_config`
+builds, and refuses a geometry its transformers classes refuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ficoco.errors import FicocoError
+from ficoco.profile_records import MAX_COUNT
+
+# The accountant counts layer by layer (and a budget search counts a model many times): a config
+# with millions of layers would run for hours. No released model has more than a few hundred.
+MAX_LAYERS = 1000
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """The vision encoder: per-item token grid and per-layer widths.
+
+    An item is what the tower sees as one batch element: the single image of LLaVA-1.5,
+    a crop of LLaVA-NeXT's AnyRes, a frame of Video-LLaVA, one image of Qwen2-VL.
+    """
+
+    kind: str  # the tower's kind, as its family's shape module names it ("clip", "siglip", ...)
+    layers: int  # layers that run (Hugging Face runs the whole tower)
+    hidden: int
+    ffn: int
+    heads: int
+    patch_size: int
+    channels: int
+    temporal_patch: int  # 2 for Qwen2-VL's Conv3d, else 1
+    grid_h: int  # patches per item along each axis
+    grid_w: int
+    items: int  # items per image (crops, frames)
+    has_cls: bool
+    feature_layer: int  # 0-based layer whose output the projector reads
+    merge: int  # patches joined into one LLM token (Qwen2-VL's PatchMerger: 4)
+    towers: int  # parameter copies (Video-LLaVA has an image and a video tower)
+    position_embeddings: int  # learned position rows (CLIP), 0 for rotary
+    # Qwen2.5-VL: merge groups in every attention window of an item, in the tower's window order
+    # (windows at the right and bottom edge partial), and the layers that attend over the whole item
+    # (fullatt_block_indexes); every other layer attends within windows. Empty: full attention everywhere.
+    window_groups: tuple[int, ...] = ()
+    full_attention_layers: frozenset[int] = frozenset()
+    # A layer's linears: q, k and v fused into one (Qwen2-VL's towers), and a gated MLP of three linears with
+    # biases and RMSNorms (Qwen2.5-VL's); else q, k, v, out and two MLP linears, and LayerNorms (CLIP, SigLIP).
+    fused_qkv: bool = False
+    gated_mlp: bool = False
+
+    @property
+    def patches(self) -> int:
+        return self.grid_h * self.grid_w
+
+    @property
+    def units(self) -> int:
+        """Reducible units per item: a patch, or a merge group for Qwen2-VL."""
+        return self.patches // self.merge
+
+    def tokens(self, units: int) -> int:
+        """Tower tokens of an item that holds `units` reducible units."""
+        return units * self.merge + int(self.has_cls)
+
+    def windowed(self, layer: int) -> bool:
+        """Whether `layer` attends within windows (Qwen2.5-VL's layers outside fullatt_block_indexes)."""
+        return bool(self.window_groups) and layer not in self.full_attention_layers
+
+    def attention_pairs(self, layer: int, units: int) -> int:
+        """Query-key pairs of one item's attention in `layer` when it holds `units` units: tokens^2
+        under full attention, the sum over windows of (tokens in the window)^2 in a window layer.
+        Below the full count the kept units are spread over the windows in proportion to their size
+        (largest remainder): the estimate of an analytic count, since which windows lose groups is
+        known only once the method ran (a verification counts the windows the run measured)."""
+        tokens = self.tokens(units)
+        if not self.windowed(layer):
+            return tokens * tokens
+        total = sum(self.window_groups)
+        if units >= total:
+            kept = list(self.window_groups)
+        else:
+            shares = [units * w / total for w in self.window_groups]
+            kept = [int(share) for share in shares]
+            order = sorted(range(len(shares)), key=lambda k: kept[k] - shares[k])
+            for k in order[:units - sum(kept)]:
+                kept[k] += 1
+        return sum((k * self.merge) ** 2 for k in kept)
+
+
+@dataclass(frozen=True)
+class Projector:
+    """The multimodal projector: linears applied to every visual token that reaches the LLM."""
+
+    linears: tuple[tuple[int, int], ...]
+    norm_dim: int  # Qwen2-VL's merger normalises the patches first; 0 when absent
+    norm_params_per_dim: int = 2  # LayerNorm: weight and bias; Qwen2.5-VL's RMSNorm: weight only
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """The LLM decoder: LLaMA-style layers with grouped-query attention and a gated FFN."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    qkv_bias: bool
+    tied_embeddings: bool
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Everything the accountant needs about one model and one input layout."""
+
+    name: str
+    family: str
+    vision: VisionTower
+    projector: Projector
+    decoder: Decoder
+    visual_tokens: int  # visual tokens per image in the LLM, unreduced
+    newline_tokens: int  # LLaVA-NeXT's row separators inside the visual span (never removed)
+    cls_in_llm: bool  # Video-LLaVA passes each frame's [CLS] to the LLM
+    unpadding_drops: int  # LLaVA-NeXT tokens removed by unpadding (depends on the aspect ratio)
+    image_newline_param: bool
+    text_tokens: int
+    # Per method with a `first_layer` hyperparameter: the profile's first reducing layer (its
+    # ficoco.first_reducing_layer section), else the registry entry's default.
+    first_reducing_layers: tuple[tuple[str, int], ...]
+    image_size: tuple[int, int] | None
+    # Visual tokens the projector maps that the LLM never receives, beyond unpadding's: LLaVA-OneVision's
+    # bilinear downscale of a packed image over its anyres_max_N budget, and its 2x2 pooling of every
+    # video frame (both resample the projected grid).
+    post_projector_drops: int = 0
+    # Why a method that cuts every item before the LLM cannot run on this layout ("" when it can): a
+    # resampled grid needs every patch in place.
+    resampled: str = ""
+    # LLaVA-OneVision's video: frames pooled 2x2 after the projector, (frames, pooled tokens per frame).
+    pooled_frames: tuple[int, int] | None = None
+    # Qwen2-VL's (Qwen2.5-VL's) video: the frames given (--frames); its tower items are the temporal slices of
+    # temporal_patch frames each (the last padded by repetition, as the processor does). None: an image.
+    video_frames: int | None = None
+
+    def first_reducing_layer(self, method: str) -> int:
+        """The first layer method `method` reduces at by default (its entry's `first_layer`, or the profile's)."""
+        layers = dict(self.first_reducing_layers)
+        if method not in layers:
+            raise FicocoError(f"{method} has no first reducing layer (its registry entry has no first_layer)")
+        return layers[method]
+
+    def llm_visual_tokens(self, units_per_item: int) -> int:
+        """Visual tokens in the LLM when every item keeps `units_per_item` units."""
+        if units_per_item == self.vision.units:
+            return self.visual_tokens
+        per_item = units_per_item + int(self.cls_in_llm)
+        return self.vision.items * per_item + self.newline_tokens
+
+
+def whole(key: str, value: Any, low: int = 1, high: int = MAX_COUNT) -> int:
+    """A config count: a whole number in [low, high] (JSON's 4.0 and true are not)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise FicocoError(f"config value {key}={value!r} must be a whole number from {low} to {high}")
+    return value
+
+
+def get(cfg: dict[str, Any], key: str, defaults: dict[str, Any]) -> Any:
+    value = cfg.get(key)
+    value = defaults[key] if value is None else value
+    if isinstance(defaults[key], int) and not isinstance(defaults[key], bool):
+        high = MAX_LAYERS if key in ("num_hidden_layers", "depth") else MAX_COUNT
+        return whole(key, value, high=high)
+    return value
+
+
+def size(key: str, value: Any) -> tuple[int, int]:
+    """An image size in pixels: [height, width]."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_COUNT for x in value)):
+        shown = list(value) if isinstance(value, tuple) else value
+        raise FicocoError(f"config value {key}={shown!r} must be [height, width] in whole pixels from 1 to {MAX_COUNT}")
+    return value[0], value[1]
+
+
+def feature_layer(value: Any, layers: int) -> int:
+    """0-based layer whose output hidden_states[value] is (hidden_states[0] is the embedding)."""
+    indices = value if isinstance(value, list) else [value]
+    if not indices or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise FicocoError(f"config value vision_feature_layer={value!r} must be a layer index or a list of them")
+    index = max(indices)
+    index = index + layers + 1 if index < 0 else index
+    if not 1 <= index <= layers:
+        raise FicocoError(f"vision_feature_layer {value} is outside a {layers}-layer tower")
+    return index - 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a family's shape module plans for, besides the config: the profile's name and toolkit
+    defaults, and the input (an image of `image_size` (H, W), or the `frames` asked for; None: the
+    profile's default)."""
+
+    name: str
+    family: str
+    defaults: dict[str, Any]
+    text_tokens: int
+    first_reducing_layers: tuple[tuple[str, int], ...]
+    image_size: tuple[int, int] | None
+    frames: int | None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family as the accountant knows it: its `model_type`, the toolkit's defaults for a
+    bare config.json of it (`ficoco` section), the inputs it takes, and its shape function
+    (config dict, layout) -> Architecture."""
+
+    name: str
+    defaults: dict[str, Any]
+    shape: Callable[[dict[str, Any], Layout], Architecture]
+    takes_image_size: bool = False
+    takes_frames: bool = False
+    # The input is an image or a video, not both (frames= makes it a video of frames at the tower's own
+    # size); else frames= and image_size= together give a video of frames of that size.
+    image_or_video: bool = False
+    # The profile defaults, with the family named first (as a profile's ficoco section has it).
+    profile_defaults: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "profile_defaults", {"family": self.name, **self.defaults})
+
+
+def check_divisible(section: str, key: str, value: int, by_key: str, by: int, refuser: str) -> None:
+    """Refuse `section.key=value` when it is not a multiple of `section.by_key=by`, as transformers'
+    `refuser` does (a config class's validator, or a module's constructor or reshape)."""
+    if by and value % by:
+        prefix = f"{section}." if section else ""
+        raise FicocoError(f"{prefix}{key}={value} is not divisible by {prefix}{by_key}={by}; {refuser} refuses "
+                          f"it: give a {key} that is a multiple of {by_key}")
