@@ -1,6 +1,6 @@
-"""Hand-computed counts for every convention of ACCOUNTING.md.
+"""Hand-computed counts for every convention of docs/accounting.md.
 
-Each expected value is written out from the formulas of ACCOUNTING.md with the profile's
+Each expected value is written out from the formulas of docs/accounting.md with the profile's
 literal numbers, as plain integer arithmetic that uses none of the library's helpers:
 
 - llava-1.5-7b: text 60 + visual 576 = 636 tokens, h=4096, 32 q/kv heads of 128, I=11008,
@@ -44,7 +44,7 @@ def vision_layers(by_layer):
                                                         k[1] is not None) + 1)]
 
 
-# ---- hand formulas of ACCOUNTING.md (flops convention), plain integers -------------------------------------
+# ---- hand formulas of docs/accounting.md (flops convention), plain integers -------------------------------------
 
 def hand_llama_layer(n_in, n_out, h, kv_out, ffn):
     """q, o: 2*2nh^2; k, v: 2*2nh*kv_out; scores + values: 2*2*n^2*h over the entering tokens;
@@ -211,7 +211,7 @@ def test_macs_vanilla_by_hand(arch_of):
 # ---- llm-viewer ----------------------------------------------------------------------------------------
 
 def hand_viewer_layer(b, s_in, s_out, h, nh, nkv, hd, ffn):
-    """LLM-Viewer's OPs of one prefill layer (ACCOUNTING.md), with the reduction between attention and MLP."""
+    """LLM-Viewer's OPs of one prefill layer (docs/accounting.md), with the reduction between attention and MLP."""
     linears = 2 * b * s_in * (h * nh * hd + h * nkv * hd * 2 + nh * hd * h) + 2 * b * s_out * (2 * h * ffn + ffn * h)
     qk_sv = 2 * (s_in * s_in * hd * nh * b * 2)
     softmax = 5 * b * nh * s_in * s_in
@@ -490,7 +490,7 @@ def hand_roofline(records, peak, bandwidth):
     return sum(max(ops / peak, nbytes / bandwidth) for ops, nbytes in records)
 
 
-A100_80 = (2039e9, 312e12, 624e12)  # bandwidth, FP16 and INT8 peaks (ACCOUNTING.md table)
+A100_80 = (2039e9, 312e12, 624e12)  # bandwidth, FP16 and INT8 peaks (docs/accounting.md table)
 
 
 @pytest.mark.parametrize("quant,bytes_wakv", [("fp16", (2, 2, 2)), ("int8", (1, 1, 1))])

@@ -187,7 +187,7 @@ def test_profiles_are_not_shared_between_loads():
     assert load_profile("llava-tiny").config == snapshot
 
 
-# ACCOUNTING.md's roofline table (bandwidth B/s, FP16 op/s, INT8 op/s); H200 from NVIDIA's datasheet.
+# docs/accounting.md's roofline table (bandwidth B/s, FP16 op/s, INT8 op/s); H200 from NVIDIA's datasheet.
 HARDWARE = {
     "a100-40gb": (1555e9, 312e12, 624e12),
     "a100-80gb": (2039e9, 312e12, 624e12),

@@ -2,7 +2,7 @@
 
 Every op of a prefill is one `Op` record (LLM-Viewer's habit: one record shape for all ops):
 its matrix multiply-accumulates, its LLM-Viewer OPs, and the elements it loads and stores.
-The conventions of ACCOUNTING.md are sums over these records, except `paper`, which is the
+The conventions of docs/accounting.md are sums over these records, except `paper`, which is the
 FiCoCo appendix's closed formula per layer.
 """
 

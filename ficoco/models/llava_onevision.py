@@ -17,7 +17,7 @@ what OneVision does differently from LLaVA-NeXT (ficoco.models.llava_next, whose
   that cuts frames before the LLM is refused (the pooling needs every patch of the frame), except one
   that cuts after the pooling (`MethodSpec.pooled_grid`: HoliTom, where its official code acts on
   OneVision), which reads a video's frames together, with the attention each patch receives pooled alike.
-- SigLIP has no [CLS]: FiCoCo-V scores with FiCoCo's equivalent token (SPEC.md), and the methods
+- SigLIP has no [CLS]: FiCoCo-V scores with FiCoCo's equivalent token (docs/methods/ficoco.md), and the methods
   that rank by the [CLS] attention use it too (their registry `cls_note`).
 """
 
