@@ -18,10 +18,10 @@ import ficoco
 from ficoco.accounting.flops import CONVENTIONS, LM_HEAD_TOKENS, SCOPES
 from ficoco.accounting.memory import QUANT_BITS
 from ficoco.accounting.schedule import SHAPES
-from ficoco.compare import JUDGE_CHOICES
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import METHODS, PRESETS, VARIANTS
-from ficoco.sweep_exec import EXECUTORS
+from ficoco.report.compare import JUDGE_CHOICES
+from ficoco.sweep.executors import EXECUTORS
 from ficoco.versions import package_versions, report_environment
 from ficoco_cli import options as check
 from ficoco_cli.flags import cli_message, error_text
@@ -282,7 +282,7 @@ def _verify_flops(model: str, variants: list[str], *, keep: int | None, preset: 
     """`ficoco flops --verify`: the prefill under fvcore and torch's counter against the analytic count, per stage."""
     from ficoco import accounting as acc
     from ficoco.profiles import load_profile, set_layout
-    from ficoco.verify import check_supported
+    from ficoco.profiling.verify import check_supported
     from ficoco_cli.verify_cmd import check_verify_options, verify_command
 
     profile = load_profile(model, set_values or [])
@@ -416,8 +416,8 @@ def compare_command(
         "--output", callback=check.output_file, help="Write the comparison to this file.")] = None,
 ) -> None:
     """Compare two profile reports: exit 1 on a regression, 0 otherwise."""
-    from ficoco.compare import compare, read_report
     from ficoco.report import write_text_atomic
+    from ficoco.report.compare import compare, read_report
     from ficoco_cli.report_cmd import comparison_json, comparison_markdown, comparison_table
 
     result = compare(read_report(base), read_report(new), tolerance_pct=tolerance, absolute=absolute, judge=judge,
@@ -594,7 +594,7 @@ def sweep_command(
                 raise FicocoError(f"{name} applies when models run; add --measure or --fidelity")
     if out_folder is not None and not out_folder.strip():
         raise FicocoError("--out is empty; give a folder for the sweep's results store")
-    from ficoco.sweep_exec import ExecutorOptions
+    from ficoco.sweep.executors import ExecutorOptions
 
     options = ExecutorOptions(name=executor, workers=workers, gpus_per_point=gpus_per_point,
                               cpus_per_point=cpus_per_point, ray_address=ray_address, slurm_partition=slurm_partition,

@@ -1,5 +1,5 @@
 """`ficoco sweep`, `ficoco show` and `ficoco report --plot`: wiring and rendering only (the work
-is in ficoco.sweep, ficoco.show and ficoco.figures)."""
+is in ficoco.sweep, ficoco.profiling.show and ficoco.sweep.figures)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def sweep_table(report: dict[str, Any]) -> Table:
                        f"{cli_message(str(entry.get('error')))}")
     progress = report.get("progress") or {}
     if progress and progress.get("done") != progress.get("total"):
-        from ficoco.sweep_store import Progress
+        from ficoco.sweep.store import Progress
 
         skipped.append(f"store {report.get('store')}: {Progress(**progress).line()}")
     if report.get("concurrency_note"):
@@ -68,7 +68,7 @@ def _num(value: Any, fmt: str, suffix: str = "") -> str:
 
 def draw_report(report: dict[str, Any], folder: str, console: Console) -> list[str]:
     """Every figure the report has data for, as PNG and SVG in `folder`; the paths written."""
-    from ficoco.figures import save_figure, sweep_figures
+    from ficoco.sweep.figures import save_figure, sweep_figures
 
     written: list[str] = []
     for name, figure in sweep_figures(report).items():
@@ -115,8 +115,8 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
                 json_path: str | None, plot: str | None, console: Console) -> tuple[dict[str, Any], list[str]]:
     from ficoco.report import write_json_atomic
     from ficoco.sweep import check_run_here
-    from ficoco.sweep_exec import ExecutorOptions, make_executor, run_points
-    from ficoco.sweep_store import SweepStore
+    from ficoco.sweep.executors import ExecutorOptions, make_executor, run_points
+    from ficoco.sweep.store import SweepStore
 
     options = options or ExecutorOptions(device=config.device)
     if options.name == "local":
@@ -138,7 +138,7 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
         if json_path and json_path != "-":
             write_json_atomic(json_path, current)
         if plot and time.monotonic() - drawn[0] >= REDRAW_EVERY_S:
-            from ficoco.figures import save_figure, sweep_figures
+            from ficoco.sweep.figures import save_figure, sweep_figures
 
             for name, figure in sweep_figures(current).items():
                 save_figure(figure, plot, name)
@@ -212,9 +212,9 @@ def run_show(*, model: str, variant: str, keep: int | None, tflops: float | None
 
     import torch
 
-    from ficoco.figures import save_figure, token_figure
     from ficoco.models.build import build_model
-    from ficoco.show import Layout, picture_inputs, show_data, to_json
+    from ficoco.profiling.show import Layout, picture_inputs, show_data, to_json
+    from ficoco.sweep.figures import save_figure, token_figure
 
     built = build_model(profile if weights == "random" else model, weights, dtype=dtype, device="cpu", seed=seed)
     layout = Layout(built)

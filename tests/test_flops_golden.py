@@ -8,7 +8,6 @@ import gzip
 import json
 
 import pytest
-
 from golden.make_flops_golden import GOLDEN, run
 
 GOLDEN_CASES = json.loads(gzip.decompress(GOLDEN.read_bytes()))
