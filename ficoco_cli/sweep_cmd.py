@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ficoco.accounting.request import ScheduleRequest
 from ficoco.errors import FicocoError
 from ficoco_cli.flags import cli_message
 
@@ -186,8 +187,7 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
     return save(), failed
 
 
-def run_show(*, model: str, variant: str, keep: int | None, tflops: float | None, schedule: str | None,
-             shape: str | None, first_layer: int | None, image: str | None, layer: int | None, out: str,
+def run_show(*, model: str, variant: str, request: ScheduleRequest, image: str | None, layer: int | None, out: str,
              json_path: str | None, weights: str, overrides: list[str], seed: int, dtype: str,
              console: Console) -> dict[str, Any]:
     """Run the model once under the method on the image and draw its tokens (and write the data)."""
@@ -204,8 +204,7 @@ def run_show(*, model: str, variant: str, keep: int | None, tflops: float | None
     source = weights if weights != "random" and Path(weights).expanduser().is_dir() else None
     profile = load_profile(source or model, overrides)
     arch = acc.architecture(profile)
-    sched = acc.resolve_schedule(arch, variant, acc.CountOptions(), keep=keep, tflops=tflops, schedule=schedule,
-                                 shape=shape, first_layer=first_layer)
+    sched = acc.resolve_schedule(arch, variant, acc.CountOptions(), request)
     if layer is not None and layer not in sched.removed_at():
         layers = ", ".join(str(k) for k in sorted(sched.removed_at())) or "none"
         raise FicocoError(f"--layer {layer} does not reduce in this schedule; reducing layers: {layers}")
@@ -221,7 +220,8 @@ def run_show(*, model: str, variant: str, keep: int | None, tflops: float | None
     inputs, pictures = picture_inputs(built, layout, image, weights=weights, seed=seed)
     data = show_data(built, variant, sched, inputs, layout, pictures)
     budget = next(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
-                  for name, value in (("keep", keep), ("tflops", tflops), ("schedule", schedule), ("all", "tokens"))
+                  for name, value in (("keep", request.keep), ("tflops", request.tflops),
+                                      ("schedule", request.schedule), ("all", "tokens"))
                   if value is not None)
     data.update(model=arch.name, weights=weights, random_weights=weights == "random", image=image, budget=budget,
                 device="cpu", compute_dtype=str(next(built.parameters()).dtype).removeprefix("torch."),

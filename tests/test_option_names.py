@@ -71,7 +71,7 @@ def _library_keywords() -> set[str]:
     from ficoco.profiling.verify import verify
     from ficoco.report.compare import compare
     from ficoco.report.flops import flops_report
-    from ficoco.report.profile import plan_profile
+    from ficoco.report.profile import profile_config as plan_profile
     from ficoco.sweep import SweepConfig
     from ficoco.sweep.executors import ExecutorOptions
     from ficoco.sweep.figures import token_figure

@@ -12,7 +12,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from ficoco.errors import FicocoError
 from ficoco.machine.dtype_choice import DtypeChoice, row_dtypes
 from ficoco.models import hf_compat as hf
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
+from ficoco.profiling.config import ProfileConfig
 from ficoco.profiling.decode import DecodeRun, decode_metrics, timed_generate
 from ficoco.profiling.predict import PASSES, model_weights, rates_for, row_prediction
 from ficoco.profiling.runs import choose_runs, max_runs
@@ -37,45 +38,6 @@ _GPU_NAMES: tuple[tuple[str, str | None], ...] = (
     ("a800", "a800-80gb"), ("a100-sxm4-80gb", "a100-80gb"), ("a100 80gb", "a100-80gb"),
     ("a100-pcie-80gb", "a100-80gb"), ("a100", "a100-40gb"))
 BUILD_STEP = "building the model"
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    """Everything that defines a profile run (written into the report beside its rows)."""
-
-    model: str
-    variants: tuple[str, ...] = ("vanilla", "v")
-    keep: int | None = None
-    tflops: float | None = None
-    schedule: str | None = None
-    shape: str | None = None
-    first_layer: int | None = None
-    convention: str = "flops"
-    scope: str = "llm"
-    equivalent: bool = False
-    quants: tuple[str, ...] = ("fp16",)
-    batches: tuple[int, ...] = (1,)
-    text_tokens: int = 60
-    new_tokens: int = 0
-    warmup: int | None = None  # None: chosen per row by the time rule (profiling/runs.py)
-    repeat: int | None = None
-    device: str = "auto"
-    weights: str = "random"
-    image: str | None = None
-    prompt: str | None = None
-    overrides: tuple[str, ...] = ()
-    seed: int = 0
-    kv_bits: int | None = None
-    image_size: tuple[int, int] | None = None  # (H, W)
-    frames: int | None = None
-    dtype: str = "auto"  # auto, bf16, fp16, fp32 (dtype_choice.choose_dtype)
-    video: str | None = None  # a video file or a folder of frames (Video-LLaVA)
-    fidelity: bool = False  # reduced rows against vanilla on the same inputs (profiling/fidelity.py)
-    device_map: str | None = None  # auto, balanced, cpu-offload: split through accelerate (models/device_map.py)
-    max_memory: str | None = None  # per-device limits of the device map: "cpu=200MiB,cuda:0=20GiB"
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -227,9 +189,7 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     arch = architecture(profile)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
                         text_tokens=config.text_tokens)
-    resolved, skipped = resolve_side_by_side(arch, list(config.variants), opts, strict=False, keep=config.keep,
-                                             tflops=config.tflops, schedule=config.schedule, shape=config.shape,
-                                             first_layer=config.first_layer)
+    resolved, skipped = resolve_side_by_side(arch, list(config.variants), opts, config.request, strict=False)
     schedules = {schedule.variant: schedule for schedule in resolved}
     # Several methods side by side run on any family: one it refuses, or one that cannot reach the
     # setting, is left out with its reason (said before the run, and kept in the report's notes).

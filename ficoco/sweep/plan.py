@@ -76,6 +76,10 @@ class SweepConfig:
             return [{"keep": n} for n in self.keep]
         return [{"tflops": x} for x in self.tflops]
 
+    def request(self, budget: dict[str, float] | None) -> acc.ScheduleRequest:
+        """The schedule request of a point at `budget` (one of `budgets`; None: the method's default)."""
+        return acc.ScheduleRequest(shape=self.shape, first_layer=self.first_layer, **(budget or {}))
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -158,8 +162,7 @@ def plan_points(config: SweepConfig, profile: Profile, skipped: list[dict[str, A
                                       "reason": f"refused on {arch.family}: {reason}"}, error))
                     continue
                 try:
-                    schedule = acc.resolve_schedule(arch, variant, opts, shape=config.shape,
-                                                    first_layer=config.first_layer, **(budget or {}))
+                    schedule = acc.resolve_schedule(arch, variant, opts, config.request(budget))
                 except FicocoError as exc:
                     if variant == VANILLA:
                         raise FicocoError(f"{where}: {exc}") from None
@@ -239,10 +242,8 @@ def profile_config(config: SweepConfig, variants: tuple[str, ...], quants: tuple
     memory check plans for its row, the largest)."""
     from ficoco.profiling.matrix import ProfileConfig
 
-    first = config.budgets[0]
-    return ProfileConfig(
-        model=config.model, variants=tuple(dict.fromkeys((VANILLA, *variants))), keep=first.get("keep"),
-        tflops=first.get("tflops"), shape=config.shape, first_layer=config.first_layer,
+    return ProfileConfig.with_request(
+        config.model, config.request(config.budgets[0]), variants=tuple(dict.fromkeys((VANILLA, *variants))),
         convention=config.convention, scope=config.scope, quants=quants, batches=(1,),
         text_tokens=config.text_tokens, warmup=config.warmup, repeat=config.repeat, device=config.device,
         weights=config.weights, overrides=config.overrides, seed=config.seed, image_size=config.image_size,
