@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ficoco.compare import compare, read_report
+from ficoco.report.compare import compare, read_report
 from ficoco.testing_hooks import DELAY_REDUCTION_VARIABLE
 
 

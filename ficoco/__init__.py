@@ -4,6 +4,12 @@ Importing the package is cheap and never imports torch: the accounting path
 (`ficoco flops`, `ficoco.flops(...)`) must start in well under a second. The model-facing API
 (`build_model`, `apply`, `profile`) is loaded on first use. `flops` and `profile` return the
 reports the CLI writes (`ficoco.report`).
+
+The typed requests: `ScheduleRequest` (at most one of keep / preset / tflops / schedule, with shape
+and first layer), taken whole by `flops`, `apply` and `profile` as `request=` (their keywords of the
+same names spell one), and `ProfileConfig`, the one record of a profile run:
+`ficoco.profile(ficoco.ProfileConfig(model="llava-tiny", variants=("vanilla", "v"), keep=8))`
+or `ficoco.profile("llava-tiny", "v", keep=8)`.
 """
 
 from __future__ import annotations
@@ -12,11 +18,13 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "FicocoError", "apply", "build_model", "flops", "profile", "quantized_cache"]
+__all__ = ["__version__", "FicocoError", "ProfileConfig", "ScheduleRequest", "apply", "build_model", "flops", "profile",
+           "quantized_cache"]
 
 from ficoco.errors import FicocoError
 
-_LAZY = {"build_model": "ficoco.api", "apply": "ficoco.api", "quantized_cache": "ficoco.models.kv_cache"}
+_LAZY = {"build_model": "ficoco.api", "apply": "ficoco.api", "quantized_cache": "ficoco.models.kv_cache",
+         "ScheduleRequest": "ficoco.accounting.request", "ProfileConfig": "ficoco.profiling.config"}
 # The report builders, under the names a user calls: ficoco.flops(...), ficoco.profile(...).
 _LAZY_AS = {"flops": ("ficoco.report.flops", "flops_report"), "profile": ("ficoco.report.profile", "profile_report")}
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ficoco.accounting import CountOptions, architecture, resolve_schedule
+from ficoco.accounting import CountOptions, ScheduleRequest, architecture, resolve_schedule
 from ficoco.accounting.schedule import Schedule, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods.hyperparameters import Hyperparameters
@@ -25,7 +25,7 @@ from ficoco.models.entry import Entry
 from ficoco.models.handle import Handle, LayerRecord
 from ficoco.profiles import FAMILY_DEFAULTS, Profile
 
-__all__ = ["Handle", "Hyperparameters", "LayerRecord", "apply", "build_model", "profile_of"]
+__all__ = ["Handle", "Hyperparameters", "LayerRecord", "ScheduleRequest", "apply", "build_model", "profile_of"]
 
 
 def profile_of(model: nn.Module, name: str | None = None) -> Profile:
@@ -56,13 +56,17 @@ def check_cache_implementation(model: nn.Module) -> None:
 def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int, int] | None = None,
           keep: int | None = None, tflops: float | None = None, count: CountOptions | None = None,
           first_layer: int | None = None, shape: str | None = None, image_size: tuple[int, int] | None = None,
-          frames: int | None = None, preset: int | None = None, **hyperparameters: Any) -> Handle:
+          frames: int | None = None, preset: int | None = None, request: ScheduleRequest | None = None,
+          **hyperparameters: Any) -> Handle:
     """Patch `model` with a reduction method (`ficoco methods` lists them) and return the handle.
 
     The schedule comes from the accountant: an explicit `schedule` (a Schedule, `"12:40,..."`
     or {layer: removed}), `keep` visual tokens (each method's `--keep` meaning), a `preset`
     (the literature's 192/128/64 row), or a `tflops` budget under `count`'s convention and scope;
-    methods other than FiCoCo-V and -L fall back to their official default setting. `image_size`
+    methods other than FiCoCo-V and -L fall back to their official default setting. Those keywords
+    (with `shape` and `first_layer`) are the spelling of one `ficoco.accounting.ScheduleRequest`,
+    which may be given whole as `request=` instead (not both); a resolved `Schedule` is used as it
+    is. `image_size`
     (H, W) and `frames` describe the input where the token count depends on them (LLaVA-NeXT,
     Qwen2-VL, Video-LLaVA); the profile's defaults otherwise. Hyperparameters default to the
     paper's: FiCoCo's (see `Hyperparameters`), or the method's registry entry's.
@@ -83,6 +87,11 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     arch = architecture(profile, image_size=image_size, frames=frames)
     spec.check_runs(arch.family, arch.name)  # before anything is planned or patched: one line on why not
     opts = count or CountOptions()
+    if not isinstance(schedule, Schedule):  # the request, checked once, before anything is planned
+        request = ScheduleRequest.of(request, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                                     first_layer=first_layer)
+    elif request is not None:
+        raise FicocoError("give request= or a resolved schedule=, not both")
     fields = {f.name for f in dataclasses.fields(Hyperparameters)}
     if isinstance(schedule, Schedule):
         sched = schedule
@@ -93,8 +102,7 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     else:
         # The entry's planner plans every method: the request's keep / preset / budget / schedule, and the
         # hyperparameters (checked against the entry's).
-        sched = resolve_schedule(arch, variant, opts, keep=keep, tflops=tflops, schedule=schedule, shape=shape,
-                                 first_layer=first_layer, preset=preset, hyperparameters=hyperparameters)
+        sched = resolve_schedule(arch, variant, opts, request, hyperparameters=hyperparameters)
     # FiCoCo's hyperparameters live on the handle (set per handle); the others in the schedule's settings.
     params = Hyperparameters(**{name: value for name, value in hyperparameters.items() if name in fields})
     if sched.variant != variant:
@@ -106,7 +114,7 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     # the patched path and can be checked against the unpatched model. A refusal on the way
     # leaves the model as it was.
     try:
-        _install(adapter, handle, spec, sched, arch, removed, first_layer)
+        _install(adapter, handle, spec, sched, arch, removed, request.first_layer if request else first_layer)
     except BaseException:
         handle._patches.undo()
         raise

@@ -6,7 +6,7 @@ CI gate's power to catch a slower reduction can be shown (benchmarks/gate_noise.
 made with it set records the fact in its environment (`test_hooks`). Never set it otherwise.
 
 FICOCO_TEST_SWEEP_POINT_DELAY_MS: a sweep's worker sleeps this long after claiming its point and
-before building its model (ficoco.sweep_worker), so that a test can kill a worker or the driver
+before building its model (ficoco.sweep.worker), so that a test can kill a worker or the driver
 while points run. It delays no timed span.
 """
 

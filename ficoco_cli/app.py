@@ -17,14 +17,15 @@ from rich.console import Console
 import ficoco
 from ficoco.accounting.flops import CONVENTIONS, LM_HEAD_TOKENS, SCOPES
 from ficoco.accounting.memory import QUANT_BITS
+from ficoco.accounting.request import ScheduleRequest
 from ficoco.accounting.schedule import SHAPES
-from ficoco.compare import JUDGE_CHOICES
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import METHODS, PRESETS, VARIANTS
-from ficoco.sweep_exec import EXECUTORS
+from ficoco.report.compare import JUDGE_CHOICES
+from ficoco.sweep.executors import EXECUTORS
 from ficoco.versions import package_versions, report_environment
 from ficoco_cli import options as check
-from ficoco_cli.flags import cli_message, error_text
+from ficoco_cli.flags import FLAGS, cli_message, error_text
 from ficoco_cli.options import parse_image_size, split_list
 from ficoco_cli.report_cmd import FORMATS, REPORT_FORMATS
 
@@ -58,22 +59,24 @@ def root(
     """FiCoCo visual-token reduction for multimodal LLMs: analytic costs, patched models, measurements."""
 
 
-def check_schedule_options(variants: list[str], keep: int | None, tflops: float | None, schedule: str | None,
-                           preset: int | None = None) -> None:
-    """At most one schedule option, and one when a method without an official default setting runs (FiCoCo-V
-    and -L; the other methods fall back to theirs); none when nothing reduces (it would be ignored)."""
-    given = [name for name, value in (("--keep", keep), ("--preset", preset), ("--tflops", tflops),
-                                      ("--schedule", schedule)) if value is not None]
+def schedule_request(variants: list[str], *, keep: int | None, preset: int | None, tflops: float | None,
+                     schedule: str | None, shape: str | None, first_layer: int | None) -> ScheduleRequest:
+    """The command's schedule request (its constructor refuses several of --keep, --preset, --tflops and
+    --schedule), checked against the variants: one source when a method without an official default
+    setting runs (FiCoCo-V and -L; the other methods fall back to theirs), none when nothing reduces
+    (it would be ignored)."""
+    request = ScheduleRequest(keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                              first_layer=first_layer)
+    given = [FLAGS[name.removesuffix("=")] for name in request.given()]
     reducing = [v for v in variants if v != "vanilla"]
     if given and not reducing:
         raise FicocoError(f"{given[0]} applies to the reducing methods ({', '.join(METHODS)}); add one with "
                           f"--variant (e.g. --variant {next(iter(METHODS))})")
-    if len(given) > 1:
-        raise FicocoError(f"give one of --keep, --preset, --tflops and --schedule, not {' and '.join(given)}")
     needs_schedule = [v for v in reducing if not METHODS[v].default_setting]
     if needs_schedule and not given:
         raise FicocoError(f"--variant {needs_schedule[0]} needs a schedule: give --keep, --preset, --tflops or "
                           "--schedule")
+    return request
 
 
 def check_wired(variants: list[str], where: str) -> None:
@@ -235,7 +238,8 @@ def flops_command(
     from ficoco_cli.render import compares_methods, flops_table, method_comparison_table, per_layer_table
 
     variants = split_list(variant, "--variant")
-    check_schedule_options(variants, keep, tflops, schedule, preset)
+    request = schedule_request(variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                               first_layer=first_layer)
     if verify:
         check_wired(variants, "ficoco flops --verify")
     if tolerance is not None and not verify:
@@ -244,15 +248,13 @@ def flops_command(
         raise FicocoError("--dtype applies to --verify (the analytic count has no dtype; --quant sets its bit "
                           "widths); add --verify")
     if verify:
-        _verify_flops(model, variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
-                      first_layer=first_layer, convention=convention, scope=scope, equivalent=equivalent,
+        _verify_flops(model, variants, request, convention=convention, scope=scope, equivalent=equivalent,
                       quant=quant, kv_bits=kv_bits, gpu=gpu, text_tokens=text_tokens, batch=batch, lm_head=lm_head,
                       image_size=image_size, frames=frames, per_layer=per_layer, set_values=set_values,
                       json_path=json_path, tolerance=tolerance, dtype=dtype)
         return
     quants = split_list(quant, "--quant")
-    report = ficoco.flops(model, variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
-                          first_layer=first_layer, convention=convention, scope=scope, equivalent=equivalent,
+    report = ficoco.flops(model, variants, request=request, convention=convention, scope=scope, equivalent=equivalent,
                           quants=quants, kv_bits=kv_bits, gpu=gpu, text_tokens=text_tokens, batch=batch,
                           lm_head=lm_head, image_size=parse_image_size(image_size), frames=frames,
                           per_layer=per_layer, overrides=set_values or ())
@@ -273,8 +275,7 @@ def flops_command(
         write_json_atomic(json_path, report)
 
 
-def _verify_flops(model: str, variants: list[str], *, keep: int | None, preset: int | None, tflops: float | None,
-                  schedule: str | None, shape: str | None, first_layer: int | None, convention: str, scope: str,
+def _verify_flops(model: str, variants: list[str], schedule_request: ScheduleRequest, *, convention: str, scope: str,
                   equivalent: bool, quant: str, kv_bits: int | None, gpu: str | None, text_tokens: int | None,
                   batch: int, lm_head: str, image_size: str | None, frames: int | None, per_layer: bool,
                   set_values: list[str] | None, json_path: str | None, tolerance: float | None,
@@ -282,7 +283,7 @@ def _verify_flops(model: str, variants: list[str], *, keep: int | None, preset: 
     """`ficoco flops --verify`: the prefill under fvcore and torch's counter against the analytic count, per stage."""
     from ficoco import accounting as acc
     from ficoco.profiles import load_profile, set_layout
-    from ficoco.verify import check_supported
+    from ficoco.profiling.verify import check_supported
     from ficoco_cli.verify_cmd import check_verify_options, verify_command
 
     profile = load_profile(model, set_values or [])
@@ -292,11 +293,11 @@ def _verify_flops(model: str, variants: list[str], *, keep: int | None, preset: 
     arch = acc.architecture(profile)
     opts = acc.CountOptions(convention=convention, scope=scope, equivalent=equivalent, batch=batch,
                             text_tokens=text_tokens, lm_head_tokens=lm_head)
-    schedules, _ = acc.resolve_side_by_side(arch, variants, opts, strict=True, keep=keep, tflops=tflops,
-                                            schedule=schedule, shape=shape, first_layer=first_layer, preset=preset)
-    request = {"variants": variants, "keep": keep if preset is None else preset, "tflops": tflops,
-               "schedule": schedule, "shape": shape,
-               "first_layer": first_layer, "convention": convention, "scope": scope, "equivalent": equivalent}
+    schedules, _ = acc.resolve_side_by_side(arch, variants, opts, schedule_request, strict=True)
+    folded = schedule_request.folded()
+    request = {"variants": variants, "keep": folded.keep, "tflops": folded.tflops, "schedule": folded.schedule,
+               "shape": folded.shape, "first_layer": folded.first_layer, "convention": convention, "scope": scope,
+               "equivalent": equivalent}
     code = verify_command(profile, schedules, text_tokens=text_tokens, batch=batch, lm_head=lm_head,
                           tolerance=tolerance, per_layer=per_layer, json_path=json_path,
                           console=err if json_path == "-" else out, request=request, dtype=dtype or "auto")
@@ -370,14 +371,15 @@ def profile_command(
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
     from ficoco.profiling.config import parse_batches
+    from ficoco.report.profile import profile_config
     from ficoco_cli.profile_run import run_and_report
 
     variants = split_list(variant, "--variant")
-    check_schedule_options(variants, keep, tflops, schedule, preset)
+    request = schedule_request(variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                               first_layer=first_layer)
     check_wired(variants, "ficoco profile")
-    settings = dict(
-        model=model, variants=variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
-        first_layer=first_layer, convention=convention, scope=scope, reference=not no_reference,
+    config = profile_config(
+        model, variants, request=request, convention=convention, scope=scope, reference=not no_reference,
         quants=split_list(quant, "--quant"), batches=parse_batches(batch), text_tokens=text_tokens,
         new_tokens=new_tokens, warmup=warmup, repeat=repeat, device=device, weights=weights, image=image,
         prompt=prompt, overrides=set_values or (), seed=seed, kv_bits=kv_bits,
@@ -385,7 +387,7 @@ def profile_command(
         fidelity=fidelity, device_map=device_map, max_memory=max_memory,
     )
     console = out if json_path != "-" else err
-    report = run_and_report(settings, json_path, console, wide, dry_run=dry_run)
+    report = run_and_report(config, json_path, console, wide, dry_run=dry_run)
     if report is None:  # --dry-run: the plan and its estimate were printed
         return
     if not any(row.get("status") == "ok" for row in report["rows"]):
@@ -416,8 +418,8 @@ def compare_command(
         "--output", callback=check.output_file, help="Write the comparison to this file.")] = None,
 ) -> None:
     """Compare two profile reports: exit 1 on a regression, 0 otherwise."""
-    from ficoco.compare import compare, read_report
     from ficoco.report import write_text_atomic
+    from ficoco.report.compare import compare, read_report
     from ficoco_cli.report_cmd import comparison_json, comparison_markdown, comparison_table
 
     result = compare(read_report(base), read_report(new), tolerance_pct=tolerance, absolute=absolute, judge=judge,
@@ -594,7 +596,7 @@ def sweep_command(
                 raise FicocoError(f"{name} applies when models run; add --measure or --fidelity")
     if out_folder is not None and not out_folder.strip():
         raise FicocoError("--out is empty; give a folder for the sweep's results store")
-    from ficoco.sweep_exec import ExecutorOptions
+    from ficoco.sweep.executors import ExecutorOptions
 
     options = ExecutorOptions(name=executor, workers=workers, gpus_per_point=gpus_per_point,
                               cpus_per_point=cpus_per_point, ray_address=ray_address, slurm_partition=slurm_partition,
@@ -643,10 +645,10 @@ def show_command(
     """Draw the image with its patch grid: the tokens each reducing layer kept, discarded and merged."""
     from ficoco_cli.sweep_cmd import run_show
 
-    check_schedule_options([variant], keep, tflops, schedule)
-    run_show(model=model, variant=variant, keep=keep, tflops=tflops, schedule=schedule, shape=shape,
-             first_layer=first_layer, image=image, layer=layer, out=out_path, json_path=json_path, weights=weights,
-             overrides=list(set_values or ()), seed=seed, dtype=dtype,
+    request = schedule_request([variant], keep=keep, preset=None, tflops=tflops, schedule=schedule, shape=shape,
+                               first_layer=first_layer)
+    run_show(model=model, variant=variant, request=request, image=image, layer=layer, out=out_path,
+             json_path=json_path, weights=weights, overrides=list(set_values or ()), seed=seed, dtype=dtype,
              console=err if json_path == "-" else out)
 
 

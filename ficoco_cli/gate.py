@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ficoco.compare import (
+from ficoco.errors import FicocoError
+from ficoco.report.compare import (
     METRICS,
     Comparison,
     compare,
@@ -48,7 +49,6 @@ from ficoco.compare import (
     speedup_samples,
     vanilla_of,
 )
-from ficoco.errors import FicocoError
 from ficoco_cli.flags import cli_message, error_text
 
 REFERENCE = "reports/llava-tiny-cpu.json"

@@ -199,6 +199,6 @@ def budgets(option: str, value: str) -> None:
 @_when_given
 def plot_folder(option: str, value: str) -> None:
     """A folder for figures: created when its parent exists, checked writable before any work."""
-    from ficoco.figures import check_plot_folder
+    from ficoco.sweep.figures import check_plot_folder
 
     check_plot_folder(value, option)

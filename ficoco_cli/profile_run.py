@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from ficoco.profiling.config import ProfileConfig
 from ficoco.profiling.estimate import Eta, RunEstimate
 from ficoco.profiling.matrix import BUILD_STEP, Phase, Plan, RowSpec
 from ficoco.report import ProfilePlan, write_json_atomic
@@ -153,9 +154,9 @@ class ProgressDisplay:
         self.last = None
 
 
-def run_and_report(settings: dict[str, Any], json_path: str | None, console: Console, wide: bool = False,
+def run_and_report(config: ProfileConfig, json_path: str | None, console: Console, wide: bool = False,
                    dry_run: bool = False) -> dict[str, Any] | None:
-    """`ficoco.profile(**settings)` with the plan and its estimate printed first, a progress display,
+    """`ficoco.profile(config)` with the plan and its estimate printed first, a progress display,
     the report rewritten after every row (`--json FILE`) and its table at the end; returns the
     report (None after a dry run: the plan is printed, nothing else)."""
     import ficoco
@@ -188,7 +189,7 @@ def run_and_report(settings: dict[str, Any], json_path: str | None, console: Con
             held["display"].on_row(index, report["rows"][index])
 
         try:
-            ficoco.profile(on_plan=on_plan, on_phase=on_phase, on_row=on_row, dry_run=dry_run, **settings)
+            ficoco.profile(config, on_plan=on_plan, on_phase=on_phase, on_row=on_row, dry_run=dry_run)
         finally:
             stack.close()  # the progress display ends before the table
             if held.get("report", {}).get("rows"):

@@ -10,8 +10,8 @@ from typing import Any
 
 from rich.table import Table
 
-from ficoco.compare import Comparison
 from ficoco.errors import FicocoError
+from ficoco.report.compare import Comparison
 from ficoco_cli.flags import cli_message
 from ficoco_cli.render import fmt_bytes, markdown_table
 
@@ -40,7 +40,7 @@ def _change(x: float | None) -> str:
 
 
 def _units() -> dict[str, str]:
-    from ficoco.compare import METRICS
+    from ficoco.report.compare import METRICS
 
     return {m.name: m.unit for m in METRICS}
 

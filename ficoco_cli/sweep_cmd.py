@@ -1,5 +1,5 @@
 """`ficoco sweep`, `ficoco show` and `ficoco report --plot`: wiring and rendering only (the work
-is in ficoco.sweep, ficoco.show and ficoco.figures)."""
+is in ficoco.sweep, ficoco.profiling.show and ficoco.sweep.figures)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ficoco.accounting.request import ScheduleRequest
 from ficoco.errors import FicocoError
 from ficoco_cli.flags import cli_message
 
@@ -49,7 +50,7 @@ def sweep_table(report: dict[str, Any]) -> Table:
                        f"{cli_message(str(entry.get('error')))}")
     progress = report.get("progress") or {}
     if progress and progress.get("done") != progress.get("total"):
-        from ficoco.sweep_store import Progress
+        from ficoco.sweep.store import Progress
 
         skipped.append(f"store {report.get('store')}: {Progress(**progress).line()}")
     if report.get("concurrency_note"):
@@ -68,7 +69,7 @@ def _num(value: Any, fmt: str, suffix: str = "") -> str:
 
 def draw_report(report: dict[str, Any], folder: str, console: Console) -> list[str]:
     """Every figure the report has data for, as PNG and SVG in `folder`; the paths written."""
-    from ficoco.figures import save_figure, sweep_figures
+    from ficoco.sweep.figures import save_figure, sweep_figures
 
     written: list[str] = []
     for name, figure in sweep_figures(report).items():
@@ -115,8 +116,8 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
                 json_path: str | None, plot: str | None, console: Console) -> tuple[dict[str, Any], list[str]]:
     from ficoco.report import write_json_atomic
     from ficoco.sweep import check_run_here
-    from ficoco.sweep_exec import ExecutorOptions, make_executor, run_points
-    from ficoco.sweep_store import SweepStore
+    from ficoco.sweep.executors import ExecutorOptions, make_executor, run_points
+    from ficoco.sweep.store import SweepStore
 
     options = options or ExecutorOptions(device=config.device)
     if options.name == "local":
@@ -138,7 +139,7 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
         if json_path and json_path != "-":
             write_json_atomic(json_path, current)
         if plot and time.monotonic() - drawn[0] >= REDRAW_EVERY_S:
-            from ficoco.figures import save_figure, sweep_figures
+            from ficoco.sweep.figures import save_figure, sweep_figures
 
             for name, figure in sweep_figures(current).items():
                 save_figure(figure, plot, name)
@@ -186,8 +187,7 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
     return save(), failed
 
 
-def run_show(*, model: str, variant: str, keep: int | None, tflops: float | None, schedule: str | None,
-             shape: str | None, first_layer: int | None, image: str | None, layer: int | None, out: str,
+def run_show(*, model: str, variant: str, request: ScheduleRequest, image: str | None, layer: int | None, out: str,
              json_path: str | None, weights: str, overrides: list[str], seed: int, dtype: str,
              console: Console) -> dict[str, Any]:
     """Run the model once under the method on the image and draw its tokens (and write the data)."""
@@ -204,24 +204,24 @@ def run_show(*, model: str, variant: str, keep: int | None, tflops: float | None
     source = weights if weights != "random" and Path(weights).expanduser().is_dir() else None
     profile = load_profile(source or model, overrides)
     arch = acc.architecture(profile)
-    sched = acc.resolve_schedule(arch, variant, acc.CountOptions(), keep=keep, tflops=tflops, schedule=schedule,
-                                 shape=shape, first_layer=first_layer)
+    sched = acc.resolve_schedule(arch, variant, acc.CountOptions(), request)
     if layer is not None and layer not in sched.removed_at():
         layers = ", ".join(str(k) for k in sorted(sched.removed_at())) or "none"
         raise FicocoError(f"--layer {layer} does not reduce in this schedule; reducing layers: {layers}")
 
     import torch
 
-    from ficoco.figures import save_figure, token_figure
     from ficoco.models.build import build_model
-    from ficoco.show import Layout, picture_inputs, show_data, to_json
+    from ficoco.profiling.show import Layout, picture_inputs, show_data, to_json
+    from ficoco.sweep.figures import save_figure, token_figure
 
     built = build_model(profile if weights == "random" else model, weights, dtype=dtype, device="cpu", seed=seed)
     layout = Layout(built)
     inputs, pictures = picture_inputs(built, layout, image, weights=weights, seed=seed)
     data = show_data(built, variant, sched, inputs, layout, pictures)
     budget = next(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
-                  for name, value in (("keep", keep), ("tflops", tflops), ("schedule", schedule), ("all", "tokens"))
+                  for name, value in (("keep", request.keep), ("tflops", request.tflops),
+                                      ("schedule", request.schedule), ("all", "tokens"))
                   if value is not None)
     data.update(model=arch.name, weights=weights, random_weights=weights == "random", image=image, budget=budget,
                 device="cpu", compute_dtype=str(next(built.parameters()).dtype).removeprefix("torch."),

@@ -1,6 +1,6 @@
 """`ficoco flops --verify`: the analytic count checked against fvcore and torch's counter.
 
-Wiring and rendering only; the measurement is `ficoco.verify`. The exit code is the verdict:
+Wiring and rendering only; the measurement is `ficoco.profiling.verify`. The exit code is the verdict:
 0 when every stage's analytic and fvcore counts agree within the tolerance, 1 otherwise
 (after the tables are printed).
 """
@@ -149,8 +149,8 @@ def verify_command(profile: Profile, schedules: list[Schedule], *, text_tokens: 
                    lm_head: str, tolerance: float | None, per_layer: bool, json_path: str | None,
                    console: Console, request: dict[str, Any], dtype: str = "auto") -> int:
     """Run the verification, print its tables and write its report; the exit code is the verdict."""
+    from ficoco.profiling.verify import check_supported, verify
     from ficoco.report import write_json_atomic
-    from ficoco.verify import check_supported, verify
 
     check_supported(profile)
     tolerance = DEFAULT_TOLERANCE_PERCENT if tolerance is None else tolerance

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from ficoco.compare import compare
 from ficoco.errors import FicocoError
+from ficoco.report.compare import compare
 from ficoco_cli import gate
 from ficoco_cli.gate import TOLERANCE_PCT, Base, choose_base, combine, run_gate, run_profile
 

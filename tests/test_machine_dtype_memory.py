@@ -433,7 +433,7 @@ def test_dtype_without_verify_is_refused(cli):
 
 
 def test_compare_tells_upcast_layouts_apart_and_keeps_plain_rows_keys():
-    from ficoco.compare import fingerprint
+    from ficoco.report.compare import fingerprint
 
     def row(backend):
         return {"model": "llava-1.5-7b", "variant": "v", "quant": "fp16", "batch": 1, "backend": backend}

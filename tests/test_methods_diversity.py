@@ -276,7 +276,7 @@ def test_qwen2_vl_cuts_whole_merge_groups_after_the_merger() -> None:
 def test_flops_verify_passes_with_the_methods_work_as_its_own_stage(model: nn.Module, name: str) -> None:
     """What `ficoco flops --model llava-tiny --variant NAME --keep 16 --verify` checks, in process."""
     from ficoco.accounting.methods import method_schedule
-    from ficoco.verify import verify_run
+    from ficoco.profiling.verify import verify_run
 
     arch = acc.architecture(profile_of(model))
     run = verify_run(model, arch, method_schedule(arch, name, MODEL_KEEP), text_tokens=TEXT)

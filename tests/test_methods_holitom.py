@@ -189,7 +189,7 @@ def test_the_inner_merge_equals_the_official_one_token_at_a_time_average() -> No
 
 def test_flops_verify_counts_the_methods_work_as_fvcore_sees_it(model: nn.Module) -> None:
     """What `ficoco flops --model video-llava-tiny --variant holitom --verify` checks, in process."""
-    from ficoco.verify import verify_run
+    from ficoco.profiling.verify import verify_run
 
     arch = architecture(profile_of(model))
     schedule = acc.resolve_schedule(arch, "holitom", acc.CountOptions(), keep=KEEP)
@@ -342,7 +342,7 @@ def test_qwen2_vl_video_generate_equals_each_video_alone_and_continues_where_the
 
 def test_qwen2_vl_video_flops_verify_counts_the_methods_work_as_fvcore_sees_it(qwen_video: nn.Module) -> None:
     """What `ficoco flops --model qwen2-vl-tiny --frames 6 --variant holitom --verify` checks, in process."""
-    from ficoco.verify import verify_run
+    from ficoco.profiling.verify import verify_run
 
     arch = architecture(profile_of(qwen_video))
     assert arch.vision.items == Q_SLICES and arch.visual_tokens == Q_SLICES * Q_GROUPS
@@ -476,7 +476,7 @@ def test_qwen2_5_vl_video_keep_all_is_vanilla_the_plan_runs_at_the_unreduced_pos
 
 def test_qwen2_5_vl_video_generate_equals_each_video_alone_and_verify_passes(qwen25_video: nn.Module) -> None:
     from ficoco.models import hf_compat as hf
-    from ficoco.verify import verify_run
+    from ficoco.profiling.verify import verify_run
 
     model = qwen25_video
     inp = synthetic_inputs(model, batch=2, text_tokens=TEXT, seed=6)

@@ -28,7 +28,7 @@ from ficoco.errors import FicocoError
 from ficoco.models.hf_compat import cache_argument, output_cache
 from ficoco.models.llava_onevision import PREFIX_TOKENS, LlavaOnevisionAdapter, image_layout, synthetic_inputs
 from ficoco.profiles import load_profile, set_layout
-from ficoco.verify import verify
+from ficoco.profiling.verify import verify
 
 NAME = "llava-onevision-tiny"
 TEXT = 12
@@ -336,7 +336,7 @@ def test_holitom_on_a_video_runs_the_plan_batched_as_videos_alone_and_keep_all_i
     # (The merge runs at layer 3's input, inside the layer's call: its MLP sees the merged sequence.)
     assert [seen["llm-mlp"][i][0][1] for i in range(4)] == [n for n, _ in plan.llm] == [TEXT + 7] * 3 + [TEXT + 4]
     assert seen["vision"][0][0] == (2 * FRAMES, PATCHES)  # the tower runs every patch of every frame
-    from ficoco.verify import verify_run
+    from ficoco.profiling.verify import verify_run
 
     run = verify_run(model, arch, handle.schedule, text_tokens=TEXT, batch=2)
     stages = {s.stage: s for s in run.stages}

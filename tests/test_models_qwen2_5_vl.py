@@ -28,7 +28,7 @@ from ficoco.api import profile_of
 from ficoco.models.hf_compat import cache_argument, output_cache
 from ficoco.models.qwen2_5_vl import synthetic_inputs
 from ficoco.profiles import load_profile
-from ficoco.verify import verify
+from ficoco.profiling.verify import verify
 
 TEXT = 12
 ROWS, COLS = 5, 4  # merge groups of the 10 x 8 patch grid
@@ -327,7 +327,7 @@ def test_every_method_runs_the_planned_counts_batch_equals_samples_and_verifies(
                                                                                method: str, how: dict) -> None:
     """The tokens entering every layer are the plan's, each sample of a batch is as if alone, whole merge
     groups leave (the records), and the accountant's count is what fvcore measures (`flops --verify`)."""
-    from ficoco.verify import verify_run
+    from ficoco.profiling.verify import verify_run
 
     batch = inputs(model, batch=2, seed=15)
     with torch.no_grad(), ficoco.apply(model, method, **how) as handle:

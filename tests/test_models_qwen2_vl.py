@@ -26,7 +26,7 @@ from ficoco.errors import FicocoError
 from ficoco.models.hf_compat import cache_argument, output_cache
 from ficoco.models.qwen2_vl import PREFIX_TOKENS, synthetic_inputs
 from ficoco.profiles import load_profile
-from ficoco.verify import verify
+from ficoco.profiling.verify import verify
 
 TEXT = 12  # text tokens per prompt
 GROUPS = 16  # 4 x 4 merge groups of the 8 x 8 patch grid = LLM visual tokens

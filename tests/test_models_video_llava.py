@@ -366,7 +366,7 @@ def test_image_prompt_is_not_reduced(model: nn.Module, variant: str) -> None:
 
 def test_verify_passes_on_tiny_for_vanilla_v_and_l(model: nn.Module, arch: Any) -> None:
     from ficoco.profiles import load_profile
-    from ficoco.verify import verify
+    from ficoco.profiling.verify import verify
 
     schedules = [Schedule("vanilla"), schedule_for_keep(arch, "v", 28), schedule_for_keep(arch, "l", 28)]
     result = verify(load_profile("video-llava-tiny"), schedules, model=model, tolerance_percent=0.1)

@@ -67,14 +67,14 @@ def test_the_scan_sees_messages_and_skips_docstrings(tmp_path):
 def _library_keywords() -> set[str]:
     """The keywords of the library's entry points: what a library user passes."""
     from ficoco.api import apply
-    from ficoco.compare import compare
-    from ficoco.figures import token_figure
     from ficoco.models.build import build_model
+    from ficoco.profiling.verify import verify
+    from ficoco.report.compare import compare
     from ficoco.report.flops import flops_report
-    from ficoco.report.profile import plan_profile
+    from ficoco.report.profile import profile_config as plan_profile
     from ficoco.sweep import SweepConfig
-    from ficoco.sweep_exec import ExecutorOptions
-    from ficoco.verify import verify
+    from ficoco.sweep.executors import ExecutorOptions
+    from ficoco.sweep.figures import token_figure
 
     names = {f.name for cls in (SweepConfig, ExecutorOptions) for f in dataclasses.fields(cls)}
     for function in (apply, build_model, flops_report, plan_profile, compare, verify, token_figure):
@@ -151,7 +151,7 @@ def test_a_memory_limit_without_a_map_names_device_map_in_both_spellings(cli):
 
 
 def test_an_executor_option_for_another_executor_names_it_in_both_spellings(cli, tmp_path):
-    from ficoco.sweep_exec import ExecutorOptions
+    from ficoco.sweep.executors import ExecutorOptions
 
     library = _library_error(lambda: ExecutorOptions(ray_address="127.0.0.1:1"))
     assert library == "ray_address= applies to the ray executor"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ficoco.compare import compare
+from ficoco.report.compare import compare
 
 NEW, REPEAT, KEEP = 4, 2, 8
 

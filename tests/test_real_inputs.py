@@ -219,7 +219,7 @@ def test_a_reduction_moves_the_next_token_distribution():
 
 
 def test_compare_calls_a_drop_in_agreement_beyond_tolerance_a_regression():
-    from ficoco.compare import compare
+    from ficoco.report.compare import compare
 
     def report(agreement: float, kl: float) -> dict:
         row = {"model": "m", "variant": "v", "schedule": [{"layer": 2, "remove": 8}], "quant": "fp16", "batch": 1,

@@ -129,3 +129,57 @@ def test_profile_dry_run_plans_without_measuring_and_keeps_the_notes():
     assert len(planned) == 1 and [row.variant for row in planned[0].plan.rows] == ["v"]
     # HoliTom (a video method) is left out on LLaVA: said in the report, not only printed.
     assert [note for note in report["notes"] if note.startswith("left out holitom")]
+
+
+# --- The typed requests: one ScheduleRequest, one ProfileConfig --------------------------------
+
+
+def test_a_schedule_request_takes_at_most_one_source_and_names_those_given():
+    assert ficoco.ScheduleRequest().given() == []
+    assert ficoco.ScheduleRequest(preset=64).keep_or_preset == 64
+    with pytest.raises(ficoco.FicocoError, match=r"^give one of keep=, preset=, tflops= and schedule=, "
+                                                 r"not keep= and tflops=$"):
+        ficoco.ScheduleRequest(keep=64, tflops=1.5)
+    folded = ficoco.ScheduleRequest(preset=64, shape="oneshot").folded()
+    assert (folded.keep, folded.preset, folded.shape) == (64, None, "oneshot")
+    # A mapping schedule is copied: the request is frozen, the caller's dict is not.
+    removals = {2: 100}
+    request = ficoco.ScheduleRequest(schedule=removals)
+    removals[3] = 5
+    assert request.schedule == {2: 100} and request.to_json()["schedule"] == "2:100"
+
+
+def test_flops_takes_a_request_or_its_keywords_not_both():
+    by_keywords = ficoco.flops("llava-1.5-7b", "vanilla,v,fastv", preset=128, shape="oneshot")
+    by_request = ficoco.flops("llava-1.5-7b", "vanilla,v,fastv",
+                              request=ficoco.ScheduleRequest(preset=128, shape="oneshot"))
+    for report in (by_keywords, by_request):
+        del report["environment"]
+    assert by_keywords == by_request and by_request["preset"] == 128
+    with pytest.raises(ficoco.FicocoError, match=r"^give request= or keep=, not both$"):
+        ficoco.flops("llava-1.5-7b", "v", keep=64, request=ficoco.ScheduleRequest(keep=64))
+
+
+def test_profile_takes_one_profile_config_with_the_same_report_as_its_keywords():
+    config = ficoco.ProfileConfig(model="llava-tiny", variants=("vanilla", "v"), keep=8, device="cpu")
+    from_config = ficoco.profile(config, dry_run=True)
+    from_keywords = ficoco.profile("llava-tiny", "v", keep=8, device="cpu", dry_run=True)
+    for report in (from_config, from_keywords):
+        for key in ("created", "environment", "estimate"):
+            del report[key]
+    assert from_config == from_keywords
+    with pytest.raises(ficoco.FicocoError, match=r"^give a ProfileConfig or its settings \(keep=\), not both$"):
+        ficoco.profile(config, keep=8)
+
+
+def test_a_profile_config_folds_the_preset_into_keep_and_checks_its_request_once():
+    config = ficoco.ProfileConfig(model="llava-tiny", preset=64)
+    assert config.keep == 64 and config.request == ficoco.ScheduleRequest(keep=64)
+    assert "preset" not in config.to_json() and config.to_json()["keep"] == 64  # the report's schema
+    import dataclasses
+
+    assert dataclasses.replace(config, text_tokens=30).keep == 64  # a copy keeps the fold
+    built = ficoco.ProfileConfig.with_request("llava-tiny", ficoco.ScheduleRequest(schedule={2: 100}))
+    assert built.schedule == "2:100" and built.to_json()["schedule"] == "2:100"
+    with pytest.raises(ficoco.FicocoError, match="^give one of keep=, preset=, tflops= and schedule="):
+        ficoco.ProfileConfig(model="llava-tiny", keep=8, tflops=1.0)

@@ -31,8 +31,8 @@ from helpers import assert_one_error_line
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ficoco.compare import METRICS, REPORT_SCHEMA, mann_whitney_less, processor
 from ficoco.profiling.environment import CPU_FEATURES, cpu_features
+from ficoco.report.compare import METRICS, REPORT_SCHEMA, mann_whitney_less, processor
 from ficoco_cli.report_cmd import HEADER, REPORT_HEADER
 
 MODEL = "llava-tiny"

@@ -13,8 +13,8 @@ import torch
 import ficoco
 from ficoco import accounting as acc
 from ficoco.api import profile_of
-from ficoco.figures import token_figure
-from ficoco.show import Layout, picture_inputs, show_data
+from ficoco.profiling.show import Layout, picture_inputs, show_data
+from ficoco.sweep.figures import token_figure
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +144,9 @@ def test_show_command_writes_the_picture_and_the_same_data_as_json(cli, picture:
                         "--out", str(tmp_path / "one.svg")])
     assert code == 0, err
     assert (tmp_path / "one.svg").read_text().lstrip().startswith("<?xml")
+    import matplotlib.pyplot as plt
+
+    assert plt.get_fignums() == []  # the pictures were saved and nothing stays open
 
 
 def test_show_refuses_mistakes_in_one_line(cli, picture: str, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from helpers import COMMAND
 
-from ficoco.sweep_store import SweepStore
+from ficoco.sweep.store import SweepStore
 
 # float32 named: "auto" on a CPU times a few matmuls per dtype in every worker process (a second each).
 SWEEP = ["sweep", "--model", "llava-tiny", "--variant", "v,l", "--keep", "32,16", "--measure", "--warmup", "0",

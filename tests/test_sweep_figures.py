@@ -8,11 +8,18 @@ import json
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-import matplotlib
 import pytest
 
-from ficoco.figures import DPI, FIGURE_SIZE_IN, cost_figure, fidelity_figure, latency_figure, sweep_figures
 from ficoco.sweep import SweepConfig, new_report, plan_points, sweep_profile
+from ficoco.sweep.figures import (
+    DPI,
+    FIGURE_SIZE_IN,
+    cost_figure,
+    fidelity_figure,
+    latency_figure,
+    save_figure,
+    sweep_figures,
+)
 
 
 def lines_by_gid(axes) -> dict[str, tuple[list[float], list[float]]]:
@@ -42,10 +49,20 @@ def measured(cli, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]
     return json.loads((folder / "sweep.json").read_text()), folder
 
 
-def test_figures_are_drawn_with_the_headless_agg_backend(analytic_report: dict) -> None:
-    assert matplotlib.get_backend().lower() == "agg"
+def test_figures_are_drawn_on_headless_agg_canvases(analytic_report: dict) -> None:
     figure = cost_figure(analytic_report)
     assert type(figure.canvas).__name__ == "FigureCanvasAgg"
+
+
+def test_figures_leave_no_figure_open_in_pyplot(analytic_report: dict, tmp_path: Path) -> None:
+    """Drawing and saving many figures opens none in pyplot's registry (it warned past 20 open figures)."""
+    import matplotlib.pyplot as plt
+
+    before = plt.get_fignums()
+    for _ in range(25):
+        for name, figure in sweep_figures(analytic_report).items():
+            save_figure(figure, tmp_path, name, formats=("png",))
+    assert plt.get_fignums() == before
 
 
 def test_cost_figure_plots_the_accountants_stage_counts_against_visual_tokens(analytic_report: dict) -> None:

@@ -1,4 +1,4 @@
-"""The results store of a sweep (ficoco.sweep_store) and the driver's loop (ficoco.sweep_exec.run_points),
+"""The results store of a sweep (ficoco.sweep.store) and the driver's loop (ficoco.sweep.executors.run_points),
 without models: records written atomically and read back, claims live only while their process and
 heartbeat are, a rerun refused on another sweep's store, progress and ETA, the report assembled from
 the records (also mid-sweep), and a driver that waits for an earlier driver's live workers."""
@@ -16,8 +16,8 @@ import pytest
 
 from ficoco.errors import FicocoError
 from ficoco.sweep import SweepConfig, new_report, plan_points, sweep_profile
-from ficoco.sweep_exec import ExecutorOptions, run_points
-from ficoco.sweep_store import STALE_AFTER_S, SweepStore, claim_is_live, point_key
+from ficoco.sweep.executors import ExecutorOptions, run_points
+from ficoco.sweep.store import STALE_AFTER_S, SweepStore, claim_is_live, point_key
 
 CONFIG = SweepConfig(model="llava-tiny", variants=("v", "l"), keep=(32, 16), measure=True, warmup=0, repeat=1,
                      device="cpu")
@@ -179,7 +179,7 @@ def test_the_driver_waits_for_an_earlier_drivers_live_worker_and_redoes_failed_p
 def test_an_unreachable_ray_address_is_one_line_before_ray_is_asked() -> None:
     import socket
 
-    from ficoco.sweep_exec import _check_reachable
+    from ficoco.sweep.executors import _check_reachable
 
     with socket.socket() as probe:  # a port nothing listens on: bound, then closed
         probe.bind(("127.0.0.1", 0))

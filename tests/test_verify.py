@@ -18,13 +18,13 @@ from helpers import assert_one_error_line
 from torch import nn
 
 import ficoco
-import ficoco.verify as verify_module
+import ficoco.profiling.verify as verify_module
 from ficoco.accounting import Architecture, architecture
 from ficoco.accounting.schedule import Schedule, make_schedule, schedule_for_keep
 from ficoco.errors import FicocoError
 from ficoco.models import FAMILIES
 from ficoco.profiles import load_profile
-from ficoco.verify import Prefill, RunCheck, sdpa_flop_jit, verify_run
+from ficoco.profiling.verify import Prefill, RunCheck, sdpa_flop_jit, verify_run
 
 TOLERANCE_PERCENT = 0.1
 TEXT = 12  # the tiny profiles' text tokens

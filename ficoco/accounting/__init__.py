@@ -1,6 +1,6 @@
 """Analytic cost accounting (no torch): FLOPs, KV cache, weights, memory access, roofline.
 
-`resolve_schedule` turns --keep / --tflops / --schedule into a schedule; `account` costs one
+`resolve_schedule` turns a `ScheduleRequest` (keep / preset / tflops / schedule) into a schedule; `account` costs one
 (variant, schedule, quant) row under a named convention and scope.
 """
 
@@ -32,6 +32,7 @@ from ficoco.accounting.memory import (
     weight_bytes,
 )
 from ficoco.accounting.methods import extra_macs, method_schedule
+from ficoco.accounting.request import ScheduleRequest
 from ficoco.accounting.schedule import (
     VARIANTS,
     BudgetError,
@@ -48,7 +49,7 @@ from ficoco.profile_records import Hardware
 __all__ = [
     "CONVENTIONS", "KV_FIGURES", "SCOPES", "VARIANTS", "Architecture", "BudgetError", "CostRow", "CountOptions",
     "Quant", "Schedule", "TokenPlan", "account", "architecture", "make_quant", "parameter_counts", "per_layer",
-    "PlanRequest", "preset_message", "resolve_schedule", "resolve_side_by_side", "method_schedule",
+    "PlanRequest", "ScheduleRequest", "preset_message", "resolve_schedule", "resolve_side_by_side", "method_schedule",
 ]
 
 # The unit each convention's totals are in, for labels ("TFLOPs", "TMACs", ...).
@@ -91,21 +92,23 @@ def _budget_label(opts: CountOptions) -> str:
         "equivalent)" if opts.equivalent else "layer-exact)")
 
 
-def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, keep: int | None = None,
-                     tflops: float | None = None, schedule: str | Mapping[int, int] | None = None,
-                     shape: str | None = None, first_layer: int | None = None, preset: int | None = None,
+def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, request: ScheduleRequest | None = None,
+                     *, keep: int | None = None, tflops: float | None = None,
+                     schedule: str | Mapping[int, int] | None = None, shape: str | None = None,
+                     first_layer: int | None = None, preset: int | None = None,
                      hyperparameters: Mapping[str, Any] | None = None) -> Schedule:
-    """The schedule of `variant` from at most one of keep / preset / tflops / schedule, planned by the
-    method's registry entry (`MethodSpec.plan`).
+    """The schedule of `variant` for `request` (a `ScheduleRequest`: at most one of keep / preset /
+    tflops / schedule, with shape and first_layer), planned by the method's registry entry
+    (`MethodSpec.plan`). The keywords are the request's own spelling, for a caller without one
+    (`resolve_schedule(arch, "v", opts, keep=192)`); give one or the other.
 
     `preset` N is the literature's "N tokens" row and means the same as `keep` N (each method's
     `--keep` counts what its papers count). A method without an official default setting
     (`MethodSpec.default_setting`: FiCoCo-V and -L) needs one of them; every other method falls
     back to its official default setting.
     """
-    given = [x is not None for x in (keep, tflops, schedule, preset)]
-    if sum(given) > 1:
-        raise FicocoError("give one of keep=, preset=, tflops= and schedule=, not several")
+    request = ScheduleRequest.of(request, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                                 first_layer=first_layer)
     if variant != "vanilla" and variant not in METHODS:  # the registry as it is now (entries may be added)
         raise FicocoError(f"unknown variant '{variant}': choose from vanilla, {', '.join(METHODS)}")
     if variant == "vanilla":
@@ -116,11 +119,17 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
         # alone cuts videos.
         raise FicocoError(f"variant={variant}: {spec.title} on {arch.name} reduces images, and a video here "
                           "passes it unreduced: give an image (no frames=), or variant=holitom for a video")
-    request = PlanRequest(keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
-                          first_layer=first_layer, hyperparameters=dict(hyperparameters or {}),
-                          cost=lambda s: compute_tera(arch, s, opts), label=_budget_label(opts),
-                          equivalent=opts.equivalent, scope=opts.scope)
-    return spec.plan(arch, request)
+    return spec.plan(arch, plan_request(request, opts, lambda s: compute_tera(arch, s, opts), hyperparameters))
+
+
+def plan_request(request: ScheduleRequest, opts: CountOptions, cost: Any,
+                 hyperparameters: Mapping[str, Any] | None = None) -> PlanRequest:
+    """What a method's planner reads (`PlanRequest`): the request, the caller's hyperparameters and
+    how a `tflops` budget is counted (`cost`: a schedule -> tera-units under `opts`)."""
+    return PlanRequest(keep=request.keep, preset=request.preset, tflops=request.tflops, schedule=request.schedule,
+                       shape=request.shape, first_layer=request.first_layer,
+                       hyperparameters=dict(hyperparameters or {}), cost=cost, label=_budget_label(opts),
+                       equivalent=opts.equivalent, scope=opts.scope)
 
 
 @dataclass(frozen=True)
@@ -179,12 +188,15 @@ class CostRow:
         return row
 
 
-def resolve_side_by_side(arch: Architecture, variants: list[str], opts: CountOptions, *, strict: bool,
+def resolve_side_by_side(arch: Architecture, variants: list[str], opts: CountOptions,
+                         request: ScheduleRequest | None = None, *, strict: bool,
                          **budget: Any) -> tuple[list[Schedule], list[dict[str, str]]]:
-    """The schedules of `variants` at one setting, and the methods left out. Several methods side by side
+    """The schedules of `variants` at one setting (`request`, or its keywords in `budget`), and the
+    methods left out. Several methods side by side
     run on any family, as a sweep does: one the family refuses (`ficoco methods --matrix`) or that
     cannot reach the setting where others can is left out with its one-line reason; one method alone,
     --verify, or a setting no method reaches is refused with that reason."""
+    request = ScheduleRequest.of(request, **budget)
     reducing = [v for v in variants if v != "vanilla"]
     schedules: list[Schedule] = []
     skipped: list[dict[str, str]] = []
@@ -193,7 +205,7 @@ def resolve_side_by_side(arch: Architecture, variants: list[str], opts: CountOpt
         try:
             if v in METHODS and METHODS[v].family_status(arch.family)[0] == "refused":
                 METHODS[v].check_family(arch.family, arch.name)  # raises the refusal's line
-            schedules.append(resolve_schedule(arch, v, opts, **budget))
+            schedules.append(resolve_schedule(arch, v, opts, request))
         except FicocoError as exc:
             if strict or v == "vanilla" or len(reducing) < 2:
                 raise

@@ -12,7 +12,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,10 @@ from ficoco.errors import FicocoError
 from ficoco.machine.dtype_choice import DtypeChoice, row_dtypes
 from ficoco.models import hf_compat as hf
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
+from ficoco.profiling.config import ProfileConfig
 from ficoco.profiling.decode import DecodeRun, decode_metrics, timed_generate
 from ficoco.profiling.predict import PASSES, model_weights, rates_for, row_prediction
+from ficoco.profiling.rows import FidelityRecord, GenerationRecord, MeasuredRow, MemoryRecord, PrefillRecord
 from ficoco.profiling.runs import choose_runs, max_runs
 from ficoco.profiling.trackers import LatencyStats, LatencyTracker, MemoryTracker, RunHook, cache_bytes, cache_tokens
 
@@ -37,45 +39,6 @@ _GPU_NAMES: tuple[tuple[str, str | None], ...] = (
     ("a800", "a800-80gb"), ("a100-sxm4-80gb", "a100-80gb"), ("a100 80gb", "a100-80gb"),
     ("a100-pcie-80gb", "a100-80gb"), ("a100", "a100-40gb"))
 BUILD_STEP = "building the model"
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    """Everything that defines a profile run (written into the report beside its rows)."""
-
-    model: str
-    variants: tuple[str, ...] = ("vanilla", "v")
-    keep: int | None = None
-    tflops: float | None = None
-    schedule: str | None = None
-    shape: str | None = None
-    first_layer: int | None = None
-    convention: str = "flops"
-    scope: str = "llm"
-    equivalent: bool = False
-    quants: tuple[str, ...] = ("fp16",)
-    batches: tuple[int, ...] = (1,)
-    text_tokens: int = 60
-    new_tokens: int = 0
-    warmup: int | None = None  # None: chosen per row by the time rule (profiling/runs.py)
-    repeat: int | None = None
-    device: str = "auto"
-    weights: str = "random"
-    image: str | None = None
-    prompt: str | None = None
-    overrides: tuple[str, ...] = ()
-    seed: int = 0
-    kv_bits: int | None = None
-    image_size: tuple[int, int] | None = None  # (H, W)
-    frames: int | None = None
-    dtype: str = "auto"  # auto, bf16, fp16, fp32 (dtype_choice.choose_dtype)
-    video: str | None = None  # a video file or a folder of frames (Video-LLaVA)
-    fidelity: bool = False  # reduced rows against vanilla on the same inputs (profiling/fidelity.py)
-    device_map: str | None = None  # auto, balanced, cpu-offload: split through accelerate (models/device_map.py)
-    max_memory: str | None = None  # per-device limits of the device map: "cpu=200MiB,cuda:0=20GiB"
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -227,9 +190,7 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     arch = architecture(profile)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
                         text_tokens=config.text_tokens)
-    resolved, skipped = resolve_side_by_side(arch, list(config.variants), opts, strict=False, keep=config.keep,
-                                             tflops=config.tflops, schedule=config.schedule, shape=config.shape,
-                                             first_layer=config.first_layer)
+    resolved, skipped = resolve_side_by_side(arch, list(config.variants), opts, config.request, strict=False)
     schedules = {schedule.variant: schedule for schedule in resolved}
     # Several methods side by side run on any family: one it refuses, or one that cannot reach the
     # setting, is left out with its reason (said before the run, and kept in the report's notes).
@@ -355,33 +316,68 @@ def _runs_json(latency: LatencyStats, plan: Plan) -> dict[str, Any]:
     return {"warmup": len(latency.warmup_ms), "repeat": len(latency.samples_ms), "chosen_by": chosen_by}
 
 
-def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
-                on_run: RunHook | None = None, rates: Any = None) -> dict[str, Any]:
-    """Prefill latency, memory, KV cache and (with --new-tokens) generation of one row; `on_run`
-    is told when every run starts and ends (generation runs as "generation warm-up" and
-    "generation"); `rates` (profiling/predict.py's MeasuredRates) take a pass after each timed prefill."""
-    import ficoco
+class _RowRun:
+    """One row's model, inputs and patches while it is measured: what the prefill, the generation and
+    the fidelity share. `last` holds the latest run's cache and outputs, read after its timing."""
 
-    device = plan.device
-    inputs = _inputs(model, config, row.batch, device, plan.prompt)
-    handle = None
-    if row.variant != "vanilla":
-        handle = ficoco.apply(model, row.variant, schedule=row.schedule, image_size=config.image_size,
-                              frames=config.frames)
-    from ficoco.models import device_map as maps
+    def __init__(self, model: Any, row: RowSpec, config: ProfileConfig, plan: Plan) -> None:
+        import ficoco
+        from ficoco.models import device_map as maps
 
-    split = maps.summary(model)
-    latency_tracker, memory_tracker = LatencyTracker(device), MemoryTracker(device, per_device=split is not None)
-    reduction_ms: list[float] = []
-    probe_ms: list[float] = []
-    last: dict[str, Any] = {}
-    kv_bits = row_kv_bits(config, row.quant)
+        self.model, self.row, self.config, self.plan = model, row, config, plan
+        self.inputs = _inputs(model, config, row.batch, plan.device, plan.prompt)
+        self.handle = None
+        if row.variant != "vanilla":
+            self.handle = ficoco.apply(model, row.variant, schedule=row.schedule, image_size=config.image_size,
+                                       frames=config.frames)
+        self.split = maps.summary(model)
+        self.latency = LatencyTracker(plan.device)
+        self.memory = MemoryTracker(plan.device, per_device=self.split is not None)
+        self.kv_bits = row_kv_bits(config, row.quant)
+        self.last: dict[str, Any] = {}
 
-    def new_cache() -> dict[str, Any]:
+    def new_cache(self) -> dict[str, Any]:
         # A fresh quantized cache per call (transformers' own QuantizedCache, ficoco.models.kv_cache).
         from ficoco.models.kv_cache import quantized_cache
 
-        return hf.cache_argument(quantized_cache(model, kv_bits)) if kv_bits else {}
+        return hf.cache_argument(quantized_cache(self.model, self.kv_bits)) if self.kv_bits else {}
+
+    def close(self) -> None:
+        self.last.clear()
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def measure(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan, on_run: RunHook | None = None,
+            rates: Any = None) -> MeasuredRow:
+    """Prefill latency, memory, KV cache and (with --new-tokens) generation of one row, and with
+    --fidelity its agreement with vanilla, as typed records; `on_run` is told when every run starts
+    and ends (generation runs as "generation warm-up" and "generation"); `rates`
+    (profiling/predict.py's MeasuredRates) take a pass after each timed prefill."""
+    run = _RowRun(model, row, config, plan)
+    try:
+        with torch.inference_mode():
+            prefill, memory, choose = measure_prefill(run, on_run, rates)
+            generation = measure_generation(run, prefill, choose, on_run) if config.new_tokens else None
+            fidelity = measure_fidelity(run) if plan.fidelity is not None else None
+    finally:
+        run.close()
+    return MeasuredRow(prefill, memory, generation, fidelity)
+
+
+def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
+                on_run: RunHook | None = None, rates: Any = None) -> dict[str, Any]:
+    """`measure`'s row as the report holds it (its measured fields, `MeasuredRow.to_json`)."""
+    return measure(model, row, config, plan, on_run=on_run, rates=rates).to_json()
+
+
+def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = None
+                    ) -> tuple[PrefillRecord, MemoryRecord, Callable[[float], tuple[int, int]] | None]:
+    """The timed prefill of `run`'s row and its memory: peak, KV cache after it, per device under a
+    map. Returns the records and the time rule that chose the runs (the generation reuses it)."""
+    handle, last, model = run.handle, run.last, run.model
+    reduction_ms: list[float] = []
+    probe_ms: list[float] = []
 
     def prefill() -> None:
         # The previous run's KV cache goes before this run allocates its own: alive, it would
@@ -389,7 +385,7 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
         last.pop("cache", None)
         if handle is not None:
             handle.timer.reset()
-        out = model(**inputs, use_cache=True, logits_to_keep=1, **new_cache())
+        out = model(**run.inputs, use_cache=True, logits_to_keep=1, **run.new_cache())
         last["cache"] = hf.output_cache(out)
         last["logits"] = out.logits  # a reference, read after the timing (--fidelity)
 
@@ -401,89 +397,75 @@ def measure_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan,
             # The machine's rates at this moment, between timed runs (outside their timing).
             rates.sample()
 
-    measured_tokens: list[int | None] = []
-    try:
-        with torch.inference_mode():
-            with memory_tracker.track() as memory:
-                (warmup, repeat), choose = _planned_runs(row, plan)
-                latency = latency_tracker.measure(prefill, warmup=warmup, repeat=repeat, after_each=after_each,
-                                                  on_run=on_run, choose=choose)
-            prefill_cache = last.pop("cache")
-            # What every image (crop, frame) handed the LLM in the prefill, as it ran: a method acting
-            # before the LLM with an adaptive count (PruMerge+) plans an assumed count, this is the real one.
-            measured_tokens.append(handle.measured_tokens_per_item if handle is not None else None)
-            kv_bytes, kv_tokens = cache_bytes(prefill_cache), cache_tokens(prefill_cache)
-            per_device = _memory_per_device(model, row, config, plan, split, prefill_cache, memory) if split else None
-            del prefill_cache
-            generation = None
-            generated: dict[str, Any] = {}
-            if config.new_tokens:
-                decode_runs: list[DecodeRun] = []
+    with run.memory.track() as peak:
+        (warmup, repeat), choose = _planned_runs(run.row, run.plan)
+        latency = run.latency.measure(prefill, warmup=warmup, repeat=repeat, after_each=after_each, on_run=on_run,
+                                      choose=choose)
+    cache = last.pop("cache")
+    split = run.split
+    memory = MemoryRecord(
+        peak=peak, kv_cache_bytes=cache_bytes(cache), kv_cache_tokens=cache_tokens(cache),
+        device_map={k: v for k, v in split.items() if k != "map"} if split else None,
+        device_map_entries=split["map"] if split else None,
+        memory_per_device=_memory_per_device(model, run.row, run.config, run.plan, split, cache, peak)
+        if split else None)
+    del cache
+    prefill_record = PrefillRecord(
+        latency=latency, runs=_runs_json(latency, run.plan), batch=run.row.batch,
+        reduction_stages_ms=statistics.median(reduction_ms) if reduction_ms else 0.0,
+        probe_ms=statistics.median(probe_ms) if probe_ms else 0.0,
+        # What every image (crop, frame) handed the LLM in the prefill, as it ran: a method acting
+        # before the LLM with an adaptive count (PruMerge+) plans an assumed count, this is the real one.
+        visual_tokens_per_item_measured=handle.measured_tokens_per_item if handle is not None else None)
+    return prefill_record, memory, choose
 
-                def generate() -> None:
-                    last.pop("cache", None)  # the previous generation's cache, as for the prefill
-                    out, run = timed_generate(model.generate, device, **inputs, max_new_tokens=config.new_tokens,
-                                              min_new_tokens=config.new_tokens, do_sample=False,
-                                              return_dict_in_generate=True, **new_cache())
-                    last["cache"], last["run"] = hf.output_cache(out), run
-                    generated["sequences"] = out.sequences  # read after the timing (--fidelity)
 
-                def on_generation_run(phase: str, k: int, n: int, seconds: float | None) -> None:
-                    if on_run:
-                        on_run("generation " + phase if phase == "warm-up" else "generation", k, n, seconds)
+def measure_generation(run: _RowRun, prefill: PrefillRecord, choose: Callable[[float], tuple[int, int]] | None,
+                       on_run: RunHook | None = None) -> GenerationRecord:
+    """The timed generate() runs of `run`'s row (--new-tokens), after its prefill: the decode figures,
+    the KV cache at the end and the generation's peak memory."""
+    config, last = run.config, run.last
+    decode_runs: list[DecodeRun] = []
 
-                def choose_generation(run_s: float) -> tuple[int, int]:
-                    # At most one warm-up: the prefill's runs have warmed the kernels up.
-                    generation_warmup, generation_repeat = choose(run_s)  # type: ignore[misc]
-                    return min(generation_warmup, 1), generation_repeat
+    def generate() -> None:
+        last.pop("cache", None)  # the previous generation's cache, as for the prefill
+        out, timed = timed_generate(run.model.generate, run.plan.device, **run.inputs,
+                                    max_new_tokens=config.new_tokens, min_new_tokens=config.new_tokens,
+                                    do_sample=False, return_dict_in_generate=True, **run.new_cache())
+        last["cache"], last["run"] = hf.output_cache(out), timed
+        last["sequences"] = out.sequences  # read after the timing (--fidelity)
 
-                with memory_tracker.track() as generation_memory:
-                    # A generation costs more than its prefill: the time rule counts its own runs.
-                    e2e = latency_tracker.measure(generate, warmup=min(warmup, 1), repeat=repeat,
-                                                  on_run=on_generation_run,
-                                                  after_each=lambda _: decode_runs.append(last["run"]),
-                                                  choose=choose_generation if choose is not None else None)
-                end_cache = last.pop("cache")
-                decode = decode_metrics(decode_runs, row.batch, latency.median_ms)
-                # `latency` is generate()'s wall time, output included; the throughputs follow
-                # `total` (call to last token, decode.py), as the paper's table counts them.
-                generation = {"latency": e2e.to_json(), **decode,
-                              "generated_tokens_per_s": decode["tokens_per_s"],
-                              "kv_cache_bytes": cache_bytes(end_cache), "kv_cache_tokens": cache_tokens(end_cache),
-                              "memory": generation_memory.to_json(), "runs": _runs_json(e2e, plan)}
-                del end_cache
-            fidelity = None
-            if plan.fidelity is not None:
-                from ficoco.profiling.fidelity import observe
+    def on_generation_run(phase: str, k: int, n: int, seconds: float | None) -> None:
+        if on_run:
+            on_run("generation " + phase if phase == "warm-up" else "generation", k, n, seconds)
 
-                observation = observe(last.pop("logits"), generated.get("sequences"), config.new_tokens)
-                fidelity = plan.fidelity.row(row.variant, row.quant, row.batch, observation)
-    finally:
-        last.clear()
-        if handle is not None:
-            handle.remove()
-    median_reduction = statistics.median(reduction_ms) if reduction_ms else 0.0
-    median_probe = statistics.median(probe_ms) if probe_ms else 0.0
-    # The probe replaces the reducing layers' SDPA call and computes their attention output
-    # too, so its time is an upper bound on what the probabilities cost; both parts are shown.
-    method_ms = median_reduction + median_probe
-    return {
-        "latency": latency.to_json(),
-        "runs": _runs_json(latency, plan),
-        "images_per_s": row.batch / (latency.median_ms / 1e3),
-        "memory": memory.to_json(),
-        "kv_cache_bytes": kv_bytes,
-        "kv_cache_tokens": kv_tokens,
-        "reduction_ms": method_ms,
-        "reduction_stages_ms": median_reduction,
-        "probe_ms": median_probe,
-        "reduction_share": method_ms / latency.median_ms if latency.median_ms else 0.0,
-        "generation": generation,
-        **({"fidelity": fidelity} if plan.fidelity is not None else {}),
-        **({"device_map": {k: v for k, v in split.items() if k != "map"}, "device_map_entries": split["map"],
-            "memory_per_device": per_device} if split else {}),
-        **({"visual_tokens_per_item_measured": measured_tokens[0]} if measured_tokens and measured_tokens[0] else {}),
-    }
+    def choose_generation(run_s: float) -> tuple[int, int]:
+        # At most one warm-up: the prefill's runs have warmed the kernels up.
+        generation_warmup, generation_repeat = choose(run_s)  # type: ignore[misc]
+        return min(generation_warmup, 1), generation_repeat
+
+    # The counts the prefill started from (its time rule then chose its own).
+    planned_warmup, planned_repeat = _planned_runs(run.row, run.plan)[0]
+    with run.memory.track() as memory:
+        # A generation costs more than its prefill: the time rule counts its own runs.
+        e2e = run.latency.measure(generate, warmup=min(planned_warmup, 1), repeat=planned_repeat,
+                                  on_run=on_generation_run, after_each=lambda _: decode_runs.append(last["run"]),
+                                  choose=choose_generation if choose is not None else None)
+    end_cache = last.pop("cache")
+    record = GenerationRecord(latency=e2e, decode=decode_metrics(decode_runs, run.row.batch, prefill.latency.median_ms),
+                              kv_cache_bytes=cache_bytes(end_cache), kv_cache_tokens=cache_tokens(end_cache),
+                              memory=memory, runs=_runs_json(e2e, run.plan))
+    del end_cache
+    return record
+
+
+def measure_fidelity(run: _RowRun) -> FidelityRecord:
+    """The row's next token (and with --new-tokens its greedy tokens) against vanilla's on the same inputs."""
+    from ficoco.profiling.fidelity import observe
+
+    observation = observe(run.last.pop("logits"), run.last.get("sequences"), run.config.new_tokens)
+    row = run.row
+    return FidelityRecord(run.plan.fidelity.row(row.variant, row.quant, row.batch, observation))
 
 
 def build_for(config: ProfileConfig, plan: Plan, quant: str) -> Any:

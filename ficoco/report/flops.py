@@ -5,10 +5,13 @@ same dict. No torch here or below: the accounting path starts in well under a se
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ficoco
 from ficoco.report.schemas import FLOPS_SCHEMA
+
+if TYPE_CHECKING:
+    from ficoco.accounting.request import ScheduleRequest
 
 
 def names(value: str | Sequence[str]) -> list[str]:
@@ -24,7 +27,7 @@ def flops_report(model: str, variants: str | Sequence[str] = "vanilla", *, keep:
                  kv_bits: int | None = None, gpu: str | None = None, text_tokens: int | None = None,
                  batch: int = 1, lm_head: str = "all", image_size: tuple[int, int] | None = None,
                  frames: int | None = None, per_layer: bool = False,
-                 overrides: Sequence[str] = ()) -> dict[str, Any]:
+                 overrides: Sequence[str] = (), request: ScheduleRequest | None = None) -> dict[str, Any]:
     """The analytic cost of `variants` on `model` (a profile name, a config.json or a checkout
     folder): TFLOPs by stage, KV cache, weights, memory access and, with a `gpu` hardware profile,
     the roofline time, one row per variant and quant (W/A/KV bits: fp16, int8, int4), as the
@@ -32,14 +35,19 @@ def flops_report(model: str, variants: str | Sequence[str] = "vanilla", *, keep:
 
     The schedule of the reducing methods is one of `keep` (visual tokens), `preset` (the
     literature's 192/128/64 row), a `tflops` budget under `convention`/`scope`, or an explicit
-    `schedule` ("LAYER:REMOVED,..."); `shape` and `first_layer` refine a budget. `image_size`
+    `schedule` ("LAYER:REMOVED,..."); `shape` and `first_layer` refine a budget. Those six keywords
+    spell one `ficoco.accounting.ScheduleRequest`, which may be given whole as `request=` instead
+    (not both). `image_size`
     (H, W) and `frames` describe the input; `overrides` are "KEY=VALUE" config settings. A
     method that cannot run under the setting is left out with its reason (`skipped`)."""
     from ficoco import accounting as acc
     from ficoco.accounting.flops import SCOPE_STAGES, STAGES
+    from ficoco.accounting.request import ScheduleRequest
     from ficoco.profiles import load_gpu, load_profile, set_layout
     from ficoco.versions import report_environment
 
+    request = ScheduleRequest.of(request, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                                 first_layer=first_layer)
     variants = names(variants)
     profile = load_profile(model, list(overrides))
     set_layout(profile, image_size=image_size, frames=frames)
@@ -48,9 +56,7 @@ def flops_report(model: str, variants: str | Sequence[str] = "vanilla", *, keep:
                             text_tokens=text_tokens, lm_head_tokens=lm_head)
     quant_list = [acc.make_quant(q, kv_bits) for q in names(quants)]
     hardware = load_gpu(gpu) if gpu else None
-    schedules, skipped = acc.resolve_side_by_side(arch, variants, opts, strict=False, keep=keep, tflops=tflops,
-                                                  schedule=schedule, shape=shape, first_layer=first_layer,
-                                                  preset=preset)
+    schedules, skipped = acc.resolve_side_by_side(arch, variants, opts, request, strict=False)
     vanilla = acc.account(arch, acc.Schedule("vanilla"), quant_list[0], opts)
     rows: list[dict[str, Any]] = []
     for sched in schedules:
@@ -68,6 +74,7 @@ def flops_report(model: str, variants: str | Sequence[str] = "vanilla", *, keep:
         "text_tokens": text_tokens if text_tokens is not None else arch.text_tokens, "batch": batch,
         "lm_head_tokens": lm_head, "image_size": arch.image_size, "vision_items": arch.vision.items,
         "overrides": profile.overrides, "gpu": hardware.name if hardware else None,
-        "budget_tflops": tflops, "keep": keep, "preset": preset, "environment": report_environment(), "rows": rows,
+        "budget_tflops": request.tflops, "keep": request.keep, "preset": request.preset,
+        "environment": report_environment(), "rows": rows,
         "skipped": skipped,
     }

@@ -9,12 +9,16 @@ import dataclasses
 import datetime as dt
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ficoco.errors import FicocoError
 from ficoco.report.flops import names
 from ficoco.report.pairing import add_comparisons
 from ficoco.report.schemas import REPORT_SCHEMA
+
+if TYPE_CHECKING:
+    from ficoco.accounting.request import ScheduleRequest
+    from ficoco.profiling.config import ProfileConfig
 
 
 @dataclasses.dataclass
@@ -23,7 +27,7 @@ class ProfilePlan:
     notes), its time estimate, and the report that the rows will be appended to (its header
     filled: environment, config, estimate)."""
 
-    config: Any  # ficoco.profiling.matrix.ProfileConfig
+    config: ProfileConfig
     plan: Any  # ficoco.profiling.matrix.Plan
     estimate: Any  # ficoco.profiling.estimate.RunEstimate
     report: dict[str, Any]
@@ -58,53 +62,64 @@ def add_row(report: dict[str, Any], row: dict[str, Any], estimate: Any, wall_s: 
     add_comparisons(report["rows"])
 
 
-def plan_profile(model: str, variants: str | Sequence[str] = "v", *, keep: int | None = None,
-                 preset: int | None = None, tflops: float | None = None, schedule: str | None = None,
-                 shape: str | None = None, first_layer: int | None = None, convention: str = "flops",
-                 scope: str = "llm", reference: bool = True, quants: str | Sequence[str] = "fp16",
-                 kv_bits: int | None = None, batches: int | Sequence[int] = 1, text_tokens: int = 60,
-                 new_tokens: int = 0, warmup: int | None = None, repeat: int | None = None, device: str = "auto",
-                 weights: str = "random", image: str | None = None, prompt: str | None = None,
-                 video: str | None = None, fidelity: bool = False, overrides: Sequence[str] = (), seed: int = 0,
-                 image_size: tuple[int, int] | None = None, frames: int | None = None, dtype: Any = "auto",
-                 device_map: str | None = None, max_memory: str | None = None) -> ProfilePlan:
-    """Plan a profile run (the arguments of `profile_report`) and estimate its time; builds no model."""
+def profile_config(model: str, variants: str | Sequence[str] = "v", *, request: ScheduleRequest | None = None,
+                   keep: int | None = None, preset: int | None = None, tflops: float | None = None,
+                   schedule: str | None = None, shape: str | None = None, first_layer: int | None = None,
+                   convention: str = "flops", scope: str = "llm", reference: bool = True,
+                   quants: str | Sequence[str] = "fp16", kv_bits: int | None = None,
+                   batches: int | Sequence[int] = 1, text_tokens: int = 60, new_tokens: int = 0,
+                   warmup: int | None = None, repeat: int | None = None, device: str = "auto",
+                   weights: str = "random", image: str | None = None, prompt: str | None = None,
+                   video: str | None = None, fidelity: bool = False, overrides: Sequence[str] = (), seed: int = 0,
+                   image_size: tuple[int, int] | None = None, frames: int | None = None, dtype: Any = "auto",
+                   device_map: str | None = None, max_memory: str | None = None) -> ProfileConfig:
+    """The `ProfileConfig` of a run from its keyword spelling (what `ficoco.profile(model, ...)` and
+    `ficoco profile` take): `variants` and `quants` as "a,b" or a list, `batches` as one size or
+    several, `reference` adds the vanilla rows (default True), `dtype` as a name or a torch dtype.
+    The schedule is `request` (a `ScheduleRequest`) or its keywords `keep`, `preset`, `tflops`,
+    `schedule`, `shape`, `first_layer` (not both)."""
+    from ficoco.accounting.request import ScheduleRequest
     from ficoco.machine.dtype_choice import parse_dtype
-    from ficoco.methods.registry import METHODS
-    from ficoco.profiling.environment import environment
-    from ficoco.profiling.estimate import estimate_run, plan_runs
-    from ficoco.profiling.matrix import ProfileConfig, plan_run
-    from ficoco.profiling.real_inputs import resolve_prompt
+    from ficoco.profiling.config import ProfileConfig
 
+    request = ScheduleRequest.of(request, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                                 first_layer=first_layer)
     variants = names(variants)
-    for name in variants:  # a method the model adapters do not run yet: refused before anything is planned
-        if name != "vanilla" and name in METHODS:
-            METHODS[name].check_wired("ficoco.profile")
-    if preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: keep N
-        keep = preset
     if reference and "vanilla" not in variants:
         variants = ["vanilla", *variants]
     batch_sizes = (batches,) if isinstance(batches, int) else tuple(dict.fromkeys(batches))
-    config = ProfileConfig(
-        model=model, variants=tuple(variants), keep=keep, tflops=tflops, schedule=schedule, shape=shape,
-        first_layer=first_layer, convention=convention, scope=scope,
+    return ProfileConfig.with_request(
+        model, request, variants=tuple(variants), convention=convention, scope=scope,
         quants=tuple(names(quants)), batches=batch_sizes, text_tokens=text_tokens,
         new_tokens=new_tokens, warmup=warmup, repeat=repeat, device=device, weights=weights, image=image,
         prompt=prompt, overrides=tuple(overrides), seed=seed, kv_bits=kv_bits,
         image_size=image_size, frames=frames, dtype=parse_dtype(dtype), video=video,
         fidelity=fidelity, device_map=device_map, max_memory=max_memory,
     )
+
+
+def plan_profile(config: ProfileConfig) -> ProfilePlan:
+    """Plan the profile run `config` and estimate its time; builds no model."""
+    from ficoco.methods.registry import METHODS
+    from ficoco.profiling.environment import environment
+    from ficoco.profiling.estimate import estimate_run, plan_runs
+    from ficoco.profiling.matrix import plan_run
+    from ficoco.profiling.real_inputs import resolve_prompt
+
+    for name in config.variants:  # a method the model adapters do not run yet: refused before anything is planned
+        if name != "vanilla" and name in METHODS:
+            METHODS[name].check_wired("ficoco.profile")
     # A real prompt is laid out by the checkpoint's processor first: its mistakes are the user's,
     # and the run is planned for the layout it made.
     config, prompt_inputs = resolve_prompt(config)
     try:
         plan = plan_run(config, prompt_inputs)
     except FicocoError as exc:
-        if preset is None:
+        if config.preset is None:
             raise
         from ficoco.accounting import preset_message
 
-        raise FicocoError(preset_message(str(exc), preset)) from None
+        raise FicocoError(preset_message(str(exc), config.preset)) from None
     estimate = estimate_run(config, plan)
     plan_runs(plan, estimate)
     planned = ProfilePlan(config, plan, estimate, {})
@@ -131,17 +146,19 @@ def run_planned(planned: ProfilePlan, on_row: Callable[[dict[str, Any]], None] |
     return report
 
 
-def profile_report(model: str, variants: str | Sequence[str] = "v", *,
+def profile_report(config: ProfileConfig | str | None = None, variants: str | Sequence[str] | None = None, *,
                    on_plan: Callable[[ProfilePlan], None] | None = None,
                    on_phase: Callable[[Any], None] | None = None,
                    on_row: Callable[[dict[str, Any]], None] | None = None,
                    dry_run: bool = False, **settings: Any) -> dict[str, Any]:
-    """Measure `variants` on `model` (a profile name, a config.json or a checkout folder) and
-    return the `ficoco.report/1` report `ficoco profile --json` writes: prefill latency,
-    throughput, peak memory and KV cache per row, each row beside its vanilla row (speedup, FLOPs
-    ratio, memory saving) and its time estimate.
+    """Measure the run `config` (a `ficoco.profiling.config.ProfileConfig`) and return the
+    `ficoco.report/1` report `ficoco profile --json` writes: prefill latency, throughput, peak
+    memory and KV cache per row, each row beside its vanilla row (speedup, FLOPs ratio, memory
+    saving) and its time estimate.
 
-    `settings` are those of `plan_profile`: the schedule (`keep`, `preset`, `tflops` under
+    `ficoco.profile(model, variants, **settings)` is the keyword spelling of the same config
+    (`profile_config`): `model` a profile name, a config.json or a checkout folder; `variants`
+    ("v" when not given); the schedule (`request`, or `keep`, `preset`, `tflops` under
     `convention`/`scope`, `schedule`, `shape`, `first_layer`), `reference` (add the vanilla rows,
     default True), `quants`, `kv_bits`, `batches`, `text_tokens`, `new_tokens`, `warmup` and
     `repeat` (None: by time), `device`, `weights` ("random", a checkpoint folder or a cached HF
@@ -152,7 +169,16 @@ def profile_report(model: str, variants: str | Sequence[str] = "v", *,
     prints the plan and starts its progress display there); with `dry_run` nothing is measured and
     the report comes back with its header and no rows. `on_phase(phase)` is told when every step
     starts and ends; `on_row(report)` after every row."""
-    planned = plan_profile(model, variants, **settings)
+    if config is None and "model" in settings:  # ficoco.profile(model=..., ...)
+        config = settings.pop("model")
+    if config is None:
+        raise FicocoError("give a ProfileConfig, or the model to profile (model=)")
+    if isinstance(config, str):
+        config = profile_config(config, "v" if variants is None else variants, **settings)
+    elif variants is not None or settings:
+        given = ["variants", *settings] if variants is not None else list(settings)
+        raise FicocoError(f"give a ProfileConfig or its settings ({', '.join(f'{k}=' for k in given)}), not both")
+    planned = plan_profile(config)
     if on_plan is not None:
         on_plan(planned)
     if dry_run:

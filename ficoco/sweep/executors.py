@@ -1,5 +1,5 @@
 """Where a sweep's points run: a local pool of worker processes, a Ray cluster, or Slurm through
-submitit. Every executor runs `ficoco.sweep_worker.run_stored_point` once per point, in its own
+submitit. Every executor runs `ficoco.sweep.worker.run_stored_point` once per point, in its own
 process, and the worker writes the point's record into the store itself; an executor only starts
 points and, when a worker dies without a word (killed, out of memory, a lost node), records the
 point as failed with what the engine said. Scheduling, retries of the engine and RPC are the
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ficoco.errors import FicocoError
-from ficoco.sweep_store import HEARTBEAT_S, SweepStore, claim_is_live
+from ficoco.sweep.store import HEARTBEAT_S, SweepStore, claim_is_live
 
 EXECUTORS = ("local", "ray", "slurm")
 POLL_S = 0.5
@@ -140,7 +140,7 @@ class LocalExecutor:
                 env["OMP_NUM_THREADS"] = str(self.threads)
             launched = time.time()
             with open(store.log_path(key), "w") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "ficoco.sweep_worker", str(store.folder), key, "local"],
+                proc = subprocess.Popen([sys.executable, "-m", "ficoco.sweep.worker", str(store.folder), key, "local"],
                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
                 self._procs[key] = proc
                 code = proc.wait()
@@ -224,7 +224,7 @@ class RayExecutor:
     def run(self, store: SweepStore, keys: list[str], tick: Tick) -> None:
         import ray
 
-        from ficoco.sweep_worker import run_stored_point
+        from ficoco.sweep.worker import run_stored_point
 
         started_here = self._connect()
         try:
@@ -302,7 +302,7 @@ class SlurmExecutor:
     def run(self, store: SweepStore, keys: list[str], tick: Tick) -> None:
         import submitit
 
-        from ficoco.sweep_worker import run_stored_point
+        from ficoco.sweep.worker import run_stored_point
 
         gpus = self.options.gpus_per_point
         if gpus is None:

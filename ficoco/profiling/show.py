@@ -210,7 +210,7 @@ def show_data(model: nn.Module, variant: str, schedule: Any, inputs: dict[str, A
               pictures: list[np.ndarray | None]) -> dict[str, Any]:
     """Run the model once under the method and place every record's tokens on the picture.
 
-    Returns the JSON-able data `ficoco.figures.token_figure` draws: panels, one step per reducing
+    Returns the JSON-able data `ficoco.sweep.figures.token_figure` draws: panels, one step per reducing
     layer (kept, discarded, merged-into and earlier-removed cells, and the handle's raw records)
     and the end state (every discarded token linked to the kept token it finally went into).
     """

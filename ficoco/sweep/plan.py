@@ -7,8 +7,8 @@ point without torch. `--measure` builds the point's model (in the profiler's dty
 against free memory first) and measures the point on it with the profiler's `measure_row`;
 `--fidelity` runs the same model on a few seeded prompts and compares the point's next-token
 distribution with vanilla's. Each such point runs in its own process on an executor
-(ficoco.sweep_exec: a local pool, Ray, or Slurm through submitit) and is stored as it finishes
-(ficoco.sweep_store), so a stopped sweep resumes where it stopped. Methods come from the accountant's list of variants
+(ficoco.sweep.executors: a local pool, Ray, or Slurm through submitit) and is stored as it finishes
+(ficoco.sweep.store), so a stopped sweep resumes where it stopped. Methods come from the accountant's list of variants
 (`ficoco.accounting.VARIANTS`), so a method added there is swept without a change here.
 """
 
@@ -27,7 +27,7 @@ from ficoco.accounting.flops import SCOPE_STAGES
 from ficoco.errors import FicocoError
 from ficoco.profiles import Profile, load_profile, set_layout
 from ficoco.report.schemas import SWEEP_SCHEMA
-from ficoco.sweep_store import SweepStore, point_key
+from ficoco.sweep.store import SweepStore, point_key
 from ficoco.versions import report_environment
 
 VANILLA = "vanilla"
@@ -76,6 +76,10 @@ class SweepConfig:
             return [{"keep": n} for n in self.keep]
         return [{"tflops": x} for x in self.tflops]
 
+    def request(self, budget: dict[str, float] | None) -> acc.ScheduleRequest:
+        """The schedule request of a point at `budget` (one of `budgets`; None: the method's default)."""
+        return acc.ScheduleRequest(shape=self.shape, first_layer=self.first_layer, **(budget or {}))
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -101,7 +105,7 @@ class Point:
 
     @property
     def key(self) -> str:
-        """The point's name in a results store (ficoco.sweep_store)."""
+        """The point's name in a results store (ficoco.sweep.store)."""
         return point_key(self.variant, self.quant, self.budget)
 
     def to_json(self) -> dict[str, Any]:
@@ -158,8 +162,7 @@ def plan_points(config: SweepConfig, profile: Profile, skipped: list[dict[str, A
                                       "reason": f"refused on {arch.family}: {reason}"}, error))
                     continue
                 try:
-                    schedule = acc.resolve_schedule(arch, variant, opts, shape=config.shape,
-                                                    first_layer=config.first_layer, **(budget or {}))
+                    schedule = acc.resolve_schedule(arch, variant, opts, config.request(budget))
                 except FicocoError as exc:
                     if variant == VANILLA:
                         raise FicocoError(f"{where}: {exc}") from None
@@ -239,10 +242,8 @@ def profile_config(config: SweepConfig, variants: tuple[str, ...], quants: tuple
     memory check plans for its row, the largest)."""
     from ficoco.profiling.matrix import ProfileConfig
 
-    first = config.budgets[0]
-    return ProfileConfig(
-        model=config.model, variants=tuple(dict.fromkeys((VANILLA, *variants))), keep=first.get("keep"),
-        tflops=first.get("tflops"), shape=config.shape, first_layer=config.first_layer,
+    return ProfileConfig.with_request(
+        config.model, config.request(config.budgets[0]), variants=tuple(dict.fromkeys((VANILLA, *variants))),
         convention=config.convention, scope=config.scope, quants=quants, batches=(1,),
         text_tokens=config.text_tokens, warmup=config.warmup, repeat=config.repeat, device=config.device,
         weights=config.weights, overrides=config.overrides, seed=config.seed, image_size=config.image_size,
@@ -260,7 +261,7 @@ def check_run_here(config: SweepConfig, points: list[Point]) -> None:
 
 def run_point(config: SweepConfig, profile: Profile, point: Point) -> dict[str, Any]:
     """Measure (`--measure`) and compare with vanilla (`--fidelity`) one point in this process, on a
-    model built for it: what a sweep's worker runs, one point per process (ficoco.sweep_worker), so
+    model built for it: what a sweep's worker runs, one point per process (ficoco.sweep.worker), so
     a crash or an out-of-memory of one point takes no other down. The fidelity's reference is
     vanilla on the same model and prompts, computed here. Returns the point's JSON with the
     environment it was measured in (speedups against vanilla are added when the store's report is
@@ -322,7 +323,7 @@ def read_report_any(path: str) -> dict[str, Any]:
     """A saved sweep (ficoco.sweep/1), profile (ficoco.report/1) or flops (ficoco.flops/1) report,
     or a sweep's results store (a folder: its report as the store holds it now, also while the
     sweep runs), validated enough to render or draw; one clear error otherwise."""
-    from ficoco.compare import read_report
+    from ficoco.report.compare import read_report
     from ficoco.report.schemas import FLOPS_SCHEMA, REPORT_SCHEMA
     if str(path).strip() and Path(path).expanduser().is_dir():
         if not SweepStore.is_store(path):

@@ -1,4 +1,4 @@
-"""One sweep point in this process: what every executor runs (`python -m ficoco.sweep_worker STORE KEY`
+"""One sweep point in this process: what every executor runs (`python -m ficoco.sweep.worker STORE KEY`
 for the local pool, the same function as a Ray task or a submitit job).
 
 The worker reads the sweep from the store's manifest, plans it again (the accountant is
@@ -17,7 +17,7 @@ import traceback
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.sweep_store import HEARTBEAT_S, SweepStore, claim_is_live
+from ficoco.sweep.store import HEARTBEAT_S, SweepStore, claim_is_live
 
 
 def run_stored_point(folder: str, key: str, executor: str = "local") -> dict[str, Any]:
@@ -26,7 +26,7 @@ def run_stored_point(folder: str, key: str, executor: str = "local") -> dict[str
     import os
     import socket
 
-    from ficoco.sweep import SweepConfig, plan_points, run_point, sweep_profile
+    from ficoco.sweep.plan import SweepConfig, plan_points, run_point, sweep_profile
 
     store = SweepStore(folder)
     if store.is_done(key):
@@ -70,11 +70,11 @@ def run_stored_point(folder: str, key: str, executor: str = "local") -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m ficoco.sweep_worker STORE KEY [EXECUTOR]`: exit 0 when the point is done (or was),
+    """`python -m ficoco.sweep.worker STORE KEY [EXECUTOR]`: exit 0 when the point is done (or was),
     1 when it failed (the record says why), 130 when interrupted."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (2, 3):
-        print("usage: python -m ficoco.sweep_worker STORE KEY [EXECUTOR]", file=sys.stderr)
+        print("usage: python -m ficoco.sweep.worker STORE KEY [EXECUTOR]", file=sys.stderr)
         return 2
     try:
         record = run_stored_point(*args)

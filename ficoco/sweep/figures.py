@@ -1,4 +1,4 @@
-"""Figures with matplotlib (Agg backend: headless, no display needed), from report data only.
+"""Figures with matplotlib (Agg canvases: headless, no display needed), from report data only.
 
 Sweep figures (from a `ficoco.sweep/1` report, or a profile report's rows):
   cost      TFLOPs by stage against visual tokens, one panel per method;
@@ -9,7 +9,9 @@ Token figures (from `ficoco show`'s data): the image with its patch grid, per re
 or as a contact sheet of all of them and the end state.
 
 Every artist that carries data has a `gid` (e.g. "total:v", "kept", "links") so that tests can
-read the plotted values back from the figure objects. Nothing here imports torch.
+read the plotted values back from the figure objects. Nothing here imports torch, or pyplot: every
+figure is a plain `Figure` on its own Agg canvas, so none stays open in pyplot's registry after
+it is saved (a caller that made 20 of them saw matplotlib warn about open figures).
 """
 
 from __future__ import annotations
@@ -18,16 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import LineCollection, PatchCollection
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
-matplotlib.use("Agg")  # before pyplot: never a display, also where one exists
-
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.collections import LineCollection, PatchCollection  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.patches import Rectangle  # noqa: E402
-
-from ficoco.errors import FicocoError  # noqa: E402
-from ficoco.sweep import VANILLA, finite, points_of  # noqa: E402
+from ficoco.errors import FicocoError
+from ficoco.sweep.plan import VANILLA, finite, points_of
 
 # Every sweep figure is this size: 1000 x 600 px as PNG, 720 x 432 pt as SVG.
 FIGURE_SIZE_IN = (10.0, 6.0)
@@ -69,8 +68,18 @@ def _profile_model(report: dict[str, Any]) -> str:
     return str(rows[0].get("model") or (report.get("config") or {}).get("model") or "model")
 
 
+def _figure(size_in: tuple[float, float]) -> Figure:
+    """A figure on its own Agg canvas, never registered with pyplot: nothing here opens a window or
+    a figure that stays open (pyplot keeps every figure it made until closed; these are freed with
+    their last reference, after saving)."""
+    figure = Figure(figsize=size_in, dpi=DPI)
+    FigureCanvasAgg(figure)
+    return figure
+
+
 def _new_figure(columns: int, rows: int = 1, *, sharey: bool = False) -> tuple[Figure, list[Any]]:
-    figure, axes = plt.subplots(rows, columns, figsize=FIGURE_SIZE_IN, dpi=DPI, squeeze=False, sharey=sharey)
+    figure = _figure(FIGURE_SIZE_IN)
+    axes = figure.subplots(rows, columns, squeeze=False, sharey=sharey)
     return figure, [ax for line in axes for ax in line]
 
 
@@ -237,7 +246,7 @@ def sweep_figures(report: dict[str, Any]) -> dict[str, Figure]:
 
 def save_figure(figure: Figure, folder: str | Path, name: str, formats: tuple[str, ...] = ("png", "svg")) -> list[str]:
     """`name`.png and `name`.svg (or `formats`) in `folder`, each written through a temporary file
-    and a rename; the figure is closed afterwards."""
+    and a rename. The figure is pyplot's nowhere (`_figure`): nothing to close."""
     import os
     import tempfile
 
@@ -260,7 +269,6 @@ def save_figure(figure: Figure, folder: str | Path, name: str, formats: tuple[st
                 raise FicocoError(f"cannot write {target}: {exc.strerror or exc}") from None
             raise
         written.append(str(target))
-    plt.close(figure)
     return written
 
 
@@ -294,7 +302,7 @@ GREY = (0.5, 0.5, 0.5)
 
 
 def _colour(index: int) -> tuple[float, float, float, float]:
-    return plt.get_cmap("tab20")(index % 20)
+    return matplotlib.colormaps["tab20"](index % 20)
 
 
 def _rect(cell: list[int], **style: Any) -> Rectangle:
@@ -377,8 +385,8 @@ def token_figure(show: dict[str, Any], layer: int | None = None) -> Figure:
     # One image part: the states side by side, four to a row; several parts: a row per state.
     per_row = min(4, len(rows)) if panels == 1 else panels
     grid_rows = -(-len(rows) // per_row) if panels == 1 else len(rows)
-    figure, grid = plt.subplots(grid_rows, per_row, figsize=(max(3.0 * per_row, 7.0), 3.0 * grid_rows + 1.0),
-                                dpi=DPI, squeeze=False)
+    figure = _figure((max(3.0 * per_row, 7.0), 3.0 * grid_rows + 1.0))
+    grid = figure.subplots(grid_rows, per_row, squeeze=False)
     axes = [ax for line in grid for ax in line]
     for r, state in enumerate(rows):
         for p in range(panels):

@@ -1,0 +1,122 @@
+"""What one profile row measured, as typed records: the prefill, the memory and KV cache, the
+generation (decode) and the fidelity, and the row that holds them (`MeasuredRow`). They become
+JSON only at the report boundary (`to_json`), in the `ficoco.report/1` row fields, unchanged.
+No torch here: the records hold numbers, the trackers' readings and their JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class _Json(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
+class _Latency(_Json, Protocol):
+    @property
+    def median_ms(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class PrefillRecord:
+    """The timed prefill: its wall times, the runs and what chose them, the method's own time per
+    run (its reduction stages and its attention probe: medians over the timed runs), and what every
+    image handed the LLM as it ran (an adaptive method's count; None where it does not count)."""
+
+    latency: _Latency  # trackers.LatencyStats
+    runs: dict[str, Any]  # {"warmup": n, "repeat": n, "chosen_by": "..."}
+    batch: int
+    reduction_stages_ms: float
+    probe_ms: float
+    visual_tokens_per_item_measured: int | None = None
+
+    @property
+    def images_per_s(self) -> float:
+        return self.batch / (self.latency.median_ms / 1e3)
+
+    @property
+    def reduction_ms(self) -> float:
+        """The method's time: its stages and its probe. The probe replaces the reducing layers' SDPA
+        call and computes their attention output too, so it bounds what the probabilities cost."""
+        return self.reduction_stages_ms + self.probe_ms
+
+    @property
+    def reduction_share(self) -> float:
+        return self.reduction_ms / self.latency.median_ms if self.latency.median_ms else 0.0
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    """The prefill's peak memory and the KV cache after it; under a device map, the split and the
+    memory of every device (accountant and measured)."""
+
+    peak: _Json  # trackers.MemoryReading
+    kv_cache_bytes: int
+    kv_cache_tokens: int
+    device_map: dict[str, Any] | None = None  # models.device_map.summary, its "map" apart
+    device_map_entries: Any = None
+    memory_per_device: dict[str, dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """The timed generate() runs (--new-tokens): generate()'s wall time, the decode figures
+    (decode.decode_metrics: TTFT, per-token decode, total, throughputs), the KV cache at the end,
+    the generation's peak memory and its runs."""
+
+    latency: _Json  # trackers.LatencyStats of generate(), output included
+    decode: dict[str, Any]
+    kv_cache_bytes: int
+    kv_cache_tokens: int
+    memory: _Json  # trackers.MemoryReading
+    runs: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        # The throughputs follow `total` (call to last token, decode.py), as the paper's table counts them.
+        return {"latency": self.latency.to_json(), **self.decode, "generated_tokens_per_s": self.decode["tokens_per_s"],
+                "kv_cache_bytes": self.kv_cache_bytes, "kv_cache_tokens": self.kv_cache_tokens,
+                "memory": self.memory.to_json(), "runs": self.runs}
+
+
+@dataclass(frozen=True)
+class FidelityRecord:
+    """The row against vanilla on the same inputs (--fidelity): `entry` is the report's `fidelity`
+    object (fidelity.FidelityTracker.row; None for the vanilla row, the reference)."""
+
+    entry: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class MeasuredRow:
+    """Everything one row measured; `to_json` gives the report row's measured fields."""
+
+    prefill: PrefillRecord
+    memory: MemoryRecord
+    generation: GenerationRecord | None = None
+    fidelity: FidelityRecord | None = None  # None without --fidelity
+
+    def to_json(self) -> dict[str, Any]:
+        """The row's measured fields, as `ficoco.report/1` holds them (names and order unchanged)."""
+        prefill, memory = self.prefill, self.memory
+        row: dict[str, Any] = {
+            "latency": prefill.latency.to_json(),
+            "runs": prefill.runs,
+            "images_per_s": prefill.images_per_s,
+            "memory": memory.peak.to_json(),
+            "kv_cache_bytes": memory.kv_cache_bytes,
+            "kv_cache_tokens": memory.kv_cache_tokens,
+            "reduction_ms": prefill.reduction_ms,
+            "reduction_stages_ms": prefill.reduction_stages_ms,
+            "probe_ms": prefill.probe_ms,
+            "reduction_share": prefill.reduction_share,
+            "generation": self.generation.to_json() if self.generation is not None else None,
+        }
+        if self.fidelity is not None:
+            row["fidelity"] = self.fidelity.entry
+        if memory.device_map is not None:
+            row |= {"device_map": memory.device_map, "device_map_entries": memory.device_map_entries,
+                    "memory_per_device": memory.memory_per_device}
+        if prefill.visual_tokens_per_item_measured:
+            row["visual_tokens_per_item_measured"] = prefill.visual_tokens_per_item_measured
+        return row
