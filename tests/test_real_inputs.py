@@ -214,8 +214,8 @@ def test_a_reduction_moves_the_next_token_distribution():
     assert prefix.tolist() == [1, 3]
     result = compare(Observation(reference, torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])),
                      Observation(moved, torch.tensor([[1, 2, 0, 4], [1, 2, 3, 4]])))
-    assert result["top1_agreement"] == 0.5
-    assert result["greedy_prefix_tokens"] == 3 and result["greedy_prefix_share"] == 0.75  # (2 + 4) / 2
+    assert result.top1_agreement == 0.5
+    assert result.greedy_prefix_tokens == 3 and result.greedy_prefix_share == 0.75  # (2 + 4) / 2
 
 
 def test_compare_calls_a_drop_in_agreement_beyond_tolerance_a_regression():

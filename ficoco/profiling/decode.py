@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ficoco.profiling.rows import DecodeFigures
+
 
 @dataclass(frozen=True)
 class DecodeRun:
@@ -92,7 +94,7 @@ def _stats(values: list[float]) -> dict[str, Any]:
             "samples_ms": values}
 
 
-def decode_metrics(runs: list[DecodeRun], batch: int, prefill_ms: float) -> dict[str, Any]:
+def decode_metrics(runs: list[DecodeRun], batch: int, prefill_ms: float) -> DecodeFigures:
     """The report's decode figures from the timed generate() runs (see the module docstring).
 
     Per-token decode latency pools the steps of every run (median and p90 over the generated
@@ -103,17 +105,8 @@ def decode_metrics(runs: list[DecodeRun], batch: int, prefill_ms: float) -> dict
     steps = [s for r in runs for s in r.steps_ms]
     total_s = statistics.median(totals) / 1e3
     decode = _stats(steps) if steps else None
-    return {
-        "new_tokens": new_tokens,
-        "prefill_ms": prefill_ms,
-        "ttft": _stats([r.ttft_ms for r in runs]),
-        "decode_per_token": decode,
-        "total": _stats(totals),
-        "generate_wall": _stats([r.wall_ms for r in runs]),
-        "images_per_s": batch / total_s,
-        "tokens_per_s": batch * new_tokens / total_s,
-        # One sample's new tokens per second while decoding, from the median step.
-        "decode_tokens_per_s": batch / (decode["median_ms"] / 1e3) if decode else None,
-        "definition": "ttft = first token - call; decode step = token k - token k-1; total = ttft + decode steps; "
-                      "images/s = batch / total; tokens/s = batch * new tokens / total",
-    }
+    return DecodeFigures(
+        new_tokens=new_tokens, prefill_ms=prefill_ms, ttft=_stats([r.ttft_ms for r in runs]),
+        decode_per_token=decode, total=_stats(totals), generate_wall=_stats([r.wall_ms for r in runs]),
+        images_per_s=batch / total_s, tokens_per_s=batch * new_tokens / total_s,
+        decode_tokens_per_s=batch / (decode["median_ms"] / 1e3) if decode else None)

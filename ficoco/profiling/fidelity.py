@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ficoco.profiling.rows import FidelityFigures, FidelityRecord
+
 RANDOM_WEIGHTS_NOTE = ("random weights: these figures describe a randomly initialised model, not the checkpoint's "
                        "quality; give weights= for a trained one")
 
@@ -56,24 +58,21 @@ def matching_prefix(reference: Tensor, tokens: Tensor) -> Tensor:
     return same.cumprod(dim=-1).sum(dim=-1)
 
 
-def compare(reference: Observation, row: Observation, tokenizer: Any = None) -> dict[str, Any]:
+def compare(reference: Observation, row: Observation, tokenizer: Any = None) -> FidelityFigures:
     """The fidelity figures of `row` against `reference` (the vanilla row on the same inputs)."""
     kl = kl_divergence(reference.logits, row.logits)
     top1 = (reference.logits.argmax(dim=-1) == row.logits.argmax(dim=-1)).double()
-    result: dict[str, Any] = {
-        "kl_divergence": float(kl.mean()), "kl_divergence_max": float(kl.max()),
-        "top1_agreement": float(top1.mean()), "prompts": int(kl.numel()),
-        "new_tokens": None, "greedy_prefix_tokens": None, "greedy_prefix_share": None, "texts": None,
-    }
+    extra: dict[str, Any] = {}
     if reference.tokens is not None and row.tokens is not None:
         count = min(reference.tokens.shape[1], row.tokens.shape[1])
         prefix = matching_prefix(reference.tokens[:, :count], row.tokens[:, :count]).double()
-        result.update(new_tokens=count, greedy_prefix_tokens=float(prefix.mean()),
-                      greedy_prefix_share=float((prefix / count).mean()) if count else 1.0)
+        extra = {"new_tokens": count, "greedy_prefix_tokens": float(prefix.mean()),
+                 "greedy_prefix_share": float((prefix / count).mean()) if count else 1.0}
         if tokenizer is not None:
-            result["texts"] = {"vanilla": tokenizer.batch_decode(reference.tokens, skip_special_tokens=True),
-                               "reduced": tokenizer.batch_decode(row.tokens, skip_special_tokens=True)}
-    return result
+            extra["texts"] = {"vanilla": tokenizer.batch_decode(reference.tokens, skip_special_tokens=True),
+                              "reduced": tokenizer.batch_decode(row.tokens, skip_special_tokens=True)}
+    return FidelityFigures(kl_divergence=float(kl.mean()), kl_divergence_max=float(kl.max()),
+                           top1_agreement=float(top1.mean()), prompts=int(kl.numel()), **extra)
 
 
 @dataclass
@@ -85,14 +84,15 @@ class FidelityTracker:
     tokenizer: Any = None
     references: dict[tuple[str, int], Observation] = field(default_factory=dict)
 
-    def row(self, variant: str, quant: str, batch: int, observation: Observation) -> dict[str, Any] | None:
-        """The row's `fidelity` entry (None for the vanilla row, which is the reference)."""
+    def row(self, variant: str, quant: str, batch: int, observation: Observation) -> FidelityRecord:
+        """The row's fidelity record (the vanilla row is the reference itself)."""
         key = (quant, batch)
         if variant == "vanilla":
             self.references[key] = observation
-            return None
+            return FidelityRecord(is_reference=True)
         reference = self.references.get(key)
         if reference is None:
-            return {"reference": None, "note": "no measured vanilla row of this quant and batch to compare with"}
-        return {"reference": f"vanilla {quant} batch {batch}", **compare(reference, observation, self.tokenizer),
-                "note": RANDOM_WEIGHTS_NOTE if self.random_weights else None}
+            return FidelityRecord(note="no measured vanilla row of this quant and batch to compare with")
+        return FidelityRecord(reference=f"vanilla {quant} batch {batch}",
+                              figures=compare(reference, observation, self.tokenizer),
+                              note=RANDOM_WEIGHTS_NOTE if self.random_weights else None)

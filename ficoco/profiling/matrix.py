@@ -465,7 +465,7 @@ def measure_fidelity(run: _RowRun) -> FidelityRecord:
 
     observation = observe(run.last.pop("logits"), run.last.get("sequences"), run.config.new_tokens)
     row = run.row
-    return FidelityRecord(run.plan.fidelity.row(row.variant, row.quant, row.batch, observation))
+    return run.plan.fidelity.row(row.variant, row.quant, row.batch, observation)
 
 
 def build_for(config: ProfileConfig, plan: Plan, quant: str) -> Any:

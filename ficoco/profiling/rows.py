@@ -5,7 +5,7 @@ No torch here: the records hold numbers, the trackers' readings and their JSON."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 
@@ -59,14 +59,37 @@ class MemoryRecord:
     memory_per_device: dict[str, dict[str, Any]] | None = None
 
 
+# What the decode figures mean, written into every report beside them.
+DECODE_DEFINITION = ("ttft = first token - call; decode step = token k - token k-1; total = ttft + decode steps; "
+                     "images/s = batch / total; tokens/s = batch * new tokens / total")
+
+
+@dataclass(frozen=True)
+class DecodeFigures:
+    """The decode figures of the timed generate() runs (decode.decode_metrics): TTFT, per-token decode
+    and total as {median_ms, p90_ms, min_ms, samples_ms}, and the throughputs that follow the median total."""
+
+    new_tokens: int
+    prefill_ms: float  # the row's prefill latency (a forward alone), shown beside TTFT
+    ttft: dict[str, Any]
+    decode_per_token: dict[str, Any] | None  # None with one new token (no decode step)
+    total: dict[str, Any]
+    generate_wall: dict[str, Any]
+    images_per_s: float
+    tokens_per_s: float
+    decode_tokens_per_s: float | None  # one sample's new tokens per second while decoding, from the median step
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "definition": DECODE_DEFINITION}
+
+
 @dataclass(frozen=True)
 class GenerationRecord:
-    """The timed generate() runs (--new-tokens): generate()'s wall time, the decode figures
-    (decode.decode_metrics: TTFT, per-token decode, total, throughputs), the KV cache at the end,
-    the generation's peak memory and its runs."""
+    """The timed generate() runs (--new-tokens): generate()'s wall time, the decode figures, the KV
+    cache at the end, the generation's peak memory and its runs."""
 
     latency: _Json  # trackers.LatencyStats of generate(), output included
-    decode: dict[str, Any]
+    decode: DecodeFigures
     kv_cache_bytes: int
     kv_cache_tokens: int
     memory: _Json  # trackers.MemoryReading
@@ -74,17 +97,48 @@ class GenerationRecord:
 
     def to_json(self) -> dict[str, Any]:
         # The throughputs follow `total` (call to last token, decode.py), as the paper's table counts them.
-        return {"latency": self.latency.to_json(), **self.decode, "generated_tokens_per_s": self.decode["tokens_per_s"],
+        return {"latency": self.latency.to_json(), **self.decode.to_json(),
+                "generated_tokens_per_s": self.decode.tokens_per_s,
                 "kv_cache_bytes": self.kv_cache_bytes, "kv_cache_tokens": self.kv_cache_tokens,
                 "memory": self.memory.to_json(), "runs": self.runs}
 
 
 @dataclass(frozen=True)
-class FidelityRecord:
-    """The row against vanilla on the same inputs (--fidelity): `entry` is the report's `fidelity`
-    object (fidelity.FidelityTracker.row; None for the vanilla row, the reference)."""
+class FidelityFigures:
+    """How far a row's outputs moved from its vanilla row's on the same inputs (fidelity.compare):
+    KL(vanilla || row) of the next-token distribution at the last prompt position (nats, mean and largest
+    over the prompts), top-1 agreement, and with generation the greedy prefix that matches (tokens and
+    share of the new tokens) and, with a tokenizer, both decoded continuations."""
 
-    entry: dict[str, Any] | None
+    kl_divergence: float
+    kl_divergence_max: float
+    top1_agreement: float
+    prompts: int
+    new_tokens: int | None = None
+    greedy_prefix_tokens: float | None = None
+    greedy_prefix_share: float | None = None
+    texts: dict[str, list[str]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FidelityRecord:
+    """The row against vanilla (--fidelity). The vanilla row is the reference itself (`is_reference`,
+    JSON null); a reduced row names its reference and carries its figures, or only a note where no
+    vanilla row of its quant and batch was measured."""
+
+    reference: str | None = None  # "vanilla fp16 batch 1"
+    figures: FidelityFigures | None = None
+    note: str | None = None
+    is_reference: bool = False
+
+    def to_json(self) -> dict[str, Any] | None:
+        if self.is_reference:
+            return None
+        figures = self.figures.to_json() if self.figures is not None else {}
+        return {"reference": self.reference, **figures, "note": self.note}
 
 
 @dataclass(frozen=True)
@@ -113,7 +167,7 @@ class MeasuredRow:
             "generation": self.generation.to_json() if self.generation is not None else None,
         }
         if self.fidelity is not None:
-            row["fidelity"] = self.fidelity.entry
+            row["fidelity"] = self.fidelity.to_json()
         if memory.device_map is not None:
             row |= {"device_map": memory.device_map, "device_map_entries": memory.device_map_entries,
                     "memory_per_device": memory.memory_per_device}
