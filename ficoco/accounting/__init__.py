@@ -32,6 +32,7 @@ from ficoco.accounting.memory import (
     weight_bytes,
 )
 from ficoco.accounting.methods import extra_macs, method_schedule
+from ficoco.accounting.planners import plan
 from ficoco.accounting.schedule import (
     VARIANTS,
     BudgetError,
@@ -96,7 +97,7 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
                      shape: str | None = None, first_layer: int | None = None, preset: int | None = None,
                      hyperparameters: Mapping[str, Any] | None = None) -> Schedule:
     """The schedule of `variant` from at most one of keep / preset / tflops / schedule, planned by the
-    method's registry entry (`MethodSpec.plan`).
+    method's registry entry (ficoco.accounting.planners.plan).
 
     `preset` N is the literature's "N tokens" row and means the same as `keep` N (each method's
     `--keep` counts what its papers count). A method without an official default setting
@@ -120,7 +121,7 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, *, ke
                           first_layer=first_layer, hyperparameters=dict(hyperparameters or {}),
                           cost=lambda s: compute_tera(arch, s, opts), label=_budget_label(opts),
                           equivalent=opts.equivalent, scope=opts.scope)
-    return spec.plan(arch, request)
+    return plan(arch, spec, request)
 
 
 @dataclass(frozen=True)

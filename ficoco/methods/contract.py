@@ -31,8 +31,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from ficoco.methods.base import MethodSpec
-    from ficoco.methods.stages import InLayerInput, Reduced, StepInput
-    from ficoco.methods.vision_stages import TowerInput, TowerOutput
+    from ficoco.methods.inputs import InLayerInput, Reduced, StepInput, TowerInput, TowerOutput
 
 
 @runtime_checkable
