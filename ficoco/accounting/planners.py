@@ -16,7 +16,7 @@ from ficoco.accounting.schedule import PlanRequest, Schedule, plan_per_layer
 from ficoco.errors import FicocoError
 from ficoco.methods.base import PLANNER_NAMES, MethodSpec, Planner
 
-# Every name of PLANNER_NAMES, and only those (tests/test_package_layers.py checks both ways).
+# Every name of PLANNER_NAMES, and only those (tests/test_methods_spec.py checks both ways).
 PLANNERS: Mapping[str, Planner] = {
     "by_steps": plan_by_steps,  # the spec's steps, settings_for_keep and extra_macs (most methods)
     "per_layer": plan_per_layer,  # any count at any reducing layer from first_layer (FiCoCo-V and -L)

@@ -232,7 +232,7 @@ class MethodSpec:
     # --schedule (FiCoCo-V and -L).
     default_setting: bool = True
     # The method's own work at each in-layer reduction, as formulas (FiCoCo-V and -L:
-    # ficoco.methods.ficoco_costs). `paper_overhead(stage, visual, removed, dim)`: what the `paper`
+    # their folders). `paper_overhead(stage, visual, removed, dim)`: what the `paper`
     # convention adds at the layer; `layer_macs(LayerWork)`: the matrix products --verify checks per
     # layer against the counters. None: the method's own work is its `extra_macs`, checked as one stage.
     paper_overhead: Callable[[str, int, int, int], int] | None = None

@@ -1,4 +1,5 @@
-"""Shared FiCoCo stages: select, token-adaptive weights, self-preserving compress."""
+"""The shared token operations (ficoco.methods.ops) FiCoCo-V and -L build on: select, token-adaptive
+weights, self-preserving compress."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ficoco.errors import FicocoError
-from ficoco.reduction import adaptive_weights, compress, gather_block, gather_tokens, select
+from ficoco.methods.ficoco_v import EPS
+from ficoco.methods.ops import adaptive_weights, compress, gather_block, gather_tokens, select
 
 FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None)
 
@@ -130,15 +132,15 @@ def test_adaptive_weights_hand_example() -> None:
     # row 0: tau 0.2 -> {0.2, 0.6, 0.2}; row 1: tau 0.25 -> {0.3, 0.3}; row 2: tau 0.25 -> {0.5, 0.3}.
     expected = torch.tensor([[[0.2, 0.6, 0.2, 0.0], [0.0, 0.5, 0.5, 0.0], [0.0, 0.625, 0.375, 0.0]]])
     torch.testing.assert_close(adaptive_weights(corr, eps=0.5), expected)
-    # At the default 0.998 only the row maximum survives (both tied maxima in row 1).
+    # At FiCoCo's 0.998 only the row maximum survives (both tied maxima in row 1).
     expected_default = torch.tensor([[[0.0, 1.0, 0.0, 0.0], [0.0, 0.5, 0.5, 0.0], [0.0, 1.0, 0.0, 0.0]]])
-    torch.testing.assert_close(adaptive_weights(corr), expected_default)
+    torch.testing.assert_close(adaptive_weights(corr, EPS), expected_default)
 
 
 def test_adaptive_weights_all_zero_row_falls_back_to_uniform_without_nan() -> None:
     corr = torch.zeros(1, 2, 4)
     corr[0, 1, 2] = 0.5
-    alpha = adaptive_weights(corr)
+    alpha = adaptive_weights(corr, EPS)
     assert torch.isfinite(alpha).all()
     torch.testing.assert_close(alpha[0, 0], torch.full((4,), 0.25))
     torch.testing.assert_close(alpha[0, 1], torch.tensor([0.0, 0.0, 1.0, 0.0]))
@@ -146,9 +148,9 @@ def test_adaptive_weights_all_zero_row_falls_back_to_uniform_without_nan() -> No
 
 def test_adaptive_weights_compute_in_float32_for_bfloat16_input() -> None:
     corr = torch.rand(2, 3, 5, generator=_generator(0))
-    alpha = adaptive_weights(corr.to(torch.bfloat16))
+    alpha = adaptive_weights(corr.to(torch.bfloat16), EPS)
     assert alpha.dtype == torch.float32
-    torch.testing.assert_close(alpha, adaptive_weights(corr.to(torch.bfloat16).float()), rtol=0, atol=0)
+    torch.testing.assert_close(alpha, adaptive_weights(corr.to(torch.bfloat16).float(), EPS), rtol=0, atol=0)
 
 
 # ----- compress -----
@@ -228,7 +230,7 @@ def test_compress_own_weight_falls_below_half_when_two_sources_share_a_target() 
     tokens = torch.eye(3).unsqueeze(0)
     source = torch.tensor([[0, 2]])
     target = torch.tensor([[1]])
-    alpha = adaptive_weights(torch.tensor([[[0.7], [0.4]]]))
+    alpha = adaptive_weights(torch.tensor([[[0.7], [0.4]]]), EPS)
     merged = compress(tokens, source, target, alpha)
     torch.testing.assert_close(merged, torch.full((1, 1, 3), 1.0 / 3.0))
     assert merged[0, 0, 1] < 0.5

@@ -10,13 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ficoco.errors import FicocoError
-from ficoco.reduction import (
-    equivalent_token_redundancy,
-    local_penalty,
-    reduce_v,
-    select,
-    vision_scores,
-)
+from ficoco.methods.ficoco_v.ops import local_penalty, reduce_v, vision_scores
+from ficoco.methods.ops import equivalent_token_redundancy, select
 
 FAST = settings(max_examples=30, deadline=None, derandomize=True, database=None)
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ficoco.errors import FicocoError
-from ficoco.reduction import language_correlation, language_scores, reduce_l
+from ficoco.methods.ficoco_l.ops import language_correlation, language_scores, reduce_l
 
 FAST = settings(max_examples=30, deadline=None, derandomize=True, database=None)
 
