@@ -390,8 +390,8 @@ class Qwen2VLAdapter(LlavaAdapter):
         """Run the method's `tower_step` on every image's groups (one batched call per image size);
         `units` (groups of all images, W) -> the tokens that go on, in group order."""
         from ficoco.methods.inputs import TowerInput
-        from ficoco.models.vision_steps import complement
         from ficoco.methods.ops import gather_tokens
+        from ficoco.models.vision_steps import complement
 
         sizes: dict[tuple[int, int], list[int]] = {}
         for image, grid in enumerate(tower.grids):
