@@ -32,7 +32,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from types import ModuleType
 from typing import Any, Literal, Protocol, get_args
 
@@ -240,6 +239,9 @@ class MethodSpec:
     # --schedule LAYER:REMOVED of a layer-input method: the tokens that join at the same step, from the removed
     # count and the default settings (SparseVLM's recycled clusters); None: none join.
     added_for_removed: Callable[[int, Mapping[str, Any]], int] | None = None
+    # What the model adapters capture for this method, at which layer, which rows: built from `needs` when
+    # the spec is made (ficoco.methods.needs.probe_plan); the tower-side and decoder-side patches read it.
+    probes: ProbePlan = field(init=False, repr=False, compare=False)
 
     @property
     def per_item(self) -> bool:
@@ -256,13 +258,7 @@ class MethodSpec:
         if self.planner not in PLANNER_NAMES:
             raise ValueError(f"{self.name}: unknown planner {self.planner!r}: choose from {', '.join(PLANNER_NAMES)}")
         # Every need must be one a hook point of this placement reads (refused here, in one line, otherwise).
-        self.__dict__["probes"] = probe_plan(self.name, tuple(self.needs), self.acts_at, self.placement)
-
-    @cached_property
-    def probes(self) -> ProbePlan:
-        """What the model adapters capture for this method, at which layer, which rows (built from `needs`
-        when the spec is made; ficoco.methods.needs)."""
-        return probe_plan(self.name, tuple(self.needs), self.acts_at, self.placement)
+        object.__setattr__(self, "probes", probe_plan(self.name, tuple(self.needs), self.acts_at, self.placement))
 
     def load(self) -> ModuleType:
         """Import the module that holds the method's tensor functions (imports torch)."""

@@ -50,7 +50,7 @@ class StepInput:
 
     A method's module offers ``step(inputs, settings) -> Reduced`` (and, if it reads the input
     embeddings, ``prepare(embeds, visual_start, num_visual) -> state``); the adapter fills only
-    what the method's registry entry says it needs, the rest stays None.
+    what the method's spec says it needs (its probe plan), the rest stays None.
 
     Attributes:
         hidden: ``(B, T, D)`` the input of layer ``L`` (the output of layer ``L - 1``).
