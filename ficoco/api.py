@@ -16,13 +16,12 @@ from torch import nn
 from ficoco.accounting import CountOptions, ScheduleRequest, architecture, resolve_schedule
 from ficoco.accounting.schedule import Schedule, plan_tokens
 from ficoco.errors import FicocoError
-from ficoco.methods.hyperparameters import Hyperparameters
 from ficoco.methods.registry import METHODS, method
 from ficoco.models import adapter_for, hf_compat
 from ficoco.models.attention import SUPPORTED_ATTENTION, check_attention_implementation  # noqa: F401
 from ficoco.models.build import build_model
 from ficoco.models.entry import Entry
-from ficoco.models.handle import Handle, LayerRecord
+from ficoco.models.handle import Handle, Hyperparameters, LayerRecord
 from ficoco.profiles import FAMILY_DEFAULTS, Profile
 
 __all__ = ["Handle", "Hyperparameters", "LayerRecord", "ScheduleRequest", "apply", "build_model", "profile_of"]

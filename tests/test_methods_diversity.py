@@ -21,10 +21,10 @@ from ficoco import accounting as acc
 from ficoco.accounting.schedule import plan_tokens
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
-from ficoco.methods.cdpruner import cdpruner_reduce, cdpruner_select
-from ficoco.methods.divprune import divprune_reduce
+from ficoco.methods.cdpruner.ops import cdpruner_reduce, cdpruner_select
+from ficoco.methods.divprune.ops import divprune_reduce
 from ficoco.methods.registry import method
-from ficoco.methods.vispruner import vispruner_reduce
+from ficoco.methods.vispruner.ops import vispruner_reduce
 from ficoco.models import synthetic_inputs
 
 METHODS = ("divprune", "vispruner", "cdpruner")

@@ -18,7 +18,7 @@ from ficoco.accounting import architecture
 from ficoco.accounting.methods import extra_macs
 from ficoco.accounting.schedule import plan_tokens
 from ficoco.api import profile_of
-from ficoco.methods.holitom import holitom_reduce, inner_merge, segment_frames
+from ficoco.methods.holitom.ops import holitom_reduce, inner_merge, segment_frames
 from ficoco.methods.registry import method
 from ficoco.models import synthetic_inputs
 from ficoco.profiles import load_profile

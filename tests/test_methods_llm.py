@@ -21,17 +21,17 @@ import torch
 from ficoco import accounting as acc
 from ficoco.errors import FicocoError
 from ficoco.methods import METHODS
-from ficoco.methods.dart import cpython_set_order, dart_reduce, dart_select
-from ficoco.methods.fastv import fastv_reduce, fastv_scores
-from ficoco.methods.pdrop import pdrop_keep, pdrop_reduce, pdrop_scores
-from ficoco.methods.sparsevlm import (
+from ficoco.methods.dart.ops import cpython_set_order, dart_reduce, dart_select
+from ficoco.methods.fastv.ops import fastv_reduce, fastv_scores
+from ficoco.methods.ops import last_row_attention
+from ficoco.methods.pdrop.ops import pdrop_keep, pdrop_reduce, pdrop_scores
+from ficoco.methods.sparsevlm.ops import (
     dpc_knn_merge,
     select_raters,
     sparsevlm_reduce,
     sparsevlm_scores,
     suffix_rows,
 )
-from ficoco.methods.stages import last_row_attention
 from ficoco.profiles import load_profile
 
 HEADS, KV_HEADS, HEAD_DIM, DIM = 4, 2, 8, 16

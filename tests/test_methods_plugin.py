@@ -19,8 +19,8 @@ from ficoco.api import profile_of
 from ficoco.errors import FicocoError
 from ficoco.methods import METHODS, VARIANTS, MethodSpec, Need, Step, registered
 from ficoco.methods.contract import TowerModule, contract_of, load_module
+from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.registry import register_method, unregister_method
-from ficoco.methods.vision_stages import TowerInput, TowerOutput
 from ficoco.models import synthetic_inputs
 
 NAME = "stride"

@@ -16,12 +16,13 @@ import torch
 
 from ficoco import accounting as acc
 from ficoco.errors import FicocoError
-from ficoco.methods.fastervlm import fastervlm_reduce, fastervlm_scores
-from ficoco.methods.prumerge import prumerge_cls_attention, prumerge_reduce
-from ficoco.methods.registry import VISIONZIP_SPLITS, tome_rates
-from ficoco.methods.tome import proportional_attention_bias, tome_merge
-from ficoco.methods.vision_stages import cls_attention, equivalent_token_scores, merge_group_scores
-from ficoco.methods.visionzip import visionzip_reduce, visionzip_scores
+from ficoco.methods.fastervlm.ops import fastervlm_reduce, fastervlm_scores
+from ficoco.methods.ops import cls_attention, equivalent_token_scores, merge_group_scores
+from ficoco.methods.prumerge.ops import prumerge_cls_attention, prumerge_reduce
+from ficoco.methods.tome import tome_rates
+from ficoco.methods.tome.ops import proportional_attention_bias, tome_merge
+from ficoco.methods.visionzip import VISIONZIP_SPLITS
+from ficoco.methods.visionzip.ops import visionzip_reduce, visionzip_scores
 from ficoco.profiles import load_profile
 
 PATCHES, DIM, HEADS, HEAD_DIM = 24, 6, 2, 4

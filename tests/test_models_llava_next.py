@@ -23,12 +23,12 @@ from ficoco.accounting import architecture
 from ficoco.accounting.schedule import plan_tokens
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
+from ficoco.methods.ficoco_l.ops import reduce_l
 from ficoco.models import adapter_for
 from ficoco.models.build import _hf_config
 from ficoco.models.llava_next import PREFIX_TOKENS, image_layout, synthetic_inputs
 from ficoco.profiles import load_profile
 from ficoco.profiling.verify import verify
-from ficoco.reduction import reduce_l
 
 TEXT = 12  # text tokens per prompt
 SIDE = 4  # patches per item side

@@ -32,6 +32,7 @@ from ficoco.accounting.memory import (
     weight_bytes,
 )
 from ficoco.accounting.methods import extra_macs, method_schedule
+from ficoco.accounting.planners import plan
 from ficoco.accounting.request import ScheduleRequest
 from ficoco.accounting.schedule import (
     VARIANTS,
@@ -98,9 +99,9 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, reque
                      first_layer: int | None = None, preset: int | None = None,
                      hyperparameters: Mapping[str, Any] | None = None) -> Schedule:
     """The schedule of `variant` for `request` (a `ScheduleRequest`: at most one of keep / preset /
-    tflops / schedule, with shape and first_layer), planned by the method's registry entry
-    (`MethodSpec.plan`). The keywords are the request's own spelling, for a caller without one
-    (`resolve_schedule(arch, "v", opts, keep=192)`); give one or the other.
+    tflops / schedule, with shape and first_layer), planned by the planner the method's registry entry
+    names (ficoco.accounting.planners.plan). The keywords are the request's own spelling, for a caller
+    without one (`resolve_schedule(arch, "v", opts, keep=192)`); give one or the other.
 
     `preset` N is the literature's "N tokens" row and means the same as `keep` N (each method's
     `--keep` counts what its papers count). A method without an official default setting
@@ -119,7 +120,7 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, reque
         # alone cuts videos.
         raise FicocoError(f"variant={variant}: {spec.title} on {arch.name} reduces images, and a video here "
                           "passes it unreduced: give an image (no frames=), or variant=holitom for a video")
-    return spec.plan(arch, plan_request(request, opts, lambda s: compute_tera(arch, s, opts), hyperparameters))
+    return plan(arch, spec, plan_request(request, opts, lambda s: compute_tera(arch, s, opts), hyperparameters))
 
 
 def plan_request(request: ScheduleRequest, opts: CountOptions, cost: Any,

@@ -1,10 +1,11 @@
 """Schedules and extra cost terms of the methods planned through their entry's steps.
 
-`plan_by_steps` is the default planner (`MethodSpec.planner`): a method (FastV, PDrop, SparseVLM,
-DART, ...) declares in its `MethodSpec` how a setting turns into token-count steps and how `--keep`
-maps to a setting; this module turns those steps into a `Schedule` the accountant counts like any
-other, resolves `--keep`, `--preset`, `--tflops` and `--schedule` for them, and sums their extra
-matrix work. FiCoCo-V and -L name ficoco.accounting.schedule's per-layer planner instead. No torch.
+`plan_by_steps` is the default planner ("by_steps" in ficoco.accounting.planners.PLANNERS): a
+method (FastV, PDrop, SparseVLM, DART, ...) declares in its `MethodSpec` how a setting turns into
+token-count steps and how `--keep` maps to a setting; this module turns those steps into a
+`Schedule` the accountant counts like any other, resolves `--keep`, `--preset`, `--tflops` and
+`--schedule` for them, and sums their extra matrix work. FiCoCo-V and -L name the per-layer
+planner (ficoco.accounting.schedule.plan_per_layer). No torch.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
 
 
 def plan_by_steps(arch: Architecture, spec: MethodSpec, request: PlanRequest) -> Schedule:
-    """The default planner (`MethodSpec.planner`): the schedule of a method that declares its steps
+    """The default planner ("by_steps"): the schedule of a method that declares its steps
     (`steps`, `settings_for_keep`): `--schedule` removals, the setting of the `--keep` (`--preset`) row,
     the setting keeping the most tokens within `--tflops`, or the official default setting; with
     hyperparameters, the setting of the `keep` row (or the default) under them."""

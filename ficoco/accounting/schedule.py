@@ -19,8 +19,8 @@ from ficoco.methods.base import MethodSpec
 from ficoco.methods.registry import METHODS, VARIANTS
 
 SHAPES = ("uniform", "oneshot")
-# The planner (MethodSpec.planner) of the entries this module plans: any count at any reducing layer.
-PER_LAYER = "ficoco.accounting.schedule:plan_per_layer"
+# The planner name (MethodSpec.planner) of the entries this module plans: any count at any reducing layer.
+PER_LAYER = "per_layer"
 
 
 def planned_per_layer(variant: str) -> bool:
@@ -423,8 +423,8 @@ def _budget_miss(arch: Architecture, variant: str, budget: float, cheapest: floa
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What a run asks a method's planner for (`MethodSpec.plan`): at most one of `keep`, `preset`,
-    `tflops` and `schedule` (none: the method's official default setting, where it has one).
+    """What a run asks a method's planner for (ficoco.accounting.planners.plan): at most one of `keep`,
+    `preset`, `tflops` and `schedule` (none: the method's official default setting, where it has one).
 
     Attributes:
         keep: visual tokens to keep, in the method's `--keep` meaning.

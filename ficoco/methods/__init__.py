@@ -1,11 +1,18 @@
-"""Visual-token reduction methods: one module of tensor functions per method, one registry.
+"""Visual-token reduction methods: one folder per method, one registry.
 
-Importing this package imports no torch: `registry` and `base` are plain data and integer
-arithmetic that the accountant reads; each method's tensor module is imported on use
-(`MethodSpec.load()`).
+``ficoco/methods/<name>/__init__.py`` is a method's spec (`MethodSpec`: where it acts, what it needs,
+its defaults, its schedule arithmetic and cost terms) and ``ficoco/methods/<name>/ops.py`` its batched
+tensor functions. Shared here: `base` (the spec's types), `needs` (typed `Need`s and the `ProbePlan`
+the model adapters read), `common` (torch-free pieces several specs use), `inputs` (the records the
+adapters hand a method), `contract` (what a method's ops module offers), `ops` (token operations
+several methods share), and `registry` (it collects the specs).
+
+Importing this package imports no torch: the specs are plain data and integer arithmetic that the
+accountant reads; a method's ops module is imported on use (`MethodSpec.load()`).
 """
 
 from ficoco.methods.base import Dims, MethodSpec, Need, Step, StepContext
+from ficoco.methods.needs import ProbePlan, TowerProbe
 from ficoco.methods.registry import (
     METHODS,
     PRESETS,
@@ -16,5 +23,5 @@ from ficoco.methods.registry import (
     unregister_method,
 )
 
-__all__ = ["METHODS", "PRESETS", "VARIANTS", "Dims", "MethodSpec", "Need", "Step", "StepContext", "method",
-           "register_method", "registered", "unregister_method"]
+__all__ = ["METHODS", "PRESETS", "VARIANTS", "Dims", "MethodSpec", "Need", "ProbePlan", "Step", "StepContext",
+           "TowerProbe", "method", "register_method", "registered", "unregister_method"]

@@ -10,9 +10,10 @@ A method is described by
   LLM decoder; and **how** (`placement`): inside a layer after its attention block and before
   its MLP (FiCoCo), or at the input of a decoder layer, before the layer runs (FastV, PDrop,
   SparseVLM, DART: the reduced set is what every later layer sees);
-- **what it needs from the model** (`needs`): which attention-probability rows (of which
-  layer, which query rows, over which keys), key states, or hidden states, so that the model
-  adapters offer one set of hook points and probes for every method;
+- **what it needs from the model** (`needs`, typed `Need`s, ficoco.methods.needs): which
+  attention-probability rows (of which layer, which query rows, over which keys), key states, or
+  hidden states; the spec turns them into one `ProbePlan` (`MethodSpec.probes`) that the model
+  adapters read, so that they offer one set of hook points and probes for every method;
 - **its hyperparameters** with the defaults of its official code, its **position scheme**
   (original position ids kept, or compacted), and the families it is defined on;
 - **its schedule**: the plain token-count steps (`Step`) a setting produces, how a budget
@@ -21,7 +22,9 @@ A method is described by
   own layers (score rows, projections it recomputes, similarity matrices), per step.
 
 All arithmetic here is on plain ints (no Architecture, no torch), so the registry depends on
-nothing above it and the accountant can import it.
+nothing above it and the accountant can import it. A spec names its planner by a word
+(`PlannerName`); the planners themselves are functions of the accountant
+(ficoco.accounting.planners.PLANNERS), which the methods package never imports.
 """
 
 from __future__ import annotations
@@ -30,50 +33,30 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 from ficoco.errors import FicocoError
+from ficoco.methods.needs import NEED_KINDS, Need, ProbePlan, probe_plan
+
+__all__ = ["ACTS_AT", "FAMILY_STATUSES", "NEED_KINDS", "NOT_WIRED", "PLACEMENTS", "PLANNER_NAMES", "POSITION_SCHEMES",
+           "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec", "Need", "Planner", "PlannerName", "Step",
+           "StepContext"]
 
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
 PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector")
 STAGES = ("vision", "llm")
 POSITION_SCHEMES = ("original", "compact", "grid")
-NEED_KINDS = ("attention_rows", "query_key", "keys", "hidden", "input_embeddings")
+# How a spec is planned, by name (the accountant's table ficoco.accounting.planners.PLANNERS maps each to its
+# function): "by_steps" reads the spec's `steps`, `settings_for_keep` and `extra_macs`; "per_layer" plans any
+# count at any reducing layer from `first_layer` (FiCoCo-V and -L).
+PlannerName = Literal["by_steps", "per_layer"]
+PLANNER_NAMES: tuple[str, ...] = get_args(PlannerName)
 # A family's cell in the method matrix (`ficoco methods --matrix`): the models run the method there;
 # `ficoco flops` plans it but the models refuse it; or it is refused outright (a stated reason, or
 # NOT_WIRED for a family no entry names yet: a new family shows up refused until an entry lists it).
 FAMILY_STATUSES = ("yes", "flops only", "refused")
 NOT_WIRED = "not wired: the registry entry names no hook points for this family yet"
 
-
-@dataclass(frozen=True)
-class Need:
-    """One thing a method reads from the model at one point of the forward.
-
-    Attributes:
-        kind: ``attention_rows`` (softmaxed, head-mean probabilities of some query rows over
-            all keys, post-RoPE, causal and padding masked), ``query_key`` (the method
-            recomputes rows itself from a layer's own q/k projections), ``keys`` (post-RoPE
-            key states, heads concatenated), ``hidden`` (hidden states), or
-            ``input_embeddings`` (the LLM's input embeddings, before layer 0).
-        layer: where, relative to the step's layer L: ``"L-1"`` (the layer before the step),
-            ``"L"`` (the step's own layer), ``"embeddings"``, ``"vision L"``.
-        rows: which query rows or tokens: ``last`` (the last prompt token), ``suffix`` (every
-            text token after the visual span), ``visual+suffix``, ``cls``, ``all``.
-        detail: one sentence on why and in what form.
-    """
-
-    kind: str
-    layer: str
-    rows: str
-    detail: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in NEED_KINDS:
-            raise ValueError(f"unknown need kind {self.kind!r}")
-
-    def to_json(self) -> dict[str, str]:
-        return {"kind": self.kind, "layer": self.layer, "rows": self.rows, "detail": self.detail}
 
 
 @dataclass(frozen=True)
@@ -184,9 +167,9 @@ class LayerWork:
 
 
 class Planner(Protocol):
-    """The hook every registry entry plans through (`MethodSpec.planner` names one): the schedule of
-    `spec` on `arch` (an Architecture) for `request` (a ficoco.accounting.schedule.PlanRequest). It
-    raises FicocoError with one line when the request does not fit."""
+    """A planner of the accountant's table (`MethodSpec.planner` names one): the schedule of `spec` on
+    `arch` (an Architecture) for `request` (a ficoco.accounting.schedule.PlanRequest). It raises
+    FicocoError with one line when the request does not fit."""
 
     def __call__(self, arch: Any, spec: MethodSpec, request: Any) -> Any: ...
 
@@ -195,12 +178,14 @@ class Planner(Protocol):
 class MethodSpec:
     """A reduction method, as the registry, the accountant, the CLI and the adapters see it.
 
-    Every method is planned through its entry's `planner` ("module:function", imported on use, no
-    torch): `plan(arch, spec, request)` turns a request (--keep, --preset, --tflops, --schedule,
-    hyperparameters) into a `Schedule`. The default planner (ficoco.accounting.methods.plan_by_steps)
-    reads `steps`, `settings_for_keep` and `extra_macs`; FiCoCo-V and -L name the per-layer planner
-    (ficoco.accounting.schedule.plan_per_layer: any count at any reducing layer from `first_layer`,
-    uniform or one-shot, budgets by bisection), and have no `steps`.
+    Every method is planned through the planner its entry names (`planner`, a `PlannerName`): the
+    accountant (ficoco.accounting.planners.plan) turns a request (--keep, --preset, --tflops,
+    --schedule, hyperparameters) into a `Schedule` with it. The default, "by_steps", reads `steps`,
+    `settings_for_keep` and `extra_macs`; FiCoCo-V and -L name "per_layer" (any count at any
+    reducing layer from `first_layer`, uniform or one-shot, budgets by bisection), and have no `steps`.
+
+    `module` names the module of the method's tensor functions (a method folder's spec writes
+    ``f"{__name__}.ops"``: its own ``ops.py``); `load()` imports it only when a model runs.
 
     A method that acts before the LLM (`acts_at` ``vision_layer`` or ``after_projector``)
     counts per tower item: its `steps` and `settings_for_keep` receive the patches (units) of
@@ -240,13 +225,13 @@ class MethodSpec:
     # A cut after the projector that acts on LLaVA-OneVision's pooled video frames (the official code's
     # place for HoliTom: after the 2x2 pooling); the other cuts before the LLM are refused on a pooled grid.
     pooled_grid: bool = False
-    # How the entry is planned: "module:function" with the signature of `Planner.plan` (see above).
-    planner: str = "ficoco.accounting.methods:plan_by_steps"
+    # How the entry is planned: a name of the accountant's planner table (see above).
+    planner: PlannerName = "by_steps"
     # False: the method has no official default setting, so a run needs --keep, --preset, --tflops or
     # --schedule (FiCoCo-V and -L).
     default_setting: bool = True
     # The method's own work at each in-layer reduction, as formulas (FiCoCo-V and -L:
-    # ficoco.methods.ficoco_costs). `paper_overhead(stage, visual, removed, dim)`: what the `paper`
+    # their folders). `paper_overhead(stage, visual, removed, dim)`: what the `paper`
     # convention adds at the layer; `layer_macs(LayerWork)`: the matrix products --verify checks per
     # layer against the counters. None: the method's own work is its `extra_macs`, checked as one stage.
     paper_overhead: Callable[[str, int, int, int], int] | None = None
@@ -254,6 +239,9 @@ class MethodSpec:
     # --schedule LAYER:REMOVED of a layer-input method: the tokens that join at the same step, from the removed
     # count and the default settings (SparseVLM's recycled clusters); None: none join.
     added_for_removed: Callable[[int, Mapping[str, Any]], int] | None = None
+    # What the model adapters capture for this method, at which layer, which rows: built from `needs` when
+    # the spec is made (ficoco.methods.needs.probe_plan); the tower-side and decoder-side patches read it.
+    probes: ProbePlan = field(init=False, repr=False, compare=False)
 
     @property
     def per_item(self) -> bool:
@@ -267,13 +255,10 @@ class MethodSpec:
             raise ValueError(f"{self.name}: unknown placement {self.placement!r}")
         if self.positions not in POSITION_SCHEMES:
             raise ValueError(f"{self.name}: unknown position scheme {self.positions!r}")
-
-    def plan(self, arch: Any, request: Any) -> Any:
-        """The `Schedule` of this method on `arch` (an Architecture) for `request` (a
-        ficoco.accounting.schedule.PlanRequest), through the entry's `planner`."""
-        module, _, function = self.planner.partition(":")
-        planner: Planner = getattr(importlib.import_module(module), function)
-        return planner(arch, self, request)
+        if self.planner not in PLANNER_NAMES:
+            raise ValueError(f"{self.name}: unknown planner {self.planner!r}: choose from {', '.join(PLANNER_NAMES)}")
+        # Every need must be one a hook point of this placement reads (refused here, in one line, otherwise).
+        object.__setattr__(self, "probes", probe_plan(self.name, tuple(self.needs), self.acts_at, self.placement))
 
     def load(self) -> ModuleType:
         """Import the module that holds the method's tensor functions (imports torch)."""

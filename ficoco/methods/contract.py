@@ -1,6 +1,6 @@
 """The contract between a method's tensor module and the model adapters, as `typing.Protocol`s.
 
-A registry entry names its module (`MethodSpec.module`); the adapters import it on use
+A spec names its module (`MethodSpec.module`: its folder's ``ops.py``); the adapters import it on use
 (`MethodSpec.load()`) and call the functions its placement needs, through `Handle.run_method`:
 
 - a method at the input of decoder layers (``placement="layer_input"``: FastV, PDrop, SparseVLM,
@@ -31,8 +31,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from ficoco.methods.base import MethodSpec
-    from ficoco.methods.stages import InLayerInput, Reduced, StepInput
-    from ficoco.methods.vision_stages import TowerInput, TowerOutput
+    from ficoco.methods.inputs import InLayerInput, Reduced, StepInput, TowerInput, TowerOutput
 
 
 @runtime_checkable
@@ -90,8 +89,7 @@ MethodModule = LayerInputModule | InLayerModule | TowerModule
 def contract_of(spec: MethodSpec) -> tuple[type, ...]:
     """The protocols `spec`'s module must meet, by where the entry acts (its inner part's apart)."""
     if spec.placement == "layer_input":
-        needs_embeddings = any(n.kind == "input_embeddings" for n in spec.needs)
-        return (PreparesModule if needs_embeddings else LayerInputModule,)
+        return (PreparesModule if spec.probes.input_embeddings else LayerInputModule,)
     if spec.acts_at == "llm_layer":
         return (InLayerModule,)
     return (TowerModule,)

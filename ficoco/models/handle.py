@@ -1,6 +1,6 @@
 """The handle of a patched model and its records: what `ficoco.apply` returns and every adapter
 fills (the patching code's own state: per-forward bookkeeping, the method's timed spans, the
-records of kept and discarded tokens). `ficoco.api` re-exports both."""
+records of kept and discarded tokens), and FiCoCo's hyperparameters on it. `ficoco.api` re-exports them."""
 
 from __future__ import annotations
 
@@ -14,9 +14,23 @@ from torch import Tensor, nn
 
 from ficoco import testing_hooks
 from ficoco.accounting.schedule import Schedule
-from ficoco.methods.hyperparameters import Hyperparameters
+from ficoco.methods import ficoco_l, ficoco_v
 from ficoco.models.patching import LanguageState, Patches
 from ficoco.models.stage_timer import StageTimer
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    """FiCoCo's hyperparameters on a handle (`ficoco.apply(model, "v", lam=0.5)`), set per handle; the
+    defaults are FiCoCo-V's and FiCoCo-L's own constants (ficoco.methods.ficoco_v, ficoco_l: the paper's)."""
+
+    lam: float = ficoco_v.LAM  # V filter: vision-aware vs semantic term
+    beta: float = ficoco_l.BETA  # L filter: vision-aware vs task-aware term
+    gamma: float = ficoco_l.GAMMA  # L correlate: direct vs indirect term
+    eps: float = ficoco_v.EPS  # quantile of the token-adaptive K (FiCoCo-L's EPS is the same)
+    window: int = ficoco_v.WINDOW  # V local penalty window
+    coefficient: float = ficoco_v.COEFFICIENT  # V local penalty factor
+    equivalent_token: bool = ficoco_v.EQUIVALENT_TOKEN  # V: score with the equivalent token instead of [CLS]
 
 
 @dataclass(frozen=True)

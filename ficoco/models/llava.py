@@ -1,5 +1,5 @@
 """FiCoCo inside Hugging Face's LLaVA-1.5 (`LlavaForConditionalGeneration`): a CLIP tower and a
-LLaMA decoder. This file alone knows those classes; the method lives in ficoco.reduction.
+LLaMA decoder. This file alone knows those classes; the method lives in ficoco.methods.
 
 Nothing of transformers' model source is copied: reducing layers are re-composed from the
 layer's own submodules (norms, attention, MLP) so the reduction can sit between the

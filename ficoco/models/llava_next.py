@@ -1,6 +1,6 @@
 """FiCoCo inside Hugging Face's LLaVA-NeXT (`LlavaNextForConditionalGeneration`): LLaVA-1.5's CLIP
 tower and LLaMA decoder, with AnyRes images. This file alone knows LLaVA-NeXT's layout; the layer
-patches are LLaVA-1.5's (`LlavaAdapter`), and the method lives in ficoco.reduction.
+patches are LLaVA-1.5's (`LlavaAdapter`), and the method lives in ficoco.methods.
 
 AnyRes, as transformers computes it: an image becomes a base view plus a grid of crops, every one
 a CLIP batch item; the crop features are put back on one large patch grid, the grid is unpadded

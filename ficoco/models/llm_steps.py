@@ -9,7 +9,8 @@ registry entry, for every family whose decoder is a stack of LLaMA-style layers.
 
 The rest of this docstring is about ``layer_input``.
 
-What a method asks for (its `MethodSpec.needs`) decides what is computed, and only there:
+What a method asks for (its `MethodSpec.needs`, read through the spec's one probe plan,
+`MethodSpec.probes`) decides what is computed, and only there:
 
 - ``attention_rows`` of layer L-1 (``last``: the last prompt token's row per head; ``suffix``:
   the head-mean rows of the text after the visual span): the layer's attention module is routed
@@ -44,7 +45,8 @@ from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.contract import InLayerModule, LayerInputModule, PreparesModule, load_module
-from ficoco.methods.stages import InLayerInput, Reduced, StepInput, last_row_attention, rows_attention
+from ficoco.methods.inputs import InLayerInput, Reduced, StepInput
+from ficoco.methods.ops import last_row_attention, rows_attention
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
 from ficoco.models.patching import LanguageState, Patches, forward_of, gather_rows, method_settings
@@ -316,17 +318,19 @@ class LayerInputPatch:
 
     def __init__(self, adapter: Any, handle: Handle, spec: MethodSpec, schedule: Schedule) -> None:
         self.adapter, self.handle, self.spec = adapter, handle, spec
-        protocol = PreparesModule if any(n.kind == "input_embeddings" for n in spec.needs) else LayerInputModule
+        # What to capture, from the spec's one probe plan (ficoco.methods.needs): layer L-1's rows and keys,
+        # layer L's own last row, the input embeddings.
+        probes = spec.probes
+        protocol = PreparesModule if probes.input_embeddings else LayerInputModule
         self.module: LayerInputModule = load_module(spec, protocol)
         self.settings = schedule.settings_dict()
         self.steps: dict[int, Removal] = {r.layer: r for r in schedule.removals}
         self.order = {layer: k for k, layer in enumerate(sorted(self.steps))}
         self.compact = spec.positions == "compact" and adapter.compacts_positions
-        needs = {(n.kind, n.layer, n.rows) for n in spec.needs}
-        self.rows = next((rows for kind, where, rows in needs if kind == "attention_rows" and where == "L-1"), None)
-        self.keys = any(kind == "keys" and where == "L-1" for kind, where, _ in needs)
-        self.own_row = any(kind == "query_key" for kind, _, _ in needs)
-        self.embeddings = any(kind == "input_embeddings" for kind, _, _ in needs)
+        self.rows = probes.previous_layer_rows
+        self.keys = probes.previous_layer_keys
+        self.own_row = probes.own_query_key_row
+        self.embeddings = probes.input_embeddings
         self.slots: dict[int, RowsSlot] = {}
 
     def install(self, patches: Patches) -> None:

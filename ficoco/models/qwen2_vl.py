@@ -354,7 +354,7 @@ class Qwen2VLAdapter(FamilyAdapter):
                keys: list[Tensor], r: int, layer_idx: int, position_embeddings: tuple[Tensor, Tensor],
                cu_seqlens: Tensor) -> Tensor:
         """Merge `r` groups of every image (one batched call per image size); update the pass."""
-        from ficoco.methods.vision_stages import TowerInput
+        from ficoco.methods.inputs import TowerInput
 
         lengths = tower.lengths
         if len(keys) != len(lengths):
@@ -467,9 +467,9 @@ class Qwen2VLAdapter(FamilyAdapter):
              keys: list[Tensor], tower: _TowerPass) -> Tensor:
         """Run the method's `tower_step` on every image's groups (one batched call per image size);
         `units` (groups of all images, W) -> the tokens that go on, in group order."""
-        from ficoco.methods.vision_stages import TowerInput
+        from ficoco.methods.inputs import TowerInput
+        from ficoco.methods.ops import gather_tokens
         from ficoco.models.vision_steps import complement
-        from ficoco.reduction.stages import gather_tokens
 
         sizes: dict[tuple[int, int], list[int]] = {}
         for image, grid in enumerate(tower.grids):
@@ -503,7 +503,7 @@ class Qwen2VLAdapter(FamilyAdapter):
         """Run the method's `tower_step` on the PatchMerger's output of every image (the LLM tokens, one
         per 2 x 2 group), batched per image size, keeping ``keep`` groups per image; the prompt's spans are
         then shortened to the kept groups and their 3-D positions, as for FiCoCo-V."""
-        from ficoco.methods.vision_stages import TowerInput
+        from ficoco.methods.inputs import TowerInput
         from ficoco.models.patching import method_settings
         from ficoco.models.vision_steps import complement, prompt_text
 
@@ -556,7 +556,7 @@ class Qwen2VLAdapter(FamilyAdapter):
         4 patches averaged: Qwen2-VL has no [CLS] and no pooling. Every video keeps ``t x keep`` tokens at
         the units `TowerOutput.positions` names (a merged token: its window's first slice, or its cluster's
         centre), from which the entry shortens the video span and gives each token that unit's 3-D position."""
-        from ficoco.methods.vision_stages import TowerInput
+        from ficoco.methods.inputs import TowerInput
         from ficoco.models.patching import method_settings
         from ficoco.models.vision_steps import complement
 

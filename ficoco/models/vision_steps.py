@@ -2,8 +2,8 @@
 (ToMe, VisionZip, FasterVLM, PruMerge+, and any later one): one implementation, read from the
 method's registry entry, for the families whose tower is a stack of CLIP encoder layers.
 
-What a method asks for (its `MethodSpec.needs` of a ``vision`` layer) decides what is probed, and
-only there:
+What a method asks for (its `MethodSpec.needs` of a ``vision`` layer, read through the spec's one
+probe plan, `MethodSpec.probes`) decides what is probed, and only there:
 
 - ``keys`` / ``attention_rows`` / ``query_key`` of ``vision L`` (the layer of each of its steps) or
   ``vision last`` (the tower's last layer): that layer's attention module is routed through
@@ -41,7 +41,8 @@ from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.contract import TowerModule, load_module
-from ficoco.methods.vision_stages import TowerInput, TowerOutput
+from ficoco.methods.inputs import TowerInput, TowerOutput
+from ficoco.methods.needs import TowerProbe
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import attention_with_probabilities, own_attention, route_attention
 from ficoco.models.patching import Patches, follow_device, forward_of, method_settings
@@ -143,20 +144,20 @@ class TowerPatch:
         self.cuts: dict[str, Removal] = {r.where: r for r in removals if r.where != "in_layer"}
         last = len(adapter.vision_layers) - 1
         step_layers = sorted({r.layer for r in removals})
-        # tower layer -> (whether the [CLS] query is wanted, whether every row's probabilities are)
-        self.probes: dict[int, tuple[bool, bool]] = {}
-        for need in spec.needs:
-            words = need.layer.split()
-            if need.kind not in ("keys", "attention_rows", "query_key") or words[:1] != ["vision"]:
-                continue
-            every_row = need.kind == "attention_rows" and need.rows == "all"
-            for layer in ([last] if words[1:] == ["last"] else step_layers):
-                cls, rows = self.probes.get(layer, (False, False))
-                self.probes[layer] = (cls or (need.rows == "cls" and self.has_cls), rows or every_row)
+        # tower layer -> (whether the [CLS] query is wanted, whether every row's probabilities are), from the
+        # spec's one probe plan (ficoco.methods.needs): the layers of its steps and/or the tower's last layer.
+        plan = spec.probes
+        wanted: dict[int, TowerProbe] = {}
+        for probe, layers in ((plan.step_tower_layers, step_layers), (plan.last_tower_layer, [last])):
+            if probe is not None:
+                for layer in layers:
+                    wanted[layer] = probe.merged(wanted.get(layer))
+        self.probes: dict[int, tuple[bool, bool]] = {
+            layer: (probe.cls_query and self.has_cls, probe.probabilities) for layer, probe in wanted.items()}
         # The probe a cut reads: the one layer probed for it (the layer the projector reads, or the last).
         self.cut_probe = next(iter(sorted(set(self.probes) - set(self.in_layer))), None)
         # A method that reads the instruction (CDPruner): the prompt's text embeddings at its cut.
-        self.wants_text = any(need.kind == "input_embeddings" for need in spec.needs)
+        self.wants_text = plan.input_embeddings
         self.slots: dict[int, TowerSlot] = {}
         # The after-projector cut of this forward, left to the adapter to run after its pooling
         # (LLaVA-OneVision's video frames, `cut_after_pooling`), with the tower pass it reads.

@@ -1,0 +1,354 @@
+"""FiCoCo-L's tensor functions: visual-token reduction inside an LLM decoder layer
+(docs/methods/ficoco.md); the spec and defaults are in ficoco.methods.ficoco_l.
+
+The sequence is ``[prefix text] [N visual tokens] [suffix text]``; the visual span may
+start at a different position in every sample (left padding, different prompts) but holds
+the same ``N`` tokens. Under the causal mask only the suffix can attend to the image, so
+the suffix is the text that provides the task prior. Only rows of the attention matrix that
+belong to the visual span or to the suffix are read.
+
+A sample may also hold several image spans with text between them (several images in one
+prompt): pass their ``visual_positions`` and all of them are reduced together as one set of
+``N`` visual tokens. The suffix is then the text after the *last* visual token, the only text
+that can see every image under the causal mask (text between two spans sees the earlier
+image alone and would weigh the images unequally).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ficoco.errors import FicocoError
+from ficoco.methods.ficoco_l import BETA, EPS, GAMMA
+from ficoco.methods.inputs import InLayerInput
+from ficoco.methods.ops import (
+    adaptive_weights,
+    compress,
+    compute_dtype,
+    gather_block,
+    gather_tokens,
+    main_targets,
+    select,
+)
+from ficoco.methods.ops import visual_positions as span_positions  # "visual_positions" is a parameter here
+
+__all__ = ["LReduction", "language_correlation", "language_scores", "layer_step", "reduce", "reduce_l",
+           "suffix_start"]
+
+
+@dataclass(frozen=True)
+class LReduction:
+    """What one FiCoCo-L step leaves behind.
+
+    Attributes:
+        hidden: ``(B, T - r, D)`` hidden states; prefix and suffix tokens unchanged.
+        kept_positions: ``(B, T - r)`` index into the input sequence of every token that
+            stays (prefix, kept visual, suffix, in order), to slice position ids, rotary
+            embeddings and masks alike.
+        kept_visual: ``(B, N - r)`` indices within the visual span of the kept tokens.
+        discarded_visual: ``(B, r)`` indices within the visual span of the removed tokens.
+        merge_target: ``(B, r)`` for every removed token, the column in ``kept_visual`` of the
+            kept token that received most of it; None when nothing was removed.
+    """
+
+    hidden: Tensor
+    kept_positions: Tensor
+    kept_visual: Tensor
+    discarded_visual: Tensor
+    # (B, N - r) position in the reduced sequence of every kept visual token, in order.
+    visual_positions: Tensor | None = None
+    merge_target: Tensor | None = None
+
+
+def _visual_positions(visual_start: Tensor, num_visual: int, positions: Tensor | None = None) -> Tensor:
+    """``(B, N)`` sequence positions of the visual tokens of every sample: the caller's
+    ``positions`` (several spans) or one contiguous span from ``visual_start``."""
+    return positions.to(torch.long) if positions is not None else span_positions(visual_start, num_visual)
+
+
+def _suffix_rows(suffix_mask: Tensor, visual: Tensor) -> Tensor:
+    """``(B, T)`` bool: real text tokens after the last visual token (``visual``: ``(B, N)``
+    increasing positions).
+
+    The caller's mask is intersected with "after the last visual token" so that a mask which
+    also marks prefix text (or text between spans) cannot leak rows into the task prior.
+    """
+    positions = torch.arange(suffix_mask.shape[1], device=suffix_mask.device)
+    after_span = positions.unsqueeze(0) > visual[:, -1:].to(suffix_mask.device)
+    return suffix_mask.to(torch.bool) & after_span
+
+
+def suffix_start(visual_start: Tensor, num_visual: int, visual_positions: Tensor | None = None) -> int:
+    """The first row that can hold a suffix token in any sample (earliest end of the visual tokens).
+
+    Reading it from the device synchronises with the host; callers that know it (the model
+    adapters keep it per forward) pass it instead, so that no reducing layer waits."""
+    if visual_positions is not None:
+        return int(visual_positions[:, -1].min()) + 1 if visual_positions.numel() else 0
+    return int(visual_start.min()) + num_visual if visual_start.numel() else 0
+
+
+def _suffix_attention(attn: Tensor, suffix: Tensor, columns: Tensor, first_row: int) -> Tensor:
+    """``(B, T', K)`` attention of the trailing rows that hold the suffix to ``columns``,
+    zero on non-suffix rows (T' = T minus the rows before ``first_row``, the earliest span end).
+
+    ``torch.where`` rather than a product so that garbage (even NaN) in rows the method
+    does not need cannot leak in.
+    """
+    # Only rows from the earliest span end on can be suffix rows: read those alone (about M of
+    # the T rows), which keeps this step small next to the layer.
+    first = min(max(first_row, 0), attn.shape[1])
+    tail, tail_suffix = attn[:, first:], suffix[:, first:]
+    batch = torch.arange(attn.shape[0], device=columns.device).unsqueeze(1)
+    picked = tail.transpose(1, 2)[batch, columns].transpose(1, 2)
+    picked = picked.to(compute_dtype(attn.dtype))
+    return torch.where(tail_suffix.unsqueeze(2), picked, torch.zeros_like(picked))
+
+
+def _check_inputs(attn: Tensor, visual_start: Tensor, num_visual: int, suffix_mask: Tensor,
+                  visual_positions: Tensor | None = None) -> None:
+    if attn.dim() != 3 or attn.shape[1] != attn.shape[2]:
+        raise ValueError(f"attn must be (B, T, T), got shape {tuple(attn.shape)}")
+    batch, seq_len, _ = attn.shape
+    if tuple(visual_start.shape) != (batch,):
+        raise ValueError(f"visual_start must be (B,) = ({batch},), got {tuple(visual_start.shape)}")
+    if tuple(suffix_mask.shape) != (batch, seq_len):
+        raise ValueError(f"suffix_mask must be (B, T) = {(batch, seq_len)}, got {tuple(suffix_mask.shape)}")
+    if not 0 < num_visual <= seq_len:
+        raise ValueError(f"num_visual must be between 1 and the sequence length {seq_len}")
+    if visual_positions is not None and tuple(visual_positions.shape) != (batch, num_visual):
+        raise ValueError(f"visual_positions must be (B, N) = {(batch, num_visual)}, "
+                         f"got {tuple(visual_positions.shape)}")
+
+
+def language_scores(
+    attn: Tensor,
+    visual_start: Tensor,
+    num_visual: int,
+    suffix_mask: Tensor,
+    beta: float = BETA,
+    first_suffix_row: int | None = None,
+    visual_positions: Tensor | None = None,
+) -> Tensor:
+    """FiCoCo-L redundancy of every visual token, ``s_j = beta * v_j - (1 - beta) * t_j``.
+
+    ``v_j`` is the mean attention visual token ``j`` receives from the visual queries that
+    can see it (causal: ``i >= j``, so the column sum is divided by ``N - j``); ``t_j`` is
+    the mean attention it receives from the suffix text queries. A sample without suffix
+    tokens has no task prior (``t = 0``).
+
+    Args:
+        attn: ``(B, T, T)`` head-mean causal attention probabilities.
+        visual_start: ``(B,)`` long position of the first visual token of every sample.
+        num_visual: ``N``, visual tokens per sample.
+        suffix_mask: ``(B, T)`` bool, True on real text tokens after the visual span.
+        beta: weight of the vision-aware term.
+        first_suffix_row: ``min(visual_start) + N`` when the caller knows it on the host;
+            computed (one host synchronisation) otherwise.
+        visual_positions: optional ``(B, N)`` increasing positions of the visual tokens when a
+            sample holds several spans (``visual_start`` is then unused).
+
+    Returns:
+        ``(B, N)`` scores in the compute dtype; higher means more redundant.
+    """
+    _check_inputs(attn, visual_start, num_visual, suffix_mask, visual_positions)
+    visual_start = visual_start.to(device=attn.device, dtype=torch.long)
+    visual = _visual_positions(visual_start, num_visual, visual_positions).to(attn.device)
+    among_visual = gather_block(attn, visual, visual).to(compute_dtype(attn.dtype))
+    # Entries above the diagonal are masked-out keys: ignore them even if not exactly zero. The
+    # positions increase, so "query i can see key j" is i >= j in rank, across spans as well.
+    sees = torch.ones(num_visual, num_visual, dtype=torch.bool, device=attn.device).tril()
+    column_sum = torch.where(sees, among_visual, torch.zeros_like(among_visual)).sum(dim=1)
+    viewers = torch.arange(num_visual, 0, -1, device=attn.device).to(column_sum.dtype)
+    vision_term = column_sum / viewers
+
+    if first_suffix_row is None:
+        first_suffix_row = suffix_start(visual_start, num_visual, visual)
+    suffix = _suffix_rows(suffix_mask, visual)
+    text_attention = _suffix_attention(attn, suffix, visual, first_suffix_row)
+    suffix_count = suffix.sum(dim=1, keepdim=True).clamp(min=1).to(text_attention.dtype)
+    task_term = text_attention.sum(dim=1) / suffix_count
+    return beta * vision_term - (1.0 - beta) * task_term
+
+
+def language_correlation(
+    attn: Tensor,
+    source: Tensor,
+    target: Tensor,
+    visual_start: Tensor,
+    num_visual: int,
+    suffix_mask: Tensor,
+    gamma: float = GAMMA,
+    first_suffix_row: int | None = None,
+    visual_positions: Tensor | None = None,
+) -> Tensor:
+    """Direct plus indirect correlation between discarded and kept visual tokens.
+
+    ``C[i, j] = gamma * A[i, j] + (1 - gamma) * mean_{k in suffix} A[k, i] * A[k, j]``: the
+    indirect term is high when the same text tokens attend to both, and is one batched
+    matmul over the suffix rows.
+
+    Args:
+        attn: ``(B, T, T)`` head-mean causal attention probabilities.
+        source: ``(B, r)`` indices within the visual span of the discarded tokens.
+        target: ``(B, N - r)`` indices within the visual span of the kept tokens.
+        visual_start: ``(B,)`` long position of the first visual token.
+        num_visual: ``N``.
+        suffix_mask: ``(B, T)`` bool, True on real text tokens after the visual span.
+        gamma: weight of the direct term.
+        first_suffix_row: as in :func:`language_scores`.
+        visual_positions: as in :func:`language_scores`.
+
+    Returns:
+        ``(B, r, N - r)`` in the compute dtype.
+    """
+    _check_inputs(attn, visual_start, num_visual, suffix_mask, visual_positions)
+    visual_start = visual_start.to(device=attn.device, dtype=torch.long)
+    visual = _visual_positions(visual_start, num_visual, visual_positions).to(attn.device)
+    source_positions = torch.gather(visual, 1, source)
+    target_positions = torch.gather(visual, 1, target)
+    direct = gather_block(attn, source_positions, target_positions).to(compute_dtype(attn.dtype))
+
+    if first_suffix_row is None:
+        first_suffix_row = suffix_start(visual_start, num_visual, visual)
+    suffix = _suffix_rows(suffix_mask, visual)
+    text_to_source = _suffix_attention(attn, suffix, source_positions, first_suffix_row)
+    text_to_target = _suffix_attention(attn, suffix, target_positions, first_suffix_row)
+    suffix_count = suffix.sum(dim=1).clamp(min=1).to(direct.dtype).reshape(-1, 1, 1)
+    indirect = (text_to_source.transpose(1, 2) @ text_to_target) / suffix_count
+    return gamma * direct + (1.0 - gamma) * indirect
+
+
+def reduce_l(
+    hidden: Tensor,
+    attn: Tensor,
+    r: int,
+    visual_start: Tensor,
+    num_visual: int,
+    suffix_mask: Tensor,
+    beta: float = BETA,
+    gamma: float = GAMMA,
+    eps: float = EPS,
+    protected: Tensor | None = None,
+    first_suffix_row: int | None = None,
+    max_protected: int | None = None,
+    visual_positions: Tensor | None = None,
+) -> LReduction:
+    """One FiCoCo-L step: filter, correlate and compress ``r`` visual tokens of one layer.
+
+    Text tokens are copied unchanged; the kept visual tokens stay contiguous at
+    ``visual_start``, so the next layer's span is ``(visual_start, N - r)``. With several spans
+    (``visual_positions``) every span keeps its place and loses the tokens removed from it; the
+    result's ``visual_positions`` are where the kept ones are in the reduced sequence.
+
+    Args:
+        hidden: ``(B, T, D)`` hidden states (after the attention residual, before the MLP).
+        attn: ``(B, T, T)`` head-mean causal attention probabilities of the same layer;
+            only visual and suffix rows are read.
+        r: visual tokens to remove, ``0 <= r < N``; the same for every sample.
+        visual_start: ``(B,)`` long position of the first visual token of every sample.
+        num_visual: ``N``, visual tokens per sample.
+        suffix_mask: ``(B, T)`` bool, True on real text tokens after the visual span.
+        beta: weight of the vision-aware term in the score.
+        gamma: weight of the direct term in the correlation.
+        eps: quantile level of the token-adaptive K.
+        protected: optional ``(B, N)`` bool, visual tokens that must stay (e.g. LLaVA-NeXT's
+            row separators): they are never in the source set, but still count as visual
+            tokens, are scored with the others and may receive discarded tokens like any kept
+            token. ``r`` may not exceed the unprotected tokens of any sample.
+        first_suffix_row: ``min(visual_start) + N``, and ``max_protected``, the most protected
+            tokens of any sample: host-known values the caller passes so that the step needs
+            no host synchronisation; computed from the tensors when omitted.
+        visual_positions: optional ``(B, N)`` increasing positions of the visual tokens of a
+            sample with several image spans (text between them); they are reduced as one set.
+
+    Returns:
+        An :class:`LReduction`. With ``r == 0`` the input hidden states come back unchanged.
+    """
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be (B, T, D), got shape {tuple(hidden.shape)}")
+    batch, seq_len, _ = hidden.shape
+    if tuple(attn.shape) != (batch, seq_len, seq_len):
+        raise ValueError(f"attn must be (B, T, T) = {(batch, seq_len, seq_len)}, got {tuple(attn.shape)}")
+    _check_inputs(attn, visual_start, num_visual, suffix_mask, visual_positions)
+    if not 0 <= r < num_visual:
+        raise FicocoError(
+            f"r must be at least 0 and below the visual token count {num_visual} "
+            f"(at least one visual token must stay), got {r}"
+        )
+    device = hidden.device
+    if protected is not None:
+        if tuple(protected.shape) != (batch, num_visual):
+            raise ValueError(f"protected must be (B, N) = {(batch, num_visual)}, got {tuple(protected.shape)}")
+        protected = protected.to(device=device, dtype=torch.bool)
+        if max_protected is None:
+            max_protected = int(protected.sum(dim=1).max()) if batch else 0
+        removable = num_visual - max_protected
+        if r > removable:
+            raise FicocoError(
+                f"r = {r} exceeds the {removable} visual tokens that may be removed "
+                f"({num_visual - removable} of {num_visual} are protected)"
+            )
+    visual_start = visual_start.to(device=device, dtype=torch.long)
+    visual_positions = _visual_positions(visual_start, num_visual, visual_positions).to(device)
+    if r == 0:
+        every_visual = torch.arange(num_visual, device=device).expand(batch, -1)
+        return LReduction(
+            hidden=hidden,
+            kept_positions=torch.arange(seq_len, device=device).expand(batch, -1),
+            kept_visual=every_visual,
+            discarded_visual=every_visual[:, :0],
+            visual_positions=visual_positions,
+        )
+
+    if first_suffix_row is None:
+        first_suffix_row = suffix_start(visual_start, num_visual, visual_positions)
+    scores = language_scores(attn, visual_start, num_visual, suffix_mask, beta=beta,
+                             first_suffix_row=first_suffix_row, visual_positions=visual_positions)
+    if protected is not None:
+        # -inf sorts after every real score, so a protected token is never among the r selected.
+        scores = scores.masked_fill(protected, float("-inf"))
+    source, target = select(scores, r)
+    correlation = language_correlation(attn, source, target, visual_start, num_visual, suffix_mask, gamma=gamma,
+                                       first_suffix_row=first_suffix_row, visual_positions=visual_positions)
+    alpha = adaptive_weights(correlation, eps=eps)
+    merged = compress(gather_tokens(hidden, visual_positions), source, target, alpha)
+
+    # A stable sort of the 0/1 "discarded" flags lists the kept positions in sequence order
+    # with the same length T - r in every sample, without a data-dependent nonzero().
+    discarded_flag = torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
+    discarded_flag = discarded_flag.scatter(1, torch.gather(visual_positions, 1, source), 1)
+    kept_positions = torch.sort(discarded_flag, dim=1, stable=True).indices[:, : seq_len - r]
+
+    reduced = gather_tokens(hidden, kept_positions)
+    # A kept token moves forward by the discarded tokens before it (one span: the prefix is
+    # unchanged, so the kept visual tokens start at visual_start again).
+    target_positions = torch.gather(visual_positions, 1, target)
+    discarded_before = torch.gather(discarded_flag.cumsum(dim=1), 1, target_positions)
+    merged_positions = target_positions - discarded_before
+    reduced[torch.arange(batch, device=device).unsqueeze(1), merged_positions] = merged
+    return LReduction(
+        hidden=reduced,
+        kept_positions=kept_positions,
+        kept_visual=target,
+        discarded_visual=source,
+        visual_positions=merged_positions,
+        merge_target=main_targets(alpha),
+    )
+
+
+# The spec's entry point (MethodSpec.function): one batched step.
+reduce = reduce_l
+
+
+def layer_step(inputs: InLayerInput, settings: Mapping[str, Any]) -> LReduction:
+    """One FiCoCo-L step on what the in-layer hook point hands over (`settings`: beta, gamma, eps)."""
+    return reduce(inputs.hidden, inputs.attention, inputs.remove, inputs.visual_rows[:, 0],
+                  inputs.visual_rows.shape[1], inputs.suffix_mask, beta=settings["beta"], gamma=settings["gamma"],
+                  eps=settings["eps"], protected=inputs.protected, first_suffix_row=inputs.first_suffix_row,
+                  max_protected=inputs.max_protected, visual_positions=inputs.visual_rows)

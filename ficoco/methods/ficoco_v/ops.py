@@ -1,0 +1,349 @@
+"""FiCoCo-V's tensor functions: visual-token reduction inside a vision encoder layer
+(docs/methods/ficoco.md); the spec and defaults are in ficoco.methods.ficoco_v.
+
+The sequence is ``[CLS]`` at position 0 followed by ``N`` patch tokens when ``has_cls``,
+otherwise ``N`` patch tokens only (SigLIP, Qwen2-VL's ViT), in which case the *equivalent
+token* computed from the key states stands in for ``[CLS]``. Every patch carries its flat
+index on the original ``grid_h x grid_w`` grid (row-major), so that the local penalty and
+later layers know where a token sits after earlier layers removed others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ficoco.errors import FicocoError
+from ficoco.methods.ficoco_v import COEFFICIENT, EPS, LAM, WINDOW
+from ficoco.methods.inputs import TowerInput, TowerOutput
+from ficoco.methods.ops import (
+    adaptive_weights,
+    compress,
+    compute_dtype,
+    equivalent_token_redundancy,
+    gather_block,
+    main_targets,
+    select,
+)
+
+__all__ = ["GroupReduction", "VReduction", "equivalent_token_redundancy", "local_penalty", "reduce", "reduce_groups",
+           "reduce_v", "tower_step", "vision_correlation", "vision_scores"]
+
+
+@dataclass(frozen=True)
+class VReduction:
+    """What one FiCoCo-V step leaves behind.
+
+    Attributes:
+        hidden: ``(B, T - r, D)`` hidden states; ``[CLS]`` (if any) still at position 0.
+        grid_index: ``(B, N - r)`` original-grid index of every kept patch, increasing.
+        discarded_grid: ``(B, r)`` original-grid index of every removed patch, increasing.
+        kept_positions: ``(B, T - r)`` index into the input sequence of every token that
+            stays, ``[CLS]`` included, so a caller can slice position tensors alike.
+        merge_target: ``(B, r)`` for every removed patch (in ``discarded_grid`` order), the
+            column in ``grid_index`` of the kept patch that received most of it; None when
+            nothing was removed.
+    """
+
+    hidden: Tensor
+    grid_index: Tensor
+    discarded_grid: Tensor
+    kept_positions: Tensor
+    merge_target: Tensor | None = None
+
+    @property
+    def kept_grid(self) -> Tensor:
+        """Original-grid index of every kept patch (the same tensor as ``grid_index``)."""
+        return self.grid_index
+
+
+def _patch_offset(has_cls: bool) -> int:
+    return 1 if has_cls else 0
+
+
+
+def vision_scores(
+    attn: Tensor,
+    has_cls: bool,
+    keys: Tensor | None = None,
+    lam: float = LAM,
+    equivalent: bool = False,
+) -> Tensor:
+    """FiCoCo-V redundancy of every patch, ``s_j = lam * v_j - (1 - lam) * a_j``.
+
+    ``v_j`` is the mean attention patch ``j`` receives from the patch queries; ``a_j`` is
+    ``A[0, j]`` (the ``[CLS]`` query's attention) when ``has_cls``, else the equivalent
+    token's ``-cos(mu, M_j)`` computed from ``keys``.
+
+    Args:
+        attn: ``(B, T, T)`` head-mean attention probabilities (query dim -2, key dim -1).
+        has_cls: whether position 0 is ``[CLS]``.
+        keys: ``(B, H, T, d)`` key states; required when ``has_cls`` is False, unused otherwise.
+        lam: weight of the vision-aware term.
+        equivalent: use the equivalent token even when ``[CLS]`` is present (it still stays).
+
+    Returns:
+        ``(B, N)`` scores in the compute dtype; higher means more redundant.
+    """
+    if attn.dim() != 3 or attn.shape[1] != attn.shape[2]:
+        raise ValueError(f"attn must be (B, T, T), got shape {tuple(attn.shape)}")
+    offset = _patch_offset(has_cls)
+    patch_attn = attn[:, offset:, offset:].to(compute_dtype(attn.dtype))
+    received = patch_attn.mean(dim=1)
+    if has_cls and not equivalent:
+        semantic = attn[:, 0, offset:].to(received.dtype)
+    else:
+        if keys is None:
+            raise FicocoError("the equivalent token needs the layer's key states: pass keys=(B, H, T, d)")
+        semantic = equivalent_token_redundancy(keys, has_cls=has_cls).to(received.dtype)
+    return lam * received - (1.0 - lam) * semantic
+
+
+def local_penalty(
+    scores: Tensor,
+    grid_index: Tensor,
+    grid_hw: tuple[int, int],
+    window: int = WINDOW,
+    coefficient: float = COEFFICIENT,
+) -> Tensor:
+    """Raise the top score of every ``window x window`` cell of the original grid.
+
+    Scores are placed on the original grid (positions removed by earlier layers are empty
+    and never win), the grid is cut into non-overlapping windows (the last row/column of
+    windows is partial when the grid size is not a multiple of ``window``), and in every
+    non-empty window the maximum (ties: lowest flat grid index) is multiplied by
+    ``coefficient`` if positive or divided by it if negative; zero stays zero. This spreads
+    the discarded tokens over the image instead of emptying one region.
+
+    Args:
+        scores: ``(B, N)`` redundancy scores in sequence order.
+        grid_index: ``(B, N)`` long original-grid flat index (row-major) of every token.
+        grid_hw: ``(grid_h, grid_w)`` of the original grid.
+        window: window side ``W``.
+        coefficient: factor ``c >= 1`` applied to each window's maximum.
+
+    Returns:
+        ``(B, N)`` penalised scores in sequence order, in the dtype of ``scores``.
+    """
+    if scores.shape != grid_index.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and grid_index {tuple(grid_index.shape)} must match")
+    if window < 1:
+        raise FicocoError(f"window must be at least 1, got {window}")
+    grid_h, grid_w = grid_hw
+    batch = scores.shape[0]
+    windows_h = -(-grid_h // window)
+    windows_w = -(-grid_w // window)
+    # Pad the grid up to whole windows so one reshape cuts it; padding is empty like any
+    # removed position (-inf never wins unless the whole window is empty, which is ignored).
+    padded_w = windows_w * window
+    padded_index = (grid_index // grid_w) * padded_w + grid_index % grid_w
+    padded = scores.new_full((batch, windows_h * window * padded_w), float("-inf"))
+    padded = padded.scatter(1, padded_index, scores)
+    cells = (
+        padded.reshape(batch, windows_h, window, windows_w, window)
+        .permute(0, 1, 3, 2, 4)
+        .reshape(batch, windows_h * windows_w, window * window)
+    )
+    # Row-major order inside a window is flat-grid order, and argmax returns the first
+    # maximum, so ties go to the lowest grid index.
+    winner_in_cell = cells.argmax(dim=2, keepdim=True)
+    # A tensor source, not the scalar True: torch.jit's tracer (fvcore counts by tracing) has no
+    # schema for scatter with a bool scalar and fails an internal assert.
+    is_winner_cells = torch.zeros_like(cells, dtype=torch.bool).scatter(
+        2, winner_in_cell, torch.ones_like(winner_in_cell, dtype=torch.bool))
+    is_winner_grid = (
+        is_winner_cells.reshape(batch, windows_h, windows_w, window, window).permute(0, 1, 3, 2, 4).reshape(batch, -1)
+    )
+    # An empty window's argmax lands on an empty position, which no token reads back.
+    is_winner = torch.gather(is_winner_grid, 1, padded_index)
+    raised = torch.where(scores > 0, scores * coefficient, torch.where(scores < 0, scores / coefficient, scores))
+    return torch.where(is_winner, raised, scores)
+
+
+def vision_correlation(attn: Tensor, source: Tensor, target: Tensor, has_cls: bool) -> Tensor:
+    """Direct correlation ``C[i, j] = A[patch i, patch j]`` for discarded ``i``, kept ``j``.
+
+    Args:
+        attn: ``(B, T, T)`` head-mean attention probabilities.
+        source: ``(B, r)`` patch indices (0 = first patch) of the discarded tokens.
+        target: ``(B, N - r)`` patch indices of the kept tokens.
+        has_cls: whether position 0 is ``[CLS]``.
+
+    Returns:
+        ``(B, r, N - r)`` in the compute dtype.
+    """
+    offset = _patch_offset(has_cls)
+    block = gather_block(attn, source + offset, target + offset)
+    return block.to(compute_dtype(attn.dtype))
+
+
+def reduce_v(
+    hidden: Tensor,
+    attn: Tensor,
+    r: int,
+    grid_index: Tensor,
+    grid_hw: tuple[int, int],
+    has_cls: bool = True,
+    keys: Tensor | None = None,
+    lam: float = LAM,
+    eps: float = EPS,
+    window: int = WINDOW,
+    coefficient: float = COEFFICIENT,
+    equivalent: bool = False,
+) -> VReduction:
+    """One FiCoCo-V step: filter, correlate and compress ``r`` patches of one layer.
+
+    Args:
+        hidden: ``(B, T, D)`` hidden states (after the attention residual, before the MLP).
+        attn: ``(B, T, T)`` head-mean attention probabilities of the same layer.
+        r: patches to remove, ``0 <= r < N``; the same for every sample.
+        grid_index: ``(B, N)`` long original-grid flat index of every current patch.
+        grid_hw: ``(grid_h, grid_w)`` of the original patch grid.
+        has_cls: whether position 0 is ``[CLS]``; it is never removed nor changed.
+        keys: ``(B, H, T, d)`` key states, needed only when ``has_cls`` is False.
+        lam: weight of the vision-aware term in the score.
+        eps: quantile level of the token-adaptive K.
+        window: local-penalty window side.
+        coefficient: local-penalty factor.
+        equivalent: score with the equivalent token instead of ``[CLS]`` (which still stays at 0).
+
+    Returns:
+        A :class:`VReduction`. With ``r == 0`` the input hidden states come back unchanged.
+    """
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be (B, T, D), got shape {tuple(hidden.shape)}")
+    batch, seq_len, _ = hidden.shape
+    if tuple(attn.shape) != (batch, seq_len, seq_len):
+        raise ValueError(f"attn must be (B, T, T) = {(batch, seq_len, seq_len)}, got {tuple(attn.shape)}")
+    offset = _patch_offset(has_cls)
+    num_patches = seq_len - offset
+    if tuple(grid_index.shape) != (batch, num_patches):
+        raise ValueError(f"grid_index must be (B, N) = {(batch, num_patches)}, got {tuple(grid_index.shape)}")
+    if not 0 <= r < num_patches:
+        raise FicocoError(
+            f"r must be at least 0 and below the patch count {num_patches} (at least one patch must stay), got {r}"
+        )
+    if r == 0:
+        positions = torch.arange(seq_len, device=hidden.device).expand(batch, -1)
+        return VReduction(
+            hidden=hidden,
+            grid_index=grid_index,
+            discarded_grid=grid_index[:, :0],
+            kept_positions=positions,
+        )
+
+    scores = vision_scores(attn, has_cls, keys=keys, lam=lam, equivalent=equivalent)
+    scores = local_penalty(scores, grid_index, grid_hw, window=window, coefficient=coefficient)
+    source, target = select(scores, r)
+    correlation = vision_correlation(attn, source, target, has_cls)
+    alpha = adaptive_weights(correlation, eps=eps)
+    merged = compress(hidden[:, offset:], source, target, alpha)
+
+    cls_positions = torch.zeros(batch, offset, dtype=torch.long, device=hidden.device)
+    return VReduction(
+        hidden=torch.cat([hidden[:, :offset], merged], dim=1),
+        grid_index=torch.gather(grid_index, 1, target),
+        discarded_grid=torch.gather(grid_index, 1, source),
+        kept_positions=torch.cat([cls_positions, target + offset], dim=1),
+        merge_target=main_targets(alpha),
+    )
+
+
+# The spec's entry point (MethodSpec.function): one batched step.
+reduce = reduce_v
+
+
+def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
+    """One FiCoCo-V step on a batch of tower items ([CLS] first): `settings` carry lam, eps, window,
+    coefficient and equivalent_token (score with the equivalent token instead of [CLS])."""
+    if inputs.attention is None or inputs.grid_hw is None:
+        raise RuntimeError("FiCoCo-V needs the layer's head-mean attention and the item grid from the adapter")
+    items, tokens = inputs.hidden.shape[:2]
+    patches = tokens - int(inputs.has_cls)
+    grid = inputs.positions[:, int(inputs.has_cls):] - int(inputs.has_cls) if inputs.positions is not None else \
+        torch.arange(patches, device=inputs.hidden.device).expand(items, -1)
+    red = reduce(inputs.hidden, inputs.attention, inputs.remove, grid, inputs.grid_hw, has_cls=inputs.has_cls,
+                 keys=inputs.keys, lam=settings["lam"], eps=settings["eps"], window=settings["window"],
+                 coefficient=settings["coefficient"], equivalent=settings["equivalent_token"])
+    cls = torch.zeros(items, int(inputs.has_cls), dtype=red.grid_index.dtype, device=red.grid_index.device)
+    merged = None if red.merge_target is None else torch.gather(red.grid_index, 1, red.merge_target)
+    return TowerOutput(hidden=red.hidden, kept=red.grid_index,
+                       positions=torch.cat([cls, red.grid_index + int(inputs.has_cls)], dim=1),
+                       discarded=red.discarded_grid, merged_into=merged)
+
+
+# ---- Qwen2-VL: patches that leave in 2 x 2 merge groups (the packed tower's hook point calls this) --------
+
+@dataclass(frozen=True)
+class GroupReduction:
+    """One FiCoCo-V step on merge groups.
+
+    Attributes:
+        hidden: ``(B, (G - r) * merge, D)`` the kept groups' patches, members consecutive.
+        kept_groups: ``(B, G - r)`` original group index (row-major on the group grid) of every
+            kept group, increasing.
+        discarded_groups: ``(B, r)`` original group index of every removed group, increasing.
+        kept_positions: ``(B, G - r)`` index of every kept group in the input sequence of groups.
+        merge_target: ``(B, r)`` for every removed group, the column in ``kept_groups`` of the
+            group that received most of it (member m went into member m); None when none was removed.
+    """
+
+    hidden: Tensor
+    kept_groups: Tensor
+    discarded_groups: Tensor
+    kept_positions: Tensor
+    merge_target: Tensor | None = None
+
+
+def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor, r: int, group_index: Tensor,
+                  group_grid: tuple[int, int], *, merge: int = 4, lam: float = LAM, eps: float = EPS,
+                  window: int = WINDOW, coefficient: float = COEFFICIENT) -> GroupReduction:
+    """FiCoCo-V on patches that leave in groups of `merge` consecutive tokens.
+
+    A group's redundancy is the mean of its members' (`lam * v_j - (1 - lam) * a_j`, `a_j`
+    from the equivalent token of `keys`), its correlation to another group is the mean
+    attention between their members, and compressing folds member `m` of a discarded group
+    into member `m` of the kept groups it correlates with. The local penalty acts on the grid
+    of groups.
+
+    Args:
+        hidden: ``(B, G * merge, D)`` patches of one image per sample, members consecutive.
+        attn: ``(B, T, T)`` head-mean attention probabilities of the layer (T = G * merge).
+        keys: ``(B, H, T, d)`` the layer's key states.
+        r: groups to remove, ``0 <= r < G``.
+        group_index: ``(B, G)`` original group index of every current group (row-major on
+            the group grid).
+        group_grid: ``(rows, cols)`` of the original group grid.
+
+    Returns:
+        A :class:`GroupReduction`.
+    """
+    batch, tokens, dim = hidden.shape
+    if tokens % merge:
+        raise ValueError(f"{tokens} tokens are not whole groups of {merge}")
+    groups = tokens // merge
+    # Both terms of the score are linear, so the mean of the members' scores is the score of
+    # the members' mean terms; the correlation is the block mean of the attention.
+    semantic = equivalent_token_redundancy(keys, has_cls=False).view(batch, groups, merge).mean(dim=2)
+    group_attn = attn.view(batch, groups, merge, groups, merge).mean(dim=(2, 4))
+    # reduce_v reads the semantic term of its score from the [CLS] query's row (A[0, j]).
+    # Groups have no [CLS], so a stand-in row 0 carries the groups' equivalent-token term there;
+    # the stand-in token is never removed and is dropped below. The members of a group travel
+    # as one vector of merge x D, so compress folds them member by member.
+    stand_in = group_attn.new_zeros(batch, 1 + groups, 1 + groups)
+    stand_in[:, 0, 1:] = semantic.to(stand_in.dtype)
+    stand_in[:, 1:, 1:] = group_attn
+    vectors = torch.cat([hidden.new_zeros(batch, 1, merge * dim), hidden.reshape(batch, groups, merge * dim)], 1)
+    red: VReduction = reduce(vectors, stand_in, r, group_index, group_grid, has_cls=True, lam=lam, eps=eps,
+                               window=window, coefficient=coefficient)
+    return GroupReduction(
+        hidden=red.hidden[:, 1:].reshape(batch, -1, dim),
+        kept_groups=red.grid_index,
+        discarded_groups=red.discarded_grid,
+        kept_positions=red.kept_positions[:, 1:] - 1,
+        merge_target=red.merge_target,
+    )

@@ -1,0 +1,105 @@
+"""A method's spec as the rest of the package reads it: typed needs checked when the spec is made, the one
+probe plan both the tower-side and the decoder-side patches read, the planner named by a word the
+accountant's table knows, and defaults that are the method folder's own constants. No torch."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+
+from ficoco.accounting.planners import PLANNERS
+from ficoco.methods import METHODS, MethodSpec, Need, ProbePlan, TowerProbe, fastv, ficoco_l, ficoco_v, holitom
+from ficoco.methods.base import ACTS_AT, PLACEMENTS, PLANNER_NAMES
+from ficoco.methods.needs import NEED_KINDS, NEED_LAYERS, NEED_ROWS, probe_plan
+
+FASTV = METHODS["fastv"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("field, value", [("kind", "attention_row"), ("layer", "L -1"), ("rows", "last row")])
+def test_a_typo_in_a_need_is_refused_when_it_is_made(field: str, value: str) -> None:
+    given = {"kind": "attention_rows", "layer": "L-1", "rows": "last", field: value}
+    with pytest.raises(ValueError, match=f"{field} '{value}' is not one of"):
+        Need(given["kind"], given["layer"], given["rows"], "a typo")  # type: ignore[arg-type]
+
+
+def test_a_need_no_hook_point_reads_is_refused_when_the_spec_is_made() -> None:
+    # FastV acts at a decoder layer's input: nothing there captures a tower layer's [CLS] row.
+    tower_row = Need("attention_rows", "vision L", "cls", "a tower row a decoder method cannot get")
+    with pytest.raises(ValueError, match=r"fastv: Need\('attention_rows', 'vision L', 'cls'\) is read by no hook"):
+        dataclasses.replace(FASTV, needs=(*FASTV.needs, tower_row))
+    # Two different row sets of layer L-1 in one spec: one probe serves one set.
+    with pytest.raises(ValueError, match="read by no hook point"):
+        dataclasses.replace(FASTV, needs=(*FASTV.needs, Need("attention_rows", "L-1", "suffix", "a second set")))
+
+
+def test_every_need_value_is_read_by_some_placement() -> None:
+    """No kind, layer or rows value exists that every hook point ignores (it would mean "not probed")."""
+    read = set()
+    for kind, layer, rows, acts_at, placement in itertools.product(NEED_KINDS, NEED_LAYERS, NEED_ROWS, ACTS_AT,
+                                                                   PLACEMENTS):
+        try:
+            probe_plan("probe", (Need(kind, layer, rows, ""),), acts_at, placement)  # type: ignore[arg-type]
+        except ValueError:
+            continue
+        read.add(("kind", kind))
+        read.add(("layer", layer))
+        read.add(("rows", rows))
+    assert {v for f, v in read if f == "kind"} == set(NEED_KINDS)
+    assert {v for f, v in read if f == "layer"} == set(NEED_LAYERS)
+    assert {v for f, v in read if f == "rows"} == set(NEED_ROWS)
+
+
+def test_the_probe_plans_of_the_package_s_methods() -> None:
+    """What the adapters capture, per method (both sides read these plans, not the needs' words)."""
+    plans = {name: spec.probes for name, spec in METHODS.items()}
+    assert plans["v"] == ProbePlan(step_tower_layers=TowerProbe(probabilities=True))
+    assert plans["l"] == ProbePlan(layer_probabilities=True)
+    assert plans["fastv"] == ProbePlan(previous_layer_rows="last")
+    assert plans["pdrop"] == ProbePlan(own_query_key_row=True)
+    assert plans["sparsevlm"] == ProbePlan(previous_layer_rows="suffix", input_embeddings=True)
+    assert plans["dart"] == ProbePlan(previous_layer_keys=True)
+    assert plans["tome"] == ProbePlan(step_tower_layers=TowerProbe())
+    assert plans["visionzip"] == plans["fastervlm"] == plans["vispruner"] == \
+        ProbePlan(step_tower_layers=TowerProbe(cls_query=True))
+    assert plans["prumerge"] == ProbePlan(last_tower_layer=TowerProbe(cls_query=True))
+    assert plans["divprune"] == ProbePlan() and not plans["divprune"].reads_tower
+    assert plans["cdpruner"] == ProbePlan(input_embeddings=True)
+    assert plans["holitom"] == ProbePlan(step_tower_layers=TowerProbe(probabilities=True))
+    assert METHODS["holitom"].inner is not None and METHODS["holitom"].inner.probes == plans["fastv"]
+
+
+def test_the_patches_read_the_probe_plan_not_the_needs_words() -> None:
+    for path in ("ficoco/models/llm_steps.py", "ficoco/models/vision_steps.py"):
+        attributes = {node.attr for node in ast.walk(ast.parse((ROOT / path).read_text()))
+                      if isinstance(node, ast.Attribute)}
+        assert "probes" in attributes and "needs" not in attributes, path
+
+
+def test_planners_are_named_by_a_word_the_accountant_s_table_knows() -> None:
+    assert set(PLANNERS) == set(PLANNER_NAMES)
+    assert all(spec.planner in PLANNERS for spec in METHODS.values())
+    assert METHODS["v"].planner == METHODS["l"].planner == "per_layer" and FASTV.planner == "by_steps"
+    with pytest.raises(ValueError, match="unknown planner 'ficoco.accounting.schedule:plan_per_layer'"):
+        dataclasses.replace(FASTV, planner="ficoco.accounting.schedule:plan_per_layer")  # type: ignore[arg-type]
+
+
+def test_a_spec_names_its_own_ops_module() -> None:
+    for spec in (*METHODS.values(), METHODS["holitom"].inner):
+        assert isinstance(spec, MethodSpec)
+        folder = spec.module.removesuffix(".ops")
+        assert spec.module == folder + ".ops" and folder.startswith("ficoco.methods."), spec.name
+
+
+def test_defaults_are_the_method_folders_constants() -> None:
+    assert dict(METHODS["v"].hyperparameters) == {
+        "lam": ficoco_v.LAM, "eps": ficoco_v.EPS, "window": ficoco_v.WINDOW, "coefficient": ficoco_v.COEFFICIENT,
+        "first_layer": ficoco_v.FIRST_LAYER, "equivalent_token": ficoco_v.EQUIVALENT_TOKEN}
+    assert dict(METHODS["l"].hyperparameters) == {"beta": ficoco_l.BETA, "gamma": ficoco_l.GAMMA,
+                                                  "eps": ficoco_l.EPS, "first_layer": ficoco_l.FIRST_LAYER}
+    assert dict(FASTV.hyperparameters) == {"layer": fastv.LAYER, "ratio": fastv.RATIO}
+    assert METHODS["holitom"].hyperparameters["merge_layer"] == holitom.MERGE_LAYER
