@@ -444,3 +444,21 @@ def test_compare_tells_upcast_layouts_apart_and_keeps_plain_rows_keys():
                    "upcast_layers": n}) for n in (24, 20)]
     assert fingerprint(plain) == fingerprint(old_report)
     assert len({fingerprint(plain), *map(fingerprint, upcast)}) == 3
+
+
+def test_a_vm_whose_balloon_reports_free_pages_pays_the_hosts_first_touch(tmp_path, monkeypatch):
+    from ficoco.machine import fresh_memory
+
+    device = tmp_path / "virtio0"
+    device.mkdir()
+    # virtio feature bits as sysfs prints them, bit 0 first: bit 5 is VIRTIO_BALLOON_F_REPORTING.
+    (device / "features").write_text("0110010100000000\n")
+    pattern = str(tmp_path / "virtio*" / "features")
+    assert fresh_memory.host_reclaims_free_memory(pattern)
+    (device / "features").write_text("0110000100000000\n")  # a balloon without free page reporting
+    assert not fresh_memory.host_reclaims_free_memory(pattern)
+    assert not fresh_memory.host_reclaims_free_memory(str(tmp_path / "none*" / "features"))  # no balloon: bare metal
+    monkeypatch.setattr(fresh_memory, "host_reclaims_free_memory", lambda: True)
+    assert fresh_memory.host_first_touch_s_per_byte() == fresh_memory.HOST_FIRST_TOUCH_S_PER_BYTE > 0
+    monkeypatch.setattr(fresh_memory, "host_reclaims_free_memory", lambda: False)
+    assert fresh_memory.host_first_touch_s_per_byte() == 0

@@ -90,10 +90,11 @@ def test_without_a_rule_the_counts_are_kept_and_every_run_is_announced(monkeypat
 
 def test_prefill_is_the_roofline_at_this_machines_rates_plus_dispatch_plus_probe_passes():
     ops = predict.FORWARD_OPS["fp16"] + 10 * predict.LAYER_OPS["fp16"] + 3 * predict.REDUCING_LAYER_OPS
-    probe_s = est.PROBE_PASSES * 4 * 1e8 / 1e10  # 1e8 float32 scores at 10 GB/s
+    probe_s = 1e9 / 1e10  # the method's probe moves 1 GB at 10 GB/s
     assert est.dispatch_s(10, 3, "fp16", RATES) == pytest.approx(ops * 1e-5)
     assert est.predict_prefill_s(4.0, 10, 3, "fp16", RATES) == pytest.approx(4.0 + ops * 1e-5)
-    assert est.predict_prefill_s(4.0, 10, 3, "fp16", RATES, scores=10**8) == pytest.approx(4.0 + ops * 1e-5 + probe_s)
+    assert est.predict_prefill_s(4.0, 10, 3, "fp16", RATES, probe_bytes=1e9) == pytest.approx(
+        4.0 + ops * 1e-5 + probe_s)
     # bitsandbytes layers dispatch more
     assert est.predict_prefill_s(4.0, 10, 3, "int4", RATES) > est.predict_prefill_s(4.0, 10, 3, "fp16", RATES)
 
@@ -126,21 +127,59 @@ def test_probe_scores_are_heads_times_entering_tokens_squared_per_reducing_layer
     opts = CountOptions(text_tokens=12)
     v = resolve_schedule(arch, "v", opts, keep=8)
     l_schedule = resolve_schedule(arch, "l", opts, keep=8)
-    assert est.probe_scores(arch, resolve_schedule(arch, "vanilla", opts), 12, 1) == 0
+
+    def scores(schedule, batch):
+        return sum(p.scores for p in predict.method_probes(arch, schedule, 12, batch))
+
+    assert scores(resolve_schedule(arch, "vanilla", opts), 1) == 0
     first = v.removals[0]
-    assert first.stage == "vision" and est.probe_scores(arch, v, 12, 2) > 2 * arch.vision.heads * 65**2 - 1
+    assert first.stage == "vision" and scores(v, 2) > 2 * arch.vision.heads * 65**2 - 1
     # the first reducing layer sees every patch and the CLS token; later ones fewer
-    assert est.probe_scores(arch, v, 12, 1) < len(v.removals) * arch.vision.heads * 65**2
-    assert est.probe_scores(arch, v, 12, 2) == 2 * est.probe_scores(arch, v, 12, 1)
+    assert scores(v, 1) < len(v.removals) * arch.vision.heads * 65**2
+    assert scores(v, 2) == 2 * scores(v, 1)
     entering = 12 + 64  # text and every visual token enter L's first reducing layer
-    assert est.probe_scores(arch, l_schedule, 12, 1) >= arch.decoder.heads * entering**2
+    assert scores(l_schedule, 1) >= arch.decoder.heads * entering**2
+
+
+FILL = est.Rates(**{**RATES.to_json(), "fill_bytes_per_s": 2e9, "host_touch_s_per_byte": 1e-9})
+
+
+def test_build_bytes_count_what_a_fresh_build_fills_and_keeps(arch_of):
+    from ficoco.accounting.memory import Quant, weight_bytes
+
+    arch = arch_of("llava-tiny")
+    sixteen = Quant("fp16", 16, 16, 16)
+    weights = weight_bytes(arch, "all", sixteen)
+    bf16 = est.build_bytes(arch, "fp16", 16)
+    assert (bf16.filled, bf16.resident, bf16.weights_16bit) == (weights, weights, weights)
+    fp32 = est.build_bytes(arch, "fp16", 32)
+    assert fp32.filled == fp32.resident == 2 * weights
+    # An upcast layout: built in bf16, then everything but the upcast layers' linears written again in fp32,
+    # plus the scratch of the largest upcast weight.
+    d = arch.decoder
+    layer_linear = d.hidden * d.heads * d.head_dim * 2 + 2 * d.hidden * d.kv_heads * d.head_dim + 3 * d.hidden * d.ffn
+    upcast = est.build_bytes(arch, "fp16", 32, storage_bits=16, upcast_layers=d.layers)
+    scratch = max(d.hidden * d.ffn, d.hidden * d.heads * d.head_dim) * 4
+    kept_fp32 = (weights / 2 - d.layers * layer_linear) * 4
+    assert upcast.filled == pytest.approx(weights + kept_fp32 + scratch)
+    assert upcast.resident == pytest.approx(kept_fp32 + d.layers * layer_linear * 2 + scratch)
+    # Quantized: every weight materialised once in the compute dtype; less stays.
+    int4 = est.build_bytes(arch, "int4", 16)
+    assert int4.filled == weights and int4.resident < weights / 2
 
 
 def test_build_and_row_arithmetic():
-    fill_s = 1e10 / (1e10 * est.BUILD_COPY_EFFICIENCY)
-    assert est.predict_build_s(1e10, "fp16", RATES) == pytest.approx(est.BUILD_OVERHEAD_S + fill_s)
-    assert est.predict_build_s(1e10, "int8", RATES, imports_s=2.0) == pytest.approx(
-        2.0 + est.BUILD_OVERHEAD_S + fill_s + 1.0 * est.QUANTIZE_PASSES["int8"])  # 1 s per copy of 10 GB
+    size = est.BuildBytes(filled=1e10, resident=8e9, weights_16bit=1e10)
+    fill_s, host_s = 1e10 / 2e9, 8e9 * 1e-9  # at the fill rate; the host's first touch of what stays
+    assert est.predict_build_s(size, "fp16", FILL) == pytest.approx(est.BUILD_OVERHEAD_S + fill_s + host_s)
+    assert est.predict_build_s(size, "int8", FILL, imports_s=2.0) == pytest.approx(
+        2.0 + est.BUILD_OVERHEAD_S + fill_s + host_s + 1.0 * est.QUANTIZE_PASSES["int8"])  # 1 s per copy of 10 GB
+    # Off a VM that reclaims free memory, no host share; without a measured fill rate, the copy rate.
+    assert est.predict_build_s(size, "fp16", RATES) == pytest.approx(est.BUILD_OVERHEAD_S + 1e10 / 1e10)
+    # A row's rate probe: its passes, each its FLOPs at the matmul share, its copies and a small op per call.
+    one_pass = 1e12 / (1e12 * est.MATMUL_EFFICIENCY["fp16"]) + 1e9 / 1e10 + 10 * 1e-5
+    assert est.rate_probe_s(1e12, 1e9, 10, 3, "fp16", RATES) == pytest.approx(3 * one_pass)
+    assert predict.rate_probe_passes(repeat=3) == 2 * (1 + predict.PASSES) + 3
     assert est.row_runs_s(2.0, (1, 3)) == pytest.approx(4 * 2.0)
     assert est.row_runs_s(2.0, (1, 3), 0.5, 5.0, (1, 2)) == pytest.approx(4 * 2.0 + 0.5 + 3 * 5.0)
 
@@ -158,14 +197,20 @@ def test_estimate_of_a_plan_with_given_rates():
     roofline_s = [analytic(plan.profile, row, config, est.machine(RATES, "fp16"))["roofline_ms"] / 1e3
                   for row in plan.rows]
     assert vanilla.prefill_s == pytest.approx(est.predict_prefill_s(roofline_s[0], 24 + 32, 0, "fp16", RATES))
-    scores = est.probe_scores(architecture(plan.profile), plan.rows[1].schedule, 60, 1)
-    assert scores > 0
-    assert v.prefill_s == pytest.approx(est.predict_prefill_s(roofline_s[1], 24 + 32, 11, "fp16", RATES, scores))
+    arch = architecture(plan.profile)
+    probe = predict.probe_bytes(arch, plan.rows[1].schedule, 60, 1, 2.0)
+    assert probe > 0
+    assert v.prefill_s == pytest.approx(est.predict_prefill_s(roofline_s[1], 24 + 32, 11, "fp16", RATES, probe))
     assert v.first_extra_s == pytest.approx(est.FIRST_RUN_DISPATCH * est.dispatch_s(24 + 32, 11, "fp16", RATES))
-    for row in estimate.rows:
+    for spec, row in zip(plan.rows, estimate.rows, strict=True):
         assert (row.warmup, row.repeat) == choose_runs(row.prefill_s, "cpu")
-        assert row.wall_s == pytest.approx(est.ROW_OVERHEAD_S + est.row_runs_s(row.prefill_s, (row.warmup, row.repeat),
-                                                                               row.first_extra_s))
+        shapes = predict.rate_probe_shapes(arch, spec.schedule, text_tokens=60)
+        assert shapes.linear and shapes.attention
+        assert row.rate_probe_s == pytest.approx(est.rate_probe_s(
+            shapes.pass_flops(), shapes.pass_bytes(), shapes.calls, predict.rate_probe_passes(row.repeat), "fp16",
+            RATES)) and row.rate_probe_s > 0
+        assert row.wall_s == pytest.approx(est.ROW_OVERHEAD_S + row.rate_probe_s + est.row_runs_s(
+            row.prefill_s, (row.warmup, row.repeat), row.first_extra_s))
     assert set(estimate.build_s) == {"fp16"} and estimate.build_s["fp16"] > 13.9e9 / 1e10  # 7B in 16 bits
     assert estimate.total_s == pytest.approx(estimate.build_s["fp16"] + vanilla.wall_s + v.wall_s)
     assert estimate.dtype.startswith("bfloat16")
@@ -419,7 +464,7 @@ def test_dispatch_probe_and_method_work_are_added_for_a_reducing_row():
     layers = arch.vision.layers + arch.decoder.layers
     assert parts["dispatch"] == pytest.approx(est.dispatch_s(layers, len(v.removals), "fp16", rates))
     # float32 passes over the scores, each read and written
-    assert parts["probe"] == pytest.approx(est.PROBE_PASSES * 4 * est.probe_scores(arch, v, 12, 1) * 2 / 1e9)
+    assert parts["probe"] == pytest.approx(predict.probe_bytes(arch, v, 12, 1, 4.0) / 1e9) and parts["probe"] > 0
     opts = CountOptions(convention="flops", scope="all", text_tokens=12, lm_head_tokens="last")
     method_tflops = account(arch, v, Quant("fp16", 16, 32, 32), opts).method_tflops
     assert parts["method"] == pytest.approx(method_tflops * 1e12 / 1e9)

@@ -15,7 +15,10 @@ same weights, and an upcast layout converts the same weights whatever the tokens
                   elementwise (norms, activations, adds): bytes / memory bandwidth
               + upcast: the bytes an upcast layout converts per forward / the measured convert rate
               + the method's own work (the accountant's method terms) at the matmul rate of a
-                similarity matrix of its tokens, and FiCoCo's probe passes over its attention scores
+                similarity matrix of its tokens
+              + the method's own probe: the float32 passes over the attention rows its spec's needs
+                read (FastV's one row, FiCoCo's whole layer; none for a method that reads none),
+                bytes / memory bandwidth (`method_probes`)
               + dispatch: small ops per forward and per layer at the measured small-op time
 
 Every rate a row needs is measured for that row (`MeasuredRates`: its shapes timed in round-robin
@@ -40,7 +43,7 @@ from ficoco.accounting import CountOptions, Schedule, account, architecture
 from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.flops import Op, model_ops
 from ficoco.accounting.memory import QUANT_BITS, Quant
-from ficoco.accounting.schedule import plan_tokens
+from ficoco.accounting.schedule import Removal, plan_tokens
 from ficoco.machine.compute_rate import small_op_s, synchronize
 
 # bitsandbytes on CPU computes INT8 through float16 and dequantizes NF4 weights on every call: its
@@ -296,27 +299,136 @@ class PassRates:
         return self._at(("attention", heads, tokens, head_dim, causal))
 
 
-# Small ops dispatched per forward, per layer and per reducing layer, and FiCoCo's probe passes
-# (float32 passes over every attention score of a reducing layer): estimate.py's CALIBRATION.
+# Small ops dispatched per forward, per layer and per reducing layer: estimate.py's CALIBRATION.
 FORWARD_OPS = {"fp16": 340.0, "int8": 1600.0, "int4": 760.0}
 LAYER_OPS = {"fp16": 61.0, "int8": 155.0, "int4": 62.0}
 REDUCING_LAYER_OPS = 150.0
-PROBE_PASSES = 8.0
+
+# ---- a method's own probe, priced from its spec -------------------------------------------------------------------
+#
+# A method that reads attention probabilities (`Need.kind` "attention_rows", or "query_key": it recomputes
+# a row from the layer's own q and k) has them computed in float32 beside the layer, and those passes
+# over memory are its probe's cost. Their matrix products are not: the rows' q.k products are the
+# method's `extra_macs` (FastV's "fastv_last_row_scores", SparseVLM's rater rows, the [CLS] rows), priced
+# in the prediction's "method" part, and a whole-layer probe's products are the layer's own attention
+# (the accountant's qk and sv). So a probe is priced here in bytes moved, never in FLOPs, and nothing is
+# charged twice. Bytes per element, read and written, as the tensor code runs (A: the compute dtype's
+# bytes, 2 for bf16/fp16, 4 for fp32, when a cast to float32 is a no-op):
+#
+# A whole layer's rows (rows "all" or "visual+suffix": FiCoCo-V, FiCoCo-L, HoliTom's tower probe), by
+# ficoco.models.attention.attention_with_probabilities, per score of heads x tokens x tokens:
+#     the scores' write by the matmul 4; the causal mask applied in place (decoder only) 4 + 4; the softmax
+#     (a row in cache: one read) 4 + 4; the cast to the value dtype for the output A < 4 and 4 + A; its read
+#     by the output matmul A; the sum over heads 4
+#   = 28 + 2A in the decoder, 20 + 2A in a tower: with 16-bit compute 4 and 3 float32 passes (a 4-byte
+#     read and a 4-byte write each), with fp32 (no cast) 3.5 and 2.5. The stages after it (FiCoCo's scores,
+#     quantiles and merge: ficoco/reduction) read the head-mean (B, T, T) matrix, a heads-th of this,
+#     and are left to the dispatch term.
+#   per q and k value (heads x tokens x head width): q scaled (2A), cast to float32 (A + 4), k cast
+#     (A + 4), both read by the matmul (8) = 16 + 4A; with fp32 the casts are no-ops: 2A + 8 = 16.
+# A few rows (rows "last" or "cls": one per sequence; "suffix": the text after the visual span), by
+# ficoco.methods.stages.last_row_attention / rows_attention, per score:
+#     the logits' write 4; scaled 4 + 4; the padding or causal mask 4 + 4 (not in a tower, which has
+#     none); the softmax 4 + 4; for several rows rows_attention's nan_to_num 4 + 4 and head mean 4
+#   = 28 for one decoder row, 20 for a tower's [CLS] row, 40 for suffix rows;
+#   per k value (heads x tokens x head width, grouped-query keys repeated): cast to float32 (A + 4 when
+#     A < 4), repeated per query head 4 + 4, read by the product 4.
+# Needs of other kinds (keys, hidden states, input embeddings: DART, ToMe, DivPrune, CDPruner) read
+# tensors the layer made anyway: no probe.
+PROBE_KINDS = ("attention_rows", "query_key")
+ONE_ROW = ("last", "cls")
+ROW_SCORE_BYTES = {"last": 28, "cls": 20, "suffix": 40}
 
 
-def probe_scores(arch: Architecture, schedule: Schedule, text_tokens: int, batch: int) -> int:
-    """Attention scores (heads x tokens^2 per sequence) that FiCoCo's probe computes in a prefill:
-    one set per reducing layer, at the tokens entering it."""
-    tokens = plan_tokens(arch, schedule, text_tokens=text_tokens)
-    scores = 0
-    for removal in schedule.removals:
-        if removal.stage == "vision":
-            entering = tokens.vision[removal.layer][0]
-            scores += tokens.vision_items * arch.vision.heads * entering**2
+@dataclass(frozen=True)
+class Probe:
+    """One attention probe a prefill runs: `rows` query rows of `heads` heads over `keys` keys, per each
+    of `sequences` sequences (a tower's items times the batch, or the batch), at one layer."""
+
+    method: str
+    stage: str  # "vision" or "llm"
+    layer: int
+    rows: int
+    keys: int
+    heads: int
+    head_dim: int
+    sequences: int
+    whole_layer: bool  # every row of the layer (its output is computed from them), not a few rows
+
+    @property
+    def scores(self) -> int:
+        """Probabilities computed: heads x rows x keys per sequence."""
+        return self.sequences * self.heads * self.rows * self.keys
+
+    def bytes_moved(self, act_bytes: float) -> float:
+        """Bytes read and written in float32 passes over its scores and its q/k values (see above)."""
+        cast = act_bytes + 4 if act_bytes < 4 else 0.0  # a cast to float32 that is not a no-op
+        states = self.sequences * self.heads * self.keys * self.head_dim
+        if self.whole_layer:
+            out = 4 + act_bytes if act_bytes < 4 else 0.0
+            per_score = 4 + 8 * (self.stage == "llm") + 8 + out + act_bytes + 4
+            per_state = 2 * act_bytes + 2 * cast + 8
         else:
-            entering = tokens.llm[removal.layer][0]
-            scores += arch.decoder.heads * entering**2
-    return batch * scores
+            kind = "suffix" if self.rows > 1 else ("cls" if self.stage == "vision" else "last")
+            per_score = ROW_SCORE_BYTES[kind]
+            per_state = cast + 8 + 4
+        return self.scores * per_score + states * per_state
+
+
+def _probe_layer(need_layer: str, removal: Removal, vision_layers: int) -> int:
+    """The layer a need's probe runs at, for the step of `removal` ("L", "L-1", "vision L", "vision last")."""
+    words = need_layer.split()
+    if words[:1] == ["vision"]:
+        return vision_layers - 1 if words[1:] == ["last"] else removal.layer
+    return removal.layer - 1 if need_layer == "L-1" else removal.layer
+
+
+def method_probes(arch: Architecture, schedule: Schedule, text_tokens: int | None, batch: int) -> list[Probe]:
+    """The attention probes `schedule`'s method runs in one prefill, from its spec's needs: one per
+    layer a need of kind attention_rows or query_key names, at the tokens that layer attends over."""
+    from ficoco.accounting.methods import suffix_tokens
+    from ficoco.methods import METHODS
+
+    spec = METHODS.get(schedule.variant)
+    if spec is None or not schedule.removals:
+        return []
+    plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
+    suffix = suffix_tokens(arch, plan.text_tokens)
+    probes: dict[tuple[str, int], Probe] = {}
+    for removal in schedule.removals:
+        # A method acting before the LLM with steps inside it (HoliTom) reads there as its inner spec says.
+        acting = spec.inner if removal.stage == "llm" and spec.acts_at != "llm_layer" and spec.inner else spec
+        for need in acting.needs:
+            vision = need.layer.split()[:1] == ["vision"]
+            if need.kind not in PROBE_KINDS or vision != (removal.stage == "vision"):
+                continue
+            if vision and need.rows == "cls" and not arch.vision.has_cls:
+                continue  # no [CLS] row: the equivalent token scores from the keys instead
+            layer = _probe_layer(need.layer, removal, arch.vision.layers)
+            if vision:
+                keys, sequences = plan.vision[layer][0], batch * plan.vision_items
+                heads, head_dim = arch.vision.heads, arch.vision.hidden // arch.vision.heads
+            else:
+                # A step at a layer's input (FastV, PDrop, SparseVLM) sees what the layer before it handed
+                # on; one inside a layer (FiCoCo-L) the layer's entering tokens.
+                keys = plan.llm[layer][0] if removal.where == "in_layer" or need.layer == "L-1" \
+                    else plan.llm[layer - 1][1]
+                sequences, heads, head_dim = batch, arch.decoder.heads, arch.decoder.head_dim
+            whole = need.kind == "attention_rows" and need.rows not in (*ONE_ROW, "suffix")
+            rows = keys if whole else (1 if need.rows in ONE_ROW else min(suffix, keys))
+            stage = "vision" if vision else "llm"
+            probe = Probe(spec.name, stage, layer, rows, keys, heads, head_dim, sequences, whole)
+            # One probe per layer: the adapters probe a layer once for every need read there.
+            if (stage, layer) not in probes or probes[(stage, layer)].rows < rows:
+                probes[(stage, layer)] = probe
+    return list(probes.values())
+
+
+def probe_bytes(arch: Architecture, schedule: Schedule, text_tokens: int | None, batch: int,
+                act_bytes: float = 2.0) -> float:
+    """Bytes the method's own probes move in one prefill (`method_probes`), in a compute dtype of
+    `act_bytes` bytes: 0 for a method that reads no attention probabilities."""
+    return sum(probe.bytes_moved(act_bytes) for probe in method_probes(arch, schedule, text_tokens, batch))
 
 
 def dispatch_s(layers: int, reducing_layers: int, quant: str, rates: Any) -> float:
@@ -460,12 +572,70 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
         parts["upcast"] = upcast_elems * act_bytes / rates.convert_bytes_per_s
     if method_flops:
         parts["method"] = method_flops / linear_rate(method_shape)
-    # float32 passes over the reducing layers' scores, each a read and a write (estimate.py's term).
-    scores = probe_scores(arch, schedule, text_tokens, batch)  # type: ignore[arg-type]
-    parts["probe"] = PROBE_PASSES * 4 * scores * 2 / rates.bandwidth_bytes_per_s
+    # The method's own probe: its float32 passes over the attention rows its spec reads.
+    parts["probe"] = probe_bytes(arch, schedule, text_tokens, batch, act_bytes) / rates.bandwidth_bytes_per_s
     layers = arch.vision.layers + arch.decoder.layers
     parts["dispatch"] = dispatch_s(layers, len(schedule.removals), quant, rates)  # type: ignore[arg-type]
     return Prediction(sum(parts.values()), parts)
+
+
+@dataclass
+class ProbeShapes:
+    """What a row's rate probe (MeasuredRates) times in each pass: its linear (tokens, in, out) and
+    attention (heads, tokens, head width, causal) shapes, the bandwidth copy, and the convert copy of an
+    upcast layout."""
+
+    linear: list[tuple[int, int, int]] = field(default_factory=list)
+    attention: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    convert: bool = False
+    # ShapeRates' fields, so that predict_prefill can run on a recorder: it prices nothing.
+    dtype: str = "float32"
+    bandwidth_bytes_per_s: float = 1.0
+    convert_bytes_per_s: float = 1.0
+    small_op_s: float = 0.0
+
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
+        """Remember the shapes asked for (nothing is timed)."""
+        self.linear += [shape for shape in linear if shape not in self.linear]
+        self.attention += [shape for shape in attention if shape not in self.attention]
+        self.convert = self.convert or convert
+
+    def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float:
+        return 1.0
+
+    def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float:
+        return 1.0
+
+    @property
+    def calls(self) -> int:
+        """Timed calls per pass: every shape, the bandwidth copy and the convert copy."""
+        return len(self.linear) + len(self.attention) + 1 + int(self.convert)
+
+    def pass_flops(self) -> float:
+        """FLOPs of one pass (MeasuredRates.measure's count of each shape's work)."""
+        return (sum(2 * t * i * o for t, i, o in self.linear)
+                + sum(4 * h * t * t * d for h, t, d, _ in self.attention))
+
+    def pass_bytes(self, compute_bits: int = 16) -> float:
+        """Bytes one pass moves in its copies: 64 MiB read and written, and an upcast layout's 7B MLP
+        weight read in bfloat16 and written in the compute dtype."""
+        convert = 4096 * 11008 * (2 + compute_bits / 8) if self.convert else 0.0
+        return 2 * (1 << 25) * 2 + convert
+
+
+def rate_probe_shapes(arch: Architecture, schedule: Schedule, *, quant: str = "fp16", batch: int = 1,
+                      text_tokens: int | None = None, compute_bits: int = 16, upcast_layers: int = 0) -> ProbeShapes:
+    """The shapes a row's rate probe times in each pass (those `predict_prefill` asks for)."""
+    shapes = ProbeShapes()
+    predict_prefill(arch, schedule, shapes, quant=quant, batch=batch, text_tokens=text_tokens,
+                    compute_bits=compute_bits, upcast_layers=upcast_layers)
+    return shapes
+
+
+def rate_probe_passes(repeat: int) -> int:
+    """Passes a measured row's rate probe makes: an untimed one and PASSES before its runs, one after
+    each of its `repeat` timed runs, an untimed one and PASSES after them (profiling/matrix.py)."""
+    return 2 * (1 + PASSES) + repeat
 
 
 def rates_for(dtype: Any, device: torch.device | str = "cpu", weights: WeightSource | None = None) -> MeasuredRates:
