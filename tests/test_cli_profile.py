@@ -285,7 +285,7 @@ def test_kv_cache_follows_the_weights_bits_unless_kv_bits_is_given(rows):
 
 
 def test_kv_cache_follows_the_accounting_formula(rows, arch_of):
-    """ACCOUNTING.md: sum over layers of 2 * b * s_layer * nkv * hd * kv_bytes (the cache is
+    """docs/accounting.md: sum over layers of 2 * b * s_layer * nkv * hd * kv_bytes (the cache is
     kept in the compute dtype, which --dtype auto picks for this CPU)."""
     import torch
 

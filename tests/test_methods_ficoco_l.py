@@ -76,7 +76,7 @@ def _run(case: LCase, **overrides: object):
 
 
 def _reference_one_sample(case: LCase, b: int, beta: float = 0.6, gamma: float = 0.6):
-    """FiCoCo-L for one sample written token by token from SPEC.md, in float64."""
+    """FiCoCo-L for one sample written token by token from docs/methods/ficoco.md, in float64."""
     attn = case.attn[b].double().tolist()
     hidden = case.hidden[b].double()
     start, n = int(case.visual_start[b]), case.num_visual

@@ -76,7 +76,7 @@ def _run(case: VCase, **overrides: object):
 
 
 def _reference_one_sample(case: VCase, b: int, lam: float = 0.35, coefficient: float = 2.0):
-    """FiCoCo-V for one sample written token by token from SPEC.md, in float64."""
+    """FiCoCo-V for one sample written token by token from docs/methods/ficoco.md, in float64."""
     offset = int(case.has_cls)
     attn = case.attn[b].double().tolist()
     hidden = case.hidden[b].double()
@@ -284,7 +284,7 @@ def test_reduce_v_hand_example_with_cls() -> None:
 
 
 def test_reduce_v_can_leave_a_kept_token_less_than_half_its_own_content() -> None:
-    """Counterexample to SPEC.md's "keeps at least half": 3 patches, r = 2, one target."""
+    """Counterexample to docs/methods/ficoco.md's "keeps at least half": 3 patches, r = 2, one target."""
     gen = torch.Generator().manual_seed(1)
     attn = _softmax_attention(gen, 1, 4)
     result = reduce_v(torch.eye(4).unsqueeze(0), attn, 2, torch.arange(3).unsqueeze(0), (1, 3))

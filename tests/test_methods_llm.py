@@ -1,7 +1,8 @@
 """The method registry and the in-LLM baselines (FastV, PDrop, SparseVLM v1.5, DART).
 
 Each method's batched tensor function is checked against a small independent
-re-implementation of its score written from BASELINES.md (per sample, loops, the whole causal
+re-implementation of its score written from its official code
+(docs/methods/<name>.md; per sample, loops, the whole causal
 attention matrix where the official code builds it), on random tensors with left padding and
 different spans per sample; a batch must equal its samples run alone; a full keep must be
 the identity; the accountant's per-layer token counts must equal what the functions produce

@@ -223,7 +223,7 @@ def test_compress_leaves_a_token_that_receives_nothing_bitwise_unchanged(
 
 
 def test_compress_own_weight_falls_below_half_when_two_sources_share_a_target() -> None:
-    """Counterexample to SPEC.md's "keeps at least half of its own content".
+    """Counterexample to docs/methods/ficoco.md's "keeps at least half of its own content".
 
     Both discarded tokens put all their weight on the single kept token, so it keeps 1/3.
     """

@@ -1,7 +1,8 @@
 """The methods that act before the LLM: ToMe, VisionZip, FasterVLM and PruMerge+.
 
 Each batched tensor function is checked against a small independent re-implementation written
-from BASELINES.md (per sample, Python loops and sets, the official code's order of operations),
+from the official code (docs/methods/<name>.md; per sample, Python loops and sets, the official
+code's order of operations),
 on random tensors; a batch must equal its items run alone; a full keep must be the identity;
 and the token counts must equal the accountant's plan for the literature's rows.
 """

@@ -158,7 +158,7 @@ def test_labels_give_the_models_loss_over_the_positions_that_remain(model: nn.Mo
 
 def _cls_rows(model: nn.Module, inp: dict[str, Tensor], layer: int) -> Tensor:
     """(B, H, T) the [CLS] query's softmax over tower layer `layer`'s keys, by hand from its q_proj and
-    k_proj outputs on the unpatched model (BASELINES.md: one CLS row at the layer the projector reads)."""
+    k_proj outputs on the unpatched model (docs/methods/visionzip.md: one CLS row at the layer the projector reads)."""
     attn = model.model.vision_tower.encoder.layers[layer].self_attn
     seen: dict[str, Tensor] = {}
     hooks = [attn.q_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("q", o)),

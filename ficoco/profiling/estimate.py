@@ -10,7 +10,7 @@ on this machine (cached per process; well under a second):
                 + the method's own probe: the bytes its float32 passes over the attention rows its spec
                   reads move (predict.method_probes) / copy_bytes_per_s
 
-The roofline is the accountant's (ACCOUNTING.md: every op takes max(ops / peak, bytes /
+The roofline is the accountant's (docs/accounting.md: every op takes max(ops / peak, bytes /
 bandwidth)) with this machine's measured figures in place of a GPU's: `matmul_flops_per_s` is
 compute_rate's matmul throughput in the compute dtype, `copy_bytes_per_s` a memory copy's. A
 prefill of many tokens is bound by its FLOPs; one of few tokens (FiCoCo-V's decoder) by reading

@@ -6,7 +6,7 @@ requested schedule (a plain forward: the LM head over every token unless asked f
 one only) under both counters, and compares each stage with the accountant's count of the
 same run in the `flops` convention, scope `all`, layer-exact.
 
-How the counters are made to agree with the convention (ACCOUNTING.md, "Counters and their
+How the counters are made to agree with the convention (docs/accounting.md, "Counters and their
 blind spots"):
 
 - fvcore traces with `torch.jit` and counts one multiply-add as one flop. Its handles are
