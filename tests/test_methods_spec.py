@@ -78,6 +78,10 @@ def test_the_patches_read_the_probe_plan_not_the_needs_words() -> None:
         attributes = {node.attr for node in ast.walk(ast.parse((ROOT / path).read_text()))
                       if isinstance(node, ast.Attribute)}
         assert "probes" in attributes and "needs" not in attributes, path
+    # No adapter reads the needs' words either (Qwen2-VL's cuts read the same plan).
+    for path in sorted((ROOT / "ficoco" / "models").rglob("*.py")):
+        attributes = {node.attr for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)}
+        assert "needs" not in attributes, path
 
 
 def test_planners_are_named_by_a_word_the_accountant_s_table_knows() -> None:

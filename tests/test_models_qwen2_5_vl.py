@@ -10,6 +10,7 @@ text tokens of the chat template around one image span.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -435,3 +436,42 @@ def test_fastervlm_keeps_the_groups_the_last_blocks_equivalent_token_ranks_first
     assert groups_of(record.kept[0]) == expected
     span = captured_features[0][0, 4:4 + 7]  # the image span after "<|im_start|> user \n <|vision_start|>"
     torch.testing.assert_close(span, features[torch.tensor(expected)], atol=1e-5, rtol=0)
+
+
+# -- Qwen2.5-VL is Qwen2-VL's adapter and parts with a window order -------------------------------
+
+
+def _methods(cls: type) -> dict[str, Any]:
+    """The functions, properties and method descriptors `cls` itself defines (not its bases; not a class it names)."""
+    return {name: value for name, value in vars(cls).items()
+            if inspect.isfunction(value) or isinstance(value, (property, staticmethod, classmethod))}
+
+
+def test_qwen2_5_vl_adapter_overrides_no_private_helper_of_qwen2_vl() -> None:
+    from ficoco.models.qwen2_5_vl import Qwen2_5_VLAdapter
+    from ficoco.models.qwen2_vl import Qwen2VLAdapter
+
+    overridden = sorted(name for name in _methods(Qwen2_5_VLAdapter)
+                        if name.startswith("_") and hasattr(Qwen2VLAdapter, name))
+    assert overridden == []
+
+
+def test_the_window_order_is_the_only_difference_from_qwen2_vl(model: nn.Module) -> None:
+    from ficoco.models import adapter_for
+    from ficoco.models.qwen2_5_vl import Qwen2_5_VLAdapter, WindowOrder
+    from ficoco.models.qwen2_vl import GridOrder, Qwen2VLAdapter
+    from ficoco.models.qwen2_vl.adapter import PromptShortener, TowerBlocks, TowerCuts
+
+    # The class defines no method at all: it names its strategy and its title (the refusals' family name).
+    assert _methods(Qwen2_5_VLAdapter) == {}
+    own = {name for name in vars(Qwen2_5_VLAdapter) if not name.startswith("__")}
+    assert own == {"family_title", "order_strategy"}
+    assert Qwen2_5_VLAdapter.order_strategy is WindowOrder and issubclass(WindowOrder, GridOrder)
+    assert Qwen2VLAdapter.order_strategy is GridOrder
+    # Built on the model: Qwen2-VL's parts, sharing the adapter, with the window order.
+    adapter = adapter_for(model)
+    assert type(adapter) is Qwen2_5_VLAdapter and type(adapter.order) is WindowOrder
+    parts = {"blocks": TowerBlocks, "cuts": TowerCuts, "prompt": PromptShortener}
+    assert {name: type(getattr(adapter, name)) for name in parts} == parts
+    assert all(getattr(adapter, name).adapter is adapter for name in (*parts, "order"))
+    assert adapter.order.full_layers == frozenset({2})  # block 2 attends over the whole image

@@ -561,3 +561,18 @@ def test_verify_passes_on_tiny_within_a_tenth_of_a_percent(model: nn.Module) -> 
         assert all(layer.fvcore == layer.analytic for layer in run.layers)
     v_method = result.runs[1].method
     assert [m.fvcore for m in v_method] == [m.matmul_formula for m in v_method]
+
+
+def test_the_adapter_is_composed_of_parts_on_the_grid_order(model: nn.Module) -> None:
+    """Qwen2-VL's adapter composes its parts (tower blocks, cuts, prompt shortening) over one tower order,
+    which Qwen2.5-VL swaps for its window order (tests/test_models_qwen2_5_vl.py); a run leaves no pass."""
+    from ficoco.models import adapter_for
+    from ficoco.models.qwen2_vl import GridOrder, Qwen2VLAdapter
+    from ficoco.models.qwen2_vl.adapter import PromptShortener, TowerBlocks, TowerCuts
+
+    adapter = adapter_for(model)
+    assert type(adapter) is Qwen2VLAdapter and type(adapter.order) is GridOrder
+    parts = {"blocks": TowerBlocks, "cuts": TowerCuts, "prompt": PromptShortener}
+    assert {name: type(getattr(adapter, name)) for name in parts} == parts
+    assert all(getattr(adapter, name).adapter is adapter for name in (*parts, "order"))
+    assert adapter.tower_pass is None

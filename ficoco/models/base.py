@@ -4,7 +4,8 @@ ficoco.models.entry) and the decoder-side parts every family shares.
 A family adapter derives from `FamilyAdapter`, sets where its layers are, and overrides only what
 its family does differently: LLaVA-1.5 (ficoco.models.llava) finds its CLIP tower and shortens
 image spans to their first `keep` placeholders; LLaVA-NeXT and LLaVA-OneVision lay out AnyRes crops;
-Qwen2-VL and Qwen2.5-VL are composed of their own parts (tower pass, cut/merge, prompt shortening).
+Qwen2-VL (the package ficoco.models.qwen2_vl) is composed of parts (tower blocks, cuts, prompt
+shortening) over the tower's token order, and Qwen2.5-VL is the same adapter naming its window order.
 
 What the base reads from its subclass: `model`, `decoder_layers` (the decoder's layers) and
 `image_token_id` (the placeholder of the span the methods act on); and, for a method before the LLM

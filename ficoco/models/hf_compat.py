@@ -5,7 +5,7 @@ arguments, reaches submodules by attribute, calls functions of the model files a
 attention functions. None of that is transformers' public API, and it moves between releases
 (5.24 renamed the cache argument `past_key_values` to `cache`, in every model, layer and
 output). So every such name, path and call shape lives here and nowhere else: the adapters
-(llava.py, qwen2_vl.py, ...), the hook points (llm_steps.py, vision_steps.py, attention.py), the
+(llava.py, qwen2_vl/, ...), the hook points (llm_steps.py, vision_steps.py, attention.py), the
 builder and the profiler read them through this module.
 
 Each contact is registered with a check (`@contact`) that looks at the installed release (a

@@ -3,9 +3,11 @@ layout (a ViT without [CLS] over native-resolution patches, a PatchMerger joinin
 group into one LLM token, a Qwen2 decoder with 3-D rotary positions) with a tower that attends
 within windows in every layer outside `fullatt_block_indexes` and over the whole image in those.
 
-Everything outside the tower is Qwen2-VL's (`Qwen2VLAdapter`): FiCoCo-L in the decoder, and
-FiCoCo-V's entry, which encodes the images first and shortens every placeholder span to the
-groups the tower kept, with the unreduced prompt's 3-D positions.
+Everything outside the tower's order is Qwen2-VL's (`Qwen2VLAdapter` and its parts, ficoco.models.qwen2_vl):
+FiCoCo-L in the decoder, the tower passes, the cuts, and FiCoCo-V's entry, which encodes the images first
+and shortens every placeholder span to the groups the tower kept, with the unreduced prompt's 3-D
+positions. What differs is the order of the tower's tokens, this file's `WindowOrder` (the window
+strategy), which the adapter names; `Qwen2_5_VLAdapter` overrides none of Qwen2-VL's helpers.
 
 The tower, as transformers runs it: the merge groups of every image are put in window order
 before the first block (`window_index`: windows row-major over the group grid, padded to whole
@@ -36,15 +38,15 @@ FiCoCo-V in this tower:
   `Handle.vision_attention_pairs`, which `flops --verify` hands the accountant: which windows
   lose groups is known only once the method ran.
 
-The other vision-side methods run Qwen2-VL's merge-group steps (`Qwen2VLAdapter.patch_cut`,
-`patch_projector_cut`, `_merge`) on every image's groups put in grid order, the order they have
-on Qwen2-VL, and this file maps between the orders around them:
+The other vision-side methods run Qwen2-VL's merge-group steps (`TowerCuts.patch_cut`,
+`patch_projector_cut`, `TowerBlocks._merge`) on every image's groups put in grid order, the order they
+have on Qwen2-VL, and this file's `WindowOrder` maps between the orders around them:
 
 - A cut at the tower's output or after the merger (VisionZip, VisPruner, FasterVLM): the units
   (window order) and the last block's keys (one chunk per window in a window block, joined per
   image) are put in grid order before the method, which keeps groups by their grid indices; the
   merger's output of the kept groups is scattered back to their unreduced window-order rows, so
-  the tower's own reverse order puts it in grid order, and `encode_images` reads the kept rows.
+  the tower's own reverse order puts it in grid order, and `WindowOrder.encode` reads the kept rows.
 - A cut on the tower's output (DivPrune, CDPruner) sees the grid order the tower hands out.
 - HoliTom on a video (its temporal slices together, after the merger): Qwen2-VL's cut on the tower's
   grid-order output; only the scores (the attention each group's patches receive in the last block,
@@ -58,11 +60,11 @@ on Qwen2-VL, and this file maps between the orders around them:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from ficoco.models import hf_compat as hf
 from ficoco.models.patching import Patches, follow_device, forward_of
@@ -72,19 +74,17 @@ from ficoco.models.qwen2_vl import (
     PREFIX_TOKENS,
     GridOrder,
     Qwen2VLAdapter,
-    _TowerPass,
+    TowerPass,
     image_grid,
     synthetic_inputs,
 )
-
-if TYPE_CHECKING:
-    from ficoco.models.handle import Handle
+from ficoco.models.qwen2_vl.order import MergeStep
 
 __all__ = ["PREFIX_TOKENS", "Qwen2_5_VLAdapter", "image_grid", "synthetic_inputs"]
 
 
 @dataclass
-class _WindowPass(_TowerPass):
+class WindowPass(TowerPass):
     """Qwen2-VL's tower pass plus the windows: per image, the window of every original group and the
     group's row in the unreduced window order; the window boundaries after a reduction."""
 
@@ -101,12 +101,12 @@ class _WindowPass(_TowerPass):
                 for i, kept in enumerate(self.kept_groups)]
 
 
-def _total_groups(tower: _WindowPass) -> int:
+def _total_groups(tower: WindowPass) -> int:
     """Merge groups of every image of the pass, unreduced."""
     return tower.image_rows[-1] + len(tower.window_rows[-1])
 
 
-def _to_window_rows(merged: Tensor, tower: _WindowPass) -> Tensor:
+def _to_window_rows(merged: Tensor, tower: WindowPass) -> Tensor:
     """The merger's output of every image's kept groups (in `kept_groups` order) at the groups' rows of the
     unreduced window order (the removed groups' rows zero), which the tower's reverse order expects."""
     rows = torch.cat([start + tower.window_rows[i][kept]
@@ -115,7 +115,7 @@ def _to_window_rows(merged: Tensor, tower: _WindowPass) -> Tensor:
     return out.index_copy(0, rows.to(merged.device), merged)
 
 
-def _keys_per_image(keys: list[Tensor], tower: _WindowPass) -> list[Tensor]:
+def _keys_per_image(keys: list[Tensor], tower: WindowPass) -> list[Tensor]:
     """A window block's keys, one (1, H, T_w, d) per window it ran, as one (1, H, T, d) per image."""
     per_image, at = [], 0
     for lengths in tower.window_lengths():
@@ -133,32 +133,72 @@ class WindowOrder(GridOrder):
     run on it through these hooks."""
 
     records_pairs = True  # which windows lose groups is known only once the method ran
-    adapter: Qwen2_5_VLAdapter
+
+    def __init__(self, adapter: Qwen2VLAdapter) -> None:
+        super().__init__(adapter)
+        # The blocks that attend over whole images (fullatt_block_indexes); the others attend within windows.
+        self.full_layers = frozenset(hf.qwen2_5_vl_full_attention_layers(adapter.visual))
+        self.video_windows: list[Tensor] = []  # HoliTom: per video, the video unit of every window-order row
 
     def full(self, idx: int) -> bool:
         """Whether block `idx` attends over whole images (fullatt_block_indexes) rather than windows."""
-        return idx in self.adapter.full_layers
+        return idx in self.full_layers
 
-    def segments(self, tower: _TowerPass | None, idx: int, cu_seqlens: Tensor, position_embeddings: Any,
+    def start_pass(self, grid_thw: Tensor) -> TowerPass:
+        """A new pass with every image's groups in window order, the windows of every group recorded. Under a
+        video cut (HoliTom) Qwen2-VL's pass, and every video's window order for its scores."""
+        adapter = self.adapter
+        if adapter.video_cut:
+            window_index = hf.qwen2_5_vl_window_index(adapter.visual, grid_thw)[0].to(grid_thw.device)
+            counts = (grid_thw.prod(dim=-1) // adapter.merge).tolist()
+            starts = [0, *torch.tensor(counts).cumsum(0).tolist()[:-1]]
+            self.video_windows = [window_index[a:a + n] - a for a, n in zip(starts, counts, strict=True)]
+            return super().start_pass(grid_thw)
+        base = super().start_pass(grid_thw)
+        window_index, cu_window = hf.qwen2_5_vl_window_index(adapter.visual, grid_thw)
+        window_index, cu_window = window_index.to(grid_thw.device), cu_window.to(grid_thw.device)
+        groups = [h * w // adapter.merge for h, w in base.grids]
+        bounds = (cu_window // adapter.merge).tolist()
+        group_window, window_rows, kept, image_rows, windows = [], [], [], [], []
+        start = 0
+        for count in groups:
+            order = window_index[start:start + count] - start  # original group of every window-order row
+            rows = torch.empty_like(order)
+            rows[order] = torch.arange(count, device=order.device)
+            # Windows of this image: the boundaries inside [start, start + count).
+            inner = [b - start for b in bounds if start < b <= start + count]
+            sizes = torch.tensor([inner[0]] + [b - a for a, b in zip(inner, inner[1:], strict=False)],
+                                 device=order.device)
+            window_of_row = torch.repeat_interleave(torch.arange(len(inner), device=order.device), sizes)
+            group_window.append(window_of_row[rows])
+            window_rows.append(rows)
+            kept.append(order)
+            image_rows.append(start)
+            windows.append(len(inner))
+            start += count
+        return WindowPass(grids=base.grids, kept_groups=kept, merge=adapter.merge, group_window=group_window,
+                          window_rows=window_rows, image_rows=image_rows, windows=windows)
+
+    def segments(self, tower: TowerPass | None, idx: int, cu_seqlens: Tensor, position_embeddings: Any,
                  kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
         """The segments (windows, or whole images in a full-attention block) and the rotary table block
         `idx` runs on once an earlier block reduced: the pass's, not the unreduced ones transformers
         hands it; `max_seqlen` in `kwargs` follows."""
         if tower is None or tower.cu_seqlens is None:
             return cu_seqlens, position_embeddings
-        assert isinstance(tower, _WindowPass)
+        assert isinstance(tower, WindowPass)
         full = self.full(idx)
         if "max_seqlen" in kwargs:
             kwargs["max_seqlen"] = tower.max_seqlen if full else tower.max_window_seqlen
         return (tower.cu_seqlens if full else tower.cu_window_seqlens), tower.position_embeddings
 
-    def image_chunks(self, tower: _TowerPass, idx: int, chunks: list[tuple[Tensor, Any]]
+    def image_chunks(self, tower: TowerPass, idx: int, chunks: list[tuple[Tensor, Any]]
                      ) -> list[tuple[Tensor, Any]]:
         """A window block's per-window (attn, keys) as one per image: the block diagonal of the image's
         windows' attention maps (no attention across windows ran), the keys in sequence order."""
         if self.full(idx):
             return chunks
-        assert isinstance(tower, _WindowPass)
+        assert isinstance(tower, WindowPass)
         per_image = []
         at = 0
         for lengths in tower.window_lengths():
@@ -172,18 +212,18 @@ class WindowOrder(GridOrder):
             raise RuntimeError(f"the vision attention ran {len(chunks)} windows, the tower pass holds {at}")
         return per_image
 
-    def after_reduce(self, tower: _TowerPass, cu_seqlens: Tensor) -> None:
+    def after_reduce(self, tower: TowerPass, cu_seqlens: Tensor) -> None:
         """The window boundaries of the groups still present (empty windows dropped)."""
-        assert isinstance(tower, _WindowPass)
+        assert isinstance(tower, WindowPass)
         lengths = torch.cat(tower.window_lengths())
         lengths = lengths[lengths > 0]
         tower.cu_window_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(cu_seqlens.dtype)
         tower.max_window_seqlen = int(lengths.max())
 
-    def call_bias(self, tower: _TowerPass, idx: int) -> list[Tensor | None]:
+    def call_bias(self, tower: TowerPass, idx: int) -> list[Tensor | None]:
         """Proportional attention's log(size) per attention call: per image in a full block, per (non-empty)
         window in a window block, in sequence order."""
-        assert isinstance(tower, _WindowPass)
+        assert isinstance(tower, WindowPass)
         if not self.full(idx) and tower.bias:  # (no bias before the first merge)
             pieces: list[Tensor | None] = []
             for bias, lengths in zip(tower.bias, tower.window_lengths(), strict=True):
@@ -192,18 +232,17 @@ class WindowOrder(GridOrder):
             return pieces
         return list(tower.bias)
 
-    def block_keys(self, tower: _TowerPass, idx: int, keys: list[Tensor]) -> list[Tensor]:
+    def block_keys(self, tower: TowerPass, idx: int, keys: list[Tensor]) -> list[Tensor]:
         """A window block's keys, one chunk per window, joined per image."""
-        assert isinstance(tower, _WindowPass)
+        assert isinstance(tower, WindowPass)
         return keys if self.full(idx) else _keys_per_image(keys, tower)
 
-    def merge(self, handle: Handle, module: Any, settings: dict[str, Any], tower: _TowerPass, hidden: Tensor,
-              keys: list[Tensor], r: int, layer_idx: int, position_embeddings: tuple[Tensor, Tensor],
-              cu_seqlens: Tensor) -> Tensor:
-        """Qwen2-VL's `_merge` on every image's groups in grid order (the matching runs over the whole
-        image), the result put back in window order: every unit that goes on in its destination group's
-        window, at its rotary rows, with the windows recomputed."""
-        assert isinstance(tower, _WindowPass)
+    def merge(self, step: MergeStep, tower: TowerPass, hidden: Tensor, keys: list[Tensor],
+              position_embeddings: tuple[Tensor, Tensor], cu_seqlens: Tensor) -> Tensor:
+        """ToMe's merge `step` (`TowerBlocks._merge`) on every image's groups in grid order (the matching runs
+        over the whole image), the result put back in window order: every unit that goes on in its destination
+        group's window, at its rotary rows, with the windows recomputed."""
+        assert isinstance(tower, WindowPass)
         adapter = self.adapter
         merge = adapter.merge
         members = torch.arange(merge, device=hidden.device)
@@ -221,8 +260,7 @@ class WindowOrder(GridOrder):
         if tower.size is not None:
             tower.size = [size[order] for size, order in zip(tower.size, to_grid, strict=True)]
         grid_embeddings = (position_embeddings[0][rows], position_embeddings[1][rows])
-        merged = adapter._merge(handle, module, settings, tower, hidden[rows], keys, r, layer_idx, grid_embeddings,
-                                cu_seqlens)
+        merged = step(tower, hidden[rows], keys, grid_embeddings, cu_seqlens)
         # Grid order -> window order: every unit that goes on at its destination group's window row.
         to_window = [tower.window_rows[i][kept].argsort() for i, kept in enumerate(tower.kept_groups)]
         starts = [0, *torch.tensor(tower.lengths).cumsum(0).tolist()[:-1]]
@@ -245,7 +283,7 @@ class WindowOrder(GridOrder):
 
         def merger_forward(hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
             merged = inner_merger(hidden_states, *args, **kwargs)
-            tower = adapter._tower
+            tower = adapter.tower_pass
             if tower is not None:  # a tower split across devices (device maps)
                 follow_device(tower, merged.device)
             if tower is None or merged.shape[0] == _total_groups(tower):  # type: ignore[arg-type]
@@ -254,89 +292,45 @@ class WindowOrder(GridOrder):
 
         patches.set(merger, "forward", merger_forward)
 
-
-class Qwen2_5_VLAdapter(Qwen2VLAdapter):
-    """Where the method goes in a Qwen2.5-VL model: Qwen2-VL's, with the tower's windows followed."""
-
-    family_title = "Qwen2.5-VL"
-    order_strategy = WindowOrder  # FiCoCo-V, ToMe and the cuts run Qwen2-VL's passes on the window order
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
-        vision = model.config.vision_config
-        self.full_layers = frozenset(hf.qwen2_5_vl_full_attention_layers(self.visual))
-        self.vision_config = vision
-        self.video_windows: list[Tensor] = []  # HoliTom: per video, the video unit of every window-order row
-
-    def _image_keys(self, chunks: list[tuple[Tensor, Tensor]], tower: _TowerPass) -> list[Tensor]:
+    def image_keys(self, chunks: list[tuple[Tensor, Tensor]], tower: TowerPass) -> list[Tensor]:
         """The last block's keys per image, in window order: a window layer ran one call per window."""
-        assert isinstance(tower, _WindowPass)
-        if len(self.vision_layers) - 1 in self.full_layers:
-            return super()._image_keys(chunks, tower)
+        assert isinstance(tower, WindowPass)
+        if len(self.adapter.vision_layers) - 1 in self.full_layers:
+            return super().image_keys(chunks, tower)
         return _keys_per_image([key for _, key in chunks], tower)
 
-    def _cut(self, handle: Handle, module: Any, settings: dict[str, Any], spec: Any, removal: Any, units: Tensor,
-             keys: list[Tensor], tower: _TowerPass) -> Tensor:
-        """Qwen2-VL's cut on every image's groups put in grid order (units, and the keys patch by patch);
-        the groups it keeps come back as grid indices, the tokens in grid order."""
-        assert isinstance(tower, _WindowPass)
-        members = torch.arange(self.merge, device=units.device)
+    def cut_input(self, tower: TowerPass, units: Tensor, keys: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """Every image's groups put in grid order (units, and the keys patch by patch) for Qwen2-VL's cut, which
+        then keeps groups by their grid indices (`kept_groups` restarts from the grid order)."""
+        assert isinstance(tower, WindowPass)
+        merge = self.adapter.merge
+        members = torch.arange(merge, device=units.device)
         rows = [r.to(units.device) for r in tower.window_rows]  # window-order row of every group
         order = torch.cat([start + r for start, r in zip(tower.image_rows, rows, strict=True)])
-        grid_keys = [key[:, :, (r[:, None] * self.merge + members).flatten().to(key.device)]
+        grid_keys = [key[:, :, (r[:, None] * merge + members).flatten().to(key.device)]
                      for key, r in zip(keys, rows, strict=True)]
         tower.kept_groups = [torch.arange(len(r), device=units.device) for r in rows]
-        return super()._cut(handle, module, settings, spec, removal, units[order], grid_keys, tower)
+        return units[order], grid_keys
 
-    def _start_pass(self, grid_thw: Tensor) -> _WindowPass:
-        if self.video_cut:  # HoliTom on videos: Qwen2-VL's pass, and every video's window order for its scores
-            window_index = hf.qwen2_5_vl_window_index(self.visual, grid_thw)[0].to(grid_thw.device)
-            counts = (grid_thw.prod(dim=-1) // self.merge).tolist()
-            starts = [0, *torch.tensor(counts).cumsum(0).tolist()[:-1]]
-            self.video_windows = [window_index[a:a + n] - a for a, n in zip(starts, counts, strict=True)]
-            return super()._start_pass(grid_thw)  # type: ignore[return-value]
-        base = super()._start_pass(grid_thw)
-        window_index, cu_window = hf.qwen2_5_vl_window_index(self.visual, grid_thw)
-        window_index, cu_window = window_index.to(grid_thw.device), cu_window.to(grid_thw.device)
-        groups = [h * w // self.merge for h, w in base.grids]
-        bounds = (cu_window // self.merge).tolist()
-        group_window, window_rows, kept, image_rows, windows = [], [], [], [], []
-        start = 0
-        for count in groups:
-            order = window_index[start:start + count] - start  # original group of every window-order row
-            rows = torch.empty_like(order)
-            rows[order] = torch.arange(count, device=order.device)
-            # Windows of this image: the boundaries inside [start, start + count).
-            inner = [b - start for b in bounds if start < b <= start + count]
-            sizes = torch.tensor([inner[0]] + [b - a for a, b in zip(inner, inner[1:], strict=False)],
-                                 device=order.device)
-            window_of_row = torch.repeat_interleave(torch.arange(len(inner), device=order.device), sizes)
-            group_window.append(window_of_row[rows])
-            window_rows.append(rows)
-            kept.append(order)
-            image_rows.append(start)
-            windows.append(len(inner))
-            start += count
-        return _WindowPass(grids=base.grids, kept_groups=kept, merge=self.merge, group_window=group_window,
-                           window_rows=window_rows, image_rows=image_rows, windows=windows)
-
-    def _video_grid_order(self, scores: Tensor, video: int) -> Tensor:
+    def video_grid_order(self, scores: Tensor, video: int) -> Tensor:
         """A video's per-slice group scores from the tower's window order (slice by slice: the window
         index is frame-major) to grid order."""
         order = self.video_windows[video]  # the video unit of every window-order row
         flat = scores.flatten()
         return torch.empty_like(flat).index_copy(0, order.to(flat.device), flat).view_as(scores)
 
-    def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
+    def encode(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
         """The (reduced) tower's output, every image's kept groups in grid order (the rows of the removed
         groups dropped), split per image. HoliTom's videos: Qwen2-VL's (the tower hands out grid order)."""
-        if self.video_cut:
-            return super().encode_images(pixel_values, image_grid_thw, **kwargs)
-        visual = self.visual
+        adapter = self.adapter
+        if adapter.video_cut:
+            return super().encode(pixel_values, image_grid_thw, **kwargs)
+        visual = adapter.visual
         out = visual(pixel_values.type(visual.dtype), grid_thw=image_grid_thw, **kwargs)
-        tower = self._tower
+        tower = adapter.tower_pass
         if tower is None:
             raise RuntimeError("the Qwen2.5-VL vision tower ran without FiCoCo-V's bookkeeping")
+        assert isinstance(tower, WindowPass)
         features = getattr(out, hf.FEATURES_FIELD)
         if features.shape[0] == _total_groups(tower):  # every group's row, the removed ones' zero
             rows = torch.cat([start + kept.sort().values for start, kept in zip(tower.image_rows, tower.kept_groups,
@@ -346,3 +340,10 @@ class Qwen2_5_VLAdapter(Qwen2VLAdapter):
             kept = features
         setattr(out, hf.FEATURES_FIELD, torch.split(kept, [len(groups) for groups in tower.kept_groups]))
         return out
+
+
+class Qwen2_5_VLAdapter(Qwen2VLAdapter):
+    """Where the method goes in a Qwen2.5-VL model: Qwen2-VL's adapter and parts, on the tower's window order."""
+
+    family_title = "Qwen2.5-VL"
+    order_strategy = WindowOrder  # FiCoCo-V, ToMe and the cuts run Qwen2-VL's passes on the window order

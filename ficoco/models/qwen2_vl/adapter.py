@@ -1,0 +1,187 @@
+"""The Qwen2-VL adapter: where the method goes in `Qwen2VLForConditionalGeneration`, composed of its
+parts (ficoco.models.qwen2_vl: the tower's order, the tower blocks, the cuts, the prompt shortening).
+The adapter finds the model's modules, picks the part a method's hook point needs, and answers the
+entry wrapper's hooks (ficoco.models.entry); FiCoCo-L and the other methods in the decoder are the base
+adapter's (`FamilyAdapter`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from ficoco.errors import FicocoError
+from ficoco.methods.contract import GroupsModule, TowerModule
+from ficoco.models import hf_compat as hf
+from ficoco.models.base import FamilyAdapter
+from ficoco.models.entry import follow_shortened_prompt
+from ficoco.models.patching import Patches
+from ficoco.models.qwen2_vl.cut import TowerCuts
+from ficoco.models.qwen2_vl.order import GridOrder
+from ficoco.models.qwen2_vl.prompt import PromptShortener
+from ficoco.models.qwen2_vl.tower_pass import TowerBlocks, TowerPass
+
+if TYPE_CHECKING:
+    from ficoco.models.entry import Entry
+    from ficoco.models.handle import Handle
+
+
+class Qwen2VLAdapter(FamilyAdapter):
+    """Where the method goes in a Qwen2-VL model; FiCoCo-L is the base adapter's, FiCoCo-V this class's."""
+
+    # Videos start a new visual forward as well (FiCoCo-L leaves them unreduced).
+    pixel_inputs = ("pixel_values", "pixel_values_videos")
+    # PDrop's and SparseVLM's compaction renumbers 1-D positions; Qwen2-VL's rotary table is 3-D
+    # (an image's tokens share their row/column positions and the text after it starts past the
+    # grid, not past the token count), so a renumbered arange would throw the image grid away and
+    # disagree with the decode steps' positions (cache length + rope_deltas). The kept tokens keep
+    # their 3-D positions instead, as FastV's and DART's do; an added (recycled) token takes its
+    # image span's last placeholder's.
+    compacts_positions = False
+    # True under a method that cuts a video's temporal slices together after the merger (HoliTom): the
+    # tower takes videos, the entry shortens video spans, and the LLM-side steps see video placeholders.
+    video_cut = False
+    family_title = "Qwen2-VL"  # in the one-line refusals
+    # The tower's token order (the window strategy): Qwen2-VL's grid order; Qwen2.5-VL names its window order,
+    # and every part below runs on whichever the family names.
+    order_strategy: type[GridOrder] = GridOrder
+
+    def __init__(self, model: nn.Module) -> None:
+        # The base adapter's attributes (the L code reads them), found where Qwen2-VL keeps them.
+        self.model = model
+        self.visual = hf.qwen2_vl_tower(model)
+        self.vision_layers = hf.qwen2_vl_blocks(self.visual)
+        self.decoder_layers = hf.decoder_layers(model)
+        config = model.config
+        self.image_token_id = config.image_token_id
+        self.video_token_id = getattr(config, "video_token_id", None)
+        self.merge_size = config.vision_config.spatial_merge_size
+        self.merge = self.merge_size**2
+        # The current run of the tower under a method before the LLM (None outside one): the parts share it.
+        self.tower_pass: TowerPass | None = None
+        self.removed_per_image = 0  # FiCoCo-V: merge groups (placeholders) every image loses
+        # FiCoCo-V: the rope_deltas of the prefill that filled each cache, for the next turn on it
+        # (the model's own rope_deltas are the last prefill's, of whichever conversation).
+        self.turn_deltas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # The parts the methods before the LLM run on: the tower's order first (the others ask it).
+        self.order = self.order_strategy(self)
+        self.blocks = TowerBlocks(self)
+        self.cuts = TowerCuts(self)
+        self.prompt = PromptShortener(self)
+
+    def stage_modules(self) -> dict[str, nn.Module]:
+        """The accountant's stages; the projector (PatchMerger) sits inside the vision tower."""
+        model = self.model
+        return {"vision": self.visual, "projector": hf.qwen2_vl_merger(self.visual), "llm": hf.language_model(model),
+                "lm_head": hf.lm_head(model)}
+
+    def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """The packed tower's hook points (cu_seqlens: every image one segment), on whole merge groups:
+        inside a tower layer for a method whose module offers ``reduce_groups`` (FiCoCo-V); a cut at the
+        tower's output (before the PatchMerger: VisionZip) or after it (FasterVLM) for one whose module
+        offers ``tower_step``, scored by the equivalent token in place of [CLS]; a video method's cut on the
+        merger's output of a video's temporal slices together (HoliTom, ``patch_video_cut``). Others: one line,
+        in the family's name."""
+        try:
+            self._install_tower(handle, patches, spec, schedule)
+        except FicocoError as exc:
+            if self.family_title == "Qwen2-VL":
+                raise
+            raise FicocoError(str(exc).replace("Qwen2-VL", self.family_title)) from None
+
+    def _install_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        if spec.pooled_grid:  # a cut of a video's frames together (HoliTom)
+            self.cuts.patch_video_cut(handle, patches, spec, schedule)
+            return
+        if spec.placement == "after_projector" and not spec.probes.reads_tower:
+            # A cut on the merger's output that reads nothing of the tower (DivPrune, CDPruner).
+            self.cuts.patch_projector_cut(handle, patches, spec, schedule)
+            return
+        module = spec.load()
+        if spec.placement == "in_layer" and isinstance(module, GroupsModule):
+            self.blocks.patch_vision(handle, patches, schedule.removed_at(), module.reduce_groups)
+            return
+        if spec.placement in ("tower_output", "after_projector") and isinstance(module, TowerModule):
+            self.cuts.patch_cut(handle, patches, spec, schedule)
+            return
+        if spec.placement == "in_layer" and isinstance(module, TowerModule):
+            self.blocks.patch_merges(handle, patches, spec, schedule)
+            return
+        raise FicocoError(f"variant={spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
+                          "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
+                          "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
+
+    def language_tokens(self, input_ids: Tensor) -> Tensor:
+        """(B, T) bool: the placeholders an LLM-side step reduces: the images', and under a video method
+        (HoliTom's inner merge) the videos' as well."""
+        tokens = super().language_tokens(input_ids)
+        if self.video_cut and self.video_token_id is not None:
+            tokens = tokens | (input_ids == self.video_token_id)
+        return tokens
+
+    def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
+        """The (reduced) tower's output, every item's kept groups in grid order, split per item (transformers'
+        `get_image_features` splits by the unreduced counts); the tower's order reads it (`GridOrder.encode`)."""
+        return self.order.encode(pixel_values, image_grid_thw, **kwargs)
+
+    def kept_token_index(self, input_ids: Tensor, keep: int) -> Tensor | None:
+        """Not LLaVA's first-`keep` rule: Qwen2-VL's spans keep the groups the tower kept
+        (`PromptShortener.shorten_prompt`), which also fixes the kept tokens' 3-D positions."""
+        raise FicocoError("Qwen2-VL image spans are shortened by shorten_prompt, from the groups the tower kept")
+
+    # -- the hooks of the one entry wrapper (ficoco.models.entry) ------------------------------
+    # FiCoCo-L and the other methods in the decoder: the base adapter's hooks, with later turns' images encoded
+    # first. A method before the LLM: the images encoded first, then the shortened prompt run with the
+    # kept tokens' original 3-D positions (forward and generate).
+    def enter_forward(self, entry: Entry, call: dict[str, Any]) -> tuple[Tensor | None, bool]:
+        if not entry.shortens:
+            return super().enter_forward(entry, call)
+        handle = entry.handle
+        input_length = call["input_ids"].shape[1] if call.get("input_ids") is not None else 0
+        if call.get("pixel_values") is not None or call.get("pixel_values_videos") is not None:
+            self.prompt.prepare(entry, call, text_row=False)
+            handle.prompt_map = (entry.generating[0], input_length)
+        elif not call.get(hf.ENCODED_FEATURES_KEYWORD):
+            follow_shortened_prompt(handle, call)
+        # Otherwise: text, a decode step, or generate's prefill, whose images generate() encoded.
+        positions = None
+        if call.get(hf.ENCODED_FEATURES_KEYWORD) and entry.generating is not None:
+            positions, entry.generating = entry.generating[0], None
+        ids = call.get("input_ids")
+        if positions is not None and ids is not None and positions.shape[1] > ids.shape[1]:
+            # generate's prefill on a later turn's cache runs the part after what the cache holds.
+            past = int(hf.cache_in(call).get_seq_length())
+            positions = positions[:, past:past + ids.shape[1]]
+        return positions, positions is not None
+
+    def after_forward(self, entry: Entry, call: dict[str, Any], output: Any, positions: Tensor | None) -> None:
+        """A shortened prefill's rope deltas, kept per cache for the next turn on it."""
+        output_cache = hf.output_cache(output)
+        if entry.shortens and positions is not None and output_cache is not None:
+            self.turn_deltas[output_cache] = hf.rope_deltas(self.model)
+
+    def enter_generate(self, entry: Entry, kwargs: dict[str, Any]) -> bool:
+        if not entry.shortens:
+            self.prompt.encode_later_turn_images(kwargs)
+            if kwargs.get(hf.ENCODED_FEATURES_KEYWORD):  # images encoded beforehand: a new visual generation
+                entry.handle.begin_forward()
+            return super().enter_generate(entry, kwargs)
+        if kwargs.get("pixel_values") is None and kwargs.get("pixel_values_videos") is None:
+            return self.prompt.text_turn(entry, kwargs)
+        self.prompt.prepare(entry, kwargs, text_row=True)
+        return True
+
+    def patch_encoders(self, entry: Entry, patches: Patches) -> None:
+        """A method before the LLM: get_image_features called directly (not through forward or generate)
+        splits its output by what the tower kept."""
+        if not entry.shortens:
+            return
+
+        def get_image_features(pixel_values: Tensor, image_grid_thw: Tensor | None = None, **kwargs: Any) -> Any:
+            return_dict = kwargs.pop("return_dict", True)
+            out = self.encode_images(pixel_values, image_grid_thw, **kwargs)
+            return out if return_dict else out.to_tuple()
+
+        patches.set(hf.inner_model(self.model), hf.IMAGE_ENCODER, get_image_features)

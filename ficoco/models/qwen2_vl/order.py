@@ -1,0 +1,118 @@
+"""The packed tower's token order, the window strategy of Qwen2-VL's parts: where the order of the
+tower's tokens matters to a pass (which segments a block runs on, how its attention calls map to
+images, in which order a cut or a merge sees the groups, what the merger and the encoder hand out).
+
+`GridOrder` is Qwen2-VL's: every image's merge groups in grid order, one attention segment per
+image. Qwen2.5-VL's windowed tower derives its `WindowOrder` from it (ficoco.models.qwen2_5_vl) and
+the adapter names the one it runs (`Qwen2VLAdapter.order_strategy`); the passes themselves
+(ficoco.models.qwen2_vl.tower_pass, .cut, .prompt) are the same on both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
+from ficoco.models.patching import Patches
+from ficoco.models.qwen2_vl.tower_pass import TowerPass
+
+if TYPE_CHECKING:
+    from ficoco.models.qwen2_vl.adapter import Qwen2VLAdapter
+
+# ToMe's merge step on the pass's groups: (pass, hidden, keys per image, rotary table, segments) -> hidden.
+MergeStep = Callable[[TowerPass, Tensor, list[Tensor], tuple[Tensor, Tensor], Tensor], Tensor]
+
+
+class GridOrder:
+    """The packed tower's order, as Qwen2-VL runs it: every image's merge groups in grid order, one
+    attention segment (cu_seqlens) per image in every block. The adapter's tower passes (FiCoCo-V's
+    reduction, ToMe's merges, a cut before or after the merger) ask it where the order matters;
+    Qwen2.5-VL's windowed tower gives its own (`ficoco.models.qwen2_5_vl.WindowOrder`)."""
+
+    # Whether a block's query-key pairs depend on what the method removed (windows), so that every
+    # block's are recorded for `flops --verify` (`Handle.vision_attention_pairs`).
+    records_pairs = False
+
+    def __init__(self, adapter: Qwen2VLAdapter) -> None:
+        self.adapter = adapter
+
+    def start_pass(self, grid_thw: Tensor) -> TowerPass:
+        """A new pass of the tower over the items of `grid_thw`: every group of every item present."""
+        adapter = self.adapter
+        grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
+        if not adapter.video_cut and any(t != 1 for t, _, _ in grids):
+            raise FicocoError("FiCoCo-V on Qwen2-VL reduces images (grid_t = 1); videos are not supported, "
+                              "use FiCoCo-L for them")
+        device = grid_thw.device
+        return TowerPass(grids=[(h, w) for _, h, w in grids],
+                         kept_groups=[torch.arange(t * h * w // adapter.merge, device=device) for t, h, w in grids],
+                         merge=adapter.merge, frames=[t for t, _, _ in grids])
+
+    def segments(self, tower: TowerPass | None, idx: int, cu_seqlens: Tensor, position_embeddings: Any,
+                 kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+        """The segments and the rotary table block `idx` runs on once an earlier block reduced: the pass's,
+        not the unreduced ones transformers hands it; `max_seqlen` in `kwargs` follows."""
+        if tower is not None and tower.cu_seqlens is not None:  # an earlier block reduced
+            cu_seqlens, position_embeddings = tower.cu_seqlens, tower.position_embeddings
+            if "max_seqlen" in kwargs:
+                kwargs["max_seqlen"] = tower.max_seqlen
+        return cu_seqlens, position_embeddings
+
+    def image_chunks(self, tower: TowerPass, idx: int, chunks: list[tuple[Tensor, Any]]
+                     ) -> list[tuple[Tensor, Any]]:
+        """Block `idx`'s probed (attention, keys), one per image (here: one call per image already)."""
+        return chunks
+
+    def after_reduce(self, tower: TowerPass, cu_seqlens: Tensor) -> None:
+        """The pass's bookkeeping after a reducing block (nothing beyond the images' segments here)."""
+
+    def call_bias(self, tower: TowerPass, idx: int) -> list[Tensor | None]:
+        """Proportional attention's log(size) per attention call of block `idx` (one call per image)."""
+        return list(tower.bias)
+
+    def block_keys(self, tower: TowerPass, idx: int, keys: list[Tensor]) -> list[Tensor]:
+        """Block `idx`'s keys from its attention calls, one (1, H, T, d) per image."""
+        return keys
+
+    def merge(self, step: MergeStep, tower: TowerPass, hidden: Tensor, keys: list[Tensor],
+              position_embeddings: tuple[Tensor, Tensor], cu_seqlens: Tensor) -> Tensor:
+        """ToMe's merge `step` (`TowerBlocks._merge`) on every image's groups, here in grid order already."""
+        return step(tower, hidden, keys, position_embeddings, cu_seqlens)
+
+    def patch_merger(self, patches: Patches) -> None:
+        """The merger's output after a reduced pass: in grid order already, nothing to put back."""
+
+    def image_keys(self, chunks: list[tuple[Tensor, Tensor]], tower: TowerPass) -> list[Tensor]:
+        """The last block's keys from its attention calls, one (1, H, T, d) per image in the tower's
+        token order (the packed tower runs one segment per image)."""
+        keys = [key for _, key in chunks]
+        if len(keys) != len(tower.grids):
+            raise RuntimeError(f"the last vision block ran {len(keys)} segments for {len(tower.grids)} images")
+        return keys
+
+    def cut_input(self, tower: TowerPass, units: Tensor, keys: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """The units (groups of all images) and the last block's keys per image, in the grid order a cut at the
+        tower's output or after the merger reads (it keeps groups by their grid indices): here as they are."""
+        return units, keys
+
+    def video_grid_order(self, scores: Tensor, video: int) -> Tensor:
+        """Per-slice group scores ``(t, groups)`` of video `video` in grid order (the tower's order here)."""
+        return scores
+
+    def encode(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
+        """The (reduced) tower's output, merged features split per image by the groups it kept
+        (transformers' `get_image_features` splits by the unreduced counts)."""
+        adapter = self.adapter
+        visual = adapter.visual
+        out = visual(pixel_values.type(visual.dtype), grid_thw=image_grid_thw, **kwargs)
+        tower = adapter.tower_pass
+        if tower is None:
+            raise RuntimeError("the Qwen2-VL vision tower ran without FiCoCo-V's bookkeeping")
+        features = getattr(out, hf.FEATURES_FIELD)
+        setattr(out, hf.FEATURES_FIELD, torch.split(features, [len(groups) for groups in tower.kept_groups]))
+        return out
