@@ -281,3 +281,15 @@ def test_the_family_table_gives_the_profile_defaults_and_the_layout_options():
     qwen = load_profile("qwen2-vl-tiny")
     set_layout(qwen, image_size=(224, 224), frames=4)  # a video of frames of that size
     assert qwen.defaults["image_size"] == [224, 224] and qwen.defaults["frames"] == 4
+
+
+def test_every_family_the_accountant_knows_has_an_adapter_with_the_same_prompt_prefix():
+    """The accountant's text after the visual span (text tokens - prefix) is what the adapters' synthetic
+    inputs put there: one prefix count per family, in its shape module and its adapter alike."""
+    from ficoco.accounting.families import FAMILIES as SHAPES
+    from ficoco.models import FAMILIES as ADAPTERS
+    from ficoco.models import family_module
+
+    assert set(SHAPES) == set(ADAPTERS)
+    for name, family in SHAPES.items():
+        assert family.prefix_tokens == family_module(name).PREFIX_TOKENS, name

@@ -110,7 +110,7 @@ def vision_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: i
     yield _linear(s, layer, "o_proj", b, n_in, h, h)
     yield _elementwise(s, layer, "attn_add", b * h * n_in, b * h * n_in, b * h * n_in)
     yield _elementwise(s, layer, "norm2", 7 * b * h * n_out, b * h * n_out, b * h * n_out)
-    if v.kind == "qwen2_5_vl":
+    if v.gated_mlp:  # SwiGLU (Qwen2.5-VL's tower)
         yield _linear(s, layer, "gate_proj", b, n_out, h, v.ffn)
         yield _linear(s, layer, "up_proj", b, n_out, h, v.ffn)
         yield _elementwise(s, layer, "mlp_act", 2 * b * v.ffn * n_out, 2 * b * v.ffn * n_out, b * v.ffn * n_out)

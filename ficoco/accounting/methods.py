@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ficoco.accounting.architecture import Architecture
+from ficoco.accounting.families import FAMILIES
 from ficoco.accounting.schedule import BudgetError, PlanRequest, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods.base import Dims, MethodSpec, Step, StepContext
@@ -24,11 +25,6 @@ from ficoco.methods.registry import method
 EQUIVALENT_SCORE = "equivalent token (no [CLS])"
 # Steps at one layer run in this order (a vision layer's own merge, then the cuts after the tower).
 PLACEMENT_ORDER = ("layer_input", "in_layer", "tower_output", "after_projector")
-# Text tokens before the visual span in the families' templates ("USER: <image>\n..."; Qwen2-VL's
-# "<|im_start|>user\n<|vision_start|>"), the same the model adapters' synthetic inputs use.
-PREFIX_TOKENS = {"llava": 5, "llava_next": 5, "video_llava": 5, "qwen2_vl": 4}
-PREFIX_TOKENS["qwen2_5_vl"] = 4  # Qwen2-VL's chat template
-PREFIX_TOKENS["llava_onevision"] = 3  # "<|im_start|>user\n<image>"
 
 
 def _hashable(value: Any) -> Any:
@@ -42,7 +38,7 @@ def dims(arch: Architecture) -> Dims:
 
 def suffix_tokens(arch: Architecture, text_tokens: int) -> int:
     """Text tokens after the visual span: the prompt's text minus the template's prefix."""
-    return max(0, text_tokens - PREFIX_TOKENS.get(arch.family, 0))
+    return max(0, text_tokens - FAMILIES[arch.family].prefix_tokens)
 
 
 def vision_dims(arch: Architecture) -> Dims:
@@ -78,7 +74,7 @@ def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
                           "an image is one frame: give frames=N (a video), or a method that reduces images")
     # Qwen2-VL (issue 25): HoliTom cuts a video's temporal slices together (the other methods on its video
     # layout: accounting.resolve_schedule refuses them).
-    if spec.pooled_grid and arch.family in ("qwen2_vl", "qwen2_5_vl") and arch.video_frames is None:
+    if spec.pooled_grid and FAMILIES[arch.family].video_slices and arch.video_frames is None:
         raise FicocoError(f"{spec.title} on {arch.name}: a video method (it merges a video's frames together); "
                           "an image is one frame: give frames=N (a video), or a method that reduces images")
     if spec.per_item and arch.resampled and pooled_units(arch, spec) is None:

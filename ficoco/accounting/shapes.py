@@ -224,11 +224,17 @@ class Family:
     name: str
     defaults: dict[str, Any]
     shape: Callable[[dict[str, Any], Layout], Architecture]
+    # Text tokens before the visual span in the family's template ("USER: <image>\n..." is 5), the same
+    # the model adapters' synthetic inputs use: the prompt's text after the visual span is the rest.
+    prefix_tokens: int
     takes_image_size: bool = False
     takes_frames: bool = False
     # The input is an image or a video, not both (frames= makes it a video of frames at the tower's own
     # size); else frames= and image_size= together give a video of frames of that size.
     image_or_video: bool = False
+    # A video reaches the LLM as temporal slices of merge groups (Qwen2-VL): a video method merges those
+    # slices, and an image is a single slice it cannot run on.
+    video_slices: bool = False
     # The profile defaults, with the family named first (as a profile's ficoco section has it).
     profile_defaults: dict[str, Any] = field(init=False)
 

@@ -46,4 +46,4 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
     )
 
 
-FAMILY = Family(name="llava", defaults={"text_tokens": 60}, shape=shape)
+FAMILY = Family(name="llava", defaults={"text_tokens": 60}, shape=shape, prefix_tokens=5)

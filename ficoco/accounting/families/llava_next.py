@@ -76,5 +76,5 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
     )
 
 
-FAMILY = Family(name="llava_next", defaults={"text_tokens": 60, "image_size": [672, 672]}, shape=shape,
+FAMILY = Family(name="llava_next", defaults={"text_tokens": 60, "image_size": [672, 672]}, shape=shape, prefix_tokens=5,
                 takes_image_size=True)

@@ -149,4 +149,4 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
 
 # An image by default (a 768 px square: the 2 x 2 AnyRes grid); frames= makes the input a video instead.
 FAMILY = Family(name="llava_onevision", defaults={"text_tokens": 60, "image_size": [768, 768]}, shape=shape,
-                takes_image_size=True, takes_frames=True, image_or_video=True)
+                prefix_tokens=3, takes_image_size=True, takes_frames=True, image_or_video=True)

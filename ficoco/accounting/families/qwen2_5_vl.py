@@ -73,4 +73,4 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
 
 
 FAMILY = Family(name="qwen2_5_vl", defaults={"text_tokens": 60, "image_size": list(DEFAULT_IMAGE)}, shape=shape,
-                takes_image_size=True, takes_frames=True)
+                prefix_tokens=4, video_slices=True, takes_image_size=True, takes_frames=True)

@@ -35,4 +35,5 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
     )
 
 
-FAMILY = Family(name="video_llava", defaults={"text_tokens": 60, "frames": 8}, shape=shape, takes_frames=True)
+FAMILY = Family(name="video_llava", defaults={"text_tokens": 60, "frames": 8}, shape=shape, prefix_tokens=5,
+                takes_frames=True)
