@@ -127,10 +127,8 @@ def plan_request(request: ScheduleRequest, opts: CountOptions, cost: Any,
                  hyperparameters: Mapping[str, Any] | None = None) -> PlanRequest:
     """What a method's planner reads (`PlanRequest`): the request, the caller's hyperparameters and
     how a `tflops` budget is counted (`cost`: a schedule -> tera-units under `opts`)."""
-    return PlanRequest(keep=request.keep, preset=request.preset, tflops=request.tflops, schedule=request.schedule,
-                       shape=request.shape, first_layer=request.first_layer,
-                       hyperparameters=dict(hyperparameters or {}), cost=cost, label=_budget_label(opts),
-                       equivalent=opts.equivalent, scope=opts.scope)
+    return PlanRequest(**request.fields(), hyperparameters=dict(hyperparameters or {}), cost=cost,
+                       label=_budget_label(opts), equivalent=opts.equivalent, scope=opts.scope)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,10 @@ class ScheduleRequest:
         tokens that stay: keep N)."""
         return self if self.preset is None else replace(self, keep=self.preset, preset=None)
 
+    def fields(self) -> dict[str, Any]:
+        """The request's own fields as keywords (a record that extends it is made from them)."""
+        return {name: getattr(self, name) for name in ("keep", "preset", "tflops", "schedule", "shape", "first_layer")}
+
     def to_json(self) -> dict[str, Any]:
         """The request as a report's config holds it (a mapping schedule as "LAYER:REMOVED,...")."""
         schedule = self.schedule

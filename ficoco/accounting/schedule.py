@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ficoco.accounting.architecture import Architecture
+from ficoco.accounting.request import ScheduleRequest
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.registry import METHODS, VARIANTS
@@ -422,26 +423,17 @@ def _budget_miss(arch: Architecture, variant: str, budget: float, cheapest: floa
 
 
 @dataclass(frozen=True)
-class PlanRequest:
-    """What a run asks a method's planner for (ficoco.accounting.planners.plan): at most one of `keep`,
-    `preset`, `tflops` and `schedule` (none: the method's official default setting, where it has one).
+class PlanRequest(ScheduleRequest):
+    """What a run asks a method's planner for (ficoco.accounting.planners.plan): the caller's
+    `ScheduleRequest` (at most one of keep / preset / tflops / schedule, with shape and first layer;
+    none: the method's official default setting, where it has one) and how to read it.
 
-    Attributes:
-        keep: visual tokens to keep, in the method's `--keep` meaning.
-        preset: the literature's "N tokens" row (the same as `keep` N).
-        tflops: a budget in `cost`'s unit; `cost` maps a schedule to it and `label` names the unit.
-        schedule: explicit removals, ``"LAYER:REMOVED,..."`` or {layer: removed}.
-        shape, first_layer: a per-layer planner's uniform/oneshot shape and first reducing layer.
+    Attributes beside the request's own:
         hyperparameters: the caller's hyperparameters (checked against the entry's).
+        cost: a schedule -> its cost in the budget's unit; `label` names the unit.
         equivalent, scope: how `cost` counts (a budget miss says whether --equivalent would help).
     """
 
-    keep: int | None = None
-    preset: int | None = None
-    tflops: float | None = None
-    schedule: str | Mapping[int, int] | None = None
-    shape: str | None = None
-    first_layer: int | None = None
     hyperparameters: Mapping[str, Any] = field(default_factory=dict)
     cost: Callable[[Schedule], float] | None = None
     label: str = ""
