@@ -293,3 +293,20 @@ def test_every_family_the_accountant_knows_has_an_adapter_with_the_same_prompt_p
     assert set(SHAPES) == set(ADAPTERS)
     for name, family in SHAPES.items():
         assert family.prefix_tokens == family_module(name).PREFIX_TOKENS, name
+
+
+def test_every_family_module_says_how_its_prompts_are_laid_out_and_the_prompt_module_names_none():
+    import ast
+    from pathlib import Path
+
+    from ficoco.models import FAMILIES, family_module
+    from ficoco.models.prompt import PromptFormat
+
+    for name in FAMILIES:
+        form = family_module(name).PROMPT
+        assert isinstance(form, PromptFormat) and form.media and set(form.media) <= {"image", "video"}, name
+        assert "{question}" in form.template, name
+    source = Path(__file__).resolve().parents[1] / "ficoco" / "models" / "prompt.py"
+    strings = {node.value for node in ast.walk(ast.parse(source.read_text()))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert not strings & set(FAMILIES), "a family's prompt rule belongs in its module's PROMPT"

@@ -18,6 +18,7 @@ from ficoco.models import hf_compat as hf
 from ficoco.models.base import FamilyAdapter
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
 from ficoco.models.patching import Patches
+from ficoco.models.prompt import PromptFormat
 
 if TYPE_CHECKING:
     from ficoco.models.handle import Handle
@@ -94,3 +95,7 @@ class LlavaAdapter(FamilyAdapter):
                               "vision_feature_layer ([CLS] dropped before the projector)")
         TowerPatch(self, handle, spec, schedule).install(patches)
 
+
+
+# The whole processor lays a LLaVA-1.5 prompt out (transformers builds it without torchvision).
+PROMPT = PromptFormat()

@@ -38,6 +38,7 @@ from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import PREFIX_TOKENS, place_inputs
 from ficoco.models.llava import LlavaAdapter
 from ficoco.models.patching import LanguageState, Patches, span_lengths
+from ficoco.models.prompt import PromptFormat, anyres_image_size
 
 if TYPE_CHECKING:
     from ficoco.models.handle import Handle
@@ -460,3 +461,7 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
                          generator=generator)
     return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
                         image_sizes=torch.tensor([[height, width]] * batch, dtype=torch.long))
+
+
+# AnyRes: the accountant plans with the image's own size, as the processor records it.
+PROMPT = PromptFormat(image_size=anyres_image_size)

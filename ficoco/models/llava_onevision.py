@@ -38,6 +38,7 @@ from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava_next import ImageLayout, LlavaNextAdapter, _unpadded_window
 from ficoco.models.patching import Patches, span_lengths
+from ficoco.models.prompt import PromptFormat, anyres_image_size
 
 if TYPE_CHECKING:
     from ficoco.models.handle import Handle
@@ -429,3 +430,50 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
                          generator=generator)
     return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
                         image_sizes=torch.tensor([[height, width]] * batch, dtype=torch.long))
+
+
+ONEVISION_TEMPLATE = "<|im_start|>user\n<{media}>\n{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _video_pieces(processor: Any, text: str, pictures: list[Any], placeholder: str,
+                     vision: dict[str, Any]) -> dict[str, Tensor]:
+    """A LLaVA-OneVision video as its video processor lays it out (which transformers builds only with
+    torchvision): every frame resized to the tower's square (bicubic), rescaled and normalised with the
+    checkpoint's image mean and std (one SigLIP normalisation for images and videos); the
+    placeholders frames x ceil(side / 2)^2 + 1 (the 2x2 pooling and the newline)."""
+    import numpy as np
+    from PIL import Image
+
+    size = int(vision.get("image_size", 384))
+    side = size // int(vision.get("patch_size", 14))
+    mean = tuple(getattr(processor.image_processor, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073))
+    std = tuple(getattr(processor.image_processor, "image_std", None) or (0.26862954, 0.26130258, 0.27577711))
+    frames = []
+    for picture in pictures:
+        array = np.asarray(picture.resize((size, size), Image.BICUBIC), dtype=np.float32) / 255.0
+        frames.append(torch.from_numpy((array - np.asarray(mean, np.float32)) / np.asarray(std, np.float32))
+                      .permute(2, 0, 1))
+    count = len(frames) * (-(-side // 2)) ** 2 + 1
+    ids = processor.tokenizer([text.replace(placeholder, placeholder * count)], return_tensors="pt")
+    return {**ids, "pixel_values_videos": torch.stack(frames)[None]}
+
+
+def encode_pieces(processor: Any, media: str, text: str, pictures: list[Any], placeholder: str,
+                  config: dict[str, Any]) -> dict[str, Tensor]:
+    """A prompt from the processor's pieces: transformers builds LlavaOnevisionProcessor only with its
+    video processor (torchvision). An image: the image processor's crops and sizes, and the placeholder
+    count by the processor's own rule; a video: `_video_pieces`."""
+    vision = config.get("vision_config") or {}
+    if media == "video":
+        return _video_pieces(processor, text, pictures, placeholder, vision)
+    from ficoco.accounting.families.llava_onevision import onevision_image_tokens
+
+    pixels = processor.image_processor(images=pictures, return_tensors="pt")
+    sizes = pixels["image_sizes"]
+    count = onevision_image_tokens(config, (int(sizes[0][0]), int(sizes[0][1])))
+    ids = processor.tokenizer([text.replace(placeholder, placeholder * count)], return_tensors="pt")
+    return {**ids, "pixel_values": pixels["pixel_values"], "image_sizes": sizes}
+
+
+PROMPT = PromptFormat(media=("image", "video"), template=ONEVISION_TEMPLATE, encode_pieces=encode_pieces,
+                      image_size=anyres_image_size)

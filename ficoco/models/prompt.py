@@ -8,7 +8,9 @@ It returns one prompt's encoding with the layout the accountant must plan for: t
 tokens the processor laid out, the text tokens around them, the image size (AnyRes and Qwen2-VL
 follow it) or the frames of the video.
 
-Where transformers can build the checkpoint's processor (`AutoProcessor`), the processor lays
+How a family lays a prompt out is its module's `PROMPT` (a `PromptFormat`: the media it takes, its
+documented template, its pieces' encoding, where its image size comes from), so this module names
+no family. Where transformers can build the checkpoint's processor (`AutoProcessor`), the processor lays
 out the prompt. Qwen2-VL's and Video-LLaVA's processors also hold a video processor, which
 transformers 5 builds only with torchvision; without it their pieces are used: the tokenizer,
 the image processor and the chat template from the checkpoint, and the processor's own rule
@@ -19,6 +21,7 @@ frames x (patches + [CLS])), which is what the model checks its features against
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.models import family_module
 from ficoco.models import hf_compat as hf
 
 DEFAULT_QUESTION = {"video": "Describe the video.", "image": "Describe the image."}
@@ -191,14 +195,40 @@ def load_processor(folder: str) -> _Processor:
     return _Processor(tokenizer, image_processor, _chat_template(Path(folder), tokenizer))
 
 
-def _fallback_text(family: str, media: str, question: str) -> str:
-    """The family's documented prompt format, for a checkpoint without a chat template."""
-    if family in ("qwen2_vl", "qwen2_5_vl"):
-        return (f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
-                "<|im_start|>assistant\n")
-    if family == "llava_onevision":
-        return f"<|im_start|>user\n<{media}>\n{question}<|im_end|>\n<|im_start|>assistant\n"
-    return f"USER: <{media}>\n{question} ASSISTANT:"
+# The documented prompt of the LLaVA families, for a checkpoint without a chat template.
+LLAVA_TEMPLATE = "USER: <{media}>\n{question} ASSISTANT:"
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a family's checkpoints lay out one prompt; each family module holds its own (`PROMPT`), so this
+    module names no family.
+
+    Attributes:
+        media: what a prompt of the family holds, the default first ("image"; Video-LLaVA "video";
+            LLaVA-OneVision either, a video when one is given).
+        template: the family's documented prompt, for a checkpoint without a chat template
+            (``{media}`` and ``{question}`` filled in).
+        encode_pieces: the encoding from the processor's pieces where transformers cannot build the
+            whole processor (it needs torchvision): ``(processor, media, text, pictures, placeholder,
+            config) -> encoded``, with the processor's own placeholder rule; None: the whole processor
+            or nothing.
+        image_size: for an image, the (H, W) the accountant plans with, read from the encoding, and a
+            note where the processor resized: ``(encoded, config, picture, visual_tokens) -> (size,
+            note or None)``; None where the count does not follow the image's size.
+    """
+
+    media: tuple[str, ...] = ("image",)
+    template: str = LLAVA_TEMPLATE
+    encode_pieces: Callable[..., dict[str, Tensor]] | None = None
+    image_size: Callable[..., tuple[tuple[int, int], str | None]] | None = None
+
+
+def anyres_image_size(encoded: dict[str, Tensor], config: dict[str, Any], picture: Any,
+                      visual_tokens: int) -> tuple[tuple[int, int], str | None]:
+    """The image's own size as the AnyRes processor records it (LLaVA-NeXT, LLaVA-OneVision)."""
+    height, width = (int(v) for v in encoded["image_sizes"][0].tolist())
+    return (height, width), None
 
 
 def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = None, video: str | None = None,
@@ -207,9 +237,8 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
     checkpoint in `folder`; `config` is the checkpoint's config dict. No model is built: every
     error is one FicocoError line."""
     family = config.get("model_type", "")
-    media = "video" if family == "video_llava" else "image"
-    if family == "llava_onevision" and video is not None:  # OneVision takes images and videos
-        media = "video"
+    form: PromptFormat = family_module(family).PROMPT
+    media = "video" if video is not None and "video" in form.media else form.media[0]
     given = video if media == "video" else image
     if media == "video" and image is not None:
         raise FicocoError("image=: Video-LLaVA runs are planned for a video; give video= (a video file or a "
@@ -247,36 +276,27 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
             raise FicocoError(f"weights={folder}: its chat template fails on this prompt ({_first_line(exc)})") \
                 from None
     else:
-        text = _fallback_text(family, media, question) if placeholder not in question else question
+        text = form.template.format(media=media, question=question) if placeholder not in question else question
         notes.append(f"note: {folder} has no chat template; the prompt follows the {family} format: {text!r}")
     count = text.count(placeholder)
     if count != 1:
         raise FicocoError(f"prompt= holds {count} {placeholder} placeholders but one {media} is given "
                           f"(--{media}); use at most one {placeholder} in the prompt")
-    encoded = _encode(processor, family, media, text, pictures, placeholder, config, given)
+    encoded = _encode(processor, form, family, media, text, pictures, placeholder, config, given)
     ids = encoded["input_ids"]
     visual = int((ids == placeholder_id).sum())
     image_size: tuple[int, int] | None = None
-    if family in ("llava_next", "llava_onevision") and media == "image":
-        height, width = (int(v) for v in encoded["image_sizes"][0].tolist())
-        image_size = (height, width)
-    elif family in ("qwen2_vl", "qwen2_5_vl"):
-        # The size the processor resized to: the accountant's own resize keeps it, whatever
-        # min_pixels and max_pixels the checkpoint's processor uses.
-        patch = int((config.get("vision_config") or {}).get("patch_size", 14))
-        _, rows, cols = (int(v) for v in encoded["image_grid_thw"][0].tolist())
-        image_size = (rows * patch, cols * patch)
-        if image_size != (pictures[0].height, pictures[0].width):
-            notes.append(f"note: the processor resized the {pictures[0].width}x{pictures[0].height} image to "
-                         f"{cols * patch}x{rows * patch} ({visual} visual tokens)")
+    if form.image_size is not None and media == "image":
+        image_size, note = form.image_size(encoded, config, pictures[0], visual)
+        notes.extend([note] if note else [])
     frame_count = int(encoded["pixel_values_videos"].shape[1]) if media == "video" else None
     return PromptInputs(encoded=encoded, family=family, media=media, visual_tokens=visual,
                         text_tokens=int(ids.shape[1]) - visual, image_size=image_size, frames=frame_count,
                         text=text, tokenizer=tokenizer, notes=notes)
 
 
-def _encode(processor: _Processor, family: str, media: str, text: str, pictures: list[Any], placeholder: str,
-            config: dict[str, Any], given: str) -> dict[str, Tensor]:
+def _encode(processor: _Processor, form: PromptFormat, family: str, media: str, text: str, pictures: list[Any],
+            placeholder: str, config: dict[str, Any], given: str) -> dict[str, Tensor]:
     """The processor's encoding of `text` with `pictures`: the whole processor where transformers
     built it, else the pieces with the processor's placeholder rule."""
     try:
@@ -284,8 +304,11 @@ def _encode(processor: _Processor, family: str, media: str, text: str, pictures:
             key = "videos" if media == "video" else "images"
             encoded = dict(processor.whole(text=[text], **{key: [pictures] if media == "video" else pictures},
                                            return_tensors="pt"))
+        elif form.encode_pieces is not None:
+            encoded = form.encode_pieces(processor, media, text, pictures, placeholder, config)
         else:
-            encoded = _encode_pieces(processor, family, media, text, pictures, placeholder, config)
+            raise FicocoError(f"the checkpoint's {family} processor could not be built by transformers here; "
+                              "check its processor files")
     except FicocoError:
         raise
     except Exception as exc:  # noqa: BLE001 - processors raise ValueError, TypeError, ...
@@ -293,65 +316,3 @@ def _encode(processor: _Processor, family: str, media: str, text: str, pictures:
     if "input_ids" not in encoded:
         raise FicocoError(f"--{media} {given}: the checkpoint's processor returned no input_ids")
     return {name: value for name, value in encoded.items() if isinstance(value, Tensor)}
-
-
-def _onevision_video(processor: _Processor, text: str, pictures: list[Any], placeholder: str,
-                     vision: dict[str, Any]) -> dict[str, Tensor]:
-    """A LLaVA-OneVision video as its video processor lays it out (which transformers builds only with
-    torchvision): every frame resized to the tower's square (bicubic), rescaled and normalised with the
-    checkpoint's image mean and std (one SigLIP normalisation for images and videos); the
-    placeholders frames x ceil(side / 2)^2 + 1 (the 2x2 pooling and the newline)."""
-    import numpy as np
-    from PIL import Image
-
-    size = int(vision.get("image_size", 384))
-    side = size // int(vision.get("patch_size", 14))
-    mean = tuple(getattr(processor.image_processor, "image_mean", None) or (0.48145466, 0.4578275, 0.40821073))
-    std = tuple(getattr(processor.image_processor, "image_std", None) or (0.26862954, 0.26130258, 0.27577711))
-    frames = []
-    for picture in pictures:
-        array = np.asarray(picture.resize((size, size), Image.BICUBIC), dtype=np.float32) / 255.0
-        frames.append(torch.from_numpy((array - np.asarray(mean, np.float32)) / np.asarray(std, np.float32))
-                      .permute(2, 0, 1))
-    count = len(frames) * (-(-side // 2)) ** 2 + 1
-    ids = processor.tokenizer([text.replace(placeholder, placeholder * count)], return_tensors="pt")
-    return {**ids, "pixel_values_videos": torch.stack(frames)[None]}
-
-
-def _encode_pieces(processor: _Processor, family: str, media: str, text: str, pictures: list[Any],
-                   placeholder: str, config: dict[str, Any]) -> dict[str, Tensor]:
-    vision = config.get("vision_config") or {}
-    if family in ("qwen2_vl", "qwen2_5_vl"):
-        pixels = processor.image_processor(images=pictures, return_tensors="pt")
-        grid = pixels["image_grid_thw"]
-        merge = int(getattr(processor.image_processor, "merge_size", vision.get("spatial_merge_size", 2)))
-        count = int(grid[0].prod()) // merge**2
-        ids = processor.tokenizer([text.replace(placeholder, placeholder * count)], return_tensors="pt")
-        image_id = ids["input_ids"].new_tensor(processor.tokenizer.convert_tokens_to_ids(placeholder))
-        # The processor marks image tokens 1 (videos 2, text 0) for the rotary position layout.
-        return {**ids, "pixel_values": pixels["pixel_values"], "image_grid_thw": grid,
-                "mm_token_type_ids": (ids["input_ids"] == image_id).int()}
-    if family == "video_llava":
-        out = processor.image_processor(images=pictures, return_tensors="pt")
-        frames = out.get("pixel_values_images", out.get("pixel_values"))
-        frames = torch.stack(list(frames)) if isinstance(frames, list) else frames
-        patch = int(vision.get("patch_size", 14))
-        # Video-LLaVA keeps each frame's [CLS]: frames x (patches + 1) placeholders.
-        per_frame = (frames.shape[-2] // patch) * (frames.shape[-1] // patch) + 1
-        ids = processor.tokenizer([text.replace(placeholder, placeholder * (per_frame * frames.shape[0]))],
-                                  return_tensors="pt")
-        return {**ids, "pixel_values_videos": frames.unsqueeze(0)}
-    if family == "llava_onevision" and media == "video":
-        return _onevision_video(processor, text, pictures, placeholder, vision)
-    if family == "llava_onevision":
-        # transformers builds LlavaOnevisionProcessor only with its video processor (torchvision): the
-        # image processor's crops and sizes, and the placeholder count by the processor's own rule.
-        from ficoco.accounting.families.llava_onevision import onevision_image_tokens
-
-        pixels = processor.image_processor(images=pictures, return_tensors="pt")
-        sizes = pixels["image_sizes"]
-        count = onevision_image_tokens(config, (int(sizes[0][0]), int(sizes[0][1])))
-        ids = processor.tokenizer([text.replace(placeholder, placeholder * count)], return_tensors="pt")
-        return {**ids, "pixel_values": pixels["pixel_values"], "image_sizes": sizes}
-    raise FicocoError(f"the checkpoint's {family} processor could not be built by transformers here; "
-                      "check its processor files")

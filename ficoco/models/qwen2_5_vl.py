@@ -72,6 +72,7 @@ from ficoco.models.patching import Patches, follow_device, forward_of
 # The prompt layout and the image grid are Qwen2-VL's (the same processor rules): one function each.
 from ficoco.models.qwen2_vl import (
     PREFIX_TOKENS,
+    PROMPT,
     GridOrder,
     Qwen2VLAdapter,
     TowerPass,
@@ -80,7 +81,7 @@ from ficoco.models.qwen2_vl import (
 )
 from ficoco.models.qwen2_vl.order import MergeStep
 
-__all__ = ["PREFIX_TOKENS", "Qwen2_5_VLAdapter", "image_grid", "synthetic_inputs"]
+__all__ = ["PREFIX_TOKENS", "PROMPT", "Qwen2_5_VLAdapter", "image_grid", "synthetic_inputs"]
 
 
 @dataclass

@@ -32,6 +32,7 @@ from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava import LlavaAdapter
 from ficoco.models.patching import Patches
+from ficoco.models.prompt import PromptFormat
 from ficoco.profiles import FAMILY_DEFAULTS
 
 if TYPE_CHECKING:
@@ -137,3 +138,22 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     pixels = torch.randn(batch, frames, vision.num_channels, vision.image_size, vision.image_size,
                          generator=generator)
     return place_inputs(model, input_ids, "pixel_values_videos", pixels, dtype=dtype, device=device)
+
+
+def encode_pieces(processor: Any, media: str, text: str, pictures: list[Any], placeholder: str,
+                  config: dict[str, Any]) -> dict[str, Tensor]:
+    """A video prompt from the processor's pieces (its video processor needs torchvision): every frame
+    through the image processor, frames x (patches + [CLS]) placeholders (Video-LLaVA keeps each frame's
+    [CLS])."""
+    vision = config.get("vision_config") or {}
+    out = processor.image_processor(images=pictures, return_tensors="pt")
+    frames = out.get("pixel_values_images", out.get("pixel_values"))
+    frames = torch.stack(list(frames)) if isinstance(frames, list) else frames
+    patch = int(vision.get("patch_size", 14))
+    per_frame = (frames.shape[-2] // patch) * (frames.shape[-1] // patch) + 1
+    ids = processor.tokenizer([text.replace(placeholder, placeholder * (per_frame * frames.shape[0]))],
+                              return_tensors="pt")
+    return {**ids, "pixel_values_videos": frames.unsqueeze(0)}
+
+
+PROMPT = PromptFormat(media=("video",), encode_pieces=encode_pieces)

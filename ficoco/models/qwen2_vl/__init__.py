@@ -39,9 +39,9 @@ with its window order in place of the grid order:
 """
 
 from ficoco.models.qwen2_vl.adapter import Qwen2VLAdapter
-from ficoco.models.qwen2_vl.inputs import PREFIX_TOKENS, image_grid, synthetic_inputs
+from ficoco.models.qwen2_vl.inputs import PREFIX_TOKENS, PROMPT, image_grid, synthetic_inputs
 from ficoco.models.qwen2_vl.order import GridOrder
 from ficoco.models.qwen2_vl.tower_pass import TowerPass, group_patch_targets, group_patches
 
-__all__ = ["PREFIX_TOKENS", "GridOrder", "Qwen2VLAdapter", "TowerPass", "group_patch_targets", "group_patches",
-           "image_grid", "synthetic_inputs"]
+__all__ = ["PREFIX_TOKENS", "PROMPT", "GridOrder", "Qwen2VLAdapter", "TowerPass", "group_patch_targets",
+           "group_patches", "image_grid", "synthetic_inputs"]

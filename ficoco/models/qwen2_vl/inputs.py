@@ -4,12 +4,14 @@ of an image (`image_grid`) and random-token prompts of one image or one video ea
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.models.inputs import place_inputs
+from ficoco.models.prompt import PromptFormat
 from ficoco.profiles import FAMILY_DEFAULTS
 
 # "<|im_start|> user \n <|vision_start|>" before the image span.
@@ -87,3 +89,40 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device,
                         image_grid_thw=torch.tensor([[1, rows, cols]] * batch),
                         mm_token_type_ids=(input_ids == config.image_token_id).int())
+
+
+QWEN_TEMPLATE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{question}<|im_end|>\n"
+                 "<|im_start|>assistant\n")
+
+
+def encode_pieces(processor: Any, media: str, text: str, pictures: list[Any], placeholder: str,
+                  config: dict[str, Any]) -> dict[str, Tensor]:
+    """A prompt from the processor's pieces (its video processor needs torchvision): the image processor's
+    patches and grid, one placeholder per merge group of `image_grid_thw`."""
+    vision = config.get("vision_config") or {}
+    pixels = processor.image_processor(images=pictures, return_tensors="pt")
+    grid = pixels["image_grid_thw"]
+    merge = int(getattr(processor.image_processor, "merge_size", vision.get("spatial_merge_size", 2)))
+    count = int(grid[0].prod()) // merge**2
+    ids = processor.tokenizer([text.replace(placeholder, placeholder * count)], return_tensors="pt")
+    image_id = ids["input_ids"].new_tensor(processor.tokenizer.convert_tokens_to_ids(placeholder))
+    # The processor marks image tokens 1 (videos 2, text 0) for the rotary position layout.
+    return {**ids, "pixel_values": pixels["pixel_values"], "image_grid_thw": grid,
+            "mm_token_type_ids": (ids["input_ids"] == image_id).int()}
+
+
+def processed_image_size(encoded: dict[str, Tensor], config: dict[str, Any], picture: Any,
+                         visual_tokens: int) -> tuple[tuple[int, int], str | None]:
+    """The size the processor resized to: the accountant's own resize keeps it, whatever min_pixels and
+    max_pixels the checkpoint's processor uses; a note where it differs from the picture's."""
+    patch = int((config.get("vision_config") or {}).get("patch_size", 14))
+    _, rows, cols = (int(v) for v in encoded["image_grid_thw"][0].tolist())
+    size = (rows * patch, cols * patch)
+    note = None
+    if size != (picture.height, picture.width):
+        note = (f"note: the processor resized the {picture.width}x{picture.height} image to "
+                f"{cols * patch}x{rows * patch} ({visual_tokens} visual tokens)")
+    return size, note
+
+
+PROMPT = PromptFormat(template=QWEN_TEMPLATE, encode_pieces=encode_pieces, image_size=processed_image_size)
