@@ -49,6 +49,11 @@ class DtypeChoice:
     upcast: bool = False
     fp32_layers: int = 0
 
+    def upcast_layers(self, decoder_layers: int, quant: str = "fp16") -> int:
+        """The decoder layers whose linear weights are upcast at every forward: with `upcast` and
+        unquantized weights, all but the `fp32_layers` kept in the compute dtype; else none."""
+        return decoder_layers - min(self.fp32_layers, decoder_layers) if self.upcast and quant == "fp16" else 0
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` -> `bfloat16`."""

@@ -197,7 +197,7 @@ def memory_need_bytes(profile: Profile, rows: Sequence[RowShape], dtype: DtypeCh
     compute_bits = _bits(dtype.compute)
     upcast = dtype.upcast and quant == "fp16"
     q = Quant(quant, QUANT_BITS[quant], compute_bits, kv_bits or compute_bits)
-    upcast_layers = arch.decoder.layers - min(dtype.fp32_layers, arch.decoder.layers) if upcast else 0
+    upcast_layers = dtype.upcast_layers(arch.decoder.layers, quant)
     # Unquantized weights are stored in the compute dtype, except an upcast layout's linears.
     weights = weight_bytes(arch, "all", q, element_bytes=compute_bits / 8, upcast_layers=upcast_layers,
                            upcast_element_bytes=_bits(dtype.storage) / 8)

@@ -276,8 +276,7 @@ def estimate_run(config: ProfileConfig, plan: Plan, rates: Rates | None = None) 
     imports_s = 0.0 if "transformers.models.llava.modeling_llava" in sys.modules else IMPORT_S
     for quant in dict.fromkeys(r.quant for r in plan.rows):
         bitsandbytes_s = BITSANDBYTES_IMPORT_S if quant != "fp16" and "bitsandbytes" not in sys.modules else 0.0
-        upcast_layers = arch.decoder.layers - min(choice.fp32_layers, arch.decoder.layers) \
-            if upcast and quant == "fp16" else 0
+        upcast_layers = choice.upcast_layers(arch.decoder.layers, quant) if upcast else 0
         size = build_bytes(arch, quant, compute_bits, storage_bits=storage_bits if upcast else compute_bits,
                            upcast_layers=upcast_layers)
         estimate.build_s[quant] = predict_build_s(size, quant, rates, imports_s=imports_s + bitsandbytes_s)
@@ -300,8 +299,7 @@ def estimate_run(config: ProfileConfig, plan: Plan, rates: Rates | None = None) 
             generation_runs = (min(generation_warmup, 1), generation_repeat)
         probe_s = 0.0
         if not config.device_map:  # a device map's rows are not predicted, so their rates are not probed
-            upcast_layers = arch.decoder.layers - min(choice.fp32_layers, arch.decoder.layers) \
-                if upcast and row.quant == "fp16" else 0
+            upcast_layers = choice.upcast_layers(arch.decoder.layers, row.quant) if upcast else 0
             shapes = rate_probe_shapes(arch, row.schedule, quant=row.quant, batch=row.batch,
                                        text_tokens=config.text_tokens, compute_bits=compute_bits,
                                        upcast_layers=upcast_layers)

@@ -252,8 +252,7 @@ def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardwar
     cost = account(arch, row.schedule, quant, opts, gpu=gpu)
     weights = cost.weight_bytes
     if dtype is not None:
-        upcast = arch.decoder.layers - min(dtype.fp32_layers, arch.decoder.layers) \
-            if dtype.upcast and row.quant == "fp16" else 0
+        upcast = dtype.upcast_layers(arch.decoder.layers, row.quant)
         weights = weight_bytes(arch, "all", quant, element_bytes=compute_bits / 8, upcast_layers=upcast,
                                upcast_element_bytes=torch.finfo(dtype.storage).bits / 8)
     # The cache as transformers stores it (a quantized one with its scales, zero points and

@@ -43,7 +43,7 @@ from ficoco.accounting import CountOptions, Schedule, account, architecture
 from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.flops import Op, model_ops
 from ficoco.accounting.memory import QUANT_BITS, Quant
-from ficoco.accounting.schedule import Removal, plan_tokens
+from ficoco.accounting.schedule import plan_tokens
 from ficoco.machine.compute_rate import small_op_s, synchronize
 
 # bitsandbytes on CPU computes INT8 through float16 and dequantizes NF4 weights on every call: its
@@ -97,6 +97,10 @@ class TableRates:
         return self._nearest(self.attention_by_tokens or self.flops_per_s_by_tokens, tokens)
 
 
+# The rate probe's copies: 64 MiB of bfloat16 for the memory bandwidth, and for an upcast layout's
+# convert rate a 7B MLP weight (4096 x 11008) read in bfloat16 and written in the compute dtype.
+BANDWIDTH_VALUES = 1 << 25
+CONVERT_VALUES = 4096 * 11008
 # Passes of a probe of the rates before a row's runs, and again after them (one more between runs).
 PASSES = 3
 
@@ -172,12 +176,12 @@ class MeasuredRates:
                 calls.append((key, functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v,
                                                      is_causal=causal)))
             elif allocate and kind == "bandwidth":
-                source = torch.ones(1 << 25, dtype=torch.bfloat16, device=self.device)  # 64 MiB
+                source = torch.ones(BANDWIDTH_VALUES, dtype=torch.bfloat16, device=self.device)
                 calls.append((key, functools.partial(torch.empty_like(source).copy_, source)))
             elif allocate and kind == "convert":
                 # The upcast layout's per-forward work: a 7B MLP weight's values written in the compute
                 # dtype from its bfloat16 storage.
-                stored = torch.ones(4096 * 11008, dtype=torch.bfloat16, device=self.device)
+                stored = torch.ones(CONVERT_VALUES, dtype=torch.bfloat16, device=self.device)
                 calls.append((key, functools.partial(torch.empty(stored.shape, dtype=self._torch_dtype,
                                                                  device=self.device).copy_, stored)))
         return calls
@@ -203,9 +207,9 @@ class MeasuredRates:
         """Time every linear (tokens, in, out) and attention (heads, tokens, head width, causal) shape
         not measured yet, with the memory bandwidth (and with `convert`, the upcast layout's convert
         rate): `passes` round-robin passes after an untimed one."""
-        work: dict[Key, float] = {("bandwidth",): 2 * (1 << 25) * 2}  # a copy moves each byte twice
+        work: dict[Key, float] = {("bandwidth",): 2 * BANDWIDTH_VALUES * 2}  # a copy moves each byte twice
         if convert:
-            work[("convert",)] = 4096 * 11008 * self._torch_dtype.itemsize
+            work[("convert",)] = CONVERT_VALUES * self._torch_dtype.itemsize
         for tokens, inner, outer in linear:
             work[("linear", tokens, inner, outer)] = 2 * tokens * inner * outer
         for heads, tokens, head_dim, causal in attention:
@@ -335,8 +339,6 @@ REDUCING_LAYER_OPS = 150.0
 #     A < 4), repeated per query head 4 + 4, read by the product 4.
 # Needs of other kinds (keys, hidden states, input embeddings: DART, ToMe, DivPrune, CDPruner) read
 # tensors the layer made anyway: no probe.
-PROBE_KINDS = ("attention_rows", "query_key")
-ONE_ROW = ("last", "cls")
 ROW_SCORE_BYTES = {"last": 28, "cls": 20, "suffix": 40}
 
 
@@ -375,17 +377,10 @@ class Probe:
         return self.scores * per_score + states * per_state
 
 
-def _probe_layer(need_layer: str, removal: Removal, vision_layers: int) -> int:
-    """The layer a need's probe runs at, for the step of `removal` ("L", "L-1", "vision L", "vision last")."""
-    words = need_layer.split()
-    if words[:1] == ["vision"]:
-        return vision_layers - 1 if words[1:] == ["last"] else removal.layer
-    return removal.layer - 1 if need_layer == "L-1" else removal.layer
-
-
 def method_probes(arch: Architecture, schedule: Schedule, text_tokens: int | None, batch: int) -> list[Probe]:
-    """The attention probes `schedule`'s method runs in one prefill, from its spec's needs: one per
-    layer a need of kind attention_rows or query_key names, at the tokens that layer attends over."""
+    """The attention probes `schedule`'s method runs in one prefill, from its spec's probe plan (the one
+    the adapters read, ficoco.methods.needs): one per layer whose attention rows it reads, at the tokens
+    that layer attends over. Keys, hidden states and input embeddings are tensors the layer made anyway."""
     from ficoco.accounting.methods import suffix_tokens
     from ficoco.methods import METHODS
 
@@ -394,33 +389,42 @@ def method_probes(arch: Architecture, schedule: Schedule, text_tokens: int | Non
         return []
     plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
     suffix = suffix_tokens(arch, plan.text_tokens)
+    v, d = arch.vision, arch.decoder
     probes: dict[tuple[str, int], Probe] = {}
+
+    def add(stage: str, layer: int, rows: int | None, keys: int, whole: bool) -> None:
+        if stage == "vision":
+            sequences, heads, head_dim = batch * plan.vision_items, v.heads, v.hidden // v.heads
+        else:
+            sequences, heads, head_dim = batch, d.heads, d.head_dim
+        probe = Probe(spec.name, stage, layer, keys if rows is None else rows, keys, heads, head_dim, sequences,
+                      whole)
+        # One probe per layer: the adapters probe a layer once for every need read there.
+        if (stage, layer) not in probes or probes[(stage, layer)].rows < probe.rows:
+            probes[(stage, layer)] = probe
+
     for removal in schedule.removals:
+        if removal.stage == "vision":
+            for layer, tower in ((removal.layer, spec.probes.step_tower_layers),
+                                 (v.layers - 1, spec.probes.last_tower_layer)):
+                if tower is None:
+                    continue
+                if tower.probabilities:  # every query over every key: the layer's output comes from them
+                    add("vision", layer, None, plan.vision[layer][0], whole=True)
+                elif tower.cls_query and v.has_cls:  # no [CLS]: the equivalent token scores from the keys
+                    add("vision", layer, 1, plan.vision[layer][0], whole=False)
+            continue
         # A method acting before the LLM with steps inside it (HoliTom) reads there as its inner spec says.
-        acting = spec.inner if removal.stage == "llm" and spec.acts_at != "llm_layer" and spec.inner else spec
-        for need in acting.needs:
-            vision = need.layer.split()[:1] == ["vision"]
-            if need.kind not in PROBE_KINDS or vision != (removal.stage == "vision"):
-                continue
-            if vision and need.rows == "cls" and not arch.vision.has_cls:
-                continue  # no [CLS] row: the equivalent token scores from the keys instead
-            layer = _probe_layer(need.layer, removal, arch.vision.layers)
-            if vision:
-                keys, sequences = plan.vision[layer][0], batch * plan.vision_items
-                heads, head_dim = arch.vision.heads, arch.vision.hidden // arch.vision.heads
-            else:
-                # A step at a layer's input (FastV, PDrop, SparseVLM) sees what the layer before it handed
-                # on; one inside a layer (FiCoCo-L) the layer's entering tokens.
-                keys = plan.llm[layer][0] if removal.where == "in_layer" or need.layer == "L-1" \
-                    else plan.llm[layer - 1][1]
-                sequences, heads, head_dim = batch, arch.decoder.heads, arch.decoder.head_dim
-            whole = need.kind == "attention_rows" and need.rows not in (*ONE_ROW, "suffix")
-            rows = keys if whole else (1 if need.rows in ONE_ROW else min(suffix, keys))
-            stage = "vision" if vision else "llm"
-            probe = Probe(spec.name, stage, layer, rows, keys, heads, head_dim, sequences, whole)
-            # One probe per layer: the adapters probe a layer once for every need read there.
-            if (stage, layer) not in probes or probes[(stage, layer)].rows < rows:
-                probes[(stage, layer)] = probe
+        probes_of = (spec.inner if spec.acts_at != "llm_layer" and spec.inner else spec).probes
+        layer = removal.layer
+        if probes_of.layer_probabilities:  # inside layer L (FiCoCo-L): the tokens entering it
+            add("llm", layer, None, plan.llm[layer][0], whole=True)
+        if probes_of.previous_layer_rows is not None:  # layer L-1's rows (FastV, SparseVLM)
+            keys = plan.llm[layer - 1][0]
+            add("llm", layer - 1, 1 if probes_of.previous_layer_rows == "last" else min(suffix, keys), keys,
+                whole=False)
+        if probes_of.own_query_key_row:  # layer L's own last row, on what layer L-1 handed on (PDrop)
+            add("llm", layer, 1, plan.llm[layer - 1][1], whole=False)
     return list(probes.values())
 
 
@@ -619,8 +623,8 @@ class ProbeShapes:
     def pass_bytes(self, compute_bits: int = 16) -> float:
         """Bytes one pass moves in its copies: 64 MiB read and written, and an upcast layout's 7B MLP
         weight read in bfloat16 and written in the compute dtype."""
-        convert = 4096 * 11008 * (2 + compute_bits / 8) if self.convert else 0.0
-        return 2 * (1 << 25) * 2 + convert
+        convert = CONVERT_VALUES * (2 + compute_bits / 8) if self.convert else 0.0
+        return 2 * BANDWIDTH_VALUES * 2 + convert
 
 
 def rate_probe_shapes(arch: Architecture, schedule: Schedule, *, quant: str = "fp16", batch: int = 1,
@@ -667,9 +671,7 @@ def row_prediction(profile: Any, schedule: Schedule, *, quant: str, batch: int, 
     the row once each besides (`Prediction.passes_s`)."""
     arch = architecture(profile)
     compute = getattr(dtype, "compute", dtype)
-    upcast = 0
-    if getattr(dtype, "upcast", False) and quant == "fp16":
-        upcast = arch.decoder.layers - min(dtype.fp32_layers, arch.decoder.layers)
+    upcast = dtype.upcast_layers(arch.decoder.layers, quant) if hasattr(dtype, "upcast_layers") else 0
     rates = rates or rates_for(dtype, device)
 
     def at(priced: ShapeRates) -> Prediction:
