@@ -410,3 +410,36 @@ def test_a_merging_tower_step_after_a_deepstack_tap_counts_its_rerun():
     assert not deepstack_rerun(a, Removal("vision", 3, 20, "tower_output"))  # a cut that only keeps
     assert not deepstack_rerun(a, Removal("vision", 3, 20, "after_projector"))
     assert not deepstack_rerun(arch("qwen3.5-tiny"), Removal("vision", 2, 4))  # no DeepStack
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize("frames, size", [(2, (768, 768)), (8, (480, 854)), (64, (768, 768)), (768, (1080, 1920)),
+                                          (5, (20, 30))])
+def test_the_video_resize_is_the_video_processors(frames, size):
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    from ficoco.accounting.families.qwen3_vl import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, video_frame_pixels
+
+    expected = smart_resize(frames, *size, temporal_factor=2, factor=32, min_pixels=VIDEO_MIN_PIXELS,
+                            max_pixels=VIDEO_MAX_PIXELS)
+    assert video_frame_pixels(frames, size, 32, 2) == expected
+    a = architecture(load_profile("qwen3-vl-8b"), image_size=size, frames=frames)
+    assert (a.vision.grid_h * 16, a.vision.grid_w * 16) == expected
+    assert a.vision.items == -(-frames // 2) and a.visual_tokens == a.vision.items * a.vision.units
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize("size", [(768, 768), (64, 64), (8192, 8192), (333, 1000), (1080, 1920)])
+def test_the_image_resize_is_the_image_processors_at_the_checkpoints_bounds(size):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from ficoco.accounting.families.qwen3_vl import MAX_PIXELS, MIN_PIXELS
+
+    expected = smart_resize(*size, factor=32, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    a = architecture(load_profile("qwen3.5-0.8b"), image_size=size)
+    assert (a.vision.grid_h * 16, a.vision.grid_w * 16) == expected
+
+
+def test_a_video_of_one_frame_is_refused_in_one_line():
+    with pytest.raises(FicocoError, match="at least temporal_patch_size=2 frames"):
+        architecture(load_profile("qwen3-vl-tiny"), frames=1)
