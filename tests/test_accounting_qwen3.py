@@ -24,6 +24,7 @@ from ficoco.accounting.flops import (
 )
 from ficoco.accounting.memory import (
     RECURRENT_STATE_BYTES,
+    cache_bytes,
     linear_state,
     linear_state_bytes_per_layer,
     stored_kv_cache_bytes,
@@ -285,6 +286,29 @@ def test_fewer_visual_tokens_save_exactly_the_full_layers_cache_and_none_of_the_
     row = full.to_json()
     assert row["linear_state"]["total_bytes"] == full.linear_state.total_bytes
     assert "linear_state" not in account(arch("qwen3-vl-tiny"), Schedule("vanilla"), quant, opts).to_json()
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize("name", ["qwen3.5-tiny", "qwen3-vl-moe-tiny"])
+def test_the_cache_transformers_holds_is_the_kv_cache_plus_the_linear_state(name):
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ficoco.models import hf_compat as hf
+    from ficoco.profiling.trackers import cache_bytes as measured_bytes
+
+    a = arch(name)
+    data = dict(load_profile(name).config)
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    ids = [5] * 4 + [config.image_token_id] * a.vision.units + [6] * (a.text_tokens - 4)
+    input_ids = torch.tensor([ids, ids])
+    grid = torch.tensor([[1, a.vision.grid_h, a.vision.grid_w]] * 2)
+    with torch.no_grad():
+        out = model(input_ids=input_ids, pixel_values=torch.randn(2 * a.vision.patches, 3 * 2 * 16 * 16),
+                    image_grid_thw=grid, mm_token_type_ids=(input_ids == config.image_token_id).long(), use_cache=True)
+    plan = plan_tokens(a, Schedule("vanilla"))
+    assert measured_bytes(hf.output_cache(out)) == cache_bytes(a, plan, batch=2, kv_bits=32, element_bytes=4.0)
 
 
 def test_llm_viewer_kv_figure_holds_only_the_full_layers():
