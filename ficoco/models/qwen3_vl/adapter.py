@@ -80,6 +80,13 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     def patch_layer_input(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
         """The layer-input methods' hook points (the base adapter's), with DeepStack's additions sliced to the
         visual tokens still present."""
+        taps = len(self.deepstack_mergers())
+        early = [r.layer for r in schedule.removals if r.stage == "llm" and r.added and r.layer < taps]
+        if early:
+            raise FicocoError(f"variant={spec.name}: {spec.title} on {self.family_title} adds tokens at decoder layer "
+                              f"{early[0]}, where DeepStack still adds the tower's features (after layers 0.."
+                              f"{taps - 1}), and says not which features they stand for: give its steps layers from "
+                              f"{taps} on (schedule=)")
         super().patch_layer_input(handle, patches, spec, schedule)
-        if self.deepstack_mergers():
+        if taps:
             DecoderTaps(self, handle, spec.title).install(patches)
