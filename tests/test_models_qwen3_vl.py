@@ -336,3 +336,36 @@ def test_every_method_runs_or_refuses_in_one_line(model: nn.Module, variant: str
     with torch.no_grad(), ficoco.apply(model, variant, **SETTINGS[variant]) as handle:
         logits = model(**inp).logits
     assert logits.shape[1] < inp["input_ids"].shape[1] or any(r.layer >= 1 for r in handle.schedule.removals)
+
+
+# -- a real prompt through the checkpoint's processor ----------------------------------------------------
+
+def test_a_real_prompt_is_laid_out_by_the_processor_planned_and_run(model: nn.Module, tmp_path: Any) -> None:
+    """A local checkpoint (the tiny model saved with Qwen2-VL's image processor at Qwen3-VL's 16 px patches and
+    65536..16777216-pixel bounds, and the ChatML template): a 150 x 100 image resizes to 320 x 224 (multiples of
+    32 above 65536 pixels), 7 x 10 merge groups; the accountant plans the same count; FiCoCo-V and FastV generate
+    from it."""
+    from helpers import make_checkpoint
+    from PIL import Image
+
+    from ficoco.accounting import architecture
+    from ficoco.models.prompt import encode_prompt
+    from ficoco.profiles import load_profile, set_layout
+
+    family = model.config.model_type
+    folder = make_checkpoint(family, tmp_path / family)
+    picture = tmp_path / "wide.png"
+    Image.new("RGB", (150, 100), (30, 120, 200)).save(picture)
+    profile = load_profile(str(folder))
+    prompt = encode_prompt(str(folder), profile.config, image=str(picture), prompt="What is shown?")
+    assert prompt.text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is shown?")
+    assert prompt.image_size == (224, 320) and prompt.visual_tokens == 70
+    set_layout(profile, image_size=prompt.image_size)
+    assert architecture(profile).visual_tokens == 70
+    built = ficoco.build_model(str(folder), weights=str(folder), dtype="fp32", check_memory=False)
+    batch = prompt.batch(1, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        for variant, settings in (("v", {"keep": 30, "first_layer": 2}), ("fastv", {"schedule": "1:30"})):
+            with ficoco.apply(built, variant, image_size=prompt.image_size, **settings):
+                out = greedy(built, batch)
+            assert torch.equal(out[:, :batch["input_ids"].shape[1]], batch["input_ids"]) and out.shape[1] > 3
