@@ -369,3 +369,25 @@ def test_a_real_prompt_is_laid_out_by_the_processor_planned_and_run(model: nn.Mo
             with ficoco.apply(built, variant, image_size=prompt.image_size, **settings):
                 out = greedy(built, batch)
             assert torch.equal(out[:, :batch["input_ids"].shape[1]], batch["input_ids"]) and out.shape[1] > 3
+
+
+def test_images_of_two_sizes_in_one_prompt_keep_their_own_deepstack_features(model: nn.Module) -> None:
+    """One prompt, a 16 x 20-patch image then a 16 x 16 one (cut in one batched step per size): every kept token
+    of either image reaches the decoder with exactly its own group's features, in reading order."""
+    wide, square = inputs(model, seed=14), synthetic_inputs(model, text_tokens=TEXT, seed=15, image_size=(256, 256))
+    ids = torch.cat([wide["input_ids"][:, :-5], square["input_ids"][:, 1:]], dim=1)
+    inp = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+           "mm_token_type_ids": (ids == model.config.image_token_id).int(),
+           "pixel_values": torch.cat([wide["pixel_values"], square["pixel_values"]]),
+           "image_grid_thw": torch.cat([wide["image_grid_thw"], square["image_grid_thw"]])}
+    with torch.no_grad():
+        plain = model.model.get_image_features(inp["pixel_values"], inp["image_grid_thw"]).deepstack_features
+    with torch.no_grad(), deepstack_additions(model) as seen, ficoco.apply(model, "fastervlm", keep=20) as handle:
+        model(**inp)
+        first, second = handle.records[-2].kept[0], handle.records[-1].kept[0]
+    kept = [((first // 20 // 2) * 10 + (first % 20) // 2).unique(),
+            ((second // 16 // 2) * 8 + (second % 16) // 2).unique()]
+    assert [len(k) for k in kept] == [20, 4]  # 60 of 80 groups cut from each image
+    for tap, (mask, embeds) in enumerate(seen):
+        assert int(mask.sum()) == 24
+        assert torch.equal(embeds, torch.cat([plain[tap][0][kept[0]], plain[tap][1][kept[1]]]))
