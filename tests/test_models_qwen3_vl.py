@@ -130,7 +130,8 @@ def test_both_model_types_run_the_one_adapter_with_the_tiny_taps(model: nn.Modul
 
 IDENTITY = [("v", {"schedule": {}}), ("l", {"schedule": {}}), ("fastv", {"keep": GROUPS}), ("tome", {"keep": GROUPS}),
             ("visionzip", {"keep": GROUPS}), ("fastervlm", {"keep": GROUPS}), ("divprune", {"keep": GROUPS}),
-            ("dart", {"keep": GROUPS})]
+            ("dart", {"keep": GROUPS}), ("vispruner", {"keep": GROUPS}), ("cdpruner", {"keep": GROUPS}),
+            ("pdrop", {"schedule": {}}), ("sparsevlm", {"schedule": {}})]
 
 
 @pytest.mark.parametrize(("variant", "settings"), IDENTITY, ids=[v for v, _ in IDENTITY])
