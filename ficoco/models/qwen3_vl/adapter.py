@@ -9,6 +9,8 @@ tower is Qwen3-VL's without the taps (Qwen3.5) derives from this class and names
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
@@ -21,6 +23,7 @@ from ficoco.models.qwen2_vl.tower_pass import TowerPass
 from ficoco.models.qwen3_vl.deepstack import DecoderTaps, DeepStackOrder, TowerTaps
 
 if TYPE_CHECKING:
+    from ficoco.models.entry import Entry
     from ficoco.models.handle import Handle
 
 # Methods whose Qwen3-VL run DeepStack's features cannot follow, and why (their refusals name the family too).
@@ -42,6 +45,24 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     def deepstack_mergers(self) -> list[tuple[int, nn.Module]]:
         """(tower layer, merger) of every DeepStack tap; none on a tower without DeepStack."""
         return hf.qwen3_vl_deepstack_mergers(self.visual)
+
+    # -- the entry's hooks: Qwen2-VL's, whose one-line refusals name this family -------------------------
+    @contextlib.contextmanager
+    def _in_family_words(self) -> Iterator[None]:
+        try:
+            yield
+        except FicocoError as exc:
+            if "Qwen2-VL" not in str(exc):
+                raise
+            raise FicocoError(str(exc).replace("Qwen2-VL", self.family_title)) from None
+
+    def enter_forward(self, entry: Entry, call: dict[str, Any]) -> tuple[Tensor | None, bool]:
+        with self._in_family_words():
+            return super().enter_forward(entry, call)
+
+    def enter_generate(self, entry: Entry, kwargs: dict[str, Any]) -> bool:
+        with self._in_family_words():
+            return super().enter_generate(entry, kwargs)
 
     # -- before the LLM ---------------------------------------------------------------------------
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
