@@ -475,3 +475,19 @@ def test_refusals_at_the_call_name_the_family(model: nn.Module) -> None:
         model(**video)
     assert "Qwen3-VL" in str(refused.value) and "Qwen2-VL" not in str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def test_offloaded_to_cpu_and_disk_gives_the_unsplit_results(model: nn.Module) -> None:
+    """A device map (tower and decoder between CPU memory and disk, accelerate's hooks on the DeepStack mergers
+    too): FiCoCo-V and FastV give the unsplit model's logits and records."""
+    split = ficoco.build_model(model._ficoco_profile_name, dtype="fp32", device_map="cpu-offload",
+                               max_memory={"cpu": 700_000})
+    assert {"cpu", "disk"} <= set(split.hf_device_map.values())
+    inp = inputs(model, seed=21)
+    for variant, settings in (("v", {"keep": 40}), ("fastv", {"schedule": "1:40"})):
+        results = []
+        for built in (model, split):
+            with torch.no_grad(), ficoco.apply(built, variant, **settings) as handle:
+                results.append((built(**inp).logits, [r.kept.tolist() for r in handle.records]))
+        (logits, kept), (split_logits, split_kept) = results
+        assert kept and kept == split_kept and torch.equal(logits, split_logits)
