@@ -326,6 +326,8 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
                 f"total: the cost in scope {report['scope']} (--wide: by stage); ")
                + "memory access is LLM-Viewer traffic, not a footprint; bytes in decimal units")
     caption += "".join(f"; {note}" for note in kv_notes)
+    # How the convention counts a sparse, hybrid or DeepStack model's own parts.
+    caption += "".join(f"; {note}" for note in report.get("convention_notes", ()))
     # A hybrid decoder's linear-attention layers hold a fixed state beside the KV cache (fewer tokens save none).
     states = {json.dumps(r["linear_state"], sort_keys=True): r["linear_state"] for r in rows if r.get("linear_state")}
     for state in states.values():

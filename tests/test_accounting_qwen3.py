@@ -381,3 +381,32 @@ def test_verify_every_stage_within_half_a_percent_of_both_counters(name):
         assert stage.analytic > 0 or stage.stage == "method"
     assert not run.skipped_matrix_ops
     assert math.isclose(run.total.fvcore, run.total.analytic, rel_tol=0.005)
+
+
+@pytest.mark.parametrize("convention", ["flops", "macs", "llm-viewer", "paper", "visual-macs"])
+def test_every_convention_says_how_it_counts_experts_deltanet_and_deepstack(convention, flops_report):
+    from ficoco.accounting.flops import convention_notes
+
+    scope = "all" if convention not in ("llm-viewer", "visual-macs") else "llm"
+    moe = convention_notes(arch("qwen3-vl-30b-a3b"), convention)
+    assert [note.split(":")[0] for note in moe] == ["sparse layers", "DeepStack"]
+    assert [note.split(":")[0] for note in convention_notes(arch("qwen3.5-0.8b"), convention)] == [
+        "Gated DeltaNet layers"]
+    assert convention_notes(arch("qwen2-vl-7b"), convention) == []
+    report = flops_report("--model", "qwen3.5-tiny", "--convention", convention, "--scope", scope)
+    assert report["convention_notes"] == convention_notes(arch("qwen3.5-tiny"), convention)
+    assert "convention_notes" not in flops_report("--model", "llava-tiny", "--convention", convention)
+    if convention == "llm-viewer":
+        assert "LLM-Viewer has no MoE" in moe[0]
+
+
+def test_a_merging_tower_step_after_a_deepstack_tap_counts_its_rerun():
+    from ficoco.accounting.methods import deepstack_rerun
+
+    a = arch("qwen3-vl-tiny")  # taps after tower layers 1 and 2
+    assert not deepstack_rerun(a, Removal("vision", 1, 4))  # inside layer 1: no tap has run yet
+    assert deepstack_rerun(a, Removal("vision", 2, 4))
+    assert deepstack_rerun(a, Removal("vision", 3, 20, "tower_output", 4))  # contextual tokens merged
+    assert not deepstack_rerun(a, Removal("vision", 3, 20, "tower_output"))  # a cut that only keeps
+    assert not deepstack_rerun(a, Removal("vision", 3, 20, "after_projector"))
+    assert not deepstack_rerun(arch("qwen3.5-tiny"), Removal("vision", 2, 4))  # no DeepStack

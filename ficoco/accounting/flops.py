@@ -370,6 +370,47 @@ def visual_macs_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1)
     return rows
 
 
+# How each convention counts the parts a LLaMA layer lacks (docs/accounting.md has the formulas): a sparse
+# layer's experts, a Gated DeltaNet layer, Qwen3-VL's DeepStack. LLM-Viewer knows neither experts nor linear
+# attention: its replay is named.
+PART_TREATMENT: dict[str, dict[str, str]] = {
+    "experts": {
+        "flops": "sparse layers: the router and every token's top-k experts (the active ones), 2 FLOPs per MAC",
+        "macs": "sparse layers: the router and every token's top-k experts (the active ones)",
+        "llm-viewer": "sparse layers: LLM-Viewer has no MoE; the replay counts the router as a linear and the "
+                      "active experts as FFNs over the n x top-k token rows, loading the experts those rows reach",
+        "paper": "sparse layers: the formula's FFN term at the active experts' width (top-k x their width); the "
+                 "router has no term",
+        "visual-macs": "sparse layers: the FFN term at the active experts' width (top-k x their width); the "
+                       "router has no term",
+    },
+    "linear_attention": {
+        "flops": "Gated DeltaNet layers: projections, causal convolution and the chunked delta rule, linear in "
+                 "tokens, 2 FLOPs per MAC",
+        "macs": "Gated DeltaNet layers: projections, causal convolution and the chunked delta rule, linear in tokens",
+        "llm-viewer": "Gated DeltaNet layers: LLM-Viewer has no linear attention; the replay counts the layer's "
+                      "linears, convolution and delta rule at 2 ops per MAC and stores no KV cache there",
+        "paper": "Gated DeltaNet layers: the formula without its n^2 attention term (4nD^2 + 2nDH)",
+        "visual-macs": "Gated DeltaNet layers: no n^2 term (4nd^2 + 3ndm)",
+    },
+    "deepstack": {
+        "flops": "DeepStack: every tap's merger in the projector stage; its additions elementwise (no FLOPs)",
+        "macs": "DeepStack: every tap's merger in the projector stage; its additions elementwise (no MACs)",
+        "llm-viewer": "DeepStack: the additions replayed as residual adds in the first decoder layers",
+        "paper": "DeepStack: not in the formula (its mergers are outside the decoder's layers)",
+        "visual-macs": "DeepStack: not counted (its mergers are outside the decoder's layers)",
+    },
+}
+
+
+def convention_notes(arch: Architecture, convention: str) -> list[str]:
+    """How `convention` counts the parts of `arch` a LLaMA layer lacks (none: an empty list)."""
+    d = arch.decoder
+    present = [("experts", d.moe is not None), ("linear_attention", d.full_attention_layers < d.layers),
+               ("deepstack", bool(arch.deepstack_layers))]
+    return [PART_TREATMENT[part][convention] for part, found in present if found]
+
+
 def _op_count(op: Op, convention: str) -> int:
     if convention == "flops":
         return 2 * op.macs

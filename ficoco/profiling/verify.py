@@ -41,6 +41,7 @@ when the last-token head is asked for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections import Counter
@@ -415,13 +416,41 @@ class MethodWork(nn.Module):
     """A method's own work at one place of the forward (a decoder layer, a tower layer, the projector),
     as a module: `Handle.method_runner` sends every call made there here during a verification."""
 
-    def __init__(self) -> None:
+    def __init__(self, running: set[str] | None = None) -> None:
         super().__init__()
         self.calls = 0
+        # The stage modules running (by path) whenever this place's work ran: torch's counter gives them its
+        # count too (a cut after Qwen2-VL's merger runs inside the merger and the tower, Qwen3-VL's only
+        # inside the tower).
+        self._running = running if running is not None else set()
+        self.inside: set[str] = set()
 
     def forward(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
+        self.inside |= self._running
         return function(*args, **kwargs)
+
+
+class _Running:
+    """Which of the stage modules are running now (forward pre- and post-hooks), by path."""
+
+    def __init__(self, modules: dict[str, nn.Module]) -> None:
+        self.paths: set[str] = set()
+        self._hooks = []
+        for path, module in modules.items():
+            self._hooks.append(module.register_forward_pre_hook(functools.partial(self._enter, path)))
+            self._hooks.append(module.register_forward_hook(functools.partial(self._leave, path)))
+
+    def _enter(self, path: str, *_: Any) -> None:
+        self.paths.add(path)
+
+    def _leave(self, path: str, *_: Any) -> None:
+        self.paths.discard(path)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
 
 def _method_key(stage: str, layer: int | None) -> int | tuple[str, int | None]:
@@ -480,7 +509,18 @@ class Prefill(nn.Module):
         self._outputs = []
         out = self.model(**dict(zip(self._names, tensors, strict=True)), logits_to_keep=self._logits_to_keep)
         ran, self._outputs = self._outputs, []
-        return (out.logits, *ran)
+        return (out.logits, *ran, *_cache_tensors(out))
+
+
+def _cache_tensors(output: Any) -> list[Tensor]:
+    """Every tensor the output's cache holds: a Gated DeltaNet layer's last state update (its final chunk's
+    product) only reaches the cache, and the trace would drop it as dead code."""
+    from ficoco.models import hf_compat as hf
+
+    cache = hf.output_cache(output)
+    if cache is None:
+        return []
+    return [t for layer in hf.cache_layers(cache) for t in _tensors(list(vars(layer).values()))]
 
 
 # ---- measuring ------------------------------------------------------------------------------------------------
@@ -544,6 +584,8 @@ class _Paths:
     decoder_layers: list[str]
     modules: list[nn.Module]
     extra: dict[str, list[str]] = field(default_factory=dict)
+    # Per method module path: the stage module paths that were running when its work ran (set by _measure).
+    running: dict[str, set[str]] = field(default_factory=dict)
 
     def of(self, stage: str) -> list[str]:
         """Every module path the stage counts."""
@@ -570,27 +612,32 @@ def _module_paths(model: nn.Module) -> _Paths:
 
 
 def _attribute(measured: _Measured, paths: _Paths, method_paths: list[tuple[str, int | None, str]], *,
-               method_inside: bool) -> tuple[dict[str, int], dict[tuple[str, int | None], int], list[int]]:
+               method_inside: bool, running: dict[str, set[str]] | None = None
+               ) -> tuple[dict[str, int], dict[tuple[str, int | None], int], list[int]]:
     """Stage and layer counts of one counter, the method's work taken out of the layer that ran it.
 
     `method_inside`: the counter also attributes the method's work to the modules that were
-    running when it ran (torch's counter); fvcore's owner mode does not.
+    running when it ran (torch's counter); fvcore's owner mode does not. `running`: per method
+    path, the stage module paths that were running when its work ran (work outside the layers, around
+    the projector, is taken out of each of them).
     """
     get = measured.counts.get
     method = [get(path, 0) for _, _, path in method_paths]
     inside: Counter[tuple[str, int | None]] = Counter()
+    counts = dict(measured.counts)
     if method_inside:
-        for (stage, layer, _), flops in zip(method_paths, method, strict=True):
+        for (stage, layer, path), flops in zip(method_paths, method, strict=True):
             inside[(stage, layer)] += flops
+            if layer is None:
+                for owner in (running or {}).get(path, {paths.stages[stage]}):
+                    counts[owner] = counts.get(owner, 0) - flops
+    get = counts.get
     stages = {stage: sum(get(path, 0) for path in paths.of(stage)) for stage in paths.stages}
     # Qwen2-VL's projector (the PatchMerger) is a submodule of its vision tower (Qwen3-VL's DeepStack mergers
     # too), and both counters include a submodule's work in its owner's: count it in its own stage only.
     for outer, outer_path in paths.stages.items():
         stages[outer] -= sum(get(path, 0) for inner in paths.stages if inner != outer for path in paths.of(inner)
                              if path.startswith(outer_path + "."))
-    for (stage, layer), flops in inside.items():
-        if layer is None:  # work run inside a stage's module but outside its layers (around the projector)
-            stages[stage] -= flops
     layers: dict[tuple[str, int | None], int] = {}
     for stage, layer_paths in (("vision", paths.vision_layers), ("llm", paths.decoder_layers)):
         for layer, path in enumerate(layer_paths):
@@ -620,7 +667,10 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
     keys: list[tuple[str, int | None]] = [("llm", i) for i in range(len(paths.decoder_layers))]
     keys += [("vision", i) for i in range(len(paths.vision_layers))] + [("projector", None)]
     module_names = [_method_module_name(_method_key(*key)) for key in keys]
-    method = nn.ModuleDict({name: MethodWork() for name in module_names})
+    # Prefill's module paths are the model's under "model."; the stage modules are watched while they run.
+    owners = {path: module for path, module in _stage_module_items(model, paths)}
+    running = _Running(owners)
+    method = nn.ModuleDict({name: MethodWork(running.paths) for name in module_names})
     method_paths = [(stage, layer, f"ficoco_method.{name}")
                     for (stage, layer), name in zip(keys, module_names, strict=True)]
     names = [name for name, value in inputs.items() if isinstance(value, Tensor)]
@@ -643,12 +693,22 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
     finally:
         traceable.undo()
         prefill.close()
+        running.close()
         if handle is not None:
             handle.remove()
     # Windowed attention (Qwen2.5-VL under a reduction): the query-key pairs the run's windows held per layer.
     pairs = tuple(handle.vision_attention_pairs[layer] for layer in range(len(paths.vision_layers))) \
         if handle is not None and handle.vision_attention_pairs else ()
+    paths = dataclasses.replace(paths, running={path: set(method[path.rpartition(".")[2]].inside)
+                                                for _, _, path in method_paths})
     return fv, tc, paths, method_paths, handle.measured_tokens_per_item if handle is not None else None, pairs
+
+
+def _stage_module_items(model: nn.Module, paths: _Paths) -> list[tuple[str, nn.Module]]:
+    """(Prefill path, module) of every stage module and a stage's extra modules."""
+    modules = {f"model.{name}": module for name, module in model.named_modules()}
+    wanted = [*paths.stages.values(), *(path for extra in paths.extra.values() for path in extra)]
+    return [(path, modules[path]) for path in wanted]
 
 
 def _check_calls(method: nn.ModuleDict, plan: TokenPlan, counter: str) -> None:
@@ -699,7 +759,7 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
         plan = dataclasses.replace(plan, vision_attention_pairs=pairs)
     by_stage, by_layer = analytic_counts(arch, plan, batch=batch, lm_head_tokens=lm_head_tokens)
     fv_stages, fv_layers, fv_method = _attribute(fv, paths, method_paths, method_inside=False)
-    tc_stages, tc_layers, tc_method = _attribute(tc, paths, method_paths, method_inside=True)
+    tc_stages, tc_layers, tc_method = _attribute(tc, paths, method_paths, method_inside=True, running=paths.running)
     stages = [StageCheck(s, by_stage[s], fv_stages[s], tc_stages[s]) for s in STAGES]
     tokens = {"vision": plan.vision, "llm": plan.llm}
     layers = []

@@ -41,7 +41,7 @@ def flops_report(model: str, variants: str | Sequence[str] = "vanilla", *, keep:
     (H, W) and `frames` describe the input; `overrides` are "KEY=VALUE" config settings. A
     method that cannot run under the setting is left out with its reason (`skipped`)."""
     from ficoco import accounting as acc
-    from ficoco.accounting.flops import SCOPE_STAGES, STAGES
+    from ficoco.accounting.flops import SCOPE_STAGES, STAGES, convention_notes
     from ficoco.accounting.request import ScheduleRequest
     from ficoco.profiles import load_gpu, load_profile, set_layout
     from ficoco.versions import report_environment
@@ -77,4 +77,6 @@ def flops_report(model: str, variants: str | Sequence[str] = "vanilla", *, keep:
         "budget_tflops": request.tflops, "keep": request.keep, "preset": request.preset,
         "environment": report_environment(), "rows": rows,
         "skipped": skipped,
+        # How the convention counts sparse experts, Gated DeltaNet layers and DeepStack, where the model has them.
+        **({"convention_notes": notes} if (notes := convention_notes(arch, opts.convention)) else {}),
     }

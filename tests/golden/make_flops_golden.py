@@ -3,6 +3,8 @@ method x convention x quant x budget form, made on main before a refactor so tha
 tests/test_flops_golden.py can prove the refactor moved no figure.
 
     python tests/golden/make_flops_golden.py          # rewrite (only when a figure is meant to move)
+    python tests/golden/make_flops_golden.py --add qwen3-vl-8b qwen3-vl-tiny   # add (or redo) these profiles'
+                                                                               # cases; every other case stays
 
 The environment and version fields are left out: they describe the machine, not the count.
 """
@@ -62,7 +64,21 @@ def run(case: dict) -> dict:
 
 
 def main() -> None:
-    results = [{"case": case, "report": run(case)} for case in cases()]
+    args = sys.argv[1:]
+    if args and args[0] == "--add":
+        # A new profile's cases, made on purpose: the cases of every other profile are kept as they are.
+        added = set(args[1:])
+        if not added:
+            raise SystemExit("--add needs the profiles whose cases to add")
+        kept = [entry for entry in json.loads(gzip.decompress(GOLDEN.read_bytes()))
+                if entry["case"]["model"] not in added]
+        new = [{"case": case, "report": run(case)} for case in cases() if case["model"] in added]
+        order = {json.dumps(case, sort_keys=True): k for k, case in enumerate(cases())}
+        results = sorted(kept + new, key=lambda entry: order.get(json.dumps(entry["case"], sort_keys=True), -1))
+    elif args:
+        raise SystemExit(f"unknown arguments {args}: give none (rewrite all) or --add PROFILE...")
+    else:
+        results = [{"case": case, "report": run(case)} for case in cases()]
     data = json.dumps(results, sort_keys=True, separators=(",", ":")).encode()
     with gzip.GzipFile(GOLDEN, "wb", mtime=0) as f:
         f.write(data)
