@@ -398,15 +398,3 @@ def test_every_convention_says_how_it_counts_experts_deltanet_and_deepstack(conv
     assert "convention_notes" not in flops_report("--model", "llava-tiny", "--convention", convention)
     if convention == "llm-viewer":
         assert "LLM-Viewer has no MoE" in moe[0]
-
-
-def test_a_merging_tower_step_after_a_deepstack_tap_counts_its_rerun():
-    from ficoco.accounting.methods import deepstack_rerun
-
-    a = arch("qwen3-vl-tiny")  # taps after tower layers 1 and 2
-    assert not deepstack_rerun(a, Removal("vision", 1, 4))  # inside layer 1: no tap has run yet
-    assert deepstack_rerun(a, Removal("vision", 2, 4))
-    assert deepstack_rerun(a, Removal("vision", 3, 20, "tower_output", 4))  # contextual tokens merged
-    assert not deepstack_rerun(a, Removal("vision", 3, 20, "tower_output"))  # a cut that only keeps
-    assert not deepstack_rerun(a, Removal("vision", 3, 20, "after_projector"))
-    assert not deepstack_rerun(arch("qwen3.5-tiny"), Removal("vision", 2, 4))  # no DeepStack

@@ -491,3 +491,22 @@ def test_offloaded_to_cpu_and_disk_gives_the_unsplit_results(model: nn.Module) -
                 results.append((built(**inp).logits, [r.kept.tolist() for r in handle.records]))
         (logits, kept), (split_logits, split_kept) = results
         assert kept and kept == split_kept and torch.equal(logits, split_logits)
+
+
+def test_verify_holds_every_stage_with_deepstack_riding_through_the_methods(model: nn.Module) -> None:
+    """`flops --verify` on the tiny model: the methods whose merges DeepStack's features ride through (ToMe,
+    VisionZip) and those that slice them (FastV, a keep-only cut) count within 0.5 % on every stage, the method's
+    own included (the features ride in extra channels of its scatter-adds: no second run)."""
+    from ficoco.accounting import CountOptions, architecture, resolve_schedule
+    from ficoco.accounting.schedule import Schedule
+    from ficoco.profiles import load_profile
+    from ficoco.profiling.verify import verify
+
+    profile = load_profile(model._ficoco_profile_name)
+    arch = architecture(profile)
+    schedules = [Schedule("vanilla")] + [resolve_schedule(arch, variant, CountOptions(), **settings)
+                                         for variant, settings in (("tome", {"keep": 20}), ("visionzip", {"keep": 20}),
+                                                                   ("fastv", {"schedule": "1:40"}),
+                                                                   ("divprune", {"keep": 20}))]
+    result = verify(profile, schedules, tolerance_percent=0.5, model=model)
+    assert result.passed, [(run.variant, s.stage, s.fvcore_diff) for run in result.runs for s in run.stages]

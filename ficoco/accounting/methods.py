@@ -266,19 +266,6 @@ def schedule_for_method_budget(arch: Architecture, name: str, budget: float, cos
     return result
 
 
-def deepstack_rerun(arch: Architecture, removal: Removal) -> bool:
-    """Whether a tower step runs again on Qwen3-VL's DeepStack features: ficoco's adapter folds the features the
-    taps gave so far with the step's own decisions by running a step that merges (in a tower layer, or a cut
-    at the tower's output that adds merged tokens) once more on them, all taps together; a step before the
-    first tap's output, or one that only keeps, does not."""
-    taps = arch.deepstack_layers
-    if not taps or removal.stage != "vision":
-        return False
-    if removal.where == "in_layer":  # inside tower layer L: the taps of the layers before it have run
-        return min(taps) < removal.layer
-    return removal.where == "tower_output" and removal.added > 0
-
-
 def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch: int = 1
                ) -> list[tuple[int | None, str, int]]:
     """The method's own matrix work beyond the model's layers: (layer, term, multiply-accumulates).
@@ -316,10 +303,9 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                               items=plan.vision_items, projected_width=arch.decoder.hidden,
                               has_cls=v.has_cls, unit_width=v.hidden * v.merge)
             per = batch if spec.extra_per_sample else batch * plan.vision_items
-            terms = spec.extra_macs(ctx)
-            rows += [(layer, term, per * macs) for layer, term, macs in terms]
-            if deepstack_rerun(arch, removal):
-                rows += [(layer, f"{term}_deepstack_rerun", per * macs) for layer, term, macs in terms]
+            # Qwen3-VL's DeepStack features ride through a merging step beside the hidden states (extra channels of
+            # its gathers and scatter-adds, which no convention counts as matrix work): no second run to count.
+            rows += [(layer, term, per * macs) for layer, term, macs in spec.extra_macs(ctx)]
             index += 1
         if spec.inner is None or spec.inner.extra_macs is None:
             return rows
