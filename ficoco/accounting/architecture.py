@@ -138,9 +138,12 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
     if v.kind == "clip":
         # class embedding, position embedding, pre- and post-LayerNorm
         tower_extra = h + v.position_embeddings * h + 2 * 2 * h
-    elif v.kind in ("siglip", "qwen3_vl"):
-        # the patch convolution's bias, position embedding (SigLIP: its post-LayerNorm too)
-        tower_extra = h + v.position_embeddings * h + (2 * h if v.kind == "siglip" else 0)
+    elif v.kind == "siglip":
+        # the patch convolution's bias, position embedding, post-LayerNorm
+        tower_extra = h + v.position_embeddings * h + 2 * h
+    elif v.kind == "qwen3_vl":
+        # the patch convolution's bias and the learned position grid (resampled to every image's grid)
+        tower_extra = h + v.position_embeddings * h
     else:
         tower_extra = 0
     vision = v.towers * (patch_embed + tower_extra + v.layers * v_layer)

@@ -145,6 +145,18 @@ def linear_state(arch: Architecture, *, batch: int, element_bytes: float = 2.0) 
                        layers * batch * d.linear.conv_state_elems * element_bytes)
 
 
+def cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv_bits: int, element_bytes: float | None = None,
+                decode_steps: int = 0) -> float:
+    """Everything a transformers cache holds after the prefill (and `decode_steps` decode steps): the stored KV
+    cache of the full-attention layers and, on a hybrid decoder, the linear-attention layers' state in the
+    compute dtype (`element_bytes`). What a profile's measured cache equals."""
+    if element_bytes is None:
+        element_bytes = max(2.0, kv_bits / 8)
+    kv = stored_kv_cache_bytes(arch, plan, batch=batch, kv_bits=kv_bits, element_bytes=element_bytes,
+                               decode_steps=decode_steps)
+    return kv + linear_state(arch, batch=batch, element_bytes=element_bytes).total_bytes
+
+
 def linear_state_bytes_per_layer(arch: Architecture, *, batch: int, element_bytes: float = 2.0) -> list[float]:
     """`linear_state`'s bytes layer by layer (0 at a full-attention layer)."""
     d = arch.decoder

@@ -11,12 +11,13 @@ reuse the tower and the resize.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
 from ficoco.accounting.families.parts import llama_decoder
-from ficoco.accounting.families.qwen2_vl import check_tower_heads, image_pixels, qwen_architecture
-from ficoco.accounting.shapes import Architecture, Decoder, Family, Layout, Projector, VisionTower, get
+from ficoco.accounting.families.qwen2_vl import MAX_ASPECT, check_tower_heads, image_pixels, qwen_architecture
+from ficoco.accounting.shapes import Architecture, Decoder, Family, Layout, Projector, VisionTower, get, whole
 from ficoco.errors import FicocoError
 
 # Qwen3VLTextConfig's defaults.
@@ -38,6 +39,37 @@ MIN_PIXELS = 65536
 MAX_PIXELS = 16777216
 # The default image: a 768 px square (48 x 48 patches, 576 LLM tokens).
 DEFAULT_IMAGE = (768, 768)
+# The checkpoints' video processor (Qwen3VLVideoProcessor, video_preprocessor_config.json's size): the whole
+# video's pixels (frames rounded to the temporal patch, times height and width) between these bounds.
+VIDEO_MIN_PIXELS = 4096
+VIDEO_MAX_PIXELS = 25165824
+
+
+def video_frame_pixels(frames: int, size_hw: tuple[int, int], factor: int, temporal: int) -> tuple[int, int]:
+    """(height, width) in pixels Qwen3-VL's video processor resizes `frames` frames of `size_hw` to (its
+    smart_resize: multiples of patch x merge, the video's pixels within the bounds), or one line on why not."""
+    if frames < temporal:
+        raise FicocoError(f"frames={frames}: Qwen3-VL's video processor needs at least temporal_patch_size="
+                          f"{temporal} frames; give frames={temporal} or more, or an image")
+    height, width = size_hw
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT:
+        raise FicocoError(f"image size {size_hw[1]}x{size_hw[0]} (image_size=): the video processor takes aspect "
+                          f"ratios up to {MAX_ASPECT}")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    t = round(frames / temporal) * temporal
+    if t * h * w > VIDEO_MAX_PIXELS:
+        beta = math.sqrt(frames * height * width / VIDEO_MAX_PIXELS)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif t * h * w < VIDEO_MIN_PIXELS:
+        beta = math.sqrt(VIDEO_MIN_PIXELS / (frames * height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
 
 
 def text_section(cfg: dict[str, Any], defaults: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -83,12 +115,17 @@ def deepstack_layers(vcfg: dict[str, Any], defaults: dict[str, Any], tower_layer
 
 
 def qwen3_vision(vcfg: dict[str, Any], layout: Layout, title: str) -> tuple[VisionTower, Projector, tuple[int, int]]:
-    """Qwen3-VL's (Qwen3.5's) tower and merger for the layout's image (a 768 px square by default), and the
-    image size asked for."""
+    """Qwen3-VL's (Qwen3.5's) tower and merger for the layout's image (a 768 px square by default), or for
+    every frame of its video (the video processor's resize), and the image size asked for."""
     d = VISION_DEFAULTS
     patch, merge = get(vcfg, "patch_size", d), get(vcfg, "spatial_merge_size", d)
     size_hw = layout.image_size or DEFAULT_IMAGE
-    h_px, w_px = image_pixels(size_hw, patch, merge, title, MIN_PIXELS, MAX_PIXELS)
+    frames = layout.frames if layout.frames is not None else layout.defaults.get("frames")
+    if frames is None:
+        h_px, w_px = image_pixels(size_hw, patch, merge, title, MIN_PIXELS, MAX_PIXELS)
+    else:
+        h_px, w_px = video_frame_pixels(whole("ficoco.frames", frames), size_hw, patch * merge,
+                                        get(vcfg, "temporal_patch_size", d))
     hidden, layers, heads = get(vcfg, "hidden_size", d), get(vcfg, "depth", d), get(vcfg, "num_heads", d)
     check_tower_heads("hidden_size", hidden, heads, title)
     vision = VisionTower(
