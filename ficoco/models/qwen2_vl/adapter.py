@@ -113,6 +113,18 @@ class Qwen2VLAdapter(FamilyAdapter):
                           "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
                           "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
 
+    def riding_features(self, tower: TowerPass, images: list[int]) -> Tensor | None:
+        """(n, G, C) per-group features that ride with the units of `images` through a method step before the LLM
+        (Qwen3-VL's DeepStack taps, under a method whose merges are decided from the keys alone); none here."""
+        return None
+
+    def follow_groups(self, tower: TowerPass, images: list[int], kept_at: Tensor, *, merges: bool | None,
+                      features: Tensor | None = None) -> None:
+        """What else follows the groups a method step in the tower kept or merged for `images` (of the pass):
+        nothing here; Qwen3-VL's DeepStack features (ficoco.models.qwen3_vl). `kept_at` (n, K): where every
+        unit that goes on was among the step's units (-1: a unit the step made); `merges`: whether the step merged
+        (None: where `kept_at` holds a made unit); `features`: what rode through the step (`riding_features`)."""
+
     def language_tokens(self, input_ids: Tensor) -> Tensor:
         """(B, T) bool: the placeholders an LLM-side step reduces: the images', and under a video method
         (HoliTom's inner merge) the videos' as well."""

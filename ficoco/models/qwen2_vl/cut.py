@@ -103,7 +103,14 @@ class TowerCuts:
         out_pieces: list[Tensor | None] = [None] * len(pieces)
         for (rows, cols), images in sizes.items():
             groups = pieces[images[0]].shape[0]
-            inputs = TowerInput(hidden=torch.stack([pieces[i] for i in images]), has_cls=False,
+            step_units = torch.stack([pieces[i] for i in images])
+            width = step_units.shape[-1]
+            # Per-group features that ride with the units (Qwen3-VL's DeepStack taps), for a cut whose merges are
+            # decided from the keys alone (VisionZip's contextual tokens): they merge as the units do.
+            riding = adapter.riding_features(tower, images)
+            if riding is not None:
+                step_units = torch.cat([step_units, riding.to(step_units.dtype)], dim=-1)
+            inputs = TowerInput(hidden=step_units, has_cls=False,
                                 remove=removal.remove, added=removal.added,
                                 keys=torch.cat([keys[i] for i in images]), merge=adapter.merge,
                                 grid_hw=(rows // adapter.merge_size, cols // adapter.merge_size))
@@ -118,6 +125,10 @@ class TowerCuts:
             discarded = complement(kept, groups, groups - kept.shape[1])
             handle.record("vision", removal.layer, kept=group_patches(kept, cols, adapter.merge_size),
                           discarded=group_patches(discarded, cols, adapter.merge_size))
+            # Where every token that goes on continues one group (-1: a merged token), in the units' order.
+            adapter.follow_groups(tower, images, torch.gather(out.kept, 1, order.indices), merges=None,
+                                  features=None if riding is None else hidden[..., width:])
+            hidden = hidden[..., :width]
             for b, image in enumerate(images):
                 out_pieces[image] = hidden[b]
                 tower.kept_groups[image] = kept[b]
@@ -164,6 +175,7 @@ class TowerCuts:
                 gone = complement(red.kept, groups)
                 handle.record("vision", cut.layer, kept=group_patches(red.kept, cols, adapter.merge_size),
                               discarded=group_patches(gone, cols, adapter.merge_size))
+                adapter.follow_groups(tower, images, red.kept, merges=False)  # a cut that only keeps
                 for b, image in enumerate(images):
                     pieces[image] = red.hidden[b]
                     tower.kept_groups[image] = red.kept[b]
