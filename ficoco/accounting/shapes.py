@@ -101,9 +101,65 @@ class Projector:
     norm_params_per_dim: int = 2  # LayerNorm: weight and bias; Qwen2.5-VL's RMSNorm: weight only
 
 
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """A Gated DeltaNet layer's widths (Qwen3.5's `linear_*` config keys): q and k of `key_heads` heads of
+    `key_head_dim`, v of `value_heads` heads of `value_head_dim`, a depthwise causal convolution of
+    `conv_kernel` taps over q, k and v, and per value head a recurrent state of key_head_dim x value_head_dim
+    (the heads of q and k repeated to the value heads)."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def state_elems(self) -> int:
+        """The recurrent state of one sequence: value_heads x key_head_dim x value_head_dim."""
+        return self.value_heads * self.key_head_dim * self.value_head_dim
+
+    @property
+    def conv_state_elems(self) -> int:
+        """The convolution's state of one sequence: the last conv_kernel inputs of every channel (transformers
+        keeps the kernel's width, one tap more than the convolution needs)."""
+        return self.conv_dim * self.conv_kernel
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A sparse mixture-of-experts FFN (Qwen3-VL-MoE's): a router (hidden x experts) picks `top_k` of `experts`
+    gated FFNs of width `ffn` for every token, in the decoder layers `layers` (the others keep the dense FFN)."""
+
+    experts: int
+    top_k: int
+    ffn: int
+    layers: frozenset[int]
+
+
 @dataclass(frozen=True)
 class Decoder:
-    """The LLM decoder: LLaMA-style layers with grouped-query attention and a gated FFN."""
+    """The LLM decoder: LLaMA-style layers with grouped-query attention and a gated FFN; Qwen3's add a per-head
+    RMSNorm on q and k (`qk_norm`), Qwen3.5's a sigmoid gate on the attention output (`attn_output_gate`: q_proj
+    gives twice the query width) and Gated DeltaNet layers (`layer_types`, `linear`), Qwen3-VL-MoE's sparse
+    expert FFNs (`moe`)."""
 
     layers: int
     hidden: int
@@ -114,6 +170,24 @@ class Decoder:
     vocab: int
     qkv_bias: bool
     tied_embeddings: bool
+    qk_norm: bool = False
+    attn_output_gate: bool = False
+    # One entry per layer, FULL_ATTENTION or LINEAR_ATTENTION; empty: every layer full attention.
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttention | None = None
+    moe: Experts | None = None
+
+    def full_attention(self, layer: int) -> bool:
+        """Whether `layer` is softmax attention over a KV cache (not a Gated DeltaNet layer)."""
+        return not self.layer_types or self.layer_types[layer] == FULL_ATTENTION
+
+    @property
+    def full_attention_layers(self) -> int:
+        return sum(self.full_attention(layer) for layer in range(self.layers))
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s FFN is the mixture of experts."""
+        return self.moe is not None and layer in self.moe.layers
 
 
 @dataclass(frozen=True)
@@ -147,6 +221,10 @@ class Architecture:
     # Qwen2-VL's (Qwen2.5-VL's) video: the frames given (--frames); its tower items are the temporal slices of
     # temporal_patch frames each (the last padded by repetition, as the processor does). None: an image.
     video_frames: int | None = None
+    # Qwen3-VL's DeepStack: the tower layers (0-based) whose output goes through a merger of its own (the
+    # projector's linears, LayerNorm over the merged width); the k-th one's features are added to the visual
+    # positions of the hidden states after decoder layer k.
+    deepstack_layers: tuple[int, ...] = ()
 
     def first_reducing_layer(self, method: str) -> int:
         """The first layer method `method` reduces at by default (its entry's `first_layer`, or the profile's)."""

@@ -9,13 +9,24 @@ ficoco.models and one profile.
 
 from __future__ import annotations
 
-from ficoco.accounting.families import llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_vl, video_llava
+from ficoco.accounting.families import (
+    llava,
+    llava_next,
+    llava_onevision,
+    qwen2_5_vl,
+    qwen2_vl,
+    qwen3_5,
+    qwen3_vl,
+    qwen3_vl_moe,
+    video_llava,
+)
 from ficoco.accounting.shapes import Family
 
 # model_type -> the family's shape module's record, in the order supported families are listed.
 FAMILIES: dict[str, Family] = {
     module.FAMILY.name: module.FAMILY
-    for module in (llava, llava_next, video_llava, qwen2_vl, qwen2_5_vl, llava_onevision)
+    for module in (llava, llava_next, video_llava, qwen2_vl, qwen2_5_vl, llava_onevision, qwen3_vl, qwen3_vl_moe,
+                   qwen3_5)
 }
 
 __all__ = ["FAMILIES", "Family"]

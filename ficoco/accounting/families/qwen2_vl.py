@@ -52,32 +52,35 @@ def qwen_decoder(cfg: dict[str, Any], title: str) -> Decoder:
                          heads_refuser=f"transformers' {title}Attention")
 
 
-def qwen2_vl_resize(size_hw: tuple[int, int], factor: int) -> tuple[int, int]:
-    """Qwen2-VL's smart resize: multiples of patch x merge within the pixel bounds."""
+def qwen2_vl_resize(size_hw: tuple[int, int], factor: int, min_pixels: int = MIN_PIXELS,
+                    max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """Qwen2-VL's smart resize: multiples of patch x merge within the pixel bounds (Qwen2-VL's by default;
+    Qwen3-VL's and Qwen3.5's checkpoints give the same image processor other bounds)."""
     height, width = size_hw
     h = max(factor, round(height / factor) * factor)
     w = max(factor, round(width / factor) * factor)
-    if h * w > MAX_PIXELS:
-        beta = math.sqrt(height * width / MAX_PIXELS)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
         h = math.floor(height / beta / factor) * factor
         w = math.floor(width / beta / factor) * factor
-    elif h * w < MIN_PIXELS:
-        beta = math.sqrt(MIN_PIXELS / (height * width))
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
         h = math.ceil(height * beta / factor) * factor
         w = math.ceil(width * beta / factor) * factor
     return h, w
 
 
-def image_pixels(size_hw: tuple[int, int], patch: int, merge: int, title: str) -> tuple[int, int]:
-    """(height, width) in pixels Qwen2-VL's and Qwen2.5-VL's processor resizes `size_hw` to, or one line
-    on why no image of that shape fits."""
+def image_pixels(size_hw: tuple[int, int], patch: int, merge: int, title: str, min_pixels: int = MIN_PIXELS,
+                 max_pixels: int = MAX_PIXELS) -> tuple[int, int]:
+    """(height, width) in pixels Qwen2-VL's and Qwen2.5-VL's processor (with other pixel bounds: Qwen3-VL's and
+    Qwen3.5's) resizes `size_hw` to, or one line on why no image of that shape fits."""
     if max(size_hw) / min(size_hw) > MAX_ASPECT:
         raise FicocoError(f"image size {size_hw[1]}x{size_hw[0]} (image_size=): {title}'s processor takes aspect "
                           f"ratios up to {MAX_ASPECT}")
-    h_px, w_px = qwen2_vl_resize(size_hw, patch * merge)
+    h_px, w_px = qwen2_vl_resize(size_hw, patch * merge, min_pixels, max_pixels)
     if not (h_px and w_px):
         raise FicocoError(f"config values patch_size={patch} x spatial_merge_size={merge} exceed {title}'s "
-                          f"largest image ({MAX_PIXELS} pixels): no visual token fits")
+                          f"largest image ({max_pixels} pixels): no visual token fits")
     return h_px, w_px
 
 
