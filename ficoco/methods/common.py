@@ -22,6 +22,11 @@ TESTED_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava", "llava_onev
 # PDrop and SparseVLM act in Qwen2-VL's decoder (3-D positions kept, no compaction), ToMe merges groups in its
 # windowed tower in grid order: tested on Qwen2.5-VL too (issue 25).
 TESTED_FAMILIES += ("qwen2_5_vl",)
+# Qwen3.5 (issue 34): the methods before the LLM run as on Qwen2-VL; those in its hybrid decoder run where the
+# layer they read or reduce is full attention, and refuse a Gated DeltaNet layer in one line
+# (ficoco.models.qwen3_5.hybrid).
+ALL_FAMILIES += ("qwen3_5",)
+TESTED_FAMILIES += ("qwen3_5",)
 
 # What `--keep N` counts for the methods that cut every tower item before the LLM.
 PER_ITEM = "visual tokens per image, crop or frame that reach the LLM"

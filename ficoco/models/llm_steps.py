@@ -197,7 +197,9 @@ class InLayerPatch:
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor], slot: Any
                  ) -> Callable[..., Tensor]:
         handle, remove = self.handle, self.removed.get(index, 0)
-        parts = hf.layer_parts(layer, hf.DECODER_LAYER)
+        # Only a reducing layer is re-composed from its parts (a layer the adapter admits: on a hybrid decoder a
+        # non-reducing layer may be another kind, Qwen3.5's Gated DeltaNet).
+        parts = hf.layer_parts(layer, hf.DECODER_LAYER) if remove else None
 
         # The model calls its layers with these by keyword (hf_compat.DECODER_LAYER_KEYWORDS); the
         # cache and everything else pass through under the installed release's own names.

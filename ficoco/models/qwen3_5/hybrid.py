@@ -69,8 +69,9 @@ class HybridDecoder:
         after = [layer + 1 for layer in self.full_layers if layer + 1 < len(self.decoder_layers)]
         for layer in sorted({r.layer for r in schedule.removals if r.stage == "llm"}):
             if (probes.previous_layer_rows or probes.previous_layer_keys) and layer - 1 not in self.full_layers:
+                read = "attention rows" if probes.previous_layer_rows else "attention keys"
                 raise FicocoError(
-                    f"{title} at layer {layer} reads layer {layer - 1}'s attention, and layer {layer - 1} of this "
+                    f"{title} at layer {layer} reads layer {layer - 1}'s {read}, and layer {layer - 1} of this "
                     f"{self.family_title} decoder is Gated DeltaNet (linear attention: a recurrent state, no attention "
                     f"map); reduce at the input of a layer after a full-attention layer: {layer_list(after)}")
             if probes.own_query_key_row and (layer not in self.full_layers or layer == self.first_full):

@@ -12,14 +12,30 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.models.inputs import place_inputs
-from ficoco.models.qwen2_vl.inputs import PROMPT, image_grid
+from ficoco.models.qwen2_vl.inputs import PROMPT
+from ficoco.profiles import FAMILY_DEFAULTS
 
 # "<|im_start|> user \n <|vision_start|>" before the image span.
 PREFIX_TOKENS = 4
 # "<|vision_end|>" before the question, "<|im_end|> \n <|im_start|> assistant \n" after it.
 _SUFFIX_TEMPLATE_TOKENS = 6
 
-__all__ = ["PREFIX_TOKENS", "PROMPT", "synthetic_inputs"]
+__all__ = ["PREFIX_TOKENS", "PROMPT", "image_grid", "synthetic_inputs"]
+
+
+def image_grid(model: nn.Module, image_size: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(rows, cols) of patches Qwen3.5's processor makes of an image of `image_size` (H, W), by default the
+    profile's: the accountant's resize with Qwen3-VL's pixel bounds."""
+    from ficoco.accounting.families.qwen2_vl import image_pixels
+    from ficoco.accounting.families.qwen3_vl import MAX_PIXELS, MIN_PIXELS
+
+    if image_size is None:
+        defaults = {**FAMILY_DEFAULTS[model.config.model_type], **(getattr(model, "_ficoco_defaults", None) or {})}
+        image_size = tuple(defaults["image_size"])
+    vision = model.config.vision_config
+    height, width = image_pixels(tuple(image_size), vision.patch_size, vision.spatial_merge_size, "Qwen3.5",
+                                 MIN_PIXELS, MAX_PIXELS)
+    return height // vision.patch_size, width // vision.patch_size
 
 
 def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
