@@ -22,6 +22,10 @@ TESTED_FAMILIES = ("llava", "llava_next", "qwen2_vl", "video_llava", "llava_onev
 # PDrop and SparseVLM act in Qwen2-VL's decoder (3-D positions kept, no compaction), ToMe merges groups in its
 # windowed tower in grid order: tested on Qwen2.5-VL too (issue 25).
 TESTED_FAMILIES += ("qwen2_5_vl",)
+# Qwen3-VL (dense and MoE): Qwen2-VL's parts with DeepStack's features following every method (issue 34).
+QWEN3_VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
+ALL_FAMILIES += QWEN3_VL_FAMILIES
+TESTED_FAMILIES += QWEN3_VL_FAMILIES
 # Qwen3.5 (issue 34): the methods before the LLM run as on Qwen2-VL; those in its hybrid decoder run where the
 # layer they read or reduce is full attention, and refuse a Gated DeltaNet layer in one line
 # (ficoco.models.qwen3_5.hybrid).

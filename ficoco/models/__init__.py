@@ -25,6 +25,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 FAMILIES["qwen2_5_vl"] = ("ficoco.models.qwen2_5_vl", "Qwen2_5_VLAdapter")
 FAMILIES["llava_onevision"] = ("ficoco.models.llava_onevision", "LlavaOnevisionAdapter")
+# Qwen3-VL-MoE is Qwen3-VL with a sparse-expert decoder: the same adapter.
+FAMILIES["qwen3_vl"] = ("ficoco.models.qwen3_vl", "Qwen3VLAdapter")
+FAMILIES["qwen3_vl_moe"] = ("ficoco.models.qwen3_vl", "Qwen3VLAdapter")
 FAMILIES["qwen3_5"] = ("ficoco.models.qwen3_5", "Qwen3_5Adapter")
 
 

@@ -308,6 +308,9 @@ FAMILY_TOWERS = {"llava": "vision_tower", "llava_next": "vision_tower", "video_l
                  "qwen2_vl": "visual"}
 FAMILY_TOWERS["qwen2_5_vl"] = "visual"
 FAMILY_TOWERS["llava_onevision"] = "vision_tower"  # SigLIP: the same encoder layer parts as CLIP's
+# Qwen3-VL (dense and MoE): Qwen2-VL's packed tower layout (visual.blocks, visual.merger) plus DeepStack's mergers.
+QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+FAMILY_TOWERS.update(dict.fromkeys(QWEN3_VL_TYPES, "visual"))
 
 
 def check_model(model: nn.Module) -> None:
@@ -323,11 +326,14 @@ def check_model(model: nn.Module) -> None:
             attention_projections(layer_parts(layer, DECODER_LAYER).attention)
     for path in (decoder_rotary, decoder_norm, lm_head):
         path(model)
-    if model_type in ("qwen2_vl", "qwen2_5_vl") or model_type in HYBRID_DECODERS:
+    if model_type in ("qwen2_vl", "qwen2_5_vl", *QWEN3_VL_TYPES) or model_type in HYBRID_DECODERS:
         tower = qwen2_vl_tower(model)
         for block in qwen2_vl_blocks(tower):
             layer_parts(block, QWEN2_VL_VISION_BLOCK)
         qwen2_vl_merger(tower)
+        if model_type in QWEN3_VL_TYPES:
+            qwen3_vl_deepstack_mergers(tower)
+            _require_attribute("Qwen3-VL DeepStack in the decoder", language_model(model), DEEPSTACK_ADD)
         _require_attribute("model layout", inner_model(model), "rope_deltas")
         return
     projector(model)
@@ -448,6 +454,70 @@ def _check_qwen2_vl_tower() -> None:
     _require_parameters(name, qwen2_vl.Qwen2VLVisionBlock.forward, "hidden_states", *QWEN2_VL_BLOCK_KEYWORDS)
     _require_parameters(name, qwen2_vl.VisionAttention.forward, "hidden_states", *QWEN2_VL_BLOCK_KEYWORDS)
     _require_parameters(name, qwen2_vl.Qwen2VisionTransformerPretrainedModel.forward, "hidden_states", "grid_thw")
+
+
+# Qwen3-VL's tower (dense and MoE): Qwen2-VL's block call and packed sequence; DeepStack runs the outputs of the
+# `deepstack_visual_indexes` blocks through their own mergers (`deepstack_merger_list`), hands them out in the
+# tower output's `deepstack_features` (per tap, all images), and the decoder (`Qwen3VLTextModel.forward`, keywords
+# `visual_pos_masks` and `deepstack_visual_embeds`) adds tap i at the visual positions after decoder layer i
+# through `_deepstack_process(hidden_states, visual_pos_masks, visual_embeds)`.
+DEEPSTACK_FEATURES_FIELD = "deepstack_features"
+DEEPSTACK_MASK_KEYWORD, DEEPSTACK_EMBEDS_KEYWORD = "visual_pos_masks", "deepstack_visual_embeds"
+DEEPSTACK_ADD = "_deepstack_process"
+
+
+def qwen3_vl_deepstack_mergers(tower: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(tower layer, its merger) of every DeepStack tap, in the order the decoder adds them."""
+    name = "Qwen3-VL DeepStack taps"
+    layers = list(_require_attribute(name, tower, "deepstack_visual_indexes"))
+    mergers = list(_require_attribute(name, tower, "deepstack_merger_list"))
+    if len(layers) != len(mergers):
+        raise ContactChanged(name, f"{len(layers)} deepstack_visual_indexes for {len(mergers)} mergers")
+    return list(zip(layers, mergers, strict=True))
+
+
+@contact("Qwen3-VL DeepStack taps")
+def _check_qwen3_vl_tower() -> None:
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3_vl
+    from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as qwen3_vl_moe
+
+    name = "Qwen3-VL DeepStack taps"
+    for module in (qwen3_vl, qwen3_vl_moe):
+        prefix = "Qwen3VLMoe" if module is qwen3_vl_moe else "Qwen3VL"
+        _require_parameters(name, getattr(module, f"{prefix}VisionBlock").forward, "hidden_states",
+                            *QWEN2_VL_BLOCK_KEYWORDS)
+        _require_parameters(name, getattr(module, f"{prefix}VisionAttention").forward, "hidden_states",
+                            *QWEN2_VL_BLOCK_KEYWORDS)
+        _require_parameters(name, getattr(module, f"{prefix}VisionModel").forward, "hidden_states", "grid_thw")
+        _require_parameters(name, getattr(module, f"{prefix}Model").get_image_features, "pixel_values",
+                            "image_grid_thw")
+        _require_parameters(name, getattr(module, f"{prefix}ForConditionalGeneration").forward,
+                            ENCODED_FEATURES_KEYWORD)
+    output = qwen3_vl.BaseModelOutputWithDeepstackFeatures
+    if DEEPSTACK_FEATURES_FIELD not in {f.name for f in fields(output)}:
+        raise ContactChanged(name, f"BaseModelOutputWithDeepstackFeatures has no {DEEPSTACK_FEATURES_FIELD}")
+    # Both tower classes build their taps' mergers under these names.
+    config = qwen3_vl.Qwen3VLVisionConfig(depth=2, hidden_size=8, intermediate_size=8, num_heads=2,
+                                          out_hidden_size=8, num_position_embeddings=4,
+                                          deepstack_visual_indexes=[0])
+    qwen3_vl_deepstack_mergers(qwen3_vl.Qwen3VLVisionModel(config))
+
+
+@contact("Qwen3-VL DeepStack in the decoder")
+def _check_qwen3_vl_decoder() -> None:
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3_vl
+    from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as qwen3_vl_moe
+
+    name = "Qwen3-VL DeepStack in the decoder"
+    for text in (qwen3_vl.Qwen3VLTextModel, qwen3_vl_moe.Qwen3VLMoeTextModel):
+        _require_parameters(name, text.forward, DEEPSTACK_MASK_KEYWORD, DEEPSTACK_EMBEDS_KEYWORD)
+        _require_parameters(name, _require_attribute(name, text, DEEPSTACK_ADD), "hidden_states",
+                            "visual_pos_masks", "visual_embeds")
+    for model in (qwen3_vl.Qwen3VLModel, qwen3_vl_moe.Qwen3VLMoeModel):
+        _require_parameters(name, model.get_rope_index, "input_ids", "mm_token_type_ids", "image_grid_thw",
+                            "attention_mask", "video_grid_thw")
+    for layer in (qwen3_vl.Qwen3VLTextDecoderLayer, qwen3_vl_moe.Qwen3VLMoeTextDecoderLayer):
+        _require_parameters(name, layer.forward, "hidden_states", *DECODER_LAYER_KEYWORDS)
 
 
 # Qwen2.5-VL's windowed tower: the layers that attend over the whole image (the others within windows),

@@ -36,6 +36,10 @@ QWEN3_5_REFUSAL = ("not wired: Qwen3.5 lays a video out as one placeholder span 
                    "or LLaVA-OneVision")
 IMAGE_ONLY_REFUSAL = ("a video method: its temporal segmentation and merging need a video's frames, and this family "
                       "takes images (an image is one frame)")
+# Qwen3-VL adds DeepStack's features (from earlier tower layers) to the tokens HoliTom hands the decoder.
+DEEPSTACK_REFUSAL = ("not wired: HoliTom merges a video's tokens by the similarity of the very features it merges "
+                     "and hands back no weights, so Qwen3-VL's DeepStack features (added to those tokens in the "
+                     "first decoder layers) cannot be merged as its tokens were")
 
 
 def steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
@@ -111,8 +115,8 @@ SPEC = MethodSpec(
     families=FAMILIES, module=f"{__name__}.ops",
     function="holitom_reduce",
     # Qwen2-VL and Qwen2.5-VL (issue 25) run it on videos: their temporal slices are the frames.
-    refusals={"llava": IMAGE_ONLY_REFUSAL, "llava_next": IMAGE_ONLY_REFUSAL, "qwen3_5": QWEN3_5_REFUSAL},
-    pooled_grid=True,
+    refusals={"llava": IMAGE_ONLY_REFUSAL, "llava_next": IMAGE_ONLY_REFUSAL, "qwen3_vl": DEEPSTACK_REFUSAL,
+              "qwen3_vl_moe": DEEPSTACK_REFUSAL, "qwen3_5": QWEN3_5_REFUSAL}, pooled_grid=True,
     source="cokeshao/HoliTom b1d1412 (holitom/llava_arch.py, holitom/modeling_qwen2.py; README's run: "
            "RETAIN_RATIO T=0.80 HOLITOM_k=18 HOLITOM_r=0.5)",
     summary="segment a video's frames by global temporal redundancy, merge static tokens over each segment, "

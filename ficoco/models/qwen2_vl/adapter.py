@@ -8,6 +8,7 @@ adapter's (`FamilyAdapter`).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
@@ -112,6 +113,14 @@ class Qwen2VLAdapter(FamilyAdapter):
         raise FicocoError(f"variant={spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
                           "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
                           "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
+
+    def follow_groups(self, tower: TowerPass, images: list[int], kept_at: Tensor,
+                      rerun: Callable[[Tensor], Tensor] | None, *, merges: bool | None) -> None:
+        """What else follows the groups a method step in the tower kept or merged for `images` (of the pass):
+        nothing here; Qwen3-VL's DeepStack features (ficoco.models.qwen3_vl). `kept_at` (n, K): where every
+        unit that goes on was among the step's units (-1: a unit the step made); `rerun` maps per-unit
+        features (n, G, C) through the same step (its own weights); `merges`: whether the step merged (None:
+        where `kept_at` holds a made unit)."""
 
     def language_tokens(self, input_ids: Tensor) -> Tensor:
         """(B, T) bool: the placeholders an LLM-side step reduces: the images', and under a video method

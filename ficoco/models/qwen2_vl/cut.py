@@ -11,6 +11,7 @@ the methods read and the merger's output back where the tower expects it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,6 +119,17 @@ class TowerCuts:
             discarded = complement(kept, groups, groups - kept.shape[1])
             handle.record("vision", removal.layer, kept=group_patches(kept, cols, adapter.merge_size),
                           discarded=group_patches(discarded, cols, adapter.merge_size))
+
+            def rerun(carried: Tensor, _inputs: TowerInput = inputs, _order: Tensor = order.indices) -> Tensor:
+                # The same cut on per-group features (n, G, C), for a cut that merges (VisionZip's contextual
+                # tokens, grouped by the keys alone): the features merge as the units did, in the same order.
+                out = handle.run_method(("projector", None), module.tower_step, replace(_inputs, hidden=carried),
+                                        settings)
+                return gather_tokens(out.hidden, _order)
+
+            # Where every token that goes on continues one group (-1: a merged token), in the units' order; the
+            # step reruns only where it merged (a cut that only keeps may decide from the units themselves).
+            adapter.follow_groups(tower, images, torch.gather(out.kept, 1, order.indices), rerun, merges=None)
             for b, image in enumerate(images):
                 out_pieces[image] = hidden[b]
                 tower.kept_groups[image] = kept[b]
@@ -166,6 +178,7 @@ class TowerCuts:
                 gone = complement(red.kept, groups)
                 handle.record("vision", cut.layer, kept=group_patches(red.kept, cols, adapter.merge_size),
                               discarded=group_patches(gone, cols, adapter.merge_size))
+                adapter.follow_groups(tower, images, red.kept, None, merges=False)  # a cut that only keeps
                 for b, image in enumerate(images):
                     pieces[image] = red.hidden[b]
                     tower.kept_groups[image] = red.kept[b]

@@ -48,16 +48,27 @@ def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60,
     The image is `image_size` (H, W), the profile's by default. Qwen2.5-VL's processor lays prompts
     out the same way and adds a video's `second_per_grid_ts` (here 1 s per slice: 2 frames per second).
     """
-    config = model.config
-    if config.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+    if model.config.model_type not in ("qwen2_vl", "qwen2_5_vl"):
         raise FicocoError(f"these synthetic inputs are laid out for Qwen2-VL and Qwen2.5-VL only, not "
-                          f"'{config.model_type}'")
+                          f"'{model.config.model_type}'")
+    return qwen_template_inputs(model, image_grid(model, image_size), batch=batch, text_tokens=text_tokens,
+                                seed=seed, dtype=dtype, device=device, frames=frames,
+                                default_frames=frames is None and image_size is None)
+
+
+def qwen_template_inputs(model: nn.Module, grid: tuple[int, int], *, batch: int = 1, text_tokens: int = 60,
+                         seed: int = 0, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                         frames: int | None = None, default_frames: bool = False) -> dict[str, Tensor]:
+    """`synthetic_inputs` on an image of `grid` (rows, cols) patches, for every family whose processor lays
+    prompts out as Qwen2-VL's (Qwen3-VL's images: ficoco.models.qwen3_vl); `default_frames`: a profile's
+    video layout when it has one."""
+    config = model.config
     fixed = PREFIX_TOKENS + _SUFFIX_TEMPLATE_TOKENS
     if text_tokens < fixed:
         raise FicocoError(f"text_tokens= must be at least the {fixed} template tokens around the image")
-    rows, cols = image_grid(model, image_size)
+    rows, cols = grid
     vision = config.vision_config
-    if frames is None and image_size is None:
+    if default_frames:
         frames = (getattr(model, "_ficoco_defaults", None) or {}).get("frames")
     if frames is not None and frames < 1:
         raise FicocoError(f"frames={frames} must be at least 1")

@@ -12,6 +12,7 @@ the kept patches and the segments of the shorter images, which the tower's order
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -228,6 +229,22 @@ class TowerBlocks:
             handle.record("vision", layer_idx, kept=group_patches(red.kept_groups, cols, adapter.merge_size),
                           discarded=group_patches(red.discarded_groups, cols, adapter.merge_size),
                           merged_into=merged_into)
+
+            def rerun(carried: Tensor, _x: Tensor = x, _attn: Tensor = attn, _keys: Tensor = keys,
+                      _index: Tensor = index, _grid: tuple[int, int] = (rows, cols)) -> Tensor:
+                # The same step on per-group features (n, G, C): FiCoCo-V decides from the attention and keys
+                # alone, so it folds them with the weights it folded the patches with. C is split over the
+                # group's members (padded to a multiple of them), as the step folds member into member.
+                count, groups, width = carried.shape
+                padded = -(-width // adapter.merge) * adapter.merge
+                members = F.pad(carried, (0, padded - width)).reshape(count, groups * adapter.merge, -1)
+                out = handle.run_method(("vision", layer_idx), reduce_groups, members, _attn, _keys, r, _index,
+                                        (_grid[0] // adapter.merge_size, _grid[1] // adapter.merge_size),
+                                        merge=adapter.merge, lam=params.lam, eps=params.eps, window=params.window,
+                                        coefficient=params.coefficient)
+                return out.hidden.reshape(count, -1, padded)[..., :width]
+
+            adapter.follow_groups(tower, images, red.kept_positions, rerun, merges=True)
             for b, image in enumerate(images):
                 new_hidden[image] = red.hidden[b]
                 kept_positions[image] = red.kept_positions[b]
@@ -358,6 +375,14 @@ class TowerBlocks:
                           discarded=group_patches(discarded, cols, adapter.merge_size))
             # Where the units that go on were among this block's units (both lists ascending).
             where = torch.searchsorted(before, kept)
+
+            def rerun(carried: Tensor, _inputs: TowerInput = inputs) -> Tensor:
+                # The same merge on per-group features (n, G, C): ToMe matches by the keys alone, so the
+                # features average with the sizes the patches averaged with.
+                return handle.run_method(("vision", layer_idx), module.tower_step,
+                                         dataclasses.replace(_inputs, hidden=carried), settings).hidden
+
+            adapter.follow_groups(tower, images, where, rerun, merges=True)
             for b, image in enumerate(images):
                 new_hidden[image] = out.hidden[b].reshape(-1, hidden.shape[-1])
                 current[image] = where[b]

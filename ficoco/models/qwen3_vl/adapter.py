@@ -1,0 +1,92 @@
+"""The Qwen3-VL adapter (`Qwen3VLForConditionalGeneration`, and `Qwen3VLMoeForConditionalGeneration`, whose
+decoder routes every token to a few experts): Qwen2-VL's adapter and parts (the packed tower's blocks, the cuts,
+the prompt shortening, FiCoCo-L in the decoder), on Qwen2-VL's grid order, with DeepStack's features following
+whatever a method does to the visual tokens (ficoco.models.qwen3_vl.deepstack).
+
+Everything tower-side reads no DeepStack where a tower has none (`deepstack_mergers` empty): a family whose
+tower is Qwen3-VL's without the taps (Qwen3.5) derives from this class and names none.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
+from ficoco.models.patching import Patches
+from ficoco.models.qwen2_vl.adapter import Qwen2VLAdapter
+from ficoco.models.qwen2_vl.tower_pass import TowerPass
+from ficoco.models.qwen3_vl.deepstack import DecoderTaps, DeepStackOrder, TowerTaps
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ficoco.models.handle import Handle
+
+# Methods whose Qwen3-VL run DeepStack's features cannot follow, and why (their refusals name the family too).
+FEATURE_MERGES = ("HoliTom merges a video's tokens by the similarity of the very features it merges, and hands "
+                  "back no weights, so DeepStack's features cannot be merged as its tokens were")
+
+
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    """Where the method goes in a Qwen3-VL (or Qwen3-VL-MoE) model: Qwen2-VL's adapter with DeepStack kept
+    consistent with the visual tokens a method leaves, before the LLM and in the decoder."""
+
+    family_title = "Qwen3-VL"
+    order_strategy = DeepStackOrder
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.tower_taps = TowerTaps(self)
+
+    def deepstack_mergers(self) -> list[tuple[int, nn.Module]]:
+        """(tower layer, merger) of every DeepStack tap; none on a tower without DeepStack."""
+        return hf.qwen3_vl_deepstack_mergers(self.visual)
+
+    def stage_modules(self) -> dict[str, nn.Module]:
+        """The accountant's stages; the merger sits inside the vision tower, DeepStack's mergers too."""
+        return super().stage_modules()
+
+    # -- before the LLM ---------------------------------------------------------------------------
+    def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """Qwen2-VL's hook points in the packed tower, with every DeepStack tap's features following the
+        method's steps (kept where its tokens are kept, merged with its own weights where they merge)."""
+        if spec.pooled_grid and self.tower_taps.taps:
+            raise FicocoError(f"variant={spec.name}: {spec.title} on {self.family_title}: {FEATURE_MERGES}; run it "
+                              "on Qwen2-VL or Qwen2.5-VL")
+        super().patch_tower(handle, patches, spec, schedule)
+        if self.tower_taps.taps:
+            self.tower_taps.install(patches)
+
+    def follow_groups(self, tower: TowerPass, images: list[int], kept_at: Tensor,
+                      rerun: Callable[[Tensor], Tensor] | None, *, merges: bool | None) -> None:
+        self.tower_taps.follow(tower, images, kept_at, rerun, merges)
+
+    # -- in the decoder ----------------------------------------------------------------------------
+    def patch_in_layer(self, handle: Handle, patches: Patches, spec: Any, schedule: Any, first: int) -> None:
+        """FiCoCo-L's hook point (the base adapter's), with DeepStack's additions sliced to the tokens it keeps
+        and its merges run on the features of the taps still to come."""
+        from ficoco.models.llm_steps import InLayerPatch
+
+        patch = InLayerPatch(self, handle, spec, schedule, first)
+        if self.deepstack_mergers():
+            taps = DecoderTaps(self, handle, spec.title)
+            patch.step = taps.merge_step(patch.step)
+            taps.install(patches)
+        patch.install(patches)
+
+    def patch_layer_input(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """The layer-input methods' hook points (the base adapter's), with DeepStack's additions sliced to the
+        visual tokens still present."""
+        taps = len(self.deepstack_mergers())
+        early = [r.layer for r in schedule.removals if r.stage == "llm" and r.added and r.layer < taps]
+        if early:
+            raise FicocoError(f"variant={spec.name}: {spec.title} on {self.family_title} adds tokens at decoder layer "
+                              f"{early[0]}, where DeepStack still adds the tower's features (after layers 0.."
+                              f"{taps - 1}), and says not which features they stand for: give its steps layers from "
+                              f"{taps} on (schedule=)")
+        super().patch_layer_input(handle, patches, spec, schedule)
+        if taps:
+            DecoderTaps(self, handle, spec.title).install(patches)
