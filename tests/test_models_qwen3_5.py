@@ -352,3 +352,33 @@ def test_pdrops_own_row_is_the_gated_layers_own_attention_row(model: nn.Module) 
     row = HybridDecoder.own_last_row(layer, hidden, cos, sin, visible)
     expected = captured["weights"][:, :, -1]
     torch.testing.assert_close(row, expected.float(), atol=1e-5, rtol=0)
+
+
+# -- a real prompt through a local checkout's processor ---------------------------------------------
+
+def test_a_real_prompt_through_a_local_checkouts_processor_runs_v_and_fastv(tmp_path: Any) -> None:
+    """The checkpoint's processor and chat template lay the prompt out; the accountant plans the processor's
+    grid; FiCoCo-V and FastV (at layer 4, after full layer 3) run on it."""
+    from helpers import make_checkpoint
+    from PIL import Image
+
+    from ficoco.models.prompt import encode_prompt
+    from ficoco.profiles import load_profile, set_layout
+
+    folder = make_checkpoint("qwen3_5", tmp_path / "checkpoint")
+    picture = Image.new("RGB", (150, 100))
+    picture.putdata([(x % 256, (3 * x) % 256, 40) for x in range(150 * 100)])
+    picture.save(tmp_path / "wide.png")
+    profile = load_profile(str(folder))
+    prompt = encode_prompt(str(folder), profile.config, image=str(tmp_path / "wide.png"), prompt="What is shown?")
+    assert prompt.text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is shown?")
+    # 150x100 grows to Qwen3-VL's 65536-pixel floor in 32 px steps: 320 x 224, 20 x 14 patches, 70 merge groups.
+    assert prompt.image_size == (224, 320) and prompt.visual_tokens == 70
+    set_layout(profile, image_size=prompt.image_size)
+    assert architecture(profile).visual_tokens == prompt.visual_tokens
+    model = ficoco.build_model(str(folder), weights=str(folder), dtype="fp32", check_memory=False)
+    length = prompt.encoded["input_ids"].shape[1]
+    with ficoco.apply(model, "v", schedule={1: 8}):
+        assert model(**prompt.encoded).logits.shape[1] == length - 8
+    with ficoco.apply(model, "fastv", schedule="4:30"):
+        assert model(**prompt.encoded).logits.shape[1] == length - 30
