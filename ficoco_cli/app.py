@@ -121,20 +121,30 @@ def models_command() -> None:
     """List the model profiles: family, parameters, layers and widths, visual tokens per image."""
     from ficoco.accounting import architecture, parameter_counts
     from ficoco.profiles import list_profiles, load_profile
-    from ficoco_cli.render import models_table
+    from ficoco_cli.render import models_table, models_unverified
 
     rows = []
     for name in list_profiles():
         profile = load_profile(name)
         arch = architecture(profile)
+        d = arch.decoder
+        unverified = profile.defaults.get("unverified", [])
         rows.append({
             "name": name, "family": arch.family, "parameters": parameter_counts(arch).total,
             "vision_layers": arch.vision.layers, "vision_hidden": arch.vision.hidden,
-            "llm_layers": arch.decoder.layers, "llm_hidden": arch.decoder.hidden,
-            "llm_heads": arch.decoder.heads, "llm_kv_heads": arch.decoder.kv_heads,
+            "llm_layers": d.layers, "llm_hidden": d.hidden,
+            "llm_heads": d.heads, "llm_kv_heads": d.kv_heads,
             "visual_tokens_per_image": arch.visual_tokens,
+            "full_attention_layers": d.full_attention_layers,
+            "experts": None if d.moe is None else {"experts": d.moe.experts, "top_k": d.moe.top_k,
+                                                   "sparse_layers": len(d.moe.layers)},
+            "deepstack_layers": list(arch.deepstack_layers),
+            "unverified": [str(item) for item in unverified] if isinstance(unverified, list) else [str(unverified)],
         })
     out.print(models_table(rows))
+    notes = models_unverified(rows)
+    if notes:
+        out.print(notes)
 
 
 # Every option's value is checked by its kind as it is parsed (ficoco_cli.options); the library

@@ -10,6 +10,7 @@ they tolerate rows of older reports that lack a field ("-").
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -197,17 +198,47 @@ def _grouped(columns: list[_Column], groups: list[tuple[str, list[int]]], title:
 
 # ---- ficoco models ---------------------------------------------------------------------------------------------
 
+def _decoder_words(row: dict[str, Any]) -> str:
+    """The decoder's kind in words: dense, sparse experts (top-k of n), hybrid attention; DeepStack's taps."""
+    layers = row["llm_layers"]
+    full = row.get("full_attention_layers", layers)
+    experts = row.get("experts")
+    words = []
+    if experts:
+        dense = layers - experts["sparse_layers"]
+        words.append(f"MoE {experts['top_k']} of {experts['experts']}" + (f" ({dense} dense)" if dense else ""))
+    if full < layers:
+        words.append(f"{layers - full} DeltaNet + {full} full")
+    if not words:
+        words.append("dense")
+    if row.get("deepstack_layers"):
+        words.append(f"DeepStack {len(row['deepstack_layers'])}")
+    return ", ".join(words)
+
+
 def models_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="Model profiles", title_justify="left")
     for col, justify in (("profile", "left"), ("family", "left"), ("parameters", "right"),
                          ("vision layers x width", "right"), ("LLM layers x width", "right"),
-                         ("heads / kv", "right"), ("visual tokens / image", "right")):
+                         ("heads / kv", "right"), ("decoder", "left"), ("visual tokens / image", "right")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in rows:
         table.add_row(r["name"], r["family"], fmt_count(r["parameters"]),
                       f"{r['vision_layers']} x {r['vision_hidden']}", f"{r['llm_layers']} x {r['llm_hidden']}",
-                      f"{r['llm_heads']} / {r['llm_kv_heads']}", str(r["visual_tokens_per_image"]))
+                      f"{r['llm_heads']} / {r['llm_kv_heads']}", _decoder_words(r), str(r["visual_tokens_per_image"]))
     return table
+
+
+def models_unverified(rows: list[dict[str, Any]]) -> Text | None:
+    """What each profile could not establish (its ficoco section's `unverified` list), under the table."""
+    listed = [r for r in rows if r.get("unverified")]
+    if not listed:
+        return None
+    text = Text("Not established here (each profile's ficoco.unverified):\n")
+    for r in listed:
+        for item in r["unverified"]:
+            text.append(f"  {r['name']}: {item}\n")
+    return text
 
 
 # ---- ficoco flops ----------------------------------------------------------------------------------------------
@@ -295,6 +326,12 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
                 f"total: the cost in scope {report['scope']} (--wide: by stage); ")
                + "memory access is LLM-Viewer traffic, not a footprint; bytes in decimal units")
     caption += "".join(f"; {note}" for note in kv_notes)
+    # A hybrid decoder's linear-attention layers hold a fixed state beside the KV cache (fewer tokens save none).
+    states = {json.dumps(r["linear_state"], sort_keys=True): r["linear_state"] for r in rows if r.get("linear_state")}
+    for state in states.values():
+        caption += (f"; linear-attention state beside the KV cache: {fmt_bytes(state['total_bytes'])} "
+                    f"(recurrent {fmt_bytes(state['recurrent_bytes'])}, convolution {fmt_bytes(state['conv_bytes'])}) "
+                    f"in {state['layers']} Gated DeltaNet layers, whatever the visual tokens")
     # A budget's default shape that had to shorten its run of layers says which layers it used.
     for variant, note in dict.fromkeys((r["variant"], r.get("settings", {}).get("shape")) for r in rows):
         if isinstance(note, str):

@@ -22,8 +22,10 @@ from ficoco.accounting.flops import (
 )
 from ficoco.accounting.memory import (
     KV_FIGURES,
+    LinearState,
     Quant,
     activation_peak_bytes,
+    linear_state,
     llm_viewer_kv_cache_bytes,
     make_quant,
     memory_access_bytes,
@@ -163,6 +165,9 @@ class CostRow:
     # The method's own matrix work beyond the model's layers (score rows, recomputed projections,
     # similarity matrices), in the convention's unit and not in `tflops`: (layer, term, tera-units).
     method_terms: tuple[tuple[int | None, str, float], ...] = ()
+    # A hybrid decoder's linear-attention layers (Qwen3.5): their fixed recurrent and convolution state,
+    # held beside the KV cache of the full-attention layers (whatever the tokens: fewer save none of it).
+    linear_state: LinearState = LinearState(0, 0.0, 0.0)
 
     @property
     def method_tflops(self) -> float:
@@ -184,6 +189,11 @@ class CostRow:
         }
         if self.roofline_s is not None:
             row["roofline_ms"] = self.roofline_s * 1e3
+        if self.linear_state.layers:
+            row["linear_state"] = {"layers": self.linear_state.layers,
+                                   "recurrent_bytes": self.linear_state.recurrent_bytes,
+                                   "conv_bytes": self.linear_state.conv_bytes,
+                                   "total_bytes": self.linear_state.total_bytes}
         return row
 
 
@@ -227,6 +237,8 @@ def account(arch: Architecture, schedule: Schedule, quant: Quant, opts: CountOpt
     weights = weight_bytes(arch, opts.scope, quant)
     activations = activation_peak_bytes(arch, plan, batch=opts.batch, quant=quant,
                                         lm_head_tokens=opts.lm_head_tokens)
+    # The state is kept at the compute width (16 bits, as the stored cache assumes), the recurrence in float32.
+    state = linear_state(arch, batch=opts.batch)
     return CostRow(
         variant=schedule.variant, quant=quant, schedule=schedule, plan=plan,
         tflops=scope_total(by_stage, opts.scope) / 1e12,
@@ -234,10 +246,11 @@ def account(arch: Architecture, schedule: Schedule, quant: Quant, opts: CountOpt
         kv_cache_bytes=kv, kv_cache_stored_bytes=stored_kv, kv_cache_figure=figure, weight_bytes=weights,
         memory_access_bytes=memory_access_bytes(ops, opts.scope, quant),
         # A footprint is what memory holds: the stored cache, whatever the convention.
-        footprint_bytes=weight_bytes(arch, "all", quant) + stored_kv + activations,
+        footprint_bytes=weight_bytes(arch, "all", quant) + stored_kv + state.total_bytes + activations,
         roofline_s=roofline_seconds(ops, opts.scope, quant, gpu) if gpu else None,
         method_terms=tuple((layer, term, _EXTRA_PER_MAC[opts.convention] * macs / 1e12)
                            for layer, term, macs in extra_macs(arch, schedule, plan, batch=opts.batch)),
+        linear_state=state,
     )
 
 

@@ -77,24 +77,141 @@ def _attention_ops(stage: str, layer: int, b: int, n: int, heads: int, kv_heads:
 
 
 def decoder_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: int) -> Iterator[Op]:
-    """A LLaMA-style decoder layer: attention over n_in tokens, the FFN over n_out."""
+    """A LLaMA-style decoder layer: attention over n_in tokens, the FFN over n_out. A Gated DeltaNet
+    layer (Qwen3.5's linear attention) replaces the attention with its own mixer, a sparse layer
+    (Qwen3-VL-MoE's) the FFN with its router and the experts each token is routed to."""
+    d = arch.decoder
+    h = d.hidden
+    s = "llm"
+    yield _elementwise(s, layer, "input_norm", 7 * b * h * n_in, b * h * n_in, b * h * n_in)
+    if d.full_attention(layer):
+        yield from _self_attention_ops(arch, layer, b, n_in)
+    else:
+        yield from _delta_net_ops(arch, layer, b, n_in)
+    yield _elementwise(s, layer, "attn_add", b * h * n_in, b * h * n_in, b * h * n_in)
+    yield _elementwise(s, layer, "post_attn_norm", 7 * b * h * n_out, b * h * n_out, b * h * n_out)
+    if d.sparse(layer):
+        yield from _experts_ops(arch, layer, b, n_out)
+    else:
+        yield _linear(s, layer, "gate_proj", b, n_out, h, d.ffn)
+        yield _linear(s, layer, "up_proj", b, n_out, h, d.ffn)
+        # LLM-Viewer sizes the activation by h, not the FFN width (a known quirk, kept).
+        yield _elementwise(s, layer, "mlp_act", 2 * b * h * n_out, 2 * b * h * n_out, b * h * n_out)
+        yield _linear(s, layer, "down_proj", b, n_out, d.ffn, h)
+    yield _elementwise(s, layer, "mlp_add", b * h * n_out, b * h * n_out, b * h * n_out)
+
+
+def _self_attention_ops(arch: Architecture, layer: int, b: int, n: int) -> Iterator[Op]:
+    """Grouped-query softmax attention over n tokens and the KV cache. Qwen3's per-head RMSNorms on q and k
+    and Qwen3.5's output gate (q_proj gives the query and a gate of the same width; the attention output is
+    multiplied by its sigmoid) are elementwise; rotary (partial or not) is too, and counted by none."""
     d = arch.decoder
     h, q_out, kv_out = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
     s = "llm"
-    yield _elementwise(s, layer, "input_norm", 7 * b * h * n_in, b * h * n_in, b * h * n_in)
-    yield _linear(s, layer, "q_proj", b, n_in, h, q_out)
-    yield _linear(s, layer, "k_proj", b, n_in, h, kv_out, to_kv=True)
-    yield _linear(s, layer, "v_proj", b, n_in, h, kv_out, to_kv=True)
-    yield from _attention_ops(s, layer, b, n_in, d.heads, d.kv_heads, d.head_dim, cached=True)
-    yield _linear(s, layer, "o_proj", b, n_in, q_out, h)
-    yield _elementwise(s, layer, "attn_add", b * h * n_in, b * h * n_in, b * h * n_in)
-    yield _elementwise(s, layer, "post_attn_norm", 7 * b * h * n_out, b * h * n_out, b * h * n_out)
-    yield _linear(s, layer, "gate_proj", b, n_out, h, d.ffn)
-    yield _linear(s, layer, "up_proj", b, n_out, h, d.ffn)
-    # LLM-Viewer sizes the activation by h, not the FFN width (a known quirk, kept).
-    yield _elementwise(s, layer, "mlp_act", 2 * b * h * n_out, 2 * b * h * n_out, b * h * n_out)
-    yield _linear(s, layer, "down_proj", b, n_out, d.ffn, h)
-    yield _elementwise(s, layer, "mlp_add", b * h * n_out, b * h * n_out, b * h * n_out)
+    yield _linear(s, layer, "q_proj", b, n, h, 2 * q_out if d.attn_output_gate else q_out)
+    yield _linear(s, layer, "k_proj", b, n, h, kv_out, to_kv=True)
+    yield _linear(s, layer, "v_proj", b, n, h, kv_out, to_kv=True)
+    if d.qk_norm:
+        yield _elementwise(s, layer, "q_norm", 7 * b * q_out * n, b * q_out * n, b * q_out * n)
+        yield _elementwise(s, layer, "k_norm", 7 * b * kv_out * n, b * kv_out * n, b * kv_out * n)
+    yield from _attention_ops(s, layer, b, n, d.heads, d.kv_heads, d.head_dim, cached=True)
+    if d.attn_output_gate:
+        yield _elementwise(s, layer, "attn_gate", 2 * b * q_out * n, 2 * b * q_out * n, b * q_out * n)
+    yield _linear(s, layer, "o_proj", b, n, q_out, h)
+
+
+# transformers' torch_chunk_gated_delta_rule (the prefill's delta rule) splits the sequence, padded to a
+# multiple of it, into chunks of this many tokens.
+DELTA_RULE_CHUNK = 64
+
+
+def delta_rule_macs(arch: Architecture, b: int, n: int) -> int:
+    """Multiply-accumulates of the chunked gated delta rule over n tokens (transformers'
+    torch_chunk_gated_delta_rule), per value head, with the sequence padded to L tokens in chunks of C
+    and key/value head widths dk/dv: inside every chunk k_beta.k^T and q.k^T (C x dk x C each), the two
+    unit-lower triangular solves of the UT transform (C(C-1)/2 x (dv + dk)), then the scan over chunks
+    reading and writing the fixed dk x dv state (three C x dk x dv products) and the chunk's own values
+    (C x C x dv). Linear in tokens: no product grows with the sequence beyond its chunk."""
+    linear = arch.decoder.linear
+    assert linear is not None
+    chunk, dk, dv = DELTA_RULE_CHUNK, linear.key_head_dim, linear.value_head_dim
+    chunks = -(-n // chunk)
+    padded = chunks * chunk
+    per_head = padded * (2 * chunk * dk + 3 * dk * dv + chunk * dv) + chunks * chunk * (chunk - 1) // 2 * (dk + dv)
+    return b * linear.value_heads * per_head
+
+
+def _delta_net_ops(arch: Architecture, layer: int, b: int, n: int) -> Iterator[Op]:
+    """A Gated DeltaNet layer (Qwen3.5's linear attention) over n tokens: q, k and v from one projection
+    through a depthwise causal convolution (padded by kernel - 1 on both sides, the tail dropped: n + kernel - 1
+    outputs computed), z, a and b projections, the chunked delta rule over a fixed state per value head,
+    the RMSNorm gated by z, and out_proj. Nothing here is cached per token: the state replaces the KV cache."""
+    d = arch.decoder
+    linear = d.linear
+    assert linear is not None
+    h, s = d.hidden, "llm"
+    conv, value = linear.conv_dim, linear.value_dim
+    yield _linear(s, layer, "in_proj_qkv", b, n, h, conv)
+    yield _linear(s, layer, "in_proj_z", b, n, h, value)
+    yield _linear(s, layer, "in_proj_b", b, n, h, linear.value_heads)
+    yield _linear(s, layer, "in_proj_a", b, n, h, linear.value_heads)
+    conv_macs = b * (n + linear.conv_kernel - 1) * conv * linear.conv_kernel
+    # A depthwise convolution: its few weights are loaded like activations (no linear shape to price).
+    yield Op(s, layer, "conv1d", macs=conv_macs, viewer_ops=2 * conv_macs,
+             act_load=b * n * conv + conv * linear.conv_kernel, act_store=b * n * conv)
+    yield _elementwise(s, layer, "conv_act", 2 * b * n * conv, b * n * conv, b * n * conv)
+    rule = delta_rule_macs(arch, b, n)
+    state = b * linear.state_elems
+    yield Op(s, layer, "delta_rule", macs=rule, viewer_ops=2 * rule,
+             act_load=b * n * (conv + 2 * linear.value_heads), act_store=b * n * value + state)
+    yield _elementwise(s, layer, "gated_norm", 9 * b * n * value, 2 * b * n * value, b * n * value)
+    yield _linear(s, layer, "out_proj", b, n, value, h)
+
+
+def _experts_ops(arch: Architecture, layer: int, b: int, n: int) -> Iterator[Op]:
+    """A sparse FFN over n tokens: the router (hidden x experts), then every token through its top-k experts
+    (gate and up fused, SiLU, down), weighted and summed. The matrix work follows the active experts
+    (n x top_k token rows), whichever experts they are; the weights loaded are those of the experts the
+    rows can reach (all of them once n x top_k reaches the expert count)."""
+    d = arch.decoder
+    moe = d.moe
+    assert moe is not None
+    h, s = d.hidden, "llm"
+    rows = b * n * moe.top_k
+    yield _linear(s, layer, "router", b, n, h, moe.experts)
+    yield _elementwise(s, layer, "router_softmax", 5 * b * n * moe.experts, b * n * moe.experts, b * n * moe.top_k)
+    # One expert's matrices carry the rows (a linear of rows x in x out, as a grouped matmul runs them); the
+    # other reachable experts' weights are loaded beside them.
+    yield _linear(s, layer, "experts_gate_up", 1, rows, h, 2 * moe.ffn)
+    yield _elementwise(s, layer, "experts_act", 2 * rows * moe.ffn, 2 * rows * moe.ffn, rows * moe.ffn)
+    yield _linear(s, layer, "experts_down", 1, rows, moe.ffn, h)
+    reached = min(moe.experts, rows)
+    yield Op(s, layer, "experts_weights", weight_elems=(reached - 1) * 3 * h * moe.ffn)
+    yield _elementwise(s, layer, "experts_combine", 2 * rows * h, rows * h, b * n * h)
+
+
+def deepstack_merger_ops(arch: Architecture, plan: TokenPlan, batch: int) -> list[Op]:
+    """Qwen3-VL's DeepStack mergers: one per tapped tower layer (LayerNorm over the merged width, then the
+    projector's two linears) over the merge groups present at that layer (a method in the tower removes
+    groups before the later taps)."""
+    v = arch.vision
+    merged = v.hidden * v.merge
+    ops: list[Op] = []
+    for k, tap in enumerate(arch.deepstack_layers):
+        groups = batch * plan.vision_items * ((plan.vision[tap][1] - int(v.has_cls)) // v.merge)
+        ops.append(_elementwise("projector", None, f"deepstack_{k}_norm", 7 * groups * merged, groups * merged,
+                                groups * merged))
+        for j, (ic, oc) in enumerate(arch.projector.linears):
+            ops.append(_linear("projector", None, f"deepstack_{k}_linear_{j + 1}", 1, groups, ic, oc))
+    return ops
+
+
+def deepstack_add_op(arch: Architecture, plan: TokenPlan, layer: int, batch: int) -> Op:
+    """The k-th DeepStack merger's features added to the visual positions of decoder layer k's output
+    (elementwise: no MACs), at the visual tokens that layer hands on."""
+    visual = batch * (plan.llm_visual[layer][1] if plan.llm_visual else plan.llm_visual_tokens)
+    width = arch.decoder.hidden
+    return _elementwise("llm", layer, "deepstack_add", visual * width, 2 * visual * width, visual * width)
 
 
 def vision_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: int,
@@ -154,6 +271,11 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
     ops: list[Op] = []
     patch_in = v.channels * v.temporal_patch * v.patch_size**2
     ops.append(_linear("vision", None, "patch_embed", items, v.patches, patch_in, v.hidden))
+    if v.kind == "qwen3_vl":
+        # The learned position grid resampled bilinearly to every item's grid and added (elementwise).
+        elems = items * v.patches * v.hidden
+        ops.append(_elementwise("vision", None, "position_interpolation", (BILINEAR_OPS_PER_OUTPUT + 1) * elems,
+                                (BILINEAR_OPS_PER_OUTPUT + 1) * elems, elems))
     for layer, (n_in, n_out) in enumerate(plan.vision):
         ops.extend(vision_layer_ops(arch, layer, items, n_in, n_out, vision_attention_pairs(arch, plan, layer, items)))
     # The projector sees the visual tokens that reach the LLM, without LLaVA-NeXT's newlines
@@ -169,8 +291,11 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
     for k, (ic, oc) in enumerate(arch.projector.linears):
         ops.append(_linear("projector", None, f"linear_{k + 1}", 1, projected, ic, oc))
     ops.extend(resampling_ops(arch, batch))
+    ops.extend(deepstack_merger_ops(arch, plan, batch))
     for layer, (n_in, n_out) in enumerate(plan.llm):
         ops.extend(decoder_layer_ops(arch, layer, batch, n_in, n_out))
+        if layer < len(arch.deepstack_layers):
+            ops.append(deepstack_add_op(arch, plan, layer, batch))
     final_tokens = plan.llm[-1][1] if plan.llm else plan.text_tokens + plan.llm_visual_tokens
     head_tokens = batch * (final_tokens if lm_head_tokens == "all" else 1)
     # LLM-Viewer adds the head once for one token at one op per MAC, and loads without batch.
@@ -193,9 +318,17 @@ def vision_attention_pairs(arch: Architecture, plan: TokenPlan, layer: int, item
     return items * v.attention_pairs(layer, units)
 
 
-def _paper_layer(n_in: int, n_out: int, dim: int, ffn: int) -> int:
-    # 4nD^2 + 2n^2D + 2nDH, with the FFN on the tokens the layer keeps (reduction sits before it).
-    return 4 * n_in * dim * dim + 2 * n_in * n_in * dim + 2 * n_out * dim * ffn
+def _paper_layer(n_in: int, n_out: int, dim: int, ffn: int, quadratic: bool = True) -> int:
+    # 4nD^2 + 2n^2D + 2nDH, with the FFN on the tokens the layer keeps (reduction sits before it); a
+    # linear-attention layer has no n^2 term.
+    return 4 * n_in * dim * dim + (2 * n_in * n_in * dim if quadratic else 0) + 2 * n_out * dim * ffn
+
+
+def formula_ffn(arch: Architecture, layer: int) -> int:
+    """The FFN width the closed formulas (paper, visual-macs) use at decoder layer `layer`: the dense FFN, or
+    at a sparse layer the active experts' (top-k x their width; the router has no term)."""
+    d = arch.decoder
+    return d.moe.top_k * d.moe.ffn if d.moe is not None and d.sparse(layer) else d.ffn
 
 
 def paper_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1) -> list[tuple[str, int, int]]:
@@ -210,10 +343,12 @@ def paper_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1) -> li
     overhead = {(red.stage, red.layer): red for red in plan.reductions
                 if red.where == "in_layer" and overhead_of is not None}
     rows: list[tuple[str, int, int]] = []
-    for stage, layers, mult, dim, ffn in (("vision", plan.vision, items, v.hidden, v.ffn),
-                                          ("llm", plan.llm, batch, d.hidden, d.ffn)):
+    for stage, layers, mult, dim in (("vision", plan.vision, items, v.hidden), ("llm", plan.llm, batch, d.hidden)):
         for layer, (n_in, n_out) in enumerate(layers):
-            count = _paper_layer(n_in, n_out, dim, ffn)
+            if stage == "vision":
+                count = _paper_layer(n_in, n_out, dim, v.ffn)
+            else:
+                count = _paper_layer(n_in, n_out, dim, formula_ffn(arch, layer), d.full_attention(layer))
             red = overhead.get((stage, layer))
             if red:
                 count += overhead_of(stage, red.visual_before, red.removed, dim)
@@ -229,7 +364,8 @@ def visual_macs_by_layer(arch: Architecture, plan: TokenPlan, *, batch: int = 1)
     d = arch.decoder
     rows = []
     for layer, (n_in, n_out) in enumerate(plan.llm_visual):
-        count = 4 * n_in * d.hidden**2 + 2 * n_in * n_in * d.hidden + 3 * n_out * d.hidden * d.ffn
+        quadratic = 2 * n_in * n_in * d.hidden if d.full_attention(layer) else 0
+        count = 4 * n_in * d.hidden**2 + quadratic + 3 * n_out * d.hidden * formula_ffn(arch, layer)
         rows.append(("llm", layer, batch * count))
     return rows
 

@@ -112,7 +112,45 @@ def stored_kv_cache_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, kv
     d = arch.decoder
     return sum(kv_layer_bytes(n_in + decode_steps, batch=batch, kv_heads=d.kv_heads, head_dim=d.head_dim,
                               kv_bits=kv_bits, element_bytes=element_bytes, decode_steps=decode_steps)
-               for n_in, _ in plan.llm)
+               for layer, (n_in, _) in enumerate(plan.llm) if d.full_attention(layer))
+
+
+# transformers' gated delta rule computes in float32 and returns its state in float32, and the cache keeps
+# it so (Qwen3.5's config names it: mamba_ssm_dtype float32), whatever the compute dtype.
+RECURRENT_STATE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class LinearState:
+    """What the linear-attention (Gated DeltaNet) layers hold beside the KV cache after the prefill, in bytes:
+    per layer a recurrent state of value_heads x key_head_dim x value_head_dim (float32) and the causal
+    convolution's last `kernel` inputs of every channel (compute dtype). Neither grows with the tokens."""
+
+    layers: int
+    recurrent_bytes: float
+    conv_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.recurrent_bytes + self.conv_bytes
+
+
+def linear_state(arch: Architecture, *, batch: int, element_bytes: float = 2.0) -> LinearState:
+    """The fixed state of `arch`'s linear-attention layers for `batch` sequences (zero without any)."""
+    d = arch.decoder
+    layers = d.layers - d.full_attention_layers
+    if d.linear is None or not layers:
+        return LinearState(0, 0.0, 0.0)
+    return LinearState(layers, layers * batch * d.linear.state_elems * RECURRENT_STATE_BYTES,
+                       layers * batch * d.linear.conv_state_elems * element_bytes)
+
+
+def linear_state_bytes_per_layer(arch: Architecture, *, batch: int, element_bytes: float = 2.0) -> list[float]:
+    """`linear_state`'s bytes layer by layer (0 at a full-attention layer)."""
+    d = arch.decoder
+    state = linear_state(arch, batch=batch, element_bytes=element_bytes)
+    per_layer = state.total_bytes / state.layers if state.layers else 0.0
+    return [0.0 if d.full_attention(layer) else per_layer for layer in range(d.layers)]
 
 
 def weight_bytes(arch: Architecture, scope: str, quant: Quant, *, element_bytes: float = 2.0,
@@ -133,8 +171,8 @@ def weight_bytes(arch: Architecture, scope: str, quant: Quant, *, element_bytes:
     if quant.w_bits >= 16:
         if not 0 <= upcast_layers <= arch.decoder.layers:
             raise FicocoError(f"{upcast_layers} upcast layers: the decoder has {arch.decoder.layers}")
-        # Every decoder layer holds the same linears, so a layer's share is exact.
-        upcast = counts.linear_decoder // arch.decoder.layers * upcast_layers
+        # The first decoder layers' linears (a hybrid or sparse decoder's layers differ).
+        upcast = sum(counts.linear_decoder_layers[:upcast_layers])
         return (total - upcast) * element_bytes + upcast * upcast_element_bytes
     if upcast_layers:
         raise FicocoError("upcast layers apply to unquantized weights only")
@@ -164,7 +202,12 @@ def activation_peak_bytes(arch: Architecture, plan: TokenPlan, *, batch: int, qu
     d, v = arch.decoder, arch.vision
     a = quant.a_bits / 8
     q_out, kv_out = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    llm = max((max(n_in * (2 * d.hidden + q_out * 2 + 2 * kv_out), n_out * (2 * d.hidden + 3 * d.ffn))
+    attention_width = 2 * d.hidden + q_out * (3 if d.attn_output_gate else 2) + 2 * kv_out
+    if d.linear is not None:  # a Gated DeltaNet's q, k, v (before and after its convolution), z and output
+        attention_width = max(attention_width, 2 * d.hidden + 2 * d.linear.conv_dim + 2 * d.linear.value_dim)
+    # A sparse layer's expert rows (top-k per token: gate and up, then the activation) and its router logits.
+    ffn_width = max(3 * d.ffn, 3 * d.moe.top_k * d.moe.ffn + d.moe.experts) if d.moe is not None else 3 * d.ffn
+    llm = max((max(n_in * attention_width, n_out * (2 * d.hidden + ffn_width))
                for n_in, n_out in plan.llm), default=0) * batch
     vision = max((max(n_in * 6 * v.hidden, n_out * (2 * v.hidden + 2 * v.ffn)) for n_in, n_out in plan.vision),
                  default=0) * batch * plan.vision_items
@@ -207,4 +250,5 @@ def kv_cache_bytes_per_layer(arch: Architecture, plan: TokenPlan, *, batch: int,
         element_bytes = max(2.0, kv_bits / 8)
     d = arch.decoder
     return [kv_layer_bytes(n_in, batch=batch, kv_heads=d.kv_heads, head_dim=d.head_dim, kv_bits=kv_bits,
-                           element_bytes=element_bytes, decode_steps=0) for n_in, _ in plan.llm]
+                           element_bytes=element_bytes, decode_steps=0) if d.full_attention(layer) else 0.0
+            for layer, (n_in, _) in enumerate(plan.llm)]

@@ -170,6 +170,7 @@ class Decoder:
     vocab: int
     qkv_bias: bool
     tied_embeddings: bool
+    o_bias: bool = False  # Qwen3's attention_bias gives o_proj a bias too (Qwen2's: q, k and v only)
     qk_norm: bool = False
     attn_output_gate: bool = False
     # One entry per layer, FULL_ATTENTION or LINEAR_ATTENTION; empty: every layer full attention.

@@ -78,7 +78,8 @@ MATRIX_OPS = frozenset({
     "aten::dot", "aten::vdot", "aten::outer", "aten::ger", "aten::bilinear", "aten::tensordot",
     "aten::chain_matmul", "aten::linalg_multi_dot", "aten::scaled_dot_product_attention",
     "aten::_scaled_dot_product_attention_math", "aten::_scaled_dot_product_flash_attention_for_cpu",
-    "aten::_native_multi_head_attention",
+    "aten::_native_multi_head_attention", "aten::_grouped_mm", "transformers::grouped_mm_fallback",
+    "aten::linalg_solve_triangular", "aten::triangular_solve",
 })
 
 
@@ -122,6 +123,59 @@ def convolution_mode_flop_jit(inputs: list[Any], outputs: list[Any]) -> int:
     return output[0] * math.prod(output[2:]) * math.prod(weight)
 
 
+def grouped_mm_macs(input_shape: list[int], weight_shape: list[int], out_shape: list[int]) -> int:
+    """`_grouped_mm(input, weight, offs)` (a sparse layer's experts, transformers' grouped_mm path): every
+    output element is an inner product over the input's last dimension, so `prod(out) * K` MACs whatever the
+    grouping (2-D x 3-D: the token rows of every expert; 3-D x 3-D: a batch). Both operands 2-D (the weight's
+    gradient) splits K among the groups instead: `M * N * K`."""
+    inner = input_shape[-1]
+    if len(input_shape) == 2 and len(weight_shape) == 2:
+        return out_shape[-2] * out_shape[-1] * inner
+    return math.prod(out_shape) * inner
+
+
+def solve_triangular_macs(a_shape: list[int], b_shape: list[int], left: bool) -> int:
+    """`linalg_solve_triangular(A, B, upper, left, unitriangular)` (the gated delta rule's UT transform):
+    forward or back substitution with a C x C triangle over m right-hand sides, C(C-1)/2 x m MACs per matrix
+    (the diagonal's divisions, absent when unitriangular, are not multiply-accumulates)."""
+    size = a_shape[-1]
+    rhs = b_shape[-1] if left else b_shape[-2]
+    return math.prod(b_shape[:-2]) * size * (size - 1) // 2 * rhs
+
+
+def grouped_mm_flop_jit(inputs: list[Any], outputs: list[Any]) -> int:
+    """fvcore's handle for `aten::_grouped_mm` (MACs)."""
+    return grouped_mm_macs(_shape(inputs[0]), _shape(inputs[1]), _shape(outputs[0]))
+
+
+def solve_triangular_flop_jit(inputs: list[Any], outputs: list[Any]) -> int:
+    """fvcore's handle for `aten::linalg_solve_triangular(A, B, upper, left, unitriangular)` (MACs)."""
+    return solve_triangular_macs(_shape(inputs[0]), _shape(inputs[1]), bool(inputs[3].toIValue()))
+
+
+def torch_custom_formulas() -> dict[Any, Callable[..., int]]:
+    """Formulas torch's counter lacks (it counts their ops as 0), in FLOPs: the grouped matmul of sparse
+    layers' experts (transformers' grouped_mm, and its fallback op where registered) and the triangular solves
+    of Gated DeltaNet's chunked delta rule."""
+
+    def grouped_mm(input_shape: Any, weight_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return 2 * grouped_mm_macs(list(input_shape), list(weight_shape), list(out_shape))
+
+    def solve_triangular(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, left: bool = True,
+                         **kwargs: Any) -> int:
+        if len(args) >= 2:  # upper, left given positionally
+            left = bool(args[1])
+        return 2 * solve_triangular_macs(list(a_shape), list(b_shape), left)
+
+    formulas: dict[Any, Callable[..., int]] = {torch.ops.aten.linalg_solve_triangular: solve_triangular}
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        formulas[torch.ops.aten._grouped_mm] = grouped_mm
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if fallback is not None:
+        formulas[fallback] = grouped_mm
+    return formulas
+
+
 def fvcore_handles() -> dict[str, Callable[[list[Any], list[Any]], Any]]:
     """The matrix-type handles fvcore counts with (in MACs): its own and the added ones."""
     from fvcore.nn.jit_handles import (
@@ -139,10 +193,13 @@ def fvcore_handles() -> dict[str, Callable[[list[Any], list[Any]], Any]]:
         "aten::linear": linear_flop_jit,
         "aten::scaled_dot_product_attention": sdpa_flop_jit, "aten::baddbmm": baddbmm_flop_jit,
         "aten::_convolution_mode": convolution_mode_flop_jit,
+        "aten::_grouped_mm": grouped_mm_flop_jit, "transformers::grouped_mm_fallback": grouped_mm_flop_jit,
+        "aten::linalg_solve_triangular": solve_triangular_flop_jit,
     }
 
 
-ADDED_FVCORE_HANDLES = ("aten::scaled_dot_product_attention", "aten::baddbmm", "aten::_convolution_mode")
+ADDED_FVCORE_HANDLES = ("aten::scaled_dot_product_attention", "aten::baddbmm", "aten::_convolution_mode",
+                        "aten::_grouped_mm", "transformers::grouped_mm_fallback", "aten::linalg_solve_triangular")
 DROPPED_FVCORE_HANDLES = ("aten::layer_norm", "aten::group_norm", "aten::batch_norm", "aten::instance_norm",
                           "aten::upsample_nearest2d", "aten::upsample_bilinear2d", "aten::adaptive_avg_pool2d",
                           "aten::grid_sampler")
@@ -459,7 +516,7 @@ def _count_torch(prefill: Prefill, args: tuple[Tensor, ...]) -> _Measured:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=torch_custom_formulas())
     # CPU SDPA's flash kernel has no flop formula (counted as 0); the math backend decomposes
     # into matmuls the counter sees.
     with sdpa_kernel(SDPBackend.MATH), counter:
@@ -479,27 +536,36 @@ def _count_torch(prefill: Prefill, args: tuple[Tensor, ...]) -> _Measured:
 
 @dataclass(frozen=True)
 class _Paths:
-    """Module paths (from Prefill) of the stages and layers, and the modules themselves."""
+    """Module paths (from Prefill) of the stages and layers, and the modules themselves. A stage may own
+    modules besides its own (`extra`): Qwen3-VL's DeepStack mergers are the projector's."""
 
     stages: dict[str, str]
     vision_layers: list[str]
     decoder_layers: list[str]
     modules: list[nn.Module]
+    extra: dict[str, list[str]] = field(default_factory=dict)
+
+    def of(self, stage: str) -> list[str]:
+        """Every module path the stage counts."""
+        return [self.stages[stage], *self.extra.get(stage, [])]
 
 
 def _module_paths(model: nn.Module) -> _Paths:
-    """Where the stages and layers sit in the model, found by identity (the adapter's modules)."""
+    """Where the stages and layers sit in the model, found by identity (the adapter's modules; an adapter's
+    `deepstack_mergers()`, where it has one, gives the projector's DeepStack mergers)."""
     from ficoco.models import adapter_for
 
     adapter = adapter_for(model)
     names = {id(module): f"model.{name}" for name, module in model.named_modules()}
     stage_modules = adapter.stage_modules()
-    modules = [*stage_modules.values(), *adapter.vision_layers, *adapter.decoder_layers]
+    deepstack = [merger for _, merger in getattr(adapter, "deepstack_mergers", list)()]
+    modules = [*stage_modules.values(), *deepstack, *adapter.vision_layers, *adapter.decoder_layers]
     return _Paths(
         stages={stage: names[id(module)] for stage, module in stage_modules.items()},
         vision_layers=[names[id(layer)] for layer in adapter.vision_layers],
         decoder_layers=[names[id(layer)] for layer in adapter.decoder_layers],
         modules=modules,
+        extra={"projector": [names[id(merger)] for merger in deepstack]} if deepstack else {},
     )
 
 
@@ -516,15 +582,15 @@ def _attribute(measured: _Measured, paths: _Paths, method_paths: list[tuple[str,
     if method_inside:
         for (stage, layer, _), flops in zip(method_paths, method, strict=True):
             inside[(stage, layer)] += flops
-    stages = {stage: get(path, 0) for stage, path in paths.stages.items()}
+    stages = {stage: sum(get(path, 0) for path in paths.of(stage)) for stage in paths.stages}
+    # Qwen2-VL's projector (the PatchMerger) is a submodule of its vision tower (Qwen3-VL's DeepStack mergers
+    # too), and both counters include a submodule's work in its owner's: count it in its own stage only.
+    for outer, outer_path in paths.stages.items():
+        stages[outer] -= sum(get(path, 0) for inner in paths.stages if inner != outer for path in paths.of(inner)
+                             if path.startswith(outer_path + "."))
     for (stage, layer), flops in inside.items():
         if layer is None:  # work run inside a stage's module but outside its layers (around the projector)
             stages[stage] -= flops
-    # Qwen2-VL's projector (the PatchMerger) is a submodule of its vision tower, and both
-    # counters include a submodule's work in its owner's: count it in its own stage only.
-    for outer, outer_path in paths.stages.items():
-        stages[outer] -= sum(stages[inner] for inner, inner_path in paths.stages.items()
-                             if inner_path.startswith(outer_path + "."))
     layers: dict[tuple[str, int | None], int] = {}
     for stage, layer_paths in (("vision", paths.vision_layers), ("llm", paths.decoder_layers)):
         for layer, path in enumerate(layer_paths):

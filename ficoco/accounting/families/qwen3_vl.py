@@ -56,7 +56,7 @@ def qwen3_decoder(cfg: dict[str, Any], defaults: dict[str, Any]) -> Decoder:
     tcfg, section = text_section(cfg, defaults)
     decoder = llama_decoder(tcfg, defaults, section=section or "text_config")
     tied = cfg.get("tie_word_embeddings")
-    return replace(decoder, qk_norm=True, tied_embeddings=bool(tied))
+    return replace(decoder, qk_norm=True, o_bias=decoder.qkv_bias, tied_embeddings=bool(tied))
 
 
 def deepstack_layers(vcfg: dict[str, Any], defaults: dict[str, Any], tower_layers: int,
