@@ -205,7 +205,6 @@ def test_a_left_padded_batch_equals_its_samples_through_the_deltanet_padding_mas
     ("sparsevlm", {"schedule": "6:20"}, "layer 5 of this Qwen3.5 decoder is Gated DeltaNet"),
     ("l", {"schedule": {4: 20}}, "layer 4 of this Qwen3.5 decoder is Gated DeltaNet .* a recurrent state has no "
                                  "tokens to remove; reduce at the full-attention layers 3, 7"),
-    ("l", {"keep": 40}, "layer 4 of .* reduce at the full-attention layers 3, 7"),
     ("pdrop", {"schedule": "5:20"}, "ranks with layer 5's own attention projections, and layer 5 .* is Gated "
                                     "DeltaNet"),
     ("pdrop", {"schedule": "3:20"}, "layer 3 .* is the first full-attention layer, whose cache must keep every "
@@ -219,12 +218,15 @@ def test_a_method_at_a_linear_attention_layer_refuses_in_one_line(model: nn.Modu
     assert "forward" not in model.__dict__ and "_ficoco_handle" not in model.__dict__  # left as it was
 
 
-def test_l_oneshot_at_the_first_full_layer_runs(model: nn.Module) -> None:
+def test_l_plans_keep_over_the_full_attention_layers_alone(model: nn.Module) -> None:
+    """FiCoCo-L's planner spreads `keep=` over the full-attention layers from its first reducing layer (3) on,
+    and "oneshot" puts it all at layer 3; both run."""
     inp = inputs(model, seed=6)
-    with ficoco.apply(model, "l", keep=40, shape="oneshot", first_layer=3) as handle:
-        logits = model(**inp).logits
-    assert handle.schedule.removed_at() == {3: 40}
-    assert logits.shape[1] == inp["input_ids"].shape[1] - 40
+    for shape, planned in (("uniform", {3: 20, 7: 20}), ("oneshot", {3: 40})):
+        with ficoco.apply(model, "l", keep=40, shape=shape) as handle:
+            logits = model(**inp).logits
+        assert handle.schedule.removed_at() == planned
+        assert logits.shape[1] == inp["input_ids"].shape[1] - 40
 
 
 # -- generate, a second turn on the cache, labels ----------------------------------------------------
