@@ -384,3 +384,10 @@ def test_a_real_prompt_through_a_local_checkouts_processor_runs_v_and_fastv(tmp_
         assert model(**prompt.encoded).logits.shape[1] == length - 8
     with ficoco.apply(model, "fastv", schedule="4:30"):
         assert model(**prompt.encoded).logits.shape[1] == length - 30
+
+
+def test_a_quantized_kv_cache_is_refused_in_one_line(model: nn.Module) -> None:
+    """transformers' QuantizedCache builds full-attention layers only: kv_bits is refused before it raises."""
+    with pytest.raises(FicocoError, match="quantized cache holds full-attention layers only") as raised:
+        ficoco.quantized_cache(model, 4)
+    assert "\n" not in str(raised.value)
