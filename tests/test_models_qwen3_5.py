@@ -391,3 +391,22 @@ def test_a_quantized_kv_cache_is_refused_in_one_line(model: nn.Module) -> None:
     with pytest.raises(FicocoError, match="quantized cache holds full-attention layers only") as raised:
         ficoco.quantized_cache(model, 4)
     assert "\n" not in str(raised.value)
+
+
+def test_l_runs_a_new_image_on_an_earlier_turns_cache(model: nn.Module) -> None:
+    """FiCoCo-L's later turn with an image of its own on the reduced cache: the DeltaNet layers continue their
+    states over the new turn's tokens, the first full layer caches every token of both turns and layer 7 both
+    turns' images 20 tokens short each (reduced inside layer 3)."""
+    first, second = inputs(model, seed=16), inputs(model, seed=17)
+    with ficoco.apply(model, "l", **RUNS["l"]):
+        turn1 = greedy(model, first, return_dict_in_generate=True)
+        ids = torch.cat([turn1.sequences, second["input_ids"]], 1)
+        later = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "mm_token_type_ids": (ids == model.config.image_token_id).int(),
+                 "pixel_values": second["pixel_values"],
+                 "image_grid_thw": torch.cat([first["image_grid_thw"], second["image_grid_thw"]])}
+        turn2 = greedy(model, later, **cache_argument(output_cache(turn1)), return_dict_in_generate=True)
+    cache = output_cache(turn2)
+    assert cache.get_seq_length() == cache.get_seq_length(3) == ids.shape[1] + NEW - 1
+    assert cache.get_seq_length(7) == cache.get_seq_length(3) - 2 * 20
+    assert torch.equal(turn2.sequences[:, :ids.shape[1]], ids)
