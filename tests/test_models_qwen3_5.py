@@ -126,6 +126,8 @@ def test_deltanet_layers_get_a_2d_padding_mask_and_full_layers_a_4d_one(model: n
     batch["attention_mask"][0, :2] = 0
     masks: dict[int, Any] = {}
     def keep(module: nn.Module, args: tuple, kwargs: dict, i: int) -> None:
+        # The wrapped layers bind by keyword what the model passes by keyword (hidden_states alone by position).
+        assert len(args) == 1 and {*hf.DECODER_LAYER_KEYWORDS, hf.cache_keyword()} <= set(kwargs)
         masks.setdefault(i, kwargs["attention_mask"])
 
     hooks = [layer.register_forward_pre_hook(lambda m, a, kw, i=i: keep(m, a, kw, i), with_kwargs=True)
