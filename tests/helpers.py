@@ -297,9 +297,13 @@ FAMILIES = {
                                    303: "<|vision_end|>", 304: "<|im_start|>", 305: "<|im_end|>", 306: "<pad>"}),
 }
 FAMILIES["qwen2_5_vl"] = ("qwen2.5-vl-tiny", FAMILIES["qwen2_vl"][1])  # Qwen2-VL's tokens and processor
-# Qwen3.5: Qwen2-VL's special tokens and image processor, with 16 px patches and Qwen3-VL's pixel bounds.
+# Qwen3-VL: Qwen2-VL's tokens and image processor, with 16 px patches and its checkpoints' pixel bounds.
+FAMILIES["qwen3_vl"] = ("qwen3-vl-tiny", FAMILIES["qwen2_vl"][1])
+FAMILIES["qwen3_vl_moe"] = ("qwen3-vl-moe-tiny", FAMILIES["qwen2_vl"][1])
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Qwen3.5: the same tokens, image processor and pixel bounds as Qwen3-VL.
 FAMILIES["qwen3_5"] = ("qwen3.5-tiny", FAMILIES["qwen2_vl"][1])
-QWEN3_PIXELS = {"shortest_edge": 65536, "longest_edge": 16777216}
+QWEN_FAMILIES += ("qwen3_5",)
 
 
 def make_tokenizer(specials: dict[int, str], vocab_size: int, *, add_bos: bool):
@@ -333,12 +337,17 @@ def make_processor(family: str, model):
     config = model.config
     _, specials = FAMILIES[family]
     tokenizer = make_tokenizer(specials, config.get_text_config().vocab_size,
-                               add_bos=family not in ("qwen2_vl", "qwen2_5_vl", "llava_onevision", "qwen3_5"))
-    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_5"):
+                               add_bos=family not in (*QWEN_FAMILIES, "llava_onevision"))
+    if family in QWEN_FAMILIES:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         vision = config.vision_config
-        bounds = {"size": QWEN3_PIXELS} if family == "qwen3_5" else {}
+        bounds = {}
+        # The bounds Qwen3-VL's preprocessor_config.json gives (Qwen3.5's the same).
+        if family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
+            from ficoco.accounting.families.qwen3_vl import MAX_PIXELS, MIN_PIXELS
+
+            bounds = {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
         images = Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
                                           temporal_patch_size=vision.temporal_patch_size, **bounds)
         return tokenizer, images, _CHATML

@@ -336,3 +336,127 @@ def test_every_method_runs_or_refuses_in_one_line(model: nn.Module, variant: str
     with torch.no_grad(), ficoco.apply(model, variant, **SETTINGS[variant]) as handle:
         logits = model(**inp).logits
     assert logits.shape[1] < inp["input_ids"].shape[1] or any(r.layer >= 1 for r in handle.schedule.removals)
+
+
+# -- a real prompt through the checkpoint's processor ----------------------------------------------------
+
+def test_a_real_prompt_is_laid_out_by_the_processor_planned_and_run(model: nn.Module, tmp_path: Any) -> None:
+    """A local checkpoint (the tiny model saved with Qwen2-VL's image processor at Qwen3-VL's 16 px patches and
+    65536..16777216-pixel bounds, and the ChatML template): a 150 x 100 image resizes to 320 x 224 (multiples of
+    32 above 65536 pixels), 7 x 10 merge groups; the accountant plans the same count; FiCoCo-V and FastV generate
+    from it."""
+    from helpers import make_checkpoint
+    from PIL import Image
+
+    from ficoco.accounting import architecture
+    from ficoco.models.prompt import encode_prompt
+    from ficoco.profiles import load_profile, set_layout
+
+    family = model.config.model_type
+    folder = make_checkpoint(family, tmp_path / family)
+    picture = tmp_path / "wide.png"
+    Image.new("RGB", (150, 100), (30, 120, 200)).save(picture)
+    profile = load_profile(str(folder))
+    prompt = encode_prompt(str(folder), profile.config, image=str(picture), prompt="What is shown?")
+    assert prompt.text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is shown?")
+    assert prompt.image_size == (224, 320) and prompt.visual_tokens == 70
+    set_layout(profile, image_size=prompt.image_size)
+    assert architecture(profile).visual_tokens == 70
+    built = ficoco.build_model(str(folder), weights=str(folder), dtype="fp32", check_memory=False)
+    batch = prompt.batch(1, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        for variant, settings in (("v", {"keep": 30, "first_layer": 2}), ("fastv", {"schedule": "1:30"})):
+            with ficoco.apply(built, variant, image_size=prompt.image_size, **settings):
+                out = greedy(built, batch)
+            assert torch.equal(out[:, :batch["input_ids"].shape[1]], batch["input_ids"]) and out.shape[1] > 3
+
+
+def test_images_of_two_sizes_in_one_prompt_keep_their_own_deepstack_features(model: nn.Module) -> None:
+    """One prompt, a 16 x 20-patch image then a 16 x 16 one (cut in one batched step per size): every kept token
+    of either image reaches the decoder with exactly its own group's features, in reading order."""
+    wide, square = inputs(model, seed=14), synthetic_inputs(model, text_tokens=TEXT, seed=15, image_size=(256, 256))
+    ids = torch.cat([wide["input_ids"][:, :-5], square["input_ids"][:, 1:]], dim=1)
+    inp = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+           "mm_token_type_ids": (ids == model.config.image_token_id).int(),
+           "pixel_values": torch.cat([wide["pixel_values"], square["pixel_values"]]),
+           "image_grid_thw": torch.cat([wide["image_grid_thw"], square["image_grid_thw"]])}
+    with torch.no_grad():
+        plain = model.model.get_image_features(inp["pixel_values"], inp["image_grid_thw"]).deepstack_features
+    with torch.no_grad(), deepstack_additions(model) as seen, ficoco.apply(model, "fastervlm", keep=20) as handle:
+        model(**inp)
+        first, second = handle.records[-2].kept[0], handle.records[-1].kept[0]
+    kept = [((first // 20 // 2) * 10 + (first % 20) // 2).unique(),
+            ((second // 16 // 2) * 8 + (second % 16) // 2).unique()]
+    assert [len(k) for k in kept] == [20, 4]  # 60 of 80 groups cut from each image
+    for tap, (mask, embeds) in enumerate(seen):
+        assert int(mask.sum()) == 24
+        assert torch.equal(embeds, torch.cat([plain[tap][0][kept[0]], plain[tap][1][kept[1]]]))
+
+
+@pytest.mark.parametrize("every_grid", [False, True], ids=["this-turns-grid", "every-grid"])
+def test_v_second_turn_with_a_new_image_on_the_cache_equals_the_one_prompt(model: nn.Module, every_grid: bool) -> None:
+    """generate with the whole conversation on the first turn's cache, a new image in the second turn (its grid
+    alone, or every image's): the tokens of the whole conversation run as one prompt, whose DeepStack features
+    (both images', kept groups only) reach the decoder as the turns' do."""
+    first = inputs(model, batch=2, seed=16)
+    with torch.no_grad(), ficoco.apply(model, "v", keep=40):
+        turn1 = greedy(model, first, return_dict_in_generate=True)
+        turn = inputs(model, batch=2, seed=17)
+        ids = torch.cat([turn1.sequences, turn["input_ids"]], dim=1)
+        nxt = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+               "mm_token_type_ids": (ids == model.config.image_token_id).int(), "pixel_values": turn["pixel_values"],
+               "image_grid_thw": turn["image_grid_thw"]}
+        both_grids = torch.stack([first["image_grid_thw"], turn["image_grid_thw"]], dim=1).flatten(0, 1)
+        if every_grid:
+            nxt["image_grid_thw"] = both_grids
+        turn2 = greedy(model, nxt, **cache_argument(output_cache(turn1)), return_dict_in_generate=True)
+        pixels = torch.cat([first["pixel_values"].view(2, -1, first["pixel_values"].shape[-1]),
+                            turn["pixel_values"].view(2, -1, turn["pixel_values"].shape[-1])], dim=1).flatten(0, 1)
+        whole = greedy(model, {**nxt, "pixel_values": pixels, "image_grid_thw": both_grids},
+                       return_dict_in_generate=True)
+    length = ids.shape[1]
+    assert torch.equal(turn2.sequences[:, :length], ids)
+    assert torch.equal(turn2.sequences[:, length:], whole.sequences[:, length:])
+    assert output_cache(turn2).get_seq_length() == output_cache(whole).get_seq_length()
+
+
+def test_l_second_turn_with_a_new_image_slices_its_deepstack_features(model: nn.Module) -> None:
+    """FiCoCo-L on a later turn's cache with a new image (every image's grid, as transformers' 3-D positions
+    take them): the new image's DeepStack features reach the decoder, tap 1's sliced and merged to what layer 1
+    kept (FiCoCo-L's weights), with nothing removed the unpatched conversation."""
+    first, turn = inputs(model, seed=18), inputs(model, seed=19)
+
+    def conversation() -> tuple[Any, dict[str, Tensor]]:
+        turn1 = greedy(model, first, return_dict_in_generate=True)
+        ids = torch.cat([turn1.sequences, turn["input_ids"]], dim=1)
+        nxt = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+               "mm_token_type_ids": (ids == model.config.image_token_id).int(), "pixel_values": turn["pixel_values"],
+               "image_grid_thw": torch.cat([first["image_grid_thw"], turn["image_grid_thw"]])}
+        return greedy(model, nxt, **cache_argument(output_cache(turn1))), nxt
+
+    with torch.no_grad():
+        turn1 = greedy(model, first, return_dict_in_generate=True)
+        ids = torch.cat([turn1.sequences, turn["input_ids"]], dim=1)
+        encoded = model.model.get_image_features(turn["pixel_values"], turn["image_grid_thw"], return_dict=True)
+        vanilla = greedy(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                 "mm_token_type_ids": (ids == model.config.image_token_id).int(),
+                                 "image_grid_thw": torch.cat([first["image_grid_thw"], turn["image_grid_thw"]]),
+                                 "mm_encoder_outputs": {"image": encoded}}, **cache_argument(output_cache(turn1)))
+        with ficoco.apply(model, "l", schedule={}):
+            assert torch.equal(conversation()[0], vanilla)
+        taps = vanilla_taps(model, turn)
+        with deepstack_additions(model) as seen, ficoco.apply(model, "l", schedule={1: 30}) as handle:
+            reduced, nxt = conversation()
+            last = handle.records[-1]
+    assert torch.equal(reduced[:, :nxt["input_ids"].shape[1]], nxt["input_ids"])
+    assert last.layer == 1 and last.kept.shape[1] == GROUPS - 30
+    mask, later = seen[-1]  # the second turn's prefill, tap 1
+    assert int(mask.sum()) == GROUPS - 30 and mask.shape[1] < nxt["input_ids"].shape[1]
+    assert torch.equal(seen[-2][1], taps[0][0])  # tap 0: every token of the new image
+    # Kept tokens that absorbed nothing carry their own features exactly.
+    untouched = [rank for rank in last.kept[0].tolist()
+                 if last.merged_into is None or rank not in last.merged_into[0].tolist()]
+    rows = {rank: row for row, rank in enumerate(last.kept[0].tolist())}
+    assert untouched
+    for rank in untouched:
+        assert torch.equal(later[rows[rank]], taps[1][0][rank])

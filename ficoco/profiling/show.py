@@ -27,6 +27,9 @@ from torch import nn
 from ficoco.errors import FicocoError
 from ficoco.versions import report_environment
 
+# The families whose tokens are merge groups of a native-resolution patch grid (their module's `image_grid`).
+MERGE_GROUP_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
 # CLIP's normalisation (LLaVA, LLaVA-NeXT, Video-LLaVA and Qwen2-VL's processors all use it).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -65,9 +68,10 @@ class Layout:
                 rows, cols = self.next.grid_hw
                 self.panels.append({"name": f"{self.next.crops_hw[0]}x{self.next.crops_hw[1]} crops", "rows": rows,
                                     "cols": cols, "crop_side": self.side})
-        elif self.family in ("qwen2_vl", "qwen2_5_vl"):  # Qwen2.5-VL: the same grid and merge groups
-            from ficoco.models.qwen2_vl import image_grid
+        elif self.family in MERGE_GROUP_FAMILIES:  # Qwen2.5-VL, Qwen3-VL: the same grid and merge groups
+            from ficoco.models import family_module
 
+            image_grid = family_module(self.family).image_grid
             self.image_size = tuple(_defaults(model)["image_size"])
             self.rows, self.cols = image_grid(model, self.image_size)
             self.merge = vision.spatial_merge_size
@@ -84,7 +88,7 @@ class Layout:
         """The cell of record index `index` of record row `item` (a vision item for V, the sample for L)."""
         if self.family == "llava":
             return [0, index // self.side, index % self.side, 1, 1]
-        if self.family in ("qwen2_vl", "qwen2_5_vl"):
+        if self.family in MERGE_GROUP_FAMILIES:
             if stage == "vision":  # patch-grid indices
                 return [0, index // self.cols, index % self.cols, 1, 1]
             groups_w = self.cols // self.merge  # LLM tokens: one per group, row-major on the group grid
@@ -151,7 +155,7 @@ def picture_inputs(model: nn.Module, layout: Layout, image: str | None, *, weigh
     from ficoco.models import synthetic_inputs
 
     layout_kwargs: dict[str, Any] = {}
-    if layout.family in ("llava_next", "qwen2_vl", "qwen2_5_vl", "llava_onevision"):
+    if layout.family in ("llava_next", "llava_onevision", *MERGE_GROUP_FAMILIES):
         layout_kwargs["image_size"] = layout.image_size
     inputs = synthetic_inputs(model, batch=1, text_tokens=text_tokens, seed=seed, **layout_kwargs)
     if image is None:
@@ -238,7 +242,7 @@ def show_data(model: nn.Module, variant: str, schedule: Any, inputs: dict[str, A
                 owner[tuple(cell)] = merged[k] if merged is not None else None
     end_kept = steps[-1]["kept"] if steps else [[p, r, c, 1, 1] for p, panel in enumerate(layout.panels)
                                                  for r in range(panel["rows"]) for c in range(panel["cols"])]
-    if layout.family in ("qwen2_vl", "qwen2_5_vl") and not steps:
+    if layout.family in MERGE_GROUP_FAMILIES and not steps:
         merge = layout.merge
         end_kept = [[0, r, c, merge, merge] for r in range(0, layout.rows, merge) for c in range(0, layout.cols, merge)]
 

@@ -230,8 +230,8 @@ class TowerBlocks:
                           discarded=group_patches(red.discarded_groups, cols, adapter.merge_size),
                           merged_into=merged_into)
 
-            def rerun(carried: Tensor, _x: Tensor = x, _attn: Tensor = attn, _keys: Tensor = keys,
-                      _index: Tensor = index, _grid: tuple[int, int] = (rows, cols)) -> Tensor:
+            def rerun(carried: Tensor, _attn: Tensor = attn, _keys: Tensor = keys, _index: Tensor = index,
+                      _grid: tuple[int, int] = (rows, cols)) -> Tensor:
                 # The same step on per-group features (n, G, C): FiCoCo-V decides from the attention and keys
                 # alone, so it folds them with the weights it folded the patches with. C is split over the
                 # group's members (padded to a multiple of them), as the step folds member into member.

@@ -45,10 +45,6 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         """(tower layer, merger) of every DeepStack tap; none on a tower without DeepStack."""
         return hf.qwen3_vl_deepstack_mergers(self.visual)
 
-    def stage_modules(self) -> dict[str, nn.Module]:
-        """The accountant's stages; the merger sits inside the vision tower, DeepStack's mergers too."""
-        return super().stage_modules()
-
     # -- before the LLM ---------------------------------------------------------------------------
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
         """Qwen2-VL's hook points in the packed tower, with every DeepStack tap's features following the
