@@ -172,8 +172,9 @@ def group_basis(count: int, groups: int, merge: int = 4) -> Tensor:
 
 def test_ficoco_v_merges_earlier_taps_with_its_own_weights(model: nn.Module) -> None:
     """FiCoCo-V in tower block 2: tap 1 ran before it (features of every group), tap 2 after it (kept groups only).
-    Tap 1's features reach the decoder folded with the weights FiCoCo-V folded the patches with (its function on
-    an identity basis, with the same attention and keys); tap 2's are the reduced tower's own."""
+    Tap 1's features ride through FiCoCo-V's one step and reach the decoder folded with the weights FiCoCo-V folded
+    the patches with (its function on an identity basis, with the same attention and keys); tap 2's are the
+    reduced tower's own."""
     from ficoco.methods.ficoco_v.ops import reduce_groups
 
     inp = inputs(model, batch=2, seed=3)
@@ -181,9 +182,10 @@ def test_ficoco_v_merges_earlier_taps_with_its_own_weights(model: nn.Module) -> 
     with torch.no_grad(), deepstack_additions(model) as seen, ficoco.apply(model, "v", schedule={2: 30}) as handle:
         with method_calls(handle, "reduce_groups") as calls:
             model(**inp)
-    args, kwargs = calls[0]  # the step on the patches; the second call is its rerun on the features
+    args, kwargs = calls[0]  # one step: tap 1's features ride with the patches, split over every group's 4 members
     x, attn, keys, r, index, grid = args
-    assert x.shape[-1] == model.config.vision_config.hidden_size and len(calls) == 2
+    vision = model.config.vision_config
+    assert len(calls) == 1 and x.shape[-1] == vision.hidden_size + vision.out_hidden_size // 4
     weights = reduce_groups(group_basis(2, GROUPS), attn, keys, r, index, grid, **kwargs).hidden[:, ::4]
     expected = weights @ taps[0]
     first, second = per_image(seen[0], 2), per_image(seen[1], 2)

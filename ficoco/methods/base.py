@@ -212,6 +212,10 @@ class MethodSpec:
     keep_choices: tuple[int, ...] | None = None  # keeps a budget search may pick (None: any)
     extra_macs: Callable[[StepContext], ExtraMacs] | None = None
     wired: bool = False  # whether the model adapters run it yet
+    # Its merges are decided from the keys and the attention alone, never from the hidden states it merges: features
+    # that ride with the hidden states through its step (Qwen3-VL's DeepStack features) merge with its own weights.
+    # False: such features follow its kept tokens only, and a family that has them refuses its merges.
+    merges_by_keys: bool = False
     cls_note: str = ""  # towers without [CLS] (Qwen2-VL): what replaces the [CLS] attention
     # A vision method whose extra_macs are per sample (work across a video's frames), not per item.
     extra_per_sample: bool = False

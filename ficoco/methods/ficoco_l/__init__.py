@@ -47,7 +47,7 @@ SPEC = MethodSpec(
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="reduce",
     source="FiCoCo paper (docs/methods/ficoco.md)",
     summary="filter by vision- and task-redundancy, fold into kept tokens",
-    keep_means="visual tokens that leave the LLM", wired=True,
+    keep_means="visual tokens that leave the LLM", wired=True, merges_by_keys=True,
     planner="per_layer", default_setting=False,
     paper_overhead=paper_overhead, layer_macs=layer_macs,
 )

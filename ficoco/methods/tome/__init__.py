@@ -79,5 +79,5 @@ SPEC = MethodSpec(
     source="facebookresearch/ToMe af95e4b",
     summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
     keep_means=PER_ITEM,
-    steps=steps, settings_for_keep=settings_for_keep, extra_macs=extra_macs, wired=True,
+    steps=steps, settings_for_keep=settings_for_keep, extra_macs=extra_macs, wired=True, merges_by_keys=True,
 )

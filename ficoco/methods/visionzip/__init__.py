@@ -76,5 +76,5 @@ SPEC = MethodSpec(
     source="dvlab-research/VisionZip 3151f6d",
     summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",
     keep_means=PER_ITEM + " (dominant + contextual: 162+30, 108+20, 54+10)", cls_note=EQUIVALENT,
-    steps=steps, settings_for_keep=settings_for_keep, extra_macs=extra_macs, wired=True,
+    steps=steps, settings_for_keep=settings_for_keep, extra_macs=extra_macs, wired=True, merges_by_keys=True,
 )

@@ -8,7 +8,6 @@ adapter's (`FamilyAdapter`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
@@ -114,13 +113,17 @@ class Qwen2VLAdapter(FamilyAdapter):
                           "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
                           "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
 
-    def follow_groups(self, tower: TowerPass, images: list[int], kept_at: Tensor,
-                      rerun: Callable[[Tensor], Tensor] | None, *, merges: bool | None) -> None:
+    def riding_features(self, tower: TowerPass, images: list[int]) -> Tensor | None:
+        """(n, G, C) per-group features that ride with the units of `images` through a method step before the LLM
+        (Qwen3-VL's DeepStack taps, under a method whose merges are decided from the keys alone); none here."""
+        return None
+
+    def follow_groups(self, tower: TowerPass, images: list[int], kept_at: Tensor, *, merges: bool | None,
+                      features: Tensor | None = None) -> None:
         """What else follows the groups a method step in the tower kept or merged for `images` (of the pass):
         nothing here; Qwen3-VL's DeepStack features (ficoco.models.qwen3_vl). `kept_at` (n, K): where every
-        unit that goes on was among the step's units (-1: a unit the step made); `rerun` maps per-unit
-        features (n, G, C) through the same step (its own weights); `merges`: whether the step merged (None:
-        where `kept_at` holds a made unit)."""
+        unit that goes on was among the step's units (-1: a unit the step made); `merges`: whether the step merged
+        (None: where `kept_at` holds a made unit); `features`: what rode through the step (`riding_features`)."""
 
     def language_tokens(self, input_ids: Tensor) -> Tensor:
         """(B, T) bool: the placeholders an LLM-side step reduces: the images', and under a video method

@@ -11,7 +11,6 @@ the methods read and the merger's output back where the tower expects it.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -104,7 +103,14 @@ class TowerCuts:
         out_pieces: list[Tensor | None] = [None] * len(pieces)
         for (rows, cols), images in sizes.items():
             groups = pieces[images[0]].shape[0]
-            inputs = TowerInput(hidden=torch.stack([pieces[i] for i in images]), has_cls=False,
+            step_units = torch.stack([pieces[i] for i in images])
+            width = step_units.shape[-1]
+            # Per-group features that ride with the units (Qwen3-VL's DeepStack taps), for a cut whose merges are
+            # decided from the keys alone (VisionZip's contextual tokens): they merge as the units do.
+            riding = adapter.riding_features(tower, images)
+            if riding is not None:
+                step_units = torch.cat([step_units, riding.to(step_units.dtype)], dim=-1)
+            inputs = TowerInput(hidden=step_units, has_cls=False,
                                 remove=removal.remove, added=removal.added,
                                 keys=torch.cat([keys[i] for i in images]), merge=adapter.merge,
                                 grid_hw=(rows // adapter.merge_size, cols // adapter.merge_size))
@@ -119,17 +125,10 @@ class TowerCuts:
             discarded = complement(kept, groups, groups - kept.shape[1])
             handle.record("vision", removal.layer, kept=group_patches(kept, cols, adapter.merge_size),
                           discarded=group_patches(discarded, cols, adapter.merge_size))
-
-            def rerun(carried: Tensor, _inputs: TowerInput = inputs, _order: Tensor = order.indices) -> Tensor:
-                # The same cut on per-group features (n, G, C), for a cut that merges (VisionZip's contextual
-                # tokens, grouped by the keys alone): the features merge as the units did, in the same order.
-                out = handle.run_method(("projector", None), module.tower_step, replace(_inputs, hidden=carried),
-                                        settings)
-                return gather_tokens(out.hidden, _order)
-
-            # Where every token that goes on continues one group (-1: a merged token), in the units' order; the
-            # step reruns only where it merged (a cut that only keeps may decide from the units themselves).
-            adapter.follow_groups(tower, images, torch.gather(out.kept, 1, order.indices), rerun, merges=None)
+            # Where every token that goes on continues one group (-1: a merged token), in the units' order.
+            adapter.follow_groups(tower, images, torch.gather(out.kept, 1, order.indices), merges=None,
+                                  features=None if riding is None else hidden[..., width:])
+            hidden = hidden[..., :width]
             for b, image in enumerate(images):
                 out_pieces[image] = hidden[b]
                 tower.kept_groups[image] = kept[b]
@@ -178,7 +177,7 @@ class TowerCuts:
                 gone = complement(red.kept, groups)
                 handle.record("vision", cut.layer, kept=group_patches(red.kept, cols, adapter.merge_size),
                               discarded=group_patches(gone, cols, adapter.merge_size))
-                adapter.follow_groups(tower, images, red.kept, None, merges=False)  # a cut that only keeps
+                adapter.follow_groups(tower, images, red.kept, merges=False)  # a cut that only keeps
                 for b, image in enumerate(images):
                     pieces[image] = red.hidden[b]
                     tower.kept_groups[image] = red.kept[b]

@@ -12,7 +12,6 @@ the kept patches and the segments of the shorter images, which the tower's order
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,6 +55,21 @@ def group_patch_targets(discarded: Tensor, targets: Tensor, grid_w: int, merge_s
     members = group_members(discarded, grid_w, merge_size)
     order = members.argsort(dim=1)
     return torch.gather(group_members(targets, grid_w, merge_size), 1, order)
+
+
+def spread_over_members(features: Tensor, merge: int) -> Tensor:
+    """Per-group features `(n, G, C)` as per-patch channels `(n, G * merge, ceil(C / merge))`: member m of a group
+    carries the m-th slice of its group's features (zero-padded), so that a step that folds member into member
+    folds them whole."""
+    count, groups, width = features.shape
+    padded = -(-width // merge) * merge
+    return F.pad(features, (0, padded - width)).reshape(count, groups * merge, padded // merge)
+
+
+def gather_members(channels: Tensor, merge: int, width: int) -> Tensor:
+    """`spread_over_members` undone: `(n, K * merge, c)` -> `(n, K, width)`."""
+    count = channels.shape[0]
+    return channels.reshape(count, -1, merge * channels.shape[-1])[..., :width]
 
 
 @dataclass
@@ -220,6 +234,12 @@ class TowerBlocks:
             attn = torch.cat([chunks[i][0] for i in images])
             keys = torch.cat([chunks[i][1] for i in images])
             index = torch.stack([tower.kept_groups[i] for i in images])
+            # Per-group features that ride with the patches (Qwen3-VL's DeepStack taps so far), split over every
+            # group's members: FiCoCo-V decides from the attention and keys alone and folds member into member,
+            # so they are folded with the weights the patches are folded with.
+            riding = adapter.riding_features(tower, images)
+            if riding is not None:
+                x = torch.cat([x, spread_over_members(riding, adapter.merge)], dim=-1)
             red = handle.run_method(("vision", layer_idx), reduce_groups, x, attn, keys, r, index,
                                     (rows // adapter.merge_size, cols // adapter.merge_size), merge=adapter.merge,
                                     lam=params.lam, eps=params.eps, window=params.window,
@@ -229,24 +249,12 @@ class TowerBlocks:
             handle.record("vision", layer_idx, kept=group_patches(red.kept_groups, cols, adapter.merge_size),
                           discarded=group_patches(red.discarded_groups, cols, adapter.merge_size),
                           merged_into=merged_into)
-
-            def rerun(carried: Tensor, _attn: Tensor = attn, _keys: Tensor = keys, _index: Tensor = index,
-                      _grid: tuple[int, int] = (rows, cols)) -> Tensor:
-                # The same step on per-group features (n, G, C): FiCoCo-V decides from the attention and keys
-                # alone, so it folds them with the weights it folded the patches with. C is split over the
-                # group's members (padded to a multiple of them), as the step folds member into member.
-                count, groups, width = carried.shape
-                padded = -(-width // adapter.merge) * adapter.merge
-                members = F.pad(carried, (0, padded - width)).reshape(count, groups * adapter.merge, -1)
-                out = handle.run_method(("vision", layer_idx), reduce_groups, members, _attn, _keys, r, _index,
-                                        (_grid[0] // adapter.merge_size, _grid[1] // adapter.merge_size),
-                                        merge=adapter.merge, lam=params.lam, eps=params.eps, window=params.window,
-                                        coefficient=params.coefficient)
-                return out.hidden.reshape(count, -1, padded)[..., :width]
-
-            adapter.follow_groups(tower, images, red.kept_positions, rerun, merges=True)
+            reduced = red.hidden[..., :hidden.shape[-1]]
+            rode = None if riding is None else gather_members(red.hidden[..., hidden.shape[-1]:], adapter.merge,
+                                                              riding.shape[-1])
+            adapter.follow_groups(tower, images, red.kept_positions, merges=True, features=rode)
             for b, image in enumerate(images):
-                new_hidden[image] = red.hidden[b]
+                new_hidden[image] = reduced[b]
                 kept_positions[image] = red.kept_positions[b]
                 tower.kept_groups[image] = red.kept_groups[b]
         members = torch.arange(adapter.merge, device=hidden.device)
@@ -360,8 +368,13 @@ class TowerBlocks:
         width = hidden.shape[-1] * adapter.merge
         for (rows, cols), images in sizes.items():
             before = torch.stack([tower.kept_groups[i] for i in images])
-            inputs = TowerInput(hidden=torch.stack([pieces[i] for i in images]).view(len(images), -1, width),
-                                has_cls=False, remove=r, keys=torch.cat([keys[i] for i in images]),
+            units = torch.stack([pieces[i] for i in images]).view(len(images), -1, width)
+            # Per-group features that ride with the units (Qwen3-VL's DeepStack taps so far): ToMe matches by the
+            # keys alone, so they average with the sizes the units average with.
+            riding = adapter.riding_features(tower, images)
+            if riding is not None:
+                units = torch.cat([units, riding.to(units.dtype)], dim=-1)
+            inputs = TowerInput(hidden=units, has_cls=False, remove=r, keys=torch.cat([keys[i] for i in images]),
                                 size=torch.stack([tower.size[i] for i in images]), positions=before,
                                 merge=adapter.merge, grid_hw=(rows // adapter.merge_size, cols // adapter.merge_size))
             out = handle.run_method(("vision", layer_idx), module.tower_step, inputs, settings)
@@ -375,16 +388,11 @@ class TowerBlocks:
                           discarded=group_patches(discarded, cols, adapter.merge_size))
             # Where the units that go on were among this block's units (both lists ascending).
             where = torch.searchsorted(before, kept)
-
-            def rerun(carried: Tensor, _inputs: TowerInput = inputs) -> Tensor:
-                # The same merge on per-group features (n, G, C): ToMe matches by the keys alone, so the
-                # features average with the sizes the patches averaged with.
-                return handle.run_method(("vision", layer_idx), module.tower_step,
-                                         dataclasses.replace(_inputs, hidden=carried), settings).hidden
-
-            adapter.follow_groups(tower, images, where, rerun, merges=True)
+            merged = out.hidden[..., :width]
+            adapter.follow_groups(tower, images, where, merges=True,
+                                  features=None if riding is None else out.hidden[..., width:])
             for b, image in enumerate(images):
-                new_hidden[image] = out.hidden[b].reshape(-1, hidden.shape[-1])
+                new_hidden[image] = merged[b].reshape(-1, hidden.shape[-1])
                 current[image] = where[b]
                 tower.kept_groups[image] = kept[b]
                 tower.size[image] = out.size[b]

@@ -9,7 +9,7 @@ The family is Qwen2-VL's parts (ficoco.models.qwen2_vl: the tower blocks, the cu
 entry) composed with DeepStack's (`deepstack`):
 
 - `deepstack.TowerTaps`: every tap's features per image, following the steps of a method before the LLM (kept
-  rows where it keeps, the method's own step rerun on them where it merges);
+  rows where it keeps, riding through the method's one step where it merges by the keys alone);
 - `deepstack.DeepStackOrder`: Qwen2-VL's grid order whose encoder hands the decoder the kept features per tap;
 - `deepstack.DecoderTaps`: DeepStack's additions sliced (and, under FiCoCo-L, merged) to the visual tokens a
   method in the decoder leaves;

@@ -21,8 +21,6 @@ from ficoco.models.qwen2_vl.tower_pass import TowerPass
 from ficoco.models.qwen3_vl.deepstack import DecoderTaps, DeepStackOrder, TowerTaps
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ficoco.models.handle import Handle
 
 # Methods whose Qwen3-VL run DeepStack's features cannot follow, and why (their refusals name the family too).
@@ -54,11 +52,14 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
                               "on Qwen2-VL or Qwen2.5-VL")
         super().patch_tower(handle, patches, spec, schedule)
         if self.tower_taps.taps:
-            self.tower_taps.install(patches)
+            self.tower_taps.install(patches, spec)
 
-    def follow_groups(self, tower: TowerPass, images: list[int], kept_at: Tensor,
-                      rerun: Callable[[Tensor], Tensor] | None, *, merges: bool | None) -> None:
-        self.tower_taps.follow(tower, images, kept_at, rerun, merges)
+    def riding_features(self, tower: TowerPass, images: list[int]) -> Tensor | None:
+        return self.tower_taps.riding(images)
+
+    def follow_groups(self, tower: TowerPass, images: list[int], kept_at: Tensor, *, merges: bool | None,
+                      features: Tensor | None = None) -> None:
+        self.tower_taps.follow(images, kept_at, merges, features)
 
     # -- in the decoder ----------------------------------------------------------------------------
     def patch_in_layer(self, handle: Handle, patches: Patches, spec: Any, schedule: Any, first: int) -> None:
@@ -69,7 +70,7 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         patch = InLayerPatch(self, handle, spec, schedule, first)
         if self.deepstack_mergers():
             taps = DecoderTaps(self, handle, spec.title)
-            patch.step = taps.merge_step(patch.step)
+            patch.step = taps.merge_step(patch.step, spec.merges_by_keys)
             taps.install(patches)
         patch.install(patches)
 

@@ -6,17 +6,18 @@ decoder layer i. A method that removes or merges visual tokens must do the same 
 
 - before the LLM (`TowerTaps`): every tap's output is kept per image beside the tower pass (`carried`, the
   taps side by side in the channels, rows in the pass's group order) and follows every step of the method
-  (`follow`, called by Qwen2-VL's parts through `Qwen2VLAdapter.follow_groups`): a step that only keeps hands
-  on the rows of the groups it kept, exactly; a step that merges (FiCoCo-V, ToMe, VisionZip's contextual
-  tokens) runs again on the features, with the same keys and attention, so they are folded with the weights the
-  patches were folded with (each of those methods decides from the keys and attention alone, never from the
-  features it merges). A tap after a reducing block sees only the kept groups already; the encoder
-  (`DeepStackOrder.encode`) hands the decoder every image's kept features per tap.
+  (Qwen2-VL's parts ask `Qwen2VLAdapter.riding_features` before a step and tell `follow_groups` after it): a
+  method whose merges are decided from the keys and the attention alone (`MethodSpec.merges_by_keys`: FiCoCo-V,
+  ToMe, VisionZip) takes the features through its one step beside the hidden states, in extra channels, so
+  they are merged with its own weights; a step of any other method that only keeps hands on the rows of the
+  groups it kept, exactly (one that merges otherwise is refused in one line). A tap after a reducing block sees
+  only the kept groups already; the encoder (`DeepStackOrder.encode`) hands the decoder every image's kept
+  features per tap.
 - in the decoder (`DecoderTaps`): a method that removes tokens at a layer where DeepStack still adds (layers
   0..taps-1) gets the mask and the features sliced to the visual tokens still present (`LanguageState.index`);
-  FiCoCo-L's merges run again on the features of the taps still to come (it decides from the attention alone),
+  the features of the taps still to come ride through FiCoCo-L's step (it decides from the attention alone),
   so merged tokens carry merged features. A token a method adds (SparseVLM's recycled clusters) where DeepStack
-  still adds is refused in one line: the method does not say which features it stands for.
+  still adds is refused in one line: the method does not say which features they stand for.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class TowerTaps:
     def __init__(self, adapter: Qwen3VLAdapter) -> None:
         self.adapter = adapter
         self.taps = adapter.deepstack_mergers()
+        self.rides = False  # whether the method's merges are decided from the keys alone (its spec says so)
+        self.title = ""
         self.width = 0  # channels of one tap's features (out_hidden_size)
         # Per image of the current pass: the taps that ran so far side by side, (groups now, taps x width).
         self.carried: list[Tensor | None] = []
@@ -52,9 +55,10 @@ class TowerTaps:
     def start(self, images: int) -> None:
         self.carried = [None] * images
 
-    def install(self, patches: Patches) -> None:
-        """Record every tap's merger output per image while a tower pass runs under a method."""
+    def install(self, patches: Patches, spec: Any) -> None:
+        """Record every tap's merger output per image while a tower pass runs under the method of `spec`."""
         adapter = self.adapter
+        self.rides, self.title = spec.merges_by_keys, spec.title
         for _, merger in self.taps:
             original = forward_of(merger)
 
@@ -72,23 +76,28 @@ class TowerTaps:
             patches.set(merger, "forward", forward)
         patches.on_undo(lambda: setattr(self, "carried", []))
 
-    def follow(self, tower: TowerPass, images: list[int], kept_at: Tensor,
-               rerun: Callable[[Tensor], Tensor] | None, merges: bool | None) -> None:
+    def riding(self, images: list[int]) -> Tensor | None:
+        """(n, G, C) the features of `images` that ride through a step whose merges are decided from the keys
+        alone (None: no tap ran yet, or the method's step may read what it merges: they follow its kept tokens)."""
+        if not self.rides or not self.carried or self.carried[images[0]] is None:
+            return None
+        return torch.stack([self.carried[i] for i in images])  # type: ignore[misc]
+
+    def follow(self, images: list[int], kept_at: Tensor, merges: bool | None, features: Tensor | None) -> None:
         """Apply one step of the method to the features the taps gave so far (see the module's docstring)."""
         if not self.carried or self.carried[images[0]] is None:
             return  # no tap ran before this step: the later taps see its result
-        features = torch.stack([self.carried[i] for i in images])  # type: ignore[misc]
-        if merges is None:
-            merges = bool((kept_at < 0).any())
-        if merges and rerun is not None:
-            followed = rerun(features)  # type: ignore[misc]
-        else:
-            if bool((kept_at < 0).any()):
-                raise FicocoError("a method step hands on tokens that continue no merge group and says not how they "
-                                  "were made: Qwen3-VL's DeepStack features cannot follow them")
-            followed = gather_rows(features, kept_at.to(features.device), 1)
+        if features is None:
+            if merges is None:
+                merges = bool((kept_at < 0).any())
+            if merges:
+                raise FicocoError(f"{self.title} merges visual tokens before the LLM by what it merges (not by the "
+                                  f"keys alone): {self.adapter.family_title}'s DeepStack features cannot be merged "
+                                  "as its tokens were; use a method that keeps tokens, or one that merges by the keys")
+            held = torch.stack([self.carried[i] for i in images])  # type: ignore[misc]
+            features = gather_rows(held, kept_at.to(held.device), 1)
         for b, image in enumerate(images):
-            self.carried[image] = followed[b]
+            self.carried[image] = features[b]
 
     def per_tap(self, counts: list[int]) -> list[tuple[Tensor, ...]]:
         """Every tap's features split per image (the layout of transformers' `deepstack_features`)."""
@@ -192,20 +201,31 @@ class DecoderTaps:
     def _taps(self) -> int:
         return len(self.adapter.deepstack_mergers())
 
-    def merge_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        """FiCoCo-L's `layer_step`, whose merges the features of the taps still to come follow: the same step
-        run on them (it decides from the attention alone) in the sequence it reduces."""
+    def merge_step(self, step: Callable[..., Any], rides: bool) -> Callable[..., Any]:
+        """An in-layer step (FiCoCo-L's `layer_step`) whose merges the features of the taps still to come follow:
+        they ride with the hidden states through the step (`rides`: its merges are decided from the attention
+        alone), in the sequence it reduces; a step that merges otherwise where DeepStack still adds is refused."""
         def merged_step(inputs: Any, settings: Any) -> Any:
-            red = step(inputs, settings)
             if self.features is None or self.added >= self._taps():
-                return red
+                return step(inputs, settings)
             state = self.handle.language_state
             start = (self.added - self.first) * self.width
             features = self.features[..., start:]
             if not self.merged:
                 features = gather_rows(features, state.index.to(features.device), 1)
-            followed = step(replace(inputs, hidden=features.to(inputs.hidden.device)), settings)
-            self.features, self.first, self.merged = followed.hidden, self.added, True
-            return red
+            if not rides:
+                red = step(inputs, settings)
+                if getattr(red, "merge_target", None) is not None:
+                    raise FicocoError(f"{self.title} merges visual tokens where {self.adapter.family_title}'s "
+                                      "DeepStack still adds the tower's features, and not by the attention alone: "
+                                      f"they cannot be merged as its tokens were; give its layers from "
+                                      f"{self._taps()} on")
+                self.features, self.first, self.merged = gather_rows(features, red.kept_positions, 1), self.added, True
+                return red
+            width = inputs.hidden.shape[-1]
+            riding = torch.cat([inputs.hidden, features.to(inputs.hidden)], dim=-1)
+            red = step(replace(inputs, hidden=riding), settings)
+            self.features, self.first, self.merged = red.hidden[..., width:], self.added, True
+            return replace(red, hidden=red.hidden[..., :width])
 
         return merged_step
