@@ -301,6 +301,9 @@ FAMILIES["qwen2_5_vl"] = ("qwen2.5-vl-tiny", FAMILIES["qwen2_vl"][1])  # Qwen2-V
 FAMILIES["qwen3_vl"] = ("qwen3-vl-tiny", FAMILIES["qwen2_vl"][1])
 FAMILIES["qwen3_vl_moe"] = ("qwen3-vl-moe-tiny", FAMILIES["qwen2_vl"][1])
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Qwen3.5: the same tokens, image processor and pixel bounds as Qwen3-VL.
+FAMILIES["qwen3_5"] = ("qwen3.5-tiny", FAMILIES["qwen2_vl"][1])
+QWEN_FAMILIES += ("qwen3_5",)
 
 
 def make_tokenizer(specials: dict[int, str], vocab_size: int, *, add_bos: bool):
@@ -340,7 +343,8 @@ def make_processor(family: str, model):
 
         vision = config.vision_config
         bounds = {}
-        if family in ("qwen3_vl", "qwen3_vl_moe"):  # the bounds Qwen3-VL's preprocessor_config.json gives
+        # The bounds Qwen3-VL's preprocessor_config.json gives (Qwen3.5's the same).
+        if family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5"):
             from ficoco.accounting.families.qwen3_vl import MAX_PIXELS, MIN_PIXELS
 
             bounds = {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}

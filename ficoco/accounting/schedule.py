@@ -238,7 +238,13 @@ def uniform_schedule(arch: Architecture, variant: str, removed: int, *, shape: s
         raise FicocoError(f"{given} is outside {valid.start}..{valid.stop - 1}, the layers that may reduce")
     if shape == "oneshot":
         return make_schedule(arch, variant, {start: removed})
-    layers = list(range(start, valid.stop))[:run]
+    # On a hybrid decoder (Qwen3.5) a decoder method reduces inside its full-attention layers alone: a Gated
+    # DeltaNet layer has no attention map to rank by, and its recurrent state no tokens to remove.
+    layers = [layer for layer in range(start, valid.stop)
+              if _in_tower(variant) or arch.decoder.full_attention(layer)][:run]
+    if not layers:
+        raise FicocoError(f"no full-attention layer from layer {start} on: {variant} reduces inside full-attention "
+                          "layers only; give an earlier first_layer")
     per_layer, extra = divmod(removed, len(layers))
     schedule = make_schedule(arch, variant, {layer: per_layer + (k < extra) for k, layer in enumerate(layers)})
     if run is None or run >= valid.stop - start:

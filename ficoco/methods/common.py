@@ -26,6 +26,11 @@ TESTED_FAMILIES += ("qwen2_5_vl",)
 QWEN3_VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 ALL_FAMILIES += QWEN3_VL_FAMILIES
 TESTED_FAMILIES += QWEN3_VL_FAMILIES
+# Qwen3.5 (issue 34): the methods before the LLM run as on Qwen2-VL; those in its hybrid decoder run where the
+# layer they read or reduce is full attention, and refuse a Gated DeltaNet layer in one line
+# (ficoco.models.qwen3_5.hybrid).
+ALL_FAMILIES += ("qwen3_5",)
+TESTED_FAMILIES += ("qwen3_5",)
 
 # What `--keep N` counts for the methods that cut every tower item before the LLM.
 PER_ITEM = "visual tokens per image, crop or frame that reach the LLM"

@@ -28,6 +28,7 @@ FAMILIES["llava_onevision"] = ("ficoco.models.llava_onevision", "LlavaOnevisionA
 # Qwen3-VL-MoE is Qwen3-VL with a sparse-expert decoder: the same adapter.
 FAMILIES["qwen3_vl"] = ("ficoco.models.qwen3_vl", "Qwen3VLAdapter")
 FAMILIES["qwen3_vl_moe"] = ("ficoco.models.qwen3_vl", "Qwen3VLAdapter")
+FAMILIES["qwen3_5"] = ("ficoco.models.qwen3_5", "Qwen3_5Adapter")
 
 
 def family_module(model_type: str | None) -> Any:

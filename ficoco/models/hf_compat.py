@@ -319,11 +319,14 @@ def check_model(model: nn.Module) -> None:
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     if model_type not in FAMILY_TOWERS:
         return  # not a family ficoco patches: adapter_for says so in its own words
-    for layer in decoder_layers(model):
-        attention_projections(layer_parts(layer, DECODER_LAYER).attention)
+    if model_type in HYBRID_DECODERS:
+        check_hybrid_decoder(model)
+    else:
+        for layer in decoder_layers(model):
+            attention_projections(layer_parts(layer, DECODER_LAYER).attention)
     for path in (decoder_rotary, decoder_norm, lm_head):
         path(model)
-    if model_type in ("qwen2_vl", "qwen2_5_vl", *QWEN3_VL_TYPES):
+    if model_type in ("qwen2_vl", "qwen2_5_vl", *QWEN3_VL_TYPES) or model_type in HYBRID_DECODERS:
         tower = qwen2_vl_tower(model)
         for block in qwen2_vl_blocks(tower):
             layer_parts(block, QWEN2_VL_VISION_BLOCK)
@@ -336,6 +339,95 @@ def check_model(model: nn.Module) -> None:
     projector(model)
     for layer in clip_layers(clip_tower(model, FAMILY_TOWERS[model_type])):
         layer_parts(layer, CLIP_LAYER)
+
+
+# -- Qwen3.5's hybrid decoder ------------------------------------------------------------------
+# A Qwen3_5DecoderLayer holds `linear_attn` (Gated DeltaNet) or `self_attn` (gated full attention, its
+# q_proj giving every head's query and then its output gate, q_norm and k_norm per head) as the text
+# config's `layer_types` says. The text model hands a DeltaNet layer the 2-D padding mask
+# (`create_recurrent_attention_mask`: this call's columns, None for one token or no padding) and a full
+# layer the 4-D causal mask built to the first full layer's cache length; the cache
+# (DynamicCache(config=...)) keeps a conv and a recurrent state for a DeltaNet layer and answers
+# `get_seq_length()` from the first full layer (it refuses the question at a DeltaNet layer).
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+DELTANET_LAYER = LayerParts("linear_attn", "input_layernorm", "post_attention_layernorm", "mlp")
+GATED_ATTENTION_NORMS = ("q_norm", "k_norm")
+HYBRID_DECODERS = ("qwen3_5",)
+FAMILY_TOWERS["qwen3_5"] = "visual"
+
+
+def decoder_layer_types(model: nn.Module) -> tuple[str, ...]:
+    """Every decoder layer's kind ("full_attention", "linear_attention"), from the text config's `layer_types`."""
+    text = model.config.get_text_config(decoder=True)
+    return tuple(_require_attribute("Qwen3.5 hybrid decoder", text, "layer_types"))
+
+
+def gated_attention_norms(attention: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(q_norm, k_norm): the per-head norms of a Qwen3.5 full-attention module."""
+    q_norm, k_norm = (_require_attribute(f"{type(attention).__name__} attributes", attention, name)
+                      for name in GATED_ATTENTION_NORMS)
+    return q_norm, k_norm
+
+
+def check_hybrid_decoder(model: nn.Module) -> None:
+    """The parts of every layer of a hybrid decoder, by its kind."""
+    kinds = decoder_layer_types(model)
+    layers = decoder_layers(model)
+    if len(kinds) < len(layers):
+        raise ContactChanged("Qwen3.5 hybrid decoder", f"layer_types names {len(kinds)} of {len(layers)} layers")
+    for kind, layer in zip(kinds, layers, strict=False):
+        if kind == FULL_ATTENTION:
+            attention = layer_parts(layer, DECODER_LAYER).attention
+            attention_projections(attention)
+            gated_attention_norms(attention)
+        else:
+            layer_parts(layer, DELTANET_LAYER)
+
+
+@contact("Qwen3.5 hybrid decoder")
+def _check_qwen3_5_decoder() -> None:
+    import torch
+    from transformers import DynamicCache
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+
+    name = "Qwen3.5 hybrid decoder"
+    _require_parameters(name, qwen3_5.Qwen3_5DecoderLayer.forward, "hidden_states", *DECODER_LAYER_KEYWORDS)
+    if _parameters(qwen3_5.Qwen3_5DecoderLayer.forward)[1] != "hidden_states":
+        raise ContactChanged(name, "Qwen3_5DecoderLayer.forward's first input is not hidden_states")
+    _require_parameters(name, qwen3_5.Qwen3_5Attention.forward, "hidden_states", "attention_mask",
+                        "position_embeddings")
+    _require_parameters(name, qwen3_5.Qwen3_5ForConditionalGeneration.forward, ENCODED_FEATURES_KEYWORD,
+                        "image_grid_thw", "mm_token_type_ids")
+    recurrent_mask = _require_attribute(name, _module("masking_utils"), "create_recurrent_attention_mask")
+    text = _module("models.qwen3_5.configuration_qwen3_5").Qwen3_5TextConfig(
+        vocab_size=8, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=4,
+        linear_value_head_dim=4, layer_types=[LINEAR_ATTENTION, FULL_ATTENTION])
+    mask = torch.tensor([[0, 1, 1, 1]])
+    padding = recurrent_mask(config=text, inputs_embeds=torch.zeros(1, 3, 1), attention_mask=mask)
+    if padding is None or padding.tolist() != [[1, 1, 1]]:
+        raise ContactChanged(name, "create_recurrent_attention_mask no longer gives the call's columns of a 2-D mask")
+    with no_init_weights():
+        linear, full = (qwen3_5.Qwen3_5DecoderLayer(text, index) for index in (0, 1))
+    layer_parts(linear, DELTANET_LAYER)
+    attention = layer_parts(full, DECODER_LAYER).attention
+    q_proj, _, head_dim, _ = attention_projections(attention)
+    gated_attention_norms(attention)
+    if q_proj.out_features != 2 * text.num_attention_heads * head_dim:
+        raise ContactChanged(name, "Qwen3_5Attention's q_proj no longer gives a query and a gate per head")
+    cache_object = DynamicCache(config=text)
+    cache_object.update(torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8), 1)
+    if cache_object.get_seq_length() != 3:
+        raise ContactChanged(name, "a hybrid DynamicCache no longer reads its length from the first full layer")
+    # The partial rotary embedding the own-row recomputation (PDrop) applies: rotate-half RoPE on the first
+    # cos.shape[-1] channels of every head, the others passed through.
+    states, cos, sin = torch.randn(1, 1, 2, 8), torch.randn(1, 2, 4), torch.randn(1, 2, 4)
+    rotated, _ = qwen3_5.apply_rotary_pos_emb(states, states, cos, sin)
+    turned = states[..., :4]
+    half = torch.cat((-turned[..., 2:], turned[..., :2]), dim=-1)
+    expected = torch.cat([turned * cos[:, None] + half * sin[:, None], states[..., 4:]], dim=-1)
+    if not torch.allclose(rotated, expected):
+        raise ContactChanged(name, "apply_rotary_pos_emb no longer rotates the first cos.shape[-1] channels alone")
 
 
 # -- the towers' call shapes ------------------------------------------------------------------

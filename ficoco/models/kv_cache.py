@@ -37,6 +37,10 @@ def cache_config(model: nn.Module, kv_bits: int, residual_tokens: int = KV_RESID
     if kv_bits not in KV_QUANT_BITS:
         raise FicocoError(f"kv_bits={kv_bits}: the quantized KV cache stores 8, 4 or 2 bits")
     text = model.config.get_text_config(decoder=True)
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        # transformers' QuantizedCache builds full-attention layers only (it refuses a hybrid config).
+        raise FicocoError(f"kv_bits={kv_bits}: transformers' quantized cache holds full-attention layers only, and "
+                          "this decoder's Gated DeltaNet layers keep a recurrent state; run it without kv_bits")
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     # axis 0 is transformers' default; a group must divide every tensor HQQ quantizes
     # (batch x kv heads x tokens x head_dim values), which a divisor of head_dim always does.

@@ -197,7 +197,9 @@ class InLayerPatch:
     def _forward(self, index: int, layer: nn.Module, original: Callable[..., Tensor], slot: Any
                  ) -> Callable[..., Tensor]:
         handle, remove = self.handle, self.removed.get(index, 0)
-        parts = hf.layer_parts(layer, hf.DECODER_LAYER)
+        # Only a reducing layer is re-composed from its parts (a layer the adapter admits: on a hybrid decoder a
+        # non-reducing layer may be another kind, Qwen3.5's Gated DeltaNet).
+        parts = hf.layer_parts(layer, hf.DECODER_LAYER) if remove else None
 
         # The model calls its layers with these by keyword (hf_compat.DECODER_LAYER_KEYWORDS); the
         # cache and everything else pass through under the installed release's own names.
@@ -280,6 +282,8 @@ class StepState(LanguageState):
         out and added tokens seen in causal order (computed once per step)."""
         if mask is None or not self.steps_done:
             return mask
+        if mask.dim() == 2:  # a recurrent layer's padding mask: the columns of the tokens still present
+            return torch.gather(mask, 1, self.index)
         cached = self._mask_cache.get(self.steps_done)
         if cached is not None and cached[0] is mask:
             return cached[1]
@@ -330,6 +334,9 @@ class LayerInputPatch:
         self.rows = probes.previous_layer_rows
         self.keys = probes.previous_layer_keys
         self.own_row = probes.own_query_key_row
+        # The rank layer's own last row (PDrop): a family whose attention projects otherwise (Qwen3.5's gated,
+        # normed queries and partial rotary) gives its own.
+        self.own_last_row = getattr(adapter, "own_last_row", own_last_row)
         self.embeddings = probes.input_embeddings
         self.slots: dict[int, RowsSlot] = {}
 
@@ -428,7 +435,7 @@ class LayerInputPatch:
                 cos, sin = position_embeddings
             visible = _visible(state.layer_mask(mask, index), hidden.shape[0], 1, hidden.shape[1], hidden.shape[1],
                                hidden.device)[:, 0]
-            own_row = self.handle.run_method(index, own_last_row, layer, hidden, cos, sin, visible)
+            own_row = self.handle.run_method(index, self.own_last_row, layer, hidden, cos, sin, visible)
         # The schedule's counts are per image: a prompt of k images loses k times as many tokens,
         # chosen among all its visual tokens together (FiCoCo-L's rule).
         remove = removal.remove * state.images

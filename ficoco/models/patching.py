@@ -187,6 +187,11 @@ class LanguageState:
         """The layer's view of a mask built for the unreduced sequence."""
         if mask is None:
             return None
+        if mask.dim() == 2:
+            # A recurrent (linear-attention) layer's padding mask (Qwen3.5's Gated DeltaNet): one column per
+            # token of this call and none for earlier turns, so a prefill keeps the columns of the tokens
+            # still present and a decode step's is its own.
+            return mask if self.decoding or mask.shape[1] == self.index.shape[1] else torch.gather(mask, 1, self.index)
         if not self.decoding:
             keys = self.key_positions(layer)
             if mask.shape[-1] == keys.shape[1] and mask.shape[-2] == query_len:

@@ -29,6 +29,7 @@ from ficoco.versions import report_environment
 
 # The families whose tokens are merge groups of a native-resolution patch grid (their module's `image_grid`).
 MERGE_GROUP_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+MERGE_GROUP_FAMILIES += ("qwen3_5",)  # Qwen3.5: Qwen3-VL's tower without DeepStack
 
 # CLIP's normalisation (LLaVA, LLaVA-NeXT, Video-LLaVA and Qwen2-VL's processors all use it).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -29,6 +29,11 @@ FAMILIES = ("video_llava", "llava_onevision", "qwen2_vl", "qwen2_5_vl")
 
 # HoliTom's cells outside its families: one line each on why (LLaVA-OneVision runs it on videos, after the
 # 2x2 pooling of every frame, as the official code does on OneVision / LLaVA-Video).
+# Qwen3.5 lays a video out as one span per temporal slice, each after its timestamp text; HoliTom's cut of a
+# video's slices together (one span per video) is not wired into that layout.
+QWEN3_5_REFUSAL = ("not wired: Qwen3.5 lays a video out as one placeholder span per temporal slice, each after its "
+                   "timestamp text, and HoliTom's cut and inner merge read a video as one span; run it on Qwen2-VL "
+                   "or LLaVA-OneVision")
 IMAGE_ONLY_REFUSAL = ("a video method: its temporal segmentation and merging need a video's frames, and this family "
                       "takes images (an image is one frame)")
 # Qwen3-VL adds DeepStack's features (from earlier tower layers) to the tokens HoliTom hands the decoder.
@@ -111,7 +116,7 @@ SPEC = MethodSpec(
     function="holitom_reduce",
     # Qwen2-VL and Qwen2.5-VL (issue 25) run it on videos: their temporal slices are the frames.
     refusals={"llava": IMAGE_ONLY_REFUSAL, "llava_next": IMAGE_ONLY_REFUSAL, "qwen3_vl": DEEPSTACK_REFUSAL,
-              "qwen3_vl_moe": DEEPSTACK_REFUSAL}, pooled_grid=True,
+              "qwen3_vl_moe": DEEPSTACK_REFUSAL, "qwen3_5": QWEN3_5_REFUSAL}, pooled_grid=True,
     source="cokeshao/HoliTom b1d1412 (holitom/llava_arch.py, holitom/modeling_qwen2.py; README's run: "
            "RETAIN_RATIO T=0.80 HOLITOM_k=18 HOLITOM_r=0.5)",
     summary="segment a video's frames by global temporal redundancy, merge static tokens over each segment, "

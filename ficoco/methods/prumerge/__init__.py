@@ -75,7 +75,8 @@ SPEC = MethodSpec(
     refusals={"qwen2_vl": QWEN2_VL_REFUSAL, "llava_onevision": ONEVISION_REFUSAL,
               "qwen2_5_vl": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen2.5-VL"),
               "qwen3_vl": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen3-VL"),
-              "qwen3_vl_moe": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen3-VL-MoE")},
+              "qwen3_vl_moe": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen3-VL-MoE"),
+              "qwen3_5": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen3.5")},
     source="42Shawn/LLaVA-PruMerge 097c041",
     summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
     keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without keep="

@@ -149,6 +149,8 @@ class TowerCuts:
         wants_text = spec.probes.input_embeddings
         visual = adapter.visual
         original_tower = forward_of(visual)
+        # What every image span lost, for a later turn on the cache (`PromptShortener.cached_part`).
+        adapter.removed_per_image = cut.remove - cut.added if cut is not None else 0
 
         def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
             tower = adapter.tower_pass = adapter.order.start_pass(grid_thw)

@@ -1,0 +1,158 @@
+"""Qwen3.5's hybrid decoder, as the methods in the LLM meet it: most layers are Gated DeltaNet (linear
+attention: a causal convolution over the last few tokens and a fixed-size recurrent state, no attention
+map, no per-token cache), every fourth is full (gated) attention with a KV cache (`layer_types`).
+
+What each kind of method does there (`HybridDecoder`):
+
+- before the LLM (FiCoCo-V, ToMe, VisionZip, ...): the decoder gets fewer tokens, every layer alike;
+  nothing here.
+- at a layer's input (FastV, PDrop, SparseVLM, DART, HoliTom's inner merge): removing tokens before a
+  DeltaNet layer is legitimate (its recurrence and convolution then run over the kept tokens, and the
+  conv and recurrent states the cache keeps are those of the kept sequence), but what the method ranks
+  by must exist: attention rows or keys of layer L-1 exist only where L-1 is full attention, and PDrop's
+  own query and keys only where L is. Every reduction comes after the first full-attention layer's
+  attention, whose cache holds every token: transformers reads the conversation's length from that
+  layer (`Cache.get_seq_length`), and the causal mask of every full layer is built to its length (the
+  patches slice it for the later full layers, which cache fewer).
+- inside a layer (FiCoCo-L): at full-attention layers only; at a DeltaNet layer there is no attention
+  map to score by, and a recurrent state has no tokens to remove.
+
+A DeltaNet layer's mask is the 2-D padding mask (`create_recurrent_attention_mask`): the shared
+patches keep its columns of the tokens still present (ficoco.models.patching.LanguageState.slice_mask).
+Left padding is exact there: a padded token's input is zeroed, so it adds nothing to the convolution or
+to the state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ficoco.errors import FicocoError
+from ficoco.methods.ops import last_row_attention
+from ficoco.models import hf_compat as hf
+
+if TYPE_CHECKING:
+    from ficoco.models.handle import Handle
+    from ficoco.models.patching import LanguageState, Patches
+
+
+def layer_list(layers: list[int] | tuple[int, ...]) -> str:
+    return ", ".join(str(layer) for layer in layers)
+
+
+class HybridDecoder:
+    """The hybrid decoder's part of the Qwen3.5 adapter: which layers are full attention, what a method in
+    the LLM may do where (refused in one line otherwise), the cache's length on a later turn, and PDrop's
+    own row of a gated attention layer. Mixed into the adapter before the Qwen-VL parts."""
+
+    model: nn.Module
+    decoder_layers: Any
+    family_title: str
+
+    def init_hybrid(self) -> None:
+        kinds = hf.decoder_layer_types(self.model)
+        self.full_layers = tuple(i for i, kind in enumerate(kinds) if kind == hf.FULL_ATTENTION)
+        self.linear_layers = tuple(i for i, kind in enumerate(kinds) if kind != hf.FULL_ATTENTION)
+        if not self.full_layers:
+            raise FicocoError(f"this {self.family_title} decoder has no full-attention layer (layer_types); ficoco "
+                              "needs one to read the cache's length and to rank tokens by attention")
+        self.first_full = self.full_layers[0]
+
+    # -- what a method in the LLM may do where --------------------------------------------------
+    def check_layer_input(self, spec: Any, schedule: Any) -> None:
+        """A method at layer inputs: every step after the first full layer, reading only what exists."""
+        probes, title = spec.probes, spec.title
+        after = [layer + 1 for layer in self.full_layers if layer + 1 < len(self.decoder_layers)]
+        for layer in sorted({r.layer for r in schedule.removals if r.stage == "llm"}):
+            if (probes.previous_layer_rows or probes.previous_layer_keys) and layer - 1 not in self.full_layers:
+                read = "attention rows" if probes.previous_layer_rows else "attention keys"
+                raise FicocoError(
+                    f"{title} at layer {layer} reads layer {layer - 1}'s {read}, and layer {layer - 1} of this "
+                    f"{self.family_title} decoder is Gated DeltaNet (linear attention: a recurrent state, no attention "
+                    f"map); reduce at the input of a layer after a full-attention layer: {layer_list(after)}")
+            if probes.own_query_key_row and (layer not in self.full_layers or layer == self.first_full):
+                later = [full for full in self.full_layers if full != self.first_full]
+                what = ("is Gated DeltaNet (linear attention: no queries or keys)" if layer not in self.full_layers
+                        else "is the first full-attention layer, whose cache must keep every token")
+                raise FicocoError(
+                    f"{title} ranks with layer {layer}'s own attention projections, and layer {layer} of this "
+                    f"{self.family_title} decoder {what}; rank at the full-attention layers {layer_list(later)}")
+            if layer <= self.first_full:
+                raise FicocoError(
+                    f"{title} at layer {layer}: on this {self.family_title} decoder every reduction comes after the "
+                    f"first full-attention layer ({self.first_full}), whose cache keeps every token; reduce at the "
+                    f"input of a later layer: {layer_list([a for a in after if a > self.first_full])}")
+
+    def check_in_layer(self, spec: Any, schedule: Any) -> None:
+        """A method inside layers (FiCoCo-L): at full-attention layers only."""
+        for layer in sorted(schedule.removed_at()):
+            if layer not in self.full_layers:
+                raise FicocoError(
+                    f"{spec.title} at layer {layer}: layer {layer} of this {self.family_title} decoder is Gated "
+                    f"DeltaNet (linear attention): it has no attention map to rank by, and a recurrent state has no "
+                    f"tokens to remove; reduce at the full-attention layers {layer_list(self.full_layers)} "
+                    f"(schedule={{{self.full_layers[0]}: n, ...}}, or shape='oneshot')")
+
+    def patch_in_layer(self, handle: Handle, patches: Patches, spec: Any, schedule: Any, first: int) -> None:
+        self.check_in_layer(spec, schedule)
+        super().patch_in_layer(handle, patches, spec, schedule, first)  # type: ignore[misc]
+
+    def patch_layer_input(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        self.check_layer_input(spec, schedule)
+        super().patch_layer_input(handle, patches, spec, schedule)  # type: ignore[misc]
+
+    # -- the cache ----------------------------------------------------------------------------
+    def turn_on_cache(self, cache: Any, state: LanguageState | None) -> tuple[int, dict[int, Tensor]]:
+        """The base adapter's, asking only the full-attention layers their length (a DeltaNet layer's
+        cache holds states, not tokens: transformers refuses the question there)."""
+        past = int(cache.get_seq_length()) if cache is not None else 0  # the first full layer's
+        if not past:
+            return 0, {}
+        if state is not None:
+            return past, state.next_turn_priors(past)
+        lengths = {int(cache.get_seq_length(i)) for i in self.full_layers}
+        if lengths != {past}:
+            raise FicocoError("this cache holds reduced layers that the handle did not fill (a copy, or another "
+                              "handle's); continue the conversation on the cache object the model returned")
+        return past, {}
+
+    # -- PDrop's own row at a gated full-attention layer -----------------------------------------
+    @staticmethod
+    def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor) -> Tensor:
+        """(B, H, T) the last row's attention recomputed with layer `layer`'s own input norm, query (the query
+        half of the gated q_proj, last row only) and key projections, their per-head norms and the partial
+        rotary embedding (the first cos.shape[-1] channels of every head), softmaxed in float32 over the
+        visible keys: what the layer's own attention computes for that row."""
+        parts = hf.layer_parts(layer, hf.DECODER_LAYER)
+        attention = parts.attention
+        q_proj, k_proj, head_dim, scaling = hf.attention_projections(attention)
+        q_norm, k_norm = hf.gated_attention_norms(attention)
+        normed = parts.input_norm(hidden)
+        batch, length, width = normed.shape
+        last = normed[:, -1:]
+        if "_hf_hook" in q_proj.__dict__:  # offloaded weights load on the call: project whole, keep the query half
+            query = q_proj(last).view(batch, 1, -1, 2 * head_dim)[..., :head_dim]
+        else:  # the query half of q_proj's rows alone (per head: head_dim query rows, then head_dim gate rows)
+            weight = q_proj.weight.view(-1, 2, head_dim, width)[:, 0].reshape(-1, width)
+            bias = None if q_proj.bias is None else q_proj.bias.view(-1, 2, head_dim)[:, 0].reshape(-1)
+            query = F.linear(last, weight, bias).view(batch, 1, -1, head_dim)
+        keys = k_proj(normed) if "_hf_hook" in k_proj.__dict__ else F.linear(normed, k_proj.weight, k_proj.bias)
+        query = q_norm(query).transpose(1, 2)
+        keys = k_norm(keys.view(batch, length, -1, head_dim)).transpose(1, 2)
+        query = partial_rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
+        keys = partial_rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
+        return last_row_attention(query[:, :, 0], keys, visible, scaling)
+
+
+def partial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotary embedding of ``(B, H, T, d)`` states on their first ``cos.shape[-1]`` channels (Qwen3.5's
+    partial rotary factor), the rest passed through, with ``(B, T, r)`` tables."""
+    rotary = cos.shape[-1]
+    turned, kept = x[..., :rotary], x[..., rotary:]
+    half = rotary // 2
+    rotated = torch.cat((-turned[..., half:], turned[..., :half]), dim=-1)
+    return torch.cat([turned * cos.unsqueeze(1) + rotated * sin.unsqueeze(1), kept], dim=-1)
