@@ -92,6 +92,10 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
     elif v.kind == "siglip":
         # the patch convolution's bias, position embedding, post-LayerNorm
         tower_extra = h + v.position_embeddings * h + 2 * h
+    elif v.kind == "internvl":
+        # InternViT: CLIP's layer plus the shape module's extras (layer scale, q/k norms, biases it lacks).
+        tower_extra = v.extra_tower_params
+        v_layer += v.extra_layer_params
     else:
         tower_extra = 0
     vision = v.towers * (patch_embed + tower_extra + v.layers * v_layer)

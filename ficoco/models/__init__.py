@@ -25,6 +25,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 FAMILIES["qwen2_5_vl"] = ("ficoco.models.qwen2_5_vl", "Qwen2_5_VLAdapter")
 FAMILIES["llava_onevision"] = ("ficoco.models.llava_onevision", "LlavaOnevisionAdapter")
+FAMILIES["internvl"] = ("ficoco.models.internvl", "InternVLAdapter")
 
 
 def family_module(model_type: str | None) -> Any:

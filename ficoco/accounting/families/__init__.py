@@ -9,7 +9,7 @@ ficoco.models and one profile.
 
 from __future__ import annotations
 
-from ficoco.accounting.families import llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_vl, video_llava
+from ficoco.accounting.families import internvl, llava, llava_next, llava_onevision, qwen2_5_vl, qwen2_vl, video_llava
 from ficoco.accounting.shapes import Family
 
 # model_type -> the family's shape module's record, in the order supported families are listed.
@@ -17,5 +17,6 @@ FAMILIES: dict[str, Family] = {
     module.FAMILY.name: module.FAMILY
     for module in (llava, llava_next, video_llava, qwen2_vl, qwen2_5_vl, llava_onevision)
 }
+FAMILIES[internvl.FAMILY.name] = internvl.FAMILY
 
 __all__ = ["FAMILIES", "Family"]

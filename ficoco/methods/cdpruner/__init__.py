@@ -34,7 +34,7 @@ SPEC = MethodSpec(
            Need("input_embeddings", "embeddings", "suffix", "the LLM's input embeddings of the prompt's text "
                 "after the visual span: the instruction, in place of the CLIP text tower")),
     hyperparameters={"default_keep_ratio": DEFAULT_KEEP_RATIO},
-    families=ALL_FAMILIES, module=f"{__name__}.ops", function="cdpruner_reduce",
+    families=(*ALL_FAMILIES, "internvl"), module=f"{__name__}.ops", function="cdpruner_reduce",
     source="Theia-4869/CDPruner ed9c12d",
     summary="conditional DPP (cosine kernel weighted by instruction relevance), fast greedy MAP; relevance "
             "from the LLM's input embeddings of the instruction (the checkpoints carry no CLIP text tower)",

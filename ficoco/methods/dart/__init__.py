@@ -59,7 +59,7 @@ SPEC = MethodSpec(
            Need("hidden", "L-1", "all", "the output of layer K-1 through the final norm (model.norm)")),
     hyperparameters={"layer": LAYER, "pivot_image": PIVOT_IMAGE, "pivot_text": PIVOT_TEXT,
                      "max_num_trunction": MAX_NUM_TRUNCTION},
-    families=ALL_FAMILIES, module=f"{__name__}.ops", function="dart_reduce",
+    families=(*ALL_FAMILIES, "internvl"), module=f"{__name__}.ops", function="dart_reduce",
     source="ZichenWen1/DART (README, code copy)", summary="keep pivots and the tokens least similar to them",
     keep_means="max_num_trunction (4 image pivots + 8 x N // 8 tokens stay)",
     steps=steps, settings_for_keep=settings_for_keep, extra_macs=extra_macs, wired=True,

@@ -39,7 +39,7 @@ SPEC = MethodSpec(
                 "projector reads, head mean"),
            Need("hidden", "projector", "all", "the projector's output, every patch")),
     hyperparameters={"ratio": RATIO},
-    families=ALL_FAMILIES, module=f"{__name__}.ops", function="fastervlm_reduce",
+    families=(*ALL_FAMILIES, "internvl"), module=f"{__name__}.ops", function="fastervlm_reduce",
     source="Theia-4869/FasterVLM f5d5f12",
     summary="keep the projected patches [CLS] attends to most, in image order",
     keep_means=PER_ITEM, cls_note=EQUIVALENT,

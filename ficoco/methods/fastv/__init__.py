@@ -54,7 +54,7 @@ SPEC = MethodSpec(
                 + LAST_ROW + "; recomputed from post-RoPE q and k, so SDPA stays on"),
            Need("hidden", "L", "all", "the input of layer K")),
     hyperparameters={"layer": LAYER, "ratio": RATIO},
-    families=ALL_FAMILIES, module=f"{__name__}.ops", function="fastv_reduce",
+    families=(*ALL_FAMILIES, "internvl"), module=f"{__name__}.ops", function="fastv_reduce",
     source="pkunlp-icler/FastV d165972", summary="keep the image tokens the last prompt token attends to most",
     keep_means="layer-average visual tokens (K layers at all, the rest at the kept)",
     steps=steps, settings_for_keep=settings_for_keep, extra_macs=extra_macs, wired=True,

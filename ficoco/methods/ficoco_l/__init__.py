@@ -44,7 +44,7 @@ SPEC = MethodSpec(
                 "queries over every key of the reducing layer"),
            Need("hidden", "L", "all", "after the attention residual, before the MLP")),
     hyperparameters={"beta": BETA, "gamma": GAMMA, "eps": EPS, "first_layer": FIRST_LAYER},
-    families=ALL_FAMILIES, module=f"{__name__}.ops", function="reduce",
+    families=(*ALL_FAMILIES, "internvl"), module=f"{__name__}.ops", function="reduce",
     source="FiCoCo paper (docs/methods/ficoco.md)",
     summary="filter by vision- and task-redundancy, fold into kept tokens",
     keep_means="visual tokens that leave the LLM", wired=True,

@@ -104,7 +104,7 @@ SPEC = MethodSpec(
                 "(all rows), RoPE, softmax over all keys, head mean: one row, on the sequence entering the stage"),
            Need("hidden", "L", "all", "the input of the rank layer")),
     hyperparameters={"spacing": SPACING, "ratio": RATIO},
-    families=TESTED_FAMILIES, module=f"{__name__}.ops", function="pdrop_reduce",
+    families=(*TESTED_FAMILIES, "internvl"), module=f"{__name__}.ops", function="pdrop_reduce",
     source="Cooperx521/PyramidDrop 6444f30",
     summary="rank by the last instruction token at 3 stages, keep a pyramid",
     keep_means="layer-average visual tokens",

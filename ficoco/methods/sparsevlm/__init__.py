@@ -88,7 +88,7 @@ SPEC = MethodSpec(
                 "every suffix row (raters are a subset)"),
            Need("hidden", "L", "all", "the output of the sparse layer (input of the next)")),
     hyperparameters={"layers": LAYERS, "recycle_ratio": RECYCLE_RATIO, "cluster_divisor": CLUSTER_DIVISOR},
-    families=TESTED_FAMILIES, module=f"{__name__}.ops", function="sparsevlm_reduce",
+    families=(*TESTED_FAMILIES, "internvl"), module=f"{__name__}.ops", function="sparsevlm_reduce",
     source="Gumpest/SparseVLMs v1.5 (56bef80)",
     summary="rate image tokens by text raters, prune after layers 2/6/15, recycle pruned tokens into clusters",
     keep_means="the v1.5 schedule of the literature's row (192, 128, 96, 64)",

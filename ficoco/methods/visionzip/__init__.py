@@ -72,7 +72,7 @@ SPEC = MethodSpec(
            Need("keys", "vision L", "all", "head-mean key states of that layer (the contextual merge metric)"),
            Need("hidden", "vision L", "all", "that layer's output, the projector's input")),
     hyperparameters={"dominant": DOMINANT, "contextual": CONTEXTUAL, "contextual_mode": CONTEXTUAL_MODE},
-    families=ALL_FAMILIES, module=f"{__name__}.ops", function="visionzip_reduce",
+    families=(*ALL_FAMILIES, "internvl"), module=f"{__name__}.ops", function="visionzip_reduce",
     source="dvlab-research/VisionZip 3151f6d",
     summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",
     keep_means=PER_ITEM + " (dominant + contextual: 162+30, 108+20, 54+10)", cls_note=EQUIVALENT,

@@ -50,7 +50,7 @@ SPEC = MethodSpec(
            Need("hidden", "vision L", "all", "that layer's output, the projector's input (the duplicate "
                 "similarity's features)")),
     hyperparameters={"important_ratio": IMPORTANT_RATIO, "default_keep_ratio": DEFAULT_KEEP_RATIO},
-    families=ALL_FAMILIES, module=f"{__name__}.ops", function="vispruner_reduce",
+    families=(*ALL_FAMILIES, "internvl"), module=f"{__name__}.ops", function="vispruner_reduce",
     source="Theia-4869/VisPruner (copy anonymous-4869/VisPruner d01c757)",
     summary="keep half by [CLS] attention, the rest by removing duplicates among the others, then project",
     keep_means=PER_ITEM + " (default: the README's 128 of 576)", cls_note=EQUIVALENT,

@@ -1,0 +1,271 @@
+"""FiCoCo inside Hugging Face's InternVL3 (`InternVLForConditionalGeneration`): InternViT with [CLS], pixel
+shuffle (every 2 x 2 group of a tile's patches one token of 4x the width) before the projector, dynamic tiles
+plus a thumbnail, and a Qwen2 decoder with 1-D positions. This file alone knows InternVL's layout; the
+methods live in ficoco.methods.
+
+Every tile (and the thumbnail) is one tower item and one span unit of `image_seq_length` placeholders; an
+image's span is its tiles' units one after the other between `<img>` and `</img>`. So:
+
+- The methods inside the decoder (FiCoCo-L, FastV, PDrop, SparseVLM, DART) run through the base adapter
+  (`FamilyAdapter`): the placeholders of an image are one span, as on LLaVA-1.5.
+- A method that cuts every item before the LLM acts on the pixel-shuffle groups, the tokens the LLM
+  receives, never on single patches (pixel shuffle needs every tile's whole square grid): at the tower's
+  output on the shuffled tokens (a group's 4 patches side by side, what the projector reads: VisionZip,
+  VisPruner) or on the projector's output (FasterVLM, DivPrune, CDPruner). A group's [CLS] attention is its
+  patches' mean ([CLS] attends over single patches in InternViT), its key the patches' mean key. Every tile
+  keeps the same count; the prompt's span units are shortened to it at the entry (LLaVA-1.5's bookkeeping,
+  one unit per tile).
+- FiCoCo-V and ToMe act inside InternViT's layers, before pixel shuffle, where a token is a patch: removing
+  or merging single patches leaves no square grid to shuffle, and whole groups would be another method, so
+  they are refused on this family (their registry entries say so in one line); PruMerge+'s adaptive outlier
+  count and patch-by-patch neighbour merge are refused alike, and HoliTom is a video method.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from ficoco.errors import FicocoError
+from ficoco.models import hf_compat as hf
+from ficoco.models.inputs import place_inputs
+from ficoco.models.llava import LlavaAdapter
+from ficoco.models.patching import Patches, forward_of, method_settings
+from ficoco.models.prompt import PromptFormat
+
+if TYPE_CHECKING:
+    from ficoco.models.handle import Handle
+
+__all__ = ["PREFIX_TOKENS", "PROMPT", "InternVLAdapter", "synthetic_inputs"]
+
+# "<|im_start|> user \n <img>" before the first tile's placeholders (the accountant's FAMILY.prefix_tokens).
+PREFIX_TOKENS = 4
+# "</img> \n" before the question, "<|im_end|> \n <|im_start|> assistant \n" after it.
+_SUFFIX_TEMPLATE_TOKENS = 7
+# The InternVL3 tokenizer's special ids around the image placeholder (<IMG_CONTEXT>): <img> and </img> are the
+# two ids before it, <|im_start|> and <|im_end|> 23 and 22 before it (151644, 151645 beside 151667).
+_IMG_START, _IMG_END, _IM_START, _IM_END = 2, 1, 23, 22
+
+
+def group_order(side: int, factor: int) -> Tensor:
+    """(side * side,) the tile's patch indices (row-major) in pixel-shuffle order: group after group in
+    row-major order, each group's factor x factor members row-major (what `pixel_shuffle` packs)."""
+    groups = side // factor
+    g_row, g_col, a, b = torch.meshgrid(torch.arange(groups), torch.arange(groups), torch.arange(factor),
+                                        torch.arange(factor), indexing="ij")
+    return ((g_row * factor + a) * side + g_col * factor + b).flatten()
+
+
+class InternVLAdapter(LlavaAdapter):
+    """Where the methods go in an InternVL model: the decoder's parts (the base's), and for a method before
+    the LLM its cut on the pixel-shuffle groups of every tile."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        config = model.config
+        self.tower = hf.clip_tower(model, "vision_tower")
+        self.vision_layers = hf.internvl_layers(self.tower)
+        self.decoder_layers = hf.decoder_layers(model)
+        self.image_token_id = config.image_token_id
+        vision = config.vision_config
+        size = vision.image_size[0] if isinstance(vision.image_size, (list, tuple)) else vision.image_size
+        patch = vision.patch_size[0] if isinstance(vision.patch_size, (list, tuple)) else vision.patch_size
+        side = size // patch
+        self.factor = round(1 / config.downsample_ratio)
+        self.merge = self.factor**2
+        self.grid_hw = (side // self.factor, side // self.factor)  # a tile's grid of groups (LLM tokens)
+        self.patches = side * side
+        self.units = self.patches // self.merge
+        # Placeholders of one span unit: one tile's tokens (image_seq_length).
+        self.span_tokens = self.units
+        self.order = group_order(side, self.factor)
+        # A cut before the LLM: the tokens every tile hands the LLM (set by patch_tower).
+        self.kept_per_item: int | None = None
+
+    def stage_modules(self) -> dict[str, nn.Module]:
+        """The modules of the accountant's stages (pixel shuffle, between the tower and the projector, is a
+        reshape inside get_image_features: no stage's work)."""
+        model = self.model
+        return {"vision": self.tower, "projector": hf.projector(model), "llm": hf.language_model(model),
+                "lm_head": hf.lm_head(model)}
+
+    def entry_keep(self, handle: Handle, spec: Any, keep_per_image: int | None) -> int | None:
+        """A cut before the LLM shortens every tile's span unit to the tokens each tile keeps."""
+        return self.kept_per_item if spec.per_item else keep_per_image
+
+    def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """One cut of whole pixel-shuffle groups per tile: at the tower's output on the shuffled tokens (the
+        projector's input) or on the projector's output, scored by the probed layer's [CLS] query and keys
+        (InternViT's attention routed through the tower probe), pooled over each group's patches."""
+        from ficoco.methods.contract import TowerModule, load_module
+        from ficoco.methods.needs import TowerProbe
+        from ficoco.models.vision_steps import TowerSlot, install_tower_rows
+
+        config = self.model.config
+        if getattr(config, "vision_feature_select_strategy", "default") != "default":
+            raise FicocoError(f"{spec.title} on InternVL needs vision_feature_select_strategy='default' ([CLS] "
+                              "dropped before pixel shuffle)")
+        removals = [r for r in schedule.removals if r.stage == "vision"]
+        if spec.placement == "in_layer" or any(r.where not in ("tower_output", "after_projector") for r in removals) \
+                or len(removals) > 1:
+            raise FicocoError(f"{spec.title} on InternVL: pixel shuffle needs every tile's whole patch grid, so a "
+                              "method before the LLM cuts whole groups once, at the tower's output or after the "
+                              "projector; use a cut (VisionZip, FasterVLM, ...) or a method inside the LLM")
+        removal = removals[0] if removals else None
+        self.kept_per_item = self.units - (removal.remove - removal.added if removal is not None else 0)
+        patches.on_undo(lambda: setattr(self, "kept_per_item", None))
+        module = load_module(spec, TowerModule)
+        settings = method_settings(handle, spec, schedule)
+        last = len(self.vision_layers) - 1
+        wanted: dict[int, TowerProbe] = {}
+        plan = spec.probes
+        for probe, layers in ((plan.step_tower_layers, [r.layer for r in removals]), (plan.last_tower_layer, [last])):
+            if probe is not None and removal is not None:
+                for layer in layers:
+                    wanted[layer] = probe.merged(wanted.get(layer))
+        if any(probe.probabilities for probe in wanted.values()):
+            raise FicocoError(f"{spec.title} on InternVL reads every row of a tower layer's attention, which a cut "
+                              "of pixel-shuffle groups does not offer; use a method that scores by [CLS] or keys")
+        slots = {layer: TowerSlot(want_cls=probe.cls_query, timer=handle.timer) for layer, probe in wanted.items()}
+        for layer, slot in slots.items():
+            parts, _, _ = hf.internvl_layer_parts(self.vision_layers[layer])
+            install_tower_rows(parts.attention, slot, patches)
+        cut_layer = min(slots) if slots else None
+        taken: dict[int, Any] = {}
+        original_tower = forward_of(self.tower)
+
+        def tower_forward(*args: Any, **kwargs: Any) -> Any:
+            taken.clear()
+            for slot in slots.values():
+                slot.armed = True
+            try:
+                return original_tower(*args, **kwargs)
+            finally:
+                for layer, slot in slots.items():
+                    slot.armed = False
+                    taken[layer] = slot.take()
+
+        patches.set(self.tower, "forward", tower_forward)
+        projector = hf.projector(self.model)
+        original_projector = forward_of(projector)
+        cut = functools.partial(self._cut, handle, module, settings, spec, removal, taken, cut_layer)
+
+        def projector_forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            if removal is None:
+                return original_projector(features, *args, **kwargs)
+            if removal.where == "tower_output":
+                return original_projector(cut(features), *args, **kwargs)
+            return cut(original_projector(features, *args, **kwargs))
+
+        patches.set(projector, "forward", projector_forward)
+
+    def _cut(self, handle: Handle, module: Any, settings: dict[str, Any], spec: Any, removal: Any,
+             taken: dict[int, Any], cut_layer: int | None, features: Tensor) -> Tensor:
+        """Run the method's `tower_step` on every tile's groups `features` (tiles, units, W); the tokens that
+        go on, in the method's order."""
+        from ficoco.methods.inputs import TowerInput
+        from ficoco.models.vision_steps import complement, prompt_text
+
+        items, units = features.shape[:2]
+        if units != self.units:
+            raise FicocoError(f"{spec.title} cuts {self.units} pixel-shuffle groups per tile, but the projector "
+                              f"received {units}; vision_feature_select_strategy must be 'default'")
+        keys = query = scale = None
+        if cut_layer is not None:
+            keys, query, scale, _ = taken.pop(cut_layer)
+            order = self.order.to(keys.device) + 1
+            # [CLS] first, then every patch in group order: a group's members are consecutive (TowerInput.merge).
+            keys = torch.cat([keys[:, :, :1], keys[:, :, order]], dim=2).to(features.device)
+            query = query.to(features.device) if query is not None else None
+        text = text_mask = None
+        if spec.probes.input_embeddings:
+            text, text_mask = prompt_text(handle, self, items, spec.title)
+        inputs = TowerInput(hidden=features, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
+                            cls_query=query, scale=scale, grid_hw=self.grid_hw, text=text, text_mask=text_mask,
+                            merge=self.merge)
+        out = handle.run_method(("projector", None), module.tower_step, inputs, settings)
+        if out.counts is not None:
+            raise FicocoError(f"{spec.title}'s adaptive count is not offered on InternVL; give keep=")
+        kept = out.kept[:, :out.hidden.shape[1]]
+        gone = complement(kept, units)
+        handle.record("vision", removal.layer, kept=self._patches_of(kept), discarded=self._patches_of(gone))
+        handle.measured_tokens_per_item = int(out.hidden.shape[1])
+        return out.hidden
+
+    def _patches_of(self, groups: Tensor) -> Tensor:
+        """(items, k * merge) the row-major patch indices of the groups `groups` (items, k), ascending; a -1
+        (a token without a group: merged from many) gives -1s, sorted first."""
+        members = self.order.to(groups.device).view(-1, self.merge)[groups.clamp(min=0)]
+        members = torch.where((groups >= 0).unsqueeze(-1), members, torch.full_like(members, -1))
+        return members.flatten(1).sort(dim=1).values
+
+
+def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,
+                     dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                     image_size: tuple[int, int] | None = None) -> dict[str, Tensor]:
+    """input_ids, attention_mask and pixel_values (batch x tiles, 3, tile, tile) for `batch` prompts of one
+    image of `image_size` (H, W; the profile's by default), laid out as InternVL's processor and its Qwen2
+    chat template lay them out: "<|im_start|>user\\n<img>" + image_seq_length `<IMG_CONTEXT>` per tile (the
+    tiles of the processor's dynamic tiling, a thumbnail when more than one) + "</img>\\n{question}<|im_end|>
+    \\n<|im_start|>assistant\\n", `text_tokens` text tokens in all (random ordinary ids for the words)."""
+    from ficoco.profiles import FAMILY_DEFAULTS
+
+    config = model.config
+    if config.model_type != "internvl":
+        raise FicocoError(f"these synthetic inputs are laid out for InternVL only, not '{config.model_type}'")
+    fixed = PREFIX_TOKENS + _SUFFIX_TEMPLATE_TOKENS
+    if text_tokens < fixed:
+        raise FicocoError(f"text_tokens= must be at least the {fixed} template tokens around the image")
+    defaults = {**FAMILY_DEFAULTS["internvl"], **(getattr(model, "_ficoco_defaults", None) or {})}
+    vision = config.vision_config
+    tile = tuple(vision.image_size) if isinstance(vision.image_size, (list, tuple)) else (vision.image_size,) * 2
+    height, width = (int(v) for v in (image_size or defaults["image_size"]))
+    tiles = hf.internvl_tiles((height, width), tile, int(defaults["min_tiles"]), int(defaults["max_tiles"]))
+    image = config.image_token_id
+    column = functools.partial(torch.full, (batch, 1), dtype=torch.long)
+    text_vocab = min(config.text_config.vocab_size, image - _IM_START) - 3
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(3, 3 + text_vocab, (batch, text_tokens), generator=generator)
+    question = text_tokens - fixed
+    input_ids = torch.cat([
+        column(image - _IM_START), words[:, :2], column(image - _IMG_START),  # <|im_start|> user \n <img>
+        torch.full((batch, tiles * config.image_seq_length), image, dtype=torch.long),
+        column(image - _IMG_END), words[:, 2:3 + question],  # </img> \n {question}
+        column(image - _IM_END), words[:, 3 + question:4 + question], column(image - _IM_START),
+        words[:, 4 + question:6 + question],  # <|im_end|> \n <|im_start|> assistant \n
+    ], dim=1)
+    pixels = torch.randn(batch * tiles, vision.num_channels, *tile, generator=generator)
+    return place_inputs(model, input_ids, "pixel_values", pixels, dtype=dtype, device=device)
+
+
+# InternVL3's -hf chat template puts an image first in the user's turn, as this documented form does.
+INTERNVL_TEMPLATE = "<|im_start|>user\n<IMG_CONTEXT>\n{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def encode_pieces(processor: Any, media: str, text: str, pictures: list[Any], placeholder: str,
+                  config: dict[str, Any]) -> dict[str, Tensor]:
+    """A prompt from the processor's pieces (InternVLProcessor holds a video processor, which transformers 5
+    builds only with torchvision): the image processor's tiles (crop_to_patches on, as InternVLProcessor
+    sets it), and the processor's own expansion of the placeholder: "<img>" + image_seq_length x tiles
+    placeholders + "</img>"."""
+    pixels = processor.image_processor(images=pictures, crop_to_patches=True, return_tensors="pt")
+    tiles = int(pixels["num_patches"][0]) if "num_patches" in pixels else int(pixels["pixel_values"].shape[0])
+    seq = int(config.get("image_seq_length", 256))
+    tokenizer = processor.tokenizer
+    start = getattr(tokenizer, "start_image_token", "<img>")
+    end = getattr(tokenizer, "end_image_token", "</img>")
+    ids = tokenizer([text.replace(placeholder, start + placeholder * (seq * tiles) + end)], return_tensors="pt")
+    return {**ids, "pixel_values": pixels["pixel_values"]}
+
+
+def picture_size(encoded: dict[str, Tensor], config: dict[str, Any], picture: Any,
+                 visual_tokens: int) -> tuple[tuple[int, int], str | None]:
+    """The image's own size: the accountant tiles it as the processor did (its min and max tiles are the
+    profile's ficoco.min_tiles and max_tiles)."""
+    return (picture.height, picture.width), None
+
+
+PROMPT = PromptFormat(template=INTERNVL_TEMPLATE, encode_pieces=encode_pieces, image_size=picture_size)
