@@ -73,7 +73,10 @@ SPEC = MethodSpec(
     hyperparameters={"assumed_tokens": ASSUMED_TOKENS, "neighbours": NEIGHBOURS, "attention": ATTENTION},
     families=LLAVA_FAMILIES, module=f"{__name__}.ops", function="prumerge_reduce",
     refusals={"qwen2_vl": QWEN2_VL_REFUSAL, "llava_onevision": ONEVISION_REFUSAL,
-              "qwen2_5_vl": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen2.5-VL")},
+              "qwen2_5_vl": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen2.5-VL"),
+              "internvl": "not wired: PruMerge+ picks IQR outliers of [CLS]'s attention over single patches and "
+                          "merges key-nearest patches into them, but InternVL's LLM tokens are 2x2 pixel-shuffle "
+                          "groups; an adaptive count and merge of whole groups would be another method"},
     source="42Shawn/LLaVA-PruMerge 097c041",
     summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
     keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without keep="
