@@ -297,6 +297,11 @@ FAMILIES = {
                                    303: "<|vision_end|>", 304: "<|im_start|>", 305: "<|im_end|>", 306: "<pad>"}),
 }
 FAMILIES["qwen2_5_vl"] = ("qwen2.5-vl-tiny", FAMILIES["qwen2_vl"][1])  # Qwen2-VL's tokens and processor
+# InternVL3: <img> </img> <IMG_CONTEXT> at the placeholder id and the two before it, as InternVL3's tokenizer.
+FAMILIES["internvl"] = ("internvl3-tiny", {277: "<|im_start|>", 278: "<|im_end|>", 298: "<img>", 299: "</img>",
+                                           300: "<IMG_CONTEXT>", 301: "<pad>"})
+# InternVL3's -hf template: ChatML, "<IMG_CONTEXT>\n" for an image before the text.
+_INTERNVL_CHATML = _ONEVISION_CHATML.replace("<image>", "<IMG_CONTEXT>")
 
 
 def make_tokenizer(specials: dict[int, str], vocab_size: int, *, add_bos: bool):
@@ -330,7 +335,7 @@ def make_processor(family: str, model):
     config = model.config
     _, specials = FAMILIES[family]
     tokenizer = make_tokenizer(specials, config.get_text_config().vocab_size,
-                               add_bos=family not in ("qwen2_vl", "qwen2_5_vl", "llava_onevision"))
+                               add_bos=family not in ("qwen2_vl", "qwen2_5_vl", "llava_onevision", "internvl"))
     if family in ("qwen2_vl", "qwen2_5_vl"):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -338,6 +343,12 @@ def make_processor(family: str, model):
         images = Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
                                           temporal_patch_size=vision.temporal_patch_size)
         return tokenizer, images, _CHATML
+    if family == "internvl":  # its whole processor needs torchvision (the video processor)
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        height, width = config.vision_config.image_size
+        return tokenizer, GotOcr2ImageProcessorPil(size={"height": height, "width": width}, crop_to_patches=True), \
+            _INTERNVL_CHATML
     side = config.vision_config.image_size
     if family == "llava_onevision":  # its whole processor needs torchvision (the video processor)
         from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
