@@ -32,8 +32,8 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path, c
     assert by_name["fastv"]["hyperparameters"] == {"layer": 2, "ratio": 0.5}
     assert by_name["v"]["acts_at"] == "vision_layer" and by_name["v"]["wired"]
     assert by_name["pdrop"]["families"] == ["llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision",
-                                            "qwen2_5_vl"]
-    assert set(by_name["prumerge"]["refusals"]) == {"qwen2_vl", "qwen2_5_vl", "llava_onevision"}
+                                            "qwen2_5_vl", "internvl"]
+    assert set(by_name["prumerge"]["refusals"]) == {"qwen2_vl", "qwen2_5_vl", "llava_onevision", "internvl"}
     cells = {row["name"]: row["families"] for row in report["matrix"]}
     assert list(cells) == list(METHODS) and list(cells["v"]) == list(FAMILY_DEFAULTS)
     assert cells["pdrop"]["qwen2_vl"] == {"status": "yes", "reason": ""}
