@@ -165,7 +165,8 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
     tcfg = cfg.get("text_config") or {}
     decoder = llama_decoder(tcfg, TEXT_DEFAULTS, qkv_bias=True, heads_refuser="transformers' Qwen2Attention")
     # InternVLForConditionalGeneration ties its LM head by the top-level config (InternVLConfig: True).
-    decoder = replace(decoder, tied_embeddings=bool(cfg.get("tie_word_embeddings", TOP_DEFAULTS["tie_word_embeddings"])))
+    tied = cfg.get("tie_word_embeddings", TOP_DEFAULTS["tie_word_embeddings"])
+    decoder = replace(decoder, tied_embeddings=bool(tied))
     vcfg = cfg.get("vision_config") or {}
     tile_hw = _pair("image_size", vcfg.get("image_size") or VISION_DEFAULTS["image_size"])
     size_hw = layout.image_size or tile_hw
