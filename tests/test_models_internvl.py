@@ -38,10 +38,10 @@ VISUAL = ITEMS * UNITS
 IMAGE_TOKEN = 300
 NEW = 4
 # A setting of every method the models run here that reduces, and one that is the unreduced model.
-REDUCING = {"l": {"keep": 30}, "fastv": {"keep": 30}, "pdrop": {"keep": 24}, "sparsevlm": {"schedule": {2: 12}},
+REDUCING = {"v": {"keep": 24}, "l": {"keep": 30}, "fastv": {"keep": 30}, "pdrop": {"keep": 24}, "sparsevlm": {"schedule": {2: 12}},
             "dart": {"keep": 24}, "visionzip": {"keep": 8}, "vispruner": {"keep": 8}, "fastervlm": {"keep": 8},
             "divprune": {"keep": 8}, "cdpruner": {"keep": 8}}
-IDENTITY = {"l": {"schedule": {}}, "fastv": {"keep": VISUAL}, "pdrop": {"keep": VISUAL}, "sparsevlm": {"schedule": {}},
+IDENTITY = {"v": {"schedule": {}}, "l": {"schedule": {}}, "fastv": {"keep": VISUAL}, "pdrop": {"keep": VISUAL}, "sparsevlm": {"schedule": {}},
             "dart": {"keep": VISUAL}, "visionzip": {"keep": UNITS}, "vispruner": {"keep": UNITS},
             "fastervlm": {"keep": UNITS}, "divprune": {"keep": UNITS}, "cdpruner": {"keep": UNITS}}
 
@@ -219,7 +219,41 @@ def test_cuts_keep_whole_groups_scored_by_their_patches_cls_attention(model: nn.
     assert torch.equal(kept, group_order(8, 2).view(UNITS, 4)[expected].flatten(1).sort(dim=1).values)
 
 
-@pytest.mark.parametrize("method", ["l", "fastv", "fastervlm", "visionzip"])
+def test_v_removes_whole_groups_and_every_layer_runs_the_plan(model: nn.Module) -> None:
+    """FiCoCo-V removes whole pixel-shuffle groups inside InternViT (layers 1 and 2 here): kept and discarded
+    patches are whole 2 x 2 groups partitioning the previous kept set, every later layer runs [CLS] and the
+    kept groups' patches, and the projector maps the kept groups' tokens only."""
+    from ficoco.accounting.schedule import plan_tokens
+
+    inp = inputs(model, batch=2, seed=6)
+    seen: dict[str, list[int]] = {"vision": [], "projector": []}
+    hooks = [layer.register_forward_pre_hook(lambda m, a, k: seen["vision"].append(a[0].shape[1]), with_kwargs=True)
+             for layer in model.model.vision_tower.encoder.layer]
+    hooks.append(model.model.multi_modal_projector.layer_norm.register_forward_pre_hook(
+        lambda m, a: seen["projector"].append(a[0].shape[1])))
+    try:
+        with torch.no_grad(), ficoco.apply(model, "v", schedule={1: 5, 2: 3}) as handle:
+            model(**inp)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    plan = plan_tokens(architecture(profile_of(model, NAME)), handle.schedule, text_tokens=TEXT)
+    assert seen["vision"] == [n_in for n_in, _ in plan.vision] == [65, 65, 45]
+    assert seen["projector"] == [UNITS - 8]
+    group_of = torch.empty(64, dtype=torch.long)
+    group_of[group_order(8, 2)] = torch.arange(64) // 4
+    previous = torch.arange(64).expand(2 * ITEMS, -1)
+    for record, removed in zip(handle.records, (5, 3), strict=True):
+        assert record.discarded.shape == (2 * ITEMS, 4 * removed)
+        for part in (record.kept, record.discarded):
+            counts = torch.stack([(group_of[part] == g).sum(1) for g in range(UNITS)], 1)
+            assert bool(((counts == 0) | (counts == 4)).all())
+        assert torch.equal(torch.cat([record.kept, record.discarded], 1).sort(1).values, previous)
+        assert bool(torch.isin(record.merged_into, record.kept).all())
+        previous = record.kept
+
+
+@pytest.mark.parametrize("method", ["v", "l", "fastv", "fastervlm", "visionzip"])
 def test_batch_generate_and_labels_equal_samples_alone(model: nn.Module, method: str) -> None:
     batch = inputs(model, batch=2, seed=4)
     labels = batch["input_ids"].masked_fill(batch["input_ids"] == IMAGE_TOKEN, -100)
@@ -239,7 +273,7 @@ def test_batch_generate_and_labels_equal_samples_alone(model: nn.Module, method:
 
 # FastV (and the other layer-input methods) score by the prompt's last token, which a later turn moves: the whole
 # conversation in one prompt is not their reference.
-@pytest.mark.parametrize("method", ["l", "fastervlm", "visionzip"])
+@pytest.mark.parametrize("method", ["v", "l", "fastervlm", "visionzip"])
 def test_text_turn_on_the_cache_equals_the_whole_conversation(model: nn.Module, method: str) -> None:
     first = inputs(model, seed=36)
     question = inputs(model, seed=37)["input_ids"][:, -4:]
@@ -269,7 +303,7 @@ def test_verify_passes_on_tiny_within_half_a_percent(model: nn.Module) -> None:
     from ficoco.accounting import CountOptions, resolve_schedule
 
     schedules = [resolve_schedule(arch, variant, CountOptions(), keep=keep)
-                 for variant, keep in (("vanilla", None), ("l", 30), ("fastervlm", 8), ("visionzip", 8))]
+                 for variant, keep in (("vanilla", None), ("v", 24), ("l", 30), ("fastervlm", 8), ("visionzip", 8))]
     result = verify(profile, schedules, text_tokens=TEXT, model=model)
     assert result.passed and result.largest_fvcore_diff <= 0.005
     for run in result.runs:

@@ -418,7 +418,7 @@ def _check_qwen2_5_vl_windows() -> None:
 # inside get_image_features) joins every 2 x 2 group of a tile's patches into one token, its members'
 # channels side by side in row-major order: the group order the adapter hands the methods.
 INTERNVL_LAYER = LayerParts("attention", "layernorm_before", "layernorm_after", "mlp")
-INTERNVL_LAYER_SCALES = ("lambda_1", "lambda_2")
+INTERNVL_LAYER_EXTRAS = ("lambda_1", "lambda_2", "dropout")
 
 
 def internvl_layers(tower: nn.Module) -> nn.ModuleList:
@@ -427,11 +427,12 @@ def internvl_layers(tower: nn.Module) -> nn.ModuleList:
     return _require_attribute("model layout", encoder, "layer")
 
 
-def internvl_layer_parts(layer: nn.Module) -> tuple[Parts, Any, Any]:
-    """One InternViT layer's parts and its two layer-scale vectors (lambda_1, lambda_2)."""
+def internvl_layer_parts(layer: nn.Module) -> tuple[Parts, Any, Any, nn.Module]:
+    """One InternViT layer's parts, its two layer-scale vectors (lambda_1, lambda_2) and the dropout after its
+    MLP."""
     parts = layer_parts(layer, INTERNVL_LAYER)
-    scales = tuple(_require_attribute(f"{type(layer).__name__} parts", layer, name) for name in INTERNVL_LAYER_SCALES)
-    return parts, scales[0], scales[1]
+    extras = tuple(_require_attribute(f"{type(layer).__name__} parts", layer, name) for name in INTERNVL_LAYER_EXTRAS)
+    return parts, extras[0], extras[1], extras[2]
 
 
 @contact("InternVL tower and pixel shuffle")

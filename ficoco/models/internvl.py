@@ -8,17 +8,18 @@ image's span is its tiles' units one after the other between `<img>` and `</img>
 
 - The methods inside the decoder (FiCoCo-L, FastV, PDrop, SparseVLM, DART) run through the base adapter
   (`FamilyAdapter`): the placeholders of an image are one span, as on LLaVA-1.5.
-- A method that cuts every item before the LLM acts on the pixel-shuffle groups, the tokens the LLM
-  receives, never on single patches (pixel shuffle needs every tile's whole square grid): at the tower's
-  output on the shuffled tokens (a group's 4 patches side by side, what the projector reads: VisionZip,
-  VisPruner) or on the projector's output (FasterVLM, DivPrune, CDPruner). A group's [CLS] attention is its
-  patches' mean ([CLS] attends over single patches in InternViT), its key the patches' mean key. Every tile
-  keeps the same count; the prompt's span units are shortened to it at the entry (LLaVA-1.5's bookkeeping,
-  one unit per tile).
-- FiCoCo-V and ToMe act inside InternViT's layers, before pixel shuffle, where a token is a patch: removing
-  or merging single patches leaves no square grid to shuffle, and whole groups would be another method, so
-  they are refused on this family (their registry entries say so in one line); PruMerge+'s adaptive outlier
-  count and patch-by-patch neighbour merge are refused alike, and HoliTom is a video method.
+- A method before the LLM acts on the pixel-shuffle groups, the tokens the LLM receives, never on single
+  patches (pixel shuffle needs every tile's whole square grid). A cut runs at the tower's output on the
+  shuffled tokens (a group's 4 patches side by side, what the projector reads: VisionZip, VisPruner) or on
+  the projector's output (FasterVLM, DivPrune, CDPruner); a group's [CLS] attention is its patches' mean
+  ([CLS] attends over single patches in InternViT), its key the patches' mean key. FiCoCo-V removes whole
+  groups inside InternViT's layers (its `reduce_groups`, as on Qwen2-VL, scored by [CLS]); the tower's output
+  is put back on the whole patch grid (removed groups empty) so that pixel shuffle runs as transformers wrote
+  it, and the projector maps the kept groups only. Every tile keeps the same count; the prompt's span units
+  are shortened to it at the entry (LLaVA-1.5's bookkeeping, one unit per tile).
+- ToMe merges single patches inside the tower and PruMerge+ picks and merges single patches by an adaptive
+  count: both are refused on this family (their registry entries say why in one line); HoliTom is a video
+  method.
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ class InternVLAdapter(LlavaAdapter):
             raise FicocoError(f"{spec.title} on InternVL needs vision_feature_select_strategy='default' ([CLS] "
                               "dropped before pixel shuffle)")
         removals = [r for r in schedule.removals if r.stage == "vision"]
+        if spec.placement == "in_layer" and hasattr(spec.load(), "reduce_groups"):
+            self._patch_group_reduction(handle, patches, spec, schedule)
+            return
         if spec.placement == "in_layer" or any(r.where not in ("tower_output", "after_projector") for r in removals) \
                 or len(removals) > 1:
             raise FicocoError(f"{spec.title} on InternVL: pixel shuffle needs every tile's whole patch grid, so a "
@@ -131,7 +135,7 @@ class InternVLAdapter(LlavaAdapter):
                               "of pixel-shuffle groups does not offer; use a method that scores by [CLS] or keys")
         slots = {layer: TowerSlot(want_cls=probe.cls_query, timer=handle.timer) for layer, probe in wanted.items()}
         for layer, slot in slots.items():
-            parts, _, _ = hf.internvl_layer_parts(self.vision_layers[layer])
+            parts = hf.internvl_layer_parts(self.vision_layers[layer])[0]
             install_tower_rows(parts.attention, slot, patches)
         cut_layer = min(slots) if slots else None
         taken: dict[int, Any] = {}
@@ -161,6 +165,108 @@ class InternVLAdapter(LlavaAdapter):
             return cut(original_projector(features, *args, **kwargs))
 
         patches.set(projector, "forward", projector_forward)
+
+    # -- FiCoCo-V: whole pixel-shuffle groups removed inside InternViT's layers -----------------------
+    def _patch_group_reduction(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """Remove whole pixel-shuffle groups inside the tower layers of the schedule (the method module's
+        `reduce_groups`: a group's scores are its patches' means, its [CLS] term the mean of [CLS]'s attention
+        to them, and a removed group folds into kept ones member by member). The first reducing layer puts the
+        patches in group order (members consecutive); the later layers run on the kept groups' patches. The
+        tower's output is put back on the whole patch grid (removed groups empty) so that pixel shuffle runs as
+        transformers wrote it, and the projector maps the kept groups' tokens only."""
+        from ficoco.models.vision_steps import TowerSlot, install_tower_rows
+
+        config = self.model.config
+        last = len(self.vision_layers) - 1
+        if config.vision_feature_layer not in (-1, last):
+            raise FicocoError(f"{spec.title} on InternVL reduces inside the tower, so the projector must read its "
+                              f"last layer (vision_feature_layer -1, not {config.vision_feature_layer})")
+        removed = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.remove}
+        self.kept_per_item = self.units - sum(removed.values())
+        patches.on_undo(lambda: setattr(self, "kept_per_item", None))
+        reduce_groups = spec.load().reduce_groups
+        params = handle.hyperparameters
+        kept: dict[str, Tensor | None] = {"groups": None}  # this tower pass's kept groups (items, k), ascending
+        members = self.order.view(self.units, self.merge)  # a group's patches, row-major on the tile's grid
+        original_tower = forward_of(self.tower)
+
+        def tower_forward(*args: Any, **kwargs: Any) -> Any:
+            kept["groups"] = None
+            out = original_tower(*args, **kwargs)
+            groups = kept["groups"]
+            if groups is not None:  # back on the whole grid: [CLS], then every patch at its row-major place
+                hidden = out.last_hidden_state
+                full = hidden.new_zeros(hidden.shape[0], 1 + self.patches, hidden.shape[-1])
+                places = members.to(hidden.device)[groups].flatten(1) + 1
+                full[:, 0] = hidden[:, 0]
+                full = full.scatter(1, places.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]), hidden[:, 1:])
+                out.last_hidden_state = full
+            return out
+
+        patches.set(self.tower, "forward", tower_forward)
+        projector = hf.projector(self.model)
+        original_projector = forward_of(projector)
+
+        def projector_forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            groups = kept["groups"]
+            if groups is not None:  # the shuffled tokens of the kept groups, in group order
+                features = torch.gather(features, 1, groups.to(features.device).unsqueeze(-1).expand(
+                    -1, -1, features.shape[-1]))
+                handle.measured_tokens_per_item = int(features.shape[1])
+            return original_projector(features, *args, **kwargs)
+
+        patches.set(projector, "forward", projector_forward)
+        # [CLS], then the patches in group order: the permutation the first reducing layer applies.
+        to_groups = torch.cat([torch.zeros(1, dtype=torch.long), self.order + 1])
+        for index, r in removed.items():
+            layer = self.vision_layers[index]
+            parts, scale_1, scale_2, dropout = hf.internvl_layer_parts(layer)
+            slot = TowerSlot(want_probabilities=True, timer=handle.timer)
+            install_tower_rows(parts.attention, slot, patches)
+
+            def forward(hidden_states: Tensor, *args: Any, _parts: hf.Parts = parts, _slot: TowerSlot = slot,
+                        _index: int = index, _r: int = r, _dropout: nn.Module = dropout, _scale_1: Tensor = scale_1,
+                        _scale_2: Tensor = scale_2, **kwargs: Any) -> Tensor:
+                _slot.armed = True
+                try:
+                    attn_out, _ = _parts.attention(_parts.input_norm(hidden_states))
+                finally:
+                    _slot.armed = False
+                keys, _, _, attention = _slot.take()
+                hidden = hidden_states + _scale_1 * attn_out
+                items = hidden.shape[0]
+                groups = kept["groups"]
+                if groups is None:  # the first reducing layer of this pass: patches into group order
+                    order = to_groups.to(hidden.device)
+                    hidden, keys = hidden[:, order], keys[:, :, order]
+                    attention = attention[:, order][:, :, order]
+                    groups = torch.arange(self.units, device=hidden.device).expand(items, -1)
+                if not 0 <= _r < groups.shape[1]:
+                    raise FicocoError(f"vision layer {_index} would remove {_r} of the {groups.shape[1]} groups left "
+                                      "in a tile; at least one must stay")
+                red = handle.run_method(("vision", _index), reduce_groups, hidden[:, 1:], attention, keys, _r, groups,
+                                        self.grid_hw, merge=self.merge, lam=params.lam, eps=params.eps,
+                                        window=params.window, coefficient=params.coefficient, has_cls=True,
+                                        equivalent=params.equivalent_token)
+                into = None if red.merge_target is None else self._patches_of(
+                    torch.gather(red.kept_groups, 1, red.merge_target), sort=False)
+                handle.record("vision", _index, kept=self._patches_of(red.kept_groups),
+                              discarded=self._patches_of(red.discarded_groups), merged_into=self._targets(
+                                  red.discarded_groups, into))
+                kept["groups"] = red.kept_groups
+                hidden = torch.cat([hidden[:, :1], red.hidden], dim=1)
+                out = _dropout(_parts.mlp(_parts.post_norm(hidden)))
+                return hidden + _scale_2 * out
+
+            patches.set(layer, "forward", forward)
+
+    def _targets(self, discarded: Tensor, into: Tensor | None) -> Tensor | None:
+        """For every patch of the `discarded` groups, in ascending patch order, the patch it was folded into
+        (member m of a group into member m of its target group, `into`: the targets' patches group by group)."""
+        if into is None:
+            return None
+        own = self.order.to(discarded.device).view(-1, self.merge)[discarded].flatten(1)
+        return torch.gather(into, 1, own.argsort(dim=1))
 
     def _cut(self, handle: Handle, module: Any, settings: dict[str, Any], spec: Any, removal: Any,
              taken: dict[int, Any], cut_layer: int | None, features: Tensor) -> Tensor:
@@ -195,12 +301,12 @@ class InternVLAdapter(LlavaAdapter):
         handle.measured_tokens_per_item = int(out.hidden.shape[1])
         return out.hidden
 
-    def _patches_of(self, groups: Tensor) -> Tensor:
-        """(items, k * merge) the row-major patch indices of the groups `groups` (items, k), ascending; a -1
-        (a token without a group: merged from many) gives -1s, sorted first."""
+    def _patches_of(self, groups: Tensor, sort: bool = True) -> Tensor:
+        """(items, k * merge) the row-major patch indices of the groups `groups` (items, k), ascending (or group
+        by group, members in order, without `sort`); a -1 (a token without a group: merged from many) gives -1s."""
         members = self.order.to(groups.device).view(-1, self.merge)[groups.clamp(min=0)]
-        members = torch.where((groups >= 0).unsqueeze(-1), members, torch.full_like(members, -1))
-        return members.flatten(1).sort(dim=1).values
+        members = torch.where((groups >= 0).unsqueeze(-1), members, torch.full_like(members, -1)).flatten(1)
+        return members.sort(dim=1).values if sort else members
 
 
 def synthetic_inputs(model: nn.Module, *, batch: int = 1, text_tokens: int = 60, seed: int = 0,

@@ -47,10 +47,7 @@ SPEC = MethodSpec(
            Need("hidden", "vision L", "all", "after the attention residual, before the MLP")),
     hyperparameters={"lam": LAM, "eps": EPS, "window": WINDOW, "coefficient": COEFFICIENT, "first_layer": FIRST_LAYER,
                      "equivalent_token": EQUIVALENT_TOKEN},
-    families=ALL_FAMILIES, module=f"{__name__}.ops", function="reduce",
-    refusals={"internvl": "not wired: FiCoCo-V reduces patches inside InternViT's layers, before pixel shuffle, "
-                          "which needs every tile's whole square patch grid (removing whole 2x2 groups there is "
-                          "not wired); use FiCoCo-L, or a cut of whole groups (VisionZip, FasterVLM, ...)"},
+    families=(*ALL_FAMILIES, "internvl"), module=f"{__name__}.ops", function="reduce",
     source="FiCoCo paper (docs/methods/ficoco.md)",
     summary="filter by vision- and [CLS]-redundancy, fold into kept patches",
     keep_means="visual tokens that reach the LLM", wired=True,
