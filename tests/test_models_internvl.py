@@ -38,12 +38,13 @@ VISUAL = ITEMS * UNITS
 IMAGE_TOKEN = 300
 NEW = 4
 # A setting of every method the models run here that reduces, and one that is the unreduced model.
-REDUCING = {"v": {"keep": 24}, "l": {"keep": 30}, "fastv": {"keep": 30}, "pdrop": {"keep": 24}, "sparsevlm": {"schedule": {2: 12}},
-            "dart": {"keep": 24}, "visionzip": {"keep": 8}, "vispruner": {"keep": 8}, "fastervlm": {"keep": 8},
-            "divprune": {"keep": 8}, "cdpruner": {"keep": 8}}
-IDENTITY = {"v": {"schedule": {}}, "l": {"schedule": {}}, "fastv": {"keep": VISUAL}, "pdrop": {"keep": VISUAL}, "sparsevlm": {"schedule": {}},
-            "dart": {"keep": VISUAL}, "visionzip": {"keep": UNITS}, "vispruner": {"keep": UNITS},
-            "fastervlm": {"keep": UNITS}, "divprune": {"keep": UNITS}, "cdpruner": {"keep": UNITS}}
+REDUCING = {"v": {"keep": 24}, "l": {"keep": 30}, "fastv": {"keep": 30}, "pdrop": {"keep": 24},
+            "sparsevlm": {"schedule": {2: 12}}, "dart": {"keep": 24}, "visionzip": {"keep": 8},
+            "vispruner": {"keep": 8}, "fastervlm": {"keep": 8}, "divprune": {"keep": 8}, "cdpruner": {"keep": 8}}
+IDENTITY = {"v": {"schedule": {}}, "l": {"schedule": {}}, "fastv": {"keep": VISUAL}, "pdrop": {"keep": VISUAL},
+            "sparsevlm": {"schedule": {}}, "dart": {"keep": VISUAL}, "visionzip": {"keep": UNITS},
+            "vispruner": {"keep": UNITS}, "fastervlm": {"keep": UNITS}, "divprune": {"keep": UNITS},
+            "cdpruner": {"keep": UNITS}}
 
 
 def inputs(model: nn.Module, batch: int = 1, seed: int = 0, **kwargs: Any) -> dict[str, Tensor]:
