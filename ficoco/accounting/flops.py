@@ -167,9 +167,10 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
     projected = batch * (plan.projector_tokens - arch.newline_tokens + arch.unpadding_drops
                          + arch.post_projector_drops)
     if v.kind == "internvl":
-        # InternVL's pixel shuffle: a reshape of the tower's patches into tokens of merge x the width (no
-        # multiply-accumulates; one copy, counted in memory traffic).
-        moved = projected * v.merge * v.hidden
+        # InternVL's pixel shuffle: a reshape of every tile's whole patch grid into tokens of merge x the width
+        # (no multiply-accumulates; one copy, counted in memory traffic). It runs on the whole grid whatever a
+        # method keeps: the adapter puts FiCoCo-V's kept groups back on it, and the cuts act after it.
+        moved = items * v.patches * v.hidden
         ops.append(_elementwise("projector", None, "pixel_shuffle", 0, moved, moved))
     if arch.projector.norm_dim:
         dim = arch.projector.norm_dim
