@@ -38,13 +38,13 @@ VISUAL = ITEMS * UNITS
 IMAGE_TOKEN = 300
 NEW = 4
 # A setting of every method the models run here that reduces, and one that is the unreduced model.
-REDUCING = {"v": {"keep": 24}, "l": {"keep": 30}, "fastv": {"keep": 30}, "pdrop": {"keep": 24},
+REDUCING = {"v": {"keep": 24}, "tome": {"keep": 8}, "l": {"keep": 30}, "fastv": {"keep": 30}, "pdrop": {"keep": 24},
             "sparsevlm": {"schedule": {2: 12}}, "dart": {"keep": 24}, "visionzip": {"keep": 8},
             "vispruner": {"keep": 8}, "fastervlm": {"keep": 8}, "divprune": {"keep": 8}, "cdpruner": {"keep": 8}}
-IDENTITY = {"v": {"schedule": {}}, "l": {"schedule": {}}, "fastv": {"keep": VISUAL}, "pdrop": {"keep": VISUAL},
-            "sparsevlm": {"schedule": {}}, "dart": {"keep": VISUAL}, "visionzip": {"keep": UNITS},
-            "vispruner": {"keep": UNITS}, "fastervlm": {"keep": UNITS}, "divprune": {"keep": UNITS},
-            "cdpruner": {"keep": UNITS}}
+IDENTITY = {"v": {"schedule": {}}, "tome": {"schedule": {}}, "l": {"schedule": {}}, "fastv": {"keep": VISUAL},
+            "pdrop": {"keep": VISUAL}, "sparsevlm": {"schedule": {}}, "dart": {"keep": VISUAL},
+            "visionzip": {"keep": UNITS}, "vispruner": {"keep": UNITS}, "fastervlm": {"keep": UNITS},
+            "divprune": {"keep": UNITS}, "cdpruner": {"keep": UNITS}}
 
 
 def inputs(model: nn.Module, batch: int = 1, seed: int = 0, **kwargs: Any) -> dict[str, Tensor]:
@@ -254,7 +254,36 @@ def test_v_removes_whole_groups_and_every_layer_runs_the_plan(model: nn.Module) 
         previous = record.kept
 
 
-@pytest.mark.parametrize("method", ["v", "l", "fastv", "fastervlm", "visionzip"])
+def test_tome_merges_whole_groups_and_later_layers_weigh_them_by_size(model: nn.Module) -> None:
+    """ToMe merges whole pixel-shuffle groups (a group's 4 patches side by side, [CLS] protected); every layer
+    after a merge adds log(size of the patch's group) to its keys' logits, as the official proportional
+    attention does per token."""
+    inp = inputs(model, seed=7)
+    masks: list[Any] = []
+    attention = model.model.vision_tower.encoder.layer[2].attention
+    hook = attention.register_forward_pre_hook(lambda m, a, k: masks.append(k.get("attention_mask")),
+                                               with_kwargs=True)
+    try:
+        with torch.no_grad(), ficoco.apply(model, "tome", schedule={1: 6}) as handle:
+            logits = model(**inp).logits
+    finally:
+        hook.remove()
+    assert logits.shape[1] == TEXT + ITEMS * (UNITS - 6)
+    record = handle.records[0]
+    assert record.kept.shape == (ITEMS, 4 * (UNITS - 6)) and record.discarded.shape == (ITEMS, 24)
+    group_of = torch.empty(64, dtype=torch.long)
+    group_of[group_order(8, 2)] = torch.arange(64) // 4
+    for part in (record.kept, record.discarded):
+        counts = torch.stack([(group_of[part] == g).sum(1) for g in range(UNITS)], 1)
+        assert bool(((counts == 0) | (counts == 4)).all())
+    bias = masks[0]
+    assert bias.shape == (ITEMS, 1, 1, 1 + 4 * (UNITS - 6))
+    sizes = bias[:, 0, 0, 1:].exp().round().view(ITEMS, -1, 4)
+    assert bool((sizes == sizes[..., :1]).all())  # a group's patches weigh alike
+    assert bias[:, 0, 0, 0].abs().max() == 0 and sizes.sum(dim=(1, 2)).tolist() == [4 * UNITS] * ITEMS
+
+
+@pytest.mark.parametrize("method", ["v", "tome", "l", "fastv", "fastervlm", "visionzip"])
 def test_batch_generate_and_labels_equal_samples_alone(model: nn.Module, method: str) -> None:
     batch = inputs(model, batch=2, seed=4)
     labels = batch["input_ids"].masked_fill(batch["input_ids"] == IMAGE_TOKEN, -100)
@@ -304,7 +333,8 @@ def test_verify_passes_on_tiny_within_half_a_percent(model: nn.Module) -> None:
     from ficoco.accounting import CountOptions, resolve_schedule
 
     schedules = [resolve_schedule(arch, variant, CountOptions(), keep=keep)
-                 for variant, keep in (("vanilla", None), ("v", 24), ("l", 30), ("fastervlm", 8), ("visionzip", 8))]
+                 for variant, keep in (("vanilla", None), ("v", 24), ("tome", 8), ("l", 30), ("fastervlm", 8),
+                                       ("visionzip", 8))]
     result = verify(profile, schedules, text_tokens=TEXT, model=model)
     assert result.passed and result.largest_fvcore_diff <= 0.005
     for run in result.runs:

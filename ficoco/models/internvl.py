@@ -13,13 +13,14 @@ image's span is its tiles' units one after the other between `<img>` and `</img>
   shuffled tokens (a group's 4 patches side by side, what the projector reads: VisionZip, VisPruner) or on
   the projector's output (FasterVLM, DivPrune, CDPruner); a group's [CLS] attention is its patches' mean
   ([CLS] attends over single patches in InternViT), its key the patches' mean key. FiCoCo-V removes whole
-  groups inside InternViT's layers (its `reduce_groups`, as on Qwen2-VL, scored by [CLS]); the tower's output
-  is put back on the whole patch grid (removed groups empty) so that pixel shuffle runs as transformers wrote
-  it, and the projector maps the kept groups only. Every tile keeps the same count; the prompt's span units
-  are shortened to it at the entry (LLaVA-1.5's bookkeeping, one unit per tile).
-- ToMe merges single patches inside the tower and PruMerge+ picks and merges single patches by an adaptive
-  count: both are refused on this family (their registry entries say why in one line); HoliTom is a video
-  method.
+  groups inside InternViT's layers (its `reduce_groups`, as on Qwen2-VL, scored by [CLS]), and ToMe merges
+  whole groups there (its `tower_step` on a group's patches side by side, [CLS] a unit of its own, every later
+  layer weighing a patch by its group's size); the tower's output is put back on the whole patch grid (removed
+  groups empty) so that pixel shuffle runs as transformers wrote it, and the projector maps the kept groups
+  only. Every tile keeps the same count; the prompt's span units are shortened to it at the entry (LLaVA-1.5's
+  bookkeeping, one unit per tile).
+- PruMerge+ picks and merges single patches by an adaptive count: it is refused on this family (its registry
+  entry says why in one line); HoliTom is a video method.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class InternVLAdapter(LlavaAdapter):
         if spec.placement == "in_layer" and hasattr(spec.load(), "reduce_groups"):
             self._patch_group_reduction(handle, patches, spec, schedule)
             return
+        if spec.placement == "in_layer":
+            self._patch_group_merges(handle, patches, spec, schedule)
+            return
         if spec.placement == "in_layer" or any(r.where not in ("tower_output", "after_projector") for r in removals) \
                 or len(removals) > 1:
             raise FicocoError(f"{spec.title} on InternVL: pixel shuffle needs every tile's whole patch grid, so a "
@@ -186,36 +190,7 @@ class InternVLAdapter(LlavaAdapter):
         patches.on_undo(lambda: setattr(self, "kept_per_item", None))
         reduce_groups = spec.load().reduce_groups
         params = handle.hyperparameters
-        kept: dict[str, Tensor | None] = {"groups": None}  # this tower pass's kept groups (items, k), ascending
-        members = self.order.view(self.units, self.merge)  # a group's patches, row-major on the tile's grid
-        original_tower = forward_of(self.tower)
-
-        def tower_forward(*args: Any, **kwargs: Any) -> Any:
-            kept["groups"] = None
-            out = original_tower(*args, **kwargs)
-            groups = kept["groups"]
-            if groups is not None:  # back on the whole grid: [CLS], then every patch at its row-major place
-                hidden = out.last_hidden_state
-                full = hidden.new_zeros(hidden.shape[0], 1 + self.patches, hidden.shape[-1])
-                places = members.to(hidden.device)[groups].flatten(1) + 1
-                full[:, 0] = hidden[:, 0]
-                full = full.scatter(1, places.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]), hidden[:, 1:])
-                out.last_hidden_state = full
-            return out
-
-        patches.set(self.tower, "forward", tower_forward)
-        projector = hf.projector(self.model)
-        original_projector = forward_of(projector)
-
-        def projector_forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-            groups = kept["groups"]
-            if groups is not None:  # the shuffled tokens of the kept groups, in group order
-                features = torch.gather(features, 1, groups.to(features.device).unsqueeze(-1).expand(
-                    -1, -1, features.shape[-1]))
-                handle.measured_tokens_per_item = int(features.shape[1])
-            return original_projector(features, *args, **kwargs)
-
-        patches.set(projector, "forward", projector_forward)
+        kept = self._regrid(handle, patches)
         # [CLS], then the patches in group order: the permutation the first reducing layer applies.
         to_groups = torch.cat([torch.zeros(1, dtype=torch.long), self.order + 1])
         for index, r in removed.items():
@@ -259,6 +234,130 @@ class InternVLAdapter(LlavaAdapter):
                 return hidden + _scale_2 * out
 
             patches.set(layer, "forward", forward)
+
+    # -- ToMe: whole pixel-shuffle groups merged inside InternViT's layers ------------------------------
+    def _patch_group_merges(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """Merge whole pixel-shuffle groups inside the tower layers of the schedule (the method's `tower_step`
+        on units of a group's 4 patches side by side, [CLS] a unit of its own; the matching metric is a group's
+        head-mean keys averaged over its patches, a merged group stands at its destination's place). With
+        proportional attention every later layer adds log(size) of a patch's group to its logits; InternViT's
+        layers take no mask, so every layer from the first merge on is re-composed from its parts."""
+        from ficoco.methods.contract import TowerModule, load_module
+        from ficoco.methods.inputs import TowerInput
+        from ficoco.models.vision_steps import TowerSlot, install_tower_rows
+
+        config = self.model.config
+        last = len(self.vision_layers) - 1
+        if config.vision_feature_layer not in (-1, last):
+            raise FicocoError(f"{spec.title} on InternVL merges inside the tower, so the projector must read its "
+                              f"last layer (vision_feature_layer -1, not {config.vision_feature_layer})")
+        settings = method_settings(handle, spec, schedule)
+        if settings.get("order", "spatial") != "spatial":
+            raise FicocoError(f"{spec.title} on InternVL keeps the groups in image order (pixel shuffle and the "
+                              "projector read them so); order='official' is not supported here")
+        module = load_module(spec, TowerModule)
+        rates = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.remove}
+        self.kept_per_item = self.units - sum(rates.values())
+        patches.on_undo(lambda: setattr(self, "kept_per_item", None))
+        kept = self._regrid(handle, patches)
+        to_groups = torch.cat([torch.zeros(1, dtype=torch.long), self.order + 1])
+        first = min(rates) if rates else len(self.vision_layers)
+        for index in range(first, len(self.vision_layers)):
+            layer = self.vision_layers[index]
+            parts, scale_1, scale_2, dropout = hf.internvl_layer_parts(layer)
+            slot = None
+            if rates.get(index):
+                slot = TowerSlot()
+                install_tower_rows(parts.attention, slot, patches)
+
+            def forward(hidden_states: Tensor, *args: Any, _parts: hf.Parts = parts, _slot: TowerSlot | None = slot,
+                        _index: int = index, _r: int = rates.get(index, 0), _dropout: nn.Module = dropout,
+                        _scale_1: Tensor = scale_1, _scale_2: Tensor = scale_2, **kwargs: Any) -> Tensor:
+                bias = kept["bias"]
+                if _slot is not None:
+                    _slot.armed = True
+                try:
+                    mask = None if bias is None else bias.to(hidden_states.dtype)
+                    attn_out, _ = _parts.attention(_parts.input_norm(hidden_states), attention_mask=mask)
+                finally:
+                    if _slot is not None:
+                        _slot.armed = False
+                hidden = hidden_states + _scale_1 * attn_out
+                if _slot is not None:
+                    keys = _slot.take()[0]
+                    items, width = hidden.shape[0], hidden.shape[-1]
+                    groups = kept["groups"]
+                    if groups is None:  # the first merge of this pass: patches into group order
+                        order = to_groups.to(hidden.device)
+                        hidden, keys = hidden[:, order], keys[:, :, order]
+                        groups = torch.arange(self.units, device=hidden.device).expand(items, -1)
+                        kept["size"] = torch.ones(items, 1 + self.units, device=hidden.device)
+                    # [CLS] a unit of its own (its width padded: ToMe never merges or changes it).
+                    cls = torch.cat([hidden[:, :1], hidden.new_zeros(items, 1, width * (self.merge - 1))], dim=-1)
+                    units = torch.cat([cls, hidden[:, 1:].reshape(items, -1, width * self.merge)], dim=1)
+                    inputs = TowerInput(hidden=units, has_cls=True, remove=_r, keys=keys, size=kept["size"],
+                                        positions=torch.cat([torch.zeros_like(groups[:, :1]), groups + 1], dim=1),
+                                        merge=self.merge, grid_hw=self.grid_hw)
+                    out = handle.run_method(("vision", _index), module.tower_step, inputs, settings)
+                    merged = out.positions[:, 1:] - 1  # the original group every unit that goes on stands at
+                    discarded = self._gone(groups, merged)
+                    handle.record("vision", _index, kept=self._patches_of(merged),
+                                  discarded=self._patches_of(discarded))
+                    kept.update(groups=merged, size=out.size)
+                    hidden = torch.cat([out.hidden[:, :1, :width], out.hidden[:, 1:].reshape(items, -1, width)], 1)
+                    if out.attention_bias is not None:  # log(size) for [CLS] and every patch of a group
+                        logs = out.size.log()
+                        kept["bias"] = torch.cat([logs[:, :1], logs[:, 1:].repeat_interleave(self.merge, dim=1)],
+                                                 dim=1)[:, None, None, :]
+                out = _dropout(_parts.mlp(_parts.post_norm(hidden)))
+                return hidden + _scale_2 * out
+
+            patches.set(layer, "forward", forward)
+
+    def _gone(self, before: Tensor, after: Tensor) -> Tensor:
+        """(items, r) the groups of `before` that `after` no longer holds, ascending."""
+        from ficoco.models.vision_steps import complement
+
+        absent = complement(before, self.units, self.units - before.shape[1])  # gone before this layer
+        return complement(torch.cat([after, absent], dim=1), self.units, before.shape[1] - after.shape[1])
+
+    def _regrid(self, handle: Handle, patches: Patches) -> dict[str, Any]:
+        """The tower's and the projector's patches of a method inside the tower: the tower's output put back on
+        the whole patch grid ([CLS], then every kept group's patches at their row-major places, removed groups
+        empty) so that pixel shuffle runs as transformers wrote it; the projector maps the kept groups' tokens
+        only, in group order. Returns the pass's state: its kept groups ("groups", (items, k) ascending; None
+        before the first reduction of a pass) and what the method carries between layers."""
+        kept: dict[str, Any] = {"groups": None, "size": None, "bias": None}
+        members = self.order.view(self.units, self.merge)  # a group's patches, row-major on the tile's grid
+        original_tower = forward_of(self.tower)
+
+        def tower_forward(*args: Any, **kwargs: Any) -> Any:
+            kept.update(groups=None, size=None, bias=None)
+            out = original_tower(*args, **kwargs)
+            groups = kept["groups"]
+            if groups is not None:  # back on the whole grid: [CLS], then every patch at its row-major place
+                hidden = out.last_hidden_state
+                full = hidden.new_zeros(hidden.shape[0], 1 + self.patches, hidden.shape[-1])
+                places = members.to(hidden.device)[groups].flatten(1) + 1
+                full[:, 0] = hidden[:, 0]
+                full = full.scatter(1, places.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]), hidden[:, 1:])
+                out.last_hidden_state = full
+            return out
+
+        patches.set(self.tower, "forward", tower_forward)
+        projector = hf.projector(self.model)
+        original_projector = forward_of(projector)
+
+        def projector_forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            groups = kept["groups"]
+            if groups is not None:  # the shuffled tokens of the kept groups, in group order
+                features = torch.gather(features, 1, groups.to(features.device).unsqueeze(-1).expand(
+                    -1, -1, features.shape[-1]))
+                handle.measured_tokens_per_item = int(features.shape[1])
+            return original_projector(features, *args, **kwargs)
+
+        patches.set(projector, "forward", projector_forward)
+        return kept
 
     def _targets(self, discarded: Tensor, into: Tensor | None) -> Tensor | None:
         """For every patch of the `discarded` groups, in ascending patch order, the patch it was folded into

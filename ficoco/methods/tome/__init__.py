@@ -75,10 +75,7 @@ SPEC = MethodSpec(
            Need("hidden", "vision L", "all", "after the attention residual, before the MLP; the token sizes "
                 "carried from layer to layer add log(size) to every key's logits (proportional attention)")),
     hyperparameters={"r": R, "prop_attn": PROP_ATTN, "order": ORDER},
-    families=TESTED_FAMILIES, module=f"{__name__}.ops", function="tome_merge",
-    refusals={"internvl": "not wired: ToMe merges patches inside InternViT's layers, before pixel shuffle, which "
-                          "needs every tile's whole square patch grid (merging whole 2x2 groups there is not "
-                          "wired); use a cut of whole groups (VisionZip, ...) or a method inside the LLM"},
+    families=(*TESTED_FAMILIES, "internvl"), module=f"{__name__}.ops", function="tome_merge",
     source="facebookresearch/ToMe af95e4b",
     summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",
     keep_means=PER_ITEM,
