@@ -40,7 +40,8 @@ NEW = 4
 # A setting of every method the models run here that reduces, and one that is the unreduced model.
 REDUCING = {"v": {"keep": 24}, "tome": {"keep": 8}, "l": {"keep": 30}, "fastv": {"keep": 30}, "pdrop": {"keep": 24},
             "sparsevlm": {"schedule": {2: 12}}, "dart": {"keep": 24}, "visionzip": {"keep": 8},
-            "vispruner": {"keep": 8}, "fastervlm": {"keep": 8}, "divprune": {"keep": 8}, "cdpruner": {"keep": 8}}
+            "vispruner": {"keep": 8}, "fastervlm": {"keep": 8}, "divprune": {"keep": 8}, "cdpruner": {"keep": 8},
+            "prumerge": {"keep": 8}}
 IDENTITY = {"v": {"schedule": {}}, "tome": {"schedule": {}}, "l": {"schedule": {}}, "fastv": {"keep": VISUAL},
             "pdrop": {"keep": VISUAL}, "sparsevlm": {"schedule": {}}, "dart": {"keep": VISUAL},
             "visionzip": {"keep": UNITS}, "vispruner": {"keep": UNITS}, "fastervlm": {"keep": UNITS},
@@ -299,6 +300,19 @@ def test_batch_generate_and_labels_equal_samples_alone(model: nn.Module, method:
     assert torch.equal(out.loss, model.loss_function(logits=out.logits, labels=kept_labels, vocab_size=vocab))
     assert out.logits.shape[1] < batch["input_ids"].shape[1]
     assert torch.equal(tokens[:, :batch["input_ids"].shape[1]], batch["input_ids"])  # the caller's prompt back
+
+
+def test_prumerge_adaptive_count_is_measured_per_call_and_tiles_must_agree(model: nn.Module) -> None:
+    """PruMerge+ without keep=: IQR outliers of [CLS]'s attention summed over each group's patches, measured
+    per call; one tile's count shortens its span, tiles of one call that disagree are refused in one line."""
+    one = inputs(model, image_size=(64, 64), seed=9)
+    with torch.no_grad(), ficoco.apply(model, "prumerge", image_size=(64, 64)) as handle:
+        logits = model(**one).logits
+        measured = handle.measured_tokens_per_item
+    assert 2 <= measured < UNITS and logits.shape[1] == TEXT + measured
+    with ficoco.apply(model, "prumerge"), pytest.raises(FicocoError, match="differs between the tiles") as caught:
+        model(**inputs(model, batch=2))
+    assert "\n" not in str(caught.value)
 
 
 # FastV (and the other layer-input methods) score by the prompt's last token, which a later turn moves: the whole

@@ -18,9 +18,9 @@ image's span is its tiles' units one after the other between `<img>` and `</img>
   layer weighing a patch by its group's size); the tower's output is put back on the whole patch grid (removed
   groups empty) so that pixel shuffle runs as transformers wrote it, and the projector maps the kept groups
   only. Every tile keeps the same count; the prompt's span units are shortened to it at the entry (LLaVA-1.5's
-  bookkeeping, one unit per tile).
-- PruMerge+ picks and merges single patches by an adaptive count: it is refused on this family (its registry
-  entry says why in one line); HoliTom is a video method.
+  bookkeeping, one unit per tile). PruMerge+ cuts groups at the tower's output (a group's share of [CLS]'s
+  attention the sum of its patches', its key their mean); its adaptive count is measured per call, and the
+  tiles of a call must agree. HoliTom is a video method, refused here.
 """
 
 from __future__ import annotations
@@ -392,13 +392,20 @@ class InternVLAdapter(LlavaAdapter):
                             cls_query=query, scale=scale, grid_hw=self.grid_hw, text=text, text_mask=text_mask,
                             merge=self.merge)
         out = handle.run_method(("projector", None), module.tower_step, inputs, settings)
+        hidden = out.hidden
         if out.counts is not None:
-            raise FicocoError(f"{spec.title}'s adaptive count is not offered on InternVL; give keep=")
-        kept = out.kept[:, :out.hidden.shape[1]]
+            # An adaptive count (PruMerge+ without keep=): one host read. The tiles of a call must agree, since
+            # their span units are shortened alike.
+            counts = sorted(set(out.counts.tolist()))
+            if len(counts) > 1:
+                raise FicocoError(f"{spec.title}'s adaptive count differs between the tiles of this call "
+                                  f"({', '.join(map(str, counts))} tokens): give a fixed count with keep=")
+            hidden = hidden[:, :counts[0]]
+        kept = out.kept[:, :hidden.shape[1]]
         gone = complement(kept, units)
         handle.record("vision", removal.layer, kept=self._patches_of(kept), discarded=self._patches_of(gone))
-        handle.measured_tokens_per_item = int(out.hidden.shape[1])
-        return out.hidden
+        handle.measured_tokens_per_item = int(hidden.shape[1])
+        return hidden
 
     def _patches_of(self, groups: Tensor, sort: bool = True) -> Tensor:
         """(items, k * merge) the row-major patch indices of the groups `groups` (items, k), ascending (or group
