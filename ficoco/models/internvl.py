@@ -63,7 +63,7 @@ def group_order(side: int, factor: int) -> Tensor:
 
 class InternVLAdapter(LlavaAdapter):
     """Where the methods go in an InternVL model: the decoder's parts (the base's), and for a method before
-    the LLM its cut on the pixel-shuffle groups of every tile."""
+    the LLM its work on the pixel-shuffle groups of every tile (inside InternViT's layers, or a cut)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -99,9 +99,11 @@ class InternVLAdapter(LlavaAdapter):
         return self.kept_per_item if spec.per_item else keep_per_image
 
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        """One cut of whole pixel-shuffle groups per tile: at the tower's output on the shuffled tokens (the
-        projector's input) or on the projector's output, scored by the probed layer's [CLS] query and keys
-        (InternViT's attention routed through the tower probe), pooled over each group's patches."""
+        """A method before the LLM on whole pixel-shuffle groups: inside InternViT's layers (FiCoCo-V's
+        `reduce_groups`, or a merging `tower_step`: ToMe), or one cut per tile at the tower's output on the
+        shuffled tokens (the projector's input) or on the projector's output, scored by the probed layer's
+        [CLS] query and keys (InternViT's attention routed through the tower probe), pooled over each group's
+        patches."""
         from ficoco.methods.contract import TowerModule, load_module
         from ficoco.methods.needs import TowerProbe
         from ficoco.models.vision_steps import TowerSlot, install_tower_rows
@@ -117,11 +119,9 @@ class InternVLAdapter(LlavaAdapter):
         if spec.placement == "in_layer":
             self._patch_group_merges(handle, patches, spec, schedule)
             return
-        if spec.placement == "in_layer" or any(r.where not in ("tower_output", "after_projector") for r in removals) \
-                or len(removals) > 1:
-            raise FicocoError(f"{spec.title} on InternVL: pixel shuffle needs every tile's whole patch grid, so a "
-                              "method before the LLM cuts whole groups once, at the tower's output or after the "
-                              "projector; use a cut (VisionZip, FasterVLM, ...) or a method inside the LLM")
+        if any(r.where not in ("tower_output", "after_projector") for r in removals) or len(removals) > 1:
+            raise FicocoError(f"{spec.title} on InternVL: a method that cuts before the LLM cuts whole pixel-shuffle "
+                              "groups once, at the tower's output or after the projector")
         removal = removals[0] if removals else None
         self.kept_per_item = self.units - (removal.remove - removal.added if removal is not None else 0)
         patches.on_undo(lambda: setattr(self, "kept_per_item", None))
