@@ -56,6 +56,7 @@ TRANSFORMERS_TESTS = frozenset({
     "test_methods_llm_in_models.py", "test_methods_vision_in_models.py", "test_methods_vision_in_llava_next.py",
     "test_methods_diversity.py", "test_methods_holitom.py",
 })
+TRANSFORMERS_TESTS |= {"test_models_internvl.py"}
 # Of those, the suites of the methods inside the models (marked `method_suites` too): they reach
 # transformers only through the adapters' hook points, which every family's model tests cross with
 # FiCoCo-V and -L, so CI's oldest-release run leaves them out to keep the whole run under 15 minutes.
