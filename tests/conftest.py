@@ -57,6 +57,7 @@ TRANSFORMERS_TESTS = frozenset({
     "test_methods_diversity.py", "test_methods_holitom.py",
 })
 TRANSFORMERS_TESTS |= {"test_models_qwen3_5.py"}  # issue 34
+TRANSFORMERS_TESTS |= {"test_models_internvl.py"}
 # Of those, the suites of the methods inside the models (marked `method_suites` too): they reach
 # transformers only through the adapters' hook points, which every family's model tests cross with
 # FiCoCo-V and -L, so CI's oldest-release run leaves them out to keep the whole run under 15 minutes.

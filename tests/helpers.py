@@ -304,6 +304,11 @@ QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Qwen3.5: the same tokens, image processor and pixel bounds as Qwen3-VL.
 FAMILIES["qwen3_5"] = ("qwen3.5-tiny", FAMILIES["qwen2_vl"][1])
 QWEN_FAMILIES += ("qwen3_5",)
+# InternVL3: <img> </img> <IMG_CONTEXT> at the placeholder id and the two before it, as InternVL3's tokenizer.
+FAMILIES["internvl"] = ("internvl3-tiny", {277: "<|im_start|>", 278: "<|im_end|>", 298: "<img>", 299: "</img>",
+                                           300: "<IMG_CONTEXT>", 301: "<pad>"})
+# InternVL3's -hf template: ChatML, "<IMG_CONTEXT>\n" for an image before the text.
+_INTERNVL_CHATML = _ONEVISION_CHATML.replace("<image>", "<IMG_CONTEXT>")
 
 
 def make_tokenizer(specials: dict[int, str], vocab_size: int, *, add_bos: bool):
@@ -337,7 +342,7 @@ def make_processor(family: str, model):
     config = model.config
     _, specials = FAMILIES[family]
     tokenizer = make_tokenizer(specials, config.get_text_config().vocab_size,
-                               add_bos=family not in (*QWEN_FAMILIES, "llava_onevision"))
+                               add_bos=family not in (*QWEN_FAMILIES, "llava_onevision", "internvl"))
     if family in QWEN_FAMILIES:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -351,6 +356,12 @@ def make_processor(family: str, model):
         images = Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
                                           temporal_patch_size=vision.temporal_patch_size, **bounds)
         return tokenizer, images, _CHATML
+    if family == "internvl":  # its whole processor needs torchvision (the video processor)
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        height, width = config.vision_config.image_size
+        return tokenizer, GotOcr2ImageProcessorPil(size={"height": height, "width": width}, crop_to_patches=True), \
+            _INTERNVL_CHATML
     side = config.vision_config.image_size
     if family == "llava_onevision":  # its whole processor needs torchvision (the video processor)
         from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (

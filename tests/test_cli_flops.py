@@ -52,7 +52,7 @@ def test_version(cli):
     assert result.out.splitlines()[0] == f"ficoco {ficoco.__version__}"  # then the packages (test_versions.py)
 
 
-def test_models_lists_all_ten_profiles(cli):
+def test_models_lists_every_profile(cli):
     result = cli("models", in_subprocess=True)
     assert result.code == 0, result.err
     for name in PROFILES:

@@ -32,7 +32,7 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path, c
     assert by_name["fastv"]["hyperparameters"] == {"layer": 2, "ratio": 0.5}
     assert by_name["v"]["acts_at"] == "vision_layer" and by_name["v"]["wired"]
     assert by_name["pdrop"]["families"] == ["llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision",
-                                            "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"]
+                                            "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "internvl"]
     assert set(by_name["prumerge"]["refusals"]) == {"qwen2_vl", "qwen2_5_vl", "llava_onevision", "qwen3_vl",
                                                     "qwen3_vl_moe", "qwen3_5"}
     cells = {row["name"]: row["families"] for row in report["matrix"]}
@@ -68,7 +68,7 @@ def test_methods_matrix_prints_methods_by_families_with_each_refusals_reason(mon
     block = [prumerge] + list(itertools.takewhile(lambda line: line.startswith("│       "), lines[at + 1:]))
     columns = zip(*(line.split("│")[2:-1] for line in block), strict=False)
     cells = [" ".join(" ".join(parts).split()) for parts in columns]
-    assert prumerge.count("yes") == 3 and cells[3].startswith("refused: not wired: PruMerge+'s extra token")
+    assert prumerge.count("yes") == 4 and cells[3].startswith("refused: not wired: PruMerge+'s extra token")
     assert "yes" in next(line for line in lines if "pdrop (PDrop)" in line)
     # A family no entry names yet (one more in FAMILY_DEFAULTS) is refused by every method, with the default line.
     monkeypatch.setitem(FAMILY_DEFAULTS, "new_family", {})

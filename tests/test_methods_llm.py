@@ -383,7 +383,7 @@ def test_every_method_loads_its_entry_point():
 
 def test_a_method_refuses_families_it_is_not_defined_on(arch_of):
     arch = arch_of("qwen2-vl-7b")
-    with pytest.raises(Exception, match="PruMerge\\+ is defined on llava, llava_next, video_llava models"):
+    with pytest.raises(Exception, match="PruMerge\\+ is defined on llava, llava_next, video_llava, internvl models"):
         acc.resolve_schedule(arch, "prumerge", acc.CountOptions(), keep=128)
 
 

@@ -197,7 +197,8 @@ def test_other_families_run_the_methods_they_are_defined_on(name: str, method: s
 def test_a_family_the_method_is_not_defined_on_is_refused_naming_those_it_is() -> None:
     # PDrop runs on Qwen2-VL since issue 25; PruMerge+ is still refused there, with the registry's reason.
     model = ficoco.build_model("qwen2-vl-tiny", dtype="fp32")
-    with pytest.raises(FicocoError, match="PruMerge\\+ is defined on llava, llava_next, video_llava models") as info:
+    with pytest.raises(FicocoError,
+                       match="PruMerge\\+ is defined on llava, llava_next, video_llava, internvl models") as info:
         ficoco.apply(model, "prumerge", keep=8)
     assert registry.METHODS["prumerge"].refusals["qwen2_vl"] in str(info.value)
     assert "_ficoco_handle" not in model.__dict__

@@ -25,6 +25,7 @@ from ficoco.models import synthetic_inputs
 TINY_FAMILIES = ("llava-tiny", "llava-next-tiny", "video-llava-tiny", "qwen2-vl-tiny", "llava-onevision-tiny")
 TINY_FAMILIES += ("qwen2.5-vl-tiny",)
 TINY_FAMILIES += ("qwen3-vl-tiny", "qwen3-vl-moe-tiny")
+TINY_FAMILIES += ("internvl3-tiny",)
 
 
 @pytest.mark.parametrize("name", sorted(hf.CONTACTS))
@@ -68,6 +69,8 @@ def test_layers_are_called_as_the_patches_take_their_arguments(tiny: nn.Module) 
     modules = {"decoder layer": decoder, "decoder attention": hf.layer_parts(decoder, hf.DECODER_LAYER).attention}
     if tiny.config.model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         modules["vision block"] = hf.qwen2_vl_blocks(hf.qwen2_vl_tower(tiny))[0]
+    elif tiny.config.model_type == "internvl":  # InternViT: its layers are called with hidden_states alone
+        modules["tower layer"] = hf.internvl_layers(hf.clip_tower(tiny, "vision_tower"))[0]
     else:
         tower = "video_tower" if tiny.config.model_type == "video_llava" else "vision_tower"
         modules["tower layer"] = hf.clip_layers(hf.clip_tower(tiny, tower))[0]

@@ -144,6 +144,10 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
     elif v.kind == "qwen3_vl":
         # the patch convolution's bias and the learned position grid (resampled to every image's grid)
         tower_extra = h + v.position_embeddings * h
+    elif v.kind == "internvl":
+        # InternViT: CLIP's layer plus the shape module's extras (layer scale, q/k norms, biases it lacks).
+        tower_extra = v.extra_tower_params
+        v_layer += v.extra_layer_params
     else:
         tower_extra = 0
     vision = v.towers * (patch_embed + tower_extra + v.layers * v_layer)

@@ -225,6 +225,8 @@ def vision_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: i
         yield _linear(s, layer, name, b, n_in, h, h)
     yield from _attention_ops(s, layer, b, n_in, v.heads, v.heads, h // v.heads, cached=False, pairs=pairs)
     yield _linear(s, layer, "o_proj", b, n_in, h, h)
+    if v.kind == "internvl":  # InternViT's layer scale (lambda_1) before the residual
+        yield _elementwise(s, layer, "layer_scale_1", b * h * n_in, b * h * n_in, b * h * n_in)
     yield _elementwise(s, layer, "attn_add", b * h * n_in, b * h * n_in, b * h * n_in)
     yield _elementwise(s, layer, "norm2", 7 * b * h * n_out, b * h * n_out, b * h * n_out)
     if v.gated_mlp:  # SwiGLU (Qwen2.5-VL's tower)
@@ -237,6 +239,8 @@ def vision_layer_ops(arch: Architecture, layer: int, b: int, n_in: int, n_out: i
     yield _linear(s, layer, "fc1", b, n_out, h, v.ffn)
     yield _elementwise(s, layer, "mlp_act", 2 * b * v.ffn * n_out, b * v.ffn * n_out, b * v.ffn * n_out)
     yield _linear(s, layer, "fc2", b, n_out, v.ffn, h)
+    if v.kind == "internvl":  # and lambda_2 before the second residual
+        yield _elementwise(s, layer, "layer_scale_2", b * h * n_out, b * h * n_out, b * h * n_out)
     yield _elementwise(s, layer, "mlp_add", b * h * n_out, b * h * n_out, b * h * n_out)
 
 
@@ -284,6 +288,12 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
     # whose kept counts would depend on them, is refused where unpadding drops any).
     projected = batch * (plan.projector_tokens - arch.newline_tokens + arch.unpadding_drops
                          + arch.post_projector_drops)
+    if v.kind == "internvl":
+        # InternVL's pixel shuffle: a reshape of every tile's whole patch grid into tokens of merge x the width
+        # (no multiply-accumulates; one copy, counted in memory traffic). It runs on the whole grid whatever a
+        # method keeps: the adapter puts FiCoCo-V's kept groups back on it, and the cuts act after it.
+        moved = items * v.patches * v.hidden
+        ops.append(_elementwise("projector", None, "pixel_shuffle", 0, moved, moved))
     if arch.projector.norm_dim:
         dim = arch.projector.norm_dim
         ops.append(_elementwise("projector", None, "norm", 7 * projected * v.merge * dim,

@@ -53,6 +53,10 @@ class VisionTower:
     # biases and RMSNorms (Qwen2.5-VL's); else q, k, v, out and two MLP linears, and LayerNorms (CLIP, SigLIP).
     fused_qkv: bool = False
     gated_mlp: bool = False
+    # Parameters beyond what the kind's layout gives, computed by the family's shape module (InternViT: layer
+    # scale, q/k norms and absent biases per layer; [CLS], positions, mask token and final norm per tower).
+    extra_layer_params: int = 0
+    extra_tower_params: int = 0
 
     @property
     def patches(self) -> int:

@@ -31,6 +31,9 @@ TESTED_FAMILIES += QWEN3_VL_FAMILIES
 # (ficoco.models.qwen3_5.hybrid).
 ALL_FAMILIES += ("qwen3_5",)
 TESTED_FAMILIES += ("qwen3_5",)
+# InternVL3 (issue 34): InternViT's [CLS] and pixel-shuffle groups; the methods keep or merge whole groups.
+ALL_FAMILIES += ("internvl",)
+TESTED_FAMILIES += ("internvl",)
 
 # What `--keep N` counts for the methods that cut every tower item before the LLM.
 PER_ITEM = "visual tokens per image, crop or frame that reach the LLM"

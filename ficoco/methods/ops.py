@@ -401,7 +401,9 @@ def patch_scores_from_cls(inputs: TowerInput, reduce_heads: str = "mean") -> Ten
     if inputs.cls_query is None:
         raise RuntimeError("the method needs the [CLS] query of the probed layer from the adapter")
     row = cls_attention(inputs.cls_query, inputs.keys, inputs.scale)[:, :, 1:]
-    return row.sum(dim=1) if reduce_heads == "sum" else row.mean(dim=1)
+    scores = row.sum(dim=1) if reduce_heads == "sum" else row.mean(dim=1)
+    # Units of merge groups under a [CLS] (InternVL's pixel-shuffle groups): a group's mean, as without [CLS].
+    return merge_group_scores(scores, inputs.merge) if inputs.merge > 1 else scores
 
 
 def unit_keys(inputs: TowerInput) -> Tensor:

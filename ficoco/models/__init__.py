@@ -29,6 +29,7 @@ FAMILIES["llava_onevision"] = ("ficoco.models.llava_onevision", "LlavaOnevisionA
 FAMILIES["qwen3_vl"] = ("ficoco.models.qwen3_vl", "Qwen3VLAdapter")
 FAMILIES["qwen3_vl_moe"] = ("ficoco.models.qwen3_vl", "Qwen3VLAdapter")
 FAMILIES["qwen3_5"] = ("ficoco.models.qwen3_5", "Qwen3_5Adapter")
+FAMILIES["internvl"] = ("ficoco.models.internvl", "InternVLAdapter")
 
 
 def family_module(model_type: str | None) -> Any:

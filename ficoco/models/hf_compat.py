@@ -311,6 +311,7 @@ FAMILY_TOWERS["llava_onevision"] = "vision_tower"  # SigLIP: the same encoder la
 # Qwen3-VL (dense and MoE): Qwen2-VL's packed tower layout (visual.blocks, visual.merger) plus DeepStack's mergers.
 QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 FAMILY_TOWERS.update(dict.fromkeys(QWEN3_VL_TYPES, "visual"))
+FAMILY_TOWERS["internvl"] = "vision_tower"  # InternViT: its own layer parts (INTERNVL_LAYER)
 
 
 def check_model(model: nn.Module) -> None:
@@ -335,6 +336,11 @@ def check_model(model: nn.Module) -> None:
             qwen3_vl_deepstack_mergers(tower)
             _require_attribute("Qwen3-VL DeepStack in the decoder", language_model(model), DEEPSTACK_ADD)
         _require_attribute("model layout", inner_model(model), "rope_deltas")
+        return
+    if model_type == "internvl":
+        projector(model)
+        for layer in internvl_layers(clip_tower(model, FAMILY_TOWERS[model_type])):
+            internvl_layer_parts(layer)
         return
     projector(model)
     for layer in clip_layers(clip_tower(model, FAMILY_TOWERS[model_type])):
@@ -565,6 +571,77 @@ def _check_qwen2_5_vl_windows() -> None:
     if index.tolist() != [0, 1, 3, 4, 2, 5, 6, 7, 8] or cu.tolist() != [0, 16, 24, 32, 36]:
         raise ContactChanged(name, f"get_vision_window_index gives {index.tolist()} / {cu.tolist()} for a 3 x 3 "
                                    "group grid in 2 x 2 windows")
+
+
+# -- InternVL (InternViT, pixel shuffle, tiles) ---------------------------------------------------
+# InternViT's layers (`vision_tower.encoder.layer`): pre-norm attention and MLP, each scaled by a learned
+# per-channel vector (layer scale) before its residual; the layer's forward takes no attention mask, so a
+# method that needs one re-composes the layer from these parts. Pixel shuffle (InternVLModel.pixel_shuffle,
+# inside get_image_features) joins every 2 x 2 group of a tile's patches into one token, its members'
+# channels side by side in row-major order: the group order the adapter hands the methods.
+INTERNVL_LAYER = LayerParts("attention", "layernorm_before", "layernorm_after", "mlp")
+INTERNVL_LAYER_EXTRAS = ("lambda_1", "lambda_2", "dropout")
+
+
+def internvl_layers(tower: nn.Module) -> nn.ModuleList:
+    """InternViT's encoder layers (`encoder.layer`)."""
+    encoder = _require_attribute("model layout", tower, "encoder")
+    return _require_attribute("model layout", encoder, "layer")
+
+
+def internvl_layer_parts(layer: nn.Module) -> tuple[Parts, Any, Any, nn.Module]:
+    """One InternViT layer's parts, its two layer-scale vectors (lambda_1, lambda_2) and the dropout after its
+    MLP."""
+    parts = layer_parts(layer, INTERNVL_LAYER)
+    extras = tuple(_require_attribute(f"{type(layer).__name__} parts", layer, name) for name in INTERNVL_LAYER_EXTRAS)
+    return parts, extras[0], extras[1], extras[2]
+
+
+@contact("InternVL tower and pixel shuffle")
+def _check_internvl() -> None:
+    from transformers.models.internvl import modeling_internvl as internvl
+
+    name = "InternVL tower and pixel shuffle"
+    _require_parameters(name, internvl.InternVLVisionAttention.forward, "hidden_states", "attention_mask")
+    _require_parameters(name, internvl.InternVLVisionLayer.forward, "hidden_states")
+    _require_parameters(name, getattr(internvl.InternVLModel, IMAGE_ENCODER), "pixel_values", "vision_feature_layer",
+                        "vision_feature_select_strategy")
+    _require_parameters(name, internvl.InternVLForConditionalGeneration.forward, ENCODED_FEATURES_KEYWORD)
+    params = _parameters(_require_attribute(name, internvl, "eager_attention_forward"))
+    if tuple(params[:len(ATTENTION_FUNCTION_SIGNATURE)]) != ATTENTION_FUNCTION_SIGNATURE:
+        raise ContactChanged(name, f"InternVL's eager_attention_forward takes ({', '.join(params)})")
+    # A 4 x 4 grid of patches whose channel is the patch's index: the first token must be patches 0, 1, 4, 5.
+    grid = torch.arange(16.0).view(1, 4, 4, 1)
+    shuffled = internvl.InternVLModel.pixel_shuffle(None, grid, scale_factor=0.5).reshape(4, 4)
+    if shuffled[0].tolist() != [0.0, 1.0, 4.0, 5.0] or shuffled[1].tolist() != [2.0, 3.0, 6.0, 7.0]:
+        raise ContactChanged(name, f"pixel_shuffle packs a 4x4 grid as {shuffled.tolist()}, not 2x2 groups in "
+                                   "row-major order")
+
+
+@contact("InternVL tiling")
+def _check_internvl_tiling() -> None:
+    from transformers.models.got_ocr2 import image_processing_pil_got_ocr2 as got_ocr2
+
+    from ficoco.accounting.families.internvl import tiled_canvas
+
+    name = "InternVL tiling"
+    function = _require_attribute(name, got_ocr2, "get_optimal_tiled_canvas")
+    for size in ((896, 448), (448, 896), (448, 448), (900, 1600), (300, 2000), (1000, 1000)):
+        theirs = tuple(function(size, (448, 448), 1, 12))
+        if theirs != tiled_canvas(size, (448, 448), 1, 12):
+            raise ContactChanged(name, f"get_optimal_tiled_canvas tiles a {size} image as {theirs}, ficoco's "
+                                       f"accountant as {tiled_canvas(size, (448, 448), 1, 12)}")
+
+
+def internvl_tiles(size_hw: tuple[int, int], tile_hw: tuple[int, int], min_tiles: int, max_tiles: int) -> int:
+    """Tiles (thumbnail included) the GotOcr2 image processor cuts an image of `size_hw` into, as
+    InternVLProcessor calls it (crop_to_patches on)."""
+    from transformers.models.got_ocr2 import image_processing_pil_got_ocr2 as got_ocr2
+
+    if max_tiles <= 1:
+        return 1
+    cols, rows = got_ocr2.get_optimal_tiled_canvas(tuple(size_hw), tuple(tile_hw), min_tiles, max_tiles)
+    return cols * rows + int(cols * rows > 1)
 
 
 # -- model functions ficoco calls or replaces ----------------------------------------------

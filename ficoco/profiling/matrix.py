@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from ficoco.accounting import CountOptions, Schedule, account, architecture, resolve_side_by_side
-from ficoco.accounting.memory import KV_QUANT_BITS, QUANT_BITS, Quant, stored_kv_cache_bytes, weight_bytes
+from ficoco.accounting.memory import KV_QUANT_BITS, QUANT_BITS, Quant, linear_state, weight_bytes
+from ficoco.accounting.memory import cache_bytes as analytic_cache_bytes
 from ficoco.errors import FicocoError
 from ficoco.machine.dtype_choice import DtypeChoice, row_dtypes
 from ficoco.models import hf_compat as hf
@@ -257,9 +258,14 @@ def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardwar
                                upcast_element_bytes=torch.finfo(dtype.storage).bits / 8)
     # The cache as transformers stores it (a quantized one with its scales, zero points and
     # residual window), after the prefill and, with --new-tokens, after decoding.
-    kv_stored = {f"kv_cache_bytes{suffix}": round(stored_kv_cache_bytes(
+    # On a hybrid decoder (Qwen3.5) the cache also holds the linear-attention layers' fixed state, which the
+    # measured figure counts too: the analytic one is everything the cache holds, its state named beside it.
+    kv_stored = {f"kv_cache_bytes{suffix}": round(analytic_cache_bytes(
         arch, cost.plan, batch=row.batch, kv_bits=kv_bits, element_bytes=compute_bits / 8, decode_steps=steps))
         for suffix, steps in (("", 0), ("_after_decode", config.new_tokens - 1)) if steps >= 0}
+    state = linear_state(arch, batch=row.batch, element_bytes=compute_bits / 8)
+    if state.layers:
+        kv_stored["linear_state_bytes"] = round(state.total_bytes)
     return {"tflops": cost.tflops, "tflops_by_stage": cost.tflops_by_stage, **kv_stored,
             "weight_bytes": weights, "visual_tokens": cost.plan.visual_tokens,
             "llm_visual_tokens": cost.plan.llm_visual_tokens,
@@ -584,7 +590,7 @@ def _memory_per_device(model: Any, row: RowSpec, config: ProfileConfig, plan: Pl
     """Per device of a split model: the accountant's weights (the map's) and KV cache (the layers that run
     there), the measured KV cache of those layers, and the measured peak (a GPU's allocator peak, the
     process's peak resident set for "cpu"; "disk" has none)."""
-    from ficoco.accounting.memory import kv_cache_bytes_per_layer, memory_per_device
+    from ficoco.accounting.memory import kv_cache_bytes_per_layer, linear_state_bytes_per_layer, memory_per_device
     from ficoco.accounting.schedule import plan_tokens
     from ficoco.models import device_map as maps
     from ficoco.profiling.trackers import cache_bytes_per_layer
@@ -596,6 +602,9 @@ def _memory_per_device(model: Any, row: RowSpec, config: ProfileConfig, plan: Pl
     kv_bits = row_kv_bits(config, row.quant) or compute_bits
     analytic_kv = kv_cache_bytes_per_layer(arch, tokens, batch=row.batch, kv_bits=kv_bits,
                                            element_bytes=compute_bits / 8)
+    # What the measured per-layer cache holds at a linear-attention layer: its fixed state.
+    state = linear_state_bytes_per_layer(arch, batch=row.batch, element_bytes=compute_bits / 8)
+    analytic_kv = [kv + st for kv, st in zip(analytic_kv, state, strict=True)]
     table: dict[str, dict[str, Any]] = memory_per_device(split["weight_bytes_per_device"], analytic_kv, layers)
     measured = cache_bytes_per_layer(cache)
     peaks = memory.values.get("peak_bytes_per_device", {})

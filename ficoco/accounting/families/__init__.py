@@ -10,6 +10,7 @@ ficoco.models and one profile.
 from __future__ import annotations
 
 from ficoco.accounting.families import (
+    internvl,
     llava,
     llava_next,
     llava_onevision,
@@ -28,5 +29,6 @@ FAMILIES: dict[str, Family] = {
     for module in (llava, llava_next, video_llava, qwen2_vl, qwen2_5_vl, llava_onevision, qwen3_vl, qwen3_vl_moe,
                    qwen3_5)
 }
+FAMILIES[internvl.FAMILY.name] = internvl.FAMILY
 
 __all__ = ["FAMILIES", "Family"]

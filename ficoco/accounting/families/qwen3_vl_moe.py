@@ -24,7 +24,10 @@ TEXT_DEFAULTS = {
 def experts(tcfg: dict[str, Any], layers: int) -> Experts | None:
     """The sparse layers and their experts, as Qwen3VLMoeTextDecoderLayer chooses them (None: no layer is sparse)."""
     d = TEXT_DEFAULTS
-    count = whole("num_experts", tcfg.get("num_experts", d["num_experts"]), low=0)
+    # A checkpoint's config.json says num_experts; transformers' config class stores it as num_local_experts
+    # (its attribute_map), so a config saved from a built model says that instead.
+    given = tcfg.get("num_experts", tcfg.get("num_local_experts"))
+    count = whole("num_experts", d["num_experts"] if given is None else given, low=0)
     step = get(tcfg, "decoder_sparse_step", d)
     dense = tcfg.get("mlp_only_layers", [])
     if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):

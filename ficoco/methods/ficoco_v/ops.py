@@ -299,9 +299,10 @@ class GroupReduction:
     merge_target: Tensor | None = None
 
 
-def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor, r: int, group_index: Tensor,
+def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor | None, r: int, group_index: Tensor,
                   group_grid: tuple[int, int], *, merge: int = 4, lam: float = LAM, eps: float = EPS,
-                  window: int = WINDOW, coefficient: float = COEFFICIENT) -> GroupReduction:
+                  window: int = WINDOW, coefficient: float = COEFFICIENT, has_cls: bool = False,
+                  equivalent: bool = False) -> GroupReduction:
     """FiCoCo-V on patches that leave in groups of `merge` consecutive tokens.
 
     A group's redundancy is the mean of its members' (`lam * v_j - (1 - lam) * a_j`, `a_j`
@@ -311,13 +312,17 @@ def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor, r: int, group_inde
     of groups.
 
     Args:
-        hidden: ``(B, G * merge, D)`` patches of one image per sample, members consecutive.
-        attn: ``(B, T, T)`` head-mean attention probabilities of the layer (T = G * merge).
-        keys: ``(B, H, T, d)`` the layer's key states.
+        hidden: ``(B, G * merge, D)`` patches of one image per sample, members consecutive ([CLS] kept
+            aside by the caller).
+        attn: ``(B, T, T)`` head-mean attention probabilities of the layer (T = G * merge, or 1 + G * merge
+            with [CLS] first when ``has_cls``: InternVL's pixel-shuffle groups).
+        keys: ``(B, H, T, d)`` the layer's key states (for the equivalent token; unused with [CLS]).
         r: groups to remove, ``0 <= r < G``.
         group_index: ``(B, G)`` original group index of every current group (row-major on
             the group grid).
         group_grid: ``(rows, cols)`` of the original group grid.
+        has_cls: ``attn`` holds [CLS] at 0: a group's semantic term is the mean of its members' ``A[0, j]``
+            (the equivalent token's with ``equivalent``), as a patch's is on a tower with [CLS].
 
     Returns:
         A :class:`GroupReduction`.
@@ -328,8 +333,14 @@ def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor, r: int, group_inde
     groups = tokens // merge
     # Both terms of the score are linear, so the mean of the members' scores is the score of
     # the members' mean terms; the correlation is the block mean of the attention.
-    semantic = equivalent_token_redundancy(keys, has_cls=False).view(batch, groups, merge).mean(dim=2)
-    group_attn = attn.view(batch, groups, merge, groups, merge).mean(dim=(2, 4))
+    offset = int(has_cls)
+    if has_cls and not equivalent:
+        semantic = attn[:, 0, 1:].reshape(batch, groups, merge).mean(dim=2)
+    else:
+        if keys is None:
+            raise FicocoError("the equivalent token needs the layer's key states: pass keys=(B, H, T, d)")
+        semantic = equivalent_token_redundancy(keys, has_cls=has_cls).view(batch, groups, merge).mean(dim=2)
+    group_attn = attn[:, offset:, offset:].reshape(batch, groups, merge, groups, merge).mean(dim=(2, 4))
     # reduce_v reads the semantic term of its score from the [CLS] query's row (A[0, j]).
     # Groups have no [CLS], so a stand-in row 0 carries the groups' equivalent-token term there;
     # the stand-in token is never removed and is dropped below. The members of a group travel

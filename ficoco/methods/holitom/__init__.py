@@ -116,7 +116,8 @@ SPEC = MethodSpec(
     function="holitom_reduce",
     # Qwen2-VL and Qwen2.5-VL (issue 25) run it on videos: their temporal slices are the frames.
     refusals={"llava": IMAGE_ONLY_REFUSAL, "llava_next": IMAGE_ONLY_REFUSAL, "qwen3_vl": DEEPSTACK_REFUSAL,
-              "qwen3_vl_moe": DEEPSTACK_REFUSAL, "qwen3_5": QWEN3_5_REFUSAL}, pooled_grid=True,
+              "qwen3_vl_moe": DEEPSTACK_REFUSAL, "qwen3_5": QWEN3_5_REFUSAL,
+              "internvl": IMAGE_ONLY_REFUSAL}, pooled_grid=True,
     source="cokeshao/HoliTom b1d1412 (holitom/llava_arch.py, holitom/modeling_qwen2.py; README's run: "
            "RETAIN_RATIO T=0.80 HOLITOM_k=18 HOLITOM_r=0.5)",
     summary="segment a video's frames by global temporal redundancy, merge static tokens over each segment, "

@@ -55,14 +55,16 @@ def settings_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mappin
 
 
 def extra_macs(ctx: StepContext) -> ExtraMacs:
-    """The [CLS] row, the kept patches' key similarities, their neighbours' sums and the extra token."""
+    """The [CLS] row, the kept patches' key similarities, their neighbours' sums and the extra token (the sums
+    over units as wide as the projector reads them: InternVL's pixel-shuffle groups, 4 patches side by side)."""
     d, s = ctx.dims, ctx.settings
     kept = s["tokens"] - 1
     layer = ctx.step.layer
+    width = ctx.unit_width or d.hidden
     return [(layer, "prumerge_vision_cls_row", d.hidden * ctx.seq_before),
             (layer, "prumerge_vision_key_similarity", kept * ctx.visual_before * d.hidden),
-            (layer, "prumerge_vision_neighbour_sums", kept * min(s["neighbours"], ctx.visual_before - 1) * d.hidden),
-            (layer, "prumerge_vision_extra_token", ctx.visual_before * d.hidden)]
+            (layer, "prumerge_vision_neighbour_sums", kept * min(s["neighbours"], ctx.visual_before - 1) * width),
+            (layer, "prumerge_vision_extra_token", ctx.visual_before * width)]
 
 
 SPEC = MethodSpec(
@@ -71,7 +73,7 @@ SPEC = MethodSpec(
                 "(every row) outputs: the [CLS] attention and the full-width merge keys"),
            Need("hidden", "vision L", "all", "the output of the layer the projector reads")),
     hyperparameters={"assumed_tokens": ASSUMED_TOKENS, "neighbours": NEIGHBOURS, "attention": ATTENTION},
-    families=LLAVA_FAMILIES, module=f"{__name__}.ops", function="prumerge_reduce",
+    families=(*LLAVA_FAMILIES, "internvl"), module=f"{__name__}.ops", function="prumerge_reduce",
     refusals={"qwen2_vl": QWEN2_VL_REFUSAL, "llava_onevision": ONEVISION_REFUSAL,
               "qwen2_5_vl": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen2.5-VL"),
               "qwen3_vl": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen3-VL"),

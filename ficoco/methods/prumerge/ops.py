@@ -178,8 +178,14 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     keys = inputs.keys.transpose(1, 2).reshape(items, tokens, heads * head_dim)
     cls_attn = prumerge_cls_attention(inputs.cls_query.reshape(items, heads * head_dim), keys, heads,
                                       settings.get("attention", "heads"))
+    patch_keys = keys[:, 1:]
+    if inputs.merge > 1:
+        # Units of `merge` consecutive patches (InternVL's pixel-shuffle groups): a unit's share of [CLS]'s
+        # attention is its patches' sum (the weights still sum to one over the item), its key their mean.
+        cls_attn = cls_attn.reshape(items, -1, inputs.merge).sum(dim=-1)
+        patch_keys = patch_keys.reshape(items, -1, inputs.merge, patch_keys.shape[-1]).mean(dim=2)
     adaptive = bool(settings.get("adaptive"))
-    out = prumerge_reduce(inputs.hidden, cls_attn, keys[:, 1:], tokens=None if adaptive else settings["tokens"],
+    out = prumerge_reduce(inputs.hidden, cls_attn, patch_keys, tokens=None if adaptive else settings["tokens"],
                           neighbours=settings.get("neighbours", 32))
     extra = torch.full((items, 1), -1, dtype=torch.long, device=inputs.hidden.device)
     return TowerOutput(hidden=out.hidden, kept=torch.cat([out.kept, extra], dim=1),

@@ -181,6 +181,8 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
         raise RuntimeError("ToMe needs the layer's key states from the adapter's probe")
     # Units of several patches (Qwen2-VL's merge groups): their head-mean keys averaged over the group.
     metric = inputs.keys.mean(dim=1) if inputs.merge == 1 else unit_keys(inputs)
+    if inputs.merge > 1 and inputs.has_cls:  # [CLS] stays a unit of its own, first (InternVL's groups)
+        metric = torch.cat([inputs.keys.mean(dim=1)[:, :1].to(metric.dtype), metric], dim=1)
     merged = tome_merge(inputs.hidden, metric, inputs.remove, inputs.size, inputs.positions,
                         has_cls=inputs.has_cls, order=settings.get("order", "spatial"))
     offset = int(inputs.has_cls)
