@@ -276,7 +276,8 @@ def test_the_family_table_gives_the_profile_defaults_and_the_layout_options():
     assert list(FAMILY_DEFAULTS) == list(FAMILIES)
     assert all(defaults["family"] == name for name, defaults in FAMILY_DEFAULTS.items())
     with pytest.raises(FicocoError, match=r"^image_size= applies to llava_next, qwen2_vl, qwen2_5_vl, "
-                                          r"llava_onevision and internvl models, not llava$"):
+                                          r"llava_onevision, qwen3_vl, qwen3_vl_moe, qwen3_5 and internvl models, "
+                                          r"not llava$"):
         set_layout(load_profile("llava-tiny"), image_size=(336, 336))
     with pytest.raises(FicocoError, match="not both"):
         set_layout(load_profile("llava-onevision-tiny"), image_size=(384, 384), frames=4)

@@ -399,12 +399,18 @@ def method_formulas(spec: MethodSpec, arch: Architecture, plan: TokenPlan, *, ba
     """Per reducing layer: (the method's matrix products in FLOPs, its paper overhead), from the entry's
     `layer_macs` and `paper_overhead` formulas."""
     rows = []
+    taps = arch.deepstack_layers
     for red in plan.reductions:
         if red.stage == "vision":
             items, dim, merge = batch * plan.vision_items, arch.vision.hidden, arch.vision.merge
+            # Qwen3-VL: the DeepStack features of the taps before this layer ride through the merge as extra
+            # channels, each merge group's feature spread over its patches.
+            riding = -(-sum(tap < red.layer for tap in taps) * arch.decoder.hidden // merge)
         else:
             items, dim, merge = batch, arch.decoder.hidden, 1
-        work = LayerWork(red.stage, items, red.visual_before, red.removed, dim, merge, suffix_tokens)
+            # The features DeepStack still adds after this layer ride through FiCoCo-L's merge.
+            riding = max(0, len(taps) - red.layer) * arch.decoder.hidden
+        work = LayerWork(red.stage, items, red.visual_before, red.removed, dim + riding, merge, suffix_tokens)
         paper = spec.paper_overhead(red.stage, red.visual_before, red.removed, dim) if spec.paper_overhead else 0
         rows.append((2 * spec.layer_macs(work), items * paper))
     return rows
