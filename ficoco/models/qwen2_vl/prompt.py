@@ -70,7 +70,8 @@ class PromptShortener:
         keep = ~is_image | table[span.clamp(min=0), rank.clamp(0, max(groups) - 1)]
         counts = keep.sum(dim=1)
         if not bool((counts == counts[0]).all()):
-            raise FicocoError("FiCoCo-V on Qwen2-VL: every sample of a batch must lose the same number of "
+            raise FicocoError(f"FiCoCo-V on {adapter.family_title}: every sample of a batch must lose the "
+                              "same number of "
                               "placeholders (the same number of images)")
         if position_ids is None:
             grids = (None, image_grid_thw) if video else (image_grid_thw, None)
@@ -171,7 +172,8 @@ class PromptShortener:
         else:
             earlier = adapter.turn_deltas.get(hf.cache_in(call), hf.rope_deltas(adapter.model))
             if earlier is None or batch % earlier.shape[0]:
-                raise FicocoError("FiCoCo-V on Qwen2-VL continues a conversation after the earlier turns' positions "
+                raise FicocoError(f"FiCoCo-V on {adapter.family_title} continues a conversation after the "
+                                  "earlier turns' positions "
                                   "(rope_deltas of the turn that filled the cache); give every image's "
                                   "image_grid_thw with the whole conversation's input_ids")
             local = hf.rope_index(adapter.model, new_ids, new_types, new_grid, new_mask)[0]
@@ -215,13 +217,15 @@ class PromptShortener:
         new = span_lengths(input_ids[:, past:] == adapter.image_token_id)
         images = len(new[0])
         if grid.shape[0] != batch * len(every[0]) or any(len(row) != len(every[0]) for row in every):
-            raise FicocoError(f"FiCoCo-L on Qwen2-VL: image_grid_thw has {grid.shape[0]} rows for a conversation "
+            raise FicocoError(f"FiCoCo-L on {adapter.family_title}: image_grid_thw has {grid.shape[0]} rows "
+                              "for a conversation "
                               f"of image spans {every}; on an earlier turn's cache give every image's grid, "
                               "earlier turns' first (transformers' 3-D positions count them all)")
         if pixel_values is not None and images:
             new_grid = grid.view(batch, -1, 3)[:, len(every[0]) - images:].reshape(-1, 3)
             if pixel_values.shape[0] != int(new_grid.prod(dim=-1).sum()):
-                raise FicocoError(f"FiCoCo-L on Qwen2-VL: pixel_values of {pixel_values.shape[0]} patches for this "
+                raise FicocoError(f"FiCoCo-L on {adapter.family_title}: pixel_values of "
+                                  f"{pixel_values.shape[0]} patches for this "
                                   f"turn's images of grids {new_grid.tolist()}: give the images after what the "
                                   "cache holds")
             encoded = hf.encode_features(adapter.model, hf.IMAGE_ENCODER, kwargs.pop("pixel_values"), new_grid)
@@ -235,13 +239,14 @@ class PromptShortener:
             self._prepare_video(entry, call, text_row=text_row)
             return
         if call.get("pixel_values_videos") is not None:
-            raise FicocoError("FiCoCo-V on Qwen2-VL reduces images only; run videos with FiCoCo-L")
+            raise FicocoError(f"FiCoCo-V on {adapter.family_title} reduces images only; run videos with FiCoCo-L")
         handle = entry.handle
         pixel_values = call.pop("pixel_values", None)
         input_ids = call.get("input_ids")
         grid = call.get("image_grid_thw")
         if input_ids is None or grid is None:
-            raise FicocoError("FiCoCo-V on Qwen2-VL needs input_ids and image_grid_thw with pixel_values "
+            raise FicocoError(f"FiCoCo-V on {adapter.family_title} needs input_ids and image_grid_thw with "
+                              "pixel_values "
                               "(the image spans are shortened in input_ids)")
         handle.begin_forward()
         handle.prompt_ids = (input_ids, call.get("attention_mask"))  # a method that reads the instruction
