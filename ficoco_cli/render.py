@@ -360,7 +360,7 @@ def matrix_table(rows: list[dict[str, Any]]) -> Table:
     families = list(rows[0]["families"]) if rows else []
     table = Table(title="methods x families (yes: the models run it; flops only: `ficoco flops` plans it; "
                         "refused: neither)", title_justify="left")
-    table.add_column("method", justify="left")
+    table.add_column("method", justify="left", no_wrap=True)
     for family in families:
         table.add_column(family, justify="left", overflow="fold")
     for r in rows:
