@@ -241,11 +241,16 @@ class FamilyAdapter:
             return 0, {}
         if state is not None:
             return past, state.next_turn_priors(past)
-        lengths = {int(cache.get_seq_length(i)) for i in range(len(self.decoder_layers))}
+        lengths = {int(cache.get_seq_length(i)) for i in self.token_cache_layers()}
         if lengths != {past}:
             raise FicocoError("this cache holds FiCoCo-L-reduced layers that the handle did not fill (a copy, or "
                               "another handle's); continue the conversation on the cache object the model returned")
         return past, {}
+
+    def token_cache_layers(self) -> range | tuple[int, ...]:
+        """The decoder layers whose cache holds tokens (every layer here; a hybrid decoder's full-attention
+        layers alone: a linear-attention layer's cache holds a state, and transformers refuses its length)."""
+        return range(len(self.decoder_layers))
 
     def kept_token_index(self, input_ids: Tensor, keep: int | None) -> Tensor | None:
         """(B, T') the positions of `input_ids` a method before the LLM keeps when every span unit keeps

@@ -37,7 +37,7 @@ from ficoco.models import hf_compat as hf
 
 if TYPE_CHECKING:
     from ficoco.models.handle import Handle
-    from ficoco.models.patching import LanguageState, Patches
+    from ficoco.models.patching import Patches
 
 
 def layer_list(layers: list[int] | tuple[int, ...]) -> str:
@@ -46,7 +46,7 @@ def layer_list(layers: list[int] | tuple[int, ...]) -> str:
 
 class HybridDecoder:
     """The hybrid decoder's part of the Qwen3.5 adapter: which layers are full attention, what a method in
-    the LLM may do where (refused in one line otherwise), the cache's length on a later turn, and PDrop's
+    the LLM may do where (refused in one line otherwise), the layers whose cache holds tokens, and PDrop's
     own row of a gated attention layer. Mixed into the adapter before the Qwen-VL parts."""
 
     model: nn.Module
@@ -106,19 +106,10 @@ class HybridDecoder:
         super().patch_layer_input(handle, patches, spec, schedule)  # type: ignore[misc]
 
     # -- the cache ----------------------------------------------------------------------------
-    def turn_on_cache(self, cache: Any, state: LanguageState | None) -> tuple[int, dict[int, Tensor]]:
-        """The base adapter's, asking only the full-attention layers their length (a DeltaNet layer's
-        cache holds states, not tokens: transformers refuses the question there)."""
-        past = int(cache.get_seq_length()) if cache is not None else 0  # the first full layer's
-        if not past:
-            return 0, {}
-        if state is not None:
-            return past, state.next_turn_priors(past)
-        lengths = {int(cache.get_seq_length(i)) for i in self.full_layers}
-        if lengths != {past}:
-            raise FicocoError("this cache holds reduced layers that the handle did not fill (a copy, or another "
-                              "handle's); continue the conversation on the cache object the model returned")
-        return past, {}
+    def token_cache_layers(self) -> tuple[int, ...]:
+        """Only the full-attention layers cache tokens (a DeltaNet layer's cache holds states, and
+        transformers refuses its length)."""
+        return self.full_layers
 
     # -- PDrop's own row at a gated full-attention layer -----------------------------------------
     @staticmethod
