@@ -255,7 +255,21 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
         if frames is not None:
             raise FicocoError(f"frames= applies to Video-LLaVA videos, not {family}")
         pictures = [read_image(given)]
-    processor = load_processor(folder)
+    return encode_request(load_processor(folder), config, question=prompt, pictures=pictures, media=media,
+                          source=given, notes=notes, folder=folder)
+
+
+def encode_request(processor: _Processor, config: dict[str, Any], *, question: str | None, pictures: list[Any],
+                   media: str, source: str = "the request", notes: list[str] | None = None,
+                   folder: str = "the checkpoint") -> PromptInputs:
+    """One prompt laid out by a loaded checkpoint processor (`load_processor`): `question` with
+    `pictures` (PIL images: the images of an image prompt, in order, or the frames of one video) placed
+    by the chat template, or where the question holds the family's placeholders already. Every mistake
+    is one FicocoError line; `source` names the input in it. The layout (image size, frames) is that
+    of a prompt of one image or one video; a prompt of several images has none (`image_size` None)."""
+    family = config.get("model_type", "")
+    form: PromptFormat = family_module(family).PROMPT
+    notes = list(notes or [])
     tokenizer = processor.tokenizer
     placeholder_id = (_token_id(config, "video_token_id", "video_token_index") if media == "video"
                       else _token_id(config, "image_token_id", "image_token_index"))
@@ -263,10 +277,11 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
     if not isinstance(placeholder, str):
         raise FicocoError(f"weights={folder}: the tokenizer has no token for the config's {media} placeholder id "
                           f"{placeholder_id}; is it this checkpoint's tokenizer?")
-    question = prompt if prompt is not None and prompt.strip() else DEFAULT_QUESTION[media]
+    items = 1 if media == "video" else len(pictures)
+    question = question if question is not None and question.strip() else DEFAULT_QUESTION[media]
     # A question that holds placeholders places the media itself; otherwise the template puts it first.
     content = [{"type": "text", "text": question}] if placeholder in question else \
-        [{"type": media}, {"type": "text", "text": question}]
+        [*([{"type": media}] * items), {"type": "text", "text": question}]
     if processor.chat_template:
         try:
             text = tokenizer.apply_chat_template([{"role": "user", "content": content}],
@@ -276,17 +291,20 @@ def encode_prompt(folder: str, config: dict[str, Any], *, image: str | None = No
             raise FicocoError(f"weights={folder}: its chat template fails on this prompt ({_first_line(exc)})") \
                 from None
     else:
-        text = form.template.format(media=media, question=question) if placeholder not in question else question
+        text = question if placeholder in question else \
+            form.template.format(media=media, question=question).replace(placeholder, placeholder * items, 1)
         notes.append(f"note: {folder} has no chat template; the prompt follows the {family} format: {text!r}")
     count = text.count(placeholder)
-    if count != 1:
-        raise FicocoError(f"prompt= holds {count} {placeholder} placeholders but one {media} is given "
-                          f"(--{media}); use at most one {placeholder} in the prompt")
-    encoded = _encode(processor, form, family, media, text, pictures, placeholder, config, given)
+    if count != items:
+        given = "one" if items == 1 else str(items)
+        raise FicocoError(f"the prompt holds {count} {placeholder} placeholders but {given} {media}"
+                          f"{'' if items == 1 else 's'} {'is' if items == 1 else 'are'} given; use one {placeholder} "
+                          f"per {media} in the prompt, or none")
+    encoded = _encode(processor, form, family, media, text, pictures, placeholder, config, source)
     ids = encoded["input_ids"]
     visual = int((ids == placeholder_id).sum())
     image_size: tuple[int, int] | None = None
-    if form.image_size is not None and media == "image":
+    if form.image_size is not None and media == "image" and items == 1:
         image_size, note = form.image_size(encoded, config, pictures[0], visual)
         notes.extend([note] if note else [])
     frame_count = int(encoded["pixel_values_videos"].shape[1]) if media == "video" else None

@@ -109,13 +109,17 @@ QWEN_TEMPLATE = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{
 def encode_pieces(processor: Any, media: str, text: str, pictures: list[Any], placeholder: str,
                   config: dict[str, Any]) -> dict[str, Tensor]:
     """A prompt from the processor's pieces (its video processor needs torchvision): the image processor's
-    patches and grid, one placeholder per merge group of `image_grid_thw`."""
+    patches and grids, and for each image in order one placeholder per merge group of its `image_grid_thw`
+    row (the processor's own rule, image by image)."""
     vision = config.get("vision_config") or {}
     pixels = processor.image_processor(images=pictures, return_tensors="pt")
     grid = pixels["image_grid_thw"]
     merge = int(getattr(processor.image_processor, "merge_size", vision.get("spatial_merge_size", 2)))
-    count = int(grid[0].prod()) // merge**2
-    ids = processor.tokenizer([text.replace(placeholder, placeholder * count)], return_tensors="pt")
+    pieces = text.split(placeholder)
+    expanded = pieces[0]
+    for index, piece in enumerate(pieces[1:]):
+        expanded += placeholder * (int(grid[min(index, len(grid) - 1)].prod()) // merge**2) + piece
+    ids = processor.tokenizer([expanded], return_tensors="pt")
     image_id = ids["input_ids"].new_tensor(processor.tokenizer.convert_tokens_to_ids(placeholder))
     # The processor marks image tokens 1 (videos 2, text 0) for the rotary position layout.
     return {**ids, "pixel_values": pixels["pixel_values"], "image_grid_thw": grid,
