@@ -625,6 +625,112 @@ def sweep_command(
         raise typer.Exit(1)
 
 
+@app.command("eval")
+def eval_command(
+    model: Annotated[str, typer.Option(
+        "--model", "-m", help="A local checkpoint folder (weights, config.json, processor files), or a profile name "
+                              "with --weights FOLDER.")],
+    tasks: Annotated[str, typer.Option(
+        "--tasks", callback=check.non_empty_list, help="lmms-eval tasks, e.g. gqa,mmbench_en_dev,scienceqa_img.")],
+    variant: Annotated[str, typer.Option(
+        "--variant", callback=check.list_of(VARIANTS), help="Methods to evaluate (vanilla is always the reference).")
+    ] = "vanilla,v,l",
+    keep: Annotated[str | None, typer.Option(
+        "--keep", callback=check.whole_numbers(1), help="Points: visual tokens kept, e.g. 192,128,64.")] = None,
+    tflops: Annotated[str | None, typer.Option(
+        "--tflops", callback=check.budgets, help="Points: budgets under --convention/--scope, e.g. 3.3,2.4,1.5.")
+    ] = None,
+    weights: Annotated[str | None, typer.Option(
+        "--weights", help="The checkpoint folder when --model names a profile (its defaults apply).")] = None,
+    include_path: Annotated[list[str] | None, typer.Option(
+        "--include-path", help="A folder of task YAML outside lmms-eval (repeatable).")] = None,
+    limit: Annotated[int | None, typer.Option(
+        "--limit", callback=check.whole_number(1), help="Documents per task (default: all).")] = None,
+    batch_size: Annotated[int, typer.Option(
+        "--batch-size", callback=check.whole_number(1, 4096), help="Requests per forward (of one layout).")] = 1,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        "--max-new-tokens", callback=check.whole_number(1), help="Cap every task's new tokens.")] = None,
+    shape: ShapeOpt = None,
+    first_layer: FirstLayerOpt = None,
+    convention: Annotated[str, typer.Option(
+        "--convention", callback=check.choice(CONVENTIONS), help="flops, macs, llm-viewer, paper or visual-macs.")
+    ] = "flops",
+    scope: Annotated[str, typer.Option(
+        "--scope", callback=check.choice(SCOPES), help="llm (decoder + LM head) or all.")] = "llm",
+    quant: Annotated[str, typer.Option(
+        "--quant", callback=check.list_of(tuple(QUANT_BITS)), help="fp16, int8, int4 or several.")] = "fp16",
+    kv_bits: Annotated[int | None, typer.Option(
+        "--kv-bits", callback=check.one_of_numbers((2, 4, 8)), help="A quantized KV cache of 8, 4 or 2 bits.")
+    ] = None,
+    text_tokens: Annotated[int, typer.Option(
+        "--text-tokens", callback=check.whole_number(1),
+        help="Text tokens the budget is planned for (each sample is then costed at its own).")] = 60,
+    frames: FramesOpt = None,
+    device: Annotated[str, typer.Option(
+        "--device", callback=check.choice(("auto", "cuda", "cpu")), help="auto, cuda or cpu.")] = "auto",
+    dtype: DtypeOpt = "auto",
+    json_path: JsonOpt = None,
+    plot: Annotated[str | None, typer.Option(
+        "--plot", callback=check.plot_folder, help="Draw score against TFLOPs (PNG and SVG) into this folder.")
+    ] = None,
+    out_folder: Annotated[str | None, typer.Option(
+        "--out", help="The results store, one file per finished point; the same command resumes it.")] = None,
+    executor: Annotated[str, typer.Option(
+        "--executor", callback=check.choice(EXECUTORS), help="local (worker processes here), ray or slurm.")
+    ] = "local",
+    workers: Annotated[int | None, typer.Option(
+        "--workers", callback=check.whole_number(1, 4096), help="Points at once (local default: one per GPU, else 1).")
+    ] = None,
+    gpus_per_point: Annotated[float | None, typer.Option(
+        "--gpus-per-point", min=0, help="ray/slurm: GPUs per point.")] = None,
+    cpus_per_point: Annotated[int | None, typer.Option(
+        "--cpus-per-point", callback=check.whole_number(1, 4096), help="ray/slurm: CPUs per point.")] = None,
+    ray_address: Annotated[str | None, typer.Option("--ray-address", help="ray: a running cluster.")] = None,
+    slurm_partition: Annotated[str | None, typer.Option("--slurm-partition", help="slurm: the partition.")] = None,
+    timeout_min: Annotated[int | None, typer.Option(
+        "--timeout-min", callback=check.whole_number(1, 60 * 24 * 30), help="slurm: each point's limit in minutes.")
+    ] = None,
+) -> None:
+    """Accuracy beside cost: every method at every budget through lmms-eval on a local checkpoint, joined into
+    one table (score, retention against vanilla, agreement with vanilla's answers, TFLOPs, visual tokens,
+    prefill). Each point runs in its own process, stored as it finishes in --out; a rerun resumes."""
+    from pathlib import Path
+
+    from ficoco.eval.run import require_lmms_eval
+    from ficoco.sweep import SweepConfig
+    from ficoco.sweep.executors import ExecutorOptions
+    from ficoco_cli.sweep_cmd import run_sweep
+
+    if keep is not None and tflops is not None:
+        raise FicocoError("give the points as --keep or as --tflops, not both")
+    if keep is None and tflops is None:
+        raise FicocoError(f"--variant {variant} needs the points to evaluate: give --tflops 3.3,2.4,1.5 or --keep "
+                          "192,128,64")
+    folder = weights if weights is not None else model
+    if not Path(folder).expanduser().is_dir():
+        raise FicocoError(f"{'--weights' if weights is not None else '--model'} {folder}: not a folder; an evaluation "
+                          "runs a local checkpoint (weights, config.json, processor files); nothing is downloaded")
+    if out_folder is not None and not out_folder.strip():
+        raise FicocoError("--out is empty; give a folder for the results store")
+    require_lmms_eval()
+    options = ExecutorOptions(name=executor, workers=workers, gpus_per_point=gpus_per_point,
+                              cpus_per_point=cpus_per_point, ray_address=ray_address, slurm_partition=slurm_partition,
+                              timeout_min=timeout_min, device=device)
+    config = SweepConfig(
+        model=model, variants=tuple(split_list(variant, "--variant")),
+        keep=tuple(int(x) for x in split_list(keep, "--keep")) if keep else (),
+        tflops=tuple(float(x) for x in split_list(tflops, "--tflops")) if tflops else (),
+        shape=shape, first_layer=first_layer, convention=convention, scope=scope,
+        quants=tuple(split_list(quant, "--quant")), text_tokens=text_tokens, frames=frames, device=device,
+        weights=str(Path(folder).expanduser().resolve()), dtype=dtype,
+        eval_tasks=tuple(split_list(tasks, "--tasks")),
+        eval_include=tuple(str(Path(p).expanduser().resolve()) for p in include_path or ()), eval_limit=limit,
+        eval_batch_size=batch_size, eval_max_new_tokens=max_new_tokens, kv_bits=kv_bits)
+    report = run_sweep(config, json_path, plot, err if json_path == "-" else out, out=out_folder, executor=options)
+    if report.get("failed"):
+        raise typer.Exit(1)
+
+
 @app.command("show")
 def show_command(
     model: ModelOpt,

@@ -92,7 +92,7 @@ def run_sweep(config: Any, json_path: str | None, plot: str | None, console: Con
     points = plan_points(config, profile, skipped)
     report = new_report(config, profile, points, skipped)
     failed: list[str] = []
-    if config.measure or config.fidelity:
+    if config.measure or config.fidelity or config.evaluates:
         report, failed = _run_stored(config, report, points, out or default_store(config), executor, json_path,
                                      plot, console)
     console.print(sweep_table(report))
@@ -120,7 +120,7 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
     from ficoco.sweep.store import SweepStore
 
     options = options or ExecutorOptions(device=config.device)
-    if options.name == "local":
+    if options.name == "local" and not config.evaluates:  # an evaluation's worker checks its checkpoint itself
         check_run_here(config, points)
     store = SweepStore(folder)
     keys = [p.key for p in points]
@@ -150,8 +150,8 @@ def _run_stored(config: Any, report: dict[str, Any], points: list[Any], folder: 
         store.clear_stale_claims()
         seen = {k: (store.record(k) or {}).get("finished_unix") for k in keys}
         done = sum(store.is_done(k) for k in keys)
-        what = " and ".join(w for w, on in (("measuring", config.measure), ("comparing with vanilla", config.fidelity))
-                            if on)
+        what = " and ".join(w for w, on in (("measuring", config.measure), ("comparing with vanilla", config.fidelity),
+                                            (f"evaluating on {','.join(config.eval_tasks)}", config.evaluates)) if on)
         say(f"{len(points)} point(s), {what}, each in its own process; results store {store.folder} "
             f"({f'resuming: {done} done' if resumed else 'new'}; rerun the same command to resume)")
         say(cli_message(executor.describe()))

@@ -415,3 +415,47 @@ def make_checkpoint(family: str, folder: Path, *, processor: bool = True, chat_t
                 made.chat_template = None
             made.save_pretrained(folder)
     return folder
+
+
+# ---- a small local lmms-eval task, made offline --------------------------------------------------------------
+#
+# A few generated images with a question and a known answer each, in a JSON-lines file that lmms-eval
+# reads with the `json` dataset builder (no hub), and the task's YAML and utils.py beside them, found
+# with --include-path. `answers` sets the targets (default: the colour's name); `images` per document
+# makes a task of several images per prompt.
+
+EVAL_COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "white": (250, 250, 250)}
+
+
+def make_eval_task(folder: Path, name: str = "ficoco_colours", *, answers: list[str] | None = None,
+                   images: int = 1, max_new_tokens: int = 4, size: tuple[int, int] = (64, 48)) -> Path:
+    """Write an lmms-eval task `name` into `folder` (created) and return the folder."""
+    import json
+
+    from PIL import Image
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    docs = []
+    for index, (colour, rgb) in enumerate(EVAL_COLOURS.items()):
+        files = []
+        for k in range(images):
+            shade = tuple(max(0, c - 40 * k) for c in rgb)
+            file = f"{name}-{colour}-{k}.png"
+            Image.new("RGB", size, shade).save(folder / file)
+            files.append(file)
+        docs.append({"id": index, "images": files, "question": "What colour is the image?",
+                     "answer": answers[index] if answers is not None else colour})
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    (folder / f"{name}_utils.py").write_text(
+        "from pathlib import Path\n\nfrom PIL import Image\n\nHERE = Path(__file__).parent\n\n\n"
+        "def doc_to_visual(doc):\n    return [Image.open(HERE / f).convert('RGB') for f in doc['images']]\n\n\n"
+        "def doc_to_text(doc):\n    return doc['question'] + ' Answer with one word.'\n")
+    (folder / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / (name + '.jsonl')}\n"
+        f"test_split: test\noutput_type: generate_until\ndoc_to_visual: !function {name}_utils.doc_to_visual\n"
+        f"doc_to_text: !function {name}_utils.doc_to_text\ndoc_to_target: answer\n"
+        f"generation_kwargs:\n  max_new_tokens: {max_new_tokens}\n  temperature: 0\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+        "    ignore_case: true\n    ignore_punctuation: true\nmetadata:\n  version: 0.0\n")
+    return folder

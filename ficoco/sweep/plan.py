@@ -61,6 +61,14 @@ class SweepConfig:
     seed: int = 0
     device_map: str | None = None  # auto, balanced, cpu-offload: each point's model split by accelerate
     max_memory: str | None = None  # the map's per-device limits, "cpu=200MiB,cuda:0=20GiB"
+    # Accuracy through lmms-eval (`ficoco eval`, `ficoco sweep --eval`): the tasks, the folders of task YAML
+    # outside lmms-eval, documents per task (None: all), requests per forward, a cap on new tokens.
+    eval_tasks: tuple[str, ...] = ()
+    eval_include: tuple[str, ...] = ()
+    eval_limit: int | None = None
+    eval_batch_size: int = 1
+    eval_max_new_tokens: int | None = None
+    kv_bits: int | None = None  # the evaluated model's quantized KV cache (8, 4, 2 bits)
 
     def __post_init__(self) -> None:
         if bool(self.keep) == bool(self.tflops):
@@ -68,6 +76,15 @@ class SweepConfig:
         for variant in self.variants:
             if variant not in acc.VARIANTS:
                 raise FicocoError(f"unknown variant '{variant}' in variants=: choose from {', '.join(acc.VARIANTS)}")
+        if self.eval_tasks and not Path(self.weights).expanduser().is_dir():
+            raise FicocoError("an evaluation runs a local checkpoint: give --model PATH (or --weights PATH), the "
+                              "folder with its weights, config.json and processor files; accuracy on random weights "
+                              "means nothing")
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether each point is evaluated through lmms-eval (scores beside the cost)."""
+        return bool(self.eval_tasks)
 
     @property
     def budgets(self) -> list[dict[str, float]]:
@@ -102,6 +119,7 @@ class Point:
     analytic: dict[str, Any] = field(default_factory=dict)
     measured: dict[str, Any] | None = None
     fidelity: dict[str, Any] | None = None
+    eval: dict[str, Any] | None = None  # the point's evaluation through lmms-eval (ficoco.eval/1)
 
     @property
     def key(self) -> str:
@@ -111,7 +129,7 @@ class Point:
     def to_json(self) -> dict[str, Any]:
         return {"variant": self.variant, "quant": self.quant, "budget": self.budget,
                 "schedule": self.schedule.to_json(), "analytic": self.analytic, "measured": self.measured,
-                "fidelity": self.fidelity}
+                "fidelity": self.fidelity, **({"eval": self.eval} if self.eval is not None else {})}
 
 
 def default_store(config: SweepConfig) -> str:
@@ -127,8 +145,21 @@ def sweep_profile(config: SweepConfig) -> Profile:
     """The profile the sweep costs (a checkpoint folder's own config when --weights names one)."""
     source = config.weights if config.weights != "random" and Path(config.weights).expanduser().is_dir() else None
     profile = load_profile(source or config.model, list(config.overrides))
+    named = _named_profile(config)
+    if source and named is not None:  # a profile's defaults (first reducing layers, text tokens) for its checkpoint
+        profile.defaults.update(named.defaults)
     set_layout(profile, image_size=config.image_size, frames=config.frames)
     return profile
+
+
+def _named_profile(config: SweepConfig) -> Profile | None:
+    """The profile `--model` names when it is a profile name beside a checkpoint folder (`--weights`), of
+    the checkpoint's family; None otherwise."""
+    from ficoco.profiles import list_profiles
+
+    if config.model not in list_profiles() or config.weights == config.model:
+        return None
+    return load_profile(config.model)
 
 
 def plan_points(config: SweepConfig, profile: Profile, skipped: list[dict[str, Any]] | None = None) -> list[Point]:
@@ -259,13 +290,15 @@ def check_run_here(config: SweepConfig, points: list[Point]) -> None:
     plan_run(profile_config(config, tuple(dict.fromkeys(p.variant for p in points)), config.quants))
 
 
-def run_point(config: SweepConfig, profile: Profile, point: Point) -> dict[str, Any]:
+def run_point(config: SweepConfig, profile: Profile, point: Point, eval_out: str | None = None) -> dict[str, Any]:
     """Measure (`--measure`) and compare with vanilla (`--fidelity`) one point in this process, on a
     model built for it: what a sweep's worker runs, one point per process (ficoco.sweep.worker), so
     a crash or an out-of-memory of one point takes no other down. The fidelity's reference is
     vanilla on the same model and prompts, computed here. Returns the point's JSON with the
     environment it was measured in (speedups against vanilla are added when the store's report is
     assembled: vanilla is another point, another process)."""
+    if config.evaluates:  # `eval_out`: where the point's ficoco.eval/1 record is written
+        return {"point": evaluate_point(config, point, eval_out).to_json()}
     import torch
 
     from ficoco.profiling.environment import environment
@@ -305,6 +338,32 @@ def run_point(config: SweepConfig, profile: Profile, point: Point) -> dict[str, 
     device = env.get("device") if plan.device.type == "cuda" else f"cpu: {env.get('cpu')}"
     return {"point": point.to_json(), "environment": env, "device": device, "compute_dtype": dtype,
             "notes": list(plan.notes)}
+
+
+def eval_model_args(config: SweepConfig, point: Point, out: str | None) -> dict[str, Any]:
+    """The lmms-eval model_args of a point: the checkpoint, the method and its budget, the build, the
+    count, and (for a profile named beside its checkpoint) the profile whose defaults it takes."""
+    named = _named_profile(config)
+    args: dict[str, Any] = {"pretrained": config.weights, "method": point.variant, "quant": point.quant,
+                            "kv_bits": config.kv_bits, "device": config.device, "dtype": config.dtype,
+                            "batch_size": config.eval_batch_size, "convention": config.convention,
+                            "scope": config.scope, "text_tokens": config.text_tokens, "frames": config.frames,
+                            "max_new_tokens": config.eval_max_new_tokens, "out": out,
+                            "profile": named.name if named is not None else None,
+                            "shape": config.shape if point.budget else None,
+                            "first_layer": config.first_layer if point.budget else None}
+    args.update(point.budget or {})
+    return {key: value for key, value in args.items() if value is not None}
+
+
+def evaluate_point(config: SweepConfig, point: Point, out: str | None) -> Point:
+    """Evaluate one point through lmms-eval in this process (ficoco.eval.run): its `eval` block is the run's
+    `ficoco.eval/1` record with the tasks' scores."""
+    from ficoco.eval.run import evaluate
+
+    point.eval = evaluate(eval_model_args(config, point, out), config.eval_tasks, include_paths=config.eval_include,
+                          limit=config.eval_limit)
+    return point
 
 
 def _fidelity_of(model: Any, point: Point, config: SweepConfig, inputs: list[dict[str, Any]],

@@ -54,7 +54,7 @@ def run_stored_point(folder: str, key: str, executor: str = "local") -> dict[str
         points = {p.key: p for p in plan_points(config, profile)}
         if key not in points:
             raise FicocoError(f"the sweep has no point '{key}' (its plan changed since the store was made)")
-        result = run_point(config, profile, points[key])
+        result = run_point(config, profile, points[key], eval_out=str(store.folder / "eval" / f"{key}.json"))
         point = result.pop("point")
         return store.write_record(key, "done", point=point, started_unix=started, worker=worker, extra=result)
     except KeyboardInterrupt:
