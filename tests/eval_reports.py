@@ -117,3 +117,11 @@ def find(report: dict[str, Any], variant: str, keep: int | None = None, quant: s
 
 def edited(report: dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(report)
+
+
+def set_score(report: dict[str, Any], variant: str, keep: int | None, task: str, score: float) -> None:
+    """Give a point's task another score, and its block's mean score with it (as the run writes it)."""
+    block = find(report, variant, keep)["eval"]
+    block["tasks"][task]["score"] = score
+    block["tasks"][task]["metrics"]["exact_match"] = score
+    block["score"] = sum(t["score"] for t in block["tasks"].values()) / len(block["tasks"])

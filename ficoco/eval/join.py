@@ -107,6 +107,7 @@ def _row(point: dict[str, Any], tasks: list[str]) -> dict[str, Any]:
     return {
         "variant": point.get("variant"),
         "method_label": str(label) if label else str(point.get("variant")),
+        "labelled": bool(label),
         "quant": point.get("quant"),
         "budget": point.get("budget"),
         "budget_label": budget_label(point.get("budget")),
@@ -152,8 +153,9 @@ def eval_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     `reason`), or "missing" (not evaluated yet). A row holds:
 
     - `variant`, `method_label` (the eval block's display name, with any non-official setting;
-      else the variant), `quant`, `budget` (the point's {"keep": N} / {"tflops": X}, None for
-      vanilla) and `budget_label` ("keep 64", "-" for vanilla);
+      else the variant, and `labelled` is False: a failed run may name none), `quant`, `budget`
+      (the point's {"keep": N} / {"tflops": X}, None for vanilla) and `budget_label` ("keep 64",
+      "-" for vanilla);
     - `scores`: per task (the config's `eval_tasks`), the score lmms-eval reported for the task's
       main metric, on the task's own scale; `stderr`, `samples` (documents scored) and
       `higher_is_better` beside it; `score`: their mean (the block's, else computed);
@@ -204,6 +206,29 @@ def point_id(row: dict[str, Any]) -> tuple[str, str, str, str]:
     return (str(row.get("variant")), str(row.get("method_label")), str(row.get("quant")),
             ",".join(f"{k}={float(v):g}" if isinstance(v, (int, float)) else f"{k}={v}"
                      for k, v in sorted(budget.items())))
+
+
+def match_points(base: list[dict[str, Any]], new: list[dict[str, Any]]
+                 ) -> tuple[list[tuple[dict[str, Any], dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of two reports paired as the same point (`point_id`), and the rows of each left
+    unpaired. A row without a label of its own (a failed or missing evaluation names none) pairs with
+    the one row of the other report of the same variant, quant and budget, whatever its label."""
+    new_by_id = {point_id(r): r for r in new}
+    pairs, only_base = [], []
+    for row in base:
+        other = new_by_id.pop(point_id(row), None)
+        if other is not None:
+            pairs.append((row, other))
+            continue
+        variant, _, quant, budget = point_id(row)
+        candidates = [k for k, r in new_by_id.items() if (k[0], k[2], k[3]) == (variant, quant, budget)
+                      and not (row["labelled"] and r["labelled"])]
+        if len(candidates) == 1:
+            pairs.append((row, new_by_id.pop(candidates[0])))
+        else:
+            only_base.append(row)
+    only_new = [r for r in new if any(r is v for v in new_by_id.values())]
+    return pairs, only_base, only_new
 
 
 def eval_cost(report: dict[str, Any], rows: list[dict[str, Any]] | None = None) -> tuple[str, str, str]:
