@@ -1098,3 +1098,17 @@ def eval_csv(report: dict[str, Any]) -> str:
                          cell(r["convention"]), cell(r["scope"]), cell(r["units"]), cell(r["timed_on"]),
                          r["reason"]])
     return buffer.getvalue()
+
+
+def print_evaluated_sweep(console: Console, report: dict[str, Any], fmt: str = "table") -> bool:
+    """An evaluated sweep's accuracy table on `console`: as a table (under the sweep's own table), or as
+    markdown or CSV (plain text, nothing else printed with it: `ficoco report --format`). False, and
+    nothing printed, for a report that was not evaluated (its config names no eval_tasks)."""
+    table = eval_table(report)
+    if table is None:
+        return False
+    if fmt == "table":
+        console.print(table)
+    else:  # the text as it is (CSV's line ends included), as `ficoco report --format` writes a profile's
+        console.file.write(eval_markdown(report) if fmt == "markdown" else eval_csv(report))
+    return True

@@ -25,7 +25,7 @@ from eval_reports import (
 from rich.console import Console
 
 from ficoco.eval.join import budget_label, eval_rows, eval_tasks, evaluated, point_id, retention
-from ficoco_cli.render import eval_csv, eval_markdown, eval_table
+from ficoco_cli.render import eval_csv, eval_markdown, eval_table, print_evaluated_sweep
 
 
 def rows_by(report: dict) -> dict[tuple[str, str], dict]:
@@ -197,3 +197,22 @@ def test_markdown_and_csv_carry_the_same_rows() -> None:
     assert float(rows[1]["relative_score"]) == pytest.approx((1 + 50 / 60) / 2)
     assert float(rows[2]["agreement"]) == pytest.approx(0.7) and rows[2]["agreement_samples"] == "10"
     assert rows[3]["score_task_a"] == "" and rows[3]["reason"] == "lmms-eval: CUDA out of memory"
+
+
+@pytest.mark.parametrize("fmt, first", [("table", "llava-tiny: accuracy (lmms-eval: task_a, task_b)"),
+                                        ("markdown", "### llava-tiny: accuracy"),
+                                        ("csv", "model,variant,method_label,quant,budget,status,score_task_a")])
+def test_an_evaluated_sweep_prints_its_accuracy_in_every_format(fmt: str, first: str) -> None:
+    console = Console(file=io.StringIO(), width=200)
+    assert print_evaluated_sweep(console, standard_report(), fmt)
+    text = console.file.getvalue()
+    assert text.startswith(first) and "VisionZip" in text
+    if fmt != "table":  # plain text: what --format writes, one line per row, no wrapping
+        assert text == (eval_markdown(standard_report()) if fmt == "markdown" else eval_csv(standard_report()))
+
+
+def test_a_sweep_that_was_not_evaluated_prints_nothing() -> None:
+    report = standard_report()
+    report["config"]["eval_tasks"] = []
+    console = Console(file=io.StringIO(), width=200)
+    assert not print_evaluated_sweep(console, report, "markdown") and console.file.getvalue() == ""
