@@ -978,3 +978,137 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(esc(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+# ---- an evaluated sweep: accuracy against cost (ficoco report / ficoco sweep with eval_tasks) --------------------
+
+RANDOM_WEIGHTS_NOTE = ("RANDOM WEIGHTS: the scores of an untrained model mean nothing (they check the code path, "
+                       "not the method's accuracy)")
+
+
+def _eval_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    from ficoco.eval.join import eval_rows
+
+    return eval_rows(report)
+
+
+def _status_cell(row: dict[str, Any]) -> str:
+    return {"ok": "ok", "failed": "failed", "missing": "not run"}.get(row["status"], _text(row["status"]))
+
+
+def eval_cells(report: dict[str, Any]) -> tuple[list[_Column], str, list[str]]:
+    """Columns (one row per point, vanilla first in each quant), the title and the notes of the
+    accuracy table of an evaluated sweep report (ficoco.eval.join.eval_rows)."""
+    from ficoco.eval.join import eval_cost, eval_cost_words, eval_tasks
+
+    rows = _eval_rows(report)
+    tasks = eval_tasks(report)
+    columns = [_Column("method", [r["method_label"] for r in rows], left=True)]
+    if len({r["quant"] for r in rows}) > 1:
+        columns.append(_Column("quant", [_text(r["quant"]) for r in rows], left=True))
+    columns.append(_Column("budget", [r["budget_label"] for r in rows], left=True))
+    for task in tasks:
+        columns.append(_Column(f"{task}\nscore", [fmt_num(r["scores"][task]) for r in rows]))
+    if len(tasks) > 1:
+        columns.append(_Column("mean\nscore", [fmt_num(r["score"]) for r in rows]))
+    columns.append(_Column("retained\n% vanilla", [_percent(r["relative_score"]) for r in rows]))
+    columns.append(_Column("agrees\n% vanilla", [_percent(r["agreement"]) for r in rows]))
+    units = eval_cost(report, rows)[0]
+    columns.append(_scaled("cost per\nsample", [r["tflops_mean"] for r in rows], tera_units(units)))
+    columns.append(_Column("visual\ntokens", [f"{v:.1f}" if _is_number(v := r["visual_tokens_mean"]) else "-"
+                                              for r in rows]))
+    columns.append(_scaled("prefill", [r["prefill_ms_mean"] for r in rows], TIME_UNITS_MS))
+    if any(r["status"] != "ok" for r in rows):
+        columns.append(_Column("status", [_status_cell(r) for r in rows], left=True))
+    title = (f"{_text(report.get('model'))}: accuracy (lmms-eval: {', '.join(tasks)}) against cost, "
+             f"{eval_cost_words(report, rows)}")
+    compared = sorted({r["agreement_samples"] for r in rows if r["status"] == "ok" and r["variant"] != "vanilla"})
+    documents = "/".join(str(n) for n in compared) if compared else "-"
+    machines = ", ".join(sorted({str(r["timed_on"]) for r in rows if r["timed_on"]}))
+    notes = []
+    if report.get("random_weights"):
+        notes.append(RANDOM_WEIGHTS_NOTE)
+    notes += [
+        "score: each task's main metric as lmms-eval reports it, on the task's own scale (0-1 or 0-100)"
+        + (f"; mean score: over the {len(tasks)} tasks, each on its own scale (a 0-100 task weighs more than a "
+           "0-1 one; retained does not depend on the scales)" if len(tasks) > 1 else ""),
+        "retained: the score as a share of vanilla's score (same task and quant), mean over the tasks: the "
+        "papers' performance retention",
+        f"agrees: share of documents whose answer is vanilla's (exact match after stripping white space; "
+        f"{documents} documents compared)",
+        f"cost per sample: the mean over the evaluated samples ({eval_cost_words(report, rows)}); visual tokens: "
+        "mean reaching the LLM; prefill: mean over the evaluation's batches" + (f" on {machines}" if machines else ""),
+    ]
+    for r in rows:
+        if r["status"] == "failed":
+            notes.append(f"failed {r['method_label']} {_text(r['quant'])} {r['budget_label']}: "
+                         f"{cli_message(r['reason'])}")
+    missing = sum(r["status"] == "missing" for r in rows)
+    if missing:
+        notes.append(f"{missing} of {len(rows)} point(s) not evaluated yet")
+    return columns, title, notes
+
+
+def eval_table(report: dict[str, Any]) -> Table | None:
+    """The accuracy of an evaluated sweep against its cost, one line per point (None for a report that
+    was not evaluated): method (label), budget, every task's score, the mean score, the retention and
+    the answer agreement against vanilla, the cost per sample, visual tokens and prefill time."""
+    from ficoco.eval.join import evaluated
+
+    if not evaluated(report):
+        return None
+    columns, title, notes = eval_cells(report)
+    return _table(columns, range(len(columns[0].cells)), title=title, caption="\n".join(notes))
+
+
+def eval_markdown(report: dict[str, Any]) -> str:
+    """The accuracy table of an evaluated sweep as markdown (for a pull request), its notes below."""
+    columns, title, notes = eval_cells(report)
+    header = [" ".join(c.header.split("\n")) for c in columns]
+    rows = [[c.cells[i] for c in columns] for i in range(len(columns[0].cells))]
+    return f"### {title}\n\n" + markdown_table(header, rows) + "\n" + "".join(f"- {note}\n" for note in notes)
+
+
+EVAL_CSV_FIGURES = ("score", "relative_score", "agreement", "agreement_samples", "tflops_mean", "visual_tokens_mean",
+                    "prefill_ms_mean", "ttft_ms_mean", "decode_ms_per_token_mean")
+
+
+def eval_csv(report: dict[str, Any]) -> str:
+    """The accuracy table of an evaluated sweep as CSV, every figure at full precision (empty where
+    missing): one line per point, a score and a retention column per task."""
+    import csv
+    import io
+
+    from ficoco.eval.join import eval_tasks
+
+    tasks = eval_tasks(report)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["model", "variant", "method_label", "quant", "budget", "status",
+                     *(f"score_{t}" for t in tasks), *(f"retention_{t}" for t in tasks), *EVAL_CSV_FIGURES,
+                     "convention", "scope", "units", "timed_on", "reason"])
+
+    def cell(x: Any) -> str:
+        return "" if x is None else repr(x) if isinstance(x, float) else str(x)
+
+    for r in _eval_rows(report):
+        writer.writerow([cell(report.get("model")), cell(r["variant"]), r["method_label"], cell(r["quant"]),
+                         r["budget_label"], r["status"], *(cell(r["scores"][t]) for t in tasks),
+                         *(cell(r["retention"][t]) for t in tasks), *(cell(r[k]) for k in EVAL_CSV_FIGURES),
+                         cell(r["convention"]), cell(r["scope"]), cell(r["units"]), cell(r["timed_on"]),
+                         r["reason"]])
+    return buffer.getvalue()
+
+
+def print_evaluated_sweep(console: Console, report: dict[str, Any], fmt: str = "table") -> bool:
+    """An evaluated sweep's accuracy table on `console`: as a table (under the sweep's own table), or as
+    markdown or CSV (plain text, nothing else printed with it: `ficoco report --format`). False, and
+    nothing printed, for a report that was not evaluated (its config names no eval_tasks)."""
+    table = eval_table(report)
+    if table is None:
+        return False
+    if fmt == "table":
+        console.print(table)
+    else:  # the text as it is (CSV's line ends included), as `ficoco report --format` writes a profile's
+        console.file.write(eval_markdown(report) if fmt == "markdown" else eval_csv(report))
+    return True

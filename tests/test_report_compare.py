@@ -908,3 +908,303 @@ def test_judge_timed_leaves_deterministic_metrics_to_another_comparison(steady_b
     failed.update(status="error", reason="RuntimeError")
     code, parsed, _ = compare_json(steady_base, new, "--judge", "timed")
     assert ("status" in {m for _, m in regressions(parsed)}) and code == 1
+
+
+# ---- two evaluated sweep reports (lmms-eval accuracy; synthetic: tests/eval_reports.py) ----------------------------
+
+def eval_pair() -> tuple[dict[str, Any], dict[str, Any]]:
+    from eval_reports import standard_report
+
+    report = standard_report()
+    return report, copy.deepcopy(report)
+
+
+def eval_verdict(result, row_prefix: str, metric: str):
+    (found,) = [v for v in result.verdicts if v.row.startswith(row_prefix) and v.metric == metric]
+    return found
+
+
+def eval_regressions(result) -> set[tuple[str, str]]:
+    return {(v.row, v.metric) for v in result.regressions}
+
+
+def test_identical_evaluated_sweeps_compare_clean():
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    result = compare(base, new)
+    assert result.regressions == [] and result.warnings == []
+    kinds = {}
+    for v in result.verdicts:
+        kinds.setdefault(v.kind, set()).add(v.verdict)
+    assert kinds == {"accuracy": {"ok"}, "fidelity": {"ok"}, "deterministic": {"ok"}, "absolute": {"not judged"}}
+    # The failed point (FiCoCo-L keep 64) and the one not run are so in both: nothing to judge, no verdict.
+    assert not any(v.row.startswith("l ") for v in result.verdicts)
+    rows = {v.row for v in result.verdicts}
+    assert rows == {"Vanilla (vanilla) fp16 all tokens", "VisionZip (v) fp16 keep 64", "VisionZip (v) fp16 keep 32"}
+    # Per task and the mean: three score verdicts per evaluated point.
+    assert sum(v.metric.startswith("score") for v in result.verdicts) == 3 * 3
+
+
+@pytest.mark.parametrize("task, new_score, verdict", [
+    # The tolerance is 10 % of vanilla's base score of the task: 0.08 on task_a (0..1), 6 on task_b (0..100).
+    ("task_a", 0.73, "ok"), ("task_a", 0.71, "regression"), ("task_a", 0.89, "improvement"),
+    ("task_b", 45.0, "ok"), ("task_b", 43.0, "regression"), ("task_b", 57.0, "improvement"),
+])
+def test_a_score_is_judged_against_a_tolerance_in_percent_of_vanillas_score(task, new_score, verdict):
+    from eval_reports import set_score
+
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    set_score(new, "v", 64, task, new_score)  # VisionZip keep 64: task_a 0.8, task_b 50
+    result = compare(base, new)
+    found = eval_verdict(result, "VisionZip (v) fp16 keep 64", f"score:{task}")
+    assert found.verdict == verdict, found
+    old = {"task_a": 0.8, "task_b": 50.0}[task]
+    assert found.change == pytest.approx((new_score - old) / {"task_a": 0.8, "task_b": 60.0}[task])
+    assert "of vanilla's base score" in found.detail
+    assert {r[1] for r in eval_regressions(result)} <= {f"score:{task}", "score"}
+    assert (verdict == "regression") == (("VisionZip (v) fp16 keep 64", f"score:{task}") in eval_regressions(result))
+
+
+def test_a_score_drop_within_the_default_tolerance_is_a_regression_with_a_tighter_one():
+    from eval_reports import set_score
+
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    set_score(new, "v", 32, "task_b", 37.0)  # 40 -> 37: 3 points, 5 % of vanilla's 60
+    assert compare(base, new).regressions == []
+    tight = compare(base, new, tolerance_pct=4)
+    # 3 points are 5 % of vanilla's 60 on the task, and 1.5 of the mean 4.9 % of vanilla's mean 30.4.
+    assert eval_regressions(tight) == {("VisionZip (v) fp16 keep 32", "score:task_b"),
+                                       ("VisionZip (v) fp16 keep 32", "score")}
+    assert "beyond 4% of vanilla's base score 60" in eval_verdict(tight, "VisionZip (v) fp16 keep 32",
+                                                                  "score:task_b").detail
+
+
+def test_the_mean_score_is_judged_in_percent_of_vanillas_mean():
+    from eval_reports import set_score
+
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    set_score(new, "vanilla", None, "task_b", 52.0)  # vanilla's own drop: 8 of 60, and 4 of its mean 30.4
+    result = compare(base, new)
+    assert eval_regressions(result) == {("Vanilla (vanilla) fp16 all tokens", "score:task_b"),
+                                        ("Vanilla (vanilla) fp16 all tokens", "score")}
+    assert eval_verdict(result, "Vanilla", "score").change == pytest.approx(-4 / 30.4)
+
+
+def test_a_vanilla_score_of_zero_measures_the_change_in_the_points_own_score():
+    from eval_reports import set_score
+
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    set_score(base, "vanilla", None, "task_a", 0.0)
+    set_score(new, "vanilla", None, "task_a", 0.0)
+    set_score(new, "v", 64, "task_a", 0.75)  # 0.8 -> 0.75: 6.25 % of its own base score
+    found = eval_verdict(compare(base, new), "VisionZip (v) fp16 keep 64", "score:task_a")
+    assert found.verdict == "ok" and "the base score 0.8" in found.detail
+    set_score(new, "vanilla", None, "task_a", 0.1)  # from 0: any change counts
+    found = eval_verdict(compare(base, new), "Vanilla", "score:task_a")
+    assert found.verdict == "improvement" and found.change is None
+
+
+def test_an_agreement_drop_beyond_the_tolerance_in_points_is_a_regression():
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    samples = find_point(new, "v", 32)["eval"]["samples"]
+    samples[5]["answer"] = "changed"  # 7 -> 6 of 10 equal to vanilla's: 10 points, within a 10-point tolerance
+    assert compare(base, new).regressions == []
+    samples[6]["answer"] = "changed"  # 5 of 10: 20 points
+    result = compare(base, new)
+    assert eval_regressions(result) == {("VisionZip (v) fp16 keep 32", "agreement")}
+    found = eval_verdict(result, "VisionZip (v) fp16 keep 32", "agreement")
+    assert found.change == pytest.approx(-0.2) and "10 points" in found.detail
+
+
+def find_point(report, variant, keep):
+    from eval_reports import find
+
+    return find(report, variant, keep)
+
+
+@pytest.mark.parametrize("figure, factor, verdict", [
+    ("tflops_mean", 1.01, "regression"), ("tflops_mean", 1.0005, "ok"), ("tflops_mean", 0.98, "improvement"),
+    ("visual_tokens_mean", 0.98, "regression"), ("visual_tokens_mean", 1.0005, "ok"),
+])
+def test_the_cost_per_sample_is_deterministic(figure, factor, verdict):
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    find_point(new, "v", 64)["eval"][figure] *= factor
+    assert eval_verdict(compare(base, new), "VisionZip (v) fp16 keep 64", figure).verdict == verdict
+    assert eval_verdict(compare(base, new, judge="timed"), "VisionZip (v) fp16 keep 64", figure).verdict == \
+        "not judged"
+
+
+def test_eval_timings_are_judged_only_with_absolute_on_the_same_processor():
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    find_point(new, "v", 64)["eval"]["timing"]["prefill_ms_mean"] *= 3
+    assert compare(base, new).regressions == []
+    assert eval_verdict(compare(base, new), "VisionZip (v) fp16 keep 64", "prefill_ms_mean").verdict == "not judged"
+    assert eval_regressions(compare(base, new, absolute=True)) == {("VisionZip (v) fp16 keep 64", "prefill_ms_mean")}
+    new["environment"] = {**new["environment"], "cpu": "Another CPU"}
+    other = compare(base, new, absolute=True)
+    assert other.regressions == [] and any("timed metrics not judged" in w for w in other.warnings)
+    assert eval_regressions(compare(base, new, absolute=True, cross_machine=True)) == {
+        ("VisionZip (v) fp16 keep 64", "prefill_ms_mean")}
+
+
+def test_an_eval_that_fails_in_new_is_a_regression_and_one_not_run_is_missing():
+    from eval_reports import failed_block
+
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    find_point(new, "v", 64)["eval"] = failed_block("lmms-eval: a task crashed")
+    find_point(new, "v", 32)["eval"] = None
+    result = compare(base, new)
+    assert eval_regressions(result) == {("VisionZip (v) fp16 keep 64", "status")}
+    assert "lmms-eval: a task crashed" in eval_verdict(result, "VisionZip (v) fp16 keep 64", "status").detail
+    assert eval_verdict(result, "VisionZip (v) fp16 keep 32", "status").verdict == "missing"
+    # The other way round: evaluated in new only is missing, not an improvement.
+    back = compare(new, base)
+    assert back.regressions == [] and eval_verdict(back, "VisionZip (v) fp16 keep 64", "status").verdict == "missing"
+
+
+def test_a_score_of_other_documents_is_not_judged():
+    from eval_reports import set_score
+
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    set_score(new, "v", 64, "task_a", 0.2)
+    find_point(new, "v", 64)["eval"]["tasks"]["task_a"]["samples"] = 50
+    result = compare(base, new)
+    assert eval_verdict(result, "VisionZip (v) fp16 keep 64", "score:task_a").verdict == "not judged"
+    assert eval_verdict(result, "VisionZip (v) fp16 keep 64", "score").verdict == "not judged"
+    assert result.regressions == []
+
+
+def test_a_score_lost_in_new_is_a_regression():
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    find_point(new, "v", 64)["eval"]["tasks"]["task_b"]["score"] = float("nan")
+    result = compare(base, new)
+    assert ("VisionZip (v) fp16 keep 64", "score:task_b") in eval_regressions(result)
+
+
+def test_points_are_matched_by_method_label_and_budget():
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    find_point(new, "v", 64)["eval"]["method_label"] = "VisionZip (dominant 54)"
+    result = compare(base, new)
+    assert result.only_base == ["VisionZip (v) fp16 keep 64"]
+    assert result.only_new == ["VisionZip (dominant 54) (v) fp16 keep 64"]
+    assert result.regressions == []
+
+
+def test_random_weights_are_named_in_a_warning():
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    new["random_weights"] = True
+    (warning,) = compare(base, new).warnings
+    assert warning.startswith("new evaluated random weights: their scores mean nothing")
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda r: r.update(model="qwen2-vl-tiny"), "not comparable: model llava-tiny vs qwen2-vl-tiny"),
+    (lambda r: r["config"].update(eval_tasks=["task_a", "task_c"]),
+     "not comparable: eval tasks task_a,task_b vs task_a,task_c"),
+    (lambda r: [p["eval"].update(scope="llm") for p in r["points"] if isinstance(p["eval"], dict)
+                and p["eval"].get("status") == "ok"], "not comparable: cost TFLOPs, flops convention, scope all vs "
+                                                      "TFLOPs, flops convention, scope llm"),
+    (lambda r: r["config"].update(eval_tasks=[]), "the new sweep report was not evaluated"),
+    (lambda r: r.update(schema=REPORT_SCHEMA, rows=[]), "the new report has schema 'ficoco.report/1'"),
+    (lambda r: [p.update(eval=None) for p in r["points"]], "no evaluated point in common"),
+])
+def test_evaluated_sweeps_that_are_not_comparable_are_refused_in_one_line(edit, words):
+    from ficoco.errors import FicocoError
+    from ficoco.report.compare import compare
+
+    base, new = eval_pair()
+    edit(new)
+    with pytest.raises(FicocoError) as raised:
+        compare(base, new)
+    assert words in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_flops_report_is_refused_by_compare_in_one_line():
+    from ficoco.errors import FicocoError
+    from ficoco.report.compare import compare
+
+    flops = {"schema": "ficoco.flops/1", "rows": []}
+    with pytest.raises(FicocoError, match="the new report has schema 'ficoco.flops/1'.*ficoco.report/1"):
+        compare({"schema": REPORT_SCHEMA, "rows": []}, flops)
+
+
+def test_an_eval_comparison_renders_as_a_table_markdown_and_json():
+    from eval_reports import set_score
+    from rich.console import Console
+
+    from ficoco.report.compare import compare
+    from ficoco_cli.report_cmd import comparison_json, comparison_markdown, comparison_table
+
+    base, new = eval_pair()
+    set_score(new, "v", 64, "task_b", 40.0)
+    result = compare(base, new)
+    console = Console(file=io.StringIO(), width=250)
+    console.print(comparison_table(result))
+    text = console.file.getvalue()
+    assert "1 regression" not in text and "2 regression(s)" in text  # the task's score and the mean
+    line = next(x for x in text.splitlines() if "score:task_b" in x and "VisionZip" in x and "keep 64" in x)
+    assert "regression" in line and "-16.7%" in line and "60" in line
+    header, body = parse_markdown_table(comparison_markdown(result))
+    assert header == HEADER and len(body) == len(result.verdicts)
+    parsed = json.loads(comparison_json(result))
+    assert parsed["regressions"] == 2
+
+
+# `ficoco compare` and `ficoco report` on evaluated sweeps, once the commands read sweep reports: the CLI wires
+# ficoco.sweep.read_report_any into `compare` and the accuracy table into `report` (ficoco_cli/app.py).
+
+@pytest.fixture
+def eval_cli(cli, write):
+    base, _ = eval_pair()
+    path = write("probe.json", base)
+    probe = cli("compare", path, path)
+    if probe.code == 2 and "ficoco.sweep/1" in probe.err:
+        pytest.skip("ficoco compare does not read sweep reports yet (app.py: read_report -> read_report_any)")
+    return cli
+
+
+def test_compare_command_exits_1_on_a_score_drop_and_0_within_tolerance(eval_cli, write):
+    from eval_reports import set_score
+
+    base, new = eval_pair()
+    set_score(new, "v", 64, "task_b", 46.0)
+    ok = eval_cli("compare", write("base.json", base), write("new.json", new))
+    assert ok.code == 0, ok.err
+    set_score(new, "v", 64, "task_b", 40.0)
+    bad = eval_cli("compare", write("base.json", base), write("new.json", new), "--format", "json")
+    assert bad.code == 1, bad.err
+    assert json.loads(bad.out)["regressions"] == 2
+    (line,) = [x for x in bad.err.splitlines() if x.startswith("regression:")]
+    assert "score:task_b (VisionZip (v) fp16 keep 64)" in line
+
+
+def test_compare_command_refuses_incomparable_sweeps_in_one_error_line(eval_cli, write):
+    base, new = eval_pair()
+    new["model"] = "qwen2-vl-tiny"
+    line = assert_one_error_line(eval_cli("compare", write("base.json", base), write("new.json", new)))
+    assert "not comparable: model llava-tiny vs qwen2-vl-tiny" in line

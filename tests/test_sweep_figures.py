@@ -176,3 +176,82 @@ def test_sweep_refuses_mistakes_in_one_line(cli, tmp_path: Path) -> None:
         code, _, err = cli(*argv)
         lines = [x for x in err.splitlines() if x.strip()]
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], (argv, err)
+
+
+# ---- the accuracy figure of an evaluated sweep (synthetic reports: tests/eval_reports.py) --------------------------
+
+def test_accuracy_figure_draws_a_line_per_method_and_vanilla_as_the_reference(tmp_path: Path) -> None:
+    from eval_reports import standard_report
+
+    from ficoco.eval.join import eval_rows
+    from ficoco.sweep.figures import accuracy_figure
+
+    report = standard_report(random_weights=True)
+    figure = accuracy_figure(report)
+    assert type(figure.canvas).__name__ == "FigureCanvasAgg"
+    (ax,) = figure.axes
+    lines = lines_by_gid(ax)
+    # One line per method with an evaluated point (FiCoCo-L's points failed or did not run): VisionZip's.
+    assert sorted(gid for gid in lines if gid.startswith("score:")) == ["score:VisionZip"]
+    rows = [r for r in eval_rows(report) if r["method_label"] == "VisionZip"]
+    ordered = sorted(rows, key=lambda r: r["tflops_mean"])
+    assert lines["score:VisionZip"] == ([r["tflops_mean"] for r in ordered], [r["score"] for r in ordered])
+    assert lines["vanilla:point"] == ([8.0], [pytest.approx(30.4)])
+    assert lines["vanilla"][1] == [pytest.approx(30.4)] * 2  # the horizontal reference
+    assert "TFLOPs per sample" in ax.get_xlabel() and "flops convention, scope all" in ax.get_xlabel()
+    assert "score" in ax.get_ylabel() and "2 task(s)" in ax.get_ylabel()
+    title = figure._suptitle.get_text()
+    assert "task_a, task_b" in title and "llava-tiny" in title and "RANDOM WEIGHTS" in title
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["VisionZip", "Vanilla (576 visual tokens)"]
+    save_figure(figure, tmp_path, "accuracy", formats=("png",))
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
+
+
+def test_accuracy_figure_relative_draws_the_retention_in_percent() -> None:
+    from eval_reports import answers, eval_block, evaluated_report, point, standard_points
+
+    from ficoco.sweep.figures import accuracy_figure
+
+    points = standard_points()[:3] + [
+        point("l", {"keep": 64}, eval_block("FiCoCo-L", {"task_a": 0.7, "task_b": 60.0}, answers(2), tflops=2.5,
+                                            tokens=64)),
+        point("fastv", {"keep": 64}, eval_block("FastV", {"task_a": 0.4, "task_b": 30.0}, answers(5), tflops=2.2,
+                                                tokens=64))]
+    figure = accuracy_figure(evaluated_report(points), relative=True)
+    lines = lines_by_gid(figure.axes[0])
+    assert sorted(gid for gid in lines if gid.startswith("score:")) == ["score:FastV", "score:FiCoCo-L",
+                                                                         "score:VisionZip"]
+    assert lines["score:FiCoCo-L"][1] == [pytest.approx(100 * (0.7 / 0.8 + 1) / 2)]
+    assert lines["vanilla"][1] == [100.0, 100.0]
+    assert "%" in figure.axes[0].get_ylabel() and "RANDOM" not in figure._suptitle.get_text()
+
+
+def test_sweep_figures_add_the_accuracy_figure_when_the_sweep_was_evaluated() -> None:
+    from eval_reports import failed_block, standard_report
+
+    report = standard_report()
+    assert set(sweep_figures(report)) == {"cost", "accuracy"}
+    not_evaluated = copy.deepcopy(report)
+    not_evaluated["config"]["eval_tasks"] = []
+    assert set(sweep_figures(not_evaluated)) == {"cost"}
+    not_run = copy.deepcopy(report)
+    for point in not_run["points"]:
+        point["eval"] = None if point["variant"] != "l" else failed_block()
+    assert set(sweep_figures(not_run)) == {"cost"}  # evaluated, but nothing to draw yet
+
+
+def test_accuracy_figure_refuses_a_report_without_scores_in_one_line() -> None:
+    from eval_reports import standard_report
+
+    from ficoco.errors import FicocoError
+    from ficoco.sweep.figures import accuracy_figure
+
+    report = standard_report()
+    report["config"]["eval_tasks"] = []
+    with pytest.raises(FicocoError, match="not evaluated"):
+        accuracy_figure(report)
+    report = standard_report()
+    for point in report["points"]:
+        point["eval"] = None
+    with pytest.raises(FicocoError, match="no evaluated point"):
+        accuracy_figure(report)

@@ -14,6 +14,29 @@ Even an in-run ratio moves with the processor: bf16 matrix work is fast with AMX
 AVX2 alone, so a variant's speedup says as much about the CPU as about the code. Measured
 metrics (timed ratios, absolute figures) are therefore judged only between reports made on the
 same processor (CPU model, features and ISA caps, or GPU name), unless the caller asks for it.
+
+Two evaluated sweep reports (`ficoco.sweep/1` whose config names `eval_tasks`; `compare_eval`) are
+compared point by point, a point being (method, method label, quant, budget; a failed evaluation
+that names no label is its method's point of that quant and budget), on the accuracy the
+lmms-eval run measured (ficoco.eval.join):
+
+- every task's score and the mean score: a drop larger than `--tolerance` percent of vanilla's
+  score (the base report's vanilla, same task and quant) is a regression. Scores come on the
+  task's own scale (0..1 or 0..100, as lmms-eval reports it), so a tolerance in the score's units
+  would mean one thing on one task and a hundred times more on another; relative to vanilla's
+  score it means the same on both, and it is the papers' unit too: a 2 % drop is two points of
+  "performance retention". Where vanilla's base score is 0 (or missing) the point's own base score
+  is the unit, and where that is 0 too any change counts. A score of another number of documents
+  (another `--limit`) is not the same test: shown, not judged;
+- the agreement of the answers with vanilla's (a share) like the fidelity agreements above: a drop
+  of more than `--tolerance` points is a regression;
+- the mean visual tokens and TFLOPs per sample are deterministic: any move beyond 0.1 % counts;
+- the eval's mean prefill, time to first token and decode time per token are absolute timings of
+  one run: shown, and judged like the profile's absolute figures only with `absolute=True`, on
+  the same processor;
+- an evaluation that ran in base and failed in new is a regression.
+
+Two sweep reports of different models, tasks, or cost conventions are not comparable (one error).
 """
 
 from __future__ import annotations
@@ -25,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.report.schemas import REPORT_SCHEMA
+from ficoco.report.schemas import FLOPS_SCHEMA, REPORT_SCHEMA, SWEEP_SCHEMA
 
 DETERMINISTIC_TOLERANCE = 0.001  # 0.1%
 SIGNIFICANCE = 0.05
@@ -274,23 +297,17 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
         raise FicocoError(f"tolerance_pct={tolerance_pct:g}: give a finite percentage of at least 0")
     if judge not in JUDGE_CHOICES:
         raise FicocoError(f"unknown judge='{judge}': choose from {', '.join(JUDGE_CHOICES)}")
+    if SWEEP_SCHEMA in (base.get("schema"), new.get("schema")):
+        return compare_eval(base, new, tolerance_pct=tolerance_pct, absolute=absolute, judge=judge,
+                            cross_machine=cross_machine)
+    for side, report in (("base", base), ("new", new)):
+        if report.get("schema") == FLOPS_SCHEMA:
+            raise FicocoError(f"the {side} report has schema '{FLOPS_SCHEMA}' (the accountant's costs, nothing "
+                              f"measured); compare judges '{REPORT_SCHEMA}' profile reports and evaluated "
+                              f"'{SWEEP_SCHEMA}' sweep reports")
     result = Comparison()
-    base_env, new_env = base.get("environment", {}), new.get("environment", {})
-    differs = [f"{k}: {base_env.get(k)} -> {new_env.get(k)}" for k in ENVIRONMENT_KEYS
-               if base_env.get(k) != new_env.get(k)]
-    if differs:
-        result.warnings.append("the reports come from different environments (" + "; ".join(differs) + ")")
-    same, processors = same_processor(base_env, new_env)
-    timed_refused = ""
-    if not same and judge != "deterministic":
-        if cross_machine:
-            result.warnings.append(f"timed metrics judged across processors, as asked (cross_machine=True): "
-                                   f"{processors}")
-        else:
-            timed_refused = "processors differ or are unknown: see the warning"
-            result.warnings.append(f"timed metrics not judged: {processors}; a speedup moves with the processor "
-                                   "(bf16 with AMX or AVX2 alone) as much as with the code; cross_machine=True judges "
-                                   "them anyway")
+    timed_refused = _environment_warnings(result, base.get("environment", {}), new.get("environment", {}), judge,
+                                          cross_machine)
     base_all = {fingerprint(r): r for r in base["rows"]}
     new_all = {fingerprint(r): r for r in new["rows"]}
     base_rows = {k: r for k, r in base_all.items() if r.get("status") == "ok"}
@@ -352,6 +369,27 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
     return result
 
 
+def _environment_warnings(result: Comparison, base_env: dict[str, Any], new_env: dict[str, Any], judge: str,
+                          cross_machine: bool) -> str:
+    """Warn of environments that differ and of timed metrics that are not judged across processors;
+    the reason timed metrics are not judged ("" when they are)."""
+    differs = [f"{k}: {base_env.get(k)} -> {new_env.get(k)}" for k in ENVIRONMENT_KEYS
+               if base_env.get(k) != new_env.get(k)]
+    if differs:
+        result.warnings.append("the reports come from different environments (" + "; ".join(differs) + ")")
+    same, processors = same_processor(base_env, new_env)
+    if same or judge == "deterministic":
+        return ""
+    if cross_machine:
+        result.warnings.append(f"timed metrics judged across processors, as asked (cross_machine=True): "
+                               f"{processors}")
+        return ""
+    result.warnings.append(f"timed metrics not judged: {processors}; a speedup moves with the processor "
+                           "(bf16 with AMX or AVX2 alone) as much as with the code; cross_machine=True judges "
+                           "them anyway")
+    return "processors differ or are unknown: see the warning"
+
+
 def _judge_fidelity(metric: Metric, base: float, new: float, change: float, worse: bool, tolerance: float,
                     judge: str) -> tuple[str, str]:
     """Agreements move in points of a share; KL divergence relative to base, above a floor."""
@@ -399,3 +437,193 @@ def _judge_timed(metric: Metric, b_row: dict[str, Any], n_row: dict[str, Any], b
             return "noise", f"beyond {tolerance * 100:g}% but not significant (Mann-Whitney p={p:.3f})"
         return "regression", f"beyond {tolerance * 100:g}% and significant (Mann-Whitney p={p:.3f})"
     return "regression", f"beyond {tolerance * 100:g}% (no raw samples to test significance)"
+
+
+# ---- two evaluated sweep reports (lmms-eval accuracy; see the module docstring) ---------------------------------
+
+EVAL_DETERMINISTIC = (Metric("visual_tokens_mean", ("visual_tokens_mean",), HIGHER, "deterministic"),
+                      Metric("tflops_mean", ("tflops_mean",), LOWER, "deterministic", "TFLOPs"))
+EVAL_TIMED = (Metric("prefill_ms_mean", ("prefill_ms_mean",), LOWER, "absolute", "ms"),
+              Metric("ttft_ms_mean", ("ttft_ms_mean",), LOWER, "absolute", "ms"),
+              Metric("decode_ms_per_token_mean", ("decode_ms_per_token_mean",), LOWER, "absolute", "ms"))
+EVAL_AGREEMENT = Metric("agreement", ("agreement",), HIGHER, "fidelity")
+
+
+def _check_evaluated_pair(base: dict[str, Any], new: dict[str, Any], base_rows: list[dict[str, Any]],
+                          new_rows: list[dict[str, Any]]) -> None:
+    """Refuse, in one line, a pair that is not two evaluated sweep reports of the same model, tasks and
+    cost convention."""
+    from ficoco.eval.join import eval_cost_words, eval_tasks, evaluated
+
+    for side, report in (("base", base), ("new", new)):
+        if report.get("schema") != SWEEP_SCHEMA:
+            raise FicocoError(f"the {side} report has schema '{report.get('schema')}' and the other is a sweep "
+                              f"report; compare judges two '{REPORT_SCHEMA}' profile reports or two evaluated "
+                              f"'{SWEEP_SCHEMA}' sweep reports")
+        if not evaluated(report):
+            raise FicocoError(f"the {side} sweep report was not evaluated (its config names no eval_tasks); compare "
+                              "judges the accuracy of two evaluated sweeps (profile reports for the timings)")
+    differs = [f"{name} {b} vs {n}" for name, b, n in (
+        ("model", base.get("model"), new.get("model")),
+        ("eval tasks", ",".join(sorted(eval_tasks(base))), ",".join(sorted(eval_tasks(new)))),
+        ("cost", eval_cost_words(base, base_rows), eval_cost_words(new, new_rows))) if b != n]
+    if differs:
+        raise FicocoError("the two sweep reports are not comparable: " + "; ".join(differs) + " (base vs new)")
+
+
+def _eval_row_name(row: dict[str, Any]) -> str:
+    label, variant = row["method_label"], row["variant"]
+    name = variant if label == variant else f"{label} ({variant})"
+    budget = row["budget_label"] if row["budget"] else "all tokens"
+    return f"{name} {row['quant']} {budget}"
+
+
+def _score_unit(base: float, reference: float | None) -> tuple[float | None, str]:
+    """What a score's change is measured in: vanilla's base score, else the point's own base score;
+    None where both are 0 (any change counts)."""
+    if reference:
+        return abs(reference), f"vanilla's base score {reference:.4g}"
+    if base:
+        return abs(base), f"the base score {base:.4g} (vanilla's is 0 or missing)"
+    return None, "a base score of 0"
+
+
+def _judge_score(base: float, new: float, reference: float | None, higher: bool, tolerance: float,
+                 judge: str) -> tuple[str, float | None, str]:
+    """A score against its base, the change in units of vanilla's base score (see `_score_unit`)."""
+    unit, words = _score_unit(base, reference)
+    change = (new - base) / unit if unit else None
+    if judge == "timed":
+        return "not judged", change, "judge=timed: accuracy not judged"
+    moved = abs(change) > tolerance if change is not None else new != base
+    worse = new < base if higher else new > base
+    rule = f"{tolerance * 100:g}% of {words}" if unit else "any change from a base score of 0"
+    if not moved:
+        return "ok", change, f"accuracy: within {rule}"
+    return ("regression" if worse else "improvement"), change, \
+        f"accuracy: {'drop' if worse else 'gain'} of {abs(new - base):.4g} beyond {rule} (lmms-eval's scale)"
+
+
+def compare_eval(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float = 10.0, absolute: bool = False,
+                 judge: str = "all", cross_machine: bool = False) -> Comparison:
+    """Judge two evaluated sweep reports point by point (the module docstring says how): each task's
+    score and the mean score against `tolerance_pct` percent of vanilla's base score, the answers'
+    agreement with vanilla in points, the mean visual tokens and TFLOPs per sample as deterministic
+    figures, the eval's timings as absolute figures (judged only with `absolute`, on the same
+    processor). Points are matched by (variant, method label, quant, budget); a point evaluated in
+    base whose evaluation failed in new is a regression. One error for reports that are not
+    comparable (another model, other tasks, another cost convention) or share no evaluated point."""
+    from ficoco.eval.join import VANILLA, eval_rows, eval_tasks, match_points
+
+    if not (math.isfinite(tolerance_pct) and tolerance_pct >= 0):
+        raise FicocoError(f"tolerance_pct={tolerance_pct:g}: give a finite percentage of at least 0")
+    if judge not in JUDGE_CHOICES:
+        raise FicocoError(f"unknown judge='{judge}': choose from {', '.join(JUDGE_CHOICES)}")
+    base_list = eval_rows(base) if base.get("schema") == SWEEP_SCHEMA else []
+    new_list = eval_rows(new) if new.get("schema") == SWEEP_SCHEMA else []
+    _check_evaluated_pair(base, new, base_list, new_list)
+    result = Comparison()
+    timed_refused = _environment_warnings(result, base.get("environment") or {}, new.get("environment") or {},
+                                          judge, cross_machine)
+    if base.get("random_weights") or new.get("random_weights"):
+        sides = " and ".join(s for s, r in (("base", base), ("new", new)) if r.get("random_weights"))
+        result.warnings.append(f"{sides} evaluated random weights: their scores mean nothing; the comparison checks "
+                               "that the code answers as before, not that the method is accurate")
+    tasks = eval_tasks(base)
+    tolerance = tolerance_pct / 100
+    pairs, only_base, only_new = match_points(base_list, new_list)
+    vanilla = {r["quant"]: r for r in base_list if r["variant"] == VANILLA and r["status"] == "ok"}
+    result.only_base = [_eval_row_name(r) for r in only_base]
+    result.only_new = [_eval_row_name(r) for r in only_new]
+    judged = 0
+    for b, n in pairs:
+        name = _eval_row_name(b if b["labelled"] or not n["labelled"] else n)
+        if b["status"] != "ok" or n["status"] != "ok":
+            if b["status"] == "ok" and n["status"] == "failed":
+                result.verdicts.append(Verdict(name, "status", "accuracy", None, None, None, "regression",
+                                               f"new run: eval failed: {n['reason']}"))
+            elif b["status"] == "ok":
+                result.verdicts.append(Verdict(name, "status", "accuracy", None, None, None, "missing",
+                                               "evaluated in base, not (yet) in new"))
+            elif n["status"] == "ok":
+                result.verdicts.append(Verdict(name, "status", "accuracy", None, None, None, "missing",
+                                               f"evaluated in new only (base: {b['status']})"))
+            continue
+        judged += 1
+        reference = vanilla.get(b["quant"])
+        same_documents = True
+        for task in tasks:
+            bs, ns = b["scores"][task], n["scores"][task]
+            metric = f"score:{task}"
+            if bs is None or ns is None:
+                if bs is not None:  # an evaluation that ran and lost a task's score (or scored NaN) is broken
+                    result.verdicts.append(Verdict(name, metric, "accuracy", bs, None, None, "regression",
+                                                   "new score missing or not a number"))
+                elif ns is not None:
+                    result.verdicts.append(Verdict(name, metric, "accuracy", None, ns, None, "missing",
+                                                   "present in new only"))
+                continue
+            documents = (b["samples"][task], n["samples"][task])
+            if None not in documents and documents[0] != documents[1]:
+                same_documents = False
+                result.verdicts.append(Verdict(name, metric, "accuracy", bs, ns, None, "not judged",
+                                               f"scored on {documents[0]} documents in base and {documents[1]} in "
+                                               "new: not the same test"))
+                continue
+            verdict, change, detail = _judge_score(bs, ns, reference["scores"][task] if reference else None,
+                                                   b["higher_is_better"][task], tolerance, judge)
+            result.verdicts.append(Verdict(name, metric, "accuracy", bs, ns, change, verdict, detail))
+        if len(tasks) > 1 and b["score"] is not None and n["score"] is not None:
+            higher = {b["higher_is_better"][t] for t in tasks}
+            if not same_documents or len(higher) > 1:
+                why = ("tasks scored on other documents: see their lines" if not same_documents else
+                       "tasks better higher and tasks better lower: a mean has no direction")
+                result.verdicts.append(Verdict(name, "score", "accuracy", b["score"], n["score"], None,
+                                               "not judged", why))
+            else:
+                verdict, change, detail = _judge_score(b["score"], n["score"], reference["score"] if reference else
+                                                       None, higher.pop(), tolerance, judge)
+                result.verdicts.append(Verdict(name, "score", "accuracy", b["score"], n["score"], change, verdict,
+                                               detail))
+        _judge_eval_figures(result, name, b, n, tolerance, absolute, judge, timed_refused)
+    if not judged and not result.regressions:  # nothing evaluated in new must not pass as a clean comparison
+        raise FicocoError("the two sweep reports have no evaluated point in common (variant, method label, quant "
+                          "and budget must match, and both evaluations must have run)")
+    return result
+
+
+def _judge_eval_figures(result: Comparison, name: str, b: dict[str, Any], n: dict[str, Any], tolerance: float,
+                        absolute: bool, judge: str, timed_refused: str) -> None:
+    """The agreement with vanilla (in points), the deterministic cost figures (0.1 %) and the timings
+    (absolute figures) of one point evaluated in both reports."""
+    for metric in (EVAL_AGREEMENT, *EVAL_DETERMINISTIC, *EVAL_TIMED):
+        bv, nv = b[metric.name], n[metric.name]
+        if metric is EVAL_AGREEMENT and b["variant"] == "vanilla":
+            continue  # vanilla agrees with itself by construction
+        if bv is None or nv is None:
+            if bv is not None or nv is not None:
+                result.verdicts.append(Verdict(name, metric.name, metric.kind, bv, nv, None, "missing",
+                                               "present in one report only"))
+            continue
+        worse = (nv < bv) if metric.better == HIGHER else (nv > bv)
+        if metric is EVAL_AGREEMENT:
+            change = nv - bv
+            verdict, detail = _judge_fidelity(metric, bv, nv, change, worse, tolerance, judge)
+            detail += f" (answers equal to vanilla's, {n['agreement_samples']} documents)"
+        else:
+            change = (nv - bv) / abs(bv) if bv else (0.0 if nv == bv else math.inf)
+            if metric.kind == "deterministic" and judge == "timed":
+                verdict, detail = "not judged", "judge=timed: deterministic metrics not judged"
+            elif metric.kind == "deterministic":
+                moved = abs(change) > DETERMINISTIC_TOLERANCE
+                verdict = "ok" if not moved else ("regression" if worse else "improvement")
+                detail = "deterministic: any change beyond 0.1% counts"
+            elif judge == "deterministic":
+                verdict, detail = "not judged", "judge=deterministic: timed metrics not judged"
+            elif timed_refused:
+                verdict, detail = "not judged", timed_refused
+            elif absolute:
+                verdict, detail = _judge_timed(metric, {}, {}, {}, {}, (), change, worse, tolerance)
+            else:
+                verdict, detail = "not judged", "absolute figure: judged only with absolute=True"
+        result.verdicts.append(Verdict(name, metric.name, metric.kind, bv, nv, change, verdict, detail))

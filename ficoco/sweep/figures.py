@@ -4,7 +4,8 @@ Sweep figures (from a `ficoco.sweep/1` report, or a profile report's rows):
   cost      TFLOPs by stage against visual tokens, one panel per method;
   latency   measured prefill latency against analytic TFLOPs, with the ideal line through
             vanilla (latency proportional to FLOPs) and, on a known GPU, the roofline;
-  fidelity  top-1 agreement and KL divergence with vanilla against TFLOPs.
+  fidelity  top-1 agreement and KL divergence with vanilla against TFLOPs;
+  accuracy  an evaluated sweep's mean score (lmms-eval) against TFLOPs per sample, a line per method.
 Token figures (from `ficoco show`'s data): the image with its patch grid, per reducing layer
 or as a contact sheet of all of them and the end state.
 
@@ -232,15 +233,82 @@ def fidelity_figure(report: dict[str, Any]) -> Figure:
     return figure
 
 
+def _accuracy_points(report: dict[str, Any], relative: bool) -> list[dict[str, Any]]:
+    """The evaluated rows (ficoco.eval.join.eval_rows) that can be drawn: evaluated, with a cost and a
+    score (with `relative`, a retention against vanilla)."""
+    from ficoco.eval.join import eval_rows
+
+    key = "relative_score" if relative else "score"
+    return [r for r in eval_rows(report) if r["status"] == "ok" and finite(r["tflops_mean"]) and finite(r[key])]
+
+
+def accuracy_figure(report: dict[str, Any], relative: bool = False) -> Figure:
+    """(d) Accuracy against cost, as the FiCoCo paper's Figure 1 draws it: each point's score (the mean
+    of its tasks' scores, on lmms-eval's scale; with `relative`, the share of vanilla's score it keeps,
+    in %) against its mean TFLOPs per evaluated sample (the eval's convention and scope), one line
+    per method (its display label), vanilla as a star and a dashed horizontal line; a panel per quant."""
+    from ficoco.eval.join import eval_cost, eval_tasks, evaluated
+
+    if not evaluated(report):
+        raise FicocoError("the report was not evaluated (its config names no eval_tasks): run the sweep with "
+                          "eval tasks")
+    points = _accuracy_points(report, relative)
+    if not points:
+        raise FicocoError("the report has no evaluated point with a score and a cost yet"
+                          + (" and a vanilla to compare with" if relative else ""))
+    tasks = eval_tasks(report)
+    key = "relative_score" if relative else "score"
+    scale = 100.0 if relative else 1.0
+    quants = list(dict.fromkeys(p["quant"] for p in points))
+    figure, axes = _new_figure(len(quants))
+    units, convention, scope = eval_cost(report, points)
+    for ax, quant in zip(axes, quants, strict=True):
+        mine = [p for p in points if p["quant"] == quant]
+        methods = list(dict.fromkeys(p["method_label"] for p in mine if p["variant"] != VANILLA))
+        for k, label in enumerate(methods):
+            line = sorted((p for p in mine if p["method_label"] == label and p["variant"] != VANILLA),
+                          key=lambda p: p["tflops_mean"])
+            ax.plot([p["tflops_mean"] for p in line], [p[key] * scale for p in line], label=label,
+                    marker=METHOD_MARKERS[(k + 1) % len(METHOD_MARKERS)], gid=f"score:{label}")
+            for p in line:  # each point's budget beside it, as the papers mark their token counts
+                ax.annotate(p["budget_label"], (p["tflops_mean"], p[key] * scale), textcoords="offset points",
+                            xytext=(4, 4), fontsize="x-small", color="dimgrey")
+        vanilla = next((p for p in mine if p["variant"] == VANILLA), None)
+        if vanilla is not None:
+            tokens = vanilla["visual_tokens_mean"]
+            ax.axhline(vanilla[key] * scale, color="grey", linestyle="--", linewidth=1, gid="vanilla")
+            ax.plot([vanilla["tflops_mean"]], [vanilla[key] * scale], marker="*", markersize=14, color="black",
+                    linestyle="none", gid="vanilla:point",
+                    label=f"{vanilla['method_label']}" + (f" ({tokens:.0f} visual tokens)" if finite(tokens) else ""))
+        ax.set_xlabel(f"{units} per sample, mean over the evaluated samples ({convention} convention, scope {scope})",
+                      fontsize="small")
+        ax.set_ylabel(f"score retained against vanilla, mean over {len(tasks)} task(s) (%)" if relative else
+                      f"score, mean over {len(tasks)} task(s) (lmms-eval's scale)")
+        if len(quants) > 1:
+            ax.set_title(str(quant))
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small", loc="best")
+    note = " (RANDOM WEIGHTS: these scores mean nothing)" if report.get("random_weights") else ""
+    what = "Accuracy retained" if relative else "Accuracy"
+    figure.suptitle(f"{what} against cost: {', '.join(tasks)}{note}\n{_subtitle(report)}", fontsize="medium")
+    figure.tight_layout()
+    return figure
+
+
 def sweep_figures(report: dict[str, Any]) -> dict[str, Figure]:
     """Every figure the report has data for: cost always, latency with measurements, fidelity
-    with fidelity figures."""
+    with fidelity figures, accuracy with evaluated points (a sweep with eval tasks)."""
     figures = {"cost": cost_figure(report)}
     points = points_of(report)
     if any(_measured_ok(p) for p in points):
         figures["latency"] = latency_figure(report)
     if any(isinstance(p.get("fidelity"), dict) for p in points):
         figures["fidelity"] = fidelity_figure(report)
+    from ficoco.eval.join import evaluated
+
+    if evaluated(report) and _accuracy_points(report, relative=False):
+        figures["accuracy"] = accuracy_figure(report)
     return figures
 
 
