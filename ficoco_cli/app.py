@@ -429,11 +429,13 @@ def compare_command(
 ) -> None:
     """Compare two profile reports: exit 1 on a regression, 0 otherwise."""
     from ficoco.report import write_text_atomic
-    from ficoco.report.compare import compare, read_report
+    from ficoco.report.compare import compare
+    from ficoco.sweep import read_report_any
     from ficoco_cli.report_cmd import comparison_json, comparison_markdown, comparison_table
 
-    result = compare(read_report(base), read_report(new), tolerance_pct=tolerance, absolute=absolute, judge=judge,
-                     cross_machine=cross_machine)
+    # A profile report, or an evaluated sweep's report or store (compare judges its accuracy).
+    result = compare(read_report_any(base), read_report_any(new), tolerance_pct=tolerance, absolute=absolute,
+                     judge=judge, cross_machine=cross_machine)
     for warning in result.warnings:
         err.print(f"warning: {cli_message(warning)}", markup=False, highlight=False, soft_wrap=True)
     for side, rows in (("base", result.only_base), ("new", result.only_new)):
@@ -479,9 +481,13 @@ def report_command(
         raise FicocoError("--plot draws profile and sweep reports; a flops report has no measured points "
                           "(ficoco sweep --plot draws the accountant's costs)")
     if report["schema"] == SWEEP_SCHEMA:
-        if fmt != "table":
-            raise FicocoError(f"--format {fmt} renders profile reports; a sweep report is shown as a table")
-        out.print(sweep_table(report))
+        from ficoco_cli.render import print_evaluated_sweep
+
+        if fmt == "table":
+            out.print(sweep_table(report))
+        if not print_evaluated_sweep(out, report, fmt) and fmt != "table":
+            raise FicocoError(f"--format {fmt} renders profile and evaluated sweep reports; a sweep report is "
+                              "shown as a table")
     elif report["schema"] == FLOPS_SCHEMA:
         from ficoco.accounting import UNITS
         from ficoco_cli.report_cmd import check_flops_rows

@@ -38,8 +38,16 @@ def sweep_table(report: dict[str, Any]) -> Table:
             _num(latency, ".4g") if measured.get("status") in (None, "ok") else str(measured.get("status")),
             _num(speedup, ".2f", "x"), _num(fidelity.get("top1_agreement"), ".2f"),
             _num(fidelity.get("kl_divergence"), ".3g"))
-    # Points a method cannot run here (the family refuses it, or the budget is out of its reach), one
-    # line each under the table.
+    skipped = sweep_notes(report)
+    if skipped:
+        table.caption = "\n".join(skipped)
+        table.caption_justify = "left"
+    return table
+
+
+def sweep_notes(report: dict[str, Any]) -> list[str]:
+    """The lines under a sweep's table: the points a method cannot run here (the family refuses it, or the
+    budget is out of its reach), the failed ones, the store's progress, a concurrency note."""
     skipped = []
     for entry in report.get("skipped") or []:
         budget = ", ".join(f"{k} {v:g}" for k, v in (entry.get("budget") or {}).items())
@@ -55,10 +63,7 @@ def sweep_table(report: dict[str, Any]) -> Table:
         skipped.append(f"store {report.get('store')}: {Progress(**progress).line()}")
     if report.get("concurrency_note"):
         skipped.append(f"note: {cli_message(report['concurrency_note'])}")
-    if skipped:
-        table.caption = "\n".join(skipped)
-        table.caption_justify = "left"
-    return table
+    return skipped
 
 
 def _num(value: Any, fmt: str, suffix: str = "") -> str:
@@ -95,7 +100,13 @@ def run_sweep(config: Any, json_path: str | None, plot: str | None, console: Con
     if config.measure or config.fidelity or config.evaluates:
         report, failed = _run_stored(config, report, points, out or default_store(config), executor, json_path,
                                      plot, console)
-    console.print(sweep_table(report))
+    from ficoco_cli.render import print_evaluated_sweep
+
+    if print_evaluated_sweep(console, report):  # an evaluated sweep's table is its accuracy beside its cost
+        for line in sweep_notes(report):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+    else:
+        console.print(sweep_table(report))
     if json_path:
         write_json_atomic(json_path, report)
     if plot:

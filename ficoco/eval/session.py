@@ -464,17 +464,20 @@ class EvalSession:
                 "timed_on": self._device_name(), "per_batch": list(self.batches)}
 
     def _device_name(self) -> str:
-        if self.device.type == "cuda":
-            return f"cuda: {torch.cuda.get_device_name(self.device)}"
+        """The device timed, as a measured sweep names it: the GPU's name, or "cpu: MODEL"."""
+        env = self.environment()
+        return env["device"] if self.device.type == "cuda" else f"cpu: {env.get('cpu')}"
+
+    def environment(self) -> dict[str, Any]:
+        """Versions, device, CPU model and features, threads: what makes a timing comparable."""
         from ficoco.profiling.environment import environment
 
-        return f"cpu: {environment(self.device).get('cpu')}"
+        return environment(self.device)
 
     def record(self) -> dict[str, Any]:
         """The run's `ficoco.eval/1` record: settings, the schedule at the profile's layout, every sample's
         answer and cost, the timing. Scores are lmms-eval's (`ficoco eval` adds them as `tasks`)."""
         from ficoco.methods import registry
-        from ficoco.versions import report_environment
 
         label = getattr(registry, "method_label", None)
 
@@ -491,7 +494,7 @@ class EvalSession:
             "quant": self.settings.quant, "kv_bits": self.settings.kv_bits, "device": str(self.device),
             "compute_dtype": str(self.dtype).removeprefix("torch."),
             "convention": self.opts.convention, "units": acc.UNITS[self.opts.convention], "scope": self.opts.scope,
-            "environment": report_environment(),
+            "environment": self.environment(),
             "visual_tokens_mean": mean("visual_tokens"), "tflops_mean": mean("tflops"),
             "samples_costed": len(costed), "timing": self.timing(), "samples": list(self.samples),
             "notes": list(dict.fromkeys(self.notes)),

@@ -204,8 +204,48 @@ def parse_model_args(args: Mapping[str, Any]) -> EvalSettings:
         extra = f"; {method}'s hyperparameters: {', '.join(dict.fromkeys(allowed))}" if allowed else ""
         raise FicocoError(f"model_args: unknown key {', '.join(k + '=' for k in unknown)}; the settings are "
                           f"{settings}{extra}")
-    values["hyperparameters"] = {key: _hyperparameter(value) for key, value in given.items()}
+    defaults = dict(METHODS[method].hyperparameters) if method in METHODS else {}
+    if method in ("v", "l"):
+        defaults = {**METHODS["l"].hyperparameters, **METHODS["v"].hyperparameters, **defaults}
+    values["hyperparameters"] = {key: _of_kind(method, key, _hyperparameter(value), defaults.get(key))
+                                 for key, value in given.items()}
     return EvalSettings(**values)
+
+
+def _of_kind(method: str, key: str, value: Any, default: Any) -> Any:
+    """`value` as the kind of the hyperparameter's default (a whole number where the default is one, a number,
+    a flag, a list, a word), or one line naming the kind."""
+    wrong = FicocoError(f"model_args: {key}={value!r} for {method}: give {_kind(default)} (the default is "
+                        f"{key}={default!r})")
+    if default is None:
+        return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise wrong
+        return value
+    if isinstance(default, int) and not isinstance(value, bool) and isinstance(value, (int, float)):
+        if float(value) != int(value):
+            raise wrong
+        return int(value)
+    if isinstance(default, float) and not isinstance(value, bool) and isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(default, (tuple, list)) and isinstance(value, list):
+        return value
+    if isinstance(default, str) and isinstance(value, str):
+        return value
+    raise wrong
+
+
+def _kind(default: Any) -> str:
+    if isinstance(default, bool):
+        return "true or false"
+    if isinstance(default, int):
+        return "a whole number"
+    if isinstance(default, float):
+        return "a number"
+    if isinstance(default, (tuple, list)):
+        return "a list such as [2,6,15] (quoted)"
+    return "a word"
 
 
 def model_args_string(settings: Mapping[str, Any]) -> str:

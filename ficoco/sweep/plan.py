@@ -298,7 +298,9 @@ def run_point(config: SweepConfig, profile: Profile, point: Point, eval_out: str
     environment it was measured in (speedups against vanilla are added when the store's report is
     assembled: vanilla is another point, another process)."""
     if config.evaluates:  # `eval_out`: where the point's ficoco.eval/1 record is written
-        return {"point": evaluate_point(config, point, eval_out).to_json()}
+        record = evaluate_point(config, point, eval_out).eval or {}
+        return {"point": point.to_json(), "environment": record.get("environment"),
+                "device": (record.get("timing") or {}).get("timed_on"), "compute_dtype": record.get("compute_dtype")}
     import torch
 
     from ficoco.profiling.environment import environment
