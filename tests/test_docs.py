@@ -15,8 +15,8 @@ from ficoco.methods import METHODS
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
-TEST_COMMAND = ('pip install torch==2.13.0 && pip install -e ".[dev]" && pip install --no-deps "lmms-eval>=0.7.3,<0.7.4" '
-                '&& python -m pytest -q -n 2 --dist loadfile')
+TEST_COMMAND = ('pip install torch==2.13.0 && pip install -e ".[dev]" && '
+                'pip install --no-deps "lmms-eval>=0.7.3,<0.7.4" && python -m pytest -q -n 2 --dist loadfile')
 MAIN_JOB = ('pip install torch==2.13.0 && pip install -e ".[dev]" && ficoco profile --model llava-1.5-7b '
             '--variant v --tflops 1.5')
 # Documents that live outside the repository: a user who clones ficoco cannot read them.

@@ -93,7 +93,8 @@ def test_a_tflops_budget_is_resolved_at_the_profiles_text_tokens_and_each_sample
 def test_a_batch_answers_as_its_requests_alone_with_left_padding(checkpoints, tmp_path, family) -> None:
     """Prompts of different lengths in one batch (left-padded) give the answers each gives alone."""
     questions = ["Colour?", "What is the main colour of this picture, in one word?", "Name it."]
-    requests = [Request(q, [p], "colours", i, dict(GREEDY)) for i, (q, p) in enumerate(zip(questions, pictures()))]
+    requests = [Request(q, [p], "colours", i, dict(GREEDY))
+                for i, (q, p) in enumerate(zip(questions, pictures(), strict=True))]
     budget = {"keep": 16} if family == "llava" else {"keep": 8}
     together = session(checkpoints, family, tmp_path, method="v", batch_size=3, **budget)
     alone = session(checkpoints, family, tmp_path, method="v", batch_size=1, **budget)

@@ -4,10 +4,10 @@ checked before a model is built, a mistake one line that says what to write; no 
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from ficoco.accounting.request import ScheduleRequest
 from ficoco.errors import FicocoError
