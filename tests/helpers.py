@@ -459,3 +459,24 @@ def make_eval_task(folder: Path, name: str = "ficoco_colours", *, answers: list[
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
         "    ignore_case: true\n    ignore_punctuation: true\nmetadata:\n  version: 0.0\n")
     return folder
+
+
+def run_lmms_eval(out: Path, model_args: str, tasks: str, include: Path, *, batch_size: int = 1,
+                  timeout: float = 600) -> tuple[CliResult, dict[str, Any] | None, list[dict[str, Any]]]:
+    """The real `lmms-eval` command (the console script beside this Python) with `--model ficoco`, the hub
+    and datasets offline and their caches under `out`: (its result, its results JSON, its logged samples)."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    script = Path(sys.executable).with_name("lmms-eval")
+    command = [str(script), "--model", "ficoco", "--model_args", model_args, "--tasks", tasks, "--include_path",
+               str(include), "--batch_size", str(batch_size), "--output_path", str(out / "lmms"), "--log_samples"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(out / "hf-home"),
+           "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=out, env=env)
+    result = CliResult(done.returncode, done.stdout, done.stderr)
+    found = sorted((out / "lmms").rglob("*_results.json"))
+    results = json.loads(found[-1].read_text()) if found else None
+    samples = [json.loads(line) for path in sorted((out / "lmms").rglob("*_samples_*.jsonl"))
+               for line in path.read_text().splitlines() if line.strip()]
+    return result, results, samples

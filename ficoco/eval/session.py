@@ -227,12 +227,15 @@ class EvalSession:
         prompt = laid.prompt
         if prompt is None or laid.items != 1:
             why = "a text-only prompt" if prompt is None else f"{laid.items} images in one prompt"
-            return {"visual_tokens": None, "tflops": None, "cost_note": f"not costed: {why} (the accountant plans "
+            return {"visual_tokens": None, "tflops": None, "layer_average_visual_tokens": None,
+                    "cost_note": f"not costed: {why} (the accountant plans "
                     "one image or one video per prompt)"}
         arch = self._architecture(prompt.image_size, prompt.frames)
         opts = acc.CountOptions(convention=self.opts.convention, scope=self.opts.scope, text_tokens=prompt.text_tokens)
         row = acc.account(arch, schedule, self.quant, opts)
         return {"visual_tokens": row.plan.llm_visual_tokens, "tflops": row.tflops,
+                # What the papers quote for a method inside the decoder: visual tokens averaged over its layers.
+                "layer_average_visual_tokens": row.plan.layer_average_visual_tokens,
                 "planned_visual_tokens": prompt.visual_tokens, "text_tokens": prompt.text_tokens}
 
     # ---- laying requests out ----------------------------------------------------------------------------------
