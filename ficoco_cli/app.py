@@ -668,9 +668,10 @@ def eval_command(
     kv_bits: Annotated[int | None, typer.Option(
         "--kv-bits", callback=check.one_of_numbers((2, 4, 8)), help="A quantized KV cache of 8, 4 or 2 bits.")
     ] = None,
-    text_tokens: Annotated[int, typer.Option(
+    text_tokens: Annotated[int | None, typer.Option(
         "--text-tokens", callback=check.whole_number(1),
-        help="Text tokens the budget is planned for (each sample is then costed at its own).")] = 60,
+        help="Text tokens the budget is planned for, as ficoco flops (default: the profile's); each sample is "
+             "costed at its own.")] = None,
     frames: FramesOpt = None,
     device: Annotated[str, typer.Option(
         "--device", callback=check.choice(("auto", "cuda", "cpu")), help="auto, cuda or cpu.")] = "auto",
@@ -702,7 +703,9 @@ def eval_command(
     prefill). Each point runs in its own process, stored as it finishes in --out; a rerun resumes."""
     from pathlib import Path
 
-    from ficoco.eval.run import require_lmms_eval
+    from ficoco.accounting import architecture
+    from ficoco.eval.run import check_tasks
+    from ficoco.profiles import load_profile
     from ficoco.sweep import SweepConfig
     from ficoco.sweep.executors import ExecutorOptions
     from ficoco_cli.sweep_cmd import run_sweep
@@ -718,7 +721,11 @@ def eval_command(
                           "runs a local checkpoint (weights, config.json, processor files); nothing is downloaded")
     if out_folder is not None and not out_folder.strip():
         raise FicocoError("--out is empty; give a folder for the results store")
-    require_lmms_eval()
+    if text_tokens is None:  # the budget planned as `ficoco flops` plans it: at the profile's text tokens
+        text_tokens = architecture(load_profile(model if weights is not None else folder)).text_tokens
+    includes = tuple(str(Path(p).expanduser().resolve()) for p in include_path or ())
+    task_names = tuple(split_list(tasks, "--tasks"))
+    check_tasks(task_names, includes, "ERROR")  # lmms-eval installed, every task known: before any point starts
     options = ExecutorOptions(name=executor, workers=workers, gpus_per_point=gpus_per_point,
                               cpus_per_point=cpus_per_point, ray_address=ray_address, slurm_partition=slurm_partition,
                               timeout_min=timeout_min, device=device)
@@ -729,8 +736,7 @@ def eval_command(
         shape=shape, first_layer=first_layer, convention=convention, scope=scope,
         quants=tuple(split_list(quant, "--quant")), text_tokens=text_tokens, frames=frames, device=device,
         weights=str(Path(folder).expanduser().resolve()), dtype=dtype,
-        eval_tasks=tuple(split_list(tasks, "--tasks")),
-        eval_include=tuple(str(Path(p).expanduser().resolve()) for p in include_path or ()), eval_limit=limit,
+        eval_tasks=task_names, eval_include=includes, eval_limit=limit,
         eval_batch_size=batch_size, eval_max_new_tokens=max_new_tokens, kv_bits=kv_bits)
     report = run_sweep(config, json_path, plot, err if json_path == "-" else out, out=out_folder, executor=options)
     if report.get("failed"):

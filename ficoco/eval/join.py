@@ -26,7 +26,6 @@ from typing import Any
 
 from ficoco.report.schemas import SWEEP_SCHEMA
 
-EVAL_SCHEMA = "ficoco.eval/1"
 VANILLA = "vanilla"  # the reference point's variant (ficoco.sweep.plan.VANILLA; not imported: no cycle)
 STATUSES = ("ok", "failed", "missing")
 

@@ -66,6 +66,40 @@ def task_scores(results: Mapping[str, Any], tasks: Sequence[str]) -> dict[str, A
     return scores
 
 
+def quiet_logs(level: str = "WARNING") -> None:
+    """lmms-eval logs through loguru, whose default handler prints every debug line (its task index alone
+    prints hundreds): only `level` and above go to stderr in this process."""
+    import sys
+
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level=level)
+
+
+def task_manager(include_paths: Sequence[str] = (), log_level: str = "WARNING") -> Any:
+    """lmms-eval's task index, with the folders of task YAML outside lmms-eval (one line for a missing one)."""
+    require_lmms_eval()
+    quiet_logs(log_level)
+    for folder in include_paths:
+        if not Path(folder).expanduser().is_dir():
+            raise FicocoError(f"--include-path {folder}: no such folder (it holds the task YAML files)")
+    from lmms_eval.tasks import TaskManager
+
+    return TaskManager("WARNING", include_path=[str(Path(p).expanduser()) for p in include_paths] or None,
+                       model_name="ficoco")
+
+
+def check_tasks(tasks: Sequence[str], include_paths: Sequence[str] = (), log_level: str = "WARNING") -> Any:
+    """The task index when lmms-eval knows every task of `tasks`; otherwise one line naming the unknown ones."""
+    manager = task_manager(include_paths, log_level)
+    missing = [task for task in tasks if task not in set(manager.all_tasks)]
+    if missing:
+        raise FicocoError(f"lmms-eval knows no task {', '.join(missing)}; check the name (`lmms-eval tasks list`) or "
+                          "give --include-path with the folder of its YAML")
+    return manager
+
+
 def evaluate(model_args: Mapping[str, Any], tasks: Sequence[str], *, include_paths: Sequence[str] = (),
              limit: int | None = None) -> dict[str, Any]:
     """Run `tasks` through lmms-eval on ficoco's model built from `model_args` (the plugin's keys) and return
@@ -75,21 +109,11 @@ def evaluate(model_args: Mapping[str, Any], tasks: Sequence[str], *, include_pat
     version = require_lmms_eval()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    for folder in include_paths:
-        if not Path(folder).expanduser().is_dir():
-            raise FicocoError(f"--include-path {folder}: no such folder (it holds the task YAML files)")
+    manager = check_tasks(tasks, include_paths)
     from lmms_eval import evaluator
-    from lmms_eval.tasks import TaskManager
 
     from ficoco.eval.lmms_model import FicocoLMM
 
-    manager = TaskManager("WARNING", include_path=[str(Path(p).expanduser()) for p in include_paths] or None,
-                          model_name="ficoco")
-    known = set(manager.all_tasks)
-    missing = [task for task in tasks if task not in known]
-    if missing:
-        raise FicocoError(f"lmms-eval knows no task {', '.join(missing)}; check the name (lmms-eval tasks list) or "
-                          "give --include-path with the folder of its YAML")
     model = FicocoLMM(**model_args)
     results = evaluator.simple_evaluate(model=model, tasks=list(tasks), task_manager=manager, limit=limit,
                                         batch_size=model.batch_size, log_samples=False, verbosity="WARNING")
