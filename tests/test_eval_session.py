@@ -177,3 +177,30 @@ def test_a_video_for_a_family_that_takes_images_is_one_line(checkpoints, tmp_pat
     run = session(checkpoints, "llava", tmp_path)
     with pytest.raises(FicocoError, match="a video request, but llava models take images"):
         run.generate([Request("What happens?", ["/clips/a.mp4"], "videos", 0, dict(GREEDY))])
+
+
+def test_a_video_request_is_laid_out_from_its_frames_and_costed_at_its_frames(tmp_path) -> None:
+    """Video-LLaVA takes a video: lmms-eval hands a path (here a folder of frames), sampled to the run's frames."""
+    checkpoint = make_checkpoint("video_llava", tmp_path / "video-llava")
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    for index in range(6):
+        Image.new("RGB", (64, 64), (40 * index, 100, 200 - 30 * index)).save(clip / f"{index:02d}.png")
+    run = EvalSession(parse_model_args({"pretrained": str(checkpoint), "profile": "video-llava-tiny", "method": "v",
+                                        "keep": 24, "frames": 4, "out": str(tmp_path / "run.json")}))
+    [answer] = run.generate([Request("What happens?", [str(clip)], "clips", 0, dict(GREEDY))])
+    sample = run.samples[0]
+    assert isinstance(answer, str) and sample["media"] == "video" and sample["frames"] == 4
+    row = ficoco.flops("video-llava-tiny", "v", keep=24, frames=4, text_tokens=sample["text_tokens"])["rows"][0]
+    assert (sample["visual_tokens"], sample["tflops"]) == (row["llm_visual_tokens"], pytest.approx(row["tflops"]))
+
+
+def test_quantized_weights_and_kv_cache_run_and_are_recorded(checkpoints, tmp_path) -> None:
+    run = session(checkpoints, "llava", tmp_path, method="v", keep=16, quant="int8", kv_bits=4)
+    answers = run.generate([Request("Colour?", [p], "colours", i, dict(GREEDY)) for i, p in enumerate(pictures())])
+    assert len(answers) == 3
+    record = run.record()
+    assert (record["quant"], record["kv_bits"]) == ("int8", 4)
+    assert record["tflops_mean"] == pytest.approx(ficoco.flops("llava-tiny", "v", keep=16,
+                                                               text_tokens=run.samples[0]["text_tokens"])
+                                                  ["rows"][0]["tflops"])
