@@ -71,6 +71,12 @@ FLAGS: dict[str, str] = {
     "cross_machine": "--cross-machine",
     "absolute": "--absolute",
     "layer": "--layer",
+    # ficoco eval (SweepConfig's evaluation fields)
+    "eval_tasks": "--tasks",
+    "eval_include": "--include-path",
+    "eval_limit": "--limit",
+    "eval_batch_size": "--batch-size",
+    "eval_max_new_tokens": "--max-new-tokens",
 }
 
 # `name=` where name is a whole keyword: not the tail of a longer name (`foo_keep=`), of a dotted

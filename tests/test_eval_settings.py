@@ -63,7 +63,7 @@ def test_the_rest_are_the_methods_hyperparameters_as_lmms_eval_parsed_them() -> 
     ({"pretrained": "/c", "quant": "int3"}, "quant=int3: choose from fp16, int8, int4"),
     ({"pretrained": "/c", "kv_bits": 3}, "kv_bits=3: choose from 2, 4, 8"),
     ({"pretrained": "/c", "device": "tpu"}, "device=tpu: choose auto, cpu, cuda or cuda:N"),
-    ({"pretrained": "/c", "batch_size": "auto"}, "--batch_size auto is not supported"),
+    ({"pretrained": "/c", "batch_size": "auto"}, "batch_size auto is not supported"),
     ({"pretrained": "/c", "convention": "gflops"}, "convention=gflops: choose from"),
     ({"pretrained": "/c", "method": "fastv", "keep": 64, "lam": 0.3}, "unknown key lam=;"),
     ({"pretrained": "/c", "method": "fastv", "keep": 64, "lyaer": 3}, "fastv's hyperparameters: layer, ratio"),

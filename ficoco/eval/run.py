@@ -83,7 +83,7 @@ def task_manager(include_paths: Sequence[str] = (), log_level: str = "WARNING") 
     quiet_logs(log_level)
     for folder in include_paths:
         if not Path(folder).expanduser().is_dir():
-            raise FicocoError(f"--include-path {folder}: no such folder (it holds the task YAML files)")
+            raise FicocoError(f"eval_include={folder}: no such folder (it holds the task YAML files)")
     from lmms_eval.tasks import TaskManager
 
     return TaskManager("WARNING", include_path=[str(Path(p).expanduser()) for p in include_paths] or None,
@@ -96,7 +96,7 @@ def check_tasks(tasks: Sequence[str], include_paths: Sequence[str] = (), log_lev
     missing = [task for task in tasks if task not in set(manager.all_tasks)]
     if missing:
         raise FicocoError(f"lmms-eval knows no task {', '.join(missing)}; check the name (`lmms-eval tasks list`) or "
-                          "give --include-path with the folder of its YAML")
+                          "give eval_include= with the folder of its YAML")
     return manager
 
 

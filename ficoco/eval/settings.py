@@ -172,7 +172,7 @@ def parse_model_args(args: Mapping[str, Any]) -> EvalSettings:
         raise FicocoError(f"model_args: dtype={values['dtype']}: choose auto, bf16, fp16 or fp32")
     batch = given.pop("batch_size", 1)
     if str(batch).strip().lower().startswith("auto"):
-        raise FicocoError("--batch_size auto is not supported by ficoco (a reduced model's memory is not a vanilla "
+        raise FicocoError("batch_size auto is not supported by ficoco (a reduced model's memory is not a vanilla "
                           "one's): give a number")
     values["batch_size"] = _whole("batch_size", batch)
     given.pop("max_batch_size", None)

@@ -77,9 +77,8 @@ class SweepConfig:
             if variant not in acc.VARIANTS:
                 raise FicocoError(f"unknown variant '{variant}' in variants=: choose from {', '.join(acc.VARIANTS)}")
         if self.eval_tasks and not Path(self.weights).expanduser().is_dir():
-            raise FicocoError("an evaluation runs a local checkpoint: give --model PATH (or --weights PATH), the "
-                              "folder with its weights, config.json and processor files; accuracy on random weights "
-                              "means nothing")
+            raise FicocoError(f"weights={self.weights}: an evaluation runs a local checkpoint, the folder with its "
+                              "weights, config.json and processor files; accuracy on random weights means nothing")
 
     @property
     def evaluates(self) -> bool:
