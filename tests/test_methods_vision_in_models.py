@@ -338,3 +338,22 @@ def test_prumerge_adaptive_count_on_a_conversations_cache_is_refused_in_one_line
         # Without a cache the turn is a prompt of its own: served.
         fresh = model.generate(**inputs(model, seed=24), **options)
     assert fresh.sequences.shape[1] == TEXT + PATCHES + NEW
+
+
+def test_profile_rows_name_the_official_method_and_a_correction_apart(cli: Any, tmp_path: Any) -> None:
+    # Issue 35: `--hp` turns one of ficoco's corrections on; the row's method_label, its analytic settings and the
+    # table say so, and the official method keeps its plain name.
+    path = tmp_path / "p.json"
+    result = cli("profile", "--model", "llava-tiny", "--variant", "visionzip,tome", "--keep", str(KEEP),
+                 "--hp", "include_cls=false", "--repeat", "1", "--warmup", "0", "--device", "cpu", "--dtype", "fp32",
+                 "--json", str(path))
+    assert result.code == 0, result.err[-2000:]
+    import json
+
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert rows["visionzip"]["method_label"] == "VisionZip (ficoco: [CLS] dropped)"
+    assert rows["visionzip"]["analytic"]["settings"]["include_cls"] is False
+    assert rows["tome"]["method_label"] == "ToMe" and rows["tome"]["analytic"]["settings"]["order"] == "official"
+    assert rows["vanilla"]["method_label"] == "vanilla"
+    assert "visionzip (ficoco: [CLS] dropped)" in result.out
