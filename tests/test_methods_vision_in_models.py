@@ -357,3 +357,19 @@ def test_profile_rows_name_the_official_method_and_a_correction_apart(cli: Any, 
     assert rows["tome"]["method_label"] == "ToMe" and rows["tome"]["analytic"]["settings"]["order"] == "official"
     assert rows["vanilla"]["method_label"] == "vanilla"
     assert "visionzip (ficoco: [CLS] dropped)" in result.out
+
+
+def test_a_correction_given_beside_a_resolved_schedule_joins_it_and_a_planned_setting_is_refused(model: nn.Module
+                                                                                                ) -> None:
+    from ficoco.accounting import CountOptions, resolve_schedule
+    from ficoco.methods import method_label
+
+    arch = architecture(profile_of(model))
+    schedule = resolve_schedule(arch, "visionzip", CountOptions(), keep=KEEP)
+    with ficoco.apply(model, "visionzip", schedule=schedule, contextual_mode="mean") as handle:
+        settings = handle.schedule.settings_dict()
+    assert settings["contextual_mode"] == "mean" and handle.schedule.removals == schedule.removals
+    assert method_label("visionzip", settings) == "VisionZip (ficoco: mean contextual token)"
+    with pytest.raises(FicocoError, match="dominant set the schedule"):
+        ficoco.apply(model, "visionzip", schedule=schedule, dominant=3)
+    assert "_ficoco_handle" not in model.__dict__
