@@ -52,6 +52,24 @@ def check_cache_implementation(model: nn.Module) -> None:
                           "set model.generation_config.cache_implementation = None (the default dynamic cache)")
 
 
+def _with_corrections(spec: Any, schedule: Schedule, given: dict[str, Any]) -> Schedule:
+    """A resolved `schedule` with the method hyperparameters given beside it: ficoco's corrections of the official
+    code (`MethodSpec.corrections`, which change how it runs, not its count) join its settings, so the run and its
+    label agree; any other was planned into the schedule already and is refused rather than dropped."""
+    if not given:
+        return schedule
+    from ficoco.accounting.methods import check_corrections
+
+    planned = sorted(set(given) - set(spec.corrections))
+    if planned:
+        raise FicocoError(f"{spec.title} hyperparameter(s) {', '.join(planned)} set the schedule: give them with "
+                          "keep= or preset= instead of a resolved schedule= (or plan the schedule with them)")
+    check_corrections(spec, given)
+    settings = {**schedule.settings_dict(), **given}
+    return Schedule(schedule.variant, schedule.removals,
+                    tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in settings.items()))
+
+
 def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int, int] | None = None,
           keep: int | None = None, tflops: float | None = None, count: CountOptions | None = None,
           first_layer: int | None = None, shape: str | None = None, image_size: tuple[int, int] | None = None,
@@ -98,6 +116,7 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
         if unknown:
             raise FicocoError(f"unknown hyperparameter {', '.join(unknown)} for {spec.title}: choose from "
                               f"{', '.join(dict.fromkeys([*spec.hyperparameters, *fields]))}")
+        sched = _with_corrections(spec, sched, {k: v for k, v in hyperparameters.items() if k not in fields})
     else:
         # The entry's planner plans every method: the request's keep / preset / budget / schedule, and the
         # hyperparameters (checked against the entry's).

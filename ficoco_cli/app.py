@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import click
 import typer
@@ -172,6 +172,10 @@ FirstLayerOpt = Annotated[int | None, typer.Option(
 KvBitsOpt = Annotated[int | None, typer.Option(
     "--kv-bits", callback=check.one_of_numbers((2, 4, 8, 16)), help="Override the KV-cache bit width.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Config override KEY=VALUE (repeatable).")]
+HpOpt = Annotated[list[str] | None, typer.Option(
+    "--hp", callback=check.each(check.hyperparameter),
+    help="Method hyperparameter NAME=VALUE (repeatable), to every --variant that has it; e.g. contextual_mode=mean, "
+         "one of ficoco's corrections of the official code, which reports then name (`ficoco methods` lists them).")]
 TextTokensOpt = Annotated[int | None, typer.Option(
     "--text-tokens", callback=check.whole_number(1), help="Text tokens per prompt (default 60).")]
 BatchOpt = Annotated[int, typer.Option("--batch", callback=check.whole_number(1), help="Batch size.")]
@@ -230,6 +234,7 @@ def flops_command(
     frames: FramesOpt = None,
     per_layer: Annotated[bool, typer.Option("--per-layer", help="Add per-layer token counts and costs.")] = False,
     set_values: SetOpt = None,
+    hp: HpOpt = None,
     json_path: JsonOpt = None,
     wide: WideOpt = False,
     verify: Annotated[bool, typer.Option(
@@ -250,6 +255,7 @@ def flops_command(
     variants = split_list(variant, "--variant")
     request = schedule_request(variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
                                first_layer=first_layer)
+    hyperparameters = check.method_settings(hp, variants)
     if verify:
         check_wired(variants, "ficoco flops --verify")
     if tolerance is not None and not verify:
@@ -261,13 +267,13 @@ def flops_command(
         _verify_flops(model, variants, request, convention=convention, scope=scope, equivalent=equivalent,
                       quant=quant, kv_bits=kv_bits, gpu=gpu, text_tokens=text_tokens, batch=batch, lm_head=lm_head,
                       image_size=image_size, frames=frames, per_layer=per_layer, set_values=set_values,
-                      json_path=json_path, tolerance=tolerance, dtype=dtype)
+                      json_path=json_path, tolerance=tolerance, dtype=dtype, hyperparameters=hyperparameters)
         return
     quants = split_list(quant, "--quant")
     report = ficoco.flops(model, variants, request=request, convention=convention, scope=scope, equivalent=equivalent,
                           quants=quants, kv_bits=kv_bits, gpu=gpu, text_tokens=text_tokens, batch=batch,
                           lm_head=lm_head, image_size=parse_image_size(image_size), frames=frames,
-                          per_layer=per_layer, overrides=set_values or ())
+                          per_layer=per_layer, overrides=set_values or (), hyperparameters=hyperparameters)
     unit = UNITS[convention]
     console = err if json_path == "-" else out
     if compares_methods(report) and not wide:
@@ -289,7 +295,7 @@ def _verify_flops(model: str, variants: list[str], schedule_request: ScheduleReq
                   equivalent: bool, quant: str, kv_bits: int | None, gpu: str | None, text_tokens: int | None,
                   batch: int, lm_head: str, image_size: str | None, frames: int | None, per_layer: bool,
                   set_values: list[str] | None, json_path: str | None, tolerance: float | None,
-                  dtype: str | None) -> None:
+                  dtype: str | None, hyperparameters: dict[str, Any] | None = None) -> None:
     """`ficoco flops --verify`: the prefill under fvcore and torch's counter against the analytic count, per stage."""
     from ficoco import accounting as acc
     from ficoco.profiles import load_profile, set_layout
@@ -303,7 +309,8 @@ def _verify_flops(model: str, variants: list[str], schedule_request: ScheduleReq
     arch = acc.architecture(profile)
     opts = acc.CountOptions(convention=convention, scope=scope, equivalent=equivalent, batch=batch,
                             text_tokens=text_tokens, lm_head_tokens=lm_head)
-    schedules, _ = acc.resolve_side_by_side(arch, variants, opts, schedule_request, strict=True)
+    schedules, _ = acc.resolve_side_by_side(arch, variants, opts, schedule_request, strict=True,
+                                            hyperparameters=hyperparameters)
     folded = schedule_request.folded()
     request = {"variants": variants, "keep": folded.keep, "tflops": folded.tflops, "schedule": folded.schedule,
                "shape": folded.shape, "first_layer": folded.first_layer, "convention": convention, "scope": scope,
@@ -367,6 +374,7 @@ def profile_command(
         "--fidelity", help="Compare every reduced row with vanilla on the same inputs: KL divergence and top-1 "
                            "agreement of the next token, and with --new-tokens the greedy tokens.")] = False,
     set_values: SetOpt = None,
+    hp: HpOpt = None,
     seed: Annotated[int, typer.Option(
         "--seed", callback=check.whole_number(0, check.MAX_SEED), help="Seed of the random weights and inputs.")] = 0,
     image_size: ImageSizeOpt = None,
@@ -395,6 +403,7 @@ def profile_command(
         prompt=prompt, overrides=set_values or (), seed=seed, kv_bits=kv_bits,
         image_size=parse_image_size(image_size), frames=frames, dtype=dtype, video=video,
         fidelity=fidelity, device_map=device_map, max_memory=max_memory,
+        hyperparameters=check.method_settings(hp, variants),
     )
     console = out if json_path != "-" else err
     report = run_and_report(config, json_path, console, wide, dry_run=dry_run)

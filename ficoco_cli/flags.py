@@ -43,6 +43,7 @@ FLAGS: dict[str, str] = {
     "frames": "--frames",
     "per_layer": "--per-layer",
     "overrides": "--set",
+    "hyperparameters": "--hp",
     "reference": "--no-reference",  # a switch the CLI has only in its negative form
     "new_tokens": "--new-tokens",
     "warmup": "--warmup",

@@ -202,3 +202,49 @@ def plot_folder(option: str, value: str) -> None:
     from ficoco.sweep.figures import check_plot_folder
 
     check_plot_folder(value, option)
+
+
+def each(check: Callable[[str, str], None]) -> Callable[[typer.CallbackParam, list[str] | None], list[str] | None]:
+    """A repeatable option whose every value `check` checks."""
+
+    def callback(param: typer.CallbackParam, values: list[str] | None) -> list[str] | None:
+        for value in values or ():
+            check(option_name(param), value)
+        return values
+
+    return callback
+
+
+def hyperparameter(option: str, value: str) -> None:
+    """`NAME=VALUE` (a method hyperparameter: `contextual_mode=mean`); its value is read by `method_settings`."""
+    if not re.fullmatch(r"[A-Za-z_]\w*=.+", value.strip()):
+        raise FicocoError(f"{option} '{value}' is not NAME=VALUE (e.g. {option} contextual_mode=mean; `ficoco methods` "
+                          "lists each method's)")
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def method_settings(values: Sequence[str] | None, variants: Sequence[str], option: str = "--hp") -> dict[str, object]:
+    """`--hp NAME=VALUE ...` as the library's hyperparameters: each value read as the type of that hyperparameter's
+    default in the first of `variants` whose method has it (true/false for a switch, a number for a number); a name
+    none of them has is left for the library to refuse, by name."""
+    from ficoco.methods.registry import METHODS
+
+    out: dict[str, object] = {}
+    for text in values or ():
+        name, _, raw = text.strip().partition("=")
+        default = next((METHODS[v].hyperparameters[name] for v in variants
+                        if v in METHODS and name in METHODS[v].hyperparameters), raw)
+        if isinstance(default, bool):
+            if raw.lower() not in (*_TRUE, *_FALSE):
+                raise FicocoError(f"{option} {text}: {name} is a switch: give true or false")
+            out[name] = raw.lower() in _TRUE
+        elif isinstance(default, (int, float)):
+            try:
+                out[name] = type(default)(raw)
+            except ValueError:
+                raise FicocoError(f"{option} {text}: {name} is a {type(default).__name__}") from None
+        else:
+            out[name] = raw
+    return out

@@ -129,6 +129,16 @@ def _text(x: Any) -> str:
     return "-" if x is None or x == "" else str(x)
 
 
+def _named(row: Any) -> str:
+    """A row's method as the tables name it: its variant, with ficoco's corrections of the official code when its
+    settings turn one on ("visionzip (ficoco: mean contextual token)"; a flops row's settings, a profile row's
+    analytic settings)."""
+    from ficoco.methods.registry import variant_label
+
+    settings = _get(row, "settings") or _get(row, "analytic", "settings")
+    return variant_label(_text(_get(row, "variant")), settings if isinstance(settings, dict) else None)
+
+
 # ---- table assembly -------------------------------------------------------------------------------------------
 
 @dataclass
@@ -291,7 +301,7 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
              f"batch {report['batch']}, {report['text_tokens']} text tokens"
              + (f", {quants[0]}" if len(quants) == 1 else ""))
     tera_unit = pick_unit([r["tflops"] for r in rows], tera_units(unit))
-    columns = [_Column("variant", [r["variant"] for r in rows], left=True)]
+    columns = [_Column("variant", [_named(r) for r in rows], left=True)]
     if wide or len(quants) > 1:
         columns.append(_Column("quant", [r["quant"] for r in rows], left=True))
     columns.append(_Column("visual\ntokens", [str(r["visual_tokens"]) for r in rows]))
@@ -344,11 +354,18 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
 def methods_table(rows: list[dict[str, Any]]) -> Table:
     """The method registry: name, where it acts, its defaults, the families it runs on."""
     table = Table(title="reduction methods (ficoco flops --variant NAME; --keep/--preset N: see 'keep')",
-                  title_justify="left")
+                  title_justify="left",
+                  caption="defaults: the official code's; (ficoco: VALUE = what it does) names ficoco's corrections of "
+                          "it, set with --hp NAME=VALUE and named in every report", caption_justify="left")
     for col in ("name", "method", "acts at", "positions", "defaults", "keep N means", "families", "runs"):
         table.add_column(col, justify="left", overflow="fold")
     for r in rows:
-        defaults = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in r["hyperparameters"].items())
+        corrections = r.get("corrections") or {}
+        defaults = ", ".join(
+            f"{k}={list(v) if isinstance(v, tuple) else v}"
+            + (" (ficoco: " + "; ".join(f"{c['value']} = {c['means']}" for c in corrections[k]) + ")"
+               if corrections.get(k) else "")
+            for k, v in r["hyperparameters"].items())
         where = f"{r['acts_at'].replace('_', ' ')} ({r['placement'].replace('_', ' ')})"
         table.add_row(r["name"], r["title"], where, r["positions"], defaults, cli_message(r["keep_means"]),
                       ", ".join(r["families"]), "yes" if r["wired"] else "flops only")
@@ -488,7 +505,7 @@ def _profile_columns(rows: list[dict[str, Any]]) -> list[_Column]:
         else:  # a report made before the prediction
             speedups.append(f"{_ratio(speedup)} ({_ratio(ratio)})")
     return [
-        _Column("variant", [_text(r.get("variant")) for r in rows], left=True),
+        _Column("variant", [_named(r) for r in rows], left=True),
         _Column("visual\ntokens", [_text(_get(r, "analytic", "visual_tokens")) for r in rows]),
         _scaled("", tflops, (), tera_unit),
         _scaled("median", [_measured(r, "latency", "median_ms") for r in rows], TIME_UNITS_MS),
@@ -509,7 +526,7 @@ def _profile_wide_columns(report: dict[str, Any], rows: list[dict[str, Any]]) ->
     kv_unit = pick_unit(kv_measured + kv_analytic, BYTE_UNITS)
     per_s_unit = pick_unit([_measured(r, "achieved_tflops_per_s") for r in rows], tera_units("TFLOPs"))
     columns = [
-        _Column("variant", [_text(r.get("variant")) for r in rows], left=True),
+        _Column("variant", [_named(r) for r in rows], left=True),
         _Column("quant", [_text(r.get("quant")) for r in rows], left=True),
         _Column("dtype", [_text(_get(r, "backend", "compute_dtype")) for r in rows], left=True),
         _Column("batch", [_text(r.get("batch")) for r in rows]),
@@ -706,7 +723,7 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
     for row in rows:
         if row.get("variant") == "vanilla" and row.get("status") == "ok":
             continue
-        name = _text(row.get("variant"))
+        name = _named(row)
         if several:
             name += f" {_text(row.get('quant'))} batch {_text(row.get('batch'))}"
         lines.append(f"{name}: {_row_verdict(row, vanilla.get((row.get('quant'), row.get('batch'))), config)}")
@@ -750,7 +767,7 @@ def fidelity_table(report: dict[str, Any]) -> Table | None:
     if not rows:
         return None
     several = len(_groups(report.get("rows") or [])) > 1
-    names = [_text(r.get("variant")) + (f" {_text(r.get('quant'))} b{_text(r.get('batch'))}" if several else "")
+    names = [_named(r) + (f" {_text(r.get('quant'))} b{_text(r.get('batch'))}" if several else "")
              for r in rows]
     greedy = []
     for r in rows:
@@ -849,7 +866,8 @@ def comparison_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
         source = (r.get("analytic") or {}) if measured else r
         ok = r.get("status") == "ok"
         rows.append({
-            "variant": _text(r.get("variant")), "quant": r.get("quant"), "batch": r.get("batch", report.get("batch")),
+            "variant": _text(r.get("variant")), "label": _named(r), "quant": r.get("quant"),
+            "batch": r.get("batch", report.get("batch")),
             "visual_tokens": source.get("visual_tokens"),
             "layer_average": source.get("layer_average_visual_tokens"),
             "by_stage": source.get("tflops_by_stage") or {}, "tflops": source.get("tflops"),
@@ -886,7 +904,7 @@ def comparison_cells(report: dict[str, Any], unit: str = "TFLOPs") -> tuple[list
     order = _comparison_order(rows)
     vanilla = {(r["quant"], r["batch"]): r["tflops"] for r in rows if r["variant"] == "vanilla"}
     tera = pick_unit([r["tflops"] for r in rows] + [v for r in rows for v in r["by_stage"].values()], tera_units(unit))
-    columns = [_Column("method", [r["variant"] for r in rows], left=True)]
+    columns = [_Column("method", [r["label"] for r in rows], left=True)]
     if len({r["quant"] for r in rows}) > 1:
         columns.append(_Column("quant", [_text(r["quant"]) for r in rows], left=True))
     if len({r["batch"] for r in rows}) > 1:

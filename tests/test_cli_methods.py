@@ -263,3 +263,58 @@ def test_readme_matrix_is_the_registrys(page: str) -> None:
     table = readme[readme.index(start) + len(start):readme.index(end)]
     assert table.strip() == matrix_markdown(method_matrix(FAMILY_DEFAULTS)).strip()
     assert table.count("\n| ") == len(METHODS) + 1  # a row per method below the header and its rule
+
+
+# ---- issue 35: the official code by default, ficoco's corrections by name --------------------------------------
+
+def test_methods_lists_the_official_defaults_beside_the_named_corrections(tmp_path: Path, cli):
+    result = cli("methods", "--json", str(tmp_path / "m.json"))
+    assert result.code == 0, result.err
+    by_name = {m["name"]: m for m in json.loads((tmp_path / "m.json").read_text())["methods"]}
+    assert by_name["visionzip"]["hyperparameters"]["contextual_mode"] == "official"
+    assert by_name["visionzip"]["corrections"] == {
+        "contextual_mode": [{"value": "mean", "means": "mean contextual token"}],
+        "include_cls": [{"value": False, "means": "[CLS] dropped"}]}
+    assert by_name["tome"]["corrections"] == {"order": [{"value": "spatial", "means": "spatial order"}]}
+    assert by_name["fastv"]["corrections"] == {}
+    text = " ".join(result.out.split())
+    assert "spatial = spatial order" in text and "--hp NAME=VALUE" in text
+
+
+def test_flops_hp_turns_a_correction_on_and_every_table_and_row_names_it(tmp_path: Path, cli):
+    out = tmp_path / "r.json"
+    result = cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,visionzip,tome,prumerge", "--preset", "64",
+                 "--hp", "contextual_mode=mean", "--hp", "order=spatial", "--json", str(out))
+    assert result.code == 0, result.err
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["visionzip"]["method_label"] == "VisionZip (ficoco: mean contextual token)"
+    assert rows["tome"]["method_label"] == "ToMe (ficoco: spatial order)"
+    assert rows["prumerge"]["method_label"] == "PruMerge+ (ficoco: spatial order)"
+    assert rows["vanilla"]["method_label"] == "vanilla"
+    assert rows["visionzip"]["settings"]["contextual_mode"] == "mean"
+    assert "visionzip (ficoco: mean contextual token)" in result.out and "tome (ficoco: spatial order)" in result.out
+    # Without --hp: the official methods, named plainly, at the same cost (a correction moves no figure here).
+    plain = cli("flops", "--model", "llava-1.5-7b", "--variant", "vanilla,visionzip,tome", "--preset", "64",
+                "--json", str(tmp_path / "plain.json"))
+    assert plain.code == 0 and "ficoco:" not in plain.out
+    official = {r["variant"]: r for r in json.loads((tmp_path / "plain.json").read_text())["rows"]}
+    assert official["visionzip"]["method_label"] == "VisionZip" and official["tome"]["method_label"] == "ToMe"
+    for name in ("visionzip", "tome"):
+        assert official[name]["tflops"] == rows[name]["tflops"]
+        assert official[name]["tflops_by_stage"] == rows[name]["tflops_by_stage"]
+
+
+def test_a_correction_goes_with_a_budget_and_a_schedule_and_a_wrong_value_is_refused(cli):
+    budget = cli("flops", "--model", "llava-1.5-7b", "--variant", "tome", "--tflops", "3", "--hp", "order=spatial")
+    assert budget.code == 0 and "tome (ficoco: spatial order)" in budget.out, budget.err
+    schedule = cli("flops", "--model", "llava-1.5-7b", "--variant", "tome", "--schedule", "1:100",
+                   "--hp", "order=spatial")
+    assert schedule.code == 0 and "tome (ficoco: spatial order)" in schedule.out, schedule.err
+    line = assert_one_error_line(cli("flops", "--model", "llava-1.5-7b", "--variant", "visionzip",
+                                     "--hp", "contextual_mode=median"))
+    assert "contextual_mode='median'" in line and "'mean' (ficoco: mean contextual token)" in line
+    line = assert_one_error_line(cli("flops", "--model", "llava-1.5-7b", "--variant", "fastv", "--hp", "order=spatial"))
+    assert "order" in line and "none of fastv's" in line
+    line = assert_one_error_line(cli("flops", "--model", "llava-1.5-7b", "--variant", "visionzip",
+                                     "--hp", "include_cls=maybe"))
+    assert "include_cls is a switch" in line

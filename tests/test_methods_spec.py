@@ -12,7 +12,19 @@ from pathlib import Path
 import pytest
 
 from ficoco.accounting.planners import PLANNERS
-from ficoco.methods import METHODS, MethodSpec, Need, ProbePlan, TowerProbe, fastv, ficoco_l, ficoco_v, holitom
+from ficoco.methods import (
+    METHODS,
+    MethodSpec,
+    Need,
+    ProbePlan,
+    TowerProbe,
+    fastv,
+    ficoco_l,
+    ficoco_v,
+    holitom,
+    method_label,
+    variant_label,
+)
 from ficoco.methods.base import ACTS_AT, PLACEMENTS, PLANNER_NAMES
 from ficoco.methods.needs import NEED_KINDS, NEED_LAYERS, NEED_ROWS, probe_plan
 
@@ -107,3 +119,71 @@ def test_defaults_are_the_method_folders_constants() -> None:
                                                   "eps": ficoco_l.EPS, "first_layer": ficoco_l.FIRST_LAYER}
     assert dict(FASTV.hyperparameters) == {"layer": fastv.LAYER, "ratio": fastv.RATIO}
     assert METHODS["holitom"].hyperparameters["merge_layer"] == holitom.MERGE_LAYER
+
+
+# ---- the official code's behaviour is the default; ficoco's corrections are named settings (issue 35) ------------
+
+OFFICIAL = {"visionzip": {"contextual_mode": "official", "include_cls": True}, "tome": {"order": "official"},
+            "prumerge": {"attention": "official", "order": "official"}}
+CORRECTED = {"visionzip": {"contextual_mode": "mean", "include_cls": False}, "tome": {"order": "spatial"},
+             "prumerge": {"attention": "heads", "order": "spatial"}}
+
+
+@pytest.mark.parametrize("name", sorted(OFFICIAL))
+def test_a_methods_defaults_are_the_official_code_and_its_corrections_named_values(name: str) -> None:
+    spec = METHODS[name]
+    assert {k: spec.hyperparameters[k] for k in OFFICIAL[name]} == OFFICIAL[name]
+    assert {k: next(iter(v)) for k, v in spec.corrections.items()} == CORRECTED[name]
+    # The planned settings (what a report's row holds and the models read) carry them, official by default.
+    from ficoco import accounting as acc
+    from ficoco.profiles import load_profile
+
+    arch = acc.architecture(load_profile("llava-1.5-7b"))
+    assert {k: v for k, v in acc.method_schedule(arch, name).settings_dict().items() if k in OFFICIAL[name]} == \
+        OFFICIAL[name]
+    corrected = acc.method_schedule(arch, name, 64, **CORRECTED[name]).settings_dict()
+    assert {k: corrected[k] for k in CORRECTED[name]} == CORRECTED[name]
+
+
+def test_a_correction_is_never_a_default_and_names_a_hyperparameter() -> None:
+    spec = METHODS["tome"]
+    with pytest.raises(ValueError, match="must be the official behaviour"):
+        dataclasses.replace(spec, hyperparameters={**spec.hyperparameters, "order": "spatial"})
+    with pytest.raises(ValueError, match="is not one of its hyperparameters"):
+        dataclasses.replace(spec, corrections={"sorting": {"spatial": "spatial order"}})
+
+
+def test_method_label_names_the_official_method_and_every_correction_apart() -> None:
+    assert method_label("visionzip", {"dominant": 54, "contextual": 10, "contextual_mode": "official",
+                                      "include_cls": True}) == "VisionZip"
+    assert method_label("visionzip", {"contextual_mode": "mean"}) == "VisionZip (ficoco: mean contextual token)"
+    assert method_label("visionzip", {"include_cls": False}) == "VisionZip (ficoco: [CLS] dropped)"
+    assert method_label("visionzip", CORRECTED["visionzip"]) == \
+        "VisionZip (ficoco: mean contextual token, [CLS] dropped)"
+    assert method_label("tome", {"rates": [16] * 23, "order": "official"}) == "ToMe"
+    assert method_label("tome", {"order": "spatial"}) == "ToMe (ficoco: spatial order)"
+    assert method_label("prumerge", {"attention": "heads"}) == "PruMerge+ (ficoco: attention over heads)"
+    assert method_label("prumerge", CORRECTED["prumerge"]) == "PruMerge+ (ficoco: attention over heads, spatial order)"
+    # Settings unknown or not naming a correction: the official default; vanilla and unknown names as they are.
+    assert method_label("tome", None) == method_label("tome", {}) == method_label("tome", {"schedule": "1:6"}) == "ToMe"
+    assert method_label("vanilla", None) == "vanilla" and method_label("fastv", {"layer": 2}) == "FastV"
+    assert method_label("not-a-method", {"order": "spatial"}) == "not-a-method"
+    # A JSON report's 0/1 is not a bool: only the declared value names a correction.
+    assert method_label("visionzip", {"include_cls": 0}) == "VisionZip"
+    assert variant_label("tome", {"order": "spatial"}) == "tome (ficoco: spatial order)"
+    assert variant_label("tome", {"order": "official"}) == "tome"
+    labels = {method_label(name, settings) for name in OFFICIAL for settings in (OFFICIAL[name], CORRECTED[name])}
+    assert len(labels) == 6
+
+
+def test_a_plugin_declares_its_corrections_and_is_labelled_by_them() -> None:
+    from ficoco.methods import registered
+
+    toy = dataclasses.replace(METHODS["fastervlm"], name="toy", title="Toy",
+                              hyperparameters={"ratio": 0.25, "norm": "official"},
+                              corrections={"norm": {"l2": "L2 norm", "none": "no norm"}})
+    with registered(toy):
+        assert method_label("toy", {"norm": "official"}) == "Toy"
+        assert method_label("toy", {"norm": "none"}) == "Toy (ficoco: no norm)"
+        assert toy.to_json()["corrections"] == {"norm": [{"value": "l2", "means": "L2 norm"},
+                                                         {"value": "none", "means": "no norm"}]}

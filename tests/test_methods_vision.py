@@ -10,6 +10,7 @@ and the token counts must equal the accountant's plan for the literature's rows.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,11 +19,15 @@ import torch
 from ficoco import accounting as acc
 from ficoco.errors import FicocoError
 from ficoco.methods.fastervlm.ops import fastervlm_reduce, fastervlm_scores
+from ficoco.methods.inputs import TowerInput
 from ficoco.methods.ops import cls_attention, equivalent_token_scores, merge_group_scores
 from ficoco.methods.prumerge.ops import prumerge_cls_attention, prumerge_reduce
+from ficoco.methods.prumerge.ops import tower_step as prumerge_tower_step
 from ficoco.methods.tome import tome_rates
 from ficoco.methods.tome.ops import proportional_attention_bias, tome_merge
+from ficoco.methods.tome.ops import tower_step as tome_tower_step
 from ficoco.methods.visionzip import VISIONZIP_SPLITS
+from ficoco.methods.visionzip.ops import tower_step as visionzip_tower_step
 from ficoco.methods.visionzip.ops import visionzip_reduce, visionzip_scores
 from ficoco.profiles import load_profile
 
@@ -92,6 +97,51 @@ def test_tome_matches_the_reference_over_three_layers(order):
     assert positions[:, 0].tolist() == [0, 0, 0]  # [CLS] stays first, never merged
     if order == "spatial":
         assert torch.equal(positions, torch.sort(positions, dim=1).values)
+
+
+def test_tome_by_default_merges_in_the_official_order():
+    hidden, _, _ = _items(seed=14)
+    metric = torch.randn(*hidden.shape[:2], HEAD_DIM, dtype=torch.float64)
+    default, named = tome_merge(hidden, metric, 6), tome_merge(hidden, metric, 6, order="official")
+    assert torch.equal(default.positions, named.positions)
+    settings = acc.method_schedule(_arch(), "tome").settings_dict()
+    assert settings["order"] == "official"
+    out = tome_tower_step(TowerInput(hidden=hidden, has_cls=True, remove=6, keys=metric.unsqueeze(1)), settings)
+    for b in range(hidden.shape[0]):
+        rows, sizes, origin = _reference_tome(hidden[b], metric[b], [1.0] * hidden.shape[1], 6)
+        assert torch.allclose(out.hidden[b], rows, atol=1e-12) and out.positions[b].tolist() == origin
+    assert not torch.equal(out.positions, torch.sort(out.positions, dim=1).values)  # the official order shuffles
+    spatial = tome_tower_step(TowerInput(hidden=hidden, has_cls=True, remove=6, keys=metric.unsqueeze(1)),
+                              settings | {"order": "spatial"})
+    assert torch.equal(spatial.positions, torch.sort(out.positions, dim=1).values)
+
+
+@pytest.mark.parametrize("has_cls", [True, False])
+def test_tome_official_order_in_a_tower_that_keeps_image_order_makes_the_official_merges(has_cls):
+    # InternVL's and the Qwen towers' adapters keep the tokens in image order and carry ToMe's own sequence: over
+    # several layers the merges, sizes and states equal the official order's, in image order.
+    batch, tokens = 2, PATCHES + int(has_cls)
+    gen = torch.Generator().manual_seed(15)
+    hidden = torch.randn(batch, tokens, DIM, generator=gen, dtype=torch.float64)
+    official = image = (hidden, None, None, None)
+    for r in (6, 4, 3):
+        weights = torch.randn(DIM, HEADS * HEAD_DIM, generator=gen, dtype=torch.float64)
+
+        def step(state, image_order, weights=weights, r=r):
+            x, size, positions, sequence = state
+            keys = (x @ weights).view(batch, -1, HEADS, HEAD_DIM).transpose(1, 2)
+            out = tome_tower_step(TowerInput(hidden=x, has_cls=has_cls, remove=r, keys=keys, size=size,
+                                             positions=positions, image_order=image_order, sequence=sequence),
+                                  {"order": "official"})
+            return out.hidden, out.size, out.positions, out.sequence
+
+        official, image = step(official, False), step(image, True)
+        to_image = torch.sort(official[2], dim=1).indices
+        assert torch.equal(torch.gather(official[2], 1, to_image), image[2])  # image order, the same tokens
+        assert torch.allclose(torch.gather(official[0], 1, to_image.unsqueeze(-1).expand(-1, -1, DIM)), image[0],
+                              atol=1e-12)
+        assert torch.equal(torch.gather(official[1], 1, to_image), image[1])
+        assert torch.equal(torch.gather(image[2], 1, image[3]), official[2])  # the carried sequence is the official
 
 
 def test_tome_conserves_the_size_weighted_sum_and_r0_is_the_identity():
@@ -185,35 +235,68 @@ def _reference_visionzip(x, cls_row, metric, dominant, contextual):
     return torch.stack([x[i] for i in keep] + contextual_rows)
 
 
-def test_visionzip_matches_the_official_forward():
+def test_visionzip_by_default_is_the_official_forward():
     hidden, keys, query = _items(seed=6)
     cls_row = cls_attention(query, keys)
     metric = keys.mean(1)
-    out = visionzip_reduce(hidden, visionzip_scores(cls_row), metric, 7, 4, include_cls=True,
-                           contextual_mode="official")
+    out = visionzip_reduce(hidden, visionzip_scores(cls_row), metric, 7, 4)  # the defaults: the official code
+    named = visionzip_reduce(hidden, visionzip_scores(cls_row), metric, 7, 4, include_cls=True,
+                             contextual_mode="official")
+    assert torch.equal(out.hidden, named.hidden)
     for b in range(hidden.shape[0]):
         full_row = torch.softmax(torch.einsum("hd,htd->ht", query[b], keys[b]) / math.sqrt(HEAD_DIM), -1)
         ref = _reference_visionzip(hidden[b], full_row.unsqueeze(1), metric[b], 7, 4)
         assert torch.allclose(out.hidden[b], ref, atol=1e-12)
+        assert torch.equal(out.hidden[b, 0], hidden[b, 0])  # [CLS] first among the dominant tokens
 
 
-def test_visionzip_fixes_average_the_contextual_token_and_keep_patches_only():
+def test_visionzip_tower_step_by_default_is_the_official_forward_where_the_projector_takes_cls():
+    # What a LLaVA adapter hands the cut: the patches ([CLS] dropped by the feature selection), the layer's keys
+    # and [CLS] query, and [CLS]'s state at that layer. Official: [CLS] + 6 patches, contextual = target + mean.
+    hidden, keys, query = _items(seed=16)
+    metric = keys.mean(1)
+    settings = acc.method_schedule(_arch(), "visionzip", 11).settings_dict() | {"dominant": 7, "contextual": 4}
+    assert settings["include_cls"] is True and settings["contextual_mode"] == "official"
+    inputs = TowerInput(hidden=hidden[:, 1:], has_cls=True, remove=PATCHES - 7, added=4, keys=keys, cls_query=query,
+                        cls_hidden=hidden[:, :1])
+    out = visionzip_tower_step(inputs, settings)
+    for b in range(hidden.shape[0]):
+        full_row = torch.softmax(torch.einsum("hd,htd->ht", query[b], keys[b]) / math.sqrt(HEAD_DIM), -1)
+        assert torch.allclose(out.hidden[b], _reference_visionzip(hidden[b], full_row.unsqueeze(1), metric[b], 7, 4),
+                              atol=1e-12)
+    assert (out.kept[:, 0] == -1).all() and (out.kept[:, 1:7] >= 0).all() and (out.kept[:, 7:] == -1).all()
+    # ficoco's corrections, named: dominant patches only, and the mean of a target and its members.
+    fixed = visionzip_tower_step(inputs, settings | {"include_cls": False, "contextual_mode": "mean"})
+    scores = visionzip_scores(cls_attention(query, keys))
+    assert torch.equal(fixed.hidden, visionzip_reduce(hidden, scores, metric, 7, 4, include_cls=False,
+                                                      contextual_mode="mean").hidden)
+    # Where the projector cannot take [CLS] (no cls_hidden: InternVL's groups, Video-LLaVA, towers without one) the
+    # dominant tokens are patches, whatever include_cls says.
+    without = visionzip_tower_step(replace(inputs, cls_hidden=None), settings)
+    assert torch.equal(without.hidden, visionzip_reduce(hidden, scores, metric, 7, 4, include_cls=False).hidden)
+
+
+def test_visionzip_corrections_average_the_contextual_token_and_keep_patches_only():
     hidden, keys, query = _items(seed=7)
     scores = visionzip_scores(cls_attention(query, keys))
     metric = keys.mean(1)
-    fixed = visionzip_reduce(hidden, scores, metric, 7, 4)
-    official = visionzip_reduce(hidden, scores, metric, 7, 4, contextual_mode="official")
+    fixed = visionzip_reduce(hidden, scores, metric, 7, 4, include_cls=False, contextual_mode="mean")
+    official = visionzip_reduce(hidden, scores, metric, 7, 4)
     assert fixed.hidden.shape[1] == official.hidden.shape[1] == 11  # the same count reaches the LLM
     assert torch.equal(fixed.hidden[:, :7], hidden[:, 1:][torch.arange(3).unsqueeze(1), fixed.dominant_index])
+    assert torch.equal(official.hidden[:, 0], hidden[:, 0]) and official.dominant_index.shape[1] == 6
     # The fixed contextual token is a convex mix of the target and its members: its norm stays a token's.
     assert fixed.hidden[:, 7:].norm(dim=-1).max() < official.hidden[:, 7:].norm(dim=-1).max()
+    mean_only = visionzip_reduce(hidden, scores, metric, 7, 4, contextual_mode="mean")
+    assert torch.equal(mean_only.hidden[:, :7], official.hidden[:, :7])  # [CLS] and the same dominant patches
+    assert not torch.allclose(mean_only.hidden[:, 7:], official.hidden[:, 7:])
 
 
 def test_visionzip_full_keep_is_the_identity_and_batch_equals_items_alone():
     hidden, keys, query = _items(seed=8)
     scores = visionzip_scores(cls_attention(query, keys))
     metric = keys.mean(1)
-    assert torch.equal(visionzip_reduce(hidden, scores, metric, PATCHES, 0).hidden, hidden[:, 1:])
+    assert torch.equal(visionzip_reduce(hidden, scores, metric, PATCHES, 0, include_cls=False).hidden, hidden[:, 1:])
     out = visionzip_reduce(hidden, scores, metric, 9, 5)
     for b in range(3):
         alone = visionzip_reduce(hidden[b:b + 1], scores[b:b + 1], metric[b:b + 1], 9, 5)
@@ -299,10 +382,11 @@ def _peaked_items(batch: int = 3, patches: int = 40, seed: int = 10):
     return hidden, query, keys
 
 
-def test_prumerge_matches_the_official_forward_per_item():
+def test_prumerge_by_default_is_the_official_forward_per_item():
     hidden, query, keys = _peaked_items()
-    cls_attn = prumerge_cls_attention(query, keys, 2, attention="official")
-    out = prumerge_reduce(hidden, cls_attn, keys[:, 1:], neighbours=5, order="official")
+    cls_attn = prumerge_cls_attention(query, keys, 2)  # the defaults: the official single head, score order
+    assert torch.equal(cls_attn, prumerge_cls_attention(query, keys, 2, attention="official"))
+    out = prumerge_reduce(hidden, cls_attn, keys[:, 1:], neighbours=5)
     for b in range(3):
         ref, idx = _reference_prumerge(hidden[b], query[b], keys[b], keys[b], 5)
         count = int(out.counts[b])
@@ -312,23 +396,50 @@ def test_prumerge_matches_the_official_forward_per_item():
         assert not out.hidden[b, count:].any()  # padding after an item with fewer tokens
 
 
+def test_prumerge_tower_step_by_default_reads_the_official_single_head_attention():
+    # What the adapters hand the cut: the last layer's keys and [CLS] query, heads split (q . k of the raw
+    # projections). Official: one head as wide as the layer, scaled by 1 / sqrt(width), kept patches by score.
+    hidden, query, keys = _peaked_items(seed=13)
+    heads = 2
+    items, tokens, width = keys.shape
+    split_keys = keys.reshape(items, tokens, heads, width // heads).transpose(1, 2)
+    inputs = TowerInput(hidden=hidden, has_cls=True, remove=0, keys=split_keys,
+                        cls_query=query.reshape(items, heads, width // heads))
+    settings = acc.method_schedule(_arch(), "prumerge").settings_dict() | {"neighbours": 5}
+    assert settings["attention"] == "official" and settings["order"] == "official"
+    out = prumerge_tower_step(inputs, settings)
+    for b in range(items):
+        ref, idx = _reference_prumerge(hidden[b], query[b], keys[b], keys[b], 5)
+        count = int(out.counts[b])
+        assert out.kept[b, :count - 1].tolist() == idx
+        assert torch.allclose(out.hidden[b, :count], ref, atol=1e-12)
+    # ficoco's corrections, named: the layer's own heads (their mean), image order.
+    fixed = prumerge_tower_step(inputs, settings | {"attention": "heads", "order": "spatial"})
+    heads_attn = prumerge_cls_attention(query, keys, heads, attention="heads")
+    assert not torch.allclose(heads_attn, prumerge_cls_attention(query, keys, heads))
+    expected = prumerge_reduce(hidden, heads_attn, keys[:, 1:], neighbours=5, order="spatial")
+    assert torch.equal(fixed.hidden, expected.hidden) and torch.equal(fixed.counts, expected.counts)
+
+
 def test_prumerge_batch_equals_items_alone_with_their_own_counts():
     hidden, query, keys = _peaked_items(seed=11)
-    cls_attn = prumerge_cls_attention(query, keys, 2, attention="official")
-    out = prumerge_reduce(hidden, cls_attn, keys[:, 1:], neighbours=4)
-    assert len(set(out.counts.tolist())) > 1, "the items should keep different adaptive counts"
-    for b in range(3):
-        alone = prumerge_reduce(hidden[b:b + 1], cls_attn[b:b + 1], keys[b:b + 1, 1:], neighbours=4)
-        count = int(alone.counts[0])
-        assert int(out.counts[b]) == count
-        assert torch.equal(out.hidden[b, :count], alone.hidden[0])
-        assert torch.equal(out.kept[b, :count - 1], torch.sort(out.kept[b, :count - 1]).values)  # image order
+    cls_attn = prumerge_cls_attention(query, keys, 2)
+    for order in ("official", "spatial"):
+        out = prumerge_reduce(hidden, cls_attn, keys[:, 1:], neighbours=4, order=order)
+        assert len(set(out.counts.tolist())) > 1, "the items should keep different adaptive counts"
+        for b in range(3):
+            alone = prumerge_reduce(hidden[b:b + 1], cls_attn[b:b + 1], keys[b:b + 1, 1:], neighbours=4, order=order)
+            count = int(alone.counts[0])
+            assert int(out.counts[b]) == count
+            assert torch.equal(out.hidden[b, :count], alone.hidden[0])
+            if order == "spatial":  # ficoco's image order
+                assert torch.equal(out.kept[b, :count - 1], torch.sort(out.kept[b, :count - 1]).values)
 
 
 def test_prumerge_full_keep_without_neighbours_is_the_identity_plus_a_zero_token():
     hidden, query, keys = _peaked_items(seed=12)
     cls_attn = prumerge_cls_attention(query, keys, 2)
-    out = prumerge_reduce(hidden, cls_attn, keys[:, 1:], tokens=hidden.shape[1] + 1, neighbours=0)
+    out = prumerge_reduce(hidden, cls_attn, keys[:, 1:], tokens=hidden.shape[1] + 1, neighbours=0, order="spatial")
     assert torch.equal(out.hidden[:, :-1], hidden)
     assert not out.hidden[:, -1].any()
 

@@ -179,19 +179,45 @@ def _cls_rows(model: nn.Module, inp: dict[str, Tensor], layer: int) -> Tensor:
     return rows
 
 
-@pytest.mark.parametrize("method,reduce_heads,kept_patches", [("fastervlm", "mean", KEEP),
-                                                             ("visionzip", "sum", 14)])  # 14 dominant + 2 contextual
+@pytest.mark.parametrize("method,reduce_heads,kept_patches,settings", [
+    ("fastervlm", "mean", KEEP, {}),
+    ("visionzip", "sum", 13, {}),  # the official 14 dominant ([CLS] and 13 patches) + 2 contextual
+    ("visionzip", "sum", 14, {"include_cls": False}),  # ficoco's correction: 14 dominant patches + 2 contextual
+])
 def test_an_independent_cls_row_picks_the_same_patches_as_the_model(model: nn.Module, method: str, reduce_heads: str,
-                                                                   kept_patches: int) -> None:
+                                                                   kept_patches: int, settings: dict) -> None:
     inp = inputs(model, batch=2, seed=5)
     rows = _cls_rows(model, inp, FEATURE_LAYER)[:, :, 1:]
     scores = rows.sum(1) if reduce_heads == "sum" else rows.mean(1)
-    with torch.no_grad(), ficoco.apply(model, method, keep=KEEP) as handle:
+    with torch.no_grad(), ficoco.apply(model, method, keep=KEEP, **settings) as handle:
         model(**inp)
         (record,) = handle.records
     for b in range(2):
         ranked = sorted(range(PATCHES), key=lambda i: (-float(scores[b, i]), i))
         assert record.kept[b][record.kept[b] >= 0].tolist() == sorted(ranked[:kept_patches])
+
+
+@pytest.mark.parametrize("settings", [{}, {"include_cls": False}])
+def test_visionzip_hands_the_llm_the_feature_layers_cls_first_as_the_official_code(model: nn.Module,
+                                                                                   settings: dict) -> None:
+    # Official VisionZip keeps [CLS] of the layer the projector reads among its dominant tokens (LLaVA's feature
+    # selection drops it); ficoco's correction (include_cls=False) hands on patches only.
+    inp = inputs(model, batch=2, seed=6)
+    layer = model.model.vision_tower.encoder.layers[FEATURE_LAYER]
+    seen: dict[str, Tensor] = {}
+    with torch.no_grad():
+        forward_with_hooks(model, inp, [layer.register_forward_hook(lambda m, a, o: seen.__setitem__("cls", o[:, 0]))])
+        projector = model.model.multi_modal_projector
+        with ficoco.apply(model, "visionzip", keep=KEEP, **settings) as handle:
+            hook = projector.linear_1.register_forward_pre_hook(lambda m, args: seen.__setitem__("features", args[0]))
+            try:
+                model(**inp)
+            finally:
+                hook.remove()
+    features = seen["features"]
+    assert features.shape[:2] == (2, KEEP) and handle.measured_tokens_per_item == KEEP
+    assert torch.equal(features[:, 0], seen["cls"]) == (settings == {})
+    assert ((handle.records[0].kept[:, 0] == -1).all()) == (settings == {})
 
 
 def _adaptive_counts(model: nn.Module, seed: int) -> int:
@@ -312,3 +338,38 @@ def test_prumerge_adaptive_count_on_a_conversations_cache_is_refused_in_one_line
         # Without a cache the turn is a prompt of its own: served.
         fresh = model.generate(**inputs(model, seed=24), **options)
     assert fresh.sequences.shape[1] == TEXT + PATCHES + NEW
+
+
+def test_profile_rows_name_the_official_method_and_a_correction_apart(cli: Any, tmp_path: Any) -> None:
+    # Issue 35: `--hp` turns one of ficoco's corrections on; the row's method_label, its analytic settings and the
+    # table say so, and the official method keeps its plain name.
+    path = tmp_path / "p.json"
+    result = cli("profile", "--model", "llava-tiny", "--variant", "visionzip,tome", "--keep", str(KEEP),
+                 "--hp", "include_cls=false", "--repeat", "1", "--warmup", "0", "--device", "cpu", "--dtype", "fp32",
+                 "--json", str(path))
+    assert result.code == 0, result.err[-2000:]
+    import json
+
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    assert rows["visionzip"]["method_label"] == "VisionZip (ficoco: [CLS] dropped)"
+    assert rows["visionzip"]["analytic"]["settings"]["include_cls"] is False
+    assert rows["tome"]["method_label"] == "ToMe" and rows["tome"]["analytic"]["settings"]["order"] == "official"
+    assert rows["vanilla"]["method_label"] == "vanilla"
+    assert "visionzip (ficoco: [CLS] dropped)" in result.out
+
+
+def test_a_correction_given_beside_a_resolved_schedule_joins_it_and_a_planned_setting_is_refused(model: nn.Module
+                                                                                                ) -> None:
+    from ficoco.accounting import CountOptions, resolve_schedule
+    from ficoco.methods import method_label
+
+    arch = architecture(profile_of(model))
+    schedule = resolve_schedule(arch, "visionzip", CountOptions(), keep=KEEP)
+    with ficoco.apply(model, "visionzip", schedule=schedule, contextual_mode="mean") as handle:
+        settings = handle.schedule.settings_dict()
+    assert settings["contextual_mode"] == "mean" and handle.schedule.removals == schedule.removals
+    assert method_label("visionzip", settings) == "VisionZip (ficoco: mean contextual token)"
+    with pytest.raises(FicocoError, match="dominant set the schedule"):
+        ficoco.apply(model, "visionzip", schedule=schedule, dominant=3)
+    assert "_ficoco_handle" not in model.__dict__

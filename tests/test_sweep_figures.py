@@ -255,3 +255,17 @@ def test_accuracy_figure_refuses_a_report_without_scores_in_one_line() -> None:
         point["eval"] = None
     with pytest.raises(FicocoError, match="no evaluated point"):
         accuracy_figure(report)
+
+
+def test_a_method_run_with_a_correction_of_its_official_code_is_named_so_in_the_figures() -> None:
+    # Issue 35: a sweep's points carry their settings (the accountant's row); a panel whose method ran with one of
+    # ficoco's corrections names it, the official method keeps its plain name.
+    config = SweepConfig(model="llava-1.5-7b", variants=("vanilla", "tome", "visionzip"), keep=(192, 64),
+                         scope="all")
+    report = new_report(config, sweep_profile(config), plan_points(config, sweep_profile(config)))
+    report = copy.deepcopy(report)
+    for point in report["points"]:
+        if point["variant"] == "tome":
+            point["analytic"]["settings"]["order"] = "spatial"
+    titles = [ax.get_title() for ax in cost_figure(report).axes if ax.get_title() and ax.get_visible()]
+    assert titles == ["tome (ficoco: spatial order)", "visionzip"]

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ __all__ = [
     "CONVENTIONS", "KV_FIGURES", "SCOPES", "VARIANTS", "Architecture", "BudgetError", "CostRow", "CountOptions",
     "Quant", "Schedule", "TokenPlan", "account", "architecture", "make_quant", "parameter_counts", "per_layer",
     "PlanRequest", "ScheduleRequest", "preset_message", "resolve_schedule", "resolve_side_by_side", "method_schedule",
+    "method_hyperparameters",
 ]
 
 # The unit each convention's totals are in, for labels ("TFLOPs", "TMACs", ...).
@@ -197,15 +198,32 @@ class CostRow:
         return row
 
 
+def method_hyperparameters(variants: Sequence[str], hyperparameters: Mapping[str, Any] | None
+                           ) -> dict[str, dict[str, Any]]:
+    """`hyperparameters` given once for several `variants` (`ficoco flops --hp contextual_mode=mean`), split per
+    variant: each gets those its registry entry has. One that none of the variants has is refused in one line."""
+    given = dict(hyperparameters or {})
+    specs = {v: METHODS[v] for v in variants if v in METHODS}
+    known = dict.fromkeys(name for spec in specs.values() for name in spec.hyperparameters)
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        raise FicocoError(f"hyperparameter {', '.join(unknown)} is none of {', '.join(variants)}'s"
+                          + (f": choose from {', '.join(known)}" if known else " (vanilla has none)"))
+    return {v: {k: given[k] for k in given if k in spec.hyperparameters} for v, spec in specs.items()}
+
+
 def resolve_side_by_side(arch: Architecture, variants: list[str], opts: CountOptions,
                          request: ScheduleRequest | None = None, *, strict: bool,
+                         hyperparameters: Mapping[str, Any] | None = None,
                          **budget: Any) -> tuple[list[Schedule], list[dict[str, str]]]:
     """The schedules of `variants` at one setting (`request`, or its keywords in `budget`), and the
     methods left out. Several methods side by side
     run on any family, as a sweep does: one the family refuses (`ficoco methods --matrix`) or that
     cannot reach the setting where others can is left out with its one-line reason; one method alone,
-    --verify, or a setting no method reaches is refused with that reason."""
+    --verify, or a setting no method reaches is refused with that reason. `hyperparameters` go to each
+    variant whose entry has them (`method_hyperparameters`)."""
     request = ScheduleRequest.of(request, **budget)
+    per_variant = method_hyperparameters(variants, hyperparameters)
     reducing = [v for v in variants if v != "vanilla"]
     schedules: list[Schedule] = []
     skipped: list[dict[str, str]] = []
@@ -214,7 +232,7 @@ def resolve_side_by_side(arch: Architecture, variants: list[str], opts: CountOpt
         try:
             if v in METHODS and METHODS[v].family_status(arch.family)[0] == "refused":
                 METHODS[v].check_family(arch.family, arch.name)  # raises the refusal's line
-            schedules.append(resolve_schedule(arch, v, opts, request))
+            schedules.append(resolve_schedule(arch, v, opts, request, hyperparameters=per_variant.get(v)))
         except FicocoError as exc:
             if strict or v == "vanilla" or len(reducing) < 2:
                 raise

@@ -101,6 +101,19 @@ def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step,
     return Schedule(spec.name, tuple(removals), tuple((k, _hashable(v)) for k, v in settings.items()))
 
 
+def check_corrections(spec: MethodSpec, hyperparameters: Mapping[str, Any]) -> None:
+    """A hyperparameter that names ficoco's corrections of the official code (`MethodSpec.corrections`) takes its
+    official default or one of those values, of the same type (a label names exactly what runs): else one line."""
+    for name, value in hyperparameters.items():
+        values = spec.corrections.get(name)
+        if values is None:
+            continue
+        allowed = [spec.hyperparameters[name], *values]
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            raise FicocoError(f"{spec.title} {name}={value!r}: give {allowed[0]!r} (the official code's) or "
+                              + ", ".join(f"{a!r} (ficoco: {values[a]})" for a in values))
+
+
 def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hyperparameters: Any) -> Schedule:
     """The schedule of method `name` for the literature's `keep` row (None: its official default)."""
     spec = method(name)
@@ -112,6 +125,7 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
     if unknown:
         raise FicocoError(f"unknown {spec.title} hyperparameter(s) {', '.join(sorted(unknown))}: "
                           f"choose from {', '.join(spec.hyperparameters)}")
+    check_corrections(spec, hyperparameters)
     hp = {**spec.hyperparameters, **hyperparameters}
     visual, layers = counted_shape(arch, spec)
     settings = spec.settings_for_keep(keep, visual, layers, hp)
@@ -132,7 +146,11 @@ def plan_by_steps(arch: Architecture, spec: MethodSpec, request: PlanRequest) ->
     schedule = request.schedule
     if isinstance(schedule, Mapping):
         schedule = ",".join(f"{layer}:{removed}" for layer, removed in sorted(schedule.items()))
-    if request.hyperparameters:
+    # A correction of the official code (MethodSpec.corrections: VisionZip's contextual_mode, ToMe's order) changes
+    # how the method runs, not its count: it goes with any request. Other hyperparameters set a setting of their own.
+    corrections = {k: v for k, v in request.hyperparameters.items() if k in spec.corrections}
+    check_corrections(spec, corrections)
+    if request.hyperparameters.keys() - corrections.keys():
         if schedule is not None or request.tflops is not None:
             raise FicocoError(f"{spec.title} hyperparameters set a setting of their own; give them with keep= "
                               "or preset=, not with a schedule or a budget")
@@ -143,12 +161,13 @@ def plan_by_steps(arch: Architecture, spec: MethodSpec, request: PlanRequest) ->
               else "tflops=" if request.tflops is not None else f"variant={spec.name}")
     try:
         if schedule is not None:
-            return parse_method_schedule(arch, spec.name, schedule)
+            return parse_method_schedule(arch, spec.name, schedule, corrections)
         if request.tflops is not None:
             if request.cost is None:
                 raise FicocoError(f"tflops= for {spec.title} needs a cost to plan against")
-            return schedule_for_method_budget(arch, spec.name, request.tflops, request.cost, label=request.label)
-        return method_schedule(arch, spec.name, keep)
+            return schedule_for_method_budget(arch, spec.name, request.tflops, request.cost, label=request.label,
+                                              hyperparameters=corrections)
+        return method_schedule(arch, spec.name, keep, **corrections)
     except FicocoError as exc:
         if str(exc).startswith("--"):
             raise
@@ -171,10 +190,12 @@ def with_inner_steps(arch: Architecture, spec: MethodSpec, schedule: Schedule) -
     return Schedule(schedule.variant, tuple(removals), schedule.settings)
 
 
-def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
+def parse_method_schedule(arch: Architecture, name: str, text: str,
+                          corrections: Mapping[str, Any] | None = None) -> Schedule:
     """`LAYER:REMOVED,...` for a method that removes tokens layer by layer: REMOVED visual tokens
     leave before decoder layer LAYER runs (SparseVLM adds its recycled clusters on top, by its
-    rule), or REMOVED patches per item merge inside tower layer LAYER (ToMe)."""
+    rule), or REMOVED patches per item merge inside tower layer LAYER (ToMe). `corrections`: settings
+    of ficoco's corrections (`MethodSpec.corrections`) the schedule's settings carry beside it."""
     spec = method(name)
     spec.check_family(arch.family, arch.name)
     check_per_item(arch, spec)
@@ -212,7 +233,7 @@ def parse_method_schedule(arch: Architecture, name: str, text: str) -> Schedule:
                 raise FicocoError(f"schedule=: {spec.title} merges at most half of a layer's {current} patches "
                                   f"({current // 2}); layer {step.layer} asks {step.remove}")
             current -= step.remove
-    return schedule_from_steps(arch, spec, tuple(steps), {"schedule": text})
+    return schedule_from_steps(arch, spec, tuple(steps), {"schedule": text, **(corrections or {})})
 
 
 def _feasible_keeps(arch: Architecture, spec: MethodSpec) -> list[int]:
@@ -223,8 +244,9 @@ def _feasible_keeps(arch: Architecture, spec: MethodSpec) -> list[int]:
 
 
 def schedule_for_method_budget(arch: Architecture, name: str, budget: float, cost: Callable[[Schedule], float], *,
-                               label: str) -> Schedule:
-    """The setting keeping the most tokens (by the method's `--keep` meaning) whose cost fits `budget`.
+                               label: str, hyperparameters: Mapping[str, Any] | None = None) -> Schedule:
+    """The setting keeping the most tokens (by the method's `--keep` meaning) whose cost fits `budget`
+    (every setting under `hyperparameters`).
 
     Costs grow with `keep`; low keeps a method cannot reach (FastV's average never falls below
     K/L of the image) are skipped by a first bisection on feasibility.
@@ -238,7 +260,7 @@ def schedule_for_method_budget(arch: Architecture, name: str, budget: float, cos
 
     def schedule(k: int) -> Schedule | None:
         try:
-            return method_schedule(arch, name, keeps[k])
+            return method_schedule(arch, name, keeps[k], **(hyperparameters or {}))
         except FicocoError:
             return None
 
@@ -301,7 +323,8 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                               index=index, seq_before=v.tokens(units), visual_before=units, visual_initial=v.units,
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings,
                               items=plan.vision_items, projected_width=arch.decoder.hidden,
-                              has_cls=v.has_cls, unit_width=v.hidden * v.merge)
+                              has_cls=v.has_cls, unit_width=v.hidden * v.merge,
+                              cls_to_projector=v.has_cls and v.merge == 1 and not arch.cls_in_llm)
             per = batch if spec.extra_per_sample else batch * plan.vision_items
             # Qwen3-VL's DeepStack features ride through a merging step beside the hidden states (extra channels of
             # its gathers and scatter-adds, which no convention counts as matrix work): no second run to count.

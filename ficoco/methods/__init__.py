@@ -18,10 +18,13 @@ from ficoco.methods.registry import (
     PRESETS,
     VARIANTS,
     method,
+    method_label,
     register_method,
     registered,
     unregister_method,
+    variant_label,
 )
 
 __all__ = ["METHODS", "PRESETS", "VARIANTS", "Dims", "MethodSpec", "Need", "ProbePlan", "Step", "StepContext",
-           "TowerProbe", "method", "register_method", "registered", "unregister_method"]
+           "TowerProbe", "method", "method_label", "register_method", "registered", "unregister_method",
+           "variant_label"]

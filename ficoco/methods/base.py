@@ -14,7 +14,8 @@ A method is described by
   attention-probability rows (of which layer, which query rows, over which keys), key states, or
   hidden states; the spec turns them into one `ProbePlan` (`MethodSpec.probes`) that the model
   adapters read, so that they offer one set of hook points and probes for every method;
-- **its hyperparameters** with the defaults of its official code, its **position scheme**
+- **its hyperparameters** with the defaults of its official code (where ficoco corrects that code,
+  the correction is a named value of a hyperparameter, `corrections`, never its default), its **position scheme**
   (original position ids kept, or compacted), and the families it is defined on;
 - **its schedule**: the plain token-count steps (`Step`) a setting produces, how a budget
   maps to a setting (`settings_for_keep`: the literature's "N tokens" rows; `presets`), and
@@ -123,6 +124,9 @@ class StepContext:
         unit_width: the width of a vision step's units before the projector: the tower's hidden size
             times the patches of a unit (Qwen2-VL's merge groups, their patches side by side); 0: unknown
             (the tower's hidden size).
+        cls_to_projector: a cut before the projector could hand the item's [CLS] on among its tokens (VisionZip's
+            official layout): the tower has [CLS], the projector maps single patches (no merge groups: not
+            InternVL's pixel shuffle) and the model does not hand [CLS] to the LLM itself (Video-LLaVA does).
     """
 
     step: Step
@@ -137,6 +141,7 @@ class StepContext:
     projected_width: int = 0
     has_cls: bool = True
     unit_width: int = 0
+    cls_to_projector: bool = False
 
 
 # (layer the work runs at, what it is, multiply-accumulates per sample); layer None: before layer 0.
@@ -231,6 +236,11 @@ class MethodSpec:
     pooled_grid: bool = False
     # How the entry is planned: a name of the accountant's planner table (see above).
     planner: PlannerName = "by_steps"
+    # Where ficoco corrects the official code, the correction is a named value of a hyperparameter whose default
+    # stays the official behaviour: per hyperparameter, each such value with the few words a label shows
+    # (`registry.method_label`: "VisionZip (ficoco: mean contextual token)"), so that a report never names the
+    # corrected method as the official one. Empty: the method runs as its official code only.
+    corrections: Mapping[str, Mapping[Any, str]] = field(default_factory=dict)
     # False: the method has no official default setting, so a run needs --keep, --preset, --tflops or
     # --schedule (FiCoCo-V and -L).
     default_setting: bool = True
@@ -261,6 +271,12 @@ class MethodSpec:
             raise ValueError(f"{self.name}: unknown position scheme {self.positions!r}")
         if self.planner not in PLANNER_NAMES:
             raise ValueError(f"{self.name}: unknown planner {self.planner!r}: choose from {', '.join(PLANNER_NAMES)}")
+        for name, values in self.corrections.items():
+            if name not in self.hyperparameters:
+                raise ValueError(f"{self.name}: correction {name!r} is not one of its hyperparameters")
+            if self.hyperparameters[name] in values:
+                raise ValueError(f"{self.name}: the default of {name!r} must be the official behaviour, not the "
+                                 f"correction {self.hyperparameters[name]!r}")
         # Every need must be one a hook point of this placement reads (refused here, in one line, otherwise).
         object.__setattr__(self, "probes", probe_plan(self.name, tuple(self.needs), self.acts_at, self.placement))
 
@@ -304,7 +320,10 @@ class MethodSpec:
         return {
             "name": self.name, "title": self.title, "acts_at": self.acts_at, "placement": self.placement,
             "positions": self.positions, "needs": [n.to_json() for n in self.needs],
-            "hyperparameters": dict(self.hyperparameters), "families": list(self.families),
+            "hyperparameters": dict(self.hyperparameters),
+            "corrections": {name: [{"value": value, "means": means} for value, means in values.items()]
+                            for name, values in self.corrections.items()},
+            "families": list(self.families),
             "keep_means": self.keep_means, "cls_note": self.cls_note, "refusals": dict(self.refusals),
             "source": self.source, "summary": self.summary, "wired": self.wired,
         }

@@ -147,6 +147,17 @@ class TowerInput:
             token) for a cut of whole groups; `hidden` then holds one row per group (its members'
             states side by side, as the PatchMerger reads them, or the merger's output), `keys`
             every patch's.
+        cls_hidden: ``(items, 1, D)`` for a ``tower_output`` cut, the [CLS] token's state at the layer the
+            projector reads, where the projector can take it among the cut's tokens (VisionZip's official
+            layout): the tower has [CLS], the projector maps single patches and the model does not hand
+            [CLS] to the LLM itself; else None.
+        image_order: the adapter keeps an ``in_layer`` step's tokens in image order (the later layers and
+            the projector read them so: InternVL's pixel shuffle, the Qwen towers' merge groups); a method
+            whose own order differs (ToMe's official order) returns them in image order and carries its own
+            order in `TowerOutput.sequence`. False: the tokens go on in the order the method returns them.
+        sequence: with ``image_order``, ``(items, T)`` the method's own order of `hidden`'s tokens as
+            indices into it, as its previous step of this forward left it (`TowerOutput.sequence`); None
+            before the first step (image order).
     """
 
     hidden: Tensor
@@ -164,6 +175,9 @@ class TowerInput:
     text_mask: Tensor | None = None
     frames: int | None = None
     merge: int = 1
+    cls_hidden: Tensor | None = None
+    image_order: bool = False
+    sequence: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +197,9 @@ class TowerOutput:
             order `merged_into` follows; None: the adapter derives them (ascending).
         merged_into: ``(items, r)`` the kept patch (original index) that received the largest share
             of each discarded one, for a method that folds what it removes into kept tokens; or None.
+        sequence: for an adapter that keeps image order (`TowerInput.image_order`), ``(items, T')`` the
+            method's own order of the tokens it returns (indices into `hidden`), carried to its next step of
+            the same forward; None: image order.
 
     A cut's `positions` (optional): ``(items, T')`` the unit every output token stands at, a merged
     token included (VisionZip's contextual token: its target's), for adapters that place tokens by
@@ -197,3 +214,4 @@ class TowerOutput:
     attention_bias: Tensor | None = None
     discarded: Tensor | None = None
     merged_into: Tensor | None = None
+    sequence: Tensor | None = None

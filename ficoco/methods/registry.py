@@ -13,7 +13,7 @@ published setting, the rule used instead is stated in the method's folder.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -101,6 +101,46 @@ def method_matrix(families: Iterable[str]) -> list[dict[str, Any]]:
         rows.append({"name": spec.name, "title": spec.title, "families": cells})
     return rows
 
+
+
+# ---- what a report calls a method: the official code's name, or the name and ficoco's corrections ----------------
+
+def corrections_on(variant: str, settings: Mapping[str, Any] | None) -> list[str]:
+    """The words of every correction of the official code that `settings` turn on for `variant` (its entry's
+    `corrections`), in the entry's order; empty when it runs as its official code. A setting the settings do not
+    name is its default, the official behaviour; settings unknown (None) name no correction."""
+    spec = METHODS.get(variant)
+    if spec is None or not settings:
+        return []
+    notes = []
+    for name, values in spec.corrections.items():
+        if name in settings:
+            value = settings[name]
+            # A JSON report holds a tuple as a list, and True/False as themselves (never 1/0: bools match bools).
+            for known, means in values.items():
+                if type(known) is type(value) and known == value:
+                    notes.append(means)
+    return notes
+
+
+def method_label(variant: str, settings: Mapping[str, Any] | None) -> str:
+    """What a report, table or figure calls a run of `variant` under `settings` (a schedule's settings, as a
+    report's row holds them): the method's title when every correction setting has its official default
+    ("VisionZip"), else the title and the corrections ("VisionZip (ficoco: mean contextual token)"), so a score
+    of ficoco's corrected method is never read as the literature's. "vanilla" and names the registry does not
+    hold come back as they are. No torch."""
+    spec = METHODS.get(variant)
+    if spec is None:
+        return variant
+    notes = corrections_on(variant, settings)
+    return f"{spec.title} (ficoco: {', '.join(notes)})" if notes else spec.title
+
+
+def variant_label(variant: str, settings: Mapping[str, Any] | None) -> str:
+    """The short form the CLI's tables and the figures use: the variant's name as `--variant` spells it, with
+    ficoco's corrections when any are on ("visionzip (ficoco: mean contextual token)")."""
+    notes = corrections_on(variant, settings)
+    return f"{variant} (ficoco: {', '.join(notes)})" if notes else variant
 
 
 # ---- methods registered from outside the package (a plugin, a test's toy method) -------------------------------

@@ -252,9 +252,6 @@ class InternVLAdapter(LlavaAdapter):
             raise FicocoError(f"{spec.title} on InternVL merges inside the tower, so the projector must read its "
                               f"last layer (vision_feature_layer -1, not {config.vision_feature_layer})")
         settings = method_settings(handle, spec, schedule)
-        if settings.get("order", "spatial") != "spatial":
-            raise FicocoError(f"{spec.title} on InternVL keeps the groups in image order (pixel shuffle and the "
-                              "projector read them so); order='official' is not supported here")
         module = load_module(spec, TowerModule)
         rates = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.remove}
         self.kept_per_item = self.units - sum(rates.values())
@@ -295,10 +292,14 @@ class InternVLAdapter(LlavaAdapter):
                     # [CLS] a unit of its own (its width padded: ToMe never merges or changes it).
                     cls = torch.cat([hidden[:, :1], hidden.new_zeros(items, 1, width * (self.merge - 1))], dim=-1)
                     units = torch.cat([cls, hidden[:, 1:].reshape(items, -1, width * self.merge)], dim=1)
+                    # The groups stay in image order (pixel shuffle and the projector read them so); a method with an
+                    # order of its own (ToMe's official one) carries it in `sequence`.
                     inputs = TowerInput(hidden=units, has_cls=True, remove=_r, keys=keys, size=kept["size"],
                                         positions=torch.cat([torch.zeros_like(groups[:, :1]), groups + 1], dim=1),
-                                        merge=self.merge, grid_hw=self.grid_hw)
+                                        merge=self.merge, grid_hw=self.grid_hw, image_order=True,
+                                        sequence=kept["sequence"])
                     out = handle.run_method(("vision", _index), module.tower_step, inputs, settings)
+                    kept["sequence"] = out.sequence
                     merged = out.positions[:, 1:] - 1  # the original group every unit that goes on stands at
                     discarded = self._gone(groups, merged)
                     handle.record("vision", _index, kept=self._patches_of(merged),
@@ -327,12 +328,12 @@ class InternVLAdapter(LlavaAdapter):
         empty) so that pixel shuffle runs as transformers wrote it; the projector maps the kept groups' tokens
         only, in group order. Returns the pass's state: its kept groups ("groups", (items, k) ascending; None
         before the first reduction of a pass) and what the method carries between layers."""
-        kept: dict[str, Any] = {"groups": None, "size": None, "bias": None}
+        kept: dict[str, Any] = {"groups": None, "size": None, "bias": None, "sequence": None}
         members = self.order.view(self.units, self.merge)  # a group's patches, row-major on the tile's grid
         original_tower = forward_of(self.tower)
 
         def tower_forward(*args: Any, **kwargs: Any) -> Any:
-            kept.update(groups=None, size=None, bias=None)
+            kept.update(groups=None, size=None, bias=None, sequence=None)
             out = original_tower(*args, **kwargs)
             groups = kept["groups"]
             if groups is not None:  # back on the whole grid: [CLS], then every patch at its row-major place

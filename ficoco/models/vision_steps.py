@@ -110,6 +110,8 @@ class TowerState:
     size: Tensor | None = None
     positions: Tensor | None = None
     bias: Tensor | None = None
+    # (items, 1, D) [CLS] at the output of the layer a tower-output cut reads, for a cut that hands it on.
+    cls: Tensor | None = None
     probes: dict[int, tuple[Tensor | None, Tensor | None, float | None, Tensor | None]] = field(default_factory=dict)
 
 
@@ -159,6 +161,10 @@ class TowerPatch:
         # A method that reads the instruction (CDPruner): the prompt's text embeddings at its cut.
         self.wants_text = plan.input_embeddings
         self.slots: dict[int, TowerSlot] = {}
+        # The layer whose [CLS] a tower-output cut may hand on with its tokens (VisionZip's official layout): the
+        # layer the projector reads, when the tower has [CLS] and the model does not pass [CLS] to the LLM itself.
+        cut = self.cuts.get("tower_output")
+        self.cls_layer = cut.layer if cut is not None and self.has_cls and not adapter.projector_keeps_cls else None
         # The after-projector cut of this forward, left to the adapter to run after its pooling
         # (LLaVA-OneVision's video frames, `cut_after_pooling`), with the tower pass it reads.
         self.deferred: tuple[Removal, TowerState] | None = None
@@ -196,7 +202,10 @@ class TowerPatch:
                 slot.armed = True
             try:
                 if removal is None:
-                    return original(hidden_states, attention_mask, **kwargs)
+                    output = original(hidden_states, attention_mask, **kwargs)
+                    if index == self.cls_layer:  # the layer the projector reads: its [CLS], for the cut
+                        state.cls = output[:, :1]
+                    return output
                 residual = hidden_states
                 attn_out, _ = parts.attention(hidden_states=parts.input_norm(hidden_states),
                                               attention_mask=attention_mask, **kwargs)
@@ -302,10 +311,14 @@ class TowerPatch:
         text = text_mask = None
         if self.wants_text:
             text, text_mask = prompt_text(self.handle, self.adapter, items, self.spec.title)
+        # [CLS] where the projector can take it among the cut's tokens (its width the features').
+        cls = state.cls if removal.where == "tower_output" and state.cls is not None \
+            and state.cls.shape[0] == items and state.cls.shape[-1] == features.shape[-1] else None
         # A video's frames, for a method that reads them together (HoliTom); None: independent items.
         inputs = TowerInput(hidden=features, has_cls=self.has_cls, remove=removal.remove, added=removal.added,
                             keys=keys, cls_query=query, scale=scale, attention=probabilities, text=text,
-                            text_mask=text_mask, frames=getattr(self.adapter, "frames_in_call", None))
+                            text_mask=text_mask, frames=getattr(self.adapter, "frames_in_call", None),
+                            cls_hidden=None if cls is None else cls.to(features.device))
         out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
         hidden = out.hidden
         if out.counts is not None:

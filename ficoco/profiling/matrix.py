@@ -23,6 +23,7 @@ from ficoco.accounting.memory import KV_QUANT_BITS, QUANT_BITS, Quant, linear_st
 from ficoco.accounting.memory import cache_bytes as analytic_cache_bytes
 from ficoco.errors import FicocoError
 from ficoco.machine.dtype_choice import DtypeChoice, row_dtypes
+from ficoco.methods.registry import method_label
 from ficoco.models import hf_compat as hf
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
 from ficoco.profiling.config import ProfileConfig
@@ -191,7 +192,8 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     arch = architecture(profile)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
                         text_tokens=config.text_tokens)
-    resolved, skipped = resolve_side_by_side(arch, list(config.variants), opts, config.request, strict=False)
+    resolved, skipped = resolve_side_by_side(arch, list(config.variants), opts, config.request, strict=False,
+                                             hyperparameters=config.hyperparameters)
     schedules = {schedule.variant: schedule for schedule in resolved}
     # Several methods side by side run on any family: one it refuses, or one that cannot reach the
     # setting, is left out with its reason (said before the run, and kept in the report's notes).
@@ -270,7 +272,7 @@ def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardwar
             "weight_bytes": weights, "visual_tokens": cost.plan.visual_tokens,
             "llm_visual_tokens": cost.plan.llm_visual_tokens,
             "layer_average_visual_tokens": cost.plan.layer_average_visual_tokens,
-            "method_tflops": cost.method_tflops,
+            "method_tflops": cost.method_tflops, "settings": row.schedule.settings_dict(),
             "roofline_ms": cost.roofline_s * 1e3 if cost.roofline_s is not None else None,
             "convention": "flops", "scope": "all", "lm_head_tokens": "last"}
 
@@ -646,7 +648,10 @@ def _row_base(plan: Plan, config: ProfileConfig, row: RowSpec, backend: dict[str
         # Every row names its dtypes, also a row whose build failed (backend None).
         backend = (backend or {}) | row_dtypes(plan.dtype, row.quant)
     return {
-        "model": plan.profile.name, "variant": row.variant, "quant": row.quant, "batch": row.batch,
+        "model": plan.profile.name, "variant": row.variant,
+        # What the row ran, by name: the official method, or it with ficoco's corrections (its settings say which).
+        "method_label": method_label(row.variant, row.schedule.settings_dict()), "quant": row.quant,
+        "batch": row.batch,
         "text_tokens": config.text_tokens, "new_tokens": config.new_tokens, "device_kind": plan.device.type,
         "kv_bits": row_kv_bits(config, row.quant),
         "schedule": row.schedule.to_json(), "backend": backend, "note": None,

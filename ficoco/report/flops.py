@@ -4,10 +4,11 @@ same dict. No torch here or below: the accounting path starts in well under a se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ficoco
+from ficoco.methods.registry import method_label
 from ficoco.report.schemas import FLOPS_SCHEMA
 
 if TYPE_CHECKING:
@@ -27,7 +28,8 @@ def flops_report(model: str, variants: str | Sequence[str] = "vanilla", *, keep:
                  kv_bits: int | None = None, gpu: str | None = None, text_tokens: int | None = None,
                  batch: int = 1, lm_head: str = "all", image_size: tuple[int, int] | None = None,
                  frames: int | None = None, per_layer: bool = False,
-                 overrides: Sequence[str] = (), request: ScheduleRequest | None = None) -> dict[str, Any]:
+                 overrides: Sequence[str] = (), request: ScheduleRequest | None = None,
+                 hyperparameters: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The analytic cost of `variants` on `model` (a profile name, a config.json or a checkout
     folder): TFLOPs by stage, KV cache, weights, memory access and, with a `gpu` hardware profile,
     the roofline time, one row per variant and quant (W/A/KV bits: fp16, int8, int4), as the
@@ -39,7 +41,10 @@ def flops_report(model: str, variants: str | Sequence[str] = "vanilla", *, keep:
     spell one `ficoco.accounting.ScheduleRequest`, which may be given whole as `request=` instead
     (not both). `image_size`
     (H, W) and `frames` describe the input; `overrides` are "KEY=VALUE" config settings. A
-    method that cannot run under the setting is left out with its reason (`skipped`)."""
+    method that cannot run under the setting is left out with its reason (`skipped`).
+    `hyperparameters` (`{"contextual_mode": "mean"}`) go to every variant whose method has them; each
+    row's `method_label` names the method as run: its title, with ficoco's corrections of the official
+    code when one is on ("VisionZip (ficoco: mean contextual token)")."""
     from ficoco import accounting as acc
     from ficoco.accounting.flops import SCOPE_STAGES, STAGES, convention_notes
     from ficoco.accounting.request import ScheduleRequest
@@ -56,13 +61,15 @@ def flops_report(model: str, variants: str | Sequence[str] = "vanilla", *, keep:
                             text_tokens=text_tokens, lm_head_tokens=lm_head)
     quant_list = [acc.make_quant(q, kv_bits) for q in names(quants)]
     hardware = load_gpu(gpu) if gpu else None
-    schedules, skipped = acc.resolve_side_by_side(arch, variants, opts, request, strict=False)
+    schedules, skipped = acc.resolve_side_by_side(arch, variants, opts, request, strict=False,
+                                                  hyperparameters=hyperparameters)
     vanilla = acc.account(arch, acc.Schedule("vanilla"), quant_list[0], opts)
     rows: list[dict[str, Any]] = []
     for sched in schedules:
         layers = acc.per_layer(arch, sched, opts) if per_layer else None
         for q in quant_list:
             row = acc.account(arch, sched, q, opts, gpu=hardware).to_json()
+            row = {"variant": row.pop("variant"), "method_label": method_label(sched.variant, row["settings"]), **row}
             row["reduction_vs_vanilla"] = None if sched.variant == "vanilla" else 1 - row["tflops"] / vanilla.tflops
             if layers is not None:
                 row["per_layer"] = layers

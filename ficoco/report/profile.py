@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ficoco.errors import FicocoError
@@ -72,12 +72,14 @@ def profile_config(model: str, variants: str | Sequence[str] = "v", *, request: 
                    weights: str = "random", image: str | None = None, prompt: str | None = None,
                    video: str | None = None, fidelity: bool = False, overrides: Sequence[str] = (), seed: int = 0,
                    image_size: tuple[int, int] | None = None, frames: int | None = None, dtype: Any = "auto",
-                   device_map: str | None = None, max_memory: str | None = None) -> ProfileConfig:
+                   device_map: str | None = None, max_memory: str | None = None,
+                   hyperparameters: Mapping[str, Any] | None = None) -> ProfileConfig:
     """The `ProfileConfig` of a run from its keyword spelling (what `ficoco.profile(model, ...)` and
     `ficoco profile` take): `variants` and `quants` as "a,b" or a list, `batches` as one size or
     several, `reference` adds the vanilla rows (default True), `dtype` as a name or a torch dtype.
     The schedule is `request` (a `ScheduleRequest`) or its keywords `keep`, `preset`, `tflops`,
-    `schedule`, `shape`, `first_layer` (not both)."""
+    `schedule`, `shape`, `first_layer` (not both). `hyperparameters` go to every variant whose method
+    has them ({"contextual_mode": "mean"}: one of ficoco's corrections, which each row's method_label names)."""
     from ficoco.accounting.request import ScheduleRequest
     from ficoco.machine.dtype_choice import parse_dtype
     from ficoco.profiling.config import ProfileConfig
@@ -95,6 +97,7 @@ def profile_config(model: str, variants: str | Sequence[str] = "v", *, request: 
         prompt=prompt, overrides=tuple(overrides), seed=seed, kv_bits=kv_bits,
         image_size=image_size, frames=frames, dtype=parse_dtype(dtype), video=video,
         fidelity=fidelity, device_map=device_map, max_memory=max_memory,
+        hyperparameters=dict(hyperparameters or {}),
     )
 
 
@@ -163,7 +166,7 @@ def profile_report(config: ProfileConfig | str | None = None, variants: str | Se
     default True), `quants`, `kv_bits`, `batches`, `text_tokens`, `new_tokens`, `warmup` and
     `repeat` (None: by time), `device`, `weights` ("random", a checkpoint folder or a cached HF
     id), `image`/`prompt`/`video`, `fidelity`, `overrides`, `seed`, `image_size` (H, W), `frames`,
-    `dtype`, `device_map`, `max_memory`.
+    `dtype`, `device_map`, `max_memory`, `hyperparameters`.
 
     `on_plan(planned)` is called once the run is planned, before any model is built (the CLI
     prints the plan and starts its progress display there); with `dry_run` nothing is measured and

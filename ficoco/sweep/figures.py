@@ -88,6 +88,16 @@ def _methods(points: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(p["variant"] for p in points if p.get("variant") != VANILLA))
 
 
+def _label(points: list[dict[str, Any]], method: str) -> str:
+    """What a legend or a panel calls `method`: its variant, with ficoco's corrections of the official code when
+    its points' settings turn one on ("visionzip (ficoco: mean contextual token)")."""
+    from ficoco.methods.registry import variant_label
+
+    settings = next((p["analytic"].get("settings") for p in points
+                     if p.get("variant") == method and isinstance(p.get("analytic"), dict)), None)
+    return variant_label(method, settings if isinstance(settings, dict) else None)
+
+
 def _first_quant(points: list[dict[str, Any]]) -> str | None:
     return points[0].get("quant") if points else None
 
@@ -135,7 +145,7 @@ def cost_figure(report: dict[str, Any]) -> Figure:
         if vanilla is not None:
             ax.axhline(vanilla["analytic"]["tflops"], color="grey", linestyle="--", gid="vanilla",
                        label=f"vanilla ({vanilla['analytic']['visual_tokens']} tokens)")
-        ax.set_title(f"{method}")
+        ax.set_title(_label(points, method))
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
     for ax in axes[len(methods):]:
@@ -176,12 +186,12 @@ def latency_figure(report: dict[str, Any]) -> Figure:
             if not rows:
                 continue
             ax.plot([r["analytic"]["tflops"] for r in rows], [r["latency"]["median_ms"] for r in rows],
-                    marker=METHOD_MARKERS[k % len(METHOD_MARKERS)], label=f"{method} measured",
+                    marker=METHOD_MARKERS[k % len(METHOD_MARKERS)], label=f"{_label(mine, method)} measured",
                     gid=f"measured:{method}", linestyle="none" if method == VANILLA else "-")
             roof = [(r["analytic"]["tflops"], r["analytic"]["roofline_ms"]) for r in rows
                     if finite(r["analytic"].get("roofline_ms"))]
             if roof:
-                ax.plot(*zip(*roof, strict=True), linestyle=":", marker="x", label=f"{method} roofline",
+                ax.plot(*zip(*roof, strict=True), linestyle=":", marker="x", label=f"{_label(mine, method)} roofline",
                         gid=f"roofline:{method}")
         if vanilla is not None:
             slope = vanilla["measured"]["latency"]["median_ms"] / vanilla["measured"]["analytic"]["tflops"]
@@ -215,7 +225,7 @@ def fidelity_figure(report: dict[str, Any]) -> Figure:
         if not mine:
             continue
         x = [p["analytic"]["tflops"] for p in mine]
-        style = {"marker": METHOD_MARKERS[k % len(METHOD_MARKERS)], "label": method,
+        style = {"marker": METHOD_MARKERS[k % len(METHOD_MARKERS)], "label": _label(points, method),
                  "linestyle": "none" if method == VANILLA else "-"}
         agreement_ax.plot(x, [p["fidelity"]["top1_agreement"] for p in mine], gid=f"agreement:{method}", **style)
         kl_ax.plot(x, [p["fidelity"]["kl_divergence"] for p in mine], gid=f"kl:{method}", **style)

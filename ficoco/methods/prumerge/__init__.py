@@ -18,7 +18,13 @@ from ficoco.methods.common import LLAVA_FAMILIES
 # 144 on LLaVA-1.5 (an unverified recollection, docs/methods/prumerge.md).
 ASSUMED_TOKENS = 144
 NEIGHBOURS = 32  # key-nearest neighbours merged into each kept patch
-ATTENTION = "heads"  # how the [CLS] attention is read: per head, as the official code
+# How the [CLS] attention is read: the official single head as wide as the layer (q . k of the raw projections,
+# scaled by 1 / sqrt(width)); "heads": ficoco's correction, the layer's own heads, their mean.
+ATTENTION = "official"
+# The kept patches' order: the official priority (outliers by score, then the spatial samples); "spatial":
+# ficoco's correction, image order.
+ORDER = "official"
+CORRECTIONS = {"attention": {"heads": "attention over heads"}, "order": {"spatial": "spatial order"}}
 
 # Why a family does not run it (MethodSpec.refusals; `ficoco methods --matrix` prints them).
 QWEN2_VL_REFUSAL = ("not wired: PruMerge+'s extra token (the sum of the patches it did not keep) stands at no "
@@ -48,10 +54,12 @@ def settings_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mappin
         # `assumed_tokens`. At most the item's patches: the prompt's span of placeholders is shortened,
         # never lengthened.
         tokens = min(hp["assumed_tokens"], n_visual)
-        return {"adaptive": True, "tokens": tokens, "neighbours": hp["neighbours"], "attention": hp["attention"]}
+        return {"adaptive": True, "tokens": tokens, "neighbours": hp["neighbours"], "attention": hp["attention"],
+                "order": hp["order"]}
     if not 2 <= keep <= n_visual + 1:
         raise FicocoError(f"PruMerge+ hands the LLM 2..{n_visual + 1} tokens per item; keep={keep} is outside")
-    return {"adaptive": False, "tokens": keep, "neighbours": hp["neighbours"], "attention": hp["attention"]}
+    return {"adaptive": False, "tokens": keep, "neighbours": hp["neighbours"], "attention": hp["attention"],
+            "order": hp["order"]}
 
 
 def extra_macs(ctx: StepContext) -> ExtraMacs:
@@ -72,7 +80,9 @@ SPEC = MethodSpec(
     needs=(Need("query_key", "vision last", "cls", "the last tower layer's q_proj (the [CLS] row) and k_proj "
                 "(every row) outputs: the [CLS] attention and the full-width merge keys"),
            Need("hidden", "vision L", "all", "the output of the layer the projector reads")),
-    hyperparameters={"assumed_tokens": ASSUMED_TOKENS, "neighbours": NEIGHBOURS, "attention": ATTENTION},
+    hyperparameters={"assumed_tokens": ASSUMED_TOKENS, "neighbours": NEIGHBOURS, "attention": ATTENTION,
+                     "order": ORDER},
+    corrections=CORRECTIONS,
     families=(*LLAVA_FAMILIES, "internvl"), module=f"{__name__}.ops", function="prumerge_reduce",
     refusals={"qwen2_vl": QWEN2_VL_REFUSAL, "llava_onevision": ONEVISION_REFUSAL,
               "qwen2_5_vl": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen2.5-VL"),

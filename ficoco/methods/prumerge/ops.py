@@ -13,7 +13,18 @@ At the tower's output, before the projector:
    in the official code, and that is kept). ``x`` is the feature layer's output (layer 22).
 5. One **extra token** ``sum_{j not kept} a_j x_j`` is appended.
 
-**Defects of the official code, fixed here:**
+**The official behaviour is the default; ficoco's corrections are named settings** (a report labels
+them, ``ficoco.methods.registry.method_label``):
+
+- *The attention is not the model's*: a single 1024-wide "head" of the raw q and k projections,
+  scaled by ``1024 ** -0.5`` (``attention="official"``, the default). ``attention="heads"``
+  (ficoco's correction) uses the layer's own per-head softmax, head mean.
+- *Score order*: the official output lists the kept patches by score, then the samples
+  (``order="official"``, the default); ``order="spatial"`` (ficoco's correction) lists them in
+  image order, which the merge does not depend on.
+
+**Defects of the official code, fixed here** (not settings: the official code fails or couples
+images there):
 
 - *The IQR runs over the whole batch* (flattened), which couples the images: here each item has
   its own quartiles and count, so a batch equals its items run alone; items of one batch then
@@ -23,11 +34,6 @@ At the tower's output, before the projector:
 - *``int(1 / ratio) < 3`` makes the sampling step 0* and ``arange`` raises; no outlier at all
   divides by zero. Here the step is at least 1 and at least one outlier is kept.
 - *``arange(0, 575, step)``* can never sample the last patch; here ``arange(0, N, step)``.
-- *The attention is not the model's*: a single 1024-wide "head" scaled by ``1024 ** -0.5``.
-  ``attention="heads"`` (default) uses the layer's own per-head softmax, head mean;
-  ``attention="official"`` keeps the single head.
-- *Score order*: the official output lists the kept patches by score, then the samples; here
-  (``order="spatial"``, default) in image order, which the merge does not depend on.
 
 Ties among equal scores or similarities go to the lowest index. **Fixed count** (not in the
 official code; for comparisons at one budget): ``tokens=N`` keeps ``N - 1`` patches, taken
@@ -48,12 +54,12 @@ from torch import Tensor
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.ops import compute_dtype, gather_tokens, last_row_attention
-from ficoco.methods.prumerge import ATTENTION
+from ficoco.methods.prumerge import ATTENTION, ORDER
 
 __all__ = ["PruMergeOutput", "prumerge_cls_attention", "prumerge_reduce", "prumerge_selection", "tower_step"]
 
-ATTENTIONS = ("heads", "official")
-ORDERS = ("spatial", "official")
+ATTENTIONS = ("official", "heads")
+ORDERS = ("official", "spatial")
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,8 @@ def prumerge_cls_attention(query: Tensor, keys: Tensor, heads: int, attention: s
         query: ``(B, C)`` the last layer's ``q_proj`` output at [CLS] (heads not split).
         keys: ``(B, T, C)`` its ``k_proj`` output at every position.
         heads: the layer's attention heads (``C = heads * d``).
-        attention: ``"heads"`` (the layer's own per-head softmax at ``d ** -0.5``, head mean) or
-            ``"official"`` (one ``C``-wide head scaled by ``C ** -0.5``).
+        attention: ``"official"`` (the default: one ``C``-wide head scaled by ``C ** -0.5``) or ``"heads"``
+            (ficoco's correction: the layer's own per-head softmax at ``d ** -0.5``, head mean).
     """
     if attention not in ATTENTIONS:
         raise FicocoError(f"PruMerge+ attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
@@ -121,7 +127,7 @@ def prumerge_selection(cls_attn: Tensor, tokens: int | None = None) -> tuple[Ten
 
 
 def prumerge_reduce(hidden: Tensor, cls_attn: Tensor, keys: Tensor, tokens: int | None = None,
-                    neighbours: int = 32, order: str = "spatial") -> PruMergeOutput:
+                    neighbours: int = 32, order: str = ORDER) -> PruMergeOutput:
     """PruMerge+ on a batch of items.
 
     Args:
@@ -130,7 +136,8 @@ def prumerge_reduce(hidden: Tensor, cls_attn: Tensor, keys: Tensor, tokens: int 
         keys: ``(B, N, C)`` the last layer's ``k_proj`` output at the patches (full width).
         tokens: None (adaptive) or the fixed count per item, the extra token included.
         neighbours: the 32 nearest patches each kept one absorbs.
-        order: ``"spatial"`` (kept patches in image order) or ``"official"`` (by priority).
+        order: ``"official"`` (the default: kept patches by priority) or ``"spatial"`` (ficoco's correction:
+            image order).
     """
     if order not in ORDERS:
         raise FicocoError(f"PruMerge+ order must be one of {', '.join(ORDERS)}, got {order!r}")
@@ -177,7 +184,7 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     items, heads, tokens, head_dim = inputs.keys.shape
     keys = inputs.keys.transpose(1, 2).reshape(items, tokens, heads * head_dim)
     cls_attn = prumerge_cls_attention(inputs.cls_query.reshape(items, heads * head_dim), keys, heads,
-                                      settings.get("attention", "heads"))
+                                      settings.get("attention", ATTENTION))
     patch_keys = keys[:, 1:]
     if inputs.merge > 1:
         # Units of `merge` consecutive patches (InternVL's pixel-shuffle groups): a unit's share of [CLS]'s
@@ -186,7 +193,7 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
         patch_keys = patch_keys.reshape(items, -1, inputs.merge, patch_keys.shape[-1]).mean(dim=2)
     adaptive = bool(settings.get("adaptive"))
     out = prumerge_reduce(inputs.hidden, cls_attn, patch_keys, tokens=None if adaptive else settings["tokens"],
-                          neighbours=settings.get("neighbours", 32))
+                          neighbours=settings.get("neighbours", 32), order=settings.get("order", ORDER))
     extra = torch.full((items, 1), -1, dtype=torch.long, device=inputs.hidden.device)
     return TowerOutput(hidden=out.hidden, kept=torch.cat([out.kept, extra], dim=1),
                        counts=out.counts if adaptive else None)

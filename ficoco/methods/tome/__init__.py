@@ -16,7 +16,10 @@ from ficoco.methods.common import PER_ITEM, TESTED_FAMILIES, check_keep
 
 R = 16  # patches merged per layer without keep= (ToMe's parse_r for an int; LightCompress's r=16)
 PROP_ATTN = True  # proportional attention: log(size) added to every key's logits
-ORDER = "spatial"
+# The official order after a merge: [unmerged A, all B], which the next layer's even/odd split runs on
+# ("spatial": ficoco's image order, a correction a label names).
+ORDER = "official"
+CORRECTIONS = {"order": {"spatial": "spatial order"}}
 
 
 def tome_rates(units: int, merged: int, layers: int) -> tuple[int, ...]:
@@ -74,7 +77,7 @@ SPEC = MethodSpec(
     needs=(Need("keys", "vision L", "all", "head-mean key states of the layer's attention (the matching metric)"),
            Need("hidden", "vision L", "all", "after the attention residual, before the MLP; the token sizes "
                 "carried from layer to layer add log(size) to every key's logits (proportional attention)")),
-    hyperparameters={"r": R, "prop_attn": PROP_ATTN, "order": ORDER},
+    hyperparameters={"r": R, "prop_attn": PROP_ATTN, "order": ORDER}, corrections=CORRECTIONS,
     families=TESTED_FAMILIES, module=f"{__name__}.ops", function="tome_merge",
     source="facebookresearch/ToMe af95e4b",
     summary="merge the most similar patch pairs (bipartite) in every vision layer, size-weighted",

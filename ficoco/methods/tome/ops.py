@@ -16,10 +16,14 @@ Inside every tower layer up to the one the projector reads, **between attention 
 
 **Order.** The official merge returns ``[unmerged A (sorted by index when there is a [CLS]),
 all B]``, which shuffles the patches; the next layer's even/odd split then runs on that
-shuffled order. ``order="spatial"`` (the default here) returns the remaining tokens in their
-original order instead (the attention and MLP do not see the order; only the next split does),
-so the tokens reach the projector in image order; ``order="official"`` reproduces ToMe's.
-``positions`` tracks each token's original patch index through either order.
+shuffled order. ``order="official"`` (the default) reproduces it. ``order="spatial"`` (ficoco's
+correction, which reports label) returns the remaining tokens in their original order instead (the
+attention and MLP do not see the order; only the next split does), so the tokens reach the
+projector in image order. ``positions`` tracks each token's original patch index through either
+order. A tower whose later layers or projector read the tokens in image order (InternVL's pixel
+shuffle, the Qwen towers' merge groups and 3-D positions) keeps them so: under the official order
+the merges are the official ones, computed on the official sequence, which `tower_step` carries
+from layer to layer beside the tokens (``TowerInput.sequence``), and the tokens go on in image order.
 
 Departures (the official defects and what the batched form needs): ``argsort`` over equal
 scores has an unspecified order in the official code; here a stable sort takes the lowest
@@ -43,10 +47,11 @@ from torch import Tensor
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.ops import compute_dtype, gather_tokens, unit_keys
+from ficoco.methods.tome import ORDER
 
 __all__ = ["ToMeMerged", "bipartite_matching", "proportional_attention_bias", "tome_merge", "tower_step"]
 
-ORDERS = ("spatial", "official")
+ORDERS = ("official", "spatial")
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ def _merge_sum(x: Tensor, matching: Matching) -> tuple[Tensor, Tensor]:
 
 
 def tome_merge(hidden: Tensor, metric: Tensor, r: int, size: Tensor | None = None, positions: Tensor | None = None,
-               has_cls: bool = True, order: str = "spatial") -> ToMeMerged:
+               has_cls: bool = True, order: str = ORDER) -> ToMeMerged:
     """Merge ``r`` token pairs of one layer by size-weighted averages (ToMe's ``merge_wavg``).
 
     Args:
@@ -128,7 +133,8 @@ def tome_merge(hidden: Tensor, metric: Tensor, r: int, size: Tensor | None = Non
         size: ``(B, T)`` sizes carried from earlier layers (None: every token stands for one).
         positions: ``(B, T)`` original indices carried from earlier layers (None: ``arange``).
         has_cls: whether position 0 is [CLS] (never merged, stays first).
-        order: ``"spatial"`` (original order) or ``"official"`` (``[unmerged A, B]``).
+        order: ``"official"`` (the default: ``[unmerged A, B]``) or ``"spatial"`` (ficoco's correction:
+            the current order kept).
 
     Returns:
         A :class:`ToMeMerged`; ``r == 0`` returns the input (bit for bit) with its sizes.
@@ -173,6 +179,29 @@ def proportional_attention_bias(size: Tensor, dtype: torch.dtype | None = None) 
     return bias[:, None, None, :].to(dtype or bias.dtype)
 
 
+def _merge_in_image_order(inputs: TowerInput, metric: Tensor, order: str) -> tuple[ToMeMerged, Tensor | None]:
+    """The merge of `order` for an adapter that keeps image order: on the method's own sequence (the previous
+    step's, `inputs.sequence`; image order before the first), the tokens handed back in image order with the
+    sequence they now form (indices into them)."""
+    hidden, size, positions, sequence = inputs.hidden, inputs.size, inputs.positions, inputs.sequence
+    items, tokens = hidden.shape[:2]
+    if size is None:
+        size = torch.ones(items, tokens, device=hidden.device, dtype=compute_dtype(hidden.dtype))
+    if positions is None:
+        positions = torch.arange(tokens, device=hidden.device).expand(items, -1)
+    if not inputs.remove:
+        return ToMeMerged(hidden=hidden, size=size, positions=positions), sequence
+    if sequence is not None:
+        hidden, metric = gather_tokens(hidden, sequence), gather_tokens(metric, sequence)
+        size, positions = torch.gather(size, 1, sequence), torch.gather(positions, 1, sequence)
+    merged = tome_merge(hidden, metric, inputs.remove, size, positions, has_cls=inputs.has_cls, order=order)
+    to_image = torch.sort(merged.positions, dim=1).indices  # original indices ascending: image order
+    in_image = ToMeMerged(hidden=gather_tokens(merged.hidden, to_image), size=torch.gather(merged.size, 1, to_image),
+                          positions=torch.gather(merged.positions, 1, to_image))
+    # The official sequence as indices into the image-ordered tokens: where each of its tokens now stands.
+    return in_image, torch.sort(to_image, dim=1).indices
+
+
 def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     """The model adapters' call inside a tower layer, between attention and MLP: merge ``remove``
     pairs by the layer's head-mean keys, carrying sizes and positions to the next layer; with
@@ -183,9 +212,14 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     metric = inputs.keys.mean(dim=1) if inputs.merge == 1 else unit_keys(inputs)
     if inputs.merge > 1 and inputs.has_cls:  # [CLS] stays a unit of its own, first (InternVL's groups)
         metric = torch.cat([inputs.keys.mean(dim=1)[:, :1].to(metric.dtype), metric], dim=1)
-    merged = tome_merge(inputs.hidden, metric, inputs.remove, inputs.size, inputs.positions,
-                        has_cls=inputs.has_cls, order=settings.get("order", "spatial"))
+    order = settings.get("order", ORDER)
+    if inputs.image_order and order != "spatial":
+        merged, sequence = _merge_in_image_order(inputs, metric, order)
+    else:
+        merged = tome_merge(inputs.hidden, metric, inputs.remove, inputs.size, inputs.positions,
+                            has_cls=inputs.has_cls, order=order)
+        sequence = None
     offset = int(inputs.has_cls)
     bias = proportional_attention_bias(merged.size, inputs.hidden.dtype) if settings.get("prop_attn", True) else None
     return TowerOutput(hidden=merged.hidden, kept=merged.positions[:, offset:] - offset, size=merged.size,
-                       positions=merged.positions, attention_bias=bias)
+                       positions=merged.positions, attention_bias=bias, sequence=sequence)

@@ -16,7 +16,14 @@ from ficoco.methods.common import ALL_FAMILIES, EQUIVALENT, PER_ITEM, check_keep
 
 DOMINANT = 54  # dominant tokens without keep= (the README's 54 + 10)
 CONTEXTUAL = 10  # contextual tokens without keep=
-CONTEXTUAL_MODE = "mean"
+# The official contextual token: its target plus the mean of its members ("mean": ficoco's average of both).
+CONTEXTUAL_MODE = "official"
+# The official dominant tokens: [CLS] and the dominant - 1 top patches (False: ficoco's, dominant patches). Where
+# the projector cannot take [CLS] (a tower without one, InternVL's pixel-shuffle groups, Video-LLaVA's [CLS] that
+# reaches the LLM anyway) the dominant tokens are patches whatever this says.
+INCLUDE_CLS = True
+# ficoco's corrections of the official code, each a named value (MethodSpec.corrections): what a label says.
+CORRECTIONS = {"contextual_mode": {"mean": "mean contextual token"}, "include_cls": {False: "[CLS] dropped"}}
 # dominant + contextual of the literature's rows (LightCompress visionzip.yml; README 54 + 10).
 VISIONZIP_SPLITS = {192: (162, 30), 128: (108, 20), 64: (54, 10)}
 
@@ -51,13 +58,16 @@ def settings_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mappin
     else:
         check_keep("VisionZip", keep, n_visual)
         dominant, contextual = visionzip_split(keep)
-    return {"dominant": dominant, "contextual": contextual, "contextual_mode": hp["contextual_mode"]}
+    return {"dominant": dominant, "contextual": contextual, "contextual_mode": hp["contextual_mode"],
+            "include_cls": hp["include_cls"]}
 
 
 def extra_macs(ctx: StepContext) -> ExtraMacs:
-    """The [CLS] row (where the tower has one) and the contextual merge's similarities."""
+    """The [CLS] row (where the tower has one) and the contextual merge's similarities: with [CLS] among the
+    dominant tokens (the official layout, where the projector can take it) one more patch is left to merge."""
     d, s = ctx.dims, ctx.settings
-    remaining = ctx.visual_before - s["dominant"]
+    with_cls = bool(s.get("include_cls", INCLUDE_CLS)) and ctx.cls_to_projector
+    remaining = ctx.visual_before - s["dominant"] + int(with_cls)
     cls_row = [(ctx.step.layer, "visionzip_vision_cls_row", d.heads * d.head_dim * ctx.seq_before)] if ctx.has_cls \
         else []
     # Cosine of every non-target remaining patch (merge group) with every target, head-mean keys.
@@ -71,7 +81,9 @@ SPEC = MethodSpec(
                 "projector reads, per head (q_cls from q_proj, K from k_proj)"),
            Need("keys", "vision L", "all", "head-mean key states of that layer (the contextual merge metric)"),
            Need("hidden", "vision L", "all", "that layer's output, the projector's input")),
-    hyperparameters={"dominant": DOMINANT, "contextual": CONTEXTUAL, "contextual_mode": CONTEXTUAL_MODE},
+    hyperparameters={"dominant": DOMINANT, "contextual": CONTEXTUAL, "contextual_mode": CONTEXTUAL_MODE,
+                     "include_cls": INCLUDE_CLS},
+    corrections=CORRECTIONS,
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="visionzip_reduce",
     source="dvlab-research/VisionZip 3151f6d",
     summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",

@@ -12,14 +12,21 @@ before the projector, text-agnostic:
    highest cosine similarity (argmax).
 4. Output ``[dominant, contextual]`` (``dominant + contextual`` tokens), then the projector.
 
-**Defects of the official code, fixed here** (each can be restored for a comparison):
+**The official behaviour is the default; ficoco's corrections are named settings** (a report labels
+them, ``ficoco.methods.registry.method_label``):
 
-- *The contextual token is a sum*: the official ``target + mean(members)`` has about twice a
-  token's norm. ``contextual_mode="mean"`` (default) averages the target with its members
-  (``(h_t + sum h_j) / (1 + count)``); ``"official"`` keeps the sum.
+- *The contextual token is a sum*: the official ``target + mean(members)`` (``contextual_mode=
+  "official"``, the default) has about twice a token's norm. ``contextual_mode="mean"`` (ficoco's
+  correction) averages the target with its members (``(h_t + sum h_j) / (1 + count)``).
 - *[CLS] is re-introduced into the LLM*: ``visionzip(dominant=D)`` keeps ``D - 1`` patches plus
-  [CLS], which LLaVA's feature selection drops. Here the ``dominant`` tokens are patches
-  (``include_cls=False``); ``include_cls=True`` keeps ``dominant - 1`` patches and [CLS] first.
+  [CLS] first (``include_cls=True``, the default), which LLaVA's feature selection drops.
+  ``include_cls=False`` (ficoco's correction) makes the ``dominant`` tokens patches. Where the
+  projector cannot take [CLS] the dominant tokens are patches whatever the setting: a tower
+  without one (SigLIP, the Qwen towers), InternVL's pixel-shuffle groups (four patches side by
+  side; [CLS] is not one), and Video-LLaVA, which hands every item's [CLS] to the LLM itself.
+
+Departures that are not settings (the official code's defects, fixed):
+
 - Global class patches of ``CLIPAttention``/``CLIPEncoderLayer`` with per-call state in
   ``_info``, and eager attention in all 24 layers: here a pure function of one layer's [CLS]
   row, keys and hidden states (the adapters compute that one row; SDPA stays on).
@@ -44,10 +51,11 @@ from torch import Tensor
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.ops import compute_dtype, gather_tokens, patch_scores_from_cls, top_indices, unit_keys
+from ficoco.methods.visionzip import CONTEXTUAL_MODE, INCLUDE_CLS
 
 __all__ = ["VisionZipOutput", "tower_step", "visionzip_reduce", "visionzip_scores"]
 
-CONTEXTUAL_MODES = ("mean", "official")
+CONTEXTUAL_MODES = ("official", "mean")
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,7 @@ def visionzip_scores(cls_row: Tensor, has_cls: bool = True) -> Tensor:
 
 
 def visionzip_reduce(hidden: Tensor, scores: Tensor, metric: Tensor, dominant: int, contextual: int,
-                     has_cls: bool = True, include_cls: bool = False, contextual_mode: str = "mean"
+                     has_cls: bool = True, include_cls: bool = INCLUDE_CLS, contextual_mode: str = CONTEXTUAL_MODE
                      ) -> VisionZipOutput:
     """Dominant patches plus contextual merged tokens, batched.
 
@@ -78,16 +86,17 @@ def visionzip_reduce(hidden: Tensor, scores: Tensor, metric: Tensor, dominant: i
         dominant: dominant tokens (with ``include_cls``, [CLS] is one of them).
         contextual: contextual tokens; 0 drops the rest.
         has_cls: whether position 0 is [CLS].
-        include_cls: the official code's [CLS] among the dominant tokens.
-        contextual_mode: ``"mean"`` or ``"official"`` (target plus the mean of its members).
+        include_cls: the official code's [CLS] among the dominant tokens (the default; False: ficoco's
+            correction, patches only). Only with ``has_cls``: without [CLS] the dominant tokens are patches.
+        contextual_mode: ``"official"`` (the default: target plus the mean of its members) or ``"mean"``
+            (ficoco's correction: the mean of the target and its members).
     """
     if contextual_mode not in CONTEXTUAL_MODES:
         raise FicocoError(f"VisionZip contextual_mode must be one of {', '.join(CONTEXTUAL_MODES)}")
     batch, tokens, width = hidden.shape
     offset = int(has_cls)
     patches = tokens - offset
-    if include_cls and not has_cls:
-        raise FicocoError("VisionZip: include_cls needs a tower with [CLS]")
+    include_cls = include_cls and has_cls  # no [CLS] to keep: the dominant tokens are patches
     kept_patches = dominant - int(include_cls)
     remaining = patches - kept_patches
     if not (0 <= kept_patches <= patches and 0 <= contextual <= remaining and dominant >= 1):
@@ -134,15 +143,25 @@ def visionzip_reduce(hidden: Tensor, scores: Tensor, metric: Tensor, dominant: i
 def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     """The model adapters' call at the tower's output, before the projector: ``inputs.hidden`` are
     the patches the projector would map ([CLS] dropped), scored by the [CLS] row of the layer the
-    projector reads (head sum; the equivalent token on a tower without [CLS])."""
+    projector reads (head sum; the equivalent token on a tower without [CLS]). With ``include_cls``
+    (the official layout) and the [CLS] state the adapter hands over where the projector can take it
+    (``inputs.cls_hidden``), [CLS] goes first among the dominant tokens."""
     if inputs.keys is None:
         raise RuntimeError("VisionZip needs the layer's key states from the adapter's probe")
     scores = patch_scores_from_cls(inputs, "sum")
     metric = unit_keys(inputs)
     dominant, contextual = settings["dominant"], settings["contextual"]
-    out = visionzip_reduce(inputs.hidden, scores, metric, dominant, contextual, has_cls=False,
-                           contextual_mode=settings.get("contextual_mode", "mean"))
-    merged = torch.full((inputs.hidden.shape[0], contextual), -1, dtype=torch.long, device=inputs.hidden.device)
+    hidden = inputs.hidden
+    with_cls = bool(settings.get("include_cls", INCLUDE_CLS)) and inputs.cls_hidden is not None
+    if with_cls:
+        # [CLS] in front of the patches; its row of the merge metric is never read (it is not merged).
+        hidden = torch.cat([inputs.cls_hidden.to(hidden.dtype), hidden], dim=1)
+        metric = torch.cat([metric[:, :1], metric], dim=1)
+    out = visionzip_reduce(hidden, scores, metric, dominant, contextual, has_cls=with_cls, include_cls=with_cls,
+                           contextual_mode=settings.get("contextual_mode", CONTEXTUAL_MODE))
+    items, device = hidden.shape[0], hidden.device
+    merged = torch.full((items, contextual), -1, dtype=torch.long, device=device)
+    cls = torch.full((items, int(with_cls)), -1, dtype=torch.long, device=device)  # [CLS] continues no patch
     # positions: where each token stands (a contextual token at its target), for adapters that place by unit.
-    return TowerOutput(hidden=out.hidden, kept=torch.cat([out.dominant_index, merged], dim=1),
-                       positions=torch.cat([out.dominant_index, out.target_index], dim=1))
+    return TowerOutput(hidden=out.hidden, kept=torch.cat([cls, out.dominant_index, merged], dim=1),
+                       positions=torch.cat([cls, out.dominant_index, out.target_index], dim=1))

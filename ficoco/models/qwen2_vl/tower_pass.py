@@ -88,6 +88,9 @@ class TowerPass:
     # (proportional attention: every later block adds it to its keys' logits); None before a merge.
     size: list[Tensor] | None = None
     bias: list[Tensor | None] = field(default_factory=list)
+    # A method with an order of its own (ToMe's official one): per image, that order of its groups (indices into
+    # them, `TowerOutput.sequence`), carried between blocks while the groups stay in image order; None: image order.
+    sequence: list[Tensor | None] = field(default_factory=list)
     # Per item: its temporal slices (video_grid_thw's t; 1 for an image), whose groups `kept_groups` numbers
     # slice by slice (slice x groups per slice + group).
     frames: list[int] = field(default_factory=list)
@@ -282,9 +285,6 @@ class TowerBlocks:
         adapter = self.adapter
         module = spec.load()
         settings = method_settings(handle, spec, schedule)
-        if settings.get("order", "spatial") != "spatial":
-            raise FicocoError(f"{spec.title} on {adapter.family_title} keeps the groups in image order (the "
-                              "PatchMerger and the 3-D positions read them so); order='official' is not supported here")
         rates = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "in_layer"}
         adapter.removed_per_image = sum(rates.values())
         order = adapter.order
@@ -359,6 +359,7 @@ class TowerBlocks:
         if tower.size is None:
             tower.size = [torch.ones(len(groups), device=hidden.device) for groups in tower.kept_groups]
             tower.bias = [None] * len(lengths)
+            tower.sequence = [None] * len(lengths)
         sizes: dict[tuple[int, int], list[int]] = {}
         for image, grid in enumerate(tower.grids):
             sizes.setdefault(grid, []).append(image)
@@ -374,9 +375,14 @@ class TowerBlocks:
             riding = adapter.riding_features(tower, images)
             if riding is not None:
                 units = torch.cat([units, riding.to(units.dtype)], dim=-1)
+            # The groups stay in image order (the PatchMerger and the 3-D positions read them so); a method with an
+            # order of its own (ToMe's official one) carries it in `sequence`, per image.
+            carried = [tower.sequence[i] for i in images]
             inputs = TowerInput(hidden=units, has_cls=False, remove=r, keys=torch.cat([keys[i] for i in images]),
                                 size=torch.stack([tower.size[i] for i in images]), positions=before,
-                                merge=adapter.merge, grid_hw=(rows // adapter.merge_size, cols // adapter.merge_size))
+                                merge=adapter.merge, grid_hw=(rows // adapter.merge_size, cols // adapter.merge_size),
+                                image_order=True,
+                                sequence=None if any(q is None for q in carried) else torch.stack(carried))
             out = handle.run_method(("vision", layer_idx), module.tower_step, inputs, settings)
             kept = out.positions  # original group of every unit that goes on, in image order
             gone = torch.zeros(len(images), rows * cols // adapter.merge, dtype=torch.bool, device=kept.device)
@@ -396,6 +402,7 @@ class TowerBlocks:
                 current[image] = where[b]
                 tower.kept_groups[image] = kept[b]
                 tower.size[image] = out.size[b]
+                tower.sequence[image] = None if out.sequence is None else out.sequence[b]
                 tower.bias[image] = None if out.attention_bias is None else \
                     out.size[b].log().repeat_interleave(adapter.merge)[None, None, None, :]
         members = torch.arange(adapter.merge, device=hidden.device)
