@@ -593,6 +593,7 @@ def sweep_command(
         help="slurm: each point's time limit in minutes (default 120).")] = None,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
+    hp: HpOpt = None,
 ) -> None:
     """Cost (and with --measure/--fidelity measure) every method at every budget point; one report, figures.
     Measured points run each in its own process (--executor), stored as they finish in --out; a rerun resumes."""
@@ -634,7 +635,8 @@ def sweep_command(
         quants=tuple(split_list(quant, "--quant")), text_tokens=text_tokens, image_size=parse_image_size(image_size),
         frames=frames, overrides=tuple(set_values or ()), measure=measure, fidelity=fidelity, samples=samples,
         warmup=warmup, repeat=repeat, device=device, weights=weights, dtype=dtype, seed=seed,
-        device_map=device_map, max_memory=max_memory)
+        device_map=device_map, max_memory=max_memory,
+        hyperparameters=check.method_settings(hp, split_list(variant, "--variant")))
     report = run_sweep(config, json_path, plot, err if json_path == "-" else out, out=out_folder, executor=options)
     if report.get("failed"):
         raise typer.Exit(1)
@@ -706,6 +708,7 @@ def eval_command(
     timeout_min: Annotated[int | None, typer.Option(
         "--timeout-min", callback=check.whole_number(1, 60 * 24 * 30), help="slurm: each point's limit in minutes.")
     ] = None,
+    hp: HpOpt = None,
 ) -> None:
     """Accuracy beside cost: every method at every budget through lmms-eval on a local checkpoint, joined into
     one table (score, retention against vanilla, agreement with vanilla's answers, TFLOPs, visual tokens,
@@ -746,7 +749,8 @@ def eval_command(
         quants=tuple(split_list(quant, "--quant")), text_tokens=text_tokens, frames=frames, device=device,
         weights=str(Path(folder).expanduser().resolve()), dtype=dtype,
         eval_tasks=task_names, eval_include=includes, eval_limit=limit,
-        eval_batch_size=batch_size, eval_max_new_tokens=max_new_tokens, kv_bits=kv_bits)
+        eval_batch_size=batch_size, eval_max_new_tokens=max_new_tokens, kv_bits=kv_bits,
+        hyperparameters=check.method_settings(hp, split_list(variant, "--variant")))
     report = run_sweep(config, json_path, plot, err if json_path == "-" else out, out=out_folder, executor=options)
     if report.get("failed"):
         raise typer.Exit(1)

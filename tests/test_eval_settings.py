@@ -84,3 +84,23 @@ def test_the_readme_installs_the_lmms_eval_release_range_the_eval_extra_names() 
     commands = re.findall(r'pip install --no-deps "(lmms-eval[^"]*)"', readme)
     assert commands and all(c == pinned for c in commands), (pinned, commands)
     assert (ROOT / ".ci" / "run").read_text().count(f'pip install --no-deps "{pinned}"') >= 1
+
+
+def test_an_evaluated_points_model_args_carry_its_budget_and_its_methods_own_corrections(tmp_path: Path) -> None:
+    """`ficoco eval --hp contextual_mode=mean`: VisionZip's points run (and are labelled) with the correction,
+    FiCoCo-V's points are not handed a setting their method does not have."""
+    from ficoco.methods.registry import method_label
+    from ficoco.sweep.plan import SweepConfig, eval_model_args, plan_points, sweep_profile
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text((ROOT / "profiles" / "llava-tiny.json").read_text())
+    config = SweepConfig(model="llava-tiny", variants=("vanilla", "v", "visionzip"), keep=(16,),
+                         weights=str(checkpoint), eval_tasks=("colours",), hyperparameters={"contextual_mode": "mean"})
+    points = {p.variant: p for p in plan_points(config, sweep_profile(config))}
+    zipped = eval_model_args(config, points["visionzip"], "out.json")
+    assert zipped["contextual_mode"] == "mean" and zipped["keep"] == 16 and zipped["profile"] == "llava-tiny"
+    assert "contextual_mode" not in eval_model_args(config, points["v"], None)
+    assert method_label("visionzip", points["visionzip"].schedule.settings_dict()) == \
+        "VisionZip (ficoco: mean contextual token)"
+    assert parse_model_args(zipped).hyperparameters == {"contextual_mode": "mean"}

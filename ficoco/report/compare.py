@@ -107,7 +107,8 @@ METRICS = (
 KL_FLOOR_NATS = 1e-3
 
 FINGERPRINT_KEYS = ("model", "variant", "schedule", "quant", "dtype", "batch", "text_tokens", "new_tokens",
-                    "device_kind", "kv_bits")  # kv_bits: None (absent in older reports) is the unquantized cache
+                    "device_kind", "kv_bits", "corrections")  # kv_bits: None (absent in older reports) is the
+# unquantized cache; corrections: None is the method's official code (older reports hold no settings)
 ENVIRONMENT_KEYS = ("device", "cpu", "threads", "python", "torch", "transformers", "accelerate", "hqq", "bitsandbytes",
                     "driver")
 
@@ -149,13 +150,19 @@ def fingerprint(row: dict[str, Any]) -> tuple[Any, ...]:
     if backend.get("upcast_layers"):
         values["dtype"] += f" on {backend.get('storage_dtype')}, {backend['upcast_layers']} upcast layers"
     values["schedule"] = json.dumps(row.get("schedule"), sort_keys=True)
+    # A run of ficoco's correction of a method is another measurement than the official method's.
+    from ficoco.methods.registry import corrections_on
+
+    settings = row.get("settings") or (row.get("analytic") or {}).get("settings")
+    values["corrections"] = ", ".join(corrections_on(str(row.get("variant")), settings)) or None
     return tuple(values.get(k) for k in FINGERPRINT_KEYS)
 
 
 def describe(key: tuple[Any, ...]) -> str:
     values = dict(zip(FINGERPRINT_KEYS, key, strict=True))
     removed = sum(e.get("remove", 0) for e in json.loads(values["schedule"] or "[]"))
-    return (f"{values['model']} {values['variant']} {values['quant']} batch {values['batch']}"
+    label = values["variant"] + (f" (ficoco: {values['corrections']})" if values.get("corrections") else "")
+    return (f"{values['model']} {label} {values['quant']} batch {values['batch']}"
             + (f" kv{values['kv_bits']}" if values.get("kv_bits") else "")
             + (f" (removes {removed})" if removed else ""))
 

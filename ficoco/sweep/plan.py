@@ -69,6 +69,9 @@ class SweepConfig:
     eval_batch_size: int = 1
     eval_max_new_tokens: int | None = None
     kv_bits: int | None = None  # the evaluated model's quantized KV cache (8, 4, 2 bits)
+    # Methods' hyperparameters (`--hp contextual_mode=mean`), each to the variants whose method has it: a
+    # correction of a method's official code runs, and is labelled, at every point of that method.
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if bool(self.keep) == bool(self.tflops):
@@ -175,6 +178,7 @@ def plan_points(config: SweepConfig, profile: Profile, skipped: list[dict[str, A
     arch = acc.architecture(profile)
     opts = acc.CountOptions(convention=config.convention, scope=config.scope, text_tokens=config.text_tokens)
     variants = [VANILLA, *(v for v in config.variants if v != VANILLA)]
+    per_variant = acc.method_hyperparameters(variants, config.hyperparameters)
     points: list[Point] = []
     left_out: list[tuple[dict[str, Any], FicocoError]] = []
     for quant_name in config.quants:
@@ -192,7 +196,8 @@ def plan_points(config: SweepConfig, profile: Profile, skipped: list[dict[str, A
                                       "reason": f"refused on {arch.family}: {reason}"}, error))
                     continue
                 try:
-                    schedule = acc.resolve_schedule(arch, variant, opts, config.request(budget))
+                    schedule = acc.resolve_schedule(arch, variant, opts, config.request(budget),
+                                                    hyperparameters=per_variant.get(variant))
                 except FicocoError as exc:
                     if variant == VANILLA:
                         raise FicocoError(f"{where}: {exc}") from None
@@ -354,7 +359,14 @@ def eval_model_args(config: SweepConfig, point: Point, out: str | None) -> dict[
                             "shape": config.shape if point.budget else None,
                             "first_layer": config.first_layer if point.budget else None}
     args.update(point.budget or {})
+    args.update({k: v for k, v in config.hyperparameters.items() if k in _hyperparameters_of(point.variant)})
     return {key: value for key, value in args.items() if value is not None}
+
+
+def _hyperparameters_of(variant: str) -> tuple[str, ...]:
+    from ficoco.methods.registry import METHODS
+
+    return tuple(METHODS[variant].hyperparameters) if variant in METHODS else ()
 
 
 def evaluate_point(config: SweepConfig, point: Point, out: str | None) -> Point:
