@@ -598,7 +598,6 @@ def sweep_command(
     """Cost (and with --measure/--fidelity measure) every method at every budget point; one report, figures.
     Measured points run each in its own process (--executor), stored as they finish in --out; a rerun resumes."""
     from ficoco.sweep import SweepConfig
-    from ficoco_cli.sweep_cmd import run_sweep
 
     if keep is not None and tflops is not None:
         raise FicocoError("give the points as --keep or as --tflops, not both")
@@ -637,6 +636,13 @@ def sweep_command(
         warmup=warmup, repeat=repeat, device=device, weights=weights, dtype=dtype, seed=seed,
         device_map=device_map, max_memory=max_memory,
         hyperparameters=check.method_settings(hp, split_list(variant, "--variant")))
+    _run_sweep(config, json_path, plot, out_folder, options)
+
+
+def _run_sweep(config: Any, json_path: str | None, plot: str | None, out_folder: str | None, options: Any) -> None:
+    """A sweep or an evaluation run (ficoco_cli.sweep_cmd), exit 1 when a point failed."""
+    from ficoco_cli.sweep_cmd import run_sweep
+
     report = run_sweep(config, json_path, plot, err if json_path == "-" else out, out=out_folder, executor=options)
     if report.get("failed"):
         raise typer.Exit(1)
@@ -720,7 +726,6 @@ def eval_command(
     from ficoco.profiles import load_profile
     from ficoco.sweep import SweepConfig
     from ficoco.sweep.executors import ExecutorOptions
-    from ficoco_cli.sweep_cmd import run_sweep
 
     if keep is not None and tflops is not None:
         raise FicocoError("give the points as --keep or as --tflops, not both")
@@ -751,9 +756,7 @@ def eval_command(
         eval_tasks=task_names, eval_include=includes, eval_limit=limit,
         eval_batch_size=batch_size, eval_max_new_tokens=max_new_tokens, kv_bits=kv_bits,
         hyperparameters=check.method_settings(hp, split_list(variant, "--variant")))
-    report = run_sweep(config, json_path, plot, err if json_path == "-" else out, out=out_folder, executor=options)
-    if report.get("failed"):
-        raise typer.Exit(1)
+    _run_sweep(config, json_path, plot, out_folder, options)
 
 
 @app.command("show")

@@ -140,6 +140,24 @@ def read_report(path: str | Path, schemas: tuple[str, ...] = (REPORT_SCHEMA,)) -
     return data
 
 
+def _judge_by_kind(metric: Metric, change: float, worse: bool, judge: str,
+                   timed_refused: str | None) -> tuple[str, str] | None:
+    """The verdicts every report's metrics share: a deterministic figure may not move beyond 0.1 %, and a timed
+    one is not judged where `judge` or the machines (`timed_refused`) say so; None: the caller judges the timed
+    figure itself."""
+    if metric.kind == "deterministic" and judge == "timed":
+        return "not judged", "judge=timed: deterministic metrics not judged"
+    if metric.kind == "deterministic":
+        moved = abs(change) > DETERMINISTIC_TOLERANCE
+        return ("ok" if not moved else ("regression" if worse else "improvement"),
+                "deterministic: any change beyond 0.1% counts")
+    if judge == "deterministic":
+        return "not judged", "judge=deterministic: timed metrics not judged"
+    if timed_refused:
+        return "not judged", timed_refused
+    return None
+
+
 def fingerprint(row: dict[str, Any]) -> tuple[Any, ...]:
     """What makes two rows the same measurement."""
     values = dict(row)
@@ -357,16 +375,8 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
             worse = (n < b) if metric.better == HIGHER else (n > b)
             if metric.kind == "fidelity":
                 verdict, detail = _judge_fidelity(metric, b, n, change, worse, tolerance, judge)
-            elif metric.kind == "deterministic" and judge == "timed":
-                verdict, detail = "not judged", "judge=timed: deterministic metrics not judged"
-            elif metric.kind == "deterministic":
-                moved = abs(change) > DETERMINISTIC_TOLERANCE
-                verdict = "ok" if not moved else ("regression" if worse else "improvement")
-                detail = "deterministic: any change beyond 0.1% counts"
-            elif judge == "deterministic":
-                verdict, detail = "not judged", "judge=deterministic: timed metrics not judged"
-            elif timed_refused:
-                verdict, detail = "not judged", timed_refused
+            elif (shared := _judge_by_kind(metric, change, worse, judge, timed_refused)) is not None:
+                verdict, detail = shared
             elif metric.kind == "ratio" or absolute:
                 verdict, detail = _judge_timed(metric, b_row, n_row, base_rows, new_rows, key, change, worse,
                                                tolerance)
@@ -619,16 +629,8 @@ def _judge_eval_figures(result: Comparison, name: str, b: dict[str, Any], n: dic
             detail += f" (answers equal to vanilla's, {n['agreement_samples']} documents)"
         else:
             change = (nv - bv) / abs(bv) if bv else (0.0 if nv == bv else math.inf)
-            if metric.kind == "deterministic" and judge == "timed":
-                verdict, detail = "not judged", "judge=timed: deterministic metrics not judged"
-            elif metric.kind == "deterministic":
-                moved = abs(change) > DETERMINISTIC_TOLERANCE
-                verdict = "ok" if not moved else ("regression" if worse else "improvement")
-                detail = "deterministic: any change beyond 0.1% counts"
-            elif judge == "deterministic":
-                verdict, detail = "not judged", "judge=deterministic: timed metrics not judged"
-            elif timed_refused:
-                verdict, detail = "not judged", timed_refused
+            if (shared := _judge_by_kind(metric, change, worse, judge, timed_refused)) is not None:
+                verdict, detail = shared
             elif absolute:
                 verdict, detail = _judge_timed(metric, {}, {}, {}, {}, (), change, worse, tolerance)
             else:
