@@ -724,7 +724,7 @@ def eval_command(
     from ficoco.accounting import architecture
     from ficoco.eval.run import check_tasks
     from ficoco.profiles import load_profile
-    from ficoco.sweep import SweepConfig
+    from ficoco.sweep import SweepConfig, plan_points, sweep_profile
     from ficoco.sweep.executors import ExecutorOptions
 
     if keep is not None and tflops is not None:
@@ -741,8 +741,6 @@ def eval_command(
     if text_tokens is None:  # the budget planned as `ficoco flops` plans it: at the profile's text tokens
         text_tokens = architecture(load_profile(model if weights is not None else folder)).text_tokens
     includes = tuple(str(Path(p).expanduser().resolve()) for p in include_path or ())
-    task_names = tuple(split_list(tasks, "--tasks"))
-    check_tasks(task_names, includes, "ERROR")  # lmms-eval installed, every task known: before any point starts
     options = ExecutorOptions(name=executor, workers=workers, gpus_per_point=gpus_per_point,
                               cpus_per_point=cpus_per_point, ray_address=ray_address, slurm_partition=slurm_partition,
                               timeout_min=timeout_min, device=device)
@@ -753,9 +751,12 @@ def eval_command(
         shape=shape, first_layer=first_layer, convention=convention, scope=scope,
         quants=tuple(split_list(quant, "--quant")), text_tokens=text_tokens, frames=frames, device=device,
         weights=str(Path(folder).expanduser().resolve()), dtype=dtype,
-        eval_tasks=task_names, eval_include=includes, eval_limit=limit,
+        eval_tasks=tuple(split_list(tasks, "--tasks")), eval_include=includes, eval_limit=limit,
         eval_batch_size=batch_size, eval_max_new_tokens=max_new_tokens, kv_bits=kv_bits,
         hyperparameters=check.method_settings(hp, split_list(variant, "--variant")))
+    plan_points(config, sweep_profile(config))  # every budget and method checked first (the plan is cheap)
+    # lmms-eval installed, every task known (its task index takes seconds): before any point starts.
+    check_tasks(config.eval_tasks, includes, "ERROR")
     _run_sweep(config, json_path, plot, out_folder, options)
 
 

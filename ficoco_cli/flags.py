@@ -82,9 +82,10 @@ FLAGS: dict[str, str] = {
 
 # `name=` where name is a whole keyword: not the tail of a longer name (`foo_keep=`), of a dotted
 # key (`--set text_config.keep=`) or of a flag. What follows decides the form: a value
-# (`keep=64` -> `--keep 64`), True/False for a switch, or nothing (`keep=,` -> `--keep,`).
+# (`keep=64` -> `--keep 64`, an absolute path `image=/data/a.png` -> `--image /data/a.png`), True/False
+# for a switch, or nothing (`keep=,` -> `--keep,`; `image=/video=` lists alternatives: `--image/--video`).
 _KEYWORD = re.compile(r"(?<![\w.\-=])(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")=(True|False)?"
-                      r"(?=([^\s,;:/)\]]?))")
+                      r"(?=((?:[^\s,;:/)\]]|/(?![A-Za-z_]+=))?))")
 _LIBRARY = Path(__file__).resolve().parent.parent / "ficoco"
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -380,6 +381,17 @@ def _json_numbers(text: str) -> list[float]:
 
 # ---- command lines ------------------------------------------------------------------------------------------
 
+# `--hp NAME=VALUE`: a method's hyperparameter (one the drawn variants may or may not have), a value of the
+# wrong kind, or no NAME=VALUE at all. An error names the option or the hyperparameter.
+HP_VALUES = ("contextual_mode=mean", "contextual_mode=official", "lam=0.5", "layer=3", "ratio=0.25",
+             "equivalent_token=true", "equivalent_token=maybe", "layer=x", "bogus=1", "=", "lam", "", " ", "ratio=")
+
+
+def hp_option() -> st.SearchStrategy[Arg]:
+    return st.sampled_from(HP_VALUES).map(lambda v: Arg(("--hp", v), not re.fullmatch(r"[A-Za-z_]\w*=.+", v.strip()),
+                                                        ("--hp", v.split("=")[0].strip() or "--hp")))
+
+
 def schedule_text() -> st.SearchStrategy[Arg]:
     """`--schedule LAYER:REMOVED,...`; invalid by kind: no entry, an entry not LAYER:REMOVED, a layer named twice."""
     entry = st.tuples(st.integers(0, 40), st.integers(0, 700)).map(lambda e: f"{e[0]}:{e[1]}")
@@ -461,6 +473,7 @@ def flops_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
         "set": set_option(),
         "set-again": set_option(),
         "tolerance": number("--tolerance", floats=True, low=0, high=math.inf),
+        "hp": hp_option(),
     }
     base = [draw(model(paths, [*TINY, *LARGE])), draw(names_list("--variant", VARIANTS))]
     return command_line(draw, base, options, first=SCHEDULE_SOURCES)
@@ -512,6 +525,7 @@ def profile_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
                            st.sampled_from(paths.bad_inputs).map(lambda p: option("--video", p, bad=True, path=True))),
         "fidelity": switch("--fidelity"),
         "set": set_option(cheap=True),
+        "hp": hp_option(),
         "seed": number("--seed", floats=False, low=0, high=2**32 - 1),
         "device-map": choice("--device-map", ["auto", "balanced", "cpu-offload"]),
         "max-memory": mostly(st.sampled_from(["cpu=900KiB", "cpu=1GiB", "cpu=2MB"]).map(
@@ -603,6 +617,7 @@ def sweep_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
                           lambda p: option("--out", p, bad=True, path=True))),
         "executor": choice("--executor", ["local"]),
         "workers": counts("--workers", cheap=2),
+        "hp": hp_option(),
         # The engines' own settings: refused with the local pool (the only executor drawn here).
         **{flag.lstrip("-"): st.sampled_from(values).map(lambda v, flag=flag: option(flag, v, bad=True))
            for flag, values in (("--gpus-per-point", ["1", "0", "-1", "x"]), ("--cpus-per-point", ["1", "0", "x"]),
@@ -640,6 +655,49 @@ def show_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
     base = [draw(model(paths, ["llava-tiny", "qwen2-vl-tiny", "llava-next-tiny", "video-llava-tiny"])),
             draw(choice("--variant", ["v", "l"])), draw(out)]
     return command_line(draw, base, options, most=3, first=("keep", "tflops", "schedule"))
+
+
+@st.composite
+def eval_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
+    """`eval` on a checkout without weights: every line ends before a point runs, in one error line (the
+    tasks drawn are unknown to lmms-eval, or an option is wrong by its kind), or exit 1 where a point
+    starts and finds no weights."""
+    options = {
+        "keep": counts_list("--keep", cheap=64),
+        "tflops": budget_list("--tflops"),
+        "shape": choice("--shape", ["uniform", "oneshot"]),
+        "first-layer": counts("--first-layer", low=0),
+        "convention": choice("--convention", ["flops", "macs", "llm-viewer", "paper"]),
+        "scope": choice("--scope", ["llm", "all"]),
+        "quant": names_list("--quant", QUANTS),
+        "kv-bits": bit_widths("--kv-bits", (2, 4, 8)),
+        "text-tokens": counts("--text-tokens", cheap=16),
+        "frames": counts("--frames", cheap=4),
+        "weights": st.sampled_from([*paths.bad_inputs[:2], paths.checkout]).map(
+            lambda p: option("--weights", p, bad=p != paths.checkout, path=True)),
+        "include-path": st.sampled_from([*paths.bad_inputs[:2], str(paths.folder)]).map(
+            lambda p: option("--include-path", p, bad=p != str(paths.folder), path=True)),
+        "limit": counts("--limit", cheap=4),
+        "batch-size": counts("--batch-size", cheap=4),
+        "max-new-tokens": counts("--max-new-tokens", cheap=8),
+        "device": choice("--device", ["cpu", "auto"]),
+        "dtype": choice("--dtype", ["auto", "bf16", "fp16", "fp32"]),
+        "json": output("--json", paths),
+        "plot": plot_folder(paths),
+        "out": st.sampled_from([paths.report, "", " "]).map(lambda p: option("--out", p, bad=not p.strip(), path=True)),
+        "executor": choice("--executor", ["local"]),
+        "workers": counts("--workers", cheap=2),
+        "hp": hp_option(),
+        **{flag.lstrip("-"): st.sampled_from(values).map(lambda v, flag=flag: option(flag, v, bad=True))
+           for flag, values in (("--gpus-per-point", ["0", "-1", "x"]), ("--cpus-per-point", ["0", "x"]),
+                                ("--ray-address", ["auto"]), ("--slurm-partition", ["gpu"]),
+                                ("--timeout-min", ["0", "x"]))},
+    }
+    tasks = st.sampled_from(["no_such_task", "", " ", "a,,b", "no_such_task,other"]).map(
+        lambda t: option("--tasks", t, bad=not t.strip() or ",," in t))
+    base = [draw(st.sampled_from([paths.checkout, "llava-tiny", *paths.bad_inputs[:2]]).map(
+        lambda m: option("--model", m, path=True))), draw(names_list("--variant", VARIANTS)), draw(tasks)]
+    return command_line(draw, base, options, most=4, first=("keep", "tflops"))
 
 
 # ---- the tests ------------------------------------------------------------------------------------------------
@@ -698,6 +756,17 @@ def test_sweep_any_option_values_end_in_a_report_or_one_error_line(paths: Paths)
     @given(sweep_lines(paths))
     def run(line: Lines) -> None:
         run_and_check(["sweep", *line[0]], line[1])
+
+    run()
+
+
+def test_eval_any_option_values_end_in_one_error_line_before_a_point_runs(paths: Paths) -> None:
+    pytest.importorskip("lmms_eval", reason="the README's test command installs lmms-eval")
+
+    @fuzz(examples=8)
+    @given(eval_lines(paths))
+    def run(line: Lines) -> None:
+        run_and_check(["eval", *line[0]], line[1], codes=(1, 2))
 
     run()
 

@@ -310,7 +310,8 @@ def test_a_30_percent_lower_speedup_on_the_real_samples_is_a_regression(base, co
     """The same on the machine's own samples: a 30% shift stands well clear of their usual noise."""
     for variant in ("vanilla", "v"):
         runs = row(base, variant, "fp16")["latency"]["samples_ms"]
-        if max(runs) > 3 * min(runs):
+        # A spread wider than the 30 % shift itself leaves the shifted samples inside the base's: noise.
+        if max(runs) > min(runs) / 0.7:
             pytest.skip(f"the machine was too busy for this check ({variant} runs spread {max(runs) / min(runs):.1f}x)")
     code, parsed, _ = compare_json(base, slower_v(base))
     assert code == 1

@@ -95,8 +95,8 @@ def check_tasks(tasks: Sequence[str], include_paths: Sequence[str] = (), log_lev
     manager = task_manager(include_paths, log_level)
     missing = [task for task in tasks if task not in set(manager.all_tasks)]
     if missing:
-        raise FicocoError(f"lmms-eval knows no task {', '.join(missing)}; check the name (`lmms-eval tasks list`) or "
-                          "give eval_include= with the folder of its YAML")
+        raise FicocoError(f"eval_tasks={','.join(tasks)}: lmms-eval knows no task {', '.join(missing)}; check the "
+                          "name (`lmms-eval tasks list`) or give eval_include= with the folder of its YAML")
     return manager
 
 
