@@ -67,6 +67,10 @@ METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision
                            "test_methods_holitom.py"})
 
 
+# Files whose module fixtures run lmms-eval several times (minutes on a 2-core CPU).
+LONGEST_FIRST = frozenset({"test_eval_lmms.py", "test_cli_eval.py"})
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     from ficoco.versions import package_versions
 
@@ -76,7 +80,9 @@ def pytest_report_header(config: pytest.Config) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The contract tests first and the transformers tests marked; a changed contact skips the
     behavioural ones; `gpu` tests need FICOCO_GPU_TESTS=1 and a CUDA device torch can use."""
-    items.sort(key=lambda item: item.path.name != CONTRACT_TESTS)  # stable: the rest keep their order
+    # Stable: the contract first, then the longest files (the lmms-eval runs, minutes each), so that on two
+    # workers they overlap the many short files rather than run alone at the end; the rest keep their order.
+    items.sort(key=lambda item: (item.path.name != CONTRACT_TESTS, item.path.name not in LONGEST_FIRST))
     sensitive = [item for item in items if item.path.name in TRANSFORMERS_TESTS]
     for item in sensitive:
         item.add_marker(pytest.mark.transformers)
