@@ -480,9 +480,7 @@ class EvalSession:
     def record(self) -> dict[str, Any]:
         """The run's `ficoco.eval/1` record: settings, the schedule at the profile's layout, every sample's
         answer and cost, the timing. Scores are lmms-eval's (`ficoco eval` adds them as `tasks`)."""
-        from ficoco.methods import registry
-
-        label = getattr(registry, "method_label", None)
+        from ficoco.methods.registry import method_label
 
         costed = [s for s in self.samples if s.get("tflops") is not None]
         mean = (lambda key: sum(s[key] for s in costed) / len(costed) if costed else None)  # noqa: E731
@@ -491,7 +489,7 @@ class EvalSession:
             "schema": EVAL_SCHEMA, "status": "ok", "created": self.started, "ficoco_version": ficoco.__version__,
             "checkpoint": self.folder, "model": self.profile.name, "family": self.family,
             "variant": self.settings.method,
-            "method_label": label(self.settings.method, schedule.settings_dict()) if label else self.settings.method,
+            "method_label": method_label(self.settings.method, schedule.settings_dict()),
             "budget": self.settings.budget(), "hyperparameters": dict(self.settings.hyperparameters),
             "schedule": schedule.to_json(), "settings": self.settings.to_json(),
             "quant": self.settings.quant, "kv_bits": self.settings.kv_bits, "device": str(self.device),
