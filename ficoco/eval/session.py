@@ -105,11 +105,6 @@ class ForcedTokens:
         return forced.scatter(1, column.unsqueeze(1), 0.0)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
 def left_pad(encodings: list[dict[str, Tensor]], pad_id: int) -> dict[str, Tensor]:
     """One batch of single-prompt encodings, as a processor batches them: token inputs left-padded to the
     longest prompt (padding masked), every other input concatenated along its first dimension."""
