@@ -188,6 +188,11 @@ JsonOpt = Annotated[str | None, typer.Option(
     "--json", callback=check.output_file, help="Write the JSON report here (- for stdout).")]
 WideOpt = Annotated[bool, typer.Option(
     "--wide", help="Show every column (the default table fits 80 columns; the JSON report has everything).")]
+# The count of a sweep's or an evaluation's points (`ficoco sweep`, `ficoco eval`).
+PointsConventionOpt = Annotated[str, typer.Option(
+    "--convention", callback=check.choice(CONVENTIONS), help="flops, macs, llm-viewer, paper or visual-macs.")]
+PointsScopeOpt = Annotated[str, typer.Option(
+    "--scope", callback=check.choice(SCOPES), help="llm (decoder + LM head) or all.")]
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 DeviceMapOpt = Annotated[str | None, typer.Option(
     "--device-map", help="Split the model through accelerate: auto (GPUs, then CPU memory, then disk), balanced "
@@ -533,11 +538,8 @@ def sweep_command(
     ] = None,
     shape: ShapeOpt = None,
     first_layer: FirstLayerOpt = None,
-    convention: Annotated[str, typer.Option(
-        "--convention", callback=check.choice(CONVENTIONS), help="flops, macs, llm-viewer, paper or visual-macs.")
-    ] = "flops",
-    scope: Annotated[str, typer.Option(
-        "--scope", callback=check.choice(SCOPES), help="llm (decoder + LM head) or all.")] = "llm",
+    convention: PointsConventionOpt = "flops",
+    scope: PointsScopeOpt = "llm",
     quant: Annotated[str, typer.Option(
         "--quant", callback=check.list_of(tuple(QUANT_BITS)), help="fp16, int8, int4 or several (one model each).")
     ] = "fp16",
@@ -675,11 +677,8 @@ def eval_command(
         "--max-new-tokens", callback=check.whole_number(1), help="Cap every task's new tokens.")] = None,
     shape: ShapeOpt = None,
     first_layer: FirstLayerOpt = None,
-    convention: Annotated[str, typer.Option(
-        "--convention", callback=check.choice(CONVENTIONS), help="flops, macs, llm-viewer, paper or visual-macs.")
-    ] = "flops",
-    scope: Annotated[str, typer.Option(
-        "--scope", callback=check.choice(SCOPES), help="llm (decoder + LM head) or all.")] = "llm",
+    convention: PointsConventionOpt = "flops",
+    scope: PointsScopeOpt = "llm",
     quant: Annotated[str, typer.Option(
         "--quant", callback=check.list_of(tuple(QUANT_BITS)), help="fp16, int8, int4 or several.")] = "fp16",
     kv_bits: Annotated[int | None, typer.Option(
