@@ -22,6 +22,7 @@ from ficoco.models.attention import SUPPORTED_ATTENTION, check_attention_impleme
 from ficoco.models.build import build_model
 from ficoco.models.entry import Entry
 from ficoco.models.handle import Handle, Hyperparameters, LayerRecord
+from ficoco.models.patching import method_settings
 from ficoco.profiles import FAMILY_DEFAULTS, Profile
 
 __all__ = ["Handle", "Hyperparameters", "LayerRecord", "ScheduleRequest", "apply", "build_model", "profile_of"]
@@ -127,6 +128,8 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
         raise FicocoError(f"the schedule is for variant '{sched.variant}', not '{variant}'")
     adapter = adapter_for(model)
     handle = Handle(model=model, variant=variant, schedule=sched, hyperparameters=params)
+    # How the method's attention reads compute their scores (the official rule unless a correction says float32).
+    handle.attention_scores = method_settings(handle, spec, sched).get("attention_scores", handle.attention_scores)
     removed = sched.removed_at()
     # The wrappers go in even for an empty schedule, so that "nothing removed" runs through
     # the patched path and can be checked against the unpatched model. A refusal on the way

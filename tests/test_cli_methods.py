@@ -29,7 +29,7 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path, c
     by_name = {m["name"]: m for m in report["methods"]}
     assert set(by_name) == set(METHODS)
     assert by_name["fastv"]["acts_at"] == "llm_layer" and by_name["fastv"]["placement"] == "layer_input"
-    assert by_name["fastv"]["hyperparameters"] == {"layer": 2, "ratio": 0.5}
+    assert by_name["fastv"]["hyperparameters"] == {"layer": 2, "ratio": 0.5, "attention_scores": "model"}
     assert by_name["v"]["acts_at"] == "vision_layer" and by_name["v"]["wired"]
     assert by_name["pdrop"]["families"] == ["llava", "llava_next", "qwen2_vl", "video_llava", "llava_onevision",
                                             "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "internvl"]
@@ -274,9 +274,13 @@ def test_methods_lists_the_official_defaults_beside_the_named_corrections(tmp_pa
     assert by_name["visionzip"]["hyperparameters"]["contextual_mode"] == "official"
     assert by_name["visionzip"]["corrections"] == {
         "contextual_mode": [{"value": "mean", "means": "mean contextual token"}],
-        "include_cls": [{"value": False, "means": "[CLS] dropped"}]}
+        "include_cls": [{"value": False, "means": "[CLS] dropped"}],
+        "attention_scores": [{"value": "float32", "means": "float32 attention scores"}]}
     assert by_name["tome"]["corrections"] == {"order": [{"value": "spatial", "means": "spatial order"}]}
-    assert by_name["fastv"]["corrections"] == {}
+    # Every method that reads attention probabilities reads them by the model's rule; float32 is a correction.
+    assert by_name["fastv"]["corrections"] == {
+        "attention_scores": [{"value": "float32", "means": "float32 attention scores"}]}
+    assert by_name["dart"]["corrections"] == {}
     text = " ".join(result.out.split())
     assert "spatial = spatial order" in text and "--hp NAME=VALUE" in text
 

@@ -31,19 +31,33 @@ def test_weights_are_quantized_right_after_a_build_on_the_gpu(quant: str, arch_o
     assert model_weight_bytes(model) == pytest.approx(analytic, rel=0.005)
 
 
-def test_probe_equals_sdpa_on_the_gpu_in_fp16() -> None:
+def test_the_reads_equal_the_eager_probabilities_and_the_layer_runs_sdpa_on_the_gpu_in_fp16() -> None:
+    from types import SimpleNamespace
+
+    from ficoco.methods.reads.ops import DenseAttention
+
     generator = torch.Generator(device="cuda").manual_seed(0)
     shape = (2, 8, 300, 64)
     query, key, value = (torch.randn(shape, generator=generator, device="cuda", dtype=torch.float16)
                          for _ in range(3))
     module = torch.nn.Module()
     module.is_causal = True
+    module._ficoco_original_config = SimpleNamespace(_attn_implementation="sdpa")
     module._ficoco_probe = ProbeSlot()
-    output, _ = probe_attention(module, query, key, value, None)
+    output, _ = probe_attention(module, query, key, value, None, scaling=64**-0.5)
     reference = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True)
-    torch.testing.assert_close(output, reference.transpose(1, 2), atol=2e-3, rtol=2e-3)
-    attn, _ = module._ficoco_probe.take()
-    torch.testing.assert_close(attn.sum(-1), torch.ones(2, 300, device="cuda"))
+    torch.testing.assert_close(output, reference.transpose(1, 2).contiguous(), atol=0, rtol=0)  # its own kernel
+    reads, _ = module._ficoco_probe.take()
+    # transformers' eager attention: the product and the scale in fp16, the mask, softmax in float32 cast back.
+    scores = torch.matmul(query, key.transpose(-1, -2)) * 64**-0.5
+    causal = torch.ones(300, 300, dtype=torch.bool, device="cuda").tril()
+    eager = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1, dtype=torch.float32).to(torch.float16)
+    dense = DenseAttention(eager.float().mean(dim=1))
+    rows = torch.tensor([[0, 150, 299], [7, 8, 9]], device="cuda")
+    torch.testing.assert_close(reads.column_sum(), dense.column_sum(), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(reads.rows(rows), dense.rows(rows), atol=1e-4, rtol=1e-3)
+    # A read launches its blocks without asking the host anything.
+    assert _sync_warnings(lambda: (reads.column_sum(), reads.rows(rows))) == 0
 
 
 def _sync_warnings(fn) -> int:

@@ -1,6 +1,8 @@
-"""The prediction prices each method's own attention probe from its spec's needs (profiling/predict.py:
-`method_probes`, `probe_bytes`): FastV's one row, FiCoCo's whole layers, nothing for a method that reads
-no attention probabilities, and a method registered from outside the package from its own needs.
+"""The prediction prices each method's own attention probe from its spec (profiling/predict.py): the reads of
+a whole layer's attention a method makes beside the layer's kernel (ficoco.accounting.reads: FiCoCo-V's
+column means and correlate rows, FiCoCo-L's visual and text rows) at their measured rates, the few rows a
+method computes inside its steps (FastV's last row, [CLS] rows) in bytes, nothing for a method that reads no
+attention probabilities, and a method registered from outside the package from its own needs.
 Arithmetic only: nothing is timed."""
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from typing import Any
 import pytest
 
 from ficoco.accounting import CountOptions, architecture, resolve_schedule
+from ficoco.accounting.methods import suffix_tokens
 from ficoco.accounting.schedule import plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods import MethodSpec, Need, Step, registered
 from ficoco.profiles import load_profile
-from ficoco.profiling.predict import TableRates, method_probes, predict_prefill, probe_bytes
+from ficoco.profiling.predict import TableRates, method_probes, predict_prefill, probe_bytes, schedule_reads
 
 TEXT = 60
 
@@ -30,41 +33,48 @@ def _schedule(arch, variant: str, **budget: Any):
     return resolve_schedule(arch, variant, CountOptions(text_tokens=TEXT), **budget)
 
 
-def test_fastv_probe_is_one_row_far_below_ficoco_l_at_the_same_tokens(arch7b):
+def test_fastv_probe_is_one_row_far_below_ficoco_l_reads_at_the_same_tokens(arch7b):
     fastv = _schedule(arch7b, "fastv", keep=192)
     (probe,) = method_probes(arch7b, fastv, TEXT, 1)
     entering = plan_tokens(arch7b, fastv, text_tokens=TEXT).llm[0][0]  # every token reaches layer K-1 = 1
-    assert (probe.stage, probe.layer, probe.rows, probe.keys, probe.whole_layer) == ("llm", 1, 1, entering, False)
+    assert (probe.stage, probe.layer, probe.rows, probe.keys) == ("llm", 1, 1, entering)
     assert probe.scores == arch7b.decoder.heads * entering
-    # FiCoCo-L's first reducing layer at the same tokens: every row of the layer, heads x tokens^2.
+    assert schedule_reads(arch7b, fastv, TEXT, 1) == []
+    # FiCoCo-L's first reducing layer at the same tokens: the visual and text rows after the image, every key.
     ficoco_l = _schedule(arch7b, "l", keep=192)
-    first = method_probes(arch7b, ficoco_l, TEXT, 1)[0]
-    assert first.whole_layer and first.rows == first.keys == entering
-    assert first.scores == arch7b.decoder.heads * entering**2
-    assert probe.bytes_moved(2) < first.bytes_moved(2) / 5
-    assert probe_bytes(arch7b, fastv, TEXT, 1) < probe_bytes(arch7b, ficoco_l, TEXT, 1) / 50
+    plan = plan_tokens(arch7b, ficoco_l, text_tokens=TEXT)
+    first = schedule_reads(arch7b, ficoco_l, TEXT, 1)[0]
+    suffix = suffix_tokens(arch7b, plan.text_tokens)  # the text after the image
+    assert (first.kind, first.rows, first.keys) == ("rows", plan.reductions[0].visual_before + suffix, entering)
+    assert first.scores == arch7b.decoder.heads * first.rows * entering
+    assert method_probes(arch7b, ficoco_l, TEXT, 1) == []
+    assert probe_bytes(arch7b, fastv, TEXT, 1) < probe_bytes(arch7b, ficoco_l, TEXT, 1) / 40
 
 
-def test_ficoco_probe_is_its_float32_passes_over_every_score(arch7b):
-    """attention_with_probabilities: 4 float32 passes (a 4-byte read and write each) per decoder score in
-    16-bit compute (scores written, causal mask, softmax, cast for the output and its read, head sum), 3 in
-    a tower (no mask); 3.5 and 2.5 in fp32, whose cast is a no-op; plus the q and k casts."""
-    l_probe = method_probes(arch7b, _schedule(arch7b, "l", keep=192), TEXT, 1)[0]
-    v_probe = method_probes(arch7b, _schedule(arch7b, "v", keep=192), TEXT, 1)[0]
-    for probe, passes_16, passes_32 in ((l_probe, 4.0, 3.5), (v_probe, 3.0, 2.5)):
-        states = probe.sequences * probe.heads * probe.keys * probe.head_dim
-        assert probe.bytes_moved(2) == pytest.approx(8 * passes_16 * probe.scores + (16 + 4 * 2) * states)
-        assert probe.bytes_moved(4) == pytest.approx(8 * passes_32 * probe.scores + 16 * states)
-    # Every reducing layer probes once, at the tokens entering it; batch multiplies.
+def test_ficoco_v_reads_the_column_means_the_cls_row_and_the_discarded_rows(arch7b):
     v = _schedule(arch7b, "v", keep=192)
-    assert len(method_probes(arch7b, v, TEXT, 1)) == len({r.layer for r in v.removals})
-    assert probe_bytes(arch7b, v, TEXT, 2) == pytest.approx(2 * probe_bytes(arch7b, v, TEXT, 1))
+    plan = plan_tokens(arch7b, v, text_tokens=TEXT)
+    reads = schedule_reads(arch7b, v, TEXT, 1)
+    # Per reducing layer: the patches' column means, the [CLS] row, then the rows of the patches it removes.
+    assert len(reads) == 3 * len(plan.reductions)
+    for red, (columns, cls_row, discarded) in zip(plan.reductions, zip(*[iter(reads)] * 3), strict=True):
+        tokens = plan.vision[red.layer][0]
+        assert (columns.kind, columns.rows, columns.keys) == ("columns", tokens - 1, tokens)
+        assert (cls_row.rows, discarded.rows, discarded.keys) == (1, red.removed, tokens)
+        assert columns.layer == red.layer and columns.heads == arch7b.vision.heads
+    # Batch multiplies; the equivalent token in place of [CLS] reads no [CLS] row.
+    assert sum(r.scores for r in schedule_reads(arch7b, v, TEXT, 2)) == 2 * sum(r.scores for r in reads)
+    from ficoco.accounting.reads import method_reads
+
+    equivalent = method_reads(arch7b, v, plan, settings={"equivalent_token": True})
+    assert len(equivalent) == 2 * len(plan.reductions) and all(r.rows != 1 for r in equivalent)
 
 
 @pytest.mark.parametrize("variant", ["dart", "divprune", "cdpruner", "tome"])
 def test_a_method_reading_no_attention_rows_has_no_probe(arch7b, variant):
     schedule = _schedule(arch7b, variant, keep=192)
     assert schedule.removals and method_probes(arch7b, schedule, TEXT, 1) == []
+    assert schedule_reads(arch7b, schedule, TEXT, 1) == []
     assert probe_bytes(arch7b, schedule, TEXT, 1) == 0
     rates = TableRates(dtype="bfloat16", flops_per_s_by_tokens={1: 1e12}, bandwidth_bytes_per_s=1e10)
     assert predict_prefill(arch7b, schedule, rates, text_tokens=TEXT).parts_s["probe"] == 0
@@ -76,17 +86,24 @@ def test_row_methods_price_their_rows(arch7b):
     probes = method_probes(arch7b, sparse, TEXT, 1)
     # The suffix's rater rows at the layer before every step.
     assert [p.layer for p in probes] == [r.layer - 1 for r in sparse.removals]
-    assert all(1 < p.rows < p.keys and not p.whole_layer for p in probes)
+    assert all(1 < p.rows < p.keys for p in probes)
     visionzip = method_probes(arch7b, _schedule(arch7b, "visionzip", keep=192), TEXT, 1)
     assert [(p.stage, p.rows, p.keys) for p in visionzip] == [("vision", 1, arch7b.vision.tokens(arch7b.vision.units))]
 
 
-def test_the_prediction_charges_the_probe_at_the_bandwidth(arch7b):
-    rates = TableRates(dtype="bfloat16", flops_per_s_by_tokens={1: 1e12}, bandwidth_bytes_per_s=1e10)
-    for variant in ("fastv", "l"):
-        schedule = _schedule(arch7b, variant, keep=192)
-        parts = predict_prefill(arch7b, schedule, rates, text_tokens=TEXT).parts_s
-        assert parts["probe"] == pytest.approx(probe_bytes(arch7b, schedule, TEXT, 1, 2.0) / 1e10)
+def test_the_prediction_charges_rows_at_the_bandwidth_and_reads_at_their_rate(arch7b):
+    rates = TableRates(dtype="bfloat16", flops_per_s_by_tokens={1: 1e12}, bandwidth_bytes_per_s=1e10,
+                       reads_by_tokens={1: 1e9})
+    fastv = _schedule(arch7b, "fastv", keep=192)
+    parts = predict_prefill(arch7b, fastv, rates, text_tokens=TEXT).parts_s
+    assert parts["probe"] == pytest.approx(probe_bytes(arch7b, fastv, TEXT, 1, 2.0) / 1e10)
+    ficoco_l = _schedule(arch7b, "l", keep=192)
+    parts = predict_prefill(arch7b, ficoco_l, rates, text_tokens=TEXT).parts_s
+    assert parts["probe"] == pytest.approx(sum(r.scores for r in schedule_reads(arch7b, ficoco_l, TEXT, 1)) / 1e9)
+    # Without a reads table, a read is priced as its score products at the matmul rate.
+    plain = TableRates(dtype="bfloat16", flops_per_s_by_tokens={1: 1e12}, bandwidth_bytes_per_s=1e10)
+    parts = predict_prefill(arch7b, ficoco_l, plain, text_tokens=TEXT).parts_s
+    assert parts["probe"] == pytest.approx(sum(2 * r.macs for r in schedule_reads(arch7b, ficoco_l, TEXT, 1)) / 1e12)
 
 
 # ---- a method registered from outside the package is priced from its own needs -------------------------------------
@@ -115,18 +132,19 @@ TOY = MethodSpec(
 def test_a_registered_method_is_priced_from_its_own_needs(arch7b):
     with registered(TOY):
         schedule = _schedule(arch7b, "toyprobe", keep=100)
-        (probe,) = method_probes(arch7b, schedule, TEXT, 1)
+        # It reads every row and says no more: one column read over every score of the layer.
+        (read,) = schedule_reads(arch7b, schedule, TEXT, 1)
         layer = schedule.removals[0].layer
         entering = plan_tokens(arch7b, schedule, text_tokens=TEXT).vision[layer][0]
-        assert (probe.method, probe.stage, probe.layer, probe.whole_layer) == ("toyprobe", "vision", layer, True)
-        assert probe.scores == arch7b.vision.heads * entering**2
+        assert (read.method, read.stage, read.layer, read.kind) == ("toyprobe", "vision", layer, "columns")
+        assert read.scores == arch7b.vision.heads * entering**2
         whole = probe_bytes(arch7b, schedule, TEXT, 1)
     # The same method reading the [CLS] row only: one row per item, far cheaper.
     cls_only = dataclasses.replace(TOY, needs=(Need("attention_rows", "vision L", "cls", "the [CLS] row"),))
     with registered(cls_only):
         (row,) = method_probes(arch7b, _schedule(arch7b, "toyprobe", keep=100), TEXT, 1)
-        assert (row.rows, row.keys, row.whole_layer) == (1, entering, False)
-        assert probe_bytes(arch7b, _schedule(arch7b, "toyprobe", keep=100), TEXT, 1) < whole / 10
+        assert (row.rows, row.keys) == (1, entering)
+        assert probe_bytes(arch7b, _schedule(arch7b, "toyprobe", keep=100), TEXT, 1) < whole / 5
     keys_only = dataclasses.replace(TOY, needs=(Need("keys", "vision L", "all", "key states"),))
     with registered(keys_only):
         assert probe_bytes(arch7b, _schedule(arch7b, "toyprobe", keep=100), TEXT, 1) == 0

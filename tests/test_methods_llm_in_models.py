@@ -277,7 +277,7 @@ def test_a_method_added_to_the_registry_runs_without_a_change_elsewhere(model: n
                                                                          cli: Any) -> None:
     # A new entry (here FastV's module under another name and layer) is planned, applied and verified.
     mine = dataclasses.replace(registry.METHODS["fastv"], name="mine", title="Mine",
-                               hyperparameters={"layer": 1, "ratio": 0.25})
+                               hyperparameters={"layer": 1, "ratio": 0.25, "attention_scores": "model"})
     monkeypatch.setitem(registry.METHODS, "mine", mine)
     inp = inputs(model)
     with torch.no_grad(), ficoco.apply(model, "mine") as handle:

@@ -27,6 +27,7 @@ from ficoco.methods import (
 )
 from ficoco.methods.base import ACTS_AT, PLACEMENTS, PLANNER_NAMES
 from ficoco.methods.needs import NEED_KINDS, NEED_LAYERS, NEED_ROWS, probe_plan
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 
 FASTV = METHODS["fastv"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,19 +115,32 @@ def test_a_spec_names_its_own_ops_module() -> None:
 def test_defaults_are_the_method_folders_constants() -> None:
     assert dict(METHODS["v"].hyperparameters) == {
         "lam": ficoco_v.LAM, "eps": ficoco_v.EPS, "window": ficoco_v.WINDOW, "coefficient": ficoco_v.COEFFICIENT,
-        "first_layer": ficoco_v.FIRST_LAYER, "equivalent_token": ficoco_v.EQUIVALENT_TOKEN}
+        "first_layer": ficoco_v.FIRST_LAYER, "equivalent_token": ficoco_v.EQUIVALENT_TOKEN,
+        "attention_scores": DEFAULT_ATTENTION_SCORES}
     assert dict(METHODS["l"].hyperparameters) == {"beta": ficoco_l.BETA, "gamma": ficoco_l.GAMMA,
-                                                  "eps": ficoco_l.EPS, "first_layer": ficoco_l.FIRST_LAYER}
-    assert dict(FASTV.hyperparameters) == {"layer": fastv.LAYER, "ratio": fastv.RATIO}
+                                                  "eps": ficoco_l.EPS, "first_layer": ficoco_l.FIRST_LAYER,
+                                                  "attention_scores": DEFAULT_ATTENTION_SCORES}
+    assert dict(FASTV.hyperparameters) == {"layer": fastv.LAYER, "ratio": fastv.RATIO,
+                                           "attention_scores": DEFAULT_ATTENTION_SCORES}
     assert METHODS["holitom"].hyperparameters["merge_layer"] == holitom.MERGE_LAYER
 
 
 # ---- the official code's behaviour is the default; ficoco's corrections are named settings (issue 35) ------------
 
-OFFICIAL = {"visionzip": {"contextual_mode": "official", "include_cls": True}, "tome": {"order": "official"},
-            "prumerge": {"attention": "official", "order": "official"}}
-CORRECTED = {"visionzip": {"contextual_mode": "mean", "include_cls": False}, "tome": {"order": "spatial"},
-             "prumerge": {"attention": "heads", "order": "spatial"}}
+# Every method that reads attention probabilities reads them by the model's eager rule; float32 scores are
+# ficoco's named correction (ficoco.methods.reads, issue 41).
+OFFICIAL = {"visionzip": {"contextual_mode": "official", "include_cls": True, "attention_scores": "model"},
+            "tome": {"order": "official"},
+            "prumerge": {"attention": "official", "order": "official", "attention_scores": "model"},
+            "fastv": {"attention_scores": "model"}, "pdrop": {"attention_scores": "model"},
+            "sparsevlm": {"attention_scores": "model"}, "fastervlm": {"attention_scores": "model"},
+            "vispruner": {"attention_scores": "model"}, "holitom": {"attention_scores": "model"}}
+CORRECTED = {"visionzip": {"contextual_mode": "mean", "include_cls": False, "attention_scores": "float32"},
+             "tome": {"order": "spatial"},
+             "prumerge": {"attention": "heads", "order": "spatial", "attention_scores": "float32"},
+             "fastv": {"attention_scores": "float32"}, "pdrop": {"attention_scores": "float32"},
+             "sparsevlm": {"attention_scores": "float32"}, "fastervlm": {"attention_scores": "float32"},
+             "vispruner": {"attention_scores": "float32"}, "holitom": {"attention_scores": "float32"}}
 
 
 @pytest.mark.parametrize("name", sorted(OFFICIAL))
@@ -138,9 +152,9 @@ def test_a_methods_defaults_are_the_official_code_and_its_corrections_named_valu
     from ficoco import accounting as acc
     from ficoco.profiles import load_profile
 
-    arch = acc.architecture(load_profile("llava-1.5-7b"))
-    assert {k: v for k, v in acc.method_schedule(arch, name).settings_dict().items() if k in OFFICIAL[name]} == \
-        OFFICIAL[name]
+    arch = acc.architecture(load_profile("video-llava-7b" if name == "holitom" else "llava-1.5-7b"))
+    planned = {**spec.hyperparameters, **acc.method_schedule(arch, name).settings_dict()}  # what the models read
+    assert {k: planned[k] for k in OFFICIAL[name]} == OFFICIAL[name]
     corrected = acc.method_schedule(arch, name, 64, **CORRECTED[name]).settings_dict()
     assert {k: corrected[k] for k in CORRECTED[name]} == CORRECTED[name]
 
@@ -159,11 +173,14 @@ def test_method_label_names_the_official_method_and_every_correction_apart() -> 
     assert method_label("visionzip", {"contextual_mode": "mean"}) == "VisionZip (ficoco: mean contextual token)"
     assert method_label("visionzip", {"include_cls": False}) == "VisionZip (ficoco: [CLS] dropped)"
     assert method_label("visionzip", CORRECTED["visionzip"]) == \
-        "VisionZip (ficoco: mean contextual token, [CLS] dropped)"
+        "VisionZip (ficoco: mean contextual token, [CLS] dropped, float32 attention scores)"
+    assert method_label("fastv", {"attention_scores": "float32"}) == "FastV (ficoco: float32 attention scores)"
+    assert method_label("v", {"attention_scores": "model"}) == "FiCoCo-V"
     assert method_label("tome", {"rates": [16] * 23, "order": "official"}) == "ToMe"
     assert method_label("tome", {"order": "spatial"}) == "ToMe (ficoco: spatial order)"
     assert method_label("prumerge", {"attention": "heads"}) == "PruMerge+ (ficoco: attention over heads)"
-    assert method_label("prumerge", CORRECTED["prumerge"]) == "PruMerge+ (ficoco: attention over heads, spatial order)"
+    assert method_label("prumerge", CORRECTED["prumerge"]) == \
+        "PruMerge+ (ficoco: attention over heads, spatial order, float32 attention scores)"
     # Settings unknown or not naming a correction: the official default; vanilla and unknown names as they are.
     assert method_label("tome", None) == method_label("tome", {}) == method_label("tome", {"schedule": "1:6"}) == "ToMe"
     assert method_label("vanilla", None) == "vanilla" and method_label("fastv", {"layer": 2}) == "FastV"
@@ -173,7 +190,7 @@ def test_method_label_names_the_official_method_and_every_correction_apart() -> 
     assert variant_label("tome", {"order": "spatial"}) == "tome (ficoco: spatial order)"
     assert variant_label("tome", {"order": "official"}) == "tome"
     labels = {method_label(name, settings) for name in OFFICIAL for settings in (OFFICIAL[name], CORRECTED[name])}
-    assert len(labels) == 6
+    assert len(labels) == 2 * len(OFFICIAL)
 
 
 def test_a_plugin_declares_its_corrections_and_is_labelled_by_them() -> None:

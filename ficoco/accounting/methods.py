@@ -129,6 +129,9 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
     hp = {**spec.hyperparameters, **hyperparameters}
     visual, layers = counted_shape(arch, spec)
     settings = spec.settings_for_keep(keep, visual, layers, hp)
+    # A correction given goes into the settings whether the method's own rule carries it or not (a label and the
+    # models read it there).
+    settings.update({name: value for name, value in hyperparameters.items() if name in spec.corrections})
     if spec.cls_note and not arch.vision.has_cls:
         # Labelled wherever the row appears: the [CLS] attention this method scores by does not exist here.
         settings["score"] = EQUIVALENT_SCORE

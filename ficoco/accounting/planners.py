@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ficoco.accounting.architecture import Architecture
-from ficoco.accounting.methods import plan_by_steps
+from ficoco.accounting.methods import check_corrections, plan_by_steps
 from ficoco.accounting.schedule import PlanRequest, Schedule, plan_per_layer
 from ficoco.errors import FicocoError
 from ficoco.methods.base import PLANNER_NAMES, MethodSpec, Planner
@@ -28,4 +28,13 @@ def plan(arch: Architecture, spec: MethodSpec, request: PlanRequest) -> Schedule
     planner = PLANNERS.get(spec.planner)
     if planner is None:  # a spec made outside the package with a name no planner has (MethodSpec refuses it)
         raise FicocoError(f"variant={spec.name}: no planner '{spec.planner}'; choose from {', '.join(PLANNER_NAMES)}")
-    return planner(arch, spec, request)
+    schedule = planner(arch, spec, request)
+    # A correction of the official code (MethodSpec.corrections) goes with any plan and joins its settings, so
+    # that the run and every label of it agree (a planner whose settings carry it already keeps its own).
+    corrections = {name: value for name, value in request.hyperparameters.items()
+                   if name in spec.corrections and name not in schedule.settings_dict()}
+    if not corrections:
+        return schedule
+    check_corrections(spec, corrections)
+    settings = {**schedule.settings_dict(), **corrections}
+    return Schedule(schedule.variant, schedule.removals, tuple(settings.items()))

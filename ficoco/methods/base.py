@@ -38,6 +38,7 @@ from typing import Any, Literal, Protocol, get_args
 
 from ficoco.errors import FicocoError
 from ficoco.methods.needs import NEED_KINDS, Need, ProbePlan, probe_plan
+from ficoco.methods.reads import ReadShapes
 
 __all__ = ["ACTS_AT", "FAMILY_STATUSES", "NEED_KINDS", "NOT_WIRED", "PLACEMENTS", "PLANNER_NAMES", "POSITION_SCHEMES",
            "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec", "Need", "Planner", "PlannerName", "Step",
@@ -250,6 +251,10 @@ class MethodSpec:
     # layer against the counters. None: the method's own work is its `extra_macs`, checked as one stage.
     paper_overhead: Callable[[str, int, int, int], int] | None = None
     layer_macs: Callable[[LayerWork], int] | None = None
+    # What the method reads of a layer's attention beside the layer's own kernel (ficoco.methods.reads), per
+    # reducing layer: (kind, rows, keys) per sequence. None: it reads no whole layer (a few rows at most, which
+    # are its `extra_macs`). The prediction prices them at their shapes; --verify checks them.
+    reads: ReadShapes | None = None
     # --schedule LAYER:REMOVED of a layer-input method: the tokens that join at the same step, from the removed
     # count and the default settings (SparseVLM's recycled clusters); None: none join.
     added_for_removed: Callable[[int, Mapping[str, Any]], int] | None = None

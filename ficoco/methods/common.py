@@ -71,10 +71,12 @@ def cut_steps(title: str, where: str) -> StepsFunction:
 
 def ratio_for_keep(title: str, ratio_name: str, **fixed: Any) -> ForKeepFunction:
     """`settings_for_keep` of a one-cut method: `keep`, or without it the share `ratio_name` of the item's
-    units (the official default row, scaled to the item); the other hyperparameters and `fixed` ride along."""
+    units (the official default row, scaled to the item); the other hyperparameters and `fixed` ride along, but
+    the rule attention is read by, which joins the settings where a run corrects it (accounting's `plan`)."""
     def for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
         if keep is None:  # the official default row, scaled to the item's tokens
             keep = max(1, round(n_visual * hp[ratio_name]))
         check_keep(title, keep, n_visual)
-        return {"keep": keep, **{name: hp[name] for name in hp if name != ratio_name}, **fixed}
+        riding = {name: hp[name] for name in hp if name not in (ratio_name, "attention_scores")}
+        return {"keep": keep, **riding, **fixed}
     return for_keep

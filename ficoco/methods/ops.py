@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import Reduced, TowerInput
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, check_attention_scores
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -206,8 +207,30 @@ def top_indices(scores: Tensor, k: int) -> Tensor:
     return torch.sort(order, dim=1).values
 
 
+def _logits(query_rows: Tensor, keys: Tensor, scale: float, scores: str) -> Tensor:
+    """(B, H, M, T) the scores of query rows (B, H, M, d) over keys (B, H_kv, T, d) (grouped heads shared),
+    in the rule `scores` names (ficoco.methods.reads): ``"model"``, as the model's eager attention computes
+    them (the product, then the scale, in the model's dtype); ``"float32"``, in float32."""
+    heads, kv_heads = query_rows.shape[1], keys.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"query heads {heads} are not a multiple of key heads {kv_heads}")
+    check_attention_scores(scores)
+    if scores == "model":
+        k = keys.repeat_interleave(heads // kv_heads, dim=1)
+        return torch.matmul(query_rows, k.transpose(-1, -2)) * scale
+    dtype = compute_dtype(query_rows.dtype)
+    k = keys.to(dtype).repeat_interleave(heads // kv_heads, dim=1)
+    return torch.matmul(query_rows.to(dtype), k.transpose(-1, -2)) * scale
+
+
+def _probabilities(logits: Tensor) -> Tensor:
+    """The softmax over the keys, computed in float32 (as eager does; a half-precision rule's result rounded
+    to its dtype, as eager returns it), in float32 or wider."""
+    return torch.softmax(logits, dim=-1).to(compute_dtype(logits.dtype))
+
+
 def last_row_attention(query: Tensor, keys: Tensor, key_mask: Tensor | None = None,
-                       scale: float | None = None) -> Tensor:
+                       scale: float | None = None, scores: str = DEFAULT_ATTENTION_SCORES) -> Tensor:
     """Softmax probabilities of one query row per sample over all keys, per head.
 
     This is the probe FastV and PDrop need (the last prompt token's attention row), computed
@@ -219,23 +242,20 @@ def last_row_attention(query: Tensor, keys: Tensor, key_mask: Tensor | None = No
         keys: ``(B, H_kv, T, d)`` post-RoPE keys; ``H`` must be a multiple of ``H_kv`` (GQA).
         key_mask: ``(B, T)`` bool or 0/1, True on real tokens; None: all real.
         scale: logit scale, ``1 / sqrt(d)`` by default.
+        scores: the rule the scores are computed by (ficoco.methods.reads): the model's eager rule, or float32.
 
     Returns:
         ``(B, H, T)`` probabilities in float32 (or wider).
     """
-    batch, heads, dim = query.shape
-    kv_heads = keys.shape[1]
-    if heads % kv_heads:
-        raise ValueError(f"query heads {heads} are not a multiple of key heads {kv_heads}")
-    dtype = compute_dtype(query.dtype)
-    k = keys.to(dtype).repeat_interleave(heads // kv_heads, dim=1)
-    logits = torch.einsum("bhd,bhtd->bht", query.to(dtype), k) * (dim**-0.5 if scale is None else scale)
+    dim = query.shape[-1]
+    logits = _logits(query.unsqueeze(2), keys, dim**-0.5 if scale is None else scale, scores).squeeze(2)
     if key_mask is not None:
         logits = logits.masked_fill(~key_mask.to(torch.bool).unsqueeze(1), float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    return _probabilities(logits)
 
 
-def rows_attention(query_rows: Tensor, keys: Tensor, visible: Tensor, scale: float | None = None) -> Tensor:
+def rows_attention(query_rows: Tensor, keys: Tensor, visible: Tensor, scale: float | None = None,
+                   scores: str = DEFAULT_ATTENTION_SCORES) -> Tensor:
     """Head-mean softmax probabilities of some query rows over all keys (SparseVLM's rater rows).
 
     Args:
@@ -243,20 +263,16 @@ def rows_attention(query_rows: Tensor, keys: Tensor, visible: Tensor, scale: flo
         keys: ``(B, H_kv, T, d)`` post-RoPE keys (GQA: ``H`` a multiple of ``H_kv``).
         visible: ``(B, M, T)`` bool, True where row ``m`` may attend key ``t`` (causal and padding).
         scale: logit scale, ``1 / sqrt(d)`` by default.
+        scores: the rule the scores are computed by (ficoco.methods.reads).
 
     Returns:
         ``(B, M, T)`` float32 (or wider) probabilities averaged over heads; a row with no
         visible key (a padding row) is all zeros.
     """
-    heads, dim = query_rows.shape[1], query_rows.shape[-1]
-    kv_heads = keys.shape[1]
-    if heads % kv_heads:
-        raise ValueError(f"query heads {heads} are not a multiple of key heads {kv_heads}")
-    dtype = compute_dtype(query_rows.dtype)
-    k = keys.to(dtype).repeat_interleave(heads // kv_heads, dim=1)
-    logits = torch.matmul(query_rows.to(dtype), k.transpose(-1, -2)) * (dim**-0.5 if scale is None else scale)
+    dim = query_rows.shape[-1]
+    logits = _logits(query_rows, keys, dim**-0.5 if scale is None else scale, scores)
     logits = logits.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    return torch.nan_to_num(torch.softmax(logits, dim=-1)).mean(dim=1)
+    return torch.nan_to_num(_probabilities(logits)).mean(dim=1)
 
 
 def rebuild(hidden: Tensor, kept_visual: Tensor, visual_start: Tensor, num_visual: int, position_ids: Tensor,
@@ -359,17 +375,19 @@ def equivalent_token_redundancy(keys: Tensor, has_cls: bool = False) -> Tensor:
     return -F.cosine_similarity(global_mean, mean_keys, dim=-1)
 
 
-def cls_attention(query: Tensor, keys: Tensor, scale: float | None = None) -> Tensor:
+def cls_attention(query: Tensor, keys: Tensor, scale: float | None = None,
+                  scores: str = DEFAULT_ATTENTION_SCORES) -> Tensor:
     """``(B, H, T)`` the [CLS] query's softmax over every key of a tower layer, per head.
 
     Args:
         query: ``(B, H, d)`` q of position 0 (``q_proj`` output, heads split; a tower applies no rotary).
         keys: ``(B, H, T, d)`` k of every position.
         scale: logit scale, ``1 / sqrt(d)`` (the layer's own) by default.
+        scores: the rule the scores are computed by (ficoco.methods.reads).
 
     A tower attends without a mask, so the row is exact whether the layer ran eager or SDPA.
     """
-    return last_row_attention(query, keys, None, scale)
+    return last_row_attention(query, keys, None, scale, scores)
 
 
 def equivalent_token_scores(keys: Tensor) -> Tensor:
@@ -390,9 +408,11 @@ def merge_group_scores(scores: Tensor, merge: int) -> Tensor:
     return scores.reshape(batch, patches // merge, merge).mean(dim=-1)
 
 
-def patch_scores_from_cls(inputs: TowerInput, reduce_heads: str = "mean") -> Tensor:
-    """``(items, N)`` the [CLS] query's attention over the patches of the probed layer, heads
-    reduced by ``mean`` or ``sum``; on a tower without [CLS], the equivalent token's scores."""
+def patch_scores_from_cls(inputs: TowerInput, reduce_heads: str = "mean",
+                          scores: str = DEFAULT_ATTENTION_SCORES) -> Tensor:
+    """``(items, N)`` the [CLS] query's attention over the patches of the probed layer (its scores by the rule
+    `scores` names), heads reduced by ``mean`` or ``sum``; on a tower without [CLS], the equivalent token's
+    scores."""
     if inputs.keys is None:
         raise RuntimeError("the method needs the probed layer's keys from the adapter")
     if not inputs.has_cls:
@@ -400,7 +420,7 @@ def patch_scores_from_cls(inputs: TowerInput, reduce_heads: str = "mean") -> Ten
         return merge_group_scores(scores, inputs.merge) if inputs.merge > 1 else scores
     if inputs.cls_query is None:
         raise RuntimeError("the method needs the [CLS] query of the probed layer from the adapter")
-    row = cls_attention(inputs.cls_query, inputs.keys, inputs.scale)[:, :, 1:]
+    row = cls_attention(inputs.cls_query, inputs.keys, inputs.scale, scores)[:, :, 1:]
     scores = row.sum(dim=1) if reduce_heads == "sum" else row.mean(dim=1)
     # Units of merge groups under a [CLS] (InternVL's pixel-shuffle groups): a group's mean, as without [CLS].
     return merge_group_scores(scores, inputs.merge) if inputs.merge > 1 else scores

@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from ficoco import testing_hooks
 from ficoco.accounting.schedule import Schedule
 from ficoco.methods import ficoco_l, ficoco_v
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
+from ficoco.methods.reads.ops import ReadRunner
 from ficoco.models.patching import LanguageState, Patches
 from ficoco.models.stage_timer import StageTimer
 
@@ -83,9 +85,11 @@ class Handle:
     schedule: Schedule
     hyperparameters: Hyperparameters
     keep_per_image: int | None = None
-    # Spans "reduction" (the reduction stages) and "probe" (reducing layers' attention, which
-    # also yields the probabilities), timed without host synchronisation.
+    # Spans "reduction" (the method's own steps) and "probe" (its reads of a layer's attention, computed
+    # beside the layer's own kernel), exclusive of each other, timed without host synchronisation.
     timer: StageTimer = field(default_factory=StageTimer, repr=False)
+    # The rule the method's attention reads compute scores by (ficoco.methods.reads: its `attention_scores`).
+    attention_scores: str = DEFAULT_ATTENTION_SCORES
     vision_state: Tensor | None = None
     # A method acting before the LLM: its current tower forward (ficoco.models.vision_steps), and the
     # visual tokens every item of the last image call handed the LLM, as measured (PruMerge+'s
@@ -107,8 +111,10 @@ class Handle:
     # FiCoCo-V: the last shortened prompt (kept positions, caller's length), so that decode
     # steps whose attention mask grew from the caller's prompt line up with the cache.
     prompt_map: tuple[Tensor, int] | None = field(default=None, repr=False)
-    # flops --verify: runs a method's own work at a layer through a counter's module (see run_method).
+    # flops --verify: runs a method's own work at a layer through a counter's module (see run_method), and its
+    # reads of a layer's attention through another (see read_runner).
     method_runner: Callable[..., Any] | None = field(default=None, repr=False)
+    probe_runner: Callable[..., Any] | None = field(default=None, repr=False)
     _patches: Patches = field(default_factory=Patches, repr=False)
     # Records stay on the model's device until read: copying them to the host per layer would
     # synchronise the device inside the forward.
@@ -139,6 +145,19 @@ class Handle:
             if self.method_runner is not None:
                 return self.method_runner(layer, function, *args, **kwargs)
             return function(*args, **kwargs)
+
+    def read_runner(self, place: int | tuple[str, int | None]) -> ReadRunner:
+        """How the method's reads of the attention at `place` (a decoder layer, or ``("vision", layer)``) run:
+        in the "probe" span, and through `probe_runner` when set (flops --verify), so that counters see a read
+        apart from the layer and from the method's steps, wherever the step that asks for it runs."""
+
+        def run(device: Any, function: Callable[..., Any], *args: Any) -> Any:
+            with self.timer.span("probe", device):
+                if self.probe_runner is not None:
+                    return self.probe_runner(place, function, *args)
+                return function(*args)
+
+        return run
 
     @property
     def reduction_seconds(self) -> float:

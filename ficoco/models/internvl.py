@@ -137,7 +137,7 @@ class InternVLAdapter(LlavaAdapter):
         if any(probe.probabilities for probe in wanted.values()):
             raise FicocoError(f"{spec.title} on InternVL reads every row of a tower layer's attention, which a cut "
                               "of pixel-shuffle groups does not offer; use a method that scores by [CLS] or keys")
-        slots = {layer: TowerSlot(want_cls=probe.cls_query, timer=handle.timer) for layer, probe in wanted.items()}
+        slots = {layer: TowerSlot(want_cls=probe.cls_query) for layer, probe in wanted.items()}
         for layer, slot in slots.items():
             parts = hf.internvl_layer_parts(self.vision_layers[layer])[0]
             install_tower_rows(parts.attention, slot, patches)
@@ -196,7 +196,8 @@ class InternVLAdapter(LlavaAdapter):
         for index, r in removed.items():
             layer = self.vision_layers[index]
             parts, scale_1, scale_2, dropout = hf.internvl_layer_parts(layer)
-            slot = TowerSlot(want_probabilities=True, timer=handle.timer)
+            slot = TowerSlot(want_probabilities=True, runner=handle.read_runner(("vision", index)),
+                             scores=handle.attention_scores)
             install_tower_rows(parts.attention, slot, patches)
 
             def forward(hidden_states: Tensor, *args: Any, _parts: hf.Parts = parts, _slot: TowerSlot = slot,
@@ -214,7 +215,7 @@ class InternVLAdapter(LlavaAdapter):
                 if groups is None:  # the first reducing layer of this pass: patches into group order
                     order = to_groups.to(hidden.device)
                     hidden, keys = hidden[:, order], keys[:, :, order]
-                    attention = attention[:, order][:, :, order]
+                    attention = attention.reordered(order)
                     groups = torch.arange(self.units, device=hidden.device).expand(items, -1)
                 if not 0 <= _r < groups.shape[1]:
                     raise FicocoError(f"vision layer {_index} would remove {_r} of the {groups.shape[1]} groups left "

@@ -47,6 +47,7 @@ from ficoco.methods.base import MethodSpec
 from ficoco.methods.contract import InLayerModule, LayerInputModule, PreparesModule, load_module
 from ficoco.methods.inputs import InLayerInput, Reduced, StepInput
 from ficoco.methods.ops import last_row_attention, rows_attention
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
 from ficoco.models.patching import LanguageState, Patches, forward_of, gather_rows, method_settings
@@ -70,6 +71,7 @@ class RowsSlot:
     row_index: Tensor | None = None
     layer: int = 0
     runner: Callable[..., Any] | None = None  # runs the method's matrix work (Handle.run_method)
+    scores: str = DEFAULT_ATTENTION_SCORES  # the rule the rows' scores are computed by (ficoco.methods.reads)
     row_attention: Tensor | None = None
     keys: Tensor | None = None
 
@@ -106,17 +108,18 @@ def rows_attention_function(module: nn.Module, query: Tensor, key: Tensor, value
         k_len = key.shape[2]
         if slot.rows == "last":
             visible = _visible(attention_mask, batch, 1, q_len, k_len, query.device)[:, 0]
-            slot.row_attention = slot.runner(slot.layer, last_row_attention, query[:, :, -1], key, visible, scaling)
+            slot.row_attention = slot.runner(slot.layer, last_row_attention, query[:, :, -1], key, visible, scaling,
+                                             slot.scores)
         elif slot.rows == "suffix" and slot.row_index is not None:
             index = slot.row_index
             visible = _visible_rows(attention_mask, index, q_len, k_len)
             slot.row_attention = slot.runner(slot.layer, rows_attention, gather_rows(query, index, 2), key, visible,
-                                             scaling)
+                                             scaling, slot.scores)
         elif slot.rows == "suffix":
             rows = slot.suffix_rows
             visible = _visible(attention_mask, batch, rows, q_len, k_len, query.device)
             slot.row_attention = slot.runner(slot.layer, rows_attention, query[:, :, q_len - rows:], key, visible,
-                                             scaling)
+                                             scaling, slot.scores)
         if slot.want_keys:
             slot.keys = key.transpose(1, 2).reshape(batch, k_len, -1)
     return own_attention(module, module._ficoco_rows_config, query, key, value, attention_mask, dropout=dropout,
@@ -151,9 +154,11 @@ def _project(linear: nn.Module, x: Tensor) -> Tensor:
     return F.linear(x, linear.weight, linear.bias)
 
 
-def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor) -> Tensor:
+def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor,
+                 scores: str = DEFAULT_ATTENTION_SCORES) -> Tensor:
     """(B, H, T) the last row's attention recomputed with the layer's own input norm, q (last row) and
-    k projections and RoPE (PDrop's rank layer), softmaxed in float32 over the visible keys."""
+    k projections and RoPE (PDrop's rank layer), softmaxed in float32 over the visible keys, its scores by
+    the rule `scores` names."""
     parts = hf.layer_parts(layer, hf.DECODER_LAYER)
     q_proj, k_proj, head_dim, scaling = hf.attention_projections(parts.attention)
     normed = parts.input_norm(hidden)
@@ -162,7 +167,7 @@ def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, vis
     keys = _project(k_proj, normed).view(batch, length, -1, head_dim).transpose(1, 2)
     query = rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
     keys = rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
-    return last_row_attention(query[:, :, 0], keys, visible, scaling)
+    return last_row_attention(query[:, :, 0], keys, visible, scaling, scores)
 
 
 def merge_targets(kept: Tensor, merge_target: Tensor | None) -> Tensor | None:
@@ -190,7 +195,8 @@ class InLayerPatch:
             slot = None
             if self.removed.get(index, 0):
                 attention = hf.layer_parts(layer, hf.DECODER_LAYER).attention
-                slot = install_probe(attention, armed=False, timer=self.handle.timer)
+                slot = install_probe(attention, armed=False, runner=self.handle.read_runner(index),
+                                     scores=self.handle.attention_scores)
                 patches.on_undo(lambda attn=attention: remove_probe(attn))
             patches.set(layer, "forward", self._forward(index, layer, forward_of(layer), slot))
 
@@ -237,7 +243,9 @@ class InLayerPatch:
             # Keys of earlier turns come first; the method reads this call's tokens alone. The
             # schedule's counts are per image: a prompt of k images loses k times as many tokens
             # at this layer, chosen among all its visual tokens together.
-            inputs = InLayerInput(hidden=hidden, attention=attn[:, :, attn.shape[2] - attn.shape[1]:],
+            if attn.shape[2] != attn.shape[1]:
+                attn = attn.last_keys(attn.shape[1])
+            inputs = InLayerInput(hidden=hidden, attention=attn,
                                   remove=remove * state.images, visual_rows=state.visual_rows,
                                   suffix_mask=state.suffix_mask, first_suffix_row=state.first_suffix_row,
                                   protected=state.protected, max_protected=state.max_protected)
@@ -346,7 +354,8 @@ class LayerInputPatch:
             raise FicocoError(f"{self.spec.title} reads layer L-1 of a step at layer L: its steps start at layer 1")
         for layer in self.steps:
             if self.rows or self.keys:
-                slot = RowsSlot(rows=self.rows, want_keys=self.keys, layer=layer - 1, runner=self.handle.run_method)
+                slot = RowsSlot(rows=self.rows, want_keys=self.keys, layer=layer - 1, runner=self.handle.run_method,
+                                scores=self.handle.attention_scores)
                 install_rows(hf.layer_parts(layers[layer - 1], hf.DECODER_LAYER).attention, slot, patches)
                 self.slots[layer - 1] = slot
         for index, layer in enumerate(layers):
@@ -435,7 +444,8 @@ class LayerInputPatch:
                 cos, sin = position_embeddings
             visible = _visible(state.layer_mask(mask, index), hidden.shape[0], 1, hidden.shape[1], hidden.shape[1],
                                hidden.device)[:, 0]
-            own_row = self.handle.run_method(index, self.own_last_row, layer, hidden, cos, sin, visible)
+            own_row = self.handle.run_method(index, self.own_last_row, layer, hidden, cos, sin, visible,
+                                             self.handle.attention_scores)
         # The schedule's counts are per image: a prompt of k images loses k times as many tokens,
         # chosen among all its visual tokens together (FiCoCo-L's rule).
         remove = removal.remove * state.images

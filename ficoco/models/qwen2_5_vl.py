@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ficoco.methods.reads.ops import SegmentedReads
 from ficoco.models import hf_compat as hf
 from ficoco.models.patching import Patches, follow_device, forward_of
 
@@ -195,8 +196,8 @@ class WindowOrder(GridOrder):
 
     def image_chunks(self, tower: TowerPass, idx: int, chunks: list[tuple[Tensor, Any]]
                      ) -> list[tuple[Tensor, Any]]:
-        """A window block's per-window (attn, keys) as one per image: the block diagonal of the image's
-        windows' attention maps (no attention across windows ran), the keys in sequence order."""
+        """A window block's per-window (reads, keys) as one per image: the reads of the block diagonal of the
+        image's windows' attention (no attention across windows ran), the keys in sequence order."""
         if self.full(idx):
             return chunks
         assert isinstance(tower, WindowPass)
@@ -206,7 +207,7 @@ class WindowOrder(GridOrder):
             count = int((lengths > 0).sum())
             mine = chunks[at:at + count]
             at += count
-            attn = torch.block_diag(*[a[0] for a, _ in mine]).unsqueeze(0)
+            attn = SegmentedReads([a for a, _ in mine])
             keys = torch.cat([k for _, k in mine], dim=2)
             per_image.append((attn, keys))
         if at != len(chunks):

@@ -9,7 +9,10 @@ probe plan, `MethodSpec.probes`) decides what is probed, and only there:
   ``vision last`` (the tower's last layer): that layer's attention module is routed through
   `tower_rows_attention`, which keeps the key states (heads split) and, for ``cls`` rows, the
   query of [CLS], then calls the module's own implementation (SDPA stays on). The method computes
-  the one [CLS] row it needs from them (a tower attends without a mask, so the row is exact).
+  the one [CLS] row it needs from them (a tower attends without a mask, so the row is exact). For
+  ``attention_rows`` of ``all`` rows (FiCoCo-V, HoliTom) it also keeps the reads of the layer's
+  attention (ficoco.methods.reads.ops): the column means and the rows the method asks for, computed
+  from the layer's queries and keys beside its own kernel.
 
 Where the method's `tower_step` runs follows the step's placement:
 
@@ -29,7 +32,6 @@ wrapper shortens the prompt's image spans to them (ficoco.models.llava).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,8 +45,10 @@ from ficoco.methods.base import MethodSpec
 from ficoco.methods.contract import TowerModule, load_module
 from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.needs import TowerProbe
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
+from ficoco.methods.reads.ops import AttentionReads, ReadRunner
 from ficoco.models import hf_compat as hf
-from ficoco.models.attention import attention_with_probabilities, own_attention, route_attention
+from ficoco.models.attention import own_attention, probed_reads, route_attention
 from ficoco.models.patching import Patches, follow_device, forward_of, method_settings
 
 if TYPE_CHECKING:
@@ -58,17 +62,18 @@ class TowerSlot:
     """What one tower attention module is asked to keep in a forward, and what it left."""
 
     want_cls: bool = False
-    # The head-mean probabilities of every query (FiCoCo-V): the layer's output is then computed
-    # from them (one pass, ficoco.models.attention's probe) instead of the module's own kernel.
+    # The layer's head-mean probabilities of every query (FiCoCo-V, HoliTom): reads of the attention the module's
+    # own kernel ran, computed from its queries and keys when the method asks (ficoco.methods.reads.ops).
     want_probabilities: bool = False
-    timer: Any = None  # the handle's StageTimer: the probe's time goes into its "probe" span
+    runner: ReadRunner | None = None  # how a read runs: in the handle's "probe" span
+    scores: str = DEFAULT_ATTENTION_SCORES  # the rule the reads compute scores by
     armed: bool = False
     keys: Tensor | None = None  # (items, H, T, d)
     cls_query: Tensor | None = None  # (items, H, d)
     scale: float | None = None
-    probabilities: Tensor | None = None  # (items, T, T) float32
+    probabilities: AttentionReads | None = None  # reads of the (items, T, T) head-mean probabilities
 
-    def take(self) -> tuple[Tensor | None, Tensor | None, float | None, Tensor | None]:
+    def take(self) -> tuple[Tensor | None, Tensor | None, float | None, AttentionReads | None]:
         taken = self.keys, self.cls_query, self.scale, self.probabilities
         self.keys = self.cls_query = self.probabilities = None
         return taken
@@ -77,20 +82,16 @@ class TowerSlot:
 def tower_rows_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                          attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs: Any) -> tuple[Tensor, Any]:
-    """The module's own attention, after keeping its keys (and the [CLS] query) for a method."""
+    """The module's own attention, after keeping its keys (and the [CLS] query, and the reads of its
+    attention) for a method."""
     slot: TowerSlot = module._ficoco_tower  # type: ignore[assignment]
     if slot.armed:
         slot.keys = key
         slot.cls_query = query[:, :, 0] if slot.want_cls else None
         slot.scale = scaling
         if slot.want_probabilities:
-            # A module whose own implementation is eager returns its attention matrix (what
-            # output_attentions collects): return the one this layer computed, every head.
-            eager = hf.attention_implementation(module._ficoco_tower_config) == "eager"
-            with slot.timer.span("probe", query.device) if slot.timer is not None else contextlib.nullcontext():
-                output, slot.probabilities, per_head = attention_with_probabilities(
-                    module, query, key, value, attention_mask, scaling, is_causal, keep_heads=eager)
-            return output, per_head
+            slot.probabilities = probed_reads(module, query, key, attention_mask, scaling, is_causal, slot.scores,
+                                              slot.runner)
     return own_attention(module, module._ficoco_tower_config, query, key, value, attention_mask, dropout=dropout,
                          scaling=scaling, is_causal=is_causal, **kwargs)
 
@@ -172,7 +173,8 @@ class TowerPatch:
     def install(self, patches: Patches) -> None:
         layers = self.adapter.vision_layers
         for layer, (want_cls, want_probabilities) in self.probes.items():
-            slot = TowerSlot(want_cls=want_cls, want_probabilities=want_probabilities, timer=self.handle.timer)
+            slot = TowerSlot(want_cls=want_cls, want_probabilities=want_probabilities,
+                             runner=self.handle.read_runner(("vision", layer)), scores=self.handle.attention_scores)
             install_tower_rows(hf.layer_parts(layers[layer], hf.CLIP_LAYER).attention, slot, patches)
             self.slots[layer] = slot
         for index, layer in enumerate(layers):
@@ -286,7 +288,7 @@ class TowerPatch:
             if probabilities is not None:
                 # Queries averaged first (pooling is linear over keys): one pooled row per item, which the
                 # method averages over its one query as it would over every query.
-                received = pool(probabilities.mean(dim=1).unsqueeze(-1)).transpose(1, 2)
+                received = pool(probabilities.column_mean().unsqueeze(-1)).transpose(1, 2)
                 state.probes[self.cut_probe] = (keys, query, scale, received)
         items, units = features.shape[:2]
         origin = torch.arange(units, device=features.device).expand(items, -1)

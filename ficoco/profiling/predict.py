@@ -43,8 +43,10 @@ from ficoco.accounting import CountOptions, Schedule, account, architecture
 from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.flops import Op, model_ops
 from ficoco.accounting.memory import QUANT_BITS, Quant
+from ficoco.accounting.reads import Read, method_reads
 from ficoco.accounting.schedule import plan_tokens
 from ficoco.machine.compute_rate import small_op_s, synchronize
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 
 # bitsandbytes on CPU computes INT8 through float16 and dequantizes NF4 weights on every call: its
 # matmuls run at these shares of the compute dtype's measured rate (estimate.MATMUL_EFFICIENCY's
@@ -62,11 +64,14 @@ class ShapeRates(Protocol):
     convert_bytes_per_s: float
     small_op_s: float
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None: ...
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False, reads: Any = ()) -> None: ...
 
     def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float: ...
 
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float: ...
+
+    def read_scores_per_s(self, kind: str, heads: int, kv_heads: int, head_dim: int, rows: int, keys: int,
+                          causal: bool, rule: str) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -80,8 +85,11 @@ class TableRates:
     convert_bytes_per_s: float = 1.0
     small_op_s: float = 0.0
     attention_by_tokens: dict[int, float] | None = None
+    # Scores per second of a method's attention reads by key count; None: their score products at the matmul
+    # table's rate (a read priced as its q . k^T FLOPs).
+    reads_by_tokens: dict[int, float] | None = None
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False, reads: Any = ()) -> None:
         """Nothing to measure: the rates are given."""
 
     @staticmethod
@@ -95,6 +103,14 @@ class TableRates:
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float:
         """The attention table's rate (else the matmul table's) at the count nearest `tokens`."""
         return self._nearest(self.attention_by_tokens or self.flops_per_s_by_tokens, tokens)
+
+    def read_scores_per_s(self, kind: str, heads: int, kv_heads: int, head_dim: int, rows: int, keys: int,
+                          causal: bool, rule: str) -> float:
+        """The reads table's rate at the key count nearest `keys`, else the matmul table's FLOP/s over a
+        score's 2 x head width FLOPs."""
+        if self.reads_by_tokens is not None:
+            return self._nearest(self.reads_by_tokens, keys)
+        return self._nearest(self.flops_per_s_by_tokens, keys) / (2 * head_dim)
 
 
 # The rate probe's copies: 64 MiB of bfloat16 for the memory bandwidth, and for an upcast layout's
@@ -175,6 +191,8 @@ class MeasuredRates:
                 q, k, v = (self._tensor(1, heads, tokens, head_dim) for _ in range(3))
                 calls.append((key, functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v,
                                                      is_causal=causal)))
+            elif kind == "read":
+                calls.append((key, self._read_call(*shape)))
             elif allocate and kind == "bandwidth":
                 source = torch.ones(BANDWIDTH_VALUES, dtype=torch.bfloat16, device=self.device)
                 calls.append((key, functools.partial(torch.empty_like(source).copy_, source)))
@@ -185,6 +203,20 @@ class MeasuredRates:
                 calls.append((key, functools.partial(torch.empty(stored.shape, dtype=self._torch_dtype,
                                                                  device=self.device).copy_, stored)))
         return calls
+
+    def _read_call(self, kind: str, heads: int, kv_heads: int, head_dim: int, rows: int, keys: int, causal: bool,
+                   rule: str) -> Callable[[], Any]:
+        """A method's read of a layer's attention at its shape, as the model runs it (ficoco.methods.reads.ops):
+        the column means over every query of `keys` tokens, or `rows` rows over them."""
+        from ficoco.methods.reads.ops import ProbedAttention
+
+        query = self._tensor(1, heads, keys, head_dim)
+        key = self._tensor(1, kv_heads, keys, head_dim)
+        reads = ProbedAttention(query, key, causal=causal, scores=rule)
+        if kind == "columns":
+            return reads.column_sum
+        index = torch.arange(keys - rows, keys, device=self.device).unsqueeze(0)
+        return functools.partial(reads.rows, index)
 
     def _run_passes(self, keys: list[Key], passes: int, *, allocate: bool, warm_up: bool) -> None:
         calls = self._calls(keys, allocate)
@@ -203,10 +235,11 @@ class MeasuredRates:
                     seconds[key] = time.perf_counter() - begin
                 self._passes.append(seconds)
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
-        """Time every linear (tokens, in, out) and attention (heads, tokens, head width, causal) shape
-        not measured yet, with the memory bandwidth (and with `convert`, the upcast layout's convert
-        rate): `passes` round-robin passes after an untimed one."""
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False, reads: Any = ()) -> None:
+        """Time every linear (tokens, in, out), attention (heads, tokens, head width, causal) and attention
+        read (kind, heads, key heads, head width, rows, keys, causal, rule) shape not measured yet, with the
+        memory bandwidth (and with `convert`, the upcast layout's convert rate): `passes` round-robin passes
+        after an untimed one."""
         work: dict[Key, float] = {("bandwidth",): 2 * BANDWIDTH_VALUES * 2}  # a copy moves each byte twice
         if convert:
             work[("convert",)] = CONVERT_VALUES * self._torch_dtype.itemsize
@@ -215,6 +248,10 @@ class MeasuredRates:
         for heads, tokens, head_dim, causal in attention:
             # The accountant's count: scores and weighted values over the full square, causal or not.
             work[("attention", heads, tokens, head_dim, causal)] = 4 * heads * tokens * tokens * head_dim
+        for shape in reads:
+            kind, heads, _, _, rows, keys = shape[:6]
+            # A read's work: the scores it computes (every row of a column read).
+            work[("read", *shape)] = heads * (keys if kind == "columns" else rows) * keys
         new = sorted((key for key in work if key not in self._work), key=str)
         if new:
             self._work.update({key: work[key] for key in new})
@@ -266,6 +303,13 @@ class MeasuredRates:
         self.measure(attention=[(heads, tokens, head_dim, causal)])
         return self._rate(("attention", heads, tokens, head_dim, causal))
 
+    def read_scores_per_s(self, kind: str, heads: int, kv_heads: int, head_dim: int, rows: int, keys: int,
+                          causal: bool, rule: str) -> float:
+        """Scores per second of a method's read of a layer's attention at its shape, measured."""
+        shape = (kind, heads, kv_heads, head_dim, rows, keys, causal, rule)
+        self.measure(reads=[shape])
+        return self._rate(("read", *shape))
+
 
 @dataclass(frozen=True)
 class PassRates:
@@ -293,7 +337,7 @@ class PassRates:
     def convert_bytes_per_s(self) -> float:
         return self._at(("convert",))
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False, reads: Any = ()) -> None:
         """Nothing new is measured at a past pass."""
 
     def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float:
@@ -301,6 +345,10 @@ class PassRates:
 
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float:
         return self._at(("attention", heads, tokens, head_dim, causal))
+
+    def read_scores_per_s(self, kind: str, heads: int, kv_heads: int, head_dim: int, rows: int, keys: int,
+                          causal: bool, rule: str) -> float:
+        return self._at(("read", kind, heads, kv_heads, head_dim, rows, keys, causal, rule))
 
 
 # Small ops dispatched per forward, per layer and per reducing layer: estimate.py's CALIBRATION.
@@ -310,42 +358,32 @@ REDUCING_LAYER_OPS = 150.0
 
 # ---- a method's own probe, priced from its spec -------------------------------------------------------------------
 #
-# A method that reads attention probabilities (`Need.kind` "attention_rows", or "query_key": it recomputes
-# a row from the layer's own q and k) has them computed in float32 beside the layer, and those passes
-# over memory are its probe's cost. Their matrix products are not: the rows' q.k products are the
-# method's `extra_macs` (FastV's "fastv_last_row_scores", SparseVLM's rater rows, the [CLS] rows), priced
-# in the prediction's "method" part, and a whole-layer probe's products are the layer's own attention
-# (the accountant's qk and sv). So a probe is priced here in bytes moved, never in FLOPs, and nothing is
-# charged twice. Bytes per element, read and written, as the tensor code runs (A: the compute dtype's
-# bytes, 2 for bf16/fp16, 4 for fp32, when a cast to float32 is a no-op):
+# A method's probe has two parts.
 #
-# A whole layer's rows (rows "all" or "visual+suffix": FiCoCo-V, FiCoCo-L, HoliTom's tower probe), by
-# ficoco.models.attention.attention_with_probabilities, per score of heads x tokens x tokens:
-#     the scores' write by the matmul 4; the causal mask applied in place (decoder only) 4 + 4; the softmax
-#     (a row in cache: one read) 4 + 4; the cast to the value dtype for the output A < 4 and 4 + A; its read
-#     by the output matmul A; the sum over heads 4
-#   = 28 + 2A in the decoder, 20 + 2A in a tower: with 16-bit compute 4 and 3 float32 passes (a 4-byte
-#     read and a 4-byte write each), with fp32 (no cast) 3.5 and 2.5. The stages after it (FiCoCo's scores,
-#     quantiles and merge: ficoco/reduction) read the head-mean (B, T, T) matrix, a heads-th of this,
-#     and are left to the dispatch term.
-#   per q and k value (heads x tokens x head width): q scaled (2A), cast to float32 (A + 4), k cast
-#     (A + 4), both read by the matmul (8) = 16 + 4A; with fp32 the casts are no-ops: 2A + 8 = 16.
-# A few rows (rows "last" or "cls": one per sequence; "suffix": the text after the visual span), by
-# ficoco.methods.stages.last_row_attention / rows_attention, per score:
-#     the logits' write 4; scaled 4 + 4; the padding or causal mask 4 + 4 (not in a tower, which has
-#     none); the softmax 4 + 4; for several rows rows_attention's nan_to_num 4 + 4 and head mean 4
-#   = 28 for one decoder row, 20 for a tower's [CLS] row, 40 for suffix rows;
-#   per k value (heads x tokens x head width, grouped-query keys repeated): cast to float32 (A + 4 when
-#     A < 4), repeated per query head 4 + 4, read by the product 4.
-# Needs of other kinds (keys, hidden states, input embeddings: DART, ToMe, DivPrune, CDPruner) read
-# tensors the layer made anyway: no probe.
+# Its reads of a whole layer's attention (FiCoCo-V's column means and correlate rows, FiCoCo-L's visual and text
+# rows, HoliTom's tower column sums: ficoco.accounting.reads, computed beside the layer's own kernel by
+# ficoco.methods.reads.ops) are timed at their own shapes in the rate probe (`MeasuredRates.read_scores_per_s`:
+# the same read on random queries and keys of the row's dtype and rule), and priced at that rate: scores and
+# softmax by blocks, whatever their mix of matrix and elementwise work on this machine.
+#
+# A few rows (FastV's and PDrop's last row, SparseVLM's text rows, the [CLS] row of VisionZip, VisPruner and
+# FasterVLM) are computed inside the method's steps: their q.k products are the method's `extra_macs`, priced in
+# the "method" part, and their passes over memory here, in bytes (per score, read and written: the logits' write
+# 4; scaled 4 + 4; the padding or causal mask 4 + 4, not in a tower; the softmax 4 + 4; for several rows
+# rows_attention's nan_to_num 4 + 4 and head mean 4 = 28 for one decoder row, 20 for a tower's [CLS] row, 40
+# for text rows; per k value, grouped-query keys repeated: cast to float32 A + 4 when A < 4, repeated per query
+# head 4 + 4, read by the product 4). Needs of other kinds (keys, hidden states, input embeddings: DART, ToMe,
+# DivPrune, CDPruner) read tensors the layer made anyway: no probe.
 ROW_SCORE_BYTES = {"last": 28, "cls": 20, "suffix": 40}
+# A read's bytes per score for the run's time estimate (estimate.py, which has no read rates): the scores'
+# write A, scaled A + A, the softmax read and write A + A (in float32 under the float32 rule), the sum's read A.
+READ_PASSES_PER_SCORE = 6
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One attention probe a prefill runs: `rows` query rows of `heads` heads over `keys` keys, per each
-    of `sequences` sequences (a tower's items times the batch, or the batch), at one layer."""
+    """A few attention rows a method computes inside its steps: `rows` query rows of `heads` heads over `keys`
+    keys, per each of `sequences` sequences (a tower's items times the batch, or the batch), at one layer."""
 
     method: str
     stage: str  # "vision" or "llm"
@@ -355,7 +393,6 @@ class Probe:
     heads: int
     head_dim: int
     sequences: int
-    whole_layer: bool  # every row of the layer (its output is computed from them), not a few rows
 
     @property
     def scores(self) -> int:
@@ -363,24 +400,17 @@ class Probe:
         return self.sequences * self.heads * self.rows * self.keys
 
     def bytes_moved(self, act_bytes: float) -> float:
-        """Bytes read and written in float32 passes over its scores and its q/k values (see above)."""
+        """Bytes read and written in its passes over its scores and its k values (see above)."""
         cast = act_bytes + 4 if act_bytes < 4 else 0.0  # a cast to float32 that is not a no-op
         states = self.sequences * self.heads * self.keys * self.head_dim
-        if self.whole_layer:
-            out = 4 + act_bytes if act_bytes < 4 else 0.0
-            per_score = 4 + 8 * (self.stage == "llm") + 8 + out + act_bytes + 4
-            per_state = 2 * act_bytes + 2 * cast + 8
-        else:
-            kind = "suffix" if self.rows > 1 else ("cls" if self.stage == "vision" else "last")
-            per_score = ROW_SCORE_BYTES[kind]
-            per_state = cast + 8 + 4
-        return self.scores * per_score + states * per_state
+        kind = "suffix" if self.rows > 1 else ("cls" if self.stage == "vision" else "last")
+        return self.scores * ROW_SCORE_BYTES[kind] + states * (cast + 8 + 4)
 
 
 def method_probes(arch: Architecture, schedule: Schedule, text_tokens: int | None, batch: int) -> list[Probe]:
-    """The attention probes `schedule`'s method runs in one prefill, from its spec's probe plan (the one
-    the adapters read, ficoco.methods.needs): one per layer whose attention rows it reads, at the tokens
-    that layer attends over. Keys, hidden states and input embeddings are tensors the layer made anyway."""
+    """The attention rows `schedule`'s method computes inside its steps in one prefill, from its spec's probe
+    plan (the one the adapters read, ficoco.methods.needs): one per layer whose rows it reads, at the tokens
+    that layer attends over. Its reads of a whole layer are `method_reads`' (ficoco.accounting.reads)."""
     from ficoco.accounting.methods import suffix_tokens
     from ficoco.methods import METHODS
 
@@ -392,13 +422,12 @@ def method_probes(arch: Architecture, schedule: Schedule, text_tokens: int | Non
     v, d = arch.vision, arch.decoder
     probes: dict[tuple[str, int], Probe] = {}
 
-    def add(stage: str, layer: int, rows: int | None, keys: int, whole: bool) -> None:
+    def add(stage: str, layer: int, rows: int, keys: int) -> None:
         if stage == "vision":
             sequences, heads, head_dim = batch * plan.vision_items, v.heads, v.hidden // v.heads
         else:
             sequences, heads, head_dim = batch, d.heads, d.head_dim
-        probe = Probe(spec.name, stage, layer, keys if rows is None else rows, keys, heads, head_dim, sequences,
-                      whole)
+        probe = Probe(spec.name, stage, layer, rows, keys, heads, head_dim, sequences)
         # One probe per layer: the adapters probe a layer once for every need read there.
         if (stage, layer) not in probes or probes[(stage, layer)].rows < probe.rows:
             probes[(stage, layer)] = probe
@@ -407,32 +436,47 @@ def method_probes(arch: Architecture, schedule: Schedule, text_tokens: int | Non
         if removal.stage == "vision":
             for layer, tower in ((removal.layer, spec.probes.step_tower_layers),
                                  (v.layers - 1, spec.probes.last_tower_layer)):
-                if tower is None:
-                    continue
-                if tower.probabilities:  # every query over every key: the layer's output comes from them
-                    add("vision", layer, None, plan.vision[layer][0], whole=True)
-                elif tower.cls_query and v.has_cls:  # no [CLS]: the equivalent token scores from the keys
-                    add("vision", layer, 1, plan.vision[layer][0], whole=False)
+                # A read of every row is the method's reads'; no [CLS]: the equivalent token scores from the keys.
+                if tower is not None and not tower.probabilities and tower.cls_query and v.has_cls:
+                    add("vision", layer, 1, plan.vision[layer][0])
             continue
         # A method acting before the LLM with steps inside it (HoliTom) reads there as its inner spec says.
         probes_of = (spec.inner if spec.acts_at != "llm_layer" and spec.inner else spec).probes
         layer = removal.layer
-        if probes_of.layer_probabilities:  # inside layer L (FiCoCo-L): the tokens entering it
-            add("llm", layer, None, plan.llm[layer][0], whole=True)
         if probes_of.previous_layer_rows is not None:  # layer L-1's rows (FastV, SparseVLM)
             keys = plan.llm[layer - 1][0]
-            add("llm", layer - 1, 1 if probes_of.previous_layer_rows == "last" else min(suffix, keys), keys,
-                whole=False)
+            add("llm", layer - 1, 1 if probes_of.previous_layer_rows == "last" else min(suffix, keys), keys)
         if probes_of.own_query_key_row:  # layer L's own last row, on what layer L-1 handed on (PDrop)
-            add("llm", layer, 1, plan.llm[layer - 1][1], whole=False)
+            add("llm", layer, 1, plan.llm[layer - 1][1])
     return list(probes.values())
+
+
+def schedule_reads(arch: Architecture, schedule: Schedule, text_tokens: int | None, batch: int) -> list[Read]:
+    """The reads of a whole layer's attention `schedule`'s method makes in one prefill (ficoco.accounting.reads)."""
+    if not schedule.removals:
+        return []
+    return method_reads(arch, schedule, plan_tokens(arch, schedule, text_tokens=text_tokens), batch=batch)
+
+
+def read_rule(schedule: Schedule) -> str:
+    """The rule `schedule`'s method reads attention by (its ``attention_scores``; the model's by default)."""
+    from ficoco.methods import METHODS
+
+    spec = METHODS.get(schedule.variant)
+    defaults = spec.hyperparameters if spec is not None else {}
+    return str({**defaults, **schedule.settings_dict()}.get("attention_scores", DEFAULT_ATTENTION_SCORES))
 
 
 def probe_bytes(arch: Architecture, schedule: Schedule, text_tokens: int | None, batch: int,
                 act_bytes: float = 2.0) -> float:
-    """Bytes the method's own probes move in one prefill (`method_probes`), in a compute dtype of
-    `act_bytes` bytes: 0 for a method that reads no attention probabilities."""
-    return sum(probe.bytes_moved(act_bytes) for probe in method_probes(arch, schedule, text_tokens, batch))
+    """Bytes the method's own probe moves in one prefill, in a compute dtype of `act_bytes` bytes: its rows'
+    passes (`method_probes`) and its reads' (`READ_PASSES_PER_SCORE` passes over every score, in float32
+    under the float32 rule); 0 for a method that reads no attention probabilities. The time estimate's
+    yardstick: the prediction times the reads at their shapes instead."""
+    rows = sum(probe.bytes_moved(act_bytes) for probe in method_probes(arch, schedule, text_tokens, batch))
+    score_bytes = 4.0 if read_rule(schedule) == "float32" else act_bytes
+    reads = sum(read.scores for read in schedule_reads(arch, schedule, text_tokens, batch))
+    return rows + reads * READ_PASSES_PER_SCORE * score_bytes
 
 
 def dispatch_s(layers: int, reducing_layers: int, quant: str, rates: Any) -> float:
@@ -529,6 +573,13 @@ class _TokenGrid:
         return low + (high - low) * (count - below) / (above - below)
 
 
+def _read_shape(arch: Architecture, read: Read, rule: str) -> tuple:
+    """The shape a read is timed at: (kind, heads, key heads, head width, rows, keys, causal, rule)."""
+    kv_heads = arch.decoder.kv_heads if read.stage == "llm" else read.heads
+    return (read.kind, read.heads, kv_heads, read.head_dim, min(read.rows, read.keys), read.keys,
+            read.stage == "llm", rule)
+
+
 def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *, quant: str = "fp16",
                     batch: int = 1, text_tokens: int | None = None, compute_bits: int = 16,
                     upcast_layers: int = 0) -> Prediction:
@@ -554,7 +605,19 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     method_shape = (method_tokens, arch.decoder.hidden, method_tokens)
     linear_grid = _TokenGrid(list(linear.values()) + ([method_shape] if method_flops else []), position=0)
     attention_grid = _TokenGrid(list(attention.values()), position=1)
-    rates.measure(linear=linear_grid.timed, attention=attention_grid.timed, convert=bool(upcast_layers))
+    # The method's reads of a whole layer, at their own shapes (timed per key count; a column read over every
+    # row, a rows read at the most rows of its kind, since its rate per score hardly depends on how many).
+    reads = method_reads(arch, schedule, plan, batch=batch) if schedule.removals else []
+    read_shapes = {id(read): _read_shape(arch, read, read_rule(schedule)) for read in reads}
+    most_rows: dict[tuple, int] = {}
+    for shape in read_shapes.values():
+        width = shape[:4] + shape[6:]
+        most_rows[width] = max(most_rows.get(width, 0), shape[4])
+    read_shapes = {key: shape[:4] + (most_rows[shape[:4] + shape[6:]],) + shape[5:]
+                   for key, shape in read_shapes.items()}
+    read_grid = _TokenGrid(list(read_shapes.values()), position=5)
+    rates.measure(linear=linear_grid.timed, attention=attention_grid.timed, convert=bool(upcast_layers),
+                  reads=read_grid.timed)
     linear_rate = functools.partial(linear_grid.rate, rates.linear_flops_per_s)
     attention_rate = functools.partial(attention_grid.rate, rates.attention_flops_per_s)
     upcast_elems = 0
@@ -576,8 +639,10 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
         parts["upcast"] = upcast_elems * act_bytes / rates.convert_bytes_per_s
     if method_flops:
         parts["method"] = method_flops / linear_rate(method_shape)
-    # The method's own probe: its float32 passes over the attention rows its spec reads.
-    parts["probe"] = probe_bytes(arch, schedule, text_tokens, batch, act_bytes) / rates.bandwidth_bytes_per_s
+    # The method's own probe: its reads of whole layers at their measured rates, its rows' passes over memory.
+    rows = sum(probe.bytes_moved(act_bytes) for probe in method_probes(arch, schedule, text_tokens, batch))
+    parts["probe"] = rows / rates.bandwidth_bytes_per_s + sum(
+        read.scores / read_grid.rate(rates.read_scores_per_s, read_shapes[id(read)]) for read in reads)
     layers = arch.vision.layers + arch.decoder.layers
     parts["dispatch"] = dispatch_s(layers, len(schedule.removals), quant, rates)  # type: ignore[arg-type]
     return Prediction(sum(parts.values()), parts)
@@ -585,12 +650,13 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
 
 @dataclass
 class ProbeShapes:
-    """What a row's rate probe (MeasuredRates) times in each pass: its linear (tokens, in, out) and
-    attention (heads, tokens, head width, causal) shapes, the bandwidth copy, and the convert copy of an
-    upcast layout."""
+    """What a row's rate probe (MeasuredRates) times in each pass: its linear (tokens, in, out), attention
+    (heads, tokens, head width, causal) and attention-read shapes, the bandwidth copy, and the convert copy
+    of an upcast layout."""
 
     linear: list[tuple[int, int, int]] = field(default_factory=list)
     attention: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    reads: list[tuple] = field(default_factory=list)
     convert: bool = False
     # ShapeRates' fields, so that predict_prefill can run on a recorder: it prices nothing.
     dtype: str = "float32"
@@ -598,10 +664,11 @@ class ProbeShapes:
     convert_bytes_per_s: float = 1.0
     small_op_s: float = 0.0
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False, reads: Any = ()) -> None:
         """Remember the shapes asked for (nothing is timed)."""
         self.linear += [shape for shape in linear if shape not in self.linear]
         self.attention += [shape for shape in attention if shape not in self.attention]
+        self.reads += [shape for shape in reads if shape not in self.reads]
         self.convert = self.convert or convert
 
     def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float:
@@ -610,15 +677,21 @@ class ProbeShapes:
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float:
         return 1.0
 
+    def read_scores_per_s(self, kind: str, heads: int, kv_heads: int, head_dim: int, rows: int, keys: int,
+                          causal: bool, rule: str) -> float:
+        return 1.0
+
     @property
     def calls(self) -> int:
         """Timed calls per pass: every shape, the bandwidth copy and the convert copy."""
-        return len(self.linear) + len(self.attention) + 1 + int(self.convert)
+        return len(self.linear) + len(self.attention) + len(self.reads) + 1 + int(self.convert)
 
     def pass_flops(self) -> float:
-        """FLOPs of one pass (MeasuredRates.measure's count of each shape's work)."""
+        """FLOPs of one pass (MeasuredRates.measure's count of each shape's work; a read's as its score
+        products, which its softmax passes roughly double on a CPU)."""
         return (sum(2 * t * i * o for t, i, o in self.linear)
-                + sum(4 * h * t * t * d for h, t, d, _ in self.attention))
+                + sum(4 * h * t * t * d for h, t, d, _ in self.attention)
+                + sum(4 * h * (k if kind == "columns" else r) * k * d for kind, h, _, d, r, k, *_ in self.reads))
 
     def pass_bytes(self, compute_bits: int = 16) -> float:
         """Bytes one pass moves in its copies: 64 MiB read and written, and an upcast layout's 7B MLP

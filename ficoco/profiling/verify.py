@@ -55,6 +55,7 @@ from torch import Tensor, nn
 from ficoco.accounting import architecture
 from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.flops import STAGES, count_by_layer, count_by_stage, model_ops
+from ficoco.accounting.reads import method_reads
 from ficoco.accounting.schedule import Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods.base import LayerWork, MethodSpec
@@ -71,6 +72,8 @@ FVCORE_FLOPS_PER_UNIT = 2
 # Families whose prefill the toolkit can run with FiCoCo (ficoco.apply).
 # Stages compared with the accountant; "method" is FiCoCo's own work, reported beside them.
 METHOD_STAGE = "method"
+# The method's reads of a layer's attention (ficoco.methods.reads), reported and gated beside the stages.
+PROBE_STAGE = "probe"
 # ATen ops that carry matrix work: a skipped one would be a hole in the count.
 MATRIX_OPS = frozenset({
     "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::matmul", "aten::linear",
@@ -437,6 +440,42 @@ class MethodWork(nn.Module):
         return function(*args, **kwargs)
 
 
+class ProbeWork(nn.Module):
+    """A method's reads of a layer's attention at one place (ficoco.methods.reads), as a module:
+    `Handle.probe_runner` sends every read made there here during a verification. A read may run inside
+    the method's own step (FiCoCo's correlate rows), a layer or a stage: every module running when it ran
+    (`inside`: stage and layer modules by path, method places by name) is recorded, so that torch's counter,
+    which gives those modules its count too, can have it taken out of them."""
+
+    def __init__(self, running: set[str], methods: list[str]) -> None:
+        super().__init__()
+        self.calls = 0
+        self._running, self._methods = running, methods
+        self.inside: set[str] = set()
+
+    def forward(self, function: Callable[..., Any], *args: Any) -> Any:
+        self.calls += 1
+        self.inside |= self._running | set(self._methods)
+        return function(*args)
+
+
+class _Place:
+    """Which method places are running their work now (a MethodWork call that a read may run inside)."""
+
+    def __init__(self, method: nn.ModuleDict) -> None:
+        self.active: list[str] = []
+        self._hooks = []
+        for name, module in method.items():
+            path = f"ficoco_method.{name}"
+            self._hooks.append(module.register_forward_pre_hook(lambda *_, p=path: self.active.append(p)))
+            self._hooks.append(module.register_forward_hook(lambda *_, p=path: self.active.remove(p)))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
 class _Running:
     """Which of the stage modules are running now (forward pre- and post-hooks), by path."""
 
@@ -493,11 +532,12 @@ class Prefill(nn.Module):
     """
 
     def __init__(self, model: nn.Module, method: nn.ModuleDict, logits_to_keep: int, ran: list[nn.Module],
-                 names: list[str]) -> None:
+                 names: list[str], probe: nn.ModuleDict | None = None) -> None:
         super().__init__()
         self.model = model
         self._names = names
         self.ficoco_method = method
+        self.ficoco_probe = probe if probe is not None else nn.ModuleDict()
         self._logits_to_keep = logits_to_keep
         self._outputs: list[Tensor] = []
         self._hooks = [module.register_forward_hook(self._keep) for module in ran]
@@ -656,9 +696,31 @@ def _attribute(measured: _Measured, paths: _Paths, method_paths: list[tuple[str,
     return stages, layers, method
 
 
+@dataclass(frozen=True)
+class _Probes:
+    """The method's reads of a layer's attention, by place: each place's module path, and the module paths
+    that were running whenever a read ran there (stage and layer modules, method places)."""
+
+    paths: list[str]
+    inside: dict[str, set[str]]
+
+    def counted(self, measured: _Measured) -> list[int]:
+        return [measured.counts.get(path, 0) for path in self.paths]
+
+    def taken_out(self, measured: _Measured) -> _Measured:
+        """torch's counter's counts with every read's taken out of the modules that were running when it ran
+        (that counter gives them its count as well; fvcore gives an op to its innermost module's owners only)."""
+        counts = dict(measured.counts)
+        for path in self.paths:
+            flops = measured.counts.get(path, 0)
+            for owner in self.inside.get(path, ()):
+                counts[owner] = counts.get(owner, 0) - flops
+        return dataclasses.replace(measured, counts=counts)
+
+
 def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, plan: TokenPlan,
-             logits_to_keep: int) -> tuple[_Measured, _Measured, _Paths, list[tuple[str, int | None, str]], int | None,
-                                           tuple[int, ...]]:
+             logits_to_keep: int) -> tuple[_Measured, _Measured, _Paths, list[tuple[str, int | None, str]], _Probes,
+                                           int | None, tuple[int, ...]]:
     """Run the prefill of `schedule` under fvcore and under torch's counter; the last items are the
     visual tokens per item the run handed the LLM, as measured (a method acting before the LLM), and
     the query-key pairs every vision layer ran where the tower attends within windows (else empty)."""
@@ -679,13 +741,21 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
     method = nn.ModuleDict({name: MethodWork(running.paths) for name in module_names})
     method_paths = [(stage, layer, f"ficoco_method.{name}")
                     for (stage, layer), name in zip(keys, module_names, strict=True)]
+    # The method's reads of a layer's attention (ficoco.methods.reads) through modules of their own as well,
+    # watching every stage and layer module and method place that runs when a read does.
+    watched = {**owners, **{f"model.{name}": module for name, module in model.named_modules()
+                            if f"model.{name}" in (*paths.vision_layers, *paths.decoder_layers)}}
+    probe_running = _Running(watched)
+    places = _Place(method)
+    probe = nn.ModuleDict({name: ProbeWork(probe_running.paths, places.active) for name in module_names})
     names = [name for name, value in inputs.items() if isinstance(value, Tensor)]
     args = tuple(inputs[name] for name in names)
     handle = None
     if schedule.variant != "vanilla":
         handle = ficoco.api.apply(model, schedule.variant, schedule=schedule)
         handle.method_runner = lambda key, function, *a, **k: method[_method_module_name(key)](function, *a, **k)
-    prefill = Prefill(model, method, logits_to_keep, paths.modules, names)
+        handle.probe_runner = lambda key, function, *a: probe[_method_module_name(key)](function, *a)
+    prefill = Prefill(model, method, logits_to_keep, paths.modules, names, probe)
     traceable = Patches()
     try:
         # A family whose forward torch.jit cannot trace as is (LLaVA-NeXT's AnyRes unpadding rounds
@@ -700,6 +770,8 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
         traceable.undo()
         prefill.close()
         running.close()
+        probe_running.close()
+        places.close()
         if handle is not None:
             handle.remove()
     # Windowed attention (Qwen2.5-VL under a reduction): the query-key pairs the run's windows held per layer.
@@ -707,7 +779,9 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
         if handle is not None and handle.vision_attention_pairs else ()
     paths = dataclasses.replace(paths, running={path: set(method[path.rpartition(".")[2]].inside)
                                                 for _, _, path in method_paths})
-    return fv, tc, paths, method_paths, handle.measured_tokens_per_item if handle is not None else None, pairs
+    probes = _Probes([f"ficoco_probe.{name}" for name in module_names],
+                     {f"ficoco_probe.{name}": set(probe[name].inside) for name in module_names})
+    return fv, tc, paths, method_paths, probes, handle.measured_tokens_per_item if handle is not None else None, pairs
 
 
 def _stage_module_items(model: nn.Module, paths: _Paths) -> list[tuple[str, nn.Module]]:
@@ -752,8 +826,10 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
         raise FicocoError(f"unknown LM-head mode '{lm_head_tokens}': choose from all, last")
     plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
     inputs = synthetic_inputs(model, batch=batch, text_tokens=text_tokens, seed=seed)
-    fv, tc, paths, method_paths, measured, pairs = _measure(model, inputs, schedule, plan,
-                                                            1 if lm_head_tokens == "last" else 0)
+    fv, tc, paths, method_paths, probes, measured, pairs = _measure(model, inputs, schedule, plan,
+                                                                    1 if lm_head_tokens == "last" else 0)
+    fv_probe, tc_probe = probes.counted(fv), probes.counted(tc)
+    tc = probes.taken_out(tc)
     if schedule.settings_dict().get("adaptive") and measured is not None:
         # An adaptive count (PruMerge+ without --keep) is known only once the tower ran: the accountant
         # counts the run at the count it measured (the same for every item, or the run refused).
@@ -794,7 +870,13 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
                   for key in [(red.stage, red.layer)]]
     else:
         method = []
-    total = StageCheck("total", sum(by_stage.values()), fv.total - sum(fv_method), tc.total - sum(tc_method))
+    # The method's reads of a layer's attention beside its kernel: their score products against the reads' shapes
+    # (ficoco.accounting.reads), which the prediction prices; no convention of `ficoco flops` counts them.
+    reads = method_reads(arch, schedule, plan, batch=batch)
+    if reads or any(fv_probe) or any(tc_probe):
+        stages.append(StageCheck(PROBE_STAGE, 2 * sum(read.macs for read in reads), sum(fv_probe), sum(tc_probe)))
+    total = StageCheck("total", sum(by_stage.values()), fv.total - sum(fv_method) - sum(fv_probe),
+                       tc.total - sum(tc_method) - sum(tc_probe))
     return RunCheck(schedule=schedule, plan=plan, stages=stages, layers=layers, method=method, total=total,
                     skipped_ops=fv.skipped, uncalled_modules=fv.uncalled)
 

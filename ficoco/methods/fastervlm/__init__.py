@@ -12,6 +12,7 @@ from typing import Any
 
 from ficoco.methods.base import ExtraMacs, MethodSpec, Need, StepContext
 from ficoco.methods.common import ALL_FAMILIES, EQUIVALENT, PER_ITEM, check_keep, cut_steps
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION
 
 RATIO = 0.75  # the share of the patches dropped without keep= (the paper's 75 % row: 144 of 576)
 
@@ -38,7 +39,9 @@ SPEC = MethodSpec(
     needs=(Need("attention_rows", "vision L", "cls", "the [CLS] query's softmax over every key of the layer the "
                 "projector reads, head mean"),
            Need("hidden", "projector", "all", "the projector's output, every patch")),
-    hyperparameters={"ratio": RATIO},
+    hyperparameters={"ratio": RATIO,
+                     "attention_scores": DEFAULT_ATTENTION_SCORES},
+    corrections=SCORES_CORRECTION,
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="fastervlm_reduce",
     source="Theia-4869/FasterVLM f5d5f12",
     summary="keep the projected patches [CLS] attends to most, in image order",

@@ -26,6 +26,7 @@ from torch import Tensor
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.ops import gather_tokens, patch_scores_from_cls, top_indices
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 
 __all__ = ["fastervlm_reduce", "fastervlm_scores", "tower_step"]
 
@@ -59,6 +60,6 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     """The model adapters' call after the projector: ``inputs.hidden`` is the projector's output
     for every patch, scored by the [CLS] row of the layer the projector reads (head mean; the
     equivalent token on a tower without [CLS]); ``remove`` of them leave."""
-    scores = patch_scores_from_cls(inputs, "mean")
+    scores = patch_scores_from_cls(inputs, "mean", settings.get("attention_scores", DEFAULT_ATTENTION_SCORES))
     features, kept = fastervlm_reduce(inputs.hidden, scores, scores.shape[1] - inputs.remove)
     return TowerOutput(hidden=features, kept=kept)

@@ -13,6 +13,7 @@ from typing import Any
 from ficoco.errors import FicocoError
 from ficoco.methods.base import ExtraMacs, MethodSpec, Need, Step, StepContext
 from ficoco.methods.common import ALL_FAMILIES, LAST_ROW, check_keep, check_layer
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION
 
 LAYER = 2  # K: the layer at whose input the image tokens are dropped
 RATIO = 0.5  # R: the share of the image tokens dropped (the official default)
@@ -53,7 +54,9 @@ SPEC = MethodSpec(
     needs=(Need("attention_rows", "L-1", "last", "softmax over all keys of layer K-1, head mean, of "
                 + LAST_ROW + "; recomputed from post-RoPE q and k, so SDPA stays on"),
            Need("hidden", "L", "all", "the input of layer K")),
-    hyperparameters={"layer": LAYER, "ratio": RATIO},
+    hyperparameters={"layer": LAYER, "ratio": RATIO,
+                     "attention_scores": DEFAULT_ATTENTION_SCORES},
+    corrections=SCORES_CORRECTION,
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="fastv_reduce",
     source="pkunlp-icler/FastV d165972", summary="keep the image tokens the last prompt token attends to most",
     keep_means="layer-average visual tokens (K layers at all, the rest at the kept)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ficoco.methods.base import LayerWork, MethodSpec, Need
 from ficoco.methods.common import ALL_FAMILIES
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION, ReadContext, ReadShape
 
 # The paper's hyperparameters (docs/methods/ficoco.md): every one can be set per handle
 # (`ficoco.apply(model, "l", beta=0.5)`).
@@ -38,16 +39,24 @@ def layer_macs(work: LayerWork) -> int:
     return work.items * (kept * work.removed * work.dim + work.removed * work.suffix_tokens * kept)
 
 
+def reads(ctx: ReadContext) -> tuple[ReadShape, ...]:
+    """What one reducing decoder layer reads of its attention (ficoco.methods.ficoco_l.ops), in one read: the
+    visual rows and the text rows after the visual span, at every key (the method keeps the visual columns)."""
+    return (("rows", ctx.visual_before + ctx.suffix_tokens, ctx.tokens),)
+
+
 SPEC = MethodSpec(
     name="l", title="FiCoCo-L", acts_at="llm_layer", placement="in_layer", positions="original",
     needs=(Need("attention_rows", "L", "visual+suffix", "head-mean probabilities of the visual and suffix "
                 "queries over every key of the reducing layer"),
            Need("hidden", "L", "all", "after the attention residual, before the MLP")),
-    hyperparameters={"beta": BETA, "gamma": GAMMA, "eps": EPS, "first_layer": FIRST_LAYER},
+    hyperparameters={"beta": BETA, "gamma": GAMMA, "eps": EPS, "first_layer": FIRST_LAYER,
+                     "attention_scores": DEFAULT_ATTENTION_SCORES},
+    corrections=SCORES_CORRECTION,
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="reduce",
     source="FiCoCo paper (docs/methods/ficoco.md)",
     summary="filter by vision- and task-redundancy, fold into kept tokens",
     keep_means="visual tokens that leave the LLM", wired=True, merges_by_keys=True,
     planner="per_layer", default_setting=False,
-    paper_overhead=paper_overhead, layer_macs=layer_macs,
+    paper_overhead=paper_overhead, layer_macs=layer_macs, reads=reads,
 )

@@ -30,12 +30,12 @@ from ficoco.methods.ops import (
     adaptive_weights,
     compress,
     compute_dtype,
-    gather_block,
     gather_tokens,
     main_targets,
     select,
 )
 from ficoco.methods.ops import visual_positions as span_positions  # "visual_positions" is a parameter here
+from ficoco.methods.reads.ops import AttentionReads, as_reads
 
 __all__ = ["LReduction", "language_correlation", "language_scores", "layer_step", "reduce", "reduce_l",
            "suffix_start"]
@@ -93,26 +93,28 @@ def suffix_start(visual_start: Tensor, num_visual: int, visual_positions: Tensor
     return int(visual_start.min()) + num_visual if visual_start.numel() else 0
 
 
-def _suffix_attention(attn: Tensor, suffix: Tensor, columns: Tensor, first_row: int) -> Tensor:
-    """``(B, T', K)`` attention of the trailing rows that hold the suffix to ``columns``,
-    zero on non-suffix rows (T' = T minus the rows before ``first_row``, the earliest span end).
-
-    ``torch.where`` rather than a product so that garbage (even NaN) in rows the method
-    does not need cannot leak in.
-    """
-    # Only rows from the earliest span end on can be suffix rows: read those alone (about M of
-    # the T rows), which keeps this step small next to the layer.
-    first = min(max(first_row, 0), attn.shape[1])
-    tail, tail_suffix = attn[:, first:], suffix[:, first:]
-    batch = torch.arange(attn.shape[0], device=columns.device).unsqueeze(1)
-    picked = tail.transpose(1, 2)[batch, columns].transpose(1, 2)
-    picked = picked.to(compute_dtype(attn.dtype))
-    return torch.where(tail_suffix.unsqueeze(2), picked, torch.zeros_like(picked))
+def _visual_blocks(attn: AttentionReads, visual: Tensor, first_row: int) -> tuple[Tensor, Tensor]:
+    """What FiCoCo-L reads of a layer's attention, in one read: ``(B, N, N)`` the visual rows at the
+    visual columns, and ``(B, T', N)`` the trailing rows from ``first_row`` (the earliest span end:
+    only they can hold suffix tokens, about M of the T rows) at the visual columns; in the compute dtype."""
+    batch, seq_len, _ = attn.shape
+    first = min(max(first_row, 0), seq_len)
+    tail = torch.arange(first, seq_len, device=visual.device).expand(batch, -1)
+    both = attn.block(torch.cat([visual, tail], dim=1), visual)
+    both = both.to(compute_dtype(both.dtype))
+    return both[:, :visual.shape[1]], both[:, visual.shape[1]:]
 
 
-def _check_inputs(attn: Tensor, visual_start: Tensor, num_visual: int, suffix_mask: Tensor,
+def _on_suffix(tail: Tensor, suffix: Tensor, first_row: int) -> Tensor:
+    """The trailing rows' block ``tail`` (B, T', K), zero on rows that are not suffix tokens. ``torch.where``
+    rather than a product so that garbage (even NaN) in rows the method does not need cannot leak in."""
+    first = min(max(first_row, 0), suffix.shape[1])
+    return torch.where(suffix[:, first:].unsqueeze(2), tail, torch.zeros_like(tail))
+
+
+def _check_inputs(attn: AttentionReads, visual_start: Tensor, num_visual: int, suffix_mask: Tensor,
                   visual_positions: Tensor | None = None) -> None:
-    if attn.dim() != 3 or attn.shape[1] != attn.shape[2]:
+    if attn.shape[1] != attn.shape[2]:
         raise ValueError(f"attn must be (B, T, T), got shape {tuple(attn.shape)}")
     batch, seq_len, _ = attn.shape
     if tuple(visual_start.shape) != (batch,):
@@ -126,8 +128,36 @@ def _check_inputs(attn: Tensor, visual_start: Tensor, num_visual: int, suffix_ma
                          f"got {tuple(visual_positions.shape)}")
 
 
+def _scores_of(among_visual: Tensor, tail: Tensor, suffix: Tensor, first_suffix_row: int, beta: float) -> Tensor:
+    """The redundancy from the read blocks (`language_scores`)."""
+    num_visual = among_visual.shape[1]
+    # Entries above the diagonal are masked-out keys: ignore them even if not exactly zero. The
+    # positions increase, so "query i can see key j" is i >= j in rank, across spans as well.
+    sees = torch.ones(num_visual, num_visual, dtype=torch.bool, device=among_visual.device).tril()
+    column_sum = torch.where(sees, among_visual, torch.zeros_like(among_visual)).sum(dim=1)
+    viewers = torch.arange(num_visual, 0, -1, device=among_visual.device).to(column_sum.dtype)
+    vision_term = column_sum / viewers
+    text_attention = _on_suffix(tail, suffix, first_suffix_row)
+    suffix_count = suffix.sum(dim=1, keepdim=True).clamp(min=1).to(text_attention.dtype)
+    task_term = text_attention.sum(dim=1) / suffix_count
+    return beta * vision_term - (1.0 - beta) * task_term
+
+
+def _correlation_of(among_visual: Tensor, tail: Tensor, suffix: Tensor, first_suffix_row: int, source: Tensor,
+                    target: Tensor, gamma: float) -> Tensor:
+    """The correlation from the read blocks (`language_correlation`)."""
+    batch = torch.arange(among_visual.shape[0], device=source.device).view(-1, 1, 1)
+    direct = among_visual[batch, source.unsqueeze(2), target.unsqueeze(1)]
+    text = _on_suffix(tail, suffix, first_suffix_row)
+    text_to_source = gather_tokens(text.transpose(1, 2), source).transpose(1, 2)
+    text_to_target = gather_tokens(text.transpose(1, 2), target).transpose(1, 2)
+    suffix_count = suffix.sum(dim=1).clamp(min=1).to(direct.dtype).reshape(-1, 1, 1)
+    indirect = (text_to_source.transpose(1, 2) @ text_to_target) / suffix_count
+    return gamma * direct + (1.0 - gamma) * indirect
+
+
 def language_scores(
-    attn: Tensor,
+    attn: Tensor | AttentionReads,
     visual_start: Tensor,
     num_visual: int,
     suffix_mask: Tensor,
@@ -140,10 +170,11 @@ def language_scores(
     ``v_j`` is the mean attention visual token ``j`` receives from the visual queries that
     can see it (causal: ``i >= j``, so the column sum is divided by ``N - j``); ``t_j`` is
     the mean attention it receives from the suffix text queries. A sample without suffix
-    tokens has no task prior (``t = 0``).
+    tokens has no task prior (``t = 0``). What is read: the visual and trailing rows at the
+    visual columns.
 
     Args:
-        attn: ``(B, T, T)`` head-mean causal attention probabilities.
+        attn: ``(B, T, T)`` head-mean causal attention probabilities, or reads of them.
         visual_start: ``(B,)`` long position of the first visual token of every sample.
         num_visual: ``N``, visual tokens per sample.
         suffix_mask: ``(B, T)`` bool, True on real text tokens after the visual span.
@@ -156,28 +187,20 @@ def language_scores(
     Returns:
         ``(B, N)`` scores in the compute dtype; higher means more redundant.
     """
+    attn = as_reads(attn)
     _check_inputs(attn, visual_start, num_visual, suffix_mask, visual_positions)
-    visual_start = visual_start.to(device=attn.device, dtype=torch.long)
-    visual = _visual_positions(visual_start, num_visual, visual_positions).to(attn.device)
-    among_visual = gather_block(attn, visual, visual).to(compute_dtype(attn.dtype))
-    # Entries above the diagonal are masked-out keys: ignore them even if not exactly zero. The
-    # positions increase, so "query i can see key j" is i >= j in rank, across spans as well.
-    sees = torch.ones(num_visual, num_visual, dtype=torch.bool, device=attn.device).tril()
-    column_sum = torch.where(sees, among_visual, torch.zeros_like(among_visual)).sum(dim=1)
-    viewers = torch.arange(num_visual, 0, -1, device=attn.device).to(column_sum.dtype)
-    vision_term = column_sum / viewers
-
+    device = suffix_mask.device
+    visual = _visual_positions(visual_start.to(device=device, dtype=torch.long), num_visual, visual_positions)
+    visual = visual.to(device)
     if first_suffix_row is None:
         first_suffix_row = suffix_start(visual_start, num_visual, visual)
     suffix = _suffix_rows(suffix_mask, visual)
-    text_attention = _suffix_attention(attn, suffix, visual, first_suffix_row)
-    suffix_count = suffix.sum(dim=1, keepdim=True).clamp(min=1).to(text_attention.dtype)
-    task_term = text_attention.sum(dim=1) / suffix_count
-    return beta * vision_term - (1.0 - beta) * task_term
+    among_visual, tail = _visual_blocks(attn, visual, first_suffix_row)
+    return _scores_of(among_visual, tail, suffix, first_suffix_row, beta)
 
 
 def language_correlation(
-    attn: Tensor,
+    attn: Tensor | AttentionReads,
     source: Tensor,
     target: Tensor,
     visual_start: Tensor,
@@ -194,7 +217,7 @@ def language_correlation(
     matmul over the suffix rows.
 
     Args:
-        attn: ``(B, T, T)`` head-mean causal attention probabilities.
+        attn: ``(B, T, T)`` head-mean causal attention probabilities, or reads of them.
         source: ``(B, r)`` indices within the visual span of the discarded tokens.
         target: ``(B, N - r)`` indices within the visual span of the kept tokens.
         visual_start: ``(B,)`` long position of the first visual token.
@@ -207,26 +230,21 @@ def language_correlation(
     Returns:
         ``(B, r, N - r)`` in the compute dtype.
     """
+    attn = as_reads(attn)
     _check_inputs(attn, visual_start, num_visual, suffix_mask, visual_positions)
-    visual_start = visual_start.to(device=attn.device, dtype=torch.long)
-    visual = _visual_positions(visual_start, num_visual, visual_positions).to(attn.device)
-    source_positions = torch.gather(visual, 1, source)
-    target_positions = torch.gather(visual, 1, target)
-    direct = gather_block(attn, source_positions, target_positions).to(compute_dtype(attn.dtype))
-
+    device = suffix_mask.device
+    visual = _visual_positions(visual_start.to(device=device, dtype=torch.long), num_visual, visual_positions)
+    visual = visual.to(device)
     if first_suffix_row is None:
         first_suffix_row = suffix_start(visual_start, num_visual, visual)
     suffix = _suffix_rows(suffix_mask, visual)
-    text_to_source = _suffix_attention(attn, suffix, source_positions, first_suffix_row)
-    text_to_target = _suffix_attention(attn, suffix, target_positions, first_suffix_row)
-    suffix_count = suffix.sum(dim=1).clamp(min=1).to(direct.dtype).reshape(-1, 1, 1)
-    indirect = (text_to_source.transpose(1, 2) @ text_to_target) / suffix_count
-    return gamma * direct + (1.0 - gamma) * indirect
+    among_visual, tail = _visual_blocks(attn, visual, first_suffix_row)
+    return _correlation_of(among_visual, tail, suffix, first_suffix_row, source.to(device), target.to(device), gamma)
 
 
 def reduce_l(
     hidden: Tensor,
-    attn: Tensor,
+    attn: Tensor | AttentionReads,
     r: int,
     visual_start: Tensor,
     num_visual: int,
@@ -248,8 +266,8 @@ def reduce_l(
 
     Args:
         hidden: ``(B, T, D)`` hidden states (after the attention residual, before the MLP).
-        attn: ``(B, T, T)`` head-mean causal attention probabilities of the same layer;
-            only visual and suffix rows are read.
+        attn: ``(B, T, T)`` head-mean causal attention probabilities of the same layer, or reads
+            of them; only the visual and trailing rows at the visual columns are read, once.
         r: visual tokens to remove, ``0 <= r < N``; the same for every sample.
         visual_start: ``(B,)`` long position of the first visual token of every sample.
         num_visual: ``N``, visual tokens per sample.
@@ -273,6 +291,7 @@ def reduce_l(
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be (B, T, D), got shape {tuple(hidden.shape)}")
     batch, seq_len, _ = hidden.shape
+    attn = as_reads(attn)
     if tuple(attn.shape) != (batch, seq_len, seq_len):
         raise ValueError(f"attn must be (B, T, T) = {(batch, seq_len, seq_len)}, got {tuple(attn.shape)}")
     _check_inputs(attn, visual_start, num_visual, suffix_mask, visual_positions)
@@ -308,14 +327,14 @@ def reduce_l(
 
     if first_suffix_row is None:
         first_suffix_row = suffix_start(visual_start, num_visual, visual_positions)
-    scores = language_scores(attn, visual_start, num_visual, suffix_mask, beta=beta,
-                             first_suffix_row=first_suffix_row, visual_positions=visual_positions)
+    suffix = _suffix_rows(suffix_mask.to(device), visual_positions)
+    among_visual, tail = _visual_blocks(attn, visual_positions, first_suffix_row)
+    scores = _scores_of(among_visual, tail, suffix, first_suffix_row, beta)
     if protected is not None:
         # -inf sorts after every real score, so a protected token is never among the r selected.
         scores = scores.masked_fill(protected, float("-inf"))
     source, target = select(scores, r)
-    correlation = language_correlation(attn, source, target, visual_start, num_visual, suffix_mask, gamma=gamma,
-                                       first_suffix_row=first_suffix_row, visual_positions=visual_positions)
+    correlation = _correlation_of(among_visual, tail, suffix, first_suffix_row, source, target, gamma)
     alpha = adaptive_weights(correlation, eps=eps)
     merged = compress(gather_tokens(hidden, visual_positions), source, target, alpha)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ficoco.methods.base import LayerWork, MethodSpec, Need
 from ficoco.methods.common import ALL_FAMILIES
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION, ReadContext, ReadShape
 
 # The paper's hyperparameters (docs/methods/ficoco.md): every one can be set per handle
 # (`ficoco.apply(model, "v", lam=0.5)`).
@@ -39,6 +40,18 @@ def layer_macs(work: LayerWork) -> int:
     return work.items * kept * work.removed * work.dim // work.merge
 
 
+def reads(ctx: ReadContext) -> tuple[ReadShape, ...]:
+    """What one reducing tower layer reads of its attention (ficoco.methods.ficoco_v.ops): the column means
+    over the patch rows, the [CLS] row (where the tower has one and [CLS] scores), and once the filter chose
+    the patches to remove, their rows (the correlate step; a merge group's: its members' rows)."""
+    shapes = [("columns", ctx.tokens - int(ctx.has_cls), ctx.tokens)]
+    if ctx.has_cls and not ctx.settings.get("equivalent_token", EQUIVALENT_TOKEN):
+        shapes.append(("rows", 1, ctx.tokens))
+    if ctx.removed:
+        shapes.append(("rows", ctx.removed, ctx.tokens))
+    return tuple(shapes)
+
+
 SPEC = MethodSpec(
     name="v", title="FiCoCo-V", acts_at="vision_layer", placement="in_layer", positions="grid",
     needs=(Need("attention_rows", "vision L", "all", "head-mean probabilities of every query over every key "
@@ -46,11 +59,13 @@ SPEC = MethodSpec(
            Need("keys", "vision L", "all", "head-mean keys, only for towers without [CLS] (equivalent token)"),
            Need("hidden", "vision L", "all", "after the attention residual, before the MLP")),
     hyperparameters={"lam": LAM, "eps": EPS, "window": WINDOW, "coefficient": COEFFICIENT, "first_layer": FIRST_LAYER,
-                     "equivalent_token": EQUIVALENT_TOKEN},
+                     "equivalent_token": EQUIVALENT_TOKEN,
+                     "attention_scores": DEFAULT_ATTENTION_SCORES},
+    corrections=SCORES_CORRECTION,
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="reduce",
     source="FiCoCo paper (docs/methods/ficoco.md)",
     summary="filter by vision- and [CLS]-redundancy, fold into kept patches",
     keep_means="visual tokens that reach the LLM", wired=True, merges_by_keys=True,
     planner="per_layer", default_setting=False,
-    paper_overhead=paper_overhead, layer_macs=layer_macs,
+    paper_overhead=paper_overhead, layer_macs=layer_macs, reads=reads,
 )

@@ -25,10 +25,10 @@ from ficoco.methods.ops import (
     compress,
     compute_dtype,
     equivalent_token_redundancy,
-    gather_block,
     main_targets,
     select,
 )
+from ficoco.methods.reads.ops import AttentionReads, GroupReads, as_reads
 
 __all__ = ["GroupReduction", "VReduction", "equivalent_token_redundancy", "local_penalty", "reduce", "reduce_groups",
            "reduce_v", "tower_step", "vision_correlation", "vision_scores"]
@@ -65,37 +65,45 @@ def _patch_offset(has_cls: bool) -> int:
     return 1 if has_cls else 0
 
 
-
 def vision_scores(
-    attn: Tensor,
+    attn: Tensor | AttentionReads,
     has_cls: bool,
     keys: Tensor | None = None,
     lam: float = LAM,
     equivalent: bool = False,
+    semantic: Tensor | None = None,
 ) -> Tensor:
     """FiCoCo-V redundancy of every patch, ``s_j = lam * v_j - (1 - lam) * a_j``.
 
     ``v_j`` is the mean attention patch ``j`` receives from the patch queries; ``a_j`` is
     ``A[0, j]`` (the ``[CLS]`` query's attention) when ``has_cls``, else the equivalent
-    token's ``-cos(mu, M_j)`` computed from ``keys``.
+    token's ``-cos(mu, M_j)`` computed from ``keys``. What is read of the attention: the
+    column means over the patch rows, and the [CLS] row.
 
     Args:
-        attn: ``(B, T, T)`` head-mean attention probabilities (query dim -2, key dim -1).
+        attn: ``(B, T, T)`` head-mean attention probabilities (query dim -2, key dim -1), or
+            reads of them (ficoco.methods.reads.ops).
         has_cls: whether position 0 is ``[CLS]``.
         keys: ``(B, H, T, d)`` key states; required when ``has_cls`` is False, unused otherwise.
         lam: weight of the vision-aware term.
         equivalent: use the equivalent token even when ``[CLS]`` is present (it still stays).
+        semantic: ``(B, N)`` the semantic term ``a_j`` given (merge groups: their members' mean);
+            nothing is read for it then.
 
     Returns:
         ``(B, N)`` scores in the compute dtype; higher means more redundant.
     """
-    if attn.dim() != 3 or attn.shape[1] != attn.shape[2]:
-        raise ValueError(f"attn must be (B, T, T), got shape {tuple(attn.shape)}")
+    reads = as_reads(attn)
+    if reads.shape[1] != reads.shape[2]:
+        raise ValueError(f"attn must be (B, T, T), got shape {tuple(reads.shape)}")
     offset = _patch_offset(has_cls)
-    patch_attn = attn[:, offset:, offset:].to(compute_dtype(attn.dtype))
-    received = patch_attn.mean(dim=1)
-    if has_cls and not equivalent:
-        semantic = attn[:, 0, offset:].to(received.dtype)
+    received = reads.column_mean(first_row=offset)[:, offset:]
+    received = received.to(compute_dtype(received.dtype))
+    if semantic is not None:
+        semantic = semantic.to(received.dtype)
+    elif has_cls and not equivalent:
+        cls_row = torch.zeros(reads.shape[0], 1, dtype=torch.long, device=received.device)
+        semantic = reads.rows(cls_row)[:, 0, offset:].to(received.dtype)
     else:
         if keys is None:
             raise FicocoError("the equivalent token needs the layer's key states: pass keys=(B, H, T, d)")
@@ -164,11 +172,12 @@ def local_penalty(
     return torch.where(is_winner, raised, scores)
 
 
-def vision_correlation(attn: Tensor, source: Tensor, target: Tensor, has_cls: bool) -> Tensor:
-    """Direct correlation ``C[i, j] = A[patch i, patch j]`` for discarded ``i``, kept ``j``.
+def vision_correlation(attn: Tensor | AttentionReads, source: Tensor, target: Tensor, has_cls: bool) -> Tensor:
+    """Direct correlation ``C[i, j] = A[patch i, patch j]`` for discarded ``i``, kept ``j``: only the
+    discarded patches' rows are read, once the filter chose them.
 
     Args:
-        attn: ``(B, T, T)`` head-mean attention probabilities.
+        attn: ``(B, T, T)`` head-mean attention probabilities, or reads of them.
         source: ``(B, r)`` patch indices (0 = first patch) of the discarded tokens.
         target: ``(B, N - r)`` patch indices of the kept tokens.
         has_cls: whether position 0 is ``[CLS]``.
@@ -177,13 +186,13 @@ def vision_correlation(attn: Tensor, source: Tensor, target: Tensor, has_cls: bo
         ``(B, r, N - r)`` in the compute dtype.
     """
     offset = _patch_offset(has_cls)
-    block = gather_block(attn, source + offset, target + offset)
-    return block.to(compute_dtype(attn.dtype))
+    block = as_reads(attn).block(source + offset, target + offset)
+    return block.to(compute_dtype(block.dtype))
 
 
 def reduce_v(
     hidden: Tensor,
-    attn: Tensor,
+    attn: Tensor | AttentionReads,
     r: int,
     grid_index: Tensor,
     grid_hw: tuple[int, int],
@@ -194,12 +203,13 @@ def reduce_v(
     window: int = WINDOW,
     coefficient: float = COEFFICIENT,
     equivalent: bool = False,
+    semantic: Tensor | None = None,
 ) -> VReduction:
     """One FiCoCo-V step: filter, correlate and compress ``r`` patches of one layer.
 
     Args:
         hidden: ``(B, T, D)`` hidden states (after the attention residual, before the MLP).
-        attn: ``(B, T, T)`` head-mean attention probabilities of the same layer.
+        attn: ``(B, T, T)`` head-mean attention probabilities of the same layer, or reads of them.
         r: patches to remove, ``0 <= r < N``; the same for every sample.
         grid_index: ``(B, N)`` long original-grid flat index of every current patch.
         grid_hw: ``(grid_h, grid_w)`` of the original patch grid.
@@ -210,6 +220,7 @@ def reduce_v(
         window: local-penalty window side.
         coefficient: local-penalty factor.
         equivalent: score with the equivalent token instead of ``[CLS]`` (which still stays at 0).
+        semantic: ``(B, N)`` the semantic term given instead of read (``vision_scores``).
 
     Returns:
         A :class:`VReduction`. With ``r == 0`` the input hidden states come back unchanged.
@@ -217,6 +228,7 @@ def reduce_v(
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be (B, T, D), got shape {tuple(hidden.shape)}")
     batch, seq_len, _ = hidden.shape
+    attn = as_reads(attn)
     if tuple(attn.shape) != (batch, seq_len, seq_len):
         raise ValueError(f"attn must be (B, T, T) = {(batch, seq_len, seq_len)}, got {tuple(attn.shape)}")
     offset = _patch_offset(has_cls)
@@ -236,7 +248,7 @@ def reduce_v(
             kept_positions=positions,
         )
 
-    scores = vision_scores(attn, has_cls, keys=keys, lam=lam, equivalent=equivalent)
+    scores = vision_scores(attn, has_cls, keys=keys, lam=lam, equivalent=equivalent, semantic=semantic)
     scores = local_penalty(scores, grid_index, grid_hw, window=window, coefficient=coefficient)
     source, target = select(scores, r)
     correlation = vision_correlation(attn, source, target, has_cls)
@@ -299,7 +311,7 @@ class GroupReduction:
     merge_target: Tensor | None = None
 
 
-def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor | None, r: int, group_index: Tensor,
+def reduce_groups(hidden: Tensor, attn: Tensor | AttentionReads, keys: Tensor | None, r: int, group_index: Tensor,
                   group_grid: tuple[int, int], *, merge: int = 4, lam: float = LAM, eps: float = EPS,
                   window: int = WINDOW, coefficient: float = COEFFICIENT, has_cls: bool = False,
                   equivalent: bool = False) -> GroupReduction:
@@ -314,8 +326,8 @@ def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor | None, r: int, gro
     Args:
         hidden: ``(B, G * merge, D)`` patches of one image per sample, members consecutive ([CLS] kept
             aside by the caller).
-        attn: ``(B, T, T)`` head-mean attention probabilities of the layer (T = G * merge, or 1 + G * merge
-            with [CLS] first when ``has_cls``: InternVL's pixel-shuffle groups).
+        attn: ``(B, T, T)`` head-mean attention probabilities of the layer, or reads of them (T = G * merge,
+            or 1 + G * merge with [CLS] first when ``has_cls``: InternVL's pixel-shuffle groups).
         keys: ``(B, H, T, d)`` the layer's key states (for the equivalent token; unused with [CLS]).
         r: groups to remove, ``0 <= r < G``.
         group_index: ``(B, G)`` original group index of every current group (row-major on
@@ -331,30 +343,26 @@ def reduce_groups(hidden: Tensor, attn: Tensor, keys: Tensor | None, r: int, gro
     if tokens % merge:
         raise ValueError(f"{tokens} tokens are not whole groups of {merge}")
     groups = tokens // merge
-    # Both terms of the score are linear, so the mean of the members' scores is the score of
-    # the members' mean terms; the correlation is the block mean of the attention.
+    # Both terms of the score are linear, so the mean of the members' scores is the score of the members'
+    # mean terms; the correlation is the block mean of the attention (GroupReads reads it at group level:
+    # the column means, then only the discarded groups' member rows).
     offset = int(has_cls)
+    reads = as_reads(attn)
     if has_cls and not equivalent:
-        semantic = attn[:, 0, 1:].reshape(batch, groups, merge).mean(dim=2)
+        cls_row = torch.zeros(batch, 1, dtype=torch.long, device=hidden.device)
+        semantic = reads.rows(cls_row)[:, 0, 1:].reshape(batch, groups, merge).mean(dim=2)
     else:
         if keys is None:
             raise FicocoError("the equivalent token needs the layer's key states: pass keys=(B, H, T, d)")
         semantic = equivalent_token_redundancy(keys, has_cls=has_cls).view(batch, groups, merge).mean(dim=2)
-    group_attn = attn[:, offset:, offset:].reshape(batch, groups, merge, groups, merge).mean(dim=(2, 4))
-    # reduce_v reads the semantic term of its score from the [CLS] query's row (A[0, j]).
-    # Groups have no [CLS], so a stand-in row 0 carries the groups' equivalent-token term there;
-    # the stand-in token is never removed and is dropped below. The members of a group travel
-    # as one vector of merge x D, so compress folds them member by member.
-    stand_in = group_attn.new_zeros(batch, 1 + groups, 1 + groups)
-    stand_in[:, 0, 1:] = semantic.to(stand_in.dtype)
-    stand_in[:, 1:, 1:] = group_attn
-    vectors = torch.cat([hidden.new_zeros(batch, 1, merge * dim), hidden.reshape(batch, groups, merge * dim)], 1)
-    red: VReduction = reduce(vectors, stand_in, r, group_index, group_grid, has_cls=True, lam=lam, eps=eps,
-                               window=window, coefficient=coefficient)
+    # The members of a group travel as one vector of merge x D, so compress folds them member by member.
+    red: VReduction = reduce(hidden.reshape(batch, groups, merge * dim), GroupReads(reads, merge, offset), r,
+                             group_index, group_grid, has_cls=False, lam=lam, eps=eps, window=window,
+                             coefficient=coefficient, semantic=semantic)
     return GroupReduction(
-        hidden=red.hidden[:, 1:].reshape(batch, -1, dim),
+        hidden=red.hidden.reshape(batch, -1, dim),
         kept_groups=red.grid_index,
         discarded_groups=red.discarded_grid,
-        kept_positions=red.kept_positions[:, 1:] - 1,
+        kept_positions=red.kept_positions,
         merge_target=red.merge_target,
     )

@@ -16,6 +16,7 @@ from typing import Any
 from ficoco.errors import FicocoError
 from ficoco.methods.base import ExtraMacs, MethodSpec, Need, Step, StepContext
 from ficoco.methods.common import LAST_ROW, check_keep
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION, ReadContext, ReadShape
 
 RETAIN_RATIO = 0.10  # RETAIN_RATIO of every frame's tokens (default 0.10; the paper's rows 25/15/10 %)
 TAU = 0.8  # T: the temporal-redundancy threshold of the segmentation
@@ -103,6 +104,13 @@ INNER = MethodSpec(
     steps=inner_steps, extra_macs=inner_extra_macs, wired=True,
 )
 
+def reads(ctx: ReadContext) -> tuple[ReadShape, ...]:
+    """What HoliTom reads of the attention of the layer the projector reads: what every patch receives,
+    summed over every query (the column sums). Its merge inside the LLM reads the last row only (its
+    `extra_macs`)."""
+    return (("columns", ctx.tokens, ctx.tokens),) if ctx.stage == "vision" else ()
+
+
 SPEC = MethodSpec(
     name="holitom", title="HoliTom", acts_at="after_projector", placement="after_projector", positions="grid",
     needs=(Need("attention_rows", "vision L", "all", "head-mean probabilities of every query over every key of the "
@@ -111,7 +119,9 @@ SPEC = MethodSpec(
                 "together (the adapter groups a video's frames)")),
     hyperparameters={"retain_ratio": RETAIN_RATIO, "tau": TAU, "beta": BETA, "neighbours": NEIGHBOURS,
                      "contextual_share": CONTEXTUAL_SHARE, "max_window": MAX_WINDOW, "merge_layer": MERGE_LAYER,
-                     "merge_ratio": MERGE_RATIO},
+                     "merge_ratio": MERGE_RATIO,
+                     "attention_scores": DEFAULT_ATTENTION_SCORES},
+    corrections=SCORES_CORRECTION, reads=reads,
     families=FAMILIES, module=f"{__name__}.ops",
     function="holitom_reduce",
     # Qwen2-VL and Qwen2.5-VL (issue 25) run it on videos: their temporal slices are the frames.

@@ -71,6 +71,7 @@ from ficoco.methods.holitom import BETA, CONTEXTUAL_SHARE, MAX_WINDOW, NEIGHBOUR
 from ficoco.methods.inputs import Reduced, StepInput, TowerInput, TowerOutput
 from ficoco.methods.ops import check_span, compute_dtype, gather_tokens, rebuild, top_indices, visual_positions
 from ficoco.methods.ops import last_row_scores as fastv_scores  # FastV's rule
+from ficoco.methods.reads.ops import AttentionReads, as_reads
 
 __all__ = ["HolitomOutput", "apportion", "dpc_knn_merge", "frame_similarity", "holitom_reduce", "inner_merge",
            "segment_frames", "step", "tower_step"]
@@ -296,11 +297,12 @@ def holitom_reduce(features: Tensor, scores: Tensor, budget: int, *, tau: float 
     return HolitomOutput(hidden=hidden.to(features.dtype), origin=chosen, merged=merged_flag, segment_start=start)
 
 
-def attention_received(attention: Tensor, has_cls: bool) -> Tensor:
+def attention_received(attention: Tensor | AttentionReads, has_cls: bool) -> Tensor:
     """``(items, N)`` the mean attention every patch receives over every query of the layer (the
     official SigLIP score: ``attentions.mean(heads).mean(queries)``), from head-mean probabilities
-    ``(items, T, T)``; [CLS]'s column dropped, its row counted as every query's."""
-    return attention.mean(dim=1)[:, int(has_cls):]
+    ``(items, T, T)`` or reads of them (the column means: no row is kept); [CLS]'s column dropped, its
+    row counted as every query's."""
+    return as_reads(attention).column_mean()[:, int(has_cls):]
 
 
 def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:

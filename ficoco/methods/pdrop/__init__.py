@@ -13,6 +13,7 @@ from typing import Any
 from ficoco.errors import FicocoError
 from ficoco.methods.base import ExtraMacs, MethodSpec, Need, Step, StepContext
 from ficoco.methods.common import TESTED_FAMILIES, check_keep, check_layer
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION
 
 # The official pyramid: stages after layers 7, 15, 23 (rank & drop at the input of 8, 16, 24), lambda 0.5.
 SPACING = 8
@@ -103,7 +104,9 @@ SPEC = MethodSpec(
     needs=(Need("query_key", "L", "last", "the rank layer's own input_layernorm, q_proj (last row) and k_proj "
                 "(all rows), RoPE, softmax over all keys, head mean: one row, on the sequence entering the stage"),
            Need("hidden", "L", "all", "the input of the rank layer")),
-    hyperparameters={"spacing": SPACING, "ratio": RATIO},
+    hyperparameters={"spacing": SPACING, "ratio": RATIO,
+                     "attention_scores": DEFAULT_ATTENTION_SCORES},
+    corrections=SCORES_CORRECTION,
     families=TESTED_FAMILIES, module=f"{__name__}.ops", function="pdrop_reduce",
     source="Cooperx521/PyramidDrop 6444f30",
     summary="rank by the last instruction token at 3 stages, keep a pyramid",

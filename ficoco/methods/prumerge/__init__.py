@@ -13,6 +13,7 @@ from typing import Any
 from ficoco.errors import FicocoError
 from ficoco.methods.base import ExtraMacs, MethodSpec, Need, Step, StepContext
 from ficoco.methods.common import LLAVA_FAMILIES
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION
 
 # Without keep= the count is adaptive (per image, measured at run time); the plan assumes this many, about
 # 144 on LLaVA-1.5 (an unverified recollection, docs/methods/prumerge.md).
@@ -81,8 +82,8 @@ SPEC = MethodSpec(
                 "(every row) outputs: the [CLS] attention and the full-width merge keys"),
            Need("hidden", "vision L", "all", "the output of the layer the projector reads")),
     hyperparameters={"assumed_tokens": ASSUMED_TOKENS, "neighbours": NEIGHBOURS, "attention": ATTENTION,
-                     "order": ORDER},
-    corrections=CORRECTIONS,
+                     "order": ORDER, "attention_scores": DEFAULT_ATTENTION_SCORES},
+    corrections={**CORRECTIONS, **SCORES_CORRECTION},
     families=(*LLAVA_FAMILIES, "internvl"), module=f"{__name__}.ops", function="prumerge_reduce",
     refusals={"qwen2_vl": QWEN2_VL_REFUSAL, "llava_onevision": ONEVISION_REFUSAL,
               "qwen2_5_vl": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen2.5-VL"),

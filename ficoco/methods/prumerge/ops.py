@@ -55,6 +55,7 @@ from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.ops import compute_dtype, gather_tokens, last_row_attention
 from ficoco.methods.prumerge import ATTENTION, ORDER
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 
 __all__ = ["PruMergeOutput", "prumerge_cls_attention", "prumerge_reduce", "prumerge_selection", "tower_step"]
 
@@ -73,7 +74,8 @@ class PruMergeOutput:
     kept: Tensor
 
 
-def prumerge_cls_attention(query: Tensor, keys: Tensor, heads: int, attention: str = ATTENTION) -> Tensor:
+def prumerge_cls_attention(query: Tensor, keys: Tensor, heads: int, attention: str = ATTENTION,
+                           scores: str = DEFAULT_ATTENTION_SCORES) -> Tensor:
     """``(B, N)`` ``cls_attn``: the [CLS] row over every key, patch columns.
 
     Args:
@@ -82,6 +84,7 @@ def prumerge_cls_attention(query: Tensor, keys: Tensor, heads: int, attention: s
         heads: the layer's attention heads (``C = heads * d``).
         attention: ``"official"`` (the default: one ``C``-wide head scaled by ``C ** -0.5``) or ``"heads"``
             (ficoco's correction: the layer's own per-head softmax at ``d ** -0.5``, head mean).
+        scores: the rule the scores are computed by (ficoco.methods.reads: the model's dtype, or float32).
     """
     if attention not in ATTENTIONS:
         raise FicocoError(f"PruMerge+ attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
@@ -92,7 +95,7 @@ def prumerge_cls_attention(query: Tensor, keys: Tensor, heads: int, attention: s
         raise ValueError(f"{heads} heads do not split a {width}-wide projection")
     split_query = query.reshape(batch, heads, width // heads)
     split_keys = keys.reshape(batch, tokens, heads, width // heads).transpose(1, 2)
-    return last_row_attention(split_query, split_keys).mean(dim=1)[:, 1:]
+    return last_row_attention(split_query, split_keys, None, None, scores).mean(dim=1)[:, 1:]
 
 
 def prumerge_selection(cls_attn: Tensor, tokens: int | None = None) -> tuple[Tensor, Tensor]:
@@ -184,7 +187,8 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     items, heads, tokens, head_dim = inputs.keys.shape
     keys = inputs.keys.transpose(1, 2).reshape(items, tokens, heads * head_dim)
     cls_attn = prumerge_cls_attention(inputs.cls_query.reshape(items, heads * head_dim), keys, heads,
-                                      settings.get("attention", ATTENTION))
+                                      settings.get("attention", ATTENTION),
+                                      settings.get("attention_scores", DEFAULT_ATTENTION_SCORES))
     patch_keys = keys[:, 1:]
     if inputs.merge > 1:
         # Units of `merge` consecutive patches (InternVL's pixel-shuffle groups): a unit's share of [CLS]'s

@@ -13,6 +13,7 @@ from typing import Any
 from ficoco.errors import FicocoError
 from ficoco.methods.base import ExtraMacs, MethodSpec, Need, Step, StepContext
 from ficoco.methods.common import TESTED_FAMILIES
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION
 
 LAYERS = (2, 6, 15)  # the sparse layers: their output is pruned
 RECYCLE_RATIO = 0.3  # int(0.3 n) + 1 of the n pruned tokens are recycled
@@ -87,7 +88,9 @@ SPEC = MethodSpec(
            Need("attention_rows", "L-1", "suffix", "softmax over all keys of the sparse layer, head mean, for "
                 "every suffix row (raters are a subset)"),
            Need("hidden", "L", "all", "the output of the sparse layer (input of the next)")),
-    hyperparameters={"layers": LAYERS, "recycle_ratio": RECYCLE_RATIO, "cluster_divisor": CLUSTER_DIVISOR},
+    hyperparameters={"layers": LAYERS, "recycle_ratio": RECYCLE_RATIO, "cluster_divisor": CLUSTER_DIVISOR,
+                     "attention_scores": DEFAULT_ATTENTION_SCORES},
+    corrections=SCORES_CORRECTION,
     families=TESTED_FAMILIES, module=f"{__name__}.ops", function="sparsevlm_reduce",
     source="Gumpest/SparseVLMs v1.5 (56bef80)",
     summary="rate image tokens by text raters, prune after layers 2/6/15, recycle pruned tokens into clusters",

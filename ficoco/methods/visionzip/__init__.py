@@ -13,6 +13,7 @@ from typing import Any
 from ficoco.errors import FicocoError
 from ficoco.methods.base import ExtraMacs, MethodSpec, Need, Step, StepContext
 from ficoco.methods.common import ALL_FAMILIES, EQUIVALENT, PER_ITEM, check_keep
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION
 
 DOMINANT = 54  # dominant tokens without keep= (the README's 54 + 10)
 CONTEXTUAL = 10  # contextual tokens without keep=
@@ -82,8 +83,8 @@ SPEC = MethodSpec(
            Need("keys", "vision L", "all", "head-mean key states of that layer (the contextual merge metric)"),
            Need("hidden", "vision L", "all", "that layer's output, the projector's input")),
     hyperparameters={"dominant": DOMINANT, "contextual": CONTEXTUAL, "contextual_mode": CONTEXTUAL_MODE,
-                     "include_cls": INCLUDE_CLS},
-    corrections=CORRECTIONS,
+                     "include_cls": INCLUDE_CLS, "attention_scores": DEFAULT_ATTENTION_SCORES},
+    corrections={**CORRECTIONS, **SCORES_CORRECTION},
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="visionzip_reduce",
     source="dvlab-research/VisionZip 3151f6d",
     summary="keep the patches [CLS] attends to most, merge the rest into a few contextual tokens",

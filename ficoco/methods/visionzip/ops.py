@@ -51,6 +51,7 @@ from torch import Tensor
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.ops import compute_dtype, gather_tokens, patch_scores_from_cls, top_indices, unit_keys
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.methods.visionzip import CONTEXTUAL_MODE, INCLUDE_CLS
 
 __all__ = ["VisionZipOutput", "tower_step", "visionzip_reduce", "visionzip_scores"]
@@ -148,7 +149,7 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     (``inputs.cls_hidden``), [CLS] goes first among the dominant tokens."""
     if inputs.keys is None:
         raise RuntimeError("VisionZip needs the layer's key states from the adapter's probe")
-    scores = patch_scores_from_cls(inputs, "sum")
+    scores = patch_scores_from_cls(inputs, "sum", settings.get("attention_scores", DEFAULT_ATTENTION_SCORES))
     metric = unit_keys(inputs)
     dominant, contextual = settings["dominant"], settings["contextual"]
     hidden = inputs.hidden

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ficoco.methods.base import ExtraMacs, MethodSpec, Need, StepContext
 from ficoco.methods.common import ALL_FAMILIES, EQUIVALENT, PER_ITEM, cut_steps, ratio_for_keep
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION
 
 IMPORTANT_RATIO = 0.5  # the share of the kept tokens chosen by [CLS] attention
 DEFAULT_KEEP_RATIO = 0.2222  # the share of the patches kept without keep= (the README's 128 of 576)
@@ -49,7 +50,9 @@ SPEC = MethodSpec(
                 "projector reads, head mean"),
            Need("hidden", "vision L", "all", "that layer's output, the projector's input (the duplicate "
                 "similarity's features)")),
-    hyperparameters={"important_ratio": IMPORTANT_RATIO, "default_keep_ratio": DEFAULT_KEEP_RATIO},
+    hyperparameters={"important_ratio": IMPORTANT_RATIO, "default_keep_ratio": DEFAULT_KEEP_RATIO,
+                     "attention_scores": DEFAULT_ATTENTION_SCORES},
+    corrections=SCORES_CORRECTION,
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="vispruner_reduce",
     source="Theia-4869/VisPruner (copy anonymous-4869/VisPruner d01c757)",
     summary="keep half by [CLS] attention, the rest by removing duplicates among the others, then project",

@@ -37,6 +37,7 @@ from torch import Tensor
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.ops import compute_dtype, gather_tokens, patch_scores_from_cls
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.methods.vispruner import IMPORTANT_RATIO
 
 __all__ = ["DUPLICATES_PER_ROUND", "important_count", "tower_step", "vispruner_reduce", "vispruner_rounds",
@@ -102,7 +103,7 @@ def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     """The adapters' call at the tower's output, before the projector: ``inputs.hidden`` are the
     patches the projector would map ([CLS] dropped), scored by the head-mean [CLS] row of that layer
     (the equivalent token on a tower without [CLS])."""
-    scores = patch_scores_from_cls(inputs, "mean")
+    scores = patch_scores_from_cls(inputs, "mean", settings.get("attention_scores", DEFAULT_ATTENTION_SCORES))
     keep = inputs.hidden.shape[1] - inputs.remove
     features, kept = vispruner_reduce(inputs.hidden, scores, keep, settings.get("important_ratio", 0.5))
     return TowerOutput(hidden=features, kept=kept)

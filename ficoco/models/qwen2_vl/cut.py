@@ -54,7 +54,7 @@ class TowerCuts:
         attention = hf.layer_parts(adapter.vision_layers[-1], hf.QWEN2_VL_VISION_BLOCK).attention
         slot = None
         if removal is not None:
-            slot = install_probe(attention, want_keys=True, chunked=True, timer=handle.timer)
+            slot = install_probe(attention, want_keys=True, want_reads=False, chunked=True)
             patches.on_undo(lambda: remove_probe(attention))
 
         def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
@@ -210,7 +210,9 @@ class TowerCuts:
         attention = hf.layer_parts(adapter.vision_layers[-1], hf.QWEN2_VL_VISION_BLOCK).attention
         slot = None
         if cut is not None:
-            slot = install_probe(attention, chunked=True, timer=handle.timer)
+            last = len(adapter.vision_layers) - 1
+            slot = install_probe(attention, chunked=True, runner=handle.read_runner(("vision", last)),
+                                 scores=handle.attention_scores)
             patches.on_undo(lambda: remove_probe(attention))
 
         def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
@@ -258,7 +260,7 @@ class TowerCuts:
         sequence order (one per temporal slice; a windowed block one per window, whose keys no query
         outside the window attends to: its column sums over the window's queries are the slice's)."""
         adapter = self.adapter
-        received = torch.cat([attn[0].sum(dim=0) for attn, _ in chunks])  # every patch, in sequence order
+        received = torch.cat([attn.column_sum()[0] for attn, _ in chunks])  # every patch, in sequence order
         patches = [frames * rows * cols for (rows, cols), frames in zip(tower.grids, tower.frames, strict=True)]
         if received.shape[0] != sum(patches):
             raise RuntimeError(f"the last vision block's calls hold {received.shape[0]} keys for {sum(patches)} "

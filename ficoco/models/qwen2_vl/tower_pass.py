@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.methods.reads.ops import stack_reads
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
 from ficoco.models.patching import Patches, follow_device, forward_of
@@ -180,7 +181,8 @@ class TowerBlocks:
             slot = None
             parts = hf.layer_parts(layer, hf.QWEN2_VL_VISION_BLOCK)
             if r:
-                slot = install_probe(parts.attention, want_keys=True, chunked=True, timer=handle.timer)
+                slot = install_probe(parts.attention, want_keys=True, chunked=True,
+                                     runner=handle.read_runner(("vision", layer_idx)), scores=handle.attention_scores)
                 slots.append(slot)
                 patches.on_undo(lambda attn=parts.attention: remove_probe(attn))
 
@@ -234,7 +236,7 @@ class TowerBlocks:
                 x = hidden.view(len(images), lengths[0], hidden.shape[-1])
             else:
                 x = torch.stack([pieces[i] for i in images])
-            attn = torch.cat([chunks[i][0] for i in images])
+            attn = stack_reads([chunks[i][0] for i in images])
             keys = torch.cat([chunks[i][1] for i in images])
             index = torch.stack([tower.kept_groups[i] for i in images])
             # Per-group features that ride with the patches (Qwen3-VL's DeepStack taps so far), split over every

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.methods.ops import last_row_attention
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.models import hf_compat as hf
 
 if TYPE_CHECKING:
@@ -113,11 +114,13 @@ class HybridDecoder:
 
     # -- PDrop's own row at a gated full-attention layer -----------------------------------------
     @staticmethod
-    def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor) -> Tensor:
+    def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor,
+                     scores: str = DEFAULT_ATTENTION_SCORES) -> Tensor:
         """(B, H, T) the last row's attention recomputed with layer `layer`'s own input norm, query (the query
         half of the gated q_proj, last row only) and key projections, their per-head norms and the partial
         rotary embedding (the first cos.shape[-1] channels of every head), softmaxed in float32 over the
-        visible keys: what the layer's own attention computes for that row."""
+        visible keys, its scores by the rule `scores` names: what the layer's own attention computes for that
+        row."""
         parts = hf.layer_parts(layer, hf.DECODER_LAYER)
         attention = parts.attention
         q_proj, k_proj, head_dim, scaling = hf.attention_projections(attention)
@@ -136,7 +139,7 @@ class HybridDecoder:
         keys = k_norm(keys.view(batch, length, -1, head_dim)).transpose(1, 2)
         query = partial_rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
         keys = partial_rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
-        return last_row_attention(query[:, :, 0], keys, visible, scaling)
+        return last_row_attention(query[:, :, 0], keys, visible, scaling, scores)
 
 
 def partial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

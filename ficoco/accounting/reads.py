@@ -1,0 +1,111 @@
+"""The reads of a layer's attention a schedule's method makes in one prefill, at their shapes. No torch.
+
+A method that ranks by a whole layer's attention (FiCoCo-V, FiCoCo-L, HoliTom's tower score) reads it beside
+the layer's own kernel (ficoco.methods.reads): column sums over some query rows, or some rows over every key.
+Each spec says what it reads at one reducing layer (`MethodSpec.reads`); `method_reads` lays that over the
+schedule's token plan. The prediction prices every read at this machine's measured rate for its shape
+(ficoco.profiling.predict), and `flops --verify` checks the reads' score products against the counters.
+
+A read's products (``q . k^T`` of every head over its rows and keys) are neither the layer's attention nor
+the method's own matrix work (its `extra_macs`, `layer_macs`): no figure of `ficoco flops` counts them, as
+the literature's conventions do not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ficoco.accounting.architecture import Architecture
+from ficoco.accounting.flops import vision_attention_pairs
+from ficoco.accounting.methods import suffix_tokens
+from ficoco.accounting.schedule import Schedule, TokenPlan
+from ficoco.methods.reads import ReadContext, read_macs, read_scores
+from ficoco.methods.registry import METHODS
+
+
+@dataclass(frozen=True)
+class Read:
+    """One read of one layer's attention: `rows` query rows over `keys` keys for each of `sequences` sequences
+    (a tower's items times the batch, or the batch), every one of `heads` heads of width `head_dim`. `pairs`:
+    the query-key pairs per sequence where the layer attends within windows (Qwen2.5-VL; column reads only),
+    which replace rows x keys."""
+
+    method: str
+    stage: str
+    layer: int
+    kind: str
+    rows: int
+    keys: int
+    heads: int
+    head_dim: int
+    sequences: int
+    pairs: int | None = None
+
+    @property
+    def scores(self) -> int:
+        """Scores (and probabilities) the read computes."""
+        if self.pairs is not None:
+            return self.sequences * self.heads * self.pairs
+        return read_scores(self.heads, self.rows, self.keys, self.sequences)
+
+    @property
+    def macs(self) -> int:
+        """Multiply-accumulates of its score products."""
+        if self.pairs is not None:
+            return self.scores * self.head_dim
+        return read_macs(self.heads, self.rows, self.keys, self.head_dim, self.sequences)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "layer": self.layer, "kind": self.kind, "rows": self.rows, "keys": self.keys,
+                "heads": self.heads, "head_dim": self.head_dim, "sequences": self.sequences, "pairs": self.pairs,
+                "scores": self.scores}
+
+
+def whole_layer(ctx: ReadContext) -> tuple[tuple[str, int, int], ...]:
+    """The reads of a method that reads a whole layer's attention and says no more (no `MethodSpec.reads`):
+    one column read over every query."""
+    return (("columns", ctx.tokens, ctx.tokens),)
+
+
+def method_reads(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch: int = 1,
+                 settings: Mapping[str, Any] | None = None) -> list[Read]:
+    """Every read `schedule`'s method makes of a layer's attention in one prefill of `batch` samples: at each
+    reducing layer, the layer its spec reads (a tower step's own layer, or the layer a cut's projector reads), at
+    the tokens that
+    layer attends over. `settings`: the method's hyperparameters where they differ from the schedule's."""
+    spec = METHODS.get(schedule.variant)
+    if spec is None:
+        return []
+    reads_of = spec.reads
+    if reads_of is None and (spec.probes.layer_probabilities or any(
+            probe is not None and probe.probabilities
+            for probe in (spec.probes.step_tower_layers, spec.probes.last_tower_layer))):
+        reads_of = whole_layer  # a spec that reads whole layers without saying what: every score once
+    if reads_of is None:
+        return []
+    hp = {**spec.hyperparameters, **schedule.settings_dict(), **(settings or {})}
+    v, d = arch.vision, arch.decoder
+    suffix = suffix_tokens(arch, plan.text_tokens)
+    reads: list[Read] = []
+    for red in plan.reductions:
+        if red.stage == "vision":
+            # A step inside the tower reads its own layer; a cut, the layer the projector reads (its own).
+            layer = red.layer
+            tokens = plan.vision[layer][0]
+            sequences, heads, head_dim = batch * plan.vision_items, v.heads, v.hidden // v.heads
+            # A layer that attends within windows (Qwen2.5-VL) reads each window's own: the pairs a run measured,
+            # else the windows' estimate.
+            windowed = vision_attention_pairs(arch, plan, layer, sequences)
+            pairs = None if windowed is None else windowed // sequences
+        else:
+            layer = red.layer
+            tokens = plan.llm[layer][0]
+            sequences, heads, head_dim, pairs = batch, d.heads, d.head_dim, None
+        context = ReadContext(red.stage, tokens, red.visual_before, red.removed, v.has_cls and red.stage == "vision",
+                              suffix, hp)
+        for kind, rows, keys in reads_of(context):
+            windowed = pairs if kind == "columns" and pairs is not None and pairs != rows * keys else None
+            reads.append(Read(spec.name, red.stage, layer, kind, rows, keys, heads, head_dim, sequences, windowed))
+    return reads

@@ -1,0 +1,94 @@
+"""What a method reads of a layer's attention, and what each read costs. No torch.
+
+A method that ranks tokens by attention does not need the layer's (heads x queries x keys)
+probabilities: it needs a few rows of them, a statistic over all of them, or a block. The layer's
+output always comes from the model's own attention kernel (SDPA where the model runs SDPA); the read
+is computed beside it from the layer's own queries and keys (`ficoco.methods.reads.ops`), at the cost
+of what it reads, and never holds more than a bounded block of scores:
+
+- **rows** (`rows`): the head-mean probabilities of some query rows over every key: [CLS], the last
+  prompt token, the instruction, the tokens a method discards (FiCoCo's correlate step reads only the
+  rows of the tokens its filter chose to remove, after it chose them);
+- **columns** (`column_sum`): what every key receives, summed over a set of query rows (every row, or
+  the patches, or the visual tokens) and averaged over heads: FiCoCo-V's filter, HoliTom's tower score;
+- **block** (`block`): rows x a set of key columns (FiCoCo's correlation of discarded with kept tokens).
+
+Each is computed by blocks of query rows: a block's scores are the rows x keys product, then the
+softmax over the whole key axis (its normaliser is exact within the block, since every key of a row is
+in it), then the statistic, so that no (heads x queries x keys) tensor is ever made.
+
+How the scores are computed (`ATTENTION_SCORES`, the methods' ``attention_scores`` hyperparameter):
+
+- ``"model"`` (the default, the official codes' rule): as the model's own eager attention computes its
+  probabilities, and what ``output_attentions`` returns: ``q @ k^T`` in the model's dtype, times the
+  scale in that dtype, the mask added, the softmax computed in float32 and its result in the model's
+  dtype; the statistics a method takes of them are then summed in float32.
+- ``"float32"`` (a named correction): the scores and the probabilities in float32 (``(q * scale)`` cast
+  to float32, ``@ k^T`` in float32), as ficoco's earlier probe computed them. On a float32 model the two
+  differ only in rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+AttentionScores = Literal["model", "float32"]
+ATTENTION_SCORES: tuple[str, ...] = get_args(AttentionScores)
+# The rule a method reads attention by unless told otherwise: the official codes' (eager attention).
+DEFAULT_ATTENTION_SCORES = "model"
+# What a report calls the correction (MethodSpec.corrections of every method that reads attention rows).
+SCORES_CORRECTION = {"attention_scores": {"float32": "float32 attention scores"}}
+
+ReadKind = Literal["rows", "columns", "block"]
+READ_KINDS: tuple[str, ...] = get_args(ReadKind)
+
+
+def read_macs(heads: int, rows: int, keys: int, head_dim: int, sequences: int = 1) -> int:
+    """Multiply-accumulates of one read of `rows` query rows over `keys` keys, per each of `sequences`
+    sequences: the scores q . k^T of every head (rows x keys x head width). A read computes no weighted
+    values: the layer's output comes from its own kernel."""
+    return sequences * heads * rows * keys * head_dim
+
+
+def read_scores(heads: int, rows: int, keys: int, sequences: int = 1) -> int:
+    """Scores (and probabilities) one read computes: heads x rows x keys per sequence, by blocks."""
+    return sequences * heads * rows * keys
+
+
+def check_attention_scores(value: object) -> str:
+    """`value` as a rule name, or a ValueError naming the rules."""
+    if value not in ATTENTION_SCORES:
+        raise ValueError(f"attention_scores must be one of {', '.join(ATTENTION_SCORES)}, got {value!r}")
+    return str(value)
+
+
+# ---- which reads a method makes, per reducing layer (its spec's `reads`) ---------------------------------------
+
+@dataclass(frozen=True)
+class ReadContext:
+    """What a method's reads at one reducing layer depend on, per sequence (a tower item, or a sample).
+
+    Attributes:
+        stage: ``"vision"`` or ``"llm"``.
+        tokens: the tokens the read layer attends over ([CLS] and text included).
+        visual_before: visual tokens (a vision step: patches of the item) before the step.
+        removed: visual tokens (patches) the step removes.
+        has_cls: the tower has [CLS] at position 0 (a vision read).
+        suffix_tokens: text tokens after the visual span (a decoder read).
+        settings: the method's hyperparameters as the run has them.
+    """
+
+    stage: str
+    tokens: int
+    visual_before: int
+    removed: int
+    has_cls: bool
+    suffix_tokens: int
+    settings: Mapping[str, Any]
+
+
+# (kind, rows, keys) of one read: `rows` query rows over `keys` keys, per sequence.
+ReadShape = tuple[str, int, int]
+ReadShapes = Callable[[ReadContext], tuple[ReadShape, ...]]

@@ -1,0 +1,427 @@
+"""The reads of ficoco.methods.reads in torch: a layer's head-mean attention probabilities, read without
+the (heads x queries x keys) matrix.
+
+`AttentionReads` is what a method is handed; it offers the three reads (`column_sum` / `column_mean`,
+`rows`, `block`), each returning head-mean float32 probabilities:
+
+- `ProbedAttention` computes them from the layer's own queries and keys (post-rotary), its mask and scale,
+  by blocks of query rows under a score budget (`SCORE_BUDGET_ELEMENTS`), in the rule the method's
+  ``attention_scores`` names (ficoco.methods.reads); an adapter hands it a runner that times every read in
+  its "probe" span (and routes it to a counter during ``flops --verify``);
+- `DenseAttention` reads them from a (B, Tq, Tk) head-mean matrix a caller already has (the methods'
+  tests, a pooled row);
+- `SegmentedReads` joins the readers of consecutive segments that attend only within themselves (a
+  windowed tower layer: the block diagonal of its windows), `StackedReads` the readers of several items
+  of one size into a batch, `KeyTail` keeps only the last keys' columns (a call's keys after a cache's).
+
+Nothing here synchronises the device with the host: every shape is known before the data, and rows are
+chosen by index tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, check_attention_scores
+
+# Scores one block of a read may hold (every head of some query rows over every key). CPU: 2 M, whose
+# scores and probabilities stay near the caches while the softmax and the sums pass over them (larger
+# blocks ran slower on a 2-core Xeon: the passes then stream from memory); CUDA: 256 M, a few large
+# launches for LLaVA-NeXT's ~2,900-token sequences.
+SCORE_BUDGET_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 28}
+
+# runner(device, function, *args) -> function(*args): how an adapter times (on `device`, in its "probe" span) and,
+# during flops --verify, counts a read.
+ReadRunner = Callable[..., Any]
+
+
+def _direct(device: torch.device, function: Callable[..., Tensor], *args: Any) -> Tensor:
+    return function(*args)
+
+
+def gather_rows(matrix: Tensor, rows: Tensor) -> Tensor:
+    """``matrix[b, rows[b]]`` for every sample: (B, X, ...) and (B, R) -> (B, R, ...)."""
+    batch = torch.arange(matrix.shape[0], device=rows.device).unsqueeze(1)
+    return matrix[batch, rows]
+
+
+class AttentionReads:
+    """A layer's head-mean attention probabilities, (B, Tq, Tk), as a method reads them.
+
+    `shape` is the matrix's; every read returns float32 (or wider) head-mean probabilities."""
+
+    shape: tuple[int, int, int]
+
+    def column_sum(self, rows: Tensor | None = None) -> Tensor:
+        """(B, Tk): what every key receives, summed over the query rows `rows` ((B, R) indices; None:
+        every row)."""
+        raise NotImplementedError
+
+    def column_mean(self, first_row: int = 0) -> Tensor:
+        """(B, Tk): what every key receives on average over the query rows ``first_row .. Tq - 1``."""
+        raise NotImplementedError
+
+    def rows(self, rows: Tensor) -> Tensor:
+        """(B, R, Tk): the probabilities of the query rows `rows` ((B, R) indices) over every key."""
+        raise NotImplementedError
+
+    def block(self, rows: Tensor, cols: Tensor) -> Tensor:
+        """(B, R, C): rows `rows` ((B, R)) at the key columns `cols` ((B, C))."""
+        return torch.gather(self.rows(rows), 2, cols.unsqueeze(1).expand(-1, rows.shape[1], -1))
+
+    def reordered(self, order: Tensor) -> AttentionReads:
+        """The same layer with its tokens (queries and keys alike) in the order `order` ((T,) indices)."""
+        raise NotImplementedError
+
+    def last_keys(self, count: int) -> AttentionReads:
+        """Reads over the last `count` keys' columns only (their probabilities as normalised over all keys)."""
+        return KeyTail(self, count)
+
+
+def as_reads(attention: Tensor | AttentionReads) -> AttentionReads:
+    """`attention` as reads: a (B, Tq, Tk) head-mean matrix is read as it is."""
+    return attention if isinstance(attention, AttentionReads) else DenseAttention(attention)
+
+
+class DenseAttention(AttentionReads):
+    """Reads of a (B, Tq, Tk) head-mean matrix held whole (its rows need not be normalised; a read returns
+    what the matrix holds, in float32 or wider)."""
+
+    def __init__(self, matrix: Tensor) -> None:
+        if matrix.dim() != 3:
+            raise ValueError(f"attention must be (B, Tq, Tk), got shape {tuple(matrix.shape)}")
+        self.matrix = matrix
+        self.shape = tuple(matrix.shape)  # type: ignore[assignment]
+
+    def _wide(self, x: Tensor) -> Tensor:
+        return x.to(torch.promote_types(x.dtype, torch.float32))
+
+    def column_sum(self, rows: Tensor | None = None) -> Tensor:
+        picked = self.matrix if rows is None else gather_rows(self.matrix, rows)
+        return self._wide(picked).sum(dim=1)
+
+    def column_mean(self, first_row: int = 0) -> Tensor:
+        return self._wide(self.matrix[:, first_row:]).mean(dim=1)
+
+    def rows(self, rows: Tensor) -> Tensor:
+        return self._wide(gather_rows(self.matrix, rows))
+
+    def block(self, rows: Tensor, cols: Tensor) -> Tensor:
+        batch = torch.arange(self.matrix.shape[0], device=rows.device).view(-1, 1, 1)
+        return self._wide(self.matrix[batch, rows.unsqueeze(2), cols.unsqueeze(1)])
+
+    def reordered(self, order: Tensor) -> AttentionReads:
+        return DenseAttention(self.matrix[:, order][:, :, order])
+
+
+class ProbedAttention(AttentionReads):
+    """Reads computed from a layer's queries (B, H, Tq, d) and keys (B, H_kv, Tk, d) (post-rotary; grouped
+    heads: H a multiple of H_kv), its `mask` ((B or 1, H or 1, Tq or 1, Tk): boolean, True = attend, or
+    additive) or the causal rule (`causal`, with no mask; query i of the last Tq sees keys up to
+    i + Tk - Tq), and its `scale`, in the rule `scores` names (ficoco.methods.reads). Nothing is computed
+    until a read is asked for; every read runs through `runner`."""
+
+    def __init__(self, query: Tensor, key: Tensor, scale: float | None = None, *, mask: Tensor | None = None,
+                 causal: bool = False, scores: str = DEFAULT_ATTENTION_SCORES, runner: ReadRunner | None = None,
+                 budget: int | None = None) -> None:
+        batch, heads, q_len, dim = query.shape
+        if key.shape[0] != batch or heads % key.shape[1] or key.shape[-1] != dim:
+            raise ValueError(f"queries {tuple(query.shape)} and keys {tuple(key.shape)} do not make one attention")
+        self.query, self.key = query, key
+        self.scale = dim ** -0.5 if scale is None else scale
+        self.mask, self.causal = mask, causal
+        self.scores = check_attention_scores(scores)
+        self.runner = runner or _direct
+        self.budget = budget
+        self.shape = (batch, q_len, key.shape[2])
+
+    # -- the reads --------------------------------------------------------------------------------------------
+    def column_sum(self, rows: Tensor | None = None) -> Tensor:
+        if rows is None:
+            return self.runner(self.query.device, self._columns, None, 0)
+        return self.runner(self.query.device, self._columns, rows, 0)
+
+    def column_mean(self, first_row: int = 0) -> Tensor:
+        count = max(self.shape[1] - first_row, 1)
+        return self.runner(self.query.device, self._columns, None, first_row) / count
+
+    def rows(self, rows: Tensor) -> Tensor:
+        return self.runner(self.query.device, self._rows, rows)
+
+    def block(self, rows: Tensor, cols: Tensor) -> Tensor:
+        return self.runner(self.query.device, self._block, rows, cols)
+
+    def reordered(self, order: Tensor) -> AttentionReads:
+        order = order.to(self.query.device)
+        mask = self.mask
+        if mask is not None:
+            mask = mask[..., order, :] if mask.shape[-2] > 1 else mask
+            mask = mask[..., order]
+        return ProbedAttention(self.query[:, :, order], self.key[:, :, order], self.scale, mask=mask,
+                               causal=self.causal, scores=self.scores, runner=self.runner, budget=self.budget)
+
+    # -- by blocks of query rows ------------------------------------------------------------------------------
+    def _columns(self, rows: Tensor | None, first_row: int) -> Tensor:
+        batch, _, k_len = self.shape
+        total = torch.zeros(batch, k_len, dtype=torch.float32, device=self.query.device)
+        for b0, b1, _, _, probabilities in self._blocks(rows, first_row):
+            # Every head of every row of the block: (b, heads x rows, Tk) summed over its middle axis.
+            total[b0:b1] += probabilities.flatten(1, 3).sum(dim=1, dtype=torch.float32)
+        return total.div_(self.query.shape[1])
+
+    def _rows(self, rows: Tensor) -> Tensor:
+        batch, _, k_len = self.shape
+        out = torch.empty(batch, rows.shape[1], k_len, dtype=torch.float32, device=self.query.device)
+        heads = self.query.shape[1]
+        for b0, b1, r0, r1, probabilities in self._blocks(rows, 0):
+            out[b0:b1, r0:r1] = probabilities.sum(dim=(1, 2), dtype=torch.float32).div_(heads)
+        return out
+
+    def _block(self, rows: Tensor, cols: Tensor) -> Tensor:
+        every = self._rows(rows)
+        return torch.gather(every, 2, cols.unsqueeze(1).expand(-1, rows.shape[1], -1))
+
+    def _blocks(self, rows: Tensor | None, first_row: int):  # noqa: ANN202 (a generator of blocks)
+        """(b0, b1, r0, r1, probabilities (b1-b0, H_kv, g, r1-r0, Tk)) over the requested query rows: the
+        index `rows` (B, R), or the range first_row .. Tq - 1, in blocks of at most the score budget."""
+        query, key = self.query, self.key
+        batch, heads, q_len, dim = query.shape
+        kv_heads, k_len = key.shape[1], key.shape[2]
+        groups = heads // kv_heads
+        count = q_len - first_row if rows is None else rows.shape[1]
+        if count <= 0:
+            return
+        budget = self.budget or SCORE_BUDGET_ELEMENTS.get(query.device.type, SCORE_BUDGET_ELEMENTS["cpu"])
+        per_row = heads * k_len
+        batch_step = max(1, min(batch, budget // max(1, per_row * count)))
+        row_step = count if batch_step > 1 else max(1, min(count, budget // max(1, per_row)))
+        model_rule = self.scores == "model"
+        score_dtype = query.dtype if model_rule else torch.float32
+        keys_t = (key if model_rule else key.float()).transpose(-1, -2)
+        # One buffer for the scores and one for the probabilities, reused by every block (a fresh large
+        # allocation per block costs page faults on a CPU); not under torch.jit's tracer (flops --verify),
+        # which counts an op by its inputs and would take the `out=` buffer for one, nor where autograd
+        # records the reads (a loss through the method's merge weights), which `out=` does not support.
+        recorded = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+        buffered = not torch.jit.is_tracing() and not recorded
+        size = batch_step * heads * row_step * k_len if buffered else 0
+        score_buffer = torch.empty(size, dtype=score_dtype, device=query.device)
+        probability_buffer = torch.empty(size, dtype=score_dtype, device=query.device)
+        positions = None
+        if self.mask is None and self.causal and q_len > 1:
+            positions = torch.arange(k_len, device=query.device)
+        for b0 in range(0, batch, batch_step):
+            b1 = min(batch, b0 + batch_step)
+            for r0 in range(0, count, row_step):
+                r1 = min(count, r0 + row_step)
+                n, width = b1 - b0, r1 - r0
+                if rows is None:
+                    picked = query[b0:b1, :, first_row + r0:first_row + r1]
+                    row_index = torch.arange(first_row + r0, first_row + r1, device=query.device).expand(n, -1)
+                else:
+                    row_index = rows[b0:b1, r0:r1]
+                    picked = gather_rows(query[b0:b1].transpose(1, 2), row_index).transpose(1, 2)
+                # (n, H_kv, g x rows, d): a key head's query heads stacked, so no key is repeated.
+                stacked = picked.reshape(n, kv_heads, groups * width, dim)
+                if not model_rule:
+                    stacked = (stacked * self.scale).float()
+                shape = (n, kv_heads, groups * width, k_len)
+                if buffered:
+                    scores = score_buffer[:n * heads * width * k_len].view(shape)
+                    torch.matmul(stacked, keys_t[b0:b1], out=scores)
+                else:
+                    scores = torch.matmul(stacked, keys_t[b0:b1])
+                if model_rule:
+                    scores.mul_(self.scale)  # in the model's dtype, as its eager attention scales them
+                scores5 = scores.view(n, kv_heads, groups, width, k_len)
+                span = (first_row + r0, first_row + r1) if rows is None else None
+                masked = self._mask_rows(b0, b1, row_index, span, positions, q_len, k_len, kv_heads, groups)
+                if masked is not None:
+                    if masked.dtype == torch.bool:
+                        scores5.masked_fill_(~masked, float("-inf"))
+                    else:
+                        scores5.add_(masked.to(scores5.dtype))
+                # The model rule's softmax runs in float32 and rounds to the model's dtype, as eager's does.
+                if buffered:
+                    probabilities = probability_buffer[:scores.numel()].view(shape)
+                    torch.softmax(scores, dim=-1, out=probabilities)
+                else:
+                    probabilities = torch.softmax(scores, dim=-1)
+                if masked is not None:
+                    # A row with no visible key (padding) gives NaN: zero it without asking the host.
+                    torch.nan_to_num_(probabilities, nan=0.0)
+                yield b0, b1, r0, r1, probabilities.view(n, kv_heads, groups, width, k_len)
+
+    def _mask_rows(self, b0: int, b1: int, row_index: Tensor, span: tuple[int, int] | None, positions: Tensor | None,
+                   q_len: int, k_len: int, kv_heads: int, groups: int) -> Tensor | None:
+        """The block's mask, broadcastable to (n, H_kv, g, rows, Tk), or None: the rows `row_index` ((n, rows)),
+        which are the range `span` of every sample when it is given."""
+        mask = self.mask
+        if mask is not None:
+            part = mask[b0:b1] if mask.shape[0] > 1 else mask
+            part = part[..., :k_len]
+            if part.shape[-2] > 1 and span is not None:
+                part = part[..., span[0]:span[1], :]
+            elif part.shape[-2] > 1:
+                # Each sample's own rows (they may differ between samples).
+                picked = part.expand(b1 - b0, -1, -1, -1).transpose(1, 2)  # (n, Tq, H or 1, Tk)
+                part = gather_rows(picked, row_index).transpose(1, 2)  # (n, H or 1, rows, Tk)
+            if part.shape[1] > 1:  # a mask per head
+                return part.reshape(part.shape[0], kv_heads, groups, part.shape[-2], k_len)
+            return part.unsqueeze(2)
+        if positions is None:
+            return None
+        # Query i of the last q_len of the k_len keys sees keys j <= i + k_len - q_len.
+        limit = row_index + (k_len - q_len)
+        return (positions.view(1, 1, -1) <= limit.unsqueeze(-1))[:, None, None]
+
+
+class SegmentedReads(AttentionReads):
+    """The reads of consecutive segments that attend only within themselves (a windowed layer), as one
+    block-diagonal (B, T, T) matrix: `parts` in order, each over its own queries and keys."""
+
+    def __init__(self, parts: Sequence[AttentionReads]) -> None:
+        self.parts = list(parts)
+        self.lengths = [part.shape[1] for part in self.parts]
+        total = sum(self.lengths)
+        self.shape = (self.parts[0].shape[0], total, total)
+
+    def column_sum(self, rows: Tensor | None = None) -> Tensor:
+        if rows is None:
+            return torch.cat([part.column_sum() for part in self.parts], dim=1)
+        return self.rows(rows).sum(dim=1)
+
+    def column_mean(self, first_row: int = 0) -> Tensor:
+        if first_row:
+            raise ValueError("a windowed layer's column mean is read over every row")
+        return self.column_sum() / self.shape[1]
+
+    def rows(self, rows: Tensor) -> Tensor:
+        """Every part reads the rows that fall inside it (the others read nothing there): no host read of
+        which rows fall where."""
+        pieces, start = [], 0
+        for part in self.parts:
+            inside = (rows >= start) & (rows < start + part.shape[1])
+            local = (rows - start).clamp(0, part.shape[1] - 1)
+            pieces.append(torch.where(inside.unsqueeze(-1), part.rows(local), 0.0))
+            start += part.shape[1]
+        return torch.cat(pieces, dim=2)
+
+    def reordered(self, order: Tensor) -> AttentionReads:
+        raise NotImplementedError("a windowed layer's reads are not reordered")
+
+
+class StackedReads(AttentionReads):
+    """The reads of several items of one size, as one batch: each item's reader (batch 1) read in turn."""
+
+    def __init__(self, items: Sequence[AttentionReads]) -> None:
+        self.items = list(items)
+        first = self.items[0].shape
+        if any(item.shape[1:] != first[1:] for item in self.items):
+            raise ValueError("stacked attention reads must be of one size")
+        self.shape = (sum(item.shape[0] for item in self.items), first[1], first[2])
+
+    def _split(self, index: Tensor | None) -> list[Tensor | None]:
+        if index is None:
+            return [None] * len(self.items)
+        return list(index.split([item.shape[0] for item in self.items]))
+
+    def column_sum(self, rows: Tensor | None = None) -> Tensor:
+        return torch.cat([item.column_sum(r) for item, r in zip(self.items, self._split(rows), strict=True)])
+
+    def column_mean(self, first_row: int = 0) -> Tensor:
+        return torch.cat([item.column_mean(first_row) for item in self.items])
+
+    def rows(self, rows: Tensor) -> Tensor:
+        return torch.cat([item.rows(r) for item, r in zip(self.items, self._split(rows), strict=True)])
+
+    def block(self, rows: Tensor, cols: Tensor) -> Tensor:
+        return torch.cat([item.block(r, c) for item, r, c in
+                          zip(self.items, self._split(rows), self._split(cols), strict=True)])
+
+    def reordered(self, order: Tensor) -> AttentionReads:
+        return StackedReads([item.reordered(order) for item in self.items])
+
+
+def stack_reads(items: Sequence[AttentionReads]) -> AttentionReads:
+    """Several items' reads as one batch: one `ProbedAttention` over their stacked queries and keys where they
+    are alike (one batched read), else a `StackedReads`."""
+    if len(items) == 1:
+        return items[0]
+    first = items[0]
+    if all(isinstance(item, ProbedAttention) and item.mask is None and item.query.shape[1:] == first.query.shape[1:]
+           and item.key.shape[1:] == first.key.shape[1:] and item.scale == first.scale and item.scores == first.scores
+           and item.causal == first.causal for item in items) and isinstance(first, ProbedAttention):
+        return ProbedAttention(torch.cat([item.query for item in items]), torch.cat([item.key for item in items]),
+                               first.scale, causal=first.causal, scores=first.scores, runner=first.runner,
+                               budget=first.budget)
+    return StackedReads(items)
+
+
+class KeyTail(AttentionReads):
+    """Reads restricted to the last `count` keys' columns (a call's own keys after a cache's earlier ones)."""
+
+    def __init__(self, reads: AttentionReads, count: int) -> None:
+        self.reads, self.count = reads, count
+        batch, q_len, k_len = reads.shape
+        self.offset = k_len - count
+        self.shape = (batch, q_len, count)
+
+    def column_sum(self, rows: Tensor | None = None) -> Tensor:
+        return self.reads.column_sum(rows)[:, self.offset:]
+
+    def column_mean(self, first_row: int = 0) -> Tensor:
+        return self.reads.column_mean(first_row)[:, self.offset:]
+
+    def rows(self, rows: Tensor) -> Tensor:
+        return self.reads.rows(rows)[..., self.offset:]
+
+    def block(self, rows: Tensor, cols: Tensor) -> Tensor:
+        return self.reads.block(rows, cols + self.offset)
+
+    def reordered(self, order: Tensor) -> AttentionReads:
+        raise NotImplementedError("a read over a cache's keys is not reordered")
+
+
+class GroupReads(AttentionReads):
+    """Reads at the level of merge groups of `merge` consecutive tokens (Qwen2-VL's 2 x 2 groups,
+    InternVL's pixel-shuffle groups) after the first `offset` tokens ([CLS]): a group's probability to
+    another is the mean over their members' (every member row of the one, every member column of the
+    other), as (B, G, G)."""
+
+    def __init__(self, reads: AttentionReads, merge: int, offset: int = 0) -> None:
+        batch, q_len, k_len = reads.shape
+        if (q_len - offset) % merge or q_len != k_len:
+            raise ValueError(f"{q_len - offset} tokens are not whole groups of {merge}")
+        self.reads, self.merge, self.offset = reads, merge, offset
+        groups = (q_len - offset) // merge
+        self.shape = (batch, groups, groups)
+
+    def _members(self, groups: Tensor) -> Tensor:
+        """(B, R * merge) the token rows of the groups `groups` (B, R), member by member."""
+        members = torch.arange(self.merge, device=groups.device)
+        return (self.offset + groups.unsqueeze(-1) * self.merge + members).flatten(1)
+
+    def column_sum(self, rows: Tensor | None = None) -> Tensor:
+        if rows is None:
+            return self.column_mean() * self.shape[1]
+        return self.rows(rows).sum(dim=1)
+
+    def column_mean(self, first_row: int = 0) -> Tensor:
+        if first_row:
+            raise ValueError("a merge group's column mean is read over every group")
+        batch, groups, _ = self.shape
+        received = self.reads.column_mean(first_row=self.offset)[:, self.offset:]
+        return received.view(batch, groups, self.merge).mean(dim=2)
+
+    def rows(self, rows: Tensor) -> Tensor:
+        batch, groups, _ = self.shape
+        every = self.reads.rows(self._members(rows))[..., self.offset:]
+        return every.view(batch, rows.shape[1], self.merge, groups, self.merge).mean(dim=(2, 4))
+
+    def reordered(self, order: Tensor) -> AttentionReads:
+        raise NotImplementedError("merge groups are not reordered")

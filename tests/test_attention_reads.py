@@ -1,0 +1,201 @@
+"""A method's reads of a layer's attention (ficoco.methods.reads): they equal the eager attention's own
+probabilities (the model rule) or today's float32 ones, whatever the block size, the mask or the grouped
+heads; no read ever holds a (heads x queries x keys) tensor; the probed layer's output is its own kernel's;
+a read's time goes into the "probe" span and out of the step that asked for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ficoco.methods.reads import ops as reads_ops
+from ficoco.methods.reads.ops import (
+    DenseAttention,
+    GroupReads,
+    ProbedAttention,
+    SegmentedReads,
+    StackedReads,
+    stack_reads,
+)
+from ficoco.models.attention import ProbeSlot, probe_attention
+from ficoco.models.stage_timer import StageTimer
+
+
+def eager_probabilities(query, key, scale, mask=None, causal=False, rule="model") -> torch.Tensor:
+    """(B, Tq, Tk) head-mean probabilities as transformers' eager attention computes them (the model rule:
+    q @ k^T then the scale in the model's dtype, the mask added, softmax in float32 cast back), or in float32."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    if rule == "model":
+        scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    else:
+        scores = torch.matmul((query * scale).float(), key.float().transpose(-1, -2))
+    q_len, k_len = query.shape[2], key.shape[2]
+    if mask is None and causal:
+        mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probabilities = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+    return torch.nan_to_num(probabilities.float()).mean(dim=1)
+
+
+def qkv(batch=2, heads=4, kv_heads=2, q_len=9, k_len=9, dim=8, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    query = (torch.randn(batch, heads, q_len, dim, generator=generator) * 2).to(dtype)
+    key = (torch.randn(batch, kv_heads, k_len, dim, generator=generator) * 2).to(dtype)
+    return query, key
+
+
+def masks(kind: str, batch: int, length: int, dtype: torch.dtype):
+    if kind == "causal":
+        return None, True
+    if kind == "bidirectional":
+        return None, False
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    real = torch.ones(batch, length, dtype=torch.bool)
+    real[-1, :2] = False  # two left pads in the last sample
+    boolean = (causal & real[:, None, :])[:, None]
+    if kind == "padding-bool":
+        return boolean, False
+    additive = torch.zeros(boolean.shape, dtype=dtype).masked_fill(~boolean, torch.finfo(dtype).min)
+    return additive, False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["causal", "bidirectional", "padding-bool", "padding-additive"])
+@pytest.mark.parametrize("budget", [None, 64, 1], ids=["one-block", "blocks", "one-row"])
+def test_every_read_equals_the_eager_probabilities(dtype, kind, budget) -> None:
+    query, key = qkv(dtype=dtype)
+    mask, causal = masks(kind, query.shape[0], query.shape[2], dtype)
+    scale = query.shape[-1] ** -0.5
+    dense = DenseAttention(eager_probabilities(query, key, scale, mask, causal))
+    reads = ProbedAttention(query, key, scale, mask=mask, causal=causal, budget=budget)
+    rows = torch.tensor([[0, 8, 3], [5, 5, 1]])
+    cols = torch.tensor([[2, 7], [0, 4]])
+    close = {"atol": 1e-6, "rtol": 1e-5}
+    torch.testing.assert_close(reads.column_sum(), dense.column_sum(), **close)
+    torch.testing.assert_close(reads.column_sum(rows), dense.column_sum(rows), **close)
+    torch.testing.assert_close(reads.column_mean(first_row=3), dense.column_mean(first_row=3), **close)
+    torch.testing.assert_close(reads.rows(rows), dense.rows(rows), **close)
+    torch.testing.assert_close(reads.block(rows, cols), dense.block(rows, cols), **close)
+
+
+def test_the_float32_rule_is_the_earlier_probes_float32_softmax() -> None:
+    query, key = qkv(dtype=torch.bfloat16)
+    scale = query.shape[-1] ** -0.5
+    float32 = ProbedAttention(query, key, scale, causal=True, scores="float32")
+    model = ProbedAttention(query, key, scale, causal=True)
+    torch.testing.assert_close(float32.column_sum(), eager_probabilities(query, key, scale, causal=True,
+                                                                         rule="float32").sum(dim=1))
+    # In bfloat16 the two rules differ (the model's rounding), by little.
+    assert not torch.equal(float32.column_sum(), model.column_sum())
+    torch.testing.assert_close(float32.column_sum(), model.column_sum(), atol=0.05, rtol=0.05)
+    with pytest.raises(ValueError, match="attention_scores"):
+        ProbedAttention(query, key, scale, scores="fp8")
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements any op's new output holds (views of its inputs are not new memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()]
+                 if isinstance(a, torch.Tensor)}
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in given:
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(heads=st.sampled_from([1, 2, 4]), length=st.integers(8, 96), budget=st.integers(1, 4096))
+def test_no_read_holds_more_scores_than_its_budget(heads: int, length: int, budget: int) -> None:
+    query, key = qkv(batch=1, heads=heads, kv_heads=1, q_len=length, k_len=length)
+    reads = ProbedAttention(query, key, causal=True, budget=budget)
+    rows = torch.arange(length).unsqueeze(0)
+    for read in (reads.column_sum, lambda: reads.column_mean(1), lambda: reads.rows(rows[:, :3])):
+        with LargestTensor() as seen:
+            read()
+        # Never the (heads x queries x keys) matrix: one block of the budget, or one row of every head.
+        assert seen.largest <= max(budget, heads * length, length * 3)
+
+
+def test_segments_read_as_their_block_diagonal_and_stacks_as_their_batch() -> None:
+    parts = [qkv(batch=1, q_len=n, k_len=n, seed=n) for n in (3, 5, 4)]
+    segmented = SegmentedReads([ProbedAttention(q, k) for q, k in parts])
+    dense = torch.block_diag(*[eager_probabilities(q, k, q.shape[-1] ** -0.5)[0] for q, k in parts]).unsqueeze(0)
+    rows = torch.tensor([[0, 4, 11, 7]])
+    torch.testing.assert_close(segmented.column_sum(), dense.sum(dim=1))
+    torch.testing.assert_close(segmented.rows(rows), DenseAttention(dense).rows(rows))
+    torch.testing.assert_close(segmented.column_mean(), dense.mean(dim=1))
+    items = [qkv(batch=1, seed=s) for s in range(3)]
+    stacked = stack_reads([ProbedAttention(q, k) for q, k in items])
+    assert isinstance(stacked, ProbedAttention)  # alike items: one batched read
+    separate = StackedReads([ProbedAttention(q, k) for q, k in items])
+    rows = torch.tensor([[1, 2], [0, 8], [4, 4]])
+    torch.testing.assert_close(stacked.column_sum(), separate.column_sum())
+    torch.testing.assert_close(stacked.block(rows, rows), separate.block(rows, rows))
+
+
+def test_group_reads_are_the_member_means_and_reorder_permutes_queries_and_keys() -> None:
+    query, key = qkv(batch=2, q_len=9, k_len=9)  # [CLS] and two groups of 4
+    probabilities = eager_probabilities(query, key, query.shape[-1] ** -0.5)
+    grouped = GroupReads(ProbedAttention(query, key), merge=4, offset=1)
+    block = probabilities[:, 1:, 1:].reshape(2, 2, 4, 2, 4).mean(dim=(2, 4))
+    torch.testing.assert_close(grouped.column_mean(), block.mean(dim=1))
+    groups = torch.tensor([[1], [0]])
+    torch.testing.assert_close(grouped.rows(groups), DenseAttention(block).rows(groups))
+    order = torch.tensor([0, 5, 6, 7, 8, 1, 2, 3, 4])
+    reordered = ProbedAttention(query, key).reordered(order)
+    torch.testing.assert_close(reordered.column_sum(), DenseAttention(probabilities).reordered(order).column_sum())
+
+
+class Module(torch.nn.Module):
+    is_causal = True
+
+    def __init__(self, implementation: str = "sdpa") -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        self._ficoco_original_config = SimpleNamespace(_attn_implementation=implementation)
+
+
+def test_the_probed_layer_runs_its_own_kernel_and_leaves_its_reads() -> None:
+    query, key = qkv(batch=2, heads=4, kv_heads=4)
+    value = torch.randn_like(key)
+    module = Module()
+    timer = StageTimer()
+
+    def runner(device, function, *args):
+        with timer.span("probe", device):
+            return function(*args)
+
+    module._ficoco_probe = ProbeSlot(want_keys=True, runner=runner)
+    output, _ = probe_attention(module, query, key, value, None, scaling=query.shape[-1] ** -0.5)
+    own = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True)
+    assert torch.equal(output, own.transpose(1, 2).contiguous())  # the model's own SDPA, bit for bit
+    assert timer.total_ms("probe") == 0.0  # nothing read yet
+    reads, keys = module._ficoco_probe.take()
+    assert keys is key
+    torch.testing.assert_close(reads.column_sum(), eager_probabilities(query, key, query.shape[-1] ** -0.5,
+                                                                       causal=True).sum(dim=1))
+    assert timer.total_ms("probe") > 0.0
+
+
+def test_a_read_inside_a_step_counts_in_the_probe_span_only() -> None:
+    timer = StageTimer()
+    cpu = torch.device("cpu")
+    with timer.span("reduction", cpu):
+        with timer.span("probe", cpu):
+            torch.randn(200, 200) @ torch.randn(200, 200)
+    total = timer.total_ms()
+    assert timer.total_ms("probe") > 0 and timer.total_ms("reduction") >= 0
+    assert timer.total_ms("probe") + timer.total_ms("reduction") == pytest.approx(total)
+    assert reads_ops.SCORE_BUDGET_ELEMENTS["cuda"] > reads_ops.SCORE_BUDGET_ELEMENTS["cpu"]
