@@ -57,7 +57,8 @@ def test_ficoco_v_reads_the_column_means_the_cls_row_and_the_discarded_rows(arch
     reads = schedule_reads(arch7b, v, TEXT, 1)
     # Per reducing layer: the patches' column means, the [CLS] row, then the rows of the patches it removes.
     assert len(reads) == 3 * len(plan.reductions)
-    for red, (columns, cls_row, discarded) in zip(plan.reductions, zip(*[iter(reads)] * 3), strict=True):
+    triples = [reads[k:k + 3] for k in range(0, len(reads), 3)]
+    for red, (columns, cls_row, discarded) in zip(plan.reductions, triples, strict=True):
         tokens = plan.vision[red.layer][0]
         assert (columns.kind, columns.rows, columns.keys) == ("columns", tokens - 1, tokens)
         assert (cls_row.rows, discarded.rows, discarded.keys) == (1, red.removed, tokens)
