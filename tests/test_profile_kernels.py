@@ -354,3 +354,40 @@ def test_no_kernel_pairing_for_vanilla_or_where_a_row_has_no_record():
 def test_layer_ranges_join_consecutive_layers():
     assert ranges([5, 0, 1, 2, 7, 8]) == [[0, 2], [5, 5], [7, 8]]
     assert ranges([]) == []
+
+
+# ---- on a GPU (FICOCO_GPU_TESTS=1) ---------------------------------------------------------------------------------
+
+def _cuda_sync_warnings(fn: Any) -> int:
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
+@pytest.mark.gpu
+def test_on_cuda_vanilla_names_a_fused_sdpa_backend_and_recording_adds_no_host_sync():
+    model = ficoco.build_model(MODEL, device="cuda", dtype="fp16")
+    inputs = synthetic_inputs(model, batch=2, text_tokens=12, seed=3, device=torch.device("cuda"))
+    recorder = KernelRecorder.for_model(model)
+
+    def recorded() -> None:
+        with recorder.recording():
+            model(**inputs)
+
+    with torch.inference_mode():
+        model(**inputs)
+        assert _cuda_sync_warnings(recorded) == _cuda_sync_warnings(lambda: model(**inputs))
+    record = recorder.to_json()
+    for stage, layers in (("vision", VISION_LAYERS), ("llm", DECODER_LAYERS)):
+        per_layer = _per_layer(record, stage)
+        assert sorted(per_layer) == list(range(layers))
+        assert {(e["implementation"], e["backend"] in ("flash", "efficient", "cudnn"))
+                for entries in per_layer.values() for e in entries} == {("sdpa", True)}
