@@ -391,3 +391,30 @@ def test_on_cuda_vanilla_names_a_fused_sdpa_backend_and_recording_adds_no_host_s
         assert sorted(per_layer) == list(range(layers))
         assert {(e["implementation"], e["backend"] in ("flash", "efficient", "cudnn"))
                 for entries in per_layer.values() for e in entries} == {("sdpa", True)}
+
+
+def test_a_routed_function_calling_a_fused_kernel_at_the_aten_level_is_named_by_that_kernel(tiny):
+    """A routed function that asks SDPA's CPU flash kernel for its output and softmax normaliser directly (not
+    through torch.nn.functional) ran that kernel with reads, not a probe."""
+    name = "ficoco_test_direct_flash"
+
+    def direct_flash(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+        assert attention_mask is None  # no padding: the causal pattern alone
+        output, _normaliser = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value,
+                                                                                          is_causal=True)
+        return output.transpose(1, 2).contiguous(), None
+
+    hf.register_attention(name, direct_flash)
+    attention = hf.layer_parts(hf.decoder_layers(tiny)[2], hf.DECODER_LAYER).attention
+    routed = copy.copy(attention.config)
+    hf.set_attention_implementation(routed, name)
+    recorder = KernelRecorder.for_model(tiny)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention, "config", routed)
+        with torch.inference_mode(), recorder.recording():
+            tiny(**synthetic_inputs(tiny, text_tokens=12, seed=1))
+    decoder = _per_layer(recorder.to_json(), "llm")
+    assert decoder[2] == [{"layers": [2, 2], "implementation": "sdpa", "backend": "flash", "calls_per_layer": 1,
+                           "reads": True, "via": name}]
+    assert all(entries[0]["reads"] is False for layer, entries in decoder.items() if layer != 2)

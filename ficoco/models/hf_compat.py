@@ -915,7 +915,11 @@ def _watch_one_call(attention: nn.Module, *args: Any) -> tuple[list[tuple[str | 
         looked_up.append((looked, is_default))
         return function
 
-    with torch.no_grad(), watched_attention_lookups(wrap), watched_sdpa_calls(lambda *_: called.append(1)):
+    def count(*_: Any) -> contextlib.AbstractContextManager[Any]:
+        called.append(1)
+        return contextlib.nullcontext()
+
+    with torch.no_grad(), watched_attention_lookups(wrap), watched_sdpa_calls(count):
         attention(*args, None)
     return looked_up, len(called)
 
@@ -951,15 +955,16 @@ def watched_attention_lookups(wrap: AttentionWrap) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def watched_sdpa_calls(observe: Callable[[tuple[Any, ...], dict[str, Any]], None]) -> Iterator[None]:
-    """While open, `observe(args, kwargs)` sees every call of torch's `scaled_dot_product_attention` made
-    through `torch.nn.functional` (transformers' sdpa function calls it so), before it runs."""
+def watched_sdpa_calls(observe: Callable[[tuple[Any, ...], dict[str, Any]], contextlib.AbstractContextManager[Any]]
+                       ) -> Iterator[None]:
+    """While open, every call of torch's `scaled_dot_product_attention` made through `torch.nn.functional`
+    (transformers' sdpa function calls it so) runs inside `observe(args, kwargs)`, a context manager."""
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
 
     def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
-        observe(args, kwargs)
-        return original(*args, **kwargs)
+        with observe(args, kwargs):
+            return original(*args, **kwargs)
 
     functional.scaled_dot_product_attention = scaled_dot_product_attention
     try:

@@ -13,6 +13,9 @@ layer, of the vision tower or the decoder as the family adapter lists them, whos
   computed the layer's output itself: "probe";
 - an SDPA call's backend is what torch's dispatcher picks for those exact arguments
   (`torch._fused_sdp_choice`): flash, efficient, cudnn or math; None where torch does not say.
+  An SDPA kernel called at the aten level, not through `torch.nn.functional` (a routed function
+  that asks a fused kernel for its softmax normaliser, say), is seen by a dispatch mode and named by
+  its op.
 
 Nothing here reads a tensor's values, so nothing synchronises the device; the timed runs are not
 recorded (the row's first warm-up is, or one extra forward after the timed runs where none ran).
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ficoco.models import hf_compat as hf
 
@@ -39,6 +43,14 @@ SDPA_BACKENDS = {"MATH": "math", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTIO
 # scaled_dot_product_attention's parameters, in order (its positional arguments are bound by them).
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 STAGE_LAYERS = (("vision", "vision_layers"), ("llm", "decoder_layers"))
+# The aten ops of SDPA's kernels, called directly (not through torch.nn.functional), and the backend each
+# is: by the prefix of the op's name (the CPU flash kernel is `..._flash_attention_for_cpu`).
+ATEN_SDPA = "scaled_dot_product_attention"  # the dispatcher's entry: its backend is asked of torch
+ATEN_KERNELS = (("_scaled_dot_product_flash_attention", "flash"), ("_flash_attention_forward", "flash"),
+                ("_scaled_dot_product_efficient_attention", "efficient"), ("_efficient_attention_forward", "efficient"),
+                ("_scaled_dot_product_cudnn_attention", "cudnn"), ("_cudnn_attention_forward", "cudnn"),
+                ("_scaled_dot_product_fused_attention_overrideable", "overrideable"),
+                ("_scaled_dot_product_attention_math", "math"))
 
 Place = tuple[str, int]  # (stage, layer)
 
@@ -59,6 +71,31 @@ def sdpa_backend(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
         return SDPA_BACKENDS.get(SDPBackend(int(choice)).name)
     except (TypeError, ValueError, RuntimeError, KeyError):
         return None
+
+
+def aten_kernel(op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[bool, str | None]:
+    """(whether aten op `op` is an SDPA kernel, its backend)."""
+    if op == ATEN_SDPA:
+        return True, sdpa_backend(args, kwargs)
+    backend = next((backend for prefix, backend in ATEN_KERNELS if op.startswith(prefix)), None)
+    return backend is not None, backend
+
+
+class _AtenKernels(TorchDispatchMode):
+    """Tells `seen(op, args, kwargs)` of every SDPA kernel that reaches the dispatcher (each op once: the
+    mode is off while an op runs, so a kernel's own ops are not seen)."""
+
+    def __init__(self, seen: Callable[[str, tuple[Any, ...], dict[str, Any]], None]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        namespace, _, rest = str(func).partition(".")
+        if namespace == "aten":
+            self.seen(rest.partition(".")[0], args, kwargs)
+        return func(*args, **kwargs)
 
 
 def implementation_label(name: str | None, is_default: bool) -> str:
@@ -112,6 +149,7 @@ class KernelRecorder:
         self._frames: list[_Frame] = []
         self._running: list[Place] = []  # the layers whose forward is under way (hooks), innermost last
         self._routed: frozenset[str] = frozenset()
+        self._inside_sdpa = 0  # torch.nn.functional's SDPA calls under way: their kernels are theirs
         self.calls: Counter[tuple[Place, KernelCall]] = Counter()
         self.recorded = False
 
@@ -129,6 +167,7 @@ class KernelRecorder:
         self.calls.clear()
         self._frames.clear()
         self._running.clear()
+        self._inside_sdpa = 0
         self._routed = hf.ficoco_attention_names()
         hooks = []
         for stage, layers in self.stages.items():
@@ -137,7 +176,8 @@ class KernelRecorder:
                 hooks.append(layer.register_forward_pre_hook(functools.partial(self._enter_layer, place)))
                 hooks.append(layer.register_forward_hook(functools.partial(self._leave_layer, place), always_call=True))
         try:
-            with hf.watched_attention_lookups(self._wrap), hf.watched_sdpa_calls(self._sdpa_called):
+            with hf.watched_attention_lookups(self._wrap), hf.watched_sdpa_calls(self._sdpa_call), \
+                    _AtenKernels(self._aten_op):
                 yield self
             self.recorded = True
         finally:
@@ -186,9 +226,25 @@ class KernelRecorder:
         if self._frames:
             self._frames[-1].kernels += 1
 
-    def _sdpa_called(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    @contextlib.contextmanager
+    def _sdpa_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+        """One torch.nn.functional SDPA call: its kernel, with the backend torch picks for its arguments."""
+        self._sdpa_kernel(sdpa_backend(args, kwargs))
+        self._inside_sdpa += 1
+        try:
+            yield
+        finally:
+            self._inside_sdpa -= 1
+
+    def _aten_op(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._inside_sdpa:
+            return  # the kernel of a torch.nn.functional call, counted with it
+        is_kernel, backend = aten_kernel(op, args, kwargs)
+        if is_kernel:
+            self._sdpa_kernel(backend)
+
+    def _sdpa_kernel(self, backend: str | None) -> None:
         top = self._frames[-1] if self._frames else None
-        backend = sdpa_backend(args, kwargs)
         if top is not None and top.implementation == "sdpa" and top.kernels == 0:
             top.backend = top.backend or backend  # transformers' sdpa function: this call is its kernel
             return
