@@ -7,7 +7,9 @@ On a 7B model's shapes:
   the row's own shapes, probed before, between and after its runs);
 - method speed: every reduced row's measured speedup is at least SPEED_OVER_PREDICTED of the
   speedup those rates predict: the honest yardstick, where a FLOPs ratio overstates what fewer
-  tokens can save on any machine."""
+  tokens can save on any machine.
+On every report: each row records the attention kernel every layer ran, and on a GPU vanilla's SDPA
+calls reach a fused backend; slower kernels than vanilla's in a row's non-reducing layers are printed."""
 
 from __future__ import annotations
 
@@ -66,6 +68,19 @@ def check(path: str, kind: str) -> list[str]:
             bad.append(f"{tag}: KV after decoding {decoded} != analytic {analytic.get('kv_cache_bytes_after_decode')}")
         if row["generation"] is not None and row["generation"]["new_tokens"] != row["new_tokens"]:
             bad.append(f"{tag}: generated {row['generation']['new_tokens']} != {row['new_tokens']}")
+        # Issue 41: every row names the kernel each layer ran; on a GPU vanilla's SDPA calls must reach a
+        # fused backend (math there would make every reduced row's speedup a statement about math).
+        kernels = row.get("attention_kernels")
+        if not kernels:
+            bad.append(f"{tag}: no attention_kernels record")
+        elif kind == "cuda" and row["variant"] == "vanilla":
+            math = [e["layers"] for stage in kernels.values() for e in stage
+                    if e["implementation"] == "sdpa" and e["backend"] == "math"]
+            if math:
+                bad.append(f"{tag}: vanilla's SDPA runs the math backend in layers {math}")
+        for slower in row.get("slower_kernels_vs_vanilla") or []:
+            print(f"  {tag} runs {slower['ran']} in {slower['stage']} layers {slower['layers']} where vanilla runs "
+                  f"{slower['vanilla']}")
         speedup, ratio = row.get("speedup_vs_vanilla"), row.get("flops_ratio_vs_vanilla")
         roofline = row.get("measured_over_roofline")
         predicted = row.get("predicted_speedup_vs_vanilla")

@@ -688,6 +688,8 @@ def _row_verdict(row: dict[str, Any], base: dict[str, Any] | None, config: dict[
         median = _get(row, "latency", "median_ms")
         unit, scale = pick_unit([median], TIME_UNITS_MS)
         facts.append(f"prefill {fmt_num(median / scale) if _is_number(median) else '-'} {unit}")
+    if compared and (slower := _slower_kernels_words(row)):
+        facts.append(slower)
     kv, base_kv = row.get("kv_cache_bytes"), _get(base, "kv_cache_bytes") if compared else None
     if _is_number(kv):
         facts.append(f"KV cache {_bytes_words(kv)}" + (f" instead of {_bytes_words(base_kv)}"
@@ -710,6 +712,79 @@ def _row_verdict(row: dict[str, Any], base: dict[str, Any] | None, config: dict[
     text = ", ".join(facts)
     caveats = _caveats(row, base if compared else None, config)
     return text + ("; caution: " + "; ".join(caveats) if caveats else "")
+
+
+# ---- the attention kernels every layer ran (profiling/kernels.py, report/kernels.py) --------------------------------
+
+STAGE_LAYER_WORDS = {"vision": "vision tower layer", "llm": "decoder layer"}
+
+
+def _layer_ranges(runs: Sequence[Sequence[int]], joiner: str = ", ") -> str:
+    return joiner.join(f"{first}" if first == last else f"{first}-{last}" for first, last in runs)
+
+
+def _kernel_words(kernel: dict[str, Any]) -> str:
+    """A kernel in words: "SDPA (flash)", "eager attention", "ficoco's probe", ..."""
+    implementation, backend = kernel.get("implementation"), kernel.get("backend")
+    if implementation == "sdpa":
+        return f"SDPA ({backend})" if backend else "SDPA"
+    if implementation in ("eager", "flex"):
+        return f"{implementation} attention"
+    if implementation == "probe":
+        return "ficoco's probe"
+    if implementation == "flash":
+        return f"flash attention ({backend})" if backend else "flash attention"
+    return _text(implementation)
+
+
+def _slower_kernels_words(row: dict[str, Any]) -> str | None:
+    """Where the row runs a slower attention kernel than vanilla in layers it does not reduce (report/kernels.py)."""
+    slower = row.get("slower_kernels_vs_vanilla")
+    if not isinstance(slower, list) or not slower:
+        return None
+    said = []
+    for entry in slower:
+        runs = entry.get("layers") or []
+        several = len(runs) > 1 or any(first != last for first, last in runs)
+        where = STAGE_LAYER_WORDS.get(entry.get("stage"), f"{_text(entry.get('stage'))} layer")
+        where += "s" if several else ""
+        said.append(f"runs {_kernel_words(entry.get('ran') or {})} in {where} {_layer_ranges(runs)}, where vanilla "
+                    f"runs {_kernel_words(entry.get('vanilla') or {})}")
+    return " and ".join(said)
+
+
+def _kernel_cell(entry: dict[str, Any]) -> str:
+    """One kind of call, short: implementation(backend), +reads where routed through ficoco beside the kernel,
+    xN for N calls per layer."""
+    text = _text(entry.get("implementation")) + (f"({entry['backend']})" if entry.get("backend") else "")
+    if entry.get("reads") and entry.get("implementation") != "probe":
+        text += "+reads"
+    calls = entry.get("calls_per_layer")
+    return text + (f" x{calls}" if isinstance(calls, int) and calls > 1 else "")
+
+
+def kernel_lines(report: dict[str, Any]) -> list[str]:
+    """Per row that recorded them, the attention kernel every layer ran, per stage (layers first-last); none for
+    a report made before the record."""
+    rows = [r for r in report.get("rows") or [] if isinstance(r.get("attention_kernels"), dict)]
+    if not rows:
+        return []
+    several = len(_groups(report.get("rows") or [])) > 1
+    lines = ["attention kernels by layer (implementation(backend): SDPA's backend as torch picks it; +reads: routed "
+             "through ficoco, reading beside the kernel; probe: ficoco computes the output; xN: calls per layer):"]
+    for row in rows:
+        stages = []
+        for stage, entries in row["attention_kernels"].items():
+            kinds: dict[str, list[list[int]]] = {}
+            for entry in entries if isinstance(entries, list) else []:
+                if isinstance(entry, dict) and isinstance(entry.get("layers"), list):
+                    kinds.setdefault(_kernel_cell(entry), []).append(entry["layers"])
+            if kinds:
+                said = ", ".join(f"{_layer_ranges(runs, ',')} {cell}" for cell, runs in kinds.items())
+                stages.append(f"{stage} {said}")
+        name = _named(row) + (f" {_text(row.get('quant'))} batch {_text(row.get('batch'))}" if several else "")
+        lines.append(f"  {name}: " + ("; ".join(stages) or "no attention call recorded"))
+    return lines
 
 
 def verdict_lines(report: dict[str, Any]) -> list[str]:
@@ -803,11 +878,12 @@ def fidelity_lines(report: dict[str, Any]) -> list[str]:
 def print_profile(console: Console, report: dict[str, Any], wide: bool = False) -> None:
     """The profile table (and with several reducing methods of one quant and batch, the method comparison),
     then the verdict lines (one logical line each: a terminal wraps them, a pipe or a file keeps them whole),
+    the attention kernels of every row,
     the fidelity table with --fidelity, and the run's time against its estimate."""
     console.print(profile_table(report, wide))
     if compares_methods(report) and len({r.get("variant") for r in report["rows"]} - {"vanilla"}) > 1:
         console.print(method_comparison_table(report))
-    for line in verdict_lines(report):
+    for line in verdict_lines(report) + kernel_lines(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if (table := fidelity_table(report)) is not None:
         console.print(table)

@@ -24,7 +24,7 @@ import copy
 import importlib
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from functools import cache
 from typing import Any
@@ -825,11 +825,22 @@ def _check_attention_interface() -> None:
         raise ContactChanged(name, "a config's _attn_implementation does not follow _attn_implementation_internal")
 
 
+# The names ficoco registered (its routed functions, whatever they are called): the profiler's kernel
+# record tells a module routed through one of them from one running a kernel of transformers' own.
+_REGISTERED_BY_FICOCO: set[str] = set()
+
+
 def register_attention(name: str, function: Callable[..., Any]) -> None:
     """Register `function` as attention implementation `name`."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, function)
+    _REGISTERED_BY_FICOCO.add(name)
+
+
+def ficoco_attention_names() -> frozenset[str]:
+    """The attention implementations ficoco registered (`register_attention`) so far."""
+    return frozenset(_REGISTERED_BY_FICOCO)
 
 
 def attention_implementation(config: Any) -> str | None:
@@ -855,6 +866,111 @@ def attention_function(module: nn.Module, implementation: str | None) -> Callabl
 
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
+
+
+# -- watching the attention functions that run (the profiler's kernel record) -------------------------------
+# Every attention module of the families looks its function up when it is called,
+# `ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)`, and
+# ficoco's routed functions look the module's own up the same way (`attention_function`); transformers'
+# sdpa function calls `torch.nn.functional.scaled_dot_product_attention` by attribute. So wrapping the
+# lookup and that attribute for one forward sees every attention call, with the implementation's name,
+# without touching a module. The modeling files whose attention classes are checked to look up so:
+ATTENTION_LOOKUP_FAMILIES = ("llama", "qwen2", "clip", "siglip", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+                             "qwen3_5", "internvl")
+ATTENTION_LOOKUP = "ALL_ATTENTION_FUNCTIONS.get_interface("
+SDPA_CALL = "torch.nn.functional.scaled_dot_product_attention("
+
+
+@contact("attention lookup at call time")
+def _check_attention_lookup() -> None:
+    from transformers.models.llama import configuration_llama, modeling_llama
+
+    name = "attention lookup at call time"
+    for family in ATTENTION_LOOKUP_FAMILIES:
+        source = inspect.getsource(_module(f"models.{family}.modeling_{family}"))
+        if ATTENTION_LOOKUP not in source:
+            raise ContactChanged(name, f"modeling_{family} no longer calls {ATTENTION_LOOKUP}...)")
+    if SDPA_CALL not in inspect.getsource(_module("integrations.sdpa_attention")):
+        raise ContactChanged(name, f"the sdpa attention function no longer calls {SDPA_CALL}...)")
+    # One LLaMA attention call under both watches: one lookup by name (sdpa: the registry's, with
+    # one SDPA call; eager: the caller's default) per forward.
+    config = configuration_llama.LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=2,
+                                             intermediate_size=8, num_hidden_layers=1, vocab_size=8)
+    attention = modeling_llama.LlamaAttention(config, layer_idx=0)
+    hidden, rotary = torch.randn(1, 3, 8), (torch.ones(1, 3, 4), torch.zeros(1, 3, 4))
+    for implementation, sdpa_calls in (("sdpa", 1), ("eager", 0)):
+        set_attention_implementation(config, implementation)
+        looked_up, called = _watch_one_call(attention, hidden, rotary)
+        if looked_up != [(implementation, implementation == "eager")] or called != sdpa_calls:
+            raise ContactChanged(name, f"a LlamaAttention forward under {implementation} looked up {looked_up} and "
+                                       f"called SDPA {called} times")
+
+
+def _watch_one_call(attention: nn.Module, *args: Any) -> tuple[list[tuple[str | None, bool]], int]:
+    """(name, is_default) of every lookup one call of `attention` made, and its SDPA calls."""
+    looked_up: list[tuple[str | None, bool]] = []
+    called: list[int] = []
+
+    def wrap(looked: str | None, function: Callable[..., Any], is_default: bool) -> Callable[..., Any]:
+        looked_up.append((looked, is_default))
+        return function
+
+    def count(*_: Any) -> contextlib.AbstractContextManager[Any]:
+        called.append(1)
+        return contextlib.nullcontext()
+
+    with torch.no_grad(), watched_attention_lookups(wrap), watched_sdpa_calls(count):
+        attention(*args, None)
+    return looked_up, len(called)
+
+
+AttentionWrap = Callable[[str | None, Callable[..., Any], bool], Callable[..., Any]]
+
+
+@contextlib.contextmanager
+def watched_attention_lookups(wrap: AttentionWrap) -> Iterator[None]:
+    """While open, every attention function looked up in transformers' registry at call time (by a module, or
+    by ficoco's `attention_function`) is `wrap(name, function, is_default)` instead: `name` the implementation
+    asked for, `is_default` when the registry has no such entry and handed back the caller's default (the
+    model file's eager function). The class's method is wrapped, so every registry instance is watched."""
+    from transformers.modeling_utils import AttentionInterface
+
+    own = vars(AttentionInterface).get("get_interface")
+    original = AttentionInterface.get_interface
+
+    def get_interface(self: Any, *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        function = original(self, *args, **kwargs)
+        looked = args[0] if args else kwargs.get("attn_implementation")
+        default = args[1] if len(args) > 1 else kwargs.get("default")
+        return wrap(looked, function, function is default)
+
+    AttentionInterface.get_interface = get_interface
+    try:
+        yield
+    finally:
+        if own is not None:
+            AttentionInterface.get_interface = own
+        else:
+            del AttentionInterface.get_interface
+
+
+@contextlib.contextmanager
+def watched_sdpa_calls(observe: Callable[[tuple[Any, ...], dict[str, Any]], contextlib.AbstractContextManager[Any]]
+                       ) -> Iterator[None]:
+    """While open, every call of torch's `scaled_dot_product_attention` made through `torch.nn.functional`
+    (transformers' sdpa function calls it so) runs inside `observe(args, kwargs)`, a context manager."""
+    functional = torch.nn.functional
+    original = functional.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+        with observe(args, kwargs):
+            return original(*args, **kwargs)
+
+    functional.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        functional.scaled_dot_product_attention = original
 
 
 # -- the cache object -----------------------------------------------------------------------------

@@ -190,8 +190,9 @@ def predict_build_s(size: BuildBytes, quant: str, rates: Rates, *, imports_s: fl
 def row_runs_s(prefill_s: float, runs: tuple[int, int], first_extra_s: float = 0.0, generation_s: float | None = None,
                generation_runs: tuple[int, int] = (0, 0)) -> float:
     """The runs of a row: (warm-up, timed) prefills, the first one `first_extra_s` slower, and with
-    --new-tokens the (warm-up, timed) generations."""
-    total = sum(runs) * prefill_s + first_extra_s
+    --new-tokens the (warm-up, timed) generations. A row without warm-up runs one more prefill, untimed,
+    that records its attention kernels (profiling/kernels.py); a warm-up records them otherwise."""
+    total = (sum(runs) + (runs[0] == 0)) * prefill_s + first_extra_s
     if generation_s is not None:
         total += sum(generation_runs) * generation_s
     return total

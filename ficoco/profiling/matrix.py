@@ -382,19 +382,37 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
                     ) -> tuple[PrefillRecord, MemoryRecord, Callable[[float], tuple[int, int]] | None]:
     """The timed prefill of `run`'s row and its memory: peak, KV cache after it, per device under a
     map. Returns the records and the time rule that chose the runs (the generation reuses it)."""
+    from ficoco.profiling.kernels import KernelRecorder
+
     handle, last, model = run.handle, run.last, run.model
     reduction_ms: list[float] = []
     probe_ms: list[float] = []
+    # Which attention kernel every layer runs: recorded in the row's first warm-up, never in a timed run.
+    kernels = KernelRecorder.for_model(model)
+    step: dict[str, str] = {}
+
+    def forward() -> Any:
+        if handle is not None:
+            handle.timer.reset()
+        return model(**run.inputs, use_cache=True, logits_to_keep=1, **run.new_cache())
 
     def prefill() -> None:
         # The previous run's KV cache goes before this run allocates its own: alive, it would
         # sit in this run's peak memory.
         last.pop("cache", None)
-        if handle is not None:
-            handle.timer.reset()
-        out = model(**run.inputs, use_cache=True, logits_to_keep=1, **run.new_cache())
+        if step.get("now") == "warm-up" and not kernels.recorded:
+            with kernels.recording():
+                out = forward()
+        else:
+            out = forward()
         last["cache"] = hf.output_cache(out)
         last["logits"] = out.logits  # a reference, read after the timing (--fidelity)
+
+    def on_prefill_run(phase: str, k: int, n: int, seconds: float | None) -> None:
+        if seconds is None:
+            step["now"] = phase
+        if on_run:
+            on_run(phase, k, n, seconds)
 
     def after_each(_: int) -> None:
         # Read after the tracker's final synchronise: the stage events are complete by now.
@@ -406,8 +424,8 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
 
     with run.memory.track() as peak:
         (warmup, repeat), choose = _planned_runs(run.row, run.plan)
-        latency = run.latency.measure(prefill, warmup=warmup, repeat=repeat, after_each=after_each, on_run=on_run,
-                                      choose=choose)
+        latency = run.latency.measure(prefill, warmup=warmup, repeat=repeat, after_each=after_each,
+                                      on_run=on_prefill_run, choose=choose)
     cache = last.pop("cache")
     split = run.split
     memory = MemoryRecord(
@@ -417,14 +435,35 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
         memory_per_device=_memory_per_device(model, run.row, run.config, run.plan, split, cache, peak)
         if split else None)
     del cache
+    # Read before the kernel record's extra forward (where it runs), which measures nothing.
+    measured_tokens = handle.measured_tokens_per_item if handle is not None else None
+    attention_kernels = _recorded_kernels(kernels, forward, on_run)
     prefill_record = PrefillRecord(
         latency=latency, runs=_runs_json(latency, run.plan), batch=run.row.batch,
         reduction_stages_ms=statistics.median(reduction_ms) if reduction_ms else 0.0,
         probe_ms=statistics.median(probe_ms) if probe_ms else 0.0,
         # What every image (crop, frame) handed the LLM in the prefill, as it ran: a method acting
         # before the LLM with an adaptive count (PruMerge+) plans an assumed count, this is the real one.
-        visual_tokens_per_item_measured=handle.measured_tokens_per_item if handle is not None else None)
+        visual_tokens_per_item_measured=measured_tokens, attention_kernels=attention_kernels)
     return prefill_record, memory, choose
+
+
+KERNEL_RECORD_STEP = "kernel record"
+
+
+def _recorded_kernels(kernels: Any, forward: Callable[[], Any], on_run: RunHook | None) -> dict[str, Any]:
+    """The row's attention kernels per stage (profiling/kernels.py): from its first warm-up, else from one
+    extra forward now, after its timed runs and outside its memory reading (a row without warm-up keeps
+    its timed runs as they were asked for: the first one cold)."""
+    if not kernels.recorded:
+        if on_run:
+            on_run(KERNEL_RECORD_STEP, 1, 1, None)
+        begin = time.perf_counter()
+        with kernels.recording():
+            forward()
+        if on_run:
+            on_run(KERNEL_RECORD_STEP, 1, 1, time.perf_counter() - begin)
+    return kernels.to_json()
 
 
 def measure_generation(run: _RowRun, prefill: PrefillRecord, choose: Callable[[float], tuple[int, int]] | None,

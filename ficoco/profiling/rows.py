@@ -21,8 +21,9 @@ class _Latency(_Json, Protocol):
 @dataclass(frozen=True)
 class PrefillRecord:
     """The timed prefill: its wall times, the runs and what chose them, the method's own time per
-    run (its reduction stages and its attention probe: medians over the timed runs), and what every
-    image handed the LLM as it ran (an adaptive method's count; None where it does not count)."""
+    run (its reduction stages and its attention probe: medians over the timed runs), what every
+    image handed the LLM as it ran (an adaptive method's count; None where it does not count), and
+    the attention kernel every layer ran."""
 
     latency: _Latency  # trackers.LatencyStats
     runs: dict[str, Any]  # {"warmup": n, "repeat": n, "chosen_by": "..."}
@@ -30,6 +31,8 @@ class PrefillRecord:
     reduction_stages_ms: float
     probe_ms: float
     visual_tokens_per_item_measured: int | None = None
+    # Per stage, the attention kernel every layer ran (profiling/kernels.py's record); None: not recorded.
+    attention_kernels: dict[str, Any] | None = None
 
     @property
     def images_per_s(self) -> float:
@@ -173,4 +176,6 @@ class MeasuredRow:
                     "memory_per_device": memory.memory_per_device}
         if prefill.visual_tokens_per_item_measured:
             row["visual_tokens_per_item_measured"] = prefill.visual_tokens_per_item_measured
+        if prefill.attention_kernels is not None:
+            row["attention_kernels"] = prefill.attention_kernels
         return row

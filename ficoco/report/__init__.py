@@ -5,7 +5,8 @@ never sees half a file.
 - `flops_report` (`ficoco.flops`): the accountant's costs of every method, as `ficoco flops --json` writes;
 - `profile_report` (`ficoco.profile`): measured rows, each paired with its vanilla row, as
   `ficoco profile --json` writes (it imports torch on first use; the rest of this package does not);
-- `add_comparisons` / `own_work_vs_savings`: the pairing of each row with its vanilla row;
+- `add_comparisons` / `own_work_vs_savings`: the pairing of each row with its vanilla row (its attention
+  kernels against vanilla's: `ficoco.report.kernels`);
 - `write_json_atomic` / `write_text_atomic` / `check_output_path`: the files.
 """
 

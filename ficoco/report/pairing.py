@@ -1,10 +1,13 @@
 """The pairing of each measured row with its vanilla row (same quant and batch) of the same run:
-speedup, FLOPs ratio, memory saving, the method's own work against what it saves. No torch: read
-back by `ficoco report` and a sweep's store."""
+speedup, FLOPs ratio, memory saving, the method's own work against what it saves, slower attention
+kernels than vanilla's where it does not reduce. No torch: read back by `ficoco report` and a sweep's
+store."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from ficoco.report.kernels import slower_kernels
 
 
 def own_work_vs_savings(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any] | None:
@@ -44,6 +47,8 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         base_predicted = base.get("predicted_ms")
         row["predicted_speedup_vs_vanilla"] = base_predicted / predicted if base_predicted and predicted else None
         row["own_work_vs_savings"] = own_work_vs_savings(row, base)
+        # Slower attention kernels than vanilla's where the row does not reduce (report/kernels.py).
+        row["slower_kernels_vs_vanilla"] = slower_kernels(row, base)
         peak, base_peak = row["memory"].get("peak_bytes"), base["memory"].get("peak_bytes")
         row["memory_saving_vs_vanilla"] = 1 - peak / base_peak if peak and base_peak else None
         # Answering end to end (decode.py's total), when both rows generated.

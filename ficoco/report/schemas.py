@@ -5,6 +5,11 @@ import them from here."""
 from __future__ import annotations
 
 REPORT_SCHEMA = "ficoco.report/1"  # a profile run: `ficoco profile --json`, `ficoco.profile(...)`
+# Fields a /1 row gained without a new schema (readers take their absence as "not recorded"):
+# `attention_kernels` {"vision"|"llm": [{"layers": [first, last], "implementation", "backend",
+# "calls_per_layer", "reads", "via"}]}: the attention kernel every layer ran (ficoco.profiling.kernels);
+# `slower_kernels_vs_vanilla` [{"stage", "layers": [[first, last], ...], "ran", "vanilla"}] or null: where a
+# reduced row runs a slower kernel than its vanilla row in layers it does not reduce (ficoco.report.kernels).
 FLOPS_SCHEMA = "ficoco.flops/1"  # the accountant's costs: `ficoco flops --json`, `ficoco.flops(...)`
 SWEEP_SCHEMA = "ficoco.sweep/1"  # every method at every budget point: `ficoco sweep --json`
 METHODS_SCHEMA = "ficoco.methods/1"  # the registry: `ficoco methods --json`
