@@ -79,7 +79,7 @@ def test_vanilla_records_sdpa_with_the_backend_torch_picks_in_every_layer_of_bot
         assert len(record[stage]) == 1  # consecutive layers of one kernel are one entry
 
 
-def test_ficoco_v_runs_the_probe_in_its_reducing_tower_layers_and_vanillas_sdpa_elsewhere(llava):
+def test_ficoco_v_reads_beside_sdpa_in_its_reducing_tower_layers_and_runs_vanillas_sdpa_elsewhere(llava):
     row, vanilla = llava["rows"]["v"], llava["rows"]["vanilla"]
     reducing = {entry["layer"] for entry in row["schedule"] if entry["stage"] == "vision"}
     assert reducing
@@ -87,8 +87,9 @@ def test_ficoco_v_runs_the_probe_in_its_reducing_tower_layers_and_vanillas_sdpa_
     for layer, entries in tower.items():
         (entry,) = entries
         if layer in reducing:
-            # Today's FiCoCo-V computes its reducing layers' output from the probabilities (the probe).
-            assert (entry["implementation"], entry["backend"], entry["reads"]) == ("probe", None, True)
+            # The reducing layers' output comes from the model's own SDPA; FiCoCo-V's reads are computed beside it.
+            assert (entry["implementation"], entry["reads"]) == ("sdpa", True)
+            assert entry["backend"] == tower[min(set(tower) - reducing)][0]["backend"]
             assert entry["via"] in hf.ficoco_attention_names()
         else:
             assert (entry["implementation"], entry["reads"], entry["via"]) == ("sdpa", False, None)
@@ -122,7 +123,7 @@ def test_the_profile_output_names_every_rows_kernels_per_stage(llava):
     backend = llava["rows"]["vanilla"]["attention_kernels"]["llm"][0]["backend"]
     assert "attention kernels by layer" in out
     assert f"  vanilla: vision 0-5 sdpa({backend}); llm 0-3 sdpa({backend})" in out
-    assert f"  v: vision 0-1,5 sdpa({backend}), 2-4 probe; llm 0-3 sdpa({backend})" in out
+    assert f"  v: vision 0-1,5 sdpa({backend}), 2-4 sdpa({backend})+reads; llm 0-3 sdpa({backend})" in out
     assert f"  fastv: vision 0-5 sdpa({backend}); llm 0,2-3 sdpa({backend}), 1 sdpa({backend})+reads" in out
 
 
