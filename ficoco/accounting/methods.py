@@ -19,6 +19,7 @@ from ficoco.accounting.families import FAMILIES
 from ficoco.accounting.schedule import BudgetError, PlanRequest, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods.base import Dims, MethodSpec, Step, StepContext
+from ficoco.methods.hybrid import HybridLayers
 from ficoco.methods.registry import method
 
 # What a method that scores by [CLS] attention uses on a tower without [CLS] (Qwen2-VL).
@@ -80,6 +81,26 @@ def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
     if spec.per_item and arch.resampled and pooled_units(arch, spec) is None:
         instead = "a method" if arch.pooled_frames else "a smaller image_size= or a method"
         raise FicocoError(f"{spec.title} on {arch.name}: {arch.resampled}; use {instead} inside the LLM")
+
+
+def hybrid_layers(arch: Architecture) -> HybridLayers | None:
+    """A hybrid decoder's layers (Qwen3.5's `layer_types`) as the placement rule reads them (ficoco.methods.hybrid);
+    None where every layer is full attention."""
+    d = arch.decoder
+    if not d.layer_types:
+        return None
+    family = FAMILIES[arch.family]
+    return HybridLayers(family.title or family.name, d.layers,
+                        tuple(layer for layer in range(d.layers) if d.full_attention(layer)))
+
+
+def check_placement(arch: Architecture, spec: MethodSpec, schedule: Schedule) -> None:
+    """Refuse, in the adapter's own words, a schedule the model cannot run where the method acts: on a hybrid
+    decoder, a reduction that reads a Gated DeltaNet layer's attention, or one before the first full-attention
+    layer's cache (ficoco.methods.hybrid). `ficoco flops` prices only what `ficoco profile` runs."""
+    layers = hybrid_layers(arch)
+    if layers is not None:
+        layers.check(spec, schedule)
 
 
 def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step, ...],

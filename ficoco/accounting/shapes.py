@@ -318,6 +318,9 @@ class Family:
     # A video reaches the LLM as temporal slices of merge groups (Qwen2-VL): a video method merges those
     # slices, and an image is a single slice it cannot run on.
     video_slices: bool = False
+    # The family's name in a sentence ("Qwen3.5"), where the accountant refuses in its adapter's words (a hybrid
+    # decoder's placement rule, ficoco.methods.hybrid); empty: its model_type.
+    title: str = ""
     # The profile defaults, with the family named first (as a profile's ficoco section has it).
     profile_defaults: dict[str, Any] = field(init=False)
 
