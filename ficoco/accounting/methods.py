@@ -18,7 +18,7 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.families import FAMILIES
 from ficoco.accounting.schedule import BudgetError, PlanRequest, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
-from ficoco.methods.base import Dims, MethodSpec, Step, StepContext
+from ficoco.methods.base import CLS_TO_PROJECTOR, Dims, MethodSpec, Step, StepContext
 from ficoco.methods.hybrid import HybridLayers
 from ficoco.methods.registry import method
 
@@ -153,7 +153,9 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
     if spec.cls_note and not arch.vision.has_cls:
         # Labelled wherever the row appears: the [CLS] attention this method scores by does not exist here.
         settings["score"] = EQUIVALENT_SCORE
-    schedule = schedule_from_steps(arch, spec, spec.steps(settings, visual, layers), settings)
+    # A cut before the LLM also reads whether the item's [CLS] reaches the projector (not a setting: not kept).
+    tower = {CLS_TO_PROJECTOR: arch.cls_to_projector} if spec.per_item else {}
+    schedule = schedule_from_steps(arch, spec, spec.steps({**settings, **tower}, visual, layers), settings)
     return schedule if spec.inner is None else with_inner_steps(arch, spec, schedule)
 
 
@@ -345,7 +347,7 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings,
                               items=plan.vision_items, projected_width=arch.decoder.hidden,
                               has_cls=v.has_cls, unit_width=v.hidden * v.merge,
-                              cls_to_projector=v.has_cls and v.merge == 1 and not arch.cls_in_llm)
+                              cls_to_projector=arch.cls_to_projector)
             per = batch if spec.extra_per_sample else batch * plan.vision_items
             # Qwen3-VL's DeepStack features ride through a merging step beside the hidden states (extra channels of
             # its gathers and scatter-adds, which no convention counts as matrix work): no second run to count.
