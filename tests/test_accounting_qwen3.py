@@ -491,6 +491,23 @@ def test_the_accountant_plans_a_decoder_method_only_at_the_layers_the_hybrid_dec
     assert all("Qwen3.5 decoder" in line and "\n" not in line for line in refused.values()), refused
 
 
+def test_the_rule_covers_holitoms_inner_merge_and_leaves_the_cuts_before_the_llm_alone():
+    """HoliTom is refused on Qwen3.5 by family, so its inner merge (a layer-input step after its cut before the LLM)
+    meets the placement rule only through `HybridLayers` itself: it reads layer K-1's rows like FastV."""
+    from ficoco.methods import METHODS
+    from ficoco.methods.hybrid import HybridLayers
+
+    rule = HybridLayers("Qwen3.5", 8, (3, 7))
+    cut = Removal("vision", 11, 30, "after_projector")
+    with pytest.raises(FicocoError, match=r"^HoliTom at layer 2 reads layer 1's attention rows, .* full-attention "
+                                          r"layer: 4$"):
+        rule.check(METHODS["holitom"], Schedule("holitom", (cut, Removal("llm", 2, 10, "layer_input"))))
+    rule.check(METHODS["holitom"], Schedule("holitom", (cut, Removal("llm", 4, 10, "layer_input"))))
+    rule.check(METHODS["visionzip"], Schedule("visionzip", (Removal("vision", 11, 30, "tower_output", 5),)))
+    with pytest.raises(FicocoError, match="has no full-attention layer"):
+        HybridLayers("Qwen3.5", 8, ()).check(METHODS["visionzip"], Schedule("visionzip"))
+
+
 def test_flops_refuses_fastv_at_its_default_layer_alone_and_prices_it_at_layer_4(cli, flops_report):
     """FastV's default layer 2 reads layer 1, Gated DeltaNet on Qwen3.5-0.8B: `ficoco flops` refuses it in the line
     `ficoco profile` would (exit 2, no traceback); at layer 4 (after full layer 3) it is priced."""
