@@ -466,3 +466,89 @@ def test_the_image_resize_is_the_image_processors_at_the_checkpoints_bounds(size
 def test_a_video_of_one_frame_is_refused_in_one_line():
     with pytest.raises(FicocoError, match="at least temporal_patch_size=2 frames"):
         architecture(load_profile("qwen3-vl-tiny"), frames=1)
+
+
+# ---- where a method acts in the hybrid decoder: only what the model runs is priced ----------------------------------
+
+# Per decoder method, the layers of qwen3.5-tiny (Gated DeltaNet in 0-2 and 4-6, full attention in 3 and 7) where a
+# one-step schedule runs: FastV, SparseVLM and DART read layer L-1 (full: 3, so L = 4); PDrop its own layer L (full,
+# not the first: 7); FiCoCo-L reduces inside full layers (3, 7).
+RUNS_AT = {"fastv": {4}, "sparsevlm": {4}, "dart": {4}, "pdrop": {7}, "l": {3, 7}}
+
+
+@pytest.mark.parametrize("variant", sorted(RUNS_AT))
+def test_the_accountant_plans_a_decoder_method_only_at_the_layers_the_hybrid_decoder_runs_it(variant):
+    from ficoco.accounting import resolve_schedule
+
+    a, allowed, refused = arch("qwen3.5-tiny"), set(), {}
+    for layer in range(1, a.decoder.layers):
+        try:
+            resolve_schedule(a, variant, CountOptions(), schedule=f"{layer}:10")
+            allowed.add(layer)
+        except FicocoError as exc:
+            refused[layer] = str(exc)
+    assert allowed == RUNS_AT[variant]
+    assert all("Qwen3.5 decoder" in line and "\n" not in line for line in refused.values()), refused
+
+
+def test_the_rule_covers_holitoms_inner_merge_and_leaves_the_cuts_before_the_llm_alone():
+    """HoliTom is refused on Qwen3.5 by family, so its inner merge (a layer-input step after its cut before the LLM)
+    meets the placement rule only through `HybridLayers` itself: it reads layer K-1's rows like FastV."""
+    from ficoco.methods import METHODS
+    from ficoco.methods.hybrid import HybridLayers
+
+    rule = HybridLayers("Qwen3.5", 8, (3, 7))
+    cut = Removal("vision", 11, 30, "after_projector")
+    with pytest.raises(FicocoError, match=r"^HoliTom at layer 2 reads layer 1's attention rows, .* full-attention "
+                                          r"layer: 4$"):
+        rule.check(METHODS["holitom"], Schedule("holitom", (cut, Removal("llm", 2, 10, "layer_input"))))
+    rule.check(METHODS["holitom"], Schedule("holitom", (cut, Removal("llm", 4, 10, "layer_input"))))
+    rule.check(METHODS["visionzip"], Schedule("visionzip", (Removal("vision", 11, 30, "tower_output", 5),)))
+    with pytest.raises(FicocoError, match="has no full-attention layer"):
+        HybridLayers("Qwen3.5", 8, ()).check(METHODS["visionzip"], Schedule("visionzip"))
+
+
+def test_flops_refuses_fastv_at_its_default_layer_alone_and_prices_it_at_layer_4(cli, flops_report):
+    """FastV's default layer 2 reads layer 1, Gated DeltaNet on Qwen3.5-0.8B: `ficoco flops` refuses it in the line
+    `ficoco profile` would (exit 2, no traceback); at layer 4 (after full layer 3) it is priced."""
+    from helpers import assert_one_error_line
+
+    line = assert_one_error_line(cli("flops", "--model", "qwen3.5-0.8b", "--variant", "fastv", "--keep", "64",
+                                     in_subprocess=True))
+    assert line == ("error: FastV at layer 2 reads layer 1's attention rows, and layer 1 of this Qwen3.5 decoder is "
+                    "Gated DeltaNet (linear attention: a recurrent state, no attention map); reduce at the input of a "
+                    "layer after a full-attention layer: 4, 8, 12, 16, 20")
+    report = flops_report("--model", "qwen3.5-0.8b", "--variant", "fastv", "--keep", "128", "--hp", "layer=4")
+    (row,) = report["rows"]
+    assert [step["layer"] for step in row["schedule"]] == [4] and row["visual_tokens"] < 128 < 576
+
+
+def test_flops_leaves_the_refused_placements_out_of_a_table_with_their_reasons(cli, flops_report):
+    """Side by side, the decoder methods whose default placement reads a Gated DeltaNet layer are left out under the
+    table with the adapter's line, as an unreachable budget is; the others are priced."""
+    report = flops_report("--model", "qwen3.5-0.8b", "--variant", "vanilla,v,fastv,pdrop,sparsevlm,dart,l",
+                          "--keep", "64")
+    assert sorted(r["variant"] for r in report["rows"]) == ["l", "v", "vanilla"]
+    skipped = {entry["variant"]: entry["reason"] for entry in report["skipped"]}
+    assert set(skipped) == {"fastv", "pdrop", "sparsevlm", "dart"}
+    assert all("of this Qwen3.5 decoder is Gated DeltaNet" in reason for reason in skipped.values()), skipped
+    printed = cli("flops", "--model", "qwen3.5-0.8b", "--variant", "vanilla,fastv,l", "--keep", "64")
+    assert printed.code == 0 and "left out fastv: FastV at layer 2 reads layer 1's attention rows" in printed.out
+
+
+def test_the_python_api_and_a_sweep_report_a_refused_placement_instead_of_pricing_it():
+    import ficoco
+    from ficoco.sweep import SweepConfig, plan_points, sweep_profile
+
+    with pytest.raises(FicocoError, match="PDrop ranks with layer 3's own attention projections, and layer 3 of this "
+                                          "Qwen3.5 decoder is the first full-attention layer"):
+        ficoco.flops("qwen3.5-tiny", "pdrop", schedule="3:20")
+    report = ficoco.flops("qwen3.5-tiny", "vanilla,fastv,pdrop", schedule="4:20")
+    assert [r["variant"] for r in report["rows"]] == ["vanilla", "fastv"]
+    assert "layer 4 of this Qwen3.5 decoder is Gated DeltaNet" in report["skipped"][0]["reason"]
+    config = SweepConfig(model="qwen3.5-tiny", variants=("fastv", "l"), keep=(40,), text_tokens=12)
+    skipped: list = []
+    points = plan_points(config, sweep_profile(config), skipped)
+    assert [p.variant for p in points] == ["vanilla", "l"]
+    assert [entry["variant"] for entry in skipped] == ["fastv"]
+    assert "layer 1 of this Qwen3.5 decoder is Gated DeltaNet" in skipped[0]["reason"]

@@ -378,3 +378,16 @@ def test_methods_side_by_side_leave_out_those_a_family_refuses_with_the_reason(c
         "flops", "--model", "llava-1.5-7b", "--variant", "vanilla,holitom", "--keep", "64", in_subprocess=True))
     assert "HoliTom is defined on" in assert_one_error_line(cli(
         "flops", "--model", "llava-1.5-7b", "--variant", "holitom,fastv", "--keep", "30", in_subprocess=True))
+
+
+def test_flops_prices_visionzips_cut_at_dominant_plus_contextual_equal_the_patches_only_with_cls(flops_report):
+    """llava-tiny has 64 patches, VisionZip's keep 64 is 54 + 10: with the official [CLS] among the dominant tokens
+    one patch is left to merge, so the cut and its own work are priced; with [CLS] dropped nothing merges."""
+    official, = flops_report("--model", "llava-tiny", "--variant", "visionzip", "--keep", "64")["rows"]
+    dropped, = flops_report("--model", "llava-tiny", "--variant", "visionzip", "--keep", "64",
+                            "--hp", "include_cls=false")["rows"]
+    assert official["schedule"] == [{"stage": "vision", "layer": 4, "remove": 10, "where": "tower_output", "added": 10}]
+    assert [t["term"] for t in official["method_terms"]] == ["visionzip_vision_cls_row",
+                                                             "visionzip_vision_contextual_similarity"]
+    assert dropped["schedule"] == [] and dropped["method_tflops"] == 0 < official["method_tflops"]
+    assert official["tflops"] == dropped["tflops"] and official["visual_tokens"] == dropped["visual_tokens"] == 64

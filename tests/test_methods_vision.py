@@ -316,6 +316,34 @@ def test_visionzip_splits_and_counts_equal_the_plan(keep):
     assert plan.vision == acc.plan_tokens(arch, acc.Schedule("vanilla")).vision  # the tower runs whole
 
 
+@pytest.mark.parametrize(("profile", "settings", "cut"), [
+    ("llava-tiny", {}, True),  # [CLS] among the dominant tokens: 53 patches stay, 11 remain for 10 targets
+    ("llava-tiny", {"include_cls": False}, False),  # ficoco's correction: 10 remain for 10 targets, nothing merges
+    ("qwen2-vl-tiny", {}, False),  # a tower without [CLS]: the dominant tokens are groups, nothing merges
+    ("video-llava-tiny", {}, False),  # its [CLS] reaches the LLM anyway: never a dominant token
+])
+def test_visionzip_at_dominant_plus_contextual_equal_the_patches_cuts_only_with_cls_among_the_dominant(
+        profile, settings, cut):
+    """The official code counts [CLS] among the dominant tokens, so when dominant + contextual equal an item's patches
+    one patch is still left to merge into the contextual tokens: the cut runs (and its contextual similarities count
+    one row: that patch against every target); without [CLS] there nothing is left to merge: no cut, no cost."""
+    arch = _arch(profile)
+    units = arch.vision.units
+    dominant, contextual = units - round(units * 5 / 32), round(units * 5 / 32)
+    opts = acc.CountOptions()
+    hp = {"dominant": dominant, "contextual": contextual, **settings}
+    schedule = acc.resolve_schedule(arch, "visionzip", opts, hyperparameters=hp)
+    row = acc.account(arch, schedule, acc.make_quant("fp16", None), opts)
+    assert row.plan.llm_visual_tokens == arch.visual_tokens  # the count is the same either way
+    if cut:
+        head_dim = arch.vision.hidden // arch.vision.heads
+        assert [(r.where, r.remove, r.added) for r in schedule.removals] == [("tower_output", contextual, contextual)]
+        similarity = [t for _, term, t in row.method_terms if term == "visionzip_vision_contextual_similarity"]
+        assert similarity == [pytest.approx(2 * 1 * contextual * head_dim * arch.vision.items / 1e12)]
+    else:
+        assert schedule.removals == () and row.method_terms == ()
+
+
 # ---- FasterVLM ---------------------------------------------------------------------------------------------------
 
 def test_fastervlm_matches_a_boolean_mask_of_the_head_mean_topk():

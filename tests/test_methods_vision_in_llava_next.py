@@ -125,7 +125,9 @@ def captured(model: nn.Module) -> Iterator[dict[str, Any]]:
 
 @pytest.mark.parametrize("method,setting", [
     ("tome", {"keep": PATCHES}),  # every layer's r is 0
-    ("visionzip", {"dominant": PATCHES, "contextual": 0}),
+    # VisionZip's identity: [CLS] left out of the dominant tokens (ficoco's correction); with the official [CLS]
+    # among them a patch makes room for it.
+    ("visionzip", {"dominant": PATCHES, "contextual": 0, "include_cls": False}),
     ("fastervlm", {"keep": PATCHES}),
 ])
 def test_full_keep_is_bitwise_vanilla_where_the_method_has_an_identity(model: nn.Module, method: str,
@@ -158,6 +160,22 @@ def test_tokens_of_every_tower_and_decoder_layer_equal_the_plan(model: nn.Module
     assert seen["llm"] == [(batch, n_in) for n_in, _ in plan.llm]
     assert logits.shape[1] == TEXT + reduced(SQUARE) == TEXT + plan.llm_visual_tokens == TEXT + handle.keep_per_image
     assert handle.measured_tokens_per_item == KEEP
+
+
+def test_visionzip_at_the_edge_cuts_every_item_with_cls_among_its_dominant_tokens(model: nn.Module) -> None:
+    """keep=16, 14 dominant + 2 contextual = every patch of an item: with the official [CLS] among the dominant tokens
+    13 patches stay and 3 remain for 2 contextual tokens, so every item's cut runs (the plan says so) and the LLM
+    receives the planned count, the unreduced one."""
+    inp = inputs(model, batch=2, seed=1)
+    with torch.no_grad(), ficoco.apply(model, "visionzip", keep=PATCHES) as handle, captured(model) as seen:
+        logits = model(**inp).logits
+    plan = plan_tokens(architecture(profile_of(model)), handle.schedule, text_tokens=TEXT)
+    assert [(r.where, r.remove, r.added) for r in handle.schedule.removals] == [("tower_output", 2, 2)]
+    assert logits.shape[1] == TEXT + plan.llm_visual_tokens == TEXT + TOKENS[SQUARE] and seen["llm"][0][1] == \
+        logits.shape[1]
+    (record,) = handle.records
+    assert record.kept.shape[0] == 2 * items_of(SQUARE)
+    assert ((record.kept >= 0).sum(dim=1) == 13).all() and (record.kept[:, 0] == -1).all()
 
 
 @pytest.mark.parametrize("size", [SQUARE, WIDE])

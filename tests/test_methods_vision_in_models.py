@@ -59,7 +59,10 @@ def entering(model: nn.Module, inp: dict[str, Tensor]) -> tuple[list[int], list[
 
 @pytest.mark.parametrize("method,setting", [
     ("tome", {"keep": PATCHES}),  # every layer's r is 0
-    ("visionzip", {"dominant": PATCHES, "contextual": 0}),
+    # VisionZip's identity: [CLS] left out of the dominant tokens (ficoco's correction), every patch kept; with the
+    # official [CLS] among them a patch makes room for it (test_visionzip_at_the_edge_...).
+    ("visionzip", {"dominant": PATCHES, "contextual": 0, "include_cls": False}),
+    ("visionzip", {"keep": PATCHES, "include_cls": False}),  # 54 + 10: every remaining patch a target
     ("fastervlm", {"keep": PATCHES}),
     ("tome", {"schedule": ""}),
 ])
@@ -218,6 +221,43 @@ def test_visionzip_hands_the_llm_the_feature_layers_cls_first_as_the_official_co
     assert features.shape[:2] == (2, KEEP) and handle.measured_tokens_per_item == KEEP
     assert torch.equal(features[:, 0], seen["cls"]) == (settings == {})
     assert ((handle.records[0].kept[:, 0] == -1).all()) == (settings == {})
+
+
+def test_visionzip_at_the_edge_merges_the_patch_cls_displaces_as_the_official_code(model: nn.Module) -> None:
+    """keep=64 (54 dominant + 10 contextual = the 64 patches): the official code keeps [CLS] and 53 patches, so 11
+    patches remain for 10 contextual tokens and one of them merges (target + mean of its members). The projector
+    receives exactly `visionzip_reduce` of the layer's output, [CLS] first; the planned schedule has the cut and its
+    count, 64 tokens per image, as the run measures."""
+    from ficoco.methods.visionzip.ops import visionzip_reduce
+
+    inp = inputs(model, batch=2, seed=6)
+    layer = model.model.vision_tower.encoder.layers[FEATURE_LAYER]
+    seen: dict[str, Tensor] = {}
+    forward_with_hooks(model, inp, [
+        layer.register_forward_hook(lambda m, a, o: seen.__setitem__("out", o)),
+        layer.self_attn.k_proj.register_forward_hook(lambda m, a, o: seen.__setitem__("k", o))])
+    batch, tokens, width = seen["k"].shape
+    keys = seen["k"].reshape(batch, tokens, layer.self_attn.num_heads, -1).mean(dim=2)
+    scores = _cls_rows(model, inp, FEATURE_LAYER)[:, :, 1:].sum(1).to(seen["out"].dtype)
+    expected = visionzip_reduce(seen["out"], scores, keys, 54, 10, has_cls=True, include_cls=True)
+    with torch.no_grad(), ficoco.apply(model, "visionzip", keep=PATCHES) as handle:
+        projector = model.model.multi_modal_projector
+        hook = projector.linear_1.register_forward_pre_hook(lambda m, args: seen.__setitem__("features", args[0]))
+        try:
+            model(**inp)
+        finally:
+            hook.remove()
+    assert [(r.where, r.remove, r.added) for r in handle.schedule.removals] == [("tower_output", 10, 10)]
+    assert handle.measured_tokens_per_item == PATCHES
+    (record,) = handle.records
+    assert ((record.kept >= 0).sum(dim=1) == 53).all() and (record.kept[:, 0] == -1).all()
+    features = seen["features"]
+    assert features.shape[:2] == (2, PATCHES) and torch.equal(features[:, 0], seen["out"][:, 0])
+    torch.testing.assert_close(features, expected.hidden, rtol=1e-5, atol=1e-5)
+    # Ten targets, one of which took the eleventh remaining patch: nine contextual tokens are their targets alone.
+    targets = torch.gather(seen["out"][:, 1:], 1, expected.target_index.unsqueeze(-1).expand(-1, -1, width))
+    alone = (features[:, 54:] - targets).abs().amax(dim=-1) < 1e-6
+    assert alone.sum(dim=1).tolist() == [9, 9]
 
 
 def _adaptive_counts(model: nn.Module, seed: int) -> int:

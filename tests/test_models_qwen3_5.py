@@ -19,10 +19,12 @@ from helpers import assert_batch_equals_samples_alone
 from torch import Tensor, nn
 
 import ficoco
-from ficoco.accounting import architecture
+from ficoco.accounting import CountOptions, ScheduleRequest, architecture, plan_request
+from ficoco.accounting.planners import PLANNERS
 from ficoco.accounting.schedule import plan_tokens
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
+from ficoco.methods import METHODS
 from ficoco.models import adapter_for
 from ficoco.models import hf_compat as hf
 from ficoco.models.hf_compat import cache_argument, output_cache
@@ -212,12 +214,20 @@ def test_a_left_padded_batch_equals_its_samples_through_the_deltanet_padding_mas
     ("pdrop", {"schedule": "3:20"}, "layer 3 .* is the first full-attention layer, whose cache must keep every "
                                     "token; rank at the full-attention layers 7$"),
 ])
-def test_a_method_at_a_linear_attention_layer_refuses_in_one_line(model: nn.Module, variant: str, how: dict,
-                                                                  words: str) -> None:
+def test_a_method_at_a_linear_attention_layer_refuses_in_one_line(model: nn.Module, arch: Any, variant: str,
+                                                                  how: dict, words: str) -> None:
     with pytest.raises(FicocoError, match=words) as raised:
         ficoco.apply(model, variant, **how)
     assert "\n" not in str(raised.value)
     assert "forward" not in model.__dict__ and "_ficoco_handle" not in model.__dict__  # left as it was
+    # The adapter refuses a schedule resolved elsewhere (its planner's, unchecked) in the accountant's own words:
+    # `ficoco flops` prices nothing the model refuses (ficoco.methods.hybrid holds the rule both apply).
+    spec = METHODS[variant]
+    unchecked = PLANNERS[spec.planner](arch, spec, plan_request(ScheduleRequest.of(None, **how), CountOptions(), None))
+    with pytest.raises(FicocoError) as by_adapter:
+        ficoco.apply(model, variant, schedule=unchecked)
+    assert str(by_adapter.value) == str(raised.value)
+    assert "forward" not in model.__dict__ and "_ficoco_handle" not in model.__dict__
 
 
 def test_l_plans_keep_over_the_full_attention_layers_alone(model: nn.Module) -> None:

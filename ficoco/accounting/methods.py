@@ -18,7 +18,8 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.families import FAMILIES
 from ficoco.accounting.schedule import BudgetError, PlanRequest, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
-from ficoco.methods.base import Dims, MethodSpec, Step, StepContext
+from ficoco.methods.base import CLS_TO_PROJECTOR, Dims, MethodSpec, Step, StepContext
+from ficoco.methods.hybrid import HybridLayers
 from ficoco.methods.registry import method
 
 # What a method that scores by [CLS] attention uses on a tower without [CLS] (Qwen2-VL).
@@ -82,6 +83,26 @@ def check_per_item(arch: Architecture, spec: MethodSpec) -> None:
         raise FicocoError(f"{spec.title} on {arch.name}: {arch.resampled}; use {instead} inside the LLM")
 
 
+def hybrid_layers(arch: Architecture) -> HybridLayers | None:
+    """A hybrid decoder's layers (Qwen3.5's `layer_types`) as the placement rule reads them (ficoco.methods.hybrid);
+    None where every layer is full attention."""
+    d = arch.decoder
+    if not d.layer_types:
+        return None
+    family = FAMILIES[arch.family]
+    return HybridLayers(family.title or family.name, d.layers,
+                        tuple(layer for layer in range(d.layers) if d.full_attention(layer)))
+
+
+def check_placement(arch: Architecture, spec: MethodSpec, schedule: Schedule) -> None:
+    """Refuse, in the adapter's own words, a schedule the model cannot run where the method acts: on a hybrid
+    decoder, a reduction that reads a Gated DeltaNet layer's attention, or one before the first full-attention
+    layer's cache (ficoco.methods.hybrid). `ficoco flops` prices only what `ficoco profile` runs."""
+    layers = hybrid_layers(arch)
+    if layers is not None:
+        layers.check(spec, schedule)
+
+
 def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step, ...],
                         settings: Mapping[str, Any]) -> Schedule:
     """A `Schedule` of `spec`'s steps, checked against the layers and visual tokens they count."""
@@ -135,7 +156,9 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
     if spec.cls_note and not arch.vision.has_cls:
         # Labelled wherever the row appears: the [CLS] attention this method scores by does not exist here.
         settings["score"] = EQUIVALENT_SCORE
-    schedule = schedule_from_steps(arch, spec, spec.steps(settings, visual, layers), settings)
+    # A cut before the LLM also reads whether the item's [CLS] reaches the projector (not a setting: not kept).
+    tower = {CLS_TO_PROJECTOR: arch.cls_to_projector} if spec.per_item else {}
+    schedule = schedule_from_steps(arch, spec, spec.steps({**settings, **tower}, visual, layers), settings)
     return schedule if spec.inner is None else with_inner_steps(arch, spec, schedule)
 
 
@@ -327,7 +350,7 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings,
                               items=plan.vision_items, projected_width=arch.decoder.hidden,
                               has_cls=v.has_cls, unit_width=v.hidden * v.merge,
-                              cls_to_projector=v.has_cls and v.merge == 1 and not arch.cls_in_llm)
+                              cls_to_projector=arch.cls_to_projector)
             per = batch if spec.extra_per_sample else batch * plan.vision_items
             # Qwen3-VL's DeepStack features ride through a merging step beside the hidden states (extra channels of
             # its gathers and scatter-adds, which no convention counts as matrix work): no second run to count.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ficoco.accounting.architecture import Architecture
-from ficoco.accounting.methods import check_corrections, plan_by_steps
+from ficoco.accounting.methods import check_corrections, check_placement, plan_by_steps
 from ficoco.accounting.schedule import PlanRequest, Schedule, plan_per_layer
 from ficoco.errors import FicocoError
 from ficoco.methods.base import PLANNER_NAMES, MethodSpec, Planner
@@ -24,11 +24,14 @@ PLANNERS: Mapping[str, Planner] = {
 
 
 def plan(arch: Architecture, spec: MethodSpec, request: PlanRequest) -> Schedule:
-    """The `Schedule` of `spec` on `arch` for `request`, through the planner its entry names."""
+    """The `Schedule` of `spec` on `arch` for `request`, through the planner its entry names; a schedule the
+    model refuses where the method acts (a hybrid decoder's Gated DeltaNet layer) is refused in the adapter's
+    words (`check_placement`), so that no cost is given for a run that cannot happen."""
     planner = PLANNERS.get(spec.planner)
     if planner is None:  # a spec made outside the package with a name no planner has (MethodSpec refuses it)
         raise FicocoError(f"variant={spec.name}: no planner '{spec.planner}'; choose from {', '.join(PLANNER_NAMES)}")
     schedule = planner(arch, spec, request)
+    check_placement(arch, spec, schedule)
     # A correction of the official code (MethodSpec.corrections) goes with any plan and joins its settings, so
     # that the run and every label of it agree (a planner whose settings carry it already keeps its own).
     corrections = {name: value for name, value in request.hyperparameters.items()

@@ -238,6 +238,13 @@ class Architecture:
             raise FicocoError(f"{method} has no first reducing layer (its registry entry has no first_layer)")
         return layers[method]
 
+    @property
+    def cls_to_projector(self) -> bool:
+        """Whether a cut before the projector could hand an item's [CLS] on among its tokens (VisionZip's official
+        layout): the tower has [CLS], the projector maps single patches (not InternVL's pixel-shuffle groups) and
+        the model does not hand [CLS] to the LLM itself (Video-LLaVA does)."""
+        return self.vision.has_cls and self.vision.merge == 1 and not self.cls_in_llm
+
     def llm_visual_tokens(self, units_per_item: int) -> int:
         """Visual tokens in the LLM when every item keeps `units_per_item` units."""
         if units_per_item == self.vision.units:
@@ -318,6 +325,9 @@ class Family:
     # A video reaches the LLM as temporal slices of merge groups (Qwen2-VL): a video method merges those
     # slices, and an image is a single slice it cannot run on.
     video_slices: bool = False
+    # The family's name in a sentence ("Qwen3.5"), where the accountant refuses in its adapter's words (a hybrid
+    # decoder's placement rule, ficoco.methods.hybrid); empty: its model_type.
+    title: str = ""
     # The profile defaults, with the family named first (as a profile's ficoco section has it).
     profile_defaults: dict[str, Any] = field(init=False)
 

@@ -40,9 +40,9 @@ from ficoco.errors import FicocoError
 from ficoco.methods.needs import NEED_KINDS, Need, ProbePlan, probe_plan
 from ficoco.methods.reads import ReadShapes
 
-__all__ = ["ACTS_AT", "FAMILY_STATUSES", "NEED_KINDS", "NOT_WIRED", "PLACEMENTS", "PLANNER_NAMES", "POSITION_SCHEMES",
-           "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec", "Need", "Planner", "PlannerName", "Step",
-           "StepContext"]
+__all__ = ["ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "NEED_KINDS", "NOT_WIRED", "PLACEMENTS", "PLANNER_NAMES",
+           "POSITION_SCHEMES", "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec", "Need", "Planner",
+           "PlannerName", "Step", "StepContext"]
 
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
 PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector")
@@ -53,6 +53,10 @@ POSITION_SCHEMES = ("original", "compact", "grid")
 # count at any reducing layer from `first_layer` (FiCoCo-V and -L).
 PlannerName = Literal["by_steps", "per_layer"]
 PLANNER_NAMES: tuple[str, ...] = get_args(PlannerName)
+# The key under which the accountant hands the `steps` of a method acting before the LLM what they cannot read from
+# their settings: whether the item's [CLS] can reach the projector among the cut's tokens (as
+# `StepContext.cls_to_projector`; VisionZip's official dominant tokens hold it). The schedule's settings never keep it.
+CLS_TO_PROJECTOR = "cls_to_projector"
 # A family's cell in the method matrix (`ficoco methods --matrix`): the models run the method there;
 # `ficoco flops` plans it but the models refuse it; or it is refused outright (a stated reason, or
 # NOT_WIRED for a family no entry names yet: a new family shows up refused until an entry lists it).

@@ -26,6 +26,7 @@ from ficoco.accounting.shapes import (
 )
 from ficoco.errors import FicocoError
 
+TITLE = "Qwen3.5"  # as the adapter's refusals name it (ficoco.models.qwen3_5's family_title)
 # Qwen3_5TextConfig's defaults.
 TEXT_DEFAULTS = {
     "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
@@ -68,8 +69,8 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
     # transformers' Qwen3_5Attention always gates its output (there is no switch in the config class).
     decoder = replace(decoder, attn_output_gate=True, layer_types=kinds,
                       linear=linear if LINEAR_ATTENTION in kinds else None)
-    return qwen3_vl_architecture(cfg, layout, decoder, "Qwen3.5", deepstack=False)
+    return qwen3_vl_architecture(cfg, layout, decoder, TITLE, deepstack=False)
 
 
 FAMILY = Family(name="qwen3_5", defaults={"text_tokens": 60, "image_size": list(DEFAULT_IMAGE)}, shape=shape,
-                prefix_tokens=4, video_slices=True, takes_image_size=True, takes_frames=True)
+                prefix_tokens=4, video_slices=True, takes_image_size=True, takes_frames=True, title=TITLE)

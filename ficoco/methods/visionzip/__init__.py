@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.methods.base import ExtraMacs, MethodSpec, Need, Step, StepContext
+from ficoco.methods.base import CLS_TO_PROJECTOR, ExtraMacs, MethodSpec, Need, Step, StepContext
 from ficoco.methods.common import ALL_FAMILIES, EQUIVALENT, PER_ITEM, check_keep
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION
 
@@ -38,7 +38,11 @@ def visionzip_split(keep: int) -> tuple[int, int]:
 
 
 def steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
-    """One cut at the tower's output: all but the dominant patches leave, the contextual tokens join."""
+    """One cut at the tower's output: all but the dominant patches leave, the contextual tokens join. With [CLS]
+    among the dominant tokens (the official layout, where the accountant says [CLS] reaches the projector:
+    `CLS_TO_PROJECTOR`) only dominant - 1 patches stay, so a patch is left to merge even when dominant +
+    contextual equal the patches, and the cut runs; without [CLS] every remaining patch is then a target and
+    nothing merges: no cut."""
     dominant, contextual = settings["dominant"], settings["contextual"]
     if dominant < 1 or contextual < 0 or dominant + contextual > n_visual:
         raise FicocoError(f"VisionZip: {dominant} dominant + {contextual} contextual tokens do not fit the "
@@ -47,7 +51,8 @@ def steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[St
         raise FicocoError(f"VisionZip: {contextual} contextual tokens need as many patches left after "
                           f"{dominant} dominant ones")
     removed = n_visual - dominant
-    if removed == contextual:  # every remaining patch is a target: nothing merges, the tokens are all kept
+    with_cls = bool(settings.get("include_cls", INCLUDE_CLS)) and bool(settings.get(CLS_TO_PROJECTOR, False))
+    if removed == contextual and not with_cls:  # every remaining patch is a target: nothing merges, all are kept
         return ()
     return (Step(n_layers - 1, removed, contextual, "tower_output", "vision"),)
 

@@ -6,16 +6,12 @@ What each kind of method does there (`HybridDecoder`):
 
 - before the LLM (FiCoCo-V, ToMe, VisionZip, ...): the decoder gets fewer tokens, every layer alike;
   nothing here.
-- at a layer's input (FastV, PDrop, SparseVLM, DART, HoliTom's inner merge): removing tokens before a
-  DeltaNet layer is legitimate (its recurrence and convolution then run over the kept tokens, and the
-  conv and recurrent states the cache keeps are those of the kept sequence), but what the method ranks
-  by must exist: attention rows or keys of layer L-1 exist only where L-1 is full attention, and PDrop's
-  own query and keys only where L is. Every reduction comes after the first full-attention layer's
-  attention, whose cache holds every token: transformers reads the conversation's length from that
-  layer (`Cache.get_seq_length`), and the causal mask of every full layer is built to its length (the
-  patches slice it for the later full layers, which cache fewer).
-- inside a layer (FiCoCo-L): at full-attention layers only; at a DeltaNet layer there is no attention
-  map to score by, and a recurrent state has no tokens to remove.
+- at a layer's input (FastV, PDrop, SparseVLM, DART, HoliTom's inner merge) and inside a layer (FiCoCo-L): where
+  the method may act, and the one line that refuses it elsewhere, is the torch-free rule of
+  ficoco.methods.hybrid (`HybridLayers`), which the accountant applies too: `ficoco flops` prices only a placement
+  the adapter runs. Removing tokens before a DeltaNet layer is legitimate (its recurrence and convolution then run
+  over the kept tokens, and the conv and recurrent states the cache keeps are those of the kept sequence); the
+  patches slice the causal mask of the later full layers, which cache fewer tokens than the first.
 
 A DeltaNet layer's mask is the 2-D padding mask (`create_recurrent_attention_mask`): the shared
 patches keep its columns of the tokens still present (ficoco.models.patching.LanguageState.slice_mask).
@@ -31,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ficoco.errors import FicocoError
+from ficoco.methods.hybrid import HybridLayers
 from ficoco.methods.ops import last_row_attention
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.models import hf_compat as hf
@@ -39,10 +35,6 @@ from ficoco.models import hf_compat as hf
 if TYPE_CHECKING:
     from ficoco.models.handle import Handle
     from ficoco.models.patching import Patches
-
-
-def layer_list(layers: list[int] | tuple[int, ...]) -> str:
-    return ", ".join(str(layer) for layer in layers)
 
 
 class HybridDecoder:
@@ -58,52 +50,17 @@ class HybridDecoder:
         kinds = hf.decoder_layer_types(self.model)
         self.full_layers = tuple(i for i, kind in enumerate(kinds) if kind == hf.FULL_ATTENTION)
         self.linear_layers = tuple(i for i, kind in enumerate(kinds) if kind != hf.FULL_ATTENTION)
-        if not self.full_layers:
-            raise FicocoError(f"this {self.family_title} decoder has no full-attention layer (layer_types); ficoco "
-                              "needs one to read the cache's length and to rank tokens by attention")
-        self.first_full = self.full_layers[0]
+        # What a method in the LLM may do where: the accountant's rule too (ficoco.methods.hybrid).
+        self.hybrid_layers = HybridLayers(self.family_title, len(self.decoder_layers), self.full_layers)
+        self.hybrid_layers.check_has_full()
 
     # -- what a method in the LLM may do where --------------------------------------------------
-    def check_layer_input(self, spec: Any, schedule: Any) -> None:
-        """A method at layer inputs: every step after the first full layer, reading only what exists."""
-        probes, title = spec.probes, spec.title
-        after = [layer + 1 for layer in self.full_layers if layer + 1 < len(self.decoder_layers)]
-        for layer in sorted({r.layer for r in schedule.removals if r.stage == "llm"}):
-            if (probes.previous_layer_rows or probes.previous_layer_keys) and layer - 1 not in self.full_layers:
-                read = "attention rows" if probes.previous_layer_rows else "attention keys"
-                raise FicocoError(
-                    f"{title} at layer {layer} reads layer {layer - 1}'s {read}, and layer {layer - 1} of this "
-                    f"{self.family_title} decoder is Gated DeltaNet (linear attention: a recurrent state, no attention "
-                    f"map); reduce at the input of a layer after a full-attention layer: {layer_list(after)}")
-            if probes.own_query_key_row and (layer not in self.full_layers or layer == self.first_full):
-                later = [full for full in self.full_layers if full != self.first_full]
-                what = ("is Gated DeltaNet (linear attention: no queries or keys)" if layer not in self.full_layers
-                        else "is the first full-attention layer, whose cache must keep every token")
-                raise FicocoError(
-                    f"{title} ranks with layer {layer}'s own attention projections, and layer {layer} of this "
-                    f"{self.family_title} decoder {what}; rank at the full-attention layers {layer_list(later)}")
-            if layer <= self.first_full:
-                raise FicocoError(
-                    f"{title} at layer {layer}: on this {self.family_title} decoder every reduction comes after the "
-                    f"first full-attention layer ({self.first_full}), whose cache keeps every token; reduce at the "
-                    f"input of a later layer: {layer_list([a for a in after if a > self.first_full])}")
-
-    def check_in_layer(self, spec: Any, schedule: Any) -> None:
-        """A method inside layers (FiCoCo-L): at full-attention layers only."""
-        for layer in sorted(schedule.removed_at()):
-            if layer not in self.full_layers:
-                raise FicocoError(
-                    f"{spec.title} at layer {layer}: layer {layer} of this {self.family_title} decoder is Gated "
-                    f"DeltaNet (linear attention): it has no attention map to rank by, and a recurrent state has no "
-                    f"tokens to remove; reduce at the full-attention layers {layer_list(self.full_layers)} "
-                    f"(schedule={{{self.full_layers[0]}: n, ...}}, or shape='oneshot')")
-
     def patch_in_layer(self, handle: Handle, patches: Patches, spec: Any, schedule: Any, first: int) -> None:
-        self.check_in_layer(spec, schedule)
+        self.hybrid_layers.check(spec, schedule)
         super().patch_in_layer(handle, patches, spec, schedule, first)  # type: ignore[misc]
 
     def patch_layer_input(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
-        self.check_layer_input(spec, schedule)
+        self.hybrid_layers.check(spec, schedule)
         super().patch_layer_input(handle, patches, spec, schedule)  # type: ignore[misc]
 
     # -- the cache ----------------------------------------------------------------------------
