@@ -174,12 +174,15 @@ def compress(tokens: Tensor, source: Tensor, target: Tensor, alpha: Tensor) -> T
         raise ValueError(f"alpha must be (B, r, N - r) = {expected}, got {tuple(alpha.shape)}")
     work_dtype = compute_dtype(tokens.dtype)
     discarded = gather_tokens(tokens, source).to(work_dtype)
-    kept = gather_tokens(tokens, target).to(work_dtype)
+    kept = gather_tokens(tokens, target)
     weights = alpha.to(work_dtype)
-    received = weights.transpose(1, 2) @ discarded
+    # (kept + received) / (1 + weight) in the work dtype, in place on the product and rounded once into the
+    # tokens' dtype: the same values as converting the kept tokens first, with two passes fewer over them
+    # (they are most of the tensor, and wide where other features ride with them).
+    merged = weights.transpose(1, 2) @ discarded
+    merged.add_(kept)
     received_weight = weights.sum(dim=1).unsqueeze(-1)
-    merged = (kept + received) / (1.0 + received_weight)
-    return merged.to(tokens.dtype)
+    return torch.div(merged, 1.0 + received_weight, out=torch.empty_like(kept))
 
 
 # ---- in the LLM: a span of visual tokens, attention rows, the rebuilt sequence ----------------------------

@@ -170,7 +170,7 @@ class ProbedAttention(AttentionReads):
         total = torch.zeros(batch, k_len, dtype=torch.float32, device=self.query.device)
         for b0, b1, _, _, probabilities in self._blocks(rows, first_row):
             # Every head of every row of the block: (b, heads x rows, Tk) summed over its middle axis.
-            total[b0:b1] += probabilities.flatten(1, 3).sum(dim=1, dtype=torch.float32)
+            total[b0:b1] += probabilities.flatten(1, 3).sum(dim=1)
         return total.div_(self.query.shape[1])
 
     def _rows(self, rows: Tensor) -> Tensor:
@@ -178,7 +178,7 @@ class ProbedAttention(AttentionReads):
         out = torch.empty(batch, rows.shape[1], k_len, dtype=torch.float32, device=self.query.device)
         heads = self.query.shape[1]
         for b0, b1, r0, r1, probabilities in self._blocks(rows, 0):
-            out[b0:b1, r0:r1] = probabilities.sum(dim=(1, 2), dtype=torch.float32).div_(heads)
+            out[b0:b1, r0:r1] = probabilities.sum(dim=(1, 2)).div_(heads)
         return out
 
     def _block(self, rows: Tensor, cols: Tensor) -> Tensor:
@@ -186,8 +186,9 @@ class ProbedAttention(AttentionReads):
         return torch.gather(every, 2, cols.unsqueeze(1).expand(-1, rows.shape[1], -1))
 
     def _blocks(self, rows: Tensor | None, first_row: int):  # noqa: ANN202 (a generator of blocks)
-        """(b0, b1, r0, r1, probabilities (b1-b0, H_kv, g, r1-r0, Tk)) over the requested query rows: the
-        index `rows` (B, R), or the range first_row .. Tq - 1, in blocks of at most the score budget."""
+        """(b0, b1, r0, r1, probabilities (b1-b0, H_kv, g, r1-r0, Tk) in float32 or wider) over the requested
+        query rows: the index `rows` (B, R), or the range first_row .. Tq - 1, in blocks of at most the score
+        budget."""
         query, key = self.query, self.key
         batch, heads, q_len, dim = query.shape
         kv_heads, k_len = key.shape[1], key.shape[2]
@@ -211,6 +212,10 @@ class ProbedAttention(AttentionReads):
         size = batch_step * heads * row_step * k_len if buffered else 0
         score_buffer = torch.empty(size, dtype=score_dtype, device=query.device)
         probability_buffer = torch.empty(size, dtype=score_dtype, device=query.device)
+        # Half-precision probabilities are summed in float32 from a float32 copy in a buffer of its own (a sum
+        # with dtype=float32 converts into a fresh tensor, pages and all, at every block).
+        wide_buffer = torch.empty(size if score_dtype != torch.float32 else 0, dtype=torch.float32,
+                                  device=query.device)
         positions = None
         if self.mask is None and self.causal and q_len > 1:
             positions = torch.arange(k_len, device=query.device)
@@ -254,6 +259,10 @@ class ProbedAttention(AttentionReads):
                 if masked is not None:
                     # A row with no visible key (padding) gives NaN: zero it without asking the host.
                     torch.nan_to_num_(probabilities, nan=0.0)
+                if buffered and wide_buffer.numel():
+                    probabilities = wide_buffer[:probabilities.numel()].view(shape).copy_(probabilities)
+                else:
+                    probabilities = probabilities.float()
                 yield b0, b1, r0, r1, probabilities.view(n, kv_heads, groups, width, k_len)
 
     def _mask_rows(self, b0: int, b1: int, row_index: Tensor, span: tuple[int, int] | None, positions: Tensor | None,
