@@ -64,10 +64,17 @@ def masks(kind: str, batch: int, length: int, dtype: torch.dtype):
     return additive, False
 
 
+@pytest.fixture(params=["by-blocks", "whole"])
+def read_whole(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways a layer is read: by blocks of rows, or whole at the first read (a small layer)."""
+    monkeypatch.setattr(reads_ops, "WHOLE_READ_SCORES", 1 << 20 if request.param == "whole" else 0)
+    return request.param == "whole"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["causal", "bidirectional", "padding-bool", "padding-additive"])
 @pytest.mark.parametrize("budget", [None, 64, 1], ids=["one-block", "blocks", "one-row"])
-def test_every_read_equals_the_eager_probabilities(dtype, kind, budget) -> None:
+def test_every_read_equals_the_eager_probabilities(dtype, kind, budget, read_whole) -> None:
     query, key = qkv(dtype=dtype)
     mask, causal = masks(kind, query.shape[0], query.shape[2], dtype)
     scale = query.shape[-1] ** -0.5
@@ -83,7 +90,7 @@ def test_every_read_equals_the_eager_probabilities(dtype, kind, budget) -> None:
     torch.testing.assert_close(reads.block(rows, cols), dense.block(rows, cols), **close)
 
 
-def test_the_float32_rule_is_the_earlier_probes_float32_softmax() -> None:
+def test_the_float32_rule_is_the_earlier_probes_float32_softmax(read_whole) -> None:
     query, key = qkv(dtype=torch.bfloat16)
     scale = query.shape[-1] ** -0.5
     float32 = ProbedAttention(query, key, scale, causal=True, scores="float32")
@@ -118,16 +125,20 @@ class LargestTensor(TorchDispatchMode):
 @given(heads=st.sampled_from([1, 2, 4]), length=st.integers(8, 96), budget=st.integers(1, 4096))
 def test_no_read_holds_more_scores_than_its_budget(heads: int, length: int, budget: int) -> None:
     query, key = qkv(batch=1, heads=heads, kv_heads=1, q_len=length, k_len=length)
-    reads = ProbedAttention(query, key, causal=True, budget=budget)
     rows = torch.arange(length).unsqueeze(0)
-    for read in (reads.column_sum, lambda: reads.column_mean(1), lambda: reads.rows(rows[:, :3])):
-        with LargestTensor() as seen:
-            read()
-        # Never the (heads x queries x keys) matrix: one block of the budget, or one row of every head.
-        assert seen.largest <= max(budget, heads * length, length * 3)
+    for whole in (0, 1 << 20):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(reads_ops, "WHOLE_READ_SCORES", whole)
+            for read in ("column_sum", "column_mean", "rows"):
+                reads = ProbedAttention(query, key, causal=True, budget=budget)
+                with LargestTensor() as seen:
+                    reads.rows(rows[:, :3]) if read == "rows" else getattr(reads, read)()
+                # Never the (heads x queries x keys) matrix: one block of the budget or one row of every head,
+                # and for a layer read whole its head-mean (queries x keys) matrix.
+                assert seen.largest <= max(budget, heads * length, length * 3, length * length if whole else 0)
 
 
-def test_segments_read_as_their_block_diagonal_and_stacks_as_their_batch() -> None:
+def test_segments_read_as_their_block_diagonal_and_stacks_as_their_batch(read_whole) -> None:
     parts = [qkv(batch=1, q_len=n, k_len=n, seed=n) for n in (3, 5, 4)]
     segmented = SegmentedReads([ProbedAttention(q, k) for q, k in parts])
     dense = torch.block_diag(*[eager_probabilities(q, k, q.shape[-1] ** -0.5)[0] for q, k in parts]).unsqueeze(0)
@@ -144,7 +155,7 @@ def test_segments_read_as_their_block_diagonal_and_stacks_as_their_batch() -> No
     torch.testing.assert_close(stacked.block(rows, rows), separate.block(rows, rows))
 
 
-def test_group_reads_are_the_member_means_and_reorder_permutes_queries_and_keys() -> None:
+def test_group_reads_are_the_member_means_and_reorder_permutes_queries_and_keys(read_whole) -> None:
     query, key = qkv(batch=2, q_len=9, k_len=9)  # [CLS] and two groups of 4
     probabilities = eager_probabilities(query, key, query.shape[-1] ** -0.5)
     grouped = GroupReads(ProbedAttention(query, key), merge=4, offset=1)
@@ -167,7 +178,7 @@ class Module(torch.nn.Module):
         self._ficoco_original_config = SimpleNamespace(_attn_implementation=implementation)
 
 
-def test_the_probed_layer_runs_its_own_kernel_and_leaves_its_reads() -> None:
+def test_the_probed_layer_runs_its_own_kernel_and_leaves_its_reads(read_whole) -> None:
     query, key = qkv(batch=2, heads=4, kv_heads=4)
     value = torch.randn_like(key)
     module = Module()
@@ -187,7 +198,11 @@ def test_the_probed_layer_runs_its_own_kernel_and_leaves_its_reads() -> None:
     torch.testing.assert_close(reads.column_sum(), eager_probabilities(query, key, query.shape[-1] ** -0.5,
                                                                        causal=True).sum(dim=1))
     assert timer.total_ms("probe") > 0.0
-
+    # Read whole, the layer's scores are computed once: a second read costs no probe time.
+    if read_whole:
+        spent = timer.total_ms("probe")
+        reads.rows(torch.tensor([[1, 2], [3, 4]]))
+        assert timer.total_ms("probe") == spent
 
 def test_a_read_inside_a_step_counts_in_the_probe_span_only() -> None:
     timer = StageTimer()

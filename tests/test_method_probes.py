@@ -18,6 +18,7 @@ from ficoco.accounting.methods import suffix_tokens
 from ficoco.accounting.schedule import plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods import MethodSpec, Need, Step, registered
+from ficoco.methods.reads import WHOLE_READ_SCORES
 from ficoco.profiles import load_profile
 from ficoco.profiling.predict import TableRates, method_probes, predict_prefill, probe_bytes, schedule_reads
 
@@ -55,20 +56,30 @@ def test_ficoco_v_reads_the_column_means_the_cls_row_and_the_discarded_rows(arch
     v = _schedule(arch7b, "v", keep=192)
     plan = plan_tokens(arch7b, v, text_tokens=TEXT)
     reads = schedule_reads(arch7b, v, TEXT, 1)
-    # Per reducing layer: the patches' column means, the [CLS] row, then the rows of the patches it removes.
-    assert len(reads) == 3 * len(plan.reductions)
-    triples = [reads[k:k + 3] for k in range(0, len(reads), 3)]
-    for red, (columns, cls_row, discarded) in zip(plan.reductions, triples, strict=True):
+    # Per reducing layer: the patches' column means, the [CLS] row, then the rows of the patches it removes; a
+    # layer small enough is read whole, once (WHOLE_READ_SCORES).
+    at = 0
+    for red in plan.reductions:
         tokens = plan.vision[red.layer][0]
+        if arch7b.vision.heads * tokens * tokens <= WHOLE_READ_SCORES:
+            (whole,) = reads[at:at + 1]
+            assert (whole.kind, whole.rows, whole.keys) == ("rows", tokens, tokens)
+            at += 1
+            continue
+        columns, cls_row, discarded = reads[at:at + 3]
+        at += 3
         assert (columns.kind, columns.rows, columns.keys) == ("columns", tokens - 1, tokens)
         assert (cls_row.rows, discarded.rows, discarded.keys) == (1, red.removed, tokens)
         assert columns.layer == red.layer and columns.heads == arch7b.vision.heads
-    # Batch multiplies; the equivalent token in place of [CLS] reads no [CLS] row.
-    assert sum(r.scores for r in schedule_reads(arch7b, v, TEXT, 2)) == 2 * sum(r.scores for r in reads)
+    assert at == len(reads) and reads[0].kind == "columns"  # the first layers (577 tokens) are read by blocks
+    # The equivalent token in place of [CLS] reads no [CLS] row.
+    # Batch multiplies (at least: a layer too large to be read whole at batch 2 reads its discarded rows too).
+    one, two = (sum(r.scores for r in schedule_reads(arch7b, v, TEXT, b)) for b in (1, 2))
+    assert 2 * one <= two < 2.2 * one
     from ficoco.accounting.reads import method_reads
 
     equivalent = method_reads(arch7b, v, plan, settings={"equivalent_token": True})
-    assert len(equivalent) == 2 * len(plan.reductions) and all(r.rows != 1 for r in equivalent)
+    assert len(equivalent) < len(reads) and all(r.rows != 1 for r in equivalent)
 
 
 @pytest.mark.parametrize("variant", ["dart", "divprune", "cdpruner", "tome"])

@@ -21,7 +21,7 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.flops import vision_attention_pairs
 from ficoco.accounting.methods import suffix_tokens
 from ficoco.accounting.schedule import Schedule, TokenPlan
-from ficoco.methods.reads import ReadContext, read_macs, read_scores
+from ficoco.methods.reads import WHOLE_READ_SCORES, ReadContext, read_macs, read_scores
 from ficoco.methods.registry import METHODS
 
 
@@ -105,7 +105,20 @@ def method_reads(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, bat
             sequences, heads, head_dim, pairs = batch, d.heads, d.head_dim, None
         context = ReadContext(red.stage, tokens, red.visual_before, red.removed, v.has_cls and red.stage == "vision",
                               suffix, hp)
-        for kind, rows, keys in reads_of(context):
-            windowed = pairs if kind == "columns" and pairs is not None and pairs != rows * keys else None
+        shapes = reads_of(context)
+        if not shapes:
+            continue
+        windows = pairs is not None and pairs != tokens * tokens
+        if windows and heads * max(v.window_groups) ** 2 * v.merge ** 2 <= WHOLE_READ_SCORES:
+            # Every window is small enough to be read whole, once: its column sums and rows come from it.
+            reads.append(Read(spec.name, red.stage, layer, "columns", tokens, tokens, heads, head_dim, sequences,
+                              pairs))
+            continue
+        if not windows and sequences * heads * tokens * tokens <= WHOLE_READ_SCORES:
+            # The layer is read whole at its first read, once (ficoco.methods.reads.WHOLE_READ_SCORES).
+            reads.append(Read(spec.name, red.stage, layer, "rows", tokens, tokens, heads, head_dim, sequences))
+            continue
+        for kind, rows, keys in shapes:
+            windowed = pairs if kind == "columns" and windows else None
             reads.append(Read(spec.name, red.stage, layer, kind, rows, keys, heads, head_dim, sequences, windowed))
     return reads

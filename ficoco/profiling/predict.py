@@ -212,11 +212,15 @@ class MeasuredRates:
 
         query = self._tensor(1, heads, keys, head_dim)
         key = self._tensor(1, kv_heads, keys, head_dim)
-        reads = ProbedAttention(query, key, causal=causal, scores=rule)
-        if kind == "columns":
-            return reads.column_sum
-        index = torch.arange(keys - rows, keys, device=self.device).unsqueeze(0)
-        return functools.partial(reads.rows, index)
+        # (A width's rows, its most, may exceed the fewest keys its grid times: every row then.)
+        index = torch.arange(max(0, keys - rows), keys, device=self.device).unsqueeze(0)
+
+        def read() -> Any:
+            # A new reader per call: a small layer's is read whole once and kept (WHOLE_READ_SCORES).
+            reads = ProbedAttention(query, key, causal=causal, scores=rule)
+            return reads.column_sum() if kind == "columns" else reads.rows(index)
+
+        return read
 
     def _run_passes(self, keys: list[Key], passes: int, *, allocate: bool, warm_up: bool) -> None:
         calls = self._calls(keys, allocate)

@@ -41,6 +41,11 @@ DEFAULT_ATTENTION_SCORES = "model"
 # What a report calls the correction (MethodSpec.corrections of every method that reads attention rows).
 SCORES_CORRECTION = {"attention_scores": {"float32": "float32 attention scores"}}
 
+# A layer whose every score fits this many (all its sequences, heads, queries and keys: a small tower, a tiny
+# model, a window of Qwen2.5-VL's tower) is read whole at its first read, once, and every read is answered from
+# the head-mean matrix: one block where several reads would each pay their small ops.
+WHOLE_READ_SCORES = 1 << 20
+
 ReadKind = Literal["rows", "columns", "block"]
 READ_KINDS: tuple[str, ...] = get_args(ReadKind)
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, check_attention_scores
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, WHOLE_READ_SCORES, check_attention_scores
 
 # Scores one block of a read may hold (every head of some query rows over every key). CPU: 2 M, whose
 # scores and probabilities stay near the caches while the softmax and the sums pass over them (larger
@@ -138,21 +138,39 @@ class ProbedAttention(AttentionReads):
         self.runner = runner or _direct
         self.budget = budget
         self.shape = (batch, q_len, key.shape[2])
+        self._whole: DenseAttention | None = None
 
     # -- the reads --------------------------------------------------------------------------------------------
+    @property
+    def whole(self) -> DenseAttention | None:
+        """The head-mean matrix, computed at the first read, where every score of the layer fits
+        `WHOLE_READ_SCORES` (every read is then answered from it); None for a larger layer."""
+        batch, q_len, k_len = self.shape
+        if batch * self.query.shape[1] * q_len * k_len > WHOLE_READ_SCORES:
+            return None
+        if self._whole is None:
+            self._whole = DenseAttention(self.runner(self.query.device, self._matrix))
+        return self._whole
+
     def column_sum(self, rows: Tensor | None = None) -> Tensor:
-        if rows is None:
-            return self.runner(self.query.device, self._columns, None, 0)
+        if self.whole is not None:
+            return self.whole.column_sum(rows)
         return self.runner(self.query.device, self._columns, rows, 0)
 
     def column_mean(self, first_row: int = 0) -> Tensor:
+        if self.whole is not None:
+            return self.whole.column_mean(first_row)
         count = max(self.shape[1] - first_row, 1)
         return self.runner(self.query.device, self._columns, None, first_row) / count
 
     def rows(self, rows: Tensor) -> Tensor:
+        if self.whole is not None:
+            return self.whole.rows(rows)
         return self.runner(self.query.device, self._rows, rows)
 
     def block(self, rows: Tensor, cols: Tensor) -> Tensor:
+        if self.whole is not None:
+            return self.whole.block(rows, cols)
         return self.runner(self.query.device, self._block, rows, cols)
 
     def reordered(self, order: Tensor) -> AttentionReads:
@@ -178,6 +196,15 @@ class ProbedAttention(AttentionReads):
         out = torch.empty(batch, rows.shape[1], k_len, dtype=torch.float32, device=self.query.device)
         heads = self.query.shape[1]
         for b0, b1, r0, r1, probabilities in self._blocks(rows, 0):
+            out[b0:b1, r0:r1] = probabilities.sum(dim=(1, 2)).div_(heads)
+        return out
+
+    def _matrix(self) -> Tensor:
+        """(B, Tq, Tk) every row's head-mean probabilities."""
+        batch, q_len, k_len = self.shape
+        out = torch.empty(batch, q_len, k_len, dtype=torch.float32, device=self.query.device)
+        heads = self.query.shape[1]
+        for b0, b1, r0, r1, probabilities in self._blocks(None, 0):
             out[b0:b1, r0:r1] = probabilities.sum(dim=(1, 2)).div_(heads)
         return out
 
