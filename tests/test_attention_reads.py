@@ -90,6 +90,36 @@ def test_every_read_equals_the_eager_probabilities(dtype, kind, budget, read_who
     torch.testing.assert_close(reads.block(rows, cols), dense.block(rows, cols), **close)
 
 
+def test_a_causal_read_of_rows_in_order_below_a_bound_reads_only_the_keys_they_can_see(monkeypatch) -> None:
+    """FiCoCo-L's visual rows: in order, none after `last`; each tile of CAUSAL_TILE_ROWS rows reads the keys up
+    to its bound (the others are masked: exactly zero), the same probabilities as every key, fewer scores."""
+    from ficoco.methods import reads as reads_spec
+
+    monkeypatch.setattr(reads_ops, "WHOLE_READ_SCORES", 0)
+    monkeypatch.setattr(reads_spec, "CAUSAL_TILE_ROWS", 4)
+    query, key = qkv(batch=2, q_len=40, k_len=40, dtype=torch.bfloat16)
+    scale = query.shape[-1] ** -0.5
+    dense = DenseAttention(eager_probabilities(query, key, scale, causal=True))
+    rows = torch.stack([torch.arange(5, 17), torch.arange(8, 20)])  # in order, the last at most at 19
+    cols = torch.arange(0, 40, 3).expand(2, -1)
+    seen: list[int] = []
+    reads = ProbedAttention(query, key, scale, causal=True)
+    original = torch.matmul
+
+    def counting(a, b, **kwargs):
+        seen.append(b.shape[-1])
+        return original(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "matmul", counting)
+    got = reads.rows(rows, last=19)
+    monkeypatch.setattr(torch, "matmul", original)
+    torch.testing.assert_close(got, dense.rows(rows), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(reads.block(rows, cols, last=19), dense.block(rows, cols), atol=1e-6, rtol=1e-5)
+    # Tiles of 4 rows: rows 0-3 lie at most at 19 - 8 = 11 (keys 0..11), then 15, 19.
+    assert seen == [12, 16, 20]
+    assert reads_spec.causal_tiles(12, 19, 40, 40) == [(0, 4, 12), (4, 8, 16), (8, 12, 20)]
+
+
 def test_the_float32_rule_is_the_earlier_probes_float32_softmax(read_whole) -> None:
     query, key = qkv(dtype=torch.bfloat16)
     scale = query.shape[-1] ** -0.5

@@ -21,7 +21,7 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.flops import vision_attention_pairs
 from ficoco.accounting.methods import suffix_tokens
 from ficoco.accounting.schedule import Schedule, TokenPlan
-from ficoco.methods.reads import WHOLE_READ_SCORES, ReadContext, read_macs, read_scores
+from ficoco.methods.reads import WHOLE_READ_SCORES, ReadContext, causal_tiles, read_macs, read_scores
 from ficoco.methods.registry import METHODS
 
 
@@ -115,8 +115,11 @@ def method_reads(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, bat
                               pairs))
             continue
         if not windows and sequences * heads * tokens * tokens <= WHOLE_READ_SCORES:
-            # The layer is read whole at its first read, once (ficoco.methods.reads.WHOLE_READ_SCORES).
-            reads.append(Read(spec.name, red.stage, layer, "rows", tokens, tokens, heads, head_dim, sequences))
+            # The layer is read whole at its first read, once (ficoco.methods.reads.WHOLE_READ_SCORES); a decoder
+            # layer's rows each over the keys the causal mask lets them see.
+            tiles = causal_tiles(tokens, tokens - 1, tokens, tokens) if red.stage == "llm" else [(0, tokens, tokens)]
+            reads += [Read(spec.name, red.stage, layer, "rows", r1 - r0, keys, heads, head_dim, sequences)
+                      for r0, r1, keys in tiles]
             continue
         for kind, rows, keys in shapes:
             windowed = pairs if kind == "columns" and windows else None

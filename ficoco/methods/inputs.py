@@ -98,7 +98,8 @@ class InLayerInput:
         remove: visual tokens to remove at this layer, all image spans of a sample together.
         visual_rows: ``(B, N)`` where the visual tokens are in the current sequence (several spans).
         suffix_mask: ``(B, T)`` True on real text tokens after the last visual token.
-        first_suffix_row: the earliest row a suffix token can be in (host-known).
+        first_suffix_row: the earliest row a suffix token can be in (host-known); last_visual_row: the latest
+            row a visual token can be in (host-known; None: unknown).
         protected: ``(B, N)`` visual tokens that must stay (LLaVA-NeXT's row newlines), or None;
             max_protected: the most of them in any sample.
     """
@@ -111,6 +112,7 @@ class InLayerInput:
     first_suffix_row: int
     protected: Tensor | None = None
     max_protected: int = 0
+    last_visual_row: int | None = None
 
 
 @dataclass(frozen=True)

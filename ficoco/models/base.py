@@ -98,8 +98,8 @@ class FamilyAdapter:
         starts = is_image & ~torch.nn.functional.pad(is_image[:, :-1], (1, 0), value=False)
         spans = starts.sum(dim=1)
         # Everything the host must know, in one transfer.
-        fewest, most, earliest_last, fewest_spans, most_spans = torch.stack(
-            [counts.min(), counts.max(), last.min(), spans.min(), spans.max()]).tolist()
+        fewest, most, earliest_last, latest_last, fewest_spans, most_spans = torch.stack(
+            [counts.min(), counts.max(), last.min(), last.max(), spans.min(), spans.max()]).tolist()
         if most == 0:
             return None
         if fewest != most:
@@ -115,7 +115,7 @@ class FamilyAdapter:
         return LanguageState(index=positions.clone(), visual_rows=visual_rows, visual_ranks=ranks,
                              suffix_mask=suffix, prefill_length=past_length + length, past_length=past_length,
                              prior_positions=dict(prior_positions or {}), first_suffix_row=earliest_last + 1,
-                             images=most_spans)
+                             last_visual_row=latest_last, images=most_spans)
 
     # -- methods in the decoder (FiCoCo-L inside layers; FastV, PDrop, SparseVLM, DART at their input)
     def patch_in_layer(self, handle: Handle, patches: Patches, spec: Any, schedule: Any, first: int) -> None:

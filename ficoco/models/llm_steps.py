@@ -248,7 +248,8 @@ class InLayerPatch:
             inputs = InLayerInput(hidden=hidden, attention=attn,
                                   remove=remove * state.images, visual_rows=state.visual_rows,
                                   suffix_mask=state.suffix_mask, first_suffix_row=state.first_suffix_row,
-                                  protected=state.protected, max_protected=state.max_protected)
+                                  protected=state.protected, max_protected=state.max_protected,
+                                  last_visual_row=state.last_visual_row)
             red = handle.run_method(index, self.step, inputs, self.settings)
             kept_ranks = torch.gather(state.visual_ranks, 1, red.kept_visual)
             handle.record("llm", index, kept=kept_ranks,

@@ -142,6 +142,9 @@ class LanguageState:
     # layer asks the device (each question would synchronise it): the earliest row a suffix
     # token can be in (min over samples of the last visual row + 1).
     first_suffix_row: int = 0
+    # and the latest row a visual token can be in (max over samples of the last visual row; None: unknown), below
+    # which a causal read of the visual rows need not look.
+    last_visual_row: int | None = None
     # (B, N_now) visual tokens the reduction must keep (LLaVA-NeXT's row newlines); None: none
     protected: Tensor | None = None
     max_protected: int = 0  # the most protected tokens of any sample (constant: never removed)
@@ -166,7 +169,11 @@ class LanguageState:
     def keep(self, kept_positions: Tensor, kept_visual: Tensor, visual_rows: Tensor) -> None:
         """Apply one reduction: `kept_positions` index the current sequence, `kept_visual` the
         current visual tokens; `visual_rows` are the kept visual tokens' rows afterwards."""
-        self.first_suffix_row -= self.visual_rows.shape[1] - kept_visual.shape[1]
+        removed = self.visual_rows.shape[1] - kept_visual.shape[1]
+        self.first_suffix_row -= removed
+        # Every row moves down by the removed tokens before it; the last kept visual token by all of them.
+        if self.last_visual_row is not None:
+            self.last_visual_row -= removed
         self.index = torch.gather(self.index, 1, kept_positions)
         self.suffix_mask = torch.gather(self.suffix_mask, 1, kept_positions)
         self.visual_ranks = torch.gather(self.visual_ranks, 1, kept_visual)

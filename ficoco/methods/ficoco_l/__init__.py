@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ficoco.methods.base import LayerWork, MethodSpec, Need
 from ficoco.methods.common import ALL_FAMILIES
-from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION, ReadContext, ReadShape
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION, ReadContext, ReadShape, causal_tiles
 
 # The paper's hyperparameters (docs/methods/ficoco.md): every one can be set per handle
 # (`ficoco.apply(model, "l", beta=0.5)`).
@@ -40,9 +40,13 @@ def layer_macs(work: LayerWork) -> int:
 
 
 def reads(ctx: ReadContext) -> tuple[ReadShape, ...]:
-    """What one reducing decoder layer reads of its attention (ficoco.methods.ficoco_l.ops), in one read: the
-    visual rows and the text rows after the visual span, at every key (the method keeps the visual columns)."""
-    return (("rows", ctx.visual_before + ctx.suffix_tokens, ctx.tokens),)
+    """What one reducing decoder layer reads of its attention (ficoco.methods.ficoco_l.ops): the visual rows and
+    the text rows after the visual span, over the keys each tile of them can see under the causal mask (the
+    method keeps the visual columns)."""
+    prefix = ctx.tokens - ctx.visual_before - ctx.suffix_tokens
+    visual = causal_tiles(ctx.visual_before, prefix + ctx.visual_before - 1, ctx.tokens, ctx.tokens)
+    text = causal_tiles(ctx.suffix_tokens, ctx.tokens - 1, ctx.tokens, ctx.tokens)
+    return tuple(("rows", r1 - r0, keys) for r0, r1, keys in visual + text)
 
 
 SPEC = MethodSpec(

@@ -93,16 +93,19 @@ def suffix_start(visual_start: Tensor, num_visual: int, visual_positions: Tensor
     return int(visual_start.min()) + num_visual if visual_start.numel() else 0
 
 
-def _visual_blocks(attn: AttentionReads, visual: Tensor, first_row: int) -> tuple[Tensor, Tensor]:
-    """What FiCoCo-L reads of a layer's attention, in one read: ``(B, N, N)`` the visual rows at the
-    visual columns, and ``(B, T', N)`` the trailing rows from ``first_row`` (the earliest span end:
-    only they can hold suffix tokens, about M of the T rows) at the visual columns; in the compute dtype."""
+def _visual_blocks(attn: AttentionReads, visual: Tensor, first_row: int,
+                   last_visual_row: int | None = None) -> tuple[Tensor, Tensor]:
+    """What FiCoCo-L reads of a layer's attention: ``(B, N, N)`` the visual rows at the visual columns, and
+    ``(B, T', N)`` the trailing rows from ``first_row`` (the earliest span end: only they can hold suffix
+    tokens, about M of the T rows) at the visual columns; in the compute dtype. `last_visual_row`, the latest
+    row a visual token can be in, lets a causal read of the visual rows skip the keys they cannot see."""
     batch, seq_len, _ = attn.shape
     first = min(max(first_row, 0), seq_len)
     tail = torch.arange(first, seq_len, device=visual.device).expand(batch, -1)
-    both = attn.block(torch.cat([visual, tail], dim=1), visual)
-    both = both.to(compute_dtype(both.dtype))
-    return both[:, :visual.shape[1]], both[:, visual.shape[1]:]
+    among = attn.block(visual, visual, last_visual_row)
+    trailing = attn.block(tail, visual, seq_len - 1)
+    dtype = compute_dtype(among.dtype)
+    return among.to(dtype), trailing.to(dtype)
 
 
 def _on_suffix(tail: Tensor, suffix: Tensor, first_row: int) -> Tensor:
@@ -256,6 +259,7 @@ def reduce_l(
     first_suffix_row: int | None = None,
     max_protected: int | None = None,
     visual_positions: Tensor | None = None,
+    last_visual_row: int | None = None,
 ) -> LReduction:
     """One FiCoCo-L step: filter, correlate and compress ``r`` visual tokens of one layer.
 
@@ -284,6 +288,8 @@ def reduce_l(
             no host synchronisation; computed from the tensors when omitted.
         visual_positions: optional ``(B, N)`` increasing positions of the visual tokens of a
             sample with several image spans (text between them); they are reduced as one set.
+        last_visual_row: the latest row a visual token can be in, when the caller knows it on the
+            host (a causal read of the visual rows then skips the keys they cannot see).
 
     Returns:
         An :class:`LReduction`. With ``r == 0`` the input hidden states come back unchanged.
@@ -328,7 +334,7 @@ def reduce_l(
     if first_suffix_row is None:
         first_suffix_row = suffix_start(visual_start, num_visual, visual_positions)
     suffix = _suffix_rows(suffix_mask.to(device), visual_positions)
-    among_visual, tail = _visual_blocks(attn, visual_positions, first_suffix_row)
+    among_visual, tail = _visual_blocks(attn, visual_positions, first_suffix_row, last_visual_row)
     scores = _scores_of(among_visual, tail, suffix, first_suffix_row, beta)
     if protected is not None:
         # -inf sorts after every real score, so a protected token is never among the r selected.
@@ -370,4 +376,5 @@ def layer_step(inputs: InLayerInput, settings: Mapping[str, Any]) -> LReduction:
     return reduce(inputs.hidden, inputs.attention, inputs.remove, inputs.visual_rows[:, 0],
                   inputs.visual_rows.shape[1], inputs.suffix_mask, beta=settings["beta"], gamma=settings["gamma"],
                   eps=settings["eps"], protected=inputs.protected, first_suffix_row=inputs.first_suffix_row,
-                  max_protected=inputs.max_protected, visual_positions=inputs.visual_rows)
+                  max_protected=inputs.max_protected, visual_positions=inputs.visual_rows,
+                  last_visual_row=inputs.last_visual_row)

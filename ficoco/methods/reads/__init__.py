@@ -46,6 +46,11 @@ SCORES_CORRECTION = {"attention_scores": {"float32": "float32 attention scores"}
 # the head-mean matrix: one block where several reads would each pay their small ops.
 WHOLE_READ_SCORES = 1 << 20
 
+# Under a causal mask a query row sees no key after its own position: a read of rows whose positions are known
+# to lie below a bound (the rows in order, the last at most `last`) computes, tile of this many rows by tile,
+# only the keys up to the tile's bound; the rest are zero, as the masked softmax would give them.
+CAUSAL_TILE_ROWS = 64
+
 ReadKind = Literal["rows", "columns", "block"]
 READ_KINDS: tuple[str, ...] = get_args(ReadKind)
 
@@ -60,6 +65,17 @@ def read_macs(heads: int, rows: int, keys: int, head_dim: int, sequences: int = 
 def read_scores(heads: int, rows: int, keys: int, sequences: int = 1) -> int:
     """Scores (and probabilities) one read computes: heads x rows x keys per sequence, by blocks."""
     return sequences * heads * rows * keys
+
+
+def causal_tiles(rows: int, last: int, keys: int, queries: int) -> list[tuple[int, int, int]]:
+    """(first row, end row, keys read) of every tile of a causal read of `rows` rows in order, the last at most
+    at query position `last` of `queries`, over `keys` keys (the first `keys - queries` from a cache): tile
+    [r0, r1)'s rows lie at most at ``last - (rows - r1)``, so it reads the keys up to there."""
+    tiles = []
+    for r0 in range(0, rows, CAUSAL_TILE_ROWS):
+        r1 = min(rows, r0 + CAUSAL_TILE_ROWS)
+        tiles.append((r0, r1, max(1, min(keys, last - (rows - r1) + 1 + keys - queries))))
+    return tiles
 
 
 def check_attention_scores(value: object) -> str:

@@ -26,7 +26,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, WHOLE_READ_SCORES, check_attention_scores
+from ficoco.methods.reads import (
+    DEFAULT_ATTENTION_SCORES,
+    WHOLE_READ_SCORES,
+    causal_tiles,
+    check_attention_scores,
+)
 
 # Scores one block of a read may hold (every head of some query rows over every key). CPU: 2 M, whose
 # scores and probabilities stay near the caches while the softmax and the sums pass over them (larger
@@ -65,13 +70,15 @@ class AttentionReads:
         """(B, Tk): what every key receives on average over the query rows ``first_row .. Tq - 1``."""
         raise NotImplementedError
 
-    def rows(self, rows: Tensor) -> Tensor:
-        """(B, R, Tk): the probabilities of the query rows `rows` ((B, R) indices) over every key."""
+    def rows(self, rows: Tensor, last: int | None = None) -> Tensor:
+        """(B, R, Tk): the probabilities of the query rows `rows` ((B, R) indices) over every key. `last`: the rows
+        are in order in every sample and none lies after query position `last` (a bound the caller knows on the
+        host), so that a causal layer's read skips the keys no row can see."""
         raise NotImplementedError
 
-    def block(self, rows: Tensor, cols: Tensor) -> Tensor:
-        """(B, R, C): rows `rows` ((B, R)) at the key columns `cols` ((B, C))."""
-        return torch.gather(self.rows(rows), 2, cols.unsqueeze(1).expand(-1, rows.shape[1], -1))
+    def block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
+        """(B, R, C): rows `rows` ((B, R)) at the key columns `cols` ((B, C)); `last` as for `rows`."""
+        return torch.gather(self.rows(rows, last), 2, cols.unsqueeze(1).expand(-1, rows.shape[1], -1))
 
     def reordered(self, order: Tensor) -> AttentionReads:
         """The same layer with its tokens (queries and keys alike) in the order `order` ((T,) indices)."""
@@ -107,10 +114,10 @@ class DenseAttention(AttentionReads):
     def column_mean(self, first_row: int = 0) -> Tensor:
         return self._wide(self.matrix[:, first_row:]).mean(dim=1)
 
-    def rows(self, rows: Tensor) -> Tensor:
+    def rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         return self._wide(gather_rows(self.matrix, rows))
 
-    def block(self, rows: Tensor, cols: Tensor) -> Tensor:
+    def block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
         batch = torch.arange(self.matrix.shape[0], device=rows.device).view(-1, 1, 1)
         return self._wide(self.matrix[batch, rows.unsqueeze(2), cols.unsqueeze(1)])
 
@@ -163,15 +170,15 @@ class ProbedAttention(AttentionReads):
         count = max(self.shape[1] - first_row, 1)
         return self.runner(self.query.device, self._columns, None, first_row) / count
 
-    def rows(self, rows: Tensor) -> Tensor:
+    def rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         if self.whole is not None:
             return self.whole.rows(rows)
-        return self.runner(self.query.device, self._rows, rows)
+        return self.runner(self.query.device, self._rows, rows, last)
 
-    def block(self, rows: Tensor, cols: Tensor) -> Tensor:
+    def block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
         if self.whole is not None:
             return self.whole.block(rows, cols)
-        return self.runner(self.query.device, self._block, rows, cols)
+        return self.runner(self.query.device, self._block, rows, cols, last)
 
     def reordered(self, order: Tensor) -> AttentionReads:
         order = order.to(self.query.device)
@@ -187,35 +194,52 @@ class ProbedAttention(AttentionReads):
         batch, _, k_len = self.shape
         total = torch.zeros(batch, k_len, dtype=torch.float32, device=self.query.device)
         for b0, b1, _, _, probabilities in self._blocks(rows, first_row):
-            # Every head of every row of the block: (b, heads x rows, Tk) summed over its middle axis.
-            total[b0:b1] += probabilities.flatten(1, 3).sum(dim=1)
+            # Every head of every row of the block: (b, heads x rows, keys) summed over its middle axis.
+            total[b0:b1, :probabilities.shape[-1]] += probabilities.flatten(1, 3).sum(dim=1)
         return total.div_(self.query.shape[1])
 
-    def _rows(self, rows: Tensor) -> Tensor:
+    def _rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         batch, _, k_len = self.shape
-        out = torch.empty(batch, rows.shape[1], k_len, dtype=torch.float32, device=self.query.device)
+        out = torch.zeros(batch, rows.shape[1], k_len, dtype=torch.float32, device=self.query.device)
         heads = self.query.shape[1]
-        for b0, b1, r0, r1, probabilities in self._blocks(rows, 0):
-            out[b0:b1, r0:r1] = probabilities.sum(dim=(1, 2)).div_(heads)
+        for b0, b1, r0, r1, probabilities in self._blocks(rows, 0, last):
+            out[b0:b1, r0:r1, :probabilities.shape[-1]] = probabilities.sum(dim=(1, 2)).div_(heads)
         return out
 
     def _matrix(self) -> Tensor:
         """(B, Tq, Tk) every row's head-mean probabilities."""
         batch, q_len, k_len = self.shape
-        out = torch.empty(batch, q_len, k_len, dtype=torch.float32, device=self.query.device)
+        out = torch.zeros(batch, q_len, k_len, dtype=torch.float32, device=self.query.device)
         heads = self.query.shape[1]
         for b0, b1, r0, r1, probabilities in self._blocks(None, 0):
-            out[b0:b1, r0:r1] = probabilities.sum(dim=(1, 2)).div_(heads)
+            out[b0:b1, r0:r1, :probabilities.shape[-1]] = probabilities.sum(dim=(1, 2)).div_(heads)
         return out
 
-    def _block(self, rows: Tensor, cols: Tensor) -> Tensor:
-        every = self._rows(rows)
+    def _block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
+        every = self._rows(rows, last)
         return torch.gather(every, 2, cols.unsqueeze(1).expand(-1, rows.shape[1], -1))
 
-    def _blocks(self, rows: Tensor | None, first_row: int):  # noqa: ANN202 (a generator of blocks)
-        """(b0, b1, r0, r1, probabilities (b1-b0, H_kv, g, r1-r0, Tk) in float32 or wider) over the requested
+    def _row_steps(self, count: int, first_row: int, rows: Tensor | None, last: int | None, per_row: int,
+                   budget: int) -> list[tuple[int, int, int]]:
+        """(r0, r1, keys) of every block of rows: at most `budget` scores each; in a causal layer whose rows are
+        known to lie below a bound (a range, or `last`), tiles of CAUSAL_TILE_ROWS rows reading only the keys up
+        to their bound (`causal_tiles`), each split further where it exceeds the budget."""
+        _, q_len, k_len = self.shape
+        bound = first_row + count - 1 if rows is None else last
+        if self.causal and bound is not None and q_len > 1:
+            tiles = causal_tiles(count, bound, k_len, q_len)
+        else:
+            tiles = [(0, count, k_len)]
+        steps = []
+        for t0, t1, keys in tiles:
+            step = max(1, min(t1 - t0, budget // max(1, per_row)))
+            steps += [(r0, min(t1, r0 + step), keys) for r0 in range(t0, t1, step)]
+        return steps
+
+    def _blocks(self, rows: Tensor | None, first_row: int, last: int | None = None):  # noqa: ANN202 (a generator)
+        """(b0, b1, r0, r1, probabilities (b1-b0, H_kv, g, r1-r0, keys) in float32 or wider) over the requested
         query rows: the index `rows` (B, R), or the range first_row .. Tq - 1, in blocks of at most the score
-        budget."""
+        budget; `keys` the leading keys a block reads (all, or in a causal layer those its rows can see)."""
         query, key = self.query, self.key
         batch, heads, q_len, dim = query.shape
         kv_heads, k_len = key.shape[1], key.shape[2]
@@ -226,7 +250,11 @@ class ProbedAttention(AttentionReads):
         budget = self.budget or SCORE_BUDGET_ELEMENTS.get(query.device.type, SCORE_BUDGET_ELEMENTS["cpu"])
         per_row = heads * k_len
         batch_step = max(1, min(batch, budget // max(1, per_row * count)))
-        row_step = count if batch_step > 1 else max(1, min(count, budget // max(1, per_row)))
+        if batch_step > 1:
+            steps = self._row_steps(count, first_row, rows, last, per_row * batch_step, budget * batch_step)
+        else:
+            steps = self._row_steps(count, first_row, rows, last, per_row, budget)
+        row_step = max(r1 - r0 for r0, r1, _ in steps)
         model_rule = self.scores == "model"
         score_dtype = query.dtype if model_rule else torch.float32
         keys_t = (key if model_rule else key.float()).transpose(-1, -2)
@@ -248,8 +276,7 @@ class ProbedAttention(AttentionReads):
             positions = torch.arange(k_len, device=query.device)
         for b0 in range(0, batch, batch_step):
             b1 = min(batch, b0 + batch_step)
-            for r0 in range(0, count, row_step):
-                r1 = min(count, r0 + row_step)
+            for r0, r1, keys in steps:
                 n, width = b1 - b0, r1 - r0
                 if rows is None:
                     picked = query[b0:b1, :, first_row + r0:first_row + r1]
@@ -261,17 +288,19 @@ class ProbedAttention(AttentionReads):
                 stacked = picked.reshape(n, kv_heads, groups * width, dim)
                 if not model_rule:
                     stacked = (stacked * self.scale).float()
-                shape = (n, kv_heads, groups * width, k_len)
+                shape = (n, kv_heads, groups * width, keys)
                 if buffered:
-                    scores = score_buffer[:n * heads * width * k_len].view(shape)
-                    torch.matmul(stacked, keys_t[b0:b1], out=scores)
+                    scores = score_buffer[:n * heads * width * keys].view(shape)
+                    torch.matmul(stacked, keys_t[b0:b1, :, :, :keys], out=scores)
                 else:
-                    scores = torch.matmul(stacked, keys_t[b0:b1])
+                    scores = torch.matmul(stacked, keys_t[b0:b1, :, :, :keys])
                 if model_rule:
                     scores.mul_(self.scale)  # in the model's dtype, as its eager attention scales them
-                scores5 = scores.view(n, kv_heads, groups, width, k_len)
+                scores5 = scores.view(n, kv_heads, groups, width, keys)
                 span = (first_row + r0, first_row + r1) if rows is None else None
                 masked = self._mask_rows(b0, b1, row_index, span, positions, q_len, k_len, kv_heads, groups)
+                if masked is not None:
+                    masked = masked[..., :keys]
                 if masked is not None:
                     if masked.dtype == torch.bool:
                         scores5.masked_fill_(~masked, float("-inf"))
@@ -290,7 +319,7 @@ class ProbedAttention(AttentionReads):
                     probabilities = wide_buffer[:probabilities.numel()].view(shape).copy_(probabilities)
                 else:
                     probabilities = probabilities.float()
-                yield b0, b1, r0, r1, probabilities.view(n, kv_heads, groups, width, k_len)
+                yield b0, b1, r0, r1, probabilities.view(n, kv_heads, groups, width, keys)
 
     def _mask_rows(self, b0: int, b1: int, row_index: Tensor, span: tuple[int, int] | None, positions: Tensor | None,
                    q_len: int, k_len: int, kv_heads: int, groups: int) -> Tensor | None:
@@ -336,7 +365,7 @@ class SegmentedReads(AttentionReads):
             raise ValueError("a windowed layer's column mean is read over every row")
         return self.column_sum() / self.shape[1]
 
-    def rows(self, rows: Tensor) -> Tensor:
+    def rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         """Every part reads the rows that fall inside it (the others read nothing there): no host read of
         which rows fall where."""
         pieces, start = [], 0
@@ -372,11 +401,11 @@ class StackedReads(AttentionReads):
     def column_mean(self, first_row: int = 0) -> Tensor:
         return torch.cat([item.column_mean(first_row) for item in self.items])
 
-    def rows(self, rows: Tensor) -> Tensor:
-        return torch.cat([item.rows(r) for item, r in zip(self.items, self._split(rows), strict=True)])
+    def rows(self, rows: Tensor, last: int | None = None) -> Tensor:
+        return torch.cat([item.rows(r, last) for item, r in zip(self.items, self._split(rows), strict=True)])
 
-    def block(self, rows: Tensor, cols: Tensor) -> Tensor:
-        return torch.cat([item.block(r, c) for item, r, c in
+    def block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
+        return torch.cat([item.block(r, c, last) for item, r, c in
                           zip(self.items, self._split(rows), self._split(cols), strict=True)])
 
     def reordered(self, order: Tensor) -> AttentionReads:
@@ -413,11 +442,11 @@ class KeyTail(AttentionReads):
     def column_mean(self, first_row: int = 0) -> Tensor:
         return self.reads.column_mean(first_row)[:, self.offset:]
 
-    def rows(self, rows: Tensor) -> Tensor:
-        return self.reads.rows(rows)[..., self.offset:]
+    def rows(self, rows: Tensor, last: int | None = None) -> Tensor:
+        return self.reads.rows(rows, last)[..., self.offset:]
 
-    def block(self, rows: Tensor, cols: Tensor) -> Tensor:
-        return self.reads.block(rows, cols + self.offset)
+    def block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
+        return self.reads.block(rows, cols + self.offset, last)
 
     def reordered(self, order: Tensor) -> AttentionReads:
         raise NotImplementedError("a read over a cache's keys is not reordered")
@@ -454,7 +483,7 @@ class GroupReads(AttentionReads):
         received = self.reads.column_mean(first_row=self.offset)[:, self.offset:]
         return received.view(batch, groups, self.merge).mean(dim=2)
 
-    def rows(self, rows: Tensor) -> Tensor:
+    def rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         batch, groups, _ = self.shape
         every = self.reads.rows(self._members(rows))[..., self.offset:]
         return every.view(batch, rows.shape[1], self.merge, groups, self.merge).mean(dim=(2, 4))
