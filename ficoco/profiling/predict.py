@@ -33,7 +33,7 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -53,26 +53,32 @@ QUANT_MATMUL_SHARE = {"fp16": 1.0, "int8": 0.4, "int4": 0.12}
 
 
 class ShapeRates(Protocol):
-    """The speeds a prediction needs: matmul and attention FLOP/s at a shape, memory bandwidth
-    (bytes moved, read and written, per second), the convert rate of an upcast layout (bytes of
-    the compute dtype written per second), the time of one small op."""
+    """The speeds a prediction needs: matmul and attention FLOP/s at a shape, the FLOP/s of a family's
+    own kernel at a key (`KERNELS`: what the model runs beyond nn.Linear and SDPA, priced at the
+    accountant's FLOPs of the op it computes), memory bandwidth (bytes moved, read and written, per
+    second), the convert rate of an upcast layout (bytes of the compute dtype written per second), the
+    time of one small op."""
 
     dtype: str
     bandwidth_bytes_per_s: float
     convert_bytes_per_s: float
     small_op_s: float
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None: ...
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
+                kernels: Mapping[Key, float] | None = None) -> None: ...
 
     def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float: ...
 
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float: ...
 
+    def kernel_flops_per_s(self, key: Key) -> float: ...
+
 
 @dataclass(frozen=True)
 class TableRates:
     """Rates given, not measured: FLOP/s by token count (the nearest count given wins, ties to
-    the smaller), the same table for matmuls and attention unless `attention_by_tokens` is given."""
+    the smaller), the same table for matmuls, attention and kernels unless `attention_by_tokens` or
+    `kernels_by_tokens` (by kernel kind, "grouped_mm", "delta_rule", ...: `KERNELS`) is given."""
 
     dtype: str
     flops_per_s_by_tokens: dict[int, float]
@@ -80,8 +86,10 @@ class TableRates:
     convert_bytes_per_s: float = 1.0
     small_op_s: float = 0.0
     attention_by_tokens: dict[int, float] | None = None
+    kernels_by_tokens: dict[str, dict[int, float]] | None = None
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
+                kernels: Mapping[Key, float] | None = None) -> None:
         """Nothing to measure: the rates are given."""
 
     @staticmethod
@@ -96,6 +104,11 @@ class TableRates:
         """The attention table's rate (else the matmul table's) at the count nearest `tokens`."""
         return self._nearest(self.attention_by_tokens or self.flops_per_s_by_tokens, tokens)
 
+    def kernel_flops_per_s(self, key: Key) -> float:
+        """The kind's table (else the matmul table) at the count nearest the key's token count."""
+        table = (self.kernels_by_tokens or {}).get(key[0], self.flops_per_s_by_tokens)
+        return self._nearest(table, key[1])
+
 
 # The rate probe's copies: 64 MiB of bfloat16 for the memory bandwidth, and for an upcast layout's
 # convert rate a 7B MLP weight (4096 x 11008) read in bfloat16 and written in the compute dtype.
@@ -104,9 +117,136 @@ CONVERT_VALUES = 4096 * 11008
 # Passes of a probe of the rates before a row's runs, and again after them (one more between runs).
 PASSES = 3
 
-Key = tuple[Any, ...]  # ("linear", tokens, in, out), ("attention", heads, tokens, head width, causal), ("bandwidth",)
+# ("linear", tokens, in, out), ("attention", heads, tokens, head width, causal), ("bandwidth",), ("convert",), and
+# a kernel's (kind, tokens, *widths): KERNELS.
+Key = tuple[Any, ...]
 # A tensor of this many values of this dtype that already exists (a model's weight), or None.
 WeightSource = Callable[[int, torch.dtype], "torch.Tensor | None"]
+
+
+# ---- what a family runs beyond nn.Linear and SDPA, timed as the model runs it -------------------------------------
+#
+# On a CPU these layers do not run at a dense matmul's rate, nor at the memory bandwidth their bytes suggest
+# (measured on a 2-core AMX Xeon in bf16, transformers 5.24):
+# - a sparse layer's experts (Qwen3-VL-MoE): transformers' default "grouped_mm" experts sort the n x top_k token
+#   rows by expert and run torch's grouped_mm over every expert's weights, on CPU one small matmul per expert
+#   (about n x top_k / experts rows each): about 7 times slower than one matmul of all the rows;
+# - a Gated DeltaNet layer (Qwen3.5) without flash-linear-attention and causal-conv1d: transformers' PyTorch
+#   chunked delta rule (q, k, v cast to float32, a triangular solve per chunk, then a Python loop over the
+#   chunks of small float32 matmuls) and a depthwise conv1d: 15 GFLOP/s, where bytes over bandwidth say 1 ms;
+# - the Qwen towers' patch embedding: a Conv3d whose kernel is its stride, one patch per batch row: oneDNN runs
+#   it 30 times slower than the same product as a linear, which the accountant counts;
+# - the Qwen towers' attention: rotary applied to q and k in float32 (casts and strided copies of every
+#   token's states: as long as the SDPA call), then SDPA per image (cu_seqlens; one call per image, or frame).
+# Each kind is timed by the call the model makes, at the row's shapes (transformers' own delta rule, convolution
+# and rotary through models/hf_compat.py), and prices the op it computes at the accountant's FLOPs of that op over
+# the call's time, so that a token count between the timed ones reads the rate between them.
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kind of call the rate probe times (a key: the kind, the token count, then its widths): the values of
+    the weight it reads (borrowed from the model between runs; 0: none), the call, the prediction's part, and the
+    accountant's FLOPs per MAC of the op it prices (4 for a layer's attention: its qk op stands for qk and sv)."""
+
+    weight_values: Callable[[tuple[int, ...]], int]
+    call: Callable[[MeasuredRates, tuple[int, ...], torch.Tensor | None], Callable[[], Any]]
+    part: str
+    # The share of a large bf16 matmul's rate its FLOPs run at (on the 2-core AMX Xeon, at the 2026 backbones'
+    # shapes): what the time estimate counts a probe pass's kernels at, before anything is measured.
+    matmul_share: float
+    flops_per_mac: int = 2
+
+
+def _grouped_mm_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
+    rows, groups, inner, outer = shape
+    assert weight is not None
+    # transformers' grouped_mm experts: the rows sorted by expert, every expert's (out, in) weight transposed.
+    # The rows are split evenly: a random router's picks spread about as evenly (on Qwen3-VL-30B-A3B's shapes
+    # 20 to 61 rows an expert around 40), and a small matmul's time is near linear in its rows.
+    counts = [rows // groups + (group < rows % groups) for group in range(groups)]
+    offsets = torch.tensor(counts, device=rates.device).cumsum(0).to(torch.int32)
+    experts = weight.view(groups, outer, inner).transpose(-2, -1)
+    return functools.partial(torch.nn.functional.grouped_mm, rates._tensor(rows, inner), experts, offs=offsets)
+
+
+def _delta_rule_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
+    from ficoco.models import hf_compat as hf
+
+    tokens, batch, key_heads, value_heads, key_dim, value_dim = shape
+    query, key = (rates._tensor(batch, tokens, key_heads, key_dim) for _ in range(2))
+    value = rates._tensor(batch, tokens, value_heads, value_dim)
+    # As the layer makes them: beta a sigmoid in the compute dtype, the decay g <= 0 in float32.
+    beta = torch.sigmoid(rates._tensor(batch, tokens, value_heads))
+    decay = -torch.nn.functional.softplus(rates._tensor(batch, tokens, value_heads, kind=torch.float32))
+    # A prefill with a cache keeps the final state.
+    return functools.partial(hf.gated_delta_rule(), query, key, value, g=decay, beta=beta, initial_state=None,
+                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+# Qwen3.5's DeltaNet activation (its configs' hidden_act), applied inside the convolution's call.
+DELTANET_ACTIVATION = "silu"
+
+
+def _causal_conv1d_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None
+                        ) -> Callable[[], Any]:
+    from ficoco.models import hf_compat as hf
+
+    tokens, batch, channels, kernel = shape
+    assert weight is not None
+    # The layer hands it its q/k/v projection's output transposed to (B, channels, T): a strided view.
+    states = rates._tensor(batch, tokens, channels).transpose(1, 2)
+    return functools.partial(hf.causal_conv1d(), states, weight.view(channels, kernel), None,
+                             activation=DELTANET_ACTIVATION)
+
+
+def _patch_conv3d_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None
+                       ) -> Callable[[], Any]:
+    patches, channels, temporal, patch, hidden = shape
+    assert weight is not None
+    pixels = rates._tensor(patches, channels, temporal, patch, patch)
+    kernel = weight.view(hidden, channels, temporal, patch, patch)
+    return functools.partial(torch.nn.functional.conv3d, pixels, kernel, None, stride=(temporal, patch, patch))
+
+
+def _tower_attention_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None
+                          ) -> Callable[[], Any]:
+    from ficoco.models import hf_compat as hf
+
+    tokens, items, heads, head_dim, tower = shape
+    rotary = hf.vision_rotary(tower)
+    # The layer's q, k and v: views of one (tokens, 3 x width) projection of every item's tokens; the rotary
+    # tables in float32.
+    q, k, v = rates._tensor(items * tokens, 3, heads, head_dim).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = (rates._tensor(items * tokens, head_dim, kind=torch.float32) for _ in range(2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def call() -> torch.Tensor:
+        turned_q, turned_k = rotary(q, k, cos, sin)
+        per_item = (state.transpose(0, 1).unsqueeze(0).split(tokens, dim=2) for state in (turned_q, turned_k, v))
+        return torch.cat([sdpa(*one).transpose(1, 2).contiguous() for one in zip(*per_item, strict=True)], dim=1)
+
+    return call
+
+
+# Keys: ("grouped_mm", rows, experts, in, out), ("delta_rule", tokens, batch, key heads, value heads, key width,
+# value width), ("causal_conv1d", tokens, batch, channels, kernel), ("patch_conv3d", patches, channels, temporal
+# patch, patch, hidden), ("tower_attention", tokens per item, items, heads, head width, tower kind).
+KERNELS: dict[str, Kernel] = {
+    "grouped_mm": Kernel(lambda shape: shape[1] * shape[2] * shape[3], _grouped_mm_call, "linear", matmul_share=0.15),
+    "delta_rule": Kernel(lambda shape: 0, _delta_rule_call, "linear_attention", matmul_share=0.015),
+    "causal_conv1d": Kernel(lambda shape: shape[2] * shape[3], _causal_conv1d_call, "linear_attention",
+                            matmul_share=0.002),
+    "patch_conv3d": Kernel(lambda shape: shape[4] * shape[1] * shape[2] * shape[3] ** 2, _patch_conv3d_call, "linear",
+                           matmul_share=0.02),
+    "tower_attention": Kernel(lambda shape: 0, _tower_attention_call, "attention", matmul_share=0.2, flops_per_mac=4),
+}
+
+
+def _weight_values(key: Key) -> int:
+    """Values of the weight a key's call reads (0: none, or activations only)."""
+    if key[0] == "linear":
+        return key[2] * key[3]
+    return KERNELS[key[0]].weight_values(key[1:]) if key[0] in KERNELS else 0
 
 
 @dataclass
@@ -155,21 +295,29 @@ class MeasuredRates:
         """A call per key, with its tensors: linear weights from `weights`, else (with `allocate`) views of
         one buffer of the largest; a key that would need new weight memory without `allocate` is skipped."""
         calls: list[tuple[Key, Callable[[], Any]]] = []
-        linear = [key for key in keys if key[0] == "linear"]
-        borrowed = {key: self.weights(key[2] * key[3], self._torch_dtype) if self.weights else None for key in linear}
-        need = max((key[2] * key[3] for key in linear if borrowed[key] is None), default=0)
-        # One buffer for every weight not borrowed (its largest: an LM head's, 0.5 GB in float32).
+        values = {key: _weight_values(key) for key in keys}
+        borrowed = {key: self.weights(count, self._torch_dtype) if self.weights else None
+                    for key, count in values.items() if count}
+        need = max((count for key, count in values.items() if count and borrowed[key] is None), default=0)
+        # One buffer for every weight not borrowed (its largest: an LM head's, 0.5 GB in float32; a sparse
+        # layer's experts').
         buffer = self._tensor(need) if allocate and need else None
         for key in keys:
             kind, *shape = key
-            if kind == "linear":
-                tokens, inner, outer = shape
+            weight = None
+            if values[key]:
                 weight = borrowed[key] if borrowed[key] is not None else buffer
                 if weight is None:
                     continue
+                weight = weight.reshape(-1)[:values[key]]
+            if kind == "linear":
+                tokens, inner, outer = shape
+                assert weight is not None
                 # nn.Linear's layout: the weight is (out, in), multiplied transposed.
                 calls.append((key, functools.partial(torch.nn.functional.linear, self._tensor(tokens, inner),
-                                                     weight.reshape(-1)[:inner * outer].view(outer, inner))))
+                                                     weight.view(outer, inner))))
+            elif kind in KERNELS:
+                calls.append((key, KERNELS[kind].call(self, tuple(shape), weight)))
             elif kind == "attention":
                 heads, tokens, head_dim, causal = shape
                 q, k, v = (self._tensor(1, heads, tokens, head_dim) for _ in range(3))
@@ -203,11 +351,14 @@ class MeasuredRates:
                     seconds[key] = time.perf_counter() - begin
                 self._passes.append(seconds)
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
-        """Time every linear (tokens, in, out) and attention (heads, tokens, head width, causal) shape
-        not measured yet, with the memory bandwidth (and with `convert`, the upcast layout's convert
-        rate): `passes` round-robin passes after an untimed one."""
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
+                kernels: Mapping[Key, float] | None = None) -> None:
+        """Time every linear (tokens, in, out) and attention (heads, tokens, head width, causal) shape and
+        every kernel key (KERNELS; each with the FLOPs it prices) not measured yet, with the memory
+        bandwidth (and with `convert`, the upcast layout's convert rate): `passes` round-robin passes after
+        an untimed one."""
         work: dict[Key, float] = {("bandwidth",): 2 * BANDWIDTH_VALUES * 2}  # a copy moves each byte twice
+        work.update(kernels or {})
         if convert:
             work[("convert",)] = CONVERT_VALUES * self._torch_dtype.itemsize
         for tokens, inner, outer in linear:
@@ -222,8 +373,9 @@ class MeasuredRates:
 
     def sample(self, passes: int = 1) -> None:
         """`passes` more passes over every shape measured so far. One pass (between a row's timed runs)
-        times only what needs no new memory: linear shapes on the model's own weights, attention
-        (activations no larger than the prefill's own); several (after the runs) time everything."""
+        times only what needs no new memory: linear shapes and kernels on the model's own weights, attention
+        and the kernels that read none (activations no larger than the prefill's own); several (after the
+        runs) time everything."""
         if self._work:
             allocate = passes > 1
             self._run_passes(sorted(self._work, key=str), passes, allocate=allocate, warm_up=allocate)
@@ -266,6 +418,11 @@ class MeasuredRates:
         self.measure(attention=[(heads, tokens, head_dim, causal)])
         return self._rate(("attention", heads, tokens, head_dim, causal))
 
+    def kernel_flops_per_s(self, key: Key) -> float:
+        """FLOP/s (the accountant's FLOPs of the op it computes) of a kernel key (KERNELS), measured with
+        `measure` (which is told its FLOPs)."""
+        return self._rate(key)
+
 
 @dataclass(frozen=True)
 class PassRates:
@@ -293,7 +450,8 @@ class PassRates:
     def convert_bytes_per_s(self) -> float:
         return self._at(("convert",))
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
+                kernels: Mapping[Key, float] | None = None) -> None:
         """Nothing new is measured at a past pass."""
 
     def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float:
@@ -301,6 +459,9 @@ class PassRates:
 
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float:
         return self._at(("attention", heads, tokens, head_dim, causal))
+
+    def kernel_flops_per_s(self, key: Key) -> float:
+        return self._at(key)
 
 
 # Small ops dispatched per forward, per layer and per reducing layer: estimate.py's CALIBRATION.
@@ -482,6 +643,42 @@ def _attention_shape(arch: Architecture, plan: Any, op: Op) -> tuple[int, int, i
     return heads, tokens, head_dim, not vision
 
 
+# The Qwen towers: a Conv3d patch embedding over one patch per batch row, rotary in float32 and SDPA per image.
+QWEN_TOWERS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Ops whose work runs inside another op's timed kernel: the reachable experts' weights are read by the grouped
+# matmuls, the DeltaNet convolution's activation is applied inside its call.
+INSIDE_KERNELS = ("experts_weights", "conv_act")
+
+
+def _kernel_key(arch: Architecture, plan: Any, op: Op, batch: int) -> Key | None:
+    """The kernel (KERNELS) that times `op` as the model runs it, or None (a linear, SDPA or bytes)."""
+    v, d = arch.vision, arch.decoder
+    if op.stage == "vision" and v.kind in QWEN_TOWERS:
+        if op.name == "patch_embed":
+            return ("patch_conv3d", op.macs // op.weight_elems, v.channels, v.temporal_patch, v.patch_size, v.hidden)
+        # A windowed layer (Qwen2.5-VL's) attends per window: its SDPA keeps the whole-sequence pricing.
+        if op.name == "qk" and not v.windowed(op.layer):
+            return ("tower_attention", plan.vision[op.layer][0], batch * plan.vision_items, v.heads,
+                    v.hidden // v.heads, v.kind)
+    if op.stage != "llm":
+        return None
+    if op.name in ("experts_gate_up", "experts_down") and d.moe is not None:
+        rows, inner, outer = _linear_shape(arch, op)
+        return ("grouped_mm", rows, d.moe.experts, inner, outer)
+    linear = d.linear
+    if linear is not None and op.name == "delta_rule":
+        return ("delta_rule", plan.llm[op.layer][0], batch, linear.key_heads, linear.value_heads,
+                linear.key_head_dim, linear.value_head_dim)
+    if linear is not None and op.name == "conv1d":
+        return ("causal_conv1d", plan.llm[op.layer][0], batch, linear.conv_dim, linear.conv_kernel)
+    return None
+
+
+def _kernel_flops(key: Key, op: Op) -> float:
+    """The accountant's FLOPs of the op a kernel key prices."""
+    return KERNELS[key[0]].flops_per_mac * op.macs
+
+
 def _op_bytes(op: Op, weight_bytes: float, act_bytes: float) -> float:
     return op.weight_elems * weight_bytes + (op.act_load + op.act_store + op.kv_load + op.kv_store) * act_bytes
 
@@ -542,25 +739,37 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     plan = cost.plan
     ops = model_ops(arch, plan, batch=batch, lm_head_tokens="last")
     act_bytes = compute_bits / 8
-    parts = dict.fromkeys(("linear", "attention", "memory", "upcast", "method", "probe", "dispatch"), 0.0)
+    parts = dict.fromkeys(("linear", "attention", "linear_attention", "memory", "upcast", "method", "probe",
+                           "dispatch"), 0.0)
     share = QUANT_MATMUL_SHARE.get(quant, 1.0)
     # The shapes first, so that every rate the row needs is measured in one probe (MeasuredRates.measure).
-    linear = {id(op): _linear_shape(arch, op) for op in ops if op.macs and op.weight_elems}
+    kernels = {id(op): key for op in ops if (key := _kernel_key(arch, plan, op, batch)) is not None}
+    linear = {id(op): _linear_shape(arch, op) for op in ops if op.macs and op.weight_elems and id(op) not in kernels}
     attention = {id(op): _attention_shape(arch, plan, op) for op in ops
-                 if op.name == "qk" and op.macs and not op.weight_elems}
+                 if op.name == "qk" and op.macs and not op.weight_elems and id(op) not in kernels}
+    kernel_flops = {kernels[id(op)]: _kernel_flops(kernels[id(op)], op) for op in ops if id(op) in kernels}
     method_flops = cost.method_tflops * 1e12
     # The method's similarity and scoring matrices: a (tokens x hidden) by (hidden x tokens) product.
     method_tokens = max(plan.llm_visual_tokens, 1)
     method_shape = (method_tokens, arch.decoder.hidden, method_tokens)
     linear_grid = _TokenGrid(list(linear.values()) + ([method_shape] if method_flops else []), position=0)
     attention_grid = _TokenGrid(list(attention.values()), position=1)
-    rates.measure(linear=linear_grid.timed, attention=attention_grid.timed, convert=bool(upcast_layers))
+    kernel_grid = _TokenGrid(list(kernel_flops), position=1)
+    rates.measure(linear=linear_grid.timed, attention=attention_grid.timed, convert=bool(upcast_layers),
+                  kernels={key: kernel_flops[key] for key in kernel_grid.timed})
     linear_rate = functools.partial(linear_grid.rate, rates.linear_flops_per_s)
     attention_rate = functools.partial(attention_grid.rate, rates.attention_flops_per_s)
+    kernel_rate = functools.partial(kernel_grid.rate, lambda *key: rates.kernel_flops_per_s(key))
     upcast_elems = 0
     for op in ops:
         memory_s = _op_bytes(op, act_bytes, act_bytes) / rates.bandwidth_bytes_per_s
-        if id(op) in linear:
+        if id(op) in kernels:
+            # The call the model makes for this op, timed at its shapes (KERNELS).
+            key = kernels[id(op)]
+            parts[KERNELS[key[0]].part] += _kernel_flops(key, op) / kernel_rate(key)
+        elif op.name in INSIDE_KERNELS:
+            continue
+        elif id(op) in linear:
             compute_s = 2 * op.macs / (linear_rate(linear[id(op)]) * share)
             parts["linear"] += max(compute_s, memory_s)
             if op.stage == "llm" and op.layer is not None and op.layer < upcast_layers:
@@ -586,11 +795,12 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
 @dataclass
 class ProbeShapes:
     """What a row's rate probe (MeasuredRates) times in each pass: its linear (tokens, in, out) and
-    attention (heads, tokens, head width, causal) shapes, the bandwidth copy, and the convert copy of an
-    upcast layout."""
+    attention (heads, tokens, head width, causal) shapes, its kernel keys (KERNELS) with the FLOPs each
+    prices, the bandwidth copy, and the convert copy of an upcast layout."""
 
     linear: list[tuple[int, int, int]] = field(default_factory=list)
     attention: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    kernels: dict[Key, float] = field(default_factory=dict)
     convert: bool = False
     # ShapeRates' fields, so that predict_prefill can run on a recorder: it prices nothing.
     dtype: str = "float32"
@@ -598,10 +808,12 @@ class ProbeShapes:
     convert_bytes_per_s: float = 1.0
     small_op_s: float = 0.0
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False) -> None:
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
+                kernels: Mapping[Key, float] | None = None) -> None:
         """Remember the shapes asked for (nothing is timed)."""
         self.linear += [shape for shape in linear if shape not in self.linear]
         self.attention += [shape for shape in attention if shape not in self.attention]
+        self.kernels.update(kernels or {})
         self.convert = self.convert or convert
 
     def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float:
@@ -610,15 +822,20 @@ class ProbeShapes:
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float:
         return 1.0
 
+    def kernel_flops_per_s(self, key: Key) -> float:
+        return 1.0
+
     @property
     def calls(self) -> int:
-        """Timed calls per pass: every shape, the bandwidth copy and the convert copy."""
-        return len(self.linear) + len(self.attention) + 1 + int(self.convert)
+        """Timed calls per pass: every shape and kernel, the bandwidth copy and the convert copy."""
+        return len(self.linear) + len(self.attention) + len(self.kernels) + 1 + int(self.convert)
 
     def pass_flops(self) -> float:
-        """FLOPs of one pass (MeasuredRates.measure's count of each shape's work)."""
+        """FLOPs of one pass at a matmul's rate: MeasuredRates.measure's count of each shape's work, a kernel's
+        over the share of a matmul's rate it runs at (`Kernel.matmul_share`)."""
         return (sum(2 * t * i * o for t, i, o in self.linear)
-                + sum(4 * h * t * t * d for h, t, d, _ in self.attention))
+                + sum(4 * h * t * t * d for h, t, d, _ in self.attention)
+                + sum(flops / KERNELS[key[0]].matmul_share for key, flops in self.kernels.items()))
 
     def pass_bytes(self, compute_bits: int = 16) -> float:
         """Bytes one pass moves in its copies: 64 MiB read and written, and an upcast layout's 7B MLP
