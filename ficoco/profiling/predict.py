@@ -173,8 +173,11 @@ def _delta_rule_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch
     from ficoco.models import hf_compat as hf
 
     tokens, batch, key_heads, value_heads, key_dim, value_dim = shape
-    query, key = (rates._tensor(batch, tokens, key_heads, key_dim) for _ in range(2))
-    value = rates._tensor(batch, tokens, value_heads, value_dim)
+    # q, k and v as the layer hands them: strided views of its convolution's (B, T, q | k | v) output.
+    widths = [key_heads * key_dim, key_heads * key_dim, value_heads * value_dim]
+    mixed = rates._tensor(batch, tokens, sum(widths))
+    query, key, value = (part.reshape(batch, tokens, -1, width) for part, width in
+                         zip(mixed.split(widths, dim=-1), (key_dim, key_dim, value_dim), strict=True))
     # As the layer makes them: beta a sigmoid in the compute dtype, the decay g <= 0 in float32.
     beta = torch.sigmoid(rates._tensor(batch, tokens, value_heads))
     decay = -torch.nn.functional.softplus(rates._tensor(batch, tokens, value_heads, kind=torch.float32))
