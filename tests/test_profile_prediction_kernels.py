@@ -24,6 +24,17 @@ def _ops(arch, batch: int = 1):
     return model_ops(arch, plan_tokens(arch, VANILLA, text_tokens=TEXT), batch=batch, lm_head_tokens="last")
 
 
+# The decoder's elementwise ops a kernel prices (its call timed), and those whose work runs inside another's call.
+ELEMENTWISE_KERNEL_OPS = ("input_norm", "post_attn_norm", "q_norm", "k_norm", "mlp_act", "experts_act", "gated_norm")
+INSIDE_OTHER_CALLS = ("experts_weights", "conv_act", "softmax")
+
+
+def _memory_bytes(ops) -> float:
+    """Bytes of the ops still priced at the memory bandwidth: elementwise, neither a kernel nor inside one."""
+    return sum(predict._op_bytes(op, 2, 2) for op in ops if not op.macs and op.name not in INSIDE_OTHER_CALLS
+               and not (op.stage == "llm" and op.name in ELEMENTWISE_KERNEL_OPS))
+
+
 def _rates(bandwidth: float = FREE, **kernels: float) -> TableRates:
     """Everything free but the kernels named (kind=FLOP/s) and memory at `bandwidth`."""
     return TableRates(dtype="bfloat16", flops_per_s_by_tokens={1: FREE}, bandwidth_bytes_per_s=bandwidth,
@@ -41,11 +52,8 @@ def test_a_sparse_layers_experts_are_priced_at_the_grouped_matmul_rate_of_their_
     # The reachable experts' weights are read inside those calls: no bytes of their own.
     weights = sum(op.weight_elems for op in ops if op.name == "experts_weights")
     assert weights > 0
-    slow_memory = _rates(bandwidth=1e9, grouped_mm=FREE)
-    elementwise = sum(predict._op_bytes(op, 2, 2) for op in ops
-                      if not op.macs and op.name not in ("experts_weights", "softmax"))
-    assert predict_prefill(arch, VANILLA, slow_memory, text_tokens=TEXT).parts_s["memory"] == pytest.approx(
-        elementwise / 1e9, rel=1e-9)
+    memory = predict_prefill(arch, VANILLA, _rates(bandwidth=1e9), text_tokens=TEXT).parts_s["memory"]
+    assert memory == pytest.approx(_memory_bytes(ops) / 1e9, rel=1e-9)
 
 
 def test_the_probe_times_the_experts_rows_split_over_every_expert_at_each_matrix():
@@ -75,10 +83,9 @@ def test_a_deltanet_layer_is_priced_at_its_delta_rule_and_convolution_rates():
     prediction = predict_prefill(arch, VANILLA, _rates(delta_rule=1e9, causal_conv1d=2e8), text_tokens=TEXT)
     expected_s = sum(2 * op.macs for op in rules) / 1e9 + sum(2 * op.macs for op in convolutions) / 2e8
     assert prediction.parts_s["linear_attention"] == pytest.approx(expected_s, rel=1e-9)
-    # The convolution's activation runs inside its call; the gated norm is elementwise as before.
-    ops_in_memory = [op for op in ops if not op.macs and op.name not in ("conv_act", "softmax")]
+    # The convolution's activation runs inside its call.
     memory = predict_prefill(arch, VANILLA, _rates(bandwidth=1e9), text_tokens=TEXT).parts_s["memory"]
-    assert memory == pytest.approx(sum(predict._op_bytes(op, 2, 2) for op in ops_in_memory) / 1e9, rel=1e-9)
+    assert memory == pytest.approx(_memory_bytes(ops) / 1e9, rel=1e-9)
     tokens = plan_tokens(arch, VANILLA, text_tokens=TEXT).llm[0][0]
     shapes = rate_probe_shapes(arch, VANILLA, text_tokens=TEXT)
     assert {key for key in shapes.kernels if key[0] in ("delta_rule", "causal_conv1d")} == {
@@ -107,12 +114,36 @@ def test_a_qwen_towers_attention_is_priced_per_image_at_its_own_rate_and_its_pat
     assert prediction.parts_s["linear"] == pytest.approx(2 * patch.macs / 5e8, rel=1e-9)
 
 
+def test_a_decoders_norms_and_gated_activation_are_priced_at_their_elements_rates():
+    """Every family's: the RMSNorms (float32 inside) at tokens x hidden, the per-head q/k norms at their rows,
+    silu(gate) * up at tokens x the FFN width (the accountant's record sizes its load by the hidden width)."""
+    arch = architecture(load_profile("qwen3-vl-tiny"))
+    d = arch.decoder
+    tokens = plan_tokens(arch, VANILLA, text_tokens=TEXT).llm[0][0]
+    shapes = rate_probe_shapes(arch, VANILLA, text_tokens=TEXT)
+    assert {key for key in shapes.kernels if key[0] in ("rms_norm", "gated_act")} == {
+        ("rms_norm", tokens, d.hidden), ("rms_norm", tokens * d.heads, d.head_dim),
+        ("rms_norm", tokens * d.kv_heads, d.head_dim), ("gated_act", tokens, d.ffn)}
+    prediction = predict_prefill(arch, VANILLA, _rates(rms_norm=1e9, gated_act=2e9), text_tokens=TEXT)
+    norms = 2 * tokens * d.hidden + tokens * (d.heads + d.kv_heads) * d.head_dim  # per layer
+    assert prediction.parts_s["elementwise"] == pytest.approx(
+        d.layers * (norms / 1e9 + tokens * d.ffn / 2e9), rel=1e-9)
+    deltanet = architecture(load_profile("qwen3.5-tiny"))
+    linear = deltanet.decoder.linear
+    kernels = rate_probe_shapes(deltanet, VANILLA, text_tokens=TEXT).kernels
+    gated = {key for key in kernels if key[0] == "gated_rms_norm"}
+    assert gated == {("gated_rms_norm", tokens * linear.value_heads, linear.value_head_dim)}
+
+
 @pytest.mark.parametrize("profile", ["llava-tiny", "internvl3-tiny", "llava-onevision-tiny"])
-def test_the_other_families_ask_for_no_kernel_and_price_as_before(profile):
+def test_the_other_families_matmuls_and_attention_price_as_before(profile):
+    """Beside the decoder's norms and activation, LLaVA's and InternVL's families ask for no kernel: every
+    matmul and SDPA call at the rates of its shapes, as before."""
     arch = architecture(load_profile(profile))
-    assert rate_probe_shapes(arch, VANILLA, text_tokens=TEXT).kernels == {}
+    kinds = {key[0] for key in rate_probe_shapes(arch, VANILLA, text_tokens=TEXT).kernels}
+    assert kinds == {"rms_norm", "gated_act"}
     rates = TableRates(dtype="float32", flops_per_s_by_tokens={2: 1e9}, bandwidth_bytes_per_s=1e30,
-                       kernels_by_tokens={kind: {1: 1.0} for kind in KERNELS})  # would dominate if used
+                       kernels_by_tokens={kind: {1: FREE} for kind in kinds})
     flops = sum(2 * op.macs for op in _ops(arch))
     assert predict_prefill(arch, VANILLA, rates, text_tokens=TEXT, compute_bits=32).total_s == pytest.approx(
         flops / 1e9, rel=1e-9)
@@ -127,11 +158,11 @@ def test_a_windowed_tower_layer_keeps_the_sequence_pricing_and_a_full_one_is_per
     assert any(heads == v.heads for heads, *_ in shapes.attention)  # the windowed layers' SDPA rate
 
 
-def test_the_time_estimate_counts_a_kernel_at_the_share_of_a_matmuls_rate_it_runs_at():
+def test_the_time_estimate_counts_a_kernel_as_the_flops_a_matmul_does_in_its_time():
     arch = architecture(load_profile("qwen3.5-tiny"))
     shapes = rate_probe_shapes(arch, VANILLA, text_tokens=TEXT)
     plain = predict.ProbeShapes(linear=shapes.linear, attention=shapes.attention)
-    kernels = sum(flops / KERNELS[key[0]].matmul_share for key, flops in shapes.kernels.items())
+    kernels = sum(work * KERNELS[key[0]].matmul_flops_per_work for key, work in shapes.kernels.items())
     assert shapes.pass_flops() == pytest.approx(plain.pass_flops() + kernels)
     assert shapes.calls == plain.calls + len(shapes.kernels)
 
@@ -143,14 +174,16 @@ def test_every_kernel_runs_on_the_probe_and_a_pass_between_runs_borrows_its_weig
     experts = torch.nn.Parameter(torch.randn(2, 8, 8))  # 2 experts' (out 8, in 8) matrices
     conv = torch.nn.Parameter(torch.randn(12, 1, 4))
     patch = torch.nn.Parameter(torch.randn(8, 3, 2, 2, 2))
-    model = torch.nn.ParameterList([experts, conv, patch])
+    norm = torch.nn.Parameter(torch.ones(16))
+    model = torch.nn.ParameterList([experts, conv, patch, norm])
     keys = {("grouped_mm", 8, 2, 8, 8): 1024.0, ("delta_rule", 5, 1, 2, 2, 4, 4): 100.0,
             ("causal_conv1d", 5, 1, 12, 4): 50.0, ("patch_conv3d", 6, 3, 2, 2, 8): 1152.0,
-            ("tower_attention", 4, 2, 2, 4, "qwen3_vl"): 512.0}
+            ("tower_attention", 4, 2, 2, 4, "qwen3_vl"): 512.0, ("rms_norm", 5, 16): 80.0,
+            ("gated_rms_norm", 10, 16): 160.0, ("gated_act", 5, 24): 120.0}
     assert set(keys) == {key for key in keys if key[0] in KERNELS} and {key[0] for key in keys} == set(KERNELS)
     rates = predict.MeasuredRates("float32", weights=predict.model_weights(model))
     rates.measure(kernels=keys)
-    assert all(rates.kernel_flops_per_s(key) > 0 for key in keys)
+    assert all(rates.kernel_work_per_s(key) > 0 for key in keys)
     requested: list[tuple[int, ...]] = []
     original = predict.MeasuredRates._tensor
 
@@ -161,5 +194,5 @@ def test_every_kernel_runs_on_the_probe_and_a_pass_between_runs_borrows_its_weig
     monkeypatch.setattr(predict.MeasuredRates, "_tensor", tensor)
     rates.sample()
     assert set(rates._passes[-1]) == set(keys)  # every kernel borrowed its weight or reads none
-    weight_sizes = {experts.numel(), conv.numel(), patch.numel()}
+    weight_sizes = {experts.numel(), conv.numel(), patch.numel(), norm.numel()}
     assert not any(len(shape) == 1 and shape[0] in weight_sizes for shape in requested)

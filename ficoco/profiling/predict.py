@@ -53,11 +53,11 @@ QUANT_MATMUL_SHARE = {"fp16": 1.0, "int8": 0.4, "int4": 0.12}
 
 
 class ShapeRates(Protocol):
-    """The speeds a prediction needs: matmul and attention FLOP/s at a shape, the FLOP/s of a family's
-    own kernel at a key (`KERNELS`: what the model runs beyond nn.Linear and SDPA, priced at the
-    accountant's FLOPs of the op it computes), memory bandwidth (bytes moved, read and written, per
-    second), the convert rate of an upcast layout (bytes of the compute dtype written per second), the
-    time of one small op."""
+    """The speeds a prediction needs: matmul and attention FLOP/s at a shape, the work per second of a
+    family's own kernel at a key (`KERNELS`: what the model runs beyond nn.Linear and SDPA; work: the
+    accountant's FLOPs of the op it computes, or an elementwise op's elements), memory bandwidth (bytes
+    moved, read and written, per second), the convert rate of an upcast layout (bytes of the compute dtype
+    written per second), the time of one small op."""
 
     dtype: str
     bandwidth_bytes_per_s: float
@@ -71,14 +71,15 @@ class ShapeRates(Protocol):
 
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float: ...
 
-    def kernel_flops_per_s(self, key: Key) -> float: ...
+    def kernel_work_per_s(self, key: Key) -> float: ...
 
 
 @dataclass(frozen=True)
 class TableRates:
     """Rates given, not measured: FLOP/s by token count (the nearest count given wins, ties to
-    the smaller), the same table for matmuls, attention and kernels unless `attention_by_tokens` or
-    `kernels_by_tokens` (by kernel kind, "grouped_mm", "delta_rule", ...: `KERNELS`) is given."""
+    the smaller), the same table for matmuls, attention and kernels (work per second) unless
+    `attention_by_tokens` or `kernels_by_tokens` (by kernel kind, "grouped_mm", "delta_rule", ...:
+    `KERNELS`; by the key's token or row count) is given."""
 
     dtype: str
     flops_per_s_by_tokens: dict[int, float]
@@ -104,7 +105,7 @@ class TableRates:
         """The attention table's rate (else the matmul table's) at the count nearest `tokens`."""
         return self._nearest(self.attention_by_tokens or self.flops_per_s_by_tokens, tokens)
 
-    def kernel_flops_per_s(self, key: Key) -> float:
+    def kernel_work_per_s(self, key: Key) -> float:
         """The kind's table (else the matmul table) at the count nearest the key's token count."""
         table = (self.kernels_by_tokens or {}).get(key[0], self.flops_per_s_by_tokens)
         return self._nearest(table, key[1])
@@ -126,7 +127,7 @@ WeightSource = Callable[[int, torch.dtype], "torch.Tensor | None"]
 
 # ---- what a family runs beyond nn.Linear and SDPA, timed as the model runs it -------------------------------------
 #
-# On a CPU these layers do not run at a dense matmul's rate, nor at the memory bandwidth their bytes suggest
+# On a CPU these ops run neither at a dense matmul's rate nor at the memory bandwidth their bytes suggest
 # (measured on a 2-core AMX Xeon in bf16, transformers 5.24):
 # - a sparse layer's experts (Qwen3-VL-MoE): transformers' default "grouped_mm" experts sort the n x top_k token
 #   rows by expert and run torch's grouped_mm over every expert's weights, on CPU one small matmul per expert
@@ -137,24 +138,34 @@ WeightSource = Callable[[int, torch.dtype], "torch.Tensor | None"]
 # - the Qwen towers' patch embedding: a Conv3d whose kernel is its stride, one patch per batch row: oneDNN runs
 #   it 30 times slower than the same product as a linear, which the accountant counts;
 # - the Qwen towers' attention: rotary applied to q and k in float32 (casts and strided copies of every
-#   token's states: as long as the SDPA call), then SDPA per image (cu_seqlens; one call per image, or frame).
+#   token's states: as long as the SDPA call), then SDPA per image (cu_seqlens; one call per image, or frame);
+# - a decoder's RMSNorms (every family's: float32 inside, 5 passes over the states, 10 times the bytes of
+#   one) and its gated activation silu(gate) * up (over tokens x the FFN width, where the accountant's
+#   LLM-Viewer record sizes it by the hidden width): together about a tenth of a 7B decoder layer.
 # Each kind is timed by the call the model makes, at the row's shapes (transformers' own delta rule, convolution
-# and rotary through models/hf_compat.py), and prices the op it computes at the accountant's FLOPs of that op over
-# the call's time, so that a token count between the timed ones reads the rate between them.
+# and rotary through models/hf_compat.py; the norms' and the activation's few torch calls as transformers
+# writes them), and prices the op it computes: a matrix kernel at the accountant's FLOPs of that op over the
+# call's time, an elementwise one at its elements, so that a count between the timed ones reads the rate
+# between them.
 
 @dataclass(frozen=True)
 class Kernel:
-    """One kind of call the rate probe times (a key: the kind, the token count, then its widths): the values of
-    the weight it reads (borrowed from the model between runs; 0: none), the call, the prediction's part, and the
-    accountant's FLOPs per MAC of the op it prices (4 for a layer's attention: its qk op stands for qk and sv)."""
+    """One kind of call the rate probe times (a key: the kind, the token or row count, then its widths): the
+    values of the weight it reads (borrowed from the model between runs; 0: none), the call, the prediction's
+    part, and the work of the op it prices (the rate's unit): by default the accountant's FLOPs of the op."""
 
     weight_values: Callable[[tuple[int, ...]], int]
     call: Callable[[MeasuredRates, tuple[int, ...], torch.Tensor | None], Callable[[], Any]]
     part: str
-    # The share of a large bf16 matmul's rate its FLOPs run at (on the 2-core AMX Xeon, at the 2026 backbones'
-    # shapes): what the time estimate counts a probe pass's kernels at, before anything is measured.
-    matmul_share: float
-    flops_per_mac: int = 2
+    # What a large bf16 matmul does (FLOPs) in the time one unit of work takes here (the 2-core AMX Xeon, at the
+    # 2026 backbones' shapes): what the time estimate counts a probe pass's kernels at, before anything is timed.
+    matmul_flops_per_work: float
+    work: Callable[[Key, Op], float] = lambda key, op: 2 * op.macs
+
+
+def _elements(key: Key, op: Op) -> float:
+    """An elementwise key's work: rows x width."""
+    return key[1] * key[2]
 
 
 def _grouped_mm_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
@@ -231,17 +242,60 @@ def _tower_attention_call(rates: MeasuredRates, shape: tuple[int, ...], weight: 
     return call
 
 
+def _rms_norm_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
+    rows, width = shape
+    assert weight is not None
+    states = rates._tensor(rows, width)
+
+    def call() -> torch.Tensor:  # LlamaRMSNorm.forward; Qwen2's, Qwen3's and Qwen3.5's make the same passes
+        hidden = states.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return weight * hidden.to(states.dtype)
+
+    return call
+
+
+def _gated_rms_norm_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None
+                         ) -> Callable[[], Any]:
+    rows, width = shape
+    assert weight is not None
+    states, gate = rates._tensor(rows, width), rates._tensor(rows, width)
+
+    def call() -> torch.Tensor:  # Qwen3_5RMSNormGated.forward: the DeltaNet output normed, gated by silu(z)
+        hidden = states.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+        hidden = weight * hidden.to(states.dtype)
+        return (hidden * torch.nn.functional.silu(gate.to(torch.float32))).to(states.dtype)
+
+    return call
+
+
+def _gated_act_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
+    rows, width = shape
+    gate, up = rates._tensor(rows, width), rates._tensor(rows, width)
+    # The decoders' MLP (LLaMA's, Qwen's: silu) between gate_proj and up_proj, and a sparse layer's experts.
+    return lambda: torch.nn.functional.silu(gate) * up
+
+
 # Keys: ("grouped_mm", rows, experts, in, out), ("delta_rule", tokens, batch, key heads, value heads, key width,
 # value width), ("causal_conv1d", tokens, batch, channels, kernel), ("patch_conv3d", patches, channels, temporal
-# patch, patch, hidden), ("tower_attention", tokens per item, items, heads, head width, tower kind).
+# patch, patch, hidden), ("tower_attention", tokens per item, items, heads, head width, tower kind), and the
+# elementwise ("rms_norm", rows, width), ("gated_rms_norm", rows, width), ("gated_act", rows, width).
 KERNELS: dict[str, Kernel] = {
-    "grouped_mm": Kernel(lambda shape: shape[1] * shape[2] * shape[3], _grouped_mm_call, "linear", matmul_share=0.15),
-    "delta_rule": Kernel(lambda shape: 0, _delta_rule_call, "linear_attention", matmul_share=0.015),
+    "grouped_mm": Kernel(lambda shape: shape[1] * shape[2] * shape[3], _grouped_mm_call, "linear",
+                         matmul_flops_per_work=7),
+    "delta_rule": Kernel(lambda shape: 0, _delta_rule_call, "linear_attention", matmul_flops_per_work=70),
     "causal_conv1d": Kernel(lambda shape: shape[2] * shape[3], _causal_conv1d_call, "linear_attention",
-                            matmul_share=0.002),
+                            matmul_flops_per_work=500),
     "patch_conv3d": Kernel(lambda shape: shape[4] * shape[1] * shape[2] * shape[3] ** 2, _patch_conv3d_call, "linear",
-                           matmul_share=0.02),
-    "tower_attention": Kernel(lambda shape: 0, _tower_attention_call, "attention", matmul_share=0.2, flops_per_mac=4),
+                           matmul_flops_per_work=50),
+    "tower_attention": Kernel(lambda shape: 0, _tower_attention_call, "attention", matmul_flops_per_work=5,
+                              work=lambda key, op: 4 * op.macs),  # the qk op stands for qk and sv
+    "rms_norm": Kernel(lambda shape: shape[1], _rms_norm_call, "elementwise", matmul_flops_per_work=2000,
+                       work=_elements),
+    "gated_rms_norm": Kernel(lambda shape: shape[1], _gated_rms_norm_call, "elementwise",
+                             matmul_flops_per_work=3000, work=_elements),
+    "gated_act": Kernel(lambda shape: 0, _gated_act_call, "elementwise", matmul_flops_per_work=2000, work=_elements),
 }
 
 
@@ -357,7 +411,7 @@ class MeasuredRates:
     def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
                 kernels: Mapping[Key, float] | None = None) -> None:
         """Time every linear (tokens, in, out) and attention (heads, tokens, head width, causal) shape and
-        every kernel key (KERNELS; each with the FLOPs it prices) not measured yet, with the memory
+        every kernel key (KERNELS; each with the work it prices) not measured yet, with the memory
         bandwidth (and with `convert`, the upcast layout's convert rate): `passes` round-robin passes after
         an untimed one."""
         work: dict[Key, float] = {("bandwidth",): 2 * BANDWIDTH_VALUES * 2}  # a copy moves each byte twice
@@ -421,9 +475,9 @@ class MeasuredRates:
         self.measure(attention=[(heads, tokens, head_dim, causal)])
         return self._rate(("attention", heads, tokens, head_dim, causal))
 
-    def kernel_flops_per_s(self, key: Key) -> float:
-        """FLOP/s (the accountant's FLOPs of the op it computes) of a kernel key (KERNELS), measured with
-        `measure` (which is told its FLOPs)."""
+    def kernel_work_per_s(self, key: Key) -> float:
+        """Work per second (the accountant's FLOPs of the op it computes, or an elementwise op's elements) of
+        a kernel key (KERNELS), measured with `measure` (which is told its work)."""
         return self._rate(key)
 
 
@@ -463,7 +517,7 @@ class PassRates:
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float:
         return self._at(("attention", heads, tokens, head_dim, causal))
 
-    def kernel_flops_per_s(self, key: Key) -> float:
+    def kernel_work_per_s(self, key: Key) -> float:
         return self._at(key)
 
 
@@ -665,6 +719,14 @@ def _kernel_key(arch: Architecture, plan: Any, op: Op, batch: int) -> Key | None
                     v.hidden // v.heads, v.kind)
     if op.stage != "llm":
         return None
+    if op.name in ("input_norm", "post_attn_norm"):
+        return ("rms_norm", op.act_load // d.hidden, d.hidden)
+    if op.name in ("q_norm", "k_norm"):  # per head
+        return ("rms_norm", op.act_load // d.head_dim, d.head_dim)
+    if op.name == "mlp_act":  # gate and up are tokens x the FFN width (the record sizes the load by the hidden)
+        return ("gated_act", op.act_store // d.hidden, d.ffn)
+    if op.name == "experts_act" and d.moe is not None:
+        return ("gated_act", op.act_store // d.moe.ffn, d.moe.ffn)
     if op.name in ("experts_gate_up", "experts_down") and d.moe is not None:
         rows, inner, outer = _linear_shape(arch, op)
         return ("grouped_mm", rows, d.moe.experts, inner, outer)
@@ -674,12 +736,14 @@ def _kernel_key(arch: Architecture, plan: Any, op: Op, batch: int) -> Key | None
                 linear.key_head_dim, linear.value_head_dim)
     if linear is not None and op.name == "conv1d":
         return ("causal_conv1d", plan.llm[op.layer][0], batch, linear.conv_dim, linear.conv_kernel)
+    if linear is not None and op.name == "gated_norm":  # per value head, gated by z
+        return ("gated_rms_norm", op.act_store // linear.value_head_dim, linear.value_head_dim)
     return None
 
 
-def _kernel_flops(key: Key, op: Op) -> float:
-    """The accountant's FLOPs of the op a kernel key prices."""
-    return KERNELS[key[0]].flops_per_mac * op.macs
+def _kernel_work(key: Key, op: Op) -> float:
+    """The work of the op a kernel key prices, in the unit of its rate (KERNELS)."""
+    return KERNELS[key[0]].work(key, op)
 
 
 def _op_bytes(op: Op, weight_bytes: float, act_bytes: float) -> float:
@@ -742,34 +806,34 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     plan = cost.plan
     ops = model_ops(arch, plan, batch=batch, lm_head_tokens="last")
     act_bytes = compute_bits / 8
-    parts = dict.fromkeys(("linear", "attention", "linear_attention", "memory", "upcast", "method", "probe",
-                           "dispatch"), 0.0)
+    parts = dict.fromkeys(("linear", "attention", "linear_attention", "elementwise", "memory", "upcast", "method",
+                           "probe", "dispatch"), 0.0)
     share = QUANT_MATMUL_SHARE.get(quant, 1.0)
     # The shapes first, so that every rate the row needs is measured in one probe (MeasuredRates.measure).
     kernels = {id(op): key for op in ops if (key := _kernel_key(arch, plan, op, batch)) is not None}
     linear = {id(op): _linear_shape(arch, op) for op in ops if op.macs and op.weight_elems and id(op) not in kernels}
     attention = {id(op): _attention_shape(arch, plan, op) for op in ops
                  if op.name == "qk" and op.macs and not op.weight_elems and id(op) not in kernels}
-    kernel_flops = {kernels[id(op)]: _kernel_flops(kernels[id(op)], op) for op in ops if id(op) in kernels}
+    kernel_work = {kernels[id(op)]: _kernel_work(kernels[id(op)], op) for op in ops if id(op) in kernels}
     method_flops = cost.method_tflops * 1e12
     # The method's similarity and scoring matrices: a (tokens x hidden) by (hidden x tokens) product.
     method_tokens = max(plan.llm_visual_tokens, 1)
     method_shape = (method_tokens, arch.decoder.hidden, method_tokens)
     linear_grid = _TokenGrid(list(linear.values()) + ([method_shape] if method_flops else []), position=0)
     attention_grid = _TokenGrid(list(attention.values()), position=1)
-    kernel_grid = _TokenGrid(list(kernel_flops), position=1)
+    kernel_grid = _TokenGrid(list(kernel_work), position=1)
     rates.measure(linear=linear_grid.timed, attention=attention_grid.timed, convert=bool(upcast_layers),
-                  kernels={key: kernel_flops[key] for key in kernel_grid.timed})
+                  kernels={key: kernel_work[key] for key in kernel_grid.timed})
     linear_rate = functools.partial(linear_grid.rate, rates.linear_flops_per_s)
     attention_rate = functools.partial(attention_grid.rate, rates.attention_flops_per_s)
-    kernel_rate = functools.partial(kernel_grid.rate, lambda *key: rates.kernel_flops_per_s(key))
+    kernel_rate = functools.partial(kernel_grid.rate, lambda *key: rates.kernel_work_per_s(key))
     upcast_elems = 0
     for op in ops:
         memory_s = _op_bytes(op, act_bytes, act_bytes) / rates.bandwidth_bytes_per_s
         if id(op) in kernels:
             # The call the model makes for this op, timed at its shapes (KERNELS).
             key = kernels[id(op)]
-            parts[KERNELS[key[0]].part] += _kernel_flops(key, op) / kernel_rate(key)
+            parts[KERNELS[key[0]].part] += _kernel_work(key, op) / kernel_rate(key)
         elif op.name in INSIDE_KERNELS:
             continue
         elif id(op) in linear:
@@ -798,7 +862,7 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
 @dataclass
 class ProbeShapes:
     """What a row's rate probe (MeasuredRates) times in each pass: its linear (tokens, in, out) and
-    attention (heads, tokens, head width, causal) shapes, its kernel keys (KERNELS) with the FLOPs each
+    attention (heads, tokens, head width, causal) shapes, its kernel keys (KERNELS) with the work each
     prices, the bandwidth copy, and the convert copy of an upcast layout."""
 
     linear: list[tuple[int, int, int]] = field(default_factory=list)
@@ -825,7 +889,7 @@ class ProbeShapes:
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float:
         return 1.0
 
-    def kernel_flops_per_s(self, key: Key) -> float:
+    def kernel_work_per_s(self, key: Key) -> float:
         return 1.0
 
     @property
@@ -835,10 +899,10 @@ class ProbeShapes:
 
     def pass_flops(self) -> float:
         """FLOPs of one pass at a matmul's rate: MeasuredRates.measure's count of each shape's work, a kernel's
-        over the share of a matmul's rate it runs at (`Kernel.matmul_share`)."""
+        as the FLOPs a matmul does in its time (`Kernel.matmul_flops_per_work`)."""
         return (sum(2 * t * i * o for t, i, o in self.linear)
                 + sum(4 * h * t * t * d for h, t, d, _ in self.attention)
-                + sum(flops / KERNELS[key[0]].matmul_share for key, flops in self.kernels.items()))
+                + sum(work * KERNELS[key[0]].matmul_flops_per_work for key, work in self.kernels.items()))
 
     def pass_bytes(self, compute_bits: int = 16) -> float:
         """Bytes one pass moves in its copies: 64 MiB read and written, and an upcast layout's 7B MLP
