@@ -196,3 +196,27 @@ def test_every_kernel_runs_on_the_probe_and_a_pass_between_runs_borrows_its_weig
     assert set(rates._passes[-1]) == set(keys)  # every kernel borrowed its weight or reads none
     weight_sizes = {experts.numel(), conv.numel(), patch.numel(), norm.numel()}
     assert not any(len(shape) == 1 and shape[0] in weight_sizes for shape in requested)
+
+
+def test_a_call_the_device_cannot_make_leaves_its_ops_to_the_plain_pricing(monkeypatch):
+    """Where the model could not make a kernel's call either (grouped_mm below a GPU's SM80, a changed
+    transformers contact), the probe drops that key and the prediction prices the ops as before: the experts as
+    one matmul of their rows, the other reachable experts' weights as bytes."""
+    arch = architecture(load_profile("qwen3-vl-moe-tiny"))
+
+    def refuse(rates, shape, weight):
+        raise RuntimeError("grouped_mm: not on this device")
+
+    monkeypatch.setitem(KERNELS, "grouped_mm", predict.Kernel(
+        KERNELS["grouped_mm"].weight_values, refuse, "linear", matmul_flops_per_work=1))
+    rates = predict.MeasuredRates("float32")
+    prediction = predict_prefill(arch, VANILLA, rates, text_tokens=TEXT)
+    assert prediction.total_s > 0
+    assert {key[0] for key in rates._failed} == {"grouped_mm"}
+    assert not any(key[0] == "grouped_mm" for key in rates._work)
+    d, moe = arch.decoder, arch.decoder.moe
+    rows = plan_tokens(arch, VANILLA, text_tokens=TEXT).llm[0][0] * moe.top_k
+    assert ("linear", rows, d.hidden, 2 * moe.ffn) in rates._work  # the experts priced as one matmul again
+    memory = predict_prefill(arch, VANILLA, rates, text_tokens=TEXT).parts_s["memory"]
+    assert memory > predict_prefill(arch, VANILLA, _rates(bandwidth=rates.bandwidth_bytes_per_s),
+                                    text_tokens=TEXT).parts_s["memory"]  # the experts' weights as bytes

@@ -12,7 +12,11 @@ same weights, and an upcast layout converts the same weights whatever the tokens
                           activation bytes / memory bandwidth)
                   attention (qk, sv of a layer): its FLOPs / the rate of this machine's SDPA
                       (causal in the decoder) measured at its heads, tokens and head width
-                  elementwise (norms, activations, adds): bytes / memory bandwidth
+                  what a family runs beyond those (KERNELS: a sparse layer's experts, a Gated DeltaNet
+                      layer's delta rule and convolution, a Qwen tower's patch Conv3d and per-image
+                      attention, a decoder's norms and gated activation): its FLOPs or elements / the
+                      rate of the call the model makes, timed at its shapes
+                  elementwise (the other norms, activations, adds): bytes / memory bandwidth
               + upcast: the bytes an upcast layout converts per forward / the measured convert rate
               + the method's own work (the accountant's method terms) at the matmul rate of a
                 similarity matrix of its tokens
@@ -44,6 +48,7 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.flops import Op, model_ops
 from ficoco.accounting.memory import QUANT_BITS, Quant
 from ficoco.accounting.schedule import plan_tokens
+from ficoco.errors import FicocoError
 from ficoco.machine.compute_rate import small_op_s, synchronize
 
 # bitsandbytes on CPU computes INT8 through float16 and dequantizes NF4 weights on every call: its
@@ -72,6 +77,8 @@ class ShapeRates(Protocol):
     def attention_flops_per_s(self, heads: int, tokens: int, head_dim: int, causal: bool) -> float: ...
 
     def kernel_work_per_s(self, key: Key) -> float: ...
+
+    def kernel_available(self, key: Key) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,10 @@ class TableRates:
         """The kind's table (else the matmul table) at the count nearest the key's token count."""
         table = (self.kernels_by_tokens or {}).get(key[0], self.flops_per_s_by_tokens)
         return self._nearest(table, key[1])
+
+    def kernel_available(self, key: Key) -> bool:
+        """Every kernel has a rate here."""
+        return True
 
 
 # The rate probe's copies: 64 MiB of bfloat16 for the memory bandwidth, and for an upcast layout's
@@ -299,6 +310,11 @@ KERNELS: dict[str, Kernel] = {
 }
 
 
+# What a kernel's call raises where the model could not make it either (torch's errors, a changed transformers
+# contact): the probe drops that key and the prediction prices its ops the plain way.
+KERNEL_FAILURES = (RuntimeError, NotImplementedError, TypeError, ValueError, ImportError, AttributeError, FicocoError)
+
+
 def _weight_values(key: Key) -> int:
     """Values of the weight a key's call reads (0: none, or activations only)."""
     if key[0] == "linear":
@@ -331,6 +347,8 @@ class MeasuredRates:
     weights: WeightSource | None = None
     _work: dict[Key, float] = field(default_factory=dict, repr=False)
     _passes: list[dict[Key, float]] = field(default_factory=list, repr=False)
+    # Kernel keys whose call failed here (KERNELS), and why.
+    _failed: dict[Key, str] = field(default_factory=dict, repr=False)
 
     @property
     def _torch_dtype(self) -> torch.dtype:
@@ -374,7 +392,10 @@ class MeasuredRates:
                 calls.append((key, functools.partial(torch.nn.functional.linear, self._tensor(tokens, inner),
                                                      weight.view(outer, inner))))
             elif kind in KERNELS:
-                calls.append((key, KERNELS[kind].call(self, tuple(shape), weight)))
+                try:
+                    calls.append((key, KERNELS[kind].call(self, tuple(shape), weight)))
+                except KERNEL_FAILURES as exc:
+                    self._fail(key, exc)
             elif kind == "attention":
                 heads, tokens, head_dim, causal = shape
                 q, k, v = (self._tensor(1, heads, tokens, head_dim) for _ in range(3))
@@ -396,8 +417,14 @@ class MeasuredRates:
         device = torch.device(self.device)
         with torch.inference_mode():
             if warm_up:  # kernel choice, allocation
-                for _, call in calls:
-                    call()
+                for key, call in list(calls):
+                    try:
+                        call()
+                    except KERNEL_FAILURES as exc:
+                        if key[0] not in KERNELS:
+                            raise
+                        self._fail(key, exc)
+                        calls.remove((key, call))
             for _ in range(passes):
                 seconds: dict[Key, float] = {}
                 for key, call in calls:
@@ -423,10 +450,20 @@ class MeasuredRates:
         for heads, tokens, head_dim, causal in attention:
             # The accountant's count: scores and weighted values over the full square, causal or not.
             work[("attention", heads, tokens, head_dim, causal)] = 4 * heads * tokens * tokens * head_dim
-        new = sorted((key for key in work if key not in self._work), key=str)
+        new = sorted((key for key in work if key not in self._work and key not in self._failed), key=str)
         if new:
             self._work.update({key: work[key] for key in new})
             self._run_passes(new, self.passes, allocate=True, warm_up=True)
+
+    def _fail(self, key: Key, exc: BaseException) -> None:
+        # A call this device or release cannot make (grouped_mm below a GPU's SM80, a changed contact): the
+        # prediction prices its ops as matmuls, SDPA and bytes instead (kernel_available).
+        self._failed[key] = f"{type(exc).__name__}: {exc}"
+        self._work.pop(key, None)
+
+    def kernel_available(self, key: Key) -> bool:
+        """Whether a kernel key's call ran here (measured, or not asked yet)."""
+        return key not in self._failed
 
     def sample(self, passes: int = 1) -> None:
         """`passes` more passes over every shape measured so far. One pass (between a row's timed runs)
@@ -519,6 +556,9 @@ class PassRates:
 
     def kernel_work_per_s(self, key: Key) -> float:
         return self._at(key)
+
+    def kernel_available(self, key: Key) -> bool:
+        return self.rates.kernel_available(key)
 
 
 # Small ops dispatched per forward, per layer and per reducing layer: estimate.py's CALIBRATION.
@@ -702,9 +742,9 @@ def _attention_shape(arch: Architecture, plan: Any, op: Op) -> tuple[int, int, i
 
 # The Qwen towers: a Conv3d patch embedding over one patch per batch row, rotary in float32 and SDPA per image.
 QWEN_TOWERS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-# Ops whose work runs inside another op's timed kernel: the reachable experts' weights are read by the grouped
-# matmuls, the DeltaNet convolution's activation is applied inside its call.
-INSIDE_KERNELS = ("experts_weights", "conv_act")
+# Ops whose work runs inside another op's timed kernel (by the kernel's kind): the reachable experts' weights are
+# read by the grouped matmuls, the DeltaNet convolution's activation is applied inside its call.
+INSIDE_KERNELS = {"experts_weights": "grouped_mm", "conv_act": "causal_conv1d"}
 
 
 def _kernel_key(arch: Architecture, plan: Any, op: Op, batch: int) -> Key | None:
@@ -809,21 +849,32 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     parts = dict.fromkeys(("linear", "attention", "linear_attention", "elementwise", "memory", "upcast", "method",
                            "probe", "dispatch"), 0.0)
     share = QUANT_MATMUL_SHARE.get(quant, 1.0)
-    # The shapes first, so that every rate the row needs is measured in one probe (MeasuredRates.measure).
-    kernels = {id(op): key for op in ops if (key := _kernel_key(arch, plan, op, batch)) is not None}
-    linear = {id(op): _linear_shape(arch, op) for op in ops if op.macs and op.weight_elems and id(op) not in kernels}
-    attention = {id(op): _attention_shape(arch, plan, op) for op in ops
-                 if op.name == "qk" and op.macs and not op.weight_elems and id(op) not in kernels}
-    kernel_work = {kernels[id(op)]: _kernel_work(kernels[id(op)], op) for op in ops if id(op) in kernels}
     method_flops = cost.method_tflops * 1e12
     # The method's similarity and scoring matrices: a (tokens x hidden) by (hidden x tokens) product.
     method_tokens = max(plan.llm_visual_tokens, 1)
     method_shape = (method_tokens, arch.decoder.hidden, method_tokens)
-    linear_grid = _TokenGrid(list(linear.values()) + ([method_shape] if method_flops else []), position=0)
-    attention_grid = _TokenGrid(list(attention.values()), position=1)
-    kernel_grid = _TokenGrid(list(kernel_work), position=1)
-    rates.measure(linear=linear_grid.timed, attention=attention_grid.timed, convert=bool(upcast_layers),
-                  kernels={key: kernel_work[key] for key in kernel_grid.timed})
+    # The shapes first, so that every rate the row needs is measured in one probe (MeasuredRates.measure). A
+    # call this device cannot make (KERNELS: nor can the model, or it makes another) leaves its ops to the
+    # matmul, SDPA and bytes pricing, whose shapes are then measured too.
+    unavailable: set[str] = set()
+    while True:
+        kernels = {id(op): key for op in ops
+                   if (key := _kernel_key(arch, plan, op, batch)) is not None and key[0] not in unavailable}
+        linear = {id(op): _linear_shape(arch, op) for op in ops
+                  if op.macs and op.weight_elems and id(op) not in kernels}
+        attention = {id(op): _attention_shape(arch, plan, op) for op in ops
+                     if op.name == "qk" and op.macs and not op.weight_elems and id(op) not in kernels}
+        kernel_work = {kernels[id(op)]: _kernel_work(kernels[id(op)], op) for op in ops if id(op) in kernels}
+        linear_grid = _TokenGrid(list(linear.values()) + ([method_shape] if method_flops else []), position=0)
+        attention_grid = _TokenGrid(list(attention.values()), position=1)
+        kernel_grid = _TokenGrid(list(kernel_work), position=1)
+        rates.measure(linear=linear_grid.timed, attention=attention_grid.timed, convert=bool(upcast_layers),
+                      kernels={key: kernel_work[key] for key in kernel_grid.timed})
+        failed = {key[0] for key in kernel_grid.timed if not rates.kernel_available(key)}
+        if not failed:
+            break
+        unavailable |= failed
+    inside = {name for name, kind in INSIDE_KERNELS.items() if kind in {key[0] for key in kernels.values()}}
     linear_rate = functools.partial(linear_grid.rate, rates.linear_flops_per_s)
     attention_rate = functools.partial(attention_grid.rate, rates.attention_flops_per_s)
     kernel_rate = functools.partial(kernel_grid.rate, lambda *key: rates.kernel_work_per_s(key))
@@ -834,7 +885,7 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
             # The call the model makes for this op, timed at its shapes (KERNELS).
             key = kernels[id(op)]
             parts[KERNELS[key[0]].part] += _kernel_work(key, op) / kernel_rate(key)
-        elif op.name in INSIDE_KERNELS:
+        elif op.name in inside:
             continue
         elif id(op) in linear:
             compute_s = 2 * op.macs / (linear_rate(linear[id(op)]) * share)
@@ -891,6 +942,9 @@ class ProbeShapes:
 
     def kernel_work_per_s(self, key: Key) -> float:
         return 1.0
+
+    def kernel_available(self, key: Key) -> bool:
+        return True
 
     @property
     def calls(self) -> int:
