@@ -1,10 +1,11 @@
 """check_report.py REPORT [cuda|cpu]: assert that a ficoco.report/1 is sane for its device and
 print one line per row; exit 1 on the first kind of doubt, 0 with PASS.
 
-On a 7B model's shapes:
+On a 7B model's shapes and on the 2026 backbones' (PREDICTED_BACKBONES, decoder cuts included):
 - the prediction (on a CPU): every row's measured prefill is within PREDICTION_TOLERANCE of the time this
   machine's measured rates predict for it (profiling/predict.py: the accountant's ops at the rates of
-  the row's own shapes, probed before, between and after its runs);
+  the row's own shapes and of the calls its family makes, probed before, between and after its runs).
+On a 7B model's shapes:
 - method speed: every reduced row's measured speedup is at least SPEED_OVER_PREDICTED of the
   speedup those rates predict: the honest yardstick, where a FLOPs ratio overstates what fewer
   tokens can save on any machine.
@@ -20,9 +21,20 @@ SPEED_OVER_PREDICTED = 0.9
 PREDICTION_TOLERANCE = 0.15
 
 
+# The 2026 backbones whose prediction is checked too (reports/README.md, cpu-2026): their MoE experts, Gated
+# DeltaNet layers and Qwen towers are priced at the rates of the calls they make.
+PREDICTED_BACKBONES = ("qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-0.8b", "internvl3-8b")
+
+
 def seven_b_shapes(config: dict) -> bool:
     """A 7B model's widths (its name says so; fewer layers through --set keep them)."""
     return "7b" in str(config.get("model", "")).lower()
+
+
+def prediction_checked(config: dict) -> bool:
+    """A model whose prediction is judged: a 7B model's widths, or a 2026 backbone's (its name says so)."""
+    name = str(config.get("model", "")).lower()
+    return seven_b_shapes(config) or any(backbone in name for backbone in PREDICTED_BACKBONES)
 
 
 def check(path: str, kind: str) -> list[str]:
@@ -88,7 +100,7 @@ def check(path: str, kind: str) -> list[str]:
         over = row.get("measured_over_predicted")
         spread = (row.get("predicted") or {}).get("spread")
         # Judged on CPUs, where it was shown to hold; on a GPU printed only, until a GPU run shows it.
-        if kind == "cpu" and seven_b_shapes(config) and (over is None or abs(over - 1) > PREDICTION_TOLERANCE):
+        if kind == "cpu" and prediction_checked(config) and (over is None or abs(over - 1) > PREDICTION_TOLERANCE):
             bad.append(f"{tag}: measured/predicted prefill {over} is not within {PREDICTION_TOLERANCE:.0%} of 1")
         if row["variant"] != "vanilla" and seven_b_shapes(config):
             if speed is None:

@@ -377,12 +377,16 @@ def test_the_title_says_what_ran_when_the_rule_gave_rows_different_counts():
 
 # ---- the per-row prediction at rates for the row's shapes (profiling/predict.py) ---------------------------------
 
+# The decoder's norms and gated activation are elementwise kernels (elements per second, not FLOPs): free here.
+FREE_ELEMENTWISE = {kind: {1: 1e30} for kind in ("rms_norm", "gated_rms_norm", "gated_act")}
+
+
 def _flat_rates(flops_per_s: float, **kwargs: Any):
     from ficoco.profiling.predict import TableRates
 
     # Memory so fast that only FLOPs count, no dispatch: the time is the FLOPs at the table's rates.
     return TableRates(dtype="float32", flops_per_s_by_tokens={2: flops_per_s}, bandwidth_bytes_per_s=1e30,
-                      **kwargs)
+                      kernels_by_tokens=FREE_ELEMENTWISE, **kwargs)
 
 
 def _tiny(variant: str = "vanilla", **budget: Any):
@@ -414,7 +418,8 @@ def test_the_matmul_rate_is_the_one_measured_at_the_ops_token_count():
 
     arch, vanilla = _tiny()
     # One token (the LM head on the last token) multiplies 1000 times slower than every longer op.
-    rates = TableRates(dtype="float32", flops_per_s_by_tokens={1: 1e6, 2: 1e9}, bandwidth_bytes_per_s=1e30)
+    rates = TableRates(dtype="float32", flops_per_s_by_tokens={1: 1e6, 2: 1e9}, bandwidth_bytes_per_s=1e30,
+                       kernels_by_tokens=FREE_ELEMENTWISE)
     head_flops = 2 * arch.decoder.hidden * arch.decoder.vocab
     expected_s = (_accountant_flops(arch, vanilla) - head_flops) / 1e9 + head_flops / 1e6
     assert predict_prefill(arch, vanilla, rates, text_tokens=12, compute_bits=32).total_s == pytest.approx(

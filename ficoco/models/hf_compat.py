@@ -1112,3 +1112,50 @@ def no_split_modules(model: nn.Module) -> list[str]:
     """The module classes a device map must keep whole on one device (the model's decoder and vision
     layers, gathered from its parts at construction), as from_pretrained(device_map=...) uses them."""
     return sorted(_require_attribute("no-split modules", model, "_no_split_modules") or [])
+
+
+# -- what the rate probe times as the models run it (ficoco.profiling.predict) ------------------------------------
+# A prediction prices a layer at the rate of the call the model makes, timed at the layer's shapes: for Qwen3.5's
+# Gated DeltaNet the module-level chunked delta rule and causal convolution its layers call in a prefill
+# (transformers' PyTorch fallbacks, or flash-linear-attention's and causal-conv1d's kernels where those are
+# installed: the module resolves them on import), and for the Qwen towers the rotary embedding their attention
+# applies (in float32) before SDPA.
+VISION_ROTARY_MODULES = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
+PROBE_KERNELS = "kernels the rate probe times"
+
+
+def gated_delta_rule() -> Callable[..., Any]:
+    """The chunked gated delta rule Qwen3.5's DeltaNet layers call over a prompt: `(query, key, value, g=, beta=,
+    initial_state=, output_final_state=, use_qk_l2norm_in_kernel=)`."""
+    return _require_attribute(PROBE_KERNELS, _module("models.qwen3_5.modeling_qwen3_5"), "torch_chunk_gated_delta_rule")
+
+
+def causal_conv1d() -> Callable[..., Any]:
+    """The depthwise causal convolution Qwen3.5's DeltaNet layers call over a prompt: `(hidden_states (B, C, T),
+    weight (C, kernel), bias, activation=)`."""
+    return _require_attribute(PROBE_KERNELS, _module("models.qwen3_5.modeling_qwen3_5"), "causal_conv1d_fn")
+
+
+def vision_rotary(kind: str) -> Callable[..., Any]:
+    """The rotary embedding a Qwen tower of `kind` (the accountant's tower kind) applies to q and k: `(q, k, cos,
+    sin)` on (tokens, heads, head width) states."""
+    family = VISION_ROTARY_MODULES[kind]
+    return _require_attribute(PROBE_KERNELS, _module(f"models.{family}.modeling_{family}"),
+                              "apply_rotary_pos_emb_vision")
+
+
+@contact(PROBE_KERNELS)
+def _check_probe_kernels() -> None:
+    _require_parameters(PROBE_KERNELS, gated_delta_rule(), "query", "key", "value", "g", "beta", "initial_state",
+                        "output_final_state", "use_qk_l2norm_in_kernel")
+    _require_parameters(PROBE_KERNELS, causal_conv1d(), "hidden_states", "weight", "bias", "activation")
+    for kind in VISION_ROTARY_MODULES:
+        _require_parameters(PROBE_KERNELS, vision_rotary(kind), "q", "k", "cos", "sin")
+    # The shapes the probe hands them: what the layers hand them.
+    states = torch.randn(1, 3, 2, 4)
+    out, state = gated_delta_rule()(states, states, states, g=-torch.ones(1, 3, 2), beta=torch.ones(1, 3, 2),
+                                    initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    if tuple(out.shape) != (1, 3, 2, 4) or state is None or tuple(state.shape) != (1, 2, 4, 4):
+        raise ContactChanged(PROBE_KERNELS, "the chunked delta rule no longer returns (B, T, H, dv) and its state")
+    if tuple(causal_conv1d()(torch.randn(1, 5, 3), torch.randn(5, 4), None, activation="silu").shape) != (1, 5, 3):
+        raise ContactChanged(PROBE_KERNELS, "causal_conv1d_fn no longer returns (B, C, T)")

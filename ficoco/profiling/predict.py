@@ -12,7 +12,11 @@ same weights, and an upcast layout converts the same weights whatever the tokens
                           activation bytes / memory bandwidth)
                   attention (qk, sv of a layer): its FLOPs / the rate of this machine's SDPA
                       (causal in the decoder) measured at its heads, tokens and head width
-                  elementwise (norms, activations, adds): bytes / memory bandwidth
+                  what a family runs beyond those (KERNELS: a sparse layer's experts, a Gated DeltaNet
+                      layer's delta rule and convolution, a Qwen tower's patch Conv3d and per-image
+                      attention, a decoder's norms and gated activation): its FLOPs or elements / the
+                      rate of the call the model makes, timed at its shapes
+                  elementwise (the other norms, activations, adds): bytes / memory bandwidth
               + upcast: the bytes an upcast layout converts per forward / the measured convert rate
               + the method's own work (the accountant's method terms) at the matmul rate of a
                 similarity matrix of its tokens
@@ -33,7 +37,7 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,6 +49,7 @@ from ficoco.accounting.flops import Op, model_ops
 from ficoco.accounting.memory import QUANT_BITS, Quant
 from ficoco.accounting.reads import Read, method_reads
 from ficoco.accounting.schedule import plan_tokens
+from ficoco.errors import FicocoError
 from ficoco.machine.compute_rate import small_op_s, synchronize
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 
@@ -55,16 +60,19 @@ QUANT_MATMUL_SHARE = {"fp16": 1.0, "int8": 0.4, "int4": 0.12}
 
 
 class ShapeRates(Protocol):
-    """The speeds a prediction needs: matmul and attention FLOP/s at a shape, memory bandwidth
-    (bytes moved, read and written, per second), the convert rate of an upcast layout (bytes of
-    the compute dtype written per second), the time of one small op."""
+    """The speeds a prediction needs: matmul and attention FLOP/s at a shape, the work per second of a
+    family's own kernel at a key (`KERNELS`: what the model runs beyond nn.Linear and SDPA; work: the
+    accountant's FLOPs of the op it computes, or an elementwise op's elements), memory bandwidth (bytes
+    moved, read and written, per second), the convert rate of an upcast layout (bytes of the compute dtype
+    written per second), the time of one small op."""
 
     dtype: str
     bandwidth_bytes_per_s: float
     convert_bytes_per_s: float
     small_op_s: float
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False, reads: Any = ()) -> None: ...
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
+                kernels: Mapping[Key, float] | None = None, reads: Any = ()) -> None: ...
 
     def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float: ...
 
@@ -73,11 +81,17 @@ class ShapeRates(Protocol):
     def read_scores_per_s(self, kind: str, heads: int, kv_heads: int, head_dim: int, rows: int, keys: int,
                           causal: bool, rule: str) -> float: ...
 
+    def kernel_work_per_s(self, key: Key) -> float: ...
+
+    def kernel_available(self, key: Key) -> bool: ...
+
 
 @dataclass(frozen=True)
 class TableRates:
     """Rates given, not measured: FLOP/s by token count (the nearest count given wins, ties to
-    the smaller), the same table for matmuls and attention unless `attention_by_tokens` is given."""
+    the smaller), the same table for matmuls, attention and kernels (work per second) unless
+    `attention_by_tokens` or `kernels_by_tokens` (by kernel kind, "grouped_mm", "delta_rule", ...:
+    `KERNELS`; by the key's token or row count) is given."""
 
     dtype: str
     flops_per_s_by_tokens: dict[int, float]
@@ -85,11 +99,13 @@ class TableRates:
     convert_bytes_per_s: float = 1.0
     small_op_s: float = 0.0
     attention_by_tokens: dict[int, float] | None = None
+    kernels_by_tokens: dict[str, dict[int, float]] | None = None
     # Scores per second of a method's attention reads by key count; None: their score products at the matmul
     # table's rate (a read priced as its q . k^T FLOPs).
     reads_by_tokens: dict[int, float] | None = None
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False, reads: Any = ()) -> None:
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
+                kernels: Mapping[Key, float] | None = None, reads: Any = ()) -> None:
         """Nothing to measure: the rates are given."""
 
     @staticmethod
@@ -112,6 +128,15 @@ class TableRates:
             return self._nearest(self.reads_by_tokens, keys)
         return self._nearest(self.flops_per_s_by_tokens, keys) / (2 * head_dim)
 
+    def kernel_work_per_s(self, key: Key) -> float:
+        """The kind's table (else the matmul table) at the count nearest the key's token count."""
+        table = (self.kernels_by_tokens or {}).get(key[0], self.flops_per_s_by_tokens)
+        return self._nearest(table, key[1])
+
+    def kernel_available(self, key: Key) -> bool:
+        """Every kernel has a rate here."""
+        return True
+
 
 # The rate probe's copies: 64 MiB of bfloat16 for the memory bandwidth, and for an upcast layout's
 # convert rate a 7B MLP weight (4096 x 11008) read in bfloat16 and written in the compute dtype.
@@ -120,9 +145,198 @@ CONVERT_VALUES = 4096 * 11008
 # Passes of a probe of the rates before a row's runs, and again after them (one more between runs).
 PASSES = 3
 
-Key = tuple[Any, ...]  # ("linear", tokens, in, out), ("attention", heads, tokens, head width, causal), ("bandwidth",)
+# ("linear", tokens, in, out), ("attention", heads, tokens, head width, causal), ("bandwidth",), ("convert",), and
+# a kernel's (kind, tokens, *widths): KERNELS.
+Key = tuple[Any, ...]
 # A tensor of this many values of this dtype that already exists (a model's weight), or None.
 WeightSource = Callable[[int, torch.dtype], "torch.Tensor | None"]
+
+
+# ---- what a family runs beyond nn.Linear and SDPA, timed as the model runs it -------------------------------------
+#
+# On a CPU these ops run neither at a dense matmul's rate nor at the memory bandwidth their bytes suggest
+# (measured on a 2-core AMX Xeon in bf16, transformers 5.24):
+# - a sparse layer's experts (Qwen3-VL-MoE): transformers' default "grouped_mm" experts sort the n x top_k token
+#   rows by expert and run torch's grouped_mm over every expert's weights, on CPU one small matmul per expert
+#   (about n x top_k / experts rows each): about 7 times slower than one matmul of all the rows;
+# - a Gated DeltaNet layer (Qwen3.5) without flash-linear-attention and causal-conv1d: transformers' PyTorch
+#   chunked delta rule (q, k, v cast to float32, a triangular solve per chunk, then a Python loop over the
+#   chunks of small float32 matmuls) and a depthwise conv1d: 15 GFLOP/s, where bytes over bandwidth say 1 ms;
+# - the Qwen towers' patch embedding: a Conv3d whose kernel is its stride, one patch per batch row: oneDNN runs
+#   it 30 times slower than the same product as a linear, which the accountant counts;
+# - the Qwen towers' attention: rotary applied to q and k in float32 (casts and strided copies of every
+#   token's states: as long as the SDPA call), then SDPA per image (cu_seqlens; one call per image, or frame);
+# - a decoder's RMSNorms (every family's: float32 inside, 5 passes over the states, 10 times the bytes of
+#   one) and its gated activation silu(gate) * up (over tokens x the FFN width, where the accountant's
+#   LLM-Viewer record sizes it by the hidden width): together about a tenth of a 7B decoder layer.
+# Each kind is timed by the call the model makes, at the row's shapes (transformers' own delta rule, convolution
+# and rotary through models/hf_compat.py; the norms' and the activation's few torch calls as transformers
+# writes them), and prices the op it computes: a matrix kernel at the accountant's FLOPs of that op over the
+# call's time, an elementwise one at its elements, so that a count between the timed ones reads the rate
+# between them.
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kind of call the rate probe times (a key: the kind, the token or row count, then its widths): the
+    values of the weight it reads (borrowed from the model between runs; 0: none), the call, the prediction's
+    part, and the work of the op it prices (the rate's unit): by default the accountant's FLOPs of the op."""
+
+    weight_values: Callable[[tuple[int, ...]], int]
+    call: Callable[[MeasuredRates, tuple[int, ...], torch.Tensor | None], Callable[[], Any]]
+    part: str
+    # What a large bf16 matmul does (FLOPs) in the time one unit of work takes here (the 2-core AMX Xeon, at the
+    # 2026 backbones' shapes): what the time estimate counts a probe pass's kernels at, before anything is timed.
+    matmul_flops_per_work: float
+    work: Callable[[Key, Op], float] = lambda key, op: 2 * op.macs
+
+
+def _elements(key: Key, op: Op) -> float:
+    """An elementwise key's work: rows x width."""
+    return key[1] * key[2]
+
+
+def _grouped_mm_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
+    rows, groups, inner, outer = shape
+    assert weight is not None
+    # transformers' grouped_mm experts: the rows sorted by expert, every expert's (out, in) weight transposed.
+    # The rows are split evenly, as a trained router's load-balancing loss spreads them; which experts a row's
+    # tokens pick is known only once it ran. A random-weight router is uneven (on Qwen3-VL-30B-A3B's shapes 0 to
+    # about 370 rows an expert, around 40), and its grouped matmul runs about 10 % faster than the even split.
+    counts = [rows // groups + (group < rows % groups) for group in range(groups)]
+    offsets = torch.tensor(counts, device=rates.device).cumsum(0).to(torch.int32)
+    experts = weight.view(groups, outer, inner).transpose(-2, -1)
+    return functools.partial(torch.nn.functional.grouped_mm, rates._tensor(rows, inner), experts, offs=offsets)
+
+
+def _delta_rule_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
+    from ficoco.models import hf_compat as hf
+
+    tokens, batch, key_heads, value_heads, key_dim, value_dim = shape
+    # q, k and v as the layer hands them: strided views of its convolution's (B, T, q | k | v) output.
+    widths = [key_heads * key_dim, key_heads * key_dim, value_heads * value_dim]
+    mixed = rates._tensor(batch, tokens, sum(widths))
+    query, key, value = (part.reshape(batch, tokens, -1, width) for part, width in
+                         zip(mixed.split(widths, dim=-1), (key_dim, key_dim, value_dim), strict=True))
+    # As the layer makes them: beta a sigmoid in the compute dtype, the decay g <= 0 in float32.
+    beta = torch.sigmoid(rates._tensor(batch, tokens, value_heads))
+    decay = -torch.nn.functional.softplus(rates._tensor(batch, tokens, value_heads, kind=torch.float32))
+    # A prefill with a cache keeps the final state.
+    return functools.partial(hf.gated_delta_rule(), query, key, value, g=decay, beta=beta, initial_state=None,
+                             output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+# Qwen3.5's DeltaNet activation (its configs' hidden_act), applied inside the convolution's call.
+DELTANET_ACTIVATION = "silu"
+
+
+def _causal_conv1d_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None
+                        ) -> Callable[[], Any]:
+    from ficoco.models import hf_compat as hf
+
+    tokens, batch, channels, kernel = shape
+    assert weight is not None
+    # The layer hands it its q/k/v projection's output transposed to (B, channels, T): a strided view.
+    states = rates._tensor(batch, tokens, channels).transpose(1, 2)
+    return functools.partial(hf.causal_conv1d(), states, weight.view(channels, kernel), None,
+                             activation=DELTANET_ACTIVATION)
+
+
+def _patch_conv3d_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None
+                       ) -> Callable[[], Any]:
+    patches, channels, temporal, patch, hidden = shape
+    assert weight is not None
+    pixels = rates._tensor(patches, channels, temporal, patch, patch)
+    kernel = weight.view(hidden, channels, temporal, patch, patch)
+    return functools.partial(torch.nn.functional.conv3d, pixels, kernel, None, stride=(temporal, patch, patch))
+
+
+def _tower_attention_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None
+                          ) -> Callable[[], Any]:
+    from ficoco.models import hf_compat as hf
+
+    tokens, items, heads, head_dim, tower = shape
+    rotary = hf.vision_rotary(tower)
+    # The layer's q, k and v: views of one (tokens, 3 x width) projection of every item's tokens; the rotary
+    # tables in float32.
+    q, k, v = rates._tensor(items * tokens, 3, heads, head_dim).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = (rates._tensor(items * tokens, head_dim, kind=torch.float32) for _ in range(2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def call() -> torch.Tensor:
+        turned_q, turned_k = rotary(q, k, cos, sin)
+        per_item = (state.transpose(0, 1).unsqueeze(0).split(tokens, dim=2) for state in (turned_q, turned_k, v))
+        return torch.cat([sdpa(*one).transpose(1, 2).contiguous() for one in zip(*per_item, strict=True)], dim=1)
+
+    return call
+
+
+def _rms_norm_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
+    rows, width = shape
+    assert weight is not None
+    states = rates._tensor(rows, width)
+
+    def call() -> torch.Tensor:  # LlamaRMSNorm.forward; Qwen2's, Qwen3's and Qwen3.5's make the same passes
+        hidden = states.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return weight * hidden.to(states.dtype)
+
+    return call
+
+
+def _gated_rms_norm_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None
+                         ) -> Callable[[], Any]:
+    rows, width = shape
+    assert weight is not None
+    states, gate = rates._tensor(rows, width), rates._tensor(rows, width)
+
+    def call() -> torch.Tensor:  # Qwen3_5RMSNormGated.forward: the DeltaNet output normed, gated by silu(z)
+        hidden = states.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+        hidden = weight * hidden.to(states.dtype)
+        return (hidden * torch.nn.functional.silu(gate.to(torch.float32))).to(states.dtype)
+
+    return call
+
+
+def _gated_act_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
+    rows, width = shape
+    gate, up = rates._tensor(rows, width), rates._tensor(rows, width)
+    # The decoders' MLP (LLaMA's, Qwen's: silu) between gate_proj and up_proj, and a sparse layer's experts.
+    return lambda: torch.nn.functional.silu(gate) * up
+
+
+# Keys: ("grouped_mm", rows, experts, in, out), ("delta_rule", tokens, batch, key heads, value heads, key width,
+# value width), ("causal_conv1d", tokens, batch, channels, kernel), ("patch_conv3d", patches, channels, temporal
+# patch, patch, hidden), ("tower_attention", tokens per item, items, heads, head width, tower kind), and the
+# elementwise ("rms_norm", rows, width), ("gated_rms_norm", rows, width), ("gated_act", rows, width).
+KERNELS: dict[str, Kernel] = {
+    "grouped_mm": Kernel(lambda shape: shape[1] * shape[2] * shape[3], _grouped_mm_call, "linear",
+                         matmul_flops_per_work=7),
+    "delta_rule": Kernel(lambda shape: 0, _delta_rule_call, "linear_attention", matmul_flops_per_work=70),
+    "causal_conv1d": Kernel(lambda shape: shape[2] * shape[3], _causal_conv1d_call, "linear_attention",
+                            matmul_flops_per_work=500),
+    "patch_conv3d": Kernel(lambda shape: shape[4] * shape[1] * shape[2] * shape[3] ** 2, _patch_conv3d_call, "linear",
+                           matmul_flops_per_work=50),
+    "tower_attention": Kernel(lambda shape: 0, _tower_attention_call, "attention", matmul_flops_per_work=5,
+                              work=lambda key, op: 4 * op.macs),  # the qk op stands for qk and sv
+    "rms_norm": Kernel(lambda shape: shape[1], _rms_norm_call, "elementwise", matmul_flops_per_work=2000,
+                       work=_elements),
+    "gated_rms_norm": Kernel(lambda shape: shape[1], _gated_rms_norm_call, "elementwise",
+                             matmul_flops_per_work=3000, work=_elements),
+    "gated_act": Kernel(lambda shape: 0, _gated_act_call, "elementwise", matmul_flops_per_work=2000, work=_elements),
+}
+
+
+# What a kernel's call raises where the model could not make it either (torch's errors, a changed transformers
+# contact): the probe drops that key and the prediction prices its ops the plain way.
+KERNEL_FAILURES = (RuntimeError, NotImplementedError, TypeError, ValueError, ImportError, AttributeError, FicocoError)
+
+
+def _weight_values(key: Key) -> int:
+    """Values of the weight a key's call reads (0: none, or activations only)."""
+    if key[0] == "linear":
+        return key[2] * key[3]
+    return KERNELS[key[0]].weight_values(key[1:]) if key[0] in KERNELS else 0
 
 
 @dataclass
@@ -150,6 +364,8 @@ class MeasuredRates:
     weights: WeightSource | None = None
     _work: dict[Key, float] = field(default_factory=dict, repr=False)
     _passes: list[dict[Key, float]] = field(default_factory=list, repr=False)
+    # Kernel keys whose call failed here (KERNELS), and why.
+    _failed: dict[Key, str] = field(default_factory=dict, repr=False)
 
     @property
     def _torch_dtype(self) -> torch.dtype:
@@ -171,21 +387,32 @@ class MeasuredRates:
         """A call per key, with its tensors: linear weights from `weights`, else (with `allocate`) views of
         one buffer of the largest; a key that would need new weight memory without `allocate` is skipped."""
         calls: list[tuple[Key, Callable[[], Any]]] = []
-        linear = [key for key in keys if key[0] == "linear"]
-        borrowed = {key: self.weights(key[2] * key[3], self._torch_dtype) if self.weights else None for key in linear}
-        need = max((key[2] * key[3] for key in linear if borrowed[key] is None), default=0)
-        # One buffer for every weight not borrowed (its largest: an LM head's, 0.5 GB in float32).
+        values = {key: _weight_values(key) for key in keys}
+        borrowed = {key: self.weights(count, self._torch_dtype) if self.weights else None
+                    for key, count in values.items() if count}
+        need = max((count for key, count in values.items() if count and borrowed[key] is None), default=0)
+        # One buffer for every weight not borrowed (its largest: an LM head's, 0.5 GB in float32; a sparse
+        # layer's experts').
         buffer = self._tensor(need) if allocate and need else None
         for key in keys:
             kind, *shape = key
-            if kind == "linear":
-                tokens, inner, outer = shape
+            weight = None
+            if values[key]:
                 weight = borrowed[key] if borrowed[key] is not None else buffer
                 if weight is None:
                     continue
+                weight = weight.reshape(-1)[:values[key]]
+            if kind == "linear":
+                tokens, inner, outer = shape
+                assert weight is not None
                 # nn.Linear's layout: the weight is (out, in), multiplied transposed.
                 calls.append((key, functools.partial(torch.nn.functional.linear, self._tensor(tokens, inner),
-                                                     weight.reshape(-1)[:inner * outer].view(outer, inner))))
+                                                     weight.view(outer, inner))))
+            elif kind in KERNELS:
+                try:
+                    calls.append((key, KERNELS[kind].call(self, tuple(shape), weight)))
+                except KERNEL_FAILURES as exc:
+                    self._fail(key, exc)
             elif kind == "attention":
                 heads, tokens, head_dim, causal = shape
                 q, k, v = (self._tensor(1, heads, tokens, head_dim) for _ in range(3))
@@ -227,8 +454,14 @@ class MeasuredRates:
         device = torch.device(self.device)
         with torch.inference_mode():
             if warm_up:  # kernel choice, allocation
-                for _, call in calls:
-                    call()
+                for key, call in list(calls):
+                    try:
+                        call()
+                    except KERNEL_FAILURES as exc:
+                        if key[0] not in KERNELS:
+                            raise
+                        self._fail(key, exc)
+                        calls.remove((key, call))
             for _ in range(passes):
                 seconds: dict[Key, float] = {}
                 for key, call in calls:
@@ -239,12 +472,14 @@ class MeasuredRates:
                     seconds[key] = time.perf_counter() - begin
                 self._passes.append(seconds)
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False, reads: Any = ()) -> None:
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
+                kernels: Mapping[Key, float] | None = None, reads: Any = ()) -> None:
         """Time every linear (tokens, in, out), attention (heads, tokens, head width, causal) and attention
-        read (kind, heads, key heads, head width, rows, keys, causal, rule) shape not measured yet, with the
-        memory bandwidth (and with `convert`, the upcast layout's convert rate): `passes` round-robin passes
-        after an untimed one."""
+        read (kind, heads, key heads, head width, rows, keys, causal, rule) shape and every kernel key (KERNELS;
+        each with the work it prices) not measured yet, with the memory bandwidth (and with `convert`, the
+        upcast layout's convert rate): `passes` round-robin passes after an untimed one."""
         work: dict[Key, float] = {("bandwidth",): 2 * BANDWIDTH_VALUES * 2}  # a copy moves each byte twice
+        work.update(kernels or {})
         if convert:
             work[("convert",)] = CONVERT_VALUES * self._torch_dtype.itemsize
         for tokens, inner, outer in linear:
@@ -256,15 +491,26 @@ class MeasuredRates:
             kind, heads, _, _, rows, keys = shape[:6]
             # A read's work: the scores it computes (every row of a column read).
             work[("read", *shape)] = heads * (keys if kind == "columns" else rows) * keys
-        new = sorted((key for key in work if key not in self._work), key=str)
+        new = sorted((key for key in work if key not in self._work and key not in self._failed), key=str)
         if new:
             self._work.update({key: work[key] for key in new})
             self._run_passes(new, self.passes, allocate=True, warm_up=True)
 
+    def _fail(self, key: Key, exc: BaseException) -> None:
+        # A call this device or release cannot make (grouped_mm below a GPU's SM80, a changed contact): the
+        # prediction prices its ops as matmuls, SDPA and bytes instead (kernel_available).
+        self._failed[key] = f"{type(exc).__name__}: {exc}"
+        self._work.pop(key, None)
+
+    def kernel_available(self, key: Key) -> bool:
+        """Whether a kernel key's call ran here (measured, or not asked yet)."""
+        return key not in self._failed
+
     def sample(self, passes: int = 1) -> None:
         """`passes` more passes over every shape measured so far. One pass (between a row's timed runs)
-        times only what needs no new memory: linear shapes on the model's own weights, attention
-        (activations no larger than the prefill's own); several (after the runs) time everything."""
+        times only what needs no new memory: linear shapes and kernels on the model's own weights, attention
+        and the kernels that read none (activations no larger than the prefill's own); several (after the
+        runs) time everything."""
         if self._work:
             allocate = passes > 1
             self._run_passes(sorted(self._work, key=str), passes, allocate=allocate, warm_up=allocate)
@@ -314,6 +560,11 @@ class MeasuredRates:
         self.measure(reads=[shape])
         return self._rate(("read", *shape))
 
+    def kernel_work_per_s(self, key: Key) -> float:
+        """Work per second (the accountant's FLOPs of the op it computes, or an elementwise op's elements) of
+        a kernel key (KERNELS), measured with `measure` (which is told its work)."""
+        return self._rate(key)
+
 
 @dataclass(frozen=True)
 class PassRates:
@@ -341,7 +592,8 @@ class PassRates:
     def convert_bytes_per_s(self) -> float:
         return self._at(("convert",))
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False, reads: Any = ()) -> None:
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
+                kernels: Mapping[Key, float] | None = None, reads: Any = ()) -> None:
         """Nothing new is measured at a past pass."""
 
     def linear_flops_per_s(self, tokens: int, inner: int, outer: int) -> float:
@@ -353,6 +605,12 @@ class PassRates:
     def read_scores_per_s(self, kind: str, heads: int, kv_heads: int, head_dim: int, rows: int, keys: int,
                           causal: bool, rule: str) -> float:
         return self._at(("read", kind, heads, kv_heads, head_dim, rows, keys, causal, rule))
+
+    def kernel_work_per_s(self, key: Key) -> float:
+        return self._at(key)
+
+    def kernel_available(self, key: Key) -> bool:
+        return self.rates.kernel_available(key)
 
 
 # Small ops dispatched per forward, per layer and per reducing layer: estimate.py's CALIBRATION.
@@ -530,6 +788,52 @@ def _attention_shape(arch: Architecture, plan: Any, op: Op) -> tuple[int, int, i
     return heads, tokens, head_dim, not vision
 
 
+# The Qwen towers: a Conv3d patch embedding over one patch per batch row, rotary in float32 and SDPA per image.
+QWEN_TOWERS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Ops whose work runs inside another op's timed kernel (by the kernel's kind): the reachable experts' weights are
+# read by the grouped matmuls, the DeltaNet convolution's activation is applied inside its call.
+INSIDE_KERNELS = {"experts_weights": "grouped_mm", "conv_act": "causal_conv1d"}
+
+
+def _kernel_key(arch: Architecture, plan: Any, op: Op, batch: int) -> Key | None:
+    """The kernel (KERNELS) that times `op` as the model runs it, or None (a linear, SDPA or bytes)."""
+    v, d = arch.vision, arch.decoder
+    if op.stage == "vision" and v.kind in QWEN_TOWERS:
+        if op.name == "patch_embed":
+            return ("patch_conv3d", op.macs // op.weight_elems, v.channels, v.temporal_patch, v.patch_size, v.hidden)
+        # A windowed layer (Qwen2.5-VL's) attends per window: its SDPA keeps the whole-sequence pricing.
+        if op.name == "qk" and not v.windowed(op.layer):
+            return ("tower_attention", plan.vision[op.layer][0], batch * plan.vision_items, v.heads,
+                    v.hidden // v.heads, v.kind)
+    if op.stage != "llm":
+        return None
+    if op.name in ("input_norm", "post_attn_norm"):
+        return ("rms_norm", op.act_load // d.hidden, d.hidden)
+    if op.name in ("q_norm", "k_norm"):  # per head
+        return ("rms_norm", op.act_load // d.head_dim, d.head_dim)
+    if op.name == "mlp_act":  # gate and up are tokens x the FFN width (the record sizes the load by the hidden)
+        return ("gated_act", op.act_store // d.hidden, d.ffn)
+    if op.name == "experts_act" and d.moe is not None:
+        return ("gated_act", op.act_store // d.moe.ffn, d.moe.ffn)
+    if op.name in ("experts_gate_up", "experts_down") and d.moe is not None:
+        rows, inner, outer = _linear_shape(arch, op)
+        return ("grouped_mm", rows, d.moe.experts, inner, outer)
+    linear = d.linear
+    if linear is not None and op.name == "delta_rule":
+        return ("delta_rule", plan.llm[op.layer][0], batch, linear.key_heads, linear.value_heads,
+                linear.key_head_dim, linear.value_head_dim)
+    if linear is not None and op.name == "conv1d":
+        return ("causal_conv1d", plan.llm[op.layer][0], batch, linear.conv_dim, linear.conv_kernel)
+    if linear is not None and op.name == "gated_norm":  # per value head, gated by z
+        return ("gated_rms_norm", op.act_store // linear.value_head_dim, linear.value_head_dim)
+    return None
+
+
+def _kernel_work(key: Key, op: Op) -> float:
+    """The work of the op a kernel key prices, in the unit of its rate (KERNELS)."""
+    return KERNELS[key[0]].work(key, op)
+
+
 def _op_bytes(op: Op, weight_bytes: float, act_bytes: float) -> float:
     return op.weight_elems * weight_bytes + (op.act_load + op.act_store + op.kv_load + op.kv_store) * act_bytes
 
@@ -597,18 +901,13 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     plan = cost.plan
     ops = model_ops(arch, plan, batch=batch, lm_head_tokens="last")
     act_bytes = compute_bits / 8
-    parts = dict.fromkeys(("linear", "attention", "memory", "upcast", "method", "probe", "dispatch"), 0.0)
+    parts = dict.fromkeys(("linear", "attention", "linear_attention", "elementwise", "memory", "upcast", "method",
+                           "probe", "dispatch"), 0.0)
     share = QUANT_MATMUL_SHARE.get(quant, 1.0)
-    # The shapes first, so that every rate the row needs is measured in one probe (MeasuredRates.measure).
-    linear = {id(op): _linear_shape(arch, op) for op in ops if op.macs and op.weight_elems}
-    attention = {id(op): _attention_shape(arch, plan, op) for op in ops
-                 if op.name == "qk" and op.macs and not op.weight_elems}
     method_flops = cost.method_tflops * 1e12
     # The method's similarity and scoring matrices: a (tokens x hidden) by (hidden x tokens) product.
     method_tokens = max(plan.llm_visual_tokens, 1)
     method_shape = (method_tokens, arch.decoder.hidden, method_tokens)
-    linear_grid = _TokenGrid(list(linear.values()) + ([method_shape] if method_flops else []), position=0)
-    attention_grid = _TokenGrid(list(attention.values()), position=1)
     # The method's reads of a whole layer, at their own shapes (timed per key count; a column read over every
     # row, a rows read at the most rows of its kind, since its rate per score hardly depends on how many).
     reads = method_reads(arch, schedule, plan, batch=batch) if schedule.removals else []
@@ -620,14 +919,41 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     read_shapes = {key: shape[:4] + (most_rows[shape[:4] + shape[6:]],) + shape[5:]
                    for key, shape in read_shapes.items()}
     read_grid = _TokenGrid(list(read_shapes.values()), position=5)
-    rates.measure(linear=linear_grid.timed, attention=attention_grid.timed, convert=bool(upcast_layers),
-                  reads=read_grid.timed)
+    # The shapes first, so that every rate the row needs is measured in one probe (MeasuredRates.measure). A
+    # call this device cannot make (KERNELS: nor can the model, or it makes another) leaves its ops to the
+    # matmul, SDPA and bytes pricing, whose shapes are then measured too.
+    unavailable: set[str] = set()
+    while True:
+        kernels = {id(op): key for op in ops
+                   if (key := _kernel_key(arch, plan, op, batch)) is not None and key[0] not in unavailable}
+        linear = {id(op): _linear_shape(arch, op) for op in ops
+                  if op.macs and op.weight_elems and id(op) not in kernels}
+        attention = {id(op): _attention_shape(arch, plan, op) for op in ops
+                     if op.name == "qk" and op.macs and not op.weight_elems and id(op) not in kernels}
+        kernel_work = {kernels[id(op)]: _kernel_work(kernels[id(op)], op) for op in ops if id(op) in kernels}
+        linear_grid = _TokenGrid(list(linear.values()) + ([method_shape] if method_flops else []), position=0)
+        attention_grid = _TokenGrid(list(attention.values()), position=1)
+        kernel_grid = _TokenGrid(list(kernel_work), position=1)
+        rates.measure(linear=linear_grid.timed, attention=attention_grid.timed, convert=bool(upcast_layers),
+                      kernels={key: kernel_work[key] for key in kernel_grid.timed}, reads=read_grid.timed)
+        failed = {key[0] for key in kernel_grid.timed if not rates.kernel_available(key)}
+        if not failed:
+            break
+        unavailable |= failed
+    inside = {name for name, kind in INSIDE_KERNELS.items() if kind in {key[0] for key in kernels.values()}}
     linear_rate = functools.partial(linear_grid.rate, rates.linear_flops_per_s)
     attention_rate = functools.partial(attention_grid.rate, rates.attention_flops_per_s)
+    kernel_rate = functools.partial(kernel_grid.rate, lambda *key: rates.kernel_work_per_s(key))
     upcast_elems = 0
     for op in ops:
         memory_s = _op_bytes(op, act_bytes, act_bytes) / rates.bandwidth_bytes_per_s
-        if id(op) in linear:
+        if id(op) in kernels:
+            # The call the model makes for this op, timed at its shapes (KERNELS).
+            key = kernels[id(op)]
+            parts[KERNELS[key[0]].part] += _kernel_work(key, op) / kernel_rate(key)
+        elif op.name in inside:
+            continue
+        elif id(op) in linear:
             compute_s = 2 * op.macs / (linear_rate(linear[id(op)]) * share)
             parts["linear"] += max(compute_s, memory_s)
             if op.stage == "llm" and op.layer is not None and op.layer < upcast_layers:
@@ -654,12 +980,13 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
 
 @dataclass
 class ProbeShapes:
-    """What a row's rate probe (MeasuredRates) times in each pass: its linear (tokens, in, out), attention
-    (heads, tokens, head width, causal) and attention-read shapes, the bandwidth copy, and the convert copy
-    of an upcast layout."""
+    """What a row's rate probe (MeasuredRates) times in each pass: its linear (tokens, in, out),
+    attention (heads, tokens, head width, causal) and attention-read shapes, its kernel keys (KERNELS) with
+    the work each prices, the bandwidth copy, and the convert copy of an upcast layout."""
 
     linear: list[tuple[int, int, int]] = field(default_factory=list)
     attention: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    kernels: dict[Key, float] = field(default_factory=dict)
     reads: list[tuple] = field(default_factory=list)
     convert: bool = False
     # ShapeRates' fields, so that predict_prefill can run on a recorder: it prices nothing.
@@ -668,10 +995,12 @@ class ProbeShapes:
     convert_bytes_per_s: float = 1.0
     small_op_s: float = 0.0
 
-    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False, reads: Any = ()) -> None:
+    def measure(self, linear: Any = (), attention: Any = (), convert: bool = False,
+                kernels: Mapping[Key, float] | None = None, reads: Any = ()) -> None:
         """Remember the shapes asked for (nothing is timed)."""
         self.linear += [shape for shape in linear if shape not in self.linear]
         self.attention += [shape for shape in attention if shape not in self.attention]
+        self.kernels.update(kernels or {})
         self.reads += [shape for shape in reads if shape not in self.reads]
         self.convert = self.convert or convert
 
@@ -685,16 +1014,24 @@ class ProbeShapes:
                           causal: bool, rule: str) -> float:
         return 1.0
 
+    def kernel_work_per_s(self, key: Key) -> float:
+        return 1.0
+
+    def kernel_available(self, key: Key) -> bool:
+        return True
+
     @property
     def calls(self) -> int:
-        """Timed calls per pass: every shape, the bandwidth copy and the convert copy."""
-        return len(self.linear) + len(self.attention) + len(self.reads) + 1 + int(self.convert)
+        """Timed calls per pass: every shape, kernel and read, the bandwidth copy and the convert copy."""
+        return len(self.linear) + len(self.attention) + len(self.kernels) + len(self.reads) + 1 + int(self.convert)
 
     def pass_flops(self) -> float:
-        """FLOPs of one pass (MeasuredRates.measure's count of each shape's work; a read's as its score
-        products, which its softmax passes roughly double on a CPU)."""
+        """FLOPs of one pass at a matmul's rate: MeasuredRates.measure's count of each shape's work, a kernel's
+        as the FLOPs a matmul does in its time (`Kernel.matmul_flops_per_work`), a read's as its score products,
+        which its softmax passes roughly double on a CPU."""
         return (sum(2 * t * i * o for t, i, o in self.linear)
                 + sum(4 * h * t * t * d for h, t, d, _ in self.attention)
+                + sum(work * KERNELS[key[0]].matmul_flops_per_work for key, work in self.kernels.items())
                 + sum(4 * h * (k if kind == "columns" else r) * k * d for kind, h, _, d, r, k, *_ in self.reads))
 
     def pass_bytes(self, compute_bits: int = 16) -> float:
