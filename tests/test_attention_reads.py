@@ -244,3 +244,12 @@ def test_a_read_inside_a_step_counts_in_the_probe_span_only() -> None:
     assert timer.total_ms("probe") > 0 and timer.total_ms("reduction") >= 0
     assert timer.total_ms("probe") + timer.total_ms("reduction") == pytest.approx(total)
     assert reads_ops.SCORE_BUDGET_ELEMENTS["cuda"] > reads_ops.SCORE_BUDGET_ELEMENTS["cpu"]
+
+
+def test_reads_run_inside_and_outside_inference_mode_alike() -> None:
+    """A CPU read keeps its buffers between reads: one made under inference mode serves a read outside it."""
+    query, key = qkv(batch=1, q_len=300, k_len=300)
+    with torch.inference_mode():
+        inside = ProbedAttention(query, key, budget=64 * 300 * 4).column_sum()
+    outside = ProbedAttention(query, key, budget=64 * 300 * 4).column_sum()
+    torch.testing.assert_close(inside, outside)

@@ -33,11 +33,11 @@ from ficoco.methods.reads import (
     check_attention_scores,
 )
 
-# Scores one block of a read may hold (every head of some query rows over every key). CPU: 2 M, whose
+# Scores one block of a read may hold (every head of some query rows over every key). CPU: 4 M, whose
 # scores and probabilities stay near the caches while the softmax and the sums pass over them (larger
 # blocks ran slower on a 2-core Xeon: the passes then stream from memory); CUDA: 256 M, a few large
 # launches for LLaVA-NeXT's ~2,900-token sequences.
-SCORE_BUDGET_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 28}
+SCORE_BUDGET_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 28}
 
 # runner(device, function, *args) -> function(*args): how an adapter times (on `device`, in its "probe" span) and,
 # during flops --verify, counts a read.
@@ -46,6 +46,25 @@ ReadRunner = Callable[..., Any]
 
 def _direct(device: torch.device, function: Callable[..., Tensor], *args: Any) -> Tensor:
     return function(*args)
+
+
+# A CPU's read buffers, kept between reads: a block's buffers are a few MB, and memory a process frees goes back
+# to the system and faults in again page by page at the next read (a model's forward frees far more in between).
+# On a GPU the caching allocator keeps freed blocks already, and a block there may hold a GB.
+_SCRATCH: dict[tuple[str, torch.dtype], Tensor] = {}
+
+
+def _scratch(name: str, size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A flat buffer of at least `size` values for a read, reused between reads on a CPU."""
+    if device.type != "cpu" or size == 0:
+        return torch.empty(size, dtype=dtype, device=device)
+    kept = _SCRATCH.get((name, dtype))
+    if kept is None or kept.numel() < size:
+        # A plain tensor even when the first read runs under inference mode: a later read outside it may
+        # write into it too.
+        with torch.inference_mode(False):
+            kept = _SCRATCH[(name, dtype)] = torch.empty(size, dtype=dtype)
+    return kept
 
 
 def gather_rows(matrix: Tensor, rows: Tensor) -> Tensor:
@@ -257,7 +276,9 @@ class ProbedAttention(AttentionReads):
         row_step = max(r1 - r0 for r0, r1, _ in steps)
         model_rule = self.scores == "model"
         score_dtype = query.dtype if model_rule else torch.float32
-        keys_t = (key if model_rule else key.float()).transpose(-1, -2)
+        # Contiguous once per read: a layer's keys are often a view (Qwen's tower: heads and tokens transposed),
+        # which every block's product would otherwise copy again.
+        keys_t = (key if model_rule else key.float()).contiguous().transpose(-1, -2)
         # One buffer for the scores and one for the probabilities, reused by every block (a fresh large
         # allocation per block costs page faults on a CPU); not under torch.jit's tracer (flops --verify),
         # which counts an op by its inputs and would take the `out=` buffer for one, nor where autograd
@@ -265,12 +286,11 @@ class ProbedAttention(AttentionReads):
         recorded = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
         buffered = not torch.jit.is_tracing() and not recorded
         size = batch_step * heads * row_step * k_len if buffered else 0
-        score_buffer = torch.empty(size, dtype=score_dtype, device=query.device)
-        probability_buffer = torch.empty(size, dtype=score_dtype, device=query.device)
+        score_buffer = _scratch("scores", size, score_dtype, query.device)
+        probability_buffer = _scratch("probabilities", size, score_dtype, query.device)
         # Half-precision probabilities are summed in float32 from a float32 copy in a buffer of its own (a sum
         # with dtype=float32 converts into a fresh tensor, pages and all, at every block).
-        wide_buffer = torch.empty(size if score_dtype != torch.float32 else 0, dtype=torch.float32,
-                                  device=query.device)
+        wide_buffer = _scratch("wide", size if score_dtype != torch.float32 else 0, torch.float32, query.device)
         positions = None
         if self.mask is None and self.causal and q_len > 1:
             positions = torch.arange(k_len, device=query.device)
