@@ -1,14 +1,15 @@
-"""check_report.py REPORT [cuda|cpu]: assert that a ficoco.report/1 is sane for its device and
+"""check_report.py REPORT [cuda|cpu] [--own-work SHARE]: assert that a ficoco.report/1 is sane for its device and
 print one line per row; exit 1 on the first kind of doubt, 0 with PASS.
 
 On a 7B model's shapes and on the 2026 backbones' (PREDICTED_BACKBONES, decoder cuts included):
 - the prediction (on a CPU): every row's measured prefill is within PREDICTION_TOLERANCE of the time this
   machine's measured rates predict for it (profiling/predict.py: the accountant's ops at the rates of
-  the row's own shapes and of the calls its family makes, probed before, between and after its runs).
-On a 7B model's shapes:
+  the row's own shapes and of the calls its family makes, probed before, between and after its runs);
 - method speed: every reduced row's measured speedup is at least SPEED_OVER_PREDICTED of the
   speedup those rates predict: the honest yardstick, where a FLOPs ratio overstates what fewer
   tokens can save on any machine.
+Every reduced row's own work (its steps and its reads of the attention) is printed as a share of the prefill
+time its fewer tokens save; `--own-work SHARE` (e.g. 0.10) fails a row whose work takes more.
 On every report: each row records the attention kernel every layer ran, and on a GPU vanilla's SDPA
 calls reach a fused backend; slower kernels than vanilla's in a row's non-reducing layers are printed."""
 
@@ -37,7 +38,7 @@ def prediction_checked(config: dict) -> bool:
     return seven_b_shapes(config) or any(backbone in name for backbone in PREDICTED_BACKBONES)
 
 
-def check(path: str, kind: str) -> list[str]:
+def check(path: str, kind: str, own_work: float | None = None) -> list[str]:
     with open(path) as f:
         report = json.load(f)
     env, config, bad = report["environment"], report["config"], []
@@ -102,7 +103,13 @@ def check(path: str, kind: str) -> list[str]:
         # Judged on CPUs, where it was shown to hold; on a GPU printed only, until a GPU run shows it.
         if kind == "cpu" and prediction_checked(config) and (over is None or abs(over - 1) > PREDICTION_TOLERANCE):
             bad.append(f"{tag}: measured/predicted prefill {over} is not within {PREDICTION_TOLERANCE:.0%} of 1")
-        if row["variant"] != "vanilla" and seven_b_shapes(config):
+        work = row.get("own_work_vs_savings") or {}
+        share = work["own_ms"] / work["saved_ms"] if work.get("saved_ms", 0) > 0 else None
+        if row["variant"] != "vanilla" and own_work is not None and (share is None or share > own_work):
+            bad.append(f"{tag}: its own work ({work.get('own_ms', 0):.0f} ms) takes "
+                       f"{'-' if share is None else f'{share:.0%}'} of the {work.get('saved_ms', 0):.0f} ms its "
+                       f"fewer tokens save (> {own_work:.0%})")
+        if row["variant"] != "vanilla" and prediction_checked(config):
             if speed is None:
                 bad.append(f"{tag}: no predicted speedup to check the method's speed against")
             elif speed < SPEED_OVER_PREDICTED:
@@ -118,13 +125,20 @@ def check(path: str, kind: str) -> list[str]:
               f"prefill measured/predicted {'-' if over is None else f'{over:.2f}'}  "
               f"pass spread {'-' if spread is None else f'{spread:.2f}'}  "
               f"measured/roofline {'-' if roofline is None else f'{roofline:.2f}'}  "
-              f"method {row['reduction_share'] * 100:.1f}%")
+              f"method {row['reduction_share'] * 100:.1f}%  "
+              f"own work / saved {'-' if share is None else f'{share:.0%}'}")
     return bad
 
 
 def main() -> None:
-    path, kind = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "cuda")
-    bad = check(path, kind)
+    args = sys.argv[1:]
+    own_work = None
+    if "--own-work" in args:
+        at = args.index("--own-work")
+        own_work = float(args[at + 1])
+        del args[at:at + 2]
+    path, kind = args[0], (args[1] if len(args) > 1 else "cuda")
+    bad = check(path, kind, own_work)
     print("FAIL:\n  " + "\n  ".join(bad) if bad else "PASS")
     sys.exit(1 if bad else 0)
 
