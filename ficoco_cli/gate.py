@@ -3,7 +3,10 @@
 Timed figures are judged on one machine only: the base commit and the tree under test are
 profiled in the same job, alternately (base, new, new, base, base, new, ...: ABBA rounds, so a
 drift of the machine's speed over the job hits both sides alike), each side's runs are
-combined, and `ficoco compare --judge timed` judges the pair. Deterministic figures (visual
+combined, and `ficoco compare --judge timed` judges the pair. A timed regression fails the gate
+only when it reproduces: base and new are then profiled again, interleaved as before, and only
+a verdict that regresses in both passes stands (a burst of load from a neighbour lasts one pass,
+a slower change lasts both). Deterministic figures (visual
 tokens, TFLOPs, KV and weight bytes) are judged against the committed reference
 (reports/llava-tiny-cpu.json), which stays the record of what the numbers are.
 
@@ -41,6 +44,7 @@ from ficoco.errors import FicocoError
 from ficoco.report.compare import (
     METRICS,
     Comparison,
+    Verdict,
     compare,
     describe,
     fingerprint,
@@ -140,6 +144,7 @@ class Run:
     seconds: float
     report: dict[str, Any] | None
     error: str = ""
+    pass_: int = 1  # 1: the measurement; 2: the re-measurement of a timed regression
 
 
 def dtype_args(code: Path) -> tuple[str, ...]:
@@ -237,13 +242,25 @@ class GateResult:
     runs: list[Run] = field(default_factory=list)
     reference: Comparison | None = None
     pair: Comparison | None = None
+    recheck: Comparison | None = None  # the re-measured pair, when the first had a timed regression
     pair_skipped: str = ""  # why the timed pair was not judged, when it was not
     failures: list[str] = field(default_factory=list)  # what makes the gate fail besides regressions
 
     @property
+    def timed_regressions(self) -> list[Verdict]:
+        """The pair's regressions that stand: those of the first pass that the re-measurement
+        reproduced (every one of them when there was no re-measurement)."""
+        if self.pair is None:
+            return []
+        if self.recheck is None:
+            return list(self.pair.regressions)
+        again = {(v.metric, v.row) for v in self.recheck.regressions}
+        return [v for v in self.pair.regressions if (v.metric, v.row) in again]
+
+    @property
     def passed(self) -> bool:
         return not self.failures and not (self.reference and self.reference.regressions) and not (
-            self.pair and self.pair.regressions)
+            self.timed_regressions)
 
 
 def speedups(comparison: Comparison) -> list[dict[str, Any]]:
@@ -253,9 +270,11 @@ def speedups(comparison: Comparison) -> list[dict[str, Any]]:
 
 
 def run_gate(root: Path, out: Path, *, reference: Path | None = None, base_override: str | None = None,
-             rounds: int = ROUNDS, tolerance_pct: float = TOLERANCE_PCT, log: Any = print) -> GateResult:
+             rounds: int = ROUNDS, tolerance_pct: float = TOLERANCE_PCT, recheck: bool = True,
+             log: Any = print) -> GateResult:
     """Profile base and new alternately, then judge: deterministic figures against the reference,
-    timed ratios on the pair. Files (each run, both combined reports, the comparisons) go to `out`."""
+    timed ratios on the pair; a timed regression is measured again (`recheck`) and stands only when
+    it reproduces. Files (each run, the combined reports, the comparisons) go to `out`."""
     if rounds < 1:
         raise FicocoError(f"--rounds {rounds} must be at least 1")
     reference = reference or root / REFERENCE
@@ -275,47 +294,70 @@ def run_gate(root: Path, out: Path, *, reference: Path | None = None, base_overr
             log("gate: the base is HEAD itself: the timed pair measures only the gate's own noise")
         base_code = export_commit(root, base.commit, Path(tempfile.mkdtemp(prefix="ficoco-gate-base-")))
     try:
-        _alternate(result, root, base_code, out, rounds, log)
+        _alternate(result, root, base_code, out, rounds, log, pass_=1)
+        if result.failures:
+            _write(out / "gate.json", gate_json(result, tolerance_pct))
+            return result
+        new = combine(_reports(result, "new", 1))
+        _write(out / "new.json", new)
+        result.reference = compare(reference_report, new, judge="deterministic")
+        if result.reference.only_base:
+            result.failures.append("reference rows the gate's profile no longer produces: "
+                                   + ", ".join(result.reference.only_base))
+        _write(out / "reference-comparison.json", result.reference.to_json())
+        if not result.pair_skipped:
+            result.pair = _judge_pair(result, new, out, "", tolerance_pct)
+            if result.pair is not None and result.pair.regressions and recheck:
+                log(f"gate: {len(result.pair.regressions)} timed regression(s) in the first pass; measuring base "
+                    "and new again, interleaved, to see whether they reproduce")
+                _alternate(result, root, base_code, out, rounds, log, pass_=2)
+                if not result.failures and not result.pair_skipped:
+                    result.recheck = _judge_pair(result, combine(_reports(result, "new", 2)), out, "recheck-",
+                                                 tolerance_pct)
     finally:
         if base_code is not None:
             shutil.rmtree(base_code, ignore_errors=True)
-    if result.failures:
-        _write(out / "gate.json", gate_json(result, tolerance_pct))
-        return result
-    sides = {side: [r.report for r in result.runs if r.side == side and r.report is not None]
-             for side in ("base", "new")}
-    new = combine(sides["new"])
-    _write(out / "new.json", new)
-    result.reference = compare(reference_report, new, judge="deterministic")
-    if result.reference.only_base:
-        result.failures.append("reference rows the gate's profile no longer produces: "
-                               + ", ".join(result.reference.only_base))
-    _write(out / "reference-comparison.json", result.reference.to_json())
-    if not result.pair_skipped:
-        try:
-            base_report = combine(sides["base"])
-        except FicocoError as exc:
-            result.pair_skipped = f"the base's runs cannot be combined ({error_text(exc)})"
-        else:
-            _same_machine(base_report, new, base)
-            _write(out / "base.json", base_report)
-            result.pair = compare(base_report, new, judge="timed", tolerance_pct=tolerance_pct)
-            _write(out / "pair-comparison.json", result.pair.to_json())
     _write(out / "gate.json", gate_json(result, tolerance_pct))
     return result
 
 
-def _alternate(result: GateResult, root: Path, base_code: Path | None, out: Path, rounds: int, log: Any) -> None:
-    """The profile runs, ABBA: base, new, new, base, ... A base run that fails ends the base's runs
-    (the pair is then not judged); a new run that fails ends the gate."""
+def _reports(result: GateResult, side: str, pass_: int) -> list[dict[str, Any]]:
+    return [r.report for r in result.runs if r.side == side and r.pass_ == pass_ and r.report is not None]
+
+
+def _judge_pair(result: GateResult, new: dict[str, Any], out: Path, prefix: str,
+                tolerance_pct: float) -> Comparison | None:
+    """The timed comparison of one pass's base runs with `new` (its new runs combined); None, with
+    the reason in `pair_skipped`, when the base's runs cannot be combined."""
+    pass_ = 2 if prefix else 1
+    try:
+        base_report = combine(_reports(result, "base", pass_))
+    except FicocoError as exc:
+        result.pair_skipped = f"the base's runs cannot be combined ({error_text(exc)})"
+        return None
+    _same_machine(base_report, new, result.base)
+    _write(out / f"{prefix}base.json", base_report)
+    if prefix:
+        _write(out / f"{prefix}new.json", new)
+    pair = compare(base_report, new, judge="timed", tolerance_pct=tolerance_pct)
+    _write(out / f"{prefix}pair-comparison.json", pair.to_json())
+    return pair
+
+
+def _alternate(result: GateResult, root: Path, base_code: Path | None, out: Path, rounds: int, log: Any,
+               pass_: int = 1) -> None:
+    """The profile runs of one pass, ABBA: base, new, new, base, ... A base run that fails ends the
+    base's runs (the pair is then not judged); a new run that fails ends the gate."""
+    prefix = "" if pass_ == 1 else "recheck-"
     for round_ in range(1, rounds + 1):
         for side in ("base", "new") if round_ % 2 else ("new", "base"):
             if side == "base" and (base_code is None or result.pair_skipped):
                 continue
-            run = run_profile(base_code if side == "base" else root, out / f"{side}-{round_}.json", side=side,
-                              round_=round_)
+            run = run_profile(base_code if side == "base" else root, out / f"{prefix}{side}-{round_}.json",
+                              side=side, round_=round_)
+            run.pass_ = pass_
             result.runs.append(run)
-            log(f"gate: round {round_}/{rounds} {side:4} {run.seconds:5.1f} s  "
+            log(f"gate: {'re-measure ' if pass_ == 2 else ''}round {round_}/{rounds} {side:4} {run.seconds:5.1f} s  "
                 + (_speedup_line(run.report) if run.report else f"FAILED: {run.error}"))
             if run.report is not None:
                 continue
@@ -323,7 +365,8 @@ def _alternate(result: GateResult, root: Path, base_code: Path | None, out: Path
                 result.pair_skipped = (f"the base {result.base.commit[:12]} cannot run the gate's profile "
                                        f"command ({run.error})")
             else:
-                result.failures.append(f"the new tree's profile failed in round {round_}: {run.error}")
+                where = "the re-measurement, " if pass_ == 2 else ""
+                result.failures.append(f"the new tree's profile failed in {where}round {round_}: {run.error}")
                 return
 
 
@@ -355,11 +398,16 @@ def gate_json(result: GateResult, tolerance_pct: float) -> dict[str, Any]:
     return {
         "schema": "ficoco.gate/1", "passed": result.passed, "base": vars(result.base),
         "tolerance_pct": tolerance_pct, "failures": result.failures, "pair_skipped": result.pair_skipped,
-        "runs": [{"side": r.side, "round": r.round, "seconds": r.seconds, "error": r.error} for r in result.runs],
+        "runs": [{"side": r.side, "round": r.round, "pass": r.pass_, "seconds": r.seconds, "error": r.error}
+                 for r in result.runs],
         "reference_regressions": [f"{v.metric} ({v.row})" for v in result.reference.regressions]
         if result.reference else None,
         "pair_regressions": [f"{v.metric} ({v.row})" for v in result.pair.regressions] if result.pair else None,
+        "recheck_regressions": [f"{v.metric} ({v.row})" for v in result.recheck.regressions]
+        if result.recheck else None,
+        "standing_regressions": [f"{v.metric} ({v.row})" for v in result.timed_regressions],
         "speedups": speedups(result.pair) if result.pair else [],
+        "recheck_speedups": speedups(result.recheck) if result.recheck else [],
     }
 
 
@@ -373,19 +421,26 @@ def render(result: GateResult) -> str:
                      f"{len(result.reference.regressions)} regression(s)")
         lines += [f"  {v.verdict}: {v.metric} ({v.row}) {v.base} -> {v.new}: {cli_message(v.detail)}" for v in bad]
         lines += [f"  warning: {cli_message(w)}" for w in result.reference.warnings]
-    if result.pair is not None:
-        lines.append(f"timed ratios, base against new on this machine: {len(result.pair.regressions)} regression(s)")
+    for label, pair in (("", result.pair), ("re-measured: ", result.recheck)):
+        if pair is None:
+            continue
+        lines.append(f"{label}timed ratios, base against new on this machine: {len(pair.regressions)} regression(s)")
         lines.append(f"  {'row':44} {'base':>8} {'new':>8} {'change':>8}  verdict")
-        for s in speedups(result.pair):
+        for s in speedups(pair):
             change = "-" if s["change"] is None else f"{s['change'] * 100:+.1f}%"
             lines.append(f"  {s['row']:44} {s['base'] or 0:8.3f} {s['new'] or 0:8.3f} {change:>8}  "
                          f"{s['verdict']} ({cli_message(s['detail'])})")
         # Deterministic figures are the reference's to judge; a row that failed is shown here too.
-        others = [v for v in result.pair.verdicts if v.metric != "speedup_vs_vanilla"
+        others = [v for v in pair.verdicts if v.metric != "speedup_vs_vanilla"
                   and (v.kind != "deterministic" or v.metric == "status")
                   and v.verdict in ("regression", "noise", "missing")]
         lines += [f"  {v.verdict}: {v.metric} ({v.row}): {cli_message(v.detail)}" for v in others]
-        lines += [f"  warning: {cli_message(w)}" for w in result.pair.warnings]
+        lines += [f"  warning: {cli_message(w)}" for w in pair.warnings]
+    if result.recheck is not None and result.pair is not None:
+        standing = {(v.metric, v.row) for v in result.timed_regressions}
+        for v in result.pair.regressions:
+            outcome = "reproduced: it stands" if (v.metric, v.row) in standing else "not reproduced: noise, not judged"
+            lines.append(f"  first-pass regression {v.metric} ({v.row}): {outcome}")
     if result.pair_skipped:
         lines.append(f"timed ratios NOT judged: {result.pair_skipped}")
     lines += [f"failure: {f}" for f in result.failures]
@@ -403,13 +458,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=TOLERANCE_PCT,
                         help=f"percent a speedup may move between base and new (default {TOLERANCE_PCT:g})")
     parser.add_argument("--out", help="keep every run's report and the comparisons here (default: a temp folder)")
+    parser.add_argument("--no-recheck", action="store_true",
+                        help="judge a timed regression on the first pass alone (no re-measurement)")
     args = parser.parse_args(argv)
     root = Path(args.root).resolve()
     out = Path(args.out).resolve() if args.out else Path(tempfile.mkdtemp(prefix="ficoco-gate-"))
     try:
         result = run_gate(root, out, reference=Path(args.reference).resolve() if args.reference else None,
                           base_override=args.base or os.environ.get(BASE_VARIABLE), rounds=args.rounds,
-                          tolerance_pct=args.tolerance)
+                          tolerance_pct=args.tolerance, recheck=not args.no_recheck)
     except FicocoError as exc:
         print(f"error: {error_text(exc)}", file=sys.stderr)
         return 2
