@@ -43,15 +43,19 @@ def compare(model: torch.nn.Module, variant: str, inputs: dict) -> str:
     status, _ = spec.family_status(arch.family)
     if status != "yes":
         return f"not run on {arch.family} models"
-    # The official setting, else (FiCoCo, or a setting that does not fit a tiny model) a quarter of the tokens.
-    budgets = [max(1, arch.visual_tokens // 4)] if spec.planner == "per_layer" else [None, arch.visual_tokens // 4]
+    # The official setting, else the first of a few budgets this model reaches (a quarter of the visual tokens
+    # first: FiCoCo's budget is a count by definition; a tiny model's layout admits only some counts).
+    visual = arch.visual_tokens
+    counts = [visual // 4, visual // 2, visual // 3, visual // 8, 16, 13, 12, 8, 4]
+    budgets = ([] if spec.planner == "per_layer" else [None]) + list(dict.fromkeys(c for c in counts if c >= 1))
+    error: Exception | None = None
     for keep in budgets:
         try:
             model_rule = kept_sets(model, variant, inputs, "model", keep)
             float32 = kept_sets(model, variant, inputs, "float32", keep)
             break
         except FicocoError as exc:
-            error = exc
+            error = error or exc
     else:
         return f"not run: {error}"
     differing = []
