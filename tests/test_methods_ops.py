@@ -251,3 +251,19 @@ def test_gather_tokens_and_gather_block_match_advanced_indexing() -> None:
     block = gather_block(matrix, index, cols)
     for b in range(2):
         assert torch.equal(block[b], matrix[b][index[b]][:, cols[b]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_under_autograd_gives_the_same_tokens_and_a_gradient(dtype: torch.dtype) -> None:
+    # A loss through the merge (labels on a patched model whose weights require grad) records the op.
+    torch.manual_seed(0)
+    tokens = torch.randn(2, 6, 4, dtype=dtype)
+    source, target = torch.tensor([[0, 3], [1, 5]]), torch.tensor([[1, 2, 4, 5], [0, 2, 3, 4]])
+    alpha = torch.rand(2, 2, 4)
+    with torch.no_grad():
+        plain = compress(tokens, source, target, alpha)
+    leaf = tokens.clone().requires_grad_(True)
+    recorded = compress(leaf, source, target, alpha)
+    assert recorded.dtype == dtype and torch.equal(recorded.detach(), plain)
+    recorded.float().sum().backward()
+    assert leaf.grad is not None and leaf.grad.abs().sum() > 0

@@ -181,8 +181,11 @@ def compress(tokens: Tensor, source: Tensor, target: Tensor, alpha: Tensor) -> T
     # (they are most of the tensor, and wide where other features ride with them).
     merged = weights.transpose(1, 2) @ discarded
     merged.add_(kept)
-    received_weight = weights.sum(dim=1).unsqueeze(-1)
-    return torch.div(merged, 1.0 + received_weight, out=torch.empty_like(kept))
+    denominator = 1.0 + weights.sum(dim=1).unsqueeze(-1)
+    if torch.is_grad_enabled() and (merged.requires_grad or denominator.requires_grad):
+        # Autograd records no `out=` op (a loss through the merge, or a model whose weights require grad).
+        return (merged / denominator).to(tokens.dtype)
+    return torch.div(merged, denominator, out=torch.empty_like(kept))
 
 
 # ---- in the LLM: a span of visual tokens, attention rows, the rebuilt sequence ----------------------------
