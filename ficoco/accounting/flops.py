@@ -8,6 +8,7 @@ FiCoCo appendix's closed formula per layer.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -266,6 +267,19 @@ def resampling_ops(arch: Architecture, batch: int) -> list[Op]:
     return [_elementwise("projector", None, name, BILINEAR_OPS_PER_OUTPUT * outputs, inputs, outputs)]
 
 
+# A budget search or a table of many rows asks for the same layers at the same token counts again and again
+# (about 30 us each); the ops are frozen records, so one tuple serves every plan that asks.
+@functools.lru_cache(maxsize=1 << 16)
+def _decoder_layer(arch: Architecture, layer: int, b: int, n_in: int, n_out: int) -> tuple[Op, ...]:
+    return tuple(decoder_layer_ops(arch, layer, b, n_in, n_out))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _vision_layer(arch: Architecture, layer: int, b: int, n_in: int, n_out: int,
+                  pairs: int | None) -> tuple[Op, ...]:
+    return tuple(vision_layer_ops(arch, layer, b, n_in, n_out, pairs))
+
+
 def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_tokens: str = "all") -> list[Op]:
     """Every op of one prefill of `batch` samples (one image or video each) under `plan`."""
     if lm_head_tokens not in LM_HEAD_TOKENS:
@@ -281,7 +295,7 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
         ops.append(_elementwise("vision", None, "position_interpolation", (BILINEAR_OPS_PER_OUTPUT + 1) * elems,
                                 (BILINEAR_OPS_PER_OUTPUT + 1) * elems, elems))
     for layer, (n_in, n_out) in enumerate(plan.vision):
-        ops.extend(vision_layer_ops(arch, layer, items, n_in, n_out, vision_attention_pairs(arch, plan, layer, items)))
+        ops.extend(_vision_layer(arch, layer, items, n_in, n_out, vision_attention_pairs(arch, plan, layer, items)))
     # The projector sees the visual tokens that reach the LLM, without LLaVA-NeXT's newlines
     # (those are a learned vector, not projected) and before Qwen2-VL's merge is undone. It runs
     # before LLaVA-NeXT's unpadding, so it also projects the tokens unpadding drops (FiCoCo-V,
@@ -303,7 +317,7 @@ def model_ops(arch: Architecture, plan: TokenPlan, *, batch: int = 1, lm_head_to
     ops.extend(resampling_ops(arch, batch))
     ops.extend(deepstack_merger_ops(arch, plan, batch))
     for layer, (n_in, n_out) in enumerate(plan.llm):
-        ops.extend(decoder_layer_ops(arch, layer, batch, n_in, n_out))
+        ops.extend(_decoder_layer(arch, layer, batch, n_in, n_out))
         if layer < len(arch.deepstack_layers):
             ops.append(deepstack_add_op(arch, plan, layer, batch))
     final_tokens = plan.llm[-1][1] if plan.llm else plan.text_tokens + plan.llm_visual_tokens
