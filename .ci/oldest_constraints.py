@@ -3,6 +3,10 @@ its tested range in pyproject.toml (`name==lower`), for CI's run on the oldest a
 
 The bounds are read from pyproject.toml, so raising a lower bound there changes what CI tests. torch
 is left out: the README pins the build it installs first (on a CPU machine, the CPU build).
+
+`--requirements` prints instead every requirement of ficoco with its `dev` extra (extras of ficoco itself
+expanded), so that CI can install them while the suite runs and ficoco itself (`--no-deps`) after it: two
+editable builds of one tree at once would write the same build metadata.
 """
 
 from __future__ import annotations
@@ -32,6 +36,28 @@ def lower_bounds(pyproject: Path) -> dict[str, str]:
     return bounds
 
 
+def requirements(pyproject: Path, extra: str = "dev") -> list[str]:
+    project = tomllib.loads(pyproject.read_text())["project"]
+    extras = project["optional-dependencies"]
+    wanted, pending, seen = list(project["dependencies"]), [extra], set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for requirement in extras[name]:
+            own = re.fullmatch(r"ficoco\[([a-z0-9_,-]+)\]", requirement.replace(" ", ""))
+            if own:
+                pending += own.group(1).split(",")
+            else:
+                wanted.append(requirement)
+    return list(dict.fromkeys(wanted))
+
+
 if __name__ == "__main__":
-    for name, version in lower_bounds(Path(__file__).resolve().parent.parent / "pyproject.toml").items():
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if sys.argv[1:] == ["--requirements"]:
+        print("\n".join(requirements(pyproject)))
+        sys.exit(0)
+    for name, version in lower_bounds(pyproject).items():
         print(f"{name}=={version}")
