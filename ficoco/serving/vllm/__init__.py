@@ -1,0 +1,30 @@
+"""ficoco's vLLM plugin: the methods that act before the LLM (FiCoCo-V, VisionZip, DivPrune, VisPruner) on
+Qwen2.5-VL and Qwen3-VL served by vLLM, each image reduced to a count fixed from the budget and its grid before
+the encoder runs, its tokens at their original M-RoPE positions (docs/serving.md).
+
+vLLM loads `register` through the `vllm.general_plugins` entry point (pyproject.toml) in every process it
+starts; it replaces the two architectures by ficoco's subclasses (`ficoco.serving.vllm.qwen`), which are
+vLLM's classes unchanged unless the engine's config carries `ficoco_vllm` settings
+(`hf_overrides={"ficoco_vllm": {"method": "visionzip", "keep": 64}}`, or the environment's `FICOCO_VLLM`).
+
+This room knows vLLM and calls ficoco's method ops and its torch-free accountant; it never imports
+`ficoco.models` (transformers' adapters), which never import it.
+"""
+
+from __future__ import annotations
+
+ARCHITECTURES = {
+    "Qwen2_5_VLForConditionalGeneration": "ficoco.serving.vllm.qwen:ReducingQwen2_5_VL",
+    "Qwen3VLForConditionalGeneration": "ficoco.serving.vllm.qwen:ReducingQwen3VL",
+}
+
+
+def register() -> None:
+    """The plugin's entry point (vLLM calls it in every process, possibly more than once)."""
+    from vllm import ModelRegistry
+
+    from ficoco.serving.vllm.runner import enable_positions
+
+    for architecture, target in ARCHITECTURES.items():
+        ModelRegistry.register_model(architecture, target)
+    enable_positions()

@@ -1,0 +1,270 @@
+"""Qwen2.5-VL and Qwen3-VL in vLLM with a method before the LLM (knows vLLM's classes; calls ficoco's ops).
+
+Each family is vLLM's own model class with three additions, and its own multimodal processor with one:
+
+- the processor writes, for every image, the placeholders of the tokens the accountant's plan keeps for the
+  image's grid (`settings.plan_image`), not the grid's product: the count is fixed before the encoder runs;
+- `_process_image_input` runs vLLM's tower with two probes (the last block's keys; Qwen3-VL's DeepStack taps)
+  and the cut in its merger (`tokens.cut_units`), or the cut on the tower's output (`tokens.cut_projected`), then
+  hands on each image's kept rows (DeepStack channels included) with their grid positions appended;
+- `get_mrope_input_positions` lays the shortened prompt out in the unreduced prompt's positions, and
+  `recompute_mrope_positions` (which the runner calls once the encoder ran, `runner.enable_positions`) gives
+  the kept tokens their own.
+
+Without `ficoco_vllm` settings (or `FICOCO_VLLM`) the classes are vLLM's, unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from vllm.model_executor.models.qwen2_5_vl import (
+    Qwen2_5_VLDummyInputsBuilder,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLMultiModalProcessor,
+    Qwen2_5_VLProcessingInfo,
+)
+from vllm.model_executor.models.qwen3_vl import (
+    Qwen3VLDummyInputsBuilder,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMultiModalProcessor,
+    Qwen3VLProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.processing import PromptReplacement
+
+from ficoco.errors import FicocoError
+from ficoco.methods.registry import method
+from ficoco.serving.vllm.settings import SETTINGS_KEY, ImagePlan, Settings, plan_image, settings_from
+from ficoco.serving.vllm.tokens import (
+    TowerPass,
+    cut_projected,
+    cut_units,
+    grid_positions,
+    place_positions,
+    prompt_positions,
+)
+
+
+def _config_json(config: Any) -> str:
+    """The served model's config as the accountant reads a profile's (the plugin's own key left out)."""
+    data = config.to_dict()
+    data.pop(SETTINGS_KEY, None)
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+RECORD = "FICOCO_VLLM_RECORD"  # a file each reduced image's kept groups are appended to (JSON lines), if set
+
+
+def _record(grids: list[tuple[int, int, int]], kept: list[Tensor | None]) -> None:
+    """Append every image's grid and kept groups (grid indices) to the file `FICOCO_VLLM_RECORD` names: the
+    engine's processes are not the caller's, and a test or a user reads what the method kept from there."""
+    path = os.environ.get(RECORD)
+    if not path:
+        return
+    with open(path, "a") as out:
+        for grid, groups in zip(grids, kept, strict=True):
+            out.write(json.dumps({"grid_thw": list(grid), "kept": [] if groups is None else groups.tolist()}) + "\n")
+
+
+class Planner:
+    """An engine's settings and the accountant's plan for every image grid it sees (cached by grid)."""
+
+    def __init__(self, config: Any) -> None:
+        self.settings: Settings | None = settings_from(config)
+        self.config_json = _config_json(config) if self.settings is not None else ""
+        self.patch = int(config.vision_config.patch_size)
+
+    def plan(self, grid_thw: Sequence[int]) -> ImagePlan:
+        assert self.settings is not None
+        return plan_image(self.config_json, self.settings, tuple(int(x) for x in grid_thw), self.patch)
+
+
+class _ReducingProcessor:
+    """The placeholders of an image: the tokens the plan keeps for its grid (the first of vLLM's own)."""
+
+    def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any],
+                            out_mm_kwargs: Any) -> Sequence[Any]:
+        updates = super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)  # type: ignore[misc]
+        planner = Planner(self.info.get_hf_config())  # type: ignore[attr-defined]
+        if planner.settings is None:
+            return updates
+        out = []
+        for update in updates:
+            if update.modality != "image":
+                out.append(update)
+                continue
+
+            def replacement(item_idx: int, _original: Any = update.replacement) -> list[int]:
+                tokens = _original(item_idx) if callable(_original) else _original
+                if not isinstance(tokens, list):
+                    raise FicocoError("ficoco.vllm: this model's image placeholders are not a plain token list")
+                grid = out_mm_kwargs["image"][item_idx]["image_grid_thw"].data
+                return tokens[:planner.plan(grid.tolist()).tokens]
+
+            out.append(PromptReplacement(modality="image", target=update.target, replacement=replacement))
+        return out
+
+
+class Qwen2_5_VLReducingProcessor(_ReducingProcessor, Qwen2_5_VLMultiModalProcessor):
+    """Qwen2.5-VL's processor with each image's placeholders cut to the plan's count."""
+
+
+class Qwen3VLReducingProcessor(_ReducingProcessor, Qwen3VLMultiModalProcessor):
+    """Qwen3-VL's processor with each image's placeholders cut to the plan's count."""
+
+
+class _ReducingQwen:
+    """What a Qwen model class of vLLM gains (see the module's docstring)."""
+
+    windowed = False  # Qwen2.5-VL's tower runs in window order
+
+    def _ficoco_setup(self) -> None:
+        self.ficoco = Planner(self.config)  # type: ignore[attr-defined]
+        self.ficoco_pass: TowerPass | None = None
+        # The runner gives the kept tokens their positions once the encoder ran (ficoco.serving.vllm.runner).
+        self.ficoco_reduces_images = self.ficoco.settings is not None
+        if self.ficoco.settings is None:
+            return
+        spec = method(self.ficoco.settings.method)
+        self.ficoco_spec = spec
+        self.ficoco_module = spec.load()
+        visual = self.visual  # type: ignore[attr-defined]
+        if spec.placement == "tower_output" or (spec.placement == "after_projector" and spec.probes.reads_tower):
+            visual.blocks[-1].attn.attn.register_forward_pre_hook(self._ficoco_keys, with_kwargs=True)
+            for tap in getattr(visual, "deepstack_merger_list", []):
+                tap.register_forward_hook(self._ficoco_tap)
+            merger = visual.merger
+            original = merger.forward
+
+            def merger_forward(x: Tensor, _original: Any = original) -> Tensor:
+                return self._ficoco_merger(x, _original)
+
+            merger.forward = merger_forward
+        elif spec.placement != "after_projector":
+            raise FicocoError(f"ficoco.vllm: {spec.title} is not wired into vLLM's {type(self).__name__}")
+
+    # -- the probes ------------------------------------------------------------------------------------------
+    def _ficoco_keys(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.ficoco_pass is not None:
+            key = kwargs.get("key")
+            self.ficoco_pass.keys = key if key is not None else args[1]
+
+    def _ficoco_tap(self, module: Any, args: tuple, output: Tensor) -> None:
+        if self.ficoco_pass is not None:
+            self.ficoco_pass.taps.append(output)
+
+    def _ficoco_merger(self, x: Tensor, original: Any) -> Tensor:
+        tower = self.ficoco_pass
+        if tower is None:
+            return original(x)
+        width = x.shape[-1] * tower.merge
+        units = x.reshape(-1, width)
+        plan = self.ficoco_plans
+        removal = next(r for r in plan[0].removals if r.stage == "vision")
+        kept_units = cut_units(tower, units, self.ficoco_module.tower_step, plan[0].settings_dict(), removal.remove,
+                               removal.added, self.ficoco_spec.title, self.ficoco_spec.merges_by_keys)
+        merged = original(torch.cat(kept_units).reshape(-1, x.shape[-1]))
+        # Every group's row of the tower's order, the removed ones zero: the tower's own reordering and DeepStack's
+        # concatenation expect them all; `_process_image_input` keeps the kept rows.
+        full = merged.new_zeros(units.shape[0], merged.shape[-1])
+        starts = tower.starts()
+        rows = torch.cat([starts[i] + tower.rows[i].to(merged.device)[kept.to(merged.device)]
+                          for i, kept in enumerate(tower.kept)])
+        return full.index_copy(0, rows, merged)
+
+    # -- the encoder -----------------------------------------------------------------------------------------
+    def _tower_rows(self, grid: tuple[int, int, int]) -> Tensor:
+        t, h, w = grid
+        groups = t * h * w // self.visual.spatial_merge_size**2  # type: ignore[attr-defined]
+        if not self.windowed:
+            return torch.arange(groups)
+        order = self.visual.get_window_index_thw(t, h, w)[0]  # type: ignore[attr-defined]
+        rows = torch.empty_like(order)
+        rows[order] = torch.arange(groups)
+        return rows
+
+    def _process_image_input(self, image_input: Any) -> tuple[Tensor, ...]:
+        if self.ficoco.settings is None:
+            return super()._process_image_input(image_input)  # type: ignore[misc]
+        if image_input["type"] == "image_embeds":
+            raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
+        grids = [tuple(int(x) for x in g) for g in image_input["image_grid_thw"].tolist()]
+        plans = [self.ficoco.plan(g) for g in grids]
+        self.ficoco_plans = plans
+        if len({(p.removals, p.settings) for p in plans}) > 1:
+            # One step per image size, as the adapters batch: run the images of a call grid by grid.
+            raise FicocoError("ficoco.vllm: the plan differs between the images of this batch (a tflops budget on "
+                              "images of different sizes); give keep")
+        merge_size = self.visual.spatial_merge_size  # type: ignore[attr-defined]
+        tower = TowerPass(grids=grids, merge_size=merge_size, rows=[self._tower_rows(g) for g in grids])
+        spec = self.ficoco_spec
+        if spec.placement == "tower_output":
+            self.ficoco_pass = tower
+        try:
+            embeds = super()._process_image_input(image_input)  # type: ignore[misc]
+        finally:
+            self.ficoco_pass = None
+        if spec.placement == "after_projector" and not spec.probes.reads_tower:
+            removal = next(r for r in plans[0].removals if r.stage == "vision")
+            kept_rows = cut_projected(tower, list(embeds), self.ficoco_module.tower_step, plans[0].settings_dict(),
+                                      removal.remove, spec.title, int(self.config.vision_config.out_hidden_size))
+        else:
+            kept_rows = [e[k.to(e.device)] for e, k in zip(embeds, tower.kept, strict=True)]
+        _record(grids, tower.kept)
+        out = []
+        for rows, kept, grid, plan in zip(kept_rows, tower.kept, grids, plans, strict=True):
+            if rows.shape[0] != plan.tokens:
+                raise RuntimeError(f"ficoco.vllm: {spec.title} kept {rows.shape[0]} tokens of an image, the plan "
+                                   f"{plan.tokens}")
+            out.append(grid_positions(rows, kept, grid, merge_size))
+        return tuple(out)
+
+    # -- positions -------------------------------------------------------------------------------------------
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[Tensor, int]:
+        if self.ficoco.settings is None:
+            return super().get_mrope_input_positions(input_tokens, mm_features)  # type: ignore[misc]
+        merge = self.config.vision_config.spatial_merge_size  # type: ignore[attr-defined]
+        spans = []
+        for feature in mm_features:
+            if feature.modality != "image":
+                raise FicocoError("ficoco.vllm: a reducing engine serves images; give videos to an engine without "
+                                  "ficoco_vllm settings")
+            t, h, w = feature.data["image_grid_thw"].data.tolist()
+            spans.append((feature.mm_position.offset, feature.mm_position.length, t, h // merge, w // merge, 1.0))
+        return prompt_positions(len(input_tokens), spans)
+
+    def recompute_mrope_positions(self, input_ids: Any, multimodal_embeddings: Sequence[Tensor],
+                                  mrope_positions: Tensor, num_computed_tokens: int) -> tuple[Any, Tensor, int]:
+        if self.ficoco.settings is None:
+            return super().recompute_mrope_positions(  # type: ignore[misc]
+                input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens)
+        return place_positions(input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens,
+                               self.config.image_token_id)  # type: ignore[attr-defined]
+
+
+@MULTIMODAL_REGISTRY.register_processor(Qwen2_5_VLReducingProcessor, info=Qwen2_5_VLProcessingInfo,
+                                        dummy_inputs=Qwen2_5_VLDummyInputsBuilder)
+class ReducingQwen2_5_VL(_ReducingQwen, Qwen2_5_VLForConditionalGeneration):
+    """vLLM's Qwen2.5-VL with ficoco's method before the LLM (the window order mapped to grid order)."""
+
+    windowed = True
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._ficoco_setup()
+
+
+@MULTIMODAL_REGISTRY.register_processor(Qwen3VLReducingProcessor, info=Qwen3VLProcessingInfo,
+                                        dummy_inputs=Qwen3VLDummyInputsBuilder)
+class ReducingQwen3VL(_ReducingQwen, Qwen3VLForConditionalGeneration):
+    """vLLM's Qwen3-VL with ficoco's method before the LLM; DeepStack's features follow the kept tokens."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "model") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._ficoco_setup()
