@@ -85,7 +85,8 @@ class Settings:
         """Settings from the user's mapping; a mistake (an unknown key or method, two budgets) is one FicocoError."""
         unknown = sorted(set(raw) - set(SETTING_NAMES))
         if unknown:
-            raise FicocoError(f"ficoco.vllm: unknown setting {', '.join(unknown)}: choose from {', '.join(SETTING_NAMES)}")
+            raise FicocoError(f"ficoco.vllm: unknown setting {', '.join(unknown)}: choose from "
+                              f"{', '.join(SETTING_NAMES)}")
         method = raw.get("method")
         if not isinstance(method, str):
             raise FicocoError(f"ficoco.vllm: give a method, one of {', '.join(SUPPORTED)}")
@@ -172,10 +173,13 @@ def _profile(config: Mapping[str, Any], name: str) -> Any:
     return Profile(name=name, config=dict(config), defaults=dict(FAMILY_DEFAULTS[model_type]))
 
 
-def plan_image(config_json: str, settings: Settings, grid_thw: tuple[int, int, int], patch: int,
-               name: str = "served") -> ImagePlan:
-    """The accountant's plan for one image of `grid_thw` (patches) under `settings`, for the model whose config
-    is `config_json` (its `to_json_string()`; a string so that plans are cached by value)."""
+def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int, int, int], patch: int,
+               name: str = "served", text_tokens: int | None = None) -> ImagePlan:
+    """The accountant's plan for one image of `grid_thw` (patches) under `settings` (None: vanilla, counted
+    with `text_tokens`), for the model whose config is `config_json` (a string so that plans are cached by
+    value)."""
+    if settings is None:
+        settings = Settings(method="vanilla", text_tokens=text_tokens)
     return _plan(config_json, settings, tuple(int(x) for x in grid_thw), int(patch), name)
 
 
@@ -194,11 +198,15 @@ def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int], 
         raise FicocoError(f"ficoco.vllm: the accountant's layout for a {w * patch}x{h * patch} image is not the "
                           f"served grid {h}x{w}")
     opts = CountOptions(convention=settings.convention, scope=settings.scope, text_tokens=settings.text_tokens)
+    vanilla = resolve_schedule(arch, "vanilla", opts)
+    if settings.method == "vanilla":
+        cost = compute_tera(arch, vanilla, opts)
+        return ImagePlan(grid_thw=grid_thw, tokens=arch.visual_tokens, removals=(), settings=(), tflops=cost,
+                         vanilla_tokens=arch.visual_tokens, vanilla_tflops=cost)
     request = ScheduleRequest(keep=settings.keep, preset=settings.preset, tflops=settings.tflops)
     spec = method(settings.method)
     hp = dict(settings.hp)
     schedule = resolve_schedule(arch, settings.method, opts, request, hyperparameters=hp)
-    vanilla = resolve_schedule(arch, "vanilla", opts)
     tokens = plan_tokens(arch, schedule).llm_visual_tokens
     if tokens > arch.visual_tokens:
         raise FicocoError(f"ficoco.vllm: {spec.title} with these settings hands the LLM {tokens} visual tokens, "
