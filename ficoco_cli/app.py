@@ -441,15 +441,23 @@ def compare_command(
     output: Annotated[str | None, typer.Option(
         "--output", callback=check.output_file, help="Write the comparison to this file.")] = None,
 ) -> None:
-    """Compare two profile reports: exit 1 on a regression, 0 otherwise."""
+    """Compare two profile (or two serving) reports: exit 1 on a regression, 0 otherwise."""
     from ficoco.report import write_text_atomic
     from ficoco.report.compare import compare
+    from ficoco.report.schemas import SERVE_SCHEMA
     from ficoco.sweep import read_report_any
     from ficoco_cli.report_cmd import comparison_json, comparison_markdown, comparison_table
 
-    # A profile report, or an evaluated sweep's report or store (compare judges its accuracy).
-    result = compare(read_report_any(base), read_report_any(new), tolerance_pct=tolerance, absolute=absolute,
-                     judge=judge, cross_machine=cross_machine)
+    # A profile report, or an evaluated sweep's report or store (compare judges its accuracy), or two serving reports.
+    base_report, new_report = read_report_any(base), read_report_any(new)
+    if SERVE_SCHEMA in (base_report["schema"], new_report["schema"]):
+        from ficoco.report.serve import compare_serve
+
+        result = compare_serve(base_report, new_report, tolerance_pct=tolerance, judge=judge,
+                               cross_machine=cross_machine)
+    else:
+        result = compare(base_report, new_report, tolerance_pct=tolerance, absolute=absolute, judge=judge,
+                         cross_machine=cross_machine)
     for warning in result.warnings:
         err.print(f"warning: {cli_message(warning)}", markup=False, highlight=False, soft_wrap=True)
     for side, rows in (("base", result.only_base), ("new", result.only_new)):

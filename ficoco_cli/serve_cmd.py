@@ -76,6 +76,14 @@ def run_serve_bench(config: Any, progress: Any) -> dict[str, Any]:
     except ImportError:
         raise FicocoError("serve-bench runs in vLLM's own venv: bash benchmarks/vllm_env.sh builds it "
                           "(docs/serving.md)") from None
+    import torch
+
+    from ficoco.profiling.environment import environment
+    from ficoco.report.schemas import SERVE_SCHEMA
     from ficoco.serving.vllm.bench import run_bench
 
-    return run_bench(config, progress)
+    body = run_bench(config, progress)
+    # vLLM picks its device by its platform; the environment names the GPU where torch sees one.
+    env = environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    env["vllm"] = body.pop("vllm")
+    return {"schema": SERVE_SCHEMA, **body, "environment": env}

@@ -323,9 +323,8 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
     if judge not in JUDGE_CHOICES:
         raise FicocoError(f"unknown judge='{judge}': choose from {', '.join(JUDGE_CHOICES)}")
     if SERVE_SCHEMA in (base.get("schema"), new.get("schema")):
-        from ficoco.report.serve import compare_serve
-
-        return compare_serve(base, new, tolerance_pct=tolerance_pct, judge=judge, cross_machine=cross_machine)
+        raise FicocoError(f"a serving report ({SERVE_SCHEMA}) is compared with another serving report only "
+                          "(ficoco.report.serve.compare_serve; `ficoco compare` picks it)")
     if SWEEP_SCHEMA in (base.get("schema"), new.get("schema")):
         return compare_eval(base, new, tolerance_pct=tolerance_pct, absolute=absolute, judge=judge,
                             cross_machine=cross_machine)

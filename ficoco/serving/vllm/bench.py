@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.report.schemas import SERVE_SCHEMA
 from ficoco.serving.vllm.settings import SETTINGS_KEY, Settings, plan_image
 
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
@@ -186,11 +185,9 @@ def _settings_json(settings: Settings) -> dict[str, Any]:
 
 
 def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """Run every variant at every level; the `ficoco.serve/1` report (rows per variant and level)."""
-    import torch
-
-    from ficoco.profiling.environment import environment
-
+    """Run every variant at every level: the body of a `ficoco.serve/1` report (config, rows per variant and
+    level, engine start times, vLLM's version); the caller adds the schema and the machine's environment
+    (`ficoco serve-bench` does), which this room does not know."""
     if not Path(config.model).is_dir():
         raise FicocoError(f"--model {config.model}: give a local checkpoint folder (vLLM loads its weights)")
     text, text_tokens, hf_config = _prompt(config.model, config.question)
@@ -216,9 +213,6 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
                      f"TTFT p50 {measured['ttft_p50_s'] * 1000:.0f} ms")
     import vllm
 
-    env = environment(torch.device("cpu"))
-    env["vllm"] = vllm.__version__
-    return {"schema": SERVE_SCHEMA, "config": {**asdict(config), "text_tokens": text_tokens,
-                                              "grid_thw": list(grid)},
-            "environment": env, "engine_start_s": starts, "rows": rows,
+    return {"config": {**asdict(config), "text_tokens": text_tokens, "grid_thw": list(grid)},
+            "vllm": vllm.__version__, "engine_start_s": starts, "rows": rows,
             "note": "random weights: the figures measure the engine and the reduction, never accuracy"}
