@@ -789,6 +789,7 @@ def serve_bench_command(
     ] = "vanilla,visionzip,divprune,vispruner",
     keep: KeepOpt = None,
     tflops: TflopsOpt = None,
+    first_layer: FirstLayerOpt = None,
     hp: HpOpt = None,
     concurrency: Annotated[str, typer.Option(
         "--concurrency", callback=check.whole_numbers(1), help="Requests in flight at each level.")] = "1,4,16,32",
@@ -817,10 +818,10 @@ def serve_bench_command(
     variants = split_list(variant, "--variant")
     methods = [v for v in variants if v != "vanilla"]
     if methods and keep is None and tflops is None:
-        raise FicocoError("serve-bench: give --keep N or --tflops X for the methods")
+        raise FicocoError(f"--variant {variant}: the methods need --keep N or --tflops X")
     hyperparameters = check.method_settings(hp, methods)
     config = BenchConfig(model=model, variants=tuple(dict.fromkeys(["vanilla", *methods])), keep=keep, tflops=tflops,
-                         hp=tuple(sorted(hyperparameters.items())),
+                         hp=tuple(sorted(hyperparameters.items())), first_layer=first_layer,
                          concurrency=tuple(int(c) for c in split_list(concurrency, "--concurrency")),
                          requests=requests, new_tokens=new_tokens, image_size=parse_image_size(image_size),
                          dtype=dtype, max_model_len=max_model_len)

@@ -70,12 +70,14 @@ def draw_serve(report: dict[str, Any], folder: str) -> list[str]:
 
 
 def run_serve_bench(config: Any, progress: Any) -> dict[str, Any]:
-    """The benchmark, in vLLM's venv; one line where vLLM is not installed."""
+    """The benchmark, in vLLM's venv; one line where the checkpoint is no folder or vLLM is not installed."""
+    if not Path(config.model).is_dir():
+        raise FicocoError(f"--model {config.model}: give a local checkpoint folder (vLLM loads its weights)")
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise FicocoError("serve-bench runs in vLLM's own venv: bash benchmarks/vllm_env.sh builds it "
-                          "(docs/serving.md)") from None
+        raise FicocoError(f"--model {config.model}: serve-bench runs in vLLM's own venv, where vllm is installed "
+                          "(bash benchmarks/vllm_env.sh builds it; docs/serving.md)") from None
     import torch
 
     from ficoco.profiling.environment import environment

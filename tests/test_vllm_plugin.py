@@ -37,12 +37,16 @@ OVERRIDES = {
 # 12x8 one for the batch of two sizes; Qwen3-VL 16x20 (80 groups; the processor's smallest image) and 16x24.
 SIZES = {"qwen2_5_vl": ((112, 140), (168, 112)), "qwen3_vl": ((320, 256), (384, 256))}
 KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24}
-METHODS = ("visionzip", "divprune", "vispruner")
+# FiCoCo-V runs on Qwen2.5-VL; on Qwen3-VL the plugin refuses it (its reducing blocks would carry DeepStack's taps).
+METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner"),
+           "qwen3_vl": ("visionzip", "divprune", "vispruner")}
 LEAN = {("qwen2_5_vl", "visionzip"), ("qwen3_vl", "divprune")}
+TOP = 5  # the first token's top log-probabilities compared (they move with every position and every kept row)
 NEW_TOKENS = 4
+FIRST_LAYER = 1  # FiCoCo-V's first reducing tower block on the 4-block tiny towers (the family's default is 12)
 QUESTION = "What is shown here?"
 
-CASES = [(family, name) for family in OVERRIDES for name in METHODS]
+CASES = [(family, name) for family in OVERRIDES for name in METHODS[family]]
 if os.environ.get("FICOCO_VLLM_TESTS") == "lean":
     CASES = [case for case in CASES if case in LEAN]
 
@@ -68,7 +72,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, Any]:
-    """ficoco.apply on the transformers model of `folder`: the kept groups (grid indices) and the first tokens."""
+    """ficoco.apply on the transformers model of `folder`: the kept groups (grid indices), the first tokens, and the
+    first token's top log-probabilities."""
     import ficoco
     from ficoco.models.prompt import encode_request, load_processor
 
@@ -81,13 +86,19 @@ def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, 
     with torch.inference_mode():
         if variant == "vanilla":
             ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+            logits = model(**inputs).logits[0, -1]
         else:
-            with ficoco.apply(model, variant=variant, keep=KEEP[family], image_size=prompt.image_size) as handle:
+            extra = {"first_layer": FIRST_LAYER} if variant == "v" else {}
+            with ficoco.apply(model, variant=variant, keep=KEEP[family], image_size=prompt.image_size,
+                              **extra) as handle:
                 ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
                 patches = handle.records[-1].kept[0]
+                logits = model(**inputs).logits[0, -1]
                 groups = (patches // width // 2) * (width // 2) + (patches % width) // 2
                 kept = sorted(set(groups.tolist()))
-    return {"text": prompt.text, "tokens": ids[0, -NEW_TOKENS:].tolist(), "kept": kept}
+    top = torch.log_softmax(logits.float(), dim=-1).topk(TOP)
+    return {"text": prompt.text, "tokens": ids[0, -NEW_TOKENS:].tolist(), "kept": kept,
+            "top": dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
 
 
 class Engine:
@@ -98,18 +109,23 @@ class Engine:
 
         os.environ["FICOCO_VLLM_RECORD"] = str(record)
         self.record = record
-        settings = {} if variant == "vanilla" else {"hf_overrides": {"ficoco_vllm": {"method": variant,
-                                                                                       "keep": KEEP[family]}}}
+        chosen = {"method": variant, "keep": KEEP[family], **({"first_layer": FIRST_LAYER} if variant == "v" else {})}
+        settings = {} if variant == "vanilla" else {"hf_overrides": {"ficoco_vllm": chosen}}
         self.llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
                        limit_mm_per_prompt={"image": 1, "video": 0}, seed=0, **settings, **engine)
 
     def generate(self, prompts: list[tuple[str, Any]]) -> list[list[int]]:
+        return [tokens for tokens, _ in self.generate_with_top(prompts)]
+
+    def generate_with_top(self, prompts: list[tuple[str, Any]]) -> list[tuple[list[int], dict[int, float]]]:
+        """Every prompt's tokens, and its first token's top log-probabilities."""
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
         outputs = self.llm.generate([{"prompt": text, "multi_modal_data": {"image": image}} for text, image in prompts],
                                     params, use_tqdm=False)
-        return [list(output.outputs[0].token_ids) for output in outputs]
+        return [(list(out.outputs[0].token_ids),
+                 {token: entry.logprob for token, entry in out.outputs[0].logprobs[0].items()}) for out in outputs]
 
     def kept(self) -> list[dict[str, Any]]:
         """The kept groups of every image the engine reduced since the last call."""
@@ -141,11 +157,15 @@ def served(request: pytest.FixtureRequest, checkpoints: dict[str, Path], tmp_pat
 
 def test_the_plugin_keeps_the_groups_and_tokens_of_ficoco_apply(served: Any) -> None:
     family, variant, images, refs, engine = served
-    (tokens,) = engine.generate([(refs[0]["text"], images[0])])
+    ((tokens, top),) = engine.generate_with_top([(refs[0]["text"], images[0])])
     (record,) = engine.kept()
     assert record["kept"] == refs[0]["kept"]
     assert len(record["kept"]) == KEEP[family]
     assert tokens == refs[0]["tokens"]
+    # The first token's top log-probabilities: the same tokens, the same values (float32 on both sides; wrong
+    # M-RoPE positions or a wrong row would move them far more).
+    assert set(refs[0]["top"]) <= set(top)
+    assert all(abs(top[token] - value) < 1e-3 for token, value in refs[0]["top"].items())
 
 
 def test_a_batch_of_two_image_sizes_gives_each_request_its_own_tokens(served: Any) -> None:

@@ -39,6 +39,7 @@ class BenchConfig:
     keep: int | None = None
     tflops: float | None = None
     hp: tuple[tuple[str, Any], ...] = ()
+    first_layer: int | None = None  # FiCoCo-V's first reducing tower block (None: the family's default)
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     requests: int = 64
     new_tokens: int = 16
@@ -56,6 +57,7 @@ class BenchConfig:
             return None
         own = METHODS[variant].hyperparameters if variant in METHODS else {}
         return Settings.parse({"method": variant, "keep": self.keep, "tflops": self.tflops, "text_tokens": text_tokens,
+                               "first_layer": self.first_layer if variant == "v" else None,
                                "hp": {name: value for name, value in self.hp if name in own}})
 
 

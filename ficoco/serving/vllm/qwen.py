@@ -40,6 +40,7 @@ from vllm.multimodal.processing import PromptReplacement
 
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import method
+from ficoco.serving.vllm.blocks import TowerBlocks
 from ficoco.serving.vllm.settings import SETTINGS_KEY, ImagePlan, Settings, plan_image, settings_from
 from ficoco.serving.vllm.tokens import (
     TowerPass,
@@ -146,8 +147,12 @@ class _ReducingQwen:
                 return self._ficoco_merger(x, _original)
 
             merger.forward = merger_forward
+        elif spec.placement == "in_layer" and self.windowed:
+            self.ficoco_blocks = TowerBlocks(self)
         elif spec.placement != "after_projector":
-            raise FicocoError(f"ficoco.vllm: {spec.title} is not wired into vLLM's {type(self).__name__}")
+            raise FicocoError(f"ficoco.vllm: {spec.title} is not wired into vLLM's {type(self).__name__} (FiCoCo-V "
+                              "runs on Qwen2.5-VL; on Qwen3-VL its reducing blocks would have to carry DeepStack's "
+                              "taps, which the plugin does not yet)")
 
     # -- the probes ------------------------------------------------------------------------------------------
     def _ficoco_keys(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -204,6 +209,9 @@ class _ReducingQwen:
         merge_size = self.visual.spatial_merge_size  # type: ignore[attr-defined]
         tower = TowerPass(grids=grids, merge_size=merge_size, rows=[self._tower_rows(g) for g in grids])
         spec = self.ficoco_spec
+        if spec.placement == "in_layer":
+            tower = self.ficoco_blocks.start(grids, plans[0])
+            self.ficoco_pass = tower
         if spec.placement == "tower_output":
             self.ficoco_pass = tower
         try:

@@ -28,7 +28,7 @@ from ficoco.errors import FicocoError
 
 SETTINGS_KEY = "ficoco_vllm"  # the hf_overrides key (the config attribute) the plugin reads
 ENVIRONMENT = "FICOCO_VLLM"  # the same settings as JSON, where the config carries none
-SETTING_NAMES = ("method", "keep", "preset", "tflops", "convention", "scope", "text_tokens", "hp")
+SETTING_NAMES = ("method", "keep", "preset", "tflops", "convention", "scope", "text_tokens", "first_layer", "hp")
 
 # The methods the plugin runs: each reduces every image to a count fixed by the budget and the grid, before the
 # LLM, from the image alone (no text), by ops ficoco's transformers adapters call too.
@@ -78,6 +78,7 @@ class Settings:
     convention: str = "flops"
     scope: str = "llm"
     text_tokens: int | None = None
+    first_layer: int | None = None  # FiCoCo-V: the first reducing tower block (None: the family's default)
     hp: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
 
     @classmethod
@@ -114,12 +115,12 @@ class Settings:
         return cls(method=method, keep=number("keep", int), preset=number("preset", int),
                    tflops=number("tflops", float), convention=str(raw.get("convention", "flops")),
                    scope=str(raw.get("scope", "llm")), text_tokens=number("text_tokens", int),
-                   hp=tuple(sorted(hp.items())))
+                   first_layer=number("first_layer", int), hp=tuple(sorted(hp.items())))
 
     def to_json(self) -> dict[str, Any]:
         """The settings as the user spells them (reports record them)."""
         out: dict[str, Any] = {"method": self.method}
-        for name in ("keep", "preset", "tflops", "text_tokens"):
+        for name in ("keep", "preset", "tflops", "text_tokens", "first_layer"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if self.tflops is not None:
@@ -203,7 +204,8 @@ def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int], 
         cost = compute_tera(arch, vanilla, opts)
         return ImagePlan(grid_thw=grid_thw, tokens=arch.visual_tokens, removals=(), settings=(), tflops=cost,
                          vanilla_tokens=arch.visual_tokens, vanilla_tflops=cost)
-    request = ScheduleRequest(keep=settings.keep, preset=settings.preset, tflops=settings.tflops)
+    request = ScheduleRequest(keep=settings.keep, preset=settings.preset, tflops=settings.tflops,
+                              first_layer=settings.first_layer)
     spec = method(settings.method)
     hp = dict(settings.hp)
     schedule = resolve_schedule(arch, settings.method, opts, request, hyperparameters=hp)
