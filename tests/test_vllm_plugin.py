@@ -37,13 +37,13 @@ OVERRIDES = {
 # 12x8 one for the batch of two sizes; Qwen3-VL 16x20 (80 groups; the processor's smallest image) and 16x24.
 SIZES = {"qwen2_5_vl": ((112, 140), (168, 112)), "qwen3_vl": ((320, 256), (384, 256))}
 KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24}
-# FiCoCo-V runs on Qwen2.5-VL; on Qwen3-VL the plugin refuses it (its reducing blocks would carry DeepStack's taps).
-METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner"),
-           "qwen3_vl": ("visionzip", "divprune", "vispruner")}
+METHODS = {family: ("v", "visionzip", "divprune", "vispruner") for family in OVERRIDES}
 LEAN = {("qwen2_5_vl", "visionzip"), ("qwen3_vl", "divprune")}
 TOP = 5  # the first token's top log-probabilities compared (they move with every position and every kept row)
 NEW_TOKENS = 4
-FIRST_LAYER = 1  # FiCoCo-V's first reducing tower block on the 4-block tiny towers (the family's default is 12)
+# FiCoCo-V's first reducing tower block on the 4-block tiny towers (the families' defaults are deeper): on Qwen3-VL
+# after DeepStack's first tap (block 1), which then rides through the reductions, and at its second (block 2).
+FIRST_LAYER = {"qwen2_5_vl": 1, "qwen3_vl": 2}
 QUESTION = "What is shown here?"
 
 CASES = [(family, name) for family in OVERRIDES for name in METHODS[family]]
@@ -88,7 +88,7 @@ def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, 
             ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
             logits = model(**inputs).logits[0, -1]
         else:
-            extra = {"first_layer": FIRST_LAYER} if variant == "v" else {}
+            extra = {"first_layer": FIRST_LAYER[family]} if variant == "v" else {}
             with ficoco.apply(model, variant=variant, keep=KEEP[family], image_size=prompt.image_size,
                               **extra) as handle:
                 ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -109,7 +109,8 @@ class Engine:
 
         os.environ["FICOCO_VLLM_RECORD"] = str(record)
         self.record = record
-        chosen = {"method": variant, "keep": KEEP[family], **({"first_layer": FIRST_LAYER} if variant == "v" else {})}
+        chosen = {"method": variant, "keep": KEEP[family],
+                  **({"first_layer": FIRST_LAYER[family]} if variant == "v" else {})}
         settings = {} if variant == "vanilla" else {"hf_overrides": {"ficoco_vllm": chosen}}
         self.llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
                        limit_mm_per_prompt={"image": 1, "video": 0}, seed=0, **settings, **engine)

@@ -1,4 +1,4 @@
-"""FiCoCo-V inside vLLM's Qwen2.5-VL tower (knows vLLM's vision blocks; calls ficoco's ops).
+"""FiCoCo-V inside vLLM's Qwen2.5-VL and Qwen3-VL towers (knows vLLM's vision blocks; calls ficoco's ops).
 
 FiCoCo-V removes whole merge groups inside the blocks its schedule names, after a block's attention residual and
 before its MLP, as ficoco's transformers adapter does (ficoco.models.qwen2_vl's tower passes, on Qwen2.5-VL's
@@ -9,6 +9,12 @@ runs on every image's groups, batched per image size; the blocks after it run on
 the shorter images and the windows their kept groups form (a window left empty is dropped). The merger maps the
 kept groups only; its output goes back to the unreduced window-order rows (the removed ones zero), which the
 tower's own reordering puts in grid order, and the model keeps each image's kept rows.
+
+On Qwen3-VL (no windows: every block attends over whole images) DeepStack's taps ride through every reduction
+after them, as on transformers: a tap's features per group, spread over the group's patches in extra channels,
+are folded with the weights the patches are folded with (`spread_over_members`); a tap after a reduction sees the
+kept groups only. Each tap's output goes back to every group's row (the removed ones zero), and once the tower ran
+its rows hold what rode to the end, so that the model keeps each image's kept rows of every tap.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.methods.ops import gather_members, spread_over_members
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.methods.reads.ops import ProbedAttention, SegmentedReads, stack_reads
 from ficoco.serving.vllm.settings import ImagePlan
@@ -40,6 +47,8 @@ class BlocksPass(TowerPass):
     cos: Tensor | None = None
     sin: Tensor | None = None
     probe: dict[str, Tensor] = field(default_factory=dict)  # the reducing block's query, key and segments
+    carried: list[Tensor | None] = field(default_factory=list)  # per image: the DeepStack taps so far, side by side
+    tap_outputs: list[Tensor] = field(default_factory=list)  # every tap's output, all groups' rows
 
     def lengths(self) -> list[int]:
         return [self.merge * len(groups) for groups in self.current]
@@ -56,7 +65,9 @@ class TowerBlocks:
         self.model = model
         visual = model.visual
         self.visual = visual
-        self.full_layers = frozenset(int(i) for i in visual.fullatt_block_indexes)
+        self.windowed = bool(model.windowed)
+        self.full_layers = frozenset(int(i) for i in visual.fullatt_block_indexes) if self.windowed else \
+            frozenset(range(len(visual.blocks)))
         self.plan: ImagePlan | None = None
         spec = model.ficoco_spec
         self.reduce_groups = model.ficoco_module.reduce_groups
@@ -72,6 +83,8 @@ class TowerBlocks:
             return self._merger(x, original)
 
         merger.forward = merger_forward
+        for tap in getattr(visual, "deepstack_merger_list", []):
+            tap.register_forward_hook(self._tap)
 
     def start(self, grids: list[tuple[int, int, int]], plan: ImagePlan) -> BlocksPass:
         """A new pass over `grids` under `plan` (its vision removals, per block)."""
@@ -81,6 +94,13 @@ class TowerBlocks:
         merge = merge_size**2
         current, group_window, windows, rows = [], [], [], []
         for t, h, w in grids:
+            if not self.windowed:  # every block attends over the whole image, in grid order
+                groups = t * h * w // merge
+                current.append(torch.arange(groups))
+                group_window.append(torch.zeros(groups, dtype=torch.long))
+                windows.append(1)
+                rows.append(torch.arange(groups))
+                continue
             order, cu_window = self.visual.get_window_index_thw(t, h, w)
             groups = order.numel()
             bounds = (cu_window.long() // merge).tolist()
@@ -95,7 +115,7 @@ class TowerBlocks:
             windows.append(len(bounds))
             rows.append(row)
         return BlocksPass(grids=grids, merge_size=merge_size, rows=rows, current=current, group_window=group_window,
-                          windows=windows)
+                          windows=windows, carried=[None] * len(grids))
 
     # -- the probe and the blocks -----------------------------------------------------------------------------
     def _pass(self) -> BlocksPass | None:
@@ -107,6 +127,18 @@ class TowerBlocks:
         if tower is not None and tower.probe.get("armed") is not None:
             tower.probe.update(query=kwargs["query"], key=kwargs["key"], cu_seqlens=kwargs["cu_seqlens"],
                                scale=torch.tensor(float(module.scale)))
+
+    def _tap(self, module: Any, args: tuple, output: Tensor) -> Tensor | None:
+        """A DeepStack tap's output on the groups present: carried per image, and handed on at every group's row."""
+        tower = self._pass()
+        if tower is None:
+            return None
+        pieces = output.split([len(groups) for groups in tower.current])
+        tower.carried = [piece if held is None else torch.cat([held, piece], dim=-1)
+                         for held, piece in zip(tower.carried, pieces, strict=True)]
+        full = output.new_zeros(sum(tower.groups(i) for i in range(len(tower.grids))), output.shape[-1])
+        tower.tap_outputs.append(full)
+        return full
 
     def _forward(self, index: int, block: Any, original: Any) -> Any:
         def forward(x: Tensor, cu_seqlens: Tensor, rotary_pos_emb_cos: Tensor, rotary_pos_emb_sin: Tensor,
@@ -165,21 +197,30 @@ class TowerBlocks:
         pieces = hidden.squeeze(1).split(lengths)
         new_hidden: list[Tensor | None] = [None] * len(lengths)
         kept_at: list[Tensor | None] = [None] * len(lengths)
+        width = hidden.shape[-1]
         for (_, h, w), images in tower.by_size().items():
             groups = len(tower.current[images[0]])
             if not 0 <= remove < groups:
                 raise FicocoError(f"ficoco.vllm: vision block {index} would remove {remove} of the {groups} merge "
                                   f"groups left in an image of {h}x{w} patches")
-            red = self.reduce_groups(torch.stack([pieces[i] for i in images]), stack_reads([reads[i] for i in images]),
+            x = torch.stack([pieces[i] for i in images])
+            riding = None
+            if tower.carried and tower.carried[images[0]] is not None:  # DeepStack's taps so far ride along
+                riding = torch.stack([tower.carried[i] for i in images])  # type: ignore[misc]
+                x = torch.cat([x, spread_over_members(riding, merge).to(x.dtype)], dim=-1)
+            red = self.reduce_groups(x, stack_reads([reads[i] for i in images]),
                                      torch.cat([keys[i] for i in images]), remove,
                                      torch.stack([tower.current[i] for i in images]),
                                      (h // tower.merge_size, w // tower.merge_size), merge=merge,
                                      lam=settings["lam"], eps=settings["eps"], window=settings["window"],
                                      coefficient=settings["coefficient"])
+            rode = None if riding is None else gather_members(red.hidden[..., width:], merge, riding.shape[-1])
             for b, image in enumerate(images):
-                new_hidden[image] = red.hidden[b]
+                new_hidden[image] = red.hidden[b, :, :width]
                 kept_at[image] = red.kept_positions[b]
                 tower.current[image] = red.kept_groups[b]
+                if rode is not None:
+                    tower.carried[image] = rode[b]
         members = torch.arange(merge, device=hidden.device)
         starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
         rows = torch.cat([first + (kept[:, None] * merge + members).flatten()
@@ -199,6 +240,15 @@ class TowerBlocks:
             return merged
         starts = tower.starts()
         tower.kept = [groups.sort().values for groups in tower.current]
+        if tower.tap_outputs:  # every tap's rows: what rode to the end, at the groups kept
+            width = tower.tap_outputs[0].shape[-1]
+            for j, full_rows in enumerate(tower.tap_outputs):
+                full_rows.zero_()
+                for i, (first, groups) in enumerate(zip(starts, tower.current, strict=True)):
+                    held = tower.carried[i]
+                    assert held is not None
+                    full_rows[first + tower.rows[i][groups].to(full_rows.device)] = \
+                        held[:, j * width:(j + 1) * width].to(full_rows.dtype)
         if tower.cos is None:  # no block reduced (an empty schedule)
             return merged
         rows = torch.cat([first + tower.rows[i][groups] for i, (first, groups) in enumerate(zip(starts, tower.current,

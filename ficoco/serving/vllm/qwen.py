@@ -147,12 +147,10 @@ class _ReducingQwen:
                 return self._ficoco_merger(x, _original)
 
             merger.forward = merger_forward
-        elif spec.placement == "in_layer" and self.windowed:
+        elif spec.placement == "in_layer":
             self.ficoco_blocks = TowerBlocks(self)
         elif spec.placement != "after_projector":
-            raise FicocoError(f"ficoco.vllm: {spec.title} is not wired into vLLM's {type(self).__name__} (FiCoCo-V "
-                              "runs on Qwen2.5-VL; on Qwen3-VL its reducing blocks would have to carry DeepStack's "
-                              "taps, which the plugin does not yet)")
+            raise FicocoError(f"ficoco.vllm: {spec.title} is not wired into vLLM's {type(self).__name__}")
 
     # -- the probes ------------------------------------------------------------------------------------------
     def _ficoco_keys(self, module: Any, args: tuple, kwargs: dict) -> None:
