@@ -179,10 +179,16 @@ def test_a_batch_of_two_image_sizes_gives_each_request_its_own_tokens(served: An
 
 
 @pytest.mark.parametrize("method", ["fastv", "l", "cdpruner", "prumerge", "nonesuch"])
-def test_a_method_the_plugin_cannot_serve_is_refused_in_one_line(method: str) -> None:
-    from ficoco.errors import FicocoError
-    from ficoco.serving.vllm.settings import Settings
+def test_a_method_the_plugin_cannot_serve_is_refused_in_one_line_before_an_engine_starts(
+        method: str, checkpoints: dict[str, Path]) -> None:
+    from vllm.engine.arg_utils import EngineArgs
 
+    from ficoco.errors import FicocoError
+    from ficoco.serving.vllm import register
+
+    register()  # as vLLM's plugin loader does; the engine's config is made in this process
+    args = EngineArgs(model=str(checkpoints["qwen2_5_vl"]), dtype="float32", enforce_eager=True, max_model_len=1024,
+                      hf_overrides={"ficoco_vllm": {"method": method, "keep": 8}})
     with pytest.raises(FicocoError) as caught:
-        Settings.parse({"method": method, "keep": 8})
+        args.create_engine_config()
     assert "\n" not in str(caught.value) and method in str(caught.value)

@@ -23,8 +23,9 @@ def register() -> None:
     """The plugin's entry point (vLLM calls it in every process, possibly more than once)."""
     from vllm import ModelRegistry
 
-    from ficoco.serving.vllm.runner import enable_positions
+    from ficoco.serving.vllm.runner import check_settings, enable_positions
 
     for architecture, target in ARCHITECTURES.items():
         ModelRegistry.register_model(architecture, target)
+    check_settings()
     enable_positions()

@@ -89,10 +89,17 @@ class Planner:
 class _ReducingProcessor:
     """The placeholders of an image: the tokens the plan keeps for its grid (the first of vLLM's own)."""
 
+    def _ficoco_planner(self) -> Planner:
+        """The engine's settings, read once per processor (a mistake in them is one FicocoError line)."""
+        planner = self.__dict__.get("_ficoco")
+        if planner is None:
+            planner = self.__dict__["_ficoco"] = Planner(self.info.get_hf_config())  # type: ignore[attr-defined]
+        return planner
+
     def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any],
                             out_mm_kwargs: Any) -> Sequence[Any]:
         updates = super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)  # type: ignore[misc]
-        planner = Planner(self.info.get_hf_config())  # type: ignore[attr-defined]
+        planner = self._ficoco_planner()
         if planner.settings is None:
             return updates
         out = []

@@ -1,4 +1,8 @@
-"""The runner's half of the kept tokens' positions (knows vLLM's model runners).
+"""The plugin's hooks into vLLM's engine (knows vLLM's engine arguments and model runners).
+
+- `check_settings`: an engine's `ficoco_vllm` settings are read where vLLM makes the engine's config, in the
+  caller's process, so that a mistake (an unserved method, an unknown setting) or a model the plugin does not
+  reduce is one FicocoError there, not a worker's traceback behind "Engine core initialization failed".
 
 vLLM recomputes a prompt's M-RoPE positions after the encoder ran (`recompute_mrope_positions`, the positions
 carried in the embeddings' extra channels) only where its runner's `is_multimodal_pruning_enabled` is set: the
@@ -28,6 +32,44 @@ def _wrap(cls: type) -> None:
 
     setattr(load_model, _WRAPPED, True)
     cls.load_model = load_model
+
+
+def check_settings() -> None:
+    """Wrap `EngineArgs.create_engine_config`: the settings parsed, the architecture checked, before any engine
+    process starts."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return
+    original = EngineArgs.__dict__.get("create_engine_config")
+    if original is None or getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from ficoco.errors import FicocoError
+        from ficoco.serving.vllm import ARCHITECTURES
+        from ficoco.serving.vllm.settings import SETTINGS_KEY, settings_from
+
+        overrides = self.hf_overrides if isinstance(self.hf_overrides, dict) else {}
+
+        class _Config:  # what the model's config will carry
+            pass
+
+        config = _Config()
+        if SETTINGS_KEY in overrides:
+            setattr(config, SETTINGS_KEY, overrides[SETTINGS_KEY])
+        settings = settings_from(config)
+        made = original(self, *args, **kwargs)
+        if settings is not None:
+            architectures = list(getattr(made.model_config, "architectures", None) or [])
+            if not set(architectures) & set(ARCHITECTURES):
+                raise FicocoError(f"ficoco.vllm: {', '.join(architectures) or 'this model'} is not reduced by the "
+                                  "plugin (Qwen2.5-VL, Qwen3-VL); drop the ficoco_vllm settings")
+        return made
+
+    setattr(create_engine_config, _WRAPPED, True)
+    EngineArgs.create_engine_config = create_engine_config
 
 
 def enable_positions() -> None:
