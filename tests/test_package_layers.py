@@ -252,7 +252,7 @@ def _reachable(start: str) -> set[str]:
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("ficoco.serving")))
 def test_the_serving_engines_room_never_reaches_the_transformers_adapters(module: str) -> None:
     # The vLLM plugin runs in vLLM's venv, whose transformers is outside ficoco's range: it calls the method ops and
-    # the torch-free accountant, never ficoco.models (DESIGN.md: neither room imports the other).
+    # the torch-free accountant, never ficoco.models (the layering: neither room imports the other).
     assert sorted(m for m in _reachable(module) if m.startswith("ficoco.models")) == []
 
 
