@@ -37,6 +37,9 @@ OVERRIDES = {
 # 12x8 one for the batch of two sizes; Qwen3-VL 16x20 (80 groups; the processor's smallest image) and 16x24.
 SIZES = {"qwen2_5_vl": ((112, 140), (168, 112)), "qwen3_vl": ((320, 256), (384, 256))}
 KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24}
+# One case runs a TFLOPs budget counted over the whole model (scope all), which the accountant resolves per grid: the
+# two image sizes then keep different counts (17 of 20 groups and 2 of 24), in one batch.
+BUDGETS = {("qwen2_5_vl", "divprune"): {"tflops": 8.0e-05, "scope": "all"}}
 METHODS = {family: ("v", "visionzip", "divprune", "vispruner") for family in OVERRIDES}
 LEAN = {("qwen2_5_vl", "visionzip"), ("qwen3_vl", "divprune")}
 TOP = 5  # the first token's top log-probabilities compared (they move with every position and every kept row)
@@ -71,6 +74,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             for family, overrides in OVERRIDES.items()}
 
 
+def budget(family: str, variant: str) -> dict[str, Any]:
+    """The case's settings besides the method: its TFLOPs budget, or keep (and FiCoCo-V's first block)."""
+    chosen = dict(BUDGETS.get((family, variant), {"keep": KEEP[family]}))
+    if variant == "v":
+        chosen["first_layer"] = FIRST_LAYER[family]
+    return chosen
+
+
 def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, Any]:
     """ficoco.apply on the transformers model of `folder`: the kept groups (grid indices), the first tokens, and the
     first token's top log-probabilities."""
@@ -88,9 +99,11 @@ def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, 
             ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
             logits = model(**inputs).logits[0, -1]
         else:
-            extra = {"first_layer": FIRST_LAYER[family]} if variant == "v" else {}
-            with ficoco.apply(model, variant=variant, keep=KEEP[family], image_size=prompt.image_size,
-                              **extra) as handle:
+            from ficoco.accounting import CountOptions
+
+            chosen = budget(family, variant)
+            count = CountOptions(scope=chosen.pop("scope", "llm"))
+            with ficoco.apply(model, variant=variant, image_size=prompt.image_size, count=count, **chosen) as handle:
                 ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
                 patches = handle.records[-1].kept[0]
                 logits = model(**inputs).logits[0, -1]
@@ -109,8 +122,7 @@ class Engine:
 
         os.environ["FICOCO_VLLM_RECORD"] = str(record)
         self.record = record
-        chosen = {"method": variant, "keep": KEEP[family],
-                  **({"first_layer": FIRST_LAYER[family]} if variant == "v" else {})}
+        chosen = {"method": variant, **budget(family, variant)}
         settings = {} if variant == "vanilla" else {"hf_overrides": {"ficoco_vllm": chosen}}
         self.llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
                        limit_mm_per_prompt={"image": 1, "video": 0}, seed=0, **settings, **engine)
@@ -144,7 +156,10 @@ def served(request: pytest.FixtureRequest, checkpoints: dict[str, Path], tmp_pat
     tokens, so that every prompt's prefill is chunked through its image span."""
     family, variant = request.param
     folder = checkpoints[family]
-    images = [picture(size, seed) for seed, size in enumerate(SIZES[family])]
+    # The first test's image, then two the batch test sends fresh, one of each size (vLLM caches an image's encoder
+    # output by its hash, so an image sent before would not be encoded in the batch again).
+    first, second = SIZES[family]
+    images = [picture(first, 0), picture(first, 1), picture(second, 2)]
     refs = [reference(folder, family, variant, image) for image in images]
     engine = Engine(folder, family, variant, tmp_path_factory.mktemp("record") / "kept.jsonl",
                     enable_chunked_prefill=True, max_num_batched_tokens=16)
@@ -161,7 +176,8 @@ def test_the_plugin_keeps_the_groups_and_tokens_of_ficoco_apply(served: Any) -> 
     ((tokens, top),) = engine.generate_with_top([(refs[0]["text"], images[0])])
     (record,) = engine.kept()
     assert record["kept"] == refs[0]["kept"]
-    assert len(record["kept"]) == KEEP[family]
+    if (family, variant) not in BUDGETS:
+        assert len(record["kept"]) == KEEP[family]
     assert tokens == refs[0]["tokens"]
     # The first token's top log-probabilities: the same tokens, the same values (float32 on both sides; wrong
     # M-RoPE positions or a wrong row would move them far more).
@@ -171,11 +187,13 @@ def test_the_plugin_keeps_the_groups_and_tokens_of_ficoco_apply(served: Any) -> 
 
 def test_a_batch_of_two_image_sizes_gives_each_request_its_own_tokens(served: Any) -> None:
     family, variant, images, refs, engine = served
-    prompts = [(refs[0]["text"], images[0]), (refs[1]["text"], images[1]), (refs[0]["text"], images[0])]
+    prompts = [(refs[1]["text"], images[1]), (refs[2]["text"], images[2]), (refs[1]["text"], images[1])]
     outputs = engine.generate(prompts)
-    assert outputs == [refs[0]["tokens"], refs[1]["tokens"], refs[0]["tokens"]]
+    assert outputs == [refs[1]["tokens"], refs[2]["tokens"], refs[1]["tokens"]]
     records = engine.kept()
-    assert {json.dumps(r["kept"]) for r in records} <= {json.dumps(refs[0]["kept"]), json.dumps(refs[1]["kept"])}
+    assert {json.dumps(r["kept"]) for r in records} == {json.dumps(refs[1]["kept"]), json.dumps(refs[2]["kept"])}
+    if (family, variant) in BUDGETS:  # the budget is resolved per grid: the two sizes keep different counts
+        assert len(refs[1]["kept"]) != len(refs[2]["kept"])
 
 
 @pytest.mark.parametrize("method", ["fastv", "l", "cdpruner", "prumerge", "nonesuch"])

@@ -68,11 +68,11 @@ class TowerBlocks:
         self.windowed = bool(model.windowed)
         self.full_layers = frozenset(int(i) for i in visual.fullatt_block_indexes) if self.windowed else \
             frozenset(range(len(visual.blocks)))
-        self.plan: ImagePlan | None = None
+        self.plans: dict[tuple[int, int, int], ImagePlan] = {}
         spec = model.ficoco_spec
         self.reduce_groups = model.ficoco_module.reduce_groups
         self.title = spec.title
-        self.removed: dict[int, int] = {}
+        self.removed: dict[tuple[int, int, int], dict[int, int]] = {}  # per grid: block -> groups removed
         for index, block in enumerate(visual.blocks):
             block.attn.attn.register_forward_pre_hook(self._probe, with_kwargs=True)
             block.forward = self._forward(index, block, block.forward)
@@ -86,10 +86,11 @@ class TowerBlocks:
         for tap in getattr(visual, "deepstack_merger_list", []):
             tap.register_forward_hook(self._tap)
 
-    def start(self, grids: list[tuple[int, int, int]], plan: ImagePlan) -> BlocksPass:
-        """A new pass over `grids` under `plan` (its vision removals, per block)."""
-        self.plan = plan
-        self.removed = {r.layer: r.remove for r in plan.removals if r.stage == "vision" and r.where == "in_layer"}
+    def start(self, grids: list[tuple[int, int, int]], plans: dict[tuple[int, int, int], ImagePlan]) -> BlocksPass:
+        """A new pass over `grids` under each grid's plan (its vision removals, per block)."""
+        self.plans = plans
+        self.removed = {grid: {r.layer: r.remove for r in plan.removals
+                               if r.stage == "vision" and r.where == "in_layer"} for grid, plan in plans.items()}
         merge_size = self.visual.spatial_merge_size
         merge = merge_size**2
         current, group_window, windows, rows = [], [], [], []
@@ -150,7 +151,7 @@ class TowerBlocks:
                 rotary_pos_emb_cos, rotary_pos_emb_sin = tower.cos, tower.sin  # type: ignore[assignment]
                 max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max()
                 sequence_lengths = None
-            remove = self.removed.get(index, 0) if tower is not None else 0
+            remove = tower is not None and any(removed.get(index, 0) for removed in self.removed.values())
             if not remove:
                 return original(x, cu_seqlens=cu_seqlens, rotary_pos_emb_cos=rotary_pos_emb_cos,
                                 rotary_pos_emb_sin=rotary_pos_emb_sin, max_seqlen=max_seqlen,
@@ -164,23 +165,22 @@ class TowerBlocks:
                 probe = dict(tower.probe)
             finally:
                 tower.probe = {}
-            hidden = self._reduce(tower, index, remove, x + attended, probe, rotary_pos_emb_cos, rotary_pos_emb_sin)
+            hidden = self._reduce(tower, index, x + attended, probe, rotary_pos_emb_cos, rotary_pos_emb_sin)
             return hidden + block.mlp(block.norm2(hidden))
 
         return forward
 
-    def _reduce(self, tower: BlocksPass, index: int, remove: int, hidden: Tensor, probe: dict[str, Tensor],
-                cos: Tensor, sin: Tensor) -> Tensor:
-        """`remove` groups of every image leave (one batched step per image size); the pass follows."""
-        assert self.plan is not None
-        settings = self.plan.settings_dict()
+    def _reduce(self, tower: BlocksPass, index: int, hidden: Tensor, probe: dict[str, Tensor], cos: Tensor,
+                sin: Tensor) -> Tensor:
+        """The groups each image's plan removes at this block leave (one batched step per image size); the pass
+        follows."""
         merge = tower.merge
         query, key = probe["query"], probe["key"]  # (1, S, H, d)
         bounds = probe["cu_seqlens"].tolist()
         segments = list(zip(bounds[:-1], bounds[1:], strict=True))
         lengths = tower.lengths()
         full = index in self.full_layers
-        scores = settings.get("attention_scores", DEFAULT_ATTENTION_SCORES)
+        scores = next(iter(self.plans.values())).settings_dict().get("attention_scores", DEFAULT_ATTENTION_SCORES)
         reads, keys, at, start = [], [], 0, 0
         for length in lengths:  # the segments of every image, in sequence order
             mine = []
@@ -198,8 +198,16 @@ class TowerBlocks:
         new_hidden: list[Tensor | None] = [None] * len(lengths)
         kept_at: list[Tensor | None] = [None] * len(lengths)
         width = hidden.shape[-1]
-        for (_, h, w), images in tower.by_size().items():
+        for grid, images in tower.by_size().items():
+            _, h, w = grid
+            settings = self.plans[grid].settings_dict()
+            remove = self.removed[grid].get(index, 0)
             groups = len(tower.current[images[0]])
+            if not remove:  # this size's plan removes nothing here: its groups go on as they are
+                for image in images:
+                    new_hidden[image] = pieces[image]
+                    kept_at[image] = torch.arange(groups, device=hidden.device)
+                continue
             if not 0 <= remove < groups:
                 raise FicocoError(f"ficoco.vllm: vision block {index} would remove {remove} of the {groups} merge "
                                   f"groups left in an image of {h}x{w} patches")

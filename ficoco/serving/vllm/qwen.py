@@ -175,10 +175,8 @@ class _ReducingQwen:
             return original(x)
         width = x.shape[-1] * tower.merge
         units = x.reshape(-1, width)
-        plan = self.ficoco_plans
-        removal = next(r for r in plan[0].removals if r.stage == "vision")
-        kept_units = cut_units(tower, units, self.ficoco_module.tower_step, plan[0].settings_dict(), removal.remove,
-                               removal.added, self.ficoco_spec.title, self.ficoco_spec.merges_by_keys)
+        kept_units = cut_units(tower, units, self.ficoco_module.tower_step, self._ficoco_step, self.ficoco_spec.title,
+                               self.ficoco_spec.merges_by_keys)
         merged = original(torch.cat(kept_units).reshape(-1, x.shape[-1]))
         # Every group's row of the tower's order, the removed ones zero: the tower's own reordering and DeepStack's
         # concatenation expect them all; `_process_image_input` keeps the kept rows.
@@ -187,6 +185,12 @@ class _ReducingQwen:
         rows = torch.cat([starts[i] + tower.rows[i].to(merged.device)[kept.to(merged.device)]
                           for i, kept in enumerate(tower.kept)])
         return full.index_copy(0, rows, merged)
+
+    def _ficoco_step(self, grid: tuple[int, int, int]) -> tuple[dict[str, Any], int, int]:
+        """The settings, removed and added units of the cut the plan for `grid` makes."""
+        plan = self.ficoco.plan(grid)
+        removal = next(r for r in plan.removals if r.stage == "vision")
+        return plan.settings_dict(), removal.remove, removal.added
 
     # -- the encoder -----------------------------------------------------------------------------------------
     def _tower_rows(self, grid: tuple[int, int, int]) -> Tensor:
@@ -205,17 +209,14 @@ class _ReducingQwen:
         if image_input["type"] == "image_embeds":
             raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
         grids = [tuple(int(x) for x in g) for g in image_input["image_grid_thw"].tolist()]
+        # One plan per image grid (a tflops budget keeps different counts on images of different sizes); the steps
+        # run one batch per image size, as the transformers adapters batch them.
         plans = [self.ficoco.plan(g) for g in grids]
-        self.ficoco_plans = plans
-        if len({(p.removals, p.settings) for p in plans}) > 1:
-            # One step per image size, as the adapters batch: run the images of a call grid by grid.
-            raise FicocoError("ficoco.vllm: the plan differs between the images of this batch (a tflops budget on "
-                              "images of different sizes); give keep")
         merge_size = self.visual.spatial_merge_size  # type: ignore[attr-defined]
         tower = TowerPass(grids=grids, merge_size=merge_size, rows=[self._tower_rows(g) for g in grids])
         spec = self.ficoco_spec
         if spec.placement == "in_layer":
-            tower = self.ficoco_blocks.start(grids, plans[0])
+            tower = self.ficoco_blocks.start(grids, {g: p for g, p in zip(grids, plans, strict=True)})
             self.ficoco_pass = tower
         if spec.placement == "tower_output":
             self.ficoco_pass = tower
@@ -224,9 +225,8 @@ class _ReducingQwen:
         finally:
             self.ficoco_pass = None
         if spec.placement == "after_projector" and not spec.probes.reads_tower:
-            removal = next(r for r in plans[0].removals if r.stage == "vision")
-            kept_rows = cut_projected(tower, list(embeds), self.ficoco_module.tower_step, plans[0].settings_dict(),
-                                      removal.remove, spec.title, int(self.config.vision_config.out_hidden_size))
+            kept_rows = cut_projected(tower, list(embeds), self.ficoco_module.tower_step, self._ficoco_step, spec.title,
+                                      int(self.config.vision_config.out_hidden_size))
         else:
             kept_rows = [e[k.to(e.device)] for e, k in zip(embeds, tower.kept, strict=True)]
         _record(grids, tower.kept)

@@ -63,6 +63,9 @@ class TowerPass:
 
 
 Runner = Callable[[TowerInput, dict[str, Any]], Any]
+# A grid's step: the settings the method's ops run with, the units it removes and adds (the plan for that grid:
+# under a tflops budget images of different sizes keep different counts).
+StepOf = Callable[[tuple[int, int, int]], tuple[dict[str, Any], int, int]]
 
 
 def _sorted_places(out: Any, title: str) -> tuple[Tensor, Tensor]:
@@ -73,8 +76,7 @@ def _sorted_places(out: Any, title: str) -> tuple[Tensor, Tensor]:
     return order.values, order.indices
 
 
-def cut_units(tower: TowerPass, units: Tensor, step: Runner, settings: dict[str, Any], remove: int, added: int,
-              title: str, rides: bool) -> list[Tensor]:
+def cut_units(tower: TowerPass, units: Tensor, step: Runner, step_of: StepOf, title: str, rides: bool) -> list[Tensor]:
     """A cut at the tower's output: `units` (groups of every image in the tower's order, merge x C) -> per image
     the units that go on, in grid order of their places; `tower.kept` is filled, and the DeepStack taps (rows
     in the tower's order) are rewritten in place at the kept groups' rows where the step merged them."""
@@ -87,7 +89,9 @@ def cut_units(tower: TowerPass, units: Tensor, step: Runner, settings: dict[str,
     out_units: list[Tensor | None] = [None] * len(tower.grids)
     tower.kept = [None] * len(tower.grids)
     width = units.shape[-1]
-    for (_, h, w), images in tower.by_size().items():
+    for grid, images in tower.by_size().items():
+        _, h, w = grid
+        settings, remove, added = step_of(grid)
         rows = [starts[i] + tower.rows[i].to(units.device) for i in images]
         step_units = torch.stack([units[r] for r in rows])
         patch_rows = [(r[:, None] * merge + members).flatten() for r in rows]
@@ -123,13 +127,15 @@ def _write_taps(tower: TowerPass, rows: list[Tensor], features: Tensor) -> None:
             tap[row] = features[b, :, j * width:(j + 1) * width].to(tap.dtype)
 
 
-def cut_projected(tower: TowerPass, features: list[Tensor], step: Runner, settings: dict[str, Any], remove: int,
-                  title: str, width: int) -> list[Tensor]:
+def cut_projected(tower: TowerPass, features: list[Tensor], step: Runner, step_of: StepOf, title: str,
+                  width: int) -> list[Tensor]:
     """A cut after the merger on its output alone (DivPrune): per image, `features` (groups, width + DeepStack
     channels) in grid order -> the rows of the groups the step kept (every channel: DeepStack follows)."""
     out: list[Tensor | None] = [None] * len(features)
     tower.kept = [None] * len(features)
-    for (_, h, w), images in tower.by_size().items():
+    for grid, images in tower.by_size().items():
+        _, h, w = grid
+        settings, remove, _ = step_of(grid)
         main = torch.stack([features[i][:, :width] for i in images])
         inputs = TowerInput(hidden=main, has_cls=False, remove=remove, merge=tower.merge,
                             grid_hw=(h // tower.merge_size, w // tower.merge_size))
