@@ -441,15 +441,23 @@ def compare_command(
     output: Annotated[str | None, typer.Option(
         "--output", callback=check.output_file, help="Write the comparison to this file.")] = None,
 ) -> None:
-    """Compare two profile reports: exit 1 on a regression, 0 otherwise."""
+    """Compare two profile (or two serving) reports: exit 1 on a regression, 0 otherwise."""
     from ficoco.report import write_text_atomic
     from ficoco.report.compare import compare
+    from ficoco.report.schemas import SERVE_SCHEMA
     from ficoco.sweep import read_report_any
     from ficoco_cli.report_cmd import comparison_json, comparison_markdown, comparison_table
 
-    # A profile report, or an evaluated sweep's report or store (compare judges its accuracy).
-    result = compare(read_report_any(base), read_report_any(new), tolerance_pct=tolerance, absolute=absolute,
-                     judge=judge, cross_machine=cross_machine)
+    # A profile report, or an evaluated sweep's report or store (compare judges its accuracy), or two serving reports.
+    base_report, new_report = read_report_any(base), read_report_any(new)
+    if SERVE_SCHEMA in (base_report["schema"], new_report["schema"]):
+        from ficoco.report.serve import compare_serve
+
+        result = compare_serve(base_report, new_report, tolerance_pct=tolerance, judge=judge,
+                               cross_machine=cross_machine)
+    else:
+        result = compare(base_report, new_report, tolerance_pct=tolerance, absolute=absolute, judge=judge,
+                         cross_machine=cross_machine)
     for warning in result.warnings:
         err.print(f"warning: {cli_message(warning)}", markup=False, highlight=False, soft_wrap=True)
     for side, rows in (("base", result.only_base), ("new", result.only_new)):
@@ -474,7 +482,8 @@ def compare_command(
 @app.command("report")
 def report_command(
     path: Annotated[str, typer.Argument(
-        help="A saved profile (ficoco.report/1), flops (ficoco.flops/1) or sweep (ficoco.sweep/1) report.")],
+        help="A saved profile (ficoco.report/1), flops (ficoco.flops/1), sweep (ficoco.sweep/1) or serving "
+             "(ficoco.serve/1) report.")],
     fmt: Annotated[str, typer.Option(
         "--format", callback=check.choice(REPORT_FORMATS), help="table, markdown or csv.")] = "table",
     wide: WideOpt = False,
@@ -485,12 +494,24 @@ def report_command(
     """Render a saved profile or flops report as a table, markdown or CSV (several methods: compared by cost);
     a sweep report as a table; --plot draws figures."""
     from ficoco.report import FLOPS_SCHEMA, SWEEP_SCHEMA
+    from ficoco.report.schemas import SERVE_SCHEMA
     from ficoco.sweep import read_report_any
     from ficoco_cli.render import method_comparison_table, print_profile
     from ficoco_cli.report_cmd import flops_report_csv, report_csv, report_markdown
     from ficoco_cli.sweep_cmd import draw_report, sweep_table
 
     report = read_report_any(path)
+    if report["schema"] == SERVE_SCHEMA:
+        from ficoco_cli.serve_cmd import draw_serve, serve_csv, serve_markdown, serve_table
+
+        if fmt == "table":
+            out.print(serve_table(report))
+        else:
+            sys.stdout.write(serve_markdown(report) if fmt == "markdown" else serve_csv(report))
+        if plot:
+            for written in draw_serve(report, plot):
+                (err if fmt != "table" else out).print(f"wrote {written}", markup=False, highlight=False)
+        return
     if report["schema"] == FLOPS_SCHEMA and plot:
         raise FicocoError("--plot draws profile and sweep reports; a flops report has no measured points "
                           "(ficoco sweep --plot draws the accountant's costs)")
@@ -757,6 +778,61 @@ def eval_command(
     # lmms-eval installed, every task known (its task index takes seconds): before any point starts.
     check_tasks(config.eval_tasks, includes, "ERROR")
     _run_sweep(config, json_path, plot, out_folder, options)
+
+
+@app.command("serve-bench")
+def serve_bench_command(
+    model: Annotated[str, typer.Option("--model", "-m", help="A local checkpoint folder vLLM serves.")],
+    variant: Annotated[str, typer.Option(
+        "--variant", callback=check.list_of(("vanilla", "v", "visionzip", "divprune", "vispruner")),
+        help="vanilla and the served methods (vanilla is always run first, as the reference).")
+    ] = "vanilla,visionzip,divprune,vispruner",
+    keep: KeepOpt = None,
+    tflops: TflopsOpt = None,
+    first_layer: FirstLayerOpt = None,
+    hp: HpOpt = None,
+    concurrency: Annotated[str, typer.Option(
+        "--concurrency", callback=check.whole_numbers(1), help="Requests in flight at each level.")] = "1,4,16,32",
+    requests: Annotated[int, typer.Option(
+        "--requests", callback=check.whole_number(1), help="Requests per level (the same ones for every variant).")
+    ] = 64,
+    new_tokens: Annotated[int, typer.Option(
+        "--new-tokens", callback=check.whole_number(1), help="Tokens each request generates (EOS ignored).")] = 16,
+    image_size: Annotated[str, typer.Option(
+        "--image-size", callback=check.image_size, help="WxH of every request's image.")] = "448x448",
+    dtype: Annotated[str, typer.Option(
+        "--dtype", callback=check.choice(("float32", "bfloat16", "float16", "auto")),
+        help="vLLM's dtype (float32 on a CPU; bfloat16 or auto on a GPU).")] = "float32",
+    max_model_len: Annotated[int, typer.Option(
+        "--max-model-len", callback=check.whole_number(64), help="vLLM's max_model_len.")] = 2048,
+    json_path: JsonOpt = None,
+    plot: Annotated[str | None, typer.Option(
+        "--plot", callback=check.plot_folder, help="Draw throughput against concurrency into this folder.")] = None,
+) -> None:
+    """Serve vanilla and each method with vLLM on the same requests at several concurrency levels: TTFT, requests/s,
+    output tokens/s beside the accountant's TFLOPs and visual tokens per request (runs in vLLM's venv)."""
+    from ficoco.report import write_json_atomic
+    from ficoco.serving.vllm.bench import BenchConfig
+    from ficoco_cli.serve_cmd import draw_serve, run_serve_bench, serve_table
+
+    variants = split_list(variant, "--variant")
+    methods = [v for v in variants if v != "vanilla"]
+    if methods and keep is None and tflops is None:
+        raise FicocoError(f"--variant {variant}: the methods need --keep N or --tflops X")
+    hyperparameters = check.method_settings(hp, methods)
+    config = BenchConfig(model=model, variants=tuple(dict.fromkeys(["vanilla", *methods])), keep=keep, tflops=tflops,
+                         hp=tuple(sorted(hyperparameters.items())), first_layer=first_layer,
+                         concurrency=tuple(int(c) for c in split_list(concurrency, "--concurrency")),
+                         requests=requests, new_tokens=new_tokens, image_size=parse_image_size(image_size),
+                         dtype=dtype, max_model_len=max_model_len)
+    console = err if json_path == "-" else out
+    report = run_serve_bench(config, lambda line: err.print(line, markup=False, highlight=False))
+    console.print(serve_table(report))
+    if json_path:
+        write_json_atomic(json_path, report)
+    if plot:
+        for path in draw_serve(report, plot):
+            console.print(f"wrote {path}", markup=False, highlight=False)
 
 
 @app.command("show")

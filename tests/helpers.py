@@ -394,13 +394,15 @@ def make_processor(family: str, model):
     return LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, **common)
 
 
-def make_checkpoint(family: str, folder: Path, *, processor: bool = True, chat_template: bool = True) -> Path:
-    """Save the tiny model of `family` (random weights, float32) and, unless `processor` is
-    False, its tokenizer, image processor and chat template into `folder`."""
+def make_checkpoint(family: str, folder: Path, *, processor: bool = True, chat_template: bool = True,
+                    overrides: dict[str, Any] | None = None) -> Path:
+    """Save the tiny model of `family` (random weights, float32), with the profile's config `overrides`
+    (`--set`'s keys) applied, and, unless `processor` is False, its tokenizer, image processor and chat
+    template into `folder`."""
     import ficoco
 
     profile, _ = FAMILIES[family]
-    model = ficoco.build_model(profile, dtype="fp32", check_memory=False)
+    model = ficoco.build_model(profile, dtype="fp32", check_memory=False, overrides=overrides)
     model.save_pretrained(folder)
     if processor:
         made = make_processor(family, model)

@@ -806,6 +806,45 @@ def test_models_takes_no_options_and_says_so_in_one_line(extra: list[str]) -> No
     run_and_check(["models", *extra], [Arg((token,)) for token in extra])
 
 
+@st.composite
+def serve_bench_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
+    """`serve-bench` outside vLLM's venv: every line ends in one error line (an option wrong by its kind, a
+    --model that is no checkpoint folder, or vLLM missing, which names --model)."""
+    options = {
+        "keep": counts("--keep", cheap=64),
+        "tflops": number("--tflops", floats=True, low=0, high=math.inf, above=True),
+        "first-layer": counts("--first-layer", low=0),
+        "hp": hp_option(),
+        "concurrency": counts_list("--concurrency", cheap=64),
+        "requests": counts("--requests", cheap=64),
+        "new-tokens": counts("--new-tokens", cheap=64),
+        "image-size": image_size(cheap=True),
+        "dtype": choice("--dtype", ["float32", "bfloat16", "float16", "auto"]),
+        "max-model-len": counts("--max-model-len", low=64),
+        "json": output("--json", paths),
+        "plot": plot_folder(paths),
+    }
+    base = [draw(model(paths, ["qwen2.5-vl-tiny"])),
+            draw(choice("--variant", ["vanilla", "visionzip", "vanilla,divprune,vispruner", "v"]))]
+    return command_line(draw, base, options, most=4, first=("keep", "tflops"))
+
+
+def test_serve_bench_any_option_values_end_in_one_error_line_outside_vllms_venv(paths: Paths) -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vLLM is installed here: a valid line would start engines")
+
+    @fuzz(examples=20)
+    @given(serve_bench_lines(paths))
+    def run(line: Lines) -> None:
+        run_and_check(["serve-bench", *line[0]], line[1], codes=(2,))
+
+    run()
+
+
 def test_the_fuzzer_sees_the_holes_of_issue_18() -> None:
     """The three command lines of the issue, judged by the same check: each must now be refused."""
     for budget in ("nan", "inf", "1e309"):

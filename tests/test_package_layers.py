@@ -235,3 +235,31 @@ def test_the_accountant_and_the_registry_import_no_torch_at_module_level(module:
     top_level = [node for node in tree.body if isinstance(node, ast.Import | ast.ImportFrom)]
     names = _imported_names(ast.Module(body=top_level, type_ignores=[]))
     assert not {name for name in names if name.split(".")[0] == "torch"}
+
+
+def _reachable(start: str) -> set[str]:
+    """Every package module `start` imports, directly or through others (function-level imports included)."""
+    seen: set[str] = set()
+    stack = [start]
+    while stack:
+        for module in GRAPH[stack.pop()]:
+            if module not in seen:
+                seen.add(module)
+                stack.append(module)
+    return seen
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("ficoco.serving")))
+def test_the_serving_engines_room_never_reaches_the_transformers_adapters(module: str) -> None:
+    # The vLLM plugin runs in vLLM's venv, whose transformers is outside ficoco's range: it calls the method ops and
+    # the torch-free accountant, never ficoco.models (the layering: neither room imports the other).
+    assert sorted(m for m in _reachable(module) if m.startswith("ficoco.models")) == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("ficoco.models")))
+def test_the_transformers_adapters_never_import_the_serving_room(module: str) -> None:
+    assert sorted(m for m in _reachable(module) if m.startswith("ficoco.serving")) == []
+
+
+def test_the_serving_room_is_seen() -> None:
+    assert {"ficoco.serving.vllm", "ficoco.serving.vllm.qwen", "ficoco.serving.vllm.settings"} <= set(MODULES)

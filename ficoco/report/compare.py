@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.report.schemas import FLOPS_SCHEMA, REPORT_SCHEMA, SWEEP_SCHEMA
+from ficoco.report.schemas import FLOPS_SCHEMA, REPORT_SCHEMA, SERVE_SCHEMA, SWEEP_SCHEMA
 
 DETERMINISTIC_TOLERANCE = 0.001  # 0.1%
 SIGNIFICANCE = 0.05
@@ -322,6 +322,9 @@ def compare(base: dict[str, Any], new: dict[str, Any], *, tolerance_pct: float =
         raise FicocoError(f"tolerance_pct={tolerance_pct:g}: give a finite percentage of at least 0")
     if judge not in JUDGE_CHOICES:
         raise FicocoError(f"unknown judge='{judge}': choose from {', '.join(JUDGE_CHOICES)}")
+    if SERVE_SCHEMA in (base.get("schema"), new.get("schema")):
+        raise FicocoError(f"a serving report ({SERVE_SCHEMA}) is compared with another serving report only "
+                          "(ficoco.report.serve.compare_serve; `ficoco compare` picks it)")
     if SWEEP_SCHEMA in (base.get("schema"), new.get("schema")):
         return compare_eval(base, new, tolerance_pct=tolerance_pct, absolute=absolute, judge=judge,
                             cross_machine=cross_machine)

@@ -16,3 +16,6 @@ METHODS_SCHEMA = "ficoco.methods/1"  # the registry: `ficoco methods --json`
 # One evaluated run (a method at a budget through lmms-eval): its samples' answers and costs, its timing,
 # and with `ficoco eval` its tasks' scores; written by the lmms-eval plugin, kept in an evaluated sweep's points.
 EVAL_SCHEMA = "ficoco.eval/1"
+# Serving under load (`ficoco serve-bench`, ficoco.serving.vllm.bench): per variant and concurrency level, time to
+# first token, requests/s and output tokens/s beside the accountant's TFLOPs and visual tokens per request.
+SERVE_SCHEMA = "ficoco.serve/1"

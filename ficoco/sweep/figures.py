@@ -484,3 +484,28 @@ def token_figure(show: dict[str, Any], layer: int | None = None) -> Figure:
                     "grey: discarded; outlined: kept; tint and line: merged into that kept token", fontsize="small")
     figure.tight_layout()
     return figure
+
+
+def serve_figure(report: dict[str, Any]) -> Figure:
+    """A serving report (`ficoco serve-bench`): requests/s and time to first token (p50) against the requests in
+    flight, one line per variant (its visual tokens and the accountant's TFLOPs per request in the legend)."""
+    figure, (throughput, ttft) = _new_figure(2)
+    variants = list(dict.fromkeys(row["variant"] for row in report["rows"]))
+    for index, variant in enumerate(variants):
+        rows = sorted((r for r in report["rows"] if r["variant"] == variant), key=lambda r: r["concurrency"])
+        levels = [r["concurrency"] for r in rows]
+        label = f"{variant} ({rows[0]['visual_tokens_per_request']} tokens, {rows[0]['tflops_per_request']:.3g} TFLOPs)"
+        style = {"color": "black" if variant == VANILLA else _colour(index), "marker": "o"}
+        throughput.plot(levels, [r["requests_per_s"] for r in rows], label=label, **style)
+        ttft.plot(levels, [r["ttft_p50_s"] * 1000 for r in rows], label=label, **style)
+    for axis, name in ((throughput, "requests/s"), (ttft, "time to first token, p50 (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent requests")
+        axis.set_ylabel(name)
+        axis.grid(True, alpha=0.3)
+    throughput.legend(fontsize="small")
+    env = report.get("environment") or {}
+    model = Path(str((report.get("config") or {}).get("model", ""))).name
+    figure.suptitle(f"vLLM {env.get('vllm', '')} serving {model} on {env.get('device', 'an unrecorded device')}"
+                    f" ({report.get('note', '')})", fontsize="small")
+    return figure

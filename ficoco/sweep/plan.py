@@ -396,7 +396,7 @@ def read_report_any(path: str) -> dict[str, Any]:
     or a sweep's results store (a folder: its report as the store holds it now, also while the
     sweep runs), validated enough to render or draw; one clear error otherwise."""
     from ficoco.report.compare import read_report
-    from ficoco.report.schemas import FLOPS_SCHEMA, REPORT_SCHEMA
+    from ficoco.report.schemas import FLOPS_SCHEMA, REPORT_SCHEMA, SERVE_SCHEMA
     if str(path).strip() and Path(path).expanduser().is_dir():
         if not SweepStore.is_store(path):
             raise FicocoError(f"{path} is a folder but not a sweep's results store (no manifest.json); give a "
@@ -414,9 +414,13 @@ def read_report_any(path: str) -> dict[str, Any]:
                                                    for p in points):
             raise FicocoError(f"{path} has no list of sweep points; give a report written by ficoco sweep")
         return data
+    if isinstance(data, dict) and data.get("schema") == SERVE_SCHEMA:
+        from ficoco.report.serve import check_serve_report
+
+        return check_serve_report(data, str(path))
     if isinstance(data, dict) and data.get("schema") not in (None, REPORT_SCHEMA, FLOPS_SCHEMA):
         raise FicocoError(f"{path} has schema '{data.get('schema')}'; this ficoco reads '{REPORT_SCHEMA}', "
-                          f"'{FLOPS_SCHEMA}' and '{SWEEP_SCHEMA}'")
+                          f"'{FLOPS_SCHEMA}', '{SWEEP_SCHEMA}' and '{SERVE_SCHEMA}'")
     return read_report(path, schemas=(REPORT_SCHEMA, FLOPS_SCHEMA))  # its own clear errors for anything else
 
 

