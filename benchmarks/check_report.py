@@ -1,5 +1,6 @@
-"""check_report.py REPORT [cuda|cpu] [--own-work SHARE]: assert that a ficoco.report/1 is sane for its device and
-print one line per row; exit 1 on the first kind of doubt, 0 with PASS.
+"""check_report.py REPORT [cuda|cpu] [--own-work SHARE] [--expect V1,V2]: assert that a ficoco.report/1 is sane for
+its device and print one line per row; exit 1 on the first kind of doubt, 0 with PASS. `--expect` names the variants
+that must each have a row (a variant the run left out, with its reason in the report's notes, fails).
 
 On a 7B model's shapes and on the 2026 backbones' (PREDICTED_BACKBONES, decoder cuts included):
 - the prediction (on a CPU): every row's measured prefill is within PREDICTION_TOLERANCE of the time this
@@ -38,10 +39,15 @@ def prediction_checked(config: dict) -> bool:
     return seven_b_shapes(config) or any(backbone in name for backbone in PREDICTED_BACKBONES)
 
 
-def check(path: str, kind: str, own_work: float | None = None) -> list[str]:
+def check(path: str, kind: str, own_work: float | None = None, expect: list[str] | None = None) -> list[str]:
     with open(path) as f:
         report = json.load(f)
     env, config, bad = report["environment"], report["config"], []
+    ran = {row["variant"] for row in report["rows"]}
+    for variant in expect or []:
+        if variant not in ran:
+            why = [note for note in report.get("notes", []) if note.startswith(f"left out {variant}:")]
+            bad.append(f"{variant}: no row" + (f" ({why[0]})" if why else ""))
     print(f"{path}: {env['device']} ({env['device_kind']}), torch {env['torch']} cuda {env.get('cuda')} "
           f"driver {env.get('driver')}, gpu_profile {config.get('gpu_profile')}, "
           f"{config.get('warmup')} warm-up / {config.get('repeat')} timed runs")
@@ -67,9 +73,13 @@ def check(path: str, kind: str, own_work: float | None = None) -> list[str]:
                 bad.append(f"{tag}: reserved {reserved / 1e9:.1f} GB >> peak {memory['peak_bytes'] / 1e9:.1f} GB "
                            "(stale allocator cache)")
         measured_weights = row.get("weight_bytes")
-        if measured_weights is None or abs(measured_weights / analytic["weight_bytes"] - 1) > 0.005:
-            bad.append(f"{tag}: weights measured {measured_weights} vs analytic {analytic['weight_bytes']:.0f} "
-                       "(unquantized weights or a quantization-layout mismatch)")
+        # With a device map the measured weights are those in memory; the accountant places the rest on disk.
+        placed = row.get("memory_per_device") or {}
+        expected = sum(d["weights_bytes"] for where, d in placed.items() if where != "disk") if placed \
+            else analytic["weight_bytes"]
+        if measured_weights is None or abs(measured_weights / expected - 1) > 0.005:
+            bad.append(f"{tag}: weights measured {measured_weights} vs analytic {expected:.0f}"
+                       + (" in memory" if placed else "") + " (unquantized weights or a quantization-layout mismatch)")
         if row["variant"] != "vanilla" and (row.get("memory_saving_vs_vanilla") or 0) > 0.25 and row["batch"] == 1:
             bad.append(f"{tag}: saves {row['memory_saving_vs_vanilla']:.0%} of the whole peak at batch 1: "
                        "the vanilla row carried extra memory")
@@ -132,13 +142,17 @@ def check(path: str, kind: str, own_work: float | None = None) -> list[str]:
 
 def main() -> None:
     args = sys.argv[1:]
-    own_work = None
+    own_work, expect = None, None
     if "--own-work" in args:
         at = args.index("--own-work")
         own_work = float(args[at + 1])
         del args[at:at + 2]
+    if "--expect" in args:
+        at = args.index("--expect")
+        expect = [v for v in args[at + 1].split(",") if v]
+        del args[at:at + 2]
     path, kind = args[0], (args[1] if len(args) > 1 else "cuda")
-    bad = check(path, kind, own_work)
+    bad = check(path, kind, own_work, expect)
     print("FAIL:\n  " + "\n  ".join(bad) if bad else "PASS")
     sys.exit(1 if bad else 0)
 

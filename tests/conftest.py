@@ -70,6 +70,7 @@ METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision
 
 # Files whose module fixtures run lmms-eval several times (minutes on a 2-core CPU).
 LONGEST_FIRST = frozenset({"test_eval_lmms.py", "test_cli_eval.py"})
+LONGEST_FIRST |= {"test_gpu_run.py"}  # issue 43: benchmarks/gpu_run.sh on the CPU, about a minute
 
 
 def pytest_report_header(config: pytest.Config) -> str:

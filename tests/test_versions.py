@@ -4,6 +4,9 @@ report's environment, and one warning line when a patch runs on an untested tran
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +97,15 @@ def test_the_flops_report_records_the_versions(tmp_path, cli):
     assert env["transformers"] == versions.installed_version("transformers")
     assert env["tested_ranges"]["transformers"] == versions.tested_ranges()["transformers"]
     assert env["outside_tested_range"] == []
+
+
+def test_the_oldest_release_run_pins_every_touched_package_but_torch_to_its_lower_bound():
+    """CI's oldest-release run (.ci/oldest_constraints.py) pins transformers, accelerate, hqq and bitsandbytes to
+    their lower bounds, never torch: its bound (2.11) is the lent GPU machine's build, below the 2.13 CI installs."""
+    done = subprocess.run([sys.executable, str(ROOT / ".ci" / "oldest_constraints.py")], capture_output=True,
+                          text=True, check=True)
+    pins = dict(line.split("==") for line in done.stdout.split())
+    assert set(pins) == {"transformers", "accelerate", "hqq", "bitsandbytes"}
+    for name, version in pins.items():
+        assert versions.tested_ranges()[name].startswith(f">={version},"), name
+    assert set(re.findall(r"torch==([0-9.]+)", (ROOT / ".ci" / "run").read_text())) == {"2.13.0"}
