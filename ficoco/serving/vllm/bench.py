@@ -89,7 +89,7 @@ def _prompt(model: str, question: str) -> tuple[str, int, Any]:
     if template is None and chat.is_file():
         template = chat.read_text()
     if template is None:
-        raise FicocoError(f"--model {model}: the checkpoint has no chat template to lay the request out with")
+        raise FicocoError(f"model={model}: the checkpoint has no chat template to lay the request out with")
     text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                       {"type": "text", "text": question}]}],
                                          chat_template=template, tokenize=False, add_generation_prompt=True)
@@ -191,7 +191,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
     level, engine start times, vLLM's version); the caller adds the schema and the machine's environment
     (`ficoco serve-bench` does), which this room does not know."""
     if not Path(config.model).is_dir():
-        raise FicocoError(f"--model {config.model}: give a local checkpoint folder (vLLM loads its weights)")
+        raise FicocoError(f"model={config.model}: give a local checkpoint folder (vLLM loads its weights)")
     text, text_tokens, hf_config = _prompt(config.model, config.question)
     images = _images(config)
     grid = _grid(config.model, images[0])
