@@ -129,6 +129,23 @@ def prefill_and_decode(model: nn.Module, inputs: dict[str, Any], new: int, handl
 
 # ---- HoliTom's reference: one video at a time, plain Python loops ---------------------------------------------
 
+def cuda_sync_warnings(fn: Any) -> int:
+    """How many host synchronisations CUDA's sync debug mode reports while `fn` runs."""
+    import warnings
+
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(warning.message) for warning in caught)
+
+
 def forward_with_hooks(model: nn.Module, inputs: dict[str, Any], hooks: list[Any]) -> None:
     """One no-grad forward of `model` on `inputs`, with `hooks` (handles of hooks registered to see it)
     removed after it, whatever happens."""

@@ -4,10 +4,9 @@ or hqq (a bare machine), the int8/int4 tests are skipped with that reason."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
+from helpers import cuda_sync_warnings
 
 import ficoco
 from ficoco.accounting.memory import make_quant, weight_bytes
@@ -58,19 +57,7 @@ def test_the_reads_equal_the_eager_probabilities_and_the_layer_runs_sdpa_on_the_
     torch.testing.assert_close(reads.column_sum(), dense.column_sum(), atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(reads.rows(rows), dense.rows(rows), atol=1e-4, rtol=1e-3)
     # A read launches its blocks without asking the host anything.
-    assert _sync_warnings(lambda: (reads.column_sum(), reads.rows(rows))) == 0
-
-
-def _sync_warnings(fn) -> int:
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    assert cuda_sync_warnings(lambda: (reads.column_sum(), reads.rows(rows))) == 0
 
 
 @pytest.mark.parametrize(("variant", "few", "more"), [("v", "2:8", "1:4,2:4,3:4,4:4"), ("l", "1:8", "1:4,2:4,3:4")])
@@ -79,12 +66,12 @@ def test_no_host_sync_per_reducing_layer_on_the_gpu(variant: str, few: str, more
     inputs = synthetic_inputs(model, batch=2, text_tokens=12, seed=3, device=torch.device("cuda"))
     with torch.inference_mode():
         model(**inputs)
-        vanilla = _sync_warnings(lambda: model(**inputs))
+        vanilla = cuda_sync_warnings(lambda: model(**inputs))
         counts = []
         for schedule in (few, more):
             with ficoco.apply(model, variant, schedule=schedule):
                 model(**inputs)
-                counts.append(_sync_warnings(lambda: model(**inputs)))
+                counts.append(cuda_sync_warnings(lambda: model(**inputs)))
     assert counts[0] == counts[1], counts
     assert counts[1] - vanilla <= 1
 

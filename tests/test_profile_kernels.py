@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import cuda_sync_warnings
 
 import ficoco
 from ficoco.models import hf_compat as hf
@@ -359,20 +360,6 @@ def test_layer_ranges_join_consecutive_layers():
 
 # ---- on a GPU (FICOCO_GPU_TESTS=1) ---------------------------------------------------------------------------------
 
-def _cuda_sync_warnings(fn: Any) -> int:
-    import warnings
-
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(warning.message) for warning in caught)
-
-
 @pytest.mark.gpu
 def test_on_cuda_vanilla_names_a_fused_sdpa_backend_and_recording_adds_no_host_sync():
     model = ficoco.build_model(MODEL, device="cuda", dtype="fp16")
@@ -385,7 +372,7 @@ def test_on_cuda_vanilla_names_a_fused_sdpa_backend_and_recording_adds_no_host_s
 
     with torch.inference_mode():
         model(**inputs)
-        assert _cuda_sync_warnings(recorded) == _cuda_sync_warnings(lambda: model(**inputs))
+        assert cuda_sync_warnings(recorded) == cuda_sync_warnings(lambda: model(**inputs))
     record = recorder.to_json()
     for stage, layers in (("vision", VISION_LAYERS), ("llm", DECODER_LAYERS)):
         per_layer = _per_layer(record, stage)
