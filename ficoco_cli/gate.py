@@ -306,14 +306,13 @@ def run_gate(root: Path, out: Path, *, reference: Path | None = None, base_overr
                                    + ", ".join(result.reference.only_base))
         _write(out / "reference-comparison.json", result.reference.to_json())
         if not result.pair_skipped:
-            result.pair = _judge_pair(result, new, out, "", tolerance_pct)
+            result.pair = _judge_pair(result, new, out, 1, tolerance_pct)
             if result.pair is not None and result.pair.regressions and recheck:
                 log(f"gate: {len(result.pair.regressions)} timed regression(s) in the first pass; measuring base "
                     "and new again, interleaved, to see whether they reproduce")
                 _alternate(result, root, base_code, out, rounds, log, pass_=2)
                 if not result.failures and not result.pair_skipped:
-                    result.recheck = _judge_pair(result, combine(_reports(result, "new", 2)), out, "recheck-",
-                                                 tolerance_pct)
+                    result.recheck = _judge_pair(result, combine(_reports(result, "new", 2)), out, 2, tolerance_pct)
     finally:
         if base_code is not None:
             shutil.rmtree(base_code, ignore_errors=True)
@@ -325,11 +324,16 @@ def _reports(result: GateResult, side: str, pass_: int) -> list[dict[str, Any]]:
     return [r.report for r in result.runs if r.side == side and r.pass_ == pass_ and r.report is not None]
 
 
-def _judge_pair(result: GateResult, new: dict[str, Any], out: Path, prefix: str,
+def _prefix(pass_: int) -> str:
+    """The file-name prefix of a pass's runs and comparisons ("recheck-" for the re-measurement)."""
+    return "" if pass_ == 1 else "recheck-"
+
+
+def _judge_pair(result: GateResult, new: dict[str, Any], out: Path, pass_: int,
                 tolerance_pct: float) -> Comparison | None:
     """The timed comparison of one pass's base runs with `new` (its new runs combined); None, with
     the reason in `pair_skipped`, when the base's runs cannot be combined."""
-    pass_ = 2 if prefix else 1
+    prefix = _prefix(pass_)
     try:
         base_report = combine(_reports(result, "base", pass_))
     except FicocoError as exc:
@@ -348,7 +352,7 @@ def _alternate(result: GateResult, root: Path, base_code: Path | None, out: Path
                pass_: int = 1) -> None:
     """The profile runs of one pass, ABBA: base, new, new, base, ... A base run that fails ends the
     base's runs (the pair is then not judged); a new run that fails ends the gate."""
-    prefix = "" if pass_ == 1 else "recheck-"
+    prefix = _prefix(pass_)
     for round_ in range(1, rounds + 1):
         for side in ("base", "new") if round_ % 2 else ("new", "base"):
             if side == "base" and (base_code is None or result.pair_skipped):
