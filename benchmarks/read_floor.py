@@ -133,10 +133,14 @@ def main() -> int:
         def share(own: float, saved_ms: float = saved_ms) -> str:
             return f"{own:,.0f} ms = {own / saved_ms:.0%}"
 
-        print(f"\n{row['method_label']} ({len(reads)} reads at {len(layers)} layers, {dtype}, "
-              f"{row['threads']} threads): savings {saved_ms:,.0f} ms, stages {stages_ms:,.0f} ms as measured")
+        print(f"\n{row['method_label']} {row['quant']} batch {row['batch']} ({len(reads)} reads at {len(layers)} "
+              f"layers, {dtype}, {row['threads']} threads): savings {saved_ms:,.0f} ms, stages {stages_ms:,.0f} ms "
+              f"as measured")
         print(f"  reads: {row['probe_ms']:,.0f} ms measured in the row; at the layers' SDPA rate (timed here) "
               f"{sdpa_ms:,.0f} ms; at half of it {sdpa_ms / 2:,.0f} ms")
+        if saved_ms <= 0:
+            print("  own work / savings: its fewer tokens saved no time in this row, so no share")
+            continue
         print(f"  own work / savings: measured {share(measured)}; reads at SDPA {share(stages_ms + sdpa_ms)}; "
               f"reads at half SDPA {share(stages_ms + sdpa_ms / 2)} (goal {args.goal:.0%})")
         if (stages_ms + sdpa_ms / 2) / saved_ms > args.goal:
