@@ -33,6 +33,7 @@ from ficoco.accounting.reads import Read, method_reads
 from ficoco.accounting.schedule import Removal, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.profiles import load_profile
+from ficoco.profiling.environment import environment
 
 
 def _median_ms(call, repeat: int) -> float:
@@ -97,8 +98,10 @@ def main() -> int:
     arch = architecture(profile)
     cpu = report["environment"].get("cpu", "?")
     print(f"{config['model']} ({' '.join(config.get('overrides') or []) or 'as published'}); report measured on {cpu}")
-    print(f"timed here on: {_this_cpu()}, torch {torch.__version__}, capability "
-          f"{torch.backends.cpu.get_cpu_capability()}")
+    here = environment(torch.device("cpu"))
+    caps = " ".join(f"{name}={value}" for name, value in here["cpu_isa_overrides"].items())
+    print(f"timed here on: {here['cpu']}, torch {here['torch']}, capability {here['cpu_capability']}"
+          f"{f' (capped: {caps})' if caps else ''}")
     wanted = args.variant.split(",")
     rows = [row for row in report.get("rows", []) if row.get("variant") in wanted and row.get("status") == "ok"
             and row.get("own_work_vs_savings")]
@@ -116,13 +119,13 @@ def main() -> int:
         for read in reads:
             layers.setdefault((read.stage, read.layer), []).append(read)
         timed: dict[tuple, float] = {}
-        sdpa_ms = 0.0
+        sdpa_ms, windowed = 0.0, 0
         for (stage, _), layer_reads in layers.items():
             if any(read.pairs is not None for read in layer_reads):
-                print("  (a windowed layer's reads are left out: this script times whole layers)")
+                windowed += 1
                 continue
             kv_heads = arch.decoder.kv_heads if stage == "llm" else layer_reads[0].heads
-            shape = tuple((read.kind, read.rows, read.keys) for read in layer_reads)
+            shape = (stage, *((read.kind, read.rows, read.keys) for read in layer_reads))
             if shape not in timed:
                 timed[shape] = _fused_ms(layer_reads, kv_heads, dtype, args.repeat)
             sdpa_ms += timed[shape] * layer_reads[0].sequences
@@ -136,6 +139,8 @@ def main() -> int:
         print(f"\n{row['method_label']} {row['quant']} batch {row['batch']} ({len(reads)} reads at {len(layers)} "
               f"layers, {dtype}, {row['threads']} threads): savings {saved_ms:,.0f} ms, stages {stages_ms:,.0f} ms "
               f"as measured")
+        if windowed:
+            print(f"  ({windowed} windowed layers' reads left out: this script times whole layers)")
         print(f"  reads: {row['probe_ms']:,.0f} ms measured in the row; at the layers' SDPA rate (timed here) "
               f"{sdpa_ms:,.0f} ms; at half of it {sdpa_ms / 2:,.0f} ms")
         if saved_ms <= 0:
@@ -146,18 +151,6 @@ def main() -> int:
         if (stages_ms + sdpa_ms / 2) / saved_ms > args.goal:
             print("  -> above the goal even with reads at half the layers' SDPA: no faster read alone reaches it")
     return 0
-
-
-def _this_cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":
