@@ -37,6 +37,11 @@ def device_line(env: dict[str, Any], plan: Plan) -> str:
         roofline = f", roofline profile {plan.gpu.key}" if plan.gpu else ", no roofline profile for this GPU"
     else:
         where = f"cpu: {env.get('cpu')} ({env.get('threads')} threads)"
+        reads = env.get("read_kernel") or {}
+        if reads.get("kernel") == "native":
+            where += "; methods read attention with ficoco's CPU kernel"
+        elif reads:
+            where += f"; methods read attention in torch ({reads.get('reason')})"
         roofline = ""
     if plan.warmup is not None and plan.repeat is not None:
         runs = f"{plan.warmup} warm-up and {plan.repeat} timed run(s) per row"

@@ -113,6 +113,13 @@ def environment(device: torch.device) -> dict[str, Any]:
             "driver": nvidia_driver(),
             "device_memory_bytes": torch.cuda.get_device_properties(device).total_memory,
         })
+        env["read_kernel"] = {"kernel": "torch", "reason": "a method's reads on CUDA run in torch"}
     else:
         env["device"] = env["cpu"]
+        # What computed the methods' reads of attention (ficoco.methods.reads.native): ficoco's fused CPU kernel,
+        # or torch (and why), as their probe times depend on it.
+        from ficoco.methods.reads import native
+
+        status = native.status()
+        env["read_kernel"] = {"kernel": status.kernel, "reason": status.reason}
     return env

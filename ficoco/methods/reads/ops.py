@@ -39,6 +39,9 @@ from ficoco.methods.reads import (
 # launches for LLaVA-NeXT's ~2,900-token sequences.
 SCORE_BUDGET_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 28}
 
+# The score dtypes ficoco's CPU read kernel computes with the rule's roundings (ficoco.methods.reads.native).
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)
+
 # runner(device, function, *args) -> function(*args): how an adapter times (on `device`, in its "probe" span) and,
 # during flops --verify, counts a read.
 ReadRunner = Callable[..., Any]
@@ -181,22 +184,26 @@ class ProbedAttention(AttentionReads):
     def column_sum(self, rows: Tensor | None = None) -> Tensor:
         if self.whole is not None:
             return self.whole.column_sum(rows)
+        self._kernel()  # built (once per process) before the read's span opens
         return self.runner(self.query.device, self._columns, rows, 0)
 
     def column_mean(self, first_row: int = 0) -> Tensor:
         if self.whole is not None:
             return self.whole.column_mean(first_row)
         count = max(self.shape[1] - first_row, 1)
+        self._kernel()
         return self.runner(self.query.device, self._columns, None, first_row) / count
 
     def rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         if self.whole is not None:
             return self.whole.rows(rows)
+        self._kernel()
         return self.runner(self.query.device, self._rows, rows, last)
 
     def block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
         if self.whole is not None:
             return self.whole.block(rows, cols)
+        self._kernel()
         return self.runner(self.query.device, self._block, rows, cols, last)
 
     def reordered(self, order: Tensor) -> AttentionReads:
@@ -209,8 +216,26 @@ class ProbedAttention(AttentionReads):
                                causal=self.causal, scores=self.scores, runner=self.runner, budget=self.budget)
 
     # -- by blocks of query rows ------------------------------------------------------------------------------
+    def _kernel(self) -> Any:
+        """ficoco's fused CPU read kernel (ficoco.methods.reads.native) where it computes this layer's reads
+        with the rule's roundings: a CPU, bfloat16 or float32 scores, no mask but the causal rule, nothing
+        recording gradients or tracing; else None (the reads run in torch)."""
+        query, key = self.query, self.key
+        if query.device.type != "cpu" or self.mask is not None or torch.jit.is_tracing():
+            return None
+        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+            return None
+        if (query.dtype if self.scores == "model" else torch.float32) not in NATIVE_DTYPES:
+            return None
+        from ficoco.methods.reads import native
+
+        return native.library()
+
     def _columns(self, rows: Tensor | None, first_row: int) -> Tensor:
         batch, _, k_len = self.shape
+        kernel = self._kernel()
+        if kernel is not None:
+            return self._native_columns(kernel, rows, first_row)
         total = torch.zeros(batch, k_len, dtype=torch.float32, device=self.query.device)
         for b0, b1, _, _, probabilities in self._blocks(rows, first_row):
             # Every head of every row of the block: (b, heads x rows, keys) summed over its middle axis.
@@ -219,10 +244,42 @@ class ProbedAttention(AttentionReads):
 
     def _rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         batch, _, k_len = self.shape
+        kernel = self._kernel()
+        if kernel is not None:
+            return self._native_rows(kernel, rows, last)
         out = torch.zeros(batch, rows.shape[1], k_len, dtype=torch.float32, device=self.query.device)
         heads = self.query.shape[1]
         for b0, b1, r0, r1, probabilities in self._blocks(rows, 0, last):
             out[b0:b1, r0:r1, :probabilities.shape[-1]] = probabilities.sum(dim=(1, 2)).div_(heads)
+        return out
+
+    def _native_columns(self, kernel: Any, rows: Tensor | None, first_row: int) -> Tensor:
+        batch, _, k_len = self.shape
+        heads = self.query.shape[1]
+        # Double accumulators over the blocks too: the sum of the rule's probabilities, exact to float32.
+        total = torch.zeros(batch, k_len, dtype=torch.float64)
+        threads = torch.get_num_threads()
+        for b0, _, _, _, scores, limits, scale in self._score_blocks(rows, first_row):
+            n, _, width, keys = scores.shape
+            per_row = None if limits is None else limits.unsqueeze(1).expand(n, heads, width).contiguous()
+            for b in range(n):
+                function = kernel.ficoco_colsum_bf16 if scores.dtype == torch.bfloat16 else kernel.ficoco_colsum_f32
+                function(scores[b].data_ptr(), heads * width, keys, scale,
+                         None if per_row is None else per_row[b].data_ptr(), total[b0 + b].data_ptr(), threads)
+        return total.div_(heads).to(torch.float32)
+
+    def _native_rows(self, kernel: Any, rows: Tensor, last: int | None) -> Tensor:
+        batch, _, k_len = self.shape
+        heads = self.query.shape[1]
+        out = torch.zeros(batch, rows.shape[1], k_len, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        for b0, b1, r0, r1, scores, limits, scale in self._score_blocks(rows, 0, last):
+            n, _, width, keys = scores.shape
+            summed = torch.zeros(n, width, keys, dtype=torch.float32)
+            function = kernel.ficoco_rowsum_bf16 if scores.dtype == torch.bfloat16 else kernel.ficoco_rowsum_f32
+            function(scores.data_ptr(), n, heads, width, keys, scale,
+                     None if limits is None else limits.data_ptr(), summed.data_ptr(), threads)
+            out[b0:b1, r0:r1, :keys] = summed.div_(heads)
         return out
 
     def _matrix(self) -> Tensor:
@@ -255,10 +312,27 @@ class ProbedAttention(AttentionReads):
             steps += [(r0, min(t1, r0 + step), keys) for r0 in range(t0, t1, step)]
         return steps
 
-    def _blocks(self, rows: Tensor | None, first_row: int, last: int | None = None):  # noqa: ANN202 (a generator)
-        """(b0, b1, r0, r1, probabilities (b1-b0, H_kv, g, r1-r0, keys) in float32 or wider) over the requested
-        query rows: the index `rows` (B, R), or the range first_row .. Tq - 1, in blocks of at most the score
-        budget; `keys` the leading keys a block reads (all, or in a causal layer those its rows can see)."""
+    def _score_blocks(self, rows: Tensor | None, first_row: int, last: int | None = None):  # noqa: ANN202
+        """For the native kernel: (b0, b1, r0, r1, scores (n, H, rows, keys) contiguous, limits, scale) over the
+        requested rows (as `_blocks`): the products q . k^T as the rule computes them (the model rule's in the
+        model's dtype, unscaled; the float32 rule's of the scaled queries in float32), the keys each row sees
+        ((n, rows) int64, under the causal rule; else None) and the scale the kernel applies (1 where the
+        queries carry it)."""
+        for b0, b1, r0, r1, scores, row_index, keys in self._products(rows, first_row, last):
+            limits = None
+            if self.causal and self.shape[1] > 1:
+                _, q_len, k_len = self.shape
+                limits = (row_index + (k_len - q_len) + 1).clamp(0, keys).to(torch.int64).contiguous()
+            n, kv_heads, stacked, _ = scores.shape
+            heads = self.query.shape[1]
+            yield (b0, b1, r0, r1, scores.view(n, heads, stacked * kv_heads // heads, keys), limits,
+                   self.scale if self.scores == "model" else 1.0)
+
+    def _products(self, rows: Tensor | None, first_row: int, last: int | None = None):  # noqa: ANN202
+        """(b0, b1, r0, r1, scores (n, H_kv, g x rows, keys), row_index (n, rows), keys) over the requested query
+        rows: the index `rows` (B, R), or the range first_row .. Tq - 1, in blocks of at most the score budget;
+        `keys` the leading keys a block reads (all, or in a causal layer those its rows can see). The scores are
+        the rule's products (ficoco.methods.reads), before the model rule's scale, mask and softmax."""
         query, key = self.query, self.key
         batch, heads, q_len, dim = query.shape
         kv_heads, k_len = key.shape[1], key.shape[2]
@@ -279,21 +353,12 @@ class ProbedAttention(AttentionReads):
         # Contiguous once per read: a layer's keys are often a view (Qwen's tower: heads and tokens transposed),
         # which every block's product would otherwise copy again.
         keys_t = (key if model_rule else key.float()).contiguous().transpose(-1, -2)
-        # One buffer for the scores and one for the probabilities, reused by every block (a fresh large
-        # allocation per block costs page faults on a CPU); not under torch.jit's tracer (flops --verify),
-        # which counts an op by its inputs and would take the `out=` buffer for one, nor where autograd
-        # records the reads (a loss through the method's merge weights), which `out=` does not support.
-        recorded = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
-        buffered = not torch.jit.is_tracing() and not recorded
-        size = batch_step * heads * row_step * k_len if buffered else 0
+        # One buffer for the scores, reused by every block (a fresh large allocation per block costs page faults
+        # on a CPU); not under torch.jit's tracer (flops --verify), which counts an op by its inputs and would take
+        # the `out=` buffer for one, nor where autograd records the reads (a loss through the method's merge
+        # weights), which `out=` does not support.
+        size = batch_step * heads * row_step * k_len if self._buffered() else 0
         score_buffer = _scratch("scores", size, score_dtype, query.device)
-        probability_buffer = _scratch("probabilities", size, score_dtype, query.device)
-        # Half-precision probabilities are summed in float32 from a float32 copy in a buffer of its own (a sum
-        # with dtype=float32 converts into a fresh tensor, pages and all, at every block).
-        wide_buffer = _scratch("wide", size if score_dtype != torch.float32 else 0, torch.float32, query.device)
-        positions = None
-        if self.mask is None and self.causal and q_len > 1:
-            positions = torch.arange(k_len, device=query.device)
         for b0 in range(0, batch, batch_step):
             b1 = min(batch, b0 + batch_step)
             for r0, r1, keys in steps:
@@ -309,37 +374,62 @@ class ProbedAttention(AttentionReads):
                 if not model_rule:
                     stacked = (stacked * self.scale).float()
                 shape = (n, kv_heads, groups * width, keys)
-                if buffered:
+                if size:
                     scores = score_buffer[:n * heads * width * keys].view(shape)
                     torch.matmul(stacked, keys_t[b0:b1, :, :, :keys], out=scores)
                 else:
                     scores = torch.matmul(stacked, keys_t[b0:b1, :, :, :keys])
-                if model_rule:
-                    scores.mul_(self.scale)  # in the model's dtype, as its eager attention scales them
-                scores5 = scores.view(n, kv_heads, groups, width, keys)
-                span = (first_row + r0, first_row + r1) if rows is None else None
-                masked = self._mask_rows(b0, b1, row_index, span, positions, q_len, k_len, kv_heads, groups)
-                if masked is not None:
-                    masked = masked[..., :keys]
-                if masked is not None:
-                    if masked.dtype == torch.bool:
-                        scores5.masked_fill_(~masked, float("-inf"))
-                    else:
-                        scores5.add_(masked.to(scores5.dtype))
-                # The model rule's softmax runs in float32 and rounds to the model's dtype, as eager's does.
-                if buffered:
-                    probabilities = probability_buffer[:scores.numel()].view(shape)
-                    torch.softmax(scores, dim=-1, out=probabilities)
+                yield b0, b1, r0, r1, scores, row_index, keys
+
+    def _buffered(self) -> bool:
+        recorded = torch.is_grad_enabled() and (self.query.requires_grad or self.key.requires_grad)
+        return not torch.jit.is_tracing() and not recorded
+
+    def _blocks(self, rows: Tensor | None, first_row: int, last: int | None = None):  # noqa: ANN202 (a generator)
+        """(b0, b1, r0, r1, probabilities (b1-b0, H_kv, g, r1-r0, keys) in float32 or wider) over the requested
+        query rows (`_products`), computed in torch with the rule's scale, mask and softmax."""
+        query = self.query
+        batch, heads, q_len, _ = query.shape
+        kv_heads, k_len = self.key.shape[1], self.key.shape[2]
+        groups = heads // kv_heads
+        model_rule = self.scores == "model"
+        score_dtype = query.dtype if model_rule else torch.float32
+        buffered = self._buffered()
+        positions = None
+        if self.mask is None and self.causal and q_len > 1:
+            positions = torch.arange(k_len, device=query.device)
+        for b0, b1, r0, r1, scores, row_index, keys in self._products(rows, first_row, last):
+            n, width = b1 - b0, r1 - r0
+            shape = scores.shape
+            if model_rule:
+                scores.mul_(self.scale)  # in the model's dtype, as its eager attention scales them
+            scores5 = scores.view(n, kv_heads, groups, width, keys)
+            span = (first_row + r0, first_row + r1) if rows is None else None
+            masked = self._mask_rows(b0, b1, row_index, span, positions, q_len, k_len, kv_heads, groups)
+            if masked is not None:
+                masked = masked[..., :keys]
+                if masked.dtype == torch.bool:
+                    scores5.masked_fill_(~masked, float("-inf"))
                 else:
-                    probabilities = torch.softmax(scores, dim=-1)
-                if masked is not None:
-                    # A row with no visible key (padding) gives NaN: zero it without asking the host.
-                    torch.nan_to_num_(probabilities, nan=0.0)
-                if buffered and wide_buffer.numel():
-                    probabilities = wide_buffer[:probabilities.numel()].view(shape).copy_(probabilities)
-                else:
-                    probabilities = probabilities.float()
-                yield b0, b1, r0, r1, probabilities.view(n, kv_heads, groups, width, keys)
+                    scores5.add_(masked.to(scores5.dtype))
+            # The model rule's softmax runs in float32 and rounds to the model's dtype, as eager's does.
+            # Buffers for the probabilities and (half precision) their float32 copy, reused by every block as the
+            # scores' (a sum with dtype=float32 converts into a fresh tensor, pages and all, at every block).
+            if buffered:
+                probabilities = _scratch("probabilities", scores.numel(), score_dtype, query.device)
+                probabilities = probabilities[:scores.numel()].view(shape)
+                torch.softmax(scores, dim=-1, out=probabilities)
+            else:
+                probabilities = torch.softmax(scores, dim=-1)
+            if masked is not None:
+                # A row with no visible key (padding) gives NaN: zero it without asking the host.
+                torch.nan_to_num_(probabilities, nan=0.0)
+            if buffered and score_dtype != torch.float32:
+                wide = _scratch("wide", probabilities.numel(), torch.float32, query.device)
+                probabilities = wide[:probabilities.numel()].view(shape).copy_(probabilities)
+            else:
+                probabilities = probabilities.float()
+            yield b0, b1, r0, r1, probabilities.view(n, kv_heads, groups, width, keys)
 
     def _mask_rows(self, b0: int, b1: int, row_index: Tensor, span: tuple[int, int] | None, positions: Tensor | None,
                    q_len: int, k_len: int, kv_heads: int, groups: int) -> Tensor | None:

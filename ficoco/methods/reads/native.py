@@ -1,0 +1,142 @@
+"""ficoco's fused CPU read kernel (softmax_sums.c): built with the machine's C compiler at first use, loaded
+with ctypes, and used by ficoco.methods.reads.ops for the column and row sums a method reads on a CPU.
+
+Why a kernel of our own: a read in torch makes a pass over the whole block of scores per op (scale,
+softmax, a float32 copy, the sum), about 2.5 times the cost of the layer's own fused attention (SDPA) at
+the same shape; the kernel makes those steps on one row at a time, with the same roundings, at about 1.3
+times SDPA's cost. Its float32 steps (exp, the order of the softmax's sum) are its own, so about one
+probability in 10^5 rounds to the neighbouring bfloat16 value; its sums are taken in double precision.
+
+It is built once per source and machine into ``$FICOCO_CACHE_DIR/kernels`` (default
+``~/.cache/ficoco/kernels``) with ``cc -O3 -march=native -fopenmp``, linked against the OpenMP runtime torch
+has loaded (one pool of threads for both). Where there is no C compiler, or ``FICOCO_READ_KERNEL=torch``,
+reads run in torch as before; `status()` says which and why, and profiles record it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("softmax_sums.c")
+ABI = 1
+ENV = "FICOCO_READ_KERNEL"  # "torch": never use the kernel; "native" or unset: use it where it builds
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared")
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Which read kernel runs on a CPU: ``"native"`` (this module's) or ``"torch"``, and why."""
+
+    kernel: str
+    reason: str
+
+
+# The kernel as loaded, per value of FICOCO_READ_KERNEL (a test or a benchmark may switch between the two).
+_LOADED: dict[str, tuple[ctypes.CDLL | None, KernelStatus]] = {}
+
+
+def _cpu_key() -> str:
+    """What -march=native compiles for: the processor's model and flags (a cache shared between machines keeps
+    one library per processor)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line for line in text.splitlines() if line.startswith("model name")), "")
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return model + "|" + flags
+
+
+def _openmp_runtime() -> str | None:
+    """The path of the OpenMP runtime this process has loaded (torch's), so that the kernel links that one."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in maps:
+        path = line.split()[-1] if line.split() else ""
+        name = os.path.basename(path)
+        if name.startswith(("libgomp", "libiomp5", "libomp")) and ".so" in name:
+            return path
+    return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FICOCO_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ficoco")
+    return Path(root) / "kernels"
+
+
+def _build(target: Path, runtime: str | None) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or clang) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build into a temporary name and rename: parallel workers may build the same library at once.
+    handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    command = [compiler, *FLAGS, "-o", temporary, str(SOURCE)]
+    if runtime:
+        command.append(runtime)  # links the loaded runtime by its path: its soname is what the library needs
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise OSError(f"{os.path.basename(compiler)} failed: {done.stderr.strip().splitlines()[-1:]}")
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+
+
+def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
+    if _setting() == "torch":
+        return None, KernelStatus("torch", f"{ENV}=torch")
+    if platform.system() != "Linux":
+        return None, KernelStatus("torch", f"the native read kernel is built on Linux only, not {platform.system()}")
+    import torch  # noqa: F401 (its OpenMP runtime must be loaded before the kernel links to it)
+
+    runtime = _openmp_runtime()
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_key().encode()
+                            + (os.path.basename(runtime or "")).encode()).hexdigest()[:16]
+    target = cache_dir() / f"reads-{digest}.so"
+    try:
+        if not target.exists():
+            _build(target, runtime)
+        library = ctypes.CDLL(str(target))
+        if library.ficoco_reads_abi() != ABI:
+            raise OSError(f"{target} is of another interface")
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, KernelStatus("torch", f"the native read kernel did not build or load: {exc}")
+    i64, f32, ptr, c_int = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int
+    for name in ("ficoco_colsum_bf16", "ficoco_colsum_f32"):
+        getattr(library, name).argtypes = [ptr, i64, i64, f32, ptr, ptr, c_int]
+        getattr(library, name).restype = None
+    for name in ("ficoco_rowsum_bf16", "ficoco_rowsum_f32"):
+        getattr(library, name).argtypes = [ptr, i64, i64, i64, i64, f32, ptr, ptr, c_int]
+        getattr(library, name).restype = None
+    return library, KernelStatus("native", f"built with {' '.join(FLAGS)} in {target.parent}")
+
+
+def _setting() -> str:
+    return os.environ.get(ENV, "").strip().lower()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None where reads run in torch (`status()` says why). Built at the first call."""
+    setting = _setting()
+    if setting not in _LOADED:
+        _LOADED[setting] = _load()
+    return _LOADED[setting][0]
+
+
+def status() -> KernelStatus:
+    """Which kernel a CPU read runs, and why (builds the kernel when it has not been tried)."""
+    library()
+    return _LOADED[_setting()][1]

@@ -1,0 +1,175 @@
+/* The statistics of a layer's attention a method reads, from a block of its q.k products, in one pass per row
+   (ficoco.methods.reads.native builds and loads this file; ficoco.methods.reads.ops calls it).
+
+   Each row of scores is what the model's eager attention computes, with the roundings it makes:
+     x = s * scale                  (rounded to bfloat16 when the scores are bfloat16: `scores * scaling`)
+     p = exp(x - max x) * (1 / sum) (in float32, as torch's softmax computes it; rounded to bfloat16 again)
+   and only the statistic leaves the row: its probabilities added to column sums (`colsum_*`) or to the
+   head-mean of its query row (`rowsum_*`). Torch computes the same with a pass over the whole block per op
+   (scale, softmax, a float32 copy, the sum); here a row stays in the first-level cache for all of them.
+   Keys at or past a row's limit are masked (probability 0), as a causal mask's -inf gives them.
+
+   Parallel over rows with OpenMP: the library links the OpenMP runtime torch has loaded, so that both share
+   one pool of threads. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to the nearest bfloat16, ties to even (finite values; -inf stays -inf), as torch converts. */
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    u &= 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* exp(x) for x <= 0, within an ulp or two of libm's: 2^n * p(r) with n = round(x / ln 2) (Cody-Waite) and a
+   degree-7 polynomial; written so that the compiler vectorises it. Below -104 it is 0, as expf's is. */
+static inline float exp_nonpositive(float x) {
+    float clamped = x < -104.0f ? -104.0f : x;
+    float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = clamped - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t e = (int32_t)n + 127;
+    e = e < 1 ? 0 : e;
+    uint32_t bits = (uint32_t)e << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    float value = p * scale;
+    return x < -104.0f ? 0.0f : value;
+}
+
+/* The probabilities of one row into `x` (the first `limit` keys; `round` nonzero: bfloat16 roundings). */
+static inline void softmax_row(float *restrict x, int64_t limit, int round) {
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < limit; j++) top = x[j] > top ? x[j] : top;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < limit; j++) {
+        float e = exp_nonpositive(x[j] - top);
+        x[j] = e;
+        sum += e;
+    }
+    float inverse = 1.0f / sum;
+    if (round) {
+#pragma omp simd
+        for (int64_t j = 0; j < limit; j++) x[j] = round_bf16(x[j] * inverse);
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < limit; j++) x[j] = x[j] * inverse;
+    }
+}
+
+static inline void scaled_bf16(const uint16_t *restrict s, int64_t limit, float scale, float *restrict x) {
+#pragma omp simd
+    for (int64_t j = 0; j < limit; j++) x[j] = round_bf16(bf16_to_f32(s[j]) * scale);
+}
+
+static inline void scaled_f32(const float *restrict s, int64_t limit, float scale, float *restrict x) {
+#pragma omp simd
+    for (int64_t j = 0; j < limit; j++) x[j] = s[j] * scale;
+}
+
+/* Row r of a block of `rows` rows of `keys` scores sees keys [0, limit): limits[r] where given, else all. */
+static inline int64_t row_limit(const int64_t *limits, int64_t r, int64_t keys) {
+    if (!limits) return keys;
+    int64_t limit = limits[r];
+    return limit < 0 ? 0 : (limit > keys ? keys : limit);
+}
+
+/* columns[j] += sum over the `rows` rows of p[r, j] (double accumulators: the sum of bfloat16 probabilities
+   is then exact to float32 whatever the order). limits: per row, or NULL. scratch: threads * keys floats. */
+static void colsum(const void *scores, int bf16, int64_t rows, int64_t keys, float scale, const int64_t *limits,
+                   double *columns, int threads) {
+    int round = bf16;
+#pragma omp parallel num_threads(threads)
+    {
+        float *x = malloc(sizeof(float) * (size_t)(keys > 0 ? keys : 1));
+        double *partial = calloc((size_t)(keys > 0 ? keys : 1), sizeof(double));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t limit = row_limit(limits, r, keys);
+            if (limit == 0) continue;  /* no visible key: the masked softmax's NaN row, read as zeros */
+            if (bf16) scaled_bf16((const uint16_t *)scores + r * keys, limit, scale, x);
+            else scaled_f32((const float *)scores + r * keys, limit, scale, x);
+            softmax_row(x, limit, round);
+#pragma omp simd
+            for (int64_t j = 0; j < limit; j++) partial[j] += (double)x[j];
+        }
+#pragma omp critical
+        for (int64_t j = 0; j < keys; j++) columns[j] += partial[j];
+        free(x);
+        free(partial);
+    }
+}
+
+/* The block is (batch, heads, width, keys): out[b, w, j] += sum over heads of p[b, h, w, j] (float32, heads in
+   order, as torch's sum over the head axes). limits: per (b, w), or NULL. */
+static void rowsum(const void *scores, int bf16, int64_t batch, int64_t heads, int64_t width, int64_t keys,
+                   float scale, const int64_t *limits, float *out, int threads) {
+    int round = bf16;
+#pragma omp parallel num_threads(threads)
+    {
+        float *x = malloc(sizeof(float) * (size_t)(keys > 0 ? keys : 1));
+#pragma omp for schedule(static)
+        for (int64_t bw = 0; bw < batch * width; bw++) {
+            int64_t b = bw / width, w = bw % width;
+            int64_t limit = row_limit(limits, bw, keys);
+            float *target = out + bw * keys;
+            for (int64_t h = 0; h < heads && limit > 0; h++) {
+                int64_t offset = ((b * heads + h) * width + w) * keys;
+                if (bf16) scaled_bf16((const uint16_t *)scores + offset, limit, scale, x);
+                else scaled_f32((const float *)scores + offset, limit, scale, x);
+                softmax_row(x, limit, round);
+#pragma omp simd
+                for (int64_t j = 0; j < limit; j++) target[j] += x[j];
+            }
+        }
+        free(x);
+    }
+}
+
+void ficoco_colsum_bf16(const uint16_t *scores, int64_t rows, int64_t keys, float scale, const int64_t *limits,
+                        double *columns, int threads) {
+    colsum(scores, 1, rows, keys, scale, limits, columns, threads);
+}
+
+void ficoco_colsum_f32(const float *scores, int64_t rows, int64_t keys, float scale, const int64_t *limits,
+                       double *columns, int threads) {
+    colsum(scores, 0, rows, keys, scale, limits, columns, threads);
+}
+
+void ficoco_rowsum_bf16(const uint16_t *scores, int64_t batch, int64_t heads, int64_t width, int64_t keys,
+                        float scale, const int64_t *limits, float *out, int threads) {
+    rowsum(scores, 1, batch, heads, width, keys, scale, limits, out, threads);
+}
+
+void ficoco_rowsum_f32(const float *scores, int64_t batch, int64_t heads, int64_t width, int64_t keys, float scale,
+                       const int64_t *limits, float *out, int threads) {
+    rowsum(scores, 0, batch, heads, width, keys, scale, limits, out, threads);
+}
+
+/* The version of this file's interface; the loader checks it. */
+int ficoco_reads_abi(void) { return 1; }
