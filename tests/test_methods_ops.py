@@ -222,6 +222,28 @@ def test_compress_leaves_a_token_that_receives_nothing_bitwise_unchanged(
         assert torch.equal(merged[untouched], kept[untouched])
 
 
+@FAST
+@given(compress_cases())
+def test_compress_at_its_receivers_only_equals_the_dense_form(
+    case: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> None:
+    # The CPU computes only the kept tokens that receive something; the dense form (any other device) every one.
+    import ficoco.methods.ops as method_ops
+
+    source, target, alpha, tokens = case
+    for dtype in (torch.float32, torch.bfloat16):
+        typed = tokens.to(dtype)
+        sparse = compress(typed, source, target, alpha)
+        try:
+            method_ops.SPARSE_MERGES_ON_CPU = False
+            dense = compress(typed, source, target, alpha)
+        finally:
+            method_ops.SPARSE_MERGES_ON_CPU = True
+        assert sparse.dtype == dense.dtype == dtype
+        # The receivers' float32 sums in another order at most: one rounding step of the tokens' dtype.
+        torch.testing.assert_close(sparse, dense, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
+
+
 def test_compress_own_weight_falls_below_half_when_two_sources_share_a_target() -> None:
     """Counterexample to docs/methods/ficoco.md's "keeps at least half of its own content".
 

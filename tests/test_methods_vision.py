@@ -536,3 +536,28 @@ def test_method_terms_are_counted_per_item():
     assert single.method_tflops > 0 and double.method_tflops == pytest.approx(2 * single.method_tflops)
     layer0 = [t for layer, term, t in single.method_terms if layer == 0]
     assert layer0 == [pytest.approx(2 * 289 * 288 * 64 / 1e12)]  # A x B cosine scores, 64-wide head-mean keys
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("has_cls", [True, False])
+@pytest.mark.parametrize("order", ["official", "spatial"])
+def test_tome_merge_at_its_receivers_is_the_dense_merge_bit_for_bit(dtype: torch.dtype, has_cls: bool,
+                                                                     order: str) -> None:
+    # On a CPU, half-precision tokens are merged only at the B tokens that receive a source; every other
+    # token's x * s / s rounds back to x, so the two forms agree exactly, sizes and positions included.
+    import ficoco.methods.ops as method_ops
+
+    generator = torch.Generator().manual_seed(11)
+    hidden = torch.randn(3, 41, 24, generator=generator).to(dtype)
+    metric = torch.randn(3, 41, 8, generator=generator)
+    size = torch.randint(1, 40, (3, 41), generator=generator).float()
+    positions = torch.randint(0, 500, (3, 41), generator=generator)
+    sparse = tome_merge(hidden, metric, 13, size=size, positions=positions, has_cls=has_cls, order=order)
+    try:
+        method_ops.SPARSE_MERGES_ON_CPU = False
+        dense = tome_merge(hidden, metric, 13, size=size, positions=positions, has_cls=has_cls, order=order)
+    finally:
+        method_ops.SPARSE_MERGES_ON_CPU = True
+    assert torch.equal(sparse.hidden, dense.hidden)
+    assert torch.equal(sparse.size, dense.size)
+    assert torch.equal(sparse.positions, dense.positions)

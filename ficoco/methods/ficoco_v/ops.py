@@ -257,7 +257,8 @@ def reduce_v(
 
     cls_positions = torch.zeros(batch, offset, dtype=torch.long, device=hidden.device)
     return VReduction(
-        hidden=torch.cat([hidden[:, :offset], merged], dim=1),
+        # Without [CLS] (merge groups, towers without one) the merged tokens are the output: no copy of them.
+        hidden=torch.cat([hidden[:, :offset], merged], dim=1) if offset else merged,
         grid_index=torch.gather(grid_index, 1, target),
         discarded_grid=torch.gather(grid_index, 1, source),
         kept_positions=torch.cat([cls_positions, target + offset], dim=1),

@@ -28,7 +28,10 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("softmax_sums.c")
 ABI = 1
 ENV = "FICOCO_READ_KERNEL"  # "torch": never use the kernel; "native" or unset: use it where it builds
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared")
+# -march=native: the vector width and instructions of the machine it runs on (hence a library per processor);
+# on x86, AVX-512's full width where the processor has it (compilers default to half of it).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC",
+         *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
 
 
 @dataclass(frozen=True)
@@ -82,17 +85,21 @@ def _build(target: Path, runtime: str | None) -> None:
     # Build into a temporary name and rename: parallel workers may build the same library at once.
     handle, temporary = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
-    command = [compiler, *FLAGS, "-o", temporary, str(SOURCE)]
-    if runtime:
-        command.append(runtime)  # links the loaded runtime by its path: its soname is what the library needs
+    objects = temporary[:-3] + ".o"
+    # Compiled with OpenMP's pragmas, linked to the runtime torch loaded (by its path, so that the library needs
+    # that runtime's name and shares its threads), or to the compiler's own where torch has none loaded.
+    compile_command = [compiler, *FLAGS, "-c", "-o", objects, str(SOURCE)]
+    link_command = [compiler, "-shared", "-o", temporary, objects, *([runtime] if runtime else ["-fopenmp"])]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise OSError(f"{os.path.basename(compiler)} failed: {done.stderr.strip().splitlines()[-1:]}")
+        for command in (compile_command, link_command):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise OSError(f"{os.path.basename(compiler)} failed: {done.stderr.strip().splitlines()[-1:]}")
         os.replace(temporary, target)
     finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
+        for path in (temporary, objects):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
@@ -121,7 +128,8 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
     for name in ("ficoco_rowsum_bf16", "ficoco_rowsum_f32"):
         getattr(library, name).argtypes = [ptr, i64, i64, i64, i64, f32, ptr, ptr, c_int]
         getattr(library, name).restype = None
-    return library, KernelStatus("native", f"built with {' '.join(FLAGS)} in {target.parent}")
+    return library, KernelStatus("native", f"built with {' '.join(FLAGS)} in {target.parent}"
+                                          + (f", linked to {os.path.basename(runtime)}" if runtime else ""))
 
 
 def _setting() -> str:

@@ -221,7 +221,9 @@ class ProbedAttention(AttentionReads):
         with the rule's roundings: a CPU, bfloat16 or float32 scores, no mask but the causal rule, nothing
         recording gradients or tracing; else None (the reads run in torch)."""
         query, key = self.query, self.key
-        if query.device.type != "cpu" or self.mask is not None or torch.jit.is_tracing():
+        # Not under a dispatch mode either (a counter of ops, fake tensors): the kernel reads the tensors' memory.
+        if query.device.type != "cpu" or self.mask is not None or torch.jit.is_tracing() \
+                or torch._C._len_torch_dispatch_stack() > 0:
             return None
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
             return None

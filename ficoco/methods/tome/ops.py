@@ -122,6 +122,39 @@ def _merge_sum(x: Tensor, matching: Matching) -> tuple[Tensor, Tensor]:
     return unmerged, b
 
 
+def _receivers_only(hidden: Tensor) -> bool:
+    """Whether `tome_merge` may compute only the B tokens that receive a source (`_merge_at_receivers`): on a CPU
+    (it asks the host which ones), for half-precision tokens (every other token's size-weighted mean, x * s / s in
+    float32, rounds back to x exactly there; in float32 it may sit an ulp away), with nothing recording
+    gradients or counting ops (which count the dense form)."""
+    from ficoco.methods import ops
+
+    return (hidden.device.type == "cpu" and hidden.dtype in (torch.bfloat16, torch.float16)
+            and ops.SPARSE_MERGES_ON_CPU and not (torch.is_grad_enabled() and hidden.requires_grad)
+            and not ops._watched())
+
+
+def _merge_at_receivers(hidden: Tensor, size: Tensor, matching: Matching, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """ToMe's size-weighted merge, `[unmerged A, B]` and their sizes, computed in `dtype` only at the B tokens that
+    receive a source (any sample's): the same sums in the same order as the dense form, the rest copied."""
+    a, b = hidden[:, ::2], hidden[:, 1::2]
+    size_a, size_b = size[:, ::2], size[:, 1::2]
+    unmerged = gather_tokens(a, matching.unmerged)
+    new_hidden = torch.cat([unmerged, b], dim=1)
+    source_size = torch.gather(size_a, 1, matching.src)
+    new_size = torch.cat([torch.gather(size_a, 1, matching.unmerged),
+                          size_b.scatter_add(1, matching.dst, source_size)], dim=1)
+    receivers = torch.unique(matching.dst)  # sorted
+    slot = torch.searchsorted(receivers, matching.dst)  # each source's receiver, among the receivers
+    channels = hidden.shape[-1]
+    weighted = b[:, receivers].to(dtype) * size_b[:, receivers].unsqueeze(-1)
+    sources = gather_tokens(a, matching.src).to(dtype) * source_size.unsqueeze(-1)
+    weighted.scatter_add_(1, slot.unsqueeze(-1).expand(-1, -1, channels), sources)
+    total = size_b[:, receivers].scatter_add(1, slot, source_size)
+    new_hidden[:, unmerged.shape[1] + receivers] = (weighted / total.unsqueeze(-1)).to(hidden.dtype)
+    return new_hidden, new_size
+
+
 def tome_merge(hidden: Tensor, metric: Tensor, r: int, size: Tensor | None = None, positions: Tensor | None = None,
                has_cls: bool = True, order: str = ORDER) -> ToMeMerged:
     """Merge ``r`` token pairs of one layer by size-weighted averages (ToMe's ``merge_wavg``).
@@ -154,11 +187,14 @@ def tome_merge(hidden: Tensor, metric: Tensor, r: int, size: Tensor | None = Non
     if r == 0:
         return ToMeMerged(hidden=hidden, size=size, positions=positions)
     matching = bipartite_matching(metric, r, has_cls)
-    weights = size.to(dtype).unsqueeze(-1)
-    summed_a, summed_b = _merge_sum(torch.cat([hidden.to(dtype) * weights, weights], dim=-1), matching)
-    merged = torch.cat([summed_a, summed_b], dim=1)
-    new_size = merged[..., -1]
-    new_hidden = (merged[..., :-1] / new_size.unsqueeze(-1)).to(hidden.dtype)
+    if _receivers_only(hidden):
+        new_hidden, new_size = _merge_at_receivers(hidden, size.to(dtype), matching, dtype)
+    else:
+        weights = size.to(dtype).unsqueeze(-1)
+        summed_a, summed_b = _merge_sum(torch.cat([hidden.to(dtype) * weights, weights], dim=-1), matching)
+        merged = torch.cat([summed_a, summed_b], dim=1)
+        new_size = merged[..., -1]
+        new_hidden = (merged[..., :-1] / new_size.unsqueeze(-1)).to(hidden.dtype)
     # Current indices of the survivors: unmerged A tokens sit at 2i, B tokens at 2j + 1.
     current = torch.cat([2 * matching.unmerged, 2 * torch.arange(tokens // 2, device=device).expand(batch, -1) + 1],
                         dim=1)
