@@ -49,3 +49,13 @@ def test_a_write_that_fails_midway_is_one_user_error_and_leaves_no_temporary_fil
     with pytest.raises(FicocoError, match="cannot write .*r.json: No space left on device"):
         write_text_atomic(str(tmp_path / "r.json"), "{}")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_written_report_is_readable_by_others_as_open_would_make_it(tmp_path: Path) -> None:
+    umask = os.umask(0o022)
+    try:
+        target = tmp_path / "report.json"
+        report.write_json_atomic(str(target), {"rows": []})
+        assert stat.S_IMODE(target.stat().st_mode) == 0o644  # not mkstemp's private 0600
+    finally:
+        os.umask(umask)

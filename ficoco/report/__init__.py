@@ -66,6 +66,14 @@ def write_json_atomic(path: str, data: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
+def shareable(path: str | os.PathLike) -> None:
+    """Give a file made by `tempfile.mkstemp` (private: 0600) the permissions `open()` would have given it (0666
+    less the umask): reports and figures are made to be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_text_atomic(path: str, text: str) -> None:
     """Write `text` to `path` (`-` for stdout) through a temporary file and a rename."""
     if path == "-":
@@ -84,6 +92,7 @@ def write_text_atomic(path: str, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        shareable(tmp)
         os.replace(tmp, target)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)

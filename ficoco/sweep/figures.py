@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ficoco.errors import FicocoError
+from ficoco.report import shareable
 from ficoco.sweep.plan import VANILLA, finite, points_of
 
 # Every sweep figure is this size: 1000 x 600 px as PNG, 720 x 432 pt as SVG.
@@ -336,10 +337,7 @@ def save_figure(figure: Figure, folder: str | Path, name: str, formats: tuple[st
         try:
             with os.fdopen(fd, "wb") as handle:
                 figure.savefig(handle, format=fmt, dpi=DPI)
-            # mkstemp makes the file private; a figure is made to be shared, as open() would make it.
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
+            shareable(tmp)
             os.replace(tmp, target)
         except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
