@@ -99,15 +99,15 @@ static inline int64_t row_limit(const int64_t *limits, int64_t r, int64_t keys) 
     return limit < 0 ? 0 : (limit > keys ? keys : limit);
 }
 
-/* columns[j] += sum over the `rows` rows of p[r, j] (double accumulators: the sum of bfloat16 probabilities
-   is then exact to float32 whatever the order). limits: per row, or NULL. scratch: threads * keys floats. */
+/* columns[j] += sum over the `rows` rows of p[r, j]: each thread sums its rows in float32 (as torch's sum over a
+   block does), the threads' sums are added in double. limits: per row, or NULL. */
 static void colsum(const void *scores, int bf16, int64_t rows, int64_t keys, float scale, const int64_t *limits,
                    double *columns, int threads) {
     int round = bf16;
 #pragma omp parallel num_threads(threads)
     {
         float *x = malloc(sizeof(float) * (size_t)(keys > 0 ? keys : 1));
-        double *partial = calloc((size_t)(keys > 0 ? keys : 1), sizeof(double));
+        float *partial = calloc((size_t)(keys > 0 ? keys : 1), sizeof(float));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             int64_t limit = row_limit(limits, r, keys);
@@ -116,10 +116,10 @@ static void colsum(const void *scores, int bf16, int64_t rows, int64_t keys, flo
             else scaled_f32((const float *)scores + r * keys, limit, scale, x);
             softmax_row(x, limit, round);
 #pragma omp simd
-            for (int64_t j = 0; j < limit; j++) partial[j] += (double)x[j];
+            for (int64_t j = 0; j < limit; j++) partial[j] += x[j];
         }
 #pragma omp critical
-        for (int64_t j = 0; j < keys; j++) columns[j] += partial[j];
+        for (int64_t j = 0; j < keys; j++) columns[j] += (double)partial[j];
         free(x);
         free(partial);
     }
