@@ -177,7 +177,7 @@ def compress(tokens: Tensor, source: Tensor, target: Tensor, alpha: Tensor) -> T
     kept = gather_tokens(tokens, target)
     weights = alpha.to(work_dtype)
     recorded = torch.is_grad_enabled() and (tokens.requires_grad or alpha.requires_grad)
-    if SPARSE_MERGES_ON_CPU and tokens.device.type == "cpu" and not recorded and not _watched():
+    if SPARSE_MERGES_ON_CPU and tokens.device.type == "cpu" and not recorded and not watched():
         return _compress_receivers(kept, discarded, weights)
     # (kept + received) / (1 + weight) in the work dtype, in place on the product and rounded once into the
     # tokens' dtype: the same values as converting the kept tokens first, with two passes fewer over them
@@ -197,7 +197,7 @@ def compress(tokens: Tensor, source: Tensor, target: Tensor, alpha: Tensor) -> T
 SPARSE_MERGES_ON_CPU = True
 
 
-def _watched() -> bool:
+def watched() -> bool:
     """Whether something counts the ops: torch.jit's tracer (fvcore), or a dispatch mode (torch's FLOP counter in
     `flops --verify`, the host-question counter of the tests). They count the dense form, the one the accountant
     prices and every device runs, so it runs then."""

@@ -5,7 +5,8 @@ Why a kernel of our own: a read in torch makes a pass over the whole block of sc
 softmax, a float32 copy, the sum), about 2.5 times the cost of the layer's own fused attention (SDPA) at
 the same shape; the kernel makes those steps on one row at a time, with the same roundings, at about 1.3
 times SDPA's cost. Its float32 steps (exp, the order of the softmax's sum) are its own, so about one
-probability in 10^5 rounds to the neighbouring bfloat16 value; its sums are taken in double precision.
+probability in 10^5 rounds to the neighbouring bfloat16 value; each thread sums its rows in float32 (as
+torch sums a block) and those sums are added in double precision.
 
 It is built once per source and machine into ``$FICOCO_CACHE_DIR/kernels`` (default
 ``~/.cache/ficoco/kernels``) with ``cc -O3 -march=native -fopenmp``, linked against the OpenMP runtime torch

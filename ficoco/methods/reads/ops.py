@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ficoco.methods.ops import watched
 from ficoco.methods.reads import (
     DEFAULT_ATTENTION_SCORES,
     WHOLE_READ_SCORES,
@@ -223,14 +224,11 @@ class ProbedAttention(AttentionReads):
         """ficoco's fused CPU read kernel (ficoco.methods.reads.native) where it computes this layer's reads
         with the rule's roundings: a CPU, bfloat16 or float32 scores, no mask but the causal rule, nothing
         recording gradients or tracing; else None (the reads run in torch)."""
-        query, key = self.query, self.key
-        # Not under a dispatch mode either (a counter of ops, fake tensors): the kernel reads the tensors' memory.
-        if query.device.type != "cpu" or self.mask is not None or torch.jit.is_tracing() \
-                or torch._C._len_torch_dispatch_stack() > 0:
+        # Not while something counts the ops (a tracer, a dispatch mode: a FLOP counter, fake tensors), which would
+        # see none of the kernel's, nor where autograd records the reads.
+        if self.query.device.type != "cpu" or self.mask is not None or watched() or not self._buffered():
             return None
-        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
-            return None
-        if (query.dtype if self.scores == "model" else torch.float32) not in NATIVE_DTYPES:
+        if (self.query.dtype if self.scores == "model" else torch.float32) not in NATIVE_DTYPES:
             return None
         from ficoco.methods.reads import native
 
@@ -261,14 +259,14 @@ class ProbedAttention(AttentionReads):
     def _native_columns(self, kernel: Any, rows: Tensor | None, first_row: int) -> Tensor:
         batch, _, k_len = self.shape
         heads = self.query.shape[1]
-        # Double accumulators over the blocks too: the sum of the rule's probabilities, exact to float32.
+        # The kernel adds each call's (each thread's) float32 sums into double accumulators, over the blocks too.
         total = torch.zeros(batch, k_len, dtype=torch.float64)
         threads = torch.get_num_threads()
         for b0, _, _, _, scores, limits, scale in self._score_blocks(rows, first_row):
             n, _, width, keys = scores.shape
             per_row = None if limits is None else limits.unsqueeze(1).expand(n, heads, width).contiguous()
+            function = kernel.ficoco_colsum_bf16 if scores.dtype == torch.bfloat16 else kernel.ficoco_colsum_f32
             for b in range(n):
-                function = kernel.ficoco_colsum_bf16 if scores.dtype == torch.bfloat16 else kernel.ficoco_colsum_f32
                 function(scores[b].data_ptr(), heads * width, keys, scale,
                          None if per_row is None else per_row[b].data_ptr(), total[b0 + b].data_ptr(), threads)
         return total.div_(heads).to(torch.float32)
@@ -328,9 +326,7 @@ class ProbedAttention(AttentionReads):
             if self.causal and self.shape[1] > 1:
                 _, q_len, k_len = self.shape
                 limits = (row_index + (k_len - q_len) + 1).clamp(0, keys).to(torch.int64).contiguous()
-            n, kv_heads, stacked, _ = scores.shape
-            heads = self.query.shape[1]
-            yield (b0, b1, r0, r1, scores.view(n, heads, stacked * kv_heads // heads, keys), limits,
+            yield (b0, b1, r0, r1, scores.view(b1 - b0, self.query.shape[1], r1 - r0, keys), limits,
                    self.scale if self.scores == "model" else 1.0)
 
     def _products(self, rows: Tensor | None, first_row: int, last: int | None = None,  # noqa: ANN202

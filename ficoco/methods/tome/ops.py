@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.methods import ops as method_ops
 from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.ops import compute_dtype, gather_tokens, unit_keys
 from ficoco.methods.tome import ORDER
@@ -127,11 +128,9 @@ def _receivers_only(hidden: Tensor) -> bool:
     (it asks the host which ones), for half-precision tokens (every other token's size-weighted mean, x * s / s in
     float32, rounds back to x exactly there; in float32 it may sit an ulp away), with nothing recording
     gradients or counting ops (which count the dense form)."""
-    from ficoco.methods import ops
-
     return (hidden.device.type == "cpu" and hidden.dtype in (torch.bfloat16, torch.float16)
-            and ops.SPARSE_MERGES_ON_CPU and not (torch.is_grad_enabled() and hidden.requires_grad)
-            and not ops._watched())
+            and method_ops.SPARSE_MERGES_ON_CPU and not (torch.is_grad_enabled() and hidden.requires_grad)
+            and not method_ops.watched())
 
 
 def _merge_at_receivers(hidden: Tensor, size: Tensor, matching: Matching, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
