@@ -600,11 +600,29 @@ def test_a_prediction_prices_the_row_at_each_pass_and_says_how_far_they_spread(m
     rates._run_passes(sorted(rates._work, key=str), 2, allocate=True, warm_up=False)
     moved = predict.row_prediction(load_profile("llava-tiny"), vanilla, quant="fp16", batch=1, text_tokens=12,
                                    dtype=torch.float32, rates=rates)
-    assert moved.total_s == pytest.approx(steady.total_s + (steady.total_s - steady.parts_s["dispatch"]) / 3)
+    # The prediction is the median pass's (the measured prefill is its runs' median): the slow pass moves
+    # it not at all; at the mean rates it would be a third of the rate-bound parts longer.
+    assert moved.total_s == pytest.approx(steady.total_s)
+    assert moved.parts_s == pytest.approx(steady.parts_s)
+    assert moved.at_mean_rates_s == pytest.approx(steady.total_s + (steady.total_s - steady.parts_s["dispatch"]) / 3)
     assert moved.passes_s[1:] == pytest.approx([steady.total_s] * 2)
     assert moved.passes_s[0] == pytest.approx(2 * steady.total_s - steady.parts_s["dispatch"])
     assert moved.spread == pytest.approx((moved.passes_s[0] - steady.total_s) / moved.total_s)
-    assert moved.to_json()["spread"] == moved.spread and len(moved.to_json()["passes_ms"]) == 3
+    as_json = moved.to_json()
+    assert as_json["spread"] == moved.spread and len(as_json["passes_ms"]) == 3
+    assert as_json["prefill_at_mean_rates_ms"] == pytest.approx(moved.at_mean_rates_s * 1e3)
+
+
+def test_a_prediction_at_an_even_number_of_passes_is_the_mean_of_the_two_in_the_middle():
+    one, two, three, four = (predict.Prediction(total, {"linear": total - 1.0, "dispatch": 1.0})
+                             for total in (5.0, 2.0, 9.0, 3.0))
+    at_mean = predict.Prediction(4.5, {"linear": 3.5, "dispatch": 1.0})
+    median = predict.Prediction.at_median_pass([one, two, three, four], at_mean)
+    # Sorted by total 2, 3, 5, 9: the middle two are 3 and 5; their parts are averaged, so the parts still add up.
+    assert median.total_s == pytest.approx(4.0) and median.parts_s == pytest.approx({"linear": 3.0, "dispatch": 1.0})
+    assert median.passes_s == [5.0, 2.0, 9.0, 3.0] and median.at_mean_rates_s == 4.5
+    odd = predict.Prediction.at_median_pass([one, two, three], at_mean)
+    assert odd.total_s == pytest.approx(5.0) and odd.parts_s == pytest.approx(one.parts_s)
 
 
 def test_a_measured_rows_rates_are_probed_before_between_and_after_its_runs():
