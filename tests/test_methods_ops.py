@@ -275,6 +275,26 @@ def test_gather_tokens_and_gather_block_match_advanced_indexing() -> None:
         assert torch.equal(block[b], matrix[b][index[b]][:, cols[b]])
 
 
+def test_one_samples_gathers_take_index_select_and_give_the_same_rows() -> None:
+    """A batch of one copies rows with index_select (faster than advanced indexing on a CPU), also from a strided
+    view (a layer's (B, T, heads, d) queries) and along another dimension (the adapters' masks and rotary)."""
+    from ficoco.models.patching import gather_rows
+
+    gen = _generator(4)
+    queries = torch.randn(1, 3, 9, 4, generator=gen).transpose(1, 2)  # (1, T, heads, d), strided
+    index = torch.tensor([[8, 0, 3, 3]])
+    assert torch.equal(gather_tokens(queries, index), queries[torch.arange(1).unsqueeze(1), index])
+    assert torch.equal(gather_tokens(queries, index)[0], queries[0][index[0]])
+    mask = torch.randn(1, 1, 9, 9, generator=gen)
+    for dim in (2, 3):
+        expected = torch.gather(mask, dim, index.view([1, 1, 1, 1][:dim] + [4] + [1] * (3 - dim))
+                                .expand([1, 1, 9, 9][:dim] + [4] + [9] * (3 - dim)))
+        assert torch.equal(gather_rows(mask, index, dim), expected)
+    # Two samples keep the general path; a batch-1 mask broadcast over them too.
+    two = torch.tensor([[1, 2], [4, 0]])
+    assert torch.equal(gather_rows(mask, two, 2)[1, 0], mask[0, 0][two[1]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compress_under_autograd_gives_the_same_tokens_and_a_gradient(dtype: torch.dtype) -> None:
     # A loss through the merge (labels on a patched model whose weights require grad) records the op.

@@ -82,6 +82,9 @@ def gather_rows(x: Tensor | None, index: Tensor, dim: int) -> Tensor | None:
     if x is None:
         return None
     batch, kept = index.shape
+    if batch == 1 and x.shape[0] == 1 and index.device == x.device:
+        # One sample: index_select copies by strides; gather with an expanded index walks every element.
+        return x.index_select(dim, index[0])
     if x.shape[0] != batch:
         x = x.expand(batch, *x.shape[1:])
     view = [batch] + [1] * (x.dim() - 1)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ficoco.methods.ops import pick_rows as gather_rows
 from ficoco.methods.ops import watched
 from ficoco.methods.reads import (
     DEFAULT_ATTENTION_SCORES,
@@ -74,10 +75,6 @@ def _scratch(name: str, size: int, dtype: torch.dtype, device: torch.device) -> 
     return kept
 
 
-def gather_rows(matrix: Tensor, rows: Tensor) -> Tensor:
-    """``matrix[b, rows[b]]`` for every sample: (B, X, ...) and (B, R) -> (B, R, ...)."""
-    batch = torch.arange(matrix.shape[0], device=rows.device).unsqueeze(1)
-    return matrix[batch, rows]
 
 
 class AttentionReads:
@@ -372,7 +369,11 @@ class ProbedAttention(AttentionReads):
                     row_index = torch.arange(first_row + r0, first_row + r1, device=query.device).expand(n, -1)
                 else:
                     row_index = rows[b0:b1, r0:r1]
-                    picked = gather_rows(query[b0:b1].transpose(1, 2), row_index).transpose(1, 2)
+                    if n == 1 and row_index.device == query.device:
+                        # Picked in (1, H, rows, d) order, so the stacking below is a view, not a copy.
+                        picked = query[b0:b1].index_select(2, row_index[0])
+                    else:
+                        picked = gather_rows(query[b0:b1].transpose(1, 2), row_index).transpose(1, 2)
                 # (n, H_kv, g x rows, d): a key head's query heads stacked, so no key is repeated.
                 stacked = picked.reshape(n, kv_heads, groups * width, dim)
                 if not model_rule:
