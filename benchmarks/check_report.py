@@ -77,6 +77,8 @@ def check(path: str, kind: str, own_work: float | None = None, expect: list[str]
         placed = row.get("memory_per_device") or {}
         expected = sum(d["weights_bytes"] for where, d in placed.items() if where != "disk") if placed \
             else analytic["weight_bytes"]
+        # Decoder layers that share another layer's weights (--distinct-layers) hold none of their own.
+        expected -= (row.get("weights_shared") or {}).get("shared_bytes", 0.0)
         if measured_weights is None or abs(measured_weights / expected - 1) > 0.005:
             bad.append(f"{tag}: weights measured {measured_weights} vs analytic {expected:.0f}"
                        + (" in memory" if placed else "") + " (unquantized weights or a quantization-layout mismatch)")

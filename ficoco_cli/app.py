@@ -391,6 +391,10 @@ def profile_command(
         "--dry-run", help="Print the plan and its time estimate, then exit without building a model.")] = False,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
+    distinct_layers: Annotated[int | None, typer.Option(
+        "--distinct-layers", callback=check.whole_number(1),
+        help="Random weights for this many decoder layers; deeper layers share layer i mod N's, so a decoder "
+             "deeper than memory runs at its full depth and cost (the report says so).")] = None,
 ) -> None:
     """Measure prefill latency, throughput, peak memory and KV cache of vanilla and reduced models."""
     from ficoco.profiling.config import parse_batches
@@ -408,7 +412,7 @@ def profile_command(
         prompt=prompt, overrides=set_values or (), seed=seed, kv_bits=kv_bits,
         image_size=parse_image_size(image_size), frames=frames, dtype=dtype, video=video,
         fidelity=fidelity, device_map=device_map, max_memory=max_memory,
-        hyperparameters=check.method_settings(hp, variants),
+        hyperparameters=check.method_settings(hp, variants), distinct_layers=distinct_layers,
     )
     console = out if json_path != "-" else err
     report = run_and_report(config, json_path, console, wide, dry_run=dry_run)

@@ -186,11 +186,24 @@ def _bits(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits
 
 
+def shared_weight_bytes(arch: Any, distinct_layers: int | None, element_bytes: float) -> float:
+    """Bytes of weights the decoder layers past the first `distinct_layers` do not hold when they share those
+    layers' (unquantized, `element_bytes` each); 0 without sharing."""
+    if not distinct_layers or distinct_layers >= arch.decoder.layers:
+        return 0.0
+    from ficoco.accounting.architecture import decoder_layer_parameters
+
+    return element_bytes * sum(decoder_layer_parameters(arch, layer).total
+                               for layer in range(distinct_layers, arch.decoder.layers))
+
+
 def memory_need_bytes(profile: Profile, rows: Sequence[RowShape], dtype: DtypeChoice, quant: str, *,
                       text_tokens: int | None = None, new_tokens: int = 0, kv_bits: int | None = None,
-                      lm_head_tokens: str = "last", margin_fraction: float = MARGIN_FRACTION) -> dict[str, float]:
+                      lm_head_tokens: str = "last", margin_fraction: float = MARGIN_FRACTION,
+                      distinct_layers: int | None = None) -> dict[str, float]:
     """Bytes one build of `quant` in `dtype` needs while it runs `rows` one after another:
-    weights as stored, the largest row's activations and KV cache, and the margin."""
+    weights as stored, the largest row's activations and KV cache, and the margin. With `distinct_layers`,
+    the decoder layers past them share their weights (models/build.py's share_decoder_layers_) and hold none."""
     if quant not in QUANT_BITS:
         raise FicocoError(f"unknown quant '{quant}': choose from {', '.join(QUANT_BITS)}")
     arch = architecture(profile)
@@ -201,6 +214,7 @@ def memory_need_bytes(profile: Profile, rows: Sequence[RowShape], dtype: DtypeCh
     # Unquantized weights are stored in the compute dtype, except an upcast layout's linears.
     weights = weight_bytes(arch, "all", q, element_bytes=compute_bits / 8, upcast_layers=upcast_layers,
                            upcast_element_bytes=_bits(dtype.storage) / 8)
+    weights -= shared_weight_bytes(arch, distinct_layers, compute_bits / 8)
     d = arch.decoder
     # A build that converts weights (quantizing, or keeping fp32 copies) holds one linear's
     # weight at compute precision beside the model; so does the upcast scratch buffer.

@@ -125,6 +125,27 @@ def _materialize_(model: nn.Module, device: str, filler: _Filler,
             after_module(module_name, module)
 
 
+def share_decoder_layers_(model: nn.Module, distinct: int) -> None:
+    """Give decoder layer i the parameters of layer i mod `distinct` (before they have storage): a decoder deeper
+    than memory holds runs at its full depth, every layer at its exact shapes and cost, with `distinct` layers'
+    weights in memory. Each layer keeps its own modules (its index in the KV cache, its hooks). A layer whose
+    parameters differ in name or shape from the one it would share with (a hybrid decoder's other kind) is
+    refused: give a multiple of the decoder's pattern."""
+    layers = model.get_decoder().layers
+    if not 1 <= distinct <= len(layers):
+        raise FicocoError(f"distinct_layers={distinct}: the decoder has {len(layers)} layers; give 1 to {len(layers)}")
+    for index in range(distinct, len(layers)):
+        own, source = layers[index], layers[index % distinct]
+        theirs = dict(source.named_parameters())
+        if {name: p.shape for name, p in own.named_parameters()} != {name: p.shape for name, p in theirs.items()}:
+            raise FicocoError(f"distinct_layers={distinct}: decoder layer {index} is not shaped like layer "
+                              f"{index % distinct}, whose weights it would share; give a multiple of the decoder's "
+                              "pattern of layer kinds")
+        for name, param in theirs.items():
+            module_name, _, attribute = name.rpartition(".")
+            (own.get_submodule(module_name) if module_name else own)._parameters[attribute] = param
+
+
 def _decoder_linears(model: nn.Module) -> list[list[str]]:
     """Per decoder layer, the names of its plain linear layers."""
     decoder = model.get_decoder()
@@ -241,7 +262,7 @@ def release_device_cache(device: str | torch.device) -> None:
 
 
 def _choose(profile: Profile, dtype: str | torch.dtype | DtypeChoice | None, device: str, quant: str,
-            native: torch.dtype | None, check_memory: bool) -> DtypeChoice:
+            native: torch.dtype | None, check_memory: bool, distinct_layers: int | None = None) -> DtypeChoice:
     if isinstance(dtype, DtypeChoice):
         return dtype
     requested = "auto" if dtype is None else parse_dtype(dtype)
@@ -249,7 +270,8 @@ def _choose(profile: Profile, dtype: str | torch.dtype | DtypeChoice | None, dev
         return choose_dtype(requested, torch.device(device), native=native)
     from ficoco.machine.memory_guard import VanillaRow, resolve_dtype_and_memory
 
-    choice, _ = resolve_dtype_and_memory(profile, [VanillaRow()], requested, device, [quant], native=native)
+    choice, _ = resolve_dtype_and_memory(profile, [VanillaRow()], requested, device, [quant], native=native,
+                                         distinct_layers=distinct_layers)
     return choice
 
 
@@ -258,7 +280,7 @@ def build_model(profile: Profile | str, weights: str = "random", *,
                 overrides: list[str] | dict[str, Any] | None = None, seed: int = 0,
                 attn_implementation: str = "sdpa", quant: str = "fp16", check_memory: bool = True,
                 device_map: str | None = None, max_memory: str | dict | None = None, offload_dir: str | None = None,
-                **load_kwargs: Any) -> nn.Module:
+                distinct_layers: int | None = None, **load_kwargs: Any) -> nn.Module:
     """Build the profile's model.
 
     `weights="random"` builds the exact architecture with a seeded fast fill (real buffers);
@@ -277,6 +299,9 @@ def build_model(profile: Profile | str, weights: str = "random", *,
     Random weights are built in host memory, then dispatched; a checkpoint is loaded into the map by
     from_pretrained (auto, balanced) or loaded in host memory, then dispatched (cpu-offload). The
     memory guard is then skipped: the map is what fits.
+    `distinct_layers` (random weights, unquantized, no map) builds that many decoder layers' weights and lets
+    every deeper layer share those of layer i mod N (`share_decoder_layers_`): a decoder deeper than memory at
+    its full depth and cost.
     """
     from ficoco.models.quantize import QUANTS, bitsandbytes_config, check_quantized, quantizer
 
@@ -306,7 +331,12 @@ def build_model(profile: Profile | str, weights: str = "random", *,
         check_memory = False
     path = Path(weights).expanduser()
     native = checkpoint_dtype(path) if weights != "random" and path.is_dir() else None
-    choice = _choose(profile, dtype, device, quant, native, check_memory)
+    if distinct_layers is not None and (weights != "random" or quant != "fp16" or policy is not None):
+        raise FicocoError("distinct_layers= shares random weights between decoder layers of an unquantized model "
+                          "in one device's memory; drop --weights, --quant or --device-map, or distinct_layers=")
+    choice = _choose(profile, dtype, device, quant, native, check_memory, distinct_layers)
+    if distinct_layers is not None and choice.upcast:
+        raise FicocoError("distinct_layers= and an upcast layout do not mix; give dtype=bf16 or fp16")
     if policy is not None and choice.upcast:
         raise FicocoError("device_map= and an upcast layout do not mix; give dtype=bf16, fp16 or fp32")
     upcast = choice.upcast and quant == "fp16"
@@ -326,6 +356,8 @@ def build_model(profile: Profile | str, weights: str = "random", *,
                 model = AutoModelForImageTextToText.from_config(config, dtype=build_dtype)
             except ValueError as exc:  # a module's constructor refuses the geometry (SiglipAttention's heads)
                 raise FicocoError(_refusal(profile, exc)) from None
+        if distinct_layers is not None:
+            share_decoder_layers_(model, distinct_layers)  # on meta: the shared weights get storage once
         quantize = quantizer(model, quant, compute_dtype=choice.compute)
         _materialize_(model, build_device, _Filler(seed, 0.02), quantize)
         if getattr(model.config, "tie_word_embeddings", False) or getattr(

@@ -52,6 +52,9 @@ class ProfileConfig:
     fidelity: bool = False  # reduced rows against vanilla on the same inputs (profiling/fidelity.py)
     device_map: str | None = None  # auto, balanced, cpu-offload: split through accelerate (models/device_map.py)
     max_memory: str | None = None  # per-device limits of the device map: "cpu=200MiB,cuda:0=20GiB"
+    # Decoder layers with weights of their own; the deeper ones share layer i mod N's (models/build.py): a decoder
+    # deeper than memory at its full depth and cost. None: every layer its own.
+    distinct_layers: int | None = None
     # Method hyperparameters, each to every variant whose method has it ({"contextual_mode": "mean"}: ficoco's
     # corrections of the official code, which every row's method_label then names).
     hyperparameters: dict[str, Any] = field(default_factory=dict)

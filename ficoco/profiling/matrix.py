@@ -174,6 +174,10 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     maps.check_limits(maps.parse_max_memory(config.max_memory))  # refused before anything is planned
     if config.device_map and any(quant != "fp16" for quant in config.quants):
         raise FicocoError("device_map= works with unquantized weights; drop quants= or device_map=")
+    if config.distinct_layers is not None and (config.weights != "random" or config.device_map
+                                               or any(quant != "fp16" for quant in config.quants)):
+        raise FicocoError("distinct_layers= shares random weights between decoder layers of an unquantized model "
+                          "in one device's memory; drop weights=, quants= or device_map=, or distinct_layers=")
     notes: list[str] = []
     device = resolve_device(config.device, notes)
     if config.device_map:
@@ -190,6 +194,8 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
                           "weights= with a local checkpoint folder (its processor lays out the image)")
     set_layout(profile, image_size=config.image_size, frames=config.frames)
     arch = architecture(profile)
+    if config.distinct_layers is not None:
+        check_distinct_layers(arch, config.distinct_layers)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
                         text_tokens=config.text_tokens)
     resolved, skipped = resolve_side_by_side(arch, list(config.variants), opts, config.request, strict=False,
@@ -235,8 +241,42 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
         return plan
     plan.dtype, plan.memory = resolve_dtype_and_memory(
         profile, plan.rows, config.dtype, device, config.quants, native=native,
-        text_tokens=config.text_tokens, new_tokens=config.new_tokens, kv_bits=config.kv_bits)
+        text_tokens=config.text_tokens, new_tokens=config.new_tokens, kv_bits=config.kv_bits,
+        distinct_layers=config.distinct_layers)
+    if config.distinct_layers is not None:
+        if plan.dtype.upcast:
+            raise FicocoError("distinct_layers= and an upcast layout do not mix; give dtype=bf16 or fp16")
+        distinct = min(config.distinct_layers, arch.decoder.layers)
+        notes.append(f"decoder weights shared: {distinct} distinct layer{'s' if distinct != 1 else ''} "
+                     f"over its {arch.decoder.layers} (layer i uses layer i mod {config.distinct_layers}'s), every "
+                     "layer computing at its full shapes; the measured weights are the distinct layers'")
     return plan
+
+
+def weights_shared(plan: Plan, distinct: int) -> dict[str, Any]:
+    """What a row built with `distinct` weighted decoder layers holds less than the analytic weights (the
+    deeper layers share theirs): the report's measured weights are the analytic ones less `shared_bytes`."""
+    from ficoco.machine.memory_guard import shared_weight_bytes
+
+    arch = architecture(plan.profile)
+    compute_bits = torch.finfo(plan.dtype.compute).bits if plan.dtype is not None else 16
+    return {"distinct_layers": min(distinct, arch.decoder.layers), "layers": arch.decoder.layers,
+            "shared_bytes": shared_weight_bytes(arch, distinct, compute_bits / 8)}
+
+
+def check_distinct_layers(arch: Any, distinct: int) -> None:
+    """Refuse a `distinct_layers` outside 1..layers, or one that would make layers of different kinds share
+    weights (a hybrid decoder's pattern), before anything is built."""
+    from ficoco.accounting.architecture import decoder_layer_parameters
+
+    layers = arch.decoder.layers
+    if not 1 <= distinct <= layers:
+        raise FicocoError(f"distinct_layers={distinct}: the decoder has {layers} layers; give 1 to {layers}")
+    for layer in range(distinct, layers):
+        if decoder_layer_parameters(arch, layer) != decoder_layer_parameters(arch, layer % distinct):
+            raise FicocoError(f"distinct_layers={distinct}: decoder layer {layer} is not shaped like layer "
+                              f"{layer % distinct}, whose weights it would share; give a multiple of the decoder's "
+                              "pattern of layer kinds")
 
 
 def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardware | None,
@@ -521,7 +561,8 @@ def build_for(config: ProfileConfig, plan: Plan, quant: str) -> Any:
     return build_model(plan.profile if config.weights == "random" else config.model, config.weights,
                        dtype=plan.dtype if plan.dtype is not None else config.dtype, device=str(plan.device),
                        seed=config.seed, quant=quant, check_memory=plan.dtype is None,
-                       device_map=config.device_map, max_memory=config.max_memory)
+                       device_map=config.device_map, max_memory=config.max_memory,
+                       distinct_layers=config.distinct_layers)
 
 
 def _failure_status(exc: BaseException) -> str:
@@ -593,6 +634,8 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
             rates = new_rates(plan, config, model)
             base = _row_base(plan, config, row, {"compute_dtype": dtype, **info}, rates)
             base["weight_bytes"] = weights_measured
+            if config.distinct_layers is not None:
+                base["weights_shared"] = weights_shared(plan, config.distinct_layers)
 
             def on_run(step: str, k: int, n: int, seconds: float | None, index: int = index) -> None:
                 tell(Phase(index, step, k, n, seconds))

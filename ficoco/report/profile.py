@@ -73,13 +73,16 @@ def profile_config(model: str, variants: str | Sequence[str] = "v", *, request: 
                    video: str | None = None, fidelity: bool = False, overrides: Sequence[str] = (), seed: int = 0,
                    image_size: tuple[int, int] | None = None, frames: int | None = None, dtype: Any = "auto",
                    device_map: str | None = None, max_memory: str | None = None,
-                   hyperparameters: Mapping[str, Any] | None = None) -> ProfileConfig:
+                   hyperparameters: Mapping[str, Any] | None = None, distinct_layers: int | None = None
+                   ) -> ProfileConfig:
     """The `ProfileConfig` of a run from its keyword spelling (what `ficoco.profile(model, ...)` and
     `ficoco profile` take): `variants` and `quants` as "a,b" or a list, `batches` as one size or
     several, `reference` adds the vanilla rows (default True), `dtype` as a name or a torch dtype.
     The schedule is `request` (a `ScheduleRequest`) or its keywords `keep`, `preset`, `tflops`,
     `schedule`, `shape`, `first_layer` (not both). `hyperparameters` go to every variant whose method
-    has them ({"contextual_mode": "mean"}: one of ficoco's corrections, which each row's method_label names)."""
+    has them ({"contextual_mode": "mean"}: one of ficoco's corrections, which each row's method_label names).
+    `distinct_layers`: that many decoder layers hold weights, the deeper ones share layer i mod N's (a decoder
+    deeper than memory at its full depth and cost)."""
     from ficoco.accounting.request import ScheduleRequest
     from ficoco.machine.dtype_choice import parse_dtype
     from ficoco.profiling.config import ProfileConfig
@@ -97,7 +100,7 @@ def profile_config(model: str, variants: str | Sequence[str] = "v", *, request: 
         prompt=prompt, overrides=tuple(overrides), seed=seed, kv_bits=kv_bits,
         image_size=image_size, frames=frames, dtype=parse_dtype(dtype), video=video,
         fidelity=fidelity, device_map=device_map, max_memory=max_memory,
-        hyperparameters=dict(hyperparameters or {}),
+        hyperparameters=dict(hyperparameters or {}), distinct_layers=distinct_layers,
     )
 
 
