@@ -60,11 +60,32 @@ static inline float exp_nonpositive(float x) {
     return x < -104.0f ? 0.0f : value;
 }
 
-/* The probabilities of one row into `x` (the first `limit` keys; `round` nonzero: bfloat16 roundings). */
-static inline void softmax_row(float *restrict x, int64_t limit, int round) {
+/* A row's scaled scores into `x` (bfloat16 ones rounded again after the scale, as the model's product is), and
+   their largest: one pass. */
+static inline float scaled_bf16(const uint16_t *restrict s, int64_t limit, float scale, float *restrict x) {
     float top = -INFINITY;
 #pragma omp simd reduction(max : top)
-    for (int64_t j = 0; j < limit; j++) top = x[j] > top ? x[j] : top;
+    for (int64_t j = 0; j < limit; j++) {
+        float v = round_bf16(bf16_to_f32(s[j]) * scale);
+        x[j] = v;
+        top = v > top ? v : top;
+    }
+    return top;
+}
+
+static inline float scaled_f32(const float *restrict s, int64_t limit, float scale, float *restrict x) {
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < limit; j++) {
+        float v = s[j] * scale;
+        x[j] = v;
+        top = v > top ? v : top;
+    }
+    return top;
+}
+
+/* exp(x - top) into `x`, and 1 / their sum: the softmax's numerators and its normaliser (float32). */
+static inline float exponentials(float *restrict x, int64_t limit, float top) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < limit; j++) {
@@ -72,24 +93,26 @@ static inline void softmax_row(float *restrict x, int64_t limit, int round) {
         x[j] = e;
         sum += e;
     }
-    float inverse = 1.0f / sum;
+    return 1.0f / sum;
+}
+
+/* total[j] += p[j] = x[j] * inverse (rounded to bfloat16 with `round`): the probabilities go straight into the
+   statistic, in the same order of operations as a pass that stores them first. */
+static inline void add_probabilities(const float *restrict x, int64_t limit, float inverse, int round,
+                                     float *restrict total) {
     if (round) {
 #pragma omp simd
-        for (int64_t j = 0; j < limit; j++) x[j] = round_bf16(x[j] * inverse);
+        for (int64_t j = 0; j < limit; j++) total[j] += round_bf16(x[j] * inverse);
     } else {
 #pragma omp simd
-        for (int64_t j = 0; j < limit; j++) x[j] = x[j] * inverse;
+        for (int64_t j = 0; j < limit; j++) total[j] += x[j] * inverse;
     }
 }
 
-static inline void scaled_bf16(const uint16_t *restrict s, int64_t limit, float scale, float *restrict x) {
-#pragma omp simd
-    for (int64_t j = 0; j < limit; j++) x[j] = round_bf16(bf16_to_f32(s[j]) * scale);
-}
-
-static inline void scaled_f32(const float *restrict s, int64_t limit, float scale, float *restrict x) {
-#pragma omp simd
-    for (int64_t j = 0; j < limit; j++) x[j] = s[j] * scale;
+/* The scaled row at `offset` of the block into `x` (its first `limit` keys) and its largest score. */
+static inline float load_row(const void *scores, int bf16, int64_t offset, int64_t limit, float scale, float *x) {
+    return bf16 ? scaled_bf16((const uint16_t *)scores + offset, limit, scale, x)
+                : scaled_f32((const float *)scores + offset, limit, scale, x);
 }
 
 /* Row r of a block of `rows` rows of `keys` scores sees keys [0, limit): limits[r] where given, else all. */
@@ -112,11 +135,8 @@ static void colsum(const void *scores, int bf16, int64_t rows, int64_t keys, flo
         for (int64_t r = 0; r < rows; r++) {
             int64_t limit = row_limit(limits, r, keys);
             if (limit == 0) continue;  /* no visible key: the masked softmax's NaN row, read as zeros */
-            if (bf16) scaled_bf16((const uint16_t *)scores + r * keys, limit, scale, x);
-            else scaled_f32((const float *)scores + r * keys, limit, scale, x);
-            softmax_row(x, limit, round);
-#pragma omp simd
-            for (int64_t j = 0; j < limit; j++) partial[j] += x[j];
+            float top = load_row(scores, bf16, r * keys, limit, scale, x);
+            add_probabilities(x, limit, exponentials(x, limit, top), round, partial);
         }
 #pragma omp critical
         for (int64_t j = 0; j < keys; j++) columns[j] += (double)partial[j];
@@ -140,11 +160,8 @@ static void rowsum(const void *scores, int bf16, int64_t batch, int64_t heads, i
             float *target = out + bw * keys;
             for (int64_t h = 0; h < heads && limit > 0; h++) {
                 int64_t offset = ((b * heads + h) * width + w) * keys;
-                if (bf16) scaled_bf16((const uint16_t *)scores + offset, limit, scale, x);
-                else scaled_f32((const float *)scores + offset, limit, scale, x);
-                softmax_row(x, limit, round);
-#pragma omp simd
-                for (int64_t j = 0; j < limit; j++) target[j] += x[j];
+                float top = load_row(scores, bf16, offset, limit, scale, x);
+                add_probabilities(x, limit, exponentials(x, limit, top), round, target);
             }
         }
         free(x);
