@@ -528,6 +528,8 @@ def profile_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
         "hp": hp_option(),
         "seed": number("--seed", floats=False, low=0, high=2**32 - 1),
         "device-map": choice("--device-map", ["auto", "balanced", "cpu-offload"]),
+        # Past the decoder's layers, or with --quant/--weights/--device-map, refused in one line.
+        "distinct-layers": counts("--distinct-layers", cheap=1),
         "max-memory": mostly(st.sampled_from(["cpu=900KiB", "cpu=1GiB", "cpu=2MB"]).map(
                                  lambda v: option("--max-memory", v)),
                              st.sampled_from(["cpu=lots", "gpu7=1GiB", "cpu", "cuda:3=1GiB", "=1GiB"]).map(
