@@ -333,7 +333,7 @@ def build_model(profile: Profile | str, weights: str = "random", *,
     native = checkpoint_dtype(path) if weights != "random" and path.is_dir() else None
     if distinct_layers is not None and (weights != "random" or quant != "fp16" or policy is not None):
         raise FicocoError("distinct_layers= shares random weights between decoder layers of an unquantized model "
-                          "in one device's memory; drop --weights, --quant or --device-map, or distinct_layers=")
+                          "in one device's memory; drop weights=, quant= or device_map=, or distinct_layers=")
     choice = _choose(profile, dtype, device, quant, native, check_memory, distinct_layers)
     if distinct_layers is not None and choice.upcast:
         raise FicocoError("distinct_layers= and an upcast layout do not mix; give dtype=bf16 or fp16")
