@@ -625,17 +625,29 @@ def test_a_prediction_at_an_even_number_of_passes_is_the_mean_of_the_two_in_the_
     assert odd.total_s == pytest.approx(5.0) and odd.parts_s == pytest.approx(one.parts_s)
 
 
-def test_a_measured_rows_rates_are_probed_before_between_and_after_its_runs():
+@pytest.mark.parametrize(("warmup", "passes"), [(1, 1 + 2 + predict.PASSES), (0, predict.PASSES + 2 + predict.PASSES)])
+def test_a_measured_rows_rates_are_probed_before_between_and_after_its_runs(monkeypatch, warmup, passes):
     from ficoco.profiling.matrix import run_profile
 
-    config = ProfileConfig(model="llava-tiny", variants=("vanilla",), device="cpu", dtype="fp32", warmup=1, repeat=2,
-                           text_tokens=12)
+    order: list[str] = []
+    original = predict.MeasuredRates._run_passes
+
+    def recorded(self, keys, count, *, allocate, warm_up):
+        order.append(f"{count} pass{'es' if count > 1 else ''}")
+        return original(self, keys, count, allocate=allocate, warm_up=warm_up)
+
+    monkeypatch.setattr(predict.MeasuredRates, "_run_passes", recorded)
+    config = ProfileConfig(model="llava-tiny", variants=("vanilla",), device="cpu", dtype="fp32", warmup=warmup,
+                           repeat=2, text_tokens=12)
     rows: list[dict[str, Any]] = []
     run_profile(config, plan_run(config), rows.append)
     (row,) = rows
     assert row["status"] == "ok"
-    # PASSES before, one after each of the 2 timed runs, PASSES after.
-    assert len(row["predicted"]["passes_ms"]) == 2 * predict.PASSES + 2
+    # With a warm-up: the passes before it are dropped once it has run, and one pass is made then (they met the
+    # process before the row's first forward); one after each of the 2 timed runs; PASSES after. Without a
+    # warm-up the passes before the first timed run stay.
+    assert order[0] == f"{predict.PASSES} passes" and order[-1] == f"{predict.PASSES} passes"
+    assert len(row["predicted"]["passes_ms"]) == passes
     assert row["predicted_ms"] == pytest.approx(row["predicted"]["prefill_ms"]) and row["predicted_ms"] > 0
 
 

@@ -450,6 +450,9 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
 
     def on_prefill_run(phase: str, k: int, n: int, seconds: float | None) -> None:
         if seconds is None:
+            if phase == "timed run" and k == 1 and step.get("now") == "warm-up" and rates is not None:
+                # The rates from here on meet the process as the timed runs do, after the warm-up.
+                rates.after_warm_up()
             step["now"] = phase
         if on_run:
             on_run(phase, k, n, seconds)

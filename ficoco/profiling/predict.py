@@ -26,9 +26,10 @@ same weights, and an upcast layout converts the same weights whatever the tokens
               + dispatch: small ops per forward and per layer at the measured small-op time
 
 Every rate a row needs is measured for that row (`MeasuredRates`: its shapes timed in round-robin
-passes before its runs, between them and after them, at the mean time of each), so that the prediction
-reads the machine over the same minutes as the measurement, and the row is priced at each pass and predicted at
-their median, as its measured prefill is its runs' median; no model is built for it. A test gives
+passes before its runs (dropped once its warm-up has run), between them and after them, at the mean time of
+each), so that the prediction reads the machine over the same minutes as the measurement, and the row is priced
+at each pass and predicted at their median, as its measured prefill is its runs' median; no model is built for
+it. A test gives
 `TableRates` instead, whose fixed rates make the time exact.
 """
 
@@ -515,6 +516,16 @@ class MeasuredRates:
         if self._work:
             allocate = passes > 1
             self._run_passes(sorted(self._work, key=str), passes, allocate=allocate, warm_up=allocate)
+
+    def after_warm_up(self) -> None:
+        """Drop the passes made before the row's warm-up and make one now (on the model's own weights: no new
+        memory while the row's peak is measured). Those passes met the process before the row's first forward
+        had run (its allocations, the pages it faults in): on the first row after a build their prefill came
+        out 1.4-2x the later passes' (Qwen3-VL-8B's vanilla: 17.6, 12.4, 12.8 s, then 7.9-8.7 s, while its
+        timed runs took 8.3-9.1 s). The shapes this pass cannot time take the passes after the runs."""
+        if self._passes:
+            self._passes.clear()
+            self.sample()
 
     def _rate(self, key: Key, passes: list[dict[Key, float]] | None = None) -> float:
         times = [seconds[key] for seconds in (passes or self._passes) if key in seconds]
