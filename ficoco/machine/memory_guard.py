@@ -197,6 +197,26 @@ def shared_weight_bytes(arch: Any, distinct_layers: int | None, element_bytes: f
                                for layer in range(distinct_layers, arch.decoder.layers))
 
 
+def check_distinct_layers(arch: Any, distinct: int, *, weights: str = "random", quants: Sequence[str] = ("fp16",),
+                          device_map: str | None = None) -> None:
+    """Refuse a `distinct_layers` the build cannot honour, before anything is built: another source than random
+    weights, quantized weights, a device map, a count outside 1..layers, or one that would make layers of
+    different kinds share weights (a hybrid decoder's pattern)."""
+    if weights != "random" or device_map or any(quant != "fp16" for quant in quants):
+        raise FicocoError("distinct_layers= shares random weights between decoder layers of an unquantized model "
+                          "in one device's memory; drop weights=, quants= or device_map=, or distinct_layers=")
+    from ficoco.accounting.architecture import decoder_layer_parameters
+
+    layers = arch.decoder.layers
+    if not 1 <= distinct <= layers:
+        raise FicocoError(f"distinct_layers={distinct}: the decoder has {layers} layers; give 1 to {layers}")
+    for layer in range(distinct, layers):
+        if decoder_layer_parameters(arch, layer) != decoder_layer_parameters(arch, layer % distinct):
+            raise FicocoError(f"distinct_layers={distinct}: decoder layer {layer} is not shaped like layer "
+                              f"{layer % distinct}, whose weights it would share; give a multiple of the decoder's "
+                              "pattern of layer kinds")
+
+
 def memory_need_bytes(profile: Profile, rows: Sequence[RowShape], dtype: DtypeChoice, quant: str, *,
                       text_tokens: int | None = None, new_tokens: int = 0, kv_bits: int | None = None,
                       lm_head_tokens: str = "last", margin_fraction: float = MARGIN_FRACTION,

@@ -132,8 +132,6 @@ def share_decoder_layers_(model: nn.Module, distinct: int) -> None:
     parameters differ in name or shape from the one it would share with (a hybrid decoder's other kind) is
     refused: give a multiple of the decoder's pattern."""
     layers = model.get_decoder().layers
-    if not 1 <= distinct <= len(layers):
-        raise FicocoError(f"distinct_layers={distinct}: the decoder has {len(layers)} layers; give 1 to {len(layers)}")
     for index in range(distinct, len(layers)):
         own, source = layers[index], layers[index % distinct]
         theirs = dict(source.named_parameters())
@@ -331,9 +329,12 @@ def build_model(profile: Profile | str, weights: str = "random", *,
         check_memory = False
     path = Path(weights).expanduser()
     native = checkpoint_dtype(path) if weights != "random" and path.is_dir() else None
-    if distinct_layers is not None and (weights != "random" or quant != "fp16" or policy is not None):
-        raise FicocoError("distinct_layers= shares random weights between decoder layers of an unquantized model "
-                          "in one device's memory; drop weights=, quant= or device_map=, or distinct_layers=")
+    if distinct_layers is not None:
+        from ficoco.accounting import architecture
+        from ficoco.machine.memory_guard import check_distinct_layers
+
+        check_distinct_layers(architecture(profile), distinct_layers, weights=weights, quants=(quant,),
+                              device_map=policy)
     choice = _choose(profile, dtype, device, quant, native, check_memory, distinct_layers)
     if distinct_layers is not None and choice.upcast:
         raise FicocoError("distinct_layers= and an upcast layout do not mix; give dtype=bf16 or fp16")

@@ -174,10 +174,6 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     maps.check_limits(maps.parse_max_memory(config.max_memory))  # refused before anything is planned
     if config.device_map and any(quant != "fp16" for quant in config.quants):
         raise FicocoError("device_map= works with unquantized weights; drop quants= or device_map=")
-    if config.distinct_layers is not None and (config.weights != "random" or config.device_map
-                                               or any(quant != "fp16" for quant in config.quants)):
-        raise FicocoError("distinct_layers= shares random weights between decoder layers of an unquantized model "
-                          "in one device's memory; drop weights=, quants= or device_map=, or distinct_layers=")
     notes: list[str] = []
     device = resolve_device(config.device, notes)
     if config.device_map:
@@ -195,7 +191,10 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     set_layout(profile, image_size=config.image_size, frames=config.frames)
     arch = architecture(profile)
     if config.distinct_layers is not None:
-        check_distinct_layers(arch, config.distinct_layers)
+        from ficoco.machine.memory_guard import check_distinct_layers
+
+        check_distinct_layers(arch, config.distinct_layers, weights=config.weights, quants=config.quants,
+                              device_map=config.device_map)
     opts = CountOptions(convention=config.convention, scope=config.scope, equivalent=config.equivalent,
                         text_tokens=config.text_tokens)
     resolved, skipped = resolve_side_by_side(arch, list(config.variants), opts, config.request, strict=False,
@@ -246,7 +245,7 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     if config.distinct_layers is not None:
         if plan.dtype.upcast:
             raise FicocoError("distinct_layers= and an upcast layout do not mix; give dtype=bf16 or fp16")
-        distinct = min(config.distinct_layers, arch.decoder.layers)
+        distinct = config.distinct_layers
         notes.append(f"decoder weights shared: {distinct} distinct layer{'s' if distinct != 1 else ''} "
                      f"over its {arch.decoder.layers} (layer i uses layer i mod {config.distinct_layers}'s), every "
                      "layer computing at its full shapes; the measured weights are the distinct layers'")
@@ -260,23 +259,8 @@ def weights_shared(plan: Plan, distinct: int) -> dict[str, Any]:
 
     arch = architecture(plan.profile)
     compute_bits = torch.finfo(plan.dtype.compute).bits if plan.dtype is not None else 16
-    return {"distinct_layers": min(distinct, arch.decoder.layers), "layers": arch.decoder.layers,
+    return {"distinct_layers": distinct, "layers": arch.decoder.layers,
             "shared_bytes": shared_weight_bytes(arch, distinct, compute_bits / 8)}
-
-
-def check_distinct_layers(arch: Any, distinct: int) -> None:
-    """Refuse a `distinct_layers` outside 1..layers, or one that would make layers of different kinds share
-    weights (a hybrid decoder's pattern), before anything is built."""
-    from ficoco.accounting.architecture import decoder_layer_parameters
-
-    layers = arch.decoder.layers
-    if not 1 <= distinct <= layers:
-        raise FicocoError(f"distinct_layers={distinct}: the decoder has {layers} layers; give 1 to {layers}")
-    for layer in range(distinct, layers):
-        if decoder_layer_parameters(arch, layer) != decoder_layer_parameters(arch, layer % distinct):
-            raise FicocoError(f"distinct_layers={distinct}: decoder layer {layer} is not shaped like layer "
-                              f"{layer % distinct}, whose weights it would share; give a multiple of the decoder's "
-                              "pattern of layer kinds")
 
 
 def analytic(profile: Profile, row: RowSpec, config: ProfileConfig, gpu: Hardware | None,
@@ -629,6 +613,7 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
         info = getattr(model, "_ficoco_quant", {})
         dtype = str(next(p for p in model.parameters() if p.is_floating_point()).dtype).removeprefix("torch.")
         weights_measured = model_weight_bytes(model)
+        shared = weights_shared(plan, config.distinct_layers) if config.distinct_layers is not None else None
         for index, row in rows:
             begin = time.perf_counter()
             if on_start:
@@ -637,8 +622,8 @@ def run_profile(config: ProfileConfig, plan: Plan, on_row: Callable[[dict[str, A
             rates = new_rates(plan, config, model)
             base = _row_base(plan, config, row, {"compute_dtype": dtype, **info}, rates)
             base["weight_bytes"] = weights_measured
-            if config.distinct_layers is not None:
-                base["weights_shared"] = weights_shared(plan, config.distinct_layers)
+            if shared is not None:
+                base["weights_shared"] = shared
 
             def on_run(step: str, k: int, n: int, seconds: float | None, index: int = index) -> None:
                 tell(Phase(index, step, k, n, seconds))

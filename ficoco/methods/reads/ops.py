@@ -75,8 +75,6 @@ def _scratch(name: str, size: int, dtype: torch.dtype, device: torch.device) -> 
     return kept
 
 
-
-
 class AttentionReads:
     """A layer's head-mean attention probabilities, (B, Tq, Tk), as a method reads them.
 
