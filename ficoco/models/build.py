@@ -251,10 +251,14 @@ def checkpoint_dtype(path: Path) -> torch.dtype | None:
 
 
 def release_device_cache(device: str | torch.device) -> None:
-    """Collect garbage and return cached blocks to the GPU, so the next peak starts clean."""
+    """Collect garbage and return cached blocks to the GPU and the host heap's free pages to the system
+    (machine/host_runtime.py keeps them within a row), so the next peak starts clean."""
     import gc
 
+    from ficoco.machine.host_runtime import release_host_memory
+
     gc.collect()
+    release_host_memory()
     if torch.device(device).type == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -13,6 +13,7 @@ import torch
 
 import ficoco
 from ficoco import testing_hooks
+from ficoco.machine.host_runtime import host_runtime
 from ficoco.versions import environment_versions
 
 
@@ -102,6 +103,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cpu_isa_overrides": isa_overrides(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        # oneDNN's primitive cache and glibc's thresholds, set before the first matmul (machine/host_runtime.py).
+        "host_runtime": host_runtime(),
         "git_commit": git_commit(),
     }
     if testing_hooks.active():

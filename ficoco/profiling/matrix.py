@@ -23,6 +23,7 @@ from ficoco.accounting.memory import KV_QUANT_BITS, QUANT_BITS, Quant, linear_st
 from ficoco.accounting.memory import cache_bytes as analytic_cache_bytes
 from ficoco.errors import FicocoError
 from ficoco.machine.dtype_choice import DtypeChoice, row_dtypes
+from ficoco.machine.host_runtime import steady_host_runtime
 from ficoco.methods.registry import method_label
 from ficoco.models import hf_compat as hf
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
@@ -139,6 +140,8 @@ def gpu_profile_for(device_name: str) -> Hardware | None:
 def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
     """Validate the configuration and resolve every row's schedule (no model is built). `prompt`
     is the real prompt `real_inputs.resolve_prompt` laid out (its layout is already in `config`)."""
+    # Before the process's first matmul (the dtype choice's below): oneDNN reads its cache size once.
+    steady_host_runtime()
     if config.repeat is not None and config.repeat < 1:
         raise FicocoError(f"repeat={config.repeat}: at least one measured run is needed")
     if config.warmup is not None and config.warmup < 0:
