@@ -13,7 +13,7 @@ from ficoco.accounting.flops import model_ops
 from ficoco.accounting.schedule import plan_tokens
 from ficoco.profiles import load_profile
 from ficoco.profiling import predict
-from ficoco.profiling.predict import KERNELS, TableRates, predict_prefill, rate_probe_shapes
+from ficoco.profiling.predict import KERNELS, MeasuredRates, TableRates, predict_prefill, rate_probe_shapes
 
 TEXT = 12
 VANILLA = Schedule("vanilla", ())
@@ -56,20 +56,62 @@ def test_a_sparse_layers_experts_are_priced_at_the_grouped_matmul_rate_of_their_
     assert memory == pytest.approx(_memory_bytes(ops) / 1e9, rel=1e-9)
 
 
-def test_the_probe_times_the_experts_rows_split_over_every_expert_at_each_matrix():
+def test_the_probe_times_an_experts_matmul_at_each_row_count_the_even_split_gives_before_a_row_has_run():
     arch = architecture(load_profile("qwen3-vl-moe-tiny"))
     d, moe = arch.decoder, arch.decoder.moe
     tokens = plan_tokens(arch, VANILLA, text_tokens=TEXT).llm[0][0]
     rows = tokens * moe.top_k
     shapes = rate_probe_shapes(arch, VANILLA, text_tokens=TEXT)
     grouped = {key: flops for key, flops in shapes.kernels.items() if key[0] == "grouped_mm"}
-    assert grouped == {("grouped_mm", rows, moe.experts, d.hidden, 2 * moe.ffn): 2 * rows * d.hidden * 2 * moe.ffn,
-                       ("grouped_mm", rows, moe.experts, moe.ffn, d.hidden): 2 * rows * moe.ffn * d.hidden}
+    counts = set(predict.even_loads(rows, moe.experts))
+    # One key per row count an expert takes, at each matrix; its work the call's: that many rows on every expert.
+    groups = {n: predict.expert_probe_groups(n, moe.experts) for n in counts}
+    assert grouped == {**{("grouped_mm", n, moe.experts, d.hidden, 2 * moe.ffn): 2 * n * groups[n] * d.hidden
+                          * 2 * moe.ffn for n in counts},
+                       **{("grouped_mm", n, moe.experts, moe.ffn, d.hidden): 2 * n * groups[n] * moe.ffn * d.hidden
+                          for n in counts}}
     # Neither matrix is a plain linear shape any more; the dense layer's FFN still is.
     assert (rows, d.hidden, 2 * moe.ffn) not in shapes.linear and (tokens, d.hidden, d.ffn) in shapes.linear
     # The weight a probe borrows from the model between runs: all experts' (out, in) matrices.
     assert predict._weight_values(("grouped_mm", rows, moe.experts, d.hidden, 2 * moe.ffn)) == (
         moe.experts * 2 * moe.ffn * d.hidden)
+
+
+def test_a_probe_call_runs_few_experts_at_many_rows_and_every_expert_at_few():
+    assert predict.expert_probe_groups(1, 128) == 128
+    assert predict.expert_probe_groups(37, 128) == 110  # 4,070 rows
+    assert predict.expert_probe_groups(636, 128) == 6
+    assert predict.expert_probe_groups(10_000, 128) == 1
+    weight = torch.randn(8 * 16 * 4)
+    rates = MeasuredRates("float32")
+    call = predict._grouped_mm_call(rates, (3, 8, 4, 16), weight)
+    assert call().shape == (3 * 8, 16)
+
+
+def test_each_expert_is_priced_at_the_rows_it_took_in_the_row():
+    """A layer whose experts took uneven rows costs each expert's matmul at its own count (the loads the row
+    ran, profiling/experts.py); loads that do not add up to the layer's rows leave it at the even split."""
+    arch = architecture(load_profile("qwen3-vl-moe-tiny"))
+    moe = arch.decoder.moe
+    ops = _ops(arch)
+    experts = [op for op in ops if op.name in ("experts_gate_up", "experts_down")]
+    rows = predict._linear_shape(arch, experts[0])[0]
+    # Rates that depend on the rows an expert takes: 1 GFLOP/s at one row, 100 at 64 and more.
+    table = TableRates(dtype="bfloat16", flops_per_s_by_tokens={1: FREE}, bandwidth_bytes_per_s=FREE,
+                       kernels_by_tokens={"grouped_mm": {1: 1e9, 64: 1e11}})
+    skewed = [rows - (moe.experts - 1)] + [1] * (moe.experts - 1)  # one expert takes nearly all
+    loads = {layer: skewed for layer in moe.layers}
+    priced = predict_prefill(arch, VANILLA, table, text_tokens=TEXT, expert_loads=loads).parts_s["linear"]
+    expected = 0.0
+    for op in experts:
+        _, inner, outer = predict._linear_shape(arch, op)
+        expected += sum(2 * n * inner * outer / (1e11 if n >= 33 else 1e9) for n in skewed)
+    assert priced == pytest.approx(expected, rel=1e-9)
+    even = predict_prefill(arch, VANILLA, table, text_tokens=TEXT).parts_s["linear"]
+    assert even != pytest.approx(priced)
+    wrong = {layer: [1] * moe.experts for layer in moe.layers}  # not the layer's rows
+    assert predict_prefill(arch, VANILLA, table, text_tokens=TEXT, expert_loads=wrong).parts_s["linear"] == (
+        pytest.approx(even, rel=1e-12))
 
 
 def test_a_deltanet_layer_is_priced_at_its_delta_rule_and_convolution_rates():

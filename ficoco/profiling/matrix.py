@@ -29,6 +29,7 @@ from ficoco.models import hf_compat as hf
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
 from ficoco.profiling.config import ProfileConfig
 from ficoco.profiling.decode import DecodeRun, decode_metrics, timed_generate
+from ficoco.profiling.experts import loads_by_layer
 from ficoco.profiling.predict import PASSES, model_weights, rates_for, row_prediction
 from ficoco.profiling.rows import FidelityRecord, GenerationRecord, MeasuredRow, MemoryRecord, PrefillRecord
 from ficoco.profiling.runs import choose_runs, max_runs
@@ -409,6 +410,7 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
                     ) -> tuple[PrefillRecord, MemoryRecord, Callable[[float], tuple[int, int]] | None]:
     """The timed prefill of `run`'s row and its memory: peak, KV cache after it, per device under a
     map. Returns the records and the time rule that chose the runs (the generation reuses it)."""
+    from ficoco.profiling.experts import ExpertLoads
     from ficoco.profiling.kernels import KernelRecorder
 
     handle, last, model = run.handle, run.last, run.model
@@ -416,6 +418,8 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
     probe_ms: list[float] = []
     # Which attention kernel every layer runs: recorded in the row's first warm-up, never in a timed run.
     kernels = KernelRecorder.for_model(model)
+    # And how many rows each expert of a sparse layer took, in the same forward (the prediction prices them).
+    loads = ExpertLoads.for_model(model)
     step: dict[str, str] = {}
 
     def forward() -> Any:
@@ -428,7 +432,7 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
         # sit in this run's peak memory.
         last.pop("cache", None)
         if step.get("now") == "warm-up" and not kernels.recorded:
-            with kernels.recording():
+            with kernels.recording(), loads.recording():
                 out = forward()
         else:
             out = forward()
@@ -467,29 +471,32 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
     del cache
     # Read before the kernel record's extra forward (where it runs), which measures nothing.
     measured_tokens = handle.measured_tokens_per_item if handle is not None else None
-    attention_kernels = _recorded_kernels(kernels, forward, on_run)
+    attention_kernels = _recorded_kernels(kernels, loads, forward, on_run)
     prefill_record = PrefillRecord(
         latency=latency, runs=_runs_json(latency, run.plan), batch=run.row.batch,
         reduction_stages_ms=statistics.median(reduction_ms) if reduction_ms else 0.0,
         probe_ms=statistics.median(probe_ms) if probe_ms else 0.0,
         # What every image (crop, frame) handed the LLM in the prefill, as it ran: a method acting
         # before the LLM with an adaptive count (PruMerge+) plans an assumed count, this is the real one.
-        visual_tokens_per_item_measured=measured_tokens, attention_kernels=attention_kernels)
+        visual_tokens_per_item_measured=measured_tokens, attention_kernels=attention_kernels,
+        expert_loads=loads.to_json())
     return prefill_record, memory, choose
 
 
 KERNEL_RECORD_STEP = "kernel record"
 
 
-def _recorded_kernels(kernels: Any, forward: Callable[[], Any], on_run: RunHook | None) -> dict[str, Any]:
-    """The row's attention kernels per stage (profiling/kernels.py): from its first warm-up, else from one
-    extra forward now, after its timed runs and outside its memory reading (a row without warm-up keeps
-    its timed runs as they were asked for: the first one cold)."""
+def _recorded_kernels(kernels: Any, loads: Any, forward: Callable[[], Any], on_run: RunHook | None
+                      ) -> dict[str, Any]:
+    """The row's attention kernels per stage (profiling/kernels.py) and its experts' loads
+    (profiling/experts.py): from its first warm-up, else from one extra forward now, after its timed runs and
+    outside its memory reading (a row without warm-up keeps its timed runs as they were asked for: the first
+    one cold)."""
     if not kernels.recorded:
         if on_run:
             on_run(KERNEL_RECORD_STEP, 1, 1, None)
         begin = time.perf_counter()
-        with kernels.recording():
+        with kernels.recording(), loads.recording():
             forward()
         if on_run:
             on_run(KERNEL_RECORD_STEP, 1, 1, time.perf_counter() - begin)
@@ -656,7 +663,8 @@ def measured_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan, ba
     result, ran = _at_measured_count(result, row, config, plan)
     if rates is not None:
         rates.sample(passes=PASSES)
-        result |= predicted(plan, config, ran, rates)
+        # Its sparse layers' experts at the loads the row ran (profiling/experts.py).
+        result |= predicted(plan, config, ran, rates, expert_loads=loads_by_layer(result.get("expert_loads")))
     return result
 
 
@@ -776,7 +784,8 @@ def _plan_dtype(plan: Plan, config: ProfileConfig) -> Any:
     return plan.dtype if plan.dtype is not None else compute_dtype(plan, config)[0]
 
 
-def predicted(plan: Plan, config: ProfileConfig, row: RowSpec, rates: Any = None) -> dict[str, Any]:
+def predicted(plan: Plan, config: ProfileConfig, row: RowSpec, rates: Any = None,
+              expert_loads: dict[int, list[int]] | None = None) -> dict[str, Any]:
     """The row's prefill as this machine's rates predict it (profiling/predict.py): `predicted_ms`
     and its parts, at `rates` (a measured row's: probed before its runs, between them and after
     them; a new probe where none is given). None under a device map."""
@@ -785,5 +794,5 @@ def predicted(plan: Plan, config: ProfileConfig, row: RowSpec, rates: Any = None
         return {"predicted_ms": None}
     prediction = row_prediction(plan.profile, row.schedule, quant=row.quant, batch=row.batch,
                                 text_tokens=config.text_tokens, dtype=_plan_dtype(plan, config), device=plan.device,
-                                rates=rates)
+                                rates=rates, expert_loads=expert_loads)
     return {"predicted_ms": prediction.total_s * 1e3, "predicted": prediction.to_json()}

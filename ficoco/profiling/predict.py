@@ -39,6 +39,7 @@ import functools
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -197,17 +198,33 @@ def _elements(key: Key, op: Op) -> float:
     return key[1] * key[2]
 
 
+# A grouped-matmul key times this many rows at most (the 2026 backbones' prefills route 1,000 to 5,000): at many
+# rows an expert, fewer experts (each its own weight, read from memory as the layer reads it).
+EXPERT_PROBE_ROWS = 4096
+
+
+def expert_probe_groups(rows_per_expert: int, experts: int) -> int:
+    """How many experts a grouped-matmul key's call runs, each at `rows_per_expert` rows."""
+    return min(experts, max(1, EXPERT_PROBE_ROWS // max(rows_per_expert, 1)))
+
+
 def _grouped_mm_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
-    rows, groups, inner, outer = shape
+    per_expert, experts, inner, outer = shape
     assert weight is not None
-    # transformers' grouped_mm experts: the rows sorted by expert, every expert's (out, in) weight transposed.
-    # The rows are split evenly, as a trained router's load-balancing loss spreads them; which experts a row's
-    # tokens pick is known only once it ran. A random-weight router is uneven (on Qwen3-VL-30B-A3B's shapes 0 to
-    # about 370 rows an expert, around 40), and its grouped matmul runs about 10 % faster than the even split.
-    counts = [rows // groups + (group < rows % groups) for group in range(groups)]
-    offsets = torch.tensor(counts, device=rates.device).cumsum(0).to(torch.int32)
-    experts = weight.view(groups, outer, inner).transpose(-2, -1)
-    return functools.partial(torch.nn.functional.grouped_mm, rates._tensor(rows, inner), experts, offs=offsets)
+    # transformers' grouped_mm experts: the rows sorted by expert, every expert's (out, in) weight transposed; on
+    # a CPU one matmul per expert that took rows. A key times `groups` experts at `per_expert` rows each: the
+    # rate of an expert's matmul at that count, which prices every expert of a layer at its own (expert_loads).
+    groups = expert_probe_groups(per_expert, experts)
+    offsets = torch.tensor([per_expert] * groups, device=rates.device).cumsum(0).to(torch.int32)
+    weights = weight.view(experts, outer, inner)[:groups].transpose(-2, -1)
+    return functools.partial(torch.nn.functional.grouped_mm, rates._tensor(per_expert * groups, inner), weights,
+                             offs=offsets)
+
+
+def _grouped_mm_work(key: Key, op: Op) -> float:
+    """A grouped-matmul key's work: its call's FLOPs."""
+    _, per_expert, experts, inner, outer = key
+    return 2 * per_expert * expert_probe_groups(per_expert, experts) * inner * outer
 
 
 def _delta_rule_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
@@ -307,13 +324,13 @@ def _gated_act_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.
     return lambda: torch.nn.functional.silu(gate) * up
 
 
-# Keys: ("grouped_mm", rows, experts, in, out), ("delta_rule", tokens, batch, key heads, value heads, key width,
-# value width), ("causal_conv1d", tokens, batch, channels, kernel), ("patch_conv3d", patches, channels, temporal
-# patch, patch, hidden), ("tower_attention", tokens per item, items, heads, head width, tower kind), and the
+# Keys: ("grouped_mm", rows an expert, experts, in, out), ("delta_rule", tokens, batch, key heads, value heads,
+# key width, value width), ("causal_conv1d", tokens, batch, channels, kernel), ("patch_conv3d", patches, channels,
+# temporal patch, patch, hidden), ("tower_attention", tokens per item, items, heads, head width, tower kind), and the
 # elementwise ("rms_norm", rows, width), ("gated_rms_norm", rows, width), ("gated_act", rows, width).
 KERNELS: dict[str, Kernel] = {
     "grouped_mm": Kernel(lambda shape: shape[1] * shape[2] * shape[3], _grouped_mm_call, "linear",
-                         matmul_flops_per_work=7),
+                         matmul_flops_per_work=7, work=_grouped_mm_work),
     "delta_rule": Kernel(lambda shape: 0, _delta_rule_call, "linear_attention", matmul_flops_per_work=70),
     "causal_conv1d": Kernel(lambda shape: shape[2] * shape[3], _causal_conv1d_call, "linear_attention",
                             matmul_flops_per_work=500),
@@ -847,9 +864,6 @@ def _kernel_key(arch: Architecture, plan: Any, op: Op, batch: int) -> Key | None
         return ("gated_act", op.act_store // d.hidden, d.ffn)
     if op.name == "experts_act" and d.moe is not None:
         return ("gated_act", op.act_store // d.moe.ffn, d.moe.ffn)
-    if op.name in ("experts_gate_up", "experts_down") and d.moe is not None:
-        rows, inner, outer = _linear_shape(arch, op)
-        return ("grouped_mm", rows, d.moe.experts, inner, outer)
     linear = d.linear
     if linear is not None and op.name == "delta_rule":
         return ("delta_rule", plan.llm[op.layer][0], batch, linear.key_heads, linear.value_heads,
@@ -859,6 +873,27 @@ def _kernel_key(arch: Architecture, plan: Any, op: Op, batch: int) -> Key | None
     if linear is not None and op.name == "gated_norm":  # per value head, gated by z
         return ("gated_rms_norm", op.act_store // linear.value_head_dim, linear.value_head_dim)
     return None
+
+
+EXPERT_OPS = ("experts_gate_up", "experts_down")
+
+
+def even_loads(rows: int, experts: int) -> list[int]:
+    """`rows` split over `experts` as evenly as they go: what a trained router's load-balancing aims at, and what
+    the prediction assumes before a row has run."""
+    return [rows // experts + (expert < rows % experts) for expert in range(experts)]
+
+
+def _expert_keys(arch: Architecture, op: Op, loads: dict[int, list[int]] | None) -> list[tuple[Key, int]]:
+    """A sparse layer's experts op as grouped-matmul keys: (key at a row count, how many experts took that many),
+    from the loads the row ran where they add up to the op's rows, else the even split."""
+    moe = arch.decoder.moe
+    assert moe is not None
+    rows, inner, outer = _linear_shape(arch, op)
+    found = (loads or {}).get(op.layer) if op.layer is not None else None
+    counts = found if found is not None and sum(found) == rows else even_loads(rows, moe.experts)
+    return sorted((("grouped_mm", per_expert, moe.experts, inner, outer), experts)
+                  for per_expert, experts in Counter(n for n in counts if n).items())
 
 
 def _kernel_work(key: Key, op: Op) -> float:
@@ -922,10 +957,12 @@ def _read_shape(arch: Architecture, read: Read, rule: str) -> tuple:
 
 def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *, quant: str = "fp16",
                     batch: int = 1, text_tokens: int | None = None, compute_bits: int = 16,
-                    upcast_layers: int = 0) -> Prediction:
+                    upcast_layers: int = 0, expert_loads: dict[int, list[int]] | None = None) -> Prediction:
     """One prefill of `schedule` on `arch` at `rates` (the LM head on the last token, as the
     profile's prefill computes it). `upcast_layers`: the first decoder layers whose linear weights
-    are stored in 16 bits and converted to the compute dtype at every forward."""
+    are stored in 16 bits and converted to the compute dtype at every forward. `expert_loads`: per sparse
+    decoder layer, the rows each expert took in the row's forward (profiling/experts.py); without them, the
+    even split."""
     quant_spec = Quant(quant, QUANT_BITS[quant], compute_bits, compute_bits)
     opts = CountOptions(convention="flops", scope="all", batch=batch, text_tokens=text_tokens,
                         lm_head_tokens="last")
@@ -958,11 +995,14 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     while True:
         kernels = {id(op): key for op in ops
                    if (key := _kernel_key(arch, plan, op, batch)) is not None and key[0] not in unavailable}
+        experts = {id(op): _expert_keys(arch, op, expert_loads) for op in ops
+                   if op.name in EXPERT_OPS and arch.decoder.moe is not None and "grouped_mm" not in unavailable}
         linear = {id(op): _linear_shape(arch, op) for op in ops
-                  if op.macs and op.weight_elems and id(op) not in kernels}
+                  if op.macs and op.weight_elems and id(op) not in kernels and id(op) not in experts}
         attention = {id(op): _attention_shape(arch, plan, op) for op in ops
                      if op.name == "qk" and op.macs and not op.weight_elems and id(op) not in kernels}
         kernel_work = {kernels[id(op)]: _kernel_work(kernels[id(op)], op) for op in ops if id(op) in kernels}
+        kernel_work |= {key: _grouped_mm_work(key, op) for op in ops for key, _ in experts.get(id(op), ())}
         linear_grid = _TokenGrid(list(linear.values()) + ([method_shape] if method_flops else []), position=0)
         attention_grid = _TokenGrid(list(attention.values()), position=1)
         kernel_grid = _TokenGrid(list(kernel_work), position=1)
@@ -972,7 +1012,8 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
         if not failed:
             break
         unavailable |= failed
-    inside = {name for name, kind in INSIDE_KERNELS.items() if kind in {key[0] for key in kernels.values()}}
+    kinds = {key[0] for key in kernels.values()} | ({"grouped_mm"} if experts else set())
+    inside = {name for name, kind in INSIDE_KERNELS.items() if kind in kinds}
     linear_rate = functools.partial(linear_grid.rate, rates.linear_flops_per_s)
     attention_rate = functools.partial(attention_grid.rate, rates.attention_flops_per_s)
     kernel_rate = functools.partial(kernel_grid.rate, lambda *key: rates.kernel_work_per_s(key))
@@ -983,6 +1024,11 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
             # The call the model makes for this op, timed at its shapes (KERNELS).
             key = kernels[id(op)]
             parts[KERNELS[key[0]].part] += _kernel_work(key, op) / kernel_rate(key)
+        elif id(op) in experts:
+            # Every expert that took rows, at its count: one matmul each, at the rate of that many rows.
+            _, inner, outer = _linear_shape(arch, op)
+            parts["linear"] += sum(count * 2 * key[1] * inner * outer / kernel_rate(key)
+                                   for key, count in experts[id(op)])
         elif op.name in inside:
             continue
         elif id(op) in linear:
@@ -1111,10 +1157,12 @@ def model_weights(model: torch.nn.Module) -> WeightSource:
 
 
 def row_prediction(profile: Any, schedule: Schedule, *, quant: str, batch: int, text_tokens: int | None,
-                   dtype: Any, device: torch.device | str = "cpu", rates: ShapeRates | None = None) -> Prediction:
+                   dtype: Any, device: torch.device | str = "cpu", rates: ShapeRates | None = None,
+                   expert_loads: dict[int, list[int]] | None = None) -> Prediction:
     """A profile row's predicted prefill: `dtype` is the plan's DtypeChoice (or a torch dtype), its
     compute dtype's rates measured on `device` unless `rates` is given; a MeasuredRates' passes price
-    the row once each besides (`Prediction.passes_s`)."""
+    the row once each besides (`Prediction.passes_s`). `expert_loads`: the rows each expert of a sparse
+    layer took in the row's forward (predict_prefill)."""
     arch = architecture(profile)
     compute = getattr(dtype, "compute", dtype)
     upcast = dtype.upcast_layers(arch.decoder.layers, quant) if hasattr(dtype, "upcast_layers") else 0
@@ -1122,7 +1170,7 @@ def row_prediction(profile: Any, schedule: Schedule, *, quant: str, batch: int, 
 
     def at(priced: ShapeRates) -> Prediction:
         return predict_prefill(arch, schedule, priced, quant=quant, batch=batch, text_tokens=text_tokens,
-                               compute_bits=torch.finfo(compute).bits, upcast_layers=upcast)
+                               compute_bits=torch.finfo(compute).bits, upcast_layers=upcast, expert_loads=expert_loads)
 
     prediction = at(rates)
     if isinstance(rates, MeasuredRates) and (passes := [at(one) for one in rates.pass_rates()]):

@@ -33,6 +33,8 @@ class PrefillRecord:
     visual_tokens_per_item_measured: int | None = None
     # Per stage, the attention kernel every layer ran (profiling/kernels.py's record); None: not recorded.
     attention_kernels: dict[str, Any] | None = None
+    # Per sparse decoder layer, the rows its experts took (profiling/experts.py's record); None: a dense decoder.
+    expert_loads: dict[str, Any] | None = None
 
     @property
     def images_per_s(self) -> float:
@@ -178,4 +180,6 @@ class MeasuredRow:
             row["visual_tokens_per_item_measured"] = prefill.visual_tokens_per_item_measured
         if prefill.attention_kernels is not None:
             row["attention_kernels"] = prefill.attention_kernels
+        if prefill.expert_loads is not None:
+            row["expert_loads"] = prefill.expert_loads
         return row
