@@ -8,7 +8,7 @@ layers, 25 to 40 in the last, one of them nearly every token. The prediction pri
 the loads the row ran (profiling/predict.py), and the report keeps them, as a row run on random weights reads
 fewer expert weights than a checkpoint would.
 
-Values are read after the forward (one bincount per layer, kept on the device until then): nothing here
+Values are read after the forward (one count per layer, kept on the device until then): nothing here
 synchronises while the model runs. Measurement only: no method is named here.
 """
 
@@ -52,7 +52,11 @@ class ExpertLoads:
         def hook(index: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
             chosen = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
             if isinstance(chosen, torch.Tensor):
-                found = torch.bincount(chosen.reshape(-1), minlength=module.num_experts)[:module.num_experts]
+                chosen = chosen.reshape(-1)
+                # A sum by index, not bincount (which reads the largest index back to size its result). One more
+                # slot for the index transformers gives a row no expert takes (the expert count), dropped.
+                found = torch.zeros(module.num_experts + 1, dtype=torch.long, device=chosen.device).index_add_(
+                    0, chosen.long(), torch.ones_like(chosen, dtype=torch.long))[:module.num_experts]
                 counts[index] = counts[index] + found if index in counts else found
 
         hooks = [module.register_forward_pre_hook(lambda m, a, k, i=index: hook(i, m, a, k), with_kwargs=True)
