@@ -74,9 +74,9 @@ def steady_host_runtime() -> dict[str, Any]:
             mapped = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
             malloc = ("glibc: freed memory kept within a row (trim threshold 2 GiB), given back between rows; "
                       "blocks from 32 MiB mapped" if kept and mapped else "glibc: mallopt refused, as it is")
+        capacity = os.environ[ONEDNN_CACHE_VARIABLE]
         _settings.update({
-            "onednn_primitive_cache": int(os.environ[ONEDNN_CACHE_VARIABLE]) if
-            os.environ[ONEDNN_CACHE_VARIABLE].isdigit() else os.environ[ONEDNN_CACHE_VARIABLE],
+            "onednn_primitive_cache": int(capacity) if capacity.isdigit() else capacity,
             "onednn_primitive_cache_set_by": "ficoco" if given is None else "the environment",
             "malloc": malloc,
         })

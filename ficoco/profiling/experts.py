@@ -15,6 +15,7 @@ synchronises while the model runs. Measurement only: no method is named here.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,7 +60,7 @@ class ExpertLoads:
                     0, chosen.long(), torch.ones_like(chosen, dtype=torch.long))[:module.num_experts]
                 counts[index] = counts[index] + found if index in counts else found
 
-        hooks = [module.register_forward_pre_hook(lambda m, a, k, i=index: hook(i, m, a, k), with_kwargs=True)
+        hooks = [module.register_forward_pre_hook(functools.partial(hook, index), with_kwargs=True)
                  for index, module in self.experts.items()]
         try:
             yield self

@@ -1009,7 +1009,7 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
         attention = {id(op): _attention_shape(arch, plan, op) for op in ops
                      if op.name == "qk" and op.macs and not op.weight_elems and id(op) not in kernels}
         kernel_work = {kernels[id(op)]: _kernel_work(kernels[id(op)], op) for op in ops if id(op) in kernels}
-        kernel_work |= {key: _grouped_mm_work(key, op) for op in ops for key, _ in experts.get(id(op), ())}
+        kernel_work |= {key: _kernel_work(key, op) for op in ops for key, _ in experts.get(id(op), ())}
         linear_grid = _TokenGrid(list(linear.values()) + ([method_shape] if method_flops else []), position=0)
         attention_grid = _TokenGrid(list(attention.values()), position=1)
         kernel_grid = _TokenGrid(list(kernel_work), position=1)
