@@ -17,7 +17,10 @@ calls reach a fused backend; slower kernels than vanilla's in a row's non-reduci
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+
+from ficoco.report.pairing import reads_share_predicted
 
 SPEED_OVER_PREDICTED = 0.9
 PREDICTION_TOLERANCE = 0.15
@@ -44,6 +47,8 @@ def check(path: str, kind: str, own_work: float | None = None, expect: list[str]
         report = json.load(f)
     env, config, bad = report["environment"], report["config"], []
     ran = {row["variant"] for row in report["rows"]}
+    vanillas = {(row["quant"], row["batch"]): row for row in report["rows"]
+                if row["variant"] == "vanilla" and row.get("status") == "ok"}
     for variant in expect or []:
         if variant not in ran:
             why = [note for note in report.get("notes", []) if note.startswith(f"left out {variant}:")]
@@ -117,10 +122,18 @@ def check(path: str, kind: str, own_work: float | None = None, expect: list[str]
             bad.append(f"{tag}: measured/predicted prefill {over} is not within {PREDICTION_TOLERANCE:.0%} of 1")
         work = row.get("own_work_vs_savings") or {}
         share = work["own_ms"] / work["saved_ms"] if work.get("saved_ms", 0) > 0 else None
+        # The floor under it: the method's reads alone against its savings, both at this machine's rates (a
+        # report from before the floor was recorded: computed here from the rows' predictions).
+        base = vanillas.get((row["quant"], row["batch"]))
+        floor = work.get("reads_share_predicted") if "reads_share_predicted" in work else (
+            reads_share_predicted(row, base) if base is not None else None)
         if row["variant"] != "vanilla" and own_work is not None and (share is None or share > own_work):
+            out_of_reach = (f"; its reads alone take {floor:.0%} at this machine's rates, out of reach by what the "
+                            "method reads" if floor is not None and floor > own_work else "")
             bad.append(f"{tag}: its own work ({work.get('own_ms', 0):.0f} ms) takes "
                        f"{'-' if share is None else f'{share:.0%}'} of the {work.get('saved_ms', 0):.0f} ms its "
-                       f"fewer tokens save (> {own_work:.0%})")
+                       f"fewer tokens save (> {own_work:.0%}{out_of_reach})")
+        faults = row.get("page_faults") or {}
         if row["variant"] != "vanilla" and prediction_checked(config):
             if speed is None:
                 bad.append(f"{tag}: no predicted speedup to check the method's speed against")
@@ -138,7 +151,10 @@ def check(path: str, kind: str, own_work: float | None = None, expect: list[str]
               f"pass spread {'-' if spread is None else f'{spread:.2f}'}  "
               f"measured/roofline {'-' if roofline is None else f'{roofline:.2f}'}  "
               f"method {row['reduction_share'] * 100:.1f}%  "
-              f"own work / saved {'-' if share is None else f'{share:.0%}'}")
+              f"own work / saved {'-' if share is None else f'{share:.0%}'}  "
+              f"reads / saved predicted {'-' if floor is None else f'{floor:.0%}'}"
+              + (f"  page faults per run: minor {statistics.median(faults['minor']):.0f}, major "
+                 f"{max(faults['major'])}" if faults.get("minor") else ""))
     return bad
 
 

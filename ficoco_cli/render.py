@@ -684,6 +684,9 @@ def _row_verdict(row: dict[str, Any], base: dict[str, Any] | None, config: dict[
             share = work["own_ms"] / work["saved_ms"] * 100
             facts.append(f"its own work ({fmt_num(work['own_ms'])} ms) takes {share:.2g} "
                          f"% of the {fmt_num(work['saved_ms'])} ms its fewer tokens save")
+        if work and _is_number(floor := work.get("reads_share_predicted")):
+            # What no faster step can lower: the reads the method's rule asks for, at this machine's rates.
+            facts[-1] += f" (its reads of attention alone {floor * 100:.2g} % of its savings, predicted)"
     else:
         median = _get(row, "latency", "median_ms")
         unit, scale = pick_unit([median], TIME_UNITS_MS)

@@ -492,7 +492,8 @@ def test_verdict_says_when_the_methods_own_work_eats_its_savings(row_ms: float, 
     row["latency"]["median_ms"], row["reduction_ms"] = row_ms, own_ms
     row["own_work_vs_savings"] = own_work_vs_savings(row, vanilla)
     saved = vanilla["latency"]["median_ms"] - (row_ms - own_ms)
-    assert row["own_work_vs_savings"] == {"own_ms": own_ms, "saved_ms": saved, "eats_savings": own_ms >= saved}
+    assert row["own_work_vs_savings"] == {"own_ms": own_ms, "saved_ms": saved, "eats_savings": own_ms >= saved,
+                                          "reads_share_predicted": None}
     assert own_work_vs_savings(vanilla, vanilla) is None
     (line,) = [line for line in verdict_lines(report) if line.startswith("v:")]
     assert words in line, line
@@ -546,3 +547,27 @@ def test_the_verdict_says_when_the_machines_speed_moved_while_a_row_ran():
     assert "while the vanilla row ran" not in line
     vanilla["predicted"] = {"spread": 0.3}
     assert "while the vanilla row ran" in verdict_lines(report)[0]
+
+
+def test_own_work_says_what_the_methods_reads_alone_take_at_the_machines_rates() -> None:
+    """The floor under a method's own work: its predicted reads against its predicted savings (FiCoCo-L's reads
+    of every decoder layer from the fourth, on a model whose layers cost little per token, take more of what it
+    saves than any faster step could give back)."""
+    from ficoco.report import own_work_vs_savings
+
+    report = main_job()
+    vanilla, row = report["rows"]
+    vanilla["predicted"] = {"prefill_ms": 10_000.0, "probe_ms": 0.0, "method_ms": 0.0}
+    # Predicted 8,000 ms with 300 ms of reads and 100 of steps priced: its fewer tokens save 2,400 ms.
+    row["predicted"] = {"prefill_ms": 8_000.0, "probe_ms": 300.0, "method_ms": 100.0}
+    row["latency"]["median_ms"], row["reduction_ms"] = 8_500.0, 450.0
+    row["own_work_vs_savings"] = own_work_vs_savings(row, vanilla)
+    assert row["own_work_vs_savings"]["reads_share_predicted"] == pytest.approx(300 / 2_400)
+    (line,) = [line for line in verdict_lines(report) if line.startswith("v:")]
+    assert "its reads of attention alone 12 % of its savings, predicted" in line, line
+    # A method that reads nothing has no floor; nor has a row without a prediction.
+    row["predicted"]["probe_ms"] = 0.0
+    assert own_work_vs_savings(row, vanilla)["reads_share_predicted"] is None
+    del vanilla["predicted"]
+    row["predicted"]["probe_ms"] = 300.0
+    assert own_work_vs_savings(row, vanilla)["reads_share_predicted"] is None

@@ -406,3 +406,12 @@ def test_a_routed_function_calling_a_fused_kernel_at_the_aten_level_is_named_by_
     assert decoder[2] == [{"layers": [2, 2], "implementation": "sdpa", "backend": "flash", "calls_per_layer": 1,
                            "reads": True, "via": name}]
     assert all(entries[0]["reads"] is False for layer, entries in decoder.items() if layer != 2)
+
+
+def test_every_timed_run_records_its_page_faults_and_the_warm_up_none(llava):
+    """Faults counted around each timed forward alone (a slow run that faulted says so; the rate probe never
+    sees it), as many as the row's timed runs."""
+    for row in llava["rows"].values():
+        faults = row["page_faults"]
+        assert len(faults["minor"]) == len(faults["major"]) == len(row["latency"]["samples_ms"]) == 1
+        assert all(isinstance(count, int) and count >= 0 for count in faults["minor"] + faults["major"])

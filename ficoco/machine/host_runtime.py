@@ -94,3 +94,16 @@ def release_host_memory() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def page_faults() -> tuple[int, int] | None:
+    """The process's page faults so far, (minor, major), where the system counts them (getrusage; None on
+    Windows). A minor fault maps a page the process touches first (fresh memory); a major one reads a page
+    back from disk (memory the system took away under pressure): a timed run that faults many pages pays for
+    them in its time, which no rate probe sees."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_majflt

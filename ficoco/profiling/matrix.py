@@ -23,7 +23,7 @@ from ficoco.accounting.memory import KV_QUANT_BITS, QUANT_BITS, Quant, linear_st
 from ficoco.accounting.memory import cache_bytes as analytic_cache_bytes
 from ficoco.errors import FicocoError
 from ficoco.machine.dtype_choice import DtypeChoice, row_dtypes
-from ficoco.machine.host_runtime import steady_host_runtime
+from ficoco.machine.host_runtime import page_faults, steady_host_runtime
 from ficoco.methods.registry import method_label
 from ficoco.models import hf_compat as hf
 from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile, set_layout
@@ -421,6 +421,8 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
     # And how many rows each expert of a sparse layer took, in the same forward (the prediction prices them).
     loads = ExpertLoads.for_model(model)
     step: dict[str, str] = {}
+    # Page faults of every timed run (minor, major), counted around its forward alone.
+    faults: list[tuple[int, int]] = []
 
     def forward() -> Any:
         if handle is not None:
@@ -434,6 +436,10 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
         if step.get("now") == "warm-up" and not kernels.recorded:
             with kernels.recording(), loads.recording():
                 out = forward()
+        elif step.get("now") == "timed run" and (before := page_faults()) is not None:
+            out = forward()
+            after = page_faults() or before
+            faults.append((after[0] - before[0], after[1] - before[1]))
         else:
             out = forward()
         last["cache"] = hf.output_cache(out)
@@ -479,7 +485,8 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
         # What every image (crop, frame) handed the LLM in the prefill, as it ran: a method acting
         # before the LLM with an adaptive count (PruMerge+) plans an assumed count, this is the real one.
         visual_tokens_per_item_measured=measured_tokens, attention_kernels=attention_kernels,
-        expert_loads=loads.to_json())
+        expert_loads=loads.to_json(),
+        page_faults={"minor": [f[0] for f in faults], "major": [f[1] for f in faults]} if faults else None)
     return prefill_record, memory, choose
 
 

@@ -35,6 +35,9 @@ class PrefillRecord:
     attention_kernels: dict[str, Any] | None = None
     # Per sparse decoder layer, the rows its experts took (profiling/experts.py's record); None: a dense decoder.
     expert_loads: dict[str, Any] | None = None
+    # The process's page faults in each timed run, in order ({"minor": [...], "major": [...]}); None where the
+    # system does not count them.
+    page_faults: dict[str, list[int]] | None = None
 
     @property
     def images_per_s(self) -> float:
@@ -182,4 +185,6 @@ class MeasuredRow:
             row["attention_kernels"] = prefill.attention_kernels
         if prefill.expert_loads is not None:
             row["expert_loads"] = prefill.expert_loads
+        if prefill.page_faults is not None:
+            row["page_faults"] = prefill.page_faults
         return row

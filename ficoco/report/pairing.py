@@ -20,7 +20,22 @@ def own_work_vs_savings(row: dict[str, Any], base: dict[str, Any]) -> dict[str, 
     if row["variant"] == "vanilla" or own_ms <= 0:
         return None
     saved_ms = base["latency"]["median_ms"] - (row["latency"]["median_ms"] - own_ms)
-    return {"own_ms": own_ms, "saved_ms": saved_ms, "eats_savings": own_ms >= saved_ms}
+    return {"own_ms": own_ms, "saved_ms": saved_ms, "eats_savings": own_ms >= saved_ms,
+            "reads_share_predicted": reads_share_predicted(row, base)}
+
+
+def reads_share_predicted(row: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """The share of what the row's fewer tokens save that the method's reads of attention alone take, both
+    at this machine's measured rates (the rows' `predicted` parts): a floor under its own work that no faster
+    step can lower, set by what the method reads (FiCoCo-L reads the visual rows of every decoder layer from
+    the fourth; one removing a few tokens per layer saves little per read). None without both predictions or
+    where the row's method reads nothing."""
+    parts, base_parts = row.get("predicted") or {}, base.get("predicted") or {}
+    reads_ms = parts.get("probe_ms") or 0.0
+    if reads_ms <= 0 or not parts.get("prefill_ms") or not base_parts.get("prefill_ms"):
+        return None
+    saved_ms = base_parts["prefill_ms"] - (parts["prefill_ms"] - reads_ms - (parts.get("method_ms") or 0.0))
+    return reads_ms / saved_ms if saved_ms > 0 else None
 
 
 def add_comparisons(rows: list[dict[str, Any]]) -> None:
