@@ -250,12 +250,15 @@ class InLayerPatch:
                                   suffix_mask=state.suffix_mask, first_suffix_row=state.first_suffix_row,
                                   protected=state.protected, max_protected=state.max_protected,
                                   last_visual_row=state.last_visual_row)
-            red = handle.run_method(index, self.step, inputs, self.settings)
-            kept_ranks = torch.gather(state.visual_ranks, 1, red.kept_visual)
-            handle.record("llm", index, kept=kept_ranks,
-                          discarded=torch.gather(state.visual_ranks, 1, red.discarded_visual),
-                          merged_into=merge_targets(kept_ranks, red.merge_target))
-            state.keep(red.kept_positions, red.kept_visual, red.visual_positions)
+            # What the step leaves for the later layers (the rows, positions and ranks kept) is the method's work
+            # as much as the step: timed with it.
+            with handle.timer.span("reduction", hidden.device):
+                red = handle.run_method(index, self.step, inputs, self.settings)
+                kept_ranks = torch.gather(state.visual_ranks, 1, red.kept_visual)
+                handle.record("llm", index, kept=kept_ranks,
+                              discarded=torch.gather(state.visual_ranks, 1, red.discarded_visual),
+                              merged_into=merge_targets(kept_ranks, red.merge_target))
+                state.keep(red.kept_positions, red.kept_visual, red.visual_positions)
             hidden = red.hidden
             return hidden + parts.mlp(parts.post_norm(hidden))
 

@@ -190,9 +190,12 @@ class TowerBlocks:
                                             position_embeddings=position_embeddings, **kwargs)
                 hidden = residual + attn_out
                 chunks = order.image_chunks(tower, _idx, _slot.take_chunks())
-                hidden = self._reduce(handle, reduce_groups, tower, hidden, chunks, _r, _idx, position_embeddings,
-                                      cu_seqlens, params)
-                order.after_reduce(tower, cu_seqlens)
+                # The pass's bookkeeping (DeepStack's riding features, the positions and segments of the groups
+                # left) is the method's work as much as its step: timed with it.
+                with handle.timer.span("reduction", hidden.device):
+                    hidden = self._reduce(handle, reduce_groups, tower, hidden, chunks, _r, _idx,
+                                          position_embeddings, cu_seqlens, params)
+                    order.after_reduce(tower, cu_seqlens)
                 return hidden + _parts.mlp(_parts.post_norm(hidden))
 
             patches.set(layer, "forward", forward)
@@ -327,7 +330,9 @@ class TowerBlocks:
                 keys = order.block_keys(tower, _idx, _slot.keys)
                 step = functools.partial(self._merge, handle=handle, module=module, settings=settings, r=_r,
                                          layer_idx=_idx)
-                hidden = order.merge(step, tower, hidden_states + attn_out, keys, position_embeddings, cu_seqlens)
+                hidden = hidden_states + attn_out
+                with handle.timer.span("reduction", hidden.device):  # the pass's bookkeeping too, as above
+                    hidden = order.merge(step, tower, hidden, keys, position_embeddings, cu_seqlens)
                 return hidden + _parts.mlp(_parts.post_norm(hidden))
 
             patches.set(layer, "forward", forward)
