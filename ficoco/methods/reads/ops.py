@@ -42,10 +42,13 @@ from ficoco.methods.reads import (
 SCORE_BUDGET_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 28}
 
 # The score dtypes ficoco's CPU read kernel computes with the rule's roundings (ficoco.methods.reads.native), and
-# its blocks' scores: the kernel passes over a block once, row by row, so a larger block than torch's passes want
-# costs nothing in the caches and saves per-block work (8 M: a Qwen3-VL tower read 8 % faster than at 4 M).
+# its blocks' scores. Timed as the model runs a read (its first call after the layer's own work), 4 M beat 8 M:
+# FiCoCo-V's fifteen reads of Qwen3-VL-8B's tower took 329-338 ms against 377-380 (three alternated runs each on
+# the 2-core AMX Xeon; 16 MB of bf16 scores per block spill what the product just wrote before the kernel reads
+# it), though a read repeated at once is as fast either way (an 8 M block was 8 % faster there); FiCoCo-L's
+# reads of its decoder (a few hundred rows a layer) took the same at both.
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)
-NATIVE_SCORE_BUDGET = 1 << 23
+NATIVE_SCORE_BUDGET = 1 << 22
 
 # runner(device, function, *args) -> function(*args): how an adapter times (on `device`, in its "probe" span) and,
 # during flops --verify, counts a read.
