@@ -30,9 +30,11 @@ INSIDE_OTHER_CALLS = ("experts_weights", "conv_act", "softmax")
 
 
 def _memory_bytes(ops) -> float:
-    """Bytes of the ops still priced at the memory bandwidth: elementwise, neither a kernel nor inside one."""
+    """Bytes of the ops still priced at the memory bandwidth: elementwise, neither a kernel nor inside one (the
+    Qwen3 towers' activation is a kernel too: every profile here has such a tower)."""
     return sum(predict._op_bytes(op, 2, 2) for op in ops if not op.macs and op.name not in INSIDE_OTHER_CALLS
-               and not (op.stage == "llm" and op.name in ELEMENTWISE_KERNEL_OPS))
+               and not (op.stage == "llm" and op.name in ELEMENTWISE_KERNEL_OPS)
+               and not (op.stage == "vision" and op.name == "mlp_act"))
 
 
 def _rates(bandwidth: float = FREE, **kernels: float) -> TableRates:
@@ -191,6 +193,21 @@ def test_the_other_families_matmuls_and_attention_price_as_before(profile):
         flops / 1e9, rel=1e-9)
 
 
+def test_a_qwen3_towers_tanh_gelu_is_priced_at_its_own_elements_rate():
+    """Qwen3-VL's and Qwen3.5's tower MLP: fc1, the tanh GELU over tokens x the FFN width, fc2; the activation
+    costs several times its bytes on a CPU (12 layers of Qwen3.5's tower: 82 ms where its bytes said 14), so
+    the probe times transformers' activation at its shape. Towers whose family names no activation keep the
+    bytes (the other families' test above)."""
+    arch = architecture(load_profile("qwen3-vl-tiny"))
+    v = arch.vision
+    assert v.act == "gelu_pytorch_tanh"
+    tokens = plan_tokens(arch, VANILLA, text_tokens=TEXT).vision[0][0]
+    shapes = rate_probe_shapes(arch, VANILLA, text_tokens=TEXT)
+    assert {key for key in shapes.kernels if key[0] == "tower_act"} == {("tower_act", tokens, v.ffn, v.act)}
+    priced = predict_prefill(arch, VANILLA, _rates(tower_act=1e9), text_tokens=TEXT)
+    assert priced.parts_s["elementwise"] == pytest.approx(v.layers * tokens * v.ffn / 1e9, rel=1e-9)
+
+
 def test_a_windowed_tower_layer_keeps_the_sequence_pricing_and_a_full_one_is_per_image():
     arch = architecture(load_profile("qwen2.5-vl-tiny"))
     v = arch.vision
@@ -221,7 +238,8 @@ def test_every_kernel_runs_on_the_probe_and_a_pass_between_runs_borrows_its_weig
     keys = {("grouped_mm", 8, 2, 8, 8): 1024.0, ("delta_rule", 5, 1, 2, 2, 4, 4): 100.0,
             ("causal_conv1d", 5, 1, 12, 4): 50.0, ("patch_conv3d", 6, 3, 2, 2, 8): 1152.0,
             ("tower_attention", 4, 2, 2, 4, "qwen3_vl"): 512.0, ("rms_norm", 5, 16): 80.0,
-            ("gated_rms_norm", 10, 16): 160.0, ("gated_act", 5, 24): 120.0}
+            ("gated_rms_norm", 10, 16): 160.0, ("gated_act", 5, 24): 120.0,
+            ("tower_act", 5, 24, "gelu_pytorch_tanh"): 120.0}
     assert set(keys) == {key for key in keys if key[0] in KERNELS} and {key[0] for key in keys} == set(KERNELS)
     rates = predict.MeasuredRates("float32", weights=predict.model_weights(model))
     rates.measure(kernels=keys)

@@ -57,6 +57,9 @@ class VisionTower:
     # scale, q/k norms and absent biases per layer; [CLS], positions, mask token and final norm per tower).
     extra_layer_params: int = 0
     extra_tower_params: int = 0
+    # The MLP's activation as transformers names it (the config's hidden_act), where the family reads it: the rate
+    # probe times it (a tanh GELU over tokens x the FFN width costs several times its bytes); "" elsewhere.
+    act: str = ""
 
     @property
     def patches(self) -> int:

@@ -1136,6 +1136,11 @@ def causal_conv1d() -> Callable[..., Any]:
     return _require_attribute(PROBE_KERNELS, _module("models.qwen3_5.modeling_qwen3_5"), "causal_conv1d_fn")
 
 
+def activation(name: str) -> Callable[..., Any]:
+    """The activation a config's `hidden_act` names, as transformers' layers build it (ACT2FN)."""
+    return _require_attribute(PROBE_KERNELS, _module("activations"), "ACT2FN")[name]
+
+
 def vision_rotary(kind: str) -> Callable[..., Any]:
     """The rotary embedding a Qwen tower of `kind` (the accountant's tower kind) applies to q and k: `(q, k, cos,
     sin)` on (tokens, heads, head width) states."""

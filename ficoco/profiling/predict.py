@@ -324,10 +324,19 @@ def _gated_act_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.
     return lambda: torch.nn.functional.silu(gate) * up
 
 
+def _tower_act_call(rates: MeasuredRates, shape: tuple[int, ...], weight: torch.Tensor | None) -> Callable[[], Any]:
+    from ficoco.models import hf_compat as hf
+
+    rows, width, name = shape
+    # A tower MLP's activation between fc1 and fc2 (Qwen3-VL's and Qwen3.5's: the tanh GELU), as transformers calls it.
+    return functools.partial(hf.activation(str(name)), rates._tensor(rows, width))
+
+
 # Keys: ("grouped_mm", rows an expert, experts, in, out), ("delta_rule", tokens, batch, key heads, value heads,
 # key width, value width), ("causal_conv1d", tokens, batch, channels, kernel), ("patch_conv3d", patches, channels,
 # temporal patch, patch, hidden), ("tower_attention", tokens per item, items, heads, head width, tower kind), and the
-# elementwise ("rms_norm", rows, width), ("gated_rms_norm", rows, width), ("gated_act", rows, width).
+# elementwise ("rms_norm", rows, width), ("gated_rms_norm", rows, width), ("gated_act", rows, width),
+# ("tower_act", rows, width, activation).
 KERNELS: dict[str, Kernel] = {
     "grouped_mm": Kernel(lambda shape: shape[1] * shape[2] * shape[3], _grouped_mm_call, "linear",
                          matmul_flops_per_work=7, work=_grouped_mm_work),
@@ -343,12 +352,14 @@ KERNELS: dict[str, Kernel] = {
     "gated_rms_norm": Kernel(lambda shape: shape[1], _gated_rms_norm_call, "elementwise",
                              matmul_flops_per_work=3000, work=_elements),
     "gated_act": Kernel(lambda shape: 0, _gated_act_call, "elementwise", matmul_flops_per_work=2000, work=_elements),
+    "tower_act": Kernel(lambda shape: 0, _tower_act_call, "elementwise", matmul_flops_per_work=2000, work=_elements),
 }
 
 
 # What a kernel's call raises where the model could not make it either (torch's errors, a changed transformers
 # contact): the probe drops that key and the prediction prices its ops the plain way.
-KERNEL_FAILURES = (RuntimeError, NotImplementedError, TypeError, ValueError, ImportError, AttributeError, FicocoError)
+KERNEL_FAILURES = (RuntimeError, NotImplementedError, TypeError, ValueError, ImportError, AttributeError, KeyError,
+                   FicocoError)
 
 
 def _weight_values(key: Key) -> int:
@@ -854,6 +865,8 @@ INSIDE_KERNELS = {"experts_weights": "grouped_mm", "conv_act": "causal_conv1d"}
 def _kernel_key(arch: Architecture, plan: Any, op: Op, batch: int) -> Key | None:
     """The kernel (KERNELS) that times `op` as the model runs it, or None (a linear, SDPA or bytes)."""
     v, d = arch.vision, arch.decoder
+    if op.stage == "vision" and op.name == "mlp_act" and v.act and not v.gated_mlp:
+        return ("tower_act", op.act_store // v.ffn, v.ffn, v.act)  # it stores tokens x the FFN width
     if op.stage == "vision" and v.kind in QWEN_TOWERS:
         if op.name == "patch_embed":
             return ("patch_conv3d", op.macs // op.weight_elems, v.channels, v.temporal_patch, v.patch_size, v.hidden)

@@ -30,7 +30,7 @@ TEXT_DEFAULTS = {
 VISION_DEFAULTS = {
     "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "in_channels": 3,
     "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 3584,
-    "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+    "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24], "hidden_act": "gelu_pytorch_tanh",
 }
 # The image processor the checkpoints name is Qwen2-VL's, with their preprocessor_config.json's bounds
 # (size.shortest_edge and size.longest_edge): 256 x 256 to 4096 x 4096 pixels. Qwen3.5's checkpoints give
@@ -133,6 +133,7 @@ def qwen3_vision(vcfg: dict[str, Any], layout: Layout, title: str) -> tuple[Visi
         patch_size=patch, channels=get(vcfg, "in_channels", d), temporal_patch=get(vcfg, "temporal_patch_size", d),
         grid_h=h_px // patch, grid_w=w_px // patch, items=1, has_cls=False, feature_layer=layers - 1,
         merge=merge * merge, towers=1, position_embeddings=get(vcfg, "num_position_embeddings", d), fused_qkv=True,
+        act=str(get(vcfg, "hidden_act", d)),
     )
     merged = hidden * merge * merge
     projector = Projector(((merged, merged), (merged, get(vcfg, "out_hidden_size", d))), hidden)
