@@ -137,6 +137,22 @@ def test_reduce_v_matches_token_by_token_reference(case: VCase) -> None:
 
 
 @FAST
+@given(v_cases(), st.integers(1, 5))
+def test_reduce_v_folds_riding_features_as_extra_channels_of_the_hidden_states(case: VCase, width: int) -> None:
+    """Features that ride with the patches (Qwen3-VL's DeepStack taps) come out as they would in extra channels of
+    the hidden states: folded with the patches' weights, and the hidden states as without them."""
+    batch, _, dim = case.hidden.shape
+    offset = int(case.has_cls)
+    riding = torch.randn(batch, case.grid_index.shape[1], width, generator=torch.Generator().manual_seed(case.r))
+    extended = torch.cat([case.hidden, torch.cat([torch.zeros(batch, offset, width), riding], dim=1)], dim=-1)
+    together, apart = _run(case, hidden=extended), _run(case, riding=riding)
+    assert apart.riding is not None and apart.riding.shape == (batch, case.grid_index.shape[1] - case.r, width)
+    torch.testing.assert_close(apart.hidden, together.hidden[..., :dim], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(apart.riding, together.hidden[:, offset:, dim:], rtol=1e-6, atol=1e-6)
+    assert _run(case).riding is None
+
+
+@FAST
 @given(v_cases())
 def test_reduce_v_output_token_count_and_shapes(case: VCase) -> None:
     result = _run(case)

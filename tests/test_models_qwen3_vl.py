@@ -183,10 +183,12 @@ def test_ficoco_v_merges_earlier_taps_with_its_own_weights(model: nn.Module) -> 
     with torch.no_grad(), deepstack_additions(model) as seen, ficoco.apply(model, "v", schedule={2: 30}) as handle:
         with method_calls(handle, "reduce_groups") as calls:
             model(**inp)
-    args, kwargs = calls[0]  # one step: tap 1's features ride with the patches, split over every group's 4 members
+    args, kwargs = calls[0]  # one step: tap 1's features ride with the groups, one row per group
     x, attn, keys, r, index, grid = args
     vision = model.config.vision_config
-    assert len(calls) == 1 and x.shape[-1] == vision.hidden_size + vision.out_hidden_size // 4
+    riding = kwargs.pop("riding")
+    assert len(calls) == 1 and x.shape[-1] == vision.hidden_size
+    assert riding.shape == (2, GROUPS, vision.out_hidden_size)
     weights = reduce_groups(group_basis(2, GROUPS), attn, keys, r, index, grid, **kwargs).hidden[:, ::4]
     expected = weights @ taps[0]
     first, second = per_image(seen[0], 2), per_image(seen[1], 2)

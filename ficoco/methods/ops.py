@@ -484,20 +484,3 @@ def unit_keys(inputs: TowerInput) -> Tensor:
         items, patches, dim = keys.shape
         keys = keys.reshape(items, patches // inputs.merge, inputs.merge, dim).mean(dim=2)
     return keys
-
-
-# Per-group features that ride with the patches through a step that folds member into member (Qwen3-VL's
-# DeepStack taps through FiCoCo-V's groups): the transformers adapters and the vLLM plugin carry them alike.
-def spread_over_members(features: Tensor, merge: int) -> Tensor:
-    """Per-group features `(n, G, C)` as per-patch channels `(n, G * merge, ceil(C / merge))`: member m of a group
-    carries the m-th slice of its group's features (zero-padded), so that a step that folds member into member
-    folds them whole."""
-    count, groups, width = features.shape
-    padded = -(-width // merge) * merge
-    return F.pad(features, (0, padded - width)).reshape(count, groups * merge, padded // merge)
-
-
-def gather_members(channels: Tensor, merge: int, width: int) -> Tensor:
-    """`spread_over_members` undone: `(n, K * merge, c)` -> `(n, K, width)`."""
-    count = channels.shape[0]
-    return channels.reshape(count, -1, merge * channels.shape[-1])[..., :width]

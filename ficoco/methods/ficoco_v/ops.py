@@ -47,6 +47,8 @@ class VReduction:
         merge_target: ``(B, r)`` for every removed patch (in ``discarded_grid`` order), the
             column in ``grid_index`` of the kept patch that received most of it; None when
             nothing was removed.
+        riding: ``(B, N - r, C)`` the features that rode with the patches (``riding`` of
+            `reduce_v`), folded with the patches' weights; None when none rode.
     """
 
     hidden: Tensor
@@ -54,6 +56,7 @@ class VReduction:
     discarded_grid: Tensor
     kept_positions: Tensor
     merge_target: Tensor | None = None
+    riding: Tensor | None = None
 
     @property
     def kept_grid(self) -> Tensor:
@@ -204,6 +207,7 @@ def reduce_v(
     coefficient: float = COEFFICIENT,
     equivalent: bool = False,
     semantic: Tensor | None = None,
+    riding: Tensor | None = None,
 ) -> VReduction:
     """One FiCoCo-V step: filter, correlate and compress ``r`` patches of one layer.
 
@@ -221,6 +225,10 @@ def reduce_v(
         coefficient: local-penalty factor.
         equivalent: score with the equivalent token instead of ``[CLS]`` (which still stays at 0).
         semantic: ``(B, N)`` the semantic term given instead of read (``vision_scores``).
+        riding: ``(B, N, C)`` per-patch features that ride with the patches (Qwen3-VL's DeepStack taps so
+            far): nothing is decided from them; they are folded with the weights the patches are folded with,
+            apart from the hidden states (a fold is per channel, so this equals folding them in extra channels
+            of the hidden states, without the copies that would make them part of every step's tensors).
 
     Returns:
         A :class:`VReduction`. With ``r == 0`` the input hidden states come back unchanged.
@@ -246,6 +254,7 @@ def reduce_v(
             grid_index=grid_index,
             discarded_grid=grid_index[:, :0],
             kept_positions=positions,
+            riding=riding,
         )
 
     scores = vision_scores(attn, has_cls, keys=keys, lam=lam, equivalent=equivalent, semantic=semantic)
@@ -263,6 +272,7 @@ def reduce_v(
         discarded_grid=torch.gather(grid_index, 1, source),
         kept_positions=torch.cat([cls_positions, target + offset], dim=1),
         merge_target=main_targets(alpha),
+        riding=None if riding is None else compress(riding, source, target, alpha),
     )
 
 
@@ -303,6 +313,8 @@ class GroupReduction:
         kept_positions: ``(B, G - r)`` index of every kept group in the input sequence of groups.
         merge_target: ``(B, r)`` for every removed group, the column in ``kept_groups`` of the
             group that received most of it (member m went into member m); None when none was removed.
+        riding: ``(B, G - r, C)`` per-group features folded with the groups' weights (`reduce_groups`'
+            ``riding``); None when none rode.
     """
 
     hidden: Tensor
@@ -310,12 +322,13 @@ class GroupReduction:
     discarded_groups: Tensor
     kept_positions: Tensor
     merge_target: Tensor | None = None
+    riding: Tensor | None = None
 
 
 def reduce_groups(hidden: Tensor, attn: Tensor | AttentionReads, keys: Tensor | None, r: int, group_index: Tensor,
                   group_grid: tuple[int, int], *, merge: int = 4, lam: float = LAM, eps: float = EPS,
                   window: int = WINDOW, coefficient: float = COEFFICIENT, has_cls: bool = False,
-                  equivalent: bool = False) -> GroupReduction:
+                  equivalent: bool = False, riding: Tensor | None = None) -> GroupReduction:
     """FiCoCo-V on patches that leave in groups of `merge` consecutive tokens.
 
     A group's redundancy is the mean of its members' (`lam * v_j - (1 - lam) * a_j`, `a_j`
@@ -336,6 +349,9 @@ def reduce_groups(hidden: Tensor, attn: Tensor | AttentionReads, keys: Tensor | 
         group_grid: ``(rows, cols)`` of the original group grid.
         has_cls: ``attn`` holds [CLS] at 0: a group's semantic term is the mean of its members' ``A[0, j]``
             (the equivalent token's with ``equivalent``), as a patch's is on a tower with [CLS].
+        riding: ``(B, G, C)`` per-group features that ride with the groups (Qwen3-VL's DeepStack taps so far),
+            folded with the weights the groups are folded with: a group's weight applies to all its members
+            alike, so its features fold as its members do.
 
     Returns:
         A :class:`GroupReduction`.
@@ -359,11 +375,12 @@ def reduce_groups(hidden: Tensor, attn: Tensor | AttentionReads, keys: Tensor | 
     # The members of a group travel as one vector of merge x D, so compress folds them member by member.
     red: VReduction = reduce(hidden.reshape(batch, groups, merge * dim), GroupReads(reads, merge, offset), r,
                              group_index, group_grid, has_cls=False, lam=lam, eps=eps, window=window,
-                             coefficient=coefficient, semantic=semantic)
+                             coefficient=coefficient, semantic=semantic, riding=riding)
     return GroupReduction(
         hidden=red.hidden.reshape(batch, -1, dim),
         kept_groups=red.grid_index,
         discarded_groups=red.discarded_grid,
         kept_positions=red.kept_positions,
         merge_target=red.merge_target,
+        riding=red.riding,
     )

@@ -20,6 +20,7 @@ chosen by index tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +47,9 @@ SCORE_BUDGET_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 28}
 # FiCoCo-V's fifteen reads of Qwen3-VL-8B's tower took 329-338 ms against 377-380 (three alternated runs each on
 # the 2-core AMX Xeon; 16 MB of bf16 scores per block spill what the product just wrote before the kernel reads
 # it), though a read repeated at once is as fast either way (an 8 M block was 8 % faster there); FiCoCo-L's
-# reads of its decoder (a few hundred rows a layer) took the same at both.
+# reads of its decoder (a few hundred rows a layer) took the same at both. With a column read's blocks taken one key
+# head at a time (`_products`' by_head), 4 M still beat 8 M in the model (FiCoCo-V's reads of the 8B's tower: 318-323
+# against 332-335 ms, two alternated runs each), though 8 M was faster read after read in a loop.
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 NATIVE_SCORE_BUDGET = 1 << 22
 
@@ -260,12 +263,14 @@ class ProbedAttention(AttentionReads):
         # The kernel adds each call's (each thread's) float32 sums into double accumulators, over the blocks too.
         total = torch.zeros(batch, k_len, dtype=torch.float64)
         threads = torch.get_num_threads()
-        for b0, _, _, _, scores, limits, scale in self._score_blocks(rows, first_row):
-            n, _, width, keys = scores.shape
-            per_row = None if limits is None else limits.unsqueeze(1).expand(n, heads, width).contiguous()
+        # A column sum takes its rows in any order: one key head at a time, whose products are one matrix product
+        # of many rows (`_products`' by_head).
+        for b0, _, _, _, scores, limits, scale in self._score_blocks(rows, first_row, by_head=True):
+            n, block_heads, width, keys = scores.shape
+            per_row = None if limits is None else limits.unsqueeze(1).expand(n, block_heads, width).contiguous()
             function = kernel.ficoco_colsum_bf16 if scores.dtype == torch.bfloat16 else kernel.ficoco_colsum_f32
             for b in range(n):
-                function(scores[b].data_ptr(), heads * width, keys, scale,
+                function(scores[b].data_ptr(), block_heads * width, keys, scale,
                          None if per_row is None else per_row[b].data_ptr(), total[b0 + b].data_ptr(), threads)
         return total.div_(heads).to(torch.float32)
 
@@ -297,10 +302,11 @@ class ProbedAttention(AttentionReads):
         return torch.gather(every, 2, cols.unsqueeze(1).expand(-1, rows.shape[1], -1))
 
     def _row_steps(self, count: int, first_row: int, rows: Tensor | None, last: int | None, per_row: int,
-                   budget: int) -> list[tuple[int, int, int]]:
+                   budget: int, even: bool = False) -> list[tuple[int, int, int]]:
         """(r0, r1, keys) of every block of rows: at most `budget` scores each; in a causal layer whose rows are
         known to lie below a bound (a range, or `last`), tiles of CAUSAL_TILE_ROWS rows reading only the keys up
-        to their bound (`causal_tiles`), each split further where it exceeds the budget."""
+        to their bound (`causal_tiles`), each split further where it exceeds the budget; with `even`, a tile's
+        blocks of equal size (no small last block, whose product runs slower)."""
         _, q_len, k_len = self.shape
         bound = first_row + count - 1 if rows is None else last
         if self.causal and bound is not None and q_len > 1:
@@ -310,30 +316,41 @@ class ProbedAttention(AttentionReads):
         steps = []
         for t0, t1, keys in tiles:
             step = max(1, min(t1 - t0, budget // max(1, per_row)))
+            if even:
+                step = -(-(t1 - t0) // -(-(t1 - t0) // step))
             steps += [(r0, min(t1, r0 + step), keys) for r0 in range(t0, t1, step)]
         return steps
 
-    def _score_blocks(self, rows: Tensor | None, first_row: int, last: int | None = None):  # noqa: ANN202
+    def _score_blocks(self, rows: Tensor | None, first_row: int, last: int | None = None,  # noqa: ANN202
+                      by_head: bool = False):
         """For the native kernel: (b0, b1, r0, r1, scores (n, H, rows, keys) contiguous, limits, scale) over the
         requested rows (as `_blocks`): the products q . k^T as the rule computes them (the model rule's in the
         model's dtype, unscaled; the float32 rule's of the scaled queries in float32), the keys each row sees
         ((n, rows) int64, under the causal rule; else None) and the scale the kernel applies (1 where the
-        queries carry it)."""
-        for b0, b1, r0, r1, scores, row_index, keys in self._products(rows, first_row, last, NATIVE_SCORE_BUDGET):
+        queries carry it). With `by_head`, one key head's query heads per block ((n, H / H_kv, rows, keys)),
+        heads in order."""
+        heads = self.query.shape[1] // self.key.shape[1] if by_head else self.query.shape[1]
+        for b0, b1, r0, r1, scores, row_index, keys in self._products(rows, first_row, last, NATIVE_SCORE_BUDGET,
+                                                                      by_head=by_head):
             limits = None
             if self.causal and self.shape[1] > 1:
                 _, q_len, k_len = self.shape
                 limits = (row_index + (k_len - q_len) + 1).clamp(0, keys).to(torch.int64).contiguous()
-            yield (b0, b1, r0, r1, scores.view(b1 - b0, self.query.shape[1], r1 - r0, keys), limits,
+            yield (b0, b1, r0, r1, scores.view(b1 - b0, heads, r1 - r0, keys), limits,
                    self.scale if self.scores == "model" else 1.0)
 
     def _products(self, rows: Tensor | None, first_row: int, last: int | None = None,  # noqa: ANN202
-                  default_budget: int | None = None):
+                  default_budget: int | None = None, by_head: bool = False):
         """(b0, b1, r0, r1, scores (n, H_kv, g x rows, keys), row_index (n, rows), keys) over the requested query
         rows: the index `rows` (B, R), or the range first_row .. Tq - 1, in blocks of at most the score budget;
         `keys` the leading keys a block reads (all, or in a causal layer those its rows can see). The scores are
         the rule's products (ficoco.methods.reads), before the model rule's scale, mask and softmax. The budget:
-        the reader's own, else `default_budget`, else the device's (SCORE_BUDGET_ELEMENTS)."""
+        the reader's own, else `default_budget`, else the device's (SCORE_BUDGET_ELEMENTS).
+
+        With `by_head`, each block is one key head's (n, 1, g x rows, keys), the key heads in order, its rows
+        blocked by that head's scores alone: a few products of many rows rather than one of every head over a
+        few rows each (on a 2-core AMX Xeon a read of Qwen3-VL's 2,304-token tower layer took its products in
+        11.6 ms by head against 16.1 by rows of every head)."""
         query, key = self.query, self.key
         batch, heads, q_len, dim = query.shape
         kv_heads, k_len = key.shape[1], key.shape[2]
@@ -343,12 +360,14 @@ class ProbedAttention(AttentionReads):
             return
         budget = self.budget or default_budget or SCORE_BUDGET_ELEMENTS.get(query.device.type,
                                                                             SCORE_BUDGET_ELEMENTS["cpu"])
-        per_row = heads * k_len
+        block_heads = groups if by_head else heads
+        per_row = block_heads * k_len
         batch_step = max(1, min(batch, budget // max(1, per_row * count)))
         if batch_step > 1:
-            steps = self._row_steps(count, first_row, rows, last, per_row * batch_step, budget * batch_step)
+            steps = self._row_steps(count, first_row, rows, last, per_row * batch_step, budget * batch_step,
+                                    even=by_head)
         else:
-            steps = self._row_steps(count, first_row, rows, last, per_row, budget)
+            steps = self._row_steps(count, first_row, rows, last, per_row, budget, even=by_head)
         row_step = max(r1 - r0 for r0, r1, _ in steps)
         model_rule = self.scores == "model"
         score_dtype = query.dtype if model_rule else torch.float32
@@ -359,7 +378,7 @@ class ProbedAttention(AttentionReads):
         # on a CPU); not under torch.jit's tracer (flops --verify), which counts an op by its inputs and would take
         # the `out=` buffer for one, nor where autograd records the reads (a loss through the method's merge
         # weights), which `out=` does not support.
-        size = batch_step * heads * row_step * k_len if self._buffered() else 0
+        size = batch_step * block_heads * row_step * k_len if self._buffered() else 0
         score_buffer = _scratch("scores", size, score_dtype, query.device)
         for b0 in range(0, batch, batch_step):
             b1 = min(batch, b0 + batch_step)
@@ -375,17 +394,23 @@ class ProbedAttention(AttentionReads):
                         picked = query[b0:b1].index_select(2, row_index[0])
                     else:
                         picked = gather_rows(query[b0:b1].transpose(1, 2), row_index).transpose(1, 2)
-                # (n, H_kv, g x rows, d): a key head's query heads stacked, so no key is repeated.
-                stacked = picked.reshape(n, kv_heads, groups * width, dim)
-                if not model_rule:
-                    stacked = (stacked * self.scale).float()
-                shape = (n, kv_heads, groups * width, keys)
-                if size:
-                    scores = score_buffer[:n * heads * width * keys].view(shape)
-                    torch.matmul(stacked, keys_t[b0:b1, :, :, :keys], out=scores)
-                else:
-                    scores = torch.matmul(stacked, keys_t[b0:b1, :, :, :keys])
-                yield b0, b1, r0, r1, scores, row_index, keys
+                for h0 in range(0, kv_heads, 1 if by_head else kv_heads):
+                    h1 = h0 + 1 if by_head else kv_heads
+                    # (n, key heads, g x rows, d): a key head's query heads stacked, so no key is repeated.
+                    stacked = picked[:, h0 * groups:h1 * groups].reshape(n, h1 - h0, groups * width, dim)
+                    if not model_rule:
+                        stacked = (stacked * self.scale).float()
+                    shape = (n, h1 - h0, groups * width, keys)
+                    if size and shape[:2] == (1, 1):
+                        # One matrix product: torch's batched product would copy the strided rows first.
+                        scores = score_buffer[:math.prod(shape)].view(shape)
+                        torch.mm(stacked[0, 0], keys_t[b0, h0, :, :keys], out=scores[0, 0])
+                    elif size:
+                        scores = score_buffer[:math.prod(shape)].view(shape)
+                        torch.matmul(stacked, keys_t[b0:b1, h0:h1, :, :keys], out=scores)
+                    else:
+                        scores = torch.matmul(stacked, keys_t[b0:b1, h0:h1, :, :keys])
+                    yield b0, b1, r0, r1, scores, row_index, keys
 
     def _buffered(self) -> bool:
         recorded = torch.is_grad_enabled() and (self.query.requires_grad or self.key.requires_grad)

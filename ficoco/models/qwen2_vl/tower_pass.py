@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
-from ficoco.methods.ops import gather_members, spread_over_members
 from ficoco.methods.reads.ops import stack_reads
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
@@ -226,27 +225,23 @@ class TowerBlocks:
             else:
                 x = torch.stack([pieces[i] for i in images])
             attn = stack_reads([chunks[i][0] for i in images])
-            keys = torch.cat([chunks[i][1] for i in images])
+            # One image's keys as its attention call kept them (a copy per reducing layer otherwise).
+            keys = chunks[images[0]][1] if len(images) == 1 else torch.cat([chunks[i][1] for i in images])
             index = torch.stack([tower.kept_groups[i] for i in images])
-            # Per-group features that ride with the patches (Qwen3-VL's DeepStack taps so far), split over every
-            # group's members: FiCoCo-V decides from the attention and keys alone and folds member into member,
-            # so they are folded with the weights the patches are folded with.
+            # Per-group features that ride with the patches (Qwen3-VL's DeepStack taps so far): FiCoCo-V decides
+            # from the attention and keys alone, so they are folded with the weights the groups are folded with.
             riding = adapter.riding_features(tower, images)
-            if riding is not None:
-                x = torch.cat([x, spread_over_members(riding, adapter.merge)], dim=-1)
             red = handle.run_method(("vision", layer_idx), reduce_groups, x, attn, keys, r, index,
                                     (rows // adapter.merge_size, cols // adapter.merge_size), merge=adapter.merge,
                                     lam=params.lam, eps=params.eps, window=params.window,
-                                    coefficient=params.coefficient)
+                                    coefficient=params.coefficient, riding=riding)
             merged_into = None if red.merge_target is None else group_patch_targets(
                 red.discarded_groups, torch.gather(red.kept_groups, 1, red.merge_target), cols, adapter.merge_size)
             handle.record("vision", layer_idx, kept=group_patches(red.kept_groups, cols, adapter.merge_size),
                           discarded=group_patches(red.discarded_groups, cols, adapter.merge_size),
                           merged_into=merged_into)
-            reduced = red.hidden[..., :hidden.shape[-1]]
-            rode = None if riding is None else gather_members(red.hidden[..., hidden.shape[-1]:], adapter.merge,
-                                                              riding.shape[-1])
-            adapter.follow_groups(tower, images, red.kept_positions, merges=True, features=rode)
+            reduced = red.hidden
+            adapter.follow_groups(tower, images, red.kept_positions, merges=True, features=red.riding)
             for b, image in enumerate(images):
                 new_hidden[image] = reduced[b]
                 kept_positions[image] = red.kept_positions[b]
@@ -259,8 +254,8 @@ class TowerBlocks:
         new_lengths = torch.tensor(tower.lengths, device=cu_seqlens.device)
         tower.cu_seqlens = F.pad(new_lengths.cumsum(0), (1, 0)).to(cu_seqlens.dtype)
         tower.max_seqlen = max(tower.lengths)
-        if pieces is None:
-            return torch.stack(new_hidden).reshape(-1, hidden.shape[-1])
+        if pieces is None:  # one image size: its step's output holds every image, in order
+            return reduced.reshape(-1, hidden.shape[-1])
         return torch.cat(new_hidden)
 
     # -- merges of whole merge groups inside tower blocks (ToMe) ------------------------------

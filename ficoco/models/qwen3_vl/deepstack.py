@@ -8,8 +8,9 @@ decoder layer i. A method that removes or merges visual tokens must do the same 
   taps side by side in the channels, rows in the pass's group order) and follows every step of the method
   (Qwen2-VL's parts ask `Qwen2VLAdapter.riding_features` before a step and tell `follow_groups` after it): a
   method whose merges are decided from the keys and the attention alone (`MethodSpec.merges_by_keys`: FiCoCo-V,
-  ToMe, VisionZip) takes the features through its one step beside the hidden states, in extra channels, so
-  they are merged with its own weights; a step of any other method that only keeps hands on the rows of the
+  ToMe, VisionZip) takes the features through its one step beside the hidden states (in extra channels; FiCoCo-V
+  as `reduce_groups`' riding features, folded apart with the same weights), so they are merged with its own
+  weights; a step of any other method that only keeps hands on the rows of the
   groups it kept, exactly (one that merges otherwise is refused in one line). A tap after a reducing block sees
   only the kept groups already; the encoder (`DeepStackOrder.encode`) hands the decoder every image's kept
   features per tap.

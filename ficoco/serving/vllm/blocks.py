@@ -11,10 +11,10 @@ kept groups only; its output goes back to the unreduced window-order rows (the r
 tower's own reordering puts in grid order, and the model keeps each image's kept rows.
 
 On Qwen3-VL (no windows: every block attends over whole images) DeepStack's taps ride through every reduction
-after them, as on transformers: a tap's features per group, spread over the group's patches in extra channels,
-are folded with the weights the patches are folded with (`spread_over_members`); a tap after a reduction sees the
-kept groups only. Each tap's output goes back to every group's row (the removed ones zero), and once the tower ran
-its rows hold what rode to the end, so that the model keeps each image's kept rows of every tap.
+after them, as on transformers: a tap's features per group are folded with the weights the groups are folded
+with (`reduce_groups`' riding features); a tap after a reduction sees the kept groups only. Each tap's output goes
+back to every group's row (the removed ones zero), and once the tower ran its rows hold what rode to the end, so
+that the model keeps each image's kept rows of every tap.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ficoco.errors import FicocoError
-from ficoco.methods.ops import gather_members, spread_over_members
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.methods.reads.ops import ProbedAttention, SegmentedReads, stack_reads
 from ficoco.serving.vllm.settings import ImagePlan
@@ -197,7 +196,6 @@ class TowerBlocks:
         pieces = hidden.squeeze(1).split(lengths)
         new_hidden: list[Tensor | None] = [None] * len(lengths)
         kept_at: list[Tensor | None] = [None] * len(lengths)
-        width = hidden.shape[-1]
         for grid, images in tower.by_size().items():
             _, h, w = grid
             settings = self.plans[grid].settings_dict()
@@ -214,17 +212,16 @@ class TowerBlocks:
             x = torch.stack([pieces[i] for i in images])
             riding = None
             if tower.carried and tower.carried[images[0]] is not None:  # DeepStack's taps so far ride along
-                riding = torch.stack([tower.carried[i] for i in images])  # type: ignore[misc]
-                x = torch.cat([x, spread_over_members(riding, merge).to(x.dtype)], dim=-1)
+                riding = torch.stack([tower.carried[i] for i in images]).to(x.dtype)  # type: ignore[misc]
             red = self.reduce_groups(x, stack_reads([reads[i] for i in images]),
                                      torch.cat([keys[i] for i in images]), remove,
                                      torch.stack([tower.current[i] for i in images]),
                                      (h // tower.merge_size, w // tower.merge_size), merge=merge,
                                      lam=settings["lam"], eps=settings["eps"], window=settings["window"],
-                                     coefficient=settings["coefficient"])
-            rode = None if riding is None else gather_members(red.hidden[..., width:], merge, riding.shape[-1])
+                                     coefficient=settings["coefficient"], riding=riding)
+            rode = red.riding
             for b, image in enumerate(images):
-                new_hidden[image] = red.hidden[b, :, :width]
+                new_hidden[image] = red.hidden[b]
                 kept_at[image] = red.kept_positions[b]
                 tower.current[image] = red.kept_groups[b]
                 if rode is not None:
