@@ -79,7 +79,8 @@ class GroupsModule(TowerModule, Protocol):
 
     def reduce_groups(self, hidden: Tensor, attn: Tensor, keys: Tensor, r: int, group_index: Tensor,
                       group_grid: tuple[int, int], **settings: Any) -> Any:
-        """Remove `r` merge groups of `merge` consecutive patches."""
+        """Remove `r` merge groups of `merge` consecutive patches; ``riding=`` (B, G, C) per-group features (Qwen3-VL's
+        DeepStack taps) come back folded with the groups' weights as the result's ``riding``."""
         ...
 
 
