@@ -401,15 +401,15 @@ class ProbedAttention(AttentionReads):
                     if not model_rule:
                         stacked = (stacked * self.scale).float()
                     shape = (n, h1 - h0, groups * width, keys)
-                    if size and shape[:2] == (1, 1):
+                    if not size:
+                        scores = torch.matmul(stacked, keys_t[b0:b1, h0:h1, :, :keys])
+                    elif shape[:2] == (1, 1):
                         # One matrix product: torch's batched product would copy the strided rows first.
                         scores = score_buffer[:math.prod(shape)].view(shape)
                         torch.mm(stacked[0, 0], keys_t[b0, h0, :, :keys], out=scores[0, 0])
-                    elif size:
+                    else:
                         scores = score_buffer[:math.prod(shape)].view(shape)
                         torch.matmul(stacked, keys_t[b0:b1, h0:h1, :, :keys], out=scores)
-                    else:
-                        scores = torch.matmul(stacked, keys_t[b0:b1, h0:h1, :, :keys])
                     yield b0, b1, r0, r1, scores, row_index, keys
 
     def _buffered(self) -> bool:

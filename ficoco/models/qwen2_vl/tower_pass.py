@@ -240,10 +240,9 @@ class TowerBlocks:
             handle.record("vision", layer_idx, kept=group_patches(red.kept_groups, cols, adapter.merge_size),
                           discarded=group_patches(red.discarded_groups, cols, adapter.merge_size),
                           merged_into=merged_into)
-            reduced = red.hidden
             adapter.follow_groups(tower, images, red.kept_positions, merges=True, features=red.riding)
             for b, image in enumerate(images):
-                new_hidden[image] = reduced[b]
+                new_hidden[image] = red.hidden[b]
                 kept_positions[image] = red.kept_positions[b]
                 tower.kept_groups[image] = red.kept_groups[b]
         members = torch.arange(adapter.merge, device=hidden.device)
@@ -254,8 +253,8 @@ class TowerBlocks:
         new_lengths = torch.tensor(tower.lengths, device=cu_seqlens.device)
         tower.cu_seqlens = F.pad(new_lengths.cumsum(0), (1, 0)).to(cu_seqlens.dtype)
         tower.max_seqlen = max(tower.lengths)
-        if pieces is None:  # one image size: its step's output holds every image, in order
-            return reduced.reshape(-1, hidden.shape[-1])
+        if pieces is None:  # one image size, so one step above: its output holds every image, in order
+            return red.hidden.reshape(-1, hidden.shape[-1])
         return torch.cat(new_hidden)
 
     # -- merges of whole merge groups inside tower blocks (ToMe) ------------------------------
