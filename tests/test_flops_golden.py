@@ -31,6 +31,18 @@ def test_the_golden_set_covers_every_profile_and_convention():
     assert sum(len(entry["report"].get("rows", ())) for entry in GOLDEN_CASES) > 15000
 
 
+def test_the_golden_set_counts_every_registered_method():
+    """A method added to the registry joins a wave of make_flops_golden.METHOD_WAVES and its cases are added on
+    purpose (`make_flops_golden.py --add-methods NAME`), so that its figures are held as the others' are."""
+    from golden.make_flops_golden import METHOD_WAVES
+
+    from ficoco.methods import METHODS
+
+    counted = {name for entry in GOLDEN_CASES for name in entry["case"]["variants"]}
+    assert set(METHODS) <= {name for wave in METHOD_WAVES for name in wave}, "a method is in no wave"
+    assert set(METHODS) <= counted, f"no golden case counts {sorted(set(METHODS) - counted)}: add the wave's cases"
+
+
 @pytest.mark.parametrize("model", sorted({entry["case"]["model"] for entry in GOLDEN_CASES}))
 def test_every_flops_figure_equals_the_golden_set(model):
     mismatched = []

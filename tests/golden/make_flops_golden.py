@@ -5,6 +5,12 @@ tests/test_flops_golden.py can prove the refactor moved no figure.
     python tests/golden/make_flops_golden.py          # rewrite (only when a figure is meant to move)
     python tests/golden/make_flops_golden.py --add qwen3-vl-8b qwen3-vl-tiny   # add (or redo) these profiles'
                                                                                # cases; every other case stays
+    python tests/golden/make_flops_golden.py --add-methods vtw gprune         # add (or redo) the cases of the
+                                                                               # waves holding these methods
+
+The methods come in waves (`METHOD_WAVES`): each wave's methods are counted in cases of their own, so that
+adding a wave adds rows and moves none (`--add-methods NAME...` computes the cases of the waves that hold
+those names and keeps every other case as it is). A registered method in no wave fails the golden test.
 
 The environment and version fields are left out: they describe the machine, not the count.
 """
@@ -20,6 +26,13 @@ HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "flops.json.gz"
 # The fields of a report that say where and when it was made, not what it counts.
 VOLATILE = ("environment", "ficoco_version")
+# The methods of each case, wave by wave: the first fourteen (FiCoCo and the baselines of 2024-2025), then the
+# methods the 2025-2026 literature compares against (issue 53). A new method joins a new wave, so that no
+# existing case changes its variants (one variant refused by a budget can end a whole case in an error).
+METHOD_WAVES: tuple[tuple[str, ...], ...] = (
+    ("v", "l", "fastv", "pdrop", "sparsevlm", "dart", "tome", "visionzip", "fastervlm", "prumerge", "divprune",
+     "vispruner", "cdpruner", "holitom"),
+)
 
 
 def cases() -> list[dict]:
@@ -28,7 +41,9 @@ def cases() -> list[dict]:
     from ficoco.methods import METHODS
     from ficoco.profiles import list_profiles
 
-    variants = [name for name in METHODS]
+    unplaced = [name for name in METHODS if not any(name in wave for wave in METHOD_WAVES)]
+    if unplaced:
+        raise SystemExit(f"methods in no wave of METHOD_WAVES: {', '.join(unplaced)}; add them as a new wave")
     budgets = [{}, {"preset": 64}, {"preset": 192}, {"keep": 100}, {"keep": 16}, {"tflops": 1.5}, {"tflops": 3.3},
                {"schedule": "2:100", "variants": ["v", "l", "fastv", "pdrop", "tome"]}]
     out = []
@@ -36,17 +51,21 @@ def cases() -> list[dict]:
         for convention in CONVENTIONS:
             scopes = ("llm",) if convention in LLM_ONLY_CONVENTIONS else ("llm", "all")
             for scope in scopes:
-                for budget in budgets:
-                    budget = dict(budget)
-                    names = budget.pop("variants", variants)
-                    out.append({"model": model, "variants": names, "convention": convention, "scope": scope,
-                                "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "h100-sxm",
-                                **budget})
+                for index, wave in enumerate(METHOD_WAVES):
+                    for budget in budgets:
+                        budget = dict(budget)
+                        if "variants" in budget and index:  # the --schedule case names first-wave methods
+                            continue
+                        names = budget.pop("variants", list(wave))
+                        out.append({"model": model, "variants": names, "convention": convention, "scope": scope,
+                                    "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "h100-sxm",
+                                    **budget})
     # The count's other options, once each on the main job's model.
     for options in ({"equivalent": True}, {"kv_bits": 4}, {"batch": 2}, {"text_tokens": 100}, {"lm_head": "last"},
                     {"first_layer": 4, "tflops": 2.0}, {"shape": "uniform", "tflops": 2.0}):
-        out.append({"model": "llava-1.5-7b", "variants": variants, "convention": "flops", "scope": "all",
-                    "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "a800-80gb", **options})
+        for wave in METHOD_WAVES:
+            out.append({"model": "llava-1.5-7b", "variants": list(wave), "convention": "flops", "scope": "all",
+                        "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "a800-80gb", **options})
     return out
 
 
@@ -65,7 +84,23 @@ def run(case: dict) -> dict:
 
 def main() -> None:
     args = sys.argv[1:]
-    if args and args[0] == "--add":
+    if args and args[0] == "--add-methods":
+        # A new wave's cases, made on purpose: every case of the other waves is kept as it is.
+        named = set(args[1:])
+        if not named:
+            raise SystemExit("--add-methods needs the methods whose cases to add")
+        waves = [set(wave) for wave in METHOD_WAVES if named & set(wave)]
+        if not waves:
+            raise SystemExit(f"no wave of METHOD_WAVES holds {', '.join(sorted(named))}")
+
+        def of_added(case: dict) -> bool:
+            return any(set(case["variants"]) <= wave for wave in waves)
+
+        kept = [entry for entry in json.loads(gzip.decompress(GOLDEN.read_bytes())) if not of_added(entry["case"])]
+        new = [{"case": case, "report": run(case)} for case in cases() if of_added(case)]
+        order = {json.dumps(case, sort_keys=True): k for k, case in enumerate(cases())}
+        results = sorted(kept + new, key=lambda entry: order.get(json.dumps(entry["case"], sort_keys=True), -1))
+    elif args and args[0] == "--add":
         # A new profile's cases, made on purpose: the cases of every other profile are kept as they are.
         added = set(args[1:])
         if not added:
@@ -76,7 +111,8 @@ def main() -> None:
         order = {json.dumps(case, sort_keys=True): k for k, case in enumerate(cases())}
         results = sorted(kept + new, key=lambda entry: order.get(json.dumps(entry["case"], sort_keys=True), -1))
     elif args:
-        raise SystemExit(f"unknown arguments {args}: give none (rewrite all) or --add PROFILE...")
+        raise SystemExit(f"unknown arguments {args}: give none (rewrite all), --add PROFILE... or --add-methods "
+                         "NAME...")
     else:
         results = [{"case": case, "report": run(case)} for case in cases()]
     data = json.dumps(results, sort_keys=True, separators=(",", ":")).encode()
