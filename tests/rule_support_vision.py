@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import ficoco
@@ -120,3 +121,94 @@ def assert_decided(scores: Tensor, k: int, gap: float = 1e-7) -> None:
     margin = ranked[:, k - 1] - ranked[:, k]
     if not bool((margin > gap).all()):
         raise RuntimeError(f"these inputs do not decide the top {k}: margins {margin.tolist()}; pick another seed")
+
+
+# ---- Qwen2-VL (qwen2-vl-tiny): no [CLS], a packed tower, merge groups of 2 x 2 patches as the units ----------
+
+@dataclass(frozen=True)
+class QwenTowerPass:
+    """One forward of the unpatched Qwen2-VL tower: per image the last block's keys ``(H, T, d)`` as its
+    attention uses them (rotary applied), in the tower's order (a merge group's 4 patches consecutive, the groups
+    row-major); the PatchMerger's input ``(patches, C)`` and output ``(groups, D)`` of every image in turn; every
+    image's ``(rows, cols)`` of patches."""
+
+    keys: list[Tensor]
+    merger_input: Tensor
+    merger_output: Tensor
+    grids: list[tuple[int, int]]
+
+    def image_groups(self, image: int, tensor: Tensor, per_group: int = 1) -> Tensor:
+        """The rows of `tensor` (every image's groups, `per_group` rows each, in turn) that belong to `image`."""
+        sizes = [rows * cols // 4 * per_group for rows, cols in self.grids]
+        return tensor.split(sizes)[image]
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def unpatched_qwen_tower(model: nn.Module, inputs: dict[str, Tensor]) -> QwenTowerPass:
+    """The unpatched Qwen2-VL tower on `inputs`: the last block's keys recomputed from its own ``qkv`` and the
+    rotary table it was given, and the merger's input and output."""
+    if "_ficoco_handle" in model.__dict__:
+        raise RuntimeError("the official quantities come from the unpatched model: remove the handle first")
+    visual = model.model.visual
+    seen: dict[str, Any] = {}
+
+    def block_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen["hidden"] = args[0] if args else kwargs["hidden_states"]
+        seen["cu_seqlens"], seen["rotary"] = kwargs["cu_seqlens"], kwargs["position_embeddings"]
+
+    hooks = [visual.blocks[-1].attn.register_forward_pre_hook(block_input, with_kwargs=True),
+             visual.merger.register_forward_hook(lambda m, args, out: seen.update(merger_in=args[0], merger_out=out))]
+    try:
+        with torch.no_grad():
+            model.model.get_image_features(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    attn = visual.blocks[-1].attn
+    tokens = seen["hidden"].shape[0]
+    with torch.no_grad():
+        keys = attn.qkv(seen["hidden"]).reshape(tokens, 3, attn.num_heads, -1)[:, 1]  # (T, H, d)
+    cos, sin = (t.unsqueeze(-2).float() for t in seen["rotary"])
+    keys = (keys.float() * cos + _rotate_half(keys.float()) * sin).to(keys.dtype)
+    lengths = (seen["cu_seqlens"][1:] - seen["cu_seqlens"][:-1]).tolist()
+    grids = [(int(h), int(w)) for _, h, w in inputs["image_grid_thw"].tolist()]
+    return QwenTowerPass(keys=[k.transpose(0, 1) for k in keys.split(lengths)], merger_input=seen["merger_in"],
+                         merger_output=seen["merger_out"], grids=grids)
+
+
+def qwen_patched_run(model: nn.Module, inputs: dict[str, Tensor], method: str, **setting: Any) -> PatchedRun:
+    """`patched_run` for Qwen2-VL: the merger's LayerNorm input (after a cut at the tower's output) and the
+    merger's output (after a cut there, every image's kept groups in turn)."""
+    merger = model.model.visual.merger
+    seen: dict[str, Tensor] = {}
+    with torch.no_grad(), ficoco.apply(model, method, **setting) as handle:
+        hooks = [merger.ln_q.register_forward_pre_hook(lambda m, args: seen.__setitem__("in", args[0])),
+                 merger.register_forward_hook(lambda m, args, out: seen.__setitem__("out", out))]
+        try:
+            model(**inputs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        records = list(handle.records)
+        settings = handle.schedule.settings_dict()
+    return PatchedRun(records=records, projector_input=seen["in"], llm_visual=seen["out"], settings=settings)
+
+
+def group_patch_indices(groups: list[int], cols: int) -> list[int]:
+    """The row-major patch-grid indices (sorted) of the 2 x 2 merge groups `groups` (row-major on the group
+    grid) of an image `cols` patches wide: what ficoco's records hold for the groups a cut keeps."""
+    return sorted((2 * (g // (cols // 2)) + dr) * cols + 2 * (g % (cols // 2)) + dc
+                  for g in groups for dr in (0, 1) for dc in (0, 1))
+
+
+def equivalent_token_group_scores(keys: Tensor) -> Tensor:
+    """``(groups,)`` ficoco's score of every merge group on a tower without [CLS] (docs/methods/ficoco.md, the
+    equivalent token): ``-cos(mean_j M_j, M_i)`` of every patch's head-mean key ``M_i`` (``keys`` ``(H, T, d)``),
+    averaged over each group's 4 consecutive patches."""
+    mean_keys = keys.mean(dim=0)
+    score = -F.cosine_similarity(mean_keys.mean(dim=0, keepdim=True), mean_keys, dim=-1)
+    return score.reshape(-1, 4).mean(dim=1)

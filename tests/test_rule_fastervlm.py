@@ -13,17 +13,32 @@ Official code: Theia-4869/FasterVLM at f5d5f12037e105a51865ecb4b28a73cd86eb4921.
 The rule is computed on the unpatched tower (eager attention, its own attention probabilities) and the
 unpatched projector; ficoco computes its [CLS] row beside SDPA. docs/methods/fastervlm.md lists no departure a
 setting restores (ties aside, which these inputs do not have), so the official default is what runs.
+
+On Qwen2-VL (qwen2-vl-tiny) the tower has no [CLS] and the LLM's tokens are the PatchMerger's 2 x 2 groups: the
+official code defines neither, and ficoco scores every group by FiCoCo's equivalent token over the last block's
+keys (docs/methods/fastervlm.md), keeps the top groups after the merger, in group order; that case re-states
+that rule on the unpatched tower's keys and merger output.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from rule_support_vision import assert_decided, patched_run, unpatched_projector, unpatched_tower
+from rule_support_vision import (
+    assert_decided,
+    equivalent_token_group_scores,
+    group_patch_indices,
+    patched_run,
+    qwen_patched_run,
+    unpatched_projector,
+    unpatched_qwen_tower,
+    unpatched_tower,
+)
 from torch import Tensor, nn
 
+import ficoco
 import ficoco.methods.fastervlm.ops as fastervlm_ops
-from ficoco.models import synthetic_inputs
+from ficoco.models import qwen2_vl, synthetic_inputs
 
 TINY_PROFILE = "llava-tiny"  # built as this module's `model` (conftest.py): 64 patches, [CLS] first
 SEED = 1
@@ -58,6 +73,29 @@ def test_fastervlm_keeps_the_official_cls_attention_top_k_in_image_order(model: 
                                                                          keep: int) -> None:
     # {}: the default, the paper's 75 % row (ratio 0.75): 16 of 64 patches.
     check_fastervlm(model, setting, keep)
+
+
+@pytest.fixture(scope="module")
+def qwen() -> nn.Module:
+    return ficoco.build_model("qwen2-vl-tiny", dtype="fp32")
+
+
+@pytest.mark.parametrize("keep", [4, 10])
+def test_fastervlm_on_qwen2_vl_keeps_the_merge_groups_of_highest_equivalent_token_score(qwen: nn.Module,
+                                                                                        keep: int) -> None:
+    inputs = qwen2_vl.synthetic_inputs(qwen, batch=2, text_tokens=12, seed=SEED)
+    tower = unpatched_qwen_tower(qwen, inputs)
+    kept_patches, tokens = [], []
+    for image, (keys, (_, cols)) in enumerate(zip(tower.keys, tower.grids, strict=True)):
+        scores = equivalent_token_group_scores(keys)
+        assert_decided(scores[None], keep)
+        groups = sorted(torch.topk(scores, keep).indices.tolist())
+        kept_patches.append(group_patch_indices(groups, cols))
+        tokens.append(tower.image_groups(image, tower.merger_output)[groups])
+    run = qwen_patched_run(qwen, inputs, "fastervlm", keep=keep)
+    (record,) = run.records
+    assert record.kept.tolist() == kept_patches
+    torch.testing.assert_close(run.llm_visual, torch.cat(tokens), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("broken", ["column_off_by_one", "lowest_scores"])

@@ -19,6 +19,12 @@ The rule is computed on the unpatched tower (eager attention, its own probabilit
 checked against the tokens ficoco hands the projector (allclose) and its record of kept patches (exact). The
 official settings are ficoco's defaults; its two corrections (docs/methods/visionzip.md: ``contextual_mode=
 "mean"``, ``include_cls=False``) are checked to change what they say and nothing else.
+
+On Qwen2-VL (qwen2-vl-tiny, a 224 x 224 image: 64 merge groups) the tower has no [CLS] and the units are the
+PatchMerger's 2 x 2 groups: the official code defines neither, and ficoco (docs/methods/visionzip.md) scores
+every group by FiCoCo's equivalent token over the last block's keys, merges by the groups' mean head-mean keys,
+cuts the groups' patches side by side before the merger and puts each contextual token at its target's place;
+that case re-states the rule above on those quantities of the unpatched tower.
 """
 
 from __future__ import annotations
@@ -26,11 +32,22 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from rule_support_vision import TowerPass, assert_decided, feature_layer, patched_run, unpatched_tower
+from rule_support_vision import (
+    TowerPass,
+    assert_decided,
+    equivalent_token_group_scores,
+    feature_layer,
+    group_patch_indices,
+    patched_run,
+    qwen_patched_run,
+    unpatched_qwen_tower,
+    unpatched_tower,
+)
 from torch import Tensor, nn
 
+import ficoco
 import ficoco.methods.visionzip.ops as visionzip_ops
-from ficoco.models import synthetic_inputs
+from ficoco.models import qwen2_vl, synthetic_inputs
 
 TINY_PROFILE = "llava-tiny"  # built as this module's `model` (conftest.py): 64 patches, [CLS] first
 SEED = 1
@@ -110,6 +127,57 @@ def test_visionzip_cls_dropped_correction_makes_every_dominant_token_a_patch(mod
     official = check_visionzip(model, {"keep": 16}, 14, 2)
     dropped = check_visionzip(model, {"keep": 16, "include_cls": False}, 14, 2, include_cls=False)
     assert not torch.allclose(dropped[:, 0], official[:, 0])  # official: [CLS] of the layer first
+
+
+QWEN_IMAGE = (224, 224)  # 16 x 16 patches, 64 merge groups
+
+
+@pytest.fixture(scope="module")
+def qwen() -> nn.Module:
+    return ficoco.build_model("qwen2-vl-tiny", dtype="fp32")
+
+
+def official_visionzip_groups(units: Tensor, scores: Tensor, metric: Tensor, dominant: int, contextual: int
+                              ) -> tuple[list[int], Tensor]:
+    """One Qwen2-VL image: (the groups whose places the tokens take, ascending; the units handed on there,
+    (dominant + contextual, 4C)) by the rule above with groups for patches and no [CLS]."""
+    assert_decided(scores[None], dominant)
+    top = sorted(torch.topk(scores, dominant).indices.tolist())
+    rest = [g for g in range(units.shape[0]) if g not in top]
+    rest_metric = metric[rest] / metric[rest].norm(dim=-1, keepdim=True)
+    step = max(1, len(rest) // contextual)
+    targets = list(range(0, len(rest), step))[:contextual]
+    members = [i for i in range(len(rest)) if i not in targets]
+    similarity = rest_metric[members] @ rest_metric[targets].t()
+    assert_decided(similarity, 1)
+    assign = similarity.argmax(dim=1)
+    placed = {g: units[g] for g in top}
+    for t, target in enumerate(targets):
+        joined = [rest[members[m]] for m in (assign == t).nonzero().squeeze(-1).tolist()]
+        mean = units[joined].mean(dim=0) if joined else torch.zeros_like(units[0])
+        placed[rest[target]] = units[rest[target]] + mean
+    places = sorted(placed)
+    return places, torch.stack([placed[g] for g in places])
+
+
+@pytest.mark.parametrize("keep,dominant,contextual", [(16, 14, 2), (32, 27, 5)])
+def test_visionzip_on_qwen2_vl_hands_the_merger_the_rules_groups(qwen: nn.Module, keep: int, dominant: int,
+                                                                 contextual: int) -> None:
+    inputs = qwen2_vl.synthetic_inputs(qwen, batch=2, text_tokens=12, seed=SEED, image_size=QWEN_IMAGE)
+    tower = unpatched_qwen_tower(qwen, inputs)
+    kept_patches, handed = [], []
+    for image, (keys, (_, cols)) in enumerate(zip(tower.keys, tower.grids, strict=True)):
+        patches = tower.image_groups(image, tower.merger_input, per_group=4)
+        units = patches.reshape(-1, 4 * patches.shape[-1])  # a group's 4 patches side by side
+        metric = keys.mean(dim=0).reshape(-1, 4, keys.shape[-1]).mean(dim=1)  # head mean, then group mean
+        places, tokens = official_visionzip_groups(units, equivalent_token_group_scores(keys), metric, dominant,
+                                                   contextual)
+        kept_patches.append(group_patch_indices(places, cols))
+        handed.append(tokens.reshape(-1, patches.shape[-1]))
+    run = qwen_patched_run(qwen, inputs, "visionzip", keep=keep, image_size=QWEN_IMAGE)
+    (record,) = run.records
+    assert record.kept.tolist() == kept_patches
+    torch.testing.assert_close(run.projector_input, torch.cat(handed), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("broken", ["lowest_scores", "mean_contextual"])

@@ -18,17 +18,32 @@ docs/methods/vispruner.md lists no departure a setting restores (ties aside, whi
 Where the residual is odd the official indexing raises (``R // 2 - r`` rows against ``ceil(R / 2) - r``
 picks; ficoco's default 14 of 64 patches here, or 58 of 576): ficoco lets the ``ceil(R / 2)`` ``a`` tokens go
 at most all, a behaviour the official code does not define, so the budgets below keep every residual even.
+
+On Qwen2-VL (qwen2-vl-tiny, a 224 x 224 image: 64 merge groups) the tower has no [CLS] and the units are the
+PatchMerger's 2 x 2 groups: the official code defines neither, and ficoco (docs/methods/vispruner.md) scores
+every group by FiCoCo's equivalent token over the last block's keys and takes a group's 4 patches side by side
+(the merger's input) as its features; that case runs the rule above on those quantities of the unpatched tower.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from rule_support_vision import assert_decided, patched_run, unpatched_projector, unpatched_tower
+from rule_support_vision import (
+    assert_decided,
+    equivalent_token_group_scores,
+    group_patch_indices,
+    patched_run,
+    qwen_patched_run,
+    unpatched_projector,
+    unpatched_qwen_tower,
+    unpatched_tower,
+)
 from torch import Tensor, nn
 
+import ficoco
 import ficoco.methods.vispruner.ops as vispruner_ops
-from ficoco.models import synthetic_inputs
+from ficoco.models import qwen2_vl, synthetic_inputs
 
 TINY_PROFILE = "llava-tiny"  # built as this module's `model` (conftest.py): 64 patches, [CLS] first
 SEED = 1
@@ -81,6 +96,32 @@ def check_vispruner(model: nn.Module, keep: int) -> None:
 @pytest.mark.parametrize("keep", [16, 32, 40])
 def test_vispruner_keeps_the_official_important_and_diverse_patches(model: nn.Module, keep: int) -> None:
     check_vispruner(model, keep)
+
+
+QWEN_IMAGE = (224, 224)  # 16 x 16 patches, 64 merge groups
+
+
+@pytest.fixture(scope="module")
+def qwen() -> nn.Module:
+    return ficoco.build_model("qwen2-vl-tiny", dtype="fp32")
+
+
+@pytest.mark.parametrize("keep", [16, 32])
+def test_vispruner_on_qwen2_vl_keeps_the_rules_merge_groups_by_the_equivalent_token(qwen: nn.Module,
+                                                                                    keep: int) -> None:
+    inputs = qwen2_vl.synthetic_inputs(qwen, batch=2, text_tokens=12, seed=SEED, image_size=QWEN_IMAGE)
+    tower = unpatched_qwen_tower(qwen, inputs)
+    kept_patches, tokens = [], []
+    for image, (keys, (_, cols)) in enumerate(zip(tower.keys, tower.grids, strict=True)):
+        patches = tower.image_groups(image, tower.merger_input, per_group=4)
+        units = patches.reshape(-1, 4 * patches.shape[-1])  # a group's 4 patches side by side
+        groups = official_vispruner(units[None], equivalent_token_group_scores(keys)[None, None], keep)[0].tolist()
+        kept_patches.append(group_patch_indices(groups, cols))
+        tokens.append(tower.image_groups(image, tower.merger_output)[groups])
+    run = qwen_patched_run(qwen, inputs, "vispruner", keep=keep, image_size=QWEN_IMAGE)
+    (record,) = run.records
+    assert record.kept.tolist() == kept_patches
+    torch.testing.assert_close(run.llm_visual, torch.cat(tokens), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("broken", ["four_per_round", "one_more_important"])
