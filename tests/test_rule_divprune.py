@@ -9,7 +9,7 @@ LLaVA/llava/model/llava_arch.py:
   largest=False).values[1, :]``, L165: the smallest is the token's own), every later one the argmax of the
   minimum distance to the picked rows (L167-169).
 - L352-383: with ``LAYER_INDEX=0`` the rule runs on the image's tokens in the LLM's input, i.e. the
-  projector's output (L370-375), ``SUBSET_RATIO`` of them; the kept indices are sorted (L378-379), so the
+  projector's output (L374-375), ``SUBSET_RATIO`` of them; the kept indices are sorted (L378-379), so the
   tokens stay in image order.
 
 The rule is computed on the unpatched tower and projector. docs/methods/divprune.md lists ficoco's departures
