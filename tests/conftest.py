@@ -66,6 +66,11 @@ TRANSFORMERS_TESTS |= {"test_profile_kernels.py"}  # issue 41: the attention ker
 METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision_in_models.py",
                            "test_methods_vision_in_llava_next.py", "test_methods_diversity.py",
                            "test_methods_holitom.py"})
+# Issue 53: the official-rule tests of the methods before the LLM run the patched tiny models as the method suites do.
+VISION_RULE_TESTS = frozenset(f"test_rule_{name}.py" for name in ("visionzip", "fastervlm", "prumerge", "divprune",
+                                                                  "vispruner", "cdpruner", "tome"))
+TRANSFORMERS_TESTS |= VISION_RULE_TESTS
+METHOD_SUITES |= VISION_RULE_TESTS
 
 
 # Files whose module fixtures run lmms-eval several times (minutes on a 2-core CPU).

@@ -1,15 +1,19 @@
-"""CDPruner (NeurIPS'25, Theia-4869/CDPruner ed9c12d, llava_arch.py ``encode_images`` and
-clip_encoder.py): conditional DPP over the projected visual tokens, by fast greedy MAP inference.
+"""CDPruner (NeurIPS'25, Theia-4869/CDPruner ed9c12d, the same rule at 9541616, llava_arch.py
+``encode_images`` and clip_encoder.py): conditional DPP over the projected visual tokens, by fast
+greedy MAP inference.
 
 Per item (image, crop: LLaVA-NeXT's "32 x 5" rows keep ``T`` per crop), after the projector:
 
 1. **Similarity**: ``S = cos`` between every pair of the projector's output tokens (``N x N``).
 2. **Relevance** of every token to the instruction: ``-cos(image_embed_i, text_embed_m)``
-   averaged over the instruction's ``M`` embeddings, then min-max normalised:
-   ``(r - min + 1e-6) / (max - min)``. The official LLaVA code takes ``image_embeds`` from the
-   CLIP vision model's ``post_layernorm`` and ``visual_projection`` of the selected layer's
-   patches, and ``text_embeds`` from the CLIP **text tower** (``CLIPTextModelWithProjection``,
-   the instruction cut into 77-token segments).
+   averaged over the ``M`` text embeddings, then min-max normalised:
+   ``(r - min + 1e-6) / (max - min)``. The official LLaVA code (clip_encoder.py ``forward``, L62-98
+   at 9541616) takes ``image_embeds`` from the CLIP vision model's ``post_layernorm`` and
+   ``visual_projection`` of the selected layer's patches, and ``text_embeds`` from the CLIP **text
+   tower** (``CLIPTextModelWithProjection``) run on the **bare question**: the benchmark's question
+   with its answer-format line removed (llava/eval/model_vqa_loader.py L106-120), without the
+   system prompt or the chat template, cut into 77-token segments, one pooled embedding per segment
+   (``M`` segments: one for a short question).
 3. **Kernel**: ``L = diag(r) S diag(r)`` (the ``exp(theta ...)`` reweighting is commented out in the
    official LLaVA code, so ``r`` enters as it is).
 4. **Fast greedy MAP** (Chen et al., 2018): ``d_i^2 = L_ii``; ``T`` times pick
@@ -19,11 +23,16 @@ Per item (image, crop: LLaVA-NeXT's "32 x 5" rows keep ``T`` per crop), after th
 **No CLIP text tower here.** Hugging Face's LLaVA checkpoints carry only ``CLIPVisionModel`` (no
 ``visual_projection``, no text tower), and Qwen2-VL / LLaVA-OneVision have none at all. ficoco
 then computes the relevance in the LLM's input space: the projected visual tokens (the
-similarity's own features) against the LLM's input embeddings of the prompt's text tokens (every
-non-padding, non-visual token of the sample), with the official ``-cos``, mean and min-max. This is
-what the OpenVINO GenAI port of CDPruner does for backbones without a CLIP text tower; the
-official repository's Qwen2.5-VL / LLaVA-OneVision code is not in the stored index, so whether it
-does the same could not be checked. Reports label it (the entry's ``cls_note``).
+similarity's own features, in place of ``image_embeds``) against the LLM's input embeddings of the
+prompt's tokens **after the sample's last visual placeholder**, padding left out (the adapters'
+``prompt_text``), in place of ``text_embeds``, with the official ``-cos``, mean and min-max. These
+are one embedding per token (``M`` = those tokens), not one pooled embedding of the question, and
+they are what the prompt holds there: the question and whatever the chat template puts after it
+(LLaVA-1.5's ``ASSISTANT:``); text before the image (the system prompt, a question written before the
+image) is not read. This is what the OpenVINO GenAI port of CDPruner does for backbones without a
+CLIP text tower; the official repository's Qwen2.5-VL / LLaVA-OneVision code is not in the stored
+index, so whether it does the same could not be checked. Reports say so (the settings'
+``relevance``, the entry's summary).
 
 Departures: every pick is a new token (past the kernel's rank - more picks than the features'
 width, as a large Qwen2-VL image can ask - the official gains turn non-positive or NaN and its

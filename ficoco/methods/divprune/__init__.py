@@ -28,7 +28,7 @@ SPEC = MethodSpec(
     needs=(Need("hidden", "projector", "all", "the projector's output, every patch"),),
     hyperparameters={"ratio": RATIO},
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="divprune_reduce",
-    source="vbdi/divprune (README; its DivPrune function as copied verbatim in ModelTC/llmc)",
+    source="vbdi/divprune 799e2d9",
     summary="keep the projected patches of greatest Max-Min cosine diversity, in image order",
     keep_means=PER_ITEM + " (default: SUBSET_RATIO 0.098, 56 of 576)",
     steps=steps, settings_for_keep=settings_for_keep, extra_macs=extra_macs, wired=True,

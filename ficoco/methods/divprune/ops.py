@@ -1,10 +1,10 @@
 """DivPrune (CVPR'25, vbdi/divprune): Max-Min diversity selection of the projected visual tokens.
 
-What the official code does (LLaVA-1.5 through lmms-eval). Only the repository's README is in the
-stored index; the selection function was read from verbatim copies of the official ``DivPrune``
-function in third-party code (ModelTC/llmc's token-reduction module, among others): distance
-``1 - pairwise_cosine_similarity``, first ``topk(m, 2, dim=0, largest=False).values[1]``, then
-``min`` over the selected rows, ``argmax``, ``threshold_terms = int(round(ratio * N))``:
+What the official code does (LLaVA-1.5 through lmms-eval; vbdi/divprune 799e2d9,
+LLaVA/llava/model/llava_arch.py: ``DivPrune`` L152-172, its call L352-383; first read from verbatim
+copies of that function in third-party code, ModelTC/llmc's token-reduction module among others):
+distance ``1 - pairwise_cosine_similarity``, first ``topk(m, 2, dim=0, largest=False).values[1]``,
+then ``min`` over the selected rows, ``argmax``, ``threshold_terms = int(round(ratio * N))``:
 
 - It acts on the projector's output, before the LLM (the image features that the LLM's layer 0
   would receive), per image: ``N`` visual tokens ``x_i``.

@@ -54,7 +54,7 @@ SPEC = MethodSpec(
                      "attention_scores": DEFAULT_ATTENTION_SCORES},
     corrections=SCORES_CORRECTION,
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="vispruner_reduce",
-    source="Theia-4869/VisPruner (copy anonymous-4869/VisPruner d01c757)",
+    source="Theia-4869/VisPruner aefa01a (first read from its copy anonymous-4869/VisPruner d01c757)",
     summary="keep half by [CLS] attention, the rest by removing duplicates among the others, then project",
     keep_means=PER_ITEM + " (default: the README's 128 of 576)", cls_note=EQUIVALENT,
     steps=steps, settings_for_keep=settings_for_keep, extra_macs=extra_macs, wired=True,

@@ -1,5 +1,5 @@
-"""VisPruner (ICCV'25, Theia-4869/VisPruner; read from its copy anonymous-4869/VisPruner d01c757,
-llava_arch.py ``encode_images`` and clip_encoder.py): important tokens by [CLS] attention, then
+"""VisPruner (ICCV'25, Theia-4869/VisPruner aefa01a, first read from its copy anonymous-4869/VisPruner
+d01c757; llava_arch.py ``encode_images`` and clip_encoder.py): important tokens by [CLS] attention, then
 diverse tokens from the rest by removing duplicates.
 
 At the output of the tower layer the projector reads (LLaVA: ``hidden_states[-2]``), before the
@@ -21,7 +21,10 @@ projector, per item (image, crop, frame), text-agnostic, for ``T`` tokens kept:
 Departures: the official code reads the row from ``output_attentions=True`` (eager attention in
 every tower layer); here the adapters compute that one row from the layer's own q of [CLS] and
 keys (exact: a tower attends without a mask), so SDPA stays on. Sorts are stable, so ties go to
-the lowest index or earlier place (``argsort`` leaves them open). On a tower without [CLS]
+the lowest index or earlier place (``argsort`` leaves them open). An odd residual: the official
+indexing takes ``R // 2 - r`` rows against ``ceil(R / 2) - r`` picks and raises (58 of 576
+patches, for one), as it does where ``r`` exceeds the ``a`` tokens; here ``a`` holds
+``ceil(R / 2)`` tokens and at most all of them leave in a round. On a tower without [CLS]
 (Qwen2-VL) the importance is FiCoCo's equivalent token, and reports label it.
 """
 
