@@ -66,6 +66,12 @@ TRANSFORMERS_TESTS |= {"test_profile_kernels.py"}  # issue 41: the attention ker
 METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision_in_models.py",
                            "test_methods_vision_in_llava_next.py", "test_methods_diversity.py",
                            "test_methods_holitom.py"})
+# Issue 53: the official-rule tests of the methods that act in the decoder run patched models through the same
+# hook points (method suites too).
+LLM_RULE_TESTS = frozenset({"test_rule_fastv.py", "test_rule_pdrop.py", "test_rule_sparsevlm.py",
+                            "test_rule_dart.py", "test_rule_holitom.py"})
+TRANSFORMERS_TESTS |= LLM_RULE_TESTS
+METHOD_SUITES |= LLM_RULE_TESTS
 
 
 # Files whose module fixtures run lmms-eval several times (minutes on a 2-core CPU).
