@@ -66,11 +66,9 @@ TRANSFORMERS_TESTS |= {"test_profile_kernels.py"}  # issue 41: the attention ker
 METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision_in_models.py",
                            "test_methods_vision_in_llava_next.py", "test_methods_diversity.py",
                            "test_methods_holitom.py"})
-# Issue 53: the official-rule tests of the methods before the LLM run the patched tiny models as the method suites do.
-VISION_RULE_TESTS = frozenset(f"test_rule_{name}.py" for name in ("visionzip", "fastervlm", "prumerge", "divprune",
-                                                                  "vispruner", "cdpruner", "tome"))
-TRANSFORMERS_TESTS |= VISION_RULE_TESTS
-METHOD_SUITES |= VISION_RULE_TESTS
+# Issue 53: every method's official-rule test (tests/test_rule_<method>.py) runs patched tiny models through the
+# adapters' hook points, as the method suites do: marked `transformers` and `method_suites` by their name.
+RULE_TESTS_PREFIX = "test_rule_"
 
 
 # Files whose module fixtures run lmms-eval several times (minutes on a 2-core CPU).
@@ -90,10 +88,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Stable: the contract first, then the longest files (the lmms-eval runs, minutes each), so that on two
     # workers they overlap the many short files rather than run alone at the end; the rest keep their order.
     items.sort(key=lambda item: (item.path.name != CONTRACT_TESTS, item.path.name not in LONGEST_FIRST))
-    sensitive = [item for item in items if item.path.name in TRANSFORMERS_TESTS]
+    sensitive = [item for item in items
+                 if item.path.name in TRANSFORMERS_TESTS or item.path.name.startswith(RULE_TESTS_PREFIX)]
     for item in sensitive:
         item.add_marker(pytest.mark.transformers)
-        if item.path.name in METHOD_SUITES:
+        if item.path.name in METHOD_SUITES or item.path.name.startswith(RULE_TESTS_PREFIX):
             item.add_marker(pytest.mark.method_suites)
     if any(item.path.name != CONTRACT_TESTS for item in sensitive):
         from ficoco.models.hf_compat import check_contacts

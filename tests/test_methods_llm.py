@@ -147,12 +147,14 @@ def _reference_raters(embeds_b: torch.Tensor, start: int) -> list[int]:
 
 
 def _reference_dpc(x: torch.Tensor, clusters: int) -> list[list[int]]:
-    """DPC-kNN by loops: which tokens (by index) end up in each cluster, centers in score order."""
+    """DPC-kNN by loops: which tokens (by index) end up in each cluster, centers in score order; a density
+    tie goes to the lower index (ficoco's rule in place of the official noise)."""
     count, dim = x.shape
     d = [[float(torch.linalg.vector_norm(x[i] - x[j])) / math.sqrt(dim) for j in range(count)] for i in range(count)]
     rho = [math.exp(-sum(v * v for v in sorted(d[i])[:clusters]) / clusters) for i in range(count)]
     dmax = max(max(r) for r in d)
-    delta = [min([d[i][j] for j in range(count) if rho[j] > rho[i]], default=dmax) for i in range(count)]
+    delta = [min([d[i][j] for j in range(count) if rho[j] > rho[i] or (rho[j] == rho[i] and j < i)], default=dmax)
+             for i in range(count)]
     centers = sorted(range(count), key=lambda i: (-rho[i] * delta[i], i))[:clusters]
     members: list[list[int]] = [[] for _ in centers]
     for i in range(count):
@@ -192,7 +194,7 @@ def test_sparsevlm_matches_the_reference_raters_scores_and_clusters():
         assert out.kept_visual[b].tolist() == kept
         pruned = [i for i in range(N) if i not in kept]
         recycled_count = int(0.3 * len(pruned)) + 1
-        recycled = sorted(sorted(pruned, key=lambda i: (-float(ref_scores[i]), i))[:recycled_count])
+        recycled = sorted(pruned, key=lambda i: (-float(ref_scores[i]), i))[:recycled_count]  # by score, as topk
         clusters = int(recycled_count / 10) + 1
         tokens = hidden[b, [s + i for i in recycled]]
         expected = torch.stack([tokens[m].mean(0) for m in _reference_dpc(tokens, clusters)])

@@ -60,7 +60,8 @@ SPEC = MethodSpec(
     hyperparameters={"layer": LAYER, "pivot_image": PIVOT_IMAGE, "pivot_text": PIVOT_TEXT,
                      "max_num_trunction": MAX_NUM_TRUNCTION},
     families=ALL_FAMILIES, module=f"{__name__}.ops", function="dart_reduce",
-    source="ZichenWen1/DART (README, code copy)", summary="keep pivots and the tokens least similar to them",
+    source="ZichenWen1/DART 5a19452 (its history in the fork xqy1111111/DART)",
+    summary="keep pivots and the tokens least similar to them",
     keep_means="max_num_trunction (4 image pivots + 8 x N // 8 tokens stay)",
     steps=steps, settings_for_keep=settings_for_keep, extra_macs=extra_macs, wired=True,
 )

@@ -17,9 +17,10 @@ is reproduced (``pivot_order="set"``, `cpython_set_order`) on each token's posit
 is its absolute position in an unpadded sample and does not move with left padding;
 ``pivot_order="score"`` takes image pivots then text pivots by descending norm instead.
 
-Keys: the official code reads layer K-1's key states through a hook its docstring calls "HACK";
-LightCompress's port reads the KV cache, which is post-RoPE. Whether the official keys are pre-
-or post-RoPE was not confirmed (docs/methods/dart.md); post-RoPE is used here. RoPE keeps each
+Keys: the official code (its history public in the fork xqy1111111/DART; at 5a19452,
+llava/model/language_model/modeling_llama_self.py) reads ``layer_outputs[-2]`` of layer K-1 (L342,
+"HACK"), the key states its attention returns after ``apply_rotary_pos_emb`` (SDPA L875/L912, eager
+L572/L621, FlashAttention-2 L678/L728): post-RoPE, as here. RoPE keeps each
 pair's L2 norm but not the L1 norm, so the pivots depend on absolute positions: a left-padded
 batch equals its samples run alone when its position ids come from the padding mask (as
 ``generate`` gives them), not from plain ``arange``. Other

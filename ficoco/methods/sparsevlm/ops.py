@@ -10,10 +10,11 @@ the image tokens after layers 2, 6 and 15 and recycle part of what they prune.
    ``L x L x H`` matrix; only the rater rows are read, so the adapters compute the suffix rows
    alone (raters are a subset), and the layer's output still comes from SDPA.
 3. Its **output** is pruned: the top ``k = min(schedule[stage], N_v - 1)`` image tokens stay
-   in original order; of the pruned ones the top ``int(0.3 n) + 1`` by ``r`` are clustered by
-   DPC-kNN into ``int(p / 10) + 1`` tokens, each the plain mean of its cluster, placed after the
-   kept tokens (utils.py ``cluster_and_merge``). The current image span - kept plus recycled -
-   is what the next stage scores.
+   in original order; of the pruned ones the top ``int(0.3 n) + 1`` by ``r`` (in that order, as
+   the official ``topk`` lists them) are clustered by DPC-kNN into ``int(p / 10) + 1`` tokens, each
+   the plain mean of its cluster, placed after the kept tokens in centre order (utils.py
+   ``cluster_and_merge`` L247-310). The current image span - kept plus recycled - is what the
+   next stage scores.
 4. Position ids are **re-compacted**; each layer caches what it saw, and decoding continues
    from each cache's own length.
 
@@ -23,9 +24,11 @@ Schedules (tokens kept after layers 2/6/15): 192 -> 300/200/110, 128 -> 303/110/
 
 Departures: batched with spans per sample and left padding (padding keys masked; the official
 code is batch 1 with ``.cuda()`` and a magic ``init_token_total_shape``). DPC-kNN's density gets
-``1e-6 * rand`` in the official code to break ties; here ties go to the lowest index instead,
-so that a run is reproducible and a batch equals its samples. A sample whose ``m`` is constant
-(no token above the mean) uses every suffix token as a rater rather than dividing by zero.
+``1e-6 * rand`` in the official code to break ties (utils.py L258-260); here a tie goes to the
+lowest index instead - the token the raters scored higher - so that a run is reproducible and a
+batch equals its samples (`dpc_knn_clusters` says when ties happen and what the noise does with
+them). A sample whose ``m`` is constant (no token above the mean) uses every suffix token as a
+rater rather than dividing by zero.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from ficoco.errors import FicocoError
 from ficoco.methods.inputs import Reduced, StepInput
 from ficoco.methods.ops import check_span, compute_dtype, gather_tokens, rebuild, top_indices, visual_positions
 
-__all__ = ["dpc_knn_merge", "prepare", "select_raters", "sparsevlm_reduce", "sparsevlm_scores", "step", "suffix_rows"]
+__all__ = ["dpc_knn_clusters", "dpc_knn_merge", "prepare", "select_raters", "sparsevlm_reduce", "sparsevlm_scores",
+           "step", "suffix_rows"]
 
 
 def suffix_rows(seq_len: int, visual_start: Tensor, num_visual: int) -> tuple[int, Tensor]:
@@ -90,16 +94,23 @@ def sparsevlm_scores(rows_attention: Tensor, raters: Tensor, visual_start: Tenso
     return (picked * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
 
 
-def dpc_knn_merge(tokens: Tensor, clusters: int, neighbours: int | None = None) -> Tensor:
-    """DPC-kNN clustering of ``(B, P, D)`` tokens into ``clusters`` plain means, batched.
+def dpc_knn_clusters(tokens: Tensor, clusters: int, neighbours: int | None = None) -> Tensor:
+    """DPC-kNN of ``(B, P, D)`` tokens, batched: ``(B, P)`` the cluster of every token, clusters numbered
+    in centre order (highest ``rho * delta`` first), as the official ``cluster_and_merge`` numbers them.
 
     ``d_ij = ||x_i - x_j|| / sqrt(D)``; density ``rho_i = exp(-mean of d^2 over the k nearest``
     (self included, ``k = clusters`` as SparseVLM calls it)); ``delta_i`` = distance to the
-    nearest denser token (the largest distance for the densest); centers = the ``clusters``
-    highest ``rho * delta``, in that order; every token joins its nearest center.
+    nearest token ranked above it (the largest distance for the first); centres = the ``clusters``
+    highest ``rho * delta``, in that order; every token joins its nearest centre (ties: the earlier
+    centre).
 
-    Returns:
-        ``(B, clusters, D)`` in the dtype of ``tokens``, cluster ``c`` the mean of its members.
+    A token ranks above another when it is denser, or as dense and earlier in ``tokens``. The official
+    code adds ``1e-6 * rand`` to the density instead and ranks by density alone: the two tokens of every
+    mutually nearest pair, which have the same density whenever ``k = 2``, are then ordered by the noise,
+    and where rounding swallows it (in float32 now and then; in float16, the official scripts' dtype,
+    always) neither ranks above the other, so both can become centres (docs/methods/sparsevlm.md).
+    The distances are made symmetric with a zero diagonal, as the official ``(x_i - x_j).norm()`` is,
+    so that two tokens tie here exactly where they tie there.
     """
     batch, count, dim = tokens.shape
     if not 1 <= clusters <= count:
@@ -110,17 +121,33 @@ def dpc_knn_merge(tokens: Tensor, clusters: int, neighbours: int | None = None) 
     # them: the product is matrix work that counters see (cdist is one opaque op to them).
     squares = (x * x).sum(dim=-1)
     dist = (squares.unsqueeze(2) + squares.unsqueeze(1) - 2 * (x @ x.transpose(1, 2))).clamp(min=0).sqrt() / dim**0.5
+    eye = torch.eye(count, dtype=torch.bool, device=tokens.device)
+    dist = ((dist + dist.transpose(1, 2)) / 2).masked_fill(eye, 0.0)
     nearest = torch.topk(dist, k, dim=-1, largest=False).values
     density = torch.exp(-(nearest**2).mean(dim=-1))
-    denser = density.unsqueeze(1) > density.unsqueeze(2)  # [b, i, j]: j is denser than i
+    index = torch.arange(count, device=tokens.device)
+    # [b, i, j]: j ranks above i (denser, or as dense and earlier: in place of the official noise).
+    above = (density.unsqueeze(1) > density.unsqueeze(2)) | \
+        ((density.unsqueeze(1) == density.unsqueeze(2)) & (index.view(1, 1, -1) < index.view(1, -1, 1)))
     farthest = dist.flatten(1).amax(dim=1).view(-1, 1, 1)
-    delta = torch.where(denser, dist, farthest).amin(dim=-1)
+    delta = torch.where(above, dist, farthest).amin(dim=-1)
     order = torch.sort(density * delta, dim=1, descending=True, stable=True).indices
     centers = order[:, :clusters]
     to_center = torch.gather(dist, 2, centers.unsqueeze(1).expand(-1, count, -1))  # (B, P, C)
     assign = to_center.argmin(dim=-1)
     rank = torch.arange(clusters, device=tokens.device).expand(batch, -1)
-    assign = assign.scatter(1, centers, rank)
+    return assign.scatter(1, centers, rank)
+
+
+def dpc_knn_merge(tokens: Tensor, clusters: int, neighbours: int | None = None) -> Tensor:
+    """DPC-kNN clustering of ``(B, P, D)`` tokens into ``clusters`` plain means, batched
+    (`dpc_knn_clusters`; the official ``token_weight`` is 1).
+
+    Returns:
+        ``(B, clusters, D)`` in the dtype of ``tokens``, cluster ``c`` the mean of its members.
+    """
+    assign = dpc_knn_clusters(tokens, clusters, neighbours)
+    x = tokens.to(compute_dtype(tokens.dtype))
     one_hot = torch.nn.functional.one_hot(assign, clusters).to(x.dtype)  # (B, P, C)
     sums = one_hot.transpose(1, 2) @ x
     return (sums / one_hot.sum(dim=1).unsqueeze(-1)).to(tokens.dtype)
@@ -154,7 +181,8 @@ def sparsevlm_reduce(hidden: Tensor, scores: Tensor, keep: int, visual_start: Te
     kept = top_indices(scores, kept_count)
     is_kept = torch.zeros_like(scores, dtype=torch.bool).scatter(1, kept, torch.ones_like(kept, dtype=torch.bool))
     pruned_scores = scores.to(compute_dtype(scores.dtype)).masked_fill(is_kept, float("-inf"))
-    recycled = top_indices(pruned_scores, recycled_count)
+    # The official order: the pruned tokens by descending score (its `topk`), the order DPC-kNN's ties follow.
+    recycled = torch.sort(pruned_scores, dim=1, descending=True, stable=True).indices[:, :recycled_count]
     start = visual_start.to(hidden.device)
     tokens = gather_tokens(hidden, visual_positions(start, num_visual))
     merged = dpc_knn_merge(gather_tokens(tokens, recycled), clusters)
