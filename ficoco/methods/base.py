@@ -40,9 +40,9 @@ from ficoco.errors import FicocoError
 from ficoco.methods.needs import NEED_KINDS, Need, ProbePlan, probe_plan
 from ficoco.methods.reads import ReadShapes
 
-__all__ = ["ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "FULL_ATTENTION_LAYERS", "NEED_KINDS", "NOT_WIRED", "PLACEMENTS", "PLANNER_NAMES",
-           "POSITION_SCHEMES", "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec", "Need", "Planner",
-           "PlannerName", "Step", "StepContext"]
+__all__ = ["ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "FULL_ATTENTION_LAYERS", "NEED_KINDS", "NOT_WIRED",
+           "PLACEMENTS", "PLANNER_NAMES", "POSITION_SCHEMES", "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec",
+           "Need", "Planner", "PlannerName", "Step", "StepContext"]
 
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
 PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector")

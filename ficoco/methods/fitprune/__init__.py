@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.methods.base import FULL_ATTENTION_LAYERS, LayerWork, MethodSpec, Need, Step
+from ficoco.methods.base import FULL_ATTENTION_LAYERS, MethodSpec, Need, Step
 from ficoco.methods.common import ALL_FAMILIES
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES, SCORES_CORRECTION, ReadContext, ReadShape, causal_tiles
 
@@ -79,7 +79,8 @@ def _round_half_up(numerator: int, denominator: int) -> int:
     return (2 * numerator + denominator) // (2 * denominator)
 
 
-def scaled_scheme(ratio: int, n_visual: int, n_layers: int, full_layers: Sequence[int] | None = None) -> tuple[int, ...]:
+def scaled_scheme(ratio: int, n_visual: int, n_layers: int,
+                  full_layers: Sequence[int] | None = None) -> tuple[int, ...]:
     """ficoco's scheme of `ratio` on a decoder of `n_layers` layers and `n_visual` visual tokens per image: the
     published scheme's cumulative deletions as a function of depth (0 before layer 0, its total after layer 31,
     linear within a layer), read at the end of every layer's share of the depth and scaled to `n_visual`, rounded
@@ -175,13 +176,6 @@ def settings_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mappin
     return {"reduction_ratio": ratio, "scheme": scheme}
 
 
-def layer_macs(work: LayerWork) -> int:
-    """FitPrune's own matrix products at one reducing layer: none. Its head-max, the sums of the head-max block
-    over the visual and text rows, the product of the two, the sort of the visual tokens' scores and the gather
-    of the kept rows are elementwise; the score products it reads are its reads' (`reads`), priced apart."""
-    return 0
-
-
 def reads(ctx: ReadContext) -> tuple[ReadShape, ...]:
     """What one deleting layer reads of its attention (ficoco.methods.fitprune.ops): the head-max of the visual
     rows and of the text rows after the image, over the keys each tile of them can see under the causal mask
@@ -207,5 +201,9 @@ SPEC = MethodSpec(
     keep_means="a published scheme's row: 192/128/64 -> reduction_ratio 70/80/90; 245..576 -> 60..0 (their "
                "layer-average visual tokens on LLaVA-1.5-7B)",
     keep_choices=tuple(sorted(KEEP_ROWS)),
-    steps=steps, settings_for_keep=settings_for_keep, layer_macs=layer_macs, reads=reads, wired=True,
+    # No `extra_macs`: its own work adds no matrix product (the head-max, the sums of the head-max block over the
+    # visual and text rows, their product, the sort of the visual tokens' scores and the gather of the kept rows are
+    # elementwise), which `flops --verify` checks as a "method" stage of zero; the score products it reads are its
+    # `reads`, priced and verified apart.
+    steps=steps, settings_for_keep=settings_for_keep, reads=reads, wired=True,
 )
