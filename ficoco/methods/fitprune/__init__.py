@@ -123,9 +123,11 @@ def scheme_counts(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> 
     full = settings.get(FULL_ATTENTION_LAYERS)
     if scheme == "published":
         if (n_visual, n_layers) != (PUBLISHED_VISUAL, PUBLISHED_LAYERS) or full is not None:
+            shape = "a hybrid decoder, which deletes in its full-attention layers only" if full is not None else \
+                f"{n_layers} layers and {n_visual} visual tokens"
             raise FicocoError(f"FitPrune's published schemes are LLaVA-1.5-7B's ({PUBLISHED_LAYERS} layers, "
-                              f"{PUBLISHED_VISUAL} visual tokens); this decoder has {n_layers} and {n_visual}: give "
-                              "scheme='scaled' (ficoco's) or schedule=")
+                              f"{PUBLISHED_VISUAL} visual tokens), not {shape}'s: give scheme='scaled' (ficoco's) "
+                              "or schedule=")
         return PUBLISHED_SCHEMES[ratio]
     if scheme != "scaled":
         raise FicocoError(f"FitPrune scheme={scheme!r}: choose from {', '.join(SCHEMES)}")
@@ -172,7 +174,8 @@ def settings_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mappin
     if scheme not in SCHEMES:
         raise FicocoError(f"FitPrune scheme={scheme!r}: choose from {', '.join(SCHEMES)}")
     if (n_visual, n_layers) != (PUBLISHED_VISUAL, PUBLISHED_LAYERS):
-        scheme = "scaled"  # no published scheme exists for this decoder: ficoco's, and labelled so
+        # No published scheme exists for this decoder: ficoco's, whatever `scheme` asked, and labelled so.
+        scheme = "scaled"
     return {"reduction_ratio": ratio, "scheme": scheme}
 
 
