@@ -136,7 +136,7 @@ def scheme_counts(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> 
 
 def check_ratio(ratio: object) -> None:
     """Refuse a reduction ratio with no published scheme."""
-    if ratio not in PUBLISHED_SCHEMES or isinstance(ratio, bool):
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio not in PUBLISHED_SCHEMES:
         raise FicocoError(f"FitPrune reduction_ratio={ratio!r}: its schemes are published for "
                           f"{', '.join(map(str, PUBLISHED_SCHEMES))} (per cent of the visual tokens' FLOPs); "
                           "schedule= gives any per-layer counts")
