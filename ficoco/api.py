@@ -164,7 +164,11 @@ def _install(adapter: Any, handle: Handle, spec: Any, sched: Schedule, arch: Any
             adapter.patch_layer_input(handle, handle._patches, spec.inner, Schedule(sched.variant, inner,
                                                                                     sched.settings))
     else:
-        start = min(removed) if removed else (arch.first_reducing_layer(spec.name) if first_layer is None
-                                              else first_layer)
+        if removed:
+            start = min(removed)
+        elif first_layer is not None:
+            start = first_layer
+        else:  # nothing removed: from the entry's first reducing layer (FiCoCo-L), else every layer (FitPrune)
+            start = arch.first_reducing_layer(spec.name) if "first_layer" in spec.hyperparameters else 0
         adapter.patch_in_layer(handle, handle._patches, spec, sched, start)
     Entry(adapter, handle, spec, handle.keep_per_image).install(handle._patches)

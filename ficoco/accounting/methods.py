@@ -18,7 +18,7 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.families import FAMILIES
 from ficoco.accounting.schedule import BudgetError, PlanRequest, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
-from ficoco.methods.base import CLS_TO_PROJECTOR, Dims, MethodSpec, Step, StepContext
+from ficoco.methods.base import CLS_TO_PROJECTOR, FULL_ATTENTION_LAYERS, Dims, MethodSpec, Step, StepContext
 from ficoco.methods.hybrid import HybridLayers
 from ficoco.methods.registry import method
 
@@ -107,7 +107,9 @@ def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step,
                         settings: Mapping[str, Any]) -> Schedule:
     """A `Schedule` of `spec`'s steps, checked against the layers and visual tokens they count."""
     visual, layers = counted_shape(arch, spec)
-    low = 0 if spec.per_item else 1
+    # A decoder step inside a layer may be at layer 0: that layer's cache holds every token it received (its
+    # attention ran on them before the cut), as transformers' length and masks need of it.
+    low = 0 if spec.per_item or spec.placement == "in_layer" else 1
     where = "tower" if spec.per_item else "decoder"
     removals = []
     for step in sorted(steps, key=lambda s: (s.layer, PLACEMENT_ORDER.index(s.where))):
@@ -158,7 +160,10 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
         settings["score"] = EQUIVALENT_SCORE
     # A cut before the LLM also reads whether the item's [CLS] reaches the projector (not a setting: not kept).
     tower = {CLS_TO_PROJECTOR: arch.cls_to_projector} if spec.per_item else {}
-    schedule = schedule_from_steps(arch, spec, spec.steps({**settings, **tower}, visual, layers), settings)
+    # A decoder method on a hybrid decoder also reads which layers are full attention (not a setting: not kept).
+    hybrid = hybrid_layers(arch)
+    decoder = {FULL_ATTENTION_LAYERS: hybrid.full} if hybrid is not None and not spec.per_item else {}
+    schedule = schedule_from_steps(arch, spec, spec.steps({**settings, **tower, **decoder}, visual, layers), settings)
     return schedule if spec.inner is None else with_inner_steps(arch, spec, schedule)
 
 

@@ -40,9 +40,9 @@ from ficoco.errors import FicocoError
 from ficoco.methods.needs import NEED_KINDS, Need, ProbePlan, probe_plan
 from ficoco.methods.reads import ReadShapes
 
-__all__ = ["ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "NEED_KINDS", "NOT_WIRED", "PLACEMENTS", "PLANNER_NAMES",
-           "POSITION_SCHEMES", "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec", "Need", "Planner",
-           "PlannerName", "Step", "StepContext"]
+__all__ = ["ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "FULL_ATTENTION_LAYERS", "NEED_KINDS", "NOT_WIRED",
+           "PLACEMENTS", "PLANNER_NAMES", "POSITION_SCHEMES", "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec",
+           "Need", "Planner", "PlannerName", "Step", "StepContext"]
 
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
 PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector")
@@ -57,6 +57,10 @@ PLANNER_NAMES: tuple[str, ...] = get_args(PlannerName)
 # their settings: whether the item's [CLS] can reach the projector among the cut's tokens (as
 # `StepContext.cls_to_projector`; VisionZip's official dominant tokens hold it). The schedule's settings never keep it.
 CLS_TO_PROJECTOR = "cls_to_projector"
+# The key under which the accountant hands the `steps` of a decoder method a hybrid decoder's full-attention layers
+# (Qwen3.5's; absent on a decoder whose every layer is full attention), for a method whose steps spread over the
+# layers (FitPrune's scaled scheme): only those may reduce inside them. Not a setting: the schedule never keeps it.
+FULL_ATTENTION_LAYERS = "full_attention_layers"
 # A family's cell in the method matrix (`ficoco methods --matrix`): the models run the method there;
 # `ficoco flops` plans it but the models refuse it; or it is refused outright (a stated reason, or
 # NOT_WIRED for a family no entry names yet: a new family shows up refused until an entry lists it).

@@ -94,7 +94,8 @@ class InLayerInput:
     Attributes:
         hidden: ``(B, T, D)`` the layer's tokens after the attention residual.
         attention: ``(B, T, T)`` head-mean probabilities of this call's queries over this call's keys
-            (the layer's own attention, computed once by the probe; keys of earlier turns left out).
+            (the layer's own attention, computed once by the probe; keys of earlier turns left out); head-max
+            ones where the spec's need asks ``heads="max"`` (FitPrune).
         remove: visual tokens to remove at this layer, all image spans of a sample together.
         visual_rows: ``(B, N)`` where the visual tokens are in the current sequence (several spans).
         suffix_mask: ``(B, T)`` True on real text tokens after the last visual token.

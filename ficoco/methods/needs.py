@@ -20,14 +20,19 @@ What each placement reads (`probe_plan`):
   ``last`` or ``suffix``; ``keys`` of ``L-1``; ``query_key`` of ``L``, row ``last`` (the layer's
   own projections); ``input_embeddings`` (once per prefill); ``hidden`` of ``L`` or ``L-1`` (the
   step's input, which is layer L-1's output);
-- inside a decoder layer L (``in_layer``, FiCoCo-L): ``attention_rows`` of ``L``, rows
-  ``visual+suffix`` (the layer's own head-mean probabilities); ``hidden`` of ``L``.
+- inside a decoder layer L (``in_layer``, FiCoCo-L, FitPrune): ``attention_rows`` of ``L``, rows
+  ``visual+suffix`` (the layer's own head-mean probabilities, or with ``heads="max"`` its head-max ones:
+  FitPrune); ``hidden`` of ``L``.
+
+A need's ``heads`` other than ``"mean"`` is read by that hook point alone; elsewhere it is refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
+
+from ficoco.methods.reads import HEAD_STATISTICS
 
 NeedKind = Literal["attention_rows", "query_key", "keys", "hidden", "input_embeddings"]
 NeedLayer = Literal["L-1", "L", "embeddings", "vision L", "vision last", "projector"]
@@ -53,6 +58,8 @@ class Need:
         rows: which query rows or tokens: ``last`` (the last prompt token), ``suffix`` (every
             text token after the visual span), ``visual+suffix``, ``cls``, ``all``.
         detail: one sentence on why and in what form.
+        heads: how ``attention_rows`` combine the heads: ``"mean"`` (every method but one), or ``"max"``,
+            the largest probability any head gives a query and key (FitPrune's head-max map).
 
     Each field is checked when the need is made: a value outside its `Literal` is refused in one
     line naming the values allowed.
@@ -62,16 +69,19 @@ class Need:
     layer: NeedLayer
     rows: NeedRows
     detail: str
+    heads: str = "mean"
 
     def __post_init__(self) -> None:
-        for field_name, allowed in (("kind", NEED_KINDS), ("layer", NEED_LAYERS), ("rows", NEED_ROWS)):
+        for field_name, allowed in (("kind", NEED_KINDS), ("layer", NEED_LAYERS), ("rows", NEED_ROWS),
+                                    ("heads", HEAD_STATISTICS)):
             value = getattr(self, field_name)
             if value not in allowed:
                 raise ValueError(f"Need({self.kind!r}, {self.layer!r}, {self.rows!r}): {field_name} {value!r} is not "
                                  f"one of {', '.join(allowed)}")
 
     def to_json(self) -> dict[str, str]:
-        return {"kind": self.kind, "layer": self.layer, "rows": self.rows, "detail": self.detail}
+        heads = {} if self.heads == "mean" else {"heads": self.heads}
+        return {"kind": self.kind, "layer": self.layer, "rows": self.rows, "detail": self.detail, **heads}
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,8 @@ class ProbePlan:
             the visual span), or None.
         previous_layer_keys: the post-RoPE keys of layer L-1.
         own_query_key_row: layer L's own last-row query and keys, recomputed from its projections.
-        layer_probabilities: inside decoder layer L, the layer's own head-mean probabilities.
+        layer_probabilities: inside decoder layer L, the layer's own probabilities, their heads combined by
+            `layer_heads` (``"mean"``; ``"max"``: FitPrune's head-max).
         input_embeddings: the prompt's input embeddings (decoder: once per prefill, for `prepare`;
             before the LLM: the instruction's, handed to the cut).
     """
@@ -113,6 +124,7 @@ class ProbePlan:
     previous_layer_keys: bool = False
     own_query_key_row: bool = False
     layer_probabilities: bool = False
+    layer_heads: str = "mean"
     input_embeddings: bool = False
 
     @property
@@ -127,6 +139,8 @@ _TOWER_PROBED = ("keys", "attention_rows", "query_key")
 def _read(plan: ProbePlan, need: Need, acts_at: str, placement: str) -> ProbePlan | None:
     """`plan` with what `need` asks captured, or None when no hook point of the placement reads it."""
     kind, layer, rows = need.kind, need.layer, need.rows
+    if need.heads != "mean" and not (placement == "in_layer" and acts_at == "llm_layer" and kind == "attention_rows"):
+        return None  # only the decoder's in-layer probe combines the heads otherwise
     if acts_at != "llm_layer":  # before the LLM
         if kind in _TOWER_PROBED and layer in ("vision L", "vision last") and rows in ("cls", "all"):
             probe = TowerProbe(cls_query=rows == "cls", probabilities=kind == "attention_rows" and rows == "all")
@@ -142,7 +156,9 @@ def _read(plan: ProbePlan, need: Need, acts_at: str, placement: str) -> ProbePla
         return None
     if placement == "in_layer":
         if kind == "attention_rows" and layer == "L" and rows == "visual+suffix":
-            return replace(plan, layer_probabilities=True)
+            if plan.layer_probabilities and plan.layer_heads != need.heads:
+                return None  # one statistic per probed layer
+            return replace(plan, layer_probabilities=True, layer_heads=need.heads)
         return plan if (kind, layer, rows) == ("hidden", "L", "all") else None
     # At the input of decoder layer L.
     if kind == "attention_rows" and layer == "L-1" and rows in ("last", "suffix"):

@@ -55,6 +55,7 @@ class ProbeSlot:
     chunks: list[tuple[AttentionReads | None, Tensor | None]] | None = None
     runner: ReadRunner | None = None  # how a read runs (timed in the handle's "probe" span)
     scores: str = DEFAULT_ATTENTION_SCORES  # the rule the reads compute scores by (ficoco.methods.reads)
+    heads: str = "mean"  # how the reads combine the heads: "mean", or "max" (FitPrune)
 
     def take(self) -> tuple[AttentionReads | None, Tensor | None]:
         if self.reads is None and self.keys is None:
@@ -94,12 +95,14 @@ def route_attention(attention: nn.Module, implementation: str, patches: Any, con
 
 
 def probed_reads(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Tensor | None,
-                 scaling: float | None, is_causal: bool | None, scores: str, runner: ReadRunner | None
-                 ) -> ProbedAttention:
+                 scaling: float | None, is_causal: bool | None, scores: str, runner: ReadRunner | None,
+                 heads: str = "mean") -> ProbedAttention:
     """The reads of one attention call from its own arguments: the queries and keys after rotary, the mask
-    the layer's implementation received (or the module's causal rule where it received none), its scale."""
+    the layer's implementation received (or the module's causal rule where it received none), its scale;
+    `heads` the statistic its reads combine the heads by."""
     causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", False))
-    return ProbedAttention(query, key, scaling, mask=attention_mask, causal=causal, scores=scores, runner=runner)
+    return ProbedAttention(query, key, scaling, mask=attention_mask, causal=causal, scores=scores, runner=runner,
+                           heads=heads)
 
 
 def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -110,8 +113,8 @@ def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     result = own_attention(module, module._ficoco_original_config, query, key, value, attention_mask,
                            dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     if slot.armed:
-        reads = probed_reads(module, query, key, attention_mask, scaling, is_causal, slot.scores, slot.runner) \
-            if slot.want_reads else None
+        reads = probed_reads(module, query, key, attention_mask, scaling, is_causal, slot.scores, slot.runner,
+                             slot.heads) if slot.want_reads else None
         keys = key if slot.want_keys else None
         if slot.chunks is not None:
             slot.chunks.append((reads, keys))
@@ -125,12 +128,13 @@ hf.register_attention(PROBE_IMPLEMENTATION, probe_attention)
 
 def install_probe(attention: nn.Module, *, want_keys: bool = False, want_reads: bool = True, armed: bool = True,
                   chunked: bool = False, runner: ReadRunner | None = None,
-                  scores: str = DEFAULT_ATTENTION_SCORES) -> ProbeSlot:
+                  scores: str = DEFAULT_ATTENTION_SCORES, heads: str = "mean") -> ProbeSlot:
     """Route one attention module through the probe (its own config copy; the model's stays).
     `chunked` keeps every call's result (`ProbeSlot.take_chunks`), not the last call's alone; `want_reads`
-    False keeps the keys alone; `runner` runs (and times) every read, whose scores follow `scores`."""
+    False keeps the keys alone; `runner` runs (and times) every read, whose scores follow `scores` and whose
+    heads are combined by `heads`."""
     slot = ProbeSlot(want_keys=want_keys, want_reads=want_reads, armed=armed, chunks=[] if chunked else None,
-                     runner=runner, scores=scores)
+                     runner=runner, scores=scores, heads=heads)
     attention._ficoco_original_config = attention.config  # type: ignore[assignment]
     probe_config = copy.copy(attention.config)
     hf.set_attention_implementation(probe_config, PROBE_IMPLEMENTATION)

@@ -1,10 +1,11 @@
 """The decoder's hook points and probes for every method that acts in the LLM, read from the method's
 registry entry, for every family whose decoder is a stack of LLaMA-style layers. Two placements:
 
-- ``in_layer`` (FiCoCo-L, and any later method that reduces between a layer's attention and its
-  MLP): `InLayerPatch`. The reducing layer is re-composed from its own submodules; its attention
-  runs through the probe (ficoco.models.attention), which computes the output from the head-mean
-  probabilities it keeps, and the method's ``layer_step`` gets them with the layer's tokens.
+- ``in_layer`` (FiCoCo-L, FitPrune, and any later method that reduces between a layer's attention and
+  its MLP): `InLayerPatch`. The reducing layer is re-composed from its own submodules; its attention
+  runs through the probe (ficoco.models.attention): the layer's own kernel computes the output, and the
+  method's ``layer_step`` gets the reads of its probabilities (head-mean, or head-max where the spec's need
+  says so) with the layer's tokens.
 - ``layer_input`` (FastV, PDrop, SparseVLM, DART, and any later one): `LayerInputPatch`, below.
 
 The rest of this docstring is about ``layer_input``.
@@ -196,7 +197,7 @@ class InLayerPatch:
             if self.removed.get(index, 0):
                 attention = hf.layer_parts(layer, hf.DECODER_LAYER).attention
                 slot = install_probe(attention, armed=False, runner=self.handle.read_runner(index),
-                                     scores=self.handle.attention_scores)
+                                     scores=self.handle.attention_scores, heads=self.spec.probes.layer_heads)
                 patches.on_undo(lambda attn=attention: remove_probe(attn))
             patches.set(layer, "forward", self._forward(index, layer, forward_of(layer), slot))
 

@@ -17,6 +17,10 @@ Each is computed by blocks of query rows: a block's scores are the rows x keys p
 softmax over the whole key axis (its normaliser is exact within the block, since every key of a row is
 in it), then the statistic, so that no (heads x queries x keys) tensor is ever made.
 
+The heads are combined by their mean, or (``heads="max"``, a `Need`'s ``heads``: FitPrune) by the largest
+probability any head gives a query and key; a read of the head-max is priced as the head-mean read of its
+shape, which runs the same products, softmax and passes.
+
 How the scores are computed (`ATTENTION_SCORES`, the methods' ``attention_scores`` hyperparameter):
 
 - ``"model"`` (the default, the official codes' rule): as the model's own eager attention computes its
@@ -33,6 +37,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
+
+# How a read combines the heads of a layer (`ProbedAttention`'s `heads`): their mean (every method but one), or
+# their largest probability at each query and key (FitPrune's `attn_weights.max(dim=1)`). Both cost the same: the
+# same products and softmax, one add or one comparison per probability.
+HeadStatistic = Literal["mean", "max"]
+HEAD_STATISTICS: tuple[str, ...] = get_args(HeadStatistic)
 
 AttentionScores = Literal["model", "float32"]
 ATTENTION_SCORES: tuple[str, ...] = get_args(AttentionScores)
@@ -76,6 +86,13 @@ def causal_tiles(rows: int, last: int, keys: int, queries: int) -> list[tuple[in
         r1 = min(rows, r0 + CAUSAL_TILE_ROWS)
         tiles.append((r0, r1, max(1, min(keys, last - (rows - r1) + 1 + keys - queries))))
     return tiles
+
+
+def check_head_statistic(value: object) -> str:
+    """`value` as a head statistic, or a ValueError naming them."""
+    if value not in HEAD_STATISTICS:
+        raise ValueError(f"heads must be one of {', '.join(HEAD_STATISTICS)}, got {value!r}")
+    return str(value)
 
 
 def check_attention_scores(value: object) -> str:

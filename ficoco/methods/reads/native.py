@@ -1,5 +1,6 @@
 """ficoco's fused CPU read kernel (softmax_sums.c): built with the machine's C compiler at first use, loaded
-with ctypes, and used by ficoco.methods.reads.ops for the column and row sums a method reads on a CPU.
+with ctypes, and used by ficoco.methods.reads.ops for the column and row sums (and a row's head-max) a method
+reads on a CPU.
 
 Why a kernel of our own: a read in torch makes a pass over the whole block of scores per op (scale,
 softmax, a float32 copy, the sum), about 2.5 times the cost of the layer's own fused attention (SDPA) at
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("softmax_sums.c")
-ABI = 1
+ABI = 2  # 2: the head-max rows (ficoco_rowmax_*)
 ENV = "FICOCO_READ_KERNEL"  # "torch": never use the kernel; "native" or unset: use it where it builds
 # -march=native: the vector width and instructions of the machine it runs on (hence a library per processor);
 # on x86, AVX-512's full width where the processor has it (compilers default to half of it).
@@ -126,7 +127,7 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
     for name in ("ficoco_colsum_bf16", "ficoco_colsum_f32"):
         getattr(library, name).argtypes = [ptr, i64, i64, f32, ptr, ptr, c_int]
         getattr(library, name).restype = None
-    for name in ("ficoco_rowsum_bf16", "ficoco_rowsum_f32"):
+    for name in ("ficoco_rowsum_bf16", "ficoco_rowsum_f32", "ficoco_rowmax_bf16", "ficoco_rowmax_f32"):
         getattr(library, name).argtypes = [ptr, i64, i64, i64, i64, f32, ptr, ptr, c_int]
         getattr(library, name).restype = None
     return library, KernelStatus("native", f"built with {' '.join(FLAGS)} in {target.parent}"

@@ -1,8 +1,9 @@
-"""The reads of ficoco.methods.reads in torch: a layer's head-mean attention probabilities, read without
-the (heads x queries x keys) matrix.
+"""The reads of ficoco.methods.reads in torch: a layer's head-mean (or head-max) attention probabilities,
+read without the (heads x queries x keys) matrix.
 
 `AttentionReads` is what a method is handed; it offers the three reads (`column_sum` / `column_mean`,
-`rows`, `block`), each returning head-mean float32 probabilities:
+`rows`, `block`), each returning float32 probabilities combined over the heads by their mean (or, for a
+reader made with ``heads="max"``, their largest):
 
 - `ProbedAttention` computes them from the layer's own queries and keys (post-rotary), its mask and scale,
   by blocks of query rows under a score budget (`SCORE_BUDGET_ELEMENTS`), in the rule the method's
@@ -34,6 +35,7 @@ from ficoco.methods.reads import (
     WHOLE_READ_SCORES,
     causal_tiles,
     check_attention_scores,
+    check_head_statistic,
 )
 
 # Scores one block of a read may hold (every head of some query rows over every key). CPU: 4 M, whose
@@ -82,9 +84,10 @@ def _scratch(name: str, size: int, dtype: torch.dtype, device: torch.device) -> 
 
 
 class AttentionReads:
-    """A layer's head-mean attention probabilities, (B, Tq, Tk), as a method reads them.
+    """A layer's head-mean (or head-max) attention probabilities, (B, Tq, Tk), as a method reads them.
 
-    `shape` is the matrix's; every read returns float32 (or wider) head-mean probabilities."""
+    `shape` is the matrix's; every read returns float32 (or wider) probabilities, the heads combined as the
+    reader was made to (a `ProbedAttention`'s `heads`; a `DenseAttention` returns what its matrix holds)."""
 
     shape: tuple[int, int, int]
 
@@ -156,19 +159,21 @@ class ProbedAttention(AttentionReads):
     """Reads computed from a layer's queries (B, H, Tq, d) and keys (B, H_kv, Tk, d) (post-rotary; grouped
     heads: H a multiple of H_kv), its `mask` ((B or 1, H or 1, Tq or 1, Tk): boolean, True = attend, or
     additive) or the causal rule (`causal`, with no mask; query i of the last Tq sees keys up to
-    i + Tk - Tq), and its `scale`, in the rule `scores` names (ficoco.methods.reads). Nothing is computed
-    until a read is asked for; every read runs through `runner`."""
+    i + Tk - Tq), and its `scale`, in the rule `scores` names (ficoco.methods.reads). `heads`: every read
+    combines the heads' probabilities by their ``"mean"`` or their ``"max"`` (ficoco.methods.reads.HEAD_STATISTICS).
+    Nothing is computed until a read is asked for; every read runs through `runner`."""
 
     def __init__(self, query: Tensor, key: Tensor, scale: float | None = None, *, mask: Tensor | None = None,
                  causal: bool = False, scores: str = DEFAULT_ATTENTION_SCORES, runner: ReadRunner | None = None,
-                 budget: int | None = None) -> None:
-        batch, heads, q_len, dim = query.shape
-        if key.shape[0] != batch or heads % key.shape[1] or key.shape[-1] != dim:
+                 budget: int | None = None, heads: str = "mean") -> None:
+        batch, query_heads, q_len, dim = query.shape
+        if key.shape[0] != batch or query_heads % key.shape[1] or key.shape[-1] != dim:
             raise ValueError(f"queries {tuple(query.shape)} and keys {tuple(key.shape)} do not make one attention")
         self.query, self.key = query, key
         self.scale = dim ** -0.5 if scale is None else scale
         self.mask, self.causal = mask, causal
         self.scores = check_attention_scores(scores)
+        self.heads = check_head_statistic(heads)
         self.runner = runner or _direct
         self.budget = budget
         self.shape = (batch, q_len, key.shape[2])
@@ -177,7 +182,7 @@ class ProbedAttention(AttentionReads):
     # -- the reads --------------------------------------------------------------------------------------------
     @property
     def whole(self) -> DenseAttention | None:
-        """The head-mean matrix, computed at the first read, where every score of the layer fits
+        """The head-mean (head-max) matrix, computed at the first read, where every score of the layer fits
         `WHOLE_READ_SCORES` (every read is then answered from it); None for a larger layer."""
         batch, q_len, k_len = self.shape
         if batch * self.query.shape[1] * q_len * k_len > WHOLE_READ_SCORES:
@@ -218,7 +223,8 @@ class ProbedAttention(AttentionReads):
             mask = mask[..., order, :] if mask.shape[-2] > 1 else mask
             mask = mask[..., order]
         return ProbedAttention(self.query[:, :, order], self.key[:, :, order], self.scale, mask=mask,
-                               causal=self.causal, scores=self.scores, runner=self.runner, budget=self.budget)
+                               causal=self.causal, scores=self.scores, runner=self.runner, budget=self.budget,
+                               heads=self.heads)
 
     # -- by blocks of query rows ------------------------------------------------------------------------------
     def _kernel(self) -> Any:
@@ -237,14 +243,19 @@ class ProbedAttention(AttentionReads):
 
     def _columns(self, rows: Tensor | None, first_row: int) -> Tensor:
         batch, _, k_len = self.shape
-        kernel = self._kernel()
+        # The kernel's column sums add every head's probabilities: a head-max column read sums its rows' maxima in
+        # torch (no method reads one yet; FitPrune's reads are rows).
+        kernel = self._kernel() if self.heads == "mean" else None
         if kernel is not None:
             return self._native_columns(kernel, rows, first_row)
         total = torch.zeros(batch, k_len, dtype=torch.float32, device=self.query.device)
         for b0, b1, _, _, probabilities in self._blocks(rows, first_row):
+            if self.heads == "max":
+                total[b0:b1, :probabilities.shape[-1]] += probabilities.amax(dim=(1, 2)).sum(dim=1)
+                continue
             # Every head of every row of the block: (b, heads x rows, keys) summed over its middle axis.
             total[b0:b1, :probabilities.shape[-1]] += probabilities.flatten(1, 3).sum(dim=1)
-        return total.div_(self.query.shape[1])
+        return total if self.heads == "max" else total.div_(self.query.shape[1])
 
     def _rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         batch, _, k_len = self.shape
@@ -252,10 +263,15 @@ class ProbedAttention(AttentionReads):
         if kernel is not None:
             return self._native_rows(kernel, rows, last)
         out = torch.zeros(batch, rows.shape[1], k_len, dtype=torch.float32, device=self.query.device)
-        heads = self.query.shape[1]
         for b0, b1, r0, r1, probabilities in self._blocks(rows, 0, last):
-            out[b0:b1, r0:r1, :probabilities.shape[-1]] = probabilities.sum(dim=(1, 2)).div_(heads)
+            out[b0:b1, r0:r1, :probabilities.shape[-1]] = self._over_heads(probabilities)
         return out
+
+    def _over_heads(self, probabilities: Tensor) -> Tensor:
+        """A block's (n, H_kv, g, rows, keys) probabilities combined over its heads: (n, rows, keys)."""
+        if self.heads == "max":
+            return probabilities.amax(dim=(1, 2))
+        return probabilities.sum(dim=(1, 2)).div_(self.query.shape[1])
 
     def _native_columns(self, kernel: Any, rows: Tensor | None, first_row: int) -> Tensor:
         batch, _, k_len = self.shape
@@ -279,22 +295,24 @@ class ProbedAttention(AttentionReads):
         heads = self.query.shape[1]
         out = torch.zeros(batch, rows.shape[1], k_len, dtype=torch.float32)
         threads = torch.get_num_threads()
+        # Probabilities are never negative: a head-max starts from zero as a head sum does.
+        bf16, f32 = ("ficoco_rowmax_bf16", "ficoco_rowmax_f32") if self.heads == "max" else \
+            ("ficoco_rowsum_bf16", "ficoco_rowsum_f32")
         for b0, b1, r0, r1, scores, limits, scale in self._score_blocks(rows, 0, last):
             n, _, width, keys = scores.shape
-            summed = torch.zeros(n, width, keys, dtype=torch.float32)
-            function = kernel.ficoco_rowsum_bf16 if scores.dtype == torch.bfloat16 else kernel.ficoco_rowsum_f32
+            combined = torch.zeros(n, width, keys, dtype=torch.float32)
+            function = getattr(kernel, bf16 if scores.dtype == torch.bfloat16 else f32)
             function(scores.data_ptr(), n, heads, width, keys, scale,
-                     None if limits is None else limits.data_ptr(), summed.data_ptr(), threads)
-            out[b0:b1, r0:r1, :keys] = summed.div_(heads)
+                     None if limits is None else limits.data_ptr(), combined.data_ptr(), threads)
+            out[b0:b1, r0:r1, :keys] = combined if self.heads == "max" else combined.div_(heads)
         return out
 
     def _matrix(self) -> Tensor:
-        """(B, Tq, Tk) every row's head-mean probabilities."""
+        """(B, Tq, Tk) every row's head-mean (head-max) probabilities."""
         batch, q_len, k_len = self.shape
         out = torch.zeros(batch, q_len, k_len, dtype=torch.float32, device=self.query.device)
-        heads = self.query.shape[1]
         for b0, b1, r0, r1, probabilities in self._blocks(None, 0):
-            out[b0:b1, r0:r1, :probabilities.shape[-1]] = probabilities.sum(dim=(1, 2)).div_(heads)
+            out[b0:b1, r0:r1, :probabilities.shape[-1]] = self._over_heads(probabilities)
         return out
 
     def _block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
@@ -561,10 +579,11 @@ def stack_reads(items: Sequence[AttentionReads]) -> AttentionReads:
     first = items[0]
     if all(isinstance(item, ProbedAttention) and item.mask is None and item.query.shape[1:] == first.query.shape[1:]
            and item.key.shape[1:] == first.key.shape[1:] and item.scale == first.scale and item.scores == first.scores
-           and item.causal == first.causal for item in items) and isinstance(first, ProbedAttention):
+           and item.causal == first.causal and item.heads == first.heads for item in items) \
+            and isinstance(first, ProbedAttention):
         return ProbedAttention(torch.cat([item.query for item in items]), torch.cat([item.key for item in items]),
                                first.scale, causal=first.causal, scores=first.scores, runner=first.runner,
-                               budget=first.budget)
+                               budget=first.budget, heads=first.heads)
     return StackedReads(items)
 
 

@@ -4,8 +4,9 @@
    Each row of scores is what the model's eager attention computes, with the roundings it makes:
      x = s * scale                  (rounded to bfloat16 when the scores are bfloat16: `scores * scaling`)
      p = exp(x - max x) * (1 / sum) (in float32, as torch's softmax computes it; rounded to bfloat16 again)
-   and only the statistic leaves the row: its probabilities added to column sums (`colsum_*`) or to the
-   head-mean of its query row (`rowsum_*`). Torch computes the same with a pass over the whole block per op
+   and only the statistic leaves the row: its probabilities added to column sums (`colsum_*`), to the
+   head-mean of its query row (`rowsum_*`), or kept where larger than the other heads' (`rowmax_*`: the head-max of
+   the row, FitPrune's statistic). Torch computes the same with a pass over the whole block per op
    (scale, softmax, a float32 copy, the sum); here a row stays in the first-level cache for all of them.
    Keys at or past a row's limit are masked (probability 0), as a causal mask's -inf gives them.
 
@@ -109,6 +110,25 @@ static inline void add_probabilities(const float *restrict x, int64_t limit, flo
     }
 }
 
+/* total[j] = max(total[j], p[j]), p as `add_probabilities` computes it: the head-max of a row, heads in order (a
+   maximum takes any order: the same value as torch's amax over the heads). */
+static inline void max_probabilities(const float *restrict x, int64_t limit, float inverse, int round,
+                                     float *restrict total) {
+    if (round) {
+#pragma omp simd
+        for (int64_t j = 0; j < limit; j++) {
+            float p = round_bf16(x[j] * inverse);
+            total[j] = p > total[j] ? p : total[j];
+        }
+    } else {
+#pragma omp simd
+        for (int64_t j = 0; j < limit; j++) {
+            float p = x[j] * inverse;
+            total[j] = p > total[j] ? p : total[j];
+        }
+    }
+}
+
 /* The scaled row at `offset` of the block into `x` (its first `limit` keys) and its largest score. */
 static inline float load_row(const void *scores, int bf16, int64_t offset, int64_t limit, float scale, float *x) {
     return bf16 ? scaled_bf16((const uint16_t *)scores + offset, limit, scale, x)
@@ -146,9 +166,10 @@ static void colsum(const void *scores, int bf16, int64_t rows, int64_t keys, flo
 }
 
 /* The block is (batch, heads, width, keys): out[b, w, j] += sum over heads of p[b, h, w, j] (float32, heads in
-   order, as torch's sum over the head axes). limits: per (b, w), or NULL. */
+   order, as torch's sum over the head axes), or with `max`, out[b, w, j] = the largest of out[b, w, j] (zero, as
+   the caller fills it) and every head's p[b, h, w, j]. limits: per (b, w), or NULL. */
 static void rowsum(const void *scores, int bf16, int64_t batch, int64_t heads, int64_t width, int64_t keys,
-                   float scale, const int64_t *limits, float *out, int threads) {
+                   float scale, const int64_t *limits, float *out, int threads, int max) {
     int round = bf16;
 #pragma omp parallel num_threads(threads)
     {
@@ -161,7 +182,11 @@ static void rowsum(const void *scores, int bf16, int64_t batch, int64_t heads, i
             for (int64_t h = 0; h < heads && limit > 0; h++) {
                 int64_t offset = ((b * heads + h) * width + w) * keys;
                 float top = load_row(scores, bf16, offset, limit, scale, x);
-                add_probabilities(x, limit, exponentials(x, limit, top), round, target);
+                float inverse = exponentials(x, limit, top);
+                if (max)
+                    max_probabilities(x, limit, inverse, round, target);
+                else
+                    add_probabilities(x, limit, inverse, round, target);
             }
         }
         free(x);
@@ -180,13 +205,23 @@ void ficoco_colsum_f32(const float *scores, int64_t rows, int64_t keys, float sc
 
 void ficoco_rowsum_bf16(const uint16_t *scores, int64_t batch, int64_t heads, int64_t width, int64_t keys,
                         float scale, const int64_t *limits, float *out, int threads) {
-    rowsum(scores, 1, batch, heads, width, keys, scale, limits, out, threads);
+    rowsum(scores, 1, batch, heads, width, keys, scale, limits, out, threads, 0);
 }
 
 void ficoco_rowsum_f32(const float *scores, int64_t batch, int64_t heads, int64_t width, int64_t keys, float scale,
                        const int64_t *limits, float *out, int threads) {
-    rowsum(scores, 0, batch, heads, width, keys, scale, limits, out, threads);
+    rowsum(scores, 0, batch, heads, width, keys, scale, limits, out, threads, 0);
+}
+
+void ficoco_rowmax_bf16(const uint16_t *scores, int64_t batch, int64_t heads, int64_t width, int64_t keys,
+                        float scale, const int64_t *limits, float *out, int threads) {
+    rowsum(scores, 1, batch, heads, width, keys, scale, limits, out, threads, 1);
+}
+
+void ficoco_rowmax_f32(const float *scores, int64_t batch, int64_t heads, int64_t width, int64_t keys, float scale,
+                       const int64_t *limits, float *out, int threads) {
+    rowsum(scores, 0, batch, heads, width, keys, scale, limits, out, threads, 1);
 }
 
 /* The version of this file's interface; the loader checks it. */
-int ficoco_reads_abi(void) { return 1; }
+int ficoco_reads_abi(void) { return 2; }
