@@ -26,7 +26,7 @@ from ficoco.methods import (
     variant_label,
 )
 from ficoco.methods.base import ACTS_AT, PLACEMENTS, PLANNER_NAMES
-from ficoco.methods.needs import NEED_KINDS, NEED_LAYERS, NEED_ROWS, probe_plan
+from ficoco.methods.needs import NAMED_LAYER, NEED_KINDS, NEED_LAYERS, NEED_ROWS, probe_plan
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 
 FASTV = METHODS["fastv"]
@@ -56,7 +56,9 @@ def test_every_need_value_is_read_by_some_placement() -> None:
     for kind, layer, rows, acts_at, placement in itertools.product(NEED_KINDS, NEED_LAYERS, NEED_ROWS, ACTS_AT,
                                                                    PLACEMENTS):
         try:
-            probe_plan("probe", (Need(kind, layer, rows, ""),), acts_at, placement)  # type: ignore[arg-type]
+            # A "vision named" need names the setting that holds its tower layer.
+            need = Need(kind, layer, rows, "", at="layer" if layer == NAMED_LAYER else "")  # type: ignore[arg-type]
+            probe_plan("probe", (need,), acts_at, placement)
         except ValueError:
             continue
         read.add(("kind", kind))

@@ -18,7 +18,15 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.families import FAMILIES
 from ficoco.accounting.schedule import BudgetError, PlanRequest, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
-from ficoco.methods.base import CLS_TO_PROJECTOR, FULL_ATTENTION_LAYERS, Dims, MethodSpec, Step, StepContext
+from ficoco.methods.base import (
+    CLS_TO_PROJECTOR,
+    FULL_ATTENTION_LAYERS,
+    Dims,
+    MethodSpec,
+    Step,
+    StepContext,
+    TowerLayout,
+)
 from ficoco.methods.hybrid import HybridLayers
 from ficoco.methods.registry import method
 
@@ -45,6 +53,13 @@ def suffix_tokens(arch: Architecture, text_tokens: int) -> int:
 def vision_dims(arch: Architecture) -> Dims:
     v = arch.vision
     return Dims(hidden=v.hidden, heads=v.heads, kv_heads=v.heads, head_dim=v.hidden // v.heads, ffn=v.ffn)
+
+
+def tower_layout(arch: Architecture) -> TowerLayout:
+    """The tower `arch` runs, as a method's `tower_layers` reads it."""
+    v = arch.vision
+    full = tuple(sorted(v.full_attention_layers)) if v.window_groups else tuple(range(v.layers))
+    return TowerLayout(family=arch.family, layers=v.layers, feature_layer=v.feature_layer, full_attention=full)
 
 
 def counted_shape(arch: Architecture, spec: MethodSpec) -> tuple[int, int]:
@@ -152,6 +167,10 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
     hp = {**spec.hyperparameters, **hyperparameters}
     visual, layers = counted_shape(arch, spec)
     settings = spec.settings_for_keep(keep, visual, layers, hp)
+    if spec.tower_layers is not None:  # the tower layers its settings name, picked on this tower
+        settings.update(spec.tower_layers(tower_layout(arch), settings))
+    if spec.probes.named_tower_layers:  # a named layer off this tower: one line
+        spec.probes.named_layers(settings, arch.vision.layers)
     # A correction given goes into the settings whether the method's own rule carries it or not (a label and the
     # models read it there).
     settings.update({name: value for name, value in hyperparameters.items() if name in spec.corrections})

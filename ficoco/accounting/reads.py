@@ -73,55 +73,70 @@ def method_reads(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, bat
                  settings: Mapping[str, Any] | None = None) -> list[Read]:
     """Every read `schedule`'s method makes of a layer's attention in one prefill of `batch` samples: at each
     reducing layer, the layer its spec reads (a tower step's own layer, or the layer a cut's projector reads), at
-    the tokens that
-    layer attends over. `settings`: the method's hyperparameters where they differ from the schedule's."""
+    the tokens that layer attends over, and the tower layers its settings name (``vision named`` needs: a read
+    shape that names the setting). `settings`: the method's hyperparameters where they differ from the
+    schedule's."""
     spec = METHODS.get(schedule.variant)
     if spec is None:
         return []
     reads_of = spec.reads
     if reads_of is None and (spec.probes.layer_probabilities or any(
-            probe is not None and probe.probabilities
-            for probe in (spec.probes.step_tower_layers, spec.probes.last_tower_layer))):
+            probe.probabilities for probe in spec.probes.tower_probes)):
         reads_of = whole_layer  # a spec that reads whole layers without saying what: every score once
     if reads_of is None:
         return []
     hp = {**spec.hyperparameters, **schedule.settings_dict(), **(settings or {})}
+    named_probes = dict(spec.probes.named_tower_layers)
+    step_probe = spec.probes.step_tower_layers or spec.probes.last_tower_layer
     v, d = arch.vision, arch.decoder
     suffix = suffix_tokens(arch, plan.text_tokens)
     reads: list[Read] = []
     for red in plan.reductions:
         if red.stage == "vision":
-            # A step inside the tower reads its own layer; a cut, the layer the projector reads (its own).
-            layer = red.layer
-            tokens = plan.vision[layer][0]
+            tokens = plan.vision[red.layer][0]
             sequences, heads, head_dim = batch * plan.vision_items, v.heads, v.hidden // v.heads
-            # A layer that attends within windows (Qwen2.5-VL) reads each window's own: the pairs a run measured,
-            # else the windows' estimate.
-            windowed = vision_attention_pairs(arch, plan, layer, sequences)
-            pairs = None if windowed is None else windowed // sequences
         else:
-            layer = red.layer
-            tokens = plan.llm[layer][0]
-            sequences, heads, head_dim, pairs = batch, d.heads, d.head_dim, None
+            tokens = plan.llm[red.layer][0]
+            sequences, heads, head_dim = batch, d.heads, d.head_dim
         context = ReadContext(red.stage, tokens, red.visual_before, red.removed, v.has_cls and red.stage == "vision",
                               suffix, hp)
-        shapes = reads_of(context)
-        if not shapes:
-            continue
-        windows = pairs is not None and pairs != tokens * tokens
-        if windows and heads * max(v.window_groups) ** 2 * v.merge ** 2 <= WHOLE_READ_SCORES:
-            # Every window is small enough to be read whole, once: its column sums and rows come from it.
-            reads.append(Read(spec.name, red.stage, layer, "columns", tokens, tokens, heads, head_dim, sequences,
-                              pairs))
-            continue
-        if not windows and sequences * heads * tokens * tokens <= WHOLE_READ_SCORES:
-            # The layer is read whole at its first read, once (ficoco.methods.reads.WHOLE_READ_SCORES); a decoder
-            # layer's rows each over the keys the causal mask lets them see.
-            tiles = causal_tiles(tokens, tokens - 1, tokens, tokens) if red.stage == "llm" else [(0, tokens, tokens)]
-            reads += [Read(spec.name, red.stage, layer, "rows", r1 - r0, keys, heads, head_dim, sequences)
-                      for r0, r1, keys in tiles]
-            continue
-        for kind, rows, keys in shapes:
-            windowed = pairs if kind == "columns" and windows else None
-            reads.append(Read(spec.name, red.stage, layer, kind, rows, keys, heads, head_dim, sequences, windowed))
+        # The shapes by the layer they read: the reducing layer's, then every named tower layer's in turn.
+        by_layer: dict[int, tuple[bool, list[tuple[str, int, int]]]] = {}
+        for shape in reads_of(context):
+            kind, rows, keys, *named = shape
+            if named and red.stage == "vision":
+                layer, probe = int(hp[named[0]]), named_probes.get(named[0])
+            else:
+                layer, probe = red.layer, step_probe if red.stage == "vision" else None
+            whole_item = probe is not None and probe.whole_item
+            by_layer.setdefault(layer, (whole_item, []))[1].append((kind, rows, keys))
+        for layer, (whole_item, shapes) in by_layer.items():
+            if red.stage == "vision":
+                tokens = plan.vision[layer][0]
+                # A layer that attends within windows (Qwen2.5-VL) reads each window's own: the pairs a run measured,
+                # else the windows' estimate; a read over the whole item (`whole_item`) reads every pair.
+                windowed = None if whole_item else vision_attention_pairs(arch, plan, layer, sequences)
+                pairs = None if windowed is None else windowed // sequences
+            else:
+                pairs = None
+            reads += _layer_reads(spec.name, red.stage, layer, tokens, shapes, heads, head_dim, sequences, pairs,
+                                  arch)
     return reads
+
+
+def _layer_reads(name: str, stage: str, layer: int, tokens: int, shapes: list[tuple[str, int, int]], heads: int,
+                 head_dim: int, sequences: int, pairs: int | None, arch: Architecture) -> list[Read]:
+    """The reads of one layer, `shapes` as the method asks them, made as the reads make them: a layer small enough
+    read whole once, a windowed layer's columns over its windows' pairs."""
+    v = arch.vision
+    windows = pairs is not None and pairs != tokens * tokens
+    if windows and heads * max(v.window_groups) ** 2 * v.merge ** 2 <= WHOLE_READ_SCORES:
+        # Every window is small enough to be read whole, once: its column sums and rows come from it.
+        return [Read(name, stage, layer, "columns", tokens, tokens, heads, head_dim, sequences, pairs)]
+    if not windows and sequences * heads * tokens * tokens <= WHOLE_READ_SCORES:
+        # The layer is read whole at its first read, once (ficoco.methods.reads.WHOLE_READ_SCORES); a decoder
+        # layer's rows each over the keys the causal mask lets them see.
+        tiles = causal_tiles(tokens, tokens - 1, tokens, tokens) if stage == "llm" else [(0, tokens, tokens)]
+        return [Read(name, stage, layer, "rows", r1 - r0, keys, heads, head_dim, sequences) for r0, r1, keys in tiles]
+    return [Read(name, stage, layer, kind, rows, keys, heads, head_dim, sequences,
+                 pairs if kind == "columns" and windows else None) for kind, rows, keys in shapes]

@@ -11,7 +11,7 @@ Importing this package imports no torch: the specs are plain data and integer ar
 accountant reads; a method's ops module is imported on use (`MethodSpec.load()`).
 """
 
-from ficoco.methods.base import Dims, MethodSpec, Need, Step, StepContext
+from ficoco.methods.base import Dims, MethodSpec, Need, Step, StepContext, TowerLayout
 from ficoco.methods.needs import ProbePlan, TowerProbe
 from ficoco.methods.registry import (
     METHODS,
@@ -26,5 +26,5 @@ from ficoco.methods.registry import (
 )
 
 __all__ = ["METHODS", "PRESETS", "VARIANTS", "Dims", "MethodSpec", "Need", "ProbePlan", "Step", "StepContext",
-           "TowerProbe", "method", "method_label", "register_method", "registered", "unregister_method",
+           "TowerLayout", "TowerProbe", "method", "method_label", "register_method", "registered", "unregister_method",
            "variant_label"]

@@ -42,7 +42,7 @@ from ficoco.methods.reads import ReadShapes
 
 __all__ = ["ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "FULL_ATTENTION_LAYERS", "NEED_KINDS", "NOT_WIRED",
            "PLACEMENTS", "PLANNER_NAMES", "POSITION_SCHEMES", "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec",
-           "Need", "Planner", "PlannerName", "Step", "StepContext"]
+           "Need", "Planner", "PlannerName", "Step", "StepContext", "TowerLayout"]
 
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
 PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector")
@@ -158,6 +158,26 @@ ExtraMacs = list[tuple[int | None, str, int]]
 
 
 @dataclass(frozen=True)
+class TowerLayout:
+    """The vision tower a run plans, as a method's `tower_layers` reads it to pick the tower layers its
+    ``vision named`` needs read (ficoco.methods.needs): the official layer where the tower has the official
+    depth, else the method's stated rule.
+
+    Attributes:
+        family: the model family ("llava", "qwen2_5_vl", ...).
+        layers: the tower's layers (all of them run).
+        feature_layer: the 0-based layer whose output the projector reads.
+        full_attention: the layers that attend over the whole item (every layer where the tower has no
+            windows; Qwen2.5-VL: its fullatt_block_indexes).
+    """
+
+    family: str
+    layers: int
+    feature_layer: int
+    full_attention: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class LayerWork:
     """One in-layer reduction, as a method's `layer_macs` formula reads it.
 
@@ -260,9 +280,14 @@ class MethodSpec:
     paper_overhead: Callable[[str, int, int, int], int] | None = None
     layer_macs: Callable[[LayerWork], int] | None = None
     # What the method reads of a layer's attention beside the layer's own kernel (ficoco.methods.reads), per
-    # reducing layer: (kind, rows, keys) per sequence. None: it reads no whole layer (a few rows at most, which
-    # are its `extra_macs`). The prediction prices them at their shapes; --verify checks them.
+    # reducing layer: (kind, rows, keys) per sequence, and (kind, rows, keys, setting) for a tower layer a setting
+    # names. None: it reads no whole layer (a few rows at most, which are its `extra_macs`). The prediction prices
+    # them at their shapes; --verify checks them.
     reads: ReadShapes | None = None
+    # A method before the LLM whose needs read tower layers its settings name (``vision named``): those settings
+    # resolved on the tower a run plans, (TowerLayout, settings) -> {setting: 0-based tower layer}; the accountant
+    # writes them into the schedule's settings, which the adapters read. None: the settings hold the layers as given.
+    tower_layers: Callable[[TowerLayout, Mapping[str, Any]], Mapping[str, int]] | None = None
     # --schedule LAYER:REMOVED of a layer-input method: the tokens that join at the same step, from the removed
     # count and the default settings (SparseVLM's recycled clusters); None: none join.
     added_for_removed: Callable[[int, Mapping[str, Any]], int] | None = None
@@ -290,6 +315,10 @@ class MethodSpec:
             if self.hyperparameters[name] in values:
                 raise ValueError(f"{self.name}: the default of {name!r} must be the official behaviour, not the "
                                  f"correction {self.hyperparameters[name]!r}")
+        for need in self.needs:
+            if getattr(need, "at", "") and need.at not in self.hyperparameters:
+                raise ValueError(f"{self.name}: Need({need.kind!r}, {need.layer!r}, {need.rows!r}) reads the tower "
+                                 f"layer setting {need.at!r}, which is not one of its hyperparameters")
         # Every need must be one a hook point of this placement reads (refused here, in one line, otherwise).
         object.__setattr__(self, "probes", probe_plan(self.name, tuple(self.needs), self.acts_at, self.placement))
 

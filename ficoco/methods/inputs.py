@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from torch import Tensor
+
+    from ficoco.methods.reads.ops import AttentionReads
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,29 @@ class InLayerInput:
 
 
 @dataclass(frozen=True)
+class TowerLayerProbe:
+    """What the adapters kept of a tower layer a setting of the method names (a ``vision named`` need,
+    ficoco.methods.needs), in the layout of `TowerInput`'s own `keys` and `attention`: [CLS] first where the
+    tower has one, a merge unit's patches consecutive, the units in grid order.
+
+    Attributes:
+        layer: the 0-based tower layer read (the setting's value).
+        keys: ``(items, H, T, d)`` its key states, or None where the adapter does not hand them (Qwen2-VL's
+            packed tower hands them; the probe asks for them only where it asks for [CLS] or keys).
+        cls_query: ``(items, H, d)`` the query of [CLS] there, for a ``cls`` need on a tower with [CLS]; else None.
+        scale: its attention scale, where the keys come with it.
+        attention: reads of its ``(items, T, T)`` head-mean probabilities (ficoco.methods.reads.ops), for an
+            ``attention_rows`` need of ``all`` or ``item`` rows; else None.
+    """
+
+    layer: int
+    keys: Tensor | None = None
+    cls_query: Tensor | None = None
+    scale: float | None = None
+    attention: AttentionReads | None = None
+
+
+@dataclass(frozen=True)
 class TowerInput:
     """What the model adapters hand a vision-side method's `tower_step` (a batch of tower items).
 
@@ -161,6 +188,8 @@ class TowerInput:
         sequence: with ``image_order``, ``(items, T)`` the method's own order of `hidden`'s tokens as
             indices into it, as its previous step of this forward left it (`TowerOutput.sequence`); None
             before the first step (image order).
+        named: per setting of a ``vision named`` need (ficoco.methods.needs: HiPrune's ``object_layer``), what
+            the adapter kept of the tower layer it names (`TowerLayerProbe`); None when the method names none.
     """
 
     hidden: Tensor
@@ -181,6 +210,7 @@ class TowerInput:
     cls_hidden: Tensor | None = None
     image_order: bool = False
     sequence: Tensor | None = None
+    named: Mapping[str, TowerLayerProbe] | None = None
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,22 @@ typo or a need the adapters do not serve cannot silently mean "not probed".
 What each placement reads (`probe_plan`):
 
 - before the LLM (``acts_at`` ``vision_layer`` or ``after_projector``): ``keys``,
-  ``attention_rows`` or ``query_key`` of ``vision L`` (the tower layer of each step) or
-  ``vision last`` (the tower's last layer), rows ``cls`` (the [CLS] query is kept as well) or
-  ``all`` (``attention_rows`` of every row: the layer's head-mean probabilities); ``hidden`` of
+  ``attention_rows`` or ``query_key`` of ``vision L`` (the tower layer of each step), ``vision last``
+  (the tower's last layer) or ``vision named`` (the tower layer a setting of the method names: the
+  need's ``at``, e.g. HiPrune's ``object_layer``), rows ``cls`` (the [CLS] query is kept as well),
+  ``all`` (``attention_rows`` of every row: the layer's head-mean probabilities, as the layer ran) or
+  ``item`` (every row over every key of the tower item, the layer's window mask left out: a
+  Qwen2.5-VL window block read as if it attended over the whole image; elsewhere the same as
+  ``all``); ``hidden`` of
   ``vision L`` (a step in a tower layer or at the tower's output) or ``projector`` (a cut after
   the projector); ``input_embeddings`` of the prompt's ``suffix`` (the instruction);
+
+  A ``vision named`` need is probed at the layer its setting holds once the schedule is made: the
+  accountant resolves the setting on the tower a run plans (`MethodSpec.tower_layers`, a 0-based
+  tower layer in the schedule's settings), and every family's tower pass probes that layer too and
+  hands what it kept to the method as ``TowerInput.named[at]`` (ficoco.methods.inputs.TowerLayerProbe),
+  in the layout of the step's own keys and attention ([CLS] first where the tower has one, a merge
+  unit's patches consecutive, the units in grid order);
 - at the input of a decoder layer L (``layer_input``): ``attention_rows`` of ``L-1``, rows
   ``last`` or ``suffix``; ``keys`` of ``L-1``; ``query_key`` of ``L``, row ``last`` (the layer's
   own projections); ``input_embeddings`` (once per prefill); ``hidden`` of ``L`` or ``L-1`` (the
@@ -29,17 +40,21 @@ A need's ``heads`` other than ``"mean"`` is read by that hook point alone; elsew
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
+from ficoco.errors import FicocoError
 from ficoco.methods.reads import HEAD_STATISTICS
 
 NeedKind = Literal["attention_rows", "query_key", "keys", "hidden", "input_embeddings"]
-NeedLayer = Literal["L-1", "L", "embeddings", "vision L", "vision last", "projector"]
-NeedRows = Literal["last", "suffix", "visual+suffix", "cls", "all"]
+NeedLayer = Literal["L-1", "L", "embeddings", "vision L", "vision last", "vision named", "projector"]
+NeedRows = Literal["last", "suffix", "visual+suffix", "cls", "all", "item"]
 NEED_KINDS: tuple[str, ...] = get_args(NeedKind)
 NEED_LAYERS: tuple[str, ...] = get_args(NeedLayer)
 NEED_ROWS: tuple[str, ...] = get_args(NeedRows)
+# The layer of a need whose tower layer a setting of the method names (`Need.at`).
+NAMED_LAYER = "vision named"
 
 
 @dataclass(frozen=True)
@@ -54,15 +69,20 @@ class Need:
             ``input_embeddings`` (the LLM's input embeddings, before layer 0).
         layer: where, relative to the step's layer L: ``"L-1"`` (the layer before the step),
             ``"L"`` (the step's own layer), ``"embeddings"``, ``"vision L"`` (the tower layer of
-            the step), ``"vision last"`` (the tower's last layer), ``"projector"`` (its output).
+            the step), ``"vision last"`` (the tower's last layer), ``"vision named"`` (the tower
+            layer the setting `at` holds), ``"projector"`` (its output).
         rows: which query rows or tokens: ``last`` (the last prompt token), ``suffix`` (every
-            text token after the visual span), ``visual+suffix``, ``cls``, ``all``.
+            text token after the visual span), ``visual+suffix``, ``cls``, ``all``, ``item`` (every
+            row over the whole tower item, a window mask left out).
         detail: one sentence on why and in what form.
         heads: how ``attention_rows`` combine the heads: ``"mean"`` (every method but one), or ``"max"``,
             the largest probability any head gives a query and key (FitPrune's head-max map).
+        at: for ``"vision named"`` only, the name of the method's setting (a hyperparameter) that holds
+            the tower layer read: a 0-based tower layer once the schedule is made.
 
     Each field is checked when the need is made: a value outside its `Literal` is refused in one
-    line naming the values allowed.
+    line naming the values allowed, and so is an `at` missing from a ``vision named`` need or given
+    to another.
     """
 
     kind: NeedKind
@@ -70,6 +90,7 @@ class Need:
     rows: NeedRows
     detail: str
     heads: str = "mean"
+    at: str = ""
 
     def __post_init__(self) -> None:
         for field_name, allowed in (("kind", NEED_KINDS), ("layer", NEED_LAYERS), ("rows", NEED_ROWS),
@@ -78,26 +99,38 @@ class Need:
             if value not in allowed:
                 raise ValueError(f"Need({self.kind!r}, {self.layer!r}, {self.rows!r}): {field_name} {value!r} is not "
                                  f"one of {', '.join(allowed)}")
+        if (self.layer == NAMED_LAYER) != bool(self.at):
+            raise ValueError(f"Need({self.kind!r}, {self.layer!r}, {self.rows!r}): a {NAMED_LAYER!r} need names the "
+                             "setting that holds its tower layer (at=...), and only such a need does")
 
     def to_json(self) -> dict[str, str]:
-        heads = {} if self.heads == "mean" else {"heads": self.heads}
-        return {"kind": self.kind, "layer": self.layer, "rows": self.rows, "detail": self.detail, **heads}
+        out = {"kind": self.kind, "layer": self.layer, "rows": self.rows, "detail": self.detail}
+        if self.heads != "mean":
+            out["heads"] = self.heads
+        return {**out, "at": self.at} if self.at else out
 
 
 @dataclass(frozen=True)
 class TowerProbe:
     """What one tower layer's attention module keeps in a forward: its key states (always), the
-    query of [CLS] (`cls_query`, on towers that have one) and the head-mean probabilities of every
-    query over every key (`probabilities`: the layer's output is then computed from them)."""
+    query of [CLS] (`cls_query`, on towers that have one) and the reads of the head-mean probabilities
+    of every query over every key (`probabilities`), as the layer ran or, with `whole_item`, over the
+    whole tower item with the layer's window mask left out (Qwen2.5-VL's window blocks; elsewhere the
+    same)."""
 
     cls_query: bool = False
     probabilities: bool = False
+    whole_item: bool = False
 
-    def merged(self, other: TowerProbe | None) -> TowerProbe:
-        """The probe that serves both this one's needs and `other`'s."""
+    def merged(self, other: TowerProbe | None) -> TowerProbe | None:
+        """The probe that serves both this one's needs and `other`'s; None where they ask one layer's
+        probabilities both as it ran and over the whole item (two reads of it, which no probe keeps)."""
         if other is None:
             return self
-        return TowerProbe(self.cls_query or other.cls_query, self.probabilities or other.probabilities)
+        if self.probabilities and other.probabilities and self.whole_item != other.whole_item:
+            return None
+        return TowerProbe(self.cls_query or other.cls_query, self.probabilities or other.probabilities,
+                          self.whole_item or other.whole_item)
 
 
 @dataclass(frozen=True)
@@ -107,6 +140,8 @@ class ProbePlan:
     Attributes:
         step_tower_layers: the probe at every tower layer a vision step acts at (``vision L``), or None.
         last_tower_layer: the probe at the tower's last layer (``vision last``), or None.
+        named_tower_layers: (setting, probe) of every tower layer a setting names (``vision named``):
+            the layer is the setting's value in the schedule (`named_layers`).
         previous_layer_rows: the attention rows of decoder layer L-1 a step at L reads: ``"last"``
             (the last prompt token's row per head), ``"suffix"`` (head-mean rows of the text after
             the visual span), or None.
@@ -120,6 +155,7 @@ class ProbePlan:
 
     step_tower_layers: TowerProbe | None = None
     last_tower_layer: TowerProbe | None = None
+    named_tower_layers: tuple[tuple[str, TowerProbe], ...] = ()
     previous_layer_rows: Literal["last", "suffix"] | None = None
     previous_layer_keys: bool = False
     own_query_key_row: bool = False
@@ -130,7 +166,25 @@ class ProbePlan:
     @property
     def reads_tower(self) -> bool:
         """Whether any tower layer is probed (a cut after the projector may read nothing of the tower)."""
-        return self.step_tower_layers is not None or self.last_tower_layer is not None
+        return self.step_tower_layers is not None or self.last_tower_layer is not None or bool(self.named_tower_layers)
+
+    @property
+    def tower_probes(self) -> tuple[TowerProbe, ...]:
+        """Every tower probe of the plan (the step's, the last layer's, the named layers')."""
+        fixed = (self.step_tower_layers, self.last_tower_layer)
+        return tuple(probe for probe in fixed if probe is not None) + tuple(p for _, p in self.named_tower_layers)
+
+    def named_layers(self, settings: Mapping[str, Any], layers: int) -> dict[str, int]:
+        """Per ``vision named`` setting, the 0-based tower layer `settings` give it, checked against a tower of
+        `layers` layers; a setting the schedule did not resolve to such a layer is refused in one line."""
+        out = {}
+        for name, _ in self.named_tower_layers:
+            value = settings.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < layers:
+                raise FicocoError(f"{name}={value!r} names no layer of this {layers}-layer vision tower: give a layer "
+                                  f"0..{layers - 1}")
+            out[name] = value
+        return out
 
 
 _TOWER_PROBED = ("keys", "attention_rows", "query_key")
@@ -142,11 +196,23 @@ def _read(plan: ProbePlan, need: Need, acts_at: str, placement: str) -> ProbePla
     if need.heads != "mean" and not (placement == "in_layer" and acts_at == "llm_layer" and kind == "attention_rows"):
         return None  # only the decoder's in-layer probe combines the heads otherwise
     if acts_at != "llm_layer":  # before the LLM
-        if kind in _TOWER_PROBED and layer in ("vision L", "vision last") and rows in ("cls", "all"):
-            probe = TowerProbe(cls_query=rows == "cls", probabilities=kind == "attention_rows" and rows == "all")
+        if kind in _TOWER_PROBED and layer in ("vision L", "vision last", NAMED_LAYER) and rows in ("cls", "all",
+                                                                                                 "item"):
+            whole = kind == "attention_rows" and rows in ("all", "item")
+            probe = TowerProbe(cls_query=rows == "cls", probabilities=whole, whole_item=whole and rows == "item")
+            if layer == NAMED_LAYER:
+                named = dict(plan.named_tower_layers)
+                merged = probe.merged(named.get(need.at))
+                if merged is None:
+                    return None
+                named[need.at] = merged
+                return replace(plan, named_tower_layers=tuple(named.items()))
+            merged = probe.merged(plan.step_tower_layers if layer == "vision L" else plan.last_tower_layer)
+            if merged is None:
+                return None
             if layer == "vision L":
-                return replace(plan, step_tower_layers=probe.merged(plan.step_tower_layers))
-            return replace(plan, last_tower_layer=probe.merged(plan.last_tower_layer))
+                return replace(plan, step_tower_layers=merged)
+            return replace(plan, last_tower_layer=merged)
         if kind == "hidden" and rows == "all":
             # The step receives the tower layer's tokens, or the projector's output for a cut after it.
             handed = "projector" if placement == "after_projector" else "vision L"

@@ -106,7 +106,7 @@ class InternVLAdapter(LlavaAdapter):
         patches."""
         from ficoco.methods.contract import TowerModule, load_module
         from ficoco.methods.needs import TowerProbe
-        from ficoco.models.vision_steps import TowerSlot, install_tower_rows
+        from ficoco.models.vision_steps import TowerSlot, install_tower_rows, merged_probe
 
         config = self.model.config
         if getattr(config, "vision_feature_select_strategy", "default") != "default":
@@ -133,15 +133,20 @@ class InternVLAdapter(LlavaAdapter):
         for probe, layers in ((plan.step_tower_layers, [r.layer for r in removals]), (plan.last_tower_layer, [last])):
             if probe is not None and removal is not None:
                 for layer in layers:
-                    wanted[layer] = probe.merged(wanted.get(layer))
-        if any(probe.probabilities for probe in wanted.values()):
-            raise FicocoError(f"{spec.title} on InternVL reads every row of a tower layer's attention, which a cut "
-                              "of pixel-shuffle groups does not offer; use a method that scores by [CLS] or keys")
-        slots = {layer: TowerSlot(want_cls=probe.cls_query) for layer, probe in wanted.items()}
+                    wanted[layer] = merged_probe(spec, layer, probe, wanted.get(layer))
+        cut_layer = min(wanted) if wanted else None
+        # The tower layers the method's settings name (``vision named``): probed too, handed as `TowerInput.named`.
+        named = plan.named_layers(settings, len(self.vision_layers)) if removal is not None else {}
+        for name, probe in plan.named_tower_layers:
+            if name in named:
+                wanted[named[name]] = merged_probe(spec, named[name], probe, wanted.get(named[name]))
+        # InternViT has no windows: a read over the whole tile is the layer's own.
+        slots = {layer: TowerSlot(want_cls=probe.cls_query, want_probabilities=probe.probabilities,
+                                  runner=handle.read_runner(("vision", layer)), scores=handle.attention_scores)
+                 for layer, probe in wanted.items()}
         for layer, slot in slots.items():
             parts = hf.internvl_layer_parts(self.vision_layers[layer])[0]
             install_tower_rows(parts.attention, slot, patches)
-        cut_layer = min(slots) if slots else None
         taken: dict[int, Any] = {}
         original_tower = forward_of(self.tower)
 
@@ -159,7 +164,7 @@ class InternVLAdapter(LlavaAdapter):
         patches.set(self.tower, "forward", tower_forward)
         projector = hf.projector(self.model)
         original_projector = forward_of(projector)
-        cut = functools.partial(self._cut, handle, module, settings, spec, removal, taken, cut_layer)
+        cut = functools.partial(self._cut, handle, module, settings, spec, removal, taken, cut_layer, named)
 
         def projector_forward(features: Tensor, *args: Any, **kwargs: Any) -> Tensor:
             if removal is None:
@@ -370,29 +375,28 @@ class InternVLAdapter(LlavaAdapter):
         return torch.gather(into, 1, own.argsort(dim=1))
 
     def _cut(self, handle: Handle, module: Any, settings: dict[str, Any], spec: Any, removal: Any,
-             taken: dict[int, Any], cut_layer: int | None, features: Tensor) -> Tensor:
+             taken: dict[int, Any], cut_layer: int | None, named: dict[str, int], features: Tensor) -> Tensor:
         """Run the method's `tower_step` on every tile's groups `features` (tiles, units, W); the tokens that
         go on, in the method's order."""
-        from ficoco.methods.inputs import TowerInput
+        from ficoco.methods.inputs import TowerInput, TowerLayerProbe
         from ficoco.models.vision_steps import complement, prompt_text
 
         items, units = features.shape[:2]
         if units != self.units:
             raise FicocoError(f"{spec.title} cuts {self.units} pixel-shuffle groups per tile, but the projector "
                               f"received {units}; vision_feature_select_strategy must be 'default'")
-        keys = query = scale = None
+        keys = query = scale = attention = None
         if cut_layer is not None:
-            keys, query, scale, _ = taken.pop(cut_layer)
-            order = self.order.to(keys.device) + 1
-            # [CLS] first, then every patch in group order: a group's members are consecutive (TowerInput.merge).
-            keys = torch.cat([keys[:, :, :1], keys[:, :, order]], dim=2).to(features.device)
-            query = query.to(features.device) if query is not None else None
+            keys, query, scale, attention = self._in_group_order(taken[cut_layer], features.device)
+        layers = {name: TowerLayerProbe(layer, *self._in_group_order(taken[layer], features.device))
+                  for name, layer in named.items()} or None
+        taken.clear()
         text = text_mask = None
         if spec.probes.input_embeddings:
             text, text_mask = prompt_text(handle, self, items, spec.title)
         inputs = TowerInput(hidden=features, has_cls=True, remove=removal.remove, added=removal.added, keys=keys,
-                            cls_query=query, scale=scale, grid_hw=self.grid_hw, text=text, text_mask=text_mask,
-                            merge=self.merge)
+                            cls_query=query, scale=scale, attention=attention, grid_hw=self.grid_hw, text=text,
+                            text_mask=text_mask, merge=self.merge, named=layers)
         out = handle.run_method(("projector", None), module.tower_step, inputs, settings)
         hidden = out.hidden
         if out.counts is not None:
@@ -408,6 +412,17 @@ class InternVLAdapter(LlavaAdapter):
         handle.record("vision", removal.layer, kept=self._patches_of(kept), discarded=self._patches_of(gone))
         handle.measured_tokens_per_item = int(hidden.shape[1])
         return hidden
+
+    def _in_group_order(self, probe: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
+        """A probed layer's (keys, [CLS] query, scale, reads) with its tokens as a cut reads them: [CLS] first, then
+        every patch in group order (a group's members consecutive, `TowerInput.merge`)."""
+        keys, query, scale, attention = probe
+        order = torch.cat([torch.zeros(1, dtype=torch.long), self.order + 1])
+        if keys is not None:
+            keys = keys[:, :, order.to(keys.device)].to(device)
+        if attention is not None:
+            attention = attention.reordered(order.to(device))
+        return keys, None if query is None else query.to(device), scale, attention
 
     def _patches_of(self, groups: Tensor, sort: bool = True) -> Tensor:
         """(items, k * merge) the row-major patch indices of the groups `groups` (items, k), ascending (or group

@@ -66,7 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ficoco.methods.reads.ops import SegmentedReads
+from ficoco.errors import FicocoError
+from ficoco.methods.reads.ops import ProbedAttention, SegmentedReads
 from ficoco.models import hf_compat as hf
 from ficoco.models.patching import Patches, follow_device, forward_of
 
@@ -300,6 +301,42 @@ class WindowOrder(GridOrder):
         if len(self.adapter.vision_layers) - 1 in self.full_layers:
             return super().image_keys(chunks, tower)
         return _keys_per_image([key for _, key in chunks], tower)
+
+    def image_reads(self, tower: TowerPass, idx: int, chunks: list[tuple[Any, Any]], whole_item: bool
+                    ) -> list[tuple[Any, Any]]:
+        """Block `idx`'s probed (reads, keys) of an unreduced pass, one per image in grid order (a merge group's
+        patches consecutive, the groups row-major), from its calls in window order: a full block's one call per
+        image, reordered; a window block's calls per window joined per image, read over the whole image with the
+        window mask left out where `whole_item` asks (the block's queries and keys, every pair: HiPrune's official
+        recompute), else refused (its windows' attention is not offered in grid order)."""
+        assert isinstance(tower, WindowPass)
+        merge = self.adapter.merge
+        out: list[tuple[Any, Any]] = []
+        at = 0
+        counts = [1] * len(tower.grids) if self.full(idx) else \
+            [int((lengths > 0).sum()) for lengths in tower.window_lengths()]
+        for image, count in enumerate(counts):
+            pieces = chunks[at:at + count]
+            at += count
+            rows = tower.window_rows[image]  # window-order row of every group, in grid order
+            keys = torch.cat([k for _, k in pieces], dim=2) if pieces[0][1] is not None else None
+            device = keys.device if keys is not None else rows.device
+            order = (rows.to(device)[:, None] * merge + torch.arange(merge, device=device)).flatten()
+            reads = pieces[0][0]
+            if reads is not None and count > 1:
+                if not whole_item:
+                    raise FicocoError(f"vision block {idx} attends within windows: its windows' attention is not "
+                                      "offered in grid order to a cut; read a full-attention block "
+                                      f"({', '.join(map(str, sorted(self.full_layers)))})")
+                first = reads
+                reads = ProbedAttention(torch.cat([r.query for r, _ in pieces], dim=2),
+                                        torch.cat([r.key for r, _ in pieces], dim=2), first.scale,
+                                        scores=first.scores, runner=first.runner, budget=first.budget)
+            out.append((None if reads is None else reads.reordered(order),
+                        None if keys is None else keys[:, :, order]))
+        if at != len(chunks):
+            raise RuntimeError(f"vision block {idx} ran {len(chunks)} calls, the tower pass holds {at}")
+        return out
 
     def cut_input(self, tower: TowerPass, units: Tensor, keys: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """Every image's groups put in grid order (units, and the keys patch by patch) for Qwen2-VL's cut, which

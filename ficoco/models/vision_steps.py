@@ -5,12 +5,14 @@ method's registry entry, for the families whose tower is a stack of CLIP encoder
 What a method asks for (its `MethodSpec.needs` of a ``vision`` layer, read through the spec's one
 probe plan, `MethodSpec.probes`) decides what is probed, and only there:
 
-- ``keys`` / ``attention_rows`` / ``query_key`` of ``vision L`` (the layer of each of its steps) or
-  ``vision last`` (the tower's last layer): that layer's attention module is routed through
+- ``keys`` / ``attention_rows`` / ``query_key`` of ``vision L`` (the layer of each of its steps),
+  ``vision last`` (the tower's last layer) or ``vision named`` (the layer a setting of the method
+  names, handed to its steps as `TowerInput.named`): that layer's attention module is routed through
   `tower_rows_attention`, which keeps the key states (heads split) and, for ``cls`` rows, the
   query of [CLS], then calls the module's own implementation (SDPA stays on). The method computes
   the one [CLS] row it needs from them (a tower attends without a mask, so the row is exact). For
-  ``attention_rows`` of ``all`` rows (FiCoCo-V, HoliTom) it also keeps the reads of the layer's
+  ``attention_rows`` of ``all`` or ``item`` rows (FiCoCo-V, HoliTom, HiPrune; a CLIP or SigLIP tower
+  has no windows, so the two are one read) it also keeps the reads of the layer's
   attention (ficoco.methods.reads.ops): the column means and the rows the method asks for, computed
   from the layer's queries and keys beside its own kernel.
 
@@ -43,7 +45,7 @@ from ficoco.accounting.schedule import Removal, Schedule
 from ficoco.errors import FicocoError
 from ficoco.methods.base import MethodSpec
 from ficoco.methods.contract import TowerModule, load_module
-from ficoco.methods.inputs import TowerInput, TowerOutput
+from ficoco.methods.inputs import TowerInput, TowerLayerProbe, TowerOutput
 from ficoco.methods.needs import TowerProbe
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.methods.reads.ops import AttentionReads, ReadRunner
@@ -154,11 +156,18 @@ class TowerPatch:
         for probe, layers in ((plan.step_tower_layers, step_layers), (plan.last_tower_layer, [last])):
             if probe is not None:
                 for layer in layers:
-                    wanted[layer] = probe.merged(wanted.get(layer))
+                    wanted[layer] = merged_probe(spec, layer, probe, wanted.get(layer))
+        # The probe a cut reads: the one layer probed for it (the layer the projector reads, or the last).
+        self.cut_probe = next(iter(sorted(set(wanted) - set(self.in_layer))), None)
+        # The tower layers the method's settings name (``vision named``), probed too where a step runs: setting ->
+        # layer; their probes reach the steps as `TowerInput.named`.
+        self.named: dict[str, int] = plan.named_layers(self.settings, len(adapter.vision_layers)) if removals else {}
+        for name, probe in plan.named_tower_layers:
+            if name in self.named:
+                layer = self.named[name]
+                wanted[layer] = merged_probe(spec, layer, probe, wanted.get(layer))
         self.probes: dict[int, tuple[bool, bool]] = {
             layer: (probe.cls_query and self.has_cls, probe.probabilities) for layer, probe in wanted.items()}
-        # The probe a cut reads: the one layer probed for it (the layer the projector reads, or the last).
-        self.cut_probe = next(iter(sorted(set(self.probes) - set(self.in_layer))), None)
         # A method that reads the instruction (CDPruner): the prompt's text embeddings at its cut.
         self.wants_text = plan.input_embeddings
         self.slots: dict[int, TowerSlot] = {}
@@ -216,10 +225,11 @@ class TowerPatch:
                     slot.armed = False
                     state.probes[index] = slot.take()
             hidden = residual + attn_out
+            named = self._named(state, index)
             keys, query, scale, probabilities = state.probes.pop(index, (None, None, None, None))
             inputs = TowerInput(hidden=hidden, has_cls=self.has_cls, remove=removal.remove, added=removal.added,
                                 keys=keys, cls_query=query, scale=scale, size=state.size, positions=state.positions,
-                                attention=probabilities, grid_hw=self.adapter.grid_hw)
+                                attention=probabilities, grid_hw=self.adapter.grid_hw, named=named)
             before = state.positions
             out: TowerOutput = self.handle.run_method(("vision", index), self.module.tower_step, inputs,
                                                       self.settings)
@@ -320,7 +330,8 @@ class TowerPatch:
         inputs = TowerInput(hidden=features, has_cls=self.has_cls, remove=removal.remove, added=removal.added,
                             keys=keys, cls_query=query, scale=scale, attention=probabilities, text=text,
                             text_mask=text_mask, frames=getattr(self.adapter, "frames_in_call", None),
-                            cls_hidden=None if cls is None else cls.to(features.device))
+                            cls_hidden=None if cls is None else cls.to(features.device),
+                            grid_hw=self.adapter.grid_hw, named=self._named(state, None))
         out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
         hidden = out.hidden
         if out.counts is not None:
@@ -337,6 +348,32 @@ class TowerPatch:
         self.handle.record("vision", removal.layer, kept=kept, discarded=_gone(present, kept, units))
         placed = torch.gather(origin.to(kept.device), 1, kept.clamp(min=0))
         return hidden, torch.where(kept >= 0, placed, torch.full_like(kept, -1))
+
+
+    def _named(self, state: TowerState, index: int | None) -> dict[str, TowerLayerProbe] | None:
+        """What the probes of the layers the method's settings name kept in this pass (`TowerInput.named`), for a
+        step at tower layer `index` (None: a cut after the tower). A named layer that runs after the step is
+        refused in one line: the step cannot read it."""
+        if not self.named:
+            return None
+        out = {}
+        for name, layer in self.named.items():
+            if layer not in state.probes:
+                raise FicocoError(f"{self.spec.title}: {name}={layer} names a tower layer that runs after its step at "
+                                  f"layer {index}; give a layer up to {index}")
+            keys, query, scale, probabilities = state.probes[layer]
+            out[name] = TowerLayerProbe(layer, keys=keys, cls_query=query, scale=scale, attention=probabilities)
+        return out
+
+
+def merged_probe(spec: MethodSpec, layer: int, probe: TowerProbe, other: TowerProbe | None) -> TowerProbe:
+    """One probe of tower layer `layer` that serves `probe`'s needs and `other`'s; refused in one line where they ask
+    the layer's probabilities both as it ran and over the whole item."""
+    merged = probe.merged(other)
+    if merged is None:
+        raise FicocoError(f"{spec.title} reads tower layer {layer}'s attention both as the layer ran and over the "
+                          "whole item; one probe keeps one of them")
+    return merged
 
 
 def prompt_text(handle: Handle, adapter: Any, items: int, title: str) -> tuple[Tensor, Tensor]:

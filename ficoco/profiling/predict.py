@@ -741,10 +741,13 @@ def method_probes(arch: Architecture, schedule: Schedule, text_tokens: int | Non
         if (stage, layer) not in probes or probes[(stage, layer)].rows < probe.rows:
             probes[(stage, layer)] = probe
 
+    settings = {**spec.hyperparameters, **schedule.settings_dict()}
     for removal in schedule.removals:
         if removal.stage == "vision":
+            # The step's layer, the tower's last, and the layers the method's settings name (``vision named``).
+            named = tuple((int(settings[name]), probe) for name, probe in spec.probes.named_tower_layers)
             for layer, tower in ((removal.layer, spec.probes.step_tower_layers),
-                                 (v.layers - 1, spec.probes.last_tower_layer)):
+                                 (v.layers - 1, spec.probes.last_tower_layer), *named):
                 # A read of every row is the method's reads'; no [CLS]: the equivalent token scores from the keys.
                 if tower is not None and not tower.probabilities and tower.cls_query and v.has_cls:
                     add("vision", layer, 1, plan.vision[layer][0])

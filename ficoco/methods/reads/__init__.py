@@ -127,6 +127,8 @@ class ReadContext:
     settings: Mapping[str, Any]
 
 
-# (kind, rows, keys) of one read: `rows` query rows over `keys` keys, per sequence.
-ReadShape = tuple[str, int, int]
+# (kind, rows, keys) of one read: `rows` query rows over `keys` keys, per sequence, of the reducing layer; or
+# (kind, rows, keys, setting) of a read of the tower layer a setting names (a ``vision named`` need,
+# ficoco.methods.needs), at that layer.
+ReadShape = tuple[str, int, int] | tuple[str, int, int, str]
 ReadShapes = Callable[[ReadContext], tuple[ReadShape, ...]]

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
+from ficoco.methods.needs import TowerProbe
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, remove_probe
 from ficoco.models.patching import Patches, follow_device, forward_of
@@ -41,6 +42,7 @@ class TowerCuts:
         groups the cut keeps, or where its merged tokens stand, go into `TowerPass.kept_groups`, from
         which the entry shortens the prompt and gives the kept tokens their 3-D positions."""
         from ficoco.models.patching import method_settings
+        from ficoco.models.vision_steps import merged_probe
 
         adapter = self.adapter
         module = spec.load()
@@ -51,16 +53,33 @@ class TowerCuts:
         removal = removals[0] if removals else None
         visual = adapter.visual
         original_tower = forward_of(visual)
-        attention = hf.layer_parts(adapter.vision_layers[-1], hf.QWEN2_VL_VISION_BLOCK).attention
-        slot = None
+        last = len(adapter.vision_layers) - 1
+        # The last block's keys (always: the equivalent token scores by them), its reads where the method asks for
+        # every row's probabilities, and the blocks the method's settings name (``vision named``), which reach
+        # its step as `TowerInput.named`: block -> (reads wanted, over the whole image).
+        plan = spec.probes
+        probes: dict[int, TowerProbe] = {last: TowerProbe()}
+        for probe in (plan.step_tower_layers, plan.last_tower_layer):
+            if probe is not None:
+                probes[last] = merged_probe(spec, last, probe, probes[last])
+        named = plan.named_layers(settings, len(adapter.vision_layers)) if removal is not None else {}
+        for name, probe in plan.named_tower_layers:
+            if name in named:
+                probes[named[name]] = merged_probe(spec, named[name], probe, probes.get(named[name]))
+        slots: dict[int, Any] = {}
         if removal is not None:
-            slot = install_probe(attention, want_keys=True, want_reads=False, chunked=True)
-            patches.on_undo(lambda: remove_probe(attention))
+            for block, probe in probes.items():
+                attention = hf.layer_parts(adapter.vision_layers[block], hf.QWEN2_VL_VISION_BLOCK).attention
+                runner = handle.read_runner(("vision", block)) if probe.probabilities else None
+                slots[block] = install_probe(attention, want_keys=True, want_reads=probe.probabilities, chunked=True,
+                                             runner=runner, scores=handle.attention_scores)
+                patches.on_undo(lambda attention=attention: remove_probe(attention))
+        slot = slots.get(last)
 
         def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
             adapter.tower_pass = adapter.order.start_pass(grid_thw)
-            if slot is not None:  # nothing left over from a pass that ended in an error
-                slot.chunks.clear()
+            for probed in slots.values():  # nothing left over from a pass that ended in an error
+                probed.chunks.clear()
             return original_tower(hidden_states, grid_thw, **kwargs)
 
         patches.set(visual, "forward", tower_forward)
@@ -75,23 +94,35 @@ class TowerCuts:
                 follow_device(tower, hidden.device)
             if tower is None or removal is None or slot is None:
                 return original_merger(hidden, *args, **kwargs)
-            keys = adapter.order.image_keys(slot.take_chunks(), tower)
+            # Every probed block's calls, per image in grid order (before the cut puts the pass in grid order).
+            order = adapter.order
+            taken = {block: probed.take_chunks() for block, probed in slots.items()}
+            read = {block: order.image_reads(tower, block, chunks, probes[block].whole_item)
+                    for block, chunks in taken.items() if probes[block].probabilities}
+            attention = [reads for reads, _ in read[last]] if last in read else None
+            layers = {name: (block, read[block] if block in read else order.grid_keys(tower, block, taken[block]))
+                      for name, block in named.items()}
+            keys = order.image_keys(taken[last], tower)
             if removal.where == "tower_output":
                 units = hidden.reshape(-1, hidden.shape[-1] * adapter.merge)  # a group's patches side by side
-                reduced = self._cut(handle, module, settings, spec, removal, units, keys, tower)
+                reduced = self._cut(handle, module, settings, spec, removal, units, keys, tower, attention, layers)
                 return original_merger(reduced.reshape(-1, hidden.shape[-1]), *args, **kwargs)
             out = original_merger(hidden, *args, **kwargs)
-            return self._cut(handle, module, settings, spec, removal, out, keys, tower)
+            return self._cut(handle, module, settings, spec, removal, out, keys, tower, attention, layers)
 
         patches.set(merger, "forward", merger_forward)
         adapter.order.patch_merger(patches)
 
     def _cut(self, handle: Handle, module: Any, settings: dict[str, Any], spec: Any, removal: Any, units: Tensor,
-             keys: list[Tensor], tower: TowerPass) -> Tensor:
+             keys: list[Tensor], tower: TowerPass, attention: list[Any] | None = None,
+             layers: dict[str, tuple[int, list[tuple[Any, Tensor | None]]]] | None = None) -> Tensor:
         """Run the method's `tower_step` on every image's groups (one batched call per image size);
-        `units` (groups of all images, W) -> the tokens that go on, in group order."""
-        from ficoco.methods.inputs import TowerInput
+        `units` (groups of all images, W) -> the tokens that go on, in group order. `attention`: the last block's
+        reads per image in grid order, where the method reads them; `layers`: per setting of a ``vision named``
+        need, its block and that block's (reads, keys) per image in grid order."""
+        from ficoco.methods.inputs import TowerInput, TowerLayerProbe
         from ficoco.methods.ops import gather_tokens
+        from ficoco.methods.reads.ops import stack_reads
         from ficoco.models.vision_steps import complement
 
         adapter = self.adapter
@@ -110,10 +141,21 @@ class TowerCuts:
             riding = adapter.riding_features(tower, images)
             if riding is not None:
                 step_units = torch.cat([step_units, riding.to(step_units.dtype)], dim=-1)
+            named = None
+            if layers:
+                named = {}
+                for name, (block, per_image) in layers.items():
+                    reads = [per_image[i][0] for i in images]
+                    block_keys = [per_image[i][1] for i in images]
+                    named[name] = TowerLayerProbe(
+                        block, keys=None if block_keys[0] is None else torch.cat(block_keys),
+                        attention=None if reads[0] is None else stack_reads(reads))
             inputs = TowerInput(hidden=step_units, has_cls=False,
                                 remove=removal.remove, added=removal.added,
                                 keys=torch.cat([keys[i] for i in images]), merge=adapter.merge,
-                                grid_hw=(rows // adapter.merge_size, cols // adapter.merge_size))
+                                grid_hw=(rows // adapter.merge_size, cols // adapter.merge_size),
+                                attention=None if attention is None else stack_reads([attention[i] for i in images]),
+                                named=named)
             out = handle.run_method(("projector", None), module.tower_step, inputs, settings)
             places = out.positions if out.positions is not None else out.kept
             if out.counts is not None or places.shape[1] != out.hidden.shape[1] or bool((places < 0).any()):

@@ -95,6 +95,19 @@ class GridOrder:
             raise RuntimeError(f"the last vision block ran {len(keys)} segments for {len(tower.grids)} images")
         return keys
 
+    def image_reads(self, tower: TowerPass, idx: int, chunks: list[tuple[Any, Any]], whole_item: bool
+                    ) -> list[tuple[Any, Any]]:
+        """Block `idx`'s probed (reads, keys) of an unreduced pass, one per image in the grid order a cut reads
+        (a merge group's patches consecutive, the groups row-major): here one call per image already, the block's
+        attention over the whole image (`whole_item` changes nothing: no windows)."""
+        if len(chunks) != len(tower.grids):
+            raise RuntimeError(f"vision block {idx} ran {len(chunks)} segments for {len(tower.grids)} images")
+        return chunks
+
+    def grid_keys(self, tower: TowerPass, idx: int, chunks: list[tuple[Any, Any]]) -> list[tuple[None, Any]]:
+        """Block `idx`'s keys of an unreduced pass, one (1, H, T, d) per image in grid order (no reads)."""
+        return [(None, keys) for _, keys in self.image_reads(tower, idx, chunks, False)]
+
     def cut_input(self, tower: TowerPass, units: Tensor, keys: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """The units (groups of all images) and the last block's keys per image, in the grid order a cut at the
         tower's output or after the merger reads (it keeps groups by their grid indices): here as they are."""
