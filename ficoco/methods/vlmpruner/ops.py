@@ -248,7 +248,7 @@ def swa(states: Tensor, similarity: Tensor, selected: Tensor) -> tuple[Tensor, T
                          .to(states.dtype), own)
     out = states.scatter(1, selected.unsqueeze(-1).expand(-1, -1, states.shape[-1]), merged)
     # The kept token (ascending index) every discarded one joined.
-    merge_target = torch.searchsorted(kept, torch.gather(selected, 1, target))
+    merge_target = torch.searchsorted(kept.contiguous(), torch.gather(selected, 1, target).contiguous())
     return out, kept, merge_target
 
 
