@@ -179,8 +179,7 @@ def test_impossible_settings_are_refused_in_one_line(model: nn.Module, setting: 
 
 
 def test_the_cli_refuses_an_impossible_budget_in_one_line(cli: Any) -> None:
-    line = assert_one_error_line(cli("flops", "--model", "llava-1.5-7b", "--variant", "vlmpruner", "--keep", "2",
-                                     in_subprocess=True))
+    line = assert_one_error_line(cli("flops", "--model", "llava-1.5-7b", "--variant", "vlmpruner", "--keep", "2"))
     assert "pivots" in line
 
 
@@ -214,9 +213,8 @@ def test_extra_macs_count_the_products_of_its_step() -> None:
                      "vlmpruner_grid_distances": 576 * 576 * 2, "vlmpruner_swa_merge": 384 * 192 * 4096}
 
 
-@pytest.mark.parametrize(("name", "keep"), [("llava-tiny", "20"), ("qwen2-vl-tiny", "8")])
-def test_flops_verify_passes_with_its_work_as_its_own_stage(flops_verify: Any, name: str, keep: str) -> None:
-    run = flops_verify("--model", name, "--variant", "vlmpruner", "--keep", keep)["runs"][0]
+def test_flops_verify_passes_with_its_work_as_its_own_stage(flops_verify: Any) -> None:
+    run = flops_verify("--model", "llava-tiny", "--variant", "vlmpruner", "--keep", str(KEEP))["runs"][0]
     stages = {s["stage"]: s for s in run["stages"]}
     assert stages["method"]["analytic_flops"] > 0 and all(s["within_tolerance"] for s in stages.values())
 
@@ -244,7 +242,7 @@ def test_profile_sweep_and_show_run_it_on_a_tiny_model(cli: Any, tmp_path: Path)
     assert len(step["records"]["kept"][0]) == KEEP and len(step["records"]["merged_into"][0]) == VISUAL - KEEP
 
 
-# ---- every family: the images' grids its adapter hands, a run at the accountant's (measured) plan, generate ------
+# ---- every family: the images' grids its adapter hands, and a run at the accountant's (measured) plan ----------
 
 def grids(start: int, tokens: int, pieces: list[tuple[int, int, int, int]], patches: tuple[int, int]) -> ImageGrids:
     return ImageGrids(start, tokens, tuple(TokenGrid(*piece) for piece in pieces), patches)
@@ -273,6 +271,8 @@ FAMILIES = [
 
 @pytest.mark.parametrize(("name", "setting", "image"), FAMILIES, ids=[f[0] for f in FAMILIES])
 def test_every_family_hands_its_images_grids_and_runs_the_plan(name: str, setting: dict, image: ImageGrids) -> None:
+    """One forward per family (generate and batches are checked on LLaVA-1.5 above: the decoder's patch is
+    shared; the families differ in the grids their adapters hand and in their positions)."""
     model = ficoco.build_model(name, dtype="fp32")
     inp = synthetic_inputs(model, batch=2, text_tokens=TEXT)
     adapter = adapter_for(model)
@@ -283,9 +283,7 @@ def test_every_family_hands_its_images_grids_and_runs_the_plan(name: str, settin
         seen = entering_tokens(model, inp)
         assert handle.measured_tokens_per_item == setting["keep"]
         plan = measured_plan(model, handle, text)
-        generated = model.generate(**inp, max_new_tokens=2, min_new_tokens=2, do_sample=False)
     assert seen == [entering for entering, _ in plan.llm] and min(seen) == text + setting["keep"]
-    assert generated.shape[1] == inp["input_ids"].shape[1] + 2
 
 
 def test_a_onevision_video_lays_every_frame_out_on_its_pooled_grid() -> None:
