@@ -40,6 +40,11 @@ def _hashable(value: Any) -> Any:
     return tuple(value) if isinstance(value, list) else value
 
 
+def _listed(value: Any) -> Any:
+    """A setting as a method's hyperparameters give it (a schedule's settings hold lists as tuples)."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 def dims(arch: Architecture) -> Dims:
     d = arch.decoder
     return Dims(hidden=d.hidden, heads=d.heads, kv_heads=d.kv_heads, head_dim=d.head_dim, ffn=d.ffn)
@@ -395,12 +400,16 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
 
 
 def at_measured_count(arch: Architecture, schedule: Schedule, tokens_per_item: int) -> Schedule:
-    """An adaptive schedule (its settings say ``adaptive``: PruMerge+ without --keep) re-planned at the
-    count a run measured, the same for every item; the settings keep ``adaptive`` and add
-    ``measured``. Any other schedule is returned as it is."""
+    """An adaptive schedule (its settings say ``adaptive``: PruMerge+ without --keep, VLM-Pruner's selection
+    that may end early) re-planned at the count a run measured (per item, or kept by the decoder's step), the
+    same for every item, under the hyperparameters its settings carry (VLM-Pruner's layer); the settings keep
+    ``adaptive`` and add ``measured``. Any other schedule is returned as it is."""
     settings = schedule.settings_dict()
     if not settings.get("adaptive"):
         return schedule
-    fixed = method_schedule(arch, schedule.variant, tokens_per_item)
+    spec = method(schedule.variant)
+    carried = {name: _listed(value) for name, value in settings.items()
+               if name in spec.hyperparameters and value != spec.hyperparameters[name]}
+    fixed = method_schedule(arch, schedule.variant, tokens_per_item, **carried)
     merged = {**settings, **fixed.settings_dict(), "adaptive": True, "measured": True}
     return Schedule(schedule.variant, fixed.removals, tuple((k, _hashable(v)) for k, v in merged.items()))

@@ -250,6 +250,10 @@ class MethodSpec:
     # that ride with the hidden states through its step (Qwen3-VL's DeepStack features) merge with its own weights.
     # False: such features follow its kept tokens only, and a family that has them refuses its merges.
     merges_by_keys: bool = False
+    # A method at a decoder layer's input that folds the tokens it removes into those it keeps, weighted by their
+    # hidden states (VLM-Pruner's SWA): features a family still adds to the visual tokens after the step (Qwen3-VL's
+    # DeepStack) cannot be folded alike, and that family refuses such a step before its last addition.
+    folds_removed: bool = False
     cls_note: str = ""  # towers without [CLS] (Qwen2-VL): what replaces the [CLS] attention
     # A vision method whose extra_macs are per sample (work across a video's frames), not per item.
     extra_per_sample: bool = False

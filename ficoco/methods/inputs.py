@@ -2,7 +2,8 @@
 of ficoco.methods.contract): what an adapter hands a method at each placement, and what the method
 hands back. Plain dataclasses; importing this module imports no torch (the tensors are annotations).
 
-- at the input of a decoder layer (``layer_input``): `StepInput` in, `Reduced` out;
+- at the input of a decoder layer (``layer_input``): `StepInput` in, `Reduced` out; where the method reads
+  the grid of every image (a need of kind ``grid``), `StepInput.images` holds each sample's `ImageGrids`;
 - inside a decoder layer (``in_layer`` in the LLM, FiCoCo-L): `InLayerInput` in;
 - before the LLM (tower layers, tower output, after the projector): `TowerInput` in, `TowerOutput` out.
 """
@@ -37,7 +38,11 @@ class Reduced:
             real), or None when none was given.
         kept_visual: ``(B, k)`` indices within the span of the kept visual tokens, ascending.
         num_visual: visual tokens after the step (kept plus added); the span still starts at
-            ``visual_start``.
+            ``visual_start``. A method whose count is adaptive (its settings say ``adaptive``) may leave
+            fewer than the step's ``keep``, the same number in every sample.
+        merge_target: ``(B, N - k)`` for a method that folds every removed token into a kept one
+            (VLM-Pruner's SWA): per removed token, in ascending span order, the index into `kept_visual`
+            of the kept token it joined; None for a method that only drops (the records' `merged_into`).
     """
 
     hidden: Tensor
@@ -46,6 +51,49 @@ class Reduced:
     attention_mask: Tensor | None
     kept_visual: Tensor
     num_visual: int
+    merge_target: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """One grid of visual tokens in a sample's span: an image, LLaVA-NeXT's packed crop grid, an InternVL tile,
+    a video frame. ``rows x cols`` tokens laid out row-major from span index `start` (the unreduced span), one
+    row every `stride` tokens (`cols`, or ``cols + 1`` where a newline token ends every row)."""
+
+    start: int
+    rows: int
+    cols: int
+    stride: int
+
+    def place(self, index: int) -> tuple[int, int] | None:
+        """(row, col) of span index `index` on this grid, or None where it is not one of its tokens."""
+        offset = index - self.start
+        if offset < 0 or offset >= self.rows * self.stride:
+            return None
+        row, col = divmod(offset, self.stride)
+        return (row, col) if col < self.cols else None
+
+
+@dataclass(frozen=True)
+class ImageGrids:
+    """One image (or video) of a sample's visual span as the decoder receives it, for methods that read where
+    its tokens stand (a need of kind ``grid``; VLM-Pruner's spatial buffer).
+
+    Attributes:
+        start, tokens: where its placeholders are in the sample's visual span (unreduced, the spans of a sample
+            one after the other in reading order) and how many.
+        grids: the token grids its tokens lie on (`TokenGrid`, span indices); a token on none has no place on
+            a grid (a frame's [CLS], a newline token).
+        patches: ``(rows, cols)`` of the vision tower's patch grid of one of its items, before any merge of
+            patches into tokens: the grid the processor reports (Qwen's ``image_grid_thw`` height and width, each
+            twice the token grid's), one CLIP item's 24 x 24 for LLaVA-1.5 and each LLaVA-NeXT crop, an
+            InternViT tile's 32 x 32 before pixel shuffle.
+    """
+
+    start: int
+    tokens: int
+    grids: tuple[TokenGrid, ...]
+    patches: tuple[int, int]
 
 
 @dataclass
@@ -70,6 +118,10 @@ class StepInput:
         query_key_row: ``(B, H, T)`` the last row recomputed with layer ``L``'s own projections.
         final_norm: the decoder's final norm, for methods that read normed hidden states.
         prepared: what ``prepare`` returned for this prefill.
+        visual_ranks: ``(B, N)`` every visual token's index in the sample's unreduced span (``-1`` for a token
+            a method added), the index `images` are laid out in.
+        images: per sample, its images' `ImageGrids` in span order, where the method needs them (a need of
+            kind ``grid``); else None.
     """
 
     hidden: Tensor
@@ -85,6 +137,8 @@ class StepInput:
     query_key_row: Tensor | None = None
     final_norm: object = None
     prepared: object = None
+    visual_ranks: Tensor | None = None
+    images: tuple[tuple[ImageGrids, ...], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,9 @@ What each placement reads (`probe_plan`):
 - at the input of a decoder layer L (``layer_input``): ``attention_rows`` of ``L-1``, rows
   ``last`` or ``suffix``; ``keys`` of ``L-1``; ``query_key`` of ``L``, row ``last`` (the layer's
   own projections); ``input_embeddings`` (once per prefill); ``hidden`` of ``L`` or ``L-1`` (the
-  step's input, which is layer L-1's output);
+  step's input, which is layer L-1's output); ``grid`` of the ``embeddings``, rows ``all`` (where every
+  visual token stands on the grid of its image, crop grid, tile or frame, as the LLM received the span:
+  `StepInput.images`, from the adapter that knows the call's images);
 - inside a decoder layer L (``in_layer``, FiCoCo-L, FitPrune): ``attention_rows`` of ``L``, rows
   ``visual+suffix`` (the layer's own head-mean probabilities, or with ``heads="max"`` its head-max ones:
   FitPrune); ``hidden`` of ``L``.
@@ -47,7 +49,7 @@ from typing import Any, Literal, get_args
 from ficoco.errors import FicocoError
 from ficoco.methods.reads import HEAD_STATISTICS
 
-NeedKind = Literal["attention_rows", "query_key", "keys", "hidden", "input_embeddings"]
+NeedKind = Literal["attention_rows", "query_key", "keys", "hidden", "input_embeddings", "grid"]
 NeedLayer = Literal["L-1", "L", "embeddings", "vision L", "vision last", "vision named", "projector"]
 NeedRows = Literal["last", "suffix", "visual+suffix", "cls", "all", "item"]
 NEED_KINDS: tuple[str, ...] = get_args(NeedKind)
@@ -66,7 +68,8 @@ class Need:
             all keys, post-RoPE, causal and padding masked), ``query_key`` (the method
             recomputes rows itself from a layer's own q/k projections), ``keys`` (post-RoPE
             key states, heads concatenated), ``hidden`` (hidden states), or
-            ``input_embeddings`` (the LLM's input embeddings, before layer 0).
+            ``input_embeddings`` (the LLM's input embeddings, before layer 0), or ``grid`` (where every
+            visual token stands on its image's grid, as the LLM received the span).
         layer: where, relative to the step's layer L: ``"L-1"`` (the layer before the step),
             ``"L"`` (the step's own layer), ``"embeddings"``, ``"vision L"`` (the tower layer of
             the step), ``"vision last"`` (the tower's last layer), ``"vision named"`` (the tower
@@ -151,6 +154,7 @@ class ProbePlan:
             `layer_heads` (``"mean"``; ``"max"``: FitPrune's head-max).
         input_embeddings: the prompt's input embeddings (decoder: once per prefill, for `prepare`;
             before the LLM: the instruction's, handed to the cut).
+        image_grids: every image's grids in the decoder (`StepInput.images`), from the call's images.
     """
 
     step_tower_layers: TowerProbe | None = None
@@ -162,6 +166,7 @@ class ProbePlan:
     layer_probabilities: bool = False
     layer_heads: str = "mean"
     input_embeddings: bool = False
+    image_grids: bool = False
 
     @property
     def reads_tower(self) -> bool:
@@ -239,6 +244,8 @@ def _read(plan: ProbePlan, need: Need, acts_at: str, placement: str) -> ProbePla
         return replace(plan, input_embeddings=True)
     if kind == "hidden" and layer in ("L", "L-1") and rows == "all":
         return plan  # the step's input: layer L's input is layer L-1's output
+    if kind == "grid" and layer == "embeddings" and rows == "all":
+        return replace(plan, image_grids=True)  # the span as the LLM received it
     return None
 
 

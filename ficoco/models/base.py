@@ -27,6 +27,7 @@ from ficoco.models.entry import follow_shortened_prompt, shorten_call
 from ficoco.models.patching import LanguageState, Patches
 
 if TYPE_CHECKING:
+    from ficoco.methods.inputs import ImageGrids
     from ficoco.models.entry import Entry
     from ficoco.models.handle import Handle
 
@@ -133,11 +134,22 @@ class FamilyAdapter:
         LayerInputPatch(self, handle, spec, schedule).install(patches)
 
     def step_state(self, title: str, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,
-                   prior_positions: dict[int, Tensor] | None = None) -> LanguageState | None:
-        """The state of a layer-input method's prefill: the visual span found from the placeholders."""
+                   prior_positions: dict[int, Tensor] | None = None, *, grids: bool = False) -> LanguageState | None:
+        """The state of a layer-input method's prefill: the visual span found from the placeholders, and with
+        `grids` (a method that reads them: a need of kind ``grid``) every image's grids (`image_grids`)."""
         from ficoco.models.llm_steps import step_state
 
-        return step_state(input_ids, attention_mask, self.language_tokens(input_ids), past_length, title)
+        state = step_state(input_ids, attention_mask, self.language_tokens(input_ids), past_length, title)
+        if state is not None and grids:
+            state.image_grids = self.image_grids(title, input_ids)
+        return state
+
+    def image_grids(self, title: str, input_ids: Tensor) -> tuple[tuple[ImageGrids, ...], ...]:
+        """Per sample, every image of its visual spans (`language_tokens`, in reading order) with the grids its
+        tokens lie on (ficoco.methods.inputs.ImageGrids), from what the family knows of the call's images; a
+        family that cannot tell refuses the method in one line."""
+        raise FicocoError(f"{title} reads where every visual token stands on its image's grid, which ficoco's "
+                          f"{type(self).__name__} cannot tell; run it on another family")
 
     def rotary(self, hidden: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         """The decoder's rotary tables at `position_ids` (compacted positions)."""

@@ -63,7 +63,7 @@ class EntryHooks(Protocol):
                        prior_positions: dict[int, Tensor] | None = None) -> Any: ...
 
     def step_state(self, title: str, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,
-                   prior_positions: dict[int, Tensor] | None = None) -> Any: ...
+                   prior_positions: dict[int, Tensor] | None = None, *, grids: bool = False) -> Any: ...
 
     def turn_on_cache(self, cache: Any, state: Any) -> tuple[int, dict[int, Tensor]]: ...
 
@@ -90,8 +90,9 @@ class Entry:
         self.adaptive = bool(handle.schedule.settings_dict().get("adaptive"))
         if spec.placement == "in_layer" and not spec.per_item:  # in the decoder (FiCoCo-L)
             self.new_state = adapter.language_state
-        else:  # at layer inputs (the registry entry's title names the method in refusals)
-            self.new_state = functools.partial(adapter.step_state, spec.title)
+        else:  # at layer inputs (the registry entry's title names the method in refusals; the images' grids
+            # where the method reads them)
+            self.new_state = functools.partial(adapter.step_state, spec.title, grids=spec.probes.image_grids)
         # Set while generate runs a prompt it shortened already: (kept positions, the caller's prompt
         # length). Its forwards must not shorten again; the prefill's positions refer to the caller's prompt.
         self.generating: tuple[Tensor, int] | None = None

@@ -93,7 +93,9 @@ class Handle:
     vision_state: Tensor | None = None
     # A method acting before the LLM: its current tower forward (ficoco.models.vision_steps), and the
     # visual tokens every item of the last image call handed the LLM, as measured (PruMerge+'s
-    # adaptive count, or the planned count of any other method; a Video-LLaVA frame's [CLS] apart).
+    # adaptive count, or the planned count of any other method; a Video-LLaVA frame's [CLS] apart). A decoder
+    # method whose count is adaptive (VLM-Pruner) leaves here the visual tokens its step kept in the last
+    # one-image prefill (None with several images: the prompt's count is not one image's).
     tower_state: Any = None
     measured_tokens_per_item: int | None = None
     # The prompt (input_ids, attention_mask) of the image call in progress, as the entry received it:

@@ -79,6 +79,7 @@ class InternVLAdapter(LlavaAdapter):
         self.factor = round(1 / config.downsample_ratio)
         self.merge = self.factor**2
         self.grid_hw = (side // self.factor, side // self.factor)  # a tile's grid of groups (LLM tokens)
+        self.patch_grid_hw = (side, side)  # a tile's patch grid before pixel shuffle
         self.patches = side * side
         self.units = self.patches // self.merge
         # Placeholders of one span unit: one tile's tokens (image_seq_length).

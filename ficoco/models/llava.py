@@ -14,10 +14,11 @@ import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.methods.inputs import ImageGrids, TokenGrid
 from ficoco.models import hf_compat as hf
 from ficoco.models.base import FamilyAdapter
 from ficoco.models.inputs import PREFIX_TOKENS, synthetic_inputs  # noqa: F401  (the family's, for the registry)
-from ficoco.models.patching import Patches
+from ficoco.models.patching import Patches, span_lengths
 from ficoco.models.prompt import PromptFormat
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ class LlavaAdapter(FamilyAdapter):
         vision = config.vision_config
         side = vision.image_size // vision.patch_size
         self.grid_hw = (side, side)
+        # The tower's patch grid of one item, before any merge of patches into tokens (none here).
+        self.patch_grid_hw = (side, side)
         self.patches = side * side
         # Placeholders of one unshortened span unit (LLaVA: one image, one per patch).
         self.span_tokens = self.patches
@@ -83,6 +86,26 @@ class LlavaAdapter(FamilyAdapter):
         # the drop flags lists the kept positions in order without a data-dependent nonzero().
         length = input_ids.shape[1] - (total // self.span_tokens) * (self.span_tokens - keep)
         return torch.sort(drop.to(torch.int8), dim=1, stable=True).indices[:, :length]
+
+    def image_grids(self, title: str, input_ids: Tensor) -> tuple[tuple[ImageGrids, ...], ...]:
+        """Every span of placeholders one image (Video-LLaVA: one video; InternVL: one image's tiles), made of
+        units of `span_tokens` (an image, a frame, a tile) that each lay their last `grid_hw` tokens out as one
+        grid (a Video-LLaVA frame's [CLS] first, on no grid). One host synchronisation (the span lengths)."""
+        rows, cols = self.grid_hw
+        lead = self.span_tokens - rows * cols
+        found = []
+        for lengths in span_lengths(self.language_tokens(input_ids)):
+            images, start = [], 0
+            for length in lengths:
+                if length % self.span_tokens:
+                    raise FicocoError(f"{title}: an image span of {length} placeholders is not whole units of "
+                                      f"{self.span_tokens} (give the prompt as the processor lays it out)")
+                grids = tuple(TokenGrid(start + unit + lead, rows, cols, cols)
+                              for unit in range(0, length, self.span_tokens))
+                images.append(ImageGrids(start, length, grids, self.patch_grid_hw))
+                start += length
+            found.append(tuple(images))
+        return tuple(found)
 
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
         """The tower's and the projector's hook points for a vision-side method (ficoco.models.vision_steps)."""

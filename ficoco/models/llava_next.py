@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.methods.inputs import ImageGrids, TokenGrid
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import PREFIX_TOKENS, place_inputs
 from ficoco.models.llava import LlavaAdapter
@@ -91,6 +92,21 @@ class ImageLayout:
                 f"{method} on LLaVA-NeXT: AnyRes unpadding of this image drops {self.unpadding_drops} crop "
                 "tokens, so the reduced count depends on which tokens stay; use square images or FiCoCo-L")
         return self.items * (placed_per_item + unplaced_per_item) + self.newline_rows
+
+    @property
+    def crop_grid_hw(self) -> tuple[int, int]:
+        """(rows, cols) of the packed crop grid's tokens as the span holds them (unpadded; each row then a newline)."""
+        rows, cols = self.unpadded.shape
+        return int(rows), int(cols)
+
+    def token_grids(self, start: int) -> tuple[TokenGrid, ...]:
+        """The grids of the image's tokens from span index `start`: the base view's, then (with crops) the packed
+        crop grid's, one newline after each of its rows (the newlines lie on no grid)."""
+        base = TokenGrid(start, self.side, self.side, self.side)
+        if self.items == 1:
+            return (base,)
+        rows, cols = self.crop_grid_hw
+        return base, TokenGrid(start + self.side * self.side, rows, cols, cols + 1)
 
     def newline_flags(self) -> Tensor:
         """(tokens,) bool: True on the newline tokens of the unreduced span."""
@@ -379,6 +395,38 @@ class LlavaNextAdapter(LlavaAdapter):
                               f"so {self.method_title} cannot tell how many the cache holds; run the conversation in "
                               "one prompt")
         return next(iter(candidates.values()))
+
+    # -- the decoder's methods ------------------------------------------------------------------
+    def _layouts_per_sample(self, input_ids: Tensor, what: str) -> list[list[ImageLayout]]:
+        """Per sample, the layouts of its images (the call's image_sizes), each prompt's repeated as generate
+        repeats the prompt for beams and returned sequences; refused where the spans do not match them. One host
+        synchronisation (the span lengths)."""
+        layouts = self._layouts_of_call(what)
+        spans = span_lengths(self.language_tokens(input_ids))
+        batch, images = input_ids.shape[0], len(spans[0]) if spans else 0
+        prompts = len(layouts) // images if images else 0
+        if not images or len(layouts) % images or not prompts or batch % prompts:
+            raise FicocoError(f"the input holds image spans of {spans} placeholders, but image_sizes gives "
+                              f"{len(layouts)} image(s) for {batch} sample(s): give every sample's images")
+        copies = batch // prompts
+        found = [layouts[p * images:(p + 1) * images] for p in range(prompts) for _ in range(copies)]
+        for row, sample in zip(spans, found, strict=True):
+            if row != [layout.tokens for layout in sample]:
+                raise FicocoError(f"the input's image spans hold {row} image placeholders, but its images "
+                                  f"(image_sizes {self._sizes_of_call()}) need {[x.tokens for x in sample]}")
+        return found
+
+    def image_grids(self, title: str, input_ids: Tensor) -> tuple[tuple[ImageGrids, ...], ...]:
+        """Every image's span: its base view's grid, then its packed crop grid (unpadded; a newline after every
+        row, on no grid); the tower's patch grid is one crop's (a CLIP item's)."""
+        found = []
+        for layouts in self._layouts_per_sample(input_ids, title):
+            images, start = [], 0
+            for layout in layouts:
+                images.append(ImageGrids(start, layout.tokens, layout.token_grids(start), self.patch_grid_hw))
+                start += layout.tokens
+            found.append(tuple(images))
+        return tuple(found)
 
     # -- FiCoCo-L ---------------------------------------------------------------------------
     def language_state(self, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from ficoco.accounting.families.llava_onevision import anyres_max_patches, onevision_downscaled
 from ficoco.errors import FicocoError
+from ficoco.methods.inputs import ImageGrids, TokenGrid
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava_next import ImageLayout, LlavaNextAdapter, _unpadded_window
@@ -65,6 +66,10 @@ class OnevisionLayout(ImageLayout):
     @property
     def newline_rows(self) -> int:
         return self.packed_hw[0] if self.packed_hw is not None else super().newline_rows
+
+    @property
+    def crop_grid_hw(self) -> tuple[int, int]:
+        return self.packed_hw if self.packed_hw is not None else super().crop_grid_hw
 
     @property
     def tokens(self) -> int:
@@ -213,6 +218,31 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
         state.protected = torch.gather(newline, 1, state.visual_rows)
         state.max_protected = int(state.protected.sum(dim=1).max())
         return state
+
+    def image_grids(self, title: str, input_ids: Tensor) -> tuple[tuple[ImageGrids, ...], ...]:
+        """LLaVA-NeXT's grids for the images (a downscaled crop grid as packed); a video's span: every frame's
+        pooled grid, then its one newline (on no grid). One prompt holds images or videos, not both."""
+        is_video = input_ids == self.video_token_id if self.video_token_id is not None else None
+        if is_video is None or not bool(is_video.any()):
+            return super().image_grids(title, input_ids)
+        if bool((input_ids == self.image_token_id).any()):
+            raise FicocoError(f"{title} on LLaVA-OneVision reads the images or the video of a prompt, not both in "
+                              "one prompt; give them in separate turns")
+        side = math.ceil(self.grid_hw[0] / 2), math.ceil(self.grid_hw[1] / 2)
+        per_frame = side[0] * side[1]
+        found = []
+        for lengths in span_lengths(is_video):
+            videos, start = [], 0
+            for length in lengths:
+                if (length - 1) % per_frame:
+                    raise FicocoError(f"{title}: a video span of {length} placeholders is not frames x {per_frame} "
+                                      "+ 1 (give the prompt as the processor lays it out)")
+                grids = tuple(TokenGrid(start + offset, side[0], side[1], side[1])
+                              for offset in range(0, length - 1, per_frame))
+                videos.append(ImageGrids(start, length, grids, self.patch_grid_hw))
+                start += length
+            found.append(tuple(videos))
+        return tuple(found)
 
     # -- methods that cut before the LLM ---------------------------------------------------------------
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:

@@ -22,6 +22,8 @@ What a method asks for (its `MethodSpec.needs`, read through the spec's one prob
 - ``query_key`` at layer L (PDrop): the layer's own input norm, q (last row only) and k
   projections and RoPE at the current positions.
 - ``input_embeddings``: the input of layer 0, handed to the method's ``prepare`` once.
+- ``grid``: where every visual token stands on its image's grids (`StepInput.images`), which the family's
+  adapter reads from the call's images once per prefill (`FamilyAdapter.image_grids`).
 
 At layer L's input the method's ``step`` returns a `Reduced`; the state then slices the 4-D mask
 (its own rows and columns, plus the causal order of added tokens), the rotary tables (original
@@ -288,6 +290,8 @@ class StepState(LanguageState):
     # Several image spans per sample (text between them): the methods, which read one span, see the
     # sequence grouped (`grouping`), their result is put back in reading order.
     gapped: bool = False
+    # Per sample, its images' grids (ficoco.methods.inputs.ImageGrids) where the method reads them; else None.
+    image_grids: tuple[tuple[Any, ...], ...] | None = None
     _mask_cache: dict[int, tuple[Any, Tensor | None]] = field(default_factory=dict)
 
     def layer_mask(self, mask: Tensor | None, layer: int) -> Tensor | None:
@@ -351,6 +355,9 @@ class LayerInputPatch:
         # normed queries and partial rotary) gives its own.
         self.own_last_row = getattr(adapter, "own_last_row", own_last_row)
         self.embeddings = probes.input_embeddings
+        # A count known only once the step ran (VLM-Pruner's selection may end early): the step may leave fewer
+        # visual tokens than its schedule plans, the same number in every sample, measured for the accountant.
+        self.adaptive = bool(self.settings.get("adaptive"))
         self.slots: dict[int, RowsSlot] = {}
 
     def install(self, patches: Patches) -> None:
@@ -458,7 +465,8 @@ class LayerInputPatch:
             hidden=hidden, visual_start=state.visual_start, num_visual=state.num_visual,
             keep=state.num_visual - remove, stage=self.order[index], position_ids=state.positions,
             text_positions=state.text_positions, attention_mask=state.mask2d, row_attention=row_attention,
-            keys=keys, query_key_row=own_row, final_norm=self.adapter.final_norm, prepared=state.prepared)
+            keys=keys, query_key_row=own_row, final_norm=self.adapter.final_norm, prepared=state.prepared,
+            visual_ranks=state.visual_ranks, images=state.image_grids)
         order = state.grouping() if state.gapped else None
         if order is not None:
             inputs = _grouped(inputs, order)
@@ -472,7 +480,11 @@ class LayerInputPatch:
         # together: with several images only the kept count is the schedule's.
         expected = state.num_visual - remove + removal.added
         kept_count = red.kept_visual.shape[1]
-        if red.num_visual != expected and (state.images == 1 or kept_count != state.num_visual - remove):
+        if self.adaptive and not removal.added and 1 <= red.num_visual <= expected:
+            # The count as it ran, per image of the profile's one-image prompt (with several images the count is
+            # the prompt's, which the accountant does not plan).
+            self.handle.measured_tokens_per_item = red.num_visual if state.images == 1 else None
+        elif red.num_visual != expected and (state.images == 1 or kept_count != state.num_visual - remove):
             raise FicocoError(f"{self.spec.title} at layer {index} left {red.num_visual} visual tokens where its "
                               f"schedule plans {expected}; give a schedule the method can meet")
         # Bookkeeping: added tokens stand at the last visual token's place in input positions.
@@ -482,7 +494,8 @@ class LayerInputPatch:
         anchor = torch.where(is_added, last_visual, source)
         discarded = self._discarded(red.kept_visual, state.num_visual)
         kept_ranks = torch.gather(state.visual_ranks, 1, red.kept_visual)
-        self.handle.record("llm", index, kept=kept_ranks, discarded=torch.gather(state.visual_ranks, 1, discarded))
+        self.handle.record("llm", index, kept=kept_ranks, discarded=torch.gather(state.visual_ranks, 1, discarded),
+                           merged_into=merge_targets(kept_ranks, red.merge_target))
         extra = red.num_visual - red.kept_visual.shape[1]
         ranks = kept_ranks
         if extra:
@@ -590,4 +603,4 @@ def _reading_order(red: Reduced, order: Tensor, state: StepState, compact: bool)
         prefix = torch.gather(state.positions, 1, slots.clamp(max=state.positions.shape[1] - 1))
         positions = torch.where(slots < start, prefix, torch.gather(state.positions, 1, start) + slots - start)
     return Reduced(hidden=hidden, kept_positions=kept_positions, position_ids=positions, attention_mask=mask,
-                   kept_visual=red.kept_visual, num_visual=red.num_visual)
+                   kept_visual=red.kept_visual, num_visual=red.num_visual, merge_target=red.merge_target)

@@ -7,17 +7,20 @@ adapter's (`FamilyAdapter`).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.methods.contract import GroupsModule, TowerModule
+from ficoco.methods.inputs import ImageGrids, TokenGrid
 from ficoco.models import hf_compat as hf
 from ficoco.models.base import FamilyAdapter
 from ficoco.models.entry import follow_shortened_prompt
-from ficoco.models.patching import Patches
+from ficoco.models.patching import Patches, span_lengths
 from ficoco.models.qwen2_vl.cut import TowerCuts
 from ficoco.models.qwen2_vl.order import GridOrder
 from ficoco.models.qwen2_vl.prompt import PromptShortener
@@ -59,6 +62,7 @@ class Qwen2VLAdapter(FamilyAdapter):
         self.video_token_id = getattr(config, "video_token_id", None)
         self.merge_size = config.vision_config.spatial_merge_size
         self.merge = self.merge_size**2
+        self.image_grid_thw: Tensor | None = None  # the current call's (see call_scope)
         # The current run of the tower under a method before the LLM (None outside one): the parts share it.
         self.tower_pass: TowerPass | None = None
         self.removed_per_image = 0  # FiCoCo-V: merge groups (placeholders) every image loses
@@ -132,6 +136,47 @@ class Qwen2VLAdapter(FamilyAdapter):
         if self.video_cut and self.video_token_id is not None:
             tokens = tokens | (input_ids == self.video_token_id)
         return tokens
+
+    @contextlib.contextmanager
+    def call_scope(self, call: dict[str, Any], *, generating: bool) -> Iterator[None]:
+        """Keep the call's image_grid_thw while it runs (a method in the decoder that reads the images' grids
+        asks for it once per prefill; a forward inside generate sees the generation's, or its own)."""
+        grid = call.get("image_grid_thw")
+        if grid is None:
+            yield
+            return
+        previous, self.image_grid_thw = self.image_grid_thw, grid
+        try:
+            yield
+        finally:
+            self.image_grid_thw = previous
+
+    def image_grids(self, title: str, input_ids: Tensor) -> tuple[tuple[ImageGrids, ...], ...]:
+        """Every image's span: its merged token grid (image_grid_thw's height and width over the merge size,
+        one grid per temporal slice); the tower's patch grid is image_grid_thw's height and width, before the
+        merge. One host synchronisation (the grids and the span lengths)."""
+        if self.image_grid_thw is None:
+            raise FicocoError(f"{title} on {self.family_title} reads every image's grid: give image_grid_thw in the "
+                              "same forward or generate call as the image placeholders")
+        thw = self.image_grid_thw.tolist()
+        spans = span_lengths(self.language_tokens(input_ids))
+        images = len(spans[0]) if spans else 0
+        if not images or len(thw) != len(spans) * images:
+            raise FicocoError(f"{title} on {self.family_title}: image_grid_thw has {len(thw)} rows for "
+                              f"{len(spans)} sample(s) of image spans {spans}: give every sample's images")
+        found = []
+        for b, lengths in enumerate(spans):
+            sample, start = [], 0
+            for (t, h, w), length in zip(thw[b * images:(b + 1) * images], lengths, strict=True):
+                rows, cols = h // self.merge_size, w // self.merge_size
+                if length != t * rows * cols:
+                    raise FicocoError(f"{title} on {self.family_title}: an image span of {length} placeholders "
+                                      f"for an image of grid {[t, h, w]} ({t * rows * cols} tokens)")
+                grids = tuple(TokenGrid(start + s * rows * cols, rows, cols, cols) for s in range(t))
+                sample.append(ImageGrids(start, length, grids, (h, w)))
+                start += length
+            found.append(tuple(sample))
+        return tuple(found)
 
     def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
         """The (reduced) tower's output, every item's kept groups in grid order, split per item (transformers'

@@ -100,6 +100,12 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         visual tokens still present."""
         taps = len(self.deepstack_mergers())
         early = [r.layer for r in schedule.removals if r.stage == "llm" and r.added and r.layer < taps]
+        folded = [r.layer for r in schedule.removals if r.stage == "llm" and spec.folds_removed and r.layer < taps]
+        if folded:
+            raise FicocoError(f"variant={spec.name}: {spec.title} on {self.family_title} folds the visual tokens it "
+                              f"removes at decoder layer {folded[0]} into those it keeps by their hidden states, where "
+                              f"DeepStack still adds the tower's features (after layers 0..{taps - 1}), which cannot "
+                              f"be folded alike: give its step a layer from {taps} on (layer={taps})")
         if early:
             raise FicocoError(f"variant={spec.name}: {spec.title} on {self.family_title} adds tokens at decoder layer "
                               f"{early[0]}, where DeepStack still adds the tower's features (after layers 0.."
