@@ -179,6 +179,13 @@ class ImageLayout:
         return torch.cat([base, tokens[order]], dim=0)
 
 
+def _flagged(flags: Tensor) -> Tensor:
+    """(rows, n) the indices of the True entries of every row of `flags` (rows, n), ascending, then -1s."""
+    order = torch.sort((~flags).to(torch.int8), dim=1, stable=True).indices
+    present = torch.arange(flags.shape[1], device=flags.device).unsqueeze(0) < flags.sum(dim=1, keepdim=True)
+    return torch.where(present, order, torch.full_like(order, -1))
+
+
 def _unpadded_window(rows: int, cols: int, size_hw: list[int]) -> tuple[slice, slice]:
     """The rows and columns of a rows x cols grid that transformers' `unpad_image` keeps for an
     image of `size_hw`, in plain integers (unpad_image rounds tensor sizes under torch.jit)."""
@@ -315,10 +322,10 @@ class LlavaNextAdapter(LlavaAdapter):
         bases of a call are one batched call, the grids one per grid size. Returns every image's packed span:
         the kept tokens and the newline tokens in the span's order; leaves `span_flags`.
 
-        Records, per call: the bases (images, k) as patch indices of the base view, then per grid size the grids
-        (images, k x crops) as indices on the whole crop grid (rows x cols, row-major, before unpadding)."""
+        One record per call, as for a cut of every crop apart: a row per item (every image's base view, then its
+        crops), the patch indices (row-major) the item kept and lost, ascending, each row padded with -1 to the
+        item's patches (a crop's share of its grid's count varies)."""
         from ficoco.methods.inputs import TowerInput
-        from ficoco.models.vision_steps import complement
 
         assert self.grid_cut is not None
         handle, module, settings, removal = self.grid_cut
@@ -338,7 +345,10 @@ class LlavaNextAdapter(LlavaAdapter):
 
         device = image_features[0].device
         bases = cut(torch.stack([features[0] for features in image_features]), removal.remove)
-        handle.record("vision", removal.layer, kept=bases.kept, discarded=complement(bases.kept, self.patches))
+        # Per image, (items, patches): True on the patches every item (base view, crops) kept.
+        held = [torch.zeros(layout.items, self.patches, dtype=torch.bool, device=device) for layout in layouts]
+        for image in range(len(layouts)):
+            held[image][0, bases.kept[image].to(device)] = True
         tokens = [[bases.hidden[i]] for i in range(len(layouts))]
         slots = [[bases.kept[i]] for i in range(len(layouts))]
         by_grid: dict[tuple[int, int, int, int], list[int]] = {}
@@ -352,14 +362,11 @@ class LlavaNextAdapter(LlavaAdapter):
             grids = torch.stack([image_features[i][1:].reshape(-1, width)[order] for i in images])
             crops = layout.items - 1
             out = cut(grids, crops * removal.remove)
-            full = layout.unpadded.flatten().to(out.kept.device)
-            kept = full[out.kept]
-            gone = full[complement(out.kept, grids.shape[1])]
-            handle.record("vision", removal.layer, kept=kept.sort(dim=1).values, discarded=gone.sort(dim=1).values)
-            grid_slots = layout.grid_slots().to(out.kept.device)
+            grid_slots, crop_patches = layout.grid_slots().to(out.kept.device), order.to(out.kept.device)
             for b, image in enumerate(images):
                 tokens[image].append(out.hidden[b])
                 slots[image].append(grid_slots[out.kept[b]])
+                held[image][1:].view(-1)[crop_patches[out.kept[b]].to(device)] = True
         packed, flags = [], []
         for image, layout in enumerate(layouts):
             lines = layout.newline_slots().to(device)
@@ -370,6 +377,8 @@ class LlavaNextAdapter(LlavaAdapter):
             flag = torch.zeros(layout.tokens, dtype=torch.bool, device=device)
             flags.append(flag.scatter(0, place, torch.ones_like(place, dtype=torch.bool)))
         self.span_flags = flags
+        items = torch.cat(held)
+        handle.record("vision", removal.layer, kept=_flagged(items), discarded=_flagged(~items))
         return packed
 
     def patch_for_tracing(self, patches: Patches) -> None:
