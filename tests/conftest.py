@@ -66,6 +66,8 @@ TRANSFORMERS_TESTS |= {"test_profile_kernels.py"}  # issue 41: the attention ker
 METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision_in_models.py",
                            "test_methods_vision_in_llava_next.py", "test_methods_diversity.py",
                            "test_methods_holitom.py"})
+TRANSFORMERS_TESTS |= {"test_rule_gprune.py", "test_method_gprune.py"}  # issue 53: G-Prune
+METHOD_SUITES |= {"test_rule_gprune.py", "test_method_gprune.py"}
 
 
 # Files whose module fixtures run lmms-eval several times (minutes on a 2-core CPU).
