@@ -262,15 +262,16 @@ class FamilyAdapter:
                               "cannot share evenly: give every sample the same images' count")
         rank = torch.cumsum(is_visual.long(), dim=1) - 1
         first_own = is_visual.sum(dim=1, keepdim=True) - own
-        if bool((first_own < 0).any()):
-            raise FicocoError(f"the prompt holds fewer image placeholders than this call's images need ({own} per "
-                              "sample): give the prompt as the processor lays it out")
         mine = is_visual & (rank >= first_own)
         index = (rank - first_own).clamp(0, own - 1)
         keep = torch.zeros_like(is_visual).scatter(1, kept, torch.ones_like(kept, dtype=torch.bool))
         keep = torch.where(mine, torch.gather(flags.view(batch, own).to(keep.device), 1, index), keep)
         length = kept.shape[1]
-        if not bool((keep.sum(dim=1) == length).all()):
+        short, miscounted = torch.stack([(first_own < 0).any(), (keep.sum(dim=1) != length).any()]).tolist()
+        if short:  # one host read for both checks
+            raise FicocoError(f"the prompt holds fewer image placeholders than this call's images need ({own} per "
+                              "sample): give the prompt as the processor lays it out")
+        if miscounted:
             raise RuntimeError("the cut's kept tokens and the shortened prompt's spans disagree in count")
         # A stable sort of the drop flags lists the kept positions first, in order.
         return torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :length]
