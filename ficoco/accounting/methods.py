@@ -379,7 +379,7 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
                               suffix_tokens=suffix, dims=vision_dims(arch), settings=settings,
                               items=plan.vision_items, projected_width=arch.decoder.hidden,
                               has_cls=v.has_cls, unit_width=v.hidden * v.merge,
-                              cls_to_projector=arch.cls_to_projector)
+                              cls_to_projector=arch.cls_to_projector, anyres_crops=arch.anyres_crops)
             per = batch if spec.extra_per_sample else batch * plan.vision_items
             # Qwen3-VL's DeepStack features ride through a merging step beside the hidden states (extra channels of
             # its gathers and scatter-adds, which no convention counts as matrix work): no second run to count.

@@ -248,6 +248,12 @@ class Architecture:
         the model does not hand [CLS] to the LLM itself (Video-LLaVA does)."""
         return self.vision.has_cls and self.vision.merge == 1 and not self.cls_in_llm
 
+    @property
+    def anyres_crops(self) -> int:
+        """The crops of an AnyRes image laid out on one grid after its base view (LLaVA-NeXT, LLaVA-OneVision: every
+        tower item but the first; 0 for an image without crops, a video, and every other family)."""
+        return self.vision.items - 1 if self.image_newline_param and self.pooled_frames is None else 0
+
     def llm_visual_tokens(self, units_per_item: int) -> int:
         """Visual tokens in the LLM when every item keeps `units_per_item` units."""
         if units_per_item == self.vision.units:

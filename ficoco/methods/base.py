@@ -136,6 +136,8 @@ class StepContext:
         cls_to_projector: a cut before the projector could hand the item's [CLS] on among its tokens (VisionZip's
             official layout): the tower has [CLS], the projector maps single patches (no merge groups: not
             InternVL's pixel shuffle) and the model does not hand [CLS] to the LLM itself (Video-LLaVA does).
+        anyres_crops: the crops of an AnyRes image laid out on one grid (LLaVA-NeXT, LLaVA-OneVision: the items
+            after the base view), for a method that cuts that grid whole (`MethodSpec.anyres_grid`); 0 elsewhere.
     """
 
     step: Step
@@ -151,6 +153,7 @@ class StepContext:
     has_cls: bool = True
     unit_width: int = 0
     cls_to_projector: bool = False
+    anyres_crops: int = 0
 
 
 # (layer the work runs at, what it is, multiply-accumulates per sample); layer None: before layer 0.
@@ -267,6 +270,11 @@ class MethodSpec:
     # A cut after the projector that acts on LLaVA-OneVision's pooled video frames (the official code's
     # place for HoliTom: after the 2x2 pooling); the other cuts before the LLM are refused on a pooled grid.
     pooled_grid: bool = False
+    # A cut after the projector that acts, on an AnyRes image (LLaVA-NeXT, LLaVA-OneVision), on the base view and on
+    # the whole unpadded crop grid as packed (row-major, the newline tokens left out and kept) as two items, where
+    # its official code cuts them so (G-Prune); False: on every crop apart. Either way the grid keeps the schedule's
+    # count per crop in all.
+    anyres_grid: bool = False
     # How the entry is planned: a name of the accountant's planner table (see above).
     planner: PlannerName = "by_steps"
     # Where ficoco corrects the official code, the correction is a named value of a hyperparameter whose default

@@ -189,6 +189,8 @@ class FamilyAdapter:
         positions = None
         if entry.shortens and not visual:
             follow_shortened_prompt(handle, call)
+            if entry.gapped:
+                self.continue_positions(entry, call)
         if entry.shortens and visual and input_ids is not None and (entry.keep is not None or entry.adaptive):
             if entry.generating is not None:
                 # generate's prefill, shortened already (its rows repeated for beams/samples): the part
@@ -202,9 +204,17 @@ class FamilyAdapter:
                 extra = torch.arange(length, length + max(0, end - kept.shape[1]), device=kept.device)
                 positions = torch.cat([kept, extra.expand(kept.shape[0], -1)], dim=1)[:, past:end]
             else:
-                keep = self.encode_first(handle, call) if entry.adaptive and has_pixels else entry.keep
+                if entry.adaptive and has_pixels:
+                    keep = self.encode_first(handle, call)
+                else:
+                    if entry.gapped and has_pixels:  # what the cut kept decides the position ids
+                        self.encode_first(handle, call)
+                    keep = entry.keep
                 positions = self.kept_token_index(input_ids, keep) if keep is not None else None
                 if positions is not None:
+                    if entry.gapped:
+                        positions = self.original_positions(entry, call, input_ids, positions, generating=False,
+                                                            images=visual)
                     shorten_call(call, positions, input_ids.shape[1])
                     handle.prompt_map = (positions, input_ids.shape[1])
         return positions, visual and input_ids is not None
@@ -223,6 +233,8 @@ class FamilyAdapter:
         if not entry.shortens or prompt is None:
             return False
         keep = entry.keep
+        if entry.gapped and not entry.adaptive and any(kwargs.get(key) is not None for key in self.pixel_inputs):
+            self.encode_first(handle, kwargs)  # what the cut kept decides the position ids
         if entry.adaptive:
             cache = hf.cache_in(kwargs)
             if cache is not None and cache.get_seq_length() and bool((prompt == self.image_token_id).any()):
@@ -235,12 +247,109 @@ class FamilyAdapter:
         kept = self.kept_token_index(prompt, keep) if keep is not None else None
         if kept is None:
             return False
+        if entry.gapped:
+            images = any(kwargs.get(key) is not None for key in self.pixel_inputs) or \
+                bool(kwargs.get(hf.ENCODED_FEATURES_KEYWORD))
+            kept = self.original_positions(entry, kwargs, prompt, kept, generating=True, images=images)
         shorten_call(kwargs, kept, prompt.shape[1])
         entry.generating = (kept, prompt.shape[1])
         return True
 
+    # -- a method before the LLM whose kept tokens keep their original position ids (G-Prune) -----------
+    def kept_span_flags(self, handle: Handle) -> Tensor | None:
+        """(this call's placeholders,) bool, sample after sample: True on the placeholders of this call's image
+        spans whose tokens the cut kept (their original places); None when the family cannot tell."""
+        return None
+
+    def gapped_index(self, input_ids: Tensor, kept: Tensor, flags: Tensor) -> Tensor:
+        """`kept` (B, T') (the shortened prompt's positions in `input_ids`: the first placeholders of every span)
+        with the placeholders of this call's own spans (the last of every sample) taken where `flags` says the
+        cut's tokens came from: the shortened prompt is the same, its tokens' positions the original ones. Spans of
+        earlier turns (in the cache already) keep their first placeholders."""
+        batch = input_ids.shape[0]
+        is_visual = input_ids == self.image_token_id
+        own = flags.numel() // batch
+        if own * batch != flags.numel() or not own:
+            raise FicocoError(f"the images of this call give {flags.numel()} image tokens, which the {batch} prompts "
+                              "cannot share evenly: give every sample the same images' count")
+        rank = torch.cumsum(is_visual.long(), dim=1) - 1
+        first_own = is_visual.sum(dim=1, keepdim=True) - own
+        mine = is_visual & (rank >= first_own)
+        index = (rank - first_own).clamp(0, own - 1)
+        keep = torch.zeros_like(is_visual).scatter(1, kept, torch.ones_like(kept, dtype=torch.bool))
+        keep = torch.where(mine, torch.gather(flags.view(batch, own).to(keep.device), 1, index), keep)
+        length = kept.shape[1]
+        short, miscounted = torch.stack([(first_own < 0).any(), (keep.sum(dim=1) != length).any()]).tolist()
+        if short:  # one host read for both checks
+            raise FicocoError(f"the prompt holds fewer image placeholders than this call's images need ({own} per "
+                              "sample): give the prompt as the processor lays it out")
+        if miscounted:
+            raise RuntimeError("the cut's kept tokens and the shortened prompt's spans disagree in count")
+        # A stable sort of the drop flags lists the kept positions first, in order.
+        return torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :length]
+
+    def original_positions(self, entry: Entry, call: dict[str, Any], input_ids: Tensor, kept: Tensor, *,
+                           generating: bool, images: bool) -> Tensor:
+        """The kept positions (B, T') of a prompt a method of original position ids shortens, its visual tokens at
+        the placeholders they came from, and in `call` the caller's unreduced position ids for `shorten_call` to
+        take at them (G-Prune, llava_arch.py:290 and :406): the caller's own, else the ones transformers would give
+        the unreduced prompt (generate: from the attention mask, as `generate` numbers a prompt; a forward: after the
+        cache, continued from where its prefill's ids left it). Nothing changes when nothing is removed."""
+        batch, length = input_ids.shape
+        if kept.shape[1] == length:
+            return kept
+        if images:  # this call's own images: the last spans of every sample (a text turn has none)
+            flags = self.kept_span_flags(entry.handle)
+            if flags is None:
+                raise FicocoError(f"{entry.spec.title} gives the kept tokens their original position ids, read from "
+                                  "the images it encodes in this call: pass the images (pixel values), not encoded "
+                                  "features")
+            kept = self.gapped_index(input_ids, kept, flags)
+        if call.get("position_ids") is not None:
+            return kept
+        device = input_ids.device
+        mask = call.get("attention_mask")
+        cache = hf.cache_in(call)
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        if generating and mask is not None and mask.dim() == 2 and mask.shape[1] == length:
+            numbered = mask.long().cumsum(-1) - 1
+            call["position_ids"] = numbered.masked_fill(mask == 0, 0).to(device)
+        elif generating:
+            call["position_ids"] = torch.arange(length, device=device).expand(batch, -1)
+        else:
+            shift = entry.position_shifts.get(cache) if cache is not None else None
+            ids = torch.arange(past, past + length, device=device).expand(batch, -1)
+            call["position_ids"] = ids + shift.to(device).unsqueeze(1) if shift is not None else ids
+        if mask is None and cache is None:
+            # transformers reads gapped position ids without a mask and without a cache as packed sequences
+            # (masking_utils.find_packed_sequence_indices): an explicit mask of the one sequence.
+            call["attention_mask"] = torch.ones(batch, length, dtype=torch.long, device=device)
+        return kept
+
+    def continue_positions(self, entry: Entry, call: dict[str, Any]) -> None:
+        """A call without images on a cache a method of original position ids filled (a decode step, a text
+        turn): its position ids continue from the last one the cache's calls ran at (llava_llama.py:86-90, the
+        last kept id + 1), unless the caller gives them."""
+        input_ids = call.get("input_ids")
+        cache = hf.cache_in(call)
+        if call.get("position_ids") is not None or input_ids is None or cache is None:
+            return
+        shift = entry.position_shifts.get(cache)
+        if shift is None:
+            return
+        past = int(cache.get_seq_length())
+        ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
+        call["position_ids"] = ids.unsqueeze(0) + shift.to(input_ids.device).unsqueeze(1)
+
     def after_forward(self, entry: Entry, call: dict[str, Any], output: Any, positions: Tensor | None) -> None:
-        """Bookkeeping of a forward's output: none by default."""
+        """Bookkeeping of a forward's output: for a method of original position ids, where the cache's next
+        position id stands (`Entry.position_shifts`)."""
+        ids = call.get("position_ids")
+        if not entry.gapped or not isinstance(ids, Tensor) or ids.dim() != 2:
+            return
+        cache = hf.output_cache(output)
+        if cache is not None:
+            entry.position_shifts[cache] = ids[:, -1] + 1 - int(cache.get_seq_length())
 
     def patch_encoders(self, entry: Entry, patches: Patches) -> None:
         """The model's own encoders the method needs patched beside forward and generate: none here."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -96,6 +97,12 @@ class Entry:
         # Set while generate runs a prompt it shortened already: (kept positions, the caller's prompt
         # length). Its forwards must not shorten again; the prefill's positions refer to the caller's prompt.
         self.generating: tuple[Tensor, int] | None = None
+        # A method before the LLM whose kept tokens keep their original position ids (G-Prune: `positions`
+        # "original"): the shortened prompt runs at the caller's unreduced position ids, gaps included, and what
+        # follows on its cache continues from them. Per cache it filled, (B,) what the next token's position id
+        # exceeds the cache's length by (the unreduced model's id of it; ficoco.models.base).
+        self.gapped = spec.per_item and spec.positions == "original"
+        self.position_shifts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def install(self, patches: Patches) -> None:
         """Wrap the model's forward and generate (and the encoders the family's hook names)."""

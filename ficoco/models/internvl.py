@@ -412,6 +412,7 @@ class InternVLAdapter(LlavaAdapter):
         gone = complement(kept, units)
         handle.record("vision", removal.layer, kept=self._patches_of(kept), discarded=self._patches_of(gone))
         handle.measured_tokens_per_item = int(hidden.shape[1])
+        handle.vision_state = kept  # the group every token continues: its place in the tile's span unit
         return hidden
 
     def _in_group_order(self, probe: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:

@@ -107,6 +107,18 @@ class LlavaAdapter(FamilyAdapter):
             found.append(tuple(images))
         return tuple(found)
 
+    def kept_span_flags(self, handle: Handle) -> Tensor | None:
+        """Every span unit of this call (an image; a Video-LLaVA frame, its [CLS] first; an InternVL tile), True
+        where the cut's tokens came from (`handle.vision_state`, the unit each token continues), sample after
+        sample. None before a cut ran, or where a token stands for no single unit (merged)."""
+        origin = handle.vision_state
+        if origin is None or bool((origin < 0).any()):
+            return None
+        lead = int(self.projector_keeps_cls)  # Video-LLaVA's frame [CLS], handed on before its patches
+        flags = torch.zeros(origin.shape[0], self.span_tokens, dtype=torch.bool, device=origin.device)
+        flags[:, :lead] = True
+        return flags.scatter(1, origin + lead, torch.ones_like(origin, dtype=torch.bool)).flatten()
+
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
         """The tower's and the projector's hook points for a vision-side method (ficoco.models.vision_steps)."""
         from ficoco.models.vision_steps import TowerPatch

@@ -38,7 +38,7 @@ from ficoco.methods.inputs import ImageGrids, TokenGrid
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import PREFIX_TOKENS, place_inputs
 from ficoco.models.llava import LlavaAdapter
-from ficoco.models.patching import LanguageState, Patches, span_lengths
+from ficoco.models.patching import LanguageState, Patches, method_settings, span_lengths
 from ficoco.models.prompt import PromptFormat, anyres_image_size
 
 if TYPE_CHECKING:
@@ -129,6 +129,26 @@ class ImageLayout:
         slots[self.unpadded.flatten()] = place.flatten()
         return slots
 
+    def grid_order(self) -> Tensor:
+        """(rows_u * cols_u,) long: the crop-grid tokens in the packed span's order (the unpadded grid row-major),
+        as indices into the crops' features laid out crop after crop, patches row-major."""
+        crops_w, side = self.crops_hw[1], self.side
+        full = self.unpadded.flatten()
+        row, col = full // self.grid_hw[1], full % self.grid_hw[1]
+        crop = (row // side) * crops_w + col // side
+        return crop * side * side + (row % side) * side + col % side
+
+    def grid_slots(self) -> Tensor:
+        """(rows_u * cols_u,) long: the place in the span of every crop-grid token of `grid_order` (after the
+        base view; one newline ends every row)."""
+        rows_u, cols_u = self.unpadded.shape
+        tokens = torch.arange(rows_u * cols_u)
+        return self.side * self.side + tokens // cols_u * (cols_u + 1) + tokens % cols_u
+
+    def newline_slots(self) -> Tensor:
+        """(newline_rows,) long: the places of the newline tokens in the span."""
+        return torch.nonzero(self.newline_flags()).flatten()
+
     def pack(self, features: Tensor, kept: Tensor, newline: Tensor | None) -> Tensor:
         """Pack one image's reduced item features in AnyRes order: one function for FiCoCo-V (every
         token placed) and the methods that cut before the LLM (some tokens without a grid place).
@@ -173,6 +193,13 @@ class ImageLayout:
             slots = torch.cat([slots, newline_slots])
         order = torch.argsort(slots)
         return torch.cat([base, tokens[order]], dim=0)
+
+
+def _flagged(flags: Tensor) -> Tensor:
+    """(rows, n) the indices of the True entries of every row of `flags` (rows, n), ascending, then -1s."""
+    order = torch.sort((~flags).to(torch.int8), dim=1, stable=True).indices
+    present = torch.arange(flags.shape[1], device=flags.device).unsqueeze(0) < flags.sum(dim=1, keepdim=True)
+    return torch.where(present, order, torch.full_like(order, -1))
 
 
 def _unpadded_window(rows: int, cols: int, size_hw: list[int]) -> tuple[slice, slice]:
@@ -271,10 +298,104 @@ class LlavaNextAdapter(LlavaAdapter):
         adaptive = bool(schedule.settings_dict().get("adaptive"))
         self.kept_per_item = None if adaptive else self.patches - sum(r.remove for r in removals)
         self.unplaced_per_item = sum(r.added for r in removals)
+        cut = next((r for r in removals if r.where == "after_projector"), None)
+        if getattr(spec, "anyres_grid", False) and cut is not None:
+            # The cut runs in the packing, on every image's base view and whole crop grid (`_cut_whole_images`).
+            self.grid_cut = (handle, spec.load(), method_settings(handle, spec, schedule), cut)
+            patches.on_undo(self._end_grid_cut)
         inner = hf.inner_model(self.model)
         packing = hf.PACK_FEATURES
         patches.set(inner, packing, self._packing(getattr(inner, packing), lambda: handle.vision_state))
         return removals
+
+    # -- a cut of every AnyRes image whole: its base view and its crop grid (G-Prune) -------------------
+    # (handle, the method's module, its settings, the removal) while such a method runs; None otherwise.
+    grid_cut: tuple[Any, Any, dict[str, Any], Any] | None = None
+    # Per image of the last call cut whole, in call order: True on the placeholders of its unreduced span whose
+    # tokens go on (what the kept tokens' original position ids are read from).
+    span_flags: list[Tensor] | None = None
+
+    @property
+    def cut_after_packing(self) -> bool:
+        """Whether the projector leaves its cut to the packing (`MethodSpec.anyres_grid`)."""
+        return self.grid_cut is not None
+
+    def kept_span_flags(self, handle: Handle) -> Tensor | None:
+        """Every image of this call cut whole: True where its kept tokens and its newline tokens stand in its
+        unreduced span (`span_flags`, taken once); None otherwise."""
+        flags, self.span_flags = self.span_flags, None
+        return torch.cat(flags) if flags else None
+
+    def _end_grid_cut(self) -> None:
+        self.grid_cut = self.span_flags = None
+
+    def _cut_whole_images(self, image_features: Any, layouts: list[ImageLayout], newline: Tensor | None
+                          ) -> list[Tensor]:
+        """Run the method on every image as its official code cuts LLaVA-NeXT's (G-Prune, llava_arch.py:246-288):
+        the base view as one part, the whole unpadded crop grid as packed (rows of the grid, row-major, the
+        newline tokens left out) as another; the newline tokens always go on. The base view keeps the schedule's
+        count per item, the grid that count per crop in all (as a cut of every crop apart would hand on). The
+        bases of a call are one batched call, the grids one per grid size. Returns every image's packed span:
+        the kept tokens and the newline tokens in the span's order; leaves `span_flags`.
+
+        One record per call, as for a cut of every crop apart: a row per item (every image's base view, then its
+        crops), the patch indices (row-major) the item kept and lost, ascending, each row padded with -1 to the
+        item's patches (a crop's share of its grid's count varies)."""
+        from ficoco.methods.inputs import TowerInput
+
+        assert self.grid_cut is not None
+        handle, module, settings, removal = self.grid_cut
+        if newline is None:
+            raise FicocoError(f"{self.method_title} on LLaVA-NeXT packs the newline tokens of the model's "
+                              "image_newline parameter, which this model lacks")
+        keep = self.patches - removal.remove
+        for layout in layouts:  # an image whose unpadding drops tokens is refused, as for every cut
+            layout.reduced_tokens(keep, 0, self.method_title)
+
+        def cut(parts: Tensor, remove: int) -> Tensor:
+            out = handle.run_method(("projector", None), module.tower_step,
+                                    TowerInput(hidden=parts, has_cls=False, remove=remove), settings)
+            if out.counts is not None or out.kept.shape[1] != parts.shape[1] - remove or bool((out.kept < 0).any()):
+                raise RuntimeError(f"{self.method_title}'s cut of whole images hands on kept tokens only")
+            return out
+
+        device = image_features[0].device
+        bases = cut(torch.stack([features[0] for features in image_features]), removal.remove)
+        # Per image, (items, patches): True on the patches every item (base view, crops) kept.
+        held = [torch.zeros(layout.items, self.patches, dtype=torch.bool, device=device) for layout in layouts]
+        for image in range(len(layouts)):
+            held[image][0, bases.kept[image].to(device)] = True
+        tokens = [[bases.hidden[i]] for i in range(len(layouts))]
+        slots = [[bases.kept[i]] for i in range(len(layouts))]
+        by_grid: dict[tuple[int, int, int, int], list[int]] = {}
+        for image, layout in enumerate(layouts):
+            if layout.items > 1:
+                by_grid.setdefault((*layout.crops_hw, *layout.unpadded.shape), []).append(image)
+        for images in by_grid.values():
+            layout = layouts[images[0]]
+            order = layout.grid_order().to(device)
+            width = image_features[images[0]].shape[-1]
+            grids = torch.stack([image_features[i][1:].reshape(-1, width)[order] for i in images])
+            crops = layout.items - 1
+            out = cut(grids, crops * removal.remove)
+            grid_slots, crop_patches = layout.grid_slots().to(out.kept.device), order.to(out.kept.device)
+            for b, image in enumerate(images):
+                tokens[image].append(out.hidden[b])
+                slots[image].append(grid_slots[out.kept[b]])
+                held[image][1:].view(-1)[crop_patches[out.kept[b]].to(device)] = True
+        packed, flags = [], []
+        for image, layout in enumerate(layouts):
+            lines = layout.newline_slots().to(device)
+            place = torch.cat([s.to(device) for s in slots[image]] + [lines])
+            span = torch.cat(tokens[image] + [newline.to(device, image_features[image].dtype)[None].expand(
+                lines.shape[0], -1)])
+            packed.append(span[torch.argsort(place)])
+            flag = torch.zeros(layout.tokens, dtype=torch.bool, device=device)
+            flags.append(flag.scatter(0, place, torch.ones_like(place, dtype=torch.bool)))
+        self.span_flags = flags
+        items = torch.cat(held)
+        handle.record("vision", removal.layer, kept=_flagged(items), discarded=_flagged(~items))
+        return packed
 
     def patch_for_tracing(self, patches: Patches) -> None:
         """Let torch.jit trace the forward (fvcore counts by tracing): transformers' unpadding rounds
@@ -304,6 +425,11 @@ class LlavaNextAdapter(LlavaAdapter):
             if tuple(kept_grid.shape) != (items, image_features[0].shape[1]):
                 raise RuntimeError(f"the method kept {tuple(kept_grid.shape)} tokens for {items} items of "
                                    f"{image_features[0].shape[1]} features")
+            if self.grid_cut is not None:  # every image cut whole (G-Prune's parts)
+                packed = self._cut_whole_images(image_features, [self.layout(size) for size in image_sizes],
+                                                image_newline)
+                lengths = torch.tensor([p.shape[0] for p in packed], dtype=torch.long, device=packed[0].device)
+                return packed, lengths
             packed, start = [], 0
             for features, size in zip(image_features, image_sizes, strict=True):
                 grid = kept_grid[start:start + features.shape[0]]

@@ -338,6 +338,12 @@ class LlavaOnevisionAdapter(LlavaNextAdapter):
             if tuple(kept_grid.shape) != (items, image_features[0].shape[1]):
                 raise RuntimeError(f"the method kept {tuple(kept_grid.shape)} tokens for {items} items of "
                                    f"{image_features[0].shape[1]} features")
+            if self.grid_cut is not None:  # every image cut whole (G-Prune's parts)
+                layouts = [self.layout(size, patched=features.shape[0] > 1)
+                           for features, size in zip(image_features, image_sizes, strict=True)]
+                packed = self._cut_whole_images(image_features, layouts, image_newline)
+                lengths = torch.tensor([p.shape[0] for p in packed], dtype=torch.long, device=packed[0].device)
+                return packed, lengths
             packed, start = [], 0
             for features, size in zip(image_features, image_sizes, strict=True):
                 grid = kept_grid[start:start + features.shape[0]]

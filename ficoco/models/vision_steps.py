@@ -24,7 +24,9 @@ Where the method's `tower_step` runs follows the step's placement:
   never on the modules, and every later tower layer adds the bias to its attention mask.
 - ``tower_output`` (VisionZip, PruMerge+): on the projector's input, the patches of the layer it
   reads ([CLS] dropped), before the projector maps them.
-- ``after_projector`` (FasterVLM): on the projector's output.
+- ``after_projector`` (FasterVLM): on the projector's output; on an AnyRes image of a method that cuts it
+  whole (G-Prune: `MethodSpec.anyres_grid`), in the adapter's packing (`cut_after_packing`), which sees the
+  base view and the crop grid as packed.
 
 The method's own matrix work runs through `Handle.run_method` (a plain call, or a counter's module
 during `flops --verify`), keyed ``("vision", layer)`` or ``("projector", None)`` by where it runs.
@@ -272,6 +274,12 @@ class TowerPatch:
                 # runs it after the pooling (`cut_pooled`), which also measures the count.
                 self.deferred = (cut, state)
                 self.handle.vision_state = None
+                return out
+            if cut is not None and getattr(self.adapter, "cut_after_packing", False):
+                # An AnyRes image cut whole (`MethodSpec.anyres_grid`: its base view and its crop grid as two
+                # parts): the adapter's packing runs the cut on every image, handing each item's count in all.
+                self.handle.vision_state = origin
+                self.handle.measured_tokens_per_item = int(out.shape[1]) - cut.remove
                 return out
             if cut is not None:
                 reduced, origin = self._cut(cut, out[:, int(keeps_cls):], state, origin)

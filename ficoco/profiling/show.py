@@ -208,7 +208,9 @@ def picture_inputs(model: nn.Module, layout: Layout, image: str | None, *, weigh
 
 
 def _cells(layout: Layout, stage: str, tensor: torch.Tensor) -> list[Cell]:
-    return [layout.cell(stage, item, int(index)) for item, row in enumerate(tensor.tolist()) for index in row]
+    # -1: a row's padding (an item that kept or lost fewer than the widest row), no cell.
+    return [layout.cell(stage, item, int(index)) if index >= 0 else None
+            for item, row in enumerate(tensor.tolist()) for index in row]
 
 
 def show_data(model: nn.Module, variant: str, schedule: Any, inputs: dict[str, Any], layout: Layout,
