@@ -113,7 +113,10 @@ def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step,
     for step in sorted(steps, key=lambda s: (s.layer, PLACEMENT_ORDER.index(s.where))):
         if not low <= step.layer < layers:
             raise FicocoError(f"{spec.title}: layer {step.layer} is outside the {where}'s layers {low}..{layers - 1}")
-        if step.remove >= visual:
+        if spec.removes_all and step.remove != visual:  # a withdrawal (VTW): every visual token leaves
+            raise FicocoError(f"{spec.title} withdraws every visual token at its layer: layer {step.layer} removes "
+                              f"{step.remove} of the {visual} left; give {step.layer}:{visual}")
+        if step.remove >= visual and not spec.removes_all:
             what = "patches per item" if spec.per_item else "visual tokens"
             raise FicocoError(f"{spec.title}: layer {step.layer} removes {step.remove} of the {visual} {what} "
                               "left; at least one must stay")

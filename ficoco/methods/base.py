@@ -259,6 +259,10 @@ class MethodSpec:
     # reducing layer: (kind, rows, keys) per sequence. None: it reads no whole layer (a few rows at most, which
     # are its `extra_macs`). The prediction prices them at their shapes; --verify checks them.
     reads: ReadShapes | None = None
+    # Its step removes every visual token (VTW's withdrawal): the planner refuses a step that leaves any, the decoder's
+    # later layers run and cache the text alone, and on a hybrid decoder the step sits at a full-attention layer
+    # (ficoco.methods.hybrid). False: at least one visual token stays after every step.
+    removes_all: bool = False
     # --schedule LAYER:REMOVED of a layer-input method: the tokens that join at the same step, from the removed
     # count and the default settings (SparseVLM's recycled clusters); None: none join.
     added_for_removed: Callable[[int, Mapping[str, Any]], int] | None = None

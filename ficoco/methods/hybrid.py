@@ -14,6 +14,8 @@ a KV cache. What each kind of method may do there:
   keys only where L is. Every reduction comes after the first full-attention layer's attention, whose cache holds
   every token: transformers reads the conversation's length from that layer (`Cache.get_seq_length`), and the
   causal mask of every full layer is built to its length.
+  A step that withdraws every visual token (VTW, `removes_all`) sits at a full-attention layer: its K names the
+  first layer whose KV cache holds no visual token.
 - inside a layer (FiCoCo-L): at full-attention layers only; at a DeltaNet layer there is no attention map to score
   by, and a recurrent state has no tokens to remove.
 """
@@ -80,6 +82,14 @@ class HybridLayers:
                 raise FicocoError(
                     f"{title} ranks with layer {layer}'s own attention projections, and layer {layer} of this "
                     f"{self.title} decoder {what}; rank at the full-attention layers {layer_list(later)}")
+            if getattr(spec, "removes_all", False) and (layer not in full or layer == first_full):
+                later = [f for f in full if f != first_full]
+                what = ("is Gated DeltaNet (a recurrent state, no KV cache)" if layer not in full else
+                        "is the first full-attention layer, whose cache keeps every token")
+                raise FicocoError(
+                    f"{title} withdraws the visual tokens from the KV cache of layer {layer} and every later layer, "
+                    f"and layer {layer} of this {self.title} decoder {what}; withdraw at a later full-attention "
+                    f"layer: {layer_list(later)}")
             if layer <= first_full:
                 raise FicocoError(
                     f"{title} at layer {layer}: on this {self.title} decoder every reduction comes after the "

@@ -342,7 +342,14 @@ class LayerInputPatch:
         self.settings = schedule.settings_dict()
         self.steps: dict[int, Removal] = {r.layer: r for r in schedule.removals}
         self.order = {layer: k for k, layer in enumerate(sorted(self.steps))}
-        self.compact = spec.positions == "compact" and adapter.compacts_positions
+        # The entry's position scheme, or the run's `positions` setting where the official code offers both (VTW's
+        # pe_type); a compaction the family cannot make (3-D M-RoPE) is refused when asked for by name.
+        self.positions = self.settings.get("positions", spec.positions)
+        if self.positions == "compact" and spec.positions != "compact" and not adapter.compacts_positions:
+            raise FicocoError(f"{spec.title} positions=compact renumbers 1-D position ids; "
+                              f"{getattr(adapter, 'family_title', 'this family')}'s are 3-D (M-RoPE: an image's tokens "
+                              "share their rows and columns), which the methods keep; give positions=original")
+        self.compact = self.positions == "compact" and adapter.compacts_positions
         self.rows = probes.previous_layer_rows
         self.keys = probes.previous_layer_keys
         self.own_row = probes.own_query_key_row
@@ -466,7 +473,7 @@ class LayerInputPatch:
             settings = self.module.several_images(settings, state.images)  # type: ignore[attr-defined]
         red = self.handle.run_method(index, self.module.step, inputs, settings)
         if order is not None:
-            red = _reading_order(red, order, state, self.spec.positions == "compact")
+            red = _reading_order(red, order, state, self.positions == "compact")
         # Tokens a method adds (SparseVLM's clusters) follow from all the pruned tokens of the prompt
         # together: with several images only the kept count is the schedule's.
         expected = state.num_visual - remove + removal.added
