@@ -73,9 +73,9 @@ def layer_for_keep(keep: int, n_visual: int, n_layers: int) -> int:
     if not (n_visual <= keep * n_layers and keep <= n_visual):
         low = -(-n_visual // n_layers)
         lowest = layer_average(1, n_visual, n_layers)
-        raise FicocoError(f"VTW withdraws at a decoder layer K in 1..{n_layers}: its layer averages run from {lowest:g} "
-                          f"(K=1) to {n_visual} (none withdrawn) visual tokens over {n_layers} layers; keep={keep} is "
-                          f"outside {low}..{n_visual}")
+        raise FicocoError(f"VTW withdraws at a decoder layer K in 1..{n_layers}: its layer averages run from "
+                          f"{lowest:g} (K=1) to {n_visual} (none withdrawn) visual tokens over {n_layers} layers; "
+                          f"keep={keep} is outside {low}..{n_visual}")
     # |K N / L - keep| compared as |K N - keep L| on integers.
     return min(range(1, n_layers + 1), key=lambda k: (abs(k * n_visual - keep * n_layers), k))
 
