@@ -66,6 +66,11 @@ TRANSFORMERS_TESTS |= {"test_profile_kernels.py"}  # issue 41: the attention ker
 METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision_in_models.py",
                            "test_methods_vision_in_llava_next.py", "test_methods_diversity.py",
                            "test_methods_holitom.py"})
+# Issue 53: VTW's suites (its official rule, the method in LLaVA-1.5, its command line, the other families).
+VTW_SUITES = frozenset({"test_rule_vtw.py", "test_method_vtw.py", "test_method_vtw_cli.py",
+                        "test_method_vtw_families.py"})
+TRANSFORMERS_TESTS |= VTW_SUITES
+METHOD_SUITES |= VTW_SUITES
 
 
 # Files whose module fixtures run lmms-eval several times (minutes on a 2-core CPU).
