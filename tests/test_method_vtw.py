@@ -185,3 +185,8 @@ def test_flops_plans_the_official_default_the_presets_and_a_budget(flops_report:
         assert (planned["settings"]["layer"], planned["layer_average_visual_tokens"]) == (layer, average)
     budget = row(args=("--tflops", str(default["tflops"])))
     assert budget["settings"]["layer"] == 15 and budget["tflops"] <= default["tflops"]
+    # Qwen3.5-0.8B's hybrid decoder (24 layers, full attention at 3, 7, .., 23): K among the later full layers.
+    hybrid = flops_report("--model", "qwen3.5-0.8b", "--variant", "vtw", "--preset", "192")["rows"][0]
+    assert hybrid["settings"]["layer"] == 7
+    with pytest.raises(FicocoError, match=r"K in 7, 11, 15, 19, 23 of 24: .* keep=64 is outside 168..576"):
+        flops_report("--model", "qwen3.5-0.8b", "--variant", "vtw", "--preset", "64")

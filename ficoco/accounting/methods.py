@@ -18,7 +18,7 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.families import FAMILIES
 from ficoco.accounting.schedule import BudgetError, PlanRequest, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
-from ficoco.methods.base import CLS_TO_PROJECTOR, Dims, MethodSpec, Step, StepContext
+from ficoco.methods.base import ACTING_LAYERS, CLS_TO_PROJECTOR, Dims, MethodSpec, Step, StepContext
 from ficoco.methods.hybrid import HybridLayers
 from ficoco.methods.registry import method
 
@@ -151,6 +151,9 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
                           f"choose from {', '.join(spec.hyperparameters)}")
     check_corrections(spec, hyperparameters)
     hp = {**spec.hyperparameters, **hyperparameters}
+    hybrid = hybrid_layers(arch) if spec.removes_all else None
+    if hybrid is not None:  # a withdrawal whose keep= picks its layer picks among those it may act at
+        hp[ACTING_LAYERS] = hybrid.withdrawal_layers()
     visual, layers = counted_shape(arch, spec)
     settings = spec.settings_for_keep(keep, visual, layers, hp)
     # A correction given goes into the settings whether the method's own rule carries it or not (a label and the

@@ -40,9 +40,9 @@ from ficoco.errors import FicocoError
 from ficoco.methods.needs import NEED_KINDS, Need, ProbePlan, probe_plan
 from ficoco.methods.reads import ReadShapes
 
-__all__ = ["ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "NEED_KINDS", "NOT_WIRED", "PLACEMENTS", "PLANNER_NAMES",
-           "POSITION_SCHEMES", "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec", "Need", "Planner",
-           "PlannerName", "Step", "StepContext"]
+__all__ = ["ACTING_LAYERS", "ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "NEED_KINDS", "NOT_WIRED", "PLACEMENTS",
+           "PLANNER_NAMES", "POSITION_SCHEMES", "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec", "Need",
+           "Planner", "PlannerName", "Step", "StepContext"]
 
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
 PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector")
@@ -57,6 +57,10 @@ PLANNER_NAMES: tuple[str, ...] = get_args(PlannerName)
 # their settings: whether the item's [CLS] can reach the projector among the cut's tokens (as
 # `StepContext.cls_to_projector`; VisionZip's official dominant tokens hold it). The schedule's settings never keep it.
 CLS_TO_PROJECTOR = "cls_to_projector"
+# The key under which the accountant hands the `settings_for_keep` of a method whose steps withdraw every visual token
+# (`removes_all`: VTW, whose `--keep` picks its layer) the decoder layers it may act at, where not every layer may (a
+# hybrid decoder: ficoco.methods.hybrid.HybridLayers.withdrawal_layers); absent: every layer. Never a setting.
+ACTING_LAYERS = "acting_layers"
 # A family's cell in the method matrix (`ficoco methods --matrix`): the models run the method there;
 # `ficoco flops` plans it but the models refuse it; or it is refused outright (a stated reason, or
 # NOT_WIRED for a family no entry names yet: a new family shows up refused until an entry lists it).

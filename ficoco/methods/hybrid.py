@@ -49,6 +49,11 @@ class HybridLayers:
             raise FicocoError(f"this {self.title} decoder has no full-attention layer (layer_types); ficoco needs one "
                               "to read the cache's length and to rank tokens by attention")
 
+    def withdrawal_layers(self) -> tuple[int, ...]:
+        """The layers a step that withdraws every visual token (VTW) may act at: the full-attention ones after the
+        first (whose cache keeps every token)."""
+        return self.full[1:]
+
     def check(self, spec: Any, schedule: Any) -> None:
         """Refuse, in one line, the first decoder reduction of `schedule` (its `removals` of stage "llm") that
         method `spec` (a MethodSpec) cannot make here: at a layer's input, inside a layer, or in the part a method
@@ -82,8 +87,8 @@ class HybridLayers:
                 raise FicocoError(
                     f"{title} ranks with layer {layer}'s own attention projections, and layer {layer} of this "
                     f"{self.title} decoder {what}; rank at the full-attention layers {layer_list(later)}")
-            if getattr(spec, "removes_all", False) and (layer not in full or layer == first_full):
-                later = [f for f in full if f != first_full]
+            if getattr(spec, "removes_all", False) and layer not in self.withdrawal_layers():
+                later = self.withdrawal_layers()
                 what = ("is Gated DeltaNet (a recurrent state, no KV cache)" if layer not in full else
                         "is the first full-attention layer, whose cache keeps every token")
                 raise FicocoError(

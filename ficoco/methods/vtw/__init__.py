@@ -12,11 +12,11 @@ within it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.methods.base import MethodSpec, Need, Step
+from ficoco.methods.base import ACTING_LAYERS, MethodSpec, Need, Step
 from ficoco.methods.common import ALL_FAMILIES
 
 LAYER = 15  # K: the README's `--use_vtw --k=15` for LLaVA-1.5-7B (temp_cache.k = 15, VTW.py:22)
@@ -67,29 +67,34 @@ def steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[St
     return (Step(layer, n_visual),) if layer < n_layers else ()
 
 
-def layer_for_keep(keep: int, n_visual: int, n_layers: int) -> int:
-    """K whose layer average K * N / L is nearest `keep` (ties: the smaller K, whose average is below), within
-    1..L; a `keep` below the lowest average (K = 1) or above N is refused in one line."""
-    if not (n_visual <= keep * n_layers and keep <= n_visual):
-        low = -(-n_visual // n_layers)
-        lowest = layer_average(1, n_visual, n_layers)
-        raise FicocoError(f"VTW withdraws at a decoder layer K in 1..{n_layers}: its layer averages run from "
-                          f"{lowest:g} (K=1) to {n_visual} (none withdrawn) visual tokens over {n_layers} layers; "
-                          f"keep={keep} is outside {low}..{n_visual}")
+def layer_for_keep(keep: int, n_visual: int, n_layers: int, acting: Sequence[int] | None = None) -> int:
+    """K whose layer average K * N / L is nearest `keep` (ties: the smaller K, whose average is below), among the
+    layers VTW may act at (`acting`; None: 1..L-1) and L (none withdrawn); a `keep` below the lowest average or above
+    N is refused in one line."""
+    candidates = [*(range(1, n_layers) if acting is None else acting), n_layers]
+    first = candidates[0]
+    if not (first * n_visual <= keep * n_layers and keep <= n_visual):
+        low = -(-first * n_visual // n_layers)
+        lowest = layer_average(first, n_visual, n_layers)
+        where = f"1..{n_layers - 1}" if acting is None else f"{', '.join(map(str, acting))}"
+        raise FicocoError(f"VTW withdraws at a decoder layer K in {where} of {n_layers}: its layer averages run from "
+                          f"{lowest:g} (K={first}) to {n_visual} (none withdrawn) visual tokens; keep={keep} is "
+                          f"outside {low}..{n_visual}")
     # |K N / L - keep| compared as |K N - keep L| on integers.
-    return min(range(1, n_layers + 1), key=lambda k: (abs(k * n_visual - keep * n_layers), k))
+    return min(candidates, key=lambda k: (abs(k * n_visual - keep * n_layers), k))
 
 
 def settings_for_keep(keep: int | None, n_visual: int, n_layers: int, hp: Mapping[str, Any]) -> dict[str, Any]:
     """The setting of the literature's "`keep` tokens" row: K whose layer average is nearest `keep`
-    (`layer_for_keep`); None: the official K (hp ``layer``). The position scheme rides along."""
+    (`layer_for_keep`; on a hybrid decoder among the layers the accountant hands as ``ACTING_LAYERS``); None: the
+    official K (hp ``layer``). The position scheme rides along."""
     positions = check_positions(hp["positions"])
     if keep is None:
         return {"layer": check_withdrawal_layer(hp["layer"], n_layers), "positions": positions}
     if hp["layer"] != LAYER:
         raise FicocoError(f"VTW: keep={keep} picks K itself; give keep= or the layer hyperparameter ({hp['layer']}), "
                           "not both")
-    return {"layer": layer_for_keep(keep, n_visual, n_layers), "positions": positions}
+    return {"layer": layer_for_keep(keep, n_visual, n_layers, hp.get(ACTING_LAYERS)), "positions": positions}
 
 
 def default_eta(*names: str) -> tuple[float, str]:
