@@ -21,6 +21,7 @@ from ficoco.accounting.schedule import plan_tokens
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
 from ficoco.models import synthetic_inputs
+from ficoco.models.hf_compat import cache_argument, output_cache
 
 TINY_PROFILE = "llava-tiny"  # built as this module's `model` (conftest.py)
 TEXT = 12
@@ -80,6 +81,23 @@ def test_an_empty_schedule_or_k_at_the_decoders_depth_is_bitwise_vanilla(model: 
             patched = model.generate(**inp, max_new_tokens=3, do_sample=False)
     assert torch.equal(out.logits, reference.logits) and torch.equal(out.loss, reference.loss)
     assert torch.equal(patched, tokens)
+
+
+def test_a_text_turn_on_the_cache_in_one_forward_is_the_same_tokens_one_by_one(model: nn.Module) -> None:
+    """Every layer's mask is sliced to what it cached (layers from K on: no visual token) for a turn of several
+    tokens as for single decode steps."""
+    inp = inputs(model, batch=2, seed=5)
+    question = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    with torch.no_grad(), ficoco.apply(model, "vtw", layer=2):
+        cache = output_cache(model(**inp, use_cache=True))
+        mask = torch.cat([inp["attention_mask"], torch.ones_like(question)], dim=1)
+        whole = model(input_ids=question, attention_mask=mask, **cache_argument(cache), use_cache=True).logits
+        cache, mask, stepped = output_cache(model(**inp, use_cache=True)), inp["attention_mask"], []
+        for t in range(question.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            step = model(input_ids=question[:, t:t + 1], attention_mask=mask, **cache_argument(cache), use_cache=True)
+            stepped.append(step.logits[:, -1])
+    torch.testing.assert_close(whole, torch.stack(stepped, dim=1), atol=1e-5, rtol=0)
 
 
 def left_padded(model: nn.Module) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:

@@ -106,8 +106,7 @@ def searched_layers(arch: Any, first_layer: int) -> list[int]:
         raise FicocoError(f"first_layer={first_layer}: the search starts at a decoder layer from 1 on (official: "
                           f"{FIRST_SEARCHED_LAYER})")
     hybrid = hybrid_layers(arch)
-    layers = [k for k in range(first_layer, n_layers)
-              if hybrid is None or (k in hybrid.full and k != hybrid.full[0])]
+    layers = [k for k in range(first_layer, n_layers) if hybrid is None or k in hybrid.withdrawal_layers()]
     if not layers:
         where = "" if hybrid is None else " full-attention (after the first)"
         raise FicocoError(f"first_layer={first_layer}: {arch.name}'s decoder has layers 0..{n_layers - 1}, and "

@@ -25,7 +25,9 @@ What a method asks for (its `MethodSpec.needs`, read through the spec's one prob
 At layer L's input the method's ``step`` returns a `Reduced`; the state then slices the 4-D mask
 (its own rows and columns, plus the causal order of added tokens), the rotary tables (original
 positions) or recomputes them (compacted positions), and records what every layer caches, so
-that decode steps slice their masks to each layer's cache and continue compacted positions.
+that decode steps slice their masks to each layer's cache and continue compacted positions. A step
+may leave no visual token at all (VTW's withdrawal, `MethodSpec.removes_all`): the later layers then
+run and cache the text alone, and nothing after the step reads a visual row.
 
 The method's own matrix work runs through `Handle.run_method` (a plain call, or a counter's
 module during `flops --verify`); its time goes into the handle's "reduction" span.
