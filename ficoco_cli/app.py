@@ -25,6 +25,7 @@ from ficoco.report.compare import JUDGE_CHOICES
 from ficoco.sweep.executors import EXECUTORS
 from ficoco.versions import package_versions, report_environment
 from ficoco_cli import options as check
+from ficoco_cli.calibrate_cmd import calibrate_app
 from ficoco_cli.flags import FLAGS, cli_message, error_text
 from ficoco_cli.options import parse_image_size, split_list
 from ficoco_cli.report_cmd import FORMATS, REPORT_FORMATS
@@ -874,6 +875,10 @@ def show_command(
     run_show(model=model, variant=variant, request=request, image=image, layer=layer, out=out_path,
              json_path=json_path, weights=weights, overrides=list(set_values or ()), seed=seed, dtype=dtype,
              console=err if json_path == "-" else out)
+
+
+# `ficoco calibrate METHOD` (ficoco_cli.calibrate_cmd): the calibrations some official codes run before they reduce.
+app.add_typer(calibrate_app, name="calibrate")
 
 
 def _click_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:

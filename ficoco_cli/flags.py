@@ -72,6 +72,9 @@ FLAGS: dict[str, str] = {
     "cross_machine": "--cross-machine",
     "absolute": "--absolute",
     "layer": "--layer",
+    # ficoco calibrate (ficoco.calibration)
+    "eta": "--eta",
+    "limit": "--limit",
     # ficoco eval (SweepConfig's evaluation fields)
     "eval_tasks": "--tasks",
     "eval_include": "--include-path",

@@ -33,7 +33,7 @@ import stat
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from helpers import CliResult, run_cli
@@ -847,6 +847,45 @@ def test_serve_bench_any_option_values_end_in_one_error_line_outside_vllms_venv(
     run()
 
 
+@st.composite
+def calibrate_vtw_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
+    """`calibrate vtw` on a tiny profile, one sample unless an option says otherwise: a valid line runs the search
+    (exit 0, or 1 when no layer is within --eta); --first-layer is always given, since a 4-layer decoder refuses
+    the official 5 naming it."""
+    options = {
+        "weights": st.one_of(st.just(option("--weights", "random")),
+                             st.sampled_from([*paths.bad_inputs, "", "org/not-cached"]).map(
+                                 lambda p: option("--weights", p, bad=True, path=True))),
+        # Random weights refuse any --image, --video or --prompt (a checkpoint's processor lays them out).
+        "image": st.one_of(st.just(option("--image", paths.image, path=True)),
+                           st.sampled_from(paths.bad_inputs).map(lambda p: option("--image", p, bad=True, path=True))),
+        "video": st.sampled_from([paths.image, *paths.bad_inputs[:2]]).map(lambda p: option("--video", p, path=True)),
+        "prompt": st.sampled_from(["What is in the image?", ""]).map(lambda p: option("--prompt", p)),
+        "eta": number("--eta", floats=True, low=0, high=math.inf, above=True),
+        "limit": counts("--limit", cheap=2),
+        "set": set_option(cheap=True),
+        "text-tokens": counts("--text-tokens", cheap=16),
+        "seed": number("--seed", floats=False, low=0, high=2**32 - 1),
+        "dtype": choice("--dtype", ["auto", "bf16", "fp16", "fp32"]),
+        "device": choice("--device", ["cpu", "auto"]),
+        "json": output("--json", paths),
+    }
+    base = [draw(model(paths, ["llava-tiny", "qwen2-vl-tiny"])), draw(counts("--first-layer", cheap=3))]
+    fixed = [Arg(("--limit", "1")), Arg(("--device", "cpu"))]
+    argv, args = command_line(draw, base, options, most=3)
+    # The fixed cheap settings come first: a drawn --limit or --device (later) wins.
+    return [*fixed[0].tokens, *fixed[1].tokens, *argv], [*fixed, *args]
+
+
+def test_calibrate_vtw_any_option_values_end_in_a_result_or_one_error_line(paths: Paths) -> None:
+    @fuzz(examples=12)
+    @given(calibrate_vtw_lines(paths))
+    def run(line: Lines) -> None:
+        run_and_check(["calibrate", "vtw", *line[0]], line[1], codes=(0, 1, 2))  # 1: no layer within --eta
+
+    run()
+
+
 def test_the_fuzzer_sees_the_holes_of_issue_18() -> None:
     """The three command lines of the issue, judged by the same check: each must now be refused."""
     for budget in ("nan", "inf", "1e309"):
@@ -863,8 +902,16 @@ def test_every_option_of_every_command_is_fuzzed() -> None:
 
     from ficoco_cli.app import app
 
+    def commands(group: Any, prefix: str = "") -> dict[str, Any]:  # a group's commands, its sub-groups' too
+        found: dict[str, Any] = {}
+        for name, command in group.commands.items():
+            found.update(commands(command, f"{prefix}{name} ") if hasattr(command, "commands") else
+                         {prefix + name: command})
+        return found
+
     source = Path(__file__).read_text()
-    missing = [f"{name} {opt}" for name, command in typer.main.get_command(app).commands.items()
+    missing = [f"{name} {opt}" for name, command in commands(typer.main.get_command(app)).items()
                for param in command.params for opt in getattr(param, "opts", [])
                if opt.startswith("--") and opt != "--help" and f'"{opt}"' not in source]
+    assert "calibrate vtw" in commands(typer.main.get_command(app))
     assert not missing, f"options no strategy draws: {missing}"

@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,6 +68,7 @@ def test_the_scan_sees_messages_and_skips_docstrings(tmp_path):
 def _library_keywords() -> set[str]:
     """The keywords of the library's entry points: what a library user passes."""
     from ficoco.api import apply
+    from ficoco.calibration.vtw import calibrate_vtw
     from ficoco.models.build import build_model
     from ficoco.profiling.verify import verify
     from ficoco.report.compare import compare
@@ -77,7 +79,7 @@ def _library_keywords() -> set[str]:
     from ficoco.sweep.figures import token_figure
 
     names = {f.name for cls in (SweepConfig, ExecutorOptions) for f in dataclasses.fields(cls)}
-    for function in (apply, build_model, flops_report, plan_profile, compare, verify, token_figure):
+    for function in (apply, build_model, flops_report, plan_profile, compare, verify, token_figure, calibrate_vtw):
         names |= set(inspect.signature(function).parameters)
     return names
 
@@ -87,8 +89,11 @@ def _cli_flags() -> set[str]:
 
     from ficoco_cli.app import app
 
-    group = typer.main.get_command(app)
-    return {opt for command in group.commands.values() for param in command.params for opt in param.opts}
+    def commands(group: Any) -> list[Any]:  # a command group's commands, those of its sub-groups too (calibrate)
+        return [c for command in group.commands.values()
+                for c in ([command] if not hasattr(command, "commands") else commands(command))]
+
+    return {opt for command in commands(typer.main.get_command(app)) for param in command.params for opt in param.opts}
 
 
 def test_every_keyword_in_the_table_is_a_library_parameter_and_every_flag_a_cli_option():

@@ -19,6 +19,7 @@ from ficoco.accounting.families import FAMILIES
 from ficoco.accounting.schedule import BudgetError, PlanRequest, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.methods.base import (
+    ACTING_LAYERS,
     CLS_TO_PROJECTOR,
     FULL_ATTENTION_LAYERS,
     Dims,
@@ -135,7 +136,10 @@ def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step,
     for step in sorted(steps, key=lambda s: (s.layer, PLACEMENT_ORDER.index(s.where))):
         if not low <= step.layer < layers:
             raise FicocoError(f"{spec.title}: layer {step.layer} is outside the {where}'s layers {low}..{layers - 1}")
-        if step.remove >= visual:
+        if spec.removes_all and step.remove != visual:  # a withdrawal (VTW): every visual token leaves
+            raise FicocoError(f"{spec.title} withdraws every visual token at its layer: layer {step.layer} removes "
+                              f"{step.remove} of the {visual} left; give {step.layer}:{visual}")
+        if step.remove >= visual and not spec.removes_all:
             what = "patches per item" if spec.per_item else "visual tokens"
             raise FicocoError(f"{spec.title}: layer {step.layer} removes {step.remove} of the {visual} {what} "
                               "left; at least one must stay")
@@ -170,6 +174,9 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
                           f"choose from {', '.join(spec.hyperparameters)}")
     check_corrections(spec, hyperparameters)
     hp = {**spec.hyperparameters, **hyperparameters}
+    hybrid = hybrid_layers(arch) if spec.removes_all else None
+    if hybrid is not None:  # a withdrawal whose keep= picks its layer picks among those it may act at
+        hp[ACTING_LAYERS] = hybrid.withdrawal_layers()
     visual, layers = counted_shape(arch, spec)
     settings = spec.settings_for_keep(keep, visual, layers, hp)
     if spec.tower_layers is not None:  # the tower layers its settings name, picked on this tower

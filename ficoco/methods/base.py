@@ -40,9 +40,10 @@ from ficoco.errors import FicocoError
 from ficoco.methods.needs import NEED_KINDS, Need, ProbePlan, probe_plan
 from ficoco.methods.reads import ReadShapes
 
-__all__ = ["ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "FULL_ATTENTION_LAYERS", "NEED_KINDS", "NOT_WIRED",
-           "PLACEMENTS", "PLANNER_NAMES", "POSITION_SCHEMES", "STAGES", "Dims", "ExtraMacs", "LayerWork", "MethodSpec",
-           "Need", "Planner", "PlannerName", "Step", "StepContext", "TowerLayout"]
+__all__ = ["ACTING_LAYERS", "ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "FULL_ATTENTION_LAYERS",
+           "NEED_KINDS", "NOT_WIRED", "PLACEMENTS", "PLANNER_NAMES", "POSITION_SCHEMES", "STAGES", "Dims",
+           "ExtraMacs", "LayerWork", "MethodSpec", "Need", "Planner", "PlannerName", "Step", "StepContext",
+           "TowerLayout"]
 
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
 PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector")
@@ -61,6 +62,10 @@ CLS_TO_PROJECTOR = "cls_to_projector"
 # (Qwen3.5's; absent on a decoder whose every layer is full attention), for a method whose steps spread over the
 # layers (FitPrune's scaled scheme): only those may reduce inside them. Not a setting: the schedule never keeps it.
 FULL_ATTENTION_LAYERS = "full_attention_layers"
+# The key under which the accountant hands the `settings_for_keep` of a method whose steps withdraw every visual token
+# (`removes_all`: VTW, whose `--keep` picks its layer) the decoder layers it may act at, where not every layer may (a
+# hybrid decoder: ficoco.methods.hybrid.HybridLayers.withdrawal_layers); absent: every layer. Never a setting.
+ACTING_LAYERS = "acting_layers"
 # A family's cell in the method matrix (`ficoco methods --matrix`): the models run the method there;
 # `ficoco flops` plans it but the models refuse it; or it is refused outright (a stated reason, or
 # NOT_WIRED for a family no entry names yet: a new family shows up refused until an entry lists it).
@@ -300,6 +305,10 @@ class MethodSpec:
     # resolved on the tower a run plans, (TowerLayout, settings) -> {setting: 0-based tower layer}; the accountant
     # writes them into the schedule's settings, which the adapters read. None: the settings hold the layers as given.
     tower_layers: Callable[[TowerLayout, Mapping[str, Any]], Mapping[str, int]] | None = None
+    # Its step removes every visual token (VTW's withdrawal): the planner refuses a step that leaves any, the decoder's
+    # later layers run and cache the text alone, and on a hybrid decoder the step sits at a full-attention layer
+    # (ficoco.methods.hybrid). False: at least one visual token stays after every step.
+    removes_all: bool = False
     # --schedule LAYER:REMOVED of a layer-input method: the tokens that join at the same step, from the removed
     # count and the default settings (SparseVLM's recycled clusters); None: none join.
     added_for_removed: Callable[[int, Mapping[str, Any]], int] | None = None

@@ -14,6 +14,8 @@ a KV cache. What each kind of method may do there:
   keys only where L is. Every reduction comes after the first full-attention layer's attention, whose cache holds
   every token: transformers reads the conversation's length from that layer (`Cache.get_seq_length`), and the
   causal mask of every full layer is built to its length.
+  A step that withdraws every visual token (VTW, `removes_all`) sits at a full-attention layer: its K names the
+  first layer whose KV cache holds no visual token.
 - inside a layer (FiCoCo-L): at full-attention layers only; at a DeltaNet layer there is no attention map to score
   by, and a recurrent state has no tokens to remove.
 """
@@ -46,6 +48,11 @@ class HybridLayers:
         if not self.full:
             raise FicocoError(f"this {self.title} decoder has no full-attention layer (layer_types); ficoco needs one "
                               "to read the cache's length and to rank tokens by attention")
+
+    def withdrawal_layers(self) -> tuple[int, ...]:
+        """The layers a step that withdraws every visual token (VTW) may act at: the full-attention ones after the
+        first (whose cache keeps every token)."""
+        return self.full[1:]
 
     def check(self, spec: Any, schedule: Any) -> None:
         """Refuse, in one line, the first decoder reduction of `schedule` (its `removals` of stage "llm") that
@@ -80,6 +87,14 @@ class HybridLayers:
                 raise FicocoError(
                     f"{title} ranks with layer {layer}'s own attention projections, and layer {layer} of this "
                     f"{self.title} decoder {what}; rank at the full-attention layers {layer_list(later)}")
+            if getattr(spec, "removes_all", False) and layer not in self.withdrawal_layers():
+                later = self.withdrawal_layers()
+                what = ("is Gated DeltaNet (a recurrent state, no KV cache)" if layer not in full else
+                        "is the first full-attention layer, whose cache keeps every token")
+                raise FicocoError(
+                    f"{title} withdraws the visual tokens from the KV cache of layer {layer} and every later layer, "
+                    f"and layer {layer} of this {self.title} decoder {what}; withdraw at a later full-attention "
+                    f"layer: {layer_list(later)}")
             if layer <= first_full:
                 raise FicocoError(
                     f"{title} at layer {layer}: on this {self.title} decoder every reduction comes after the "

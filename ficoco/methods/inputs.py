@@ -36,9 +36,10 @@ class Reduced:
             numbered on from its first position, the suffix shifted down by the tokens that left).
         attention_mask: ``(B, T')`` the input's 2-D padding mask carried along (added tokens are
             real), or None when none was given.
-        kept_visual: ``(B, k)`` indices within the span of the kept visual tokens, ascending.
-        num_visual: visual tokens after the step (kept plus added); the span still starts at
-            ``visual_start``. A method whose count is adaptive (its settings say ``adaptive``) may leave
+        kept_visual: ``(B, k)`` indices within the span of the kept visual tokens, ascending (``k`` may be 0: a
+            withdrawal of every visual token, VTW).
+        num_visual: visual tokens after the step (kept plus added; 0 after a withdrawal); the span still starts
+            at ``visual_start``. A method whose count is adaptive (its settings say ``adaptive``) may leave
             fewer than the step's ``keep``, the same number in every sample.
         merge_target: ``(B, N - k)`` for a method that folds every removed token into a kept one
             (VLM-Pruner's SWA): per removed token, in ascending span order, the index into `kept_visual`

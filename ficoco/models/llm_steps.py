@@ -28,7 +28,9 @@ What a method asks for (its `MethodSpec.needs`, read through the spec's one prob
 At layer L's input the method's ``step`` returns a `Reduced`; the state then slices the 4-D mask
 (its own rows and columns, plus the causal order of added tokens), the rotary tables (original
 positions) or recomputes them (compacted positions), and records what every layer caches, so
-that decode steps slice their masks to each layer's cache and continue compacted positions.
+that decode steps slice their masks to each layer's cache and continue compacted positions. A step
+may leave no visual token at all (VTW's withdrawal, `MethodSpec.removes_all`): the later layers then
+run and cache the text alone, and nothing after the step reads a visual row.
 
 The method's own matrix work runs through `Handle.run_method` (a plain call, or a counter's
 module during `flops --verify`); its time goes into the handle's "reduction" span.
@@ -347,7 +349,14 @@ class LayerInputPatch:
         self.settings = schedule.settings_dict()
         self.steps: dict[int, Removal] = {r.layer: r for r in schedule.removals}
         self.order = {layer: k for k, layer in enumerate(sorted(self.steps))}
-        self.compact = spec.positions == "compact" and adapter.compacts_positions
+        # The entry's position scheme, or the run's `positions` setting where the official code offers both (VTW's
+        # pe_type); a compaction the family cannot make (3-D M-RoPE) is refused when asked for by name.
+        self.positions = self.settings.get("positions", spec.positions)
+        if self.positions == "compact" and spec.positions != "compact" and not adapter.compacts_positions:
+            raise FicocoError(f"{spec.title} positions=compact renumbers 1-D position ids; "
+                              f"{getattr(adapter, 'family_title', 'this family')}'s are 3-D (M-RoPE: an image's tokens "
+                              "share their rows and columns), which the methods keep; give positions=original")
+        self.compact = self.positions == "compact" and adapter.compacts_positions
         self.rows = probes.previous_layer_rows
         self.keys = probes.previous_layer_keys
         self.own_row = probes.own_query_key_row
@@ -475,7 +484,7 @@ class LayerInputPatch:
             settings = self.module.several_images(settings, state.images)  # type: ignore[attr-defined]
         red = self.handle.run_method(index, self.module.step, inputs, settings)
         if order is not None:
-            red = _reading_order(red, order, state, self.spec.positions == "compact")
+            red = _reading_order(red, order, state, self.positions == "compact")
         # Tokens a method adds (SparseVLM's clusters) follow from all the pruned tokens of the prompt
         # together: with several images only the kept count is the schedule's.
         expected = state.num_visual - remove + removal.added
