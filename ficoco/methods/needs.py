@@ -15,7 +15,8 @@ What each placement reads (`probe_plan`):
   ``vision last`` (the tower's last layer), rows ``cls`` (the [CLS] query is kept as well) or
   ``all`` (``attention_rows`` of every row: the layer's head-mean probabilities); ``hidden`` of
   ``vision L`` (a step in a tower layer or at the tower's output) or ``projector`` (a cut after
-  the projector); ``input_embeddings`` of the prompt's ``suffix`` (the instruction);
+  the projector); ``input_embeddings`` of the prompt's ``suffix`` (the instruction); ``pixels`` of
+  ``tower input``, rows ``all`` (a cut at the tower's input, ``tower_input``: every unit's pixels);
 - at the input of a decoder layer L (``layer_input``): ``attention_rows`` of ``L-1``, rows
   ``last`` or ``suffix``; ``keys`` of ``L-1``; ``query_key`` of ``L``, row ``last`` (the layer's
   own projections); ``input_embeddings`` (once per prefill); ``hidden`` of ``L`` or ``L-1`` (the
@@ -29,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-NeedKind = Literal["attention_rows", "query_key", "keys", "hidden", "input_embeddings"]
-NeedLayer = Literal["L-1", "L", "embeddings", "vision L", "vision last", "projector"]
+NeedKind = Literal["attention_rows", "query_key", "keys", "hidden", "input_embeddings", "pixels"]
+NeedLayer = Literal["L-1", "L", "embeddings", "vision L", "vision last", "projector", "tower input"]
 NeedRows = Literal["last", "suffix", "visual+suffix", "cls", "all"]
 NEED_KINDS: tuple[str, ...] = get_args(NeedKind)
 NEED_LAYERS: tuple[str, ...] = get_args(NeedLayer)
@@ -45,11 +46,13 @@ class Need:
         kind: ``attention_rows`` (softmaxed, head-mean probabilities of some query rows over
             all keys, post-RoPE, causal and padding masked), ``query_key`` (the method
             recomputes rows itself from a layer's own q/k projections), ``keys`` (post-RoPE
-            key states, heads concatenated), ``hidden`` (hidden states), or
-            ``input_embeddings`` (the LLM's input embeddings, before layer 0).
+            key states, heads concatenated), ``hidden`` (hidden states),
+            ``input_embeddings`` (the LLM's input embeddings, before layer 0), or ``pixels`` (the
+            image's pixels, before the tower's first layer).
         layer: where, relative to the step's layer L: ``"L-1"`` (the layer before the step),
             ``"L"`` (the step's own layer), ``"embeddings"``, ``"vision L"`` (the tower layer of
-            the step), ``"vision last"`` (the tower's last layer), ``"projector"`` (its output).
+            the step), ``"vision last"`` (the tower's last layer), ``"projector"`` (its output),
+            ``"tower input"`` (what the tower receives, before its first layer).
         rows: which query rows or tokens: ``last`` (the last prompt token), ``suffix`` (every
             text token after the visual span), ``visual+suffix``, ``cls``, ``all``.
         detail: one sentence on why and in what form.
@@ -105,6 +108,7 @@ class ProbePlan:
         layer_probabilities: inside decoder layer L, the layer's own head-mean probabilities.
         input_embeddings: the prompt's input embeddings (decoder: once per prefill, for `prepare`;
             before the LLM: the instruction's, handed to the cut).
+        pixels: every unit's pixels, handed to a cut at the tower's input (``tower_input``: PixelPrune).
     """
 
     step_tower_layers: TowerProbe | None = None
@@ -114,6 +118,7 @@ class ProbePlan:
     own_query_key_row: bool = False
     layer_probabilities: bool = False
     input_embeddings: bool = False
+    pixels: bool = False
 
     @property
     def reads_tower(self) -> bool:
@@ -139,6 +144,8 @@ def _read(plan: ProbePlan, need: Need, acts_at: str, placement: str) -> ProbePla
             return plan if layer == handed else None
         if kind == "input_embeddings" and layer == "embeddings" and rows == "suffix":
             return replace(plan, input_embeddings=True)
+        if kind == "pixels" and layer == "tower input" and rows == "all" and placement == "tower_input":
+            return replace(plan, pixels=True)
         return None
     if placement == "in_layer":
         if kind == "attention_rows" and layer == "L" and rows == "visual+suffix":
