@@ -27,12 +27,9 @@ METRICS = ("max", "exact", "mae", "rmse")  # pred_2d.py:49-61
 # The families whose tower takes any subset of its merge groups: 2-D rotary positions and a packed sequence cut
 # into images (Qwen3-VL's learned positions are resampled to the image's grid, then selected at the kept places).
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
-FIXED_GRID = ("a fixed-grid encoder: its learned absolute positions and its attention over one fixed square of "
-              "patches need every patch, so removing patches before it is another model (no official code)")
-REFUSALS = {"llava": f"CLIP is {FIXED_GRID}", "llava_next": f"CLIP (every AnyRes crop) is {FIXED_GRID}",
-            "video_llava": f"LanguageBind's CLIP is {FIXED_GRID}; and PixelPrune reduces images, not videos",
-            "llava_onevision": f"SigLIP (every AnyRes crop) is {FIXED_GRID}",
-            "internvl": f"InternViT (every 448-pixel tile) is {FIXED_GRID}"}
+FIXED_GRID = ("a fixed-grid encoder (CLIP, SigLIP, InternViT): its learned absolute positions over one fixed square "
+              "of patches need every patch, so patches removed before it would be another model (no official code)")
+REFUSALS = dict.fromkeys(("llava", "llava_next", "video_llava", "llava_onevision", "internvl"), FIXED_GRID)
 BUDGET_REFUSAL = ("PixelPrune has no token budget: every image keeps its own count, the merge groups its pixels' "
                   "LOCO-I prediction does not reproduce; run it without keep/preset/tflops/schedule, and set "
                   "--hp threshold=TAU (pixel units, 0 by default) to drop near-identical groups too")
