@@ -218,7 +218,7 @@ def test_profile_sweep_and_show_run_it(cli, tmp_path: Path) -> None:
 
     path = tmp_path / "r.json"
     result = cli("profile", "--model", TINY_PROFILE, "--variant", "pixelprune", "--no-reference", "--warmup", "0",
-                 "--repeat", "1", "--text-tokens", str(TEXT), "--json", path)
+                 "--repeat", "1", "--text-tokens", str(TEXT), "--dtype", "fp32", "--json", path)
     assert result.code == 0, result.err[-2000:]
     row = json.loads(path.read_text())["rows"][0]
     assert row["status"] == "ok" and row["visual_tokens_per_item_measured"] == 80
