@@ -266,6 +266,23 @@ def holitom_reference(features: Tensor, scores: Tensor, budget: int, tau: float 
     return torch.stack([t for _, t in chosen]).float(), [u for u, _ in chosen]
 
 
+# ---- Qwen's flattened patches of a picture (PixelPrune's images of repeated blocks) ------------------------------
+
+def qwen_patches(picture: Tensor, vision: Any, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
+    """The pixel_values Qwen's image processor makes of `picture` ``(H, W, 3)`` in [0, 1] (H and W multiples of
+    2 x patch_size): normalised by `mean` / `std`, the still image repeated over the temporal patch, patches of
+    C x T x P x P in merge-group order (a group's 2 x 2 patches consecutive). Equal pixels give bit-identical
+    patches."""
+    import torch
+
+    patch, merge, temporal = vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size
+    height, width, channels = picture.shape
+    rows, cols = height // patch, width // patch
+    frames = ((picture - torch.tensor(mean)) / torch.tensor(std)).permute(2, 0, 1)[None].expand(temporal, -1, -1, -1)
+    blocks = frames.reshape(temporal, channels, rows // merge, merge, patch, cols // merge, merge, patch)
+    return blocks.permute(2, 5, 3, 6, 1, 0, 4, 7).reshape(rows * cols, channels * temporal * patch * patch)
+
+
 # ---- tiny local checkpoints, made offline --------------------------------------------------------------------
 #
 # A tiny profile's random model (save_pretrained), a

@@ -34,7 +34,7 @@ from ficoco.methods.registry import method
 # What a method that scores by [CLS] attention uses on a tower without [CLS] (Qwen2-VL).
 EQUIVALENT_SCORE = "equivalent token (no [CLS])"
 # Steps at one layer run in this order (a vision layer's own merge, then the cuts after the tower).
-PLACEMENT_ORDER = ("layer_input", "in_layer", "tower_output", "after_projector")
+PLACEMENT_ORDER = ("tower_input", "layer_input", "in_layer", "tower_output", "after_projector")
 
 
 def _hashable(value: Any) -> Any:
@@ -212,6 +212,10 @@ def plan_by_steps(arch: Architecture, spec: MethodSpec, request: PlanRequest) ->
     # how the method runs, not its count: it goes with any request. Other hyperparameters set a setting of their own.
     corrections = {k: v for k, v in request.hyperparameters.items() if k in spec.corrections}
     check_corrections(spec, corrections)
+    if spec.budget_refusal and (keep is not None or schedule is not None or request.tflops is not None):
+        given = "schedule=" if schedule is not None else "tflops=" if request.tflops is not None else \
+            f"preset={request.preset}" if request.preset is not None else f"keep={request.keep}"
+        raise FicocoError(f"{given}: {spec.budget_refusal}")  # its count is its input's own (PixelPrune)
     if request.hyperparameters.keys() - corrections.keys():
         if schedule is not None or request.tflops is not None:
             raise FicocoError(f"{spec.title} hyperparameters set a setting of their own; give them with keep= "
@@ -407,16 +411,19 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
 
 
 def at_measured_count(arch: Architecture, schedule: Schedule, tokens_per_item: int) -> Schedule:
-    """An adaptive schedule (its settings say ``adaptive``: PruMerge+ without --keep, VLM-Pruner's selection
-    that may end early) re-planned at the count a run measured (per item, or kept by the decoder's step), the
-    same for every item, under the hyperparameters its settings carry (VLM-Pruner's layer); the settings keep
-    ``adaptive`` and add ``measured``. Any other schedule is returned as it is."""
+    """An adaptive schedule (its settings say ``adaptive``: PruMerge+ without --keep, PixelPrune, VLM-Pruner's
+    selection that may end early) re-planned at the count a run measured (per item, or kept by the decoder's step),
+    the same for every item: the method's steps at its settings with their count set to it (``tokens``, the visual
+    tokens per item that reach the LLM; VLM-Pruner's ``keep``, the tokens its decoder step keeps); the settings keep
+    ``adaptive`` and the run's other settings (a correction, a layer included), and add ``measured``. Any other
+    schedule is returned as it is."""
     settings = schedule.settings_dict()
     if not settings.get("adaptive"):
         return schedule
     spec = method(schedule.variant)
-    carried = {name: _listed(value) for name, value in settings.items()
-               if name in spec.hyperparameters and value != spec.hyperparameters[name]}
-    fixed = method_schedule(arch, schedule.variant, tokens_per_item, **carried)
-    merged = {**settings, **fixed.settings_dict(), "adaptive": True, "measured": True}
-    return Schedule(schedule.variant, fixed.removals, tuple((k, _hashable(v)) for k, v in merged.items()))
+    assert spec.steps is not None
+    visual, layers = counted_shape(arch, spec)
+    count = "tokens" if "tokens" in settings else "keep"
+    measured = {**settings, count: tokens_per_item, "adaptive": True, "measured": True}
+    tower = {CLS_TO_PROJECTOR: arch.cls_to_projector} if spec.per_item else {}
+    return schedule_from_steps(arch, spec, spec.steps({**measured, **tower}, visual, layers), measured)

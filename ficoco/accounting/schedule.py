@@ -44,7 +44,9 @@ class Removal:
     set); `added` tokens join at the same point (SparseVLM's recycled clusters). Before the LLM:
     "tower_output" (after the tower layer the projector reads, before the projector: VisionZip,
     PruMerge+, whose merged tokens are `added`) and "after_projector" (FasterVLM: the projector
-    maps every patch, then the cut). Vision removals count patches (units) per item.
+    maps every patch, then the cut); "tower_input" (before the tower's first layer, decided from the
+    pixels: PixelPrune; every tower layer sees the reduced count). Vision removals count patches
+    (units) per item.
     """
 
     stage: str  # "vision" (FiCoCo-V, ToMe, VisionZip, FasterVLM, PruMerge+) or "llm"
@@ -297,10 +299,16 @@ def plan_tokens(arch: Architecture, schedule: Schedule, *, text_tokens: int | No
     v = arch.vision
     vision_removed = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "in_layer"}
     before_llm = {r.where: r for r in schedule.removals if r.stage == "vision" and r.where != "in_layer"}
+    # A cut at the tower's input (PixelPrune): every tower layer runs on the units it keeps (the patch embedding
+    # and Qwen3-VL's position interpolation run on every patch before it, as the model's own forward runs them).
+    tower_input = before_llm.get("tower_input")
     in_layer = {r.layer: r for r in schedule.removals if r.stage == "llm" and r.where == "in_layer"}
     at_input = {r.layer: r for r in schedule.removals if r.stage == "llm" and r.where == "layer_input"}
     reductions: list[Reduction] = []
     units = v.units
+    if tower_input is not None and tower_input.remove:
+        reductions.append(Reduction("vision", 0, units * v.merge, tower_input.remove * v.merge, "tower_input"))
+        units -= tower_input.remove
     vision: list[tuple[int, int]] = []
     for layer in range(v.layers):
         r = vision_removed.get(layer, 0)

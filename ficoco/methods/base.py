@@ -46,7 +46,7 @@ __all__ = ["ACTING_LAYERS", "ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "F
            "TowerLayout"]
 
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
-PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector")
+PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector", "tower_input")
 STAGES = ("vision", "llm")
 POSITION_SCHEMES = ("original", "compact", "grid")
 # How a spec is planned, by name (the accountant's table ficoco.accounting.planners.PLANNERS maps each to its
@@ -85,8 +85,10 @@ class Step:
 
     Vision steps count patches (units) of one item - an image, a crop, a frame - and ``layer``
     is a tower layer: ``"in_layer"`` (ToMe), ``"tower_output"`` (after the layer the projector
-    reads, before the projector: VisionZip, PruMerge+; ``added`` are their merged tokens) or
-    ``"after_projector"`` (the projector maps every patch, then ``remove`` leave: FasterVLM).
+    reads, before the projector: VisionZip, PruMerge+; ``added`` are their merged tokens),
+    ``"after_projector"`` (the projector maps every patch, then ``remove`` leave: FasterVLM) or
+    ``"tower_input"`` (layer 0: before the tower's first layer, decided from the pixels, so every
+    tower layer, the projector and the LLM see the reduced count: PixelPrune).
     """
 
     layer: int
@@ -312,6 +314,9 @@ class MethodSpec:
     # --schedule LAYER:REMOVED of a layer-input method: the tokens that join at the same step, from the removed
     # count and the default settings (SparseVLM's recycled clusters); None: none join.
     added_for_removed: Callable[[int, Mapping[str, Any]], int] | None = None
+    # A method that takes no token budget (PixelPrune: every image keeps its own count, set by its content): the
+    # one line that refuses --keep, --preset, --tflops and --schedule. Empty: the method takes budgets.
+    budget_refusal: str = ""
     # What the model adapters capture for this method, at which layer, which rows: built from `needs` when
     # the spec is made (ficoco.methods.needs.probe_plan); the tower-side and decoder-side patches read it.
     probes: ProbePlan = field(init=False, repr=False, compare=False)

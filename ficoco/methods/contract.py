@@ -12,7 +12,8 @@ A spec names its module (`MethodSpec.module`: its folder's ``ops.py``); the adap
   `InLayerModule`: ``layer_step(InLayerInput, settings)`` returns a reduction with ``hidden``,
   ``kept_positions``, ``discarded_positions`` (and ``merge_target``);
 - a method before the LLM (in tower layers, at the tower's output or after the projector: FiCoCo-V,
-  ToMe, VisionZip, FasterVLM, ...) is a `TowerModule`: ``tower_step(TowerInput, settings) -> TowerOutput``;
+  ToMe, VisionZip, FasterVLM, ...; at the tower's input, from the pixels: PixelPrune) is a `TowerModule`:
+  ``tower_step(TowerInput, settings) -> TowerOutput``;
   Qwen2-VL's packed tower runs an in-layer method on whole merge groups through ``reduce_groups`` where
   the module offers it (FiCoCo-V; `GroupsModule`).
 

@@ -206,7 +206,9 @@ class TowerInput:
         hidden: ``(items, T, D)``: for an ``in_layer`` step the layer's tokens after its attention
             residual ([CLS] first when ``has_cls``); for a ``tower_output`` step the patches the
             projector would map (the layer the projector reads, [CLS] dropped); for an
-            ``after_projector`` step the projector's output for every patch.
+            ``after_projector`` step the projector's output for every patch; for a ``tower_input`` step
+            (PixelPrune) every merge group's pixels (the processor's normalisation undone, the first
+            temporal frame, the group's patches side by side), before the tower runs.
         has_cls: whether the tower has a [CLS] token (position 0 of `keys`, and of an in-layer
             step's `hidden`).
         remove: units the step removes per item (the schedule's count); ``added``: units it adds.

@@ -19,7 +19,8 @@ What each placement reads (`probe_plan`):
   Qwen2.5-VL window block read as if it attended over the whole image; elsewhere the same as
   ``all``); ``hidden`` of
   ``vision L`` (a step in a tower layer or at the tower's output) or ``projector`` (a cut after
-  the projector); ``input_embeddings`` of the prompt's ``suffix`` (the instruction);
+  the projector); ``input_embeddings`` of the prompt's ``suffix`` (the instruction); ``pixels`` of
+  ``tower input``, rows ``all`` (a cut at the tower's input, ``tower_input``: every unit's pixels);
 
   A ``vision named`` need is probed at the layer its setting holds once the schedule is made: the
   accountant resolves the setting on the tower a run plans (`MethodSpec.tower_layers`, a 0-based
@@ -49,8 +50,9 @@ from typing import Any, Literal, get_args
 from ficoco.errors import FicocoError
 from ficoco.methods.reads import HEAD_STATISTICS
 
-NeedKind = Literal["attention_rows", "query_key", "keys", "hidden", "input_embeddings", "grid"]
-NeedLayer = Literal["L-1", "L", "embeddings", "vision L", "vision last", "vision named", "projector"]
+NeedKind = Literal["attention_rows", "query_key", "keys", "hidden", "input_embeddings", "grid", "pixels"]
+NeedLayer = Literal["L-1", "L", "embeddings", "vision L", "vision last", "vision named", "projector",
+                    "tower input"]
 NeedRows = Literal["last", "suffix", "visual+suffix", "cls", "all", "item"]
 NEED_KINDS: tuple[str, ...] = get_args(NeedKind)
 NEED_LAYERS: tuple[str, ...] = get_args(NeedLayer)
@@ -67,13 +69,15 @@ class Need:
         kind: ``attention_rows`` (softmaxed, head-mean probabilities of some query rows over
             all keys, post-RoPE, causal and padding masked), ``query_key`` (the method
             recomputes rows itself from a layer's own q/k projections), ``keys`` (post-RoPE
-            key states, heads concatenated), ``hidden`` (hidden states), or
-            ``input_embeddings`` (the LLM's input embeddings, before layer 0), or ``grid`` (where every
-            visual token stands on its image's grid, as the LLM received the span).
+            key states, heads concatenated), ``hidden`` (hidden states),
+            ``input_embeddings`` (the LLM's input embeddings, before layer 0), ``grid`` (where every
+            visual token stands on its image's grid, as the LLM received the span), or ``pixels`` (the
+            image's pixels, before the tower's first layer).
         layer: where, relative to the step's layer L: ``"L-1"`` (the layer before the step),
             ``"L"`` (the step's own layer), ``"embeddings"``, ``"vision L"`` (the tower layer of
             the step), ``"vision last"`` (the tower's last layer), ``"vision named"`` (the tower
-            layer the setting `at` holds), ``"projector"`` (its output).
+            layer the setting `at` holds), ``"projector"`` (its output), ``"tower input"`` (what the
+            tower receives, before its first layer).
         rows: which query rows or tokens: ``last`` (the last prompt token), ``suffix`` (every
             text token after the visual span), ``visual+suffix``, ``cls``, ``all``, ``item`` (every
             row over the whole tower item, a window mask left out).
@@ -155,6 +159,7 @@ class ProbePlan:
         input_embeddings: the prompt's input embeddings (decoder: once per prefill, for `prepare`;
             before the LLM: the instruction's, handed to the cut).
         image_grids: every image's grids in the decoder (`StepInput.images`), from the call's images.
+        pixels: every unit's pixels, handed to a cut at the tower's input (``tower_input``: PixelPrune).
     """
 
     step_tower_layers: TowerProbe | None = None
@@ -167,6 +172,7 @@ class ProbePlan:
     layer_heads: str = "mean"
     input_embeddings: bool = False
     image_grids: bool = False
+    pixels: bool = False
 
     @property
     def reads_tower(self) -> bool:
@@ -224,6 +230,8 @@ def _read(plan: ProbePlan, need: Need, acts_at: str, placement: str) -> ProbePla
             return plan if layer == handed else None
         if kind == "input_embeddings" and layer == "embeddings" and rows == "suffix":
             return replace(plan, input_embeddings=True)
+        if kind == "pixels" and layer == "tower input" and rows == "all" and placement == "tower_input":
+            return replace(plan, pixels=True)
         return None
     if placement == "in_layer":
         if kind == "attention_rows" and layer == "L" and rows == "visual+suffix":

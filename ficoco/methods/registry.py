@@ -31,6 +31,7 @@ from ficoco.methods import (
     hiprune,
     holitom,
     pdrop,
+    pixelprune,
     prumerge,
     sparsevlm,
     tome,
@@ -47,7 +48,8 @@ PRESETS = (192, 128, 64)
 # The package's own methods, in the order `ficoco methods` lists them.
 _BUILT_IN_SPECS = (ficoco_v.SPEC, ficoco_l.SPEC, fastv.SPEC, pdrop.SPEC, sparsevlm.SPEC, dart.SPEC, tome.SPEC,
                    visionzip.SPEC, fastervlm.SPEC, prumerge.SPEC, divprune.SPEC, vispruner.SPEC, cdpruner.SPEC,
-                   holitom.SPEC, fitprune.SPEC, hiprune.SPEC, vlmpruner.SPEC, gprune.SPEC, vtw.SPEC)
+                   holitom.SPEC, fitprune.SPEC, hiprune.SPEC, vlmpruner.SPEC, gprune.SPEC, vtw.SPEC,
+                   pixelprune.SPEC)
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _BUILT_IN_SPECS}
 

@@ -210,8 +210,9 @@ def follow_shortened_prompt(handle: Handle, call: dict[str, Any]) -> None:
     removed = length - kept.shape[1]
     if mask.shape[1] != int(cache.get_seq_length()) + input_ids.shape[1] + removed or mask.shape[0] != kept.shape[0]:
         return  # lined up with the cache already (generate's own steps), or not this prompt's
-    call["attention_mask"] = torch.cat([torch.gather(mask[:, :length], 1, kept.to(mask.device)),
-                                        mask[:, length:]], dim=1)
+    at = kept.to(mask.device)  # -1: a pad the shortening added (samples of different counts), masked
+    kept_mask = torch.where(at >= 0, torch.gather(mask[:, :length], 1, at.clamp(min=0)), torch.zeros_like(at))
+    call["attention_mask"] = torch.cat([kept_mask.to(mask.dtype), mask[:, length:]], dim=1)
 
 
 def arange_like(logits: Tensor) -> Tensor:

@@ -364,8 +364,7 @@ class WindowOrder(GridOrder):
         adapter = self.adapter
         if adapter.video_cut:
             return super().encode(pixel_values, image_grid_thw, **kwargs)
-        visual = adapter.visual
-        out = visual(pixel_values.type(visual.dtype), grid_thw=image_grid_thw, **kwargs)
+        out = adapter.run_tower(pixel_values, image_grid_thw, **kwargs)
         tower = adapter.tower_pass
         if tower is None:
             raise RuntimeError("the Qwen2.5-VL vision tower ran without FiCoCo-V's bookkeeping")

@@ -818,14 +818,17 @@ def check_supported(profile: Profile) -> None:
 
 
 def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text_tokens: int, batch: int = 1,
-               lm_head_tokens: str = "all", seed: int = 0) -> RunCheck:
-    """Verify one schedule on a built model (patched for the run, restored after)."""
+               lm_head_tokens: str = "all", seed: int = 0, inputs: dict[str, Tensor] | None = None) -> RunCheck:
+    """Verify one schedule on a built model (patched for the run, restored after). `inputs`: the prefill's own
+    (`batch` prompts of `text_tokens` text tokens, laid out as the synthetic ones: an image whose content sets a
+    method's count, PixelPrune's); None: the synthetic inputs of `seed`."""
     from ficoco.models import family_module, synthetic_inputs
 
     if lm_head_tokens not in ("all", "last"):
         raise FicocoError(f"unknown LM-head mode '{lm_head_tokens}': choose from all, last")
     plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
-    inputs = synthetic_inputs(model, batch=batch, text_tokens=text_tokens, seed=seed)
+    if inputs is None:
+        inputs = synthetic_inputs(model, batch=batch, text_tokens=text_tokens, seed=seed)
     fv, tc, paths, method_paths, probes, measured, pairs = _measure(model, inputs, schedule, plan,
                                                                     1 if lm_head_tokens == "last" else 0)
     fv_probe, tc_probe = probes.counted(fv), probes.counted(tc)

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
@@ -50,6 +51,10 @@ class Qwen2VLAdapter(FamilyAdapter):
     # The tower's token order (the window strategy): Qwen2-VL's grid order; Qwen2.5-VL names its window order,
     # and every part below runs on whichever the family names.
     order_strategy: type[GridOrder] = GridOrder
+    # The processor's normalisation of the pixels (Qwen2-VL's and Qwen2.5-VL's image processor: OpenAI CLIP's mean
+    # and std), undone for a method that reads the image's [0, 1] pixels (PixelPrune).
+    pixel_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    pixel_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
 
     def __init__(self, model: nn.Module) -> None:
         # The base adapter's attributes (the L code reads them), found where Qwen2-VL keeps them.
@@ -65,7 +70,10 @@ class Qwen2VLAdapter(FamilyAdapter):
         self.image_grid_thw: Tensor | None = None  # the current call's (see call_scope)
         # The current run of the tower under a method before the LLM (None outside one): the parts share it.
         self.tower_pass: TowerPass | None = None
-        self.removed_per_image = 0  # FiCoCo-V: merge groups (placeholders) every image loses
+        # FiCoCo-V: merge groups (placeholders) every image loses; None: each image its own count (PixelPrune)
+        self.removed_per_image: int | None = 0
+        # The pixels the caller gave the tower call in progress, before its cast to the tower's dtype (`run_tower`).
+        self.caller_pixels: Tensor | None = None
         # FiCoCo-V: the rope_deltas of the prefill that filled each cache, for the next turn on it
         # (the model's own rope_deltas are the last prefill's, of whichever conversation).
         self.turn_deltas: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -104,6 +112,9 @@ class Qwen2VLAdapter(FamilyAdapter):
             self.cuts.patch_projector_cut(handle, patches, spec, schedule)
             return
         module = spec.load()
+        if spec.placement == "tower_input" and isinstance(module, TowerModule):  # from the pixels (PixelPrune)
+            self.cuts.patch_input_cut(handle, patches, spec, schedule)
+            return
         if spec.placement == "in_layer" and isinstance(module, GroupsModule):
             self.blocks.patch_vision(handle, patches, schedule.removed_at(), module.reduce_groups)
             return
@@ -116,6 +127,28 @@ class Qwen2VLAdapter(FamilyAdapter):
         raise FicocoError(f"variant={spec.name}: {spec.title} on Qwen2-VL is planned and counted by `ficoco "
                           "flops` (the equivalent token in place of [CLS]) but not wired into Qwen2-VL's packed "
                           "vision tower yet; run it on a LLaVA-1.5 or Video-LLaVA model, or use FiCoCo-V (v) here")
+
+    def run_tower(self, pixel_values: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+        """The vision tower on `pixel_values` cast to its dtype, as transformers' encoder calls it, with the
+        caller's own pixels at hand meanwhile (`caller_pixels`: a method reading pixels sees them uncast)."""
+        visual = self.visual
+        self.caller_pixels = pixel_values
+        try:
+            return visual(pixel_values.type(visual.dtype), grid_thw=grid_thw, **kwargs)
+        finally:
+            self.caller_pixels = None
+
+    def group_pixels(self, pixels: Tensor) -> Tensor:
+        """(groups, merge x C x P x P) every merge group's pixels from the tower's flattened patches `pixels`
+        (patches, C x T x P x P; every image's groups in grid order, a group's patches consecutive, as the
+        processor lays them out): the first temporal frame of every patch, the processor's normalisation undone
+        (x * std + mean per channel: Qwen3-VL's x * 0.5 + 0.5), the group's patches side by side."""
+        vision = self.model.config.vision_config
+        channels, size = vision.in_channels, vision.patch_size
+        frames = pixels.view(-1, channels, vision.temporal_patch_size, size, size)[:, :, 0]
+        mean = torch.tensor(self.pixel_mean, dtype=frames.dtype, device=frames.device).view(1, channels, 1, 1)
+        std = torch.tensor(self.pixel_std, dtype=frames.dtype, device=frames.device).view(1, channels, 1, 1)
+        return (frames * std + mean).reshape(-1, self.merge * channels * size * size)
 
     def riding_features(self, tower: TowerPass, images: list[int]) -> Tensor | None:
         """(n, G, C) per-group features that ride with the units of `images` through a method step before the LLM

@@ -1,7 +1,8 @@
 """Cuts of whole merge groups before the LLM on Qwen2-VL's packed tower: once at the tower's output or
 after the PatchMerger, scored by the last block's keys (VisionZip, VisPruner, FasterVLM: `patch_cut`);
 on the merger's output alone (DivPrune, CDPruner: `patch_projector_cut`); on a video's temporal slices
-together after the merger (HoliTom: `patch_video_cut`).
+together after the merger (HoliTom: `patch_video_cut`); at the tower's input, from every group's pixels
+(PixelPrune: `patch_input_cut`).
 
 Every cut leaves the groups every image kept in the adapter's tower pass (`TowerPass.kept_groups`),
 from which the entry shortens the prompt and gives the kept tokens their 3-D positions
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ficoco.errors import FicocoError
@@ -21,7 +23,7 @@ from ficoco.methods.needs import TowerProbe
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, remove_probe
 from ficoco.models.patching import Patches, follow_device, forward_of
-from ficoco.models.qwen2_vl.tower_pass import TowerPass, group_members, group_patches
+from ficoco.models.qwen2_vl.tower_pass import TowerPass, attention_pairs, group_members, group_patches
 
 if TYPE_CHECKING:
     from ficoco.models.handle import Handle
@@ -229,6 +231,121 @@ class TowerCuts:
         patches.set(visual, "forward", tower_forward)
         patches.on_undo(lambda: setattr(adapter, "tower_pass", None))
 
+    # -- a cut at the tower's input, decided from the pixels (PixelPrune) ---------------------------------------
+    def patch_input_cut(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
+        """Run the method's `tower_step` on every image's merge groups' pixels before the tower's first block
+        (one batched call per image size): the pixels the caller gave (before the tower's dtype cast), the
+        processor's normalisation undone (`Qwen2VLAdapter.pixel_mean`, `pixel_std`), the first temporal frame
+        of every patch, a group's 4 patches side by side. Every image keeps its own count. The tower's own
+        forward still embeds every patch and (Qwen3-VL) resamples its position grid for the whole image; the
+        first block then takes the kept groups' rows, and every block runs on them, with the rotary rows of
+        their original places and the segments of the shorter images (Qwen2.5-VL: the windows the kept groups
+        form), as after FiCoCo-V's reduction. The merger, DeepStack's taps and the encoder read the kept groups
+        from the pass."""
+        from ficoco.models.patching import method_settings
+
+        adapter = self.adapter
+        module, settings = spec.load(), method_settings(handle, spec, schedule)
+        order, visual = adapter.order, adapter.visual
+        original_tower = forward_of(visual)
+        pairs = handle.vision_attention_pairs
+        # Every image loses its own count: a later turn on the cache cannot tell what it holds (`cached_part`).
+        adapter.removed_per_image = None
+        patches.on_undo(lambda: setattr(adapter, "removed_per_image", 0))
+
+        def tower_forward(hidden_states: Tensor, grid_thw: Tensor, **kwargs: Any) -> Any:
+            if bool((grid_thw[:, 0] != 1).any()):
+                raise FicocoError(f"{spec.title} on {adapter.family_title} reduces images: its grid of merge groups "
+                                  "(pred_2d.py:157) does not fit a video's temporal slices; run the video unreduced "
+                                  "or with another method")
+            tower = adapter.tower_pass = order.start_pass(grid_thw)
+            if order.records_pairs:
+                pairs.clear()
+            given = adapter.caller_pixels
+            pixels = given if given is not None and given.shape == hidden_states.shape else hidden_states
+            tower.input_rows = self._select_at_input(handle, module, settings, tower, pixels)
+            return original_tower(hidden_states, grid_thw, **kwargs)
+
+        patches.set(visual, "forward", tower_forward)
+        patches.on_undo(lambda: setattr(adapter, "tower_pass", None))
+        for layer_idx, layer in enumerate(adapter.vision_layers):
+            original = forward_of(layer)  # accelerate's wrapped forward where a device map hooked it
+
+            def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings: Any = None, *,
+                        _idx: int = layer_idx, _original: Any = original, **kwargs: Any) -> Tensor:
+                tower = adapter.tower_pass
+                if tower is not None:
+                    follow_device(tower, hidden_states.device)  # a tower split across devices (device maps)
+                    if _idx == 0 and tower.input_rows is not None:
+                        hidden_states = self._enter(tower, hidden_states, position_embeddings, cu_seqlens)
+                cu_seqlens, position_embeddings = order.segments(tower, _idx, cu_seqlens, position_embeddings, kwargs)
+                if order.records_pairs:
+                    pairs[_idx] = attention_pairs(cu_seqlens)
+                return _original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings,
+                                 **kwargs)
+
+            patches.set(layer, "forward", forward)
+        order.patch_merger(patches)
+
+    def _select_at_input(self, handle: Handle, module: Any, settings: dict[str, Any], tower: TowerPass,
+                         pixels: Tensor) -> Tensor | None:
+        """The groups every image keeps (into `tower.kept_groups`, in the pass's order) and the rows of the packed
+        sequence the first block keeps; None when every group of every image stays (the tower runs as it is).
+        One host read per image size (the counts)."""
+        from ficoco.methods.inputs import TowerInput
+        from ficoco.models.vision_steps import complement
+
+        adapter = self.adapter
+        merge, size = adapter.merge, adapter.merge_size
+        units = adapter.group_pixels(pixels)  # (groups of every image, merge x C x P x P), grid order
+        lengths = [len(groups) for groups in tower.kept_groups]
+        pieces = units.split(lengths)
+        sizes: dict[tuple[int, int], list[int]] = {}
+        for image, grid in enumerate(tower.grids):
+            sizes.setdefault(grid, []).append(image)
+        kept_of: list[Tensor | None] = [None] * len(lengths)
+        for (rows, cols), images in sizes.items():
+            groups = lengths[images[0]]
+            inputs = TowerInput(hidden=torch.stack([pieces[i] for i in images]), has_cls=False, remove=0,
+                                merge=merge, grid_hw=(rows // size, cols // size))
+            out = handle.run_method(("vision", 0), module.tower_step, inputs, settings)
+            counts = out.counts.tolist() if out.counts is not None else [out.kept.shape[1]] * len(images)
+            kept = [out.kept[b, :count] for b, count in enumerate(counts)]
+            gone = [complement(k[None], groups)[0] for k in kept]
+            handle.record("vision", 0, kept=_padded([group_patches(k[None], cols, size)[0] for k in kept]),
+                          discarded=_padded([group_patches(g[None], cols, size)[0] for g in gone]))
+            for b, image in enumerate(images):
+                kept_of[image] = kept[b]
+        counts = sorted({len(k) for k in kept_of})  # type: ignore[arg-type]
+        # What every image handed the LLM, as measured: one count when they agree (the accountant plans one).
+        handle.measured_tokens_per_item = counts[0] if len(counts) == 1 else None
+        if all(len(k) == n for k, n in zip(kept_of, lengths, strict=True)):  # type: ignore[arg-type]
+            return None
+        members = torch.arange(merge, device=units.device)
+        rows_now, start = [], 0
+        for image, kept in enumerate(kept_of):
+            present = tower.kept_groups[image]  # original group of every row of the image, in the pass's order
+            flags = torch.zeros(lengths[image], dtype=torch.bool, device=present.device)
+            flags[kept.to(present.device)] = True  # type: ignore[union-attr]
+            at = flags[present].nonzero()[:, 0]  # where the kept groups are in the pass's order
+            tower.kept_groups[image] = present[at]
+            rows_now.append(start + (at[:, None] * merge + members.to(at.device)).flatten())
+            start += lengths[image] * merge
+        return torch.cat(rows_now)
+
+    def _enter(self, tower: TowerPass, hidden: Tensor, position_embeddings: tuple[Tensor, Tensor],
+               cu_seqlens: Tensor) -> Tensor:
+        """The first block's input cut to the rows the input cut kept; the pass holds the kept patches' rotary rows
+        (their original places) and the segments of the shorter images (and windows) for every block."""
+        rows = tower.input_rows.to(hidden.device)  # type: ignore[union-attr]
+        tower.input_rows = None
+        tower.position_embeddings = (position_embeddings[0][rows], position_embeddings[1][rows])
+        lengths = torch.tensor(tower.lengths, device=cu_seqlens.device)
+        tower.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(cu_seqlens.dtype)
+        tower.max_seqlen = max(tower.lengths)
+        self.adapter.order.after_reduce(tower, tower.cu_seqlens)
+        return hidden[rows]
+
     # -- a video's temporal slices cut together after the merger (HoliTom) ---------------------------
     def patch_video_cut(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
         """Run the method's `tower_step` on the PatchMerger's output of every video, its t temporal slices
@@ -322,3 +439,10 @@ class TowerCuts:
         frame, group = units // groups, units % groups
         members = group_members(group, cols, adapter.merge_size).view(*units.shape, -1)
         return (members + (frame * rows * cols).unsqueeze(-1)).flatten(1).sort(dim=1).values
+
+
+def _padded(rows: list[Tensor]) -> Tensor:
+    """(n, most) the index rows `rows` side by side, each padded with -1 to the longest (a record's layout where
+    items keep different counts)."""
+    width = max(len(row) for row in rows)
+    return torch.stack([F.pad(row, (0, width - len(row)), value=-1) for row in rows])

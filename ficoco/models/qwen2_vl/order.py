@@ -121,8 +121,7 @@ class GridOrder:
         """The (reduced) tower's output, merged features split per image by the groups it kept
         (transformers' `get_image_features` splits by the unreduced counts)."""
         adapter = self.adapter
-        visual = adapter.visual
-        out = visual(pixel_values.type(visual.dtype), grid_thw=image_grid_thw, **kwargs)
+        out = adapter.run_tower(pixel_values, image_grid_thw, **kwargs)
         tower = adapter.tower_pass
         if tower is None:
             raise RuntimeError("the Qwen2-VL vision tower ran without FiCoCo-V's bookkeeping")

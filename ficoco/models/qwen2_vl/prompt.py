@@ -69,7 +69,8 @@ class PromptShortener:
             table[image, kept.to(device)] = True
         keep = ~is_image | table[span.clamp(min=0), rank.clamp(0, max(groups) - 1)]
         counts = keep.sum(dim=1)
-        if not bool((counts == counts[0]).all()):
+        fewest, most = (int(n) for n in torch.stack([counts.min(), counts.max()]).tolist())
+        if fewest != most and adapter.removed_per_image is not None:
             raise FicocoError(f"FiCoCo-V on {adapter.family_title}: every sample of a batch must lose the "
                               "same number of "
                               "placeholders (the same number of images)")
@@ -84,6 +85,9 @@ class PromptShortener:
             real = attention_mask.bool() if attention_mask is not None else torch.ones_like(is_image)
             last = torch.where(real, position_ids.amax(dim=0), torch.zeros_like(position_ids[0])).amax(dim=1)
             deltas = (last + 1 - real.sum(dim=1)).unsqueeze(1)
+        if fewest != most:  # each image its own count (PixelPrune): the shorter prompts left-padded
+            return self._left_padded(keep, counts, most, input_ids, attention_mask, mm_token_type_ids, position_ids,
+                                     deltas)
         removed = (length - counts).unsqueeze(1)
         kept_index = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :int(counts[0])]
         short = {
@@ -94,6 +98,39 @@ class PromptShortener:
         }
         return short, deltas.to(device) + removed, kept_index
 
+    def _left_padded(self, keep: Tensor, counts: Tensor, width: int, input_ids: Tensor, attention_mask: Tensor | None,
+                     mm_token_type_ids: Tensor, position_ids: Tensor, deltas: Tensor
+                     ) -> tuple[dict[str, Tensor | None], Tensor, Tensor]:
+        """`shorten_prompt`'s result where the samples keep different counts (a method whose count is each
+        image's own: PixelPrune): every shortened prompt left-padded to the longest (the pad token, mask 0,
+        position 1 as transformers' own layout pads), as the official code pads (patches/qwen3_vl_hf.py:271-283).
+        The kept-position row of a pad is -1 (it stands for no token of the caller's prompt); every sample's
+        `rope_deltas` place its next token where its unreduced prompt's would, after the padded length."""
+        adapter = self.adapter
+        batch, length = input_ids.shape
+        device = input_ids.device
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # every row's kept positions first
+        source = torch.arange(width, device=device).unsqueeze(0) - (width - counts).unsqueeze(1)
+        real = source >= 0
+        kept_index = torch.where(real, torch.gather(order, 1, source.clamp(min=0)), torch.full_like(source, -1))
+        index = kept_index.clamp(min=0)
+        pad_id = getattr(adapter.model.config, "pad_token_id", None)
+        pad_id = pad_id if pad_id is not None else getattr(getattr(adapter.model.config, "text_config", None),
+                                                           "pad_token_id", None)
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+
+        def take(values: Tensor, pad: int) -> Tensor:
+            return torch.where(real, torch.gather(values, 1, index), torch.full_like(index, pad).to(values.dtype))
+
+        short = {
+            "input_ids": take(input_ids, 0 if pad_id is None else int(pad_id)),
+            "attention_mask": take(mask, 0),
+            "mm_token_type_ids": take(mm_token_type_ids, 0),
+            "position_ids": torch.where(real, torch.gather(position_ids, 2, index.expand(3, -1, -1)),
+                                        torch.ones_like(position_ids[:, :, :1])),
+        }
+        return short, deltas.to(device) + (length - width), kept_index
+
     def cached_part(self, is_image: Tensor, past: int) -> tuple[Tensor, int]:
         """Where a whole conversation (`is_image` its placeholders) continues after the `past`
         tokens a FiCoCo-V cache holds of it: (B, T') the positions of the conversation as this
@@ -101,6 +138,10 @@ class PromptShortener:
         the ids are all the placeholder's, whichever groups stayed), and the position in the
         conversation of its first token the cache lacks."""
         adapter = self.adapter
+        if adapter.removed_per_image is None:
+            raise FicocoError(f"{adapter.family_title}: every image of the earlier turns kept its own count (a "
+                              "method decided by the pixels), so the cache's layout is not known from the "
+                              "conversation: give the whole conversation with its images in one prompt")
         length = is_image.shape[1]
         flags = F.pad(is_image.long(), (0, adapter.removed_per_image))
         run = flags.cumsum(dim=1)
@@ -239,7 +280,8 @@ class PromptShortener:
             self._prepare_video(entry, call, text_row=text_row)
             return
         if call.get("pixel_values_videos") is not None:
-            raise FicocoError(f"FiCoCo-V on {adapter.family_title} reduces images only; run videos with FiCoCo-L")
+            raise FicocoError(f"{entry.spec.title} on {adapter.family_title} reduces images only; run videos with "
+                              "FiCoCo-L")
         handle = entry.handle
         pixel_values = call.pop("pixel_values", None)
         input_ids = call.get("input_ids")
@@ -294,7 +336,10 @@ class PromptShortener:
         adapter = self.adapter
         input_ids = call["input_ids"]
         if isinstance(call.get("labels"), Tensor) and call["labels"].shape == input_ids.shape:
-            short["labels"] = torch.gather(call["labels"], 1, kept.to(call["labels"].device))
+            labels, at = call["labels"], kept.to(call["labels"].device)
+            # A pad the shortening added (-1: samples of different counts) is ignored by the loss.
+            short["labels"] = torch.where(at >= 0, torch.gather(labels, 1, at.clamp(min=0)),
+                                          torch.full_like(at, -100))
         entry.generating = (kept, input_ids.shape[1])
         if text_row:
             # generate keeps a 4th (first) row of plain text order for its masks and extends all

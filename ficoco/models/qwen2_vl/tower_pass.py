@@ -80,6 +80,8 @@ class TowerPass:
     # Per item: its temporal slices (video_grid_thw's t; 1 for an image), whose groups `kept_groups` numbers
     # slice by slice (slice x groups per slice + group).
     frames: list[int] = field(default_factory=list)
+    # A cut at the tower's input (PixelPrune): the rows of the packed sequence the first block keeps, until it ran.
+    input_rows: Tensor | None = None
 
     @property
     def lengths(self) -> list[int]:

@@ -37,6 +37,10 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
 
     family_title = "Qwen3-VL"
     order_strategy = DeepStackOrder
+    # Qwen3-VL's (and Qwen3.5's) image processor normalises with mean 0.5 and std 0.5 (transformers'
+    # IMAGENET_STANDARD_MEAN / _STD), undone as x * 0.5 + 0.5 (PixelPrune's patches/qwen3_vl_hf.py:31-42).
+    pixel_mean = (0.5, 0.5, 0.5)
+    pixel_std = (0.5, 0.5, 0.5)
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

@@ -50,6 +50,9 @@ REFUSED = {
     "tome": "merges inside every tower block (segments and rotary rows change block by block); not wired into "
             "vLLM's tower by the plugin",
     "fastervlm": "not wired into vLLM's tower by the plugin yet (VisionZip and VisPruner read the same keys)",
+    "pixelprune": "not wired yet: its count is each image's own, read from the pixels the processor holds when it "
+                  "writes the placeholders (so it fits), but the processor and the tower's first block do not run "
+                  "it here",
 }
 
 
