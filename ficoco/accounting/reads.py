@@ -106,6 +106,11 @@ def method_reads(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, bat
         context = ReadContext(red.stage, tokens, red.visual_before, red.removed, v.has_cls and red.stage == "vision",
                               suffix, hp)
         shapes = reads_of(context)
+        # Raw scores (FiCoCo's rule="official") are read as asked, never from the whole matrix of probabilities a
+        # small layer keeps (ficoco.methods.reads.ops.ProbedAttention.logits).
+        reads += [Read(spec.name, red.stage, layer, kind, rows, keys, heads, head_dim, sequences)
+                  for kind, rows, keys in shapes if kind == "logits"]
+        shapes = tuple(shape for shape in shapes if shape[0] != "logits")
         if not shapes:
             continue
         windows = pairs is not None and pairs != tokens * tokens

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
-from ficoco.methods.ficoco_l import BETA, EPS, GAMMA
+from ficoco.methods.base import RULE
+from ficoco.methods.ficoco_l import BETA, EPS, GAMMA, OFFICIAL_RULE, PAPER_RULE
 from ficoco.methods.inputs import InLayerInput
 from ficoco.methods.ops import (
     adaptive_weights,
@@ -37,7 +38,7 @@ from ficoco.methods.ops import (
 from ficoco.methods.ops import visual_positions as span_positions  # "visual_positions" is a parameter here
 from ficoco.methods.reads.ops import AttentionReads, as_reads
 
-__all__ = ["LReduction", "language_correlation", "language_scores", "layer_step", "reduce", "reduce_l",
+__all__ = ["LReduction", "fold_back", "language_correlation", "language_scores", "layer_step", "reduce", "reduce_l",
            "suffix_start"]
 
 
@@ -343,7 +344,16 @@ def reduce_l(
     correlation = _correlation_of(among_visual, tail, suffix, first_suffix_row, source, target, gamma)
     alpha = adaptive_weights(correlation, eps=eps)
     merged = compress(gather_tokens(hidden, visual_positions), source, target, alpha)
+    return fold_back(hidden, visual_positions, source, target, merged, main_targets(alpha))
 
+
+def fold_back(hidden: Tensor, visual_positions: Tensor, source: Tensor, target: Tensor, merged: Tensor,
+              merge_target: Tensor | None) -> LReduction:
+    """The reduced sequence: `hidden` without the discarded visual tokens (`source`, span indices), the kept ones
+    (`target`) replaced by their `merged` values, every other token as it was, all in sequence order."""
+    batch, seq_len, _ = hidden.shape
+    r = source.shape[1]
+    device = hidden.device
     # A stable sort of the 0/1 "discarded" flags lists the kept positions in sequence order
     # with the same length T - r in every sample, without a data-dependent nonzero().
     discarded_flag = torch.zeros(batch, seq_len, dtype=torch.int32, device=device)
@@ -363,7 +373,7 @@ def reduce_l(
         kept_visual=target,
         discarded_visual=source,
         visual_positions=merged_positions,
-        merge_target=main_targets(alpha),
+        merge_target=merge_target,
     )
 
 
@@ -372,7 +382,12 @@ reduce = reduce_l
 
 
 def layer_step(inputs: InLayerInput, settings: Mapping[str, Any]) -> LReduction:
-    """One FiCoCo-L step on what the in-layer hook point hands over (`settings`: beta, gamma, eps)."""
+    """One FiCoCo-L step on what the in-layer hook point hands over (`settings`: beta, gamma, eps, and the rule:
+    the paper's by default, the official code's with ``rule="official"``, ficoco.methods.ficoco_l.official)."""
+    if settings.get(RULE, PAPER_RULE) == OFFICIAL_RULE:
+        from ficoco.methods.ficoco_l.official import layer_step as official_step  # it builds on this module
+
+        return official_step(inputs, settings)
     return reduce(inputs.hidden, inputs.attention, inputs.remove, inputs.visual_rows[:, 0],
                   inputs.visual_rows.shape[1], inputs.suffix_mask, beta=settings["beta"], gamma=settings["gamma"],
                   eps=settings["eps"], protected=inputs.protected, first_suffix_row=inputs.first_suffix_row,

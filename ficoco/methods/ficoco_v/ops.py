@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from ficoco.errors import FicocoError
-from ficoco.methods.ficoco_v import COEFFICIENT, EPS, LAM, WINDOW
+from ficoco.methods.base import RULE
+from ficoco.methods.ficoco_v import COEFFICIENT, EPS, LAM, OFFICIAL_RULE, PAPER_RULE, WINDOW
 from ficoco.methods.inputs import TowerInput, TowerOutput
 from ficoco.methods.ops import (
     adaptive_weights,
@@ -282,7 +283,12 @@ reduce = reduce_v
 
 def tower_step(inputs: TowerInput, settings: Mapping[str, Any]) -> TowerOutput:
     """One FiCoCo-V step on a batch of tower items ([CLS] first): `settings` carry lam, eps, window,
-    coefficient and equivalent_token (score with the equivalent token instead of [CLS])."""
+    coefficient and equivalent_token (score with the equivalent token instead of [CLS]), and the rule: the paper's
+    by default, the official code's with ``rule="official"`` (ficoco.methods.ficoco_v.official)."""
+    if settings.get(RULE, PAPER_RULE) == OFFICIAL_RULE:
+        from ficoco.methods.ficoco_v.official import tower_step as official_step  # it builds on this module
+
+        return official_step(inputs, settings)
     if inputs.attention is None or inputs.grid_hw is None:
         raise RuntimeError("FiCoCo-V needs the layer's head-mean attention and the item grid from the adapter")
     items, tokens = inputs.hidden.shape[:2]
