@@ -15,8 +15,10 @@ A method is described by
   hidden states; the spec turns them into one `ProbePlan` (`MethodSpec.probes`) that the model
   adapters read, so that they offer one set of hook points and probes for every method;
 - **its hyperparameters** with the defaults of its official code (where ficoco corrects that code,
-  the correction is a named value of a hyperparameter, `corrections`, never its default), its **position scheme**
-  (original position ids kept, or compacted), and the families it is defined on;
+  the correction is a named value of a hyperparameter, `corrections`, never its default; FiCoCo, which its
+  paper defines, has the paper's defaults, each with its source, `default_sources`, and its official code's
+  rule by name, `rules`), its **position scheme** (original position ids kept, or compacted), and the
+  families it is defined on;
 - **its schedule**: the plain token-count steps (`Step`) a setting produces, how a budget
   maps to a setting (`settings_for_keep`: the literature's "N tokens" rows; `presets`), and
 - **its extra cost terms** (`extra_macs`): the matrix work the method adds beyond the model's
