@@ -39,7 +39,7 @@ from helpers import assert_batch_equals_samples_alone
 
 import ficoco
 from ficoco.errors import FicocoError
-from ficoco.methods.ficoco_l import official as official_rule
+from ficoco.methods.ficoco_l import ops as official_rule
 from ficoco.methods.registry import METHODS
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import synthetic_inputs

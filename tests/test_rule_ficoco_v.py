@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 import ficoco
 from ficoco.errors import FicocoError
-from ficoco.methods.ficoco_v import official as official_rule
+from ficoco.methods.ficoco_v import ops as official_rule
 from ficoco.methods.registry import METHODS
 from ficoco.models.inputs import synthetic_inputs
 
@@ -227,7 +227,7 @@ def test_ficoco_v_rule_official_is_planned_at_r_42_from_layer_12_and_named_in_ev
 
 
 def test_ficoco_v_rule_official_refuses_what_it_cannot_run_in_one_line():
-    with pytest.raises(FicocoError, match="removes 42 at each of the 3 layers from layer 2 .* give --keep"):
+    with pytest.raises(FicocoError, match="removes 42 at each of the 3 layers from layer 2 .* give keep="):
         ficoco.flops("llava-tiny", ["v"], hyperparameters={"rule": "official"})
     with pytest.raises(FicocoError, match="runs on llava, llava_next, video_llava models; .* 'llava_onevision' model "
                                           "\\(its vision rule reads the \\[CLS\\] row"):

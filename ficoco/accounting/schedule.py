@@ -509,11 +509,11 @@ def rule_schedule(arch: Architecture, spec: MethodSpec, per_layer: int, first: i
     valid = layer_range(arch, variant)
     if start not in valid:
         raise FicocoError(f"{spec.title}'s {label} starts at layer {start}, outside {valid.start}..{valid.stop - 1}, "
-                          "the layers that may reduce on this model; give --first-layer")
+                          "the layers that may reduce on this model; give first_layer=")
     layers = [layer for layer in range(start, valid.stop) if _in_tower(variant) or arch.decoder.full_attention(layer)]
     units, floor = total_units(arch, variant), min_kept_units(arch, variant)
     if per_layer * len(layers) > units - floor:
         raise FicocoError(f"{spec.title}'s {label} removes {per_layer} at each of the {len(layers)} layers from layer "
                           f"{start} ({per_layer * len(layers)} of {units} on {arch.name}), more than may go; give "
-                          "--keep, --tflops or --schedule (or a later --first-layer)")
+                          "keep=, tflops= or schedule= (or a later first_layer=)")
     return make_schedule(arch, variant, dict.fromkeys(layers, per_layer))

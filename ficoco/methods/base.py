@@ -329,8 +329,9 @@ class MethodSpec:
         """The rule `settings` choose (None: the default), refused in one line on a family it does not run on."""
         rule = self.rule(settings)
         if rule is not None and rule.families is not None and family not in rule.families:
-            raise FicocoError(f"{self.title} {RULE}={settings[RULE]} runs on {', '.join(rule.families)} models; "  # type: ignore[index]
-                              f"{model} is a '{family}' model ({rule.refusal})")
+            name = next(key for key, value in self.rules.items() if value is rule)
+            raise FicocoError(f"{self.title} {RULE}={name} runs on {', '.join(rule.families)} models; {model} is a "
+                              f"'{family}' model ({rule.refusal})")
         return rule
 
     def runs_without_schedule(self, settings: Mapping[str, Any] | None = None) -> bool:

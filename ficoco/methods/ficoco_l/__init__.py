@@ -10,8 +10,8 @@ no torch. Its tensor functions are in `ops` (``reduce_l``, ``layer_step``).
 FiCoCo is ficoco's own method and its paper is its definition: the default rule (``rule="paper"``) is the
 paper's text. ``rule="official"`` runs the rule of the authors' code instead (kawhiiiileo/FiCoCo at
 8995e93bf5c62435979f500e9d335e4810301656, llava/model/language_model/llava_llama.py and FiCoCo_L.py; ficoco's
-tensor functions for it are in `official`), and every report names it ("FiCoCo-L (official code's rule)").
-docs/methods/ficoco.md lists every departure between the two.
+tensor functions for it: `ops.reduce_l_official` and its helpers), and every report names it ("FiCoCo-L (official
+code's rule)"). docs/methods/ficoco.md lists every departure between the two.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def reads(ctx: ReadContext) -> tuple[ReadShape, ...]:
     """What one reducing decoder layer reads of its attention (ficoco.methods.ficoco_l.ops): the visual rows and
     the text rows after the visual span, over the keys each tile of them can see under the causal mask (the
     method keeps the visual columns). The official code's rule reads the same rows' raw scores over every key,
-    before the mask (ficoco.methods.ficoco_l.official)."""
+    before the mask (ficoco.methods.ficoco_l.ops, `reduce_l_official`)."""
     if ctx.settings.get(RULE, PAPER_RULE) == OFFICIAL_RULE:
         return (("logits", ctx.visual_before + ctx.suffix_tokens, ctx.tokens),)
     prefix = ctx.tokens - ctx.visual_before - ctx.suffix_tokens

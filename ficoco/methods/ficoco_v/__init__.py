@@ -10,8 +10,8 @@ and its own cost formulas; no torch. Its tensor functions are in `ops` (``reduce
 FiCoCo is ficoco's own method and its paper is its definition: the default rule (``rule="paper"``) is the
 paper's text. ``rule="official"`` runs the vision rule of the authors' code instead (kawhiiiileo/FiCoCo at
 8995e93bf5c62435979f500e9d335e4810301656, llava/model/multimodal_encoder/FiCoCo_V.py and clip_encoder.py;
-ficoco's tensor functions for it are in `official`), and every report names it ("FiCoCo-V (official code's
-rule)"). docs/methods/ficoco.md lists every departure between the two.
+ficoco's tensor functions for it: `ops.reduce_v_official` and its helpers), and every report names it
+("FiCoCo-V (official code's rule)"). docs/methods/ficoco.md lists every departure between the two.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def reads(ctx: ReadContext) -> tuple[ReadShape, ...]:
     """What one reducing tower layer reads of its attention (ficoco.methods.ficoco_v.ops): the column means
     over the patch rows, the [CLS] row (where the tower has one and [CLS] scores), and once the filter chose
     the patches to remove, their rows (the correlate step; a merge group's: its members' rows). The official code's
-    rule reads every row's raw scores over every key (ficoco.methods.ficoco_v.official)."""
+    rule reads every row's raw scores over every key (ficoco.methods.ficoco_v.ops, `reduce_v_official`)."""
     if ctx.settings.get(RULE, PAPER_RULE) == OFFICIAL_RULE:
         return (("logits", ctx.tokens, ctx.tokens),)
     shapes = [("columns", ctx.tokens - int(ctx.has_cls), ctx.tokens)]
