@@ -312,3 +312,14 @@ def test_ficoco_l_rule_official_is_planned_at_r_14_from_layer_5_and_named_in_eve
     assert "l (official code's rule)" in result.out
     paper = ficoco.flops("llava-1.5-7b", ["l"], keep=198)["rows"][0]
     assert paper["method_label"] == "FiCoCo-L" and paper["schedule"][0]["layer"] == 4
+
+
+def test_ficoco_rule_official_passes_flops_verify(flops_verify):
+    """The accountant plans the official code's rule (token counts per layer, its raw-score reads, L's products)
+    and --verify counts the same (V and L, on llava-tiny: 24 of 64 go at layers 2-4 and 2-3)."""
+    report = flops_verify("--model", "llava-tiny", "--variant", "v,l", "--keep", "40", "--hp", "rule=official",
+                          "--dtype", "fp32")
+    assert report["passed"] is True
+    assert [(run["variant"], run["visual_tokens"]) for run in report["runs"]] == [("v", 40), ("l", 40)]
+    assert [[(m["layer"], m["removed"]) for m in run["method"]] for run in report["runs"]] == [
+        [(2, 8), (3, 8), (4, 8)], [(2, 12), (3, 12)]]

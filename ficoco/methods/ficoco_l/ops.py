@@ -397,8 +397,9 @@ def layer_step(inputs: InLayerInput, settings: Mapping[str, Any]) -> LReduction:
 #
 # FiCoCo-L's official code's rule (``rule="official"``), as ficoco runs it.
 #
-# The rule is read from kawhiiiileo/FiCoCo at commit 8995e93bf5c62435979f500e9d335e4810301656 (its fork
-# yiming-l21/FiCoCo re-indents FiCoCo_L.py:140 and changes no rule), llava/model/language_model/FiCoCo_L.py and llava_llama.py:
+# The rule is read from kawhiiiileo/FiCoCo at commit 8995e93bf5c62435979f500e9d335e4810301656,
+# llava/model/language_model/FiCoCo_L.py and llava_llama.py (its fork yiming-l21/FiCoCo re-indents
+# FiCoCo_L.py:140 and changes no rule):
 #
 # - the layer's scores are the head-mean raw ``q . k^T`` times the scale, taken before the causal mask and the
 #   softmax (llava_llama.py:85-87), so a visual row reads the visual and text keys after it too;
