@@ -293,6 +293,14 @@ def test_ficoco_l_rule_official_refuses_what_it_cannot_run_in_one_line(tiny):
     with torch.no_grad(), ficoco.apply(model, "l", rule="official", keep=40), \
             pytest.raises(FicocoError, match="reads 1 image per prompt; this prompt holds 2"):
         model(**two_images)
+    # A new image on an earlier turn's cache: its reduced layers hold positions of their own (text turns run).
+    later = synthetic_inputs(model, text_tokens=20, seed=8)
+    with torch.no_grad(), ficoco.apply(model, "l", rule="official", keep=40):
+        cache = hf.output_cache(model(**inputs, use_cache=True))
+        mask = torch.cat([inputs["attention_mask"], later["attention_mask"]], dim=1)
+        with pytest.raises(FicocoError, match="compacts positions from an empty cache: a new image on an earlier"):
+            model(input_ids=later["input_ids"], pixel_values=later["pixel_values"], attention_mask=mask,
+                  **hf.cache_argument(cache), use_cache=True)
     with pytest.raises(FicocoError, match="rule=official runs on llava, .* 'qwen2_vl' model"):
         ficoco.flops("qwen2-vl-7b", ["l"], keep=64, hyperparameters={"rule": "official"})
     with pytest.raises(FicocoError, match="rule='oficial': give 'paper' \\(the default\\) or 'official'"):
