@@ -16,6 +16,7 @@ from torch import nn
 from ficoco.accounting import CountOptions, ScheduleRequest, architecture, resolve_schedule
 from ficoco.accounting.schedule import Schedule, plan_tokens
 from ficoco.errors import FicocoError
+from ficoco.methods.base import RULE
 from ficoco.methods.registry import METHODS, method
 from ficoco.models import adapter_for, hf_compat
 from ficoco.models.attention import SUPPORTED_ATTENTION, check_attention_implementation  # noqa: F401
@@ -61,10 +62,13 @@ def _with_corrections(spec: Any, schedule: Schedule, given: dict[str, Any]) -> S
         return schedule
     from ficoco.accounting.methods import check_corrections
 
-    planned = sorted(set(given) - set(spec.corrections))
+    # A named rule (FiCoCo's rule="official") goes with a resolved schedule as a correction does: it changes how
+    # the method runs, not the schedule given.
+    planned = sorted(set(given) - set(spec.corrections) - ({RULE} if spec.rules else set()))
     if planned:
         raise FicocoError(f"{spec.title} hyperparameter(s) {', '.join(planned)} set the schedule: give them with "
                           "keep= or preset= instead of a resolved schedule= (or plan the schedule with them)")
+    spec.rule(given)
     check_corrections(spec, given)
     settings = {**schedule.settings_dict(), **given}
     return Schedule(schedule.variant, schedule.removals,
@@ -126,6 +130,7 @@ def apply(model: nn.Module, variant: str, *, schedule: Schedule | str | dict[int
     params = Hyperparameters(**{name: value for name, value in hyperparameters.items() if name in fields})
     if sched.variant != variant:
         raise FicocoError(f"the schedule is for variant '{sched.variant}', not '{variant}'")
+    spec.check_rule_runs(arch.family, arch.name, sched.settings_dict())  # a resolved schedule's rule too
     adapter = adapter_for(model)
     handle = Handle(model=model, variant=variant, schedule=sched, hyperparameters=params)
     # How the method's attention reads compute their scores (the official rule unless a correction says float32).

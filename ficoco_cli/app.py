@@ -61,11 +61,13 @@ def root(
 
 
 def schedule_request(variants: list[str], *, keep: int | None, preset: int | None, tflops: float | None,
-                     schedule: str | None, shape: str | None, first_layer: int | None) -> ScheduleRequest:
+                     schedule: str | None, shape: str | None, first_layer: int | None,
+                     hyperparameters: dict[str, object] | None = None) -> ScheduleRequest:
     """The command's schedule request (its constructor refuses several of --keep, --preset, --tflops and
     --schedule), checked against the variants: one source when a method without an official default
-    setting runs (FiCoCo-V and -L; the other methods fall back to theirs), none when nothing reduces
-    (it would be ignored)."""
+    setting runs (FiCoCo-V and -L, unless their `hyperparameters` choose the official code's rule, whose r per
+    layer is its setting; the other methods fall back to theirs), none when nothing reduces (it would be
+    ignored)."""
     request = ScheduleRequest(keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
                               first_layer=first_layer)
     given = [FLAGS[name.removesuffix("=")] for name in request.given()]
@@ -73,7 +75,7 @@ def schedule_request(variants: list[str], *, keep: int | None, preset: int | Non
     if given and not reducing:
         raise FicocoError(f"{given[0]} applies to the reducing methods ({', '.join(METHODS)}); add one with "
                           f"--variant (e.g. --variant {next(iter(METHODS))})")
-    needs_schedule = [v for v in reducing if not METHODS[v].default_setting]
+    needs_schedule = [v for v in reducing if not METHODS[v].runs_without_schedule(hyperparameters)]
     if needs_schedule and not given:
         raise FicocoError(f"--variant {needs_schedule[0]} needs a schedule: give --keep, --preset, --tflops or "
                           "--schedule")
@@ -259,9 +261,9 @@ def flops_command(
     from ficoco_cli.render import compares_methods, flops_table, method_comparison_table, per_layer_table
 
     variants = split_list(variant, "--variant")
-    request = schedule_request(variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
-                               first_layer=first_layer)
     hyperparameters = check.method_settings(hp, variants)
+    request = schedule_request(variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
+                               first_layer=first_layer, hyperparameters=hyperparameters)
     if verify:
         check_wired(variants, "ficoco flops --verify")
     if tolerance is not None and not verify:
@@ -403,8 +405,9 @@ def profile_command(
     from ficoco_cli.profile_run import run_and_report
 
     variants = split_list(variant, "--variant")
+    hyperparameters = check.method_settings(hp, variants)
     request = schedule_request(variants, keep=keep, preset=preset, tflops=tflops, schedule=schedule, shape=shape,
-                               first_layer=first_layer)
+                               first_layer=first_layer, hyperparameters=hyperparameters)
     check_wired(variants, "ficoco profile")
     config = profile_config(
         model, variants, request=request, convention=convention, scope=scope, reference=not no_reference,
@@ -413,7 +416,7 @@ def profile_command(
         prompt=prompt, overrides=set_values or (), seed=seed, kv_bits=kv_bits,
         image_size=parse_image_size(image_size), frames=frames, dtype=dtype, video=video,
         fidelity=fidelity, device_map=device_map, max_memory=max_memory,
-        hyperparameters=check.method_settings(hp, variants), distinct_layers=distinct_layers,
+        hyperparameters=hyperparameters, distinct_layers=distinct_layers,
     )
     console = out if json_path != "-" else err
     report = run_and_report(config, json_path, console, wide, dry_run=dry_run)

@@ -18,6 +18,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -355,17 +356,24 @@ def methods_table(rows: list[dict[str, Any]]) -> Table:
     """The method registry: name, where it acts, its defaults, the families it runs on."""
     table = Table(title="reduction methods (ficoco flops --variant NAME; --keep/--preset N: see 'keep')",
                   title_justify="left",
-                  caption="defaults: the official code's; (ficoco: VALUE = what it does) names ficoco's corrections of "
-                          "it, set with --hp NAME=VALUE and named in every report", caption_justify="left")
+                  caption=escape("defaults: the official code's, or where [marked] their source (FiCoCo's: its "
+                                 "paper, which defines it); (ficoco: VALUE = what it does) names ficoco's corrections "
+                                 "of the official code, set with --hp NAME=VALUE and named in every report, as is a "
+                                 "rule named with --hp rule=VALUE"), caption_justify="left")
     for col in ("name", "method", "acts at", "positions", "defaults", "keep N means", "families", "runs"):
         table.add_column(col, justify="left", overflow="fold")
     for r in rows:
         corrections = r.get("corrections") or {}
-        defaults = ", ".join(
+        sources = r.get("default_sources") or {}
+        rules = r.get("rules") or {}
+        defaults = escape(", ".join(
             f"{k}={list(v) if isinstance(v, tuple) else v}"
+            + (f" [{sources[k]}]" if k in sources else "")
             + (" (ficoco: " + "; ".join(f"{c['value']} = {c['means']}" for c in corrections[k]) + ")"
                if corrections.get(k) else "")
-            for k, v in r["hyperparameters"].items())
+            + (" (" + "; ".join(f"{name} = {label}" for name, label in rules.items()) + ")"
+               if k == "rule" and rules else "")
+            for k, v in r["hyperparameters"].items()))
         where = f"{r['acts_at'].replace('_', ' ')} ({r['placement'].replace('_', ' ')})"
         table.add_row(r["name"], r["title"], where, r["positions"], defaults, cli_message(r["keep_means"]),
                       ", ".join(r["families"]), "yes" if r["wired"] else "flops only")

@@ -81,7 +81,8 @@ def method_table(report: dict[str, Any]) -> Table | None:
     if not rows:
         return None
     title = "method: FiCoCo's own matrix work per reducing layer (FLOPs; not gated)"
-    caption = ("matmul formula: compress B*kept*removed*D, plus L's indirect correlation B*removed*suffix*kept, x2; "
+    caption = ("matmul formula: compress B*kept*removed*D, plus L's indirect correlation B*removed*suffix*kept, x2 "
+               "(rule=official: L's B*removed*suffix*visual, V's none); "
                "paper overhead: the appendix's N^2 + 2N + N_S(N_T + 2D + 1) + D (V; L doubles the first term), "
                "as printed (multiply-add style, elementwise terms included)")
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")

@@ -90,6 +90,27 @@ def test_every_read_equals_the_eager_probabilities(dtype, kind, budget, read_who
     torch.testing.assert_close(reads.block(rows, cols), dense.block(rows, cols), **close)
 
 
+@pytest.mark.parametrize("rule", ["model", "float32"])
+@pytest.mark.parametrize("budget", [None, 64, 1], ids=["one-block", "blocks", "one-row"])
+def test_a_logits_read_is_the_head_mean_raw_scores_before_mask_and_softmax(rule, budget, read_whole) -> None:
+    """FiCoCo's rule="official" reads the head-mean q . k^T * scale of some rows over every key, a causal layer's
+    later keys included, never from the whole matrix of probabilities a small layer keeps (issue 53)."""
+    query, key = qkv(dtype=torch.bfloat16)
+    scale = query.shape[-1] ** -0.5
+    groups = query.shape[1] // key.shape[1]
+    if rule == "model":
+        raw = torch.matmul(query, key.repeat_interleave(groups, 1).transpose(-1, -2)) * scale
+    else:
+        raw = torch.matmul((query * scale).float(), key.repeat_interleave(groups, 1).float().transpose(-1, -2))
+    expected = raw.float().mean(dim=1)
+    reads = ProbedAttention(query, key, scale, causal=True, scores=rule, budget=budget)
+    reads.column_sum()  # a small layer's whole matrix read first: the logits are not taken from it
+    rows = torch.tensor([[0, 8, 3], [5, 5, 1]])
+    got = reads.logits(rows)
+    torch.testing.assert_close(got, torch.stack([expected[b, rows[b]] for b in range(2)]), atol=1e-5, rtol=1e-5)
+    assert got[0, 0, 1:].abs().sum() > 0  # row 0's later keys, which the mask hides from its probabilities
+
+
 def test_a_causal_read_of_rows_in_order_below_a_bound_reads_only_the_keys_they_can_see(monkeypatch) -> None:
     """FiCoCo-L's visual rows: in order, none after `last`; each tile of CAUSAL_TILE_ROWS rows reads the keys up
     to its bound (the others are masked: exactly zero), the same probabilities as every key, fewer scores."""

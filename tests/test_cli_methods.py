@@ -322,3 +322,30 @@ def test_a_correction_goes_with_a_budget_and_a_schedule_and_a_wrong_value_is_ref
     line = assert_one_error_line(cli("flops", "--model", "llava-1.5-7b", "--variant", "visionzip",
                                      "--hp", "include_cls=maybe"))
     assert "include_cls is a switch" in line
+
+
+# ---- issue 53: FiCoCo's defaults are its paper's, each labelled by its source; its official code's rule by name ----
+
+def test_methods_labels_every_ficoco_default_by_its_source_and_names_the_official_rule(tmp_path: Path, cli):
+    result = cli("methods", "--json", str(tmp_path / "m.json"))
+    assert result.code == 0, result.err
+    by_name = {m["name"]: m for m in json.loads((tmp_path / "m.json").read_text())["methods"]}
+    for name in ("v", "l"):
+        assert set(by_name[name]["default_sources"]) == set(by_name[name]["hyperparameters"])
+        assert by_name[name]["hyperparameters"]["rule"] == "paper"
+        assert by_name[name]["rules"] == {"official": "official code's rule"}
+    # The first reducing layer is the paper's 4; the official code's is 5 (llava_llama.py: layer_idx > 4).
+    assert by_name["l"]["hyperparameters"]["first_layer"] == 4
+    assert by_name["l"]["default_sources"]["first_layer"] == "paper; official code: 5"
+    assert by_name["fastv"]["default_sources"] == {} and by_name["fastv"]["rules"] == {}
+    assert "defaults: the official code's, or where [marked] their source" in " ".join(result.out.split())
+    # The table as a terminal wide enough shows each default with its source in brackets (not taken for markup).
+    from rich.console import Console
+
+    from ficoco_cli.render import methods_table
+
+    console = Console(width=1000, record=True)
+    console.print(methods_table(list(by_name.values())))
+    text = " ".join(console.export_text().split())
+    assert "first_layer=4 [paper; official code: 5]" in text
+    assert "rule=paper [paper] (official = official code's rule)" in text

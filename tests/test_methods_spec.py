@@ -118,10 +118,11 @@ def test_defaults_are_the_method_folders_constants() -> None:
     assert dict(METHODS["v"].hyperparameters) == {
         "lam": ficoco_v.LAM, "eps": ficoco_v.EPS, "window": ficoco_v.WINDOW, "coefficient": ficoco_v.COEFFICIENT,
         "first_layer": ficoco_v.FIRST_LAYER, "equivalent_token": ficoco_v.EQUIVALENT_TOKEN,
-        "attention_scores": DEFAULT_ATTENTION_SCORES}
+        "attention_scores": DEFAULT_ATTENTION_SCORES, "rule": ficoco_v.PAPER_RULE}
     assert dict(METHODS["l"].hyperparameters) == {"beta": ficoco_l.BETA, "gamma": ficoco_l.GAMMA,
                                                   "eps": ficoco_l.EPS, "first_layer": ficoco_l.FIRST_LAYER,
-                                                  "attention_scores": DEFAULT_ATTENTION_SCORES}
+                                                  "attention_scores": DEFAULT_ATTENTION_SCORES,
+                                                  "rule": ficoco_l.PAPER_RULE}
     assert dict(FASTV.hyperparameters) == {"layer": fastv.LAYER, "ratio": fastv.RATIO,
                                            "attention_scores": DEFAULT_ATTENTION_SCORES}
     assert METHODS["holitom"].hyperparameters["merge_layer"] == holitom.MERGE_LAYER

@@ -14,7 +14,7 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.methods import check_corrections, check_placement, plan_by_steps
 from ficoco.accounting.schedule import PlanRequest, Schedule, plan_per_layer
 from ficoco.errors import FicocoError
-from ficoco.methods.base import PLANNER_NAMES, MethodSpec, Planner
+from ficoco.methods.base import PLANNER_NAMES, RULE, MethodSpec, Planner
 
 # Every name of PLANNER_NAMES, and only those (tests/test_methods_spec.py checks both ways).
 PLANNERS: Mapping[str, Planner] = {
@@ -32,12 +32,15 @@ def plan(arch: Architecture, spec: MethodSpec, request: PlanRequest) -> Schedule
         raise FicocoError(f"variant={spec.name}: no planner '{spec.planner}'; choose from {', '.join(PLANNER_NAMES)}")
     schedule = planner(arch, spec, request)
     check_placement(arch, spec, schedule)
-    # A correction of the official code (MethodSpec.corrections) goes with any plan and joins its settings, so
-    # that the run and every label of it agree (a planner whose settings carry it already keeps its own).
+    # A correction of the official code (MethodSpec.corrections), and a named rule (MethodSpec.rules: FiCoCo's
+    # rule="official"), goes with any plan and joins its settings, so that the run and every label of it agree (a
+    # planner whose settings carry it already keeps its own).
     corrections = {name: value for name, value in request.hyperparameters.items()
-                   if name in spec.corrections and name not in schedule.settings_dict()}
+                   if (name in spec.corrections or (name == RULE and spec.rules))
+                   and name not in schedule.settings_dict()}
     if not corrections:
         return schedule
+    spec.rule(corrections)  # a rule no entry names: refused in one line
     check_corrections(spec, corrections)
     settings = {**schedule.settings_dict(), **corrections}
     return Schedule(schedule.variant, schedule.removals, tuple(settings.items()))

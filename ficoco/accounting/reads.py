@@ -129,14 +129,22 @@ def _layer_reads(name: str, stage: str, layer: int, tokens: int, shapes: list[tu
     """The reads of one layer, `shapes` as the method asks them, made as the reads make them: a layer small enough
     read whole once, a windowed layer's columns over its windows' pairs."""
     v = arch.vision
+    # Raw scores (FiCoCo's rule="official") are read as asked, never from the whole matrix of probabilities a
+    # small layer keeps (ficoco.methods.reads.ops.ProbedAttention.logits).
+    logits = [Read(name, stage, layer, kind, rows, keys, heads, head_dim, sequences)
+              for kind, rows, keys in shapes if kind == "logits"]
+    shapes = [shape for shape in shapes if shape[0] != "logits"]
+    if not shapes:
+        return logits
     windows = pairs is not None and pairs != tokens * tokens
     if windows and heads * max(v.window_groups) ** 2 * v.merge ** 2 <= WHOLE_READ_SCORES:
         # Every window is small enough to be read whole, once: its column sums and rows come from it.
-        return [Read(name, stage, layer, "columns", tokens, tokens, heads, head_dim, sequences, pairs)]
+        return [*logits, Read(name, stage, layer, "columns", tokens, tokens, heads, head_dim, sequences, pairs)]
     if not windows and sequences * heads * tokens * tokens <= WHOLE_READ_SCORES:
         # The layer is read whole at its first read, once (ficoco.methods.reads.WHOLE_READ_SCORES); a decoder
         # layer's rows each over the keys the causal mask lets them see.
         tiles = causal_tiles(tokens, tokens - 1, tokens, tokens) if stage == "llm" else [(0, tokens, tokens)]
-        return [Read(name, stage, layer, "rows", r1 - r0, keys, heads, head_dim, sequences) for r0, r1, keys in tiles]
-    return [Read(name, stage, layer, kind, rows, keys, heads, head_dim, sequences,
-                 pairs if kind == "columns" and windows else None) for kind, rows, keys in shapes]
+        return [*logits, *(Read(name, stage, layer, "rows", r1 - r0, keys, heads, head_dim, sequences)
+                           for r0, r1, keys in tiles)]
+    return [*logits, *(Read(name, stage, layer, kind, rows, keys, heads, head_dim, sequences,
+                            pairs if kind == "columns" and windows else None) for kind, rows, keys in shapes)]

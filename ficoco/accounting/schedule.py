@@ -476,6 +476,13 @@ def plan_per_layer(arch: Architecture, spec: MethodSpec, request: PlanRequest) -
         raise FicocoError(f"unknown hyperparameter {', '.join(unknown)} for {spec.title}: choose from "
                           f"{', '.join(known)}")
     shape, first = request.shape, request.first_layer
+    # A named rule (FiCoCo's rule="official") runs on the families it names, starts its own number of layers after
+    # the profile's first reducing layer, and may have a setting of its own (its r per layer).
+    rule = spec.check_rule_runs(arch.family, arch.name, request.hyperparameters)
+    if rule is not None:
+        if first is None and rule.first_layer_offset:
+            _check_variant(arch, variant)
+            first = first_layer(arch, variant) + rule.first_layer_offset
     if request.preset is not None:  # FiCoCo's rows are labelled by the visual tokens that stay: --keep N
         try:
             return schedule_for_keep(arch, variant, request.preset, shape=shape, first=first)
@@ -496,4 +503,25 @@ def plan_per_layer(arch: Architecture, spec: MethodSpec, request: PlanRequest) -
             # V in scope llm: the LLM sees the final count in every layer already.
             equivalent_helps=spec.acts_at == "llm_layer" or request.scope == "all",
         )
+    if rule is not None and rule.removed_per_layer is not None:
+        return rule_schedule(arch, spec, rule.removed_per_layer, first, rule.label)
     raise FicocoError(f"variant '{variant}' needs a schedule: give keep=, tflops= or schedule=")
+
+
+def rule_schedule(arch: Architecture, spec: MethodSpec, per_layer: int, first: int | None, label: str) -> Schedule:
+    """A named rule's own setting (FiCoCo's official code's): `per_layer` units at every reducing layer from `first`
+    on (the decoder's full-attention layers to the last, or the tower's up to the layer the projector reads)."""
+    variant = spec.name
+    _check_variant(arch, variant)
+    start = first_layer(arch, variant) if first is None else first
+    valid = layer_range(arch, variant)
+    if start not in valid:
+        raise FicocoError(f"{spec.title}'s {label} starts at layer {start}, outside {valid.start}..{valid.stop - 1}, "
+                          "the layers that may reduce on this model; give first_layer=")
+    layers = [layer for layer in range(start, valid.stop) if _in_tower(variant) or arch.decoder.full_attention(layer)]
+    units, floor = total_units(arch, variant), min_kept_units(arch, variant)
+    if per_layer * len(layers) > units - floor:
+        raise FicocoError(f"{spec.title}'s {label} removes {per_layer} at each of the {len(layers)} layers from layer "
+                          f"{start} ({per_layer * len(layers)} of {units} on {arch.name}), more than may go; give "
+                          "keep=, tflops= or schedule= (or a later first_layer=)")
+    return make_schedule(arch, variant, dict.fromkeys(layers, per_layer))

@@ -15,8 +15,10 @@ A method is described by
   hidden states; the spec turns them into one `ProbePlan` (`MethodSpec.probes`) that the model
   adapters read, so that they offer one set of hook points and probes for every method;
 - **its hyperparameters** with the defaults of its official code (where ficoco corrects that code,
-  the correction is a named value of a hyperparameter, `corrections`, never its default), its **position scheme**
-  (original position ids kept, or compacted), and the families it is defined on;
+  the correction is a named value of a hyperparameter, `corrections`, never its default; FiCoCo, which its
+  paper defines, has the paper's defaults, each with its source, `default_sources`, and its official code's
+  rule by name, `rules`), its **position scheme** (original position ids kept, or compacted), and the
+  families it is defined on;
 - **its schedule**: the plain token-count steps (`Step`) a setting produces, how a budget
   maps to a setting (`settings_for_keep`: the literature's "N tokens" rows; `presets`), and
 - **its extra cost terms** (`extra_macs`): the matrix work the method adds beyond the model's
@@ -41,8 +43,8 @@ from ficoco.methods.needs import NEED_KINDS, Need, ProbePlan, probe_plan
 from ficoco.methods.reads import ReadShapes
 
 __all__ = ["ACTING_LAYERS", "ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "FULL_ATTENTION_LAYERS",
-           "NEED_KINDS", "NOT_WIRED", "PLACEMENTS", "PLANNER_NAMES", "POSITION_SCHEMES", "STAGES", "Dims",
-           "ExtraMacs", "LayerWork", "MethodSpec", "Need", "Planner", "PlannerName", "Step", "StepContext",
+           "NEED_KINDS", "NOT_WIRED", "PLACEMENTS", "PLANNER_NAMES", "POSITION_SCHEMES", "RULE", "STAGES", "Dims",
+           "ExtraMacs", "LayerWork", "MethodSpec", "Need", "Planner", "PlannerName", "Rule", "Step", "StepContext",
            "TowerLayout"]
 
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
@@ -71,6 +73,8 @@ ACTING_LAYERS = "acting_layers"
 # NOT_WIRED for a family no entry names yet: a new family shows up refused until an entry lists it).
 FAMILY_STATUSES = ("yes", "flops only", "refused")
 NOT_WIRED = "not wired: the registry entry names no hook points for this family yet"
+# The hyperparameter that names a method's rule where it has more than one (`MethodSpec.rules`).
+RULE = "rule"
 
 
 
@@ -208,6 +212,41 @@ class LayerWork:
     dim: int
     merge: int = 1
     suffix_tokens: int = 0
+    # The method's settings as the run has them (its defaults, then the schedule's): a rule changes its products.
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A named rule of a method beside its default one, chosen with the method's `rule` hyperparameter (`RULE`).
+
+    FiCoCo is ficoco's own method: its paper defines it, and its default rule is the paper's text; its authors'
+    code departs from that text, and ``rule="official"`` runs the code's rule. Such a rule is no correction of an
+    official code (`MethodSpec.corrections`): every report names it beside the title (`label`), so that a score of
+    one rule is never read as the other's. The per-layer planner reads the rest.
+
+    Attributes:
+        label: what a report adds to the method's title ("official code's rule").
+        first_layer_offset: the rule's first reducing layer, this many layers after the profile's (the default
+            rule's) when none is given.
+        removed_per_layer: the rule's own setting: this many units at every reducing layer from its first (a run
+            without --keep, --tflops or --schedule); None: it has none.
+        families: the families it runs on (None: every family of the method); `refusal`: why not on the others.
+        positions: its position scheme (POSITION_SCHEMES) where it differs from the method's ("": the same).
+        images: the most image spans a prompt may hold under it (None: any).
+    """
+
+    label: str
+    first_layer_offset: int = 0
+    removed_per_layer: int | None = None
+    families: tuple[str, ...] | None = None
+    refusal: str = ""
+    positions: str = ""
+    images: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.positions and self.positions not in POSITION_SCHEMES:
+            raise ValueError(f"rule '{self.label}': unknown position scheme {self.positions!r}")
 
 
 class Planner(Protocol):
@@ -289,6 +328,13 @@ class MethodSpec:
     # (`registry.method_label`: "VisionZip (ficoco: mean contextual token)"), so that a report never names the
     # corrected method as the official one. Empty: the method runs as its official code only.
     corrections: Mapping[str, Mapping[Any, str]] = field(default_factory=dict)
+    # A method with more than one rule (FiCoCo: the paper's by default, the official code's by name): per value of its
+    # `rule` hyperparameter other than the default, the `Rule` (what reports call it, how it is planned).
+    rules: Mapping[str, Rule] = field(default_factory=dict)
+    # Where a default comes from when not from the method's official code (FiCoCo: its paper), per hyperparameter,
+    # in a few words `ficoco methods` shows beside it ("paper; the official code's: 5"). Empty: every default is
+    # the official code's.
+    default_sources: Mapping[str, str] = field(default_factory=dict)
     # False: the method has no official default setting, so a run needs --keep, --preset, --tflops or
     # --schedule (FiCoCo-V and -L).
     default_setting: bool = True
@@ -321,6 +367,39 @@ class MethodSpec:
     # the spec is made (ficoco.methods.needs.probe_plan); the tower-side and decoder-side patches read it.
     probes: ProbePlan = field(init=False, repr=False, compare=False)
 
+    def rule(self, settings: Mapping[str, Any] | None) -> Rule | None:
+        """The named rule `settings` choose (`rules`), or None for the method's default rule; a value that names
+        neither is refused in one line."""
+        if not self.rules or not settings or RULE not in settings:
+            return None
+        value = settings[RULE]
+        if value == self.hyperparameters[RULE]:
+            return None
+        if value not in self.rules:
+            raise FicocoError(f"{self.title} rule={value!r}: give {self.hyperparameters[RULE]!r} (the default) or "
+                              + ", ".join(f"{name!r} ({rule.label})" for name, rule in self.rules.items()))
+        return self.rules[value]
+
+    def check_rule_runs(self, family: str, model: str, settings: Mapping[str, Any] | None) -> Rule | None:
+        """The rule `settings` choose (None: the default), refused in one line on a family it does not run on."""
+        rule = self.rule(settings)
+        if rule is not None and rule.families is not None and family not in rule.families:
+            name = next(key for key, value in self.rules.items() if value is rule)
+            raise FicocoError(f"{self.title} {RULE}={name} runs on {', '.join(rule.families)} models; {model} is a "
+                              f"'{family}' model ({rule.refusal})")
+        return rule
+
+    def runs_without_schedule(self, settings: Mapping[str, Any] | None = None) -> bool:
+        """Whether a run needs no --keep, --preset, --tflops or --schedule: the method has an official default
+        setting, or the rule `settings` choose has a setting of its own (FiCoCo's official code's r per layer)."""
+        rule = self.rule(settings)
+        return self.default_setting or (rule is not None and rule.removed_per_layer is not None)
+
+    def position_scheme(self, settings: Mapping[str, Any] | None) -> str:
+        """The position scheme a run under `settings` follows: its rule's, else the method's."""
+        rule = self.rule(settings)
+        return rule.positions if rule is not None and rule.positions else self.positions
+
     @property
     def per_item(self) -> bool:
         """True for methods that count patches of one tower item (they act before the LLM)."""
@@ -335,6 +414,13 @@ class MethodSpec:
             raise ValueError(f"{self.name}: unknown position scheme {self.positions!r}")
         if self.planner not in PLANNER_NAMES:
             raise ValueError(f"{self.name}: unknown planner {self.planner!r}: choose from {', '.join(PLANNER_NAMES)}")
+        if self.rules and (RULE not in self.hyperparameters or self.hyperparameters[RULE] in self.rules):
+            raise ValueError(f"{self.name}: a method with rules has a '{RULE}' hyperparameter whose default is none "
+                             f"of {', '.join(self.rules)}")
+        unknown_sources = set(self.default_sources) - set(self.hyperparameters)
+        if unknown_sources:
+            raise ValueError(f"{self.name}: default_sources names {', '.join(sorted(unknown_sources))}, not "
+                             "hyperparameters")
         for name, values in self.corrections.items():
             if name not in self.hyperparameters:
                 raise ValueError(f"{self.name}: correction {name!r} is not one of its hyperparameters")
@@ -391,6 +477,8 @@ class MethodSpec:
             "hyperparameters": dict(self.hyperparameters),
             "corrections": {name: [{"value": value, "means": means} for value, means in values.items()]
                             for name, values in self.corrections.items()},
+            "rules": {name: rule.label for name, rule in self.rules.items()},
+            "default_sources": dict(self.default_sources),
             "families": list(self.families),
             "keep_means": self.keep_means, "cls_note": self.cls_note, "refusals": dict(self.refusals),
             "source": self.source, "summary": self.summary, "wired": self.wired,

@@ -201,6 +201,44 @@ def compress(tokens: Tensor, source: Tensor, target: Tensor, alpha: Tensor) -> T
     return torch.div(merged, denominator, out=torch.empty_like(kept))
 
 
+def official_targets(correlation: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """FiCoCo's official codes' token-adaptive K (kawhiiiileo/FiCoCo at 8995e93, FiCoCo_L.py:106-116 and
+    FiCoCo_V.py:131-141), the targets of ``rule="official"``: each discarded token's row of the correlation over
+    every candidate target; ``tau = quantile(row, eps)``; ``K`` is the most entries strictly above ``tau`` of any
+    row of the sample; a row's targets are the ``K`` largest of ``softmax(row)``, weighted by those probabilities
+    over their sum. The paper's rule (`adaptive_weights`) weighs the correlations themselves, over the kept tokens
+    alone and each row by its own count.
+
+    Args:
+        correlation: ``(B, r, C)`` rows of the discarded tokens over the ``C`` candidates (an entry that may not be
+            chosen, a token's own, is -inf).
+        eps: quantile level in ``[0, 1]``.
+
+    Returns:
+        ``(targets, weights)``: ``(B, r, K)`` candidate indices, largest probability first, and their weights in
+        float32 (zero beyond a sample's own ``K``; ``K`` is the most of any sample: one host synchronisation, as
+        the official code's ``.item()``). A sample whose ``K`` is 0 (every row's top tied) merges nothing.
+    """
+    if correlation.dim() != 3:
+        raise ValueError(f"correlation must be (B, r, C), got shape {tuple(correlation.shape)}")
+    if not 0.0 <= eps <= 1.0:
+        raise FicocoError(f"eps is a quantile level and must lie in [0, 1], got {eps}")
+    rows = correlation.float()
+    batch, count, _ = rows.shape
+    if count == 0:
+        empty = torch.zeros(batch, 0, 0, device=rows.device)
+        return empty.long(), empty
+    tau = torch.quantile(rows, eps, dim=2, keepdim=True, interpolation="linear")
+    per_sample = (rows > tau).sum(dim=2).amax(dim=1)  # (B,) the sample's K
+    most = int(per_sample.max())
+    values, targets = torch.softmax(rows, dim=2).topk(most, dim=2)
+    live = torch.arange(most, device=rows.device).view(1, 1, -1) < per_sample.view(-1, 1, 1)
+    values = torch.where(live, values, torch.zeros_like(values))
+    total = values.sum(dim=2, keepdim=True)
+    weights = values / torch.where(total > 0, total, torch.ones_like(total))
+    return targets, weights
+
+
 # On a CPU, `compress` (and ToMe's merge) computes only the kept tokens that receive something
 # (`_compress_receivers`), which asks the host which ones; on other devices it stays dense and never asks.
 # False: dense everywhere.

@@ -40,7 +40,7 @@ from ficoco.methods import (
     vlmpruner,
     vtw,
 )
-from ficoco.methods.base import MethodSpec
+from ficoco.methods.base import RULE, MethodSpec
 
 # The rows the literature reports: "192 / 128 / 64 tokens" on LLaVA-1.5-7B.
 PRESETS = (192, 128, 64)
@@ -130,24 +130,44 @@ def corrections_on(variant: str, settings: Mapping[str, Any] | None) -> list[str
     return notes
 
 
+def rule_on(variant: str, settings: Mapping[str, Any] | None) -> str:
+    """The label of the named rule `settings` choose for `variant` (its entry's `rules`: FiCoCo's "official code's
+    rule"), or "" for its default rule (FiCoCo's: the paper's)."""
+    spec = METHODS.get(variant)
+    if spec is None or not settings or not spec.rules:
+        return ""
+    rule = spec.rules.get(settings.get(RULE))  # type: ignore[arg-type]
+    return rule.label if rule is not None else ""
+
+
+def _notes(variant: str, settings: Mapping[str, Any] | None) -> str:
+    """" (official code's rule; ficoco: float32 attention scores)": the rule and the corrections a label adds."""
+    parts = [rule_on(variant, settings)]
+    notes = corrections_on(variant, settings)
+    if notes:
+        parts.append(f"ficoco: {', '.join(notes)}")
+    words = "; ".join(part for part in parts if part)
+    return f" ({words})" if words else ""
+
+
 def method_label(variant: str, settings: Mapping[str, Any] | None) -> str:
     """What a report, table or figure calls a run of `variant` under `settings` (a schedule's settings, as a
     report's row holds them): the method's title when every correction setting has its official default
     ("VisionZip"), else the title and the corrections ("VisionZip (ficoco: mean contextual token)"), so a score
-    of ficoco's corrected method is never read as the literature's. "vanilla" and names the registry does not
+    of ficoco's corrected method is never read as the literature's; a named rule comes first ("FiCoCo-L
+    (official code's rule)": FiCoCo's title alone is its paper's rule). "vanilla" and names the registry does not
     hold come back as they are. No torch."""
     spec = METHODS.get(variant)
     if spec is None:
         return variant
-    notes = corrections_on(variant, settings)
-    return f"{spec.title} (ficoco: {', '.join(notes)})" if notes else spec.title
+    return spec.title + _notes(variant, settings)
 
 
 def variant_label(variant: str, settings: Mapping[str, Any] | None) -> str:
     """The short form the CLI's tables and the figures use: the variant's name as `--variant` spells it, with
-    ficoco's corrections when any are on ("visionzip (ficoco: mean contextual token)")."""
-    notes = corrections_on(variant, settings)
-    return f"{variant} (ficoco: {', '.join(notes)})" if notes else variant
+    its named rule and ficoco's corrections when any are on ("visionzip (ficoco: mean contextual token)",
+    "l (official code's rule)")."""
+    return variant + _notes(variant, settings)
 
 
 # ---- methods registered from outside the package (a plugin, a test's toy method) -------------------------------

@@ -176,8 +176,11 @@ def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, vis
 
 
 def merge_targets(kept: Tensor, merge_target: Tensor | None) -> Tensor | None:
-    """The kept token (in `kept`'s index space) each discarded token went into, for the records."""
-    return None if merge_target is None else torch.gather(kept, 1, merge_target)
+    """The kept token (in `kept`'s index space) each discarded token went into, for the records; -1 where it went
+    into no kept token (FiCoCo-L's official code's rule: into a token removed in the same step)."""
+    if merge_target is None:
+        return None
+    return torch.where(merge_target >= 0, torch.gather(kept, 1, merge_target.clamp(min=0)), -1)
 
 
 class InLayerPatch:
@@ -192,6 +195,35 @@ class InLayerPatch:
         self.settings = method_settings(handle, spec, schedule)
         self.removed = schedule.removed_at()
         self.first = first
+        # The method's position scheme under its rule: the kept tokens' own positions ("original"), or numbered
+        # on without gaps for the later layers ("compact": FiCoCo-L's official code's rule).
+        self.rule = spec.rule(self.settings)
+        self.compact = spec.position_scheme(self.settings) == "compact"
+        if self.compact and not adapter.compacts_positions:
+            raise FicocoError(f"{spec.title} compacts the kept tokens' positions under this rule, which "
+                              f"{type(adapter).__name__}'s positions have no form for; use the default rule")
+
+    def _check_prefill(self, state: LanguageState) -> None:
+        """Refuse, in one line, a prefill the rule cannot run: more image spans than it reads, or (compacted
+        positions) a new image on an earlier turn's cache, whose layers hold positions of their own."""
+        if self.rule is not None and self.rule.images is not None and state.images > self.rule.images:
+            raise FicocoError(f"{self.spec.title} under the {self.rule.label} reads {self.rule.images} image per "
+                              f"prompt; this prompt holds {state.images}: give one, or use the default rule")
+        if self.compact and state.past_length:
+            raise FicocoError(f"{self.spec.title} under the {self.rule.label if self.rule else 'rule'} compacts "
+                              "positions from an empty cache: a new image on an earlier turn's cache is not "
+                              "supported (text turns on its cache are); start a new cache for a new image")
+
+    def _compacted(self, state: LanguageState, position_ids: Tensor | None, kept: Tensor, hidden: Tensor) -> None:
+        """After a reduction, the later layers' positions numbered on without gaps (every kept token moves down by
+        the tokens removed before it) and their rotary tables."""
+        batch = kept.shape[0]
+        if position_ids is None or position_ids.dim() != 2:
+            position_ids = state.index + state.past_length
+        before = position_ids.expand(batch, -1) if position_ids.shape[0] != batch else position_ids
+        slots = torch.arange(kept.shape[1], device=kept.device)
+        state.positions = torch.gather(before.to(kept.device), 1, kept) - (kept - slots)
+        state.rotary = self.adapter.rotary(hidden, state.positions)
 
     def install(self, patches: Patches) -> None:
         layers = self.adapter.decoder_layers
@@ -224,14 +256,25 @@ class InLayerPatch:
             attention_mask = state.slice_mask(attention_mask, index, hidden_states.shape[1])
             if not state.decoding:
                 rows = state.index
-                if position_ids is not None and position_ids.shape[-1] != rows.shape[1]:
-                    position_ids = gather_rows(position_ids, rows, 1)
-                if position_embeddings is not None and position_embeddings[0].shape[1] != rows.shape[1]:
-                    cos, sin = position_embeddings
-                    position_embeddings = (gather_rows(cos, rows, 1), gather_rows(sin, rows, 1))
+                if self.compact:
+                    self._check_prefill(state)
+                    # Positions compacted away before this layer: what its decode steps subtract.
+                    state.shift[index] = state.prefill_length - state.past_length - rows.shape[1]
+                if self.compact and state.positions is not None:
+                    position_ids, position_embeddings = state.positions, state.rotary
+                else:
+                    if position_ids is not None and position_ids.shape[-1] != rows.shape[1]:
+                        position_ids = gather_rows(position_ids, rows, 1)
+                    if position_embeddings is not None and position_embeddings[0].shape[1] != rows.shape[1]:
+                        cos, sin = position_embeddings
+                        position_embeddings = (gather_rows(cos, rows, 1), gather_rows(sin, rows, 1))
                 # What this layer's cache holds after the call: its earlier keys and the tokens it
                 # sees now (before its own reduction).
                 state.cached_positions[index] = state.key_positions(index)
+            elif self.compact and state.shift.get(index) and position_ids is not None:
+                # A decode step (or a text turn) on a compacted cache: its positions continue this layer's own.
+                position_ids = position_ids - state.shift[index]
+                position_embeddings = self.adapter.rotary(hidden_states, position_ids)
             if state.decoding or not remove:
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                 position_embeddings=position_embeddings, **kwargs)
@@ -264,6 +307,8 @@ class InLayerPatch:
                               discarded=torch.gather(state.visual_ranks, 1, red.discarded_visual),
                               merged_into=merge_targets(kept_ranks, red.merge_target))
                 state.keep(red.kept_positions, red.kept_visual, red.visual_positions)
+                if self.compact:
+                    self._compacted(state, position_ids, red.kept_positions, red.hidden)
             hidden = red.hidden
             return hidden + parts.mlp(parts.post_norm(hidden))
 
@@ -280,12 +325,11 @@ class StepState(LanguageState):
     """
 
     visual_start: Tensor | None = None  # (B,)
-    positions: Tensor | None = None  # (B, T_now) position ids the layers use (LLaMA 1-D)
+    # `positions` ((B, T_now) the position ids the layers use, LLaMA 1-D), `rotary` (recomputed tables, compacted
+    # positions) and `shift` (per layer: positions compacted away before it) are LanguageState's.
     text_positions: Tensor | None = None  # (B, T_now) positions that do not move with left padding
     mask2d: Tensor | None = None  # (B, T_now) padding mask
     added: Tensor | None = None  # (B, T_now) True on added tokens, None while there are none
-    rotary: tuple[Tensor, Tensor] | None = None  # recomputed tables (compacted positions)
-    shift: dict[int, int] = field(default_factory=dict)  # per layer: positions compacted away before it
     stage: int = 0
     prepared: Any = None
     steps_done: int = 0

@@ -154,6 +154,12 @@ class LanguageState:
     cached_positions: dict[int, Tensor] = field(default_factory=dict)
     cache: Any = None
     decoding: bool = False
+    # Where a method compacts the positions of the tokens that stay (a layer-input method's `compact` scheme, FiCoCo-L
+    # under rule="official"): (B, T_now) the position ids the later layers use, their rotary tables, and per layer
+    # the positions compacted away before it, which its decode steps subtract.
+    positions: Tensor | None = None
+    rotary: tuple[Tensor, Tensor] | None = None
+    shift: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_visual(self) -> int:

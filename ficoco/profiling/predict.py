@@ -464,7 +464,8 @@ class MeasuredRates:
     def _read_call(self, kind: str, heads: int, kv_heads: int, head_dim: int, rows: int, keys: int, causal: bool,
                    rule: str) -> Callable[[], Any]:
         """A method's read of a layer's attention at its shape, as the model runs it (ficoco.methods.reads.ops):
-        the column means over every query of `keys` tokens, or `rows` rows over them."""
+        the column means over every query of `keys` tokens, or `rows` rows over them (their raw scores for a
+        "logits" read)."""
         from ficoco.methods.reads.ops import ProbedAttention
 
         # As a transformers attention module hands them: (batch, tokens, heads, width) transposed to (batch,
@@ -477,6 +478,8 @@ class MeasuredRates:
         def read() -> Any:
             # A new reader per call: a small layer's is read whole once and kept (WHOLE_READ_SCORES).
             reads = ProbedAttention(query, key, causal=causal, scores=rule)
+            if kind == "logits":
+                return reads.logits(index)
             return reads.column_sum() if kind == "columns" else reads.rows(index)
 
         return read

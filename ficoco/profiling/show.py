@@ -86,7 +86,10 @@ class Layout:
             raise FicocoError(f"ficoco show does not know how '{self.family}' models lay out their tokens")
 
     def cell(self, stage: str, item: int, index: int) -> Cell:
-        """The cell of record index `index` of record row `item` (a vision item for V, the sample for L)."""
+        """The cell of record index `index` of record row `item` (a vision item for V, the sample for L); None for
+        -1, a merge that went into no kept token (FiCoCo's official code's rule)."""
+        if index < 0:
+            return None
         if self.family == "llava":
             return [0, index // self.side, index % self.side, 1, 1]
         if self.family in MERGE_GROUP_FAMILIES:

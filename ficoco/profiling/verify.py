@@ -45,7 +45,7 @@ import functools
 import math
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -397,11 +397,12 @@ def analytic_counts(arch: Architecture, plan: TokenPlan, *, batch: int, lm_head_
             count_by_layer(arch, plan, ops, "flops", batch=batch))
 
 
-def method_formulas(spec: MethodSpec, arch: Architecture, plan: TokenPlan, *, batch: int, suffix_tokens: int
-                    ) -> list[tuple[int, int]]:
+def method_formulas(spec: MethodSpec, arch: Architecture, plan: TokenPlan, *, batch: int, suffix_tokens: int,
+                    settings: Mapping[str, Any] | None = None) -> list[tuple[int, int]]:
     """Per reducing layer: (the method's matrix products in FLOPs, its paper overhead), from the entry's
-    `layer_macs` and `paper_overhead` formulas."""
+    `layer_macs` and `paper_overhead` formulas; `settings`: the schedule's (a rule changes the products)."""
     rows = []
+    settings = {**spec.hyperparameters, **(settings or {})}
     taps = arch.deepstack_layers
     for red in plan.reductions:
         if red.stage == "vision":
@@ -413,7 +414,8 @@ def method_formulas(spec: MethodSpec, arch: Architecture, plan: TokenPlan, *, ba
             items, dim, merge = batch, arch.decoder.hidden, 1
             # The features DeepStack still adds after this layer ride through FiCoCo-L's merge.
             riding = max(0, len(taps) - red.layer) * arch.decoder.hidden
-        work = LayerWork(red.stage, items, red.visual_before, red.removed, dim + riding, merge, suffix_tokens)
+        work = LayerWork(red.stage, items, red.visual_before, red.removed, dim + riding, merge, suffix_tokens,
+                         settings)
         paper = spec.paper_overhead(red.stage, red.visual_before, red.removed, dim) if spec.paper_overhead else 0
         rows.append((2 * spec.layer_macs(work), items * paper))
     return rows
@@ -865,7 +867,8 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
         method = []
     elif spec is not None:
         # Checked per reducing layer, against the entry's `layer_macs` formula (FiCoCo-V and -L).
-        formulas = method_formulas(spec, arch, plan, batch=batch, suffix_tokens=suffix)
+        formulas = method_formulas(spec, arch, plan, batch=batch, suffix_tokens=suffix,
+                                   settings=schedule.settings_dict())
         place = {(stage, layer): k for k, (stage, layer, _) in enumerate(method_paths)}
         method = [MethodCheck(red.stage, red.layer, red.visual_before, red.removed, fv_method[place[key]],
                               tc_method[place[key]], formula, paper)

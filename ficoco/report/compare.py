@@ -168,18 +168,22 @@ def fingerprint(row: dict[str, Any]) -> tuple[Any, ...]:
     if backend.get("upcast_layers"):
         values["dtype"] += f" on {backend.get('storage_dtype')}, {backend['upcast_layers']} upcast layers"
     values["schedule"] = json.dumps(row.get("schedule"), sort_keys=True)
-    # A run of ficoco's correction of a method is another measurement than the official method's.
-    from ficoco.methods.registry import corrections_on
+    # A run of ficoco's correction of a method is another measurement than the official method's, and a run of a
+    # method's named rule (FiCoCo's official code's) another than its default rule's.
+    from ficoco.methods.registry import corrections_on, rule_on
 
     settings = row.get("settings") or (row.get("analytic") or {}).get("settings")
-    values["corrections"] = ", ".join(corrections_on(str(row.get("variant")), settings)) or None
+    variant = str(row.get("variant"))
+    notes = ", ".join(corrections_on(variant, settings))
+    rule = rule_on(variant, settings)
+    values["corrections"] = "; ".join(filter(None, (rule, notes and f"ficoco: {notes}"))) or None
     return tuple(values.get(k) for k in FINGERPRINT_KEYS)
 
 
 def describe(key: tuple[Any, ...]) -> str:
     values = dict(zip(FINGERPRINT_KEYS, key, strict=True))
     removed = sum(e.get("remove", 0) for e in json.loads(values["schedule"] or "[]"))
-    label = values["variant"] + (f" (ficoco: {values['corrections']})" if values.get("corrections") else "")
+    label = values["variant"] + (f" ({values['corrections']})" if values.get("corrections") else "")
     return (f"{values['model']} {label} {values['quant']} batch {values['batch']}"
             + (f" kv{values['kv_bits']}" if values.get("kv_bits") else "")
             + (f" (removes {removed})" if removed else ""))

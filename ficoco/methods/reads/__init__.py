@@ -11,7 +11,10 @@ of what it reads, and never holds more than a bounded block of scores:
   rows of the tokens its filter chose to remove, after it chose them);
 - **columns** (`column_sum`): what every key receives, summed over a set of query rows (every row, or
   the patches, or the visual tokens) and averaged over heads: FiCoCo-V's filter, HoliTom's tower score;
-- **block** (`block`): rows x a set of key columns (FiCoCo's correlation of discarded with kept tokens).
+- **block** (`block`): rows x a set of key columns (FiCoCo's correlation of discarded with kept tokens);
+- **logits** (`logits`): some rows over every key as raw head-mean scores, before the mask and the softmax
+  (FiCoCo's official code ranks by them: its ``rule="official"``). A read of probabilities computes no logits
+  read's shape and a logits read no softmax; both cost the same products.
 
 Each is computed by blocks of query rows: a block's scores are the rows x keys product, then the
 softmax over the whole key axis (its normaliser is exact within the block, since every key of a row is
@@ -61,7 +64,7 @@ WHOLE_READ_SCORES = 1 << 20
 # only the keys up to the tile's bound; the rest are zero, as the masked softmax would give them.
 CAUSAL_TILE_ROWS = 64
 
-ReadKind = Literal["rows", "columns", "block"]
+ReadKind = Literal["rows", "columns", "block", "logits"]
 READ_KINDS: tuple[str, ...] = get_args(ReadKind)
 
 

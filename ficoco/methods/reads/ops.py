@@ -3,14 +3,15 @@ read without the (heads x queries x keys) matrix.
 
 `AttentionReads` is what a method is handed; it offers the three reads (`column_sum` / `column_mean`,
 `rows`, `block`), each returning float32 probabilities combined over the heads by their mean (or, for a
-reader made with ``heads="max"``, their largest):
+reader made with ``heads="max"``, their largest), and `logits`, the head-mean raw scores of some rows before mask
+and softmax (what FiCoCo's official code ranks by: its ``rule="official"``):
 
 - `ProbedAttention` computes them from the layer's own queries and keys (post-rotary), its mask and scale,
   by blocks of query rows under a score budget (`SCORE_BUDGET_ELEMENTS`), in the rule the method's
   ``attention_scores`` names (ficoco.methods.reads); an adapter hands it a runner that times every read in
   its "probe" span (and routes it to a counter during ``flops --verify``);
 - `DenseAttention` reads them from a (B, Tq, Tk) head-mean matrix a caller already has (the methods'
-  tests, a pooled row);
+  tests, a pooled row); `DenseLogits` the raw scores from such a matrix of scores;
 - `SegmentedReads` joins the readers of consecutive segments that attend only within themselves (a
   windowed tower layer: the block diagonal of its windows), `StackedReads` the readers of several items
   of one size into a batch, `KeyTail` keeps only the last keys' columns (a call's keys after a cache's).
@@ -110,6 +111,13 @@ class AttentionReads:
         """(B, R, C): rows `rows` ((B, R)) at the key columns `cols` ((B, C)); `last` as for `rows`."""
         return torch.gather(self.rows(rows, last), 2, cols.unsqueeze(1).expand(-1, rows.shape[1], -1))
 
+    def logits(self, rows: Tensor) -> Tensor:
+        """(B, R, Tk): the head-mean raw scores (``q . k^T`` times the scale) of the query rows `rows` ((B, R)
+        indices) over every key, before any mask and softmax: what FiCoCo's official code reads (its
+        ``rule="official"``). A masked (future, padding) key's score is read like any other."""
+        raise NotImplementedError(f"{type(self).__name__} holds no raw scores: read logits from a layer's queries "
+                                  "and keys (ProbedAttention) or a matrix of them (DenseLogits)")
+
     def reordered(self, order: Tensor) -> AttentionReads:
         """The same layer with its tokens (queries and keys alike) in the order `order` ((T,) indices)."""
         raise NotImplementedError
@@ -153,6 +161,21 @@ class DenseAttention(AttentionReads):
 
     def reordered(self, order: Tensor) -> AttentionReads:
         return DenseAttention(self.matrix[:, order][:, :, order])
+
+
+class DenseLogits(AttentionReads):
+    """Reads of a (B, Tq, Tk) head-mean matrix of raw scores held whole (the methods' tests, a caller that has
+    the scores): `logits` returns its rows; it holds no probabilities to read."""
+
+    def __init__(self, matrix: Tensor) -> None:
+        if matrix.dim() != 3:
+            raise ValueError(f"scores must be (B, Tq, Tk), got shape {tuple(matrix.shape)}")
+        self.matrix = matrix
+        self.shape = tuple(matrix.shape)  # type: ignore[assignment]
+
+    def logits(self, rows: Tensor) -> Tensor:
+        picked = gather_rows(self.matrix, rows)
+        return picked.to(torch.promote_types(picked.dtype, torch.float32))
 
 
 class ProbedAttention(AttentionReads):
@@ -216,6 +239,10 @@ class ProbedAttention(AttentionReads):
         self._kernel()
         return self.runner(self.query.device, self._block, rows, cols, last)
 
+    def logits(self, rows: Tensor) -> Tensor:
+        # Never from the whole matrix a small layer keeps: that one holds probabilities.
+        return self.runner(self.query.device, self._logits, rows)
+
     def reordered(self, order: Tensor) -> AttentionReads:
         order = order.to(self.query.device)
         mask = self.mask
@@ -272,6 +299,21 @@ class ProbedAttention(AttentionReads):
         if self.heads == "max":
             return probabilities.amax(dim=(1, 2))
         return probabilities.sum(dim=(1, 2)).div_(self.query.shape[1])
+
+    def _logits(self, rows: Tensor) -> Tensor:
+        """(B, R, Tk) head-mean raw scores of the rows `rows` over every key, by blocks of rows (`_products`: the
+        rule's products; the model rule's scale applied in the model's dtype, as its eager attention scales them),
+        summed over the heads in float32. No mask, no softmax; no causal tiling (a row's later keys are read too)."""
+        batch, _, k_len = self.shape
+        heads = self.query.shape[1]
+        out = torch.zeros(batch, rows.shape[1], k_len, dtype=torch.float32, device=self.query.device)
+        for b0, b1, r0, r1, scores, _, keys in self._products(rows, 0):
+            if self.scores == "model":
+                scores = scores * self.scale
+            n, kv_heads = b1 - b0, scores.shape[1]
+            summed = scores.view(n, kv_heads, -1, r1 - r0, keys).float().sum(dim=(1, 2))
+            out[b0:b1, r0:r1, :keys] = summed.div_(heads)
+        return out
 
     def _native_columns(self, kernel: Any, rows: Tensor | None, first_row: int) -> Tensor:
         batch, _, k_len = self.shape
@@ -567,6 +609,9 @@ class StackedReads(AttentionReads):
         return torch.cat([item.block(r, c, last) for item, r, c in
                           zip(self.items, self._split(rows), self._split(cols), strict=True)])
 
+    def logits(self, rows: Tensor) -> Tensor:
+        return torch.cat([item.logits(r) for item, r in zip(self.items, self._split(rows), strict=True)])
+
     def reordered(self, order: Tensor) -> AttentionReads:
         return StackedReads([item.reordered(order) for item in self.items])
 
@@ -607,6 +652,9 @@ class KeyTail(AttentionReads):
 
     def block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
         return self.reads.block(rows, cols + self.offset, last)
+
+    def logits(self, rows: Tensor) -> Tensor:
+        return self.reads.logits(rows)[..., self.offset:]
 
     def reordered(self, order: Tensor) -> AttentionReads:
         raise NotImplementedError("a read over a cache's keys is not reordered")
