@@ -352,6 +352,12 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
     return _table(columns, range(len(rows)), title=title, caption=caption)
 
 
+# `ficoco methods`' words for what a method reads of attention (ficoco.methods.needs.ATTENTION_READS).
+READS_WORDS = {"probabilities": "probabilities: whole rows or columns, read beside the layer's kernel",
+               "rows": "a few rows, recomputed from q and k beside any kernel",
+               "none": "none: runs beside any fused kernel"}
+
+
 def methods_table(rows: list[dict[str, Any]]) -> Table:
     """The method registry: name, where it acts, its defaults, the families it runs on."""
     table = Table(title="reduction methods (ficoco flops --variant NAME; --keep/--preset N: see 'keep')",
@@ -360,7 +366,8 @@ def methods_table(rows: list[dict[str, Any]]) -> Table:
                                  "paper, which defines it); (ficoco: VALUE = what it does) names ficoco's corrections "
                                  "of the official code, set with --hp NAME=VALUE and named in every report, as is a "
                                  "rule named with --hp rule=VALUE"), caption_justify="left")
-    for col in ("name", "method", "acts at", "positions", "defaults", "keep N means", "families", "runs"):
+    for col in ("name", "method", "acts at", "reads attention", "positions", "defaults", "keep N means", "families",
+                "runs"):
         table.add_column(col, justify="left", overflow="fold")
     for r in rows:
         corrections = r.get("corrections") or {}
@@ -375,7 +382,8 @@ def methods_table(rows: list[dict[str, Any]]) -> Table:
                if k == "rule" and rules else "")
             for k, v in r["hyperparameters"].items()))
         where = f"{r['acts_at'].replace('_', ' ')} ({r['placement'].replace('_', ' ')})"
-        table.add_row(r["name"], r["title"], where, r["positions"], defaults, cli_message(r["keep_means"]),
+        table.add_row(r["name"], r["title"], where, READS_WORDS.get(r.get("attention_reads", ""), ""), r["positions"],
+                      defaults, cli_message(r["keep_means"]),
                       ", ".join(r["families"]), "yes" if r["wired"] else "flops only")
     return table
 

@@ -349,3 +349,28 @@ def test_methods_labels_every_ficoco_default_by_its_source_and_names_the_officia
     text = " ".join(console.export_text().split())
     assert "first_layer=4 [paper; official code: 5]" in text
     assert "rule=paper [paper] (official = official code's rule)" in text
+
+
+# ---- issue 53: what each method reads of attention ------------------------------------------------------------------
+
+def test_the_methods_page_says_what_each_method_reads_of_attention_as_the_registry_does() -> None:
+    """docs/methods/index.md's "reads attention" column is each entry's `attention_reads`: a method whose needs read
+    whole rows or columns of a layer's softmax says `probabilities` (FiCoCo, HoliTom, FitPrune, HiPrune), one that
+    recomputes a few rows says `rows` (FastV, VisionZip), one that reads no attention `none` (DART, ToMe)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "methods" / "index.md").read_text()
+    said = {}
+    for line in page.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 6 and cells[1].strip("`") in METHODS:
+            said[cells[1].strip("`")] = cells[3]
+    assert said == {name: spec.attention_reads for name, spec in METHODS.items()}
+    assert said["v"] == said["hiprune"] == "probabilities" and said["fastv"] == "rows" and said["dart"] == "none"
+
+
+def test_methods_lists_what_each_method_reads_of_attention(tmp_path: Path, cli) -> None:
+    result = cli("methods", "--json", str(tmp_path / "m.json"))
+    assert result.code == 0, result.err
+    by_name = {m["name"]: m for m in json.loads((tmp_path / "m.json").read_text())["methods"]}
+    assert by_name["fitprune"]["attention_reads"] == "probabilities"
+    assert by_name["vlmpruner"]["attention_reads"] == "none" and by_name["pdrop"]["attention_reads"] == "rows"
+    assert "reads attention" in cli("methods").out

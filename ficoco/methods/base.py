@@ -39,7 +39,7 @@ from types import ModuleType
 from typing import Any, Literal, Protocol, get_args
 
 from ficoco.errors import FicocoError
-from ficoco.methods.needs import NEED_KINDS, Need, ProbePlan, probe_plan
+from ficoco.methods.needs import NEED_KINDS, Need, ProbePlan, attention_reads, probe_plan
 from ficoco.methods.reads import ReadShapes
 
 __all__ = ["ACTING_LAYERS", "ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "FULL_ATTENTION_LAYERS",
@@ -401,6 +401,13 @@ class MethodSpec:
         return rule.positions if rule is not None and rule.positions else self.positions
 
     @property
+    def attention_reads(self) -> str:
+        """What the method (its inner part's too) reads of attention: "probabilities" (whole rows or columns of a
+        layer's softmax, read beside the layer's kernel), "rows" (a few rows recomputed from q and k), or "none"
+        (ficoco.methods.needs.ATTENTION_READS)."""
+        return attention_reads(tuple(self.needs) + (tuple(self.inner.needs) if self.inner is not None else ()))
+
+    @property
     def per_item(self) -> bool:
         """True for methods that count patches of one tower item (they act before the LLM)."""
         return self.acts_at != "llm_layer"
@@ -474,6 +481,7 @@ class MethodSpec:
         return {
             "name": self.name, "title": self.title, "acts_at": self.acts_at, "placement": self.placement,
             "positions": self.positions, "needs": [n.to_json() for n in self.needs],
+            "attention_reads": self.attention_reads,
             "hyperparameters": dict(self.hyperparameters),
             "corrections": {name: [{"value": value, "means": means} for value, means in values.items()]
                             for name, values in self.corrections.items()},

@@ -257,6 +257,26 @@ def _read(plan: ProbePlan, need: Need, acts_at: str, placement: str) -> ProbePla
     return None
 
 
+# What a method reads of attention, in one word (`attention_reads`), for a user choosing how to run it:
+# - "probabilities": whole rows or columns of a layer's softmax (every query of a tower layer, or the visual and text
+#   rows of a decoder layer); no fused kernel returns them, so ficoco computes them beside the layer's own kernel
+#   (ficoco.methods.reads), at about the cost of the layer's attention;
+# - "rows": a few rows (the last prompt token's, [CLS]'s, the text's), recomputed from the layer's queries and keys
+#   beside any fused kernel at the cost of those rows;
+# - "none": no attention at all (keys, hidden states, embeddings, grids, pixels): beside any fused kernel.
+ATTENTION_READS = ("probabilities", "rows", "none")
+_WHOLE_LAYER_ROWS = ("all", "item", "visual+suffix")
+
+
+def attention_reads(needs: tuple[Need, ...]) -> str:
+    """One of ATTENTION_READS: the most `needs` (a method's, its inner part's included) read of attention."""
+    if any(n.kind == "attention_rows" and n.rows in _WHOLE_LAYER_ROWS for n in needs):
+        return "probabilities"
+    if any(n.kind in ("attention_rows", "query_key") for n in needs):
+        return "rows"
+    return "none"
+
+
 def probe_plan(name: str, needs: tuple[Need, ...], acts_at: str, placement: str) -> ProbePlan:
     """The `ProbePlan` of a method `name` acting at `acts_at` / `placement` with `needs`; a need that
     no hook point of that placement reads is refused (ValueError, one line)."""
