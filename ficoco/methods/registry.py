@@ -33,6 +33,7 @@ from ficoco.methods import (
     tome,
     visionzip,
     vispruner,
+    vitcop,
 )
 from ficoco.methods.base import MethodSpec
 
@@ -43,6 +44,7 @@ PRESETS = (192, 128, 64)
 _BUILT_IN_SPECS = (ficoco_v.SPEC, ficoco_l.SPEC, fastv.SPEC, pdrop.SPEC, sparsevlm.SPEC, dart.SPEC, tome.SPEC,
                    visionzip.SPEC, fastervlm.SPEC, prumerge.SPEC, divprune.SPEC, vispruner.SPEC, cdpruner.SPEC,
                    holitom.SPEC)
+_BUILT_IN_SPECS += (vitcop.SPEC,)
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _BUILT_IN_SPECS}
 
