@@ -405,3 +405,22 @@ def test_the_short_quota_is_refused_by_default_and_runs_its_real_span_under_the_
     # The deep stage keeps round(R / 5) of the R the formula asks (here 43 > 32): 9 of the 32 really left.
     assert seen[3] == TEXT + round(round((4 * 0.5 / 0.5 - 1) / (2 + 1 / 5) * kept) / 5) == TEXT + 9
     assert method_label("vitcop", settings) == "ViTCoP (ficoco: deep span of the real count)"
+
+
+def test_its_stages_ask_the_host_nothing(model: nn.Module) -> None:
+    """The cut, VIC and both decoder stages are batched without host synchronisation: a prefill adds the entry's,
+    the decoder state's and the cut record's few questions to vanilla's, and decode steps none."""
+    from ficoco.profiling.host_sync import count_host_syncs
+
+    inp = synthetic_inputs(model, batch=2, text_tokens=TEXT, seed=3)
+
+    def syncs(call: Any) -> int:
+        with torch.no_grad(), count_host_syncs() as counts:
+            call()
+        return sum(counts.values())
+
+    vanilla = (syncs(lambda: model(**inp)), syncs(lambda: model.generate(**inp, max_new_tokens=4, do_sample=False)))
+    with ficoco.apply(model, "vitcop", keep=KEEP):
+        prefill = syncs(lambda: model(**inp))
+        generate = syncs(lambda: model.generate(**inp, max_new_tokens=4, do_sample=False))
+    assert prefill - vanilla[0] <= 3 and generate - vanilla[1] == prefill - vanilla[0]

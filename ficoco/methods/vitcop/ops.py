@@ -247,7 +247,8 @@ def cluster_merge(visual: Tensor, labels: Tensor, norms: Tensor, keep: int) -> t
     out_size = torch.gather(group_size, 1, kept).to(work)
     members = (group.unsqueeze(1) == out_group.unsqueeze(2)) & (out_group >= 0).unsqueeze(2)
     weights_out = members.to(work) / out_size.unsqueeze(2)
-    weights_out = weights_out + torch.nn.functional.one_hot(kept, count).to(work)
+    # Each output token's own row (scattered: one_hot would check the indices on the host).
+    weights_out = weights_out.scatter_add(2, kept.unsqueeze(-1), torch.ones_like(kept, dtype=work).unsqueeze(-1))
     tokens = weights_out @ visual.to(work)
     return kept, tokens.to(visual.dtype)
 
