@@ -68,12 +68,10 @@ METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision
                            "test_methods_holitom.py"})
 # Issue 53: every method's official-rule test (tests/test_rule_<method>.py) runs patched tiny models through the
 # adapters' hook points, as the method suites do: marked `transformers` and `method_suites` by their name.
-RULE_TESTS_PREFIX = "test_rule_"
-# Issue 53: the 2025-2026 methods' suites inside the models.
-NEW_METHOD_SUITES = frozenset({"test_method_gprune.py", "test_method_vtw.py", "test_method_vtw_cli.py",
-                               "test_method_vtw_families.py"})
-TRANSFORMERS_TESTS |= NEW_METHOD_SUITES
-METHOD_SUITES |= NEW_METHOD_SUITES
+# Issue 53: every method's official-rule test (tests/test_rule_<method>.py) and the 2025-2026 methods' own test files
+# (tests/test_method_<method>.py) run patched tiny models through the adapters' hook points, as the method suites do:
+# marked `transformers` and `method_suites` by their name.
+RULE_TESTS_PREFIX = ("test_rule_", "test_method_")
 
 
 # Files whose module fixtures run lmms-eval several times (minutes on a 2-core CPU).

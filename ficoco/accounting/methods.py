@@ -336,6 +336,11 @@ def schedule_for_method_budget(arch: Architecture, name: str, budget: float, cos
         lo, hi = (lo, mid) if schedule(mid) is not None else (mid + 1, hi)
     first = schedule(lo)
     if first is None:
+        # Feasible keeps may also end below the top (ViTCoP's cannot ask its shallow layer for more tokens than its
+        # cut kept): the bisection then climbed past them; the lowest feasible keep by a scan (plain arithmetic).
+        lo = next((k for k in range(len(keeps)) if schedule(k) is not None), lo)
+        first = schedule(lo)
+    if first is None:
         raise BudgetError(f"no {spec.title} setting exists on {arch.name}")
     cheapest = cost(first)
     if cheapest > budget:

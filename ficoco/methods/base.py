@@ -50,7 +50,12 @@ __all__ = ["ACTING_LAYERS", "ACTS_AT", "CLS_TO_PROJECTOR", "FAMILY_STATUSES", "F
 ACTS_AT = ("vision_layer", "after_projector", "llm_layer")
 PLACEMENTS = ("in_layer", "layer_input", "tower_output", "after_projector", "tower_input")
 STAGES = ("vision", "llm")
-POSITION_SCHEMES = ("original", "compact", "grid")
+# The position ids the layers after a step use: "original" (every token keeps its own, gaps included), "compact"
+# (renumbered without gaps; decode steps continue from the last), "grid" (a cut before the LLM: the model's own
+# layout), "reindexed" (each token's row index in the sequence entering the step, from the first visual token's
+# id on: the gaps earlier steps left close, this step's own stay; decode steps keep the model's own ids:
+# ViTCoP's deep stage).
+POSITION_SCHEMES = ("original", "compact", "grid", "reindexed")
 # How a spec is planned, by name (the accountant's table ficoco.accounting.planners.PLANNERS maps each to its
 # function): "by_steps" reads the spec's `steps`, `settings_for_keep` and `extra_macs`; "per_layer" plans any
 # count at any reducing layer from `first_layer` (FiCoCo-V and -L).
@@ -323,6 +328,10 @@ class MethodSpec:
     anyres_grid: bool = False
     # How the entry is planned: a name of the accountant's planner table (see above).
     planner: PlannerName = "by_steps"
+    # Per step, in the order of the method's steps, the position scheme of that step where the steps differ
+    # (ViTCoP's part in the decoder: "original" at its shallow stage, "reindexed" at its deep one); empty:
+    # `positions` at every step (`step_positions_at`).
+    step_positions: tuple[str, ...] = ()
     # Where ficoco corrects the official code, the correction is a named value of a hyperparameter whose default
     # stays the official behaviour: per hyperparameter, each such value with the few words a label shows
     # (`registry.method_label`: "VisionZip (ficoco: mean contextual token)"), so that a report never names the
@@ -419,6 +428,9 @@ class MethodSpec:
             raise ValueError(f"{self.name}: unknown placement {self.placement!r}")
         if self.positions not in POSITION_SCHEMES:
             raise ValueError(f"{self.name}: unknown position scheme {self.positions!r}")
+        for scheme in self.step_positions:
+            if scheme not in POSITION_SCHEMES:
+                raise ValueError(f"{self.name}: unknown position scheme {scheme!r} of a step")
         if self.planner not in PLANNER_NAMES:
             raise ValueError(f"{self.name}: unknown planner {self.planner!r}: choose from {', '.join(PLANNER_NAMES)}")
         if self.rules and (RULE not in self.hyperparameters or self.hyperparameters[RULE] in self.rules):
@@ -440,6 +452,10 @@ class MethodSpec:
                                  f"layer setting {need.at!r}, which is not one of its hyperparameters")
         # Every need must be one a hook point of this placement reads (refused here, in one line, otherwise).
         object.__setattr__(self, "probes", probe_plan(self.name, tuple(self.needs), self.acts_at, self.placement))
+
+    def step_positions_at(self, order: int) -> str:
+        """The position scheme of the method's step `order` (0-based among its steps)."""
+        return self.step_positions[order] if order < len(self.step_positions) else self.positions
 
     def load(self) -> ModuleType:
         """Import the module that holds the method's tensor functions (imports torch)."""

@@ -33,7 +33,9 @@ class Reduced:
             position ids).
         position_ids: ``(B, T')`` position ids for the later layers: the input's own
             (``original`` scheme, gaps included) or re-compacted (``compact``: the span's tokens
-            numbered on from its first position, the suffix shifted down by the tokens that left).
+            numbered on from its first position, the suffix shifted down by the tokens that left). A step of
+            the ``reindexed`` scheme returns the input's own; the adapter numbers them (it knows where the span
+            started before any step).
         attention_mask: ``(B, T')`` the input's 2-D padding mask carried along (added tokens are
             real), or None when none was given.
         kept_visual: ``(B, k)`` indices within the span of the kept visual tokens, ascending (``k`` may be 0: a
@@ -123,6 +125,11 @@ class StepInput:
             a method added), the index `images` are laid out in.
         images: per sample, its images' `ImageGrids` in span order, where the method needs them (a need of
             kind ``grid``); else None.
+        key_heads: the key heads ``H_kv`` that `keys` concatenates (0 without keys).
+        carried: ``(B, N)`` for a method acting before the LLM and again inside it, what its part before the
+            LLM handed on per visual token (`TowerOutput.carry`: ViTCoP's cluster labels), the sample's items in
+            order, following the tokens the earlier steps kept; ``-1`` on a visual token that part did not hand
+            on (Video-LLaVA's frame [CLS]) or one a step added. None when that part hands nothing on.
     """
 
     hidden: Tensor
@@ -140,6 +147,8 @@ class StepInput:
     prepared: object = None
     visual_ranks: Tensor | None = None
     images: tuple[tuple[ImageGrids, ...], ...] | None = None
+    key_heads: int = 0
+    carried: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -290,6 +299,9 @@ class TowerOutput:
         sequence: for an adapter that keeps image order (`TowerInput.image_order`), ``(items, T')`` the
             method's own order of the tokens it returns (indices into `hidden`), carried to its next step of
             the same forward; None: image order.
+        carry: for a cut of a method that acts again inside the LLM (`MethodSpec.inner`), ``(items, T')``
+            non-negative integers per output token that its part in the decoder reads
+            (`StepInput.carried`: ViTCoP's cluster labels, unique within a call's items); None: nothing.
 
     A cut's `positions` (optional): ``(items, T')`` the unit every output token stands at, a merged
     token included (VisionZip's contextual token: its target's), for adapters that place tokens by
@@ -305,3 +317,4 @@ class TowerOutput:
     discarded: Tensor | None = None
     merged_into: Tensor | None = None
     sequence: Tensor | None = None
+    carry: Tensor | None = None

@@ -98,6 +98,10 @@ class Handle:
     # one-image prefill (None with several images: the prompt's count is not one image's).
     tower_state: Any = None
     measured_tokens_per_item: int | None = None
+    # A method acting before the LLM and again inside it: what its cut handed on per token for its part in the
+    # decoder (`TowerOutput.carry`: ViTCoP's cluster labels), (items, tokens) of the last image call, -1 on a
+    # token the cut did not see; the decoder's state takes it at the prefill's first layer.
+    vision_carry: Tensor | None = None
     # The prompt (input_ids, attention_mask) of the image call in progress, as the entry received it:
     # a method before the LLM that reads the instruction (CDPruner) embeds its text tokens from it.
     prompt_ids: tuple[Tensor, Tensor | None] | None = field(default=None, repr=False)
@@ -172,6 +176,7 @@ class Handle:
         cached."""
         self._pending, self._records = [], []
         self.vision_state = None
+        self.vision_carry = None
         self.output_positions = None
 
     def record(self, stage: str, layer: int, *, kept: Tensor, discarded: Tensor,
@@ -184,7 +189,7 @@ class Handle:
         self._patches.undo()
         self.language_state = self.vision_state = self.output_positions = self.prompt_map = None
         self.prompt_ids = None
-        self.tower_state = None
+        self.tower_state = self.vision_carry = None
         self.cache_states.clear()
         if self.model.__dict__.get("_ficoco_handle") is self:
             del self.model.__dict__["_ficoco_handle"]

@@ -79,6 +79,7 @@ class RowsSlot:
     scores: str = DEFAULT_ATTENTION_SCORES  # the rule the rows' scores are computed by (ficoco.methods.reads)
     row_attention: Tensor | None = None
     keys: Tensor | None = None
+    key_heads: int = 0  # the key heads `keys` concatenates
 
 
 def _visible(mask: Tensor | None, batch: int, rows: int, q_len: int, k_len: int, device: torch.device) -> Tensor:
@@ -127,6 +128,7 @@ def rows_attention_function(module: nn.Module, query: Tensor, key: Tensor, value
                                              scaling, slot.scores)
         if slot.want_keys:
             slot.keys = key.transpose(1, 2).reshape(batch, k_len, -1)
+            slot.key_heads = key.shape[1]
     return own_attention(module, module._ficoco_rows_config, query, key, value, attention_mask, dropout=dropout,
                          scaling=scaling, is_causal=is_causal, **kwargs)
 
@@ -330,6 +332,14 @@ class StepState(LanguageState):
     text_positions: Tensor | None = None  # (B, T_now) positions that do not move with left padding
     mask2d: Tensor | None = None  # (B, T_now) padding mask
     added: Tensor | None = None  # (B, T_now) True on added tokens, None while there are none
+    # Per layer: what a decode step subtracts from the model's position ids (the shift, where the last step that
+    # renumbered positions compacted them, so that decoding continues from them; else 0).
+    decode_shift: dict[int, int] = field(default_factory=dict)
+    continues: bool = False  # the last step that renumbered positions compacted them
+    # (B, N_now) what the method's part before the LLM handed on per visual token (StepInput.carried), or None.
+    carried: Tensor | None = None
+    # (B, 1) the position id of the first visual token when the prefill started: where a reindexed step numbers on.
+    span_position: Tensor | None = None
     stage: int = 0
     prepared: Any = None
     steps_done: int = 0
@@ -393,14 +403,18 @@ class LayerInputPatch:
         self.settings = schedule.settings_dict()
         self.steps: dict[int, Removal] = {r.layer: r for r in schedule.removals}
         self.order = {layer: k for k, layer in enumerate(sorted(self.steps))}
-        # The entry's position scheme, or the run's `positions` setting where the official code offers both (VTW's
-        # pe_type); a compaction the family cannot make (3-D M-RoPE) is refused when asked for by name.
-        self.positions = self.settings.get("positions", spec.positions)
-        if self.positions == "compact" and spec.positions != "compact" and not adapter.compacts_positions:
+        # Each step's position scheme: the entry's (a method's steps may differ: ViTCoP's), or the run's `positions`
+        # setting where the official code offers both (VTW's pe_type); the schemes that renumber positions do so
+        # where the adapter's positions can be recomputed (1-D LLaMA ids; Qwen2-VL's 3-D ids stay original), and a
+        # compaction asked for by name where they cannot is refused.
+        chosen = self.settings.get("positions")
+        if chosen == "compact" and spec.positions != "compact" and not adapter.compacts_positions:
             raise FicocoError(f"{spec.title} positions=compact renumbers 1-D position ids; "
                               f"{getattr(adapter, 'family_title', 'this family')}'s are 3-D (M-RoPE: an image's tokens "
                               "share their rows and columns), which the methods keep; give positions=original")
-        self.compact = self.positions == "compact" and adapter.compacts_positions
+        self.schemes = {layer: chosen or spec.step_positions_at(k) for layer, k in self.order.items()}
+        self.renumbers = {layer: scheme in ("compact", "reindexed") and adapter.compacts_positions
+                          for layer, scheme in self.schemes.items()}
         self.rows = probes.previous_layer_rows
         self.keys = probes.previous_layer_keys
         self.own_row = probes.own_query_key_row
@@ -437,8 +451,8 @@ class LayerInputPatch:
             state.follow(hidden_states.device)
             if state.decoding:
                 attention_mask = state.decode_mask(attention_mask, index)
-                shift = state.shift.get(index)
-                if self.compact and shift and position_ids is not None:
+                shift = state.decode_shift.get(index)
+                if shift and position_ids is not None:
                     position_ids = position_ids - shift
                     position_embeddings = self.adapter.rotary(hidden_states, position_ids)
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -449,7 +463,7 @@ class LayerInputPatch:
                 hidden_states = self._step(state, index, layer, hidden_states, attention_mask, position_embeddings)
             attention_mask = state.layer_mask(attention_mask, index)
             if state.steps_done:
-                if self.compact:
+                if state.rotary is not None:  # positions a step renumbered: their own tables
                     position_ids = state.positions
                     position_embeddings = state.rotary
                 else:
@@ -461,6 +475,7 @@ class LayerInputPatch:
                 state.cached_positions[index] = state.key_positions(index)
                 # Positions compacted away before this layer (removed minus added tokens).
                 state.shift[index] = state.prefill_length - state.past_length - state.index.shape[1]
+                state.decode_shift[index] = state.shift[index] if state.continues else 0
             slot = self.slots.get(index)
             if slot is not None:
                 slot.armed = True
@@ -483,9 +498,17 @@ class LayerInputPatch:
             state.positions = position_ids.expand(batch, -1)
         else:
             state.positions = torch.arange(length, device=embeds.device).expand(batch, -1)
+        state.span_position = torch.gather(state.positions, 1, state.visual_start.unsqueeze(1))
         mask = state.mask2d
         state.text_positions = (mask.long().cumsum(1) - 1).clamp(min=0) if mask is not None else \
             torch.arange(length, device=embeds.device).expand(batch, -1)
+        carry, self.handle.vision_carry = self.handle.vision_carry, None
+        if carry is not None:  # what the method's part before the LLM handed on: per sample, its items in order
+            if carry.shape[0] % batch or carry.numel() != batch * state.num_visual:
+                raise FicocoError(f"{self.spec.title}: its part before the LLM handed on {tuple(carry.shape)} values "
+                                  f"for {batch} prompts of {state.num_visual} visual tokens each; give every prompt "
+                                  "its images' full spans")
+            state.carried = carry.reshape(batch, -1).to(embeds.device)
         if self.embeddings:
             grouped = gather_rows(embeds, state.grouping(), 1) if state.gapped else embeds
             prepare = cast(PreparesModule, self.module).prepare
@@ -497,11 +520,12 @@ class LayerInputPatch:
         removal = self.steps[index]
         slot = self.slots.get(index - 1)
         row_attention = keys = own_row = None
+        key_heads = 0
         if slot is not None:
-            row_attention, keys = slot.row_attention, slot.keys
+            row_attention, keys, key_heads = slot.row_attention, slot.keys, slot.key_heads
             slot.row_attention = slot.keys = None
         if self.own_row:
-            if self.compact and state.rotary is not None:
+            if state.rotary is not None:
                 cos, sin = state.rotary
             elif position_embeddings is not None and state.steps_done:
                 cos, sin = (gather_rows(t, state.index, 1) for t in position_embeddings)
@@ -519,7 +543,8 @@ class LayerInputPatch:
             keep=state.num_visual - remove, stage=self.order[index], position_ids=state.positions,
             text_positions=state.text_positions, attention_mask=state.mask2d, row_attention=row_attention,
             keys=keys, query_key_row=own_row, final_norm=self.adapter.final_norm, prepared=state.prepared,
-            visual_ranks=state.visual_ranks, images=state.image_grids)
+            visual_ranks=state.visual_ranks, images=state.image_grids, key_heads=key_heads,
+            carried=state.carried)
         order = state.grouping() if state.gapped else None
         if order is not None:
             inputs = _grouped(inputs, order)
@@ -527,8 +552,11 @@ class LayerInputPatch:
         if state.images > 1 and hasattr(self.module, "several_images"):  # counts per image (DART's pivots)
             settings = self.module.several_images(settings, state.images)  # type: ignore[attr-defined]
         red = self.handle.run_method(index, self.module.step, inputs, settings)
+        scheme = self.schemes[index]
         if order is not None:
-            red = _reading_order(red, order, state, self.positions == "compact")
+            red = _reading_order(red, order, state, scheme)
+        if scheme == "reindexed":
+            red = replace(red, position_ids=_reindexed(state, red.kept_positions))
         # Tokens a method adds (SparseVLM's clusters) follow from all the pruned tokens of the prompt
         # together: with several images only the kept count is the schedule's.
         expected = state.num_visual - remove + removal.added
@@ -560,6 +588,10 @@ class LayerInputPatch:
         added = is_added if previously_added is None else is_added | torch.gather(previously_added, 1, anchor)
         state.added = added if bool(extra) or previously_added is not None else None
         state.visual_ranks = ranks
+        if state.carried is not None:  # follows the kept visual tokens; an added token carries nothing (-1)
+            carried = torch.gather(state.carried, 1, red.kept_visual)
+            state.carried = torch.cat([carried, carried.new_full((carried.shape[0], extra), -1)], dim=1) \
+                if extra else carried
         if state.gapped:  # kept visual tokens and added ones, wherever they are now
             was_visual = torch.zeros(source.shape[0], hidden.shape[1], dtype=torch.bool, device=hidden.device)
             now = torch.gather(was_visual.scatter(1, state.visual_rows, True), 1, anchor) | is_added
@@ -568,11 +600,14 @@ class LayerInputPatch:
         else:
             state.visual_rows = state.visual_start.unsqueeze(1) + torch.arange(red.num_visual, device=hidden.device)
         state.mask2d = red.attention_mask
-        if self.compact:
+        if self.renumbers[index]:
             state.positions = red.position_ids
             state.rotary = self.adapter.rotary(red.hidden, red.position_ids)
+            state.continues = scheme == "compact"
         else:
             state.positions = torch.gather(state.positions, 1, anchor)
+            if state.rotary is not None:  # tables an earlier step renumbered travel with their tokens
+                state.rotary = (gather_rows(state.rotary[0], anchor, 1), gather_rows(state.rotary[1], anchor, 1))
         state.steps_done += 1
         return red.hidden
 
@@ -636,9 +671,22 @@ def _grouped(inputs: StepInput, order: Tensor) -> StepInput:
                    query_key_row=columns(inputs.query_key_row))
 
 
-def _reading_order(red: Reduced, order: Tensor, state: StepState, compact: bool) -> Reduced:
+def _reindexed(state: StepState, kept_positions: Tensor) -> Tensor:
+    """(B, T') the "reindexed" position ids of a step's output (MethodSpec.positions): the prefix keeps its own;
+    from the visual span on, every token is numbered by the row it held in the sequence entering the step,
+    counted on from the first visual token's id when the prefill started. The gaps earlier steps left close,
+    this step's own stay (ViTCoP's deep stage: ``position_ids = all_keep``). An added token stands at the last
+    visual row."""
+    rows = torch.where(kept_positions < 0, state.visual_rows[:, -1:], kept_positions)
+    start = state.visual_start.unsqueeze(1)
+    own = torch.gather(state.positions, 1, rows)
+    return torch.where(rows < start, own, state.span_position + rows - start)
+
+
+def _reading_order(red: Reduced, order: Tensor, state: StepState, scheme: str) -> Reduced:
     """A method's result on the grouped sequence put back in reading order: every token at its
-    place, added tokens right after the last visual token, compacted positions numbered again."""
+    place, added tokens right after the last visual token, compacted or reindexed positions numbered again
+    (`scheme`, the step's; reindexed positions are numbered by the caller, `_reindexed`)."""
     source = red.kept_positions
     is_added = source < 0
     current = torch.where(is_added, -1, torch.gather(order, 1, source.clamp(min=0)))
@@ -648,8 +696,8 @@ def _reading_order(red: Reduced, order: Tensor, state: StepState, compact: bool)
     hidden = gather_rows(red.hidden, back, 1)
     kept_positions = torch.gather(current, 1, back)
     mask = None if red.attention_mask is None else torch.gather(red.attention_mask, 1, back)
-    if not compact:
-        positions = torch.gather(red.position_ids, 1, back)  # original positions travel with their tokens
+    if scheme != "compact":  # original positions travel with their tokens (reindexed ones are numbered after)
+        positions = torch.gather(red.position_ids, 1, back)
     else:  # compacted: the prefix keeps its own, then numbered on from the first visual token's
         start = state.visual_start.unsqueeze(1)
         slots = torch.arange(source.shape[1], device=source.device).expand(source.shape[0], -1)

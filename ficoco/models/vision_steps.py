@@ -267,6 +267,7 @@ class TowerPatch:
             if cut is not None:
                 reduced, origin = self._cut(cut, features[:, int(keeps_cls):], state, origin)
                 features = torch.cat([features[:, :1], reduced], dim=1) if keeps_cls else reduced
+                self._carry_cls(keeps_cls)
             out = original(features, *args, **kwargs)
             cut = self.cuts.get("after_projector")
             if cut is not None and getattr(self.adapter, "cut_after_pooling", False):
@@ -284,6 +285,7 @@ class TowerPatch:
             if cut is not None:
                 reduced, origin = self._cut(cut, out[:, int(keeps_cls):], state, origin)
                 out = torch.cat([out[:, :1], reduced], dim=1) if keeps_cls else reduced
+                self._carry_cls(keeps_cls)
             # (items, tokens) per output token its original patch, -1 without a grid place: what an
             # adapter that packs the tokens by place reads (LLaVA-NeXT's AnyRes grid).
             self.handle.vision_state = origin
@@ -292,6 +294,13 @@ class TowerPatch:
             return out
 
         return forward
+
+    def _carry_cls(self, keeps_cls: bool) -> None:
+        """What the cut handed on per token (`Handle.vision_carry`), lined up with the tokens that reach the LLM:
+        -1 for the item's [CLS] the model hands on before them (Video-LLaVA), which the cut did not see."""
+        carry = self.handle.vision_carry
+        if keeps_cls and carry is not None:
+            self.handle.vision_carry = torch.cat([torch.full_like(carry[:, :1], -1), carry], dim=1)
 
     def cut_pooled(self, features: Tensor, pool: Callable[[Tensor], Tensor]) -> Tensor:
         """Run the cut the projector left (`deferred`) on `features` (items, pooled, D), every video frame's
@@ -335,13 +344,17 @@ class TowerPatch:
         cls = state.cls if removal.where == "tower_output" and state.cls is not None \
             and state.cls.shape[0] == items and state.cls.shape[-1] == features.shape[-1] else None
         # A video's frames, for a method that reads them together (HoliTom); None: independent items.
+        # The patch grid, where the units are the tower's own patches (not a pooled grid, none merged in a layer).
+        grid = self.adapter.grid_hw if expected_units is None and not self.in_layer else None
         inputs = TowerInput(hidden=features, has_cls=self.has_cls, remove=removal.remove, added=removal.added,
                             keys=keys, cls_query=query, scale=scale, attention=probabilities, text=text,
                             text_mask=text_mask, frames=getattr(self.adapter, "frames_in_call", None),
-                            cls_hidden=None if cls is None else cls.to(features.device),
-                            grid_hw=self.adapter.grid_hw, named=self._named(state, None))
+                            cls_hidden=None if cls is None else cls.to(features.device), grid_hw=grid,
+                            named=self._named(state, None))
         out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
         hidden = out.hidden
+        # What a method acting again inside the LLM hands its part there (ViTCoP's cluster labels).
+        self.handle.vision_carry = None if out.carry is None else out.carry[:, :hidden.shape[1]]
         if out.counts is not None:
             # An adaptive count: one host read. Items of one call must agree, since their image spans
             # are shortened alike (a batch's prompts keep equal lengths).

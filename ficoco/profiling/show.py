@@ -123,6 +123,18 @@ class Layout:
         return [1, flat // layout.grid_hw[1], flat % layout.grid_hw[1], 1, 1]
 
 
+    def cut_span(self, kept: torch.Tensor) -> list[Cell] | None:
+        """The cells of the LLM's visual span after a cut before the LLM whose record kept `kept` ``(items, k)``
+        (patch indices, -1 for a token without one): every item's tokens in turn, a Video-LLaVA frame's [CLS]
+        (None) first. Record indices of a later LLM step are offsets into this span (ViTCoP, HoliTom). None
+        where the family's span is not the items' tokens in turn (LLaVA-NeXT's packing, the merge groups)."""
+        if self.family not in ("llava", "video_llava"):
+            return None
+        cls: list[Cell] = [None] if self.family == "video_llava" else []
+        return [cell for item, row in enumerate(kept.tolist())
+                for cell in cls + [None if index < 0 else self.cell("vision", item, index) for index in row]]
+
+
 def _normalised(picture: Any, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """(3, H, W) float tensor of a PIL image, normalised."""
     array = np.asarray(picture, dtype=np.float32) / 255.0
@@ -210,8 +222,11 @@ def picture_inputs(model: nn.Module, layout: Layout, image: str | None, *, weigh
     return inputs, pictures
 
 
-def _cells(layout: Layout, stage: str, tensor: torch.Tensor) -> list[Cell]:
-    # -1: a row's padding (an item that kept or lost fewer than the widest row), no cell.
+def _cells(layout: Layout, stage: str, tensor: torch.Tensor, span: list[Cell] | None = None) -> list[Cell]:
+    """The cells of a record's indices; an LLM record's through `span` (`Layout.cut_span`) after a cut. -1: a row's
+    padding (an item that kept or lost fewer than the widest row), no cell."""
+    if stage == "llm" and span is not None:
+        return [span[index] if 0 <= index < len(span) else None for row in tensor.tolist() for index in row]
     return [layout.cell(stage, item, int(index)) if index >= 0 else None
             for item, row in enumerate(tensor.tolist()) for index in row]
 
@@ -232,10 +247,15 @@ def show_data(model: nn.Module, variant: str, schedule: Any, inputs: dict[str, A
     steps: list[dict[str, Any]] = []
     removed: list[Cell] = []
     owner: dict[tuple[int, ...], Cell] = {}
+    # A cut before the LLM shortens the span a later LLM step's records index (ViTCoP, HoliTom).
+    cuts = [r for r in schedule.removals if r.stage == "vision" and r.where != "in_layer"]
+    span: list[Cell] | None = None
     for record in records:
-        kept = [c for c in _cells(layout, record.stage, record.kept) if c is not None]
-        discarded = _cells(layout, record.stage, record.discarded)
-        merged = None if record.merged_into is None else _cells(layout, record.stage, record.merged_into)
+        kept = [c for c in _cells(layout, record.stage, record.kept, span) if c is not None]
+        discarded = _cells(layout, record.stage, record.discarded, span)
+        merged = None if record.merged_into is None else _cells(layout, record.stage, record.merged_into, span)
+        if record.stage == "vision" and cuts:
+            span = layout.cut_span(record.kept)
         steps.append({
             "stage": record.stage, "layer": record.layer, "kept": kept, "discarded": discarded, "merged_into": merged,
             "removed_before": list(removed),
