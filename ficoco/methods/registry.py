@@ -35,6 +35,7 @@ from ficoco.methods import (
     tome,
     visionzip,
     vispruner,
+    vscan,
 )
 from ficoco.methods.base import MethodSpec
 
@@ -44,7 +45,7 @@ PRESETS = (192, 128, 64)
 # The package's own methods, in the order `ficoco methods` lists them.
 _BUILT_IN_SPECS = (ficoco_v.SPEC, ficoco_l.SPEC, fastv.SPEC, pdrop.SPEC, sparsevlm.SPEC, dart.SPEC, tome.SPEC,
                    visionzip.SPEC, fastervlm.SPEC, prumerge.SPEC, divprune.SPEC, vispruner.SPEC, cdpruner.SPEC,
-                   holitom.SPEC, fitprune.SPEC, hiprune.SPEC)
+                   holitom.SPEC, fitprune.SPEC, hiprune.SPEC, vscan.SPEC)
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _BUILT_IN_SPECS}
 
