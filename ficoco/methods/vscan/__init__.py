@@ -198,10 +198,12 @@ def tower_layers(tower: TowerLayout, settings: Mapping[str, Any]) -> dict[str, A
         raise FicocoError(f"VScan local_layer={layer!r}: give a 0-based tower layer (the official attentions[5] is "
                           "local_layer=5) or auto")
     out["local_layer"] = layer
+    if tower.units < 1:
+        raise FicocoError("VScan's counts are counts of an item's units, which this plan does not give")
     if settings.get("keep") is None:
-        if tower.units < 1:
-            raise FicocoError("VScan's official counts are shares of an item's units, which this plan does not give")
         out["keep"], out["llm_keep"] = official_counts(code, tower.units)
+    # What stage 1 hands the LLM per item (`reaching`), the count stage 2's share is of.
+    out["handed"] = reaching({**settings, **out}, tower.units)
     return out
 
 
@@ -213,17 +215,18 @@ def steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[St
     return (Step(n_layers - 1, n_visual - left, 0, "after_projector", "vision"),) if left < n_visual else ()
 
 
-def stage_two_keep(n_visual: int, keep: int, llm_keep: int) -> int:
-    """Visual tokens stage 2 keeps of the `n_visual` the LLM received: the share ``llm_keep / keep`` of them,
-    rounded (one item: `llm_keep` itself, LLaVA's ``min(32, image tokens)``; LLaVA-NeXT's crops and newlines, a
-    video's frames: the same share of the whole span, the per-crop budget the official NeXT run means)."""
-    return max(1, min(n_visual, (2 * n_visual * llm_keep + keep) // (2 * keep)))
+def stage_two_keep(n_visual: int, handed: int, llm_keep: int) -> int:
+    """Visual tokens stage 2 keeps of the `n_visual` the LLM received, where stage 1 hands it `handed` per item: the
+    share ``llm_keep / handed`` of them, rounded (one item: `llm_keep` itself, LLaVA's ``min(32, image tokens)``;
+    LLaVA-NeXT's crops and newlines, a video's frames: the same share of the whole span, the per-crop budget the
+    official NeXT run means)."""
+    return max(1, min(n_visual, (2 * n_visual * llm_keep + handed) // (2 * handed)))
 
 
 def inner_steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:
     """Stage 2: at the input of the rank layer, the visual tokens the last prompt token attends to most stay."""
     layer = llm_layer_for(settings.get("llm_layer", LLM_LAYER), n_layers, settings.get(FULL_ATTENTION_LAYERS))
-    kept = stage_two_keep(n_visual, settings["keep"], settings["llm_keep"])
+    kept = stage_two_keep(n_visual, settings["handed"], settings["llm_keep"])
     return (Step(layer, n_visual - kept),) if kept < n_visual else ()
 
 
@@ -265,7 +268,7 @@ INNER = MethodSpec(
     source="Tencent/SelfEvolvingAgent a82450e (VScan/llava/model/modeling_llama_x.py:1320-1509, "
            "VScan/qwen/model/qwen2_5_vl_custom.py:691-785)",
     summary="keep the visual tokens the last prompt token attends to most in the rank layer's own q and k",
-    keep_means="the share llm_keep / keep of the visual tokens the LLM received",
+    keep_means="the share llm_keep / handed of the visual tokens the LLM received",
     steps=inner_steps, extra_macs=inner_extra_macs, wired=True,
 )
 
