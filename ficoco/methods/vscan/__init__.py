@@ -116,6 +116,17 @@ def reaching(settings: Mapping[str, Any], units: int) -> int:
 
 # ---- the layers ------------------------------------------------------------------------------------------------
 
+def whole_layer(name: str, value: Any, what: str) -> int:
+    """`value` of setting `name` as a whole number (`--hp llm_layer=12` arrives as text), or one line asking for
+    `what` or auto."""
+    try:
+        if isinstance(value, bool) or float(value) != int(value):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise FicocoError(f"VScan {name}={value!r}: give {what}, or auto") from None
+
+
 def local_layer_for(tower: TowerLayout) -> int:
     """The local scan's layer, 0-based: a quarter of the tower's depth (1-based ``round(layers / 4)``, at least 1):
     attentions[5] of CLIP's 24 layers, the LLaVA code's; on a tower whose layers attend within windows, its first
@@ -130,9 +141,7 @@ def llm_layer_for(value: Any, n_layers: int, full: tuple[int, ...] | None = None
     14 of Qwen2.5-VL-7B's 28), on a hybrid decoder (`full`: its full-attention layers) the nearest full-attention
     layer after its first (the lower on a tie), whose own q and k rank."""
     if value != LLM_LAYER:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise FicocoError(f"VScan llm_layer={value!r}: give a decoder layer (0-based) or auto")
-        return value
+        return whole_layer("llm_layer", value, "a decoder layer (0-based)")
     middle = max(1, n_layers // 2)
     if full:
         later = [layer for layer in full if layer != full[0]]
@@ -188,16 +197,13 @@ def tower_layers(tower: TowerLayout, settings: Mapping[str, Any]) -> dict[str, A
     window = settings.get("window_size", WINDOW_SIZE)
     if window == WINDOW_SIZE:
         window = LLAVA_WINDOW if code == "llava" else QWEN_WINDOW
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise FicocoError(f"VScan window_size={window!r}: give a window side of at least 1 unit, or auto")
+    window = whole_layer("window_size", window, "a window side of at least 1 unit")
+    if window < 1:
+        raise FicocoError(f"VScan window_size={window}: give a window side of at least 1 unit, or auto")
     out["window_size"] = window
     layer = settings.get("local_layer", LOCAL_LAYER)
-    if layer == LOCAL_LAYER:
-        layer = local_layer_for(tower)
-    elif isinstance(layer, bool) or not isinstance(layer, int):
-        raise FicocoError(f"VScan local_layer={layer!r}: give a 0-based tower layer (the official attentions[5] is "
-                          "local_layer=5) or auto")
-    out["local_layer"] = layer
+    out["local_layer"] = local_layer_for(tower) if layer == LOCAL_LAYER else \
+        whole_layer("local_layer", layer, "a 0-based tower layer (the official attentions[5] is local_layer=5)")
     if tower.units < 1:
         raise FicocoError("VScan's counts are counts of an item's units, which this plan does not give")
     if settings.get("keep") is None:
