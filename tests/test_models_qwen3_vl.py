@@ -323,7 +323,7 @@ def test_a_text_turn_on_the_cache_equals_the_whole_conversation(model: nn.Module
 SETTINGS = {"v": {"keep": 20}, "l": {"keep": 20}, "fastv": {}, "pdrop": {"schedule": "1:30,3:20"},
             "sparsevlm": {"schedule": "2:30,3:20"}, "dart": {"keep": 20}, "tome": {"keep": 20},
             "visionzip": {"keep": 20}, "fastervlm": {"keep": 20}, "divprune": {"keep": 20},
-            "vispruner": {"keep": 20}, "cdpruner": {"keep": 20}, "hiprune": {"keep": 20}}
+            "vispruner": {"keep": 20}, "cdpruner": {"keep": 20}, "hiprune": {"keep": 20}, "vscan": {"keep": 20}}
 
 
 @pytest.mark.parametrize("variant", list(METHODS))
