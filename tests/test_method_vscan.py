@@ -201,6 +201,26 @@ def test_the_qwen_greedy_fills_its_shortfall_from_the_global_scan() -> None:
     assert kept.shape == (1, 14) and torch.equal(kept, kept.sort().values)
 
 
+def test_a_windowed_layer_s_reads_in_another_order_are_its_block_diagonal_permuted() -> None:
+    from ficoco.methods.reads.ops import DenseAttention, SegmentedReads
+
+    torch.manual_seed(3)
+    windows = [torch.softmax(torch.randn(1, n, n), dim=-1) for n in (3, 5, 4)]
+    dense = torch.block_diag(*(w[0] for w in windows))[None]  # (1, 12, 12): no attention across windows
+    order = torch.randperm(12)  # the image's grid order of the window-ordered tokens
+    reads = SegmentedReads([DenseAttention(w) for w in windows]).reordered(order)
+    expected = dense[:, order][:, :, order]
+    rows, cols = torch.tensor([[0, 7, 11]]), torch.tensor([[2, 5]])
+    torch.testing.assert_close(reads.column_sum(), expected.sum(dim=1))
+    torch.testing.assert_close(reads.column_sum(rows), expected[:, rows[0]].sum(dim=1))
+    torch.testing.assert_close(reads.column_mean(), expected.mean(dim=1))
+    torch.testing.assert_close(reads.column_mean(first_row=4), expected[:, 4:].mean(dim=1))
+    torch.testing.assert_close(reads.rows(rows), expected[:, rows[0]])
+    torch.testing.assert_close(reads.block(rows, cols), expected[:, rows[0]][:, :, cols[0]])
+    again = torch.randperm(12)
+    torch.testing.assert_close(reads.reordered(again).column_sum(), expected[:, again][:, :, again].sum(dim=1))
+
+
 # ---- in the model ------------------------------------------------------------------------------------------------
 
 def entering(model: nn.Module, inp: dict[str, Tensor]) -> list[int]:

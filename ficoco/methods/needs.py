@@ -14,7 +14,8 @@ What each placement reads (`probe_plan`):
   ``attention_rows`` or ``query_key`` of ``vision L`` (the tower layer of each step), ``vision last``
   (the tower's last layer) or ``vision named`` (the tower layer a setting of the method names: the
   need's ``at``, e.g. HiPrune's ``object_layer``), rows ``cls`` (the [CLS] query is kept as well),
-  ``all`` (``attention_rows`` of every row: the layer's head-mean probabilities, as the layer ran) or
+  ``all`` (``attention_rows`` of every row: the layer's head-mean probabilities, as the layer ran; a
+  Qwen2.5-VL window block's every window's own, in the image's grid order) or
   ``item`` (every row over every key of the tower item, the layer's window mask left out: a
   Qwen2.5-VL window block read as if it attended over the whole image; elsewhere the same as
   ``all``); ``hidden`` of
