@@ -352,12 +352,6 @@ def flops_table(report: dict[str, Any], unit: str, show_roofline: bool, wide: bo
     return _table(columns, range(len(rows)), title=title, caption=caption)
 
 
-# `ficoco methods`' words for what a method reads of attention (ficoco.methods.needs.ATTENTION_READS).
-READS_WORDS = {"probabilities": "probabilities: whole rows or columns, read beside the layer's kernel",
-               "rows": "a few rows, recomputed from q and k beside any kernel",
-               "none": "none: runs beside any fused kernel"}
-
-
 def methods_table(rows: list[dict[str, Any]]) -> Table:
     """The method registry: name, where it acts, its defaults, the families it runs on."""
     table = Table(title="reduction methods (ficoco flops --variant NAME; --keep/--preset N: see 'keep')",
@@ -365,9 +359,11 @@ def methods_table(rows: list[dict[str, Any]]) -> Table:
                   caption=escape("defaults: the official code's, or where [marked] their source (FiCoCo's: its "
                                  "paper, which defines it); (ficoco: VALUE = what it does) names ficoco's corrections "
                                  "of the official code, set with --hp NAME=VALUE and named in every report, as is a "
-                                 "rule named with --hp rule=VALUE"), caption_justify="left")
-    for col in ("name", "method", "acts at", "reads attention", "positions", "defaults", "keep N means", "families",
-                "runs"):
+                                 "rule named with --hp rule=VALUE; reads: what a method reads of attention, "
+                                 "probabilities (whole rows or columns of a layer's softmax, read beside its kernel), "
+                                 "rows (a few, recomputed from q and k beside any kernel) or none"),
+                  caption_justify="left")
+    for col in ("name", "method", "acts at", "reads", "positions", "defaults", "keep N means", "families", "runs"):
         table.add_column(col, justify="left", overflow="fold")
     for r in rows:
         corrections = r.get("corrections") or {}
@@ -382,7 +378,7 @@ def methods_table(rows: list[dict[str, Any]]) -> Table:
                if k == "rule" and rules else "")
             for k, v in r["hyperparameters"].items()))
         where = f"{r['acts_at'].replace('_', ' ')} ({r['placement'].replace('_', ' ')})"
-        table.add_row(r["name"], r["title"], where, READS_WORDS.get(r.get("attention_reads", ""), ""), r["positions"],
+        table.add_row(r["name"], r["title"], where, r.get("attention_reads", ""), r["positions"],
                       defaults, cli_message(r["keep_means"]),
                       ", ".join(r["families"]), "yes" if r["wired"] else "flops only")
     return table

@@ -42,12 +42,13 @@ REDUCING = {"v": {"keep": 24}, "tome": {"keep": 8}, "l": {"keep": 30}, "fastv": 
             "sparsevlm": {"schedule": {2: 12}}, "dart": {"keep": 24}, "visionzip": {"keep": 8},
             "vispruner": {"keep": 8}, "fastervlm": {"keep": 8}, "divprune": {"keep": 8}, "cdpruner": {"keep": 8},
             "prumerge": {"keep": 8}, "hiprune": {"keep": 8, "alpha": 0.7}, "vlmpruner": {"keep": 24}, "fitprune": {},
-            "gprune": {"keep": 8}, "vtw": {"layer": 2}}
+            "gprune": {"keep": 8}, "vtw": {"layer": 2},
+            "vscan": {"keep": 6}}
 IDENTITY = {"v": {"schedule": {}}, "tome": {"schedule": {}}, "l": {"schedule": {}}, "fastv": {"keep": VISUAL},
             "pdrop": {"keep": VISUAL}, "sparsevlm": {"schedule": {}}, "dart": {"keep": VISUAL},
             "visionzip": {"keep": UNITS}, "vispruner": {"keep": UNITS}, "fastervlm": {"keep": UNITS},
             "divprune": {"keep": UNITS}, "cdpruner": {"keep": UNITS}, "hiprune": {"keep": UNITS},
-            "gprune": {"keep": UNITS}}
+            "gprune": {"keep": UNITS}, "vscan": {"keep": UNITS}}
 
 
 def inputs(model: nn.Module, batch: int = 1, seed: int = 0, **kwargs: Any) -> dict[str, Tensor]:

@@ -325,7 +325,7 @@ SETTINGS = {"v": {"keep": 20}, "l": {"keep": 20}, "fastv": {}, "pdrop": {"schedu
             "visionzip": {"keep": 20}, "fastervlm": {"keep": 20}, "divprune": {"keep": 20},
             "vispruner": {"keep": 20}, "cdpruner": {"keep": 20}, "hiprune": {"keep": 20}, "vlmpruner": {"keep": 20},
             "fitprune": {}, "gprune": {"keep": 20}, "vtw": {"layer": 2},
-            "pixelprune": {}}
+            "pixelprune": {}, "vscan": {"keep": 20}}
 
 
 @pytest.mark.parametrize("variant", list(METHODS))

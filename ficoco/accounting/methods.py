@@ -65,7 +65,8 @@ def tower_layout(arch: Architecture) -> TowerLayout:
     """The tower `arch` runs, as a method's `tower_layers` reads it."""
     v = arch.vision
     full = tuple(sorted(v.full_attention_layers)) if v.window_groups else tuple(range(v.layers))
-    return TowerLayout(family=arch.family, layers=v.layers, feature_layer=v.feature_layer, full_attention=full)
+    return TowerLayout(family=arch.family, layers=v.layers, feature_layer=v.feature_layer, full_attention=full,
+                       units=v.units)
 
 
 def counted_shape(arch: Architecture, spec: MethodSpec) -> tuple[int, int]:
@@ -247,7 +248,10 @@ def with_inner_steps(arch: Architecture, spec: MethodSpec, schedule: Schedule) -
     settings = schedule.settings_dict()
     visual, layers = plan_tokens(arch, schedule).llm_visual_tokens, arch.decoder.layers
     removals = list(schedule.removals)
-    for step in spec.inner.steps(settings, visual, layers):
+    # A hybrid decoder's full-attention layers, for an inner part that picks its layer among them (not a setting).
+    hybrid = hybrid_layers(arch)
+    decoder = {FULL_ATTENTION_LAYERS: hybrid.full} if hybrid is not None else {}
+    for step in spec.inner.steps({**settings, **decoder}, visual, layers):
         if not 1 <= step.layer < layers or step.remove >= visual:
             raise FicocoError(f"{spec.title}: the LLM step at layer {step.layer} removing {step.remove} of {visual} "
                               f"visual tokens does not fit the decoder's layers 1..{layers - 1}")

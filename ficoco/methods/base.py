@@ -180,7 +180,8 @@ ExtraMacs = list[tuple[int | None, str, int]]
 class TowerLayout:
     """The vision tower a run plans, as a method's `tower_layers` reads it to pick the tower layers its
     ``vision named`` needs read (ficoco.methods.needs): the official layer where the tower has the official
-    depth, else the method's stated rule.
+    depth, else the method's stated rule; and any other setting that follows the tower (VScan's scan, which
+    its official codes run per family, and their default counts of an item's units).
 
     Attributes:
         family: the model family ("llava", "qwen2_5_vl", ...).
@@ -188,12 +189,14 @@ class TowerLayout:
         feature_layer: the 0-based layer whose output the projector reads.
         full_attention: the layers that attend over the whole item (every layer where the tower has no
             windows; Qwen2.5-VL: its fullatt_block_indexes).
+        units: the units (patches, or merge groups) of one tower item a cut counts; 0: not given.
     """
 
     family: str
     layers: int
     feature_layer: int
     full_attention: tuple[int, ...]
+    units: int = 0
 
 
 @dataclass(frozen=True)
@@ -300,9 +303,10 @@ class MethodSpec:
     keep_choices: tuple[int, ...] | None = None  # keeps a budget search may pick (None: any)
     extra_macs: Callable[[StepContext], ExtraMacs] | None = None
     wired: bool = False  # whether the model adapters run it yet
-    # Its merges are decided from the keys and the attention alone, never from the hidden states it merges: features
-    # that ride with the hidden states through its step (Qwen3-VL's DeepStack features) merge with its own weights.
-    # False: such features follow its kept tokens only, and a family that has them refuses its merges.
+    # Its merges are decided from the keys and the attention alone, never from the hidden states it merges, or from
+    # those hidden states' own channels only, the riding ones left out (`TowerInput.riding`: VScan's cosine merge):
+    # features that ride with the hidden states through its step (Qwen3-VL's DeepStack features) merge with its own
+    # weights. False: such features follow its kept tokens only, and a family that has them refuses its merges.
     merges_by_keys: bool = False
     # A method at a decoder layer's input that folds the tokens it removes into those it keeps, weighted by their
     # hidden states (VLM-Pruner's SWA): features a family still adds to the visual tokens after the step (Qwen3-VL's
@@ -359,9 +363,10 @@ class MethodSpec:
     # them at their shapes; --verify checks them.
     reads: ReadShapes | None = None
     # A method before the LLM whose needs read tower layers its settings name (``vision named``): those settings
-    # resolved on the tower a run plans, (TowerLayout, settings) -> {setting: 0-based tower layer}; the accountant
-    # writes them into the schedule's settings, which the adapters read. None: the settings hold the layers as given.
-    tower_layers: Callable[[TowerLayout, Mapping[str, Any]], Mapping[str, int]] | None = None
+    # resolved on the tower a run plans, (TowerLayout, settings) -> {setting: 0-based tower layer}, with any other
+    # setting that follows the tower (VScan's scan per family); the accountant writes them into the schedule's
+    # settings, which the adapters read. None: the settings hold the layers as given.
+    tower_layers: Callable[[TowerLayout, Mapping[str, Any]], Mapping[str, Any]] | None = None
     # Its step removes every visual token (VTW's withdrawal): the planner refuses a step that leaves any, the decoder's
     # later layers run and cache the text alone, and on a hybrid decoder the step sits at a full-attention layer
     # (ficoco.methods.hybrid). False: at least one visual token stays after every step.

@@ -256,6 +256,9 @@ class TowerInput:
             before the first step (image order).
         named: per setting of a ``vision named`` need (ficoco.methods.needs: HiPrune's ``object_layer``), what
             the adapter kept of the tower layer it names (`TowerLayerProbe`); None when the method names none.
+        riding: the trailing channels of `hidden` that only ride with the tokens (Qwen3-VL's DeepStack features,
+            for a method of `MethodSpec.merges_by_keys`): the method merges them as it merges the tokens and
+            decides nothing by them; 0: none.
     """
 
     hidden: Tensor
@@ -277,6 +280,7 @@ class TowerInput:
     image_order: bool = False
     sequence: Tensor | None = None
     named: Mapping[str, TowerLayerProbe] | None = None
+    riding: int = 0
 
 
 @dataclass(frozen=True)

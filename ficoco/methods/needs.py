@@ -14,7 +14,8 @@ What each placement reads (`probe_plan`):
   ``attention_rows`` or ``query_key`` of ``vision L`` (the tower layer of each step), ``vision last``
   (the tower's last layer) or ``vision named`` (the tower layer a setting of the method names: the
   need's ``at``, e.g. HiPrune's ``object_layer``), rows ``cls`` (the [CLS] query is kept as well),
-  ``all`` (``attention_rows`` of every row: the layer's head-mean probabilities, as the layer ran) or
+  ``all`` (``attention_rows`` of every row: the layer's head-mean probabilities, as the layer ran; a
+  Qwen2.5-VL window block's every window's own, in the image's grid order) or
   ``item`` (every row over every key of the tower item, the layer's window mask left out: a
   Qwen2.5-VL window block read as if it attended over the whole image; elsewhere the same as
   ``all``); ``hidden`` of
@@ -30,10 +31,12 @@ What each placement reads (`probe_plan`):
   unit's patches consecutive, the units in grid order);
 - at the input of a decoder layer L (``layer_input``): ``attention_rows`` of ``L-1``, rows
   ``last`` or ``suffix``; ``keys`` of ``L-1``; ``query_key`` of ``L``, row ``last`` (the layer's
-  own projections); ``input_embeddings`` (once per prefill); ``hidden`` of ``L`` or ``L-1`` (the
-  step's input, which is layer L-1's output); ``grid`` of the ``embeddings``, rows ``all`` (where every
-  visual token stands on the grid of its image, crop grid, tile or frame, as the LLM received the span:
-  `StepInput.images`, from the adapter that knows the call's images);
+  own projections, with its RoPE, or, with ``rope="1d"``, with it only where the decoder's positions
+  are 1-D: VScan's official Qwen2.5-VL code ranks by its M-RoPE decoder's q and k without it);
+  ``input_embeddings`` (once per prefill); ``hidden`` of ``L`` or ``L-1`` (the step's input, which is
+  layer L-1's output); ``grid`` of the ``embeddings``, rows ``all`` (where every visual token stands on
+  the grid of its image, crop grid, tile or frame, as the LLM received the span: `StepInput.images`,
+  from the adapter that knows the call's images);
 - inside a decoder layer L (``in_layer``, FiCoCo-L, FitPrune): ``attention_rows`` of ``L``, rows
   ``visual+suffix`` (the layer's own head-mean probabilities, or with ``heads="max"`` its head-max ones:
   FitPrune); ``hidden`` of ``L``.
@@ -57,6 +60,12 @@ NeedRows = Literal["last", "suffix", "visual+suffix", "cls", "all", "item"]
 NEED_KINDS: tuple[str, ...] = get_args(NeedKind)
 NEED_LAYERS: tuple[str, ...] = get_args(NeedLayer)
 NEED_ROWS: tuple[str, ...] = get_args(NeedRows)
+# How a ``query_key`` need's recomputed row treats the layer's rotary embedding: ``"always"`` applies it at the
+# current positions (PDrop); ``"1d"`` applies it where the decoder's positions are 1-D (LLaMA's RoPE) and leaves it
+# out where they are 3-D (Qwen2-VL's M-RoPE): VScan's official LLaVA code rotates its rank row, its Qwen2.5-VL code
+# does not (qwen2_5_vl_custom.py:723-726, commented out).
+RopeRule = Literal["always", "1d"]
+ROPE_RULES: tuple[str, ...] = get_args(RopeRule)
 # The layer of a need whose tower layer a setting of the method names (`Need.at`).
 NAMED_LAYER = "vision named"
 
@@ -86,6 +95,8 @@ class Need:
             the largest probability any head gives a query and key (FitPrune's head-max map).
         at: for ``"vision named"`` only, the name of the method's setting (a hyperparameter) that holds
             the tower layer read: a 0-based tower layer once the schedule is made.
+        rope: for ``query_key`` only, how the recomputed row treats the layer's rotary embedding (`ROPE_RULES`):
+            ``"always"`` (at the current positions), or ``"1d"`` (only on a decoder of 1-D positions).
 
     Each field is checked when the need is made: a value outside its `Literal` is refused in one
     line naming the values allowed, and so is an `at` missing from a ``vision named`` need or given
@@ -98,10 +109,11 @@ class Need:
     detail: str
     heads: str = "mean"
     at: str = ""
+    rope: RopeRule = "always"
 
     def __post_init__(self) -> None:
         for field_name, allowed in (("kind", NEED_KINDS), ("layer", NEED_LAYERS), ("rows", NEED_ROWS),
-                                    ("heads", HEAD_STATISTICS)):
+                                    ("heads", HEAD_STATISTICS), ("rope", ROPE_RULES)):
             value = getattr(self, field_name)
             if value not in allowed:
                 raise ValueError(f"Need({self.kind!r}, {self.layer!r}, {self.rows!r}): {field_name} {value!r} is not "
@@ -109,11 +121,16 @@ class Need:
         if (self.layer == NAMED_LAYER) != bool(self.at):
             raise ValueError(f"Need({self.kind!r}, {self.layer!r}, {self.rows!r}): a {NAMED_LAYER!r} need names the "
                              "setting that holds its tower layer (at=...), and only such a need does")
+        if self.rope != "always" and self.kind != "query_key":
+            raise ValueError(f"Need({self.kind!r}, {self.layer!r}, {self.rows!r}): rope={self.rope!r} is a rule of a "
+                             "query_key need's recomputed row only")
 
     def to_json(self) -> dict[str, str]:
         out = {"kind": self.kind, "layer": self.layer, "rows": self.rows, "detail": self.detail}
         if self.heads != "mean":
             out["heads"] = self.heads
+        if self.rope != "always":
+            out["rope"] = self.rope
         return {**out, "at": self.at} if self.at else out
 
 
@@ -154,6 +171,7 @@ class ProbePlan:
             the visual span), or None.
         previous_layer_keys: the post-RoPE keys of layer L-1.
         own_query_key_row: layer L's own last-row query and keys, recomputed from its projections.
+        own_row_rope: how that row treats the layer's rotary embedding (`ROPE_RULES`).
         layer_probabilities: inside decoder layer L, the layer's own probabilities, their heads combined by
             `layer_heads` (``"mean"``; ``"max"``: FitPrune's head-max).
         input_embeddings: the prompt's input embeddings (decoder: once per prefill, for `prepare`;
@@ -168,6 +186,7 @@ class ProbePlan:
     previous_layer_rows: Literal["last", "suffix"] | None = None
     previous_layer_keys: bool = False
     own_query_key_row: bool = False
+    own_row_rope: str = "always"
     layer_probabilities: bool = False
     layer_heads: str = "mean"
     input_embeddings: bool = False
@@ -247,7 +266,9 @@ def _read(plan: ProbePlan, need: Need, acts_at: str, placement: str) -> ProbePla
     if kind == "keys" and layer == "L-1" and rows in ("visual+suffix", "all"):
         return replace(plan, previous_layer_keys=True)
     if kind == "query_key" and layer == "L" and rows == "last":
-        return replace(plan, own_query_key_row=True)
+        if plan.own_query_key_row and plan.own_row_rope != need.rope:
+            return None  # one recomputed row per step
+        return replace(plan, own_query_key_row=True, own_row_rope=need.rope)
     if kind == "input_embeddings" and layer == "embeddings" and rows in ("visual+suffix", "suffix"):
         return replace(plan, input_embeddings=True)
     if kind == "hidden" and layer in ("L", "L-1") and rows == "all":

@@ -39,6 +39,7 @@ from ficoco.methods import (
     vispruner,
     vitcop,
     vlmpruner,
+    vscan,
     vtw,
 )
 from ficoco.methods.base import RULE, MethodSpec
@@ -50,7 +51,7 @@ PRESETS = (192, 128, 64)
 _BUILT_IN_SPECS = (ficoco_v.SPEC, ficoco_l.SPEC, fastv.SPEC, pdrop.SPEC, sparsevlm.SPEC, dart.SPEC, tome.SPEC,
                    visionzip.SPEC, fastervlm.SPEC, prumerge.SPEC, divprune.SPEC, vispruner.SPEC, cdpruner.SPEC,
                    holitom.SPEC, fitprune.SPEC, hiprune.SPEC, vlmpruner.SPEC, gprune.SPEC, vtw.SPEC,
-                   pixelprune.SPEC, vitcop.SPEC)
+                   pixelprune.SPEC, vitcop.SPEC, vscan.SPEC)
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _BUILT_IN_SPECS}
 

@@ -45,6 +45,9 @@ class FamilyAdapter:
     # Whether a method of the "compact" position scheme (PDrop, SparseVLM) renumbers the reduced
     # sequence's 1-D positions here (False: the kept tokens keep their original positions).
     compacts_positions = True
+    # Whether the decoder's rotary positions are 3-D (Qwen2-VL's M-RoPE: temporal, height, width) rather than 1-D;
+    # a method's own recomputed row whose need says ``rope="1d"`` (VScan's official Qwen code) leaves RoPE out there.
+    multimodal_rope = False
 
     # -- methods that act before the LLM (FiCoCo-V, ToMe, VisionZip, FasterVLM, PruMerge+, ...) ---
     # Where an image call's pixels go and the model's own function that encodes them, for a method

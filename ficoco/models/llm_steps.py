@@ -161,19 +161,20 @@ def _project(linear: nn.Module, x: Tensor) -> Tensor:
     return F.linear(x, linear.weight, linear.bias)
 
 
-def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor,
+def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor | None, sin: Tensor | None, visible: Tensor,
                  scores: str = DEFAULT_ATTENTION_SCORES) -> Tensor:
     """(B, H, T) the last row's attention recomputed with the layer's own input norm, q (last row) and
-    k projections and RoPE (PDrop's rank layer), softmaxed in float32 over the visible keys, its scores by
-    the rule `scores` names."""
+    k projections and RoPE (PDrop's rank layer; no RoPE where `cos` and `sin` are None: VScan's Qwen code),
+    softmaxed in float32 over the visible keys, its scores by the rule `scores` names."""
     parts = hf.layer_parts(layer, hf.DECODER_LAYER)
     q_proj, k_proj, head_dim, scaling = hf.attention_projections(parts.attention)
     normed = parts.input_norm(hidden)
     batch, length, _ = normed.shape
     query = _project(q_proj, normed[:, -1:]).view(batch, 1, -1, head_dim).transpose(1, 2)
     keys = _project(k_proj, normed).view(batch, length, -1, head_dim).transpose(1, 2)
-    query = rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
-    keys = rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
+    if cos is not None and sin is not None:
+        query = rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
+        keys = rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
     return last_row_attention(query[:, :, 0], keys, visible, scaling, scores)
 
 
@@ -418,6 +419,8 @@ class LayerInputPatch:
         self.rows = probes.previous_layer_rows
         self.keys = probes.previous_layer_keys
         self.own_row = probes.own_query_key_row
+        # The own row's RoPE: always, or (``rope="1d"``) only on a decoder of 1-D positions.
+        self.own_row_rope = probes.own_row_rope == "always" or not adapter.multimodal_rope
         # The rank layer's own last row (PDrop): a family whose attention projects otherwise (Qwen3.5's gated,
         # normed queries and partial rotary) gives its own.
         self.own_last_row = getattr(adapter, "own_last_row", own_last_row)
@@ -525,7 +528,9 @@ class LayerInputPatch:
             row_attention, keys, key_heads = slot.row_attention, slot.keys, slot.key_heads
             slot.row_attention = slot.keys = None
         if self.own_row:
-            if state.rotary is not None:
+            if not self.own_row_rope:
+                cos = sin = None  # the row without the rotary embedding (VScan's Qwen code)
+            elif state.rotary is not None:
                 cos, sin = state.rotary
             elif position_embeddings is not None and state.steps_done:
                 cos, sin = (gather_rows(t, state.index, 1) for t in position_embeddings)

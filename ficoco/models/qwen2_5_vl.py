@@ -66,7 +66,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ficoco.errors import FicocoError
 from ficoco.methods.reads.ops import ProbedAttention, SegmentedReads
 from ficoco.models import hf_compat as hf
 from ficoco.models.patching import Patches, follow_device, forward_of
@@ -308,7 +307,8 @@ class WindowOrder(GridOrder):
         patches consecutive, the groups row-major), from its calls in window order: a full block's one call per
         image, reordered; a window block's calls per window joined per image, read over the whole image with the
         window mask left out where `whole_item` asks (the block's queries and keys, every pair: HiPrune's official
-        recompute), else refused (its windows' attention is not offered in grid order)."""
+        recompute), else as the block ran (every window's own attention, the image's block diagonal: VScan's
+        official read with the window mask applied), both put in grid order."""
         assert isinstance(tower, WindowPass)
         merge = self.adapter.merge
         out: list[tuple[Any, Any]] = []
@@ -323,11 +323,12 @@ class WindowOrder(GridOrder):
             device = keys.device if keys is not None else rows.device
             order = (rows.to(device)[:, None] * merge + torch.arange(merge, device=device)).flatten()
             reads = pieces[0][0]
-            if reads is not None and count > 1:
-                if not whole_item:
-                    raise FicocoError(f"vision block {idx} attends within windows: its windows' attention is not "
-                                      "offered in grid order to a cut; read a full-attention block "
-                                      f"({', '.join(map(str, sorted(self.full_layers)))})")
+            if reads is not None and count > 1 and not whole_item:
+                # As the block ran: every window's own attention, the block diagonal of the image's windows in the
+                # sequence's window order (a column sum over the image's queries is a window's own), put in grid
+                # order below (`SegmentedReads.reordered`).
+                reads = SegmentedReads([r for r, _ in pieces])
+            elif reads is not None and count > 1:
                 first = reads
                 reads = ProbedAttention(torch.cat([r.query for r, _ in pieces], dim=2),
                                         torch.cat([r.key for r, _ in pieces], dim=2), first.scale,

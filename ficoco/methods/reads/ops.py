@@ -13,7 +13,8 @@ and softmax (what FiCoCo's official code ranks by: its ``rule="official"``):
 - `DenseAttention` reads them from a (B, Tq, Tk) head-mean matrix a caller already has (the methods'
   tests, a pooled row); `DenseLogits` the raw scores from such a matrix of scores;
 - `SegmentedReads` joins the readers of consecutive segments that attend only within themselves (a
-  windowed tower layer: the block diagonal of its windows), `StackedReads` the readers of several items
+  windowed tower layer: the block diagonal of its windows; `ReorderedReads` reads it in another token
+  order), `StackedReads` the readers of several items
   of one size into a batch, `KeyTail` keeps only the last keys' columns (a call's keys after a cache's).
 
 Nothing here synchronises the device with the host: every shape is known before the data, and rows are
@@ -578,7 +579,48 @@ class SegmentedReads(AttentionReads):
         return torch.cat(pieces, dim=2)
 
     def reordered(self, order: Tensor) -> AttentionReads:
-        raise NotImplementedError("a windowed layer's reads are not reordered")
+        """The block diagonal read in another token order (a windowed Qwen2.5-VL block's windows, read in the
+        image's grid order): every read taken in the windows' own order and permuted (`ReorderedReads`)."""
+        return ReorderedReads(self, order)
+
+
+class ReorderedReads(AttentionReads):
+    """The reads of a layer whose tokens (queries and keys alike) are put in the order `order` ((T,) indices into
+    the layer's own order: new token i is the layer's token ``order[i]``), where the layer's reader cannot reorder
+    its own queries and keys (a windowed layer's block diagonal, `SegmentedReads`): every read is taken in the
+    layer's order, its rows picked through `order` and its columns permuted by it."""
+
+    def __init__(self, reads: AttentionReads, order: Tensor) -> None:
+        if order.dim() != 1 or order.numel() != reads.shape[1] or reads.shape[1] != reads.shape[2]:
+            raise ValueError(f"an order of {tuple(order.shape)} does not reorder a layer of shape {reads.shape}")
+        self.reads, self.order = reads, order
+        self.shape = reads.shape
+
+    def _rows(self, rows: Tensor) -> Tensor:
+        return self.order.to(rows.device)[rows]
+
+    def column_sum(self, rows: Tensor | None = None) -> Tensor:
+        sums = self.reads.column_sum(None if rows is None else self._rows(rows))
+        return sums[:, self.order.to(sums.device)]
+
+    def column_mean(self, first_row: int = 0) -> Tensor:
+        if first_row:
+            batch, count = self.shape[0], self.shape[1] - first_row
+            rows = torch.arange(first_row, self.shape[1], device=self.order.device).expand(batch, -1)
+            return self.column_sum(rows) / max(count, 1)
+        means = self.reads.column_mean()
+        return means[:, self.order.to(means.device)]
+
+    def rows(self, rows: Tensor, last: int | None = None) -> Tensor:
+        # The rows are picked in the layer's order, where a causal bound on them means nothing: none is passed.
+        probabilities = self.reads.rows(self._rows(rows))
+        return probabilities[..., self.order.to(probabilities.device)]
+
+    def block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
+        return self.reads.block(self._rows(rows), self._rows(cols))
+
+    def reordered(self, order: Tensor) -> AttentionReads:
+        return ReorderedReads(self.reads, self.order[order.to(self.order.device)])
 
 
 class StackedReads(AttentionReads):

@@ -44,6 +44,7 @@ class Qwen2VLAdapter(FamilyAdapter):
     # their 3-D positions instead, as FastV's and DART's do; an added (recycled) token takes its
     # image span's last placeholder's.
     compacts_positions = False
+    multimodal_rope = True
     # True under a method that cuts a video's temporal slices together after the merger (HoliTom): the
     # tower takes videos, the entry shortens video spans, and the LLM-side steps see video placeholders.
     video_cut = False

@@ -157,7 +157,7 @@ class TowerCuts:
                                 keys=torch.cat([keys[i] for i in images]), merge=adapter.merge,
                                 grid_hw=(rows // adapter.merge_size, cols // adapter.merge_size),
                                 attention=None if attention is None else stack_reads([attention[i] for i in images]),
-                                named=named)
+                                named=named, riding=0 if riding is None else int(riding.shape[-1]))
             out = handle.run_method(("projector", None), module.tower_step, inputs, settings)
             places = out.positions if out.positions is not None else out.kept
             if out.counts is not None or places.shape[1] != out.hidden.shape[1] or bool((places < 0).any()):

@@ -71,7 +71,7 @@ class HybridDecoder:
 
     # -- PDrop's own row at a gated full-attention layer -----------------------------------------
     @staticmethod
-    def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, visible: Tensor,
+    def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor | None, sin: Tensor | None, visible: Tensor,
                      scores: str = DEFAULT_ATTENTION_SCORES) -> Tensor:
         """(B, H, T) the last row's attention recomputed with layer `layer`'s own input norm, query (the query
         half of the gated q_proj, last row only) and key projections, their per-head norms and the partial
@@ -94,8 +94,9 @@ class HybridDecoder:
         keys = k_proj(normed) if "_hf_hook" in k_proj.__dict__ else F.linear(normed, k_proj.weight, k_proj.bias)
         query = q_norm(query).transpose(1, 2)
         keys = k_norm(keys.view(batch, length, -1, head_dim)).transpose(1, 2)
-        query = partial_rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
-        keys = partial_rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
+        if cos is not None and sin is not None:  # None: the row without its rotary embedding (VScan's Qwen code)
+            query = partial_rope(query, cos[:, -1:].expand(batch, -1, -1), sin[:, -1:].expand(batch, -1, -1))
+            keys = partial_rope(keys, cos.expand(batch, -1, -1), sin.expand(batch, -1, -1))
         return last_row_attention(query[:, :, 0], keys, visible, scaling, scores)
 
 
