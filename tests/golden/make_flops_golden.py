@@ -5,12 +5,12 @@ tests/test_flops_golden.py can prove the refactor moved no figure.
     python tests/golden/make_flops_golden.py          # rewrite (only when a figure is meant to move)
     python tests/golden/make_flops_golden.py --add qwen3-vl-8b qwen3-vl-tiny   # add (or redo) these profiles'
                                                                                # cases; every other case stays
-    python tests/golden/make_flops_golden.py --add-methods vtw gprune         # add (or redo) the cases of the
-                                                                               # waves holding these methods
+    python tests/golden/make_flops_golden.py --add-methods vtw gprune         # add (or redo) these methods'
+                                                                               # cases (a later wave's)
 
 The methods come in waves (`METHOD_WAVES`): each wave's methods are counted in cases of their own, so that
-adding a wave adds rows and moves none (`--add-methods NAME...` computes the cases of the waves that hold
-those names and keeps every other case as it is). A registered method in no wave fails the golden test.
+adding a wave adds rows and moves none (`--add-methods NAME...` computes those methods' cases and keeps every
+other case as it is). A registered method in no wave fails the golden test.
 
 The environment and version fields are left out: they describe the machine, not the count.
 """
@@ -26,12 +26,15 @@ HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "flops.json.gz"
 # The fields of a report that say where and when it was made, not what it counts.
 VOLATILE = ("environment", "ficoco_version")
-# The methods of each case, wave by wave: the first fourteen (FiCoCo and the baselines of 2024-2025), then the
-# methods the 2025-2026 literature compares against (issue 53). A new method joins a new wave, so that no
-# existing case changes its variants (one variant refused by a budget can end a whole case in an error).
+# The methods of each case, wave by wave: the first fourteen (FiCoCo and the baselines of 2024-2025), counted together
+# in every convention, then the methods the 2025-2026 literature compares against (issue 53), each in cases of its
+# own (one variant refused by a budget ends a whole case in an error, and these refuse budgets often: PixelPrune has
+# none), in the `flops` convention over the whole model (the conventions are the accountant's, the same for every
+# method: the first wave holds them). A new method joins a wave of its own, so that no existing case changes.
 METHOD_WAVES: tuple[tuple[str, ...], ...] = (
     ("v", "l", "fastv", "pdrop", "sparsevlm", "dart", "tome", "visionzip", "fastervlm", "prumerge", "divprune",
      "vispruner", "cdpruner", "holitom"),
+    ("fitprune", "hiprune", "vlmpruner", "gprune", "vtw", "pixelprune", "vitcop", "vscan"),
 )
 
 
@@ -51,7 +54,7 @@ def cases() -> list[dict]:
         for convention in CONVENTIONS:
             scopes = ("llm",) if convention in LLM_ONLY_CONVENTIONS else ("llm", "all")
             for scope in scopes:
-                for index, wave in enumerate(METHOD_WAVES):
+                for index, wave in enumerate(METHOD_WAVES[:1]):
                     for budget in budgets:
                         budget = dict(budget)
                         if "variants" in budget and index:  # the --schedule case names first-wave methods
@@ -60,11 +63,20 @@ def cases() -> list[dict]:
                         out.append({"model": model, "variants": names, "convention": convention, "scope": scope,
                                     "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "h100-sxm",
                                     **budget})
+    # The later waves: each method alone, in the `flops` convention over the whole model.
+    for model in list_profiles():
+        for wave in METHOD_WAVES[1:]:
+            for name in wave:
+                for budget in budgets:
+                    if "variants" not in budget:
+                        out.append({"model": model, "variants": [name], "convention": "flops", "scope": "all",
+                                    "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "h100-sxm",
+                                    **budget})
     # The count's other options, once each on the main job's model.
     for options in ({"equivalent": True}, {"kv_bits": 4}, {"batch": 2}, {"text_tokens": 100}, {"lm_head": "last"},
                     {"first_layer": 4, "tflops": 2.0}, {"shape": "uniform", "tflops": 2.0}):
-        for wave in METHOD_WAVES:
-            out.append({"model": "llava-1.5-7b", "variants": list(wave), "convention": "flops", "scope": "all",
+        for names in (list(METHOD_WAVES[0]), *([name] for wave in METHOD_WAVES[1:] for name in wave)):
+            out.append({"model": "llava-1.5-7b", "variants": names, "convention": "flops", "scope": "all",
                         "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "a800-80gb", **options})
     return out
 
@@ -85,16 +97,16 @@ def run(case: dict) -> dict:
 def main() -> None:
     args = sys.argv[1:]
     if args and args[0] == "--add-methods":
-        # A new wave's cases, made on purpose: every case of the other waves is kept as it is.
+        # A later wave's methods' cases, made on purpose: every other case is kept as it is.
         named = set(args[1:])
         if not named:
             raise SystemExit("--add-methods needs the methods whose cases to add")
-        waves = [set(wave) for wave in METHOD_WAVES if named & set(wave)]
-        if not waves:
-            raise SystemExit(f"no wave of METHOD_WAVES holds {', '.join(sorted(named))}")
+        later = {name for wave in METHOD_WAVES[1:] for name in wave}
+        if not named <= later:
+            raise SystemExit(f"{', '.join(sorted(named - later))}: not in a later wave of METHOD_WAVES")
 
         def of_added(case: dict) -> bool:
-            return any(set(case["variants"]) <= wave for wave in waves)
+            return set(case["variants"]) <= named
 
         kept = [entry for entry in json.loads(gzip.decompress(GOLDEN.read_bytes())) if not of_added(entry["case"])]
         new = [{"case": case, "report": run(case)} for case in cases() if of_added(case)]
