@@ -245,6 +245,9 @@ class MethodSpec:
     pooled_grid: bool = False
     # How the entry is planned: a name of the accountant's planner table (see above).
     planner: PlannerName = "by_steps"
+    # Per family, the values the official scripts give some hyperparameters on that family's backbone, where they
+    # differ from `hyperparameters` (FlashVID: Qwen2.5-VL's ADTS v1 and 4 segments); a request's own values win.
+    family_hyperparameters: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Where ficoco corrects the official code, the correction is a named value of a hyperparameter whose default
     # stays the official behaviour: per hyperparameter, each such value with the few words a label shows
     # (`registry.method_label`: "VisionZip (ficoco: mean contextual token)"), so that a report never names the
@@ -284,6 +287,11 @@ class MethodSpec:
             raise ValueError(f"{self.name}: unknown position scheme {self.positions!r}")
         if self.planner not in PLANNER_NAMES:
             raise ValueError(f"{self.name}: unknown planner {self.planner!r}: choose from {', '.join(PLANNER_NAMES)}")
+        for family, values in self.family_hyperparameters.items():
+            unknown = set(values) - set(self.hyperparameters)
+            if unknown:
+                raise ValueError(f"{self.name}: family_hyperparameters of {family!r} name "
+                                 f"{', '.join(sorted(unknown))}, not hyperparameters of the method")
         for name, values in self.corrections.items():
             if name not in self.hyperparameters:
                 raise ValueError(f"{self.name}: correction {name!r} is not one of its hyperparameters")
@@ -292,6 +300,11 @@ class MethodSpec:
                                  f"correction {self.hyperparameters[name]!r}")
         # Every need must be one a hook point of this placement reads (refused here, in one line, otherwise).
         object.__setattr__(self, "probes", probe_plan(self.name, tuple(self.needs), self.acts_at, self.placement))
+
+    def defaults_on(self, family: str) -> dict[str, Any]:
+        """The method's default hyperparameters on `family`: `hyperparameters`, with the values its official scripts
+        give on that family's backbone (`family_hyperparameters`)."""
+        return {**self.hyperparameters, **self.family_hyperparameters.get(family, {})}
 
     def load(self) -> ModuleType:
         """Import the module that holds the method's tensor functions (imports torch)."""
@@ -334,6 +347,9 @@ class MethodSpec:
             "name": self.name, "title": self.title, "acts_at": self.acts_at, "placement": self.placement,
             "positions": self.positions, "needs": [n.to_json() for n in self.needs],
             "hyperparameters": dict(self.hyperparameters),
+            **({"family_hyperparameters": {family: dict(values) for family, values in
+                                           self.family_hyperparameters.items()}}
+               if self.family_hyperparameters else {}),
             "corrections": {name: [{"value": value, "means": means} for value, means in values.items()]
                             for name, values in self.corrections.items()},
             "families": list(self.families),

@@ -27,6 +27,7 @@ from ficoco.methods import (
     ficoco_l,
     ficoco_v,
     fitprune,
+    flashvid,
     holitom,
     pdrop,
     prumerge,
@@ -43,7 +44,7 @@ PRESETS = (192, 128, 64)
 # The package's own methods, in the order `ficoco methods` lists them.
 _BUILT_IN_SPECS = (ficoco_v.SPEC, ficoco_l.SPEC, fastv.SPEC, pdrop.SPEC, sparsevlm.SPEC, dart.SPEC, tome.SPEC,
                    visionzip.SPEC, fastervlm.SPEC, prumerge.SPEC, divprune.SPEC, vispruner.SPEC, cdpruner.SPEC,
-                   holitom.SPEC, fitprune.SPEC)
+                   holitom.SPEC, fitprune.SPEC, flashvid.SPEC)
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _BUILT_IN_SPECS}
 

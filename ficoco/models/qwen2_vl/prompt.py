@@ -64,11 +64,14 @@ class PromptShortener:
         if span_lengths != groups:
             raise FicocoError(f"the prompt's image spans hold {span_lengths} placeholders, image_grid_thw asks for "
                               f"{groups} (one per merge group): give the unreduced prompt")
-        table = torch.zeros(len(groups), max(groups), dtype=torch.bool, device=device)
+        # How many tokens every placeholder becomes: 1 kept, 0 removed; a video method may hand on two tokens at one
+        # unit (FlashVID's cluster centred on a token it keeps as well): its placeholder twice, at one position.
+        table = torch.zeros(len(groups), max(groups), dtype=torch.long, device=device)
         for image, kept in enumerate(kept_groups):
-            table[image, kept.to(device)] = True
-        keep = ~is_image | table[span.clamp(min=0), rank.clamp(0, max(groups) - 1)]
-        counts = keep.sum(dim=1)
+            kept = kept.to(device)
+            table[image].index_put_((kept,), torch.ones_like(kept), accumulate=True)
+        times = torch.where(is_image, table[span.clamp(min=0), rank.clamp(0, max(groups) - 1)], 1)
+        counts = times.sum(dim=1)
         if not bool((counts == counts[0]).all()):
             raise FicocoError(f"FiCoCo-V on {adapter.family_title}: every sample of a batch must lose the "
                               "same number of "
@@ -85,12 +88,14 @@ class PromptShortener:
             last = torch.where(real, position_ids.amax(dim=0), torch.zeros_like(position_ids[0])).amax(dim=1)
             deltas = (last + 1 - real.sum(dim=1)).unsqueeze(1)
         removed = (length - counts).unsqueeze(1)
-        kept_index = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :int(counts[0])]
+        # Every kept position in order, a placeholder held twice repeated (sample-major: every sample keeps as many).
+        offsets = torch.arange(batch, device=device).unsqueeze(1) * length
+        kept_index = torch.repeat_interleave((positions + offsets).flatten(), times.flatten()).view(batch, -1) - offsets
         short = {
-            "input_ids": input_ids[keep].view(batch, -1),
-            "attention_mask": attention_mask[keep].view(batch, -1) if attention_mask is not None else None,
-            "mm_token_type_ids": mm_token_type_ids[keep].view(batch, -1),
-            "position_ids": position_ids[:, keep].view(3, batch, -1),
+            "input_ids": torch.gather(input_ids, 1, kept_index),
+            "attention_mask": torch.gather(attention_mask, 1, kept_index) if attention_mask is not None else None,
+            "mm_token_type_ids": torch.gather(mm_token_type_ids, 1, kept_index),
+            "position_ids": torch.gather(position_ids, 2, kept_index.unsqueeze(0).expand(3, -1, -1)),
         }
         return short, deltas.to(device) + removed, kept_index
 
