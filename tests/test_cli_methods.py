@@ -48,7 +48,7 @@ def test_methods_lists_every_registry_entry_with_where_it_acts(tmp_path: Path, c
     assert all(cells["holitom"][f]["reason"].startswith("a video method") for f in ("llava", "llava_next"))
     # Qwen2.5-VL runs every method Qwen2-VL runs (HoliTom on their videos); PruMerge+ says why not, in one line.
     qwen2_vl_runs = [name for name in cells if cells[name]["qwen2_vl"]["status"] == "yes"]
-    assert all(cells[name]["qwen2_5_vl"]["status"] == "yes" for name in qwen2_vl_runs) and len(qwen2_vl_runs) == 14
+    assert all(cells[name]["qwen2_5_vl"]["status"] == "yes" for name in qwen2_vl_runs) and len(qwen2_vl_runs) == 15
     assert cells["holitom"]["qwen2_vl"] == cells["holitom"]["qwen2_5_vl"] == {"status": "yes", "reason": ""}
     for name in ("prumerge",):
         cell = cells[name]["qwen2_5_vl"]

@@ -48,6 +48,7 @@ SLICED_LAYOUT = ("not wired: {family} lays a video out as one placeholder span p
                  "timestamp text, and ficoco's video cut shortens one span per video; run it on Qwen2.5-VL or "
                  "LLaVA-OneVision")
 QWEN3_VL_REFUSAL = SLICED_LAYOUT.format(family="Qwen3-VL")
+QWEN3_VL_MOE_REFUSAL = SLICED_LAYOUT.format(family="Qwen3-VL-MoE")
 QWEN3_5_REFUSAL = SLICED_LAYOUT.format(family="Qwen3.5")
 
 # The settings a schedule carries (what the models read): the per-frame budget and the rule's knobs.
@@ -175,7 +176,7 @@ SPEC = MethodSpec(
     corrections=SCORES_CORRECTION, reads=reads,
     families=FAMILIES, module=f"{__name__}.ops", function="flashvid_reduce",
     refusals={"llava": IMAGE_ONLY_REFUSAL, "llava_next": IMAGE_ONLY_REFUSAL, "internvl": IMAGE_ONLY_REFUSAL,
-              "qwen3_vl": QWEN3_VL_REFUSAL, "qwen3_vl_moe": QWEN3_VL_REFUSAL, "qwen3_5": QWEN3_5_REFUSAL},
+              "qwen3_vl": QWEN3_VL_REFUSAL, "qwen3_vl_moe": QWEN3_VL_MOE_REFUSAL, "qwen3_5": QWEN3_5_REFUSAL},
     pooled_grid=True,
     source="Fanziyang-v/FlashVID 1d37422 (flashvid/utils.py, flashvid/token_selection.py, flashvid/llava_arch.py, "
            "flashvid/modeling_qwen2_5_vl.py; scripts/*.sh: r 0.10-0.25, alpha 0.7, tau_t 0.8, expansion 1.25)",

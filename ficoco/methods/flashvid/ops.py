@@ -318,7 +318,8 @@ def flashvid_reduce(features: Tensor, scores: Tensor, keep: int, *, alpha: float
                                         segment.unsqueeze(-1).expand(-1, -1, width))  # (V, F, D)
             relevance = (frame_x @ segment_mean.reshape(flat, width, 1)).squeeze(-1)  # (V x F, N)
         picked = adts_select(frame_x, scores.reshape(flat, tokens).to(dtype), adts, relevance)  # (V x F, a)
-        free = free.view(flat, tokens).scatter(1, picked, False).view(videos, frames, tokens)
+        free = free.view(flat, tokens).scatter(1, picked, torch.zeros_like(picked, dtype=torch.bool))
+        free = free.view(videos, frames, tokens)
         adts_place = (picked + tokens * torch.arange(frames, device=device).repeat(videos).unsqueeze(1))
         adts_place = adts_place.view(videos, frames * adts)
         adts_hidden = torch.gather(frame_x, 1, picked.unsqueeze(-1).expand(-1, -1, width)).view(videos, -1, width)
@@ -334,7 +335,7 @@ def flashvid_reduce(features: Tensor, scores: Tensor, keep: int, *, alpha: float
         else:
             value, root, absorbed = x, torch.ones_like(free), torch.zeros_like(free)
         # The tokens each frame clusters: TSTM's roots that ADTS left; a frame alone: every token, as it is.
-        pool = torch.where(alone.unsqueeze(-1), True, root & free)
+        pool = alone.unsqueeze(-1) | (root & free)
         value = torch.where(alone.unsqueeze(-1).unsqueeze(-1), x, value)
         absorbed = absorbed & ~alone.unsqueeze(-1)
         sizes = pool.sum(dim=-1)  # (V, F)
