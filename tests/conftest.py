@@ -69,6 +69,9 @@ METHOD_SUITES = frozenset({"test_methods_llm_in_models.py", "test_methods_vision
 # Issue 53: every method's official-rule test (tests/test_rule_<method>.py) runs patched tiny models through the
 # adapters' hook points, as the method suites do: marked `transformers` and `method_suites` by their name.
 RULE_TESTS_PREFIX = "test_rule_"
+# Issue 53: a new method's suite inside the models (tests/test_method_<name>.py) is one of them too.
+TRANSFORMERS_TESTS |= {"test_method_flashvid.py"}
+METHOD_SUITES |= {"test_method_flashvid.py"}
 
 
 # Files whose module fixtures run lmms-eval several times (minutes on a 2-core CPU).
