@@ -226,11 +226,10 @@ def test_mistakes_and_the_families_it_refuses_are_one_line(model: nn.Module, cli
     with pytest.raises(FicocoError, match="a video method") as error:
         ficoco.apply(ficoco.build_model("llava-tiny", dtype="fp32"), "flashvid", keep=4)
     assert "\n" not in str(error.value)
-    # Qwen3-VL (planned by `ficoco flops`, refused by the models) and Qwen3.5: their slice-by-slice video layout.
-    for family, status in (("qwen3_vl", "flops only"), ("qwen3_vl_moe", "flops only"), ("qwen3_5", "refused"),
-                           ("internvl", "refused")):
-        assert METHODS["flashvid"].family_status(family)[0] == status
-        with pytest.raises(FicocoError, match="video") as error:
+    # Qwen3.5 (not the official code's; ficoco lays out its images only) and InternVL3 (images).
+    for family, words in (("qwen3_5", "run it on Qwen3-VL"), ("internvl", "a video method")):
+        assert METHODS["flashvid"].family_status(family)[0] == "refused"
+        with pytest.raises(FicocoError, match=words) as error:
             METHODS["flashvid"].check_runs(family, "tiny")
         assert "\n" not in str(error.value)
 
@@ -306,7 +305,6 @@ def test_onevision_cuts_the_pooled_frames_as_planned_batched_as_videos_alone_and
 def test_qwen_videos_run_the_plan_at_the_unreduced_positions_batched_as_videos_alone(
         name: str, slices: int, groups: int) -> None:
     from ficoco.models import hf_compat as hf
-    from ficoco.profiling.verify import verify_run
 
     model = video_model(name, 2 * slices)
     arch = architecture(profile_of(model))
@@ -345,9 +343,6 @@ def test_qwen_videos_run_the_plan_at_the_unreduced_positions_batched_as_videos_a
                                  video_grid_thw=inp["video_grid_thw"])
     assert torch.equal(given[0], torch.gather(unreduced, 2, kept_in_prompt.unsqueeze(0).expand(3, -1, -1)))
     assert torch.equal(deltas, unreduced_deltas + slices * (groups - keep))  # decode where the unreduced would
-    if name == "qwen2-vl-tiny":
-        run = verify_run(model, arch, handle.schedule, text_tokens=TEXT, batch=1)
-        assert {s.stage: s for s in run.stages}["method"].analytic > 0 and run.passed(0.5)
 
 
 def test_a_qwen_place_held_twice_goes_on_as_two_tokens_at_one_position(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -383,3 +378,57 @@ def test_a_qwen_place_held_twice_goes_on_as_two_tokens_at_one_position(monkeypat
     torch.testing.assert_close(embeds[0]["inputs_embeds"][0, first:first + 2], held[0])
     positions = embeds[0]["position_ids"]
     assert torch.equal(positions[..., first], positions[..., first + 1])
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl-tiny", "qwen3-vl-moe-tiny"])
+def test_qwen3_vl_videos_run_the_plan_slice_by_slice_with_the_deepstack_features_of_the_kept_places(name: str) -> None:
+    """Qwen3-VL lays a video out one span per temporal slice, each after its timestamp: the cut shortens every
+    slice's span to its kept places, the decoder's step counts the video once, and DeepStack adds to every token the
+    features of its place (an ADTS token's own, a cluster's centre's), as the official code gathers them."""
+    from ficoco.models import hf_compat as hf
+    from ficoco.profiling.verify import verify_run
+
+    model = video_model(name, 8)  # 4 slices of 80 merge groups
+    arch = architecture(profile_of(model))
+    text, keep, slices, groups = 40, 10, 4, 80
+    inp = synthetic_inputs(model, batch=2, text_tokens=text, seed=3)
+    language = model.model.language_model
+    original = getattr(language, hf.DEEPSTACK_ADD)
+    added: list[tuple[Tensor, Tensor]] = []
+
+    def spy(hidden: Tensor, mask: Tensor, embeds: Tensor) -> Tensor:
+        added.append((mask.clone(), embeds.clone()))
+        return original(hidden, mask, embeds)
+
+    setattr(language, hf.DEEPSTACK_ADD, spy)
+    try:
+        with torch.no_grad():
+            taps = getattr(model.model.visual(inp["pixel_values_videos"], grid_thw=inp["video_grid_thw"]),
+                           hf.DEEPSTACK_FEATURES_FIELD)
+            with ficoco.apply(model, "flashvid", keep=keep) as handle:
+                seen = entering_tokens(model, inp)
+                kept_in_prompt = handle.prompt_map[0]
+                plan = plan_tokens(arch, handle.schedule, text_tokens=text)
+                visual = slices * keep  # inside the LLM: Qwen3-VL-8B's 0.1 at the tiny's last layer
+                assert seen == [n for n, _ in plan.llm] == [text + visual] * 3 + [text + math.ceil(visual * 0.1)]
+                together = model(**inp).logits[:, -1]
+                for i in range(2):
+                    torch.testing.assert_close(together[i:i + 1], model(**qwen_sample(inp, i)).logits[:, -1],
+                                               atol=1e-4, rtol=0)
+    finally:
+        delattr(language, hf.DEEPSTACK_ADD)
+    for tap, (mask, embeds) in enumerate(added[:len(taps)]):
+        expected = []
+        for b in range(2):
+            ids = inp["input_ids"][b]
+            placeholders = (ids == model.config.video_token_id).nonzero().flatten()
+            kept = kept_in_prompt[b][ids[kept_in_prompt[b]] == model.config.video_token_id]
+            units = torch.searchsorted(placeholders, kept)  # a place: slice x groups + group
+            expected.append(taps[tap][b * slices * groups + units])
+        assert int(mask.sum()) == 2 * visual
+        torch.testing.assert_close(embeds, torch.cat(expected))
+    # Every slice's span keeps its markers and timestamp; the video counts once inside the LLM.
+    assert int((inp["input_ids"][0, kept_in_prompt[0]] == model.config.vision_start_token_id).sum()) == slices
+    if name == "qwen3-vl-tiny":
+        run = verify_run(model, arch, handle.schedule, text_tokens=text, batch=1)
+        assert {s.stage: s for s in run.stages}["method"].analytic > 0 and run.passed(0.5)

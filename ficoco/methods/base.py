@@ -230,6 +230,11 @@ class MethodSpec:
     # that ride with the hidden states through its step (Qwen3-VL's DeepStack features) merge with its own weights.
     # False: such features follow its kept tokens only, and a family that has them refuses its merges.
     merges_by_keys: bool = False
+    # A cut of a video's frames whose every token stands at one place of the video (`TowerOutput.positions`: a merged
+    # token, its representative's), whose official code hands the decoder the DeepStack features of those places
+    # (FlashVID on Qwen3-VL): such features follow the places, merged tokens included. False: a family with such
+    # features refuses a video cut that merges (HoliTom).
+    features_follow_places: bool = False
     cls_note: str = ""  # towers without [CLS] (Qwen2-VL): what replaces the [CLS] attention
     # A vision method whose extra_macs are per sample (work across a video's frames), not per item.
     extra_per_sample: bool = False

@@ -43,13 +43,9 @@ FAMILY_HYPERPARAMETERS = {"qwen2_vl": QWEN2_5_VL, "qwen2_5_vl": QWEN2_5_VL, "qwe
 
 IMAGE_ONLY_REFUSAL = ("a video method: its segmentation and temporal merging need a video's frames, and this family "
                       "takes images (an image is one frame)")
-# Qwen3-VL and Qwen3.5 lay a video out as one placeholder span per temporal slice, each after its timestamp text.
-SLICED_LAYOUT = ("not wired: {family} lays a video out as one placeholder span per temporal slice, each after its "
-                 "timestamp text, and ficoco's video cut shortens one span per video; run it on Qwen2.5-VL or "
-                 "LLaVA-OneVision")
-QWEN3_VL_REFUSAL = SLICED_LAYOUT.format(family="Qwen3-VL")
-QWEN3_VL_MOE_REFUSAL = SLICED_LAYOUT.format(family="Qwen3-VL-MoE")
-QWEN3_5_REFUSAL = SLICED_LAYOUT.format(family="Qwen3.5")
+# Qwen3.5 lays a video out as Qwen3-VL does (one span per temporal slice, after its timestamp), in a hybrid decoder.
+QWEN3_5_REFUSAL = ("not wired: FlashVID's cut of a video's slices runs on Qwen3-VL's layout, and ficoco's Qwen3.5 "
+                   "entry lays out images only (the official code runs Qwen3-VL); run it on Qwen3-VL or Qwen2.5-VL")
 
 # The settings a schedule carries (what the models read): the per-frame budget and the rule's knobs.
 _RIDING = ("alpha", "token_selection_method", "temporal_threshold", "segment_threshold", "min_segment_num",
@@ -176,8 +172,8 @@ SPEC = MethodSpec(
     corrections=SCORES_CORRECTION, reads=reads,
     families=FAMILIES, module=f"{__name__}.ops", function="flashvid_reduce",
     refusals={"llava": IMAGE_ONLY_REFUSAL, "llava_next": IMAGE_ONLY_REFUSAL, "internvl": IMAGE_ONLY_REFUSAL,
-              "qwen3_vl": QWEN3_VL_REFUSAL, "qwen3_vl_moe": QWEN3_VL_MOE_REFUSAL, "qwen3_5": QWEN3_5_REFUSAL},
-    pooled_grid=True,
+              "qwen3_5": QWEN3_5_REFUSAL},
+    pooled_grid=True, features_follow_places=True,
     source="Fanziyang-v/FlashVID 1d37422 (flashvid/utils.py, flashvid/token_selection.py, flashvid/llava_arch.py, "
            "flashvid/modeling_qwen2_5_vl.py; scripts/*.sh: r 0.10-0.25, alpha 0.7, tau_t 0.8, expansion 1.25)",
     summary="segment a video by consecutive frames' similarity, keep each frame's most attended and diverse tokens "
@@ -185,8 +181,8 @@ SPEC = MethodSpec(
             "the LLM, keep the visual tokens the last prompt token attends to most at layer 20",
     keep_means="visual tokens per frame that reach the LLM, on average: a video hands on frames x keep tokens "
                "(official: ceil(N x retention_ratio x expansion); Video-LLaVA's frame [CLS] and OneVision's newline "
-               "apart; on OneVision keep counts the frame's pooled grid; on Qwen2-VL and Qwen2.5-VL a frame is one "
-               "temporal slice of 2 frames and keep counts its merge groups), ceil(alpha x keep) of every frame by "
+               "apart; on OneVision keep counts the frame's pooled grid; on the Qwen families a frame is one temporal "
+               "slice of 2 frames and keep counts its merge groups), ceil(alpha x keep) of every frame by "
                "ADTS and the rest by TSTM; inside the LLM llm_retention_ratio of them stay at pruning_layer",
     steps=steps, settings_for_keep=settings_for_keep, extra_macs=extra_macs, wired=True,
     extra_per_sample=True, inner=INNER,
