@@ -122,8 +122,11 @@ def test_both_model_types_run_the_one_adapter_with_the_tiny_taps(model: nn.Modul
     inp = inputs(model)
     assert int((inp["input_ids"] == model.config.image_token_id).sum()) == GROUPS
     assert int(inp["input_ids"][0, PREFIX_TOKENS - 1]) == model.config.vision_start_token_id
-    with pytest.raises(FicocoError, match="images only"):
-        synthetic_inputs(model, frames=4)
+    # A video: one span per temporal slice, each after its timestamp, between its own markers (issue 53).
+    video = synthetic_inputs(model, frames=4)
+    assert video["video_grid_thw"].tolist() == [[2, 16, 20]]
+    assert int((video["input_ids"] == model.config.vision_start_token_id).sum()) == 2
+    assert int((video["input_ids"] == model.config.video_token_id).sum()) == 2 * GROUPS
 
 
 # -- identity settings are the unpatched model -------------------------------------------------------
@@ -333,6 +336,11 @@ def test_every_method_runs_or_refuses_in_one_line(model: nn.Module, variant: str
     family = model.config.model_type
     status, reason = METHODS[variant].family_status(family)
     inp = inputs(model, seed=13)
+    if METHODS[variant].pooled_grid and status == "yes":  # a video method (FlashVID): an image is refused
+        with pytest.raises(FicocoError, match="an image is one frame") as refused:
+            ficoco.apply(model, variant)
+        assert "\n" not in str(refused.value)
+        return
     if variant not in SETTINGS:
         assert status == "refused" and reason
         with pytest.raises(FicocoError) as refused:

@@ -174,7 +174,7 @@ def method_schedule(arch: Architecture, name: str, keep: int | None = None, **hy
         raise FicocoError(f"unknown {spec.title} hyperparameter(s) {', '.join(sorted(unknown))}: "
                           f"choose from {', '.join(spec.hyperparameters)}")
     check_corrections(spec, hyperparameters)
-    hp = {**spec.hyperparameters, **hyperparameters}
+    hp = {**spec.defaults_on(arch.family), **hyperparameters}  # the official scripts' values on this family
     hybrid = hybrid_layers(arch) if spec.removes_all else None
     if hybrid is not None:  # a withdrawal whose keep= picks its layer picks among those it may act at
         hp[ACTING_LAYERS] = hybrid.withdrawal_layers()
@@ -276,9 +276,9 @@ def parse_method_schedule(arch: Architecture, name: str, text: str,
     # The rest of the setting: for a decoder method (SparseVLM's recycling rule) its default
     # hyperparameters; for a per-item method the default settings at its counted shape.
     if spec.per_item and spec.settings_for_keep:
-        default = spec.settings_for_keep(None, visual, layers, spec.hyperparameters)
+        default = spec.settings_for_keep(None, visual, layers, spec.defaults_on(arch.family))
     else:
-        default = dict(spec.hyperparameters)
+        default = spec.defaults_on(arch.family)
     removals: dict[int, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         match = re.fullmatch(r"(\d+):(\d+)", part)
@@ -378,9 +378,9 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
     visual, layers = counted_shape(arch, spec)
     if "schedule" in settings:  # an explicit --schedule: the defaults give the rest, as parse_method_schedule
         if spec.per_item and spec.settings_for_keep:
-            settings = {**spec.settings_for_keep(None, visual, layers, spec.hyperparameters), **settings}
+            settings = {**spec.settings_for_keep(None, visual, layers, spec.defaults_on(arch.family)), **settings}
         else:
-            settings = {**spec.hyperparameters, **settings}
+            settings = {**spec.defaults_on(arch.family), **settings}
     rows: list[tuple[int | None, str, int]] = []
     suffix = suffix_tokens(arch, plan.text_tokens)
     if spec.per_item:

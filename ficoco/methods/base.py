@@ -312,6 +312,11 @@ class MethodSpec:
     # hidden states (VLM-Pruner's SWA): features a family still adds to the visual tokens after the step (Qwen3-VL's
     # DeepStack) cannot be folded alike, and that family refuses such a step before its last addition.
     folds_removed: bool = False
+    # A cut of a video's frames whose every token stands at one place of the video (`TowerOutput.positions`: a merged
+    # token, its representative's), whose official code hands the decoder the DeepStack features of those places
+    # (FlashVID on Qwen3-VL): such features follow the places, merged tokens included. False: a family with such
+    # features refuses a video cut that merges (HoliTom).
+    features_follow_places: bool = False
     cls_note: str = ""  # towers without [CLS] (Qwen2-VL): what replaces the [CLS] attention
     # A vision method whose extra_macs are per sample (work across a video's frames), not per item.
     extra_per_sample: bool = False
@@ -336,6 +341,9 @@ class MethodSpec:
     # (ViTCoP's part in the decoder: "original" at its shallow stage, "reindexed" at its deep one); empty:
     # `positions` at every step (`step_positions_at`).
     step_positions: tuple[str, ...] = ()
+    # Per family, the values the official scripts give some hyperparameters on that family's backbone, where they
+    # differ from `hyperparameters` (FlashVID: Qwen2.5-VL's ADTS v1 and 4 segments); a request's own values win.
+    family_hyperparameters: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Where ficoco corrects the official code, the correction is a named value of a hyperparameter whose default
     # stays the official behaviour: per hyperparameter, each such value with the few words a label shows
     # (`registry.method_label`: "VisionZip (ficoco: mean contextual token)"), so that a report never names the
@@ -445,6 +453,11 @@ class MethodSpec:
         if unknown_sources:
             raise ValueError(f"{self.name}: default_sources names {', '.join(sorted(unknown_sources))}, not "
                              "hyperparameters")
+        for family, values in self.family_hyperparameters.items():
+            unknown = set(values) - set(self.hyperparameters)
+            if unknown:
+                raise ValueError(f"{self.name}: family_hyperparameters of {family!r} name "
+                                 f"{', '.join(sorted(unknown))}, not hyperparameters of the method")
         for name, values in self.corrections.items():
             if name not in self.hyperparameters:
                 raise ValueError(f"{self.name}: correction {name!r} is not one of its hyperparameters")
@@ -461,6 +474,10 @@ class MethodSpec:
     def step_positions_at(self, order: int) -> str:
         """The position scheme of the method's step `order` (0-based among its steps)."""
         return self.step_positions[order] if order < len(self.step_positions) else self.positions
+    def defaults_on(self, family: str) -> dict[str, Any]:
+        """The method's default hyperparameters on `family`: `hyperparameters`, with the values its official scripts
+        give on that family's backbone (`family_hyperparameters`)."""
+        return {**self.hyperparameters, **self.family_hyperparameters.get(family, {})}
 
     def load(self) -> ModuleType:
         """Import the module that holds the method's tensor functions (imports torch)."""
@@ -504,6 +521,9 @@ class MethodSpec:
             "positions": self.positions, "needs": [n.to_json() for n in self.needs],
             "attention_reads": self.attention_reads,
             "hyperparameters": dict(self.hyperparameters),
+            **({"family_hyperparameters": {family: dict(values) for family, values in
+                                           self.family_hyperparameters.items()}}
+               if self.family_hyperparameters else {}),
             "corrections": {name: [{"value": value, "means": means} for value, means in values.items()]
                             for name, values in self.corrections.items()},
             "rules": {name: rule.label for name, rule in self.rules.items()},

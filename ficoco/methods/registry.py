@@ -27,6 +27,7 @@ from ficoco.methods import (
     ficoco_l,
     ficoco_v,
     fitprune,
+    flashvid,
     gprune,
     hiprune,
     holitom,
@@ -47,11 +48,12 @@ from ficoco.methods.base import RULE, MethodSpec
 # The rows the literature reports: "192 / 128 / 64 tokens" on LLaVA-1.5-7B.
 PRESETS = (192, 128, 64)
 
-# The package's own methods, in the order `ficoco methods` lists them.
+# The package's own methods, in the order `ficoco methods` lists them: FiCoCo, the baselines of 2024-2025, then the
+# methods the 2025-2026 literature compares against.
 _BUILT_IN_SPECS = (ficoco_v.SPEC, ficoco_l.SPEC, fastv.SPEC, pdrop.SPEC, sparsevlm.SPEC, dart.SPEC, tome.SPEC,
                    visionzip.SPEC, fastervlm.SPEC, prumerge.SPEC, divprune.SPEC, vispruner.SPEC, cdpruner.SPEC,
                    holitom.SPEC, fitprune.SPEC, hiprune.SPEC, vlmpruner.SPEC, gprune.SPEC, vtw.SPEC,
-                   pixelprune.SPEC, vitcop.SPEC, vscan.SPEC)
+                   pixelprune.SPEC, vitcop.SPEC, vscan.SPEC, flashvid.SPEC)
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _BUILT_IN_SPECS}
 

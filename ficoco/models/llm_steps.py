@@ -378,7 +378,9 @@ class StepState(LanguageState):
         (between spans and after the last) in reading order; the last prompt token stays last."""
         batch, length = self.index.shape
         slots = torch.arange(length, device=self.index.device).expand(batch, -1)
-        visual = torch.zeros_like(slots, dtype=torch.bool).scatter(1, self.visual_rows, True)
+        # (A tensor source, not a Python bool: torch.jit's trace, which flops --verify runs, takes no bool scalar.)
+        visual = torch.zeros_like(slots, dtype=torch.bool).scatter(1, self.visual_rows,
+                                                                   torch.ones_like(self.visual_rows, dtype=torch.bool))
         before = slots < self.visual_start.unsqueeze(1)
         key = torch.where(before, slots, torch.where(visual, length + slots, 2 * length + slots))
         return torch.sort(key, dim=1).indices
@@ -599,7 +601,9 @@ class LayerInputPatch:
                 if extra else carried
         if state.gapped:  # kept visual tokens and added ones, wherever they are now
             was_visual = torch.zeros(source.shape[0], hidden.shape[1], dtype=torch.bool, device=hidden.device)
-            now = torch.gather(was_visual.scatter(1, state.visual_rows, True), 1, anchor) | is_added
+            rows = state.visual_rows
+            was_visual = was_visual.scatter(1, rows, torch.ones_like(rows, dtype=torch.bool))
+            now = torch.gather(was_visual, 1, anchor) | is_added
             slots = torch.arange(now.shape[1], device=hidden.device).expand(now.shape[0], -1)
             state.visual_rows = torch.sort(torch.where(now, slots, now.shape[1]), dim=1).values[:, :red.num_visual]
         else:

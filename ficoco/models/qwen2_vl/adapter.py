@@ -212,6 +212,16 @@ class Qwen2VLAdapter(FamilyAdapter):
             found.append(tuple(sample))
         return tuple(found)
 
+    def step_state(self, title: str, input_ids: Tensor, attention_mask: Tensor | None, past_length: int = 0,
+                   prior_positions: dict[int, Tensor] | None = None, *, grids: bool = False) -> Any:
+        """The base adapter's state of a layer-input step; under a video method, whose counts are per video, a video
+        counts once, whether one span holds it (Qwen2-VL) or one span per temporal slice (Qwen3-VL's layout)."""
+        state = super().step_state(title, input_ids, attention_mask, past_length, prior_positions, grids=grids)
+        tower = self.tower_pass
+        if state is not None and self.video_cut and tower is not None and tower.frames:
+            state.images = max(1, len(tower.frames) // input_ids.shape[0])
+        return state
+
     def encode_images(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
         """The (reduced) tower's output, every item's kept groups in grid order, split per item (transformers'
         `get_image_features` splits by the unreduced counts); the tower's order reads it (`GridOrder.encode`)."""

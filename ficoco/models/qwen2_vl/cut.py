@@ -403,6 +403,9 @@ class TowerCuts:
                 gone = complement(units, frames * groups)
                 handle.record("vision", cut.layer, kept=self._video_patches(units, groups, rows, cols),
                               discarded=self._video_patches(gone, groups, rows, cols))
+                # What follows the tokens (Qwen3-VL's DeepStack features): a method whose features follow the places
+                # takes each token's place's (FlashVID, as its official code gathers them); else Qwen3-VL refused it.
+                adapter.follow_groups(tower, videos, units, merges=False)
                 tokens = red.hidden.reshape(count, frames * keep, -1)
                 for b, video in enumerate(videos):
                     pieces[video] = tokens[b]

@@ -53,22 +53,34 @@ class PromptShortener:
             mm_token_type_ids = (input_ids == adapter.image_token_id).int()
             if adapter.video_token_id is not None:
                 mm_token_type_ids = mm_token_type_ids + 2 * (input_ids == adapter.video_token_id).int()
-        groups = [int(t * h * w) // adapter.merge for t, h, w in image_grid_thw.tolist()]
+        grids = [(int(t), int(t * h * w) // adapter.merge) for t, h, w in image_grid_thw.tolist()]
+        groups = [count for _, count in grids]
         # Spans in reading order, sample after sample: the order of image_grid_thw's rows.
         starts = is_image & ~F.pad(is_image[:, :-1], (1, 0), value=False)
         span = (starts.flatten().long().cumsum(0) - 1).view(batch, length)
         positions = torch.arange(length, device=device).expand(batch, -1)
         span_start = torch.where(starts, positions, torch.zeros_like(positions)).cummax(dim=1).values
         rank = positions - span_start
-        span_lengths = torch.bincount(span[is_image], minlength=len(groups)).tolist() if bool(is_image.any()) else []
-        if span_lengths != groups:
+        span_lengths = torch.bincount(span[is_image]).tolist() if bool(is_image.any()) else []
+        # One span per image (or video); a video laid out slice by slice (Qwen3-VL's processor: every temporal slice
+        # after its timestamp, between its own markers) has one span per slice, its units slice after slice.
+        pieces = [1] * len(grids)
+        if video and span_lengths != groups and span_lengths == [count // t for t, count in grids for _ in range(t)]:
+            pieces = [t for t, _ in grids]
+        elif span_lengths != groups:
             raise FicocoError(f"the prompt's image spans hold {span_lengths} placeholders, image_grid_thw asks for "
                               f"{groups} (one per merge group): give the unreduced prompt")
-        table = torch.zeros(len(groups), max(groups), dtype=torch.bool, device=device)
+        # How many tokens every placeholder becomes: 1 kept, 0 removed; a video method may hand on two tokens at one
+        # unit (FlashVID's cluster centred on a token it keeps as well): its placeholder twice, at one position.
+        widest = max(span_lengths)
+        table = torch.zeros(len(span_lengths), widest, dtype=torch.long, device=device)
+        first = 0
         for image, kept in enumerate(kept_groups):
-            table[image, kept.to(device)] = True
-        keep = ~is_image | table[span.clamp(min=0), rank.clamp(0, max(groups) - 1)]
-        counts = keep.sum(dim=1)
+            kept, size = kept.to(device), groups[image] // pieces[image]
+            table.index_put_((first + kept // size, kept % size), torch.ones_like(kept), accumulate=True)
+            first += pieces[image]
+        times = torch.where(is_image, table[span.clamp(min=0), rank.clamp(0, widest - 1)], 1)
+        counts = times.sum(dim=1)
         fewest, most = (int(n) for n in torch.stack([counts.min(), counts.max()]).tolist())
         if fewest != most and adapter.removed_per_image is not None:
             raise FicocoError(f"FiCoCo-V on {adapter.family_title}: every sample of a batch must lose the "
@@ -86,15 +98,17 @@ class PromptShortener:
             last = torch.where(real, position_ids.amax(dim=0), torch.zeros_like(position_ids[0])).amax(dim=1)
             deltas = (last + 1 - real.sum(dim=1)).unsqueeze(1)
         if fewest != most:  # each image its own count (PixelPrune): the shorter prompts left-padded
-            return self._left_padded(keep, counts, most, input_ids, attention_mask, mm_token_type_ids, position_ids,
-                                     deltas)
+            return self._left_padded(times > 0, counts, most, input_ids, attention_mask, mm_token_type_ids,
+                                     position_ids, deltas)
         removed = (length - counts).unsqueeze(1)
-        kept_index = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :int(counts[0])]
+        # Every kept position in order, a placeholder held twice repeated (sample-major: every sample keeps as many).
+        offsets = torch.arange(batch, device=device).unsqueeze(1) * length
+        kept_index = torch.repeat_interleave((positions + offsets).flatten(), times.flatten()).view(batch, -1) - offsets
         short = {
-            "input_ids": input_ids[keep].view(batch, -1),
-            "attention_mask": attention_mask[keep].view(batch, -1) if attention_mask is not None else None,
-            "mm_token_type_ids": mm_token_type_ids[keep].view(batch, -1),
-            "position_ids": position_ids[:, keep].view(3, batch, -1),
+            "input_ids": torch.gather(input_ids, 1, kept_index),
+            "attention_mask": torch.gather(attention_mask, 1, kept_index) if attention_mask is not None else None,
+            "mm_token_type_ids": torch.gather(mm_token_type_ids, 1, kept_index),
+            "position_ids": torch.gather(position_ids, 2, kept_index.unsqueeze(0).expand(3, -1, -1)),
         }
         return short, deltas.to(device) + removed, kept_index
 

@@ -72,7 +72,7 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     def patch_tower(self, handle: Handle, patches: Patches, spec: Any, schedule: Any) -> None:
         """Qwen2-VL's hook points in the packed tower, with every DeepStack tap's features following the
         method's steps (kept where its tokens are kept, merged with its own weights where they merge)."""
-        if spec.pooled_grid and self.tower_taps.taps:
+        if spec.pooled_grid and self.tower_taps.taps and not spec.features_follow_places:
             raise FicocoError(f"variant={spec.name}: {spec.title} on {self.family_title}: {FEATURE_MERGES}; run it "
                               "on Qwen2-VL or Qwen2.5-VL")
         super().patch_tower(handle, patches, spec, schedule)
