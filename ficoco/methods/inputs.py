@@ -123,6 +123,10 @@ class StepInput:
             a method added), the index `images` are laid out in.
         images: per sample, its images' `ImageGrids` in span order, where the method needs them (a need of
             kind ``grid``); else None.
+        carried: ``(B, N)`` for a method acting before the LLM and again inside it, what its part before the
+            LLM handed on per visual token (`TowerOutput.carry`: MustDrop's key set, 1 on its tokens), the sample's
+            items in order, following the tokens the earlier steps kept; ``-1`` on a token a step added. None when
+            that part hands nothing on.
     """
 
     hidden: Tensor
@@ -140,6 +144,7 @@ class StepInput:
     prepared: object = None
     visual_ranks: Tensor | None = None
     images: tuple[tuple[ImageGrids, ...], ...] | None = None
+    carried: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -247,6 +252,10 @@ class TowerInput:
             before the first step (image order).
         named: per setting of a ``vision named`` need (ficoco.methods.needs: HiPrune's ``object_layer``), what
             the adapter kept of the tower layer it names (`TowerLayerProbe`); None when the method names none.
+        placement: where the adapter runs this step (`ficoco.methods.base.PLACEMENTS`: ``in_layer``,
+            ``layer_input`` (at a tower layer's input: MustDrop's merge of layer 0's output), ``tower_output``,
+            ``after_projector``, ``tower_input``), for a method whose steps sit at more than one; "" where the
+            adapter does not say.
     """
 
     hidden: Tensor
@@ -268,6 +277,7 @@ class TowerInput:
     image_order: bool = False
     sequence: Tensor | None = None
     named: Mapping[str, TowerLayerProbe] | None = None
+    placement: str = ""
 
 
 @dataclass(frozen=True)
@@ -290,6 +300,9 @@ class TowerOutput:
         sequence: for an adapter that keeps image order (`TowerInput.image_order`), ``(items, T')`` the
             method's own order of the tokens it returns (indices into `hidden`), carried to its next step of
             the same forward; None: image order.
+        carry: for a cut of a method that acts again inside the LLM (`MethodSpec.inner`), ``(items, T')``
+            non-negative integers per output token that its part in the decoder reads (`StepInput.carried`:
+            MustDrop's key set, 1 on its tokens); None: nothing.
 
     A cut's `positions` (optional): ``(items, T')`` the unit every output token stands at, a merged
     token included (VisionZip's contextual token: its target's), for adapters that place tokens by
@@ -305,3 +318,4 @@ class TowerOutput:
     discarded: Tensor | None = None
     merged_into: Tensor | None = None
     sequence: Tensor | None = None
+    carry: Tensor | None = None

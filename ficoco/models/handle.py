@@ -98,6 +98,14 @@ class Handle:
     # one-image prefill (None with several images: the prompt's count is not one image's).
     tower_state: Any = None
     measured_tokens_per_item: int | None = None
+    # A method whose counts are the input's own (`MethodSpec.content_counts`: MustDrop): per step of the last image
+    # call, (stage, layer, where) -> what it removed per item (a vision step) or per sample (a decoder step; none
+    # with several images per prompt), the same in every item or sample, for the accountant's re-plan.
+    measured_steps: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    # A method acting before the LLM and again inside it: what its cut handed on per token for its part in the
+    # decoder (`TowerOutput.carry`: MustDrop's key set), (items, tokens) of the last image call; the decoder's state
+    # takes it at the prefill's first layer.
+    vision_carry: Tensor | None = None
     # The prompt (input_ids, attention_mask) of the image call in progress, as the entry received it:
     # a method before the LLM that reads the instruction (CDPruner) embeds its text tokens from it.
     prompt_ids: tuple[Tensor, Tensor | None] | None = field(default=None, repr=False)
@@ -172,6 +180,8 @@ class Handle:
         cached."""
         self._pending, self._records = [], []
         self.vision_state = None
+        self.vision_carry = None
+        self.measured_steps = {}
         self.output_positions = None
 
     def record(self, stage: str, layer: int, *, kept: Tensor, discarded: Tensor,
@@ -184,7 +194,7 @@ class Handle:
         self._patches.undo()
         self.language_state = self.vision_state = self.output_positions = self.prompt_map = None
         self.prompt_ids = None
-        self.tower_state = None
+        self.tower_state = self.vision_carry = None
         self.cache_states.clear()
         if self.model.__dict__.get("_ficoco_handle") is self:
             del self.model.__dict__["_ficoco_handle"]

@@ -332,6 +332,11 @@ class StepState(LanguageState):
     added: Tensor | None = None  # (B, T_now) True on added tokens, None while there are none
     stage: int = 0
     prepared: Any = None
+    # (B, N_now) what the method's part before the LLM handed on per visual token (StepInput.carried), or None.
+    carried: Tensor | None = None
+    # M: the trailing rows (of the grouped order, with several spans) that can hold text after the visual span
+    # (T minus the earliest span end of any sample), the "suffix" rows a probe computes; steps leave it as it is.
+    text_rows: int = 0
     steps_done: int = 0
     # Several image spans per sample (text between them): the methods, which read one span, see the
     # sequence grouped (`grouping`), their result is put back in reading order.
@@ -411,6 +416,9 @@ class LayerInputPatch:
         # A count known only once the step ran (VLM-Pruner's selection may end early): the step may leave fewer
         # visual tokens than its schedule plans, the same number in every sample, measured for the accountant.
         self.adaptive = bool(self.settings.get("adaptive"))
+        # Counts the input decides as it runs (MustDrop's thresholds): a step may leave any count, the same in every
+        # sample, which the handle records per step (`Handle.measured_steps`) for the accountant.
+        self.content_counts = spec.content_counts
         self.slots: dict[int, RowsSlot] = {}
 
     def install(self, patches: Patches) -> None:
@@ -465,7 +473,7 @@ class LayerInputPatch:
             if slot is not None:
                 slot.armed = True
                 if slot.rows == "suffix":
-                    slot.suffix_rows = state.prepared.shape[1]
+                    slot.suffix_rows = state.prepared.shape[1] if state.prepared is not None else state.text_rows
                     slot.row_index = state.grouping()[:, -slot.suffix_rows:] if state.gapped else None
             try:
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -486,6 +494,13 @@ class LayerInputPatch:
         mask = state.mask2d
         state.text_positions = (mask.long().cumsum(1) - 1).clamp(min=0) if mask is not None else \
             torch.arange(length, device=embeds.device).expand(batch, -1)
+        carry, self.handle.vision_carry = self.handle.vision_carry, None
+        if carry is not None:  # what the method's part before the LLM handed on: per sample, its items in order
+            if carry.shape[0] % batch or carry.numel() != batch * state.num_visual:
+                raise FicocoError(f"{self.spec.title}: its part before the LLM handed on {tuple(carry.shape)} values "
+                                  f"for {batch} prompts of {state.num_visual} visual tokens each; give every prompt "
+                                  "its images' full spans")
+            state.carried = carry.reshape(batch, -1).to(embeds.device)
         if self.embeddings:
             grouped = gather_rows(embeds, state.grouping(), 1) if state.gapped else embeds
             prepare = cast(PreparesModule, self.module).prepare
@@ -519,6 +534,7 @@ class LayerInputPatch:
             keep=state.num_visual - remove, stage=self.order[index], position_ids=state.positions,
             text_positions=state.text_positions, attention_mask=state.mask2d, row_attention=row_attention,
             keys=keys, query_key_row=own_row, final_norm=self.adapter.final_norm, prepared=state.prepared,
+            carried=state.carried,
             visual_ranks=state.visual_ranks, images=state.image_grids)
         order = state.grouping() if state.gapped else None
         if order is not None:
@@ -533,7 +549,12 @@ class LayerInputPatch:
         # together: with several images only the kept count is the schedule's.
         expected = state.num_visual - remove + removal.added
         kept_count = red.kept_visual.shape[1]
-        if self.adaptive and not removal.added and 1 <= red.num_visual <= expected:
+        if self.content_counts and 1 <= red.num_visual <= state.num_visual + removal.added:
+            # The count the input decided (the schedule's is an assumption), per sample of one-image prompts.
+            if state.images == 1:
+                self.handle.measured_steps[("llm", index, "layer_input")] = \
+                    state.num_visual + removal.added - red.num_visual
+        elif self.adaptive and not removal.added and 1 <= red.num_visual <= expected:
             # The count as it ran, per image of the profile's one-image prompt (with several images the count is
             # the prompt's, which the accountant does not plan).
             self.handle.measured_tokens_per_item = red.num_visual if state.images == 1 else None
@@ -560,6 +581,10 @@ class LayerInputPatch:
         added = is_added if previously_added is None else is_added | torch.gather(previously_added, 1, anchor)
         state.added = added if bool(extra) or previously_added is not None else None
         state.visual_ranks = ranks
+        if state.carried is not None:  # follows the kept visual tokens; an added token carries nothing (-1)
+            carried = torch.gather(state.carried, 1, red.kept_visual)
+            state.carried = torch.cat([carried, carried.new_full((carried.shape[0], extra), -1)], dim=1) \
+                if extra else carried
         if state.gapped:  # kept visual tokens and added ones, wherever they are now
             was_visual = torch.zeros(source.shape[0], hidden.shape[1], dtype=torch.bool, device=hidden.device)
             now = torch.gather(was_visual.scatter(1, state.visual_rows, True), 1, anchor) | is_added
@@ -596,9 +621,9 @@ def step_state(input_ids: Tensor, attention_mask: Tensor | None, visual: Tensor,
     first = torch.where(visual, positions, length).min(dim=1).values
     last = torch.where(visual, positions, -1).max(dim=1).values
     spans = (visual & ~F.pad(visual[:, :-1], (1, 0), value=False)).sum(dim=1)
-    fewest, most, gaps, fewest_spans, most_spans, ends_visual = torch.stack(
+    fewest, most, gaps, fewest_spans, most_spans, ends_visual, earliest = torch.stack(
         [counts.min(), counts.max(), (last - first + 1 - counts).abs().max(), spans.min(), spans.max(),
-         visual[:, -1].any()]).tolist()
+         visual[:, -1].any(), first.min()]).tolist()
     if most == 0:
         return None
     if fewest != most:
@@ -618,6 +643,7 @@ def step_state(input_ids: Tensor, attention_mask: Tensor | None, visual: Tensor,
     suffix = (positions > last[:, None]) & real
     ranks = torch.arange(most, device=input_ids.device).expand(batch, -1)
     return StepState(index=positions.clone(), visual_rows=rows, visual_ranks=ranks, suffix_mask=suffix,
+                     text_rows=length - earliest - most,
                      prefill_length=length, past_length=0, visual_start=first, images=most_spans, gapped=bool(gaps),
                      mask2d=attention_mask.to(torch.long) if attention_mask is not None else None)
 
