@@ -72,6 +72,7 @@ RULE_TESTS_PREFIX = "test_rule_"
 # Issue 53: the 2025-2026 methods' suites inside the models.
 NEW_METHOD_SUITES = frozenset({"test_method_gprune.py", "test_method_vtw.py", "test_method_vtw_cli.py",
                                "test_method_vtw_families.py"})
+NEW_METHOD_SUITES |= {"test_method_mustdrop.py"}
 TRANSFORMERS_TESTS |= NEW_METHOD_SUITES
 METHOD_SUITES |= NEW_METHOD_SUITES
 
