@@ -162,7 +162,7 @@ def test_no_window_merged_and_nothing_dropped_is_bitwise_vanilla(model: nn.Modul
     ({"window_threshold": 2.0}, r"window_threshold=2.0: give a cosine in \[-1, 1\]"),
     ({"window_count": "image"}, "window_count='image': give 'batch'"),
     ({"layers": (6, 2)}, "layers=.*increasing"),
-    ({"schedule": "3:10"}, "cuts once, after the tower"),
+    ({"schedule": "3:10"}, "MustDrop's counts are the input's own"),
 ])
 def test_impossible_settings_are_refused_in_one_line(model: nn.Module, setting: dict, words: str) -> None:
     with pytest.raises(FicocoError, match=words) as info:

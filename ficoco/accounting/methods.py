@@ -265,6 +265,9 @@ def parse_method_schedule(arch: Architecture, name: str, text: str,
     spec = method(name)
     spec.check_family(arch.family, arch.name)
     check_per_item(arch, spec)
+    if spec.content_counts:
+        raise FicocoError(f"schedule= gives removals per layer; {spec.title}'s counts are the input's own (its "
+                          "thresholds decide them): give keep= or preset= (a row's thresholds), or its thresholds")
     if spec.per_item and spec.placement != "in_layer":
         raise FicocoError(f"schedule= gives removals per layer; {spec.title} cuts once, after the tower: give "
                           "keep= or preset=")
