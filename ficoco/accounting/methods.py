@@ -269,6 +269,9 @@ def parse_method_schedule(arch: Architecture, name: str, text: str,
     spec = method(name)
     spec.check_family(arch.family, arch.name)
     check_per_item(arch, spec)
+    if spec.content_counts:
+        raise FicocoError(f"schedule= gives removals per layer; {spec.title}'s counts are the input's own (its "
+                          "thresholds decide them): give keep= or preset= (a row's thresholds), or its thresholds")
     if spec.per_item and spec.placement != "in_layer":
         raise FicocoError(f"schedule= gives removals per layer; {spec.title} cuts once, after the tower: give "
                           "keep= or preset=")
@@ -388,9 +391,10 @@ def extra_macs(arch: Architecture, schedule: Schedule, plan: TokenPlan, *, batch
         units, index = v.units, 0
         for removal in sorted((r for r in schedule.removals if r.stage == "vision"),
                               key=lambda r: (r.layer, PLACEMENT_ORDER.index(r.where))):
-            # Patches entering the step: after the in-layer merges of the layers before it.
-            units = v.units - sum(r.remove for r in schedule.removals
-                                  if r.stage == "vision" and r.where == "in_layer" and r.layer < removal.layer)
+            # Patches entering the step: after the in-layer merges of the layers before it (and the merges at the
+            # input of those layers: MustDrop's).
+            units = v.units - sum(r.remove for r in schedule.removals if r.stage == "vision"
+                                  and r.where in ("in_layer", "layer_input") and r.layer < removal.layer)
             if removal.where == "after_projector":
                 units += sum(r.added - r.remove for r in schedule.removals if r.where == "tower_output")
                 units = pooled_units(arch, spec) or units  # OneVision's video: the cut sees the pooled frames
@@ -436,3 +440,20 @@ def at_measured_count(arch: Architecture, schedule: Schedule, tokens_per_item: i
     measured = {**settings, count: tokens_per_item, "adaptive": True, "measured": True}
     tower = {CLS_TO_PROJECTOR: arch.cls_to_projector} if spec.per_item else {}
     return schedule_from_steps(arch, spec, spec.steps({**measured, **tower}, visual, layers), measured)
+
+
+# (stage, layer, where) of a step -> what it removed per item (a vision step) or per sample (a decoder step).
+MeasuredSteps = Mapping[tuple[str, int, str], int]
+
+
+def at_measured_steps(schedule: Schedule, measured: MeasuredSteps) -> Schedule:
+    """A schedule whose counts are the input's own (`MethodSpec.content_counts`: MustDrop's) re-planned at what a
+    run's steps removed (`Handle.measured_steps`): every step's planned count, an assumption, replaced by its
+    measured one (a step the run did not measure keeps its planned count); the settings add ``measured``. Any other
+    schedule, or an empty measurement, is returned as it is."""
+    if not measured or not method(schedule.variant).content_counts:
+        return schedule
+    removals = tuple(Removal(r.stage, r.layer, measured.get((r.stage, r.layer, r.where), r.remove), r.where, r.added)
+                     for r in schedule.removals)
+    settings = {**schedule.settings_dict(), "measured": True}
+    return Schedule(schedule.variant, removals, tuple((k, _hashable(v)) for k, v in settings.items()))

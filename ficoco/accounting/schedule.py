@@ -41,7 +41,8 @@ class Removal:
 
     `where`: "in_layer" (FiCoCo, ToMe: after the layer's attention, before its MLP) or "layer_input"
     (FastV, PDrop, SparseVLM, DART: before the layer runs, so the whole layer sees the reduced
-    set); `added` tokens join at the same point (SparseVLM's recycled clusters). Before the LLM:
+    set; in the tower, MustDrop's merge of layer 0's output at layer 1's input); `added` tokens join at the
+    same point (SparseVLM's recycled clusters). Before the LLM:
     "tower_output" (after the tower layer the projector reads, before the projector: VisionZip,
     PruMerge+, whose merged tokens are `added`) and "after_projector" (FasterVLM: the projector
     maps every patch, then the cut); "tower_input" (before the tower's first layer, decided from the
@@ -298,7 +299,10 @@ def plan_tokens(arch: Architecture, schedule: Schedule, *, text_tokens: int | No
     text = arch.text_tokens if text_tokens is None else text_tokens
     v = arch.vision
     vision_removed = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "in_layer"}
-    before_llm = {r.where: r for r in schedule.removals if r.stage == "vision" and r.where != "in_layer"}
+    # A merge at a tower layer's input (MustDrop's, on layer 0's output): that layer and every later one see it.
+    vision_at_input = {r.layer: r.remove for r in schedule.removals if r.stage == "vision" and r.where == "layer_input"}
+    before_llm = {r.where: r for r in schedule.removals
+                  if r.stage == "vision" and r.where not in ("in_layer", "layer_input")}
     # A cut at the tower's input (PixelPrune): every tower layer runs on the units it keeps (the patch embedding
     # and Qwen3-VL's position interpolation run on every patch before it, as the model's own forward runs them).
     tower_input = before_llm.get("tower_input")
@@ -311,6 +315,10 @@ def plan_tokens(arch: Architecture, schedule: Schedule, *, text_tokens: int | No
         units -= tower_input.remove
     vision: list[tuple[int, int]] = []
     for layer in range(v.layers):
+        entering = vision_at_input.get(layer, 0)
+        if entering:
+            reductions.append(Reduction("vision", layer, units * v.merge, entering * v.merge, "layer_input"))
+            units -= entering
         r = vision_removed.get(layer, 0)
         if r:
             reductions.append(Reduction("vision", layer, units * v.merge, r * v.merge))

@@ -385,6 +385,12 @@ class MethodSpec:
     # A method that takes no token budget (PixelPrune: every image keeps its own count, set by its content): the
     # one line that refuses --keep, --preset, --tflops and --schedule. Empty: the method takes budgets.
     budget_refusal: str = ""
+    # Every count of its steps is decided by the input's content as it runs (MustDrop's thresholds): the planned
+    # counts are an assumption; the models accept whatever count a step leaves (the same in every item, or every
+    # sample), record it per step (`Handle.measured_steps`), and the accountant re-plans a run at those
+    # (ficoco.accounting.methods.at_measured_steps). False: a step leaves the count its schedule plans (or, with an
+    # ``adaptive`` setting, the count the adapters measure).
+    content_counts: bool = False
     # What the model adapters capture for this method, at which layer, which rows: built from `needs` when
     # the spec is made (ficoco.methods.needs.probe_plan); the tower-side and decoder-side patches read it.
     probes: ProbePlan = field(init=False, repr=False, compare=False)

@@ -127,9 +127,9 @@ class StepInput:
             kind ``grid``); else None.
         key_heads: the key heads ``H_kv`` that `keys` concatenates (0 without keys).
         carried: ``(B, N)`` for a method acting before the LLM and again inside it, what its part before the
-            LLM handed on per visual token (`TowerOutput.carry`: ViTCoP's cluster labels), the sample's items in
-            order, following the tokens the earlier steps kept; ``-1`` on a visual token that part did not hand
-            on (Video-LLaVA's frame [CLS]) or one a step added. None when that part hands nothing on.
+            LLM handed on per visual token (`TowerOutput.carry`: ViTCoP's cluster labels, MustDrop's key set), the
+            sample's items in order, following the tokens the earlier steps kept; ``-1`` on a visual token that part
+            did not hand on (Video-LLaVA's frame [CLS]) or one a step added. None when that part hands nothing on.
     """
 
     hidden: Tensor
@@ -259,6 +259,10 @@ class TowerInput:
         riding: the trailing channels of `hidden` that only ride with the tokens (Qwen3-VL's DeepStack features,
             for a method of `MethodSpec.merges_by_keys`): the method merges them as it merges the tokens and
             decides nothing by them; 0: none.
+        placement: where the adapter runs this step (`ficoco.methods.base.PLACEMENTS`: ``in_layer``,
+            ``layer_input`` (at a tower layer's input: MustDrop's merge of layer 0's output), ``tower_output``,
+            ``after_projector``, ``tower_input``), for a method whose steps sit at more than one; "" where the
+            adapter does not say.
     """
 
     hidden: Tensor
@@ -281,6 +285,7 @@ class TowerInput:
     sequence: Tensor | None = None
     named: Mapping[str, TowerLayerProbe] | None = None
     riding: int = 0
+    placement: str = ""
 
 
 @dataclass(frozen=True)
@@ -305,7 +310,8 @@ class TowerOutput:
             the same forward; None: image order.
         carry: for a cut of a method that acts again inside the LLM (`MethodSpec.inner`), ``(items, T')``
             non-negative integers per output token that its part in the decoder reads
-            (`StepInput.carried`: ViTCoP's cluster labels, unique within a call's items); None: nothing.
+            (`StepInput.carried`: ViTCoP's cluster labels, unique within a call's items; MustDrop's key set, 1 on
+            its tokens); None: nothing.
 
     A cut's `positions` (optional): ``(items, T')`` the unit every output token stands at, a merged
     token included (VisionZip's contextual token: its target's), for adapters that place tokens by

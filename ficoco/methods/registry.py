@@ -31,6 +31,7 @@ from ficoco.methods import (
     gprune,
     hiprune,
     holitom,
+    mustdrop,
     pdrop,
     pixelprune,
     prumerge,
@@ -53,7 +54,7 @@ PRESETS = (192, 128, 64)
 _BUILT_IN_SPECS = (ficoco_v.SPEC, ficoco_l.SPEC, fastv.SPEC, pdrop.SPEC, sparsevlm.SPEC, dart.SPEC, tome.SPEC,
                    visionzip.SPEC, fastervlm.SPEC, prumerge.SPEC, divprune.SPEC, vispruner.SPEC, cdpruner.SPEC,
                    holitom.SPEC, fitprune.SPEC, hiprune.SPEC, vlmpruner.SPEC, gprune.SPEC, vtw.SPEC,
-                   pixelprune.SPEC, vitcop.SPEC, vscan.SPEC, flashvid.SPEC)
+                   pixelprune.SPEC, vitcop.SPEC, vscan.SPEC, flashvid.SPEC, mustdrop.SPEC)
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in _BUILT_IN_SPECS}
 

@@ -98,9 +98,13 @@ class Handle:
     # one-image prefill (None with several images: the prompt's count is not one image's).
     tower_state: Any = None
     measured_tokens_per_item: int | None = None
+    # A method whose counts are the input's own (`MethodSpec.content_counts`: MustDrop): per step of the last image
+    # call, (stage, layer, where) -> what it removed per item (a vision step) or per sample (a decoder step; none
+    # with several images per prompt), the same in every item or sample, for the accountant's re-plan.
+    measured_steps: dict[tuple[str, int, str], int] = field(default_factory=dict)
     # A method acting before the LLM and again inside it: what its cut handed on per token for its part in the
-    # decoder (`TowerOutput.carry`: ViTCoP's cluster labels), (items, tokens) of the last image call, -1 on a
-    # token the cut did not see; the decoder's state takes it at the prefill's first layer.
+    # decoder (`TowerOutput.carry`: ViTCoP's cluster labels, MustDrop's key set), (items, tokens) of the last image
+    # call, -1 on a token the cut did not see; the decoder's state takes it at the prefill's first layer.
     vision_carry: Tensor | None = None
     # The prompt (input_ids, attention_mask) of the image call in progress, as the entry received it:
     # a method before the LLM that reads the instruction (CDPruner) embeds its text tokens from it.
@@ -177,6 +181,7 @@ class Handle:
         self._pending, self._records = [], []
         self.vision_state = None
         self.vision_carry = None
+        self.measured_steps = {}
         self.output_positions = None
 
     def record(self, stage: str, layer: int, *, kept: Tensor, discarded: Tensor,

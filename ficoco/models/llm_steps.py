@@ -343,6 +343,9 @@ class StepState(LanguageState):
     span_position: Tensor | None = None
     stage: int = 0
     prepared: Any = None
+    # M: the trailing rows (of the grouped order, with several spans) that can hold text after the visual span
+    # (T minus the earliest span end of any sample), the "suffix" rows a probe computes; steps leave it as it is.
+    text_rows: int = 0
     steps_done: int = 0
     # Several image spans per sample (text between them): the methods, which read one span, see the
     # sequence grouped (`grouping`), their result is put back in reading order.
@@ -430,6 +433,9 @@ class LayerInputPatch:
         # A count known only once the step ran (VLM-Pruner's selection may end early): the step may leave fewer
         # visual tokens than its schedule plans, the same number in every sample, measured for the accountant.
         self.adaptive = bool(self.settings.get("adaptive"))
+        # Counts the input decides as it runs (MustDrop's thresholds): a step may leave any count, the same in every
+        # sample, which the handle records per step (`Handle.measured_steps`) for the accountant.
+        self.content_counts = spec.content_counts
         self.slots: dict[int, RowsSlot] = {}
 
     def install(self, patches: Patches) -> None:
@@ -485,7 +491,7 @@ class LayerInputPatch:
             if slot is not None:
                 slot.armed = True
                 if slot.rows == "suffix":
-                    slot.suffix_rows = state.prepared.shape[1]
+                    slot.suffix_rows = state.prepared.shape[1] if state.prepared is not None else state.text_rows
                     slot.row_index = state.grouping()[:, -slot.suffix_rows:] if state.gapped else None
             try:
                 return original(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
@@ -568,7 +574,12 @@ class LayerInputPatch:
         # together: with several images only the kept count is the schedule's.
         expected = state.num_visual - remove + removal.added
         kept_count = red.kept_visual.shape[1]
-        if self.adaptive and not removal.added and 1 <= red.num_visual <= expected:
+        if self.content_counts and 1 <= red.num_visual <= state.num_visual + removal.added:
+            # The count the input decided (the schedule's is an assumption), per sample of one-image prompts.
+            if state.images == 1:
+                self.handle.measured_steps[("llm", index, "layer_input")] = \
+                    state.num_visual + removal.added - red.num_visual
+        elif self.adaptive and not removal.added and 1 <= red.num_visual <= expected:
             # The count as it ran, per image of the profile's one-image prompt (with several images the count is
             # the prompt's, which the accountant does not plan).
             self.handle.measured_tokens_per_item = red.num_visual if state.images == 1 else None
@@ -640,9 +651,9 @@ def step_state(input_ids: Tensor, attention_mask: Tensor | None, visual: Tensor,
     first = torch.where(visual, positions, length).min(dim=1).values
     last = torch.where(visual, positions, -1).max(dim=1).values
     spans = (visual & ~F.pad(visual[:, :-1], (1, 0), value=False)).sum(dim=1)
-    fewest, most, gaps, fewest_spans, most_spans, ends_visual = torch.stack(
+    fewest, most, gaps, fewest_spans, most_spans, ends_visual, earliest = torch.stack(
         [counts.min(), counts.max(), (last - first + 1 - counts).abs().max(), spans.min(), spans.max(),
-         visual[:, -1].any()]).tolist()
+         visual[:, -1].any(), first.min()]).tolist()
     if most == 0:
         return None
     if fewest != most:
@@ -662,6 +673,7 @@ def step_state(input_ids: Tensor, attention_mask: Tensor | None, visual: Tensor,
     suffix = (positions > last[:, None]) & real
     ranks = torch.arange(most, device=input_ids.device).expand(batch, -1)
     return StepState(index=positions.clone(), visual_rows=rows, visual_ranks=ranks, suffix_mask=suffix,
+                     text_rows=length - earliest - most,
                      prefill_length=length, past_length=0, visual_start=first, images=most_spans, gapped=bool(gaps),
                      mask2d=attention_mask.to(torch.long) if attention_mask is not None else None)
 

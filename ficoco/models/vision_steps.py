@@ -22,6 +22,8 @@ Where the method's `tower_step` runs follows the step's placement:
   between the attention residual and the MLP; what the step carries (token sizes, original
   positions, an additive attention bias for later layers) lives in the forward's `TowerState`,
   never on the modules, and every later tower layer adds the bias to its attention mask.
+- ``layer_input`` (MustDrop's merge of layer 0's output): on a tower layer's input, before the layer runs, so
+  that it and every later layer run on what the step leaves; what it carries lives in `TowerState` as above.
 - ``tower_output`` (VisionZip, PruMerge+): on the projector's input, the patches of the layer it
   reads ([CLS] dropped), before the projector maps them.
 - ``after_projector`` (FasterVLM): on the projector's output; on an AnyRes image of a method that cuts it
@@ -148,7 +150,8 @@ class TowerPatch:
         self.has_cls = bool(getattr(adapter, "tower_has_cls", True))
         removals = [r for r in schedule.removals if r.stage == "vision"]
         self.in_layer: dict[int, Removal] = {r.layer: r for r in removals if r.where == "in_layer"}
-        self.cuts: dict[str, Removal] = {r.where: r for r in removals if r.where != "in_layer"}
+        self.at_input: dict[int, Removal] = {r.layer: r for r in removals if r.where == "layer_input"}
+        self.cuts: dict[str, Removal] = {r.where: r for r in removals if r.where not in ("in_layer", "layer_input")}
         last = len(adapter.vision_layers) - 1
         step_layers = sorted({r.layer for r in removals})
         # tower layer -> (whether the [CLS] query is wanted, whether every row's probabilities are), from the
@@ -206,6 +209,9 @@ class TowerPatch:
             if state is None:  # a tower call that did not start at layer 0 is not ours to change
                 return original(hidden_states, attention_mask, **kwargs)
             follow_device(state, hidden_states.device)  # a tower split across devices (device maps)
+            entering = self.at_input.get(index)
+            if entering is not None:  # a step at this layer's input: the layer runs on what it leaves
+                hidden_states = self._at_input(index, entering, state, hidden_states)
             if state.bias is not None:
                 bias = state.bias.to(hidden_states.dtype)
                 attention_mask = bias if attention_mask is None else attention_mask + bias
@@ -231,7 +237,8 @@ class TowerPatch:
             keys, query, scale, probabilities = state.probes.pop(index, (None, None, None, None))
             inputs = TowerInput(hidden=hidden, has_cls=self.has_cls, remove=removal.remove, added=removal.added,
                                 keys=keys, cls_query=query, scale=scale, size=state.size, positions=state.positions,
-                                attention=probabilities, grid_hw=self.adapter.grid_hw, named=named)
+                                attention=probabilities, grid_hw=self.adapter.grid_hw, named=named,
+                                placement="in_layer")
             before = state.positions
             out: TowerOutput = self.handle.run_method(("vision", index), self.module.tower_step, inputs,
                                                       self.settings)
@@ -247,6 +254,36 @@ class TowerPatch:
             return hidden + parts.mlp(parts.post_norm(hidden))
 
         return forward
+
+    def _at_input(self, index: int, removal: Removal, state: TowerState, hidden: Tensor) -> Tensor:
+        """The method's step at tower layer `index`'s input (the previous layer's output: MustDrop's merge of layer
+        0's output), before the layer runs; what it carries goes on in `state`. A method whose counts are the
+        input's own (`MethodSpec.content_counts`) may remove any count, the same in every item (measured);
+        any other removes its schedule's."""
+        named = self._named(state, index)
+        inputs = TowerInput(hidden=hidden, has_cls=self.has_cls, remove=removal.remove, added=removal.added,
+                            size=state.size, positions=state.positions, grid_hw=self.adapter.grid_hw, named=named,
+                            placement="layer_input")
+        before = state.positions
+        out: TowerOutput = self.handle.run_method(("vision", index), self.module.tower_step, inputs, self.settings)
+        removed = hidden.shape[1] - out.hidden.shape[1] + removal.added
+        if removed != removal.remove and not self.spec.content_counts:
+            raise FicocoError(f"{self.spec.title} at tower layer {index}'s input left {out.hidden.shape[1]} tokens "
+                              f"where its schedule plans {hidden.shape[1] - removal.remove + removal.added}")
+        self._measured("vision", index, "layer_input", removed)
+        state.size, state.positions, state.bias = out.size, out.positions, out.attention_bias
+        patches = self.adapter.patches
+        offset = int(self.has_cls)
+        present = before[:, offset:] - offset if before is not None else \
+            torch.arange(patches, device=hidden.device).expand(hidden.shape[0], -1)
+        discarded = out.discarded if out.discarded is not None else _gone(present, out.kept, patches, removed)
+        self.handle.record("vision", index, kept=out.kept, discarded=discarded, merged_into=out.merged_into)
+        return out.hidden
+
+    def _measured(self, stage: str, layer: int, where: str, removed: int) -> None:
+        """What a step of a method whose counts are the input's own removed per item (`Handle.measured_steps`)."""
+        if self.spec.content_counts:
+            self.handle.measured_steps[(stage, layer, where)] = removed
 
     # -- the projector ----------------------------------------------------------------------
     def _projector(self, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -330,8 +367,12 @@ class TowerPatch:
         tokens that go on and the patch each continues (-1 without a grid place). `expected_units`: the count the
         cut expects per item (None: the tower's patches after its in-layer steps)."""
         items, units = features.shape[:2]
-        expected = self.adapter.patches - sum(r.remove for r in self.in_layer.values()) \
-            if expected_units is None else expected_units
+        if expected_units is not None:
+            expected = expected_units
+        elif self.spec.content_counts and state.positions is not None:  # what the tower's own steps left
+            expected = state.positions.shape[1] - int(self.has_cls)
+        else:
+            expected = self.adapter.patches - sum(r.remove for r in (*self.in_layer.values(), *self.at_input.values()))
         if units != expected:
             raise FicocoError(f"{self.spec.title} cuts {expected} patches per item at the tower's output, but the "
                               f"projector received {units}; vision_feature_select_strategy must be 'default'")
@@ -350,11 +391,9 @@ class TowerPatch:
                             keys=keys, cls_query=query, scale=scale, attention=probabilities, text=text,
                             text_mask=text_mask, frames=getattr(self.adapter, "frames_in_call", None),
                             cls_hidden=None if cls is None else cls.to(features.device), grid_hw=grid,
-                            named=self._named(state, None))
+                            named=self._named(state, None), placement=removal.where)
         out: TowerOutput = self.handle.run_method(("projector", None), self.module.tower_step, inputs, self.settings)
         hidden = out.hidden
-        # What a method acting again inside the LLM hands its part there (ViTCoP's cluster labels).
-        self.handle.vision_carry = None if out.carry is None else out.carry[:, :hidden.shape[1]]
         if out.counts is not None:
             # An adaptive count: one host read. Items of one call must agree, since their image spans
             # are shortened alike (a batch's prompts keep equal lengths).
@@ -364,6 +403,10 @@ class TowerPatch:
                                   f"frames) of this call ({', '.join(map(str, counts))} tokens): give a fixed count "
                                   "with keep=, or run one single-item image per call (LLaVA-1.5)")
             hidden = hidden[:, :counts[0]]
+        # What a method acting again inside the LLM hands its part there (ViTCoP's cluster labels, MustDrop's key set),
+        # per token that goes on.
+        self.handle.vision_carry = None if out.carry is None else out.carry[:, :hidden.shape[1]]
+        self._measured("vision", removal.layer, removal.where, units + removal.added - hidden.shape[1])
         present = torch.arange(units, device=features.device).expand(items, -1)
         kept = out.kept[:, :hidden.shape[1]]
         self.handle.record("vision", removal.layer, kept=kept, discarded=_gone(present, kept, units))

@@ -477,6 +477,9 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
     del cache
     # Read before the kernel record's extra forward (where it runs), which measures nothing.
     measured_tokens = handle.measured_tokens_per_item if handle is not None else None
+    steps = [{"stage": stage, "layer": layer, "where": where, "removed": removed}
+             for (stage, layer, where), removed in sorted(handle.measured_steps.items())] \
+        if handle is not None and handle.measured_steps else None
     attention_kernels = _recorded_kernels(kernels, loads, forward, on_run)
     prefill_record = PrefillRecord(
         latency=latency, runs=_runs_json(latency, run.plan), batch=run.row.batch,
@@ -484,7 +487,7 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
         probe_ms=statistics.median(probe_ms) if probe_ms else 0.0,
         # What every image (crop, frame) handed the LLM in the prefill, as it ran: a method acting
         # before the LLM with an adaptive count (PruMerge+) plans an assumed count, this is the real one.
-        visual_tokens_per_item_measured=measured_tokens, attention_kernels=attention_kernels,
+        visual_tokens_per_item_measured=measured_tokens, measured_steps=steps, attention_kernels=attention_kernels,
         expert_loads=loads.to_json(),
         page_faults={"minor": [f[0] for f in faults], "major": [f[1] for f in faults]} if faults else None)
     return prefill_record, memory, choose
@@ -711,8 +714,27 @@ def _at_measured_count(result: dict[str, Any], row: RowSpec, config: ProfileConf
     Returns the row's result and the row as it ran."""
     from dataclasses import replace
 
-    from ficoco.accounting.methods import at_measured_count
+    from ficoco.accounting.methods import at_measured_count, at_measured_steps
+    from ficoco.accounting.schedule import plan_tokens
 
+    steps = result.get("measured_steps")
+    if steps:  # counts the input decided as it ran (MustDrop's thresholds): the run's own, step by step
+        schedule = at_measured_steps(row.schedule, {(s["stage"], s["layer"], s["where"]): s["removed"] for s in steps})
+        ran = replace(row, schedule=schedule)
+        measured_analytic = analytic(plan.profile, ran, config, plan.gpu, plan.dtype)
+        tokens = plan_tokens(architecture(plan.profile), schedule, text_tokens=config.text_tokens)
+        # The count every decoder layer hands on, averaged over the layers: what MustDrop's official code prints
+        # (modelling_sparse_llama.py:276-285); the analytic average counts what each layer receives.
+        handed = [entering for entering, _ in tokens.llm_visual[1:]] + [tokens.visual_tokens]
+        printed = sum(handed) / len(handed)
+        removed = ", ".join(f"{step['stage']} {step['layer']}: -{step['removed']}" for step in steps)
+        note = (f"counts decided by the input: measured per step ({removed}), planned at an assumption "
+                f"({result['analytic']['visual_tokens']} visual tokens); the analytic columns count the measured "
+                f"run, whose layer average is "
+                f"{measured_analytic['layer_average_visual_tokens']:.1f} visual tokens entering each decoder layer "
+                f"({printed:.1f} handed on by each, as the official code prints it)")
+        return result | {"schedule": schedule.to_json(), "note": note, "analytic": measured_analytic,
+                         "layer_average_visual_tokens_printed": printed}, ran
     measured = result.get("visual_tokens_per_item_measured")
     if not measured or not row.schedule.settings_dict().get("adaptive"):
         return result, row

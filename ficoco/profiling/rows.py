@@ -31,6 +31,9 @@ class PrefillRecord:
     reduction_stages_ms: float
     probe_ms: float
     visual_tokens_per_item_measured: int | None = None
+    # A method whose counts are the input's own (MustDrop): what every step removed as it ran, [{"stage", "layer",
+    # "where", "removed"}] (per item for a vision step, per sample for a decoder step); None: not such a method.
+    measured_steps: list[dict[str, Any]] | None = None
     # Per stage, the attention kernel every layer ran (profiling/kernels.py's record); None: not recorded.
     attention_kernels: dict[str, Any] | None = None
     # Per sparse decoder layer, the rows its experts took (profiling/experts.py's record); None: a dense decoder.
@@ -181,6 +184,8 @@ class MeasuredRow:
                     "memory_per_device": memory.memory_per_device}
         if prefill.visual_tokens_per_item_measured:
             row["visual_tokens_per_item_measured"] = prefill.visual_tokens_per_item_measured
+        if prefill.measured_steps is not None:
+            row["measured_steps"] = prefill.measured_steps
         if prefill.attention_kernels is not None:
             row["attention_kernels"] = prefill.attention_kernels
         if prefill.expert_loads is not None:

@@ -722,10 +722,11 @@ class _Probes:
 
 def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, plan: TokenPlan,
              logits_to_keep: int) -> tuple[_Measured, _Measured, _Paths, list[tuple[str, int | None, str]], _Probes,
-                                           int | None, tuple[int, ...]]:
+                                           int | None, tuple[int, ...], dict[tuple[str, int, str], int]]:
     """Run the prefill of `schedule` under fvcore and under torch's counter; the last items are the
-    visual tokens per item the run handed the LLM, as measured (a method acting before the LLM), and
-    the query-key pairs every vision layer ran where the tower attends within windows (else empty)."""
+    visual tokens per item the run handed the LLM, as measured (a method acting before the LLM), the
+    query-key pairs every vision layer ran where the tower attends within windows (else empty), and what every
+    step removed where the counts are the input's own (`Handle.measured_steps`; else empty)."""
     import ficoco.api
     from ficoco.models import adapter_for
     from ficoco.models.patching import Patches
@@ -783,7 +784,8 @@ def _measure(model: nn.Module, inputs: dict[str, Tensor], schedule: Schedule, pl
                                                 for _, _, path in method_paths})
     probes = _Probes([f"ficoco_probe.{name}" for name in module_names],
                      {f"ficoco_probe.{name}": set(probe[name].inside) for name in module_names})
-    return fv, tc, paths, method_paths, probes, handle.measured_tokens_per_item if handle is not None else None, pairs
+    measured = handle.measured_tokens_per_item if handle is not None else None
+    return fv, tc, paths, method_paths, probes, measured, pairs, dict(handle.measured_steps) if handle else {}
 
 
 def _stage_module_items(model: nn.Module, paths: _Paths) -> list[tuple[str, nn.Module]]:
@@ -831,11 +833,17 @@ def verify_run(model: nn.Module, arch: Architecture, schedule: Schedule, *, text
     plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
     if inputs is None:
         inputs = synthetic_inputs(model, batch=batch, text_tokens=text_tokens, seed=seed)
-    fv, tc, paths, method_paths, probes, measured, pairs = _measure(model, inputs, schedule, plan,
-                                                                    1 if lm_head_tokens == "last" else 0)
+    fv, tc, paths, method_paths, probes, measured, pairs, steps = _measure(model, inputs, schedule, plan,
+                                                                           1 if lm_head_tokens == "last" else 0)
     fv_probe, tc_probe = probes.counted(fv), probes.counted(tc)
     tc = probes.taken_out(tc)
-    if schedule.settings_dict().get("adaptive") and measured is not None:
+    if steps:
+        # Counts the input decided as it ran (MustDrop's thresholds): the accountant counts the run at them.
+        from ficoco.accounting.methods import at_measured_steps
+
+        schedule = at_measured_steps(schedule, steps)
+        plan = plan_tokens(arch, schedule, text_tokens=text_tokens)
+    elif schedule.settings_dict().get("adaptive") and measured is not None:
         # An adaptive count (PruMerge+ without --keep) is known only once the tower ran: the accountant
         # counts the run at the count it measured (the same for every item, or the run refused).
         from ficoco.accounting.methods import at_measured_count

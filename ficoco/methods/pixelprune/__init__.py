@@ -32,7 +32,7 @@ FIXED_GRID = ("a fixed-grid encoder (CLIP, SigLIP, InternViT): its learned absol
 REFUSALS = dict.fromkeys(("llava", "llava_next", "video_llava", "llava_onevision", "internvl"), FIXED_GRID)
 BUDGET_REFUSAL = ("PixelPrune has no token budget: every image keeps its own count, the merge groups its pixels' "
                   "LOCO-I prediction does not reproduce; run it without keep/preset/tflops/schedule, and set "
-                  "--hp threshold=TAU (pixel units, 0 by default) to drop near-identical groups too")
+                  "threshold=TAU (pixel units, 0 by default) to drop near-identical groups too")
 
 
 def check_settings(hp: Mapping[str, Any]) -> None:

@@ -55,7 +55,7 @@ CODES = ("llava", "qwen")
 LLAVA_CODE_FAMILIES = LLAVA_FAMILIES
 
 KEEP_MEANS = ("layer-average visual tokens per image, crop or frame: stage 1 keeps T = round(3N/2) per item, stage 2 "
-              "at the decoder's middle layer a third of them (--keep 64: LLaVA's released 96 / 32); where 3N/2 "
+              "at the decoder's middle layer a third of them (keep 64: LLaVA's released 96 / 32); where 3N/2 "
               "exceeds the item's units stage 1 keeps them all and stage 2 keeps 2N - units")
 
 
