@@ -34,7 +34,7 @@ VOLATILE = ("environment", "ficoco_version")
 METHOD_WAVES: tuple[tuple[str, ...], ...] = (
     ("v", "l", "fastv", "pdrop", "sparsevlm", "dart", "tome", "visionzip", "fastervlm", "prumerge", "divprune",
      "vispruner", "cdpruner", "holitom"),
-    ("fitprune", "hiprune", "vlmpruner", "gprune", "vtw", "pixelprune", "vitcop", "vscan"),
+    ("fitprune", "hiprune", "vlmpruner", "gprune", "vtw", "pixelprune", "vitcop", "vscan", "flashvid", "mustdrop"),
 )
 
 
@@ -63,11 +63,12 @@ def cases() -> list[dict]:
                         out.append({"model": model, "variants": names, "convention": convention, "scope": scope,
                                     "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "h100-sxm",
                                     **budget})
-    # The later waves: each method alone, in the `flops` convention over the whole model.
+    # The later waves: each method alone, in the `flops` convention over the whole model, and on a video of 8 frames
+    # (FlashVID's only input; the other methods' frames).
     for model in list_profiles():
         for wave in METHOD_WAVES[1:]:
             for name in wave:
-                for budget in budgets:
+                for budget in (*budgets, {"frames": 8}):
                     if "variants" not in budget:
                         out.append({"model": model, "variants": [name], "convention": "flops", "scope": "all",
                                     "quants": ["fp16", "int8", "int4"], "per_layer": True, "gpu": "h100-sxm",
