@@ -28,9 +28,10 @@ ORDER = "official"
 CORRECTIONS = {"attention": {"heads": "attention over heads"}, "order": {"spatial": "spatial order"}}
 
 # Why a family does not run it (MethodSpec.refusals; `ficoco methods --matrix` prints them).
-QWEN2_VL_REFUSAL = ("not wired: PruMerge+'s extra token (the sum of the patches it did not keep) stands at no "
-                    "merge group, so Qwen2-VL's 3-D positions give it no place; whole groups without it would be "
-                    "another method")
+# One line for every Qwen family (Qwen2-VL's parts): their packed towers and 3-D positions are alike.
+QWEN_REFUSAL = ("not wired: PruMerge+'s extra token (the sum of the patches it did not keep) stands at no merge "
+                "group, so the Qwen families' 3-D positions give it no place; whole groups without it would be "
+                "another method")
 ONEVISION_REFUSAL = ("not wired: PruMerge+ picks IQR outliers of [CLS]'s softmax attention and weighs the patches "
                      "it merges by it; SigLIP has no [CLS], and FiCoCo's equivalent token gives a signed cosine, "
                      "not weights that sum to one, so the kept and merged tokens would not be PruMerge+'s")
@@ -85,11 +86,8 @@ SPEC = MethodSpec(
                      "order": ORDER, "attention_scores": DEFAULT_ATTENTION_SCORES},
     corrections={**CORRECTIONS, **SCORES_CORRECTION},
     families=(*LLAVA_FAMILIES, "internvl"), module=f"{__name__}.ops", function="prumerge_reduce",
-    refusals={"qwen2_vl": QWEN2_VL_REFUSAL, "llava_onevision": ONEVISION_REFUSAL,
-              "qwen2_5_vl": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen2.5-VL"),
-              "qwen3_vl": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen3-VL"),
-              "qwen3_vl_moe": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen3-VL-MoE"),
-              "qwen3_5": QWEN2_VL_REFUSAL.replace("Qwen2-VL", "Qwen3.5")},
+    refusals={"llava_onevision": ONEVISION_REFUSAL,
+              **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"), QWEN_REFUSAL)},
     source="42Shawn/LLaVA-PruMerge 097c041",
     summary="keep IQR-outlier and spatially sampled patches, merge their key-nearest neighbours into them",
     keep_means="tokens per item that reach the LLM, one extra token included (fixed count; without keep="

@@ -47,18 +47,15 @@ CLUSTER_LINE = (0.09, 0.27)  # cluster_share = 0.09 + 0.27 x ratio through the t
 FAMILIES = ("llava", "video_llava")
 
 
-def _no_cls(tower: str) -> str:
-    """The refusal of a family whose `tower` has no [CLS]."""
-    return (f"{tower} tower has no [CLS], and ViTCoP's cut keeps the patches by the [CLS] row of the layer the "
-            "projector reads (a stand-in score would not be ViTCoP)")
+# One line for every family whose tower has no [CLS] (SigLIP, the Qwen towers).
+NO_CLS = ("the tower has no [CLS] (SigLIP, the Qwen towers), and ViTCoP's cut keeps the patches by the [CLS] row of "
+          "the layer the projector reads (a stand-in score would not be ViTCoP)")
 
 
 REFUSALS = {
     "llava_next": "the official code's AnyRes path (a list of crops) never runs ViTCoP (clip_encoder.py L250-255 "
                   "leaves its cluster labels undefined), so no rule says how crops and their packing are reduced",
-    "llava_onevision": _no_cls("LLaVA-OneVision's SigLIP"), "qwen2_vl": _no_cls("Qwen2-VL's"),
-    "qwen2_5_vl": _no_cls("Qwen2.5-VL's"),
-    "qwen3_vl": _no_cls("Qwen3-VL's"), "qwen3_vl_moe": _no_cls("Qwen3-VL's"), "qwen3_5": _no_cls("Qwen3.5's"),
+    **dict.fromkeys(("llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"), NO_CLS),
     "internvl": "InternVL's pixel shuffle hands the LLM 2x2 groups of patches, not the single patches ViTCoP's "
                 "[CLS] top-k keeps and its VIC clustering labels by their k_proj (group scores and group keys "
                 "would be a stand-in, not ViTCoP)",
