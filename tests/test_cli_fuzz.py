@@ -709,7 +709,7 @@ Lines = tuple[list[str], list[Arg]]
 
 
 def test_flops_any_option_values_end_in_a_result_or_one_error_line(paths: Paths) -> None:
-    @fuzz(examples=500)
+    @fuzz(examples=250)
     @given(flops_lines(paths))
     def run(line: Lines) -> None:
         run_and_check(["flops", *line[0]], line[1])
@@ -736,7 +736,7 @@ def test_profile_any_option_values_end_in_a_report_or_one_error_line(paths: Path
 
 
 def test_compare_any_option_values_end_in_a_verdict_or_one_error_line(paths: Paths) -> None:
-    @fuzz(examples=100)
+    @fuzz(examples=60)
     @given(compare_lines(paths))
     def run(line: Lines) -> None:
         run_and_check(["compare", *line[0]], line[1], codes=(0, 1, 2))  # 1: a regression
@@ -745,7 +745,7 @@ def test_compare_any_option_values_end_in_a_verdict_or_one_error_line(paths: Pat
 
 
 def test_report_any_option_values_end_in_a_rendering_or_one_error_line(paths: Paths) -> None:
-    @fuzz(examples=50)
+    @fuzz(examples=30)
     @given(report_lines(paths))
     def run(line: Lines) -> None:
         run_and_check(["report", *line[0]], line[1])
@@ -785,7 +785,7 @@ def test_show_any_option_values_end_in_a_picture_or_one_error_line(paths: Paths)
 def test_set_any_keys_and_values_end_in_a_result_or_one_error_line(paths: Paths) -> None:
     """`flops` with one or two --set overrides of every kind, so that they are not crowded out by the
     other options: a config the overrides make unreadable must be refused, naming --set."""
-    @fuzz(examples=200)
+    @fuzz(examples=100)
     @given(st.lists(set_option(), min_size=1, max_size=2), st.sampled_from(TINY), st.sampled_from(
         [["--variant", "vanilla"], ["--variant", "v,l", "--keep", "8"], ["--variant", "l", "--tflops", "0.01"]]))
     def run(sets: list[Arg], name: str, schedule: list[str]) -> None:

@@ -37,10 +37,10 @@ def analytic_report() -> dict:
 
 @pytest.fixture(scope="module")
 def measured(cli, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """A measured sweep with fidelity on llava-tiny, through the command line: seven points, each in its
+    """A measured sweep with fidelity on llava-tiny, through the command line: five points, each in its
     own worker process (float32 named: "auto" would time matmuls per dtype in each)."""
     folder = tmp_path_factory.mktemp("sweep")
-    code, _, err = cli(*["sweep", "--model", "llava-tiny", "--variant", "v,l", "--keep", "64,32,16", "--scope", "all",
+    code, _, err = cli(*["sweep", "--model", "llava-tiny", "--variant", "v,l", "--keep", "64,16", "--scope", "all",
                         "--measure", "--fidelity", "--samples", "2", "--warmup", "0", "--repeat", "1",
                         "--device", "cpu", "--dtype", "fp32", "--json", str(folder / "sweep.json"),
                         "--plot", str(folder / "figures"),
