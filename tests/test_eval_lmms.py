@@ -26,7 +26,9 @@ FAMILIES = {
     # family: (profile, (method, budget) x 2, placeholders per image for the task's 112 x 112 images,
     # whether the targets are made from vanilla's answers)
     "llava": ("llava-tiny", (("v", "keep=16"), ("fastv", "keep=40")), 64, True),
-    "qwen2_5_vl": ("qwen2.5-vl-tiny", (("v", "keep=8"), ("visionzip", "keep=8")), 16, False),
+    # One method on Qwen2.5-VL: each lmms-eval run is a process that indexes lmms-eval's own tasks (~25 s on 2
+    # cores); LLaVA's two cover a vision-side and a decoder-side method.
+    "qwen2_5_vl": ("qwen2.5-vl-tiny", (("v", "keep=8"),), 16, False),
 }
 TASK = "colours_known"
 NO_ANSWER = "zzzqqq"
@@ -35,6 +37,13 @@ NO_ANSWER = "zzzqqq"
 def _normalise(text: str) -> str:
     """lmms-eval's exact_match with ignore_case and ignore_punctuation, as the task asks."""
     return text.lower().translate(str.maketrans("", "", string.punctuation))
+
+
+def _method(runs: Runs, which: int) -> tuple[str, str]:
+    """The family's method number `which`; a family with fewer methods skips (Qwen2.5-VL runs one)."""
+    if which >= len(runs.methods):
+        pytest.skip(f"{runs.profile} evaluates {len(runs.methods)} method(s) (each lmms-eval run costs ~25 s)")
+    return runs.methods[which]
 
 
 class Runs:
@@ -82,7 +91,7 @@ def test_vanilla_scores_exactly_the_known_answers_it_gave(runs: Runs) -> None:
 
 @pytest.mark.parametrize("which", ["vanilla", 0, 1])
 def test_a_runs_score_is_what_its_own_answers_earn(runs: Runs, which: str | int) -> None:
-    method = which if isinstance(which, str) else runs.methods[which][0]
+    method = which if isinstance(which, str) else _method(runs, which)[0]
     _, results, samples, record = runs.known[method]
     answers = {s["doc_id"]: s["answer"] for s in record["samples"]}
     expected = sum(_normalise(answers[i].strip()) == _normalise(runs.targets[i].strip()) for i in range(4)) / 4
@@ -93,7 +102,7 @@ def test_a_runs_score_is_what_its_own_answers_earn(runs: Runs, which: str | int)
 
 @pytest.mark.parametrize("which", [0, 1])
 def test_each_samples_tokens_and_tflops_are_what_ficoco_flops_says(runs: Runs, which: int) -> None:
-    method, budget = runs.methods[which]
+    method, budget = _method(runs, which)
     _, _, samples, record = runs.known[method]
     name, value = budget.split("=")
     assert len(samples) == 4

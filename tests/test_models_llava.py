@@ -667,7 +667,7 @@ def test_two_models_patched_with_different_variants_do_not_interfere(model: nn.M
 
 @pytest.fixture(scope="module")
 def llava7b() -> Iterator[nn.Module]:
-    built = ficoco.build_model("llava-1.5-7b", dtype="bf16", overrides=[
+    built = ficoco.build_model("llava-1.5-7b", dtype="fp32", overrides=[
         "text_config.num_hidden_layers=2", "vision_config.num_hidden_layers=4", "text_config.vocab_size=32064"])
     yield built
     del built
