@@ -28,6 +28,7 @@ from ficoco.machine.memory_guard import (
     with_fp32_layers,
 )
 from ficoco.models import build as build_module
+from ficoco.models import synthetic_inputs as family_inputs
 from ficoco.models.inputs import synthetic_inputs
 from ficoco.models.upcast import UpcastLinear, upcast_layers
 from ficoco.profiles import load_profile
@@ -287,6 +288,24 @@ def test_an_upcast_build_computes_exactly_what_float32_weights_would(same_values
     analytic = weight_bytes(arch, "all", make_quant("fp16"), element_bytes=4, upcast_layers=4 - fp32_layers)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert model_weight_bytes(model) - buffers == analytic
+
+
+@pytest.mark.parametrize(("profile", "variant", "keep"), [("llava-tiny", "pdrop", 32), ("llava-tiny", "vscan", 8)])
+def test_a_method_that_applies_a_layers_weights_itself_runs_on_an_upcast_build_as_on_float32(profile, variant, keep):
+    """PDrop, VScan and MustDrop (the same code as these two) recompute a decoder layer's last row with its own
+    q and k projections: on an upcast build those weights are stored in 16 bits and multiplied in float32 (a
+    LLaVA-1.5-7B profile on an AVX2 CPU failed with "expected m1 and m2 to have the same dtype" before)."""
+    reference = ficoco.build_model(profile, dtype="bf16").float()
+    upcast = ficoco.build_model(profile, dtype=DtypeChoice(BF16, F32, "test", upcast=True, fp32_layers=0))
+    assert upcast_layers(upcast)
+    inputs = family_inputs(reference, batch=1)
+    logits = []
+    with torch.no_grad():
+        for model in (reference, upcast):
+            with ficoco.apply(model, variant, keep=keep) as handle:
+                logits.append(model(**inputs).logits)
+                assert handle.records
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_a_quantized_build_holds_one_unquantized_linear_at_a_time(monkeypatch):

@@ -56,6 +56,7 @@ from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.models import hf_compat as hf
 from ficoco.models.attention import install_probe, own_attention, remove_probe, route_attention
 from ficoco.models.patching import LanguageState, Patches, forward_of, gather_rows, method_settings
+from ficoco.models.upcast import compute_weight
 
 if TYPE_CHECKING:
     from ficoco.models.handle import Handle
@@ -158,7 +159,9 @@ def _project(linear: nn.Module, x: Tensor) -> Tensor:
     the module call, which loads them."""
     if "_hf_hook" in linear.__dict__:
         return linear(x)
-    return F.linear(x, linear.weight, linear.bias)
+    # A layer stored in 16 bits and upcast as it runs (the fp32 layout where float32 weights do not fit) is
+    # multiplied in its compute dtype, as its own forward would.
+    return F.linear(x, compute_weight(linear), linear.bias)
 
 
 def own_last_row(layer: nn.Module, hidden: Tensor, cos: Tensor | None, sin: Tensor | None, visible: Tensor,

@@ -47,6 +47,14 @@ class UpcastLinear(nn.Linear):
         return F.linear(input, self._ficoco_scratch.weight(self.weight), self.bias)
 
 
+def compute_weight(linear: nn.Module) -> torch.Tensor:
+    """`linear`'s weight in the dtype its forward multiplies in: an upcast layer's weight through the scratch, any
+    other's as it is (for code that applies a layer's weight itself, such as a method's recomputed row)."""
+    if isinstance(linear, UpcastLinear):
+        return linear._ficoco_scratch.weight(linear.weight)
+    return linear.weight
+
+
 def upcast_linear_(linear: nn.Linear, scratch: UpcastScratch) -> None:
     """Turn `linear` (weight already in 16 bits, bias in the compute dtype) into an upcast layer."""
     if type(linear) is not nn.Linear:

@@ -31,6 +31,7 @@ from ficoco.methods.hybrid import HybridLayers
 from ficoco.methods.ops import last_row_attention
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.models import hf_compat as hf
+from ficoco.models.upcast import compute_weight
 
 if TYPE_CHECKING:
     from ficoco.models.handle import Handle
@@ -88,10 +89,14 @@ class HybridDecoder:
         if "_hf_hook" in q_proj.__dict__:  # offloaded weights load on the call: project whole, keep the query half
             query = q_proj(last).view(batch, 1, -1, 2 * head_dim)[..., :head_dim]
         else:  # the query half of q_proj's rows alone (per head: head_dim query rows, then head_dim gate rows)
-            weight = q_proj.weight.view(-1, 2, head_dim, width)[:, 0].reshape(-1, width)
+            # (an upcast layer's weight through its scratch buffer, used before k_proj's takes the buffer over)
+            weight = compute_weight(q_proj).view(-1, 2, head_dim, width)[:, 0].reshape(-1, width)
             bias = None if q_proj.bias is None else q_proj.bias.view(-1, 2, head_dim)[:, 0].reshape(-1)
             query = F.linear(last, weight, bias).view(batch, 1, -1, head_dim)
-        keys = k_proj(normed) if "_hf_hook" in k_proj.__dict__ else F.linear(normed, k_proj.weight, k_proj.bias)
+        if "_hf_hook" in k_proj.__dict__:
+            keys = k_proj(normed)
+        else:
+            keys = F.linear(normed, compute_weight(k_proj), k_proj.bias)
         query = q_norm(query).transpose(1, 2)
         keys = k_norm(keys.view(batch, length, -1, head_dim)).transpose(1, 2)
         if cos is not None and sin is not None:  # None: the row without its rotary embedding (VScan's Qwen code)
