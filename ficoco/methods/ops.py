@@ -522,3 +522,41 @@ def unit_keys(inputs: TowerInput) -> Tensor:
         items, patches, dim = keys.shape
         keys = keys.reshape(items, patches // inputs.merge, inputs.merge, dim).mean(dim=2)
     return keys
+
+
+# ---- DPC-kNN (HoliTom's and FlashVID's clustering of video tokens) ------------------------------------------------
+
+def dpc_knn_scores(x: Tensor, valid: Tensor, clusters: Tensor, neighbours: int) -> tuple[Tensor, Tensor]:
+    """DPC-kNN's distances and centre scores of the valid tokens of every group, batched (the official codes'
+    ``cluster_dpc_knn``): how each method picks its centres and joins the rest to them is its own.
+
+    Args:
+        x: ``(G, N, D)`` tokens.
+        valid: ``(G, N)`` the tokens of each group that take part.
+        clusters: ``(G,)`` centres per group (0: the group is unused).
+        neighbours: the density's k (``min(k, clusters)`` per group, as the official codes).
+
+    Returns ``distance`` ``(G, N, N)`` (Euclidean over sqrt(D), 0 on the diagonal) and ``score`` ``(G, N)``
+    (density x distance to the nearest denser token; -inf where not valid).
+    """
+    _, tokens, width = x.shape
+    squared = (x * x).sum(dim=-1)
+    gram = x @ x.transpose(1, 2)
+    distance = (squared.unsqueeze(2) + squared.unsqueeze(1) - 2 * gram).clamp(min=0).sqrt() / width ** 0.5
+    eye = torch.eye(tokens, dtype=torch.bool, device=x.device)
+    distance = distance.masked_fill(eye, 0.0)
+    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    k = clusters.clamp(max=neighbours, min=1)
+    widest = min(neighbours, tokens)
+    nearest = torch.topk(torch.where(valid.unsqueeze(1), distance, inf), widest, dim=-1, largest=False).values
+    used = torch.arange(widest, device=x.device) < k.view(-1, 1, 1)
+    density = torch.exp(-torch.where(used, nearest ** 2, torch.zeros_like(nearest)).sum(-1) / k.view(-1, 1))
+    index = torch.arange(tokens, device=x.device)
+    # j ranks above i: a higher density, or an equal one and a lower index (in place of the noise).
+    above = (density.unsqueeze(1) > density.unsqueeze(2)) | \
+        ((density.unsqueeze(1) == density.unsqueeze(2)) & (index.view(1, 1, -1) < index.view(1, -1, 1)))
+    above = above & valid.unsqueeze(1)
+    pair = valid.unsqueeze(2) & valid.unsqueeze(1)
+    largest = torch.where(pair, distance, torch.zeros_like(distance)).flatten(1).max(dim=1).values
+    parent = torch.where(above, distance, largest.view(-1, 1, 1)).min(dim=-1).values
+    return distance, torch.where(valid, parent * density, -inf)

@@ -75,7 +75,7 @@ from ficoco.methods.flashvid import (
     adts_tokens,
 )
 from ficoco.methods.inputs import Reduced, StepInput, TowerInput, TowerOutput
-from ficoco.methods.ops import compute_dtype
+from ficoco.methods.ops import compute_dtype, dpc_knn_scores
 from ficoco.methods.reads.ops import AttentionReads, as_reads
 
 __all__ = ["FlashvidOutput", "adts_select", "apportion", "dpc_knn", "flashvid_reduce", "segment_frames", "step",
@@ -241,27 +241,10 @@ def dpc_knn(x: Tensor, valid: Tensor, clusters: Tensor, neighbours: int = NEIGHB
     Returns ``centre`` ``(G, N)`` bool and ``assign`` ``(G, N)``: the centre (a token index) every valid token
     joins (a centre: itself).
     """
-    groups, tokens, width = x.shape
-    squared = (x * x).sum(dim=-1)
-    gram = x @ x.transpose(1, 2)
-    distance = (squared.unsqueeze(2) + squared.unsqueeze(1) - 2 * gram).clamp(min=0).sqrt() / width ** 0.5
-    eye = torch.eye(tokens, dtype=torch.bool, device=x.device)
-    distance = distance.masked_fill(eye, 0.0)
+    groups, tokens, _ = x.shape
+    distance, score = dpc_knn_scores(x, valid, clusters, neighbours)
     inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
-    k = clusters.clamp(max=neighbours, min=1)
-    widest = min(neighbours, tokens)
-    nearest = torch.topk(torch.where(valid.unsqueeze(1), distance, inf), widest, dim=-1, largest=False).values
-    used = torch.arange(widest, device=x.device) < k.view(-1, 1, 1)
-    density = torch.exp(-torch.where(used, nearest ** 2, torch.zeros_like(nearest)).sum(-1) / k.view(-1, 1))
     index = torch.arange(tokens, device=x.device)
-    # j ranks above i: a higher density, or an equal one and a lower index (in place of the noise).
-    above = (density.unsqueeze(1) > density.unsqueeze(2)) | \
-        ((density.unsqueeze(1) == density.unsqueeze(2)) & (index.view(1, 1, -1) < index.view(1, -1, 1)))
-    above = above & valid.unsqueeze(1)
-    pair = valid.unsqueeze(2) & valid.unsqueeze(1)
-    largest = torch.where(pair, distance, torch.zeros_like(distance)).flatten(1).max(dim=1).values
-    parent = torch.where(above, distance, largest.view(-1, 1, 1)).min(dim=-1).values
-    score = torch.where(valid, parent * density, -inf)
     order = torch.sort(score, dim=1, descending=True, stable=True).indices  # the centres first, in score order
     is_centre_slot = index.unsqueeze(0) < clusters.unsqueeze(1)  # (G, N) over `order`'s slots
     centre = torch.zeros_like(valid).scatter(1, order, is_centre_slot) & valid

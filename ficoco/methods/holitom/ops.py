@@ -69,7 +69,15 @@ from torch import Tensor
 
 from ficoco.methods.holitom import BETA, CONTEXTUAL_SHARE, MAX_WINDOW, NEIGHBOURS, TAU
 from ficoco.methods.inputs import Reduced, StepInput, TowerInput, TowerOutput
-from ficoco.methods.ops import check_span, compute_dtype, gather_tokens, rebuild, top_indices, visual_positions
+from ficoco.methods.ops import (
+    check_span,
+    compute_dtype,
+    dpc_knn_scores,
+    gather_tokens,
+    rebuild,
+    top_indices,
+    visual_positions,
+)
 from ficoco.methods.ops import last_row_scores as fastv_scores  # FastV's rule
 from ficoco.methods.reads.ops import AttentionReads, as_reads
 
@@ -184,26 +192,8 @@ def dpc_knn_merge(x: Tensor, valid: Tensor, clusters: Tensor, neighbours: int, b
     Returns ``centre`` ``(G, N)`` bool and ``merged`` ``(G, N, D)`` (the cluster token at each centre).
     """
     groups, tokens, width = x.shape
-    squared = (x * x).sum(dim=-1)
-    gram = x @ x.transpose(1, 2)
-    distance = (squared.unsqueeze(2) + squared.unsqueeze(1) - 2 * gram).clamp(min=0).sqrt() / width ** 0.5
-    eye = torch.eye(tokens, dtype=torch.bool, device=x.device)
-    distance = distance.masked_fill(eye, 0.0)
-    pair = valid.unsqueeze(2) & valid.unsqueeze(1)
+    distance, score = dpc_knn_scores(x, valid, clusters, neighbours)
     inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
-    k = clusters.clamp(max=neighbours, min=1)
-    widest = min(neighbours, tokens)
-    nearest = torch.topk(torch.where(valid.unsqueeze(1), distance, inf), widest, dim=-1, largest=False).values
-    used = torch.arange(widest, device=x.device) < k.view(-1, 1, 1)
-    density = torch.exp(-torch.where(used, nearest ** 2, torch.zeros_like(nearest)).sum(-1) / k.view(-1, 1))
-    index = torch.arange(tokens, device=x.device)
-    # j ranks above i: higher density, or equal density and a lower index (in place of the noise).
-    above = (density.unsqueeze(1) > density.unsqueeze(2)) | \
-        ((density.unsqueeze(1) == density.unsqueeze(2)) & (index.view(1, 1, -1) < index.view(1, -1, 1)))
-    above = above & valid.unsqueeze(1)
-    largest = torch.where(pair, distance, torch.zeros_like(distance)).flatten(1).max(dim=1).values
-    parent = torch.where(above, distance, largest.view(-1, 1, 1)).min(dim=-1).values
-    score = torch.where(valid, parent * density, -inf)
     centre = valid & (_rank_descending(score) < clusters.unsqueeze(1))
     # Every other valid token joins its nearest centre (ties: the lower index).
     assign = torch.where(centre.unsqueeze(1), distance, inf).argmin(dim=-1)
