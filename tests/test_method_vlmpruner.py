@@ -307,7 +307,30 @@ def test_a_onevision_video_lays_every_frame_out_on_its_pooled_grid() -> None:
                                                 r"still adds .*\(layer=2\)"),
 ])
 def test_a_step_the_family_cannot_take_is_refused_in_one_line(name: str, setting: dict, words: str) -> None:
+    """The model refuses it at apply, and the accountant in the same words (`ficoco flops` prices no run that
+    cannot happen)."""
+    from ficoco.accounting import CountOptions, architecture, resolve_schedule
+    from ficoco.profiles import load_profile
+
     model = ficoco.build_model(name, dtype="fp32")
     with pytest.raises(FicocoError, match=words) as info:
         ficoco.apply(model, "vlmpruner", **setting)
     assert "\n" not in str(info.value) and "_ficoco_handle" not in model.__dict__
+    hyperparameters = {k: v for k, v in setting.items() if k != "keep"}
+    with pytest.raises(FicocoError) as planned:
+        resolve_schedule(architecture(load_profile(name)), "vlmpruner", CountOptions(), keep=setting["keep"],
+                         hyperparameters=hyperparameters)
+    assert str(planned.value) == str(info.value)
+
+
+def test_its_default_layer_on_qwen3_vl_is_refused_by_the_accountant_and_layer_3_planned() -> None:
+    """Qwen3-VL-8B's DeepStack adds after decoder layers 0..2, and the official default step is at layer 2: `ficoco
+    flops` refuses it as the model does, and plans the step at layer 3 that the model runs."""
+    from ficoco.accounting import CountOptions, architecture, resolve_schedule
+    from ficoco.profiles import load_profile
+
+    arch = architecture(load_profile("qwen3-vl-8b"))
+    with pytest.raises(FicocoError, match=r"decoder layer 2 .* give its step a layer from 3 on \(layer=3\)"):
+        resolve_schedule(arch, "vlmpruner", CountOptions(), keep=144)
+    schedule = resolve_schedule(arch, "vlmpruner", CountOptions(), keep=144, hyperparameters={"layer": 3})
+    assert [(r.stage, r.layer) for r in schedule.removals] == [("llm", 3)]

@@ -18,6 +18,7 @@ from ficoco.accounting.architecture import Architecture
 from ficoco.accounting.families import FAMILIES
 from ficoco.accounting.schedule import BudgetError, PlanRequest, Removal, Schedule, TokenPlan, plan_tokens
 from ficoco.errors import FicocoError
+from ficoco.methods import deepstack
 from ficoco.methods.base import (
     ACTING_LAYERS,
     CLS_TO_PROJECTOR,
@@ -119,10 +120,14 @@ def hybrid_layers(arch: Architecture) -> HybridLayers | None:
 def check_placement(arch: Architecture, spec: MethodSpec, schedule: Schedule) -> None:
     """Refuse, in the adapter's own words, a schedule the model cannot run where the method acts: on a hybrid
     decoder, a reduction that reads a Gated DeltaNet layer's attention, or one before the first full-attention
-    layer's cache (ficoco.methods.hybrid). `ficoco flops` prices only what `ficoco profile` runs."""
+    layer's cache (ficoco.methods.hybrid); on a decoder DeepStack feeds, a layer-input step before its last
+    addition that folds or adds tokens (ficoco.methods.deepstack). `ficoco flops` prices only what `ficoco profile`
+    runs."""
     layers = hybrid_layers(arch)
     if layers is not None:
         layers.check(spec, schedule)
+    if spec.placement == "layer_input":
+        deepstack.check_layer_input(spec, deepstack.FAMILY_TITLE, schedule.removals, len(arch.deepstack_layers))
 
 
 def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step, ...],

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.methods.deepstack import check_layer_input
 from ficoco.models import hf_compat as hf
 from ficoco.models.patching import Patches
 from ficoco.models.qwen2_vl.adapter import Qwen2VLAdapter
@@ -103,18 +104,7 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         """The layer-input methods' hook points (the base adapter's), with DeepStack's additions sliced to the
         visual tokens still present."""
         taps = len(self.deepstack_mergers())
-        early = [r.layer for r in schedule.removals if r.stage == "llm" and r.added and r.layer < taps]
-        folded = [r.layer for r in schedule.removals if r.stage == "llm" and spec.folds_removed and r.layer < taps]
-        if folded:
-            raise FicocoError(f"variant={spec.name}: {spec.title} on {self.family_title} folds the visual tokens it "
-                              f"removes at decoder layer {folded[0]} into those it keeps by their hidden states, where "
-                              f"DeepStack still adds the tower's features (after layers 0..{taps - 1}), which cannot "
-                              f"be folded alike: give its step a layer from {taps} on (layer={taps})")
-        if early:
-            raise FicocoError(f"variant={spec.name}: {spec.title} on {self.family_title} adds tokens at decoder layer "
-                              f"{early[0]}, where DeepStack still adds the tower's features (after layers 0.."
-                              f"{taps - 1}), and says not which features they stand for: give its steps layers from "
-                              f"{taps} on (schedule=)")
+        check_layer_input(spec, self.family_title, schedule.removals, taps)
         super().patch_layer_input(handle, patches, spec, schedule)
         if taps:
             DecoderTaps(self, handle, spec.title).install(patches)
