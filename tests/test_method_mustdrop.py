@@ -116,6 +116,37 @@ def test_the_measured_counts_and_the_official_layer_average_reach_the_profile_ro
     assert "counts decided by the input" in row["note"] and "as the official code prints it" in row["note"]
 
 
+def test_the_rates_time_the_measured_counts_shapes_between_the_timed_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counts are the input's own, known from the warm-up: the rates time the shapes of the run as it went
+    in every pass after it (between the timed runs too), not in a burst of their own when the prediction asks
+    (a burst meets the machine at one moment: on a shared VM that priced LLaVA-1.5-7B's MustDrop 16 % fast)."""
+    from ficoco.profiling import predict
+    from ficoco.profiling.matrix import ProfileConfig, plan_run, run_profile
+
+    seen: list[predict.MeasuredRates] = []
+    original = predict.MeasuredRates.after_warm_up
+
+    def spy(self: predict.MeasuredRates) -> None:
+        seen.append(self)
+        original(self)
+
+    monkeypatch.setattr(predict.MeasuredRates, "after_warm_up", spy)
+    config = ProfileConfig(model="llava-tiny", variants=("mustdrop",), warmup=1, repeat=2, device="cpu",
+                           dtype="float32", text_tokens=TEXT, overrides=tuple(OVERRIDES),
+                           hyperparameters={"global_thr": 1.0, "individual_thr": 1.0})
+    rows: list[dict[str, Any]] = []
+    run_profile(config, plan_run(config), rows.append)
+    row = rows[-1]
+    assert row["status"] == "ok", row.get("reason")
+    (rates,) = seen
+    # 7 visual tokens from decoder layer 3 on (planned at 64 assumed): its layers' linear shapes, text included.
+    ran = {key[1] for key in rates._work if key[0] == "linear"}
+    assert TEXT + 7 in ran
+    after_warm_up, between = rates._passes[0], rates._passes[1]
+    for one in (after_warm_up, between):
+        assert any(key[0] == "linear" and key[1] == TEXT + 7 for key in one)
+
+
 @pytest.mark.parametrize("setting", [{}, {"global_thr": 1.0, "individual_thr": 1.0}])
 def test_a_left_padded_batch_equals_its_samples_run_alone(model: nn.Module, setting: dict) -> None:
     """Samples of one image layout (the same window count) and thresholds that leave them one count (none

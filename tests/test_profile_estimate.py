@@ -581,6 +581,21 @@ def test_a_pass_between_runs_borrows_the_models_weights_and_allocates_none(monke
     assert all(len(one) == 4 for one in rates._passes[-2:])
 
 
+def test_expected_shapes_are_timed_from_the_next_pass_on_and_untried_kernel_kinds_are_left_out():
+    """A row's shapes at counts its warm-up decided join the passes between the timed runs (`expect`), with no
+    burst of their own; a kernel key of a kind never called here waits for `measure`, which can find it fails."""
+    model = torch.nn.Linear(8, 16, bias=False)
+    rates = predict.MeasuredRates("float32", weights=predict.model_weights(model))
+    rates.measure(linear=LINEAR)
+    before = len(rates._passes)
+    shapes = predict.ProbeShapes(linear=[(5, 8, 16)], kernels={("rms_norm", 5, 8): 40.0})
+    rates.expect(shapes)
+    assert len(rates._passes) == before  # nothing timed yet
+    rates.sample()
+    assert ("linear", 5, 8, 16) in rates._passes[-1] and ("rms_norm", 5, 8) not in rates._work
+    assert rates.linear_flops_per_s(5, 8, 16) > 0 and len(rates._passes) == before + 1
+
+
 def test_a_prediction_prices_the_row_at_each_pass_and_says_how_far_they_spread(monkeypatch):
     from ficoco.profiles import load_profile
 

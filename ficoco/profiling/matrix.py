@@ -30,7 +30,7 @@ from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile
 from ficoco.profiling.config import ProfileConfig
 from ficoco.profiling.decode import DecodeRun, decode_metrics, timed_generate
 from ficoco.profiling.experts import loads_by_layer
-from ficoco.profiling.predict import PASSES, model_weights, rates_for, row_prediction
+from ficoco.profiling.predict import PASSES, model_weights, rates_for, row_prediction, row_probe_shapes
 from ficoco.profiling.rows import FidelityRecord, GenerationRecord, MeasuredRow, MemoryRecord, PrefillRecord
 from ficoco.profiling.runs import choose_runs, max_runs
 from ficoco.profiling.trackers import LatencyStats, LatencyTracker, MemoryTracker, RunHook, cache_bytes, cache_tokens
@@ -190,8 +190,18 @@ def plan_run(config: ProfileConfig, prompt: Any = None) -> Plan:
         raise FicocoError(f"{source or config.model} is a '{profile.family}' model; ficoco profile runs "
                           f"{', '.join(supported_families())} models so far")
     if config.image is not None and prompt is None and profile.family != "llava":
-        raise FicocoError(f"image= with random weights lays out LLaVA-1.5 inputs only; for {profile.family} give "
-                          "weights= with a local checkpoint folder (its processor lays out the image)")
+        # Random weights have no processor: the picture is laid out as `ficoco show` lays it out (one image, the
+        # family's default grid); a checkpoint's processor lays out anything else.
+        from ficoco.profiling.show import LAID_OUT_FAMILIES
+
+        if profile.family not in LAID_OUT_FAMILIES or config.video is not None:
+            raise FicocoError(f"image= with random weights lays out the images of {', '.join(LAID_OUT_FAMILIES)}; "
+                              f"for {profile.family} give weights= with a local checkpoint folder (its processor "
+                              "lays out the image)")
+        if config.batches != (1,) or config.image_size is not None or config.frames is not None:
+            raise FicocoError(f"image= with random weights on {profile.family} lays out one image at the family's "
+                              "default size: drop batches=, image_size= and frames= (or give weights= with a local "
+                              "checkpoint folder)")
     set_layout(profile, image_size=config.image_size, frames=config.frames)
     arch = architecture(profile)
     if config.distinct_layers is not None:
@@ -321,6 +331,12 @@ def _inputs(model: Any, config: ProfileConfig, batch: int, device: torch.device,
     if prompt is not None:
         param = next(model.parameters())
         return prompt.batch(batch, device=device, dtype=param.dtype if param.is_floating_point() else torch.float16)
+    if config.image is not None and config.weights == "random" and model.config.model_type != "llava":
+        from ficoco.profiling.show import Layout, picture_inputs
+
+        inputs, _ = picture_inputs(model, Layout(model), config.image, text_tokens=config.text_tokens,
+                                   seed=config.seed)
+        return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
     if config.image is not None or config.prompt is not None:
         return real_inputs(model, config.weights, image=config.image, prompt=config.prompt, batch=batch,
                            device=device)
@@ -448,6 +464,13 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
     def on_prefill_run(phase: str, k: int, n: int, seconds: float | None) -> None:
         if seconds is None:
             if phase == "timed run" and k == 1 and step.get("now") == "warm-up" and rates is not None:
+                # Counts the input decided (MustDrop's, PruMerge+'s) are known now, from the warm-up: their shapes
+                # join the passes between the timed runs and after them, as the planned shapes do.
+                ran = ran_row(run.row, run.plan, measured_steps(handle), _measured_tokens(handle))
+                if ran is not run.row:
+                    rates.expect(row_probe_shapes(run.plan.profile, ran.schedule, quant=ran.quant, batch=ran.batch,
+                                                  text_tokens=run.config.text_tokens,
+                                                  dtype=_plan_dtype(run.plan, run.config)))
                 # The rates from here on meet the process as the timed runs do, after the warm-up.
                 rates.after_warm_up()
             step["now"] = phase
@@ -476,10 +499,8 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
         if split else None)
     del cache
     # Read before the kernel record's extra forward (where it runs), which measures nothing.
-    measured_tokens = handle.measured_tokens_per_item if handle is not None else None
-    steps = [{"stage": stage, "layer": layer, "where": where, "removed": removed}
-             for (stage, layer, where), removed in sorted(handle.measured_steps.items())] \
-        if handle is not None and handle.measured_steps else None
+    measured_tokens = _measured_tokens(handle)
+    steps = measured_steps(handle)
     attention_kernels = _recorded_kernels(kernels, loads, forward, on_run)
     prefill_record = PrefillRecord(
         latency=latency, runs=_runs_json(latency, run.plan), batch=run.row.batch,
@@ -491,6 +512,33 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
         expert_loads=loads.to_json(),
         page_faults={"minor": [f[0] for f in faults], "major": [f[1] for f in faults]} if faults else None)
     return prefill_record, memory, choose
+
+
+def measured_steps(handle: Any) -> list[dict[str, Any]] | None:
+    """What each step of the last forward removed, where the counts are its input's own (MustDrop's); else None."""
+    if handle is None or not handle.measured_steps:
+        return None
+    return [{"stage": stage, "layer": layer, "where": where, "removed": removed}
+            for (stage, layer, where), removed in sorted(handle.measured_steps.items())]
+
+
+def _measured_tokens(handle: Any) -> int | None:
+    return handle.measured_tokens_per_item if handle is not None else None
+
+
+def ran_row(row: RowSpec, plan: Plan, steps: list[dict[str, Any]] | None, measured_tokens: int | None) -> RowSpec:
+    """`row` at the counts its input decided as it ran: per step (MustDrop's thresholds) or per item (an adaptive
+    method's: PruMerge+ without --keep); `row` itself where it planned them."""
+    from dataclasses import replace
+
+    from ficoco.accounting.methods import at_measured_count, at_measured_steps
+
+    if steps:
+        return replace(row, schedule=at_measured_steps(
+            row.schedule, {(s["stage"], s["layer"], s["where"]): s["removed"] for s in steps}))
+    if measured_tokens and row.schedule.settings_dict().get("adaptive"):
+        return replace(row, schedule=at_measured_count(architecture(plan.profile), row.schedule, measured_tokens))
+    return row
 
 
 KERNEL_RECORD_STEP = "kernel record"
@@ -712,17 +760,15 @@ def _at_measured_count(result: dict[str, Any], row: RowSpec, config: ProfileConf
     """A row whose method counts adaptively (PruMerge+ without --keep) planned an assumed count; once
     measured, its analytic columns and schedule are those of the measured count, and its note says so.
     Returns the row's result and the row as it ran."""
-    from dataclasses import replace
-
-    from ficoco.accounting.methods import at_measured_count, at_measured_steps
     from ficoco.accounting.schedule import plan_tokens
 
     steps = result.get("measured_steps")
+    ran = ran_row(row, plan, steps, result.get("visual_tokens_per_item_measured"))
+    if ran is row:
+        return result, row
+    measured_analytic = analytic(plan.profile, ran, config, plan.gpu, plan.dtype)
     if steps:  # counts the input decided as it ran (MustDrop's thresholds): the run's own, step by step
-        schedule = at_measured_steps(row.schedule, {(s["stage"], s["layer"], s["where"]): s["removed"] for s in steps})
-        ran = replace(row, schedule=schedule)
-        measured_analytic = analytic(plan.profile, ran, config, plan.gpu, plan.dtype)
-        tokens = plan_tokens(architecture(plan.profile), schedule, text_tokens=config.text_tokens)
+        tokens = plan_tokens(architecture(plan.profile), ran.schedule, text_tokens=config.text_tokens)
         # The count every decoder layer hands on, averaged over the layers: what MustDrop's official code prints
         # (modelling_sparse_llama.py:276-285); the analytic average counts what each layer receives.
         handed = [entering for entering, _ in tokens.llm_visual[1:]] + [tokens.visual_tokens]
@@ -733,18 +779,11 @@ def _at_measured_count(result: dict[str, Any], row: RowSpec, config: ProfileConf
                 f"run, whose layer average is "
                 f"{measured_analytic['layer_average_visual_tokens']:.1f} visual tokens entering each decoder layer "
                 f"({printed:.1f} handed on by each, as the official code prints it)")
-        return result | {"schedule": schedule.to_json(), "note": note, "analytic": measured_analytic,
+        return result | {"schedule": ran.schedule.to_json(), "note": note, "analytic": measured_analytic,
                          "layer_average_visual_tokens_printed": printed}, ran
-    measured = result.get("visual_tokens_per_item_measured")
-    if not measured or not row.schedule.settings_dict().get("adaptive"):
-        return result, row
-    assumed = result["analytic"]["visual_tokens"]
-    schedule = at_measured_count(architecture(plan.profile), row.schedule, measured)
-    note = (f"adaptive count: measured {measured} visual tokens per item (planned at {assumed}); the analytic "
-            "columns count the measured run")
-    ran = replace(row, schedule=schedule)
-    return result | {"schedule": schedule.to_json(), "note": note,
-                     "analytic": analytic(plan.profile, ran, config, plan.gpu, plan.dtype)}, ran
+    note = (f"adaptive count: measured {result['visual_tokens_per_item_measured']} visual tokens per item (planned "
+            f"at {result['analytic']['visual_tokens']}); the analytic columns count the measured run")
+    return result | {"schedule": ran.schedule.to_json(), "note": note, "analytic": measured_analytic}, ran
 
 
 def _reason(exc: BaseException) -> str:

@@ -518,6 +518,24 @@ class MeasuredRates:
         read (kind, heads, key heads, head width, rows, keys, causal, rule) shape and every kernel key (KERNELS;
         each with the work it prices) not measured yet, with the memory bandwidth (and with `convert`, the
         upcast layout's convert rate): `passes` round-robin passes after an untimed one."""
+        new = self._new_work(linear, attention, convert, kernels, reads)
+        if new:
+            self._work.update(new)
+            self._run_passes(sorted(new, key=str), self.passes, allocate=True, warm_up=True)
+
+    def expect(self, shapes: ProbeShapes) -> None:
+        """Time `shapes` (a row's, at counts its input decided in its warm-up: MustDrop's) from the next pass on,
+        among the shapes measured so far, rather than in a burst of their own when the prediction asks for them:
+        a rate from passes that met the machine at one moment only is that moment's (a shared VM's speed moves by
+        tens of percent within a row). A kernel key joins only where its kind's call has run here already: a pass
+        between timed runs has no warm-up to find a call this device cannot make (`measure` times the rest)."""
+        ran = {key[0] for key in self._work if key[0] in KERNELS}
+        kernels = {key: work for key, work in shapes.kernels.items() if key[0] in ran}
+        self._work.update(self._new_work(shapes.linear, shapes.attention, shapes.convert, kernels, shapes.reads))
+
+    def _new_work(self, linear: Any, attention: Any, convert: bool, kernels: Mapping[Key, float] | None,
+                  reads: Any) -> dict[Key, float]:
+        """The work of every shape given (and the bandwidth copy's) not measured yet."""
         work: dict[Key, float] = {("bandwidth",): 2 * BANDWIDTH_VALUES * 2}  # a copy moves each byte twice
         work.update(kernels or {})
         if convert:
@@ -531,10 +549,7 @@ class MeasuredRates:
             kind, heads, _, _, rows, keys = shape[:6]
             # A read's work: the scores it computes (every row of a column read).
             work[("read", *shape)] = heads * (keys if kind == "columns" else rows) * keys
-        new = sorted((key for key in work if key not in self._work and key not in self._failed), key=str)
-        if new:
-            self._work.update({key: work[key] for key in new})
-            self._run_passes(new, self.passes, allocate=True, warm_up=True)
+        return {key: value for key, value in work.items() if key not in self._work and key not in self._failed}
 
     def _fail(self, key: Key, exc: BaseException) -> None:
         # A call this device or release cannot make (grouped_mm below a GPU's SM80, a changed contact): the
@@ -1189,16 +1204,30 @@ def row_prediction(profile: Any, schedule: Schedule, *, quant: str, batch: int, 
     compute dtype's rates measured on `device` unless `rates` is given; a MeasuredRates' passes price
     the row once each besides (`Prediction.passes_s`). `expert_loads`: the rows each expert of a sparse
     layer took in the row's forward (predict_prefill)."""
-    arch = architecture(profile)
-    compute = getattr(dtype, "compute", dtype)
-    upcast = dtype.upcast_layers(arch.decoder.layers, quant) if hasattr(dtype, "upcast_layers") else 0
+    arch, compute_bits, upcast = _row_layout(profile, quant, dtype)
     rates = rates or rates_for(dtype, device)
 
     def at(priced: ShapeRates) -> Prediction:
         return predict_prefill(arch, schedule, priced, quant=quant, batch=batch, text_tokens=text_tokens,
-                               compute_bits=torch.finfo(compute).bits, upcast_layers=upcast, expert_loads=expert_loads)
+                               compute_bits=compute_bits, upcast_layers=upcast, expert_loads=expert_loads)
 
     prediction = at(rates)
     if isinstance(rates, MeasuredRates) and (passes := [at(one) for one in rates.pass_rates()]):
         return Prediction.at_median_pass(passes, prediction)
     return prediction
+
+
+def row_probe_shapes(profile: Any, schedule: Schedule, *, quant: str, batch: int, text_tokens: int | None,
+                     dtype: Any) -> ProbeShapes:
+    """The shapes `row_prediction` of the same row asks its rates for (`MeasuredRates.expect`)."""
+    arch, compute_bits, upcast = _row_layout(profile, quant, dtype)
+    return rate_probe_shapes(arch, schedule, quant=quant, batch=batch, text_tokens=text_tokens,
+                             compute_bits=compute_bits, upcast_layers=upcast)
+
+
+def _row_layout(profile: Any, quant: str, dtype: Any) -> tuple[Architecture, int, int]:
+    """A profile row's architecture, compute bits and upcast layers (`dtype`: a DtypeChoice or a torch dtype)."""
+    arch = architecture(profile)
+    compute = getattr(dtype, "compute", dtype)
+    upcast = dtype.upcast_layers(arch.decoder.layers, quant) if hasattr(dtype, "upcast_layers") else 0
+    return arch, torch.finfo(compute).bits, upcast
