@@ -371,7 +371,9 @@ def profile_command(
     weights: Annotated[str, typer.Option(
         "--weights", callback=check.weights_source, help="random, a local checkpoint folder, or a cached HF id.")
                        ] = "random",
-    image: Annotated[str | None, typer.Option("--image", help="An image file instead of random pixels.")] = None,
+    image: Annotated[str | None, typer.Option(
+        "--image", help="An image file instead of random pixels (random weights: one image, laid out as ficoco "
+        "show lays it out).")] = None,
     prompt: Annotated[str | None, typer.Option(
         "--prompt", help="A question, laid out with the checkpoint's processor and chat template (needs --weights).")
                       ] = None,

@@ -237,6 +237,26 @@ def test_profile_sweep_and_show_run_it(cli, tmp_path: Path) -> None:
     assert [(s["stage"], s["layer"]) for s in steps] == [("vision", 0)] and 4 <= len(steps[0]["kept"]) < 320
 
 
+def test_profile_runs_it_on_a_picture_with_random_weights_as_show_lays_it_out(cli, tmp_path: Path) -> None:
+    """`ficoco profile --image` on a Qwen family with random weights: the picture laid out as `ficoco show` lays it
+    out (no processor), so PixelPrune's count is the picture's; one image only, refused in one line otherwise."""
+    from PIL import Image
+
+    picture_path = tmp_path / "flat.png"
+    Image.fromarray((picture(8, 10, 5, 3) * 255).to(torch.uint8).numpy()).save(picture_path)
+    path = tmp_path / "r.json"
+    result = cli("profile", "--model", TINY_PROFILE, "--variant", "vanilla,pixelprune", "--image", picture_path,
+                 "--warmup", "0", "--repeat", "1", "--text-tokens", str(TEXT), "--dtype", "fp32", "--json", path)
+    assert result.code == 0, result.err[-2000:]
+    rows = {row["variant"]: row for row in json.loads(path.read_text())["rows"]}
+    assert rows["vanilla"]["status"] == rows["pixelprune"]["status"] == "ok"
+    assert 4 <= rows["pixelprune"]["visual_tokens_per_item_measured"] < 80
+    assert rows["pixelprune"]["analytic"]["tflops"] < rows["vanilla"]["analytic"]["tflops"]
+    result = cli("profile", "--model", TINY_PROFILE, "--variant", "pixelprune", "--image", picture_path, "--batch",
+                 "1,2")
+    assert result.code == 2 and "lays out one image" in result.err and len(result.err.strip().splitlines()) == 1
+
+
 # ---- every Qwen family ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["qwen2-vl-tiny", "qwen2.5-vl-tiny", "qwen3-vl-moe-tiny", "qwen3.5-tiny"])

@@ -30,6 +30,8 @@ from ficoco.versions import report_environment
 # The families whose tokens are merge groups of a native-resolution patch grid (their module's `image_grid`).
 MERGE_GROUP_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 MERGE_GROUP_FAMILIES += ("qwen3_5",)  # Qwen3.5: Qwen3-VL's tower without DeepStack
+# The families whose picture `picture_inputs` lays out without a processor (random weights).
+LAID_OUT_FAMILIES = ("llava", "llava_next", "video_llava", "llava_onevision", *MERGE_GROUP_FAMILIES)
 
 # CLIP's normalisation (LLaVA, LLaVA-NeXT, Video-LLaVA and Qwen2-VL's processors all use it).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
