@@ -21,7 +21,12 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "FicocoError", "ProfileConfig", "ScheduleRequest", "apply", "build_model", "flops", "profile",
            "quantized_cache"]
 
+from ficoco.deferred_imports import defer_hqq
 from ficoco.errors import FicocoError
+
+# Before transformers is imported through ficoco: hqq's quantizer loads at a quantized cache's first use, not at
+# every model build (ficoco.deferred_imports says why).
+defer_hqq()
 
 _LAZY = {"build_model": "ficoco.api", "apply": "ficoco.api", "quantized_cache": "ficoco.models.kv_cache",
          "ScheduleRequest": "ficoco.accounting.request", "ProfileConfig": "ficoco.profiling.config"}
