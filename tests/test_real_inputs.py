@@ -274,7 +274,11 @@ def test_bad_real_input_is_one_error_line_before_any_model_work(cli, name, check
     assert built == [] and not (tmp_path / "r.json").exists()
 
 
-def test_random_weights_with_an_image_outside_llava_is_refused_before_the_build(cli, media):
-    code, _, err = cli(*["profile", "--model", "qwen2-vl-tiny", "--variant", "l", "--keep", "4",
-                            "--image", str(media["wide"]), "--dry-run"])
-    assert code == 2 and err.startswith("error: --image with random weights")
+@pytest.mark.parametrize("args", [["--model", "internvl3-tiny"],  # no layout without a processor
+                                  ["--model", "qwen2-vl-tiny", "--batch", "1,2"],  # one picture, one layout
+                                  ["--model", "qwen2-vl-tiny", "--image-size", "64x64"]])
+def test_random_weights_with_an_image_the_picture_layout_cannot_make_is_refused_before_the_build(cli, media, args):
+    code, _, err = cli(*["profile", *args, "--variant", "l", "--keep", "4", "--image", str(media["wide"]),
+                         "--dry-run"])
+    assert code == 2 and err.startswith("error: --image with random weights"), err
+    assert len(err.strip().splitlines()) == 1
