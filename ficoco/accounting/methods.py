@@ -127,7 +127,7 @@ def check_placement(arch: Architecture, spec: MethodSpec, schedule: Schedule) ->
     if layers is not None:
         layers.check(spec, schedule)
     if spec.placement == "layer_input":
-        deepstack.check_layer_input(spec, deepstack.FAMILY_TITLE, schedule.removals, len(arch.deepstack_layers))
+        deepstack.check_layer_input(spec, schedule.removals, len(arch.deepstack_layers))
 
 
 def schedule_from_steps(arch: Architecture, spec: MethodSpec, steps: tuple[Step, ...],

@@ -22,7 +22,7 @@ from ficoco.errors import FicocoError
 FAMILY_TITLE = "Qwen3-VL"
 
 
-def check_layer_input(spec: Any, family_title: str, removals: Iterable[Any], taps: int) -> None:
+def check_layer_input(spec: Any, removals: Iterable[Any], taps: int) -> None:
     """Refuse a layer-input schedule (`removals`: the schedule's `Removal`s) of `spec` (a MethodSpec) on a decoder
     whose first `taps` layers still get DeepStack's additions; nothing where `taps` is 0."""
     if not taps:
@@ -31,12 +31,12 @@ def check_layer_input(spec: Any, family_title: str, removals: Iterable[Any], tap
     folded = [r.layer for r in early if spec.folds_removed]
     added = [r.layer for r in early if r.added]
     if folded:
-        raise FicocoError(f"variant={spec.name}: {spec.title} on {family_title} folds the visual tokens it removes at "
+        raise FicocoError(f"variant={spec.name}: {spec.title} on {FAMILY_TITLE} folds the visual tokens it removes at "
                           f"decoder layer {folded[0]} into those it keeps by their hidden states, where DeepStack "
                           f"still adds the tower's features (after layers 0..{taps - 1}), which cannot be folded "
                           f"alike: give its step a layer from {taps} on (layer={taps})")
     if added:
-        raise FicocoError(f"variant={spec.name}: {spec.title} on {family_title} adds tokens at decoder layer "
+        raise FicocoError(f"variant={spec.name}: {spec.title} on {FAMILY_TITLE} adds tokens at decoder layer "
                           f"{added[0]}, where DeepStack still adds the tower's features (after layers 0.."
                           f"{taps - 1}), and says not which features they stand for: give its steps layers from "
                           f"{taps} on (schedule=)")

@@ -104,7 +104,7 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         """The layer-input methods' hook points (the base adapter's), with DeepStack's additions sliced to the
         visual tokens still present."""
         taps = len(self.deepstack_mergers())
-        check_layer_input(spec, self.family_title, schedule.removals, taps)
+        check_layer_input(spec, schedule.removals, taps)
         super().patch_layer_input(handle, patches, spec, schedule)
         if taps:
             DecoderTaps(self, handle, spec.title).install(patches)
