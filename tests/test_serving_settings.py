@@ -16,7 +16,15 @@ from ficoco.accounting.schedule import plan_tokens
 from ficoco.errors import FicocoError
 from ficoco.profiles import load_profile
 from ficoco.report.schemas import SERVE_SCHEMA
-from ficoco.serving.vllm.settings import REFUSED, SUPPORTED, Settings, _profile, plan_image, settings_from
+from ficoco.serving.vllm.settings import (
+    PIXEL_COUNTED,
+    REFUSED,
+    SUPPORTED,
+    Settings,
+    _profile,
+    plan_image,
+    settings_from,
+)
 
 PROFILE = "qwen2.5-vl-tiny"
 
@@ -59,7 +67,17 @@ def test_the_settings_come_from_the_config_or_the_environment(monkeypatch: pytes
     assert settings_from(object()) is None
 
 
-@pytest.mark.parametrize("method", [m for m in SUPPORTED if m != "v"])
+@pytest.mark.parametrize("raw", [{"keep": 8}, {"preset": 64}, {"tflops": 1.0}], ids=["keep", "preset", "tflops"])
+def test_pixelprune_refuses_a_budget_in_one_line_and_plans_every_group_without_one(raw: dict[str, Any]) -> None:
+    with pytest.raises(FicocoError, match="PixelPrune has no token budget") as caught:
+        Settings.parse({"method": "pixelprune", **raw})
+    assert "\n" not in str(caught.value)
+    # Without one: the count is each image's own, so the plan (the placeholders' upper bound) keeps every group.
+    plan = plan_image(_config_json(), Settings.parse({"method": "pixelprune"}), (1, 10, 8), 14)
+    assert plan.tokens == plan.vanilla_tokens == 20 and plan.settings_dict()["threshold"] == 0.0
+
+
+@pytest.mark.parametrize("method", [m for m in SUPPORTED if m != "v" and m not in PIXEL_COUNTED])
 @pytest.mark.parametrize("request_", [{"keep": 8}, {"tflops": 3.4e-05}], ids=["keep", "tflops"])
 def test_an_images_tokens_are_the_accountants_for_its_grid(method: str, request_: dict[str, Any]) -> None:
     # The tiny profile's 140x112 image: a 10x8 patch grid of 20 merge groups.

@@ -27,6 +27,14 @@ METRICS = ("max", "exact", "mae", "rmse")  # pred_2d.py:49-61
 # The families whose tower takes any subset of its merge groups: 2-D rotary positions and a packed sequence cut
 # into images (Qwen3-VL's learned positions are resampled to the image's grid, then selected at the kept places).
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+# How each family's image processor normalises its pixels (mean, std per channel), which the selector undoes to
+# read the image's [0, 1] pixels as the official code does (patches/qwen3_vl_hf.py:31-42: x * 0.5 + 0.5 on
+# Qwen3-VL). Qwen2-VL's and Qwen2.5-VL's processors use OpenAI CLIP's; Qwen3-VL's and Qwen3.5's transformers'
+# IMAGENET_STANDARD_MEAN / _STD (0.5 and 0.5). Read by ficoco's transformers adapters and its vLLM plugin alike.
+CLIP_NORMALISATION = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))
+HALF_NORMALISATION = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+NORMALISATION = {"qwen2_vl": CLIP_NORMALISATION, "qwen2_5_vl": CLIP_NORMALISATION, "qwen3_vl": HALF_NORMALISATION,
+                 "qwen3_vl_moe": HALF_NORMALISATION, "qwen3_5": HALF_NORMALISATION}
 FIXED_GRID = ("a fixed-grid encoder (CLIP, SigLIP, InternViT): its learned absolute positions over one fixed square "
               "of patches need every patch, so patches removed before it would be another model (no official code)")
 REFUSALS = dict.fromkeys(("llava", "llava_next", "video_llava", "llava_onevision", "internvl"), FIXED_GRID)

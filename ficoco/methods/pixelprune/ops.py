@@ -28,9 +28,23 @@ from torch import Tensor
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput, TowerOutput
 
-__all__ = ["METRICS", "keep_map", "kept_units", "similar", "tower_step"]
+__all__ = ["METRICS", "group_pixels", "keep_map", "kept_units", "similar", "tower_step"]
 
 METRICS = ("max", "exact", "mae", "rmse")
+
+
+def group_pixels(pixels: Tensor, *, channels: int, temporal_patch_size: int, patch_size: int, merge: int,
+                 mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
+    """``(groups, merge x C x P x P)`` every merge group's pixels from a packed tower's flattened patches `pixels`
+    ``(patches, C x T x P x P)`` (every image's groups in grid order, a group's `merge` patches consecutive, as the
+    Qwen processors lay them out): the first temporal frame of every patch (patches/qwen3_vl_hf.py:31-42), the
+    processor's normalisation undone (x * std + mean per channel), the group's patches side by side
+    (methods/base.py:86-92)."""
+    frames = pixels.reshape(-1, channels, temporal_patch_size, patch_size, patch_size)[:, :, 0]
+    shape = (1, channels, 1, 1)
+    mean_t = torch.tensor(mean, dtype=frames.dtype, device=frames.device).view(shape)
+    std_t = torch.tensor(std, dtype=frames.dtype, device=frames.device).view(shape)
+    return (frames * std_t + mean_t).reshape(-1, merge * channels * patch_size * patch_size)
 
 
 def similar(x: Tensor, y: Tensor, metric: str, threshold: float) -> Tensor:

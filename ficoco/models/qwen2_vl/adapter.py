@@ -12,12 +12,13 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.methods.contract import GroupsModule, TowerModule
 from ficoco.methods.inputs import ImageGrids, TokenGrid
+from ficoco.methods.pixelprune import CLIP_NORMALISATION
+from ficoco.methods.pixelprune.ops import group_pixels
 from ficoco.models import hf_compat as hf
 from ficoco.models.base import FamilyAdapter
 from ficoco.models.entry import follow_shortened_prompt
@@ -52,10 +53,9 @@ class Qwen2VLAdapter(FamilyAdapter):
     # The tower's token order (the window strategy): Qwen2-VL's grid order; Qwen2.5-VL names its window order,
     # and every part below runs on whichever the family names.
     order_strategy: type[GridOrder] = GridOrder
-    # The processor's normalisation of the pixels (Qwen2-VL's and Qwen2.5-VL's image processor: OpenAI CLIP's mean
-    # and std), undone for a method that reads the image's [0, 1] pixels (PixelPrune).
-    pixel_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
-    pixel_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    # The processor's normalisation of the pixels, undone for a method that reads the image's [0, 1] pixels
+    # (PixelPrune): OpenAI CLIP's mean and std on Qwen2-VL and Qwen2.5-VL.
+    pixel_mean, pixel_std = CLIP_NORMALISATION
 
     def __init__(self, model: nn.Module) -> None:
         # The base adapter's attributes (the L code reads them), found where Qwen2-VL keeps them.
@@ -140,16 +140,11 @@ class Qwen2VLAdapter(FamilyAdapter):
             self.caller_pixels = None
 
     def group_pixels(self, pixels: Tensor) -> Tensor:
-        """(groups, merge x C x P x P) every merge group's pixels from the tower's flattened patches `pixels`
-        (patches, C x T x P x P; every image's groups in grid order, a group's patches consecutive, as the
-        processor lays them out): the first temporal frame of every patch, the processor's normalisation undone
-        (x * std + mean per channel: Qwen3-VL's x * 0.5 + 0.5), the group's patches side by side."""
+        """(groups, merge x C x P x P) every merge group's [0, 1] pixels from the tower's flattened patches
+        (`ficoco.methods.pixelprune.ops.group_pixels` under this family's normalisation)."""
         vision = self.model.config.vision_config
-        channels, size = vision.in_channels, vision.patch_size
-        frames = pixels.view(-1, channels, vision.temporal_patch_size, size, size)[:, :, 0]
-        mean = torch.tensor(self.pixel_mean, dtype=frames.dtype, device=frames.device).view(1, channels, 1, 1)
-        std = torch.tensor(self.pixel_std, dtype=frames.dtype, device=frames.device).view(1, channels, 1, 1)
-        return (frames * std + mean).reshape(-1, self.merge * channels * size * size)
+        return group_pixels(pixels, channels=vision.in_channels, temporal_patch_size=vision.temporal_patch_size,
+                            patch_size=vision.patch_size, merge=self.merge, mean=self.pixel_mean, std=self.pixel_std)
 
     def riding_features(self, tower: TowerPass, images: list[int]) -> Tensor | None:
         """(n, G, C) per-group features that ride with the units of `images` through a method step before the LLM

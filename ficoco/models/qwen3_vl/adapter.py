@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.methods.deepstack import check_layer_input
+from ficoco.methods.pixelprune import HALF_NORMALISATION
 from ficoco.models import hf_compat as hf
 from ficoco.models.patching import Patches
 from ficoco.models.qwen2_vl.adapter import Qwen2VLAdapter
@@ -38,10 +39,8 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
 
     family_title = "Qwen3-VL"
     order_strategy = DeepStackOrder
-    # Qwen3-VL's (and Qwen3.5's) image processor normalises with mean 0.5 and std 0.5 (transformers'
-    # IMAGENET_STANDARD_MEAN / _STD), undone as x * 0.5 + 0.5 (PixelPrune's patches/qwen3_vl_hf.py:31-42).
-    pixel_mean = (0.5, 0.5, 0.5)
-    pixel_std = (0.5, 0.5, 0.5)
+    # Qwen3-VL's (and Qwen3.5's) image processor normalises with mean 0.5 and std 0.5, undone as x * 0.5 + 0.5.
+    pixel_mean, pixel_std = HALF_NORMALISATION
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

@@ -1,6 +1,7 @@
-"""ficoco's vLLM plugin: the methods that act before the LLM (FiCoCo-V, VisionZip, DivPrune, VisPruner) on
-Qwen2.5-VL and Qwen3-VL served by vLLM (DivPrune on LLaVA-1.5), each image reduced to a count fixed from the
-budget and its grid before the encoder runs, its tokens at their original M-RoPE positions (docs/serving.md).
+"""ficoco's vLLM plugin: the methods that act before the LLM (FiCoCo-V, VisionZip, DivPrune, VisPruner,
+PixelPrune) on Qwen2.5-VL and Qwen3-VL served by vLLM (DivPrune on LLaVA-1.5), each image reduced to a count fixed
+before the encoder runs (from the budget and its grid, or PixelPrune's from its pixels), its tokens at their
+original M-RoPE positions (docs/serving.md).
 
 vLLM loads `register` through the `vllm.general_plugins` entry point (pyproject.toml) in every process it
 starts; it replaces the three architectures by ficoco's subclasses (`ficoco.serving.vllm.qwen`, `.llava`),

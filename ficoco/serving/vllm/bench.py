@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.serving.vllm.settings import SETTINGS_KEY, Settings, plan_image
+from ficoco.serving.vllm.settings import PIXEL_COUNTED, SETTINGS_KEY, Settings, plan_image
 
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
 QUESTION = "Describe the image."
@@ -56,6 +56,9 @@ class BenchConfig:
         if variant == "vanilla":
             return None
         own = METHODS[variant].hyperparameters if variant in METHODS else {}
+        if variant in PIXEL_COUNTED:  # no budget: every image keeps its own count (the report's prompt tokens)
+            return Settings.parse({"method": variant, "text_tokens": text_tokens,
+                                   "hp": {name: value for name, value in self.hp if name in own}})
         return Settings.parse({"method": variant, "keep": self.keep, "tflops": self.tflops, "text_tokens": text_tokens,
                                "first_layer": self.first_layer if variant == "v" else None,
                                "hp": {name: value for name, value in self.hp if name in own}})
@@ -205,7 +208,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
         settings = config.settings(variant, text_tokens)
         plan = plan_image(config_json, settings, grid, patch, text_tokens=text_tokens)
         tokens, tflops = plan.tokens, plan.tflops
-        progress(f"{variant}: starting an engine ({tokens} visual tokens per request, {tflops:.4g} TFLOPs)")
+        counted = "at most " if variant in PIXEL_COUNTED else ""  # planned at every group; each image its own
+        progress(f"{variant}: starting an engine ({counted}{tokens} visual tokens per request, {tflops:.4g} TFLOPs)")
         measured_levels, starts[variant] = asyncio.run(_serve(config, settings, prompts))
         gc.collect()  # the engine's last references, while vLLM's modules are still there to shut it down
         for measured in measured_levels:

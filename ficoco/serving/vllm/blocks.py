@@ -1,4 +1,11 @@
-"""FiCoCo-V inside vLLM's Qwen2.5-VL and Qwen3-VL towers (knows vLLM's vision blocks; calls ficoco's ops).
+"""FiCoCo-V inside vLLM's Qwen2.5-VL and Qwen3-VL towers, and PixelPrune's cut at their input (knows vLLM's
+vision blocks; calls ficoco's ops).
+
+PixelPrune's groups are chosen from the pixels before the tower runs (`TowerBlocks.keep_at_input`); the first
+block takes their patch rows, and every block runs on them as on the kept groups after a FiCoCo-V reduction:
+their rotary rows at their original places, the shorter images' segments (Qwen2.5-VL: the windows the kept groups
+form). The tower's own patch embedding and (Qwen3-VL) position interpolation run on every patch first, as on
+transformers.
 
 FiCoCo-V removes whole merge groups inside the blocks its schedule names, after a block's attention residual and
 before its MLP, as ficoco's transformers adapter does (ficoco.models.qwen2_vl's tower passes, on Qwen2.5-VL's
@@ -47,6 +54,7 @@ class BlocksPass(TowerPass):
     sin: Tensor | None = None
     probe: dict[str, Tensor] = field(default_factory=dict)  # the reducing block's query, key and segments
     carried: list[Tensor | None] = field(default_factory=list)  # per image: the DeepStack taps so far, side by side
+    input_rows: Tensor | None = None  # a cut at the tower's input: the patch rows the first block keeps
     tap_outputs: list[Tensor] = field(default_factory=list)  # every tap's output, all groups' rows
 
     def lengths(self) -> list[int]:
@@ -69,7 +77,8 @@ class TowerBlocks:
             frozenset(range(len(visual.blocks)))
         self.plans: dict[tuple[int, int, int], ImagePlan] = {}
         spec = model.ficoco_spec
-        self.reduce_groups = model.ficoco_module.reduce_groups
+        # FiCoCo-V's step inside the blocks; a cut at the tower's input (PixelPrune) has none (`keep_at_input`).
+        self.reduce_groups = getattr(model.ficoco_module, "reduce_groups", None)
         self.title = spec.title
         self.removed: dict[tuple[int, int, int], dict[int, int]] = {}  # per grid: block -> groups removed
         for index, block in enumerate(visual.blocks):
@@ -117,6 +126,41 @@ class TowerBlocks:
         return BlocksPass(grids=grids, merge_size=merge_size, rows=rows, current=current, group_window=group_window,
                           windows=windows, carried=[None] * len(grids))
 
+    def keep_at_input(self, tower: BlocksPass, kept: list[Tensor]) -> None:
+        """A cut at the tower's input: every image keeps the groups `kept` (grid indices), in the tower's order (a
+        window's kept groups stay in it); the first block takes their patch rows (`_enter`). Nothing is cut where
+        every image keeps every group."""
+        merge = tower.merge
+        members = torch.arange(merge)
+        rows, start, cut = [], 0, False
+        for image, groups in enumerate(kept):
+            present = tower.current[image]  # original group of every group row, in the tower's order
+            flags = torch.zeros(present.numel(), dtype=torch.bool)
+            flags[groups.cpu()] = True
+            at = flags[present].nonzero()[:, 0]  # where the kept groups stand in the tower's order
+            cut = cut or at.numel() < present.numel()
+            tower.current[image] = present[at]
+            rows.append(start + (at[:, None] * merge + members).flatten())
+            start += present.numel() * merge
+        tower.input_rows = torch.cat(rows) if cut else None
+
+    def _enter(self, tower: BlocksPass, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """The first block's input cut to the rows `keep_at_input` kept; the pass then holds their rotary rows
+        (their original places) and the segments of the shorter images (and windows) for every block."""
+        rows = tower.input_rows.to(x.device)  # type: ignore[union-attr]
+        tower.input_rows = None
+        self._resegment(tower, rows, cos, sin, cu_seqlens.dtype)
+        return x[rows]
+
+    @staticmethod
+    def _resegment(tower: BlocksPass, rows: Tensor, cos: Tensor, sin: Tensor, dtype: torch.dtype) -> None:
+        """The rotary rows of the patch rows `rows` and the segments of the groups `tower.current` (whole images;
+        the windows their groups form, a window left empty dropped) for the blocks after a cut."""
+        tower.cos, tower.sin = cos[rows], sin[rows]
+        tower.cu_seqlens = F.pad(torch.tensor(tower.lengths()).cumsum(0), (1, 0)).to(dtype)
+        windows = torch.cat(tower.window_lengths())
+        tower.cu_window_seqlens = F.pad(windows[windows > 0].cumsum(0), (1, 0)).to(dtype)
+
     # -- the probe and the blocks -----------------------------------------------------------------------------
     def _pass(self) -> BlocksPass | None:
         tower = self.model.ficoco_pass
@@ -144,7 +188,9 @@ class TowerBlocks:
         def forward(x: Tensor, cu_seqlens: Tensor, rotary_pos_emb_cos: Tensor, rotary_pos_emb_sin: Tensor,
                     max_seqlen: Tensor, sequence_lengths: Tensor | None = None) -> Tensor:
             tower = self._pass()
-            if tower is not None and tower.cos is not None:  # an earlier block reduced: the pass's segments
+            if tower is not None and index == 0 and tower.input_rows is not None:  # a cut at the tower's input
+                x = self._enter(tower, x, rotary_pos_emb_cos, rotary_pos_emb_sin, cu_seqlens)
+            if tower is not None and tower.cos is not None:  # an earlier cut or block reduced: the pass's segments
                 full = index in self.full_layers
                 cu_seqlens = tower.cu_seqlens if full else tower.cu_window_seqlens  # type: ignore[assignment]
                 rotary_pos_emb_cos, rotary_pos_emb_sin = tower.cos, tower.sin  # type: ignore[assignment]
@@ -230,11 +276,7 @@ class TowerBlocks:
         starts = [0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]]
         rows = torch.cat([first + (kept[:, None] * merge + members).flatten()
                           for first, kept in zip(starts, kept_at, strict=True)])  # type: ignore[index]
-        tower.cos, tower.sin = cos[rows], sin[rows]
-        dtype = probe["cu_seqlens"].dtype
-        tower.cu_seqlens = F.pad(torch.tensor(tower.lengths()).cumsum(0), (1, 0)).to(dtype)
-        windows = torch.cat(tower.window_lengths())
-        tower.cu_window_seqlens = F.pad(windows[windows > 0].cumsum(0), (1, 0)).to(dtype)
+        self._resegment(tower, rows, cos, sin, probe["cu_seqlens"].dtype)
         return torch.cat(new_hidden).unsqueeze(1)  # type: ignore[arg-type]
 
     def _merger(self, x: Tensor, original: Any) -> Tensor:

@@ -12,7 +12,15 @@ from torch import Tensor
 from vllm.multimodal.processing import PromptReplacement
 
 from ficoco.errors import FicocoError
-from ficoco.serving.vllm.settings import SETTINGS_KEY, ImagePlan, Settings, plan_image, settings_from
+from ficoco.serving.vllm.settings import (
+    PIXEL_COUNTED,
+    SETTINGS_KEY,
+    ImagePlan,
+    Settings,
+    plan_image,
+    settings_from,
+)
+from ficoco.serving.vllm.tokens import PatchLayout, pixel_kept_groups
 
 
 def _config_json(config: Any) -> str:
@@ -43,7 +51,19 @@ class Planner:
     def __init__(self, config: Any) -> None:
         self.settings: Settings | None = settings_from(config)
         self.config_json = _config_json(config) if self.settings is not None else ""
-        self.patch = int(config.vision_config.patch_size)
+        vision = config.vision_config
+        self.patch = int(vision.patch_size)
+        # A method whose count is each image's own, read from its pixels (PixelPrune): the processor and the model
+        # run its selector on the same pixels, so the placeholders and the tower's kept groups agree.
+        self.pixel_counted = self.settings is not None and self.settings.method in PIXEL_COUNTED
+        self.layout: PatchLayout | None = None
+        if self.pixel_counted:
+            from ficoco.methods.pixelprune import NORMALISATION
+
+            mean, std = NORMALISATION[config.model_type]
+            self.layout = PatchLayout(channels=int(vision.in_channels),
+                                      temporal_patch_size=int(vision.temporal_patch_size), patch_size=self.patch,
+                                      merge_size=int(vision.spatial_merge_size), mean=mean, std=std)
 
     def plan(self, grid_thw: Sequence[int] | None) -> ImagePlan:
         """The plan for an image of `grid_thw` (None: the family's one fixed layout, LLaVA-1.5's)."""
@@ -51,9 +71,28 @@ class Planner:
         grid = None if grid_thw is None else tuple(int(x) for x in grid_thw)
         return plan_image(self.config_json, self.settings, grid, self.patch)  # type: ignore[arg-type]
 
+    def pixel_kept(self, pixels: Tensor, grids: Sequence[tuple[int, int, int]]) -> list[Tensor]:
+        """Every image's kept merge groups (grid indices, ascending) under a pixel-counted method, from the packed
+        patches `pixels` of the images of `grids`."""
+        from ficoco.methods.registry import method
+
+        assert self.settings is not None and self.layout is not None
+        step = method(self.settings.method).load().tower_step
+        return pixel_kept_groups(pixels, grids, self.layout, step, lambda grid: (self.plan(grid).settings_dict(), 0, 0))
+
+    def image_tokens(self, item: Any) -> int:
+        """The placeholders of one processed image (vLLM's kwargs item): the plan's count for its grid, or the
+        groups its pixels keep under a pixel-counted method."""
+        grid = item["image_grid_thw"].data.tolist() if "image_grid_thw" in item else None
+        if not self.pixel_counted:
+            return self.plan(grid).tokens
+        (kept,) = self.pixel_kept(item["pixel_values"].data, [tuple(int(x) for x in grid)])
+        return int(kept.numel())
+
 
 class ReducingProcessor:
-    """The placeholders of an image: the tokens the plan keeps for its grid (the first of vLLM's own)."""
+    """The placeholders of an image: the tokens the plan keeps for its grid, or its pixels keep (the first of
+    vLLM's own)."""
 
     def _ficoco_planner(self) -> Planner:
         """The engine's settings, read once per processor (a mistake in them is one FicocoError line)."""
@@ -78,9 +117,7 @@ class ReducingProcessor:
                 tokens = _original(item_idx) if callable(_original) else _original
                 if not isinstance(tokens, list):
                     raise FicocoError("ficoco.vllm: this model's image placeholders are not a plain token list")
-                item = out_mm_kwargs["image"][item_idx]
-                grid = item["image_grid_thw"].data.tolist() if "image_grid_thw" in item else None
-                return tokens[:planner.plan(grid).tokens]
+                return tokens[:planner.image_tokens(out_mm_kwargs["image"][item_idx])]
 
             out.append(PromptReplacement(modality="image", target=update.target, replacement=replacement))
         return out

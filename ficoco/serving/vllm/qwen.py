@@ -3,9 +3,11 @@
 Each family is vLLM's own model class with three additions, and its own multimodal processor with one:
 
 - the processor writes, for every image, the placeholders of the tokens the accountant's plan keeps for the
-  image's grid (`settings.plan_image`), not the grid's product: the count is fixed before the encoder runs;
+  image's grid (`settings.plan_image`), not the grid's product, or (PixelPrune) of the groups the image's
+  pixels keep (`tokens.pixel_kept_groups`): the count is fixed before the encoder runs;
 - `_process_image_input` runs vLLM's tower with two probes (the last block's keys; Qwen3-VL's DeepStack taps)
-  and the cut in its merger (`tokens.cut_units`), or the cut on the tower's output (`tokens.cut_projected`), then
+  and the cut in its merger (`tokens.cut_units`), or the cut on the tower's output (`tokens.cut_projected`), or
+  FiCoCo-V's steps in its blocks and PixelPrune's cut at its first (`blocks.TowerBlocks`), then
   hands on each image's kept rows (DeepStack channels included) with their grid positions appended;
 - `get_mrope_input_positions` lays the shortened prompt out in the unreduced prompt's positions, and
   `recompute_mrope_positions` (which the runner calls once the encoder ran, `runner.enable_positions`) gives
@@ -84,7 +86,7 @@ class _ReducingQwen:
                 return self._ficoco_merger(x, _original)
 
             merger.forward = merger_forward
-        elif spec.placement == "in_layer":
+        elif spec.placement in ("in_layer", "tower_input"):  # inside the blocks, or a cut at the first (PixelPrune)
             self.ficoco_blocks = TowerBlocks(self)
         elif spec.placement != "after_projector":
             raise FicocoError(f"ficoco.vllm: {spec.title} is not wired into vLLM's {type(self).__name__}")
@@ -145,8 +147,13 @@ class _ReducingQwen:
         merge_size = self.visual.spatial_merge_size  # type: ignore[attr-defined]
         tower = TowerPass(grids=grids, merge_size=merge_size, rows=[self._tower_rows(g) for g in grids])
         spec = self.ficoco_spec
-        if spec.placement == "in_layer":
+        expected = [plan.tokens for plan in plans]
+        if spec.placement in ("in_layer", "tower_input"):
             tower = self.ficoco_blocks.start(grids, {g: p for g, p in zip(grids, plans, strict=True)})
+            if spec.placement == "tower_input":  # each image's own count, from its pixels as the processor read them
+                kept = self.ficoco.pixel_kept(image_input["pixel_values"], grids)
+                self.ficoco_blocks.keep_at_input(tower, kept)
+                expected = [int(k.numel()) for k in kept]
             self.ficoco_pass = tower
         if spec.placement == "tower_output":
             self.ficoco_pass = tower
@@ -161,10 +168,10 @@ class _ReducingQwen:
             kept_rows = [e[k.to(e.device)] for e, k in zip(embeds, tower.kept, strict=True)]
         record_kept(grids, tower.kept)
         out = []
-        for rows, kept, grid, plan in zip(kept_rows, tower.kept, grids, plans, strict=True):
-            if rows.shape[0] != plan.tokens:
-                raise RuntimeError(f"ficoco.vllm: {spec.title} kept {rows.shape[0]} tokens of an image, the plan "
-                                   f"{plan.tokens}")
+        for rows, kept, grid, tokens in zip(kept_rows, tower.kept, grids, expected, strict=True):
+            if rows.shape[0] != tokens:
+                raise RuntimeError(f"ficoco.vllm: {spec.title} kept {rows.shape[0]} tokens of an image, its "
+                                   f"placeholders {tokens}")
             out.append(grid_positions(rows, kept, grid, merge_size))
         return tuple(out)
 

@@ -69,9 +69,13 @@ def check_settings() -> None:
             for architecture in architectures:
                 served = SERVED_ONLY.get(architecture)
                 if served is not None and settings.method not in served:
-                    raise FicocoError(f"ficoco.vllm: {settings.method} is not served on {architecture} (it reads the "
-                                      f"tower's [CLS] attention or acts inside its layers); served there: "
-                                      f"{', '.join(served)}")
+                    from ficoco.methods.registry import method
+
+                    model_type = getattr(made.model_config.hf_config, "model_type", "")
+                    why = method(settings.method).refusals.get(model_type) or \
+                        "it reads the tower's [CLS] attention or acts inside its layers"
+                    raise FicocoError(f"ficoco.vllm: {settings.method} is not served on {architecture} ({why}); "
+                                      f"served there: {', '.join(served)}")
         return made
 
     setattr(create_engine_config, _WRAPPED, True)

@@ -30,9 +30,11 @@ SETTINGS_KEY = "ficoco_vllm"  # the hf_overrides key (the config attribute) the 
 ENVIRONMENT = "FICOCO_VLLM"  # the same settings as JSON, where the config carries none
 SETTING_NAMES = ("method", "keep", "preset", "tflops", "convention", "scope", "text_tokens", "first_layer", "hp")
 
-# The methods the plugin runs: each reduces every image to a count fixed by the budget and the grid, before the
-# LLM, from the image alone (no text), by ops ficoco's transformers adapters call too.
-SUPPORTED = ("v", "visionzip", "divprune", "vispruner")
+# The methods the plugin runs: each reduces every image to a count fixed before the encoder runs, from the image
+# alone (no text), by ops ficoco's transformers adapters call too: by the budget and the grid, or (PixelPrune,
+# `PIXEL_COUNTED`) by the image's pixels, which the processor holds when it writes the placeholders.
+SUPPORTED = ("v", "visionzip", "divprune", "vispruner", "pixelprune")
+PIXEL_COUNTED = ("pixelprune",)
 
 # Every other method, with the one-line reason it cannot run in a serving engine's plugin (or is not wired here).
 _INSIDE_LLM = ("acts inside the LLM's layers; vLLM fixes a prompt's KV-cache slots before its prefill, so tokens "
@@ -50,9 +52,6 @@ REFUSED = {
     "tome": "merges inside every tower block (segments and rotary rows change block by block); not wired into "
             "vLLM's tower by the plugin",
     "fastervlm": "not wired into vLLM's tower by the plugin yet (VisionZip and VisPruner read the same keys)",
-    "pixelprune": "not wired yet: its count is each image's own, read from the pixels the processor holds when it "
-                  "writes the placeholders (so it fits), but the processor and the tower's first block do not run "
-                  "it here",
 }
 
 
@@ -100,6 +99,10 @@ class Settings:
         budgets = [name for name in ("keep", "preset", "tflops") if raw.get(name) is not None]
         if len(budgets) > 1:
             raise FicocoError(f"ficoco.vllm: give one of keep, preset and tflops, not {' and '.join(budgets)}")
+        if method in PIXEL_COUNTED and budgets:
+            from ficoco.methods.registry import method as spec_of
+
+            raise FicocoError(f"ficoco.vllm: {spec_of(method).budget_refusal}")
         if method == "v" and not budgets:
             raise FicocoError("ficoco.vllm: FiCoCo-V has no official default setting: give keep or tflops")
         hp = raw.get("hp") or {}

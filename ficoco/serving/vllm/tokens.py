@@ -147,6 +147,69 @@ def cut_projected(tower: TowerPass, features: list[Tensor], step: Runner, step_o
     return out  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class PatchLayout:
+    """How a Qwen processor packs an image's patches (`pixel_values` rows: C x T x P x P each, a merge group's
+    patches consecutive, every image's groups in grid order) and how it normalises them (8-bit values times
+    `rescale`, then mean and std per channel)."""
+
+    channels: int
+    temporal_patch_size: int
+    patch_size: int
+    merge_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    rescale: float = 1 / 255  # the Qwen processors' rescale_factor
+
+    def normalised(self, pixels: Tensor) -> Tensor:
+        """The processor's float pixels: `pixels` as given where they are floats; 8-bit values (vLLM hands the
+        model its processor's raw values and normalises them in the tower, `mm_input_norm`) normalised as
+        transformers' processor does (rescale and normalisation fused: (x - mean / rescale) / (std / rescale) in
+        float32), so that the selector reads the very values ficoco's transformers adapter reads."""
+        if pixels.is_floating_point():
+            return pixels
+        shape = (1, self.channels, 1)
+        mean = (torch.tensor(self.mean, device=pixels.device) * (1.0 / self.rescale)).view(shape)
+        std = (torch.tensor(self.std, device=pixels.device) * (1.0 / self.rescale)).view(shape)
+        flat = pixels.to(torch.float32).reshape(pixels.shape[0], self.channels, -1)
+        return ((flat - mean) / std).reshape(pixels.shape)
+
+
+def pixel_kept_groups(pixels: Tensor, grids: Sequence[tuple[int, int, int]], layout: PatchLayout, step: Runner,
+                      step_of: StepOf) -> list[Tensor]:
+    """Every image's kept merge groups (grid indices, ascending), chosen from its pixels by a cut at the tower's
+    input (PixelPrune's `tower_step`), one batched call per image size as ficoco's transformers adapter runs it:
+    `pixels` the packed patches of the images of `grids`. The processor calls it to write an image's
+    placeholders and the model to cut its tower's input: the same pixels give both the same groups."""
+    from ficoco.methods.pixelprune.ops import group_pixels
+
+    merge = layout.merge_size**2
+    units = group_pixels(layout.normalised(pixels), channels=layout.channels,
+                         temporal_patch_size=layout.temporal_patch_size, patch_size=layout.patch_size, merge=merge,
+                         mean=layout.mean, std=layout.std)
+    lengths = [t * h * w // merge for t, h, w in grids]
+    if sum(lengths) != units.shape[0]:
+        raise RuntimeError(f"ficoco.vllm: {units.shape[0]} merge groups of pixels for grids {list(grids)}")
+    pieces = units.split(lengths)
+    kept: list[Tensor | None] = [None] * len(grids)
+    sizes: dict[tuple[int, int, int], list[int]] = {}
+    for image, grid in enumerate(grids):
+        sizes.setdefault(tuple(grid), []).append(image)  # type: ignore[arg-type]
+    for grid, images in sizes.items():
+        t, h, w = grid
+        if t != 1:
+            raise FicocoError("ficoco.vllm: PixelPrune reduces images; its grid of merge groups does not fit a "
+                              "video's temporal slices")
+        settings, _, _ = step_of(grid)
+        inputs = TowerInput(hidden=torch.stack([pieces[i] for i in images]), has_cls=False, remove=0, merge=merge,
+                            grid_hw=(h // layout.merge_size, w // layout.merge_size))
+        out = step(inputs, settings)
+        counts = out.counts.tolist() if out.counts is not None else [out.kept.shape[1]] * len(images)
+        for b, image in enumerate(images):
+            kept[image] = out.kept[b, :counts[b]]
+    return kept  # type: ignore[return-value]
+
+
 def grid_positions(embeds: Tensor, kept: Tensor, grid: tuple[int, int, int], merge_size: int) -> Tensor:
     """`embeds` (K, D) of an image's kept groups `kept` (grid indices, ascending) with their (t, row, column) in
     the image's group grid appended (K, D + 3), as vLLM's own pruning carries positions to the runner."""
