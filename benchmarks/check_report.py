@@ -21,6 +21,7 @@ import statistics
 import sys
 
 from ficoco.report.pairing import reads_share_predicted
+from ficoco.report.precision import precision
 
 SPEED_OVER_PREDICTED = 0.9
 PREDICTION_TOLERANCE = 0.15
@@ -59,7 +60,7 @@ def check(path: str, kind: str, own_work: float | None = None, expect: list[str]
     if env["device_kind"] != kind:
         bad.append(f"device_kind {env['device_kind']} != {kind}")
     for row in report["rows"]:
-        tag = f"{row['variant']:7} {row['quant']:4} b{row['batch']}"
+        tag = f"{row['variant']:7} {precision(row):4} b{row['batch']}"
         if row["status"] != "ok":
             bad.append(f"{tag}: {row['status']}: {row.get('reason')}")
             continue

@@ -53,6 +53,7 @@ from ficoco.report.compare import (
     speedup_samples,
     vanilla_of,
 )
+from ficoco.report.precision import precision
 from ficoco_cli.flags import cli_message, error_text
 
 REFERENCE = "reports/llava-tiny-cpu.json"
@@ -386,7 +387,7 @@ def _same_machine(base_report: dict[str, Any], new_report: dict[str, Any], base:
 
 
 def _speedup_line(report: dict[str, Any]) -> str:
-    parts = [f"{r['variant']} {r['quant']} {r['speedup_vs_vanilla']:.3f}x" for r in report["rows"]
+    parts = [f"{r['variant']} {precision(r)} {r['speedup_vs_vanilla']:.3f}x" for r in report["rows"]
              if r.get("status") == "ok" and r.get("variant") != "vanilla" and r.get("speedup_vs_vanilla")]
     return "speedup " + ", ".join(parts) if parts else "no reduced row measured"
 

@@ -17,6 +17,7 @@ from ficoco.profiling.config import ProfileConfig
 from ficoco.profiling.estimate import Eta, RunEstimate
 from ficoco.profiling.matrix import BUILD_STEP, Phase, Plan, RowSpec
 from ficoco.report import ProfilePlan, write_json_atomic
+from ficoco.report.precision import precision_of
 from ficoco_cli.flags import cli_message
 from ficoco_cli.render import fmt_duration, print_profile
 
@@ -51,9 +52,15 @@ def device_line(env: dict[str, Any], plan: Plan) -> str:
 
 
 def row_label(plan: Plan, index: int) -> str:
-    """`[2/3] v fp16 b1`: the row's place in the run and what it measures."""
+    """`[2/3] v bf16 b1`: the row's place in the run and what it measures (the dtype it computes in where the
+    plan chose one, else its quant)."""
     row: RowSpec = plan.rows[index]
-    return f"[{index + 1}/{len(plan.rows)}] {row.variant} {row.quant} b{row.batch}"
+    return f"[{index + 1}/{len(plan.rows)}] {row.variant} {_precision(plan, row.quant)} b{row.batch}"
+
+
+def _precision(plan: Plan, quant: str) -> str:
+    """What rows of `quant` compute in (bf16, fp16, fp32; int8, int4), where the plan chose the dtype."""
+    return precision_of(quant, getattr(getattr(plan, "dtype", None), "compute", None))
 
 
 def estimate_lines(plan: Plan, estimate: RunEstimate) -> list[str]:
@@ -64,7 +71,7 @@ def estimate_lines(plan: Plan, estimate: RunEstimate) -> list[str]:
              f"measured rates (matmul {rates.matmul_flops_per_s / 1e12:.3g} TFLOP/s in {rates.dtype}, copy "
              f"{rates.copy_bytes_per_s / 1e9:.3g} GB/s, {rates.small_op_s * 1e6:.3g} us per small op)"]
     for quant, build_s in estimate.build_s.items():
-        lines.append(f"  {quant} model build ~{fmt_duration(build_s)}")
+        lines.append(f"  {_precision(plan, quant)} model build ~{fmt_duration(build_s)}")
     for index, row in enumerate(estimate.rows):
         runs = f"{row.warmup} warm-up + {row.repeat} timed"
         generation = "" if row.generation_s is None else f", generation ~{fmt_duration(row.generation_s)}"
@@ -119,7 +126,8 @@ class ProgressDisplay:
         now = time.monotonic()
         elapsed = now - self.begin
         remaining = self.remaining_s()
-        label = (f"[{row + 1}/{len(self.plan.rows)}] {self.plan.rows[row].quant}" if what == BUILD_STEP
+        label = (f"[{row + 1}/{len(self.plan.rows)}] {_precision(self.plan, self.plan.rows[row].quant)}"
+                 if what == BUILD_STEP
                  else row_label(self.plan, row))
         if self.progress is not None:
             done = elapsed / (elapsed + remaining) if elapsed + remaining > 0 else 0.0

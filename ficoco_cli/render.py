@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from ficoco.report.precision import precision
 from ficoco.report.schemas import FLOPS_SCHEMA
 from ficoco_cli.flags import cli_message
 
@@ -450,19 +451,18 @@ def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[int]]]:
     quant_varies = len({q for q, _ in keys}) > 1
     batch_varies = len({b for _, b in keys}) > 1
 
-    def label(quant: Any, batch: Any) -> str:
-        parts = ([f"quant {_text(quant)}"] if quant_varies else []) + ([f"batch {_text(batch)}"] if batch_varies
-                                                                         else [])
+    def label(first: dict[str, Any], batch: Any) -> str:
+        parts = ([precision(first)] if quant_varies else []) + ([f"batch {_text(batch)}"] if batch_varies else [])
         return ", ".join(parts)
 
-    return [(label(*key), idx) for key, idx in indices.items()]
+    return [(label(rows[idx[0]], key[1]), idx) for key, idx in indices.items()]
 
 
 def _profile_title(report: dict[str, Any], rows: list[dict[str, Any]], wide: bool) -> str:
     env, config = report.get("environment") or {}, report.get("config") or {}
     setting = ""
     if not wide and len(_groups(rows)) == 1 and rows:
-        setting = f", {_text(rows[0].get('quant'))}, batch {_text(rows[0].get('batch'))}"
+        setting = f", {precision(rows[0])}, batch {_text(rows[0].get('batch'))}"
     return (f"{_text(config.get('model'))} on {_text(env.get('device'))} ({_text(env.get('device_kind'))}, "
             f"{_text(env.get('threads'))} threads): prefill{setting}, {_runs_count(rows, config, 'repeat')} runs after "
             f"{_runs_count(rows, config, 'warmup')} warm-up")
@@ -483,10 +483,10 @@ def _profile_caption(rows: list[dict[str, Any]], wide: bool) -> str:
     if any(_is_number(_measured(r, "predicted_speedup_vs_vanilla")) for r in rows):
         text += (("speedup, predicted, FLOPs ratio" if wide else "speedup (pred., FLOPs)")
                  + ": vanilla's median latency (its prefill predicted from the accountant's ops at this machine's "
-                   "measured rates; its FLOPs) over this row's, same quant and batch.")
+                   "measured rates; its FLOPs) over this row's, same precision and batch.")
     else:
         text += (("speedup, FLOPs ratio" if wide else "speedup (FLOPs)")
-                 + ": vanilla's median latency (FLOPs) over this row's, same quant and batch.")
+                 + ": vanilla's median latency (FLOPs) over this row's, same precision and batch.")
     if method:
         text += f" peak mem: {method}."
     if not wide:
@@ -797,7 +797,7 @@ def kernel_lines(report: dict[str, Any]) -> list[str]:
             if kinds:
                 said = ", ".join(f"{_layer_ranges(runs, ',')} {cell}" for cell, runs in kinds.items())
                 stages.append(f"{stage} {said}")
-        name = _named(row) + (f" {_text(row.get('quant'))} batch {_text(row.get('batch'))}" if several else "")
+        name = _named(row) + (f" {precision(row)} batch {_text(row.get('batch'))}" if several else "")
         lines.append(f"  {name}: " + ("; ".join(stages) or "no attention call recorded"))
     return lines
 
@@ -815,7 +815,7 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
             continue
         name = _named(row)
         if several:
-            name += f" {_text(row.get('quant'))} batch {_text(row.get('batch'))}"
+            name += f" {precision(row)} batch {_text(row.get('batch'))}"
         lines.append(f"{name}: {_row_verdict(row, vanilla.get((row.get('quant'), row.get('batch'))), config)}")
     return lines
 
@@ -857,7 +857,7 @@ def fidelity_table(report: dict[str, Any]) -> Table | None:
     if not rows:
         return None
     several = len(_groups(report.get("rows") or [])) > 1
-    names = [_named(r) + (f" {_text(r.get('quant'))} b{_text(r.get('batch'))}" if several else "")
+    names = [_named(r) + (f" {precision(r)} b{_text(r.get('batch'))}" if several else "")
              for r in rows]
     greedy = []
     for r in rows:
@@ -929,7 +929,7 @@ def device_map_lines(report: dict[str, Any]) -> list[str]:
             if entry.get("peak_bytes") is not None:
                 text += f", peak {fmt_bytes(entry['peak_bytes'])}"
             parts.append(text)
-        label = f"{row.get('variant')} {row.get('quant')} b{row.get('batch')}"
+        label = f"{row.get('variant')} {precision(row)} b{row.get('batch')}"
         lines.append(f"memory per device, {label}: " + "; ".join(parts))
     return lines
 

@@ -22,6 +22,7 @@ import pytest
 
 from ficoco.errors import FicocoError
 from ficoco.report.compare import compare
+from ficoco.report.precision import precision
 from ficoco_cli import gate
 from ficoco_cli.gate import TOLERANCE_PCT, Base, choose_base, combine, run_gate, run_profile
 
@@ -303,7 +304,7 @@ def test_a_row_that_failed_in_one_run_is_failed_and_judged_a_regression():
     result = compare(base, new, judge="timed")
     assert {v.metric for v in result.regressions} == {"status"}
     shown = gate.render(gate.GateResult(Base("0" * 40, "test"), pair=result))
-    assert "regression: status (llava-tiny l fp16" in shown and "gate: FAIL" in shown
+    assert f"regression: status (llava-tiny l {precision(new['rows'][2])} " in shown and "gate: FAIL" in shown
 
 
 # Per-run vanilla and V medians of a shared machine: runs differ in speed by up to 2x (the other core

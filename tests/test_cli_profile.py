@@ -314,15 +314,17 @@ def test_progress_in_a_pipe_is_plain_lines_naming_step_row_elapsed_and_eta(full)
     assert lines[plan + 1].startswith("estimate: ") and "TFLOP/s" in lines[plan + 1]
     steps = [line for line in lines if line.startswith("[")]
     assert lines.index(steps[0]) > plan  # the estimate comes first
-    assert steps[0].startswith("[1/9] fp16: building the model, elapsed 0:00:00, ETA ")
+    # Unquantized rows are named by the dtype they compute in (bf16, fp32), never "fp16" for another dtype.
+    unquantized = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}[compute]
+    assert steps[0].startswith(f"[1/9] {unquantized}: building the model, elapsed 0:00:00, ETA ")
     for n, (quant, variant) in enumerate([(q, v) for q in QUANTS for v in VARIANTS], start=1):
-        label = f"[{n}/9] {variant} {quant} b1: "
+        label = f"[{n}/9] {variant} {unquantized if quant == 'fp16' else quant} b1: "
         mine = [line[len(label):] for line in steps if line.startswith(label)]
         # the first timed run (after the build for a quant's first row), then the row's end
         assert mine[0].startswith(f"timed run 1/{REPEAT}"), mine
         assert mine[-1].startswith("done in "), mine
         assert all(", elapsed " in line and ", ETA " in line for line in mine)
-    assert steps[1].startswith(f"[1/9] vanilla fp16 b1: timed run 1/{REPEAT} (built in ")
+    assert steps[1].startswith(f"[1/9] vanilla {unquantized} b1: timed run 1/{REPEAT} (built in ")
     assert any(line.startswith("[4/9] int8: building the model") for line in steps)
     time_line = next(line for line in lines if line.startswith("time: estimated "))
     assert "measured" in time_line and "rows (builds apart)" in time_line

@@ -29,6 +29,7 @@ import pytest
 from helpers import COMMAND
 from rich.console import Console
 
+from ficoco.report.precision import precision
 from ficoco_cli.render import (
     fmt_num,
     pick_unit,
@@ -180,8 +181,9 @@ def test_reference_report_table_fits_with_every_figure(width, predicted):
     text = rendered(profile_table(report), width)
     assert ELLIPSIS not in text
     assert max(len(line.rstrip()) for line in text.splitlines()) <= min(width, 80)
-    for quant in ("fp16", "int8", "int4"):
-        start = [line.rstrip() for line in text.splitlines()].index(f"quant {quant}")
+    for quant in ("fp16", "int8", "int4"):  # each group under its precision (the unquantized rows' dtype)
+        label = precision(next(r for r in report["rows"] if r["quant"] == quant))
+        start = [line.rstrip() for line in text.splitlines()].index(label)
         for offset, row in enumerate(r for r in report["rows"] if r["quant"] == quant):
             line = text.splitlines()[start + 1 + offset]
             speedup, ratio = row["speedup_vs_vanilla"], row["flops_ratio_vs_vanilla"]
@@ -305,7 +307,9 @@ def test_several_quants_name_the_row_in_its_verdict():
     for row in int8:
         row["quant"] = "int8"
     report["rows"] += int8
-    assert [line.split(":")[0] for line in verdict_lines(report)] == ["v fp16 batch 1", "v int8 batch 1"]
+    # The unquantized row ran in bfloat16: named bf16, not by its quant's name.
+    assert report["rows"][0]["backend"]["compute_dtype"] == "bfloat16"
+    assert [line.split(":")[0] for line in verdict_lines(report)] == ["v bf16 batch 1", "v int8 batch 1"]
 
 
 # ---- as a person sees it: a pseudo-terminal (always), tmux panes, a pipe ---------------------------------------
@@ -469,12 +473,12 @@ def test_reference_report_in_an_80_column_tmux_pane():
     assert ELLIPSIS not in text
     lines = [line.rstrip() for line in text.splitlines()]
     for quant in ("fp16", "int8", "int4"):
-        start = lines.index(f"quant {quant}")
+        start = lines.index(precision(next(r for r in report["rows"] if r["quant"] == quant)))
         rows = [r for r in report["rows"] if r["quant"] == quant]
         for offset, row in enumerate(rows):
             assert_cells(lines[start + 1 + offset], [row["variant"], str(row["analytic"]["visual_tokens"]),
                                                      f"{row['speedup_vs_vanilla']:.2f}x", "ok"])
-    verdicts = [line for line in lines if re.match(r"[vl] int[48] batch 1: |[vl] fp16 batch 1: ", line)]
+    verdicts = [line for line in lines if re.match(r"[vl] int[48] batch 1: |[vl] (bf16|fp16|fp32) batch 1: ", line)]
     assert len(verdicts) == 6 and all("visual tokens, prefill" in line for line in verdicts)
 
 

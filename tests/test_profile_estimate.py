@@ -311,9 +311,9 @@ def test_dry_run_prints_the_plan_and_estimate_and_builds_nothing(monkeypatch, tm
     assert lines[0].endswith(" vs 64.00 GB free") and "; memory need " in lines[0]
     assert lines[1].startswith("estimate: ") and "matmul 1 TFLOP/s in bfloat16, copy 10 GB/s" in lines[1]
     assert "10 us per small op" in lines[1]
-    assert lines[2].startswith("  fp16 model build ~")
-    assert lines[3].startswith("  [1/2] vanilla fp16 b1: 8.856 TFLOPs, prefill ~")
-    assert lines[4].startswith("  [2/2] v fp16 b1: ")
+    assert lines[2].startswith("  bf16 model build ~")  # the unquantized model, named by the dtype it runs in
+    assert lines[3].startswith("  [1/2] vanilla bf16 b1: 8.856 TFLOPs, prefill ~")
+    assert lines[4].startswith("  [2/2] v bf16 b1: ")
     assert "warm-up +" in lines[3] and "timed: ~" in lines[3]
 
 

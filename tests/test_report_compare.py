@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from ficoco.profiling.environment import CPU_FEATURES, cpu_features
 from ficoco.report.compare import METRICS, REPORT_SCHEMA, mann_whitney_less, processor
+from ficoco.report.precision import precision
 from ficoco_cli.report_cmd import HEADER, REPORT_HEADER
 
 MODEL = "llava-tiny"
@@ -154,7 +155,10 @@ def regressions(parsed: dict[str, Any]) -> set[tuple[str, str]]:
 
 
 def verdict_of(parsed: dict[str, Any], row_prefix: str, metric: str) -> dict[str, Any]:
-    (found,) = [v for v in parsed["verdicts"] if v["row"].startswith(row_prefix + " ") and v["metric"] == metric]
+    # An unquantized ("fp16") row is named by the dtype it computed in: the machine's choice (bf16, fp16, fp32).
+    prefixes = {row_prefix.replace(" fp16", f" {dtype}") for dtype in ("fp16", "bf16", "fp32")}
+    (found,) = [v for v in parsed["verdicts"]
+                if any(v["row"].startswith(prefix + " ") for prefix in prefixes) and v["metric"] == metric]
     return found
 
 
@@ -294,7 +298,7 @@ def test_a_30_percent_lower_speedup_is_a_significant_regression(steady_base, cli
     result = cli("compare", write("base.json", steady_base), write("new.json", new))
     assert result.code == 1
     (line,) = [x for x in result.err.splitlines() if x.startswith("regression:")]
-    assert "speedup_vs_vanilla" in line and "v fp16" in line
+    assert "speedup_vs_vanilla" in line and f"v {precision(row(new, 'v', 'fp16'))} " in line
     code, parsed, _ = compare_json(steady_base, new)
     verdict = verdict_of(parsed, f"{MODEL} v fp16", "speedup_vs_vanilla")
     assert verdict["verdict"] == "regression" and verdict["change"] == pytest.approx(-0.30)
@@ -521,7 +525,7 @@ def test_a_row_only_in_new_is_listed(base, cli, write):
     result = cli("compare", write("base.json", old), write("new.json", base))
     assert result.code == 0
     (line,) = [x for x in result.err.splitlines() if x.startswith("only in new")]
-    assert f"{MODEL} v fp16 batch 1" in line
+    assert f"{MODEL} v {precision(row(base, 'v', 'fp16'))} batch 1" in line  # the dtype it ran in
 
 
 def test_a_different_schedule_is_a_different_row(base, compare_json):
@@ -684,8 +688,9 @@ def test_report_table_shows_every_row(real, cli):
     assert f"{MODEL} on " in result.out
     # Several quants: each is a group of rows under its label line, in the report's order.
     lines = [line.rstrip() for line in result.out.splitlines()]
-    for quant in QUANTS:
-        start = lines.index(f"quant {quant}")
+    rows = real["report"]["rows"]
+    for quant in QUANTS:  # each group named by its precision: the dtype the unquantized rows ran in, int8, int4
+        start = lines.index(precision(next(r for r in rows if r["quant"] == quant)))
         assert [line.split()[0] for line in lines[start + 1: start + 1 + len(VARIANTS)]] == list(VARIANTS)
 
 
@@ -823,7 +828,7 @@ def test_a_row_that_fails_in_new_is_a_regression(base, cli, write):
     result = cli("compare", write("base.json", base), write("new.json", new))
     assert result.code == 1
     (line,) = [x for x in result.err.splitlines() if x.startswith("regression:")]
-    assert "status" in line and "v fp16" in line
+    assert "status" in line and f"v {precision(failed)} " in line
 
 
 # ---- processors: timed metrics only between reports of the same one (issue 19) ----------------------------

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from ficoco.errors import FicocoError
+from ficoco.report.precision import precision_of
 from ficoco.report.schemas import FLOPS_SCHEMA, REPORT_SCHEMA, SERVE_SCHEMA, SWEEP_SCHEMA
 
 DETERMINISTIC_TOLERANCE = 0.001  # 0.1%
@@ -184,7 +185,8 @@ def describe(key: tuple[Any, ...]) -> str:
     values = dict(zip(FINGERPRINT_KEYS, key, strict=True))
     removed = sum(e.get("remove", 0) for e in json.loads(values["schedule"] or "[]"))
     label = values["variant"] + (f" ({values['corrections']})" if values.get("corrections") else "")
-    return (f"{values['model']} {label} {values['quant']} batch {values['batch']}"
+    dtype = str(values.get("dtype") or "").split(" on ")[0] or None  # an upcast layout: "float32 on bfloat16, ..."
+    return (f"{values['model']} {label} {precision_of(values['quant'], dtype)} batch {values['batch']}"
             + (f" kv{values['kv_bits']}" if values.get("kv_bits") else "")
             + (f" (removes {removed})" if removed else ""))
 
