@@ -8,8 +8,8 @@
 # venv: transformers 5.19 runs ficoco's Qwen2.5-VL and Qwen3-VL adapters (ficoco warns that it is outside the
 # tested range, and the tests check every token against vLLM's).
 #
-#   bash benchmarks/vllm_env.sh              # build .venv-vllm (if absent) and run the lean set (2 engines)
-#   FICOCO_VLLM_TESTS=all bash benchmarks/vllm_env.sh   # every family x method (9 engines, ~7 min on 2 cores)
+#   bash benchmarks/vllm_env.sh              # build .venv-vllm (if absent) and run the lean set (3 engines)
+#   FICOCO_VLLM_TESTS=all bash benchmarks/vllm_env.sh   # every family x method (11 engines, ~10 min on 2 cores)
 #   VENV=/somewhere bash benchmarks/vllm_env.sh --rebuild
 #   bash benchmarks/vllm_env.sh --deps-only  # vLLM and the rest, not ficoco, no tests (CI, beside its suite)
 #
