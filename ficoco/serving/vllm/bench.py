@@ -56,10 +56,9 @@ class BenchConfig:
         if variant == "vanilla":
             return None
         own = METHODS[variant].hyperparameters if variant in METHODS else {}
-        if variant in PIXEL_COUNTED:  # no budget: every image keeps its own count (the report's prompt tokens)
-            return Settings.parse({"method": variant, "text_tokens": text_tokens,
-                                   "hp": {name: value for name, value in self.hp if name in own}})
-        return Settings.parse({"method": variant, "keep": self.keep, "tflops": self.tflops, "text_tokens": text_tokens,
+        # A pixel-counted method has no budget: every image keeps its own count (the report's prompt tokens).
+        budget = {} if variant in PIXEL_COUNTED else {"keep": self.keep, "tflops": self.tflops}
+        return Settings.parse({"method": variant, **budget, "text_tokens": text_tokens,
                                "first_layer": self.first_layer if variant == "v" else None,
                                "hp": {name: value for name, value in self.hp if name in own}})
 
