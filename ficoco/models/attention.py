@@ -1,12 +1,14 @@
 """What a method reads of a layer's attention, beside the layer's own attention.
 
-Every layer keeps the model's attention implementation (SDPA by default), the layers a method reads
-included. A layer whose attention a method reads has its attention module pointed at `ficoco_probe`,
-an attention function registered with transformers' `AttentionInterface`: it runs the module's own
-implementation for the layer's output, and leaves in the module's probe slot the reads of that
-attention (ficoco.methods.reads.ops.ProbedAttention over the call's queries, keys, mask and scale:
-nothing is computed until the method reads rows, column sums or a block) and, when asked, the key
-states. Every read runs through the slot's runner, which times it in the handle's "probe" span.
+Every layer a method does not read keeps the model's attention implementation (SDPA by default). A layer
+whose attention a method reads has its attention module pointed at `ficoco_probe`, an attention function
+registered with transformers' `AttentionInterface`: where ficoco's fused pass computes the layer (a CPU, no
+mask but the causal rule: ficoco.methods.reads.fused) it computes the layer's output and the head-mean
+probabilities in one pass; elsewhere it runs the module's own implementation for the output and leaves the
+reads of that attention (ficoco.methods.reads.ops.ProbedAttention over the call's queries, keys, mask and
+scale: nothing is computed until the method reads rows, column sums or a block). Either way the module's
+probe slot holds the reads and, when asked, the key states. Every later read runs through the slot's runner,
+which times it in the handle's "probe" span; the layer's attention is timed in its "fused" or "attention" span.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
+from ficoco.methods.reads.fused import fusable, fused_attention
 from ficoco.methods.reads.ops import AttentionReads, ProbedAttention, ReadRunner
 from ficoco.models import hf_compat as hf
 
@@ -105,16 +108,48 @@ def probed_reads(module: nn.Module, query: Tensor, key: Tensor, attention_mask: 
                            heads=heads)
 
 
+def attend(module: nn.Module, own_config: Any, query: Tensor, key: Tensor, value: Tensor,
+           attention_mask: Tensor | None, dropout: float, scaling: float | None, is_causal: bool | None,
+           scores: str, runner: ReadRunner | None, heads: str = "mean", **kwargs: Any
+           ) -> tuple[tuple[Tensor, Any], ProbedAttention]:
+    """A read layer's attention call: its output (as the module's own implementation returns it) and the reads of
+    it. Where ficoco's fused pass computes the layer (ficoco.methods.reads.fused: a CPU, no mask but the causal rule)
+    the output and the head-mean probabilities come from one pass; else the module's own kernel runs and the reads
+    are computed beside it when asked (`probed_reads`). Timed through the runner's ``attend`` where it has one
+    (the handle's "fused" or "attention" span)."""
+    timed = getattr(runner, "attend", None) or (lambda device, compute, reference=None: compute())
+
+    def own() -> tuple[Tensor, Any]:
+        return own_attention(module, own_config, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             is_causal=is_causal, **kwargs)
+
+    if fusable(query, key, value, attention_mask, scores, dropout, **kwargs):
+        causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", False))
+
+        def fused() -> tuple[Tensor, ProbedAttention]:
+            return fused_attention(query, key, value, scaling, causal=causal, scores=scores, heads=heads,
+                                   runner=runner)
+
+        output, reads = timed(query.device, fused, own)
+        # The layout every transformers attention function returns: (B, Tq, H, d), and no weights.
+        return (output.transpose(1, 2).contiguous(), None), reads
+    result = timed(query.device, own)
+    return result, probed_reads(module, query, key, attention_mask, scaling, is_causal, scores, runner, heads)
+
+
 def probe_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                     dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                     **kwargs: object) -> tuple[Tensor, Any]:
     """The module's own attention; when armed, the reads of it (and the keys) left in `module._ficoco_probe`."""
     slot: ProbeSlot = module._ficoco_probe  # type: ignore[assignment]
-    result = own_attention(module, module._ficoco_original_config, query, key, value, attention_mask,
-                           dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    if slot.armed and slot.want_reads:
+        result, reads = attend(module, module._ficoco_original_config, query, key, value, attention_mask, dropout,
+                               scaling, is_causal, slot.scores, slot.runner, slot.heads, **kwargs)
+    else:
+        result = own_attention(module, module._ficoco_original_config, query, key, value, attention_mask,
+                               dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        reads = None
     if slot.armed:
-        reads = probed_reads(module, query, key, attention_mask, scaling, is_causal, slot.scores, slot.runner,
-                             slot.heads) if slot.want_reads else None
         keys = key if slot.want_keys else None
         if slot.chunks is not None:
             slot.chunks.append((reads, keys))

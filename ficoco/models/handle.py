@@ -5,11 +5,13 @@ records of kept and discarded tokens), and FiCoCo's hyperparameters on it. `fico
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ficoco import testing_hooks
@@ -125,6 +127,10 @@ class Handle:
     # reads of a layer's attention through another (see read_runner).
     method_runner: Callable[..., Any] | None = field(default=None, repr=False)
     probe_runner: Callable[..., Any] | None = field(default=None, repr=False)
+    # A profile's untimed forward sets `reference_attention`: a layer whose attention and reads ran fused
+    # (ficoco.methods.reads.fused) then runs the model's own kernel once more, timed, into `reference_attention_ms`.
+    reference_attention: bool = field(default=False, repr=False)
+    reference_attention_ms: float = field(default=0.0, repr=False)
     _patches: Patches = field(default_factory=Patches, repr=False)
     # Records stay on the model's device until read: copying them to the host per layer would
     # synchronise the device inside the forward.
@@ -167,7 +173,30 @@ class Handle:
                     return self.probe_runner(place, function, *args)
                 return function(*args)
 
+        run.attend = self._attention_runner()  # type: ignore[attr-defined]
         return run
+
+    def _attention_runner(self) -> Callable[..., Any]:
+        """How a read layer's attention runs (`ficoco.models.attention.attend`): ``attend(device, compute,
+        reference)``. `compute` (the layer's output, and its reads where they are fused) runs in the "fused" span
+        when `reference` (the model's own kernel on the same inputs) is given, else in "attention" (the model's
+        kernel, reads beside it). With `reference_attention` on (one untimed forward of a profile), the model's
+        kernel is timed once more on the same inputs after a fused pass, synchronised, into
+        `reference_attention_ms`: what the fused layers' attention costs without the reads."""
+
+        def attend(device: Any, compute: Callable[[], Any], reference: Callable[[], Any] | None = None) -> Any:
+            with self.timer.span("attention" if reference is None else "fused", device):
+                result = compute()
+            if reference is not None and self.reference_attention:
+                synchronize = torch.cuda.synchronize if getattr(device, "type", "cpu") == "cuda" else (lambda: None)
+                synchronize()
+                start = time.perf_counter()
+                reference()
+                synchronize()
+                self.reference_attention_ms += (time.perf_counter() - start) * 1e3
+            return result
+
+        return attend
 
     @property
     def reduction_seconds(self) -> float:

@@ -54,7 +54,7 @@ from ficoco.methods.needs import TowerProbe
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.methods.reads.ops import AttentionReads, ReadRunner
 from ficoco.models import hf_compat as hf
-from ficoco.models.attention import own_attention, probed_reads, route_attention
+from ficoco.models.attention import attend, own_attention, route_attention
 from ficoco.models.patching import Patches, follow_device, forward_of, method_settings
 
 if TYPE_CHECKING:
@@ -96,8 +96,10 @@ def tower_rows_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         slot.cls_query = query[:, :, 0] if slot.want_cls else None
         slot.scale = scaling
         if slot.want_probabilities:
-            slot.probabilities = probed_reads(module, query, key, attention_mask, scaling, is_causal, slot.scores,
-                                              slot.runner)
+            result, slot.probabilities = attend(module, module._ficoco_tower_config, query, key, value,
+                                                attention_mask, dropout, scaling, is_causal, slot.scores,
+                                                slot.runner, **kwargs)
+            return result
     return own_attention(module, module._ficoco_tower_config, query, key, value, attention_mask, dropout=dropout,
                          scaling=scaling, is_causal=is_causal, **kwargs)
 

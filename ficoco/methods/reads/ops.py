@@ -202,12 +202,15 @@ class ProbedAttention(AttentionReads):
         self.budget = budget
         self.shape = (batch, q_len, key.shape[2])
         self._whole: DenseAttention | None = None
+        self.held = False  # every read of probabilities answered from a matrix a fused pass left (`hold`)
 
     # -- the reads --------------------------------------------------------------------------------------------
     @property
     def whole(self) -> DenseAttention | None:
         """The head-mean (head-max) matrix, computed at the first read, where every score of the layer fits
         `WHOLE_READ_SCORES` (every read is then answered from it); None for a larger layer."""
+        if self._whole is not None:
+            return self._whole
         batch, q_len, k_len = self.shape
         if batch * self.query.shape[1] * q_len * k_len > WHOLE_READ_SCORES:
             return None
@@ -215,28 +218,36 @@ class ProbedAttention(AttentionReads):
             self._whole = DenseAttention(self.runner(self.query.device, self._matrix))
         return self._whole
 
+    def hold(self, matrix: Tensor) -> None:
+        """Answer every read of probabilities from `matrix`, the layer's (B, Tq, Tk) head-mean (head-max)
+        probabilities a pass that computed the layer's output left (ficoco.methods.reads.fused)."""
+        if tuple(matrix.shape) != self.shape:
+            raise ValueError(f"a matrix of {tuple(matrix.shape)} is not this layer's {self.shape}")
+        self._whole = DenseAttention(matrix)
+        self.held = True
+
     def column_sum(self, rows: Tensor | None = None) -> Tensor:
         if self.whole is not None:
-            return self.whole.column_sum(rows)
+            return self.runner(self.query.device, self.whole.column_sum, rows)
         self._kernel()  # built (once per process) before the read's span opens
         return self.runner(self.query.device, self._columns, rows, 0)
 
     def column_mean(self, first_row: int = 0) -> Tensor:
         if self.whole is not None:
-            return self.whole.column_mean(first_row)
+            return self.runner(self.query.device, self.whole.column_mean, first_row)
         count = max(self.shape[1] - first_row, 1)
         self._kernel()
         return self.runner(self.query.device, self._columns, None, first_row) / count
 
     def rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         if self.whole is not None:
-            return self.whole.rows(rows)
+            return self.runner(self.query.device, self.whole.rows, rows)
         self._kernel()
         return self.runner(self.query.device, self._rows, rows, last)
 
     def block(self, rows: Tensor, cols: Tensor, last: int | None = None) -> Tensor:
         if self.whole is not None:
-            return self.whole.block(rows, cols)
+            return self.runner(self.query.device, self.whole.block, rows, cols)
         self._kernel()
         return self.runner(self.query.device, self._block, rows, cols, last)
 
@@ -250,9 +261,12 @@ class ProbedAttention(AttentionReads):
         if mask is not None:
             mask = mask[..., order, :] if mask.shape[-2] > 1 else mask
             mask = mask[..., order]
-        return ProbedAttention(self.query[:, :, order], self.key[:, :, order], self.scale, mask=mask,
-                               causal=self.causal, scores=self.scores, runner=self.runner, budget=self.budget,
-                               heads=self.heads)
+        reordered = ProbedAttention(self.query[:, :, order], self.key[:, :, order], self.scale, mask=mask,
+                                    causal=self.causal, scores=self.scores, runner=self.runner, budget=self.budget,
+                                    heads=self.heads)
+        if self.held:
+            reordered.hold(self._whole.matrix[:, order][:, :, order])
+        return reordered
 
     # -- by blocks of query rows ------------------------------------------------------------------------------
     def _kernel(self) -> Any:
