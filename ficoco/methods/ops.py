@@ -248,8 +248,13 @@ SPARSE_MERGES_ON_CPU = True
 def watched() -> bool:
     """Whether something counts the ops: torch.jit's tracer (fvcore), or a dispatch mode (torch's FLOP counter in
     `flops --verify`, the host-question counter of the tests). They count the dense form, the one the accountant
-    prices and every device runs, so it runs then."""
-    return torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() > 0
+    prices and every device runs, so it runs then. A mode that says it counts nothing (``counts_ops = False``: a
+    profile's record of which kernels ran) does not count."""
+    if torch.jit.is_tracing():
+        return True
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(getattr(mode, "counts_ops", True) for mode in _get_current_dispatch_mode_stack())
 
 
 def _compress_receivers(kept: Tensor, discarded: Tensor, weights: Tensor) -> Tensor:

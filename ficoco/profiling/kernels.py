@@ -83,7 +83,10 @@ def aten_kernel(op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tupl
 
 class _AtenKernels(TorchDispatchMode):
     """Tells `seen(op, args, kwargs)` of every SDPA kernel that reaches the dispatcher (each op once: the
-    mode is off while an op runs, so a kernel's own ops are not seen)."""
+    mode is off while an op runs, so a kernel's own ops are not seen). It counts nothing (`counts_ops`): a read layer
+    runs its fused pass under it as in a timed forward (ficoco.methods.ops.watched)."""
+
+    counts_ops = False
 
     def __init__(self, seen: Callable[[str, tuple[Any, ...], dict[str, Any]], None]) -> None:
         super().__init__()
@@ -93,7 +96,7 @@ class _AtenKernels(TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         namespace, _, rest = str(func).partition(".")
-        if namespace == "aten":
+        if namespace == "aten" and not hf.unobserved_now():
             self.seen(rest.partition(".")[0], args, kwargs)
         return func(*args, **kwargs)
 

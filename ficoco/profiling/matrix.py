@@ -7,11 +7,12 @@ atomically after every row and an interrupted run keeps what it measured.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -432,6 +433,10 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
     handle, last, model = run.handle, run.last, run.model
     reduction_ms: list[float] = []
     probe_ms: list[float] = []
+    fused_ms: list[float] = []
+    attention_ms: list[float] = []
+    # The model's own kernel on the fused layers' inputs, timed in the forward that records the kernels (untimed).
+    reference: dict[str, float] = {}
     # Which attention kernel every layer runs: recorded in the row's first warm-up, never in a timed run.
     kernels = KernelRecorder.for_model(model)
     # And how many rows each expert of a sparse layer took, in the same forward (the prediction prices them).
@@ -450,7 +455,7 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
         # sit in this run's peak memory.
         last.pop("cache", None)
         if step.get("now") == "warm-up" and not kernels.recorded:
-            with kernels.recording(), loads.recording():
+            with kernels.recording(), loads.recording(), _reference_attention(handle, reference):
                 out = forward()
         elif step.get("now") == "timed run" and (before := page_faults()) is not None:
             out = forward()
@@ -481,6 +486,8 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
         # Read after the tracker's final synchronise: the stage events are complete by now.
         reduction_ms.append(handle.timer.total_ms("reduction") if handle is not None else 0.0)
         probe_ms.append(handle.timer.total_ms("probe") if handle is not None else 0.0)
+        fused_ms.append(handle.timer.total_ms("fused") if handle is not None else 0.0)
+        attention_ms.append(handle.timer.total_ms("attention") if handle is not None else 0.0)
         if rates is not None:
             # The machine's rates at this moment, between timed runs (outside their timing).
             rates.sample()
@@ -501,17 +508,38 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
     # Read before the kernel record's extra forward (where it runs), which measures nothing.
     measured_tokens = _measured_tokens(handle)
     steps = measured_steps(handle)
-    attention_kernels = _recorded_kernels(kernels, loads, forward, on_run)
+    with _reference_attention(handle, reference):
+        attention_kernels = _recorded_kernels(kernels, loads, forward, on_run)
+    fused_median = statistics.median(fused_ms) if fused_ms else 0.0
     prefill_record = PrefillRecord(
         latency=latency, runs=_runs_json(latency, run.plan), batch=run.row.batch,
         reduction_stages_ms=statistics.median(reduction_ms) if reduction_ms else 0.0,
         probe_ms=statistics.median(probe_ms) if probe_ms else 0.0,
+        fused_ms=fused_median, attention_ms=statistics.median(attention_ms) if attention_ms else 0.0,
+        fused_reference_ms=reference.get("ms") if fused_median else None,
         # What every image (crop, frame) handed the LLM in the prefill, as it ran: a method acting
         # before the LLM with an adaptive count (PruMerge+) plans an assumed count, this is the real one.
         visual_tokens_per_item_measured=measured_tokens, measured_steps=steps, attention_kernels=attention_kernels,
         expert_loads=loads.to_json(),
         page_faults={"minor": [f[0] for f in faults], "major": [f[1] for f in faults]} if faults else None)
     return prefill_record, memory, choose
+
+
+@contextlib.contextmanager
+def _reference_attention(handle: Any, into: dict[str, float]) -> Iterator[None]:
+    """Inside, every fused read layer also times the model's own kernel on its inputs (Handle.reference_attention):
+    the first forward that does so leaves its total in ``into["ms"]``. Only in an untimed forward (the one that
+    records the kernels)."""
+    if handle is None or "ms" in into:
+        yield
+        return
+    handle.reference_attention, handle.reference_attention_ms = True, 0.0
+    try:
+        yield
+    finally:
+        handle.reference_attention = False
+        if handle.reference_attention_ms:
+            into["ms"] = handle.reference_attention_ms
 
 
 def measured_steps(handle: Any) -> list[dict[str, Any]] | None:

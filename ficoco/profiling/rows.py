@@ -30,6 +30,13 @@ class PrefillRecord:
     batch: int
     reduction_stages_ms: float
     probe_ms: float
+    # The read layers' attention (medians over the timed runs): "fused_ms", the passes that computed a layer's output
+    # and its reads together (ficoco.methods.reads.fused); "attention_ms", the model's own kernel where the reads ran
+    # beside it; "fused_reference_ms", the model's own kernel timed on the fused layers' inputs in one untimed
+    # forward (None where no such forward ran).
+    fused_ms: float = 0.0
+    attention_ms: float = 0.0
+    fused_reference_ms: float | None = None
     visual_tokens_per_item_measured: int | None = None
     # A method whose counts are the input's own (MustDrop): what every step removed as it ran, [{"stage", "layer",
     # "where", "removed"}] (per item for a vision step, per sample for a decoder step); None: not such a method.
@@ -47,10 +54,25 @@ class PrefillRecord:
         return self.batch / (self.latency.median_ms / 1e3)
 
     @property
+    def reads_ms(self) -> float:
+        """What the method's reads of attention cost: the reads run after the layer (the "probe" span) and what its
+        fused passes took beyond the model's own kernel on the same inputs (never below zero: a fused pass no slower
+        than the kernel reads for free)."""
+        extra = max(self.fused_ms - self.fused_reference_ms, 0.0) if self.fused_reference_ms is not None else 0.0
+        return self.probe_ms + extra
+
+    @property
+    def read_attention_ms(self) -> float | None:
+        """The read layers' attention as the model's own kernel computes it: what the reads are priced against.
+        None where a fused pass ran and its reference was not timed."""
+        if self.fused_ms and self.fused_reference_ms is None:
+            return None
+        return self.attention_ms + (self.fused_reference_ms or 0.0)
+
+    @property
     def reduction_ms(self) -> float:
-        """The method's time: its stages and its probe. The probe replaces the reducing layers' SDPA
-        call and computes their attention output too, so it bounds what the probabilities cost."""
-        return self.reduction_stages_ms + self.probe_ms
+        """The method's time: its stages and its reads."""
+        return self.reduction_stages_ms + self.reads_ms
 
     @property
     def reduction_share(self) -> float:
@@ -152,6 +174,20 @@ class FidelityRecord:
         return {"reference": self.reference, **figures, "note": self.note}
 
 
+def reads_record(prefill: PrefillRecord) -> dict[str, Any] | None:
+    """The row's reads of attention priced against the attention they read: ``ms`` (`PrefillRecord.reads_ms`),
+    ``attention_ms`` (the read layers' attention in the model's own kernel), ``x_attention`` (their ratio), how
+    they ran (``fused_ms``, ``fused_reference_ms``, ``probe_ms``) and the method's steps apart (``steps_ms``).
+    None where the method read no attention."""
+    if not (prefill.probe_ms or prefill.fused_ms or prefill.attention_ms):
+        return None
+    attention = prefill.read_attention_ms
+    return {"ms": prefill.reads_ms, "attention_ms": attention,
+            "x_attention": prefill.reads_ms / attention if attention else None,
+            "fused_ms": prefill.fused_ms, "fused_reference_ms": prefill.fused_reference_ms,
+            "probe_ms": prefill.probe_ms, "steps_ms": prefill.reduction_stages_ms}
+
+
 @dataclass(frozen=True)
 class MeasuredRow:
     """Everything one row measured; `to_json` gives the report row's measured fields."""
@@ -174,6 +210,7 @@ class MeasuredRow:
             "reduction_ms": prefill.reduction_ms,
             "reduction_stages_ms": prefill.reduction_stages_ms,
             "probe_ms": prefill.probe_ms,
+            "reads": reads_record(prefill),
             "reduction_share": prefill.reduction_share,
             "generation": self.generation.to_json() if self.generation is not None else None,
         }

@@ -24,6 +24,39 @@ def own_work_vs_savings(row: dict[str, Any], base: dict[str, Any]) -> dict[str, 
             "reads_share_predicted": reads_share_predicted(row, base)}
 
 
+# The rule a method's own work is judged by (benchmarks/check_report.py --own-work): at most a share of what its
+# fewer tokens save; else, where the method's design reads more attention than it saves, its reads at most
+# READS_OVER_ATTENTION of the attention they read (what a fused read can reach: the read is then ficoco's cost only
+# as far as it exceeds the layer's own attention) and its steps at most STEPS_SHARE of the savings.
+READS_OVER_ATTENTION = 0.6
+STEPS_SHARE = 0.03
+
+
+def own_work_verdict(row: dict[str, Any], own_work_share: float) -> tuple[bool, str]:
+    """(passes, the verdict in words) of a reduced row's own work under the rule above. A row without a record of
+    its reads (a report from before they were priced) is judged by the share alone."""
+    work = row.get("own_work_vs_savings") or {}
+    saved_ms, own_ms = work.get("saved_ms", 0.0), work.get("own_ms", 0.0)
+    share = own_ms / saved_ms if saved_ms > 0 else None
+    words = (f"its own work ({own_ms:.0f} ms) takes {'-' if share is None else f'{share:.0%}'} of the "
+             f"{saved_ms:.0f} ms its fewer tokens save")
+    if share is not None and share <= own_work_share:
+        return True, words + f" (<= {own_work_share:.0%})"
+    reads = row.get("reads") or {}
+    over_attention = reads.get("x_attention")
+    if over_attention is None:
+        return False, words + f" (> {own_work_share:.0%}; no record of its reads against the attention they read)"
+    steps_share = reads.get("steps_ms", 0.0) / saved_ms if saved_ms > 0 else None
+    reads_words = (f"its reads ({reads['ms']:.0f} ms) cost {over_attention:.2f}x the attention they read "
+                   f"({reads['attention_ms']:.0f} ms), its steps ({reads.get('steps_ms', 0.0):.0f} ms) "
+                   f"{'-' if steps_share is None else f'{steps_share:.0%}'} of the savings")
+    if over_attention <= READS_OVER_ATTENTION and steps_share is not None and steps_share <= STEPS_SHARE:
+        return True, (words + f": the method's design reads more than it saves; {reads_words} "
+                      f"(<= {READS_OVER_ATTENTION}x and <= {STEPS_SHARE:.0%})")
+    return False, (words + f" (> {own_work_share:.0%}) and {reads_words} (the rule: reads <= {READS_OVER_ATTENTION}x, "
+                   f"steps <= {STEPS_SHARE:.0%})")
+
+
 def reads_share_predicted(row: dict[str, Any], base: dict[str, Any]) -> float | None:
     """The share of what the row's fewer tokens save that the method's reads of attention alone take, both
     at this machine's measured rates (the rows' `predicted` parts): a floor under its own work that no faster
