@@ -43,7 +43,7 @@ declare -A TITLE EXPECT EST_CUDA EST_CPU EST_SMOKE
 TITLE[environment]="the environment: GPU, driver, torch, transformers, bitsandbytes; the carried wheels installed"
 EXPECT[environment]="torch sees the GPU (cuda) or runs (cpu); ficoco imports from this tree; quant and pytest ready"
 TITLE[gpu-tests]="the gpu-marked tests (FICOCO_GPU_TESTS=1 pytest -m gpu)"
-EXPECT[gpu-tests]="cuda: every test passes (probe vs SDPA, no host sync per reducing layer, CUDA report fields, GPU split); cpu: each collects and skips cleanly"
+EXPECT[gpu-tests]="cuda: every test passes (probe vs SDPA, Triton reads vs eager, no host sync per reducing layer, CUDA report fields, GPU split), then the reads timed beside SDPA; cpu: each collects and skips cleanly"
 TITLE[tiny-methods]="all 14 variants on every tiny family, fp16 (cpu: its fastest dtype)"
 EXPECT[tiny-methods]="PASS per report from check_report.py; every variant a family runs has an ok row, those it refuses are listed with why"
 TITLE[tiny-quant]="int8 and int4 weights on two tiny families (LLaVA, InternVL3), batch 1 and 2, new tokens; a local checkpoint"
@@ -206,7 +206,9 @@ step_gpu-tests() {
     why "${#files[@]} files collected; $line (no CUDA here: each gpu test skips with its reason)"; return 0
   fi
   if grep -q skipped <<< "$line"; then why "$line: a skipped GPU test ran nothing (reasons in pytest.txt)"; return 1; fi
-  why "$line in ${#files[@]} files"
+  # The reads (Triton's two-loop kernels, torch's blocks) timed beside the model's SDPA at two real shapes.
+  "$PYTHON" benchmarks/time_reads.py --device cuda --json "$STEP_DIR/reads.json" 2>&1 | tee "$STEP_DIR/reads.txt"
+  why "$line in ${#files[@]} files; reads timed beside SDPA in reads.json"
 }
 
 step_tiny-methods() {

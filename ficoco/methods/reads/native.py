@@ -29,7 +29,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("softmax_sums.c")
 ABI = 3  # 2: the head-max rows (ficoco_rowmax_*); 3: the fused softmax of a layer's output (ficoco_attend_*)
-ENV = "FICOCO_READ_KERNEL"  # "torch": never use the kernel; "native" or unset: use it where it builds
+ENV = "FICOCO_READ_KERNEL"  # "torch": never use the kernel; "triton": the Triton reads; "native"/unset: where it builds
 # -march=native: the vector width and instructions of the machine it runs on (hence a library per processor);
 # on x86, AVX-512's full width where the processor has it (compilers default to half of it).
 # -fno-trapping-math: the softmax's exp has selects (a clamp, a zero scale) the compiler may only turn into vector
@@ -142,6 +142,13 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
 
 def _setting() -> str:
     return os.environ.get(ENV, "").strip().lower()
+
+
+def setting() -> str:
+    """FICOCO_READ_KERNEL as the reads see it: "torch" (never a kernel of ficoco's), "triton" (the Triton kernels,
+    also on the CPU under Triton's interpreter: the tests), "native" or "" (the native kernel on a CPU, Triton on a
+    GPU where it is installed)."""
+    return _setting()
 
 
 def library() -> ctypes.CDLL | None:

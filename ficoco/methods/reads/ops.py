@@ -277,14 +277,44 @@ class ProbedAttention(AttentionReads):
         # see none of the kernel's, nor where autograd records the reads.
         if self.query.device.type != "cpu" or self.mask is not None or watched() or not self._buffered():
             return None
-        if (self.query.dtype if self.scores == "model" else torch.float32) not in NATIVE_DTYPES:
-            return None
         from ficoco.methods.reads import native
 
+        if native.setting() == "triton":
+            return None
+        if (self.query.dtype if self.scores == "model" else torch.float32) not in NATIVE_DTYPES:
+            return None
         return native.library()
+
+    def _triton(self) -> bool:
+        """Whether the reads run as ficoco's Triton kernels (ficoco.methods.reads.triton_reads): on a GPU with Triton
+        installed (or, told so with FICOCO_READ_KERNEL=triton, under Triton's interpreter on the CPU: the tests), no
+        mask but the causal rule, head-mean reads, nothing counting the ops or recording gradients."""
+        from ficoco.methods.reads import native, triton_reads
+
+        setting = native.setting()
+        if setting == "torch" or self.mask is not None or self.heads != "mean" or watched() or not self._buffered():
+            return False
+        wanted = self.query.device.type == "cuda" or setting == "triton"
+        return wanted and triton_reads.available(self.query.device)
+
+    def _picked(self, rows: Tensor | None, first_row: int) -> tuple[Tensor, Tensor]:
+        """The query rows a read asks for, (B, H, R, d), and their positions (B, R) or (R,)."""
+        if rows is None:
+            positions = torch.arange(first_row, self.shape[1], device=self.query.device)
+            return self.query[:, :, first_row:], positions
+        index = rows.to(self.query.device)
+        picked = torch.gather(self.query, 2, index[:, None, :, None].expand(-1, self.query.shape[1], -1,
+                                                                             self.query.shape[-1]))
+        return picked, index
 
     def _columns(self, rows: Tensor | None, first_row: int) -> Tensor:
         batch, _, k_len = self.shape
+        if self._triton():
+            from ficoco.methods.reads import triton_reads
+
+            picked, positions = self._picked(rows, first_row)
+            return triton_reads.column_sum(picked, self.key, positions, self.scale, causal=self.causal,
+                                           q_len=self.shape[1], scores=self.scores)
         # The kernel's column sums add every head's probabilities: a head-max column read sums its rows' maxima in
         # torch (no method reads one yet; FitPrune's reads are rows).
         kernel = self._kernel() if self.heads == "mean" else None
@@ -301,6 +331,12 @@ class ProbedAttention(AttentionReads):
 
     def _rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         batch, _, k_len = self.shape
+        if self._triton():
+            from ficoco.methods.reads import triton_reads
+
+            picked, positions = self._picked(rows, 0)
+            return triton_reads.rows(picked, self.key, positions, self.scale, causal=self.causal,
+                                     q_len=self.shape[1], scores=self.scores)
         kernel = self._kernel()
         if kernel is not None:
             return self._native_rows(kernel, rows, last)
