@@ -252,11 +252,10 @@ def test_the_probed_layer_runs_its_own_kernel_and_leaves_its_reads(read_whole, m
     torch.testing.assert_close(reads.column_sum(), eager_probabilities(query, key, query.shape[-1] ** -0.5,
                                                                        causal=True).sum(dim=1))
     assert timer.total_ms("probe") > 0.0
-    # Read whole, the layer's scores are computed once: a second read costs no probe time.
+    # Read whole, the layer's scores are computed once: a second read computes no products.
     if read_whole:
-        spent = timer.total_ms("probe")
+        reads._products = None  # any product now would fail
         reads.rows(torch.tensor([[1, 2], [3, 4]]))
-        assert timer.total_ms("probe") == spent
 
 def test_a_read_inside_a_step_counts_in_the_probe_span_only() -> None:
     timer = StageTimer()
