@@ -289,13 +289,17 @@ class ProbedAttention(AttentionReads):
         """Whether the reads run as ficoco's Triton kernels (ficoco.methods.reads.triton_reads): on a GPU with Triton
         installed (or, told so with FICOCO_READ_KERNEL=triton, under Triton's interpreter on the CPU: the tests), no
         mask but the causal rule, head-mean reads, nothing counting the ops or recording gradients."""
-        from ficoco.methods.reads import native, triton_reads
+        from ficoco.methods.reads import native
 
         setting = native.setting()
+        # Asked first, so that a CPU read never imports Triton.
+        if self.query.device.type != "cuda" and setting != "triton":
+            return False
         if setting == "torch" or self.mask is not None or self.heads != "mean" or watched() or not self._buffered():
             return False
-        wanted = self.query.device.type == "cuda" or setting == "triton"
-        return wanted and triton_reads.available(self.query.device)
+        from ficoco.methods.reads import triton_reads
+
+        return triton_reads.available(self.query.device)
 
     def _picked(self, rows: Tensor | None, first_row: int) -> tuple[Tensor, Tensor]:
         """The query rows a read asks for, (B, H, R, d), and their positions (B, R) or (R,)."""

@@ -73,6 +73,12 @@ if triton is not None:
         return p
 
     @triton.jit
+    def _queries(q_ptr, base, rows, stride_qr, dims, row_valid, DIM: tl.constexpr):
+        """One head's query rows `rows` (rows, DIM_P), zero past the head width and on rows past the end."""
+        return tl.load(q_ptr + base + rows[:, None] * stride_qr + dims[None, :],
+                       mask=row_valid[:, None] & (dims[None, :] < DIM), other=0.0)
+
+    @triton.jit
     def _visible(positions, cols, Tk, offset, row_valid, CAUSAL: tl.constexpr):
         valid = row_valid[:, None] & (cols[None, :] < Tk)
         if CAUSAL:
@@ -90,8 +96,7 @@ if triton is not None:
         rows = block * BR + tl.arange(0, BR)
         dims = tl.arange(0, DIM_P)
         row_valid = rows < R
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qr + dims[None, :],
-                    mask=row_valid[:, None] & (dims[None, :] < DIM), other=0.0)
+        q = _queries(q_ptr, b * stride_qb + h * stride_qh, rows, stride_qr, dims, row_valid, DIM)
         positions = tl.load(pos_ptr + b * R + rows, mask=row_valid, other=0)
         kv_base = b * stride_kb + (h // groups) * stride_kh
         top = tl.full([BR], -1.0e30, tl.float32)
@@ -120,8 +125,7 @@ if triton is not None:
         for start in range(0, R, BR):
             rows = start + tl.arange(0, BR)
             row_valid = rows < R
-            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qr + dims[None, :],
-                        mask=row_valid[:, None] & (dims[None, :] < DIM), other=0.0)
+            q = _queries(q_ptr, b * stride_qb + h * stride_qh, rows, stride_qr, dims, row_valid, DIM)
             positions = tl.load(pos_ptr + b * R + rows, mask=row_valid, other=0)
             lse = tl.load(lse_ptr + (b * H + h) * R + rows, mask=row_valid, other=0.0)
             s = _scores(q, k_ptr, kv_base, cols, Tk, stride_kt, dims, DIM, scale, ROUND)
@@ -145,8 +149,7 @@ if triton is not None:
         visible = _visible(positions, cols, Tk, offset, row_valid, CAUSAL)
         summed = tl.zeros([BR, BN], tl.float32)
         for h in range(0, H):
-            q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qr + dims[None, :],
-                        mask=row_valid[:, None] & (dims[None, :] < DIM), other=0.0)
+            q = _queries(q_ptr, b * stride_qb + h * stride_qh, rows, stride_qr, dims, row_valid, DIM)
             lse = tl.load(lse_ptr + (b * H + h) * R + rows, mask=row_valid, other=0.0)
             s = _scores(q, k_ptr, b * stride_kb + (h // groups) * stride_kh, cols, Tk, stride_kt, dims, DIM, scale,
                         ROUND)
