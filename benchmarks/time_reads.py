@@ -3,9 +3,9 @@ shapes (Qwen3-VL-8B's 2,304-token tower layer, LLaVA-1.5-7B's 650-token decoder 
 multiple of SDPA's time at the same shape.
 
 - cuda (bfloat16): a column read (every row's head-mean, what FiCoCo-V reads) by ficoco's Triton kernels (the two-loop
-  log-sum-exp scheme, ficoco.methods.reads.triton_reads) and by torch ops over blocks of scores;
+  log-sum-exp scheme, ficoco.methods.reads.ops.triton_kernels) and by torch ops over blocks of scores;
 - cpu (float32, the CPU's fastest here): the fused pass (the layer's output and its head-mean matrix,
-  ficoco.methods.reads.fused) against SDPA alone, and the read beside SDPA (the native kernel).
+  ficoco.methods.reads.ops.fused) against SDPA alone, and the read beside SDPA (the native kernel).
 
 benchmarks/gpu_run.sh runs it in its gpu-tests step. Medians of a few calls after one warm-up; on a CPU name the
 processor beside the figures (they move with a shared VM's load)."""
@@ -45,8 +45,9 @@ def timed(device: str, function: Callable[[], object], repeat: int = 5) -> float
 def measure(name: str, heads: int, kv_heads: int, tokens: int, width: int, causal: bool, device: str,
             dtype: torch.dtype) -> dict:
     """One shape's row: SDPA's time and each read's, in ms and as a multiple of SDPA's."""
-    from ficoco.methods.reads import native, triton_reads
-    from ficoco.methods.reads.fused import fused_attention
+    from ficoco.methods.reads import native
+    from ficoco.methods.reads.ops import triton_kernels as triton_reads
+    from ficoco.methods.reads.ops.fused import fused_attention
     from ficoco.methods.reads.ops import ProbedAttention
 
     generator = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""The fused pass (ficoco.methods.reads.fused): a reducing layer's output and its reads from one pass on a CPU.
+"""The fused pass (ficoco.methods.reads.ops.fused): a reducing layer's output and its reads from one pass on a CPU.
 
 - at the kernel: the output equals SDPA's within the dtype's tolerance and eager attention's (the rule it follows)
   more closely; the head-mean (head-max) matrix it leaves equals the probabilities eager attention computes, so
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from test_attention_reads import eager_probabilities
 
 import ficoco
-from ficoco.methods.reads import fused as fused_module
+from ficoco.methods.reads.ops import fused as fused_module
 from ficoco.methods.reads import native
-from ficoco.methods.reads.fused import fusable, fused_attention
+from ficoco.methods.reads.ops.fused import fusable, fused_attention
 from ficoco.methods.reads.ops import ProbedAttention
 from ficoco.models import attention as attention_module
 from ficoco.models import synthetic_inputs

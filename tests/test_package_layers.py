@@ -219,8 +219,9 @@ TORCH_FREE = ("ficoco.accounting", "ficoco.methods", "ficoco.profiles", "ficoco.
 
 def _torch_free(module: str) -> bool:
     """The accountant, every method's spec and the methods package's shared modules; not the tensor
-    functions (a method's ``ops`` and the shared ``ficoco.methods.ops``)."""
-    return module.startswith(TORCH_FREE) and module.rpartition(".")[2] != "ops"
+    functions (a method's ``ops``, the shared ``ficoco.methods.ops``, and a package named ``ops`` with its
+    modules: ``ficoco.methods.reads.ops``)."""
+    return module.startswith(TORCH_FREE) and "ops" not in module.split(".")[2:]
 
 
 def test_every_method_folder_has_a_torch_free_spec_and_its_ops() -> None:

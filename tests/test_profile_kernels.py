@@ -94,7 +94,7 @@ def test_ficoco_v_reads_beside_sdpa_in_its_reducing_tower_layers_and_runs_vanill
         (entry,) = entries
         if layer in reducing and FUSED:
             # On a CPU with ficoco's kernel the reducing layers' output and FiCoCo-V's reads come from one fused pass
-            # (ficoco.methods.reads.fused): no kernel of the model's is called there.
+            # (ficoco.methods.reads.ops.fused): no kernel of the model's is called there.
             assert entry["implementation"] == "probe" and entry["via"] in hf.ficoco_attention_names()
         elif layer in reducing:
             # Elsewhere the output comes from the model's own SDPA; FiCoCo-V's reads are computed beside it.

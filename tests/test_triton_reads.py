@@ -1,4 +1,4 @@
-"""ficoco's Triton reads (ficoco.methods.reads.triton_reads), on the CPU under Triton's interpreter
+"""ficoco's Triton reads (ficoco.methods.reads.ops.triton_kernels), on the CPU under Triton's interpreter
 (TRITON_INTERPRET=1, small shapes) and on a GPU under the ``gpu`` marker: the two-loop (log-sum-exp) column sums and
 rows equal the eager probabilities' (model rule and float32 rule, causal and not, grouped heads), and a layer's reads
 route through them where FICOCO_READ_KERNEL says so (on a GPU: by default)."""
@@ -14,7 +14,7 @@ from test_attention_reads import eager_probabilities
 pytest.importorskip("triton")
 
 from ficoco.methods.reads import ops as reads_ops  # noqa: E402
-from ficoco.methods.reads import triton_reads  # noqa: E402
+from ficoco.methods.reads.ops import triton_kernels as triton_reads  # noqa: E402
 from ficoco.methods.reads.ops import ProbedAttention  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 Every layer a method does not read keeps the model's attention implementation (SDPA by default). A layer
 whose attention a method reads has its attention module pointed at `ficoco_probe`, an attention function
 registered with transformers' `AttentionInterface`: where ficoco's fused pass computes the layer (a CPU, no
-mask but the causal rule: ficoco.methods.reads.fused) it computes the layer's output and the head-mean
+mask but the causal rule: ficoco.methods.reads.ops.fused) it computes the layer's output and the head-mean
 probabilities in one pass; elsewhere it runs the module's own implementation for the output and leaves the
 reads of that attention (ficoco.methods.reads.ops.ProbedAttention over the call's queries, keys, mask and
 scale: nothing is computed until the method reads rows, column sums or a block). Either way the module's
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
-from ficoco.methods.reads.fused import fusable, fused_attention
+from ficoco.methods.reads.ops.fused import fusable, fused_attention
 from ficoco.methods.reads.ops import AttentionReads, ProbedAttention, ReadRunner
 from ficoco.models import hf_compat as hf
 
@@ -113,7 +113,7 @@ def attend(module: nn.Module, own_config: Any, query: Tensor, key: Tensor, value
            scores: str, runner: ReadRunner | None, heads: str = "mean", **kwargs: Any
            ) -> tuple[tuple[Tensor, Any], ProbedAttention]:
     """A read layer's attention call: its output (as the module's own implementation returns it) and the reads of
-    it. Where ficoco's fused pass computes the layer (ficoco.methods.reads.fused: a CPU, no mask but the causal rule)
+    it. Where ficoco's fused pass computes the layer (ficoco.methods.reads.ops.fused: a CPU, no mask but the causal rule)
     the output and the head-mean probabilities come from one pass; else the module's own kernel runs and the reads
     are computed beside it when asked (`probed_reads`). Timed through the runner's ``attend`` where it has one
     (the handle's "fused" or "attention" span)."""

@@ -129,7 +129,7 @@ class Handle:
     method_runner: Callable[..., Any] | None = field(default=None, repr=False)
     probe_runner: Callable[..., Any] | None = field(default=None, repr=False)
     # A profile's untimed forward sets `reference_attention`: a layer whose attention and reads ran fused
-    # (ficoco.methods.reads.fused) then runs the model's own kernel once more, timed, into `reference_attention_ms`.
+    # (ficoco.methods.reads.ops.fused) then runs the model's own kernel once more, timed, into `reference_attention_ms`.
     reference_attention: bool = field(default=False, repr=False)
     reference_attention_ms: float = field(default=0.0, repr=False)
     _patches: Patches = field(default_factory=Patches, repr=False)

@@ -220,7 +220,7 @@ class ProbedAttention(AttentionReads):
 
     def hold(self, matrix: Tensor) -> None:
         """Answer every read of probabilities from `matrix`, the layer's (B, Tq, Tk) head-mean (head-max)
-        probabilities a pass that computed the layer's output left (ficoco.methods.reads.fused)."""
+        probabilities a pass that computed the layer's output left (ficoco.methods.reads.ops.fused)."""
         if tuple(matrix.shape) != self.shape:
             raise ValueError(f"a matrix of {tuple(matrix.shape)} is not this layer's {self.shape}")
         self._whole = DenseAttention(matrix)
@@ -286,7 +286,7 @@ class ProbedAttention(AttentionReads):
         return native.library()
 
     def _triton(self) -> bool:
-        """Whether the reads run as ficoco's Triton kernels (ficoco.methods.reads.triton_reads): on a GPU with Triton
+        """Whether the reads run as ficoco's Triton kernels (ficoco.methods.reads.ops.triton_kernels): on a GPU with Triton
         installed (or, told so with FICOCO_READ_KERNEL=triton, under Triton's interpreter on the CPU: the tests), no
         mask but the causal rule, head-mean reads, nothing counting the ops or recording gradients."""
         from ficoco.methods.reads import native
@@ -297,9 +297,9 @@ class ProbedAttention(AttentionReads):
             return False
         if setting == "torch" or self.mask is not None or self.heads != "mean" or watched() or not self._buffered():
             return False
-        from ficoco.methods.reads import triton_reads
+        from ficoco.methods.reads.ops import triton_kernels
 
-        return triton_reads.available(self.query.device)
+        return triton_kernels.available(self.query.device)
 
     def _picked(self, rows: Tensor | None, first_row: int) -> tuple[Tensor, Tensor]:
         """The query rows a read asks for, (B, H, R, d), and their positions (B, R) or (R,)."""
@@ -314,10 +314,10 @@ class ProbedAttention(AttentionReads):
     def _columns(self, rows: Tensor | None, first_row: int) -> Tensor:
         batch, _, k_len = self.shape
         if self._triton():
-            from ficoco.methods.reads import triton_reads
+            from ficoco.methods.reads.ops import triton_kernels
 
             picked, positions = self._picked(rows, first_row)
-            return triton_reads.column_sum(picked, self.key, positions, self.scale, causal=self.causal,
+            return triton_kernels.column_sum(picked, self.key, positions, self.scale, causal=self.causal,
                                            q_len=self.shape[1], scores=self.scores)
         # The kernel's column sums add every head's probabilities: a head-max column read sums its rows' maxima in
         # torch (no method reads one yet; FitPrune's reads are rows).
@@ -336,10 +336,10 @@ class ProbedAttention(AttentionReads):
     def _rows(self, rows: Tensor, last: int | None = None) -> Tensor:
         batch, _, k_len = self.shape
         if self._triton():
-            from ficoco.methods.reads import triton_reads
+            from ficoco.methods.reads.ops import triton_kernels
 
             picked, positions = self._picked(rows, 0)
-            return triton_reads.rows(picked, self.key, positions, self.scale, causal=self.causal,
+            return triton_kernels.rows(picked, self.key, positions, self.scale, causal=self.causal,
                                      q_len=self.shape[1], scores=self.scores)
         kernel = self._kernel()
         if kernel is not None:
