@@ -46,9 +46,9 @@ def measure(name: str, heads: int, kv_heads: int, tokens: int, width: int, causa
             dtype: torch.dtype) -> dict:
     """One shape's row: SDPA's time and each read's, in ms and as a multiple of SDPA's."""
     from ficoco.methods.reads import native
+    from ficoco.methods.reads.ops import ProbedAttention
     from ficoco.methods.reads.ops import triton_kernels as triton_reads
     from ficoco.methods.reads.ops.fused import fused_attention
-    from ficoco.methods.reads.ops import ProbedAttention
 
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(1, h, tokens, width, generator=generator).to(device, dtype)

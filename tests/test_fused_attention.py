@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from test_attention_reads import eager_probabilities
 
 import ficoco
-from ficoco.methods.reads.ops import fused as fused_module
 from ficoco.methods.reads import native
-from ficoco.methods.reads.ops.fused import fusable, fused_attention
 from ficoco.methods.reads.ops import ProbedAttention
+from ficoco.methods.reads.ops import fused as fused_module
+from ficoco.methods.reads.ops.fused import fusable, fused_attention
 from ficoco.models import attention as attention_module
 from ficoco.models import synthetic_inputs
 

@@ -122,6 +122,59 @@ def test_the_prediction_charges_rows_at_the_bandwidth_and_reads_at_their_rate(ar
     assert parts["probe"] == pytest.approx(sum(2 * r.macs for r in schedule_reads(arch7b, ficoco_l, TEXT, 1)) / 1e12)
 
 
+@dataclasses.dataclass(frozen=True)
+class _FusedRates(TableRates):
+    """A table whose fused pass ("fused") and the model's kernel beside it ("fused_reference") run at rates of
+    their own (scores per second), every other read at `reads_by_tokens`'."""
+
+    fused_scores_per_s: float = 1.0
+    reference_scores_per_s: float = 1.0
+
+    def read_scores_per_s(self, kind, heads, kv_heads, head_dim, rows, keys, causal, rule):
+        if kind == "fused":
+            return self.fused_scores_per_s
+        if kind == "fused_reference":
+            return self.reference_scores_per_s
+        return super().read_scores_per_s(kind, heads, kv_heads, head_dim, rows, keys, causal, rule)
+
+
+@pytest.mark.parametrize("variant", ["v", "l"])
+def test_a_fused_layer_is_priced_as_its_pass_beyond_the_models_kernel_once(arch7b, variant):
+    """A layer whose attention ficoco's fused pass computed costs the method (pass - kernel) over the layer's whole
+    square of scores, once, whatever it reads there; never below zero; other layers keep their reads' rate."""
+    schedule = _schedule(arch7b, variant, keep=192)
+    reads = schedule_reads(arch7b, schedule, TEXT, 1)
+    layers = sorted({(read.stage, read.layer) for read in reads})
+    fused = layers[:1]
+    square = {layer: max(r.keys for r in reads if (r.stage, r.layer) == layer) for layer in layers}
+    stage, _ = fused[0]
+    heads = arch7b.vision.heads if stage == "vision" else arch7b.decoder.heads
+    sequences = next(r.sequences for r in reads if (r.stage, r.layer) == fused[0])
+    scores = sequences * heads * square[fused[0]] ** 2
+    rest = sum(r.scores for r in reads if (r.stage, r.layer) not in fused) / 1e9
+    rates = _FusedRates(dtype="float32", flops_per_s_by_tokens={1: 1e12}, bandwidth_bytes_per_s=1e10,
+                        reads_by_tokens={1: 1e9}, fused_scores_per_s=2e9, reference_scores_per_s=4e9)
+    parts = predict_prefill(arch7b, schedule, rates, text_tokens=TEXT, fused_layers=fused).parts_s
+    rows = sum(probe.bytes_moved(2.0) for probe in method_probes(arch7b, schedule, TEXT, 1)) / 1e10
+    assert parts["probe"] == pytest.approx(rows + rest + scores / 2e9 - scores / 4e9)
+    # A pass no slower than the kernel reads for free.
+    free = dataclasses.replace(rates, fused_scores_per_s=8e9)
+    parts = predict_prefill(arch7b, schedule, free, text_tokens=TEXT, fused_layers=fused).parts_s
+    assert parts["probe"] == pytest.approx(rows + rest)
+    # Without the record, every read is priced beside the kernel, as before.
+    parts = predict_prefill(arch7b, schedule, rates, text_tokens=TEXT).parts_s
+    assert parts["probe"] == pytest.approx(rows + sum(r.scores for r in reads) / 1e9)
+
+
+def test_the_fused_layers_come_from_the_rows_kernel_record():
+    from ficoco.profiling.predict import fused_layers
+
+    record = {"vision": [{"layers": [0, 1], "implementation": "sdpa"}, {"layers": [2, 4], "implementation": "probe"}],
+              "llm": [{"layers": [0, 2], "implementation": "sdpa"}, {"layers": [3, 3], "implementation": "probe"}]}
+    assert fused_layers(record) == {("vision", 2), ("vision", 3), ("vision", 4), ("llm", 3)}
+    assert fused_layers(None) == frozenset()
+
+
 # ---- a method registered from outside the package is priced from its own needs -------------------------------------
 
 def _steps(settings: Mapping[str, Any], n_visual: int, n_layers: int) -> tuple[Step, ...]:

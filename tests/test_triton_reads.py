@@ -14,8 +14,8 @@ from test_attention_reads import eager_probabilities
 pytest.importorskip("triton")
 
 from ficoco.methods.reads import ops as reads_ops  # noqa: E402
-from ficoco.methods.reads.ops import triton_kernels as triton_reads  # noqa: E402
 from ficoco.methods.reads.ops import ProbedAttention  # noqa: E402
+from ficoco.methods.reads.ops import triton_kernels as triton_reads  # noqa: E402
 
 
 @pytest.fixture(params=["cpu-interpreter", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
-from ficoco.methods.reads.ops.fused import fusable, fused_attention
 from ficoco.methods.reads.ops import AttentionReads, ProbedAttention, ReadRunner
+from ficoco.methods.reads.ops.fused import fusable, fused_attention
 from ficoco.models import hf_compat as hf
 
 PROBE_IMPLEMENTATION = "ficoco_probe"
@@ -113,8 +113,8 @@ def attend(module: nn.Module, own_config: Any, query: Tensor, key: Tensor, value
            scores: str, runner: ReadRunner | None, heads: str = "mean", **kwargs: Any
            ) -> tuple[tuple[Tensor, Any], ProbedAttention]:
     """A read layer's attention call: its output (as the module's own implementation returns it) and the reads of
-    it. Where ficoco's fused pass computes the layer (ficoco.methods.reads.ops.fused: a CPU, no mask but the causal rule)
-    the output and the head-mean probabilities come from one pass; else the module's own kernel runs and the reads
+    it. Where ficoco's fused pass computes the layer (ficoco.methods.reads.ops.fused: a CPU, no mask but the causal
+    rule) the output and the head-mean probabilities come from one pass; else the module's own kernel runs and the reads
     are computed beside it when asked (`probed_reads`). Timed through the runner's ``attend`` where it has one
     (the handle's "fused" or "attention" span)."""
     timed = getattr(runner, "attend", None) or (lambda device, compute, reference=None: compute())

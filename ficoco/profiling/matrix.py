@@ -31,7 +31,7 @@ from ficoco.profiles import Hardware, Profile, list_gpus, load_gpu, load_profile
 from ficoco.profiling.config import ProfileConfig
 from ficoco.profiling.decode import DecodeRun, decode_metrics, timed_generate
 from ficoco.profiling.experts import loads_by_layer
-from ficoco.profiling.predict import PASSES, model_weights, rates_for, row_prediction, row_probe_shapes
+from ficoco.profiling.predict import PASSES, fused_layers, model_weights, rates_for, row_prediction, row_probe_shapes
 from ficoco.profiling.rows import FidelityRecord, GenerationRecord, MeasuredRow, MemoryRecord, PrefillRecord
 from ficoco.profiling.runs import choose_runs, max_runs
 from ficoco.profiling.trackers import LatencyStats, LatencyTracker, MemoryTracker, RunHook, cache_bytes, cache_tokens
@@ -472,10 +472,12 @@ def measure_prefill(run: _RowRun, on_run: RunHook | None = None, rates: Any = No
                 # Counts the input decided (MustDrop's, PruMerge+'s) are known now, from the warm-up: their shapes
                 # join the passes between the timed runs and after them, as the planned shapes do.
                 ran = ran_row(run.row, run.plan, measured_steps(handle), _measured_tokens(handle))
-                if ran is not run.row:
+                # And the layers ficoco's fused pass computed (recorded in the warm-up): priced as that pass.
+                fused = fused_layers(kernels.to_json()) if kernels.recorded else frozenset()
+                if ran is not run.row or fused:
                     rates.expect(row_probe_shapes(run.plan.profile, ran.schedule, quant=ran.quant, batch=ran.batch,
                                                   text_tokens=run.config.text_tokens,
-                                                  dtype=_plan_dtype(run.plan, run.config)))
+                                                  dtype=_plan_dtype(run.plan, run.config), fused_layers=fused))
                 # The rates from here on meet the process as the timed runs do, after the warm-up.
                 rates.after_warm_up()
             step["now"] = phase
@@ -749,8 +751,9 @@ def measured_row(model: Any, row: RowSpec, config: ProfileConfig, plan: Plan, ba
     result, ran = _at_measured_count(result, row, config, plan)
     if rates is not None:
         rates.sample(passes=PASSES)
-        # Its sparse layers' experts at the loads the row ran (profiling/experts.py).
-        result |= predicted(plan, config, ran, rates, expert_loads=loads_by_layer(result.get("expert_loads")))
+        # Its sparse layers' experts at the loads the row ran (profiling/experts.py), its fused layers as they ran.
+        result |= predicted(plan, config, ran, rates, expert_loads=loads_by_layer(result.get("expert_loads")),
+                            fused=fused_layers(result.get("attention_kernels")))
     return result
 
 
@@ -881,7 +884,8 @@ def _plan_dtype(plan: Plan, config: ProfileConfig) -> Any:
 
 
 def predicted(plan: Plan, config: ProfileConfig, row: RowSpec, rates: Any = None,
-              expert_loads: dict[int, list[int]] | None = None) -> dict[str, Any]:
+              expert_loads: dict[int, list[int]] | None = None,
+              fused: frozenset[tuple[str, int]] = frozenset()) -> dict[str, Any]:
     """The row's prefill as this machine's rates predict it (profiling/predict.py): `predicted_ms`
     and its parts, at `rates` (a measured row's: probed before its runs, between them and after
     them; a new probe where none is given). None under a device map."""
@@ -890,5 +894,5 @@ def predicted(plan: Plan, config: ProfileConfig, row: RowSpec, rates: Any = None
         return {"predicted_ms": None}
     prediction = row_prediction(plan.profile, row.schedule, quant=row.quant, batch=row.batch,
                                 text_tokens=config.text_tokens, dtype=_plan_dtype(plan, config), device=plan.device,
-                                rates=rates, expert_loads=expert_loads)
+                                rates=rates, expert_loads=expert_loads, fused_layers=fused)
     return {"predicted_ms": prediction.total_s * 1e3, "predicted": prediction.to_json()}

@@ -21,8 +21,9 @@ same weights, and an upcast layout converts the same weights whatever the tokens
               + the method's own work (the accountant's method terms) at the matmul rate of a
                 similarity matrix of its tokens
               + the method's own probe: the float32 passes over the attention rows its spec's needs
-                read (FastV's one row, FiCoCo's whole layer; none for a method that reads none),
-                bytes / memory bandwidth (`method_probes`)
+                read (FastV's one row; none for a method that reads none), bytes / memory bandwidth
+                (`method_probes`), and its reads of whole layers (FiCoCo's) at their rate timed here, or,
+                where ficoco's fused pass computed the layer, that pass's time beyond the model's SDPA
               + dispatch: small ops per forward and per layer at the measured small-op time
 
 Every rate a row needs is measured for that row (`MeasuredRates`: its shapes timed in round-robin
@@ -40,7 +41,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -465,13 +466,26 @@ class MeasuredRates:
                    rule: str) -> Callable[[], Any]:
         """A method's read of a layer's attention at its shape, as the model runs it (ficoco.methods.reads.ops):
         the column means over every query of `keys` tokens, or `rows` rows over them (their raw scores for a
-        "logits" read)."""
+        "logits" read). Of a layer whose attention ficoco's fused pass computes (FUSED_READS): the pass with a
+        column read of the matrix it leaves ("fused"), or the model's SDPA on the same inputs ("fused_reference")."""
         from ficoco.methods.reads.ops import ProbedAttention
+        from ficoco.methods.reads.ops.fused import fused_attention
 
         # As a transformers attention module hands them: (batch, tokens, heads, width) transposed to (batch,
         # heads, tokens, width), a strided view (its product runs ~10 % slower than on contiguous heads).
         query = self._tensor(1, keys, heads, head_dim).transpose(1, 2)
         key = self._tensor(1, keys, kv_heads, head_dim).transpose(1, 2)
+        if kind in FUSED_READS:
+            value = self._tensor(1, keys, kv_heads, head_dim).transpose(1, 2)
+            if kind == "fused_reference":
+                return functools.partial(torch.nn.functional.scaled_dot_product_attention, query, key, value,
+                                         is_causal=causal, enable_gqa=kv_heads != heads)
+
+            def fused() -> Any:
+                _, reads = fused_attention(query, key, value, causal=causal, scores=rule)
+                return reads.column_sum()
+
+            return fused
         # (A width's rows, its most, may exceed the fewest keys its grid times: every row then.)
         index = torch.arange(max(0, keys - rows), keys, device=self.device).unsqueeze(0)
 
@@ -547,8 +561,8 @@ class MeasuredRates:
             work[("attention", heads, tokens, head_dim, causal)] = 4 * heads * tokens * tokens * head_dim
         for shape in reads:
             kind, heads, _, _, rows, keys = shape[:6]
-            # A read's work: the scores it computes (every row of a column read).
-            work[("read", *shape)] = heads * (keys if kind == "columns" else rows) * keys
+            # A read's work: the scores it computes (every row of a column read and of a fused pass).
+            work[("read", *shape)] = heads * (keys if kind in ("columns", *FUSED_READS) else rows) * keys
         return {key: value for key, value in work.items() if key not in self._work and key not in self._failed}
 
     def _fail(self, key: Key, exc: BaseException) -> None:
@@ -683,6 +697,9 @@ FORWARD_OPS = {"fp16": 340.0, "int8": 1600.0, "int4": 760.0}
 LAYER_OPS = {"fp16": 61.0, "int8": 155.0, "int4": 62.0}
 REDUCING_LAYER_OPS = 150.0
 
+# The read kinds that time a fused layer (MeasuredRates._read_call): ficoco's pass and the model's kernel beside it.
+FUSED_READS = ("fused", "fused_reference")
+
 # ---- a method's own probe, priced from its spec -------------------------------------------------------------------
 #
 # A method's probe has two parts.
@@ -691,7 +708,10 @@ REDUCING_LAYER_OPS = 150.0
 # rows, HoliTom's tower column sums: ficoco.accounting.reads, computed beside the layer's own kernel by
 # ficoco.methods.reads.ops) are timed at their own shapes in the rate probe (`MeasuredRates.read_scores_per_s`:
 # the same read on random queries and keys of the row's dtype and rule), and priced at that rate: scores and
-# softmax by blocks, whatever their mix of matrix and elementwise work on this machine.
+# softmax by blocks, whatever their mix of matrix and elementwise work on this machine. A layer whose attention
+# ficoco's fused pass computed in the row's forward (its kernel record says "probe": `fused_layers`) is priced
+# once, as that pass (with a read of the matrix it leaves) beyond the model's SDPA on the same inputs, both timed
+# at the layer's shape in the same passes (FUSED_READS); the layer's SDPA stays in the "attention" part.
 #
 # A few rows (FastV's and PDrop's last row, SparseVLM's text rows, the [CLS] row of VisionZip, VisPruner and
 # FasterVLM) are computed inside the method's steps: their q.k products are the method's `extra_macs`, priced in
@@ -989,6 +1009,13 @@ class _TokenGrid:
         return low + (high - low) * (count - below) / (above - below)
 
 
+def _fused_shape(arch: Architecture, read: Read, rule: str, kind: str) -> tuple:
+    """The shape of a fused layer's pass ("fused") or of the model's kernel on its inputs ("fused_reference"):
+    every row of the layer over its keys (`_read_shape`'s fields)."""
+    kv_heads = arch.decoder.kv_heads if read.stage == "llm" else read.heads
+    return (kind, read.heads, kv_heads, read.head_dim, read.keys, read.keys, read.stage == "llm", rule)
+
+
 def _read_shape(arch: Architecture, read: Read, rule: str) -> tuple:
     """The shape a read is timed at: (kind, heads, key heads, head width, rows, keys, causal, rule)."""
     kv_heads = arch.decoder.kv_heads if read.stage == "llm" else read.heads
@@ -998,12 +1025,14 @@ def _read_shape(arch: Architecture, read: Read, rule: str) -> tuple:
 
 def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *, quant: str = "fp16",
                     batch: int = 1, text_tokens: int | None = None, compute_bits: int = 16,
-                    upcast_layers: int = 0, expert_loads: dict[int, list[int]] | None = None) -> Prediction:
+                    upcast_layers: int = 0, expert_loads: dict[int, list[int]] | None = None,
+                    fused_layers: Collection[tuple[str, int]] = ()) -> Prediction:
     """One prefill of `schedule` on `arch` at `rates` (the LM head on the last token, as the
     profile's prefill computes it). `upcast_layers`: the first decoder layers whose linear weights
     are stored in 16 bits and converted to the compute dtype at every forward. `expert_loads`: per sparse
     decoder layer, the rows each expert took in the row's forward (profiling/experts.py); without them, the
-    even split."""
+    even split. `fused_layers`: the (stage, layer) pairs whose attention ficoco's fused pass computed in the
+    row's forward (`fused_layers`; their reads are priced as that pass beyond the model's kernel)."""
     quant_spec = Quant(quant, QUANT_BITS[quant], compute_bits, compute_bits)
     opts = CountOptions(convention="flops", scope="all", batch=batch, text_tokens=text_tokens,
                         lm_head_tokens="last")
@@ -1021,6 +1050,16 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     # The method's reads of a whole layer, at their own shapes (timed per key count; a column read over every
     # row, a rows read at the most rows of its kind, since its rate per score hardly depends on how many).
     reads = method_reads(arch, schedule, plan, batch=batch) if schedule.removals else []
+    # A layer whose attention the fused pass computed: its reads come from the matrix that pass leaves; priced
+    # once per layer as the pass's time beyond the model's kernel on the same inputs (windowed reads never fuse).
+    fused: dict[tuple[str, int], Read] = {}
+    for read in reads:
+        layer = (read.stage, read.layer)
+        if layer in fused_layers and read.pairs is None and (layer not in fused or read.keys > fused[layer].keys):
+            fused[layer] = read  # its widest read: the layer's every key (a decoder's rows come by causal tiles)
+    reads = [read for read in reads if (read.stage, read.layer) not in fused]
+    fused_shapes = {layer: [_fused_shape(arch, read, read_rule(schedule), kind) for kind in FUSED_READS]
+                    for layer, read in fused.items()}
     read_shapes = {id(read): _read_shape(arch, read, read_rule(schedule)) for read in reads}
     most_rows: dict[tuple, int] = {}
     for shape in read_shapes.values():
@@ -1028,7 +1067,7 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
         most_rows[width] = max(most_rows.get(width, 0), shape[4])
     read_shapes = {key: shape[:4] + (most_rows[shape[:4] + shape[6:]],) + shape[5:]
                    for key, shape in read_shapes.items()}
-    read_grid = _TokenGrid(list(read_shapes.values()), position=5)
+    read_grid = _TokenGrid([*read_shapes.values(), *(s for pair in fused_shapes.values() for s in pair)], position=5)
     # The shapes first, so that every rate the row needs is measured in one probe (MeasuredRates.measure). A
     # call this device cannot make (KERNELS: nor can the model, or it makes another) leaves its ops to the
     # matmul, SDPA and bytes pricing, whose shapes are then measured too.
@@ -1092,6 +1131,12 @@ def predict_prefill(arch: Architecture, schedule: Schedule, rates: ShapeRates, *
     rows = sum(probe.bytes_moved(act_bytes) for probe in method_probes(arch, schedule, text_tokens, batch))
     parts["probe"] = rows / rates.bandwidth_bytes_per_s + sum(
         read.scores / read_grid.rate(rates.read_scores_per_s, read_shapes[id(read)]) for read in reads)
+    for layer, (pass_shape, reference_shape) in fused_shapes.items():
+        read = fused[layer]
+        scores = read.sequences * read.heads * read.keys * read.keys
+        beyond_s = (scores / read_grid.rate(rates.read_scores_per_s, pass_shape)
+                    - scores / read_grid.rate(rates.read_scores_per_s, reference_shape))
+        parts["probe"] += max(beyond_s, 0.0)  # a pass no slower than the model's kernel reads for free
     layers = arch.vision.layers + arch.decoder.layers
     parts["dispatch"] = dispatch_s(layers, len(schedule.removals), quant, rates)  # type: ignore[arg-type]
     return Prediction(sum(parts.values()), parts)
@@ -1151,7 +1196,8 @@ class ProbeShapes:
         return (sum(2 * t * i * o for t, i, o in self.linear)
                 + sum(4 * h * t * t * d for h, t, d, _ in self.attention)
                 + sum(work * KERNELS[key[0]].matmul_flops_per_work for key, work in self.kernels.items())
-                + sum(4 * h * (k if kind == "columns" else r) * k * d for kind, h, _, d, r, k, *_ in self.reads))
+                + sum(4 * h * (k if kind in ("columns", *FUSED_READS) else r) * k * d
+                      for kind, h, _, d, r, k, *_ in self.reads))
 
     def pass_bytes(self, compute_bits: int = 16) -> float:
         """Bytes one pass moves in its copies: 64 MiB read and written, and an upcast layout's 7B MLP
@@ -1161,11 +1207,12 @@ class ProbeShapes:
 
 
 def rate_probe_shapes(arch: Architecture, schedule: Schedule, *, quant: str = "fp16", batch: int = 1,
-                      text_tokens: int | None = None, compute_bits: int = 16, upcast_layers: int = 0) -> ProbeShapes:
+                      text_tokens: int | None = None, compute_bits: int = 16, upcast_layers: int = 0,
+                      fused_layers: Collection[tuple[str, int]] = ()) -> ProbeShapes:
     """The shapes a row's rate probe times in each pass (those `predict_prefill` asks for)."""
     shapes = ProbeShapes()
     predict_prefill(arch, schedule, shapes, quant=quant, batch=batch, text_tokens=text_tokens,
-                    compute_bits=compute_bits, upcast_layers=upcast_layers)
+                    compute_bits=compute_bits, upcast_layers=upcast_layers, fused_layers=fused_layers)
     return shapes
 
 
@@ -1199,17 +1246,19 @@ def model_weights(model: torch.nn.Module) -> WeightSource:
 
 def row_prediction(profile: Any, schedule: Schedule, *, quant: str, batch: int, text_tokens: int | None,
                    dtype: Any, device: torch.device | str = "cpu", rates: ShapeRates | None = None,
-                   expert_loads: dict[int, list[int]] | None = None) -> Prediction:
+                   expert_loads: dict[int, list[int]] | None = None,
+                   fused_layers: Collection[tuple[str, int]] = ()) -> Prediction:
     """A profile row's predicted prefill: `dtype` is the plan's DtypeChoice (or a torch dtype), its
     compute dtype's rates measured on `device` unless `rates` is given; a MeasuredRates' passes price
     the row once each besides (`Prediction.passes_s`). `expert_loads`: the rows each expert of a sparse
-    layer took in the row's forward (predict_prefill)."""
+    layer took in the row's forward; `fused_layers`: the layers ficoco's fused pass computed there (predict_prefill)."""
     arch, compute_bits, upcast = _row_layout(profile, quant, dtype)
     rates = rates or rates_for(dtype, device)
 
     def at(priced: ShapeRates) -> Prediction:
         return predict_prefill(arch, schedule, priced, quant=quant, batch=batch, text_tokens=text_tokens,
-                               compute_bits=compute_bits, upcast_layers=upcast, expert_loads=expert_loads)
+                               compute_bits=compute_bits, upcast_layers=upcast, expert_loads=expert_loads,
+                               fused_layers=fused_layers)
 
     prediction = at(rates)
     if isinstance(rates, MeasuredRates) and (passes := [at(one) for one in rates.pass_rates()]):
@@ -1218,11 +1267,19 @@ def row_prediction(profile: Any, schedule: Schedule, *, quant: str, batch: int, 
 
 
 def row_probe_shapes(profile: Any, schedule: Schedule, *, quant: str, batch: int, text_tokens: int | None,
-                     dtype: Any) -> ProbeShapes:
+                     dtype: Any, fused_layers: Collection[tuple[str, int]] = ()) -> ProbeShapes:
     """The shapes `row_prediction` of the same row asks its rates for (`MeasuredRates.expect`)."""
     arch, compute_bits, upcast = _row_layout(profile, quant, dtype)
     return rate_probe_shapes(arch, schedule, quant=quant, batch=batch, text_tokens=text_tokens,
-                             compute_bits=compute_bits, upcast_layers=upcast)
+                             compute_bits=compute_bits, upcast_layers=upcast, fused_layers=fused_layers)
+
+
+def fused_layers(attention_kernels: Mapping[str, Any] | None) -> frozenset[tuple[str, int]]:
+    """The (stage, layer) pairs whose attention ficoco's fused pass computed, from a row's `attention_kernels`
+    record (profiling/kernels.py: implementation "probe")."""
+    return frozenset((stage, layer) for stage, entries in (attention_kernels or {}).items() for entry in entries
+                     if entry["implementation"] == "probe"
+                     for layer in range(entry["layers"][0], entry["layers"][1] + 1))
 
 
 def _row_layout(profile: Any, quant: str, dtype: Any) -> tuple[Architecture, int, int]:

@@ -31,8 +31,8 @@ class PrefillRecord:
     reduction_stages_ms: float
     probe_ms: float
     # The read layers' attention (medians over the timed runs): "fused_ms", the passes that computed a layer's output
-    # and its reads together (ficoco.methods.reads.ops.fused); "attention_ms", the model's own kernel where the reads ran
-    # beside it; "fused_reference_ms", the model's own kernel timed on the fused layers' inputs in one untimed
+    # and its reads together (ficoco.methods.reads.ops.fused); "attention_ms", the model's own kernel where the reads
+    # ran beside it; "fused_reference_ms", the model's own kernel timed on the fused layers' inputs in one untimed
     # forward (None where no such forward ran).
     fused_ms: float = 0.0
     attention_ms: float = 0.0

@@ -286,9 +286,9 @@ class ProbedAttention(AttentionReads):
         return native.library()
 
     def _triton(self) -> bool:
-        """Whether the reads run as ficoco's Triton kernels (ficoco.methods.reads.ops.triton_kernels): on a GPU with Triton
-        installed (or, told so with FICOCO_READ_KERNEL=triton, under Triton's interpreter on the CPU: the tests), no
-        mask but the causal rule, head-mean reads, nothing counting the ops or recording gradients."""
+        """Whether the reads run as ficoco's Triton kernels (ficoco.methods.reads.ops.triton_kernels): on a GPU with
+        Triton installed (or, told so with FICOCO_READ_KERNEL=triton, under Triton's interpreter on the CPU: the
+        tests), no mask but the causal rule, head-mean reads, nothing counting the ops or recording gradients."""
         from ficoco.methods.reads import native
 
         setting = native.setting()
