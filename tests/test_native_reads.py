@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ficoco.methods.reads import native
-from ficoco.methods.reads.ops import ProbedAttention
+from ficoco.methods.reads import ops as reads_ops
+from ficoco.methods.reads.ops import ProbedAttention, widened_products
 
 pytestmark = pytest.mark.skipif(native.status().kernel != "native",
                                 reason=f"the native read kernel is not built here: {native.status().reason}")
@@ -59,14 +60,38 @@ def test_bfloat16_probabilities_are_the_rules(monkeypatch: pytest.MonkeyPatch) -
     rows = torch.arange(0, 1000, 3).unsqueeze(0)
     fused, plain = _both(monkeypatch, lambda: reads.rows(rows))
     # transformers' eager attention itself (its softmax from a float32 copy: its float32 steps differ from
-    # torch's bfloat16 softmax's as well).
-    eager = torch.softmax((query @ key.transpose(-1, -2)) * 72 ** -0.5, dim=-1, dtype=torch.float32).to(torch.bfloat16)
+    # torch's bfloat16 softmax's as well), its products as the reads take them on this CPU: in bfloat16, or in
+    # float32 rounded once where bfloat16's own are slow (widened_products).
+    products = ((query.float() @ key.float().transpose(-1, -2)).to(torch.bfloat16)
+                if widened_products(torch.bfloat16, query.device) else query @ key.transpose(-1, -2))
+    eager = torch.softmax(products * 72 ** -0.5, dim=-1, dtype=torch.float32).to(torch.bfloat16)
     eager = eager[0, 0, rows[0]].float().unsqueeze(0)
     for read in (fused, plain):
         differing = read != eager
         assert differing.sum() <= 1e-4 * read.numel()
         step = eager.abs() * 2.0 ** -7  # one bfloat16 step, at most
         assert bool(((read - eager).abs() <= step)[differing].all())
+
+
+def test_widened_products_are_as_close_to_exact_as_bfloat16s_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where bfloat16 products run in float32 and are rounded once (a CPU without bfloat16 dot-product
+    instructions), the scores are those products rounded, no farther from exact products than torch's bfloat16
+    matmul; float32, another device and a CPU with those instructions never widen."""
+    query, key = _qk(1, 1, 1, 600, 72, torch.bfloat16, seed=7)
+    monkeypatch.setattr(reads_ops, "widened_products", lambda dtype, device: dtype == torch.bfloat16)
+    reads = ProbedAttention(query, key, budget=1 << 30)
+    (*_, scores, _, keys), = list(reads._products(None, 0))
+    widened = scores.clone()[0, 0]
+    exact = query[0, 0].double() @ key[0, 0].double().T
+    own = query[0, 0] @ key[0, 0].T
+    assert widened.dtype == torch.bfloat16 and keys == 600
+    assert torch.equal(widened, (query[0, 0].float() @ key[0, 0].float().T).to(torch.bfloat16))
+    assert (widened.double() - exact).abs().max() <= (own.double() - exact).abs().max()
+    monkeypatch.undo()
+    assert not widened_products(torch.float32, torch.device("cpu"))
+    assert not widened_products(torch.bfloat16, torch.device("meta"))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert not widened_products(torch.bfloat16, torch.device("cpu"))
 
 
 def test_kept_tokens_are_the_same(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -72,6 +72,17 @@ def _direct(device: torch.device, function: Callable[..., Tensor], *args: Any) -
 _SCRATCH: dict[tuple[str, torch.dtype], Tensor] = {}
 
 
+def widened_products(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether products in `dtype` run in float32 and are rounded to `dtype`: bfloat16 on a CPU without bfloat16
+    dot-product instructions (AVX512-BF16 or AMX), where torch's bfloat16 matmul takes a slow path (2-core AVX2 EPYC:
+    0.2-0.9 GFLOP/s against 95-108 in float32, while SDPA computes bfloat16 attention at its float32 speed). Both
+    sum the exact products in float32 and round once; only the order of the sums may differ."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    native = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return not any(check() for check in native if check is not None)
+
+
 def _scratch(name: str, size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A flat buffer of at least `size` values for a read, reused between reads on a CPU."""
     if device.type != "cpu" or size == 0:
@@ -486,9 +497,12 @@ class ProbedAttention(AttentionReads):
         row_step = max(r1 - r0 for r0, r1, _ in steps)
         model_rule = self.scores == "model"
         score_dtype = query.dtype if model_rule else torch.float32
+        # The model rule's products in the model's dtype, or in float32 rounded to it where that dtype's own
+        # products are slow (`widened_products`).
+        widened = model_rule and widened_products(query.dtype, query.device)
         # Contiguous once per read: a layer's keys are often a view (Qwen's tower: heads and tokens transposed),
         # which every block's product would otherwise copy again.
-        keys_t = (key if model_rule else key.float()).contiguous().transpose(-1, -2)
+        keys_t = (key if model_rule and not widened else key.float()).contiguous().transpose(-1, -2)
         # One buffer for the scores, reused by every block (a fresh large allocation per block costs page faults
         # on a CPU); not under torch.jit's tracer (flops --verify), which counts an op by its inputs and would take
         # the `out=` buffer for one, nor where autograd records the reads (a loss through the method's merge
@@ -516,7 +530,12 @@ class ProbedAttention(AttentionReads):
                     if not model_rule:
                         stacked = (stacked * self.scale).float()
                     shape = (n, h1 - h0, groups * width, keys)
-                    if not size:
+                    if widened:
+                        products = torch.matmul(stacked.float(), keys_t[b0:b1, h0:h1, :, :keys])
+                        scores = score_buffer[:math.prod(shape)].view(shape) if size else torch.empty(
+                            shape, dtype=score_dtype, device=query.device)
+                        scores.copy_(products)  # rounded once to the model's dtype
+                    elif not size:
                         scores = torch.matmul(stacked, keys_t[b0:b1, h0:h1, :, :keys])
                     elif shape[:2] == (1, 1):
                         # One matrix product: torch's batched product would copy the strided rows first.

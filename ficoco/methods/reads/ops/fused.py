@@ -12,7 +12,9 @@ probability; every later read of the layer (column sums, rows, blocks) is answer
 
 Its output is the model's eager attention, computed by blocks: the scores in the model's dtype, scaled in that
 dtype, the softmax in float32 rounded to the model's dtype, P . V in it; it equals SDPA's within the dtype's
-tolerance (tests/test_fused_attention.py). Under the float32 rule (``attention_scores="float32"``) the scores,
+tolerance (tests/test_fused_attention.py). On a CPU without bfloat16 dot-product instructions (AVX2 alone) the two
+bfloat16 products run in float32 and are rounded once (ficoco.methods.reads.ops.widened_products: torch's bfloat16
+matmul is ~100x slower there, SDPA is not). Under the float32 rule (``attention_scores="float32"``) the scores,
 probabilities and P . V run in float32 and the output is rounded to the model's dtype.
 
 It runs where the native kernel computes the layer (`fusable`): a CPU, bfloat16 or float32 scores, no mask but the
@@ -29,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
-from ficoco.methods.reads.ops import ProbedAttention, ReadRunner
+from ficoco.methods.reads.ops import ProbedAttention, ReadRunner, widened_products
 
 # The largest head-mean matrix (all sequences x queries x keys, float32) a fused pass leaves: 64 M values, 256 MB
 # (Qwen3-VL's 2,304-token tower layer for a batch of 8 is 42 M; LLaVA-NeXT's ~2,900-token decoder 8.4 M).
@@ -74,9 +76,12 @@ def fused_attention(query: Tensor, key: Tensor, value: Tensor, scale: float | No
     batch, query_heads, q_len, _ = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     model_rule = reads.scores == "model"
-    # P . V in the probabilities' dtype: the model's under the model rule, float32 under the float32 rule.
-    values = (value if model_rule else value.float()).contiguous()
-    output = torch.empty(batch, query_heads, q_len, value.shape[-1], dtype=values.dtype)
+    # P . V in the probabilities' dtype: the model's under the model rule (in float32 rounded to it where its own
+    # products are slow: widened_products), float32 under the float32 rule.
+    widened = model_rule and widened_products(value.dtype, value.device)
+    values = (value if model_rule and not widened else value.float()).contiguous()
+    # (Rounded to the model's dtype as it is written, where P . V ran widened.)
+    output = torch.empty(batch, query_heads, q_len, value.shape[-1], dtype=value.dtype if widened else values.dtype)
     combined = torch.zeros(batch, q_len, k_len, dtype=torch.float32)
     threads = torch.get_num_threads()
     for b0, b1, r0, r1, block, limits, kernel_scale in reads._score_blocks(None, 0):
@@ -87,7 +92,7 @@ def fused_attention(query: Tensor, key: Tensor, value: Tensor, scale: float | No
                int(heads == "max"), threads)
         # (n, H_kv, g x rows, keys) @ (n, H_kv, keys, d): a key head's query heads stacked, as the products were.
         stacked = block.view(n, kv_heads, -1, keys)
-        product = torch.matmul(stacked, values[b0:b1, :, :keys])
+        product = torch.matmul(stacked.float() if widened else stacked, values[b0:b1, :, :keys])
         output[b0:b1, :, r0:r1] = product.view(n, query_heads, width, -1)
     if heads == "mean":
         combined.div_(query_heads)
