@@ -59,11 +59,8 @@ def test_the_committed_reports_rows_hold_the_fields_the_records_write() -> None:
     report = json.loads((ROOT / "reports" / "llava-tiny-cpu.json").read_text())
     measured = [row for row in report["rows"] if row.get("status") == "ok"]
     assert measured
-    # The committed reference predates the rows' `reads` record (issue 54): every other field, in order.
-    # TODO(issue 54): regenerate reports/llava-tiny-cpu.json with the benchmark and drop this exception.
-    fields = [key for key in MEASURED if key != "reads"]
     for row in measured:
-        assert [key for key in row if key in fields] == fields
+        assert [key for key in row if key in MEASURED] == MEASURED
 
 
 def test_a_reduced_rows_fidelity_names_its_reference_and_carries_its_figures_in_the_reports_order() -> None:
