@@ -80,8 +80,8 @@ def fused_attention(query: Tensor, key: Tensor, value: Tensor, scale: float | No
     # products are slow: widened_products), float32 under the float32 rule.
     widened = model_rule and widened_products(value.dtype, value.device)
     values = (value if model_rule and not widened else value.float()).contiguous()
-    # (Rounded to the model's dtype as it is written, where P . V ran widened.)
-    output = torch.empty(batch, query_heads, q_len, value.shape[-1], dtype=value.dtype if widened else values.dtype)
+    # In the model's dtype under the model rule (a widened P . V is rounded to it as it is written), else float32.
+    output = torch.empty(batch, query_heads, q_len, value.shape[-1], dtype=value.dtype if model_rule else torch.float32)
     combined = torch.zeros(batch, q_len, k_len, dtype=torch.float32)
     threads = torch.get_num_threads()
     for b0, b1, r0, r1, block, limits, kernel_scale in reads._score_blocks(None, 0):
