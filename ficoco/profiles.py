@@ -57,6 +57,37 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+# The families whose image processor resizes within pixel bounds (Qwen2-VL's smart resize), and the files a
+# checkpoint keeps its processor's settings in (transformers 5 may nest them in processor_config.json).
+_PIXEL_BOUNDED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def processor_pixel_bounds(folder: Path, model_type: str | None) -> dict[str, int]:
+    """The checkpoint's own image processor bounds in `folder` as profile defaults (`min_pixels`, `max_pixels`),
+    so that the accountant resizes an image as the checkpoint's processor does (Qwen2.5-VL's checkpoints allow
+    12,845,056 pixels where the family's default processor stops at 1,003,520); {} where the folder says nothing.
+    Legacy `min_pixels` / `max_pixels` keys win over `size`, as in transformers' processor."""
+    if model_type not in _PIXEL_BOUNDED:
+        return {}
+    for file in _PROCESSOR_FILES:
+        path = folder / file
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data.get("image_processor"), dict):
+            data = data["image_processor"]
+        size = data.get("size") if isinstance(data.get("size"), dict) else {}
+        bounds = {"min_pixels": data.get("min_pixels", size.get("shortest_edge")),
+                  "max_pixels": data.get("max_pixels", size.get("longest_edge"))}
+        if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in bounds.values()):
+            return bounds
+    return {}
+
+
 def load_profile(model: str, overrides: list[str] | dict[str, Any] | None = None) -> Profile:
     """Load a profile by name, by a path to a `config.json`, or by a local checkout folder.
 
@@ -84,6 +115,7 @@ def load_profile(model: str, overrides: list[str] | dict[str, Any] | None = None
         supported = ", ".join(FAMILY_DEFAULTS)
         raise FicocoError(f"{path}: model_type '{model_type}' is not a supported family ({supported})")
     merged = copy.deepcopy(FAMILY_DEFAULTS[model_type])
+    merged.update(processor_pixel_bounds(path.parent, model_type))
     merged.update(defaults or {})
     profile = Profile(name=name, config=data, defaults=merged, source=str(path))
     if overrides:

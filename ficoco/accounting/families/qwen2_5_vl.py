@@ -10,6 +10,7 @@ from ficoco.accounting.families.qwen2_vl import (
     DEFAULT_IMAGE,
     check_tower_heads,
     image_pixels,
+    pixel_bounds,
     qwen_architecture,
     qwen_decoder,
 )
@@ -44,7 +45,7 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
     d = VISION_DEFAULTS
     patch, merge = get(vcfg, "patch_size", d), get(vcfg, "spatial_merge_size", d)
     size_hw = layout.image_size or DEFAULT_IMAGE
-    h_px, w_px = image_pixels(size_hw, patch, merge, "Qwen2.5-VL")
+    h_px, w_px = image_pixels(size_hw, patch, merge, "Qwen2.5-VL", *pixel_bounds(layout))
     embed = get(vcfg, "hidden_size", d)
     layers = get(vcfg, "depth", d)
     window_px = get(vcfg, "window_size", d)

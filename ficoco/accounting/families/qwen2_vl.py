@@ -84,6 +84,17 @@ def image_pixels(size_hw: tuple[int, int], patch: int, merge: int, title: str, m
     return h_px, w_px
 
 
+def pixel_bounds(layout: Layout, min_default: int = MIN_PIXELS, max_default: int = MAX_PIXELS) -> tuple[int, int]:
+    """The image processor's (min_pixels, max_pixels): the family's defaults, or a checkpoint's own (the
+    profile's `ficoco.min_pixels` / `ficoco.max_pixels`, which a checkpoint's preprocessor_config.json sets where
+    ficoco reads it, and which the vLLM plugin sets to admit the grid vLLM's processor made)."""
+    low = whole("ficoco.min_pixels", layout.defaults.get("min_pixels", min_default))
+    high = whole("ficoco.max_pixels", layout.defaults.get("max_pixels", max_default))
+    if low > high:
+        raise FicocoError(f"ficoco.min_pixels={low} exceeds ficoco.max_pixels={high}: give min_pixels <= max_pixels")
+    return low, high
+
+
 def check_tower_heads(width_key: str, width: int, heads: int, title: str) -> None:
     """The packed tower's attention splits its width into heads (a reshape that fails otherwise)."""
     check_divisible("vision_config", width_key, width, "num_heads", heads, f"transformers' {title} vision attention")
@@ -119,7 +130,7 @@ def shape(cfg: dict[str, Any], layout: Layout) -> Architecture:
     d = VISION_DEFAULTS
     patch, merge = get(vcfg, "patch_size", d), get(vcfg, "spatial_merge_size", d)
     size_hw = layout.image_size or DEFAULT_IMAGE
-    h_px, w_px = image_pixels(size_hw, patch, merge, "Qwen2-VL")
+    h_px, w_px = image_pixels(size_hw, patch, merge, "Qwen2-VL", *pixel_bounds(layout))
     embed = get(vcfg, "embed_dim", d)
     layers = get(vcfg, "depth", d)
     heads = get(vcfg, "num_heads", d)

@@ -16,7 +16,13 @@ from dataclasses import replace
 from typing import Any
 
 from ficoco.accounting.families.parts import llama_decoder
-from ficoco.accounting.families.qwen2_vl import MAX_ASPECT, check_tower_heads, image_pixels, qwen_architecture
+from ficoco.accounting.families.qwen2_vl import (
+    MAX_ASPECT,
+    check_tower_heads,
+    image_pixels,
+    pixel_bounds,
+    qwen_architecture,
+)
 from ficoco.accounting.shapes import Architecture, Decoder, Family, Layout, Projector, VisionTower, get, whole
 from ficoco.errors import FicocoError
 
@@ -122,7 +128,7 @@ def qwen3_vision(vcfg: dict[str, Any], layout: Layout, title: str) -> tuple[Visi
     size_hw = layout.image_size or DEFAULT_IMAGE
     frames = layout.frames if layout.frames is not None else layout.defaults.get("frames")
     if frames is None:
-        h_px, w_px = image_pixels(size_hw, patch, merge, title, MIN_PIXELS, MAX_PIXELS)
+        h_px, w_px = image_pixels(size_hw, patch, merge, title, *pixel_bounds(layout, MIN_PIXELS, MAX_PIXELS))
     else:
         h_px, w_px = video_frame_pixels(whole("ficoco.frames", frames), size_hw, patch * merge,
                                         get(vcfg, "temporal_patch_size", d))

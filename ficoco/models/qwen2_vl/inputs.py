@@ -128,8 +128,9 @@ def encode_pieces(processor: Any, media: str, text: str, pictures: list[Any], pl
 
 def processed_image_size(encoded: dict[str, Tensor], config: dict[str, Any], picture: Any,
                          visual_tokens: int) -> tuple[tuple[int, int], str | None]:
-    """The size the processor resized to: the accountant's own resize keeps it, whatever min_pixels and
-    max_pixels the checkpoint's processor uses; a note where it differs from the picture's."""
+    """The size the processor resized to, which the accountant's resize keeps within the processor's pixel bounds
+    (a model built from the checkpoint's folder plans with its preprocessor_config.json's bounds:
+    `profiles.processor_pixel_bounds`); a note where it differs from the picture's."""
     patch = int((config.get("vision_config") or {}).get("patch_size", 14))
     _, rows, cols = (int(v) for v in encoded["image_grid_thw"][0].tolist())
     size = (rows * patch, cols * patch)

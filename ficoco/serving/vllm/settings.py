@@ -18,6 +18,7 @@ LLM are the placeholders the processor writes.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -113,15 +114,31 @@ class Settings:
             value = raw.get(name)
             if value is None:
                 return None
+            if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+                raise FicocoError(f"ficoco.vllm: {name} must be a whole number, got {value!r}")
             try:
                 return kind(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise FicocoError(f"ficoco.vllm: {name} must be a number, got {value!r}") from None
 
-        return cls(method=method, keep=number("keep", int), preset=number("preset", int),
-                   tflops=number("tflops", float), convention=str(raw.get("convention", "flops")),
-                   scope=str(raw.get("scope", "llm")), text_tokens=number("text_tokens", int),
-                   first_layer=number("first_layer", int), hp=tuple(sorted(hp.items())))
+        parsed = cls(method=method, keep=number("keep", int), preset=number("preset", int),
+                     tflops=number("tflops", float), convention=str(raw.get("convention", "flops")),
+                     scope=str(raw.get("scope", "llm")), text_tokens=number("text_tokens", int),
+                     first_layer=number("first_layer", int), hp=tuple(sorted(hp.items())))
+        # Settings no image can be served with are refused here, where vLLM makes the engine's config
+        # (runner.check_settings), not at the first request.
+        for name in ("keep", "preset"):
+            value = getattr(parsed, name)
+            if value is not None and value < 1:
+                raise FicocoError(f"ficoco.vllm: {name}={value} keeps no visual token; give {name} >= 1")
+        if parsed.tflops is not None and not (math.isfinite(parsed.tflops) and parsed.tflops > 0):
+            raise FicocoError(f"ficoco.vllm: tflops={raw.get('tflops')!r} is no budget; give a positive number of "
+                              "TFLOPs")
+        for name in ("text_tokens", "first_layer"):
+            value = getattr(parsed, name)
+            if value is not None and value < 0:
+                raise FicocoError(f"ficoco.vllm: {name}={value} is negative; give {name} >= 0")
+        return parsed
 
     def to_json(self) -> dict[str, Any]:
         """The settings as the user spells them (reports record them)."""
@@ -170,14 +187,14 @@ class ImagePlan:
         return {name: list(value) if isinstance(value, tuple) else value for name, value in self.settings}
 
 
-def _profile(config: Mapping[str, Any], name: str) -> Any:
+def _profile(config: Mapping[str, Any], name: str, defaults: Mapping[str, Any] | None = None) -> Any:
     from ficoco.profiles import FAMILY_DEFAULTS, Profile
 
     model_type = config.get("model_type")
     if model_type not in FAMILY_DEFAULTS:
         raise FicocoError(f"ficoco.vllm: model_type '{model_type}' has no accounting; supported: "
                           f"{', '.join(FAMILY_DEFAULTS)}")
-    return Profile(name=name, config=dict(config), defaults=dict(FAMILY_DEFAULTS[model_type]))
+    return Profile(name=name, config=dict(config), defaults={**FAMILY_DEFAULTS[model_type], **(defaults or {})})
 
 
 def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int, int, int] | None, patch: int,
@@ -188,7 +205,16 @@ def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int,
     if settings is None:
         settings = Settings(method="vanilla", text_tokens=text_tokens)
     grid = None if grid_thw is None else tuple(int(x) for x in grid_thw)
-    return _plan(config_json, settings, grid, int(patch), name)  # type: ignore[arg-type]
+    try:
+        return _plan(config_json, settings, grid, int(patch), name)  # type: ignore[arg-type]
+    except FicocoError as exc:
+        if grid is None or str(exc).startswith("ficoco.vllm"):
+            raise
+        # A setting no image of this grid can take (keep past its tokens, a budget below its floor): the request's
+        # one line, which names its image (the server answers it with a 400 and serves the others).
+        t, h, w = grid
+        raise FicocoError(f"ficoco.vllm: this request's {w * patch}x{h * patch} image (as processed, a {h}x{w} "
+                          f"patch grid) cannot be reduced with {settings.method} here: {exc}") from None
 
 
 @lru_cache(maxsize=256)
@@ -198,13 +224,18 @@ def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int] |
     from ficoco.accounting.schedule import plan_tokens
     from ficoco.methods.registry import method
 
-    profile = _profile(json.loads(config_json), name)
     if grid_thw is None:
-        arch = architecture(profile)
+        arch = architecture(_profile(json.loads(config_json), name))
     else:
         t, h, w = grid_thw
         if t != 1:
             raise FicocoError("ficoco.vllm: the plugin reduces images (grid t = 1); videos pass unreduced")
+        # The grid is what the served processor made of the image under its own pixel bounds (the checkpoint's
+        # preprocessor_config.json, or an engine's mm_processor_kwargs): the accountant plans that grid as it is,
+        # with bounds that admit it, never its own family defaults (which cap Qwen2.5-VL at 1,003,520 pixels where
+        # the checkpoints allow 12,845,056).
+        pixels = h * w * patch * patch
+        profile = _profile(json.loads(config_json), name, {"min_pixels": pixels, "max_pixels": pixels})
         arch = architecture(profile, image_size=(h * patch, w * patch))
         if arch.vision.units * arch.vision.merge != h * w:  # the accountant's resize must give the served grid
             raise FicocoError(f"ficoco.vllm: the accountant's layout for a {w * patch}x{h * patch} image is not the "
