@@ -172,18 +172,24 @@ def _reads_words(reads: dict | None) -> str:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    own_work, expect = None, None
-    if "--own-work" in args:
-        at = args.index("--own-work")
-        own_work = float(args[at + 1])
-        del args[at:at + 2]
-    if "--expect" in args:
-        at = args.index("--expect")
-        expect = [v for v in args[at + 1].split(",") if v]
-        del args[at:at + 2]
-    path, kind = args[0], (args[1] if len(args) > 1 else "cuda")
-    bad = check(path, kind, own_work, expect)
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="check_report.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report", help="a ficoco.report/1 JSON file (ficoco profile --json)")
+    parser.add_argument("kind", nargs="?", default="cuda", choices=("cuda", "cpu"), help="the device it ran on")
+    parser.add_argument("--own-work", type=float, default=None, metavar="SHARE",
+                        help="fail a row whose own work exceeds this share of its savings (e.g. 0.10), unless its "
+                             "reads and steps pass on their own")
+    parser.add_argument("--expect", default=None, metavar="V1,V2", help="variants that must each have a row")
+    args = parser.parse_args()  # a mistake: argparse's one line, exit 2
+    expect = [v for v in args.expect.split(",") if v] if args.expect else None
+    try:
+        bad = check(args.report, args.kind, args.own_work, expect)
+    except (OSError, ValueError) as exc:  # a missing or unreadable file: one line, exit 2
+        print(f"check_report.py: {args.report}: {exc.strerror if isinstance(exc, OSError) else exc}",
+              file=sys.stderr)
+        sys.exit(2)
     print("FAIL:\n  " + "\n  ".join(bad) if bad else "PASS")
     sys.exit(1 if bad else 0)
 
