@@ -8,7 +8,7 @@
 # venv: transformers 5.19 runs ficoco's Qwen2.5-VL and Qwen3-VL adapters (ficoco warns that it is outside the
 # tested range, and the tests check every token against vLLM's).
 #
-#   bash benchmarks/vllm_env.sh              # build .venv-vllm (if absent) and run the lean set (3 engines)
+#   bash benchmarks/vllm_env.sh              # build .venv-vllm (if absent) and run the lean set (3 engines, 1 server)
 #   FICOCO_VLLM_TESTS=all bash benchmarks/vllm_env.sh   # every family x method (11 engines, ~10 min on 2 cores)
 #   VENV=/somewhere bash benchmarks/vllm_env.sh --rebuild
 #   bash benchmarks/vllm_env.sh --deps-only  # vLLM and the rest, not ficoco, no tests (CI, beside its suite)
@@ -51,5 +51,8 @@ fi
 # Two threads, a 1 GiB KV cache and no core binding: what a shared 2-core machine takes.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
     VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind} HF_HUB_OFFLINE=1
-FICOCO_VLLM_TESTS=${FICOCO_VLLM_TESTS:-lean} "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py
+# The plugin against ficoco.apply through the LLM API (tests/test_vllm_plugin.py), then behind vLLM's OpenAI server
+# driven by the openai client (tests/test_vllm_server.py: one server, in the lean set too).
+FICOCO_VLLM_TESTS=${FICOCO_VLLM_TESTS:-lean} "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/test_vllm_plugin.py tests/test_vllm_server.py
 echo "vllm env: tests done at $((SECONDS - started)) s"

@@ -818,6 +818,13 @@ def serve_bench_command(
     json_path: JsonOpt = None,
     plot: Annotated[str | None, typer.Option(
         "--plot", callback=check.plot_folder, help="Draw throughput against concurrency into this folder.")] = None,
+    server: Annotated[bool, typer.Option(
+        "--server", help="Serve each variant with vLLM's OpenAI server (`vllm serve`, or its server module where the "
+                         "CPU build's command fails) and send the requests with the openai client, images as data "
+                         "URLs; without it, vLLM's AsyncLLM in this process.")] = False,
+    server_logs: Annotated[str | None, typer.Option(
+        "--server-logs", help="With --server: the folder each server's output goes to (a new temporary folder by "
+                              "default).")] = None,
 ) -> None:
     """Serve vanilla and each method with vLLM on the same requests at several concurrency levels: TTFT, requests/s,
     output tokens/s beside the accountant's TFLOPs and visual tokens per request (runs in vLLM's venv)."""
@@ -834,7 +841,7 @@ def serve_bench_command(
                          hp=tuple(sorted(hyperparameters.items())), first_layer=first_layer,
                          concurrency=tuple(int(c) for c in split_list(concurrency, "--concurrency")),
                          requests=requests, new_tokens=new_tokens, image_size=parse_image_size(image_size),
-                         dtype=dtype, max_model_len=max_model_len)
+                         dtype=dtype, max_model_len=max_model_len, server=server, log_folder=server_logs)
     console = err if json_path == "-" else out
     report = run_serve_bench(config, lambda line: err.print(line, markup=False, highlight=False))
     console.print(serve_table(report))

