@@ -321,3 +321,16 @@ def test_a_serving_report_names_how_its_images_were_resized_and_served(cli: Any,
     first = out.splitlines()[0]
     assert "resized by Qwen2VLImageProcessor (torchvision)" in first
     assert "through python -m vllm.entrypoints.openai.api_server" in first
+
+
+def test_serve_bench_prints_each_servers_command_as_a_user_would_type_it() -> None:
+    from ficoco.serving.vllm.bench import BenchConfig, server_command_line
+
+    config = BenchConfig(model="./ckpt", variants=("vanilla", "visionzip"), keep=8, concurrency=(1, 4), server=True)
+    command = server_command_line(config, config.settings("visionzip", 40))
+    assert command[command.index("--port") + 1] == "PORT"
+    assert command[0] == "python" or command[:2] == [command[0], "serve"]
+    assert json.loads(command[command.index("--hf-overrides") + 1]) == \
+        {"ficoco_vllm": {"method": "visionzip", "keep": 8, "text_tokens": 40}}
+    assert command[command.index("--max-num-seqs") + 1] == "4"
+    assert "--hf-overrides" not in server_command_line(config, None)

@@ -1,7 +1,8 @@
 """ficoco's vLLM plugin behind vLLM's OpenAI server, driven by the `openai` client as users deploy it: the server is
 started as `ficoco serve-bench --server` starts it (`ficoco.serving.vllm.server`: `vllm serve`, or its server module
 where the CPU build's `vllm` command fails) with VisionZip chosen in `--hf-overrides`, chunked prefill in 12-token
-chunks (the first ends inside the image's span) and prefix caching on (32-token blocks); requests are chat completions with images as data URLs.
+chunks (the first ends inside the image's span) and prefix caching on (32-token blocks); requests are chat
+completions with images as data URLs.
 
 Checked: a request's tokens and first-token log-probabilities are `ficoco.apply`'s on the transformers model (the
 reference the `LLM` API's tokens equal in tests/test_vllm_plugin.py), streamed or not; a request the plugin cannot

@@ -273,7 +273,8 @@ def server_command_line(config: BenchConfig, settings: Settings | None) -> list[
 
     command, _ = server_command(config.model, port=0, settings=None if settings is None else _settings_json(settings),
                                 engine=_engine_flags(config))
-    return ["python" if part == sys.executable else part for part in command]
+    at = command.index("--port") + 1  # the port is a free one, chosen when the server starts
+    return ["python" if part == sys.executable else part for part in command[:at]] + ["PORT"] + command[at + 1:]
 
 
 def _settings_json(settings: Settings) -> dict[str, Any]:
