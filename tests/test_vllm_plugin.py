@@ -295,3 +295,22 @@ def test_a_method_llava_is_not_served_by_is_refused_in_one_line_before_an_engine
             as caught:
         args.create_engine_config()
     assert why in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("budget_", "why"), [({"keep": 0}, "keep=0 keeps no visual token"),
+                                              ({"keep": -3}, "keep=-3 keeps no visual token"),
+                                              ({"tflops": -1.0}, "is no budget"),
+                                              ({"tflops": "fast"}, "tflops must be a number")])
+def test_settings_that_fit_no_image_are_refused_when_the_engine_config_is_made(
+        checkpoints: dict[str, Path], budget_: dict[str, Any], why: str) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ficoco.errors import FicocoError
+    from ficoco.serving.vllm import register
+
+    register()
+    args = EngineArgs(model=str(checkpoints["qwen2_5_vl"]), dtype="float32", enforce_eager=True, max_model_len=1024,
+                      hf_overrides={"ficoco_vllm": {"method": "divprune", **budget_}})
+    with pytest.raises(FicocoError, match=why) as caught:
+        args.create_engine_config()
+    assert "\n" not in str(caught.value)
