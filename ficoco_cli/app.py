@@ -823,8 +823,8 @@ def serve_bench_command(
                          "CPU build's command fails) and send the requests with the openai client, images as data "
                          "URLs; without it, vLLM's AsyncLLM in this process.")] = False,
     server_logs: Annotated[str | None, typer.Option(
-        "--server-logs", help="With --server: the folder each server's output goes to (a new temporary folder by "
-                              "default).")] = None,
+        "--server-logs", callback=check.output_folder,
+        help="With --server: the folder each server's output goes to (a new temporary folder by default).")] = None,
 ) -> None:
     """Serve vanilla and each method with vLLM on the same requests at several concurrency levels: TTFT, requests/s,
     output tokens/s beside the accountant's TFLOPs and visual tokens per request (runs in vLLM's venv)."""

@@ -204,6 +204,14 @@ def plot_folder(option: str, value: str) -> None:
     check_plot_folder(value, option)
 
 
+@_when_given
+def output_folder(option: str, value: str) -> None:
+    """A folder for a command's logs or other output: created when its parent exists, checked writable first."""
+    from ficoco.sweep.figures import check_plot_folder
+
+    check_plot_folder(value, option, holds="the output")
+
+
 def each(check: Callable[[str, str], None]) -> Callable[[typer.CallbackParam, list[str] | None], list[str] | None]:
     """A repeatable option whose every value `check` checks."""
 

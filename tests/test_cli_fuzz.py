@@ -556,12 +556,13 @@ def compare_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg]]:
     return command_line(draw, [draw(report_path(paths)), draw(report_path(paths))], options)
 
 
-def plot_folder(paths: Paths) -> st.SearchStrategy[Arg]:
-    """`--plot DIR`: a folder (made if its parent exists), or one that cannot be made or written."""
+def plot_folder(paths: Paths, flag: str = "--plot") -> st.SearchStrategy[Arg]:
+    """`--plot DIR` (or another folder option): a folder (made if its parent exists), or one that cannot be made or
+    written."""
     good = st.sampled_from([str(paths.folder / "figures"), str(paths.folder)]).map(
-        lambda p: option("--plot", p, path=True))
+        lambda p: option(flag, p, path=True))
     bad = st.sampled_from([str(paths.folder / "missing" / "figures"), paths.bad_inputs[2], "", " "]).map(
-        lambda p: option("--plot", p, bad=True, path=True))
+        lambda p: option(flag, p, bad=True, path=True))
     return mostly(good, bad)
 
 
@@ -825,6 +826,8 @@ def serve_bench_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg
         "max-model-len": counts("--max-model-len", low=64),
         "json": output("--json", paths),
         "plot": plot_folder(paths),
+        "server": switch("--server"),
+        "server-logs": plot_folder(paths, "--server-logs"),
     }
     base = [draw(model(paths, ["qwen2.5-vl-tiny"])),
             draw(choice("--variant", ["vanilla", "visionzip", "vanilla,divprune,vispruner", "v"]))]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -218,3 +219,26 @@ def test_sixty_four_concurrent_requests_with_one_broken_image(served: Any) -> No
         if index != broken_at:
             assert _tokens(answer) == refs[index % 4], index
     assert server.alive()
+
+
+@pytest.mark.skipif(os.environ.get("FICOCO_VLLM_TESTS") == "lean", reason="two more servers: the full set only")
+def test_serve_bench_through_the_server_reports_every_level(served: Any, tmp_path: Path) -> None:
+    """`ficoco serve-bench --server` end to end on the tiny checkpoint: vanilla's and VisionZip's servers start,
+    stream every level and stop; the report names the launcher and the image backend, and each row's prompt tokens
+    are the accountant's visual tokens plus the text."""
+    from ficoco.serving.vllm.bench import BenchConfig, run_bench
+
+    folder, _ = served
+    config = BenchConfig(model=str(folder), variants=("vanilla", METHOD), keep=KEEP, concurrency=(1, 2), requests=2,
+                         new_tokens=2, image_size=(112, 140), server=True, log_folder=str(tmp_path))
+    report = run_bench(config)
+    assert report["launcher"].startswith(("vllm serve", "python -m vllm.entrypoints.openai.api_server"))
+    assert report["config"]["image_processor"]["backend"] in ("torchvision", "PIL")
+    assert [(row["variant"], row["concurrency"]) for row in report["rows"]] == \
+        [("vanilla", 1), ("vanilla", 2), (METHOD, 1), (METHOD, 2)]
+    text = report["config"]["text_tokens"]
+    for row in report["rows"]:
+        assert row["output_tokens"] == 2 * 2 and row["requests_per_s"] > 0
+        assert row["prompt_tokens_per_request"] == text + row["visual_tokens_per_request"]
+    assert {row["visual_tokens_per_request"] for row in report["rows"]} == {20, KEEP}
+    assert sorted(path.name for path in tmp_path.glob("server-*.log")) == ["server-vanilla.log", f"server-{METHOD}.log"]

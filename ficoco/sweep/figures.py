@@ -348,13 +348,14 @@ def save_figure(figure: Figure, folder: str | Path, name: str, formats: tuple[st
     return written
 
 
-def check_plot_folder(path: str, option: str = "the figures' folder") -> None:
-    """A folder the figures can be written into (created if its parent exists), checked before any work."""
+def check_plot_folder(path: str, option: str = "the figures' folder", holds: str = "the figures") -> None:
+    """A folder `holds` (the figures, by default) can be written into (created if its parent exists), checked before
+    any work."""
     folder = Path(path).expanduser()
     if not path.strip():
-        raise FicocoError(f"{option} is empty; give a folder for the figures")
+        raise FicocoError(f"{option} is empty; give a folder for {holds}")
     if folder.exists() and not folder.is_dir():
-        raise FicocoError(f"{option} {path} is a file; give a folder for the figures")
+        raise FicocoError(f"{option} {path} is a file; give a folder for {holds}")
     if not folder.exists():
         if not folder.parent.is_dir():
             raise FicocoError(f"{option} {path}: folder {folder.parent} does not exist; create it first")

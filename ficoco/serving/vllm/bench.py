@@ -269,11 +269,11 @@ async def _serve_http(config: BenchConfig, settings: Settings | None, requests: 
 
 def server_command_line(config: BenchConfig, settings: Settings | None) -> list[str]:
     """The command a variant's server runs, as a user would type it (the port is chosen when it starts)."""
-    from ficoco.serving.vllm.server import server_command
+    from ficoco.serving.vllm.server import flag_name, server_command
 
     command, _ = server_command(config.model, port=0, settings=None if settings is None else _settings_json(settings),
                                 engine=_engine_flags(config))
-    at = command.index("--port") + 1  # the port is a free one, chosen when the server starts
+    at = command.index(flag_name("port")) + 1  # the port is a free one, chosen when the server starts
     return ["python" if part == sys.executable else part for part in command[:at]] + ["PORT"] + command[at + 1:]
 
 

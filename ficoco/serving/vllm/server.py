@@ -53,8 +53,13 @@ def launcher() -> tuple[list[str], str]:
     return [sys.executable, "-m", SERVER_MODULE], f"python -m {SERVER_MODULE} ({why})"
 
 
+def flag_name(name: str) -> str:
+    """vLLM's command-line spelling of an engine argument's Python name (`max_model_len` -> its flag)."""
+    return "-" * 2 + name.replace("_", "-")
+
+
 def _flag(name: str, value: Any) -> list[str]:
-    flag = "--" + name.replace("_", "-")
+    flag = flag_name(name)
     if value is True:
         return [flag]
     if value is False or value is None:
@@ -68,12 +73,12 @@ def server_command(model: str, *, port: int, settings: Mapping[str, Any] | None 
     vLLM's engine arguments `engine` (dtype, max_model_len, ...: Python names, as `LLM(...)` takes them), and
     the launcher's line."""
     start, why = launcher()
-    command = [*start, model] if start[-1] == "serve" else [*start, "--model", model]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
+    command = [*start, model] if start[-1] == "serve" else [*start, *_flag("model", model)]
+    command += [*_flag("host", "127.0.0.1"), *_flag("port", port)]
     for name, value in (engine or {}).items():
         command += _flag(name, value)
     if settings is not None:
-        command += ["--hf-overrides", json.dumps({"ficoco_vllm": dict(settings)})]
+        command += _flag("hf_overrides", {"ficoco_vllm": dict(settings)})
     return command, why
 
 
