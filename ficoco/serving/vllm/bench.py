@@ -58,7 +58,7 @@ class BenchConfig:
     seed: int = 0
     engine_args: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     server: bool = False  # through vLLM's OpenAI server and the openai client, not AsyncLLM in this process
-    log_folder: str | None = None  # where each server's output goes (the current folder by default)
+    log_folder: str | None = None  # where each server's output goes (a new temporary folder by default)
 
     def settings(self, variant: str, text_tokens: int) -> Settings | None:
         from ficoco.methods.registry import METHODS
@@ -210,29 +210,30 @@ def _engine(config: BenchConfig, settings: Settings | None) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    extra = dict(config.engine_args)
-    args = AsyncEngineArgs(model=config.model, dtype=config.dtype, enforce_eager=True,
-                           max_model_len=config.max_model_len, max_num_seqs=max(config.concurrency),
-                           limit_mm_per_prompt={"image": 1, "video": 0}, seed=config.seed,
-                           hf_overrides={} if settings is None else {SETTINGS_KEY: _settings_json(settings)},
-                           **extra)
+    args = AsyncEngineArgs(model=config.model, **_engine_flags(config),
+                           hf_overrides={} if settings is None else {SETTINGS_KEY: settings.to_json()})
     return AsyncLLM.from_engine_args(args)
+
+
+async def _levels(config: BenchConfig, requests: list[Any], level: Callable[..., Any]) -> list[dict[str, Any]]:
+    """Every level of one variant, after its warm-up: the warm-up requests at up to 4 in flight, so that the first
+    level is not the one that pays for first allocations, then one alone; `level(requests, concurrency)` runs one."""
+    warm = requests[-WARM_UP:]
+    await level(warm, min(4, len(warm)))
+    await level(warm[:1], 1)
+    return [await level(requests[:-WARM_UP], concurrency) for concurrency in config.concurrency]
 
 
 async def _serve(config: BenchConfig, settings: Settings | None, prompts: list[dict[str, Any]]
                  ) -> tuple[list[dict[str, Any]], float]:
-    """One engine for one variant: started, warmed up (the warm-up requests at up to 4 in flight, so that the
-    first level is not the one that pays for first allocations), run at every level, shut down; the levels' figures
-    and the engine's start time."""
+    """One engine for one variant: started, warmed up, run at every level (`_levels`), shut down; the levels'
+    figures and the engine's start time."""
     began = time.perf_counter()
     engine = _engine(config, settings)
     started = time.perf_counter() - began
     try:
-        warm = prompts[-WARM_UP:]
-        await _level(engine, warm, min(4, len(warm)), config.new_tokens)
-        await _level(engine, warm[:1], 1, config.new_tokens)
-        return [await _level(engine, prompts[:-WARM_UP], level, config.new_tokens) for level in config.concurrency], \
-            started
+        return await _levels(config, prompts, lambda requests, concurrency: _level(
+            engine, requests, concurrency, config.new_tokens)), started
     finally:
         engine.shutdown()
 
@@ -247,21 +248,18 @@ def _engine_flags(config: BenchConfig) -> dict[str, Any]:
 
 async def _serve_http(config: BenchConfig, settings: Settings | None, requests: list[list[dict[str, Any]]],
                       log_path: Path) -> tuple[list[dict[str, Any]], float, str]:
-    """One variant through vLLM's OpenAI server: started with the method in `--hf-overrides`, warmed up as the
-    engine is in `_serve`, run at every level, stopped; the levels' figures, its start time and its launcher."""
+    """One variant through vLLM's OpenAI server: started with the method in `--hf-overrides`, warmed up and run at
+    every level (`_levels`), stopped; the levels' figures, its start time and its launcher."""
     from openai import AsyncOpenAI
 
     from ficoco.serving.vllm.server import start_server
 
-    server = start_server(config.model, log_path, settings=None if settings is None else _settings_json(settings),
+    server = start_server(config.model, log_path, settings=None if settings is None else settings.to_json(),
                           engine=_engine_flags(config))
     try:
         async with AsyncOpenAI(base_url=server.url, api_key="ficoco", max_retries=0, timeout=3600.0) as client:
-            warm = requests[-WARM_UP:]
-            await _level_http(client, config.model, warm, min(4, len(warm)), config.new_tokens)
-            await _level_http(client, config.model, warm[:1], 1, config.new_tokens)
-            levels = [await _level_http(client, config.model, requests[:-WARM_UP], level, config.new_tokens)
-                      for level in config.concurrency]
+            levels = await _levels(config, requests, lambda chats, concurrency: _level_http(
+                client, config.model, chats, concurrency, config.new_tokens))
         return levels, server.started_s, server.launcher
     finally:
         server.stop()
@@ -271,17 +269,10 @@ def server_command_line(config: BenchConfig, settings: Settings | None) -> list[
     """The command a variant's server runs, as a user would type it (the port is chosen when it starts)."""
     from ficoco.serving.vllm.server import flag_name, server_command
 
-    command, _ = server_command(config.model, port=0, settings=None if settings is None else _settings_json(settings),
+    command, _ = server_command(config.model, port=0, settings=None if settings is None else settings.to_json(),
                                 engine=_engine_flags(config))
     at = command.index(flag_name("port")) + 1  # the port is a free one, chosen when the server starts
     return ["python" if part == sys.executable else part for part in command[:at]] + ["PORT"] + command[at + 1:]
-
-
-def _settings_json(settings: Settings) -> dict[str, Any]:
-    out = settings.to_json()
-    if settings.text_tokens is not None:
-        out["text_tokens"] = settings.text_tokens
-    return out
 
 
 def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
@@ -299,7 +290,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
 
         chats = [chat_messages([data_url(image)], config.question) for image in images]
         logs = Path(config.log_folder) if config.log_folder else Path(tempfile.mkdtemp(prefix="ficoco-serve-"))
-    launchers: dict[str, str] = {}
+    launcher = None
     config_json = json.dumps({k: v for k, v in hf_config.to_dict().items() if k != SETTINGS_KEY}, sort_keys=True,
                              default=str)
     patch = int(hf_config.vision_config.patch_size)
@@ -314,7 +305,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
         if config.server:
             log = logs / f"server-{variant}.log"
             progress(f"{variant}: {shlex.join(server_command_line(config, settings))} (output in {log})")
-            measured_levels, starts[variant], launchers[variant] = asyncio.run(
+            measured_levels, starts[variant], launcher = asyncio.run(
                 _serve_http(config, settings, chats, log))
         else:
             measured_levels, starts[variant] = asyncio.run(_serve(config, settings, prompts))
@@ -326,7 +317,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
                      f"TTFT p50 {measured['ttft_p50_s'] * 1000:.0f} ms")
     import vllm
 
-    served = {"launcher": next(iter(launchers.values()))} if launchers else {}
+    served = {"launcher": launcher} if launcher else {}
     return {"config": {**asdict(config), "text_tokens": text_tokens, "grid_thw": list(grid),
                        "image_processor": processor}, **served,
             "vllm": vllm.__version__, "engine_start_s": starts, "rows": rows,
