@@ -339,15 +339,19 @@ QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 FAMILIES["qwen3_5"] = ("qwen3.5-tiny", FAMILIES["qwen2_vl"][1])
 QWEN_FAMILIES += ("qwen3_5",)
 # InternVL3: <img> </img> <IMG_CONTEXT> at the placeholder id and the two before it, as InternVL3's tokenizer.
-FAMILIES["internvl"] = ("internvl3-tiny", {277: "<|im_start|>", 278: "<|im_end|>", 298: "<img>", 299: "</img>",
-                                           300: "<IMG_CONTEXT>", 301: "<pad>"})
+FAMILIES["internvl"] = ("internvl3-tiny", {277: "<|im_start|>", 278: "<|im_end|>", 297: "<video>", 298: "<img>",
+                                           299: "</img>", 300: "<IMG_CONTEXT>", 301: "<pad>"})
+# The tokens InternVLProcessor reads by name from its tokenizer (InternVL3-hf's tokenizer_config.json).
+INTERNVL_NAMED = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                  "video_token": "<video>"}
 # InternVL3's -hf template: ChatML, "<IMG_CONTEXT>\n" for an image before the text.
 _INTERNVL_CHATML = _ONEVISION_CHATML.replace("<image>", "<IMG_CONTEXT>")
 
 
-def make_tokenizer(specials: dict[int, str], vocab_size: int, *, add_bos: bool):
+def make_tokenizer(specials: dict[int, str], vocab_size: int, *, add_bos: bool, named: dict[str, str] | None = None):
     """A byte-level tokenizer without merges: ids 0-2 <unk> <s> </s>, then the 256 byte symbols,
-    the family's special tokens at their config ids, unused fillers up to `vocab_size`."""
+    the family's special tokens at their config ids, unused fillers up to `vocab_size`; `named`: special
+    tokens the family's processor reads by name (InternVL3's `start_image_token`...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -363,7 +367,7 @@ def make_tokenizer(specials: dict[int, str], vocab_size: int, *, add_bos: bool):
         backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     pad = specials.get(max(specials))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                        unk_token="<unk>", pad_token=pad)
+                                        unk_token="<unk>", pad_token=pad, extra_special_tokens=named or {})
     tokenizer.add_special_tokens({"additional_special_tokens": list(specials.values())})
     return tokenizer
 
@@ -376,7 +380,8 @@ def make_processor(family: str, model):
     config = model.config
     _, specials = FAMILIES[family]
     tokenizer = make_tokenizer(specials, config.get_text_config().vocab_size,
-                               add_bos=family not in (*QWEN_FAMILIES, "llava_onevision", "internvl"))
+                               add_bos=family not in (*QWEN_FAMILIES, "llava_onevision", "internvl"),
+                               named=INTERNVL_NAMED if family == "internvl" else None)
     if family in QWEN_FAMILIES:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

@@ -37,18 +37,24 @@ OVERRIDES = {
                    "text_config.rope_scaling.mrope_section": [4, 6, 6]},
     "qwen3_vl": {"text_config.head_dim": 32, "text_config.rope_scaling.mrope_section": [8, 4, 4]},
     "llava": {"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 2, "text_config.head_dim": 32},
+    "internvl": {"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 2},
 }
 # (width, height) of the test images: Qwen2.5-VL 10x8 patches (20 groups, windows partial at the edges), and a
 # 12x8 one for the batch of two sizes; Qwen3-VL 16x20 (80 groups; the processor's smallest image) and 16x24.
 SIZES = {"qwen2_5_vl": ((112, 140), (168, 112)), "qwen3_vl": ((320, 256), (384, 256)),
-         "llava": ((112, 112), (160, 120))}
-KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24, "llava": 8}
+         "llava": ((112, 112), (160, 120)), "internvl": ((128, 64), (64, 64))}
+# InternVL3's tiny tiles are 64 px (16 tokens each): 128x64 is two tiles and a thumbnail, 64x64 one tile.
+KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24, "llava": 8, "internvl": 6}
 # One case runs a TFLOPs budget counted over the whole model (scope all), which the accountant resolves per grid: the
 # two image sizes then keep different counts (17 of 20 groups and 2 of 24), in one batch.
 BUDGETS = {("qwen2_5_vl", "divprune"): {"tflops": 8.0e-05, "scope": "all"}}
-# LLaVA-1.5 (its one fixed layout; one-dimensional positions): DivPrune only, the plugin's cheap case.
+# LLaVA-1.5 (its one fixed layout) and InternVL3 (every tile keeps the same count): one-dimensional positions,
+# DivPrune only.
 METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"),
-           "qwen3_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"), "llava": ("divprune",)}
+           "qwen3_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"), "llava": ("divprune",),
+           "internvl": ("divprune",)}
+# Keep counts per tower tile (InternVL3): the record holds every tile's kept groups.
+TILED = {"internvl"}
 # PixelPrune has no budget: every image keeps the groups its pixels' LOCO-I prediction does not reproduce.
 PIXEL_COUNTED = {"pixelprune"}
 # The lean set's third engine is the OpenAI server of tests/test_vllm_server.py (VisionZip on Qwen2.5-VL: the
@@ -101,6 +107,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folders = {family: make_checkpoint(family, root / family, overrides=overrides)
                for family, overrides in OVERRIDES.items()}
     _as_llava_hf(folders["llava"])
+    _as_internvl_hf(folders["internvl"])
     return folders
 
 
@@ -116,6 +123,20 @@ def _as_llava_hf(folder: Path) -> None:
     save_file({(prefix + "vision_model." + name[len(prefix):] if name.startswith(prefix) and
                 not name.startswith(prefix + "vision_model.") else name): value for name, value in weights.items()},
               path, metadata={"format": "pt"})
+
+
+def _as_internvl_hf(folder: Path) -> None:
+    """The tiny InternVL3's whole processor, as InternVL3-hf's checkpoints store it: vLLM loads InternVLProcessor
+    (tokenizer, image processor, video processor, `image_seq_length` 16), which needs torchvision, present in vLLM's
+    venv."""
+    from transformers import AutoImageProcessor, AutoTokenizer, InternVLProcessor
+    from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = InternVLProcessor(image_processor=AutoImageProcessor.from_pretrained(folder), tokenizer=tokenizer,
+                                  video_processor=InternVLVideoProcessor(), image_seq_length=16,
+                                  chat_template=(folder / "chat_template.jinja").read_text())
+    processor.save_pretrained(folder)
 
 
 def budget(family: str, variant: str) -> dict[str, Any]:
@@ -155,7 +176,16 @@ def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, 
                 if "image_grid_thw" in inputs:  # the Qwen towers: the merge groups of the kept patches
                     width = int(inputs["image_grid_thw"][0][2])
                     patches = (patches // width // 2) * (width // 2) + (patches % width) // 2
-                kept = sorted(set(patches.tolist()))
+                    kept = sorted(set(patches.tolist()))
+                elif family in TILED:  # InternVL3: every tile's pixel-shuffle groups of the kept patches
+                    vision = model.config.vision_config
+                    side = vision.image_size[0] // vision.patch_size[0]
+                    factor = round(1 / model.config.downsample_ratio)
+                    every = handle.records[-1].kept  # (tiles, kept patches)
+                    groups = (every // side // factor) * (side // factor) + (every % side) // factor
+                    kept = [sorted(set(tile.tolist())) for tile in groups]
+                else:
+                    kept = sorted(set(patches.tolist()))
     top = torch.log_softmax(logits.float(), dim=-1).topk(TOP)
     return {"text": prompt.text, "tokens": ids[0, -NEW_TOKENS:].tolist(), "kept": kept,
             "top": dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
@@ -227,6 +257,8 @@ def test_the_plugin_keeps_the_groups_and_tokens_of_ficoco_apply(served: Any) -> 
     if variant in PIXEL_COUNTED:  # the image's own count: the flat rectangles' groups gone, the rest kept
         t, h, w = record["grid_thw"]
         assert 0 < len(record["kept"]) < h * w // 4
+    elif family in TILED:  # every tile (two and the thumbnail) keeps the count
+        assert [len(tile) for tile in record["kept"]] == [KEEP[family]] * 3
     elif (family, variant) not in BUDGETS:
         assert len(record["kept"]) == KEEP[family]
     assert tokens == refs[0]["tokens"]
@@ -279,22 +311,45 @@ def test_a_method_the_plugin_cannot_serve_is_refused_in_one_line_before_an_engin
     assert "\n" not in str(caught.value) and method in str(caught.value)
 
 
-@pytest.mark.parametrize(("settings", "why"), [({"method": "visionzip", "keep": 8}, "reads the tower's"),
-                                               ({"method": "pixelprune"}, "fixed-grid encoder")])
-def test_a_method_llava_is_not_served_by_is_refused_in_one_line_before_an_engine_starts(
-        checkpoints: dict[str, Path], settings: dict[str, Any], why: str) -> None:
+@pytest.mark.parametrize(("family", "settings", "why"), [
+    ("llava", {"method": "visionzip", "keep": 8}, "reads the tower's"),
+    ("llava", {"method": "pixelprune"}, "fixed-grid encoder"),
+    ("internvl", {"method": "visionzip", "keep": 8}, "reads the tower's"),
+    ("internvl", {"method": "v", "keep": 8}, "acts inside its layers")])
+def test_a_method_a_family_is_not_served_by_is_refused_in_one_line_before_an_engine_starts(
+        checkpoints: dict[str, Path], family: str, settings: dict[str, Any], why: str) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     from ficoco.errors import FicocoError
     from ficoco.serving.vllm import register
 
     register()
-    args = EngineArgs(model=str(checkpoints["llava"]), dtype="float32", enforce_eager=True, max_model_len=1024,
+    architecture = {"llava": "LlavaForConditionalGeneration", "internvl": "InternVLForConditionalGeneration"}[family]
+    args = EngineArgs(model=str(checkpoints[family]), dtype="float32", enforce_eager=True, max_model_len=1024,
                       hf_overrides={"ficoco_vllm": settings})
-    with pytest.raises(FicocoError, match=f"{settings['method']} is not served on LlavaForConditionalGeneration") \
-            as caught:
+    with pytest.raises(FicocoError, match=f"{settings['method']} is not served on {architecture}") as caught:
         args.create_engine_config()
     assert why in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_family_the_plugin_does_not_reduce_is_refused_with_its_reason_before_an_engine_starts(
+        tmp_path: Path) -> None:
+    """LLaVA-OneVision, which vLLM serves: a ficoco_vllm setting on it is refused where the engine's config is made,
+    with the reason, not ignored (an engine that silently served it unreduced would report vanilla's figures)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ficoco.errors import FicocoError
+    from ficoco.serving.vllm import register
+
+    register()
+    folder = make_checkpoint("llava_onevision", tmp_path / "onevision",
+                             overrides={"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 2})
+    args = EngineArgs(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=1024,
+                      hf_overrides={"ficoco_vllm": {"method": "divprune", "keep": 8}})
+    with pytest.raises(FicocoError, match="LlavaOnevisionForConditionalGeneration is not reduced by the plugin "
+                                          r"\(LLaVA-OneVision packs") as caught:
+        args.create_engine_config()
+    assert "drop the ficoco_vllm settings" in str(caught.value) and "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize(("budget_", "why"), [({"keep": 0}, "keep=0 keeps no visual token"),

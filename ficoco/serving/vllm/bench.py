@@ -122,14 +122,24 @@ def image_backend(processor: Any) -> str:
     return type(processor).__name__
 
 
-def _grid(model: str, image: Any) -> tuple[tuple[int, int, int], dict[str, str]]:
-    """The patch grid the checkpoint's image processor makes of `image` (what vLLM's processor makes of it: the
-    same class, loaded the same way, in the same environment), and that processor's class and backend."""
-    from transformers import AutoImageProcessor
+def _layout(model: str, image: Any, config: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """How the checkpoint's processor lays `image` out (what vLLM's processor makes of it: the same classes, loaded
+    the same way, in the same environment): a Qwen family's patch grid (`grid_thw`), InternVL's tower tiles
+    (`tiles`, the thumbnail included: vLLM hands the whole processor the image token alone and counts the
+    placeholders it writes), or nothing (LLaVA-1.5's one fixed square); and that image processor's class and
+    backend."""
+    from transformers import AutoImageProcessor, AutoProcessor
 
-    processor = AutoImageProcessor.from_pretrained(model, local_files_only=True)
-    t, h, w = (int(x) for x in processor(images=[image], return_tensors="pt")["image_grid_thw"][0])
-    return (t, h, w), {"class": type(processor).__name__, "backend": image_backend(processor)}
+    if config.model_type == "internvl":
+        whole = AutoProcessor.from_pretrained(model, local_files_only=True)
+        ids = whole(text=whole.image_token, images=[image], return_tensors="pt")["input_ids"][0]
+        layout: dict[str, Any] = {"tiles": int((ids == whole.image_token_id).sum()) // int(whole.image_seq_length)}
+        processor = whole.image_processor
+    else:
+        processor = AutoImageProcessor.from_pretrained(model, local_files_only=True)
+        made = processor(images=[image], return_tensors="pt")
+        layout = {"grid_thw": [int(x) for x in made["image_grid_thw"][0]]} if "image_grid_thw" in made else {}
+    return layout, {"class": type(processor).__name__, "backend": image_backend(processor)}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -281,9 +291,10 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
     (`ficoco serve-bench` does), which this room does not know."""
     if not Path(config.model).is_dir():
         raise FicocoError(f"model={config.model}: give a local checkpoint folder (vLLM loads its weights)")
-    text, text_tokens, hf_config = _prompt(config.model, config.question)
     images = _images(config)
-    grid, processor = _grid(config.model, images[0])
+    text, text_tokens, hf_config = _prompt(config.model, config.question)
+    layout, processor = _layout(config.model, images[0], hf_config)
+    grid = tuple(layout["grid_thw"]) if "grid_thw" in layout else None
     prompts = [{"prompt": text, "multi_modal_data": {"image": image}} for image in images]
     if config.server:
         from ficoco.serving.vllm.server import chat_messages, data_url
@@ -293,12 +304,13 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
     launcher = None
     config_json = json.dumps({k: v for k, v in hf_config.to_dict().items() if k != SETTINGS_KEY}, sort_keys=True,
                              default=str)
-    patch = int(hf_config.vision_config.patch_size)
+    patch = hf_config.vision_config.patch_size  # InternVL's config gives (height, width)
+    patch = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
     rows: list[dict[str, Any]] = []
     starts: dict[str, float] = {}
     for variant in config.variants:
         settings = config.settings(variant, text_tokens)
-        plan = plan_image(config_json, settings, grid, patch, text_tokens=text_tokens)
+        plan = plan_image(config_json, settings, grid, patch, text_tokens=text_tokens, tiles=layout.get("tiles"))
         tokens, tflops = plan.tokens, plan.tflops
         counted = "at most " if variant in PIXEL_COUNTED else ""  # planned at every group; each image its own
         progress(f"{variant}: starting an engine ({counted}{tokens} visual tokens per request, {tflops:.4g} TFLOPs)")
@@ -318,7 +330,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
     import vllm
 
     served = {"launcher": launcher} if launcher else {}
-    return {"config": {**asdict(config), "text_tokens": text_tokens, "grid_thw": list(grid),
+    return {"config": {**asdict(config), "text_tokens": text_tokens, **layout,
                        "image_processor": processor}, **served,
             "vllm": vllm.__version__, "engine_start_s": starts, "rows": rows,
             "note": "random weights: the figures measure the engine and the reduction, never accuracy"}

@@ -52,7 +52,8 @@ class Planner:
         self.settings: Settings | None = settings_from(config)
         self.config_json = _config_json(config) if self.settings is not None else ""
         vision = config.vision_config
-        self.patch = int(vision.patch_size)
+        patch = vision.patch_size  # InternVL's config gives (height, width)
+        self.patch = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
         # A method whose count is each image's own, read from its pixels (PixelPrune): the processor and the model
         # run its selector on the same pixels, so the placeholders and the tower's kept groups agree.
         self.pixel_counted = self.settings is not None and self.settings.method in PIXEL_COUNTED
@@ -70,6 +71,11 @@ class Planner:
         assert self.settings is not None
         grid = None if grid_thw is None else tuple(int(x) for x in grid_thw)
         return plan_image(self.config_json, self.settings, grid, self.patch)  # type: ignore[arg-type]
+
+    def plan_tiles(self, tiles: int) -> ImagePlan:
+        """The plan for an InternVL image the processor cut into `tiles` tower items (the thumbnail included)."""
+        assert self.settings is not None
+        return plan_image(self.config_json, self.settings, None, self.patch, tiles=int(tiles))
 
     def pixel_kept(self, pixels: Tensor, grids: Sequence[tuple[int, int, int]]) -> list[Tensor]:
         """Every image's kept merge groups (grid indices, ascending) under a pixel-counted method, from the packed

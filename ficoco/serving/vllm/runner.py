@@ -48,7 +48,7 @@ def check_settings() -> None:
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         from ficoco.errors import FicocoError
-        from ficoco.serving.vllm import ARCHITECTURES, SERVED_ONLY
+        from ficoco.serving.vllm import ARCHITECTURES, NOT_REDUCED, SERVED_ONLY
         from ficoco.serving.vllm.settings import SETTINGS_KEY, settings_from
 
         overrides = self.hf_overrides if isinstance(self.hf_overrides, dict) else {}
@@ -64,8 +64,10 @@ def check_settings() -> None:
         if settings is not None:
             architectures = list(getattr(made.model_config, "architectures", None) or [])
             if not set(architectures) & set(ARCHITECTURES):
+                why = next((NOT_REDUCED[a] for a in architectures if a in NOT_REDUCED), None)
                 raise FicocoError(f"ficoco.vllm: {', '.join(architectures) or 'this model'} is not reduced by the "
-                                  "plugin (Qwen2.5-VL, Qwen3-VL, LLaVA-1.5); drop the ficoco_vllm settings")
+                                  f"plugin{f' ({why})' if why else ''}; it reduces Qwen2.5-VL, Qwen3-VL, LLaVA-1.5 "
+                                  "and InternVL3: drop the ficoco_vllm settings")
             for architecture in architectures:
                 served = SERVED_ONLY.get(architecture)
                 if served is not None and settings.method not in served:

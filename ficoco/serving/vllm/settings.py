@@ -198,15 +198,16 @@ def _profile(config: Mapping[str, Any], name: str, defaults: Mapping[str, Any] |
 
 
 def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int, int, int] | None, patch: int,
-               name: str = "served", text_tokens: int | None = None) -> ImagePlan:
+               name: str = "served", text_tokens: int | None = None, tiles: int | None = None) -> ImagePlan:
     """The accountant's plan for one image of `grid_thw` (patches) under `settings` (None: vanilla, counted
     with `text_tokens`), for the model whose config is `config_json` (a string so that plans are cached by
-    value). `grid_thw` None: a family whose every image has the same layout (LLaVA-1.5's fixed square)."""
+    value). `grid_thw` None: a family whose every image has the same layout (LLaVA-1.5's fixed square), or
+    (`tiles`) InternVL's image of that many tower tiles, the thumbnail included, as the served processor cut it."""
     if settings is None:
         settings = Settings(method="vanilla", text_tokens=text_tokens)
     grid = None if grid_thw is None else tuple(int(x) for x in grid_thw)
     try:
-        return _plan(config_json, settings, grid, int(patch), name)  # type: ignore[arg-type]
+        return _plan(config_json, settings, grid, int(patch), name, tiles)  # type: ignore[arg-type]
     except FicocoError as exc:
         if grid is None or str(exc).startswith("ficoco.vllm"):
             raise
@@ -217,14 +218,36 @@ def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int,
                           f"patch grid) cannot be reduced with {settings.method} here: {exc}") from None
 
 
+def _tiled_architecture(config: dict[str, Any], name: str, tiles: int) -> Any:
+    """The accountant's architecture of an InternVL image of `tiles` tower items as the served processor cut it
+    (a grid of tiles, and a thumbnail when there is more than one): every item costs a tile's work, so the image
+    whose canvas is exactly (tiles - 1) tiles in a row, with the tiling bounded to them, has the same layout."""
+    from ficoco.accounting import architecture
+
+    if tiles < 1 or tiles == 2:  # one tile is the image alone; two or more tiles come with the thumbnail
+        raise FicocoError(f"ficoco.vllm: an InternVL image of {tiles} tower items is no tiling the processor makes")
+    vision = config.get("vision_config", {})
+    size = vision.get("image_size", 448)
+    tile_h, tile_w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    row = max(tiles - 1, 1)
+    profile = _profile(config, name, {"min_tiles": row, "max_tiles": row})
+    arch = architecture(profile, image_size=(tile_h, tile_w * row))
+    if arch.vision.items != tiles:
+        raise FicocoError(f"ficoco.vllm: the accountant's layout of an image of {tiles} tiles has "
+                          f"{arch.vision.items}")
+    return arch
+
+
 @lru_cache(maxsize=256)
-def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int] | None, patch: int, name: str
-          ) -> ImagePlan:
+def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int] | None, patch: int, name: str,
+          tiles: int | None = None) -> ImagePlan:
     from ficoco.accounting import CountOptions, ScheduleRequest, architecture, compute_tera, resolve_schedule
     from ficoco.accounting.schedule import plan_tokens
     from ficoco.methods.registry import method
 
-    if grid_thw is None:
+    if tiles is not None:
+        arch = _tiled_architecture(json.loads(config_json), name, tiles)
+    elif grid_thw is None:
         arch = architecture(_profile(json.loads(config_json), name))
     else:
         t, h, w = grid_thw
