@@ -1,6 +1,6 @@
 """What a method's attention reads cost in a profile report, against what a fused kernel could make them cost.
 
-    python benchmarks/read_floor.py reports/cpu-2026/qwen3-vl-8b.json --variant v,l
+    python benchmarks/read_floor.py reports/cpu-2026/epyc-avx2/qwen3-vl-8b.json --variant v,l
 
 ficoco computes a read by blocks of scores (the product, the scale, the softmax and the sums each one pass
 over the block, in the model's eager rule), beside the layer's own SDPA. For every layer a report row's

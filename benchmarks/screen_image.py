@@ -4,8 +4,8 @@ PixelPrune keeps one patch of every run of identical patches (its count is decid
 random pixels of `ficoco profile`'s default input it keeps every patch. A screen or document page is mostly flat;
 this image stands in for one, made from a seed (nothing is downloaded):
 
-    python benchmarks/screen_image.py reports/cpu-2026/screen-768.png --size 768
-    ficoco profile -m qwen3-vl-8b --variant vanilla,pixelprune --image reports/cpu-2026/screen-768.png ...
+    python benchmarks/screen_image.py reports/methods-2026/screen-768.png --size 768
+    ficoco profile -m qwen3-vl-8b --variant vanilla,pixelprune --image reports/methods-2026/screen-768.png ...
 """
 
 from __future__ import annotations

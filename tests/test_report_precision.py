@@ -25,12 +25,13 @@ def test_a_bf16_cpu_row_is_shown_as_bf16_in_the_table_verdicts_and_check_lines(t
     import sys
     from pathlib import Path
 
-    report = json.loads(Path("reports/cpu-2026/qwen3-vl-8b.json").read_text())  # AMX, bfloat16
+    path = "reports/archive/cpu-2026-xeon/qwen3-vl-8b.json"  # AMX, bfloat16
+    report = json.loads(Path(path).read_text())
     assert report["rows"][0]["backend"]["compute_dtype"] == "bfloat16" and report["rows"][0]["quant"] == "fp16"
-    shown = cli("report", "reports/cpu-2026/qwen3-vl-8b.json")
+    shown = cli("report", path)
     assert shown.code == 0 and "prefill, bf16, batch 1" in " ".join(shown.out.split())
     assert "fp16" not in shown.out
-    checked = subprocess.run([sys.executable, "benchmarks/check_report.py", "reports/cpu-2026/qwen3-vl-8b.json", "cpu"],
+    checked = subprocess.run([sys.executable, "benchmarks/check_report.py", path, "cpu"],
                              capture_output=True, text=True)
     tags = [line.split()[:2] for line in checked.stdout.splitlines() if line.startswith("  ")]
     assert tags and all(tag[1] == "bf16" for tag in tags)
