@@ -101,6 +101,30 @@ def test_a_budget_is_resolved_for_each_grid() -> None:
     assert small.tokens == small.vanilla_tokens and large.tokens < large.vanilla_tokens
 
 
+def test_an_internvl_image_is_planned_by_the_tiles_the_processor_cut() -> None:
+    """InternVL3: every tower tile (the thumbnail included) keeps the same count. A keep is per tile; the plan of an
+    image of n tiles is the accountant's for an image the processor tiles so (128x64: two tiles and the thumbnail),
+    and a TFLOPs budget counts the image's tiles (a one-tile image fits 1e-4 TFLOPs whole, three tiles keep 8 each)."""
+    from ficoco.accounting import compute_tera
+
+    # A served checkpoint's config: no profile's `ficoco` defaults (its family's count: 60 text tokens).
+    config = {k: v for k, v in load_profile("internvl3-tiny").config.items() if k != "ficoco"}
+    served = json.dumps(config)
+    keep = Settings(method="divprune", keep=6)
+    assert [plan_image(served, keep, None, 8, tiles=n).tokens for n in (1, 3, 5, 13)] == [6, 18, 30, 78]
+    arch = architecture(_profile(config, "served"), image_size=(64, 128))
+    assert arch.vision.items == 3
+    schedule = resolve_schedule(arch, "divprune", CountOptions(), ScheduleRequest(keep=6))
+    three = plan_image(served, keep, None, 8, tiles=3)
+    assert three.tflops == pytest.approx(compute_tera(arch, schedule, CountOptions()), rel=1e-12)
+    assert three.removals == schedule.removals and three.vanilla_tokens == 48
+    budget = Settings(method="divprune", tflops=1.0e-04, scope="all")
+    one, three = (plan_image(served, budget, None, 8, tiles=n) for n in (1, 3))
+    assert (one.tokens, one.removals) == (16, ()) and three.tokens == 24
+    with pytest.raises(FicocoError, match="2 tower items is no tiling"):
+        plan_image(served, keep, None, 8, tiles=2)
+
+
 def test_an_impossible_budget_is_one_line() -> None:
     with pytest.raises(FicocoError):
         plan_image(_config_json(), Settings(method="visionzip", keep=500), (1, 10, 8), 14)

@@ -45,14 +45,18 @@ SIZES = {"qwen2_5_vl": ((112, 140), (168, 112)), "qwen3_vl": ((320, 256), (384, 
          "llava": ((112, 112), (160, 120)), "internvl": ((128, 64), (64, 64))}
 # InternVL3's tiny tiles are 64 px (16 tokens each): 128x64 is two tiles and a thumbnail, 64x64 one tile.
 KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24, "llava": 8, "internvl": 6}
-# One case runs a TFLOPs budget counted over the whole model (scope all), which the accountant resolves per grid: the
-# two image sizes then keep different counts (17 of 20 groups and 2 of 24), in one batch.
-BUDGETS = {("qwen2_5_vl", "divprune"): {"tflops": 8.0e-05, "scope": "all"}}
-# LLaVA-1.5 (its one fixed layout) and InternVL3 (every tile keeps the same count): one-dimensional positions,
-# DivPrune only.
+# Two cases run a TFLOPs budget counted over the whole model (scope all), which the accountant resolves per grid (per
+# tile count on InternVL3): the image sizes then keep different counts in one batch (Qwen2.5-VL: 17 of 20 groups and
+# 2 of 24; InternVL3: 7 of every tile's 16 of a three-tile image), and an image the budget fits whole (Qwen2.5-VL's
+# 112x112, InternVL3's one tile) keeps every group.
+BUDGETS = {("qwen2_5_vl", "divprune"): {"tflops": 8.0e-05, "scope": "all"},
+           ("internvl", "divprune"): {"tflops": 1.0e-04, "scope": "all"}}
+WHOLE = {("qwen2_5_vl", "divprune"): (112, 112), ("internvl", "divprune"): (64, 64)}
+# LLaVA-1.5 (its one fixed layout; DivPrune only) and InternVL3 (every tile keeps the same count; VisionZip and
+# VisPruner by InternViT's [CLS] attention too): one-dimensional positions.
 METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"),
            "qwen3_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"), "llava": ("divprune",),
-           "internvl": ("divprune",)}
+           "internvl": ("divprune", "visionzip", "vispruner")}
 # Keep counts per tower tile (InternVL3): the record holds every tile's kept groups.
 TILED = {"internvl"}
 # PixelPrune has no budget: every image keeps the groups its pixels' LOCO-I prediction does not reproduce.
@@ -171,9 +175,11 @@ def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, 
             count = CountOptions(scope=chosen.pop("scope", "llm"))
             with ficoco.apply(model, variant=variant, image_size=prompt.image_size, count=count, **chosen) as handle:
                 ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-                patches = handle.records[-1].kept[0]
                 logits = model(**inputs).logits[0, -1]
-                if "image_grid_thw" in inputs:  # the Qwen towers: the merge groups of the kept patches
+                if not handle.records:  # the plan left the image whole: every group of it
+                    kept = whole_groups(model.config, family, inputs)
+                elif "image_grid_thw" in inputs:
+                    patches = handle.records[-1].kept[0]  # the Qwen towers: the merge groups of the kept patches
                     width = int(inputs["image_grid_thw"][0][2])
                     patches = (patches // width // 2) * (width // 2) + (patches % width) // 2
                     kept = sorted(set(patches.tolist()))
@@ -183,12 +189,24 @@ def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, 
                     factor = round(1 / model.config.downsample_ratio)
                     every = handle.records[-1].kept  # (tiles, kept patches)
                     groups = (every // side // factor) * (side // factor) + (every % side) // factor
-                    kept = [sorted(set(tile.tolist())) for tile in groups]
+                    kept = [sorted({g for g in tile.tolist() if g >= 0}) for tile in groups]  # contextual: -1
                 else:
-                    kept = sorted(set(patches.tolist()))
+                    kept = sorted(set(handle.records[-1].kept[0].tolist()))
     top = torch.log_softmax(logits.float(), dim=-1).topk(TOP)
     return {"text": prompt.text, "tokens": ids[0, -NEW_TOKENS:].tolist(), "kept": kept,
             "top": dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
+
+
+def whole_groups(config: Any, family: str, inputs: Any) -> Any:
+    """The groups of an image kept whole, as the plugin records them: every merge group (Qwen), every tile's
+    pixel-shuffle groups (InternVL3)."""
+    if family in TILED:
+        vision = config.vision_config
+        side = vision.image_size[0] // vision.patch_size[0] // round(1 / config.downsample_ratio)
+        units = side * side
+        return [list(range(units))] * int(inputs["pixel_values"].shape[0])
+    t, h, w = (int(x) for x in inputs["image_grid_thw"][0])
+    return list(range(t * h * w // 4))
 
 
 class Engine:
@@ -238,6 +256,8 @@ def served(request: pytest.FixtureRequest, checkpoints: dict[str, Path], tmp_pat
     first, second = SIZES[family]
     draw = flat_picture if variant in PIXEL_COUNTED else picture
     images = [draw(first, 0), draw(first, 1), draw(second, 2)]
+    if (family, variant) in WHOLE:  # a fourth image, of a size the budget leaves whole
+        images.append(draw(WHOLE[family, variant], 3))
     refs = [reference(folder, family, variant, image) for image in images]
     engine = Engine(folder, family, variant, tmp_path_factory.mktemp("record") / "kept.jsonl",
                     enable_chunked_prefill=True, max_num_batched_tokens=16)
@@ -257,8 +277,10 @@ def test_the_plugin_keeps_the_groups_and_tokens_of_ficoco_apply(served: Any) -> 
     if variant in PIXEL_COUNTED:  # the image's own count: the flat rectangles' groups gone, the rest kept
         t, h, w = record["grid_thw"]
         assert 0 < len(record["kept"]) < h * w // 4
-    elif family in TILED:  # every tile (two and the thumbnail) keeps the count
-        assert [len(tile) for tile in record["kept"]] == [KEEP[family]] * 3
+    elif family in TILED:  # every tile (two and the thumbnail) keeps the same count (VisionZip's merged ones apart)
+        assert len(record["kept"]) == 3 and len({len(tile) for tile in record["kept"]}) == 1
+        if (family, variant) not in BUDGETS:
+            assert 0 < len(record["kept"][0]) <= KEEP[family]
     elif (family, variant) not in BUDGETS:
         assert len(record["kept"]) == KEEP[family]
     assert tokens == refs[0]["tokens"]
@@ -277,7 +299,11 @@ def test_a_batch_of_two_image_sizes_gives_each_request_its_own_tokens(served: An
     records = engine.kept()
     assert {json.dumps(r["kept"]) for r in records} == {json.dumps(refs[1]["kept"]), json.dumps(refs[2]["kept"])}
     if (family, variant) in BUDGETS:  # the budget is resolved per grid: the two sizes keep different counts
-        assert len(refs[1]["kept"]) != len(refs[2]["kept"])
+        assert json.dumps(refs[1]["kept"]) != json.dumps(refs[2]["kept"])
+    if (family, variant) in WHOLE:  # an image the budget fits whole: every group kept, the same tokens
+        (tokens,) = engine.generate([(refs[3]["text"], images[3])])
+        (record,) = engine.kept()
+        assert tokens == refs[3]["tokens"] and record["kept"] == refs[3]["kept"]
 
 
 def test_pixelprune_with_a_budget_is_refused_in_one_line_before_an_engine_starts(
@@ -314,8 +340,8 @@ def test_a_method_the_plugin_cannot_serve_is_refused_in_one_line_before_an_engin
 @pytest.mark.parametrize(("family", "settings", "why"), [
     ("llava", {"method": "visionzip", "keep": 8}, "reads the tower's"),
     ("llava", {"method": "pixelprune"}, "fixed-grid encoder"),
-    ("internvl", {"method": "visionzip", "keep": 8}, "reads the tower's"),
-    ("internvl", {"method": "v", "keep": 8}, "acts inside its layers")])
+    ("internvl", {"method": "pixelprune"}, "fixed-grid encoder"),
+    ("internvl", {"method": "v", "keep": 8}, "acts inside the tower's layers")])
 def test_a_method_a_family_is_not_served_by_is_refused_in_one_line_before_an_engine_starts(
         checkpoints: dict[str, Path], family: str, settings: dict[str, Any], why: str) -> None:
     from vllm.engine.arg_utils import EngineArgs

@@ -23,7 +23,8 @@ ARCHITECTURES = {
 }
 
 # Where the plugin serves fewer than its methods (the rest refused where the engine's config is made).
-SERVED_ONLY = {"LlavaForConditionalGeneration": ("divprune",), "InternVLForConditionalGeneration": ("divprune",)}
+SERVED_ONLY = {"LlavaForConditionalGeneration": ("divprune",),
+               "InternVLForConditionalGeneration": ("divprune", "visionzip", "vispruner")}
 
 # Architectures vLLM serves that the plugin does not reduce, with the reason (refused where the engine's config is
 # made, before an engine starts).

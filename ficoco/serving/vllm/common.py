@@ -33,15 +33,18 @@ def _config_json(config: Any) -> str:
 RECORD = "FICOCO_VLLM_RECORD"  # a file each reduced image's kept groups are appended to (JSON lines), if set
 
 
-def record_kept(grids: Sequence[tuple[int, int, int] | None], kept: Sequence[Tensor | None]) -> None:
-    """Append every image's grid and kept groups (grid indices) to the file `FICOCO_VLLM_RECORD` names: the
-    engine's processes are not the caller's, and a test or a user reads what the method kept from there."""
+def record_kept(grids: Sequence[tuple[int, int, int] | None], kept: Sequence[Tensor | list[Tensor] | None]) -> None:
+    """Append every image's grid and kept groups (grid indices; per tile, a list of them) to the file
+    `FICOCO_VLLM_RECORD` names: the engine's processes are not the caller's, and a test or a user reads what the
+    method kept from there."""
     path = os.environ.get(RECORD)
     if not path:
         return
     with open(path, "a") as out:
         for grid, groups in zip(grids, kept, strict=True):
-            line = {"grid_thw": None if grid is None else list(grid), "kept": [] if groups is None else groups.tolist()}
+            listed = [] if groups is None else groups.tolist() if isinstance(groups, Tensor) else \
+                [tile.tolist() for tile in groups]
+            line = {"grid_thw": None if grid is None else list(grid), "kept": listed}
             out.write(json.dumps(line) + "\n")
 
 

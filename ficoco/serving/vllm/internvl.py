@@ -1,21 +1,23 @@
-"""InternVL3 (Hugging Face's format) in vLLM with a method after the projector (knows vLLM's InternVL classes;
-calls ficoco's ops).
+"""InternVL3 (Hugging Face's format) in vLLM with a method after pixel shuffle or after the projector (knows vLLM's
+InternVL classes; calls ficoco's ops).
 
 vLLM serves `InternVLForConditionalGeneration` checkpoints with its InternS1 classes: the processor cuts an image
 into tower tiles (and a thumbnail when there is more than one) and writes `<img>`, every tile's placeholders,
 `</img>`; the model runs InternViT on every tile, pixel shuffle and the projector, one row per placeholder. As
 ficoco's transformers adapter does (ficoco.models.internvl), every tile keeps the same count, planned by the
 accountant for an image of that many tiles (`Planner.plan_tiles`): the processor writes the tiles' kept
-placeholders, and `_process_vision_input` runs the method's step on every tile's projected tokens, handing on
-the rows it kept in the method's order. The positions are one-dimensional, so vLLM's own hold for the shortened
-prompt.
+placeholders, and `_process_vision_input` runs the method's step on every tile's tokens, handing on the rows it
+kept in the method's order. The positions are one-dimensional, so vLLM's own hold for the shortened prompt.
 
-Served here: DivPrune (it reads the projector's output alone). The methods that read InternViT's [CLS] attention
-(VisionZip, VisPruner) or act inside its layers (FiCoCo-V) are not wired into vLLM's InternViT by the plugin.
+Served here: DivPrune on the projector's output; VisionZip and VisPruner on the pixel-shuffle groups the projector
+reads, scored by the probed tower layer's [CLS] query and keys (a group's score its patches' mean, its key their
+mean key), the projector mapping the tokens they hand on. FiCoCo-V acts inside InternViT's layers and PixelPrune
+needs a tower without fixed absolute positions: neither is served here.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,7 +37,7 @@ from ficoco.methods.inputs import TowerInput
 from ficoco.methods.registry import method
 from ficoco.serving.vllm.common import Planner, ReducingInfo, record_kept
 
-SERVED = ("divprune",)  # the methods the plugin runs on InternVL3 (after the projector, reading its output alone)
+SERVED = ("divprune", "visionzip", "vispruner")  # after the projector, or after pixel shuffle by [CLS] attention
 
 
 class InternVLReducingInfo(ReducingInfo, InternS1ProcessingInfo):
@@ -51,6 +53,16 @@ class InternVLReducingProcessor(InternS1MultiModalProcessor):
         if planner is None:
             planner = self.__dict__["_ficoco"] = Planner(self.info.get_hf_config())
         return planner
+
+    def get_dummy_mm_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's start-up inputs (the image of the most tiles, for its encoder budget and memory profile): an image
+        no plan fits there (a TFLOPs budget the largest tiling cannot meet) keeps its unreduced placeholders, and the
+        model its unreduced tokens, so that the engine starts; a request's such image is refused alone."""
+        self.__dict__["_ficoco_dummy"] = True
+        try:
+            return super().get_dummy_mm_inputs(*args, **kwargs)
+        finally:
+            self.__dict__["_ficoco_dummy"] = False
 
     def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any],
                             out_mm_kwargs: Any) -> Sequence[Any]:
@@ -72,7 +84,12 @@ class InternVLReducingProcessor(InternS1MultiModalProcessor):
                 if not spots:
                     raise FicocoError("ficoco.vllm: this InternVL image has no <IMG_CONTEXT> placeholders to reduce")
                 tiles = int(out_mm_kwargs["image"][item_idx]["image_num_patches"].data)
-                tokens = planner.plan_tiles(tiles).tokens
+                try:
+                    tokens = planner.plan_tiles(tiles).tokens
+                except FicocoError:
+                    if not self.__dict__.get("_ficoco_dummy"):
+                        raise
+                    return details
                 return PromptUpdateDetails.select_token_id(full[:spots[0]] + [context] * tokens + full[spots[-1] + 1:],
                                                            context)
 
@@ -80,49 +97,125 @@ class InternVLReducingProcessor(InternS1MultiModalProcessor):
         return out
 
 
+def group_order(side: int, factor: int) -> Tensor:
+    """(side * side,) a tile's patch indices (row-major) in pixel-shuffle order: group after group, row-major, each
+    group's factor x factor members row-major (the order in which pixel shuffle packs a group's patches)."""
+    groups = side // factor
+    g_row, g_col, a, b = torch.meshgrid(torch.arange(groups), torch.arange(groups), torch.arange(factor),
+                                        torch.arange(factor), indexing="ij")
+    return ((g_row * factor + a) * side + g_col * factor + b).flatten()
+
+
 @MULTIMODAL_REGISTRY.register_processor(InternVLReducingProcessor, info=InternVLReducingInfo,
                                         dummy_inputs=InternS1DummyInputsBuilder)
 class ReducingInternVL(InternS1ForConditionalGeneration):
-    """vLLM's InternVL (its InternS1 classes) with ficoco's method after the projector."""
+    """vLLM's InternVL (its InternS1 classes) with ficoco's method after pixel shuffle or after the projector."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.ficoco = Planner(self.config)
         self.ficoco_reduces_images = False  # one-dimensional positions: vLLM's own hold for the shortened prompt
-        if self.ficoco.settings is not None:
-            spec = method(self.ficoco.settings.method)
-            if spec.name not in SERVED:
-                raise FicocoError(f"ficoco.vllm: {spec.title} is not served on InternVL3 (it reads InternViT's [CLS] "
-                                  f"attention or acts inside its layers); served there: {', '.join(SERVED)}")
-            self.ficoco_spec = spec
-            self.ficoco_module = spec.load()
-            vision = self.config.vision_config
-            size = vision.image_size
-            side = int(size[0] if isinstance(size, (list, tuple)) else size) // self.ficoco.patch
-            self.ficoco_factor = round(1 / self.config.downsample_ratio)
-            self.ficoco_grid_hw = (side // self.ficoco_factor, side // self.ficoco_factor)
+        if self.ficoco.settings is None:
+            return
+        spec = method(self.ficoco.settings.method)
+        if spec.name not in SERVED:
+            raise FicocoError(f"ficoco.vllm: {spec.title} is not served on InternVL3 (it acts inside InternViT's "
+                              f"layers or cuts its input); served there: {', '.join(SERVED)}")
+        self.ficoco_spec = spec
+        self.ficoco_module = spec.load()
+        vision = self.config.vision_config
+        size = vision.image_size
+        side = int(size[0] if isinstance(size, (list, tuple)) else size) // self.ficoco.patch
+        self.ficoco_factor = round(1 / self.config.downsample_ratio)
+        self.ficoco_grid_hw = (side // self.ficoco_factor, side // self.ficoco_factor)
+        # [CLS], then every patch in pixel-shuffle group order: how a cut reads a probed layer's keys.
+        self.ficoco_key_order = torch.cat([torch.zeros(1, dtype=torch.long),
+                                           group_order(side, self.ficoco_factor) + 1])
+        self.ficoco_probe_layer: int | None = None
+        self.ficoco_probed: tuple[Tensor, Tensor, Any] | None = None
+        if spec.placement == "tower_output":  # scored by a tower layer's [CLS] query and keys
+            for index, layer in enumerate(self.vision_tower.encoder.layer):
+                layer.attention.attn.register_forward_pre_hook(functools.partial(self._ficoco_probe, index))
+
+    def _ficoco_probe(self, index: int, module: Any, args: tuple) -> None:
+        if index == self.ficoco_probe_layer:
+            query, key = args[0], args[1]
+            self.ficoco_probed = (query, key, module)
+
+    def _ficoco_plan(self, tiles: int) -> Any:
+        """The plan of an image of `tiles` tiles; None where no plan fits it, which only vLLM's start-up inputs bring
+        here (the processor refuses a request's such image, and gave the start-up image its unreduced placeholders)."""
+        try:
+            return self.ficoco.plan_tiles(tiles)
+        except FicocoError:
+            return None
+
+    def _ficoco_layer_reads(self, start: int, count: int) -> dict[str, Any]:
+        """The probed layer's keys (tiles, H, 1 + patches, d) in group order, [CLS]'s query and the scale, for the
+        `count` tiles from `start`."""
+        assert self.ficoco_probed is not None
+        query, key, module = self.ficoco_probed
+        heads, size = int(module.num_heads), int(module.head_size)
+        tiles = slice(start, start + count)
+        keys = key[tiles].reshape(count, -1, heads, size).transpose(1, 2)
+        keys = keys[:, :, self.ficoco_key_order.to(keys.device)]
+        cls_query = query[tiles, 0].reshape(count, heads, size)
+        return {"keys": keys, "cls_query": cls_query, "scale": float(module.scale)}
+
+    def _ficoco_shuffled(self, pixel_values: Tensor) -> Tensor:
+        """(tiles, units, 4C) every tile's pixel-shuffle groups, what the projector reads (vLLM's extract_feature
+        without the projector)."""
+        vit_embeds = self.vision_tower(pixel_values=pixel_values)[:, 1:, :]
+        h = w = int(vit_embeds.shape[1] ** 0.5)
+        vit_embeds = self.pixel_shuffle(vit_embeds.reshape(vit_embeds.shape[0], h, w, -1),
+                                        scale_factor=self.downsample_ratio)
+        return vit_embeds.reshape(vit_embeds.shape[0], -1, vit_embeds.shape[-1])
 
     def _process_vision_input(self, image_input: Any) -> tuple[Tensor, ...]:
         if self.ficoco.settings is None or image_input["type"] == "pixel_values_videos":
             return super()._process_vision_input(image_input)  # videos reach here only in vLLM's start-up profiling
         if image_input["type"] != "pixel_values":
             raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
-        features = self.extract_feature(image_input["pixel_values"])  # (tiles, units, D): every tile's tokens
         tiles = [int(n) for n in image_input["num_patches"].tolist()]
+        plans = [self._ficoco_plan(count) for count in tiles]
+        removals = [None if plan is None else next((r for r in plan.removals if r.stage == "vision"), None)
+                    for plan in plans]
+        at_tower = self.ficoco_spec.placement == "tower_output"
+        if at_tower:  # the layer every image's cut reads ([CLS] attention), probed while the tower runs
+            layers = {r.layer for r in removals if r is not None}
+            if len(layers) > 1:
+                raise RuntimeError(f"ficoco.vllm: the plans of one batch read tower layers {sorted(layers)}")
+            self.ficoco_probe_layer = next(iter(layers), None)
+            try:
+                features = self._ficoco_shuffled(image_input["pixel_values"])
+            finally:
+                self.ficoco_probe_layer = None
+        else:
+            features = self.extract_feature(image_input["pixel_values"])  # (tiles, units, D): every tile's tokens
         factor = self.ficoco_factor
         out, kept = [], []
+        start = 0
         # Every tile of an image keeps the count its plan gives (a TFLOPs budget counts the image's tiles).
-        for image, count in zip(torch.split(features, tiles), tiles, strict=True):
-            plan = self.ficoco.plan_tiles(count)
-            removal = next(r for r in plan.removals if r.stage == "vision")
+        for image, count, plan, removal in zip(torch.split(features, tiles), tiles, plans, removals, strict=True):
+            if removal is None:  # a budget that leaves an image of this many tiles whole (or no plan fits it)
+                rows = self.multi_modal_projector(image) if at_tower else image
+                out.append(rows.reshape(-1, rows.shape[-1]))
+                kept.append([torch.arange(image.shape[1])] * count)
+                start += count
+                continue
+            reads = self._ficoco_layer_reads(start, count) if at_tower else {}
             step = self.ficoco_module.tower_step(
                 TowerInput(hidden=image, has_cls=True, remove=removal.remove, added=removal.added,
-                           grid_hw=self.ficoco_grid_hw, merge=factor * factor), plan.settings_dict())
-            rows = step.hidden.reshape(-1, step.hidden.shape[-1])
+                           grid_hw=self.ficoco_grid_hw, merge=factor * factor, **reads), plan.settings_dict())
+            hidden = self.multi_modal_projector(step.hidden) if at_tower else step.hidden
+            rows = hidden.reshape(-1, hidden.shape[-1])
             if rows.shape[0] != plan.tokens:
                 raise RuntimeError(f"ficoco.vllm: {self.ficoco_spec.title} kept {rows.shape[0]} tokens of an image "
                                    f"of {count} tiles, its placeholders {plan.tokens}")
             out.append(rows)
-            kept.append(step.kept[:, :step.hidden.shape[1]].sort(dim=1).values)  # recorded as grid indices, ascending
+            # Recorded: every tile's kept groups, ascending; a merged (contextual) token stands at none.
+            kept.append([torch.unique(tile[tile >= 0]) for tile in step.kept[:, :step.hidden.shape[1]]])
+            start += count
+        self.ficoco_probed = None
         record_kept([None] * len(tiles), kept)
         return tuple(out)

@@ -68,7 +68,9 @@ class ReducingLlava(LlavaForConditionalGeneration):
             raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
         items = torch.stack(list(embeds)) if not isinstance(embeds, Tensor) else embeds
         plan = self.ficoco.plan(None)
-        removal = next(r for r in plan.removals if r.stage == "vision")
+        removal = next((r for r in plan.removals if r.stage == "vision"), None)
+        if removal is None:  # a budget every image fits whole
+            return embeds
         out = self.ficoco_module.tower_step(TowerInput(hidden=items, has_cls=False, remove=removal.remove),
                                             plan.settings_dict())
         kept = torch.sort(out.kept, dim=1)

@@ -127,9 +127,12 @@ class _ReducingQwen:
         return full.index_copy(0, rows, merged)
 
     def _ficoco_step(self, grid: tuple[int, int, int]) -> tuple[dict[str, Any], int, int]:
-        """The settings, removed and added units of the cut the plan for `grid` makes."""
+        """The settings, removed and added units of the cut the plan for `grid` makes (none where a budget leaves
+        the image whole)."""
         plan = self.ficoco.plan(grid)
-        removal = next(r for r in plan.removals if r.stage == "vision")
+        removal = next((r for r in plan.removals if r.stage == "vision"), None)
+        if removal is None:
+            return plan.settings_dict(), 0, 0
         return plan.settings_dict(), removal.remove, removal.added
 
     # -- the encoder -----------------------------------------------------------------------------------------

@@ -74,8 +74,11 @@ def check_settings() -> None:
                     from ficoco.methods.registry import method
 
                     model_type = getattr(made.model_config.hf_config, "model_type", "")
-                    why = method(settings.method).refusals.get(model_type) or \
-                        "it reads the tower's [CLS] attention or acts inside its layers"
+                    spec = method(settings.method)
+                    why = spec.refusals.get(model_type) or (
+                        "it acts inside the tower's layers, which the plugin does not wire in this family's tower"
+                        if spec.placement == "in_layer" else
+                        "it reads the tower's [CLS] attention, which the plugin does not probe in this family's tower")
                     raise FicocoError(f"ficoco.vllm: {settings.method} is not served on {architecture} ({why}); "
                                       f"served there: {', '.join(served)}")
         return made

@@ -209,7 +209,12 @@ def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int,
     try:
         return _plan(config_json, settings, grid, int(patch), name, tiles)  # type: ignore[arg-type]
     except FicocoError as exc:
-        if grid is None or str(exc).startswith("ficoco.vllm"):
+        if str(exc).startswith("ficoco.vllm"):
+            raise
+        if tiles is not None:  # InternVL: the request's image as the processor tiled it
+            raise FicocoError(f"ficoco.vllm: this request's image (as processed, {tiles} tiles of the tower's size) "
+                              f"cannot be reduced with {settings.method} here: {exc}") from None
+        if grid is None:
             raise
         # A setting no image of this grid can take (keep past its tokens, a budget below its floor): the request's
         # one line, which names its image (the server answers it with a 400 and serves the others).
@@ -230,7 +235,9 @@ def _tiled_architecture(config: dict[str, Any], name: str, tiles: int) -> Any:
     size = vision.get("image_size", 448)
     tile_h, tile_w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
     row = max(tiles - 1, 1)
-    profile = _profile(config, name, {"min_tiles": row, "max_tiles": row})
+    # The tiling bounds are this image's (a profile's own `ficoco` bounds, where the config carries them, set aside).
+    own = {k: v for k, v in (config.get("ficoco") or {}).items() if k not in ("min_tiles", "max_tiles")}
+    profile = _profile({**config, "ficoco": own}, name, {"min_tiles": row, "max_tiles": row})
     arch = architecture(profile, image_size=(tile_h, tile_w * row))
     if arch.vision.items != tiles:
         raise FicocoError(f"ficoco.vllm: the accountant's layout of an image of {tiles} tiles has "

@@ -94,6 +94,11 @@ def cut_units(tower: TowerPass, units: Tensor, step: Runner, step_of: StepOf, ti
         settings, remove, added = step_of(grid)
         rows = [starts[i] + tower.rows[i].to(units.device) for i in images]
         step_units = torch.stack([units[r] for r in rows])
+        if not remove and not added:  # the plan keeps every group (a budget these images fit whole)
+            for b, image in enumerate(images):
+                out_units[image] = step_units[b]
+                tower.kept[image] = torch.arange(step_units.shape[1], device=units.device)
+            continue
         patch_rows = [(r[:, None] * merge + members).flatten() for r in rows]
         step_keys = torch.cat([keys[:, :, p.to(keys.device)] for p in patch_rows])
         riding = None
@@ -135,7 +140,12 @@ def cut_projected(tower: TowerPass, features: list[Tensor], step: Runner, step_o
     tower.kept = [None] * len(features)
     for grid, images in tower.by_size().items():
         _, h, w = grid
-        settings, remove, _ = step_of(grid)
+        settings, remove, added = step_of(grid)
+        if not remove and not added:  # the plan keeps every group (a budget these images fit whole)
+            for image in images:
+                out[image] = features[image]
+                tower.kept[image] = torch.arange(features[image].shape[0], device=features[image].device)
+            continue
         main = torch.stack([features[i][:, :width] for i in images])
         inputs = TowerInput(hidden=main, has_cls=False, remove=remove, merge=tower.merge,
                             grid_hw=(h // tower.merge_size, w // tower.merge_size))
