@@ -22,10 +22,11 @@ from ficoco.accounting.families import FAMILIES
 from ficoco.accounting.shapes import Layout
 from ficoco.api import profile_of
 from ficoco.errors import FicocoError
+from ficoco.methods.ops import pixel_shuffle_order as group_order
 from ficoco.methods.registry import METHODS
 from ficoco.models import hf_compat as hf
 from ficoco.models.hf_compat import cache_argument, output_cache
-from ficoco.models.internvl import PREFIX_TOKENS, group_order, synthetic_inputs
+from ficoco.models.internvl import PREFIX_TOKENS, synthetic_inputs
 from ficoco.profiles import load_profile, set_layout
 from ficoco.profiling.verify import verify
 

@@ -378,6 +378,31 @@ def test_a_family_the_plugin_does_not_reduce_is_refused_with_its_reason_before_a
     assert "drop the ficoco_vllm settings" in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_a_budget_the_largest_image_cannot_meet_still_lets_the_engine_start(checkpoints: dict[str, Path]) -> None:
+    """vLLM's start-up inputs (its largest image, for the encoder budget and, on a GPU or a compiled CPU engine, the
+    memory profile) keep their unreduced placeholders where no plan fits them (8e-05 TFLOPs counted over the whole
+    model: the 1120x896 image's tower alone costs more), so the engine starts; a request's image of that grid is
+    refused in one line. The model's side goes through whole likewise (`_ficoco_plan`)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    from ficoco.errors import FicocoError
+    from ficoco.serving.vllm import register
+
+    register()
+    args = EngineArgs(model=str(checkpoints["qwen2_5_vl"]), dtype="float32", enforce_eager=True, max_model_len=1024,
+                      hf_overrides={"ficoco_vllm": {"method": "divprune", **BUDGETS["qwen2_5_vl", "divprune"]}})
+    processor = MULTIMODAL_REGISTRY.create_processor(args.create_engine_config().model_config)
+    dummy = processor.get_dummy_mm_inputs({"image": 1})
+    (placeholder,) = dummy["mm_placeholders"]["image"]
+    item = dummy["mm_kwargs"]["image"][0]
+    t, h, w = item["image_grid_thw"].data.tolist()
+    assert placeholder.length == t * h * w // 4  # every merge group's placeholder
+    with pytest.raises(FicocoError, match=f"this request's {w * 14}x{h * 14} image .* cannot be reduced") as caught:
+        processor._ficoco_planner().image_tokens(item)
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize(("budget_", "why"), [({"keep": 0}, "keep=0 keeps no visual token"),
                                               ({"keep": -3}, "keep=-3 keeps no visual token"),
                                               ({"tflops": -1.0}, "is no budget"),

@@ -490,6 +490,17 @@ def equivalent_token_scores(keys: Tensor) -> Tensor:
     return equivalent_token_redundancy(keys, has_cls=False)
 
 
+def pixel_shuffle_order(side: int, factor: int) -> Tensor:
+    """(side * side,) a square tile's patch indices (row-major) in pixel-shuffle order: group after group in
+    row-major order, each group's factor x factor members row-major (what InternVL's `pixel_shuffle` packs into
+    one token). Both the transformers adapter and the vLLM plugin bring a probed layer's keys into this order, so
+    that a group's members are consecutive (`TowerInput.merge`)."""
+    groups = side // factor
+    g_row, g_col, a, b = torch.meshgrid(torch.arange(groups), torch.arange(groups), torch.arange(factor),
+                                        torch.arange(factor), indexing="ij")
+    return ((g_row * factor + a) * side + g_col * factor + b).flatten()
+
+
 def merge_group_scores(scores: Tensor, merge: int) -> Tensor:
     """``(B, N / merge)`` mean score of every merge group (Qwen2-VL's PatchMerger joins ``merge``
     consecutive patches - a 2 x 2 group, as its processor orders them - into one LLM token)."""

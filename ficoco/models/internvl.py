@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
+from ficoco.methods.ops import pixel_shuffle_order
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs
 from ficoco.models.llava import LlavaAdapter
@@ -50,15 +51,6 @@ _SUFFIX_TEMPLATE_TOKENS = 7
 # The InternVL3 tokenizer's special ids around the image placeholder (<IMG_CONTEXT>): <img> and </img> are the
 # two ids before it, <|im_start|> and <|im_end|> 23 and 22 before it (151644, 151645 beside 151667).
 _IMG_START, _IMG_END, _IM_START, _IM_END = 2, 1, 23, 22
-
-
-def group_order(side: int, factor: int) -> Tensor:
-    """(side * side,) the tile's patch indices (row-major) in pixel-shuffle order: group after group in
-    row-major order, each group's factor x factor members row-major (what `pixel_shuffle` packs)."""
-    groups = side // factor
-    g_row, g_col, a, b = torch.meshgrid(torch.arange(groups), torch.arange(groups), torch.arange(factor),
-                                        torch.arange(factor), indexing="ij")
-    return ((g_row * factor + a) * side + g_col * factor + b).flatten()
 
 
 class InternVLAdapter(LlavaAdapter):
@@ -84,7 +76,7 @@ class InternVLAdapter(LlavaAdapter):
         self.units = self.patches // self.merge
         # Placeholders of one span unit: one tile's tokens (image_seq_length).
         self.span_tokens = self.units
-        self.order = group_order(side, self.factor)
+        self.order = pixel_shuffle_order(side, self.factor)
         # A cut before the LLM: the tokens every tile hands the LLM (set by patch_tower).
         self.kept_per_item: int | None = None
 

@@ -94,11 +94,14 @@ class TowerBlocks:
         for tap in getattr(visual, "deepstack_merger_list", []):
             tap.register_forward_hook(self._tap)
 
-    def start(self, grids: list[tuple[int, int, int]], plans: dict[tuple[int, int, int], ImagePlan]) -> BlocksPass:
-        """A new pass over `grids` under each grid's plan (its vision removals, per block)."""
+    def start(self, grids: list[tuple[int, int, int]], plans: dict[tuple[int, int, int], ImagePlan | None]
+              ) -> BlocksPass:
+        """A new pass over `grids` under each grid's plan (its vision removals, per block; None: no plan fits the
+        grid, which only vLLM's start-up image brings, and it goes through whole)."""
         self.plans = plans
-        self.removed = {grid: {r.layer: r.remove for r in plan.removals
-                               if r.stage == "vision" and r.where == "in_layer"} for grid, plan in plans.items()}
+        self.removed = {grid: {} if plan is None else {r.layer: r.remove for r in plan.removals
+                                                       if r.stage == "vision" and r.where == "in_layer"}
+                        for grid, plan in plans.items()}
         merge_size = self.visual.spatial_merge_size
         merge = merge_size**2
         current, group_window, windows, rows = [], [], [], []
@@ -225,7 +228,8 @@ class TowerBlocks:
         segments = list(zip(bounds[:-1], bounds[1:], strict=True))
         lengths = tower.lengths()
         full = index in self.full_layers
-        scores = next(iter(self.plans.values())).settings_dict().get("attention_scores", DEFAULT_ATTENTION_SCORES)
+        planned = next((plan.settings_dict() for plan in self.plans.values() if plan is not None), {})
+        scores = planned.get("attention_scores", DEFAULT_ATTENTION_SCORES)
         reads, keys, at, start = [], [], 0, 0
         for length in lengths:  # the segments of every image, in sequence order
             mine = []
@@ -244,7 +248,6 @@ class TowerBlocks:
         kept_at: list[Tensor | None] = [None] * len(lengths)
         for grid, images in tower.by_size().items():
             _, h, w = grid
-            settings = self.plans[grid].settings_dict()
             remove = self.removed[grid].get(index, 0)
             groups = len(tower.current[images[0]])
             if not remove:  # this size's plan removes nothing here: its groups go on as they are
@@ -252,6 +255,7 @@ class TowerBlocks:
                     new_hidden[image] = pieces[image]
                     kept_at[image] = torch.arange(groups, device=hidden.device)
                 continue
+            settings = self.plans[grid].settings_dict()  # type: ignore[union-attr]
             if not 0 <= remove < groups:
                 raise FicocoError(f"ficoco.vllm: vision block {index} would remove {remove} of the {groups} merge "
                                   f"groups left in an image of {h}x{w} patches")

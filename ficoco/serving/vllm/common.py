@@ -99,6 +99,20 @@ class Planner:
         return int(kept.numel())
 
 
+def served_method(planner: Planner, served: Sequence[str], family: str, why: str) -> Any:
+    """The method the engine's settings name (None without settings), refused in one line where `family` does not
+    serve it (`why`); the engine's config check refuses it first (runner.check_settings), before any process."""
+    if planner.settings is None:
+        return None
+    from ficoco.methods.registry import method
+
+    spec = method(planner.settings.method)
+    if spec.name not in served:
+        raise FicocoError(f"ficoco.vllm: {spec.title} is not served on {family} ({why}); served there: "
+                          f"{', '.join(served)}")
+    return spec
+
+
 class ReducingInfo:
     """A family's processing info that refuses a video to a reducing engine in one line, for that request alone
     (vLLM turns the error into its 400 and serves the others): the engine's methods reduce images, and a video's
@@ -125,6 +139,16 @@ class ReducingProcessor:
             planner = self.__dict__["_ficoco"] = Planner(self.info.get_hf_config())  # type: ignore[attr-defined]
         return planner
 
+    def get_dummy_mm_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's start-up inputs (the largest image, for its encoder budget and memory profile): an image no plan
+        fits there (a TFLOPs budget the largest image cannot meet) keeps its unreduced placeholders, and the model its
+        unreduced tokens, so that the engine starts; a request's such image is refused alone."""
+        self.__dict__["_ficoco_dummy"] = True
+        try:
+            return super().get_dummy_mm_inputs(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.__dict__["_ficoco_dummy"] = False
+
     def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any],
                             out_mm_kwargs: Any) -> Sequence[Any]:
         updates = super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)  # type: ignore[misc]
@@ -141,7 +165,12 @@ class ReducingProcessor:
                 tokens = _original(item_idx) if callable(_original) else _original
                 if not isinstance(tokens, list):
                     raise FicocoError("ficoco.vllm: this model's image placeholders are not a plain token list")
-                return tokens[:planner.image_tokens(out_mm_kwargs["image"][item_idx])]
+                try:
+                    return tokens[:planner.image_tokens(out_mm_kwargs["image"][item_idx])]
+                except FicocoError:
+                    if not self.__dict__.get("_ficoco_dummy"):
+                        raise
+                    return tokens
 
             out.append(PromptReplacement(modality="image", target=update.target, replacement=replacement))
         return out

@@ -34,8 +34,8 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdateDetails
 
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput
-from ficoco.methods.registry import method
-from ficoco.serving.vllm.common import Planner, ReducingInfo, record_kept
+from ficoco.methods.ops import pixel_shuffle_order
+from ficoco.serving.vllm.common import Planner, ReducingInfo, record_kept, served_method
 
 SERVED = ("divprune", "visionzip", "vispruner")  # after the projector, or after pixel shuffle by [CLS] attention
 
@@ -97,15 +97,6 @@ class InternVLReducingProcessor(InternS1MultiModalProcessor):
         return out
 
 
-def group_order(side: int, factor: int) -> Tensor:
-    """(side * side,) a tile's patch indices (row-major) in pixel-shuffle order: group after group, row-major, each
-    group's factor x factor members row-major (the order in which pixel shuffle packs a group's patches)."""
-    groups = side // factor
-    g_row, g_col, a, b = torch.meshgrid(torch.arange(groups), torch.arange(groups), torch.arange(factor),
-                                        torch.arange(factor), indexing="ij")
-    return ((g_row * factor + a) * side + g_col * factor + b).flatten()
-
-
 @MULTIMODAL_REGISTRY.register_processor(InternVLReducingProcessor, info=InternVLReducingInfo,
                                         dummy_inputs=InternS1DummyInputsBuilder)
 class ReducingInternVL(InternS1ForConditionalGeneration):
@@ -115,12 +106,9 @@ class ReducingInternVL(InternS1ForConditionalGeneration):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.ficoco = Planner(self.config)
         self.ficoco_reduces_images = False  # one-dimensional positions: vLLM's own hold for the shortened prompt
-        if self.ficoco.settings is None:
+        spec = served_method(self.ficoco, SERVED, "InternVL3", "it acts inside InternViT's layers or cuts its input")
+        if spec is None:
             return
-        spec = method(self.ficoco.settings.method)
-        if spec.name not in SERVED:
-            raise FicocoError(f"ficoco.vllm: {spec.title} is not served on InternVL3 (it acts inside InternViT's "
-                              f"layers or cuts its input); served there: {', '.join(SERVED)}")
         self.ficoco_spec = spec
         self.ficoco_module = spec.load()
         vision = self.config.vision_config
@@ -130,7 +118,7 @@ class ReducingInternVL(InternS1ForConditionalGeneration):
         self.ficoco_grid_hw = (side // self.ficoco_factor, side // self.ficoco_factor)
         # [CLS], then every patch in pixel-shuffle group order: how a cut reads a probed layer's keys.
         self.ficoco_key_order = torch.cat([torch.zeros(1, dtype=torch.long),
-                                           group_order(side, self.ficoco_factor) + 1])
+                                           pixel_shuffle_order(side, self.ficoco_factor) + 1])
         self.ficoco_probe_layer: int | None = None
         self.ficoco_probed: tuple[Tensor, Tensor, Any] | None = None
         if spec.placement == "tower_output":  # scored by a tower layer's [CLS] query and keys

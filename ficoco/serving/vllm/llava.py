@@ -27,8 +27,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput
-from ficoco.methods.registry import method
-from ficoco.serving.vllm.common import Planner, ReducingProcessor, record_kept
+from ficoco.serving.vllm.common import Planner, ReducingProcessor, record_kept, served_method
 
 SERVED = ("divprune",)  # the methods the plugin runs on LLaVA-1.5 (after the projector, reading its output alone)
 
@@ -52,11 +51,9 @@ class ReducingLlava(LlavaForConditionalGeneration):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.ficoco = Planner(self.config)
         self.ficoco_reduces_images = False  # one-dimensional positions: vLLM's own hold for the shortened prompt
-        if self.ficoco.settings is not None:
-            spec = method(self.ficoco.settings.method)
-            if spec.name not in SERVED:
-                raise FicocoError(f"ficoco.vllm: {spec.title} is not served on LLaVA-1.5 (it reads the tower's "
-                                  f"[CLS] attention or acts inside its layers); served there: {', '.join(SERVED)}")
+        spec = served_method(self.ficoco, SERVED, "LLaVA-1.5", "it reads the tower's [CLS] attention or acts inside "
+                             "its layers")
+        if spec is not None:
             self.ficoco_spec = spec
             self.ficoco_module = spec.load()
 

@@ -129,11 +129,19 @@ class _ReducingQwen:
     def _ficoco_step(self, grid: tuple[int, int, int]) -> tuple[dict[str, Any], int, int]:
         """The settings, removed and added units of the cut the plan for `grid` makes (none where a budget leaves
         the image whole)."""
-        plan = self.ficoco.plan(grid)
-        removal = next((r for r in plan.removals if r.stage == "vision"), None)
+        plan = self._ficoco_plan(grid)
+        removal = None if plan is None else next((r for r in plan.removals if r.stage == "vision"), None)
         if removal is None:
-            return plan.settings_dict(), 0, 0
-        return plan.settings_dict(), removal.remove, removal.added
+            return {} if plan is None else plan.settings_dict(), 0, 0
+        return plan.settings_dict(), removal.remove, removal.added  # type: ignore[union-attr]
+
+    def _ficoco_plan(self, grid: tuple[int, int, int]) -> Any:
+        """The plan of an image of `grid`; None where no plan fits it, which only vLLM's start-up inputs bring here
+        (the processor refuses a request's such image, and gave the start-up image its unreduced placeholders)."""
+        try:
+            return self.ficoco.plan(grid)
+        except FicocoError:
+            return None
 
     # -- the encoder -----------------------------------------------------------------------------------------
     def _tower_rows(self, grid: tuple[int, int, int]) -> Tensor:
@@ -154,11 +162,12 @@ class _ReducingQwen:
         grids = [tuple(int(x) for x in g) for g in image_input["image_grid_thw"].tolist()]
         # One plan per image grid (a tflops budget keeps different counts on images of different sizes); the steps
         # run one batch per image size, as the transformers adapters batch them.
-        plans = [self.ficoco.plan(g) for g in grids]
+        plans = [self._ficoco_plan(g) for g in grids]
         merge_size = self.visual.spatial_merge_size  # type: ignore[attr-defined]
         tower = TowerPass(grids=grids, merge_size=merge_size, rows=[self._tower_rows(g) for g in grids])
         spec = self.ficoco_spec
-        expected = [plan.tokens for plan in plans]
+        expected = [t * h * w // merge_size**2 if plan is None else plan.tokens
+                    for plan, (t, h, w) in zip(plans, grids, strict=True)]
         if spec.placement in ("in_layer", "tower_input"):
             tower = self.ficoco_blocks.start(grids, {g: p for g, p in zip(grids, plans, strict=True)})
             if spec.placement == "tower_input":  # each image's own count, from its pixels as the processor read them
