@@ -358,3 +358,28 @@ def test_serve_bench_prints_each_servers_command_as_a_user_would_type_it() -> No
         {"ficoco_vllm": {"method": "visionzip", "keep": 8, "text_tokens": 40}}
     assert command[command.index("--max-num-seqs") + 1] == "4"
     assert "--hf-overrides" not in server_command_line(config, None)
+
+
+def test_every_serve_bench_level_sends_images_the_engine_has_not_seen() -> None:
+    """A level after the first must not be served from vLLM's prefix or encoder cache of an earlier level (the same
+    image and prompt again skips the prefill): every request of the run holds an image of its own, warm-up apart."""
+    import asyncio
+
+    from ficoco.serving.vllm.bench import WARM_UP, BenchConfig, _images, _levels
+
+    config = BenchConfig(model="./ckpt", variants=("vanilla",), concurrency=(1, 4, 16), requests=5,
+                         image_size=(28, 42))
+    images = _images(config)
+    assert len(images) == 5 * 3 + WARM_UP
+    assert len({image.tobytes() for image in images}) == len(images)
+    sent: list[tuple[int, list[int]]] = []
+
+    async def level(requests: list[int], concurrency: int) -> dict[str, int]:
+        sent.append((concurrency, list(requests)))
+        return {"concurrency": concurrency}
+
+    measured = asyncio.run(_levels(config, list(range(len(images))), level))
+    assert [m["concurrency"] for m in measured] == [1, 4, 16]
+    warm, levels = sent[:2], sent[2:]
+    assert all(set(r) <= set(range(15, 15 + WARM_UP)) for _, r in warm)
+    assert [r for _, r in levels] == [list(range(0, 5)), list(range(5, 10)), list(range(10, 15))]

@@ -5,8 +5,9 @@ requests/s and output tokens/s, beside the accountant's TFLOPs and visual tokens
 A level runs `requests` requests with at most `concurrency` of them in flight (a new one starts when one
 ends), after one warm-up request; time to first token is from a request's submission to its first output
 token, throughputs are over the level's wall time. Every request holds one image of `image_size` (a different
-one per request, the same grid) and the same question, and generates exactly `new_tokens` tokens (EOS ignored),
-so that every variant decodes the same amount.
+one per request of the whole run, the same grid: no level is served from vLLM's prefix or encoder cache of an
+earlier one) and the same question, and generates exactly `new_tokens` tokens (EOS ignored), so that every
+variant decodes the same amount; every variant sees the same images.
 
 With `server`, each variant runs as users deploy it: vLLM's OpenAI server (`ficoco.serving.vllm.server`: `vllm
 serve`, or its server module where the CPU build's command fails) started with the method in `--hf-overrides`, and
@@ -74,14 +75,16 @@ class BenchConfig:
 
 
 def _images(config: BenchConfig) -> list[Any]:
-    """One deterministic image per request (different content, the same size)."""
+    """One deterministic image per request of the whole run (different content, the same size): every level's
+    requests are new to the engine, so that no level is served from vLLM's prefix or encoder cache of an earlier
+    one (the same image and prompt again would skip its prefill)."""
     import numpy as np
     from PIL import Image
 
     height, width = config.image_size
     rng = np.random.default_rng(config.seed)
     images = []
-    for _ in range(config.requests + WARM_UP):  # the last ones warm the engine up
+    for _ in range(config.requests * len(config.concurrency) + WARM_UP):  # the last ones warm the engine up
         coarse = rng.random((height // 16 + 1, width // 16 + 1, 3))
         big = np.kron(coarse, np.ones((16, 16, 1)))[:height, :width]
         noise = rng.random((height, width, 3))
@@ -227,11 +230,13 @@ def _engine(config: BenchConfig, settings: Settings | None) -> Any:
 
 async def _levels(config: BenchConfig, requests: list[Any], level: Callable[..., Any]) -> list[dict[str, Any]]:
     """Every level of one variant, after its warm-up: the warm-up requests at up to 4 in flight, so that the first
-    level is not the one that pays for first allocations, then one alone; `level(requests, concurrency)` runs one."""
+    level is not the one that pays for first allocations, then one alone; `level(requests, concurrency)` runs one,
+    each level on requests of its own (`_images`)."""
     warm = requests[-WARM_UP:]
     await level(warm, min(4, len(warm)))
     await level(warm[:1], 1)
-    return [await level(requests[:-WARM_UP], concurrency) for concurrency in config.concurrency]
+    n = config.requests
+    return [await level(requests[i * n:(i + 1) * n], concurrency) for i, concurrency in enumerate(config.concurrency)]
 
 
 async def _serve(config: BenchConfig, settings: Settings | None, prompts: list[dict[str, Any]]
