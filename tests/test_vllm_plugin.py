@@ -382,7 +382,7 @@ def test_a_budget_the_largest_image_cannot_meet_still_lets_the_engine_start(chec
     """vLLM's start-up inputs (its largest image, for the encoder budget and, on a GPU or a compiled CPU engine, the
     memory profile) keep their unreduced placeholders where no plan fits them (8e-05 TFLOPs counted over the whole
     model: the 1120x896 image's tower alone costs more), so the engine starts; a request's image of that grid is
-    refused in one line. The model's side goes through whole likewise (`_ficoco_plan`)."""
+    refused in one line. The model's side goes through whole likewise (`Planner.plan_if_fits`)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.multimodal import MULTIMODAL_REGISTRY
 

@@ -19,6 +19,7 @@ from ficoco.serving.vllm.settings import (
     Settings,
     plan_image,
     settings_from,
+    unserved_reason,
 )
 from ficoco.serving.vllm.tokens import PatchLayout, pixel_kept_groups
 
@@ -80,6 +81,15 @@ class Planner:
         assert self.settings is not None
         return plan_image(self.config_json, self.settings, None, self.patch, tiles=int(tiles))
 
+    def plan_if_fits(self, grid_thw: Sequence[int] | None = None, tiles: int | None = None) -> ImagePlan | None:
+        """The plan of an image of `grid_thw` (or of `tiles` tiles); None where no plan fits it, which only vLLM's
+        start-up inputs bring to a model (the processor refuses a request's such image, and gave the start-up image
+        its unreduced placeholders: `ReducingProcessor.get_dummy_mm_inputs`)."""
+        try:
+            return self.plan_tiles(tiles) if tiles is not None else self.plan(grid_thw)
+        except FicocoError:
+            return None
+
     def pixel_kept(self, pixels: Tensor, grids: Sequence[tuple[int, int, int]]) -> list[Tensor]:
         """Every image's kept merge groups (grid indices, ascending) under a pixel-counted method, from the packed
         patches `pixels` of the images of `grids`."""
@@ -99,17 +109,17 @@ class Planner:
         return int(kept.numel())
 
 
-def served_method(planner: Planner, served: Sequence[str], family: str, why: str) -> Any:
+def served_method(planner: Planner, served: Sequence[str], family: str, model_type: str) -> Any:
     """The method the engine's settings name (None without settings), refused in one line where `family` does not
-    serve it (`why`); the engine's config check refuses it first (runner.check_settings), before any process."""
+    serve it; the engine's config check refuses it first (runner.check_settings), before any process."""
     if planner.settings is None:
         return None
     from ficoco.methods.registry import method
 
     spec = method(planner.settings.method)
     if spec.name not in served:
-        raise FicocoError(f"ficoco.vllm: {spec.title} is not served on {family} ({why}); served there: "
-                          f"{', '.join(served)}")
+        raise FicocoError(f"ficoco.vllm: {spec.title} is not served on {family} "
+                          f"({unserved_reason(spec.name, model_type)}); served there: {', '.join(served)}")
     return spec
 
 
@@ -149,6 +159,16 @@ class ReducingProcessor:
         finally:
             self.__dict__["_ficoco_dummy"] = False
 
+    def _ficoco_placeholders(self, planner: Planner, item: Any) -> int:
+        """The placeholders the plan keeps for one processed image (vLLM's kwargs item)."""
+        return planner.image_tokens(item)
+
+    def _ficoco_shorten(self, tokens: Any, count: int, hf_processor_mm_kwargs: Mapping[str, Any]) -> Any:
+        """vLLM's replacement of one image with `count` placeholders: the first of a plain token list."""
+        if not isinstance(tokens, list):
+            raise FicocoError("ficoco.vllm: this model's image placeholders are not a plain token list")
+        return tokens[:count]
+
     def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any],
                             out_mm_kwargs: Any) -> Sequence[Any]:
         updates = super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)  # type: ignore[misc]
@@ -161,16 +181,15 @@ class ReducingProcessor:
                 out.append(update)
                 continue
 
-            def replacement(item_idx: int, _original: Any = update.replacement) -> list[int]:
+            def replacement(item_idx: int, _original: Any = update.replacement) -> Any:
                 tokens = _original(item_idx) if callable(_original) else _original
-                if not isinstance(tokens, list):
-                    raise FicocoError("ficoco.vllm: this model's image placeholders are not a plain token list")
                 try:
-                    return tokens[:planner.image_tokens(out_mm_kwargs["image"][item_idx])]
+                    count = self._ficoco_placeholders(planner, out_mm_kwargs["image"][item_idx])
                 except FicocoError:
                     if not self.__dict__.get("_ficoco_dummy"):
                         raise
                     return tokens
+                return self._ficoco_shorten(tokens, count, hf_processor_mm_kwargs)
 
             out.append(PromptReplacement(modality="image", target=update.target, replacement=replacement))
         return out

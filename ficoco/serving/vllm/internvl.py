@@ -18,7 +18,7 @@ needs a tower without fixed absolute positions: neither is served here.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,12 +30,12 @@ from vllm.model_executor.models.interns1 import (
     InternS1ProcessingInfo,
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
-from vllm.multimodal.processing import PromptReplacement, PromptUpdateDetails
+from vllm.multimodal.processing import PromptUpdateDetails
 
 from ficoco.errors import FicocoError
 from ficoco.methods.inputs import TowerInput
 from ficoco.methods.ops import pixel_shuffle_order
-from ficoco.serving.vllm.common import Planner, ReducingInfo, record_kept, served_method
+from ficoco.serving.vllm.common import Planner, ReducingInfo, ReducingProcessor, record_kept, served_method
 
 SERVED = ("divprune", "visionzip", "vispruner")  # after the projector, or after pixel shuffle by [CLS] attention
 
@@ -44,57 +44,20 @@ class InternVLReducingInfo(ReducingInfo, InternS1ProcessingInfo):
     """InternVL's processing info; a reducing engine refuses videos per request."""
 
 
-class InternVLReducingProcessor(InternS1MultiModalProcessor):
+class InternVLReducingProcessor(ReducingProcessor, InternS1MultiModalProcessor):
     """InternVL's processor with each image's placeholders cut to its tiles' kept tokens, `<img>` and `</img>`
     kept around them."""
 
-    def _ficoco_planner(self) -> Planner:
-        planner = self.__dict__.get("_ficoco")
-        if planner is None:
-            planner = self.__dict__["_ficoco"] = Planner(self.info.get_hf_config())
-        return planner
+    def _ficoco_placeholders(self, planner: Planner, item: Any) -> int:
+        return planner.plan_tiles(int(item["image_num_patches"].data)).tokens
 
-    def get_dummy_mm_inputs(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's start-up inputs (the image of the most tiles, for its encoder budget and memory profile): an image
-        no plan fits there (a TFLOPs budget the largest tiling cannot meet) keeps its unreduced placeholders, and the
-        model its unreduced tokens, so that the engine starts; a request's such image is refused alone."""
-        self.__dict__["_ficoco_dummy"] = True
-        try:
-            return super().get_dummy_mm_inputs(*args, **kwargs)
-        finally:
-            self.__dict__["_ficoco_dummy"] = False
-
-    def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, Any],
-                            out_mm_kwargs: Any) -> Sequence[Any]:
-        updates = super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
-        planner = self._ficoco_planner()
-        if planner.settings is None:
-            return updates
+    def _ficoco_shorten(self, tokens: Any, count: int, hf_processor_mm_kwargs: Mapping[str, Any]) -> Any:
         context = self.info.get_hf_processor(**hf_processor_mm_kwargs).image_token_id
-        out = []
-        for update in updates:
-            if update.modality != "image":
-                out.append(update)
-                continue
-
-            def replacement(item_idx: int, _original: Any = update.replacement) -> Any:
-                details = _original(item_idx)
-                full = details.full if isinstance(details, PromptUpdateDetails) else list(details)
-                spots = [i for i, token in enumerate(full) if token == context]
-                if not spots:
-                    raise FicocoError("ficoco.vllm: this InternVL image has no <IMG_CONTEXT> placeholders to reduce")
-                tiles = int(out_mm_kwargs["image"][item_idx]["image_num_patches"].data)
-                try:
-                    tokens = planner.plan_tiles(tiles).tokens
-                except FicocoError:
-                    if not self.__dict__.get("_ficoco_dummy"):
-                        raise
-                    return details
-                return PromptUpdateDetails.select_token_id(full[:spots[0]] + [context] * tokens + full[spots[-1] + 1:],
-                                                           context)
-
-            out.append(PromptReplacement(modality="image", target=update.target, replacement=replacement))
-        return out
+        full = tokens.full if isinstance(tokens, PromptUpdateDetails) else list(tokens)
+        spots = [i for i, token in enumerate(full) if token == context]
+        if not spots:
+            raise FicocoError("ficoco.vllm: this InternVL image has no <IMG_CONTEXT> placeholders to reduce")
+        return PromptUpdateDetails.select_token_id(full[:spots[0]] + [context] * count + full[spots[-1] + 1:], context)
 
 
 @MULTIMODAL_REGISTRY.register_processor(InternVLReducingProcessor, info=InternVLReducingInfo,
@@ -106,7 +69,7 @@ class ReducingInternVL(InternS1ForConditionalGeneration):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.ficoco = Planner(self.config)
         self.ficoco_reduces_images = False  # one-dimensional positions: vLLM's own hold for the shortened prompt
-        spec = served_method(self.ficoco, SERVED, "InternVL3", "it acts inside InternViT's layers or cuts its input")
+        spec = served_method(self.ficoco, SERVED, "InternVL3", self.config.model_type)
         if spec is None:
             return
         self.ficoco_spec = spec
@@ -129,14 +92,6 @@ class ReducingInternVL(InternS1ForConditionalGeneration):
         if index == self.ficoco_probe_layer:
             query, key = args[0], args[1]
             self.ficoco_probed = (query, key, module)
-
-    def _ficoco_plan(self, tiles: int) -> Any:
-        """The plan of an image of `tiles` tiles; None where no plan fits it, which only vLLM's start-up inputs bring
-        here (the processor refuses a request's such image, and gave the start-up image its unreduced placeholders)."""
-        try:
-            return self.ficoco.plan_tiles(tiles)
-        except FicocoError:
-            return None
 
     def _ficoco_layer_reads(self, start: int, count: int) -> dict[str, Any]:
         """The probed layer's keys (tiles, H, 1 + patches, d) in group order, [CLS]'s query and the scale, for the
@@ -165,7 +120,7 @@ class ReducingInternVL(InternS1ForConditionalGeneration):
         if image_input["type"] != "pixel_values":
             raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
         tiles = [int(n) for n in image_input["num_patches"].tolist()]
-        plans = [self._ficoco_plan(count) for count in tiles]
+        plans = [self.ficoco.plan_if_fits(tiles=count) for count in tiles]
         removals = [None if plan is None else next((r for r in plan.removals if r.stage == "vision"), None)
                     for plan in plans]
         at_tower = self.ficoco_spec.placement == "tower_output"

@@ -51,8 +51,7 @@ class ReducingLlava(LlavaForConditionalGeneration):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.ficoco = Planner(self.config)
         self.ficoco_reduces_images = False  # one-dimensional positions: vLLM's own hold for the shortened prompt
-        spec = served_method(self.ficoco, SERVED, "LLaVA-1.5", "it reads the tower's [CLS] attention or acts inside "
-                             "its layers")
+        spec = served_method(self.ficoco, SERVED, "LLaVA-1.5", self.config.model_type)
         if spec is not None:
             self.ficoco_spec = spec
             self.ficoco_module = spec.load()

@@ -129,19 +129,12 @@ class _ReducingQwen:
     def _ficoco_step(self, grid: tuple[int, int, int]) -> tuple[dict[str, Any], int, int]:
         """The settings, removed and added units of the cut the plan for `grid` makes (none where a budget leaves
         the image whole)."""
-        plan = self._ficoco_plan(grid)
+        plan = self.ficoco.plan_if_fits(grid)
         removal = None if plan is None else next((r for r in plan.removals if r.stage == "vision"), None)
         if removal is None:
             return {} if plan is None else plan.settings_dict(), 0, 0
         return plan.settings_dict(), removal.remove, removal.added  # type: ignore[union-attr]
 
-    def _ficoco_plan(self, grid: tuple[int, int, int]) -> Any:
-        """The plan of an image of `grid`; None where no plan fits it, which only vLLM's start-up inputs bring here
-        (the processor refuses a request's such image, and gave the start-up image its unreduced placeholders)."""
-        try:
-            return self.ficoco.plan(grid)
-        except FicocoError:
-            return None
 
     # -- the encoder -----------------------------------------------------------------------------------------
     def _tower_rows(self, grid: tuple[int, int, int]) -> Tensor:
@@ -162,7 +155,7 @@ class _ReducingQwen:
         grids = [tuple(int(x) for x in g) for g in image_input["image_grid_thw"].tolist()]
         # One plan per image grid (a tflops budget keeps different counts on images of different sizes); the steps
         # run one batch per image size, as the transformers adapters batch them.
-        plans = [self._ficoco_plan(g) for g in grids]
+        plans = [self.ficoco.plan_if_fits(g) for g in grids]
         merge_size = self.visual.spatial_merge_size  # type: ignore[attr-defined]
         tower = TowerPass(grids=grids, merge_size=merge_size, rows=[self._tower_rows(g) for g in grids])
         spec = self.ficoco_spec

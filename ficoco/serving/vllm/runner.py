@@ -49,7 +49,7 @@ def check_settings() -> None:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         from ficoco.errors import FicocoError
         from ficoco.serving.vllm import ARCHITECTURES, NOT_REDUCED, SERVED_ONLY
-        from ficoco.serving.vllm.settings import SETTINGS_KEY, settings_from
+        from ficoco.serving.vllm.settings import SETTINGS_KEY, settings_from, unserved_reason
 
         overrides = self.hf_overrides if isinstance(self.hf_overrides, dict) else {}
 
@@ -71,14 +71,7 @@ def check_settings() -> None:
             for architecture in architectures:
                 served = SERVED_ONLY.get(architecture)
                 if served is not None and settings.method not in served:
-                    from ficoco.methods.registry import method
-
-                    model_type = getattr(made.model_config.hf_config, "model_type", "")
-                    spec = method(settings.method)
-                    why = spec.refusals.get(model_type) or (
-                        "it acts inside the tower's layers, which the plugin does not wire in this family's tower"
-                        if spec.placement == "in_layer" else
-                        "it reads the tower's [CLS] attention, which the plugin does not probe in this family's tower")
+                    why = unserved_reason(settings.method, getattr(made.model_config.hf_config, "model_type", ""))
                     raise FicocoError(f"ficoco.vllm: {settings.method} is not served on {architecture} ({why}); "
                                       f"served there: {', '.join(served)}")
         return made

@@ -69,6 +69,18 @@ def refusal(method: str) -> str | None:
     return f"ficoco.vllm: {method} is not served by the plugin; served: {', '.join(SUPPORTED)}"
 
 
+def unserved_reason(method_name: str, model_type: str) -> str:
+    """Why a family that serves some of the plugin's methods does not serve `method_name`: the method's own refusal
+    for the family where it has one, else what its placement needs of the family's tower."""
+    from ficoco.methods.registry import method
+
+    spec = method(method_name)
+    return spec.refusals.get(model_type) or (
+        "it acts inside the tower's layers, which the plugin does not wire in this family's tower"
+        if spec.placement == "in_layer" else
+        "it reads the tower's [CLS] attention, which the plugin does not probe in this family's tower")
+
+
 @dataclass(frozen=True)
 class Settings:
     """One engine's reduction: the method, at most one of keep / preset / tflops, how a budget is counted
