@@ -294,7 +294,7 @@ def qwen_patches(picture: Tensor, vision: Any, mean: tuple[float, ...], std: tup
 
 # Chat templates written for these checkpoints in the form the real ones lay out: LLaVA-1.5 and
 # Video-LLaVA "USER: <image>\n{text} ASSISTANT:", LLaVA-NeXT (vicuna) "USER: <image>\n{text}
-# ASSISTANT:", Qwen2-VL ChatML with <|vision_start|><|image_pad|><|vision_end|>.
+# ASSISTANT:", Qwen2-VL ChatML with <|vision_start|><|image_pad|><|vision_end|> (<|video_pad|> for a video).
 _USER_ASSISTANT = (
     "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
     "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>\n' }}"
@@ -305,7 +305,8 @@ _USER_ASSISTANT = (
 _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif part['type'] == 'video' %}"
+    "{{ '<|vision_start|><|video_pad|><|vision_end|>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}"
     "{% endif %}{% endfor %}{{ '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

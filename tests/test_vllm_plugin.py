@@ -212,26 +212,33 @@ def whole_groups(config: Any, family: str, inputs: Any) -> Any:
 class Engine:
     """One vLLM engine on a checkpoint with one method, and the file its model writes the kept groups to."""
 
-    def __init__(self, folder: Path, family: str, variant: str, record: Path, **engine: Any) -> None:
+    def __init__(self, folder: Path, family: str, variant: str, record: Path, chosen: dict[str, Any] | None = None,
+                 **engine: Any) -> None:
         from vllm import LLM
 
         os.environ["FICOCO_VLLM_RECORD"] = str(record)
         self.record = record
-        chosen = {"method": variant, **budget(family, variant)}
+        self.folder = folder
+        self.prompt_ids: list[list[int]] = []
+        chosen = {"method": variant, **(budget(family, variant) if chosen is None else chosen)}
         settings = {} if variant == "vanilla" else {"hf_overrides": {"ficoco_vllm": chosen}}
+        # Qwen engines take a video too: Qwen2.5-VL's reduced slice by slice, Qwen3-VL's refused per request.
+        videos = 1 if family in VIDEO_FRAMES or family == "qwen3_vl" else 0
         self.llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
-                       limit_mm_per_prompt={"image": 1, "video": 0}, seed=0, **settings, **engine)
+                       limit_mm_per_prompt={"image": 1, "video": videos}, seed=0, **settings, **engine)
 
     def generate(self, prompts: list[tuple[str, Any]]) -> list[list[int]]:
         return [tokens for tokens, _ in self.generate_with_top(prompts)]
 
-    def generate_with_top(self, prompts: list[tuple[str, Any]]) -> list[tuple[list[int], dict[int, float]]]:
+    def generate_with_top(self, prompts: list[tuple[str, Any]], modality: str = "image"
+                          ) -> list[tuple[list[int], dict[int, float]]]:
         """Every prompt's tokens, and its first token's top log-probabilities."""
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
-        outputs = self.llm.generate([{"prompt": text, "multi_modal_data": {"image": image}} for text, image in prompts],
-                                    params, use_tqdm=False)
+        requests = [{"prompt": text, "multi_modal_data": {modality: media}} for text, media in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self.prompt_ids = [list(out.prompt_token_ids) for out in outputs]
         return [(list(out.outputs[0].token_ids),
                  {token: entry.logprob for token, entry in out.outputs[0].logprobs[0].items()}) for out in outputs]
 
@@ -304,6 +311,101 @@ def test_a_batch_of_two_image_sizes_gives_each_request_its_own_tokens(served: An
         (tokens,) = engine.generate([(refs[3]["text"], images[3])])
         (record,) = engine.kept()
         assert tokens == refs[3]["tokens"] and record["kept"] == refs[3]["kept"]
+
+
+# A video of 8 frames of 140x112 (Qwen2.5-VL: 4 temporal slices of 8x10 patches, 20 merge groups each), sent as
+# vLLM takes a decoded one: the frames and their metadata (2 frames a second, none resampled).
+VIDEO_FRAMES = {"qwen2_5_vl": (8, (140, 112))}
+VIDEO_PROMPT = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens?<|im_end|>\n" \
+    "<|im_start|>assistant\n"
+
+
+def clip(frames: int, size: tuple[int, int], seed: int = 20) -> Any:
+    """A decoded video as vLLM's `multi_modal_data` takes it: (frames, metadata)."""
+    import numpy as np
+
+    pixels = np.stack([np.asarray(picture(size, seed + index)) for index in range(frames)])
+    metadata = {"fps": 2.0, "duration": frames / 2.0, "total_num_frames": frames, "frames_indices": list(range(frames)),
+                "video_backend": "opencv", "do_sample_frames": False}
+    return pixels, metadata
+
+
+def slices_as_images(folder: Path, family: str, variant: str, video: Any, chosen: dict[str, Any] | None = None
+                     ) -> tuple[list[list[int]], int]:
+    """The rule restated for a video: ficoco.apply (the transformers adapter) on the video's temporal slices given
+    as that many images, each of its (1, h, w) grid and its rows of the processed video's pixels. Every slice's kept
+    merge groups, and the video's unreduced token count."""
+    from transformers import AutoProcessor
+
+    import ficoco
+    from ficoco.accounting import CountOptions
+
+    pixels, _ = video
+    processed = AutoProcessor.from_pretrained(folder).video_processor(videos=[pixels], return_tensors="pt",
+                                                                         do_sample_frames=False)
+    t, h, w = (int(x) for x in processed["video_grid_thw"][0])
+    model = ficoco.build_model(str(folder), weights=str(folder), dtype="fp32", check_memory=False)
+    config = model.config
+    span = [config.vision_start_token_id] + [config.image_token_id] * (h * w // 4) + [config.vision_end_token_id]
+    ids = torch.tensor([[1, 2, *(span * t), 3, 4]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "pixel_values": processed["pixel_values_videos"], "image_grid_thw": torch.tensor([[1, h, w]] * t)}
+    chosen = dict(budget(family, variant) if chosen is None else chosen)
+    with torch.inference_mode(), ficoco.apply(model, variant=variant, image_size=(h * 14, w * 14),
+                                              count=CountOptions(scope=chosen.pop("scope", "llm")), **chosen) as handle:
+        model(**inputs)
+        patches = handle.records[-1].kept  # (slices, kept patches)
+    groups = (patches // w // 2) * (w // 2) + (patches % w) // 2
+    return [sorted(set(row.tolist())) for row in groups], t * h * w // 4
+
+
+def test_a_video_keeps_every_temporal_slice_as_ficoco_apply_keeps_it_as_an_image(served: Any) -> None:
+    """A Qwen2.5-VL video through a reducing engine: every temporal slice reduced as an image of its grid (the
+    tower attends within a slice alone), keep x slices placeholders in one span, fixed before the prefill, whose
+    16-token chunks end inside the span; a TFLOPs budget, PixelPrune and Qwen3-VL refuse the video alone, in one
+    line, and the engine serves the next request."""
+    family, variant, images, refs, engine = served
+    if family not in VIDEO_FRAMES and family != "qwen3_vl":
+        pytest.skip("the family takes no video")
+    video = clip(VIDEO_FRAMES.get(family, (8, (140, 112)))[0], VIDEO_FRAMES.get(family, (8, (320, 256)))[1])
+    why = ("Qwen3-VL lays a video out" if family == "qwen3_vl" else
+           "its pixel grid of merge groups is an image's" if variant in PIXEL_COUNTED else
+           "TFLOPs budget is planned per image" if "tflops" in budget(family, variant) else None)
+    if why is not None:
+        with pytest.raises(Exception, match=why) as caught:
+            engine.generate_with_top([(VIDEO_PROMPT, video)], "video")
+        assert "\n" not in str(caught.value).strip()
+        assert engine.generate([(refs[0]["text"], images[0])]) == [refs[0]["tokens"]]
+        engine.kept()
+        return
+    expected, unreduced = slices_as_images(engine.folder, family, variant, video)
+    ((tokens, _),) = engine.generate_with_top([(VIDEO_PROMPT, video)], "video")
+    records = engine.kept()
+    assert [r["kept"] for r in records] == expected
+    assert len(expected) == 4 and all(len(kept) == KEEP[family] for kept in expected)
+    video_token = json.loads((engine.folder / "config.json").read_text())["video_token_id"]
+    span = [i for i, token in enumerate(engine.prompt_ids[0]) if token == video_token]
+    assert len(span) == 4 * KEEP[family] < unreduced and span == list(range(span[0], span[0] + len(span)))
+    assert any(span[0] < end <= span[-1] for end in range(16, len(engine.prompt_ids[0]), 16))
+    assert len(tokens) == NEW_TOKENS
+
+
+@pytest.mark.skipif(os.environ.get("FICOCO_VLLM_TESTS") == "lean", reason="one more engine (the full set)")
+def test_divprune_keeps_every_video_slices_own_diverse_tokens(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """DivPrune under keep (its other engine runs a TFLOPs budget): a video's slices each keep their own Max-Min
+    diverse groups, as the transformers adapter keeps them on the slices as images, at two keeps."""
+    folder = checkpoints["qwen2_5_vl"]
+    video = clip(*VIDEO_FRAMES["qwen2_5_vl"])
+    for keep in (5, 12):
+        expected, _ = slices_as_images(folder, "qwen2_5_vl", "divprune", video, {"keep": keep})
+        engine = Engine(folder, "qwen2_5_vl", "divprune", tmp_path / f"kept-{keep}.jsonl", {"keep": keep},
+                        enable_chunked_prefill=True, max_num_batched_tokens=16)
+        engine.generate_with_top([(VIDEO_PROMPT, video)], "video")
+        assert [r["kept"] for r in engine.kept()] == expected and {len(k) for k in expected} == {keep}
+        del engine
+        import gc
+
+        gc.collect()
 
 
 def test_pixelprune_with_a_budget_is_refused_in_one_line_before_an_engine_starts(

@@ -9,6 +9,11 @@ one per request of the whole run, the same grid: no level is served from vLLM's 
 earlier one) and the same question, and generates exactly `new_tokens` tokens (EOS ignored), so that every
 variant decodes the same amount; every variant sees the same images.
 
+With `frames`, every request holds one video of that many frames of `image_size` instead (Qwen2.5-VL: every
+temporal slice reduced as an image of its grid), and the variant `evs` is vLLM's own video pruning (EVS,
+`video_pruning_rate`) at the rate that keeps the methods' token count (`evs_rate`), so that the two are side by
+side; the accountant has no EVS entry (its tower runs whole, its LLM on the kept tokens): its TFLOPs are left out.
+
 With `server`, each variant runs as users deploy it: vLLM's OpenAI server (`ficoco.serving.vllm.server`: `vllm
 serve`, or its server module where the CPU build's command fails) started with the method in `--hf-overrides`, and
 the `openai` client sending streamed chat completions with each image as a data URL; time to first token is then
@@ -31,9 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from ficoco.errors import FicocoError
-from ficoco.serving.vllm.settings import PIXEL_COUNTED, SETTINGS_KEY, Settings, plan_image
+from ficoco.serving.vllm.settings import PIXEL_COUNTED, SETTINGS_KEY, Settings, plan_image, plan_video
 
 DEFAULT_CONCURRENCY = (1, 4, 16, 32)
+EVS = "evs"  # vLLM's own video pruning, a variant beside the methods on a video workload
+FPS = 2.0  # the benchmark videos' frame rate (their metadata: every frame given, none resampled)
 QUESTION = "Describe the image."
 WARM_UP = 4  # requests that warm every engine up before its first level (images of their own)
 
@@ -59,12 +66,13 @@ class BenchConfig:
     seed: int = 0
     engine_args: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     server: bool = False  # through vLLM's OpenAI server and the openai client, not AsyncLLM in this process
+    frames: int | None = None  # every request one video of that many frames of image_size (None: one image)
     log_folder: str | None = None  # where each server's output goes (a new temporary folder by default)
 
     def settings(self, variant: str, text_tokens: int) -> Settings | None:
         from ficoco.methods.registry import METHODS
 
-        if variant == "vanilla":
+        if variant in ("vanilla", EVS):
             return None
         own = METHODS[variant].hyperparameters if variant in METHODS else {}
         # A pixel-counted method has no budget: every image keeps its own count (the report's prompt tokens).
@@ -92,9 +100,43 @@ def _images(config: BenchConfig) -> list[Any]:
     return images
 
 
-def _prompt(model: str, question: str) -> tuple[str, int, Any]:
-    """The question with one image placeholder in the checkpoint's chat template, its text tokens, and the
-    checkpoint's config."""
+def _videos(config: BenchConfig) -> list[Any]:
+    """One video per request of the whole run, as vLLM takes a decoded one: `frames` frames of `_images`' kind (a
+    different picture each, slightly moved frame to frame) and their metadata."""
+    import numpy as np
+
+    assert config.frames is not None
+    height, width = config.image_size
+    rng = np.random.default_rng(config.seed)
+    videos = []
+    for _ in range(config.requests * len(config.concurrency) + WARM_UP):
+        coarse = rng.random((height // 16 + 2, width // 16 + 2, 3))
+        big = np.kron(coarse, np.ones((16, 16, 1)))
+        frames = []
+        for index in range(config.frames):
+            shift = index * 2  # the scene pans two pixels a frame: neighbouring slices alike, as in a video
+            noise = rng.random((height, width, 3))
+            frames.append(((0.8 * big[shift // 16:][:height, shift:][:, :width] + 0.2 * noise) * 255).astype(np.uint8))
+        metadata = {"fps": FPS, "duration": config.frames / FPS, "total_num_frames": config.frames,
+                    "frames_indices": list(range(config.frames)), "video_backend": "opencv", "do_sample_frames": False}
+        videos.append((np.stack(frames), metadata))
+    return videos
+
+
+def evs_rate(tokens_per_slice: int, slices: int, kept: int) -> tuple[float, int]:
+    """vLLM's EVS `video_pruning_rate` that keeps `kept` of a video's `slices` x `tokens_per_slice` tokens, and the
+    count EVS then keeps: at least a slice's tokens (EVS keeps the first slice whole), else int(total x (1 - q))
+    (vLLM's `compute_retained_tokens_count`; q set half a token high so that the int lands on `kept`)."""
+    total = tokens_per_slice * slices
+    if kept >= total:
+        return 0.0, total
+    rate = 1.0 - (kept + 0.5) / total
+    return rate, max(tokens_per_slice, int(total * (1.0 - rate)))
+
+
+def _prompt(model: str, question: str, media: str = "image") -> tuple[str, int, Any]:
+    """The question with one image (or video) placeholder in the checkpoint's chat template, its text tokens, and
+    the checkpoint's config."""
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(model, local_files_only=True)
@@ -105,12 +147,15 @@ def _prompt(model: str, question: str) -> tuple[str, int, Any]:
         template = chat.read_text()
     if template is None:
         raise FicocoError(f"model={model}: the checkpoint has no chat template to lay the request out with")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": media},
                                                                       {"type": "text", "text": question}]}],
                                          chat_template=template, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    image_id = config.image_token_id
-    return text, sum(1 for token in ids if token != image_id), config
+    placeholder = config.video_token_id if media == "video" else config.image_token_id
+    if media == "video" and placeholder not in ids:
+        raise FicocoError(f"model={model}: the checkpoint's chat template writes no video placeholder; give a "
+                          "checkpoint whose template lays a video out")
+    return text, sum(1 for token in ids if token != placeholder), config
 
 
 def image_backend(processor: Any) -> str:
@@ -143,6 +188,18 @@ def _layout(model: str, image: Any, config: Any) -> tuple[dict[str, Any], dict[s
         made = processor(images=[image], return_tensors="pt")
         layout = {"grid_thw": [int(x) for x in made["image_grid_thw"][0]]} if "image_grid_thw" in made else {}
     return layout, {"class": type(processor).__name__, "backend": image_backend(processor)}
+
+
+def _video_layout(model: str, video: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """How the checkpoint's video processor lays a benchmark video out (its `grid_thw`: temporal slices, patch
+    rows and columns), and that processor's class and backend."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model, local_files_only=True).video_processor
+    frames, _ = video
+    made = processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
+    return ({"grid_thw": [int(x) for x in made["video_grid_thw"][0]]},
+            {"class": type(processor).__name__, "backend": image_backend(processor)})
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -219,11 +276,11 @@ async def _level_http(client: Any, model: str, requests: list[list[dict[str, Any
     return _summary(concurrency, len(requests), time.perf_counter() - start, ttft, tokens, prompt_tokens)
 
 
-def _engine(config: BenchConfig, settings: Settings | None) -> Any:
+def _engine(config: BenchConfig, settings: Settings | None, flags: dict[str, Any]) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = AsyncEngineArgs(model=config.model, **_engine_flags(config),
+    args = AsyncEngineArgs(model=config.model, **flags,
                            hf_overrides={} if settings is None else {SETTINGS_KEY: settings.to_json()})
     return AsyncLLM.from_engine_args(args)
 
@@ -239,12 +296,12 @@ async def _levels(config: BenchConfig, requests: list[Any], level: Callable[...,
     return [await level(requests[i * n:(i + 1) * n], concurrency) for i, concurrency in enumerate(config.concurrency)]
 
 
-async def _serve(config: BenchConfig, settings: Settings | None, prompts: list[dict[str, Any]]
-                 ) -> tuple[list[dict[str, Any]], float]:
+async def _serve(config: BenchConfig, settings: Settings | None, prompts: list[dict[str, Any]],
+                 flags: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
     """One engine for one variant: started, warmed up, run at every level (`_levels`), shut down; the levels'
     figures and the engine's start time."""
     began = time.perf_counter()
-    engine = _engine(config, settings)
+    engine = _engine(config, settings, flags)
     started = time.perf_counter() - began
     try:
         return await _levels(config, prompts, lambda requests, concurrency: _level(
@@ -253,16 +310,18 @@ async def _serve(config: BenchConfig, settings: Settings | None, prompts: list[d
         engine.shutdown()
 
 
-def _engine_flags(config: BenchConfig) -> dict[str, Any]:
-    """The engine arguments every variant's server starts with (vLLM's Python names; the server takes them as
-    flags)."""
+def _engine_flags(config: BenchConfig, evs: float | None = None) -> dict[str, Any]:
+    """The engine arguments a variant's engine or server starts with (vLLM's Python names; the server takes them as
+    flags): every variant's, and EVS's pruning rate for its own."""
+    media = {"image": 0, "video": 1} if config.frames else {"image": 1, "video": 0}
+    own = {} if evs is None else {"video_pruning_rate": evs}
     return {"dtype": config.dtype, "enforce_eager": True, "max_model_len": config.max_model_len,
-            "max_num_seqs": max(config.concurrency), "limit_mm_per_prompt": {"image": 1, "video": 0},
-            "seed": config.seed, **dict(config.engine_args)}
+            "max_num_seqs": max(config.concurrency), "limit_mm_per_prompt": media,
+            "seed": config.seed, **dict(config.engine_args), **own}
 
 
 async def _serve_http(config: BenchConfig, settings: Settings | None, requests: list[list[dict[str, Any]]],
-                      log_path: Path) -> tuple[list[dict[str, Any]], float, str]:
+                      log_path: Path, flags: dict[str, Any]) -> tuple[list[dict[str, Any]], float, str]:
     """One variant through vLLM's OpenAI server: started with the method in `--hf-overrides`, warmed up and run at
     every level (`_levels`), stopped; the levels' figures, its start time and its launcher."""
     from openai import AsyncOpenAI
@@ -270,7 +329,7 @@ async def _serve_http(config: BenchConfig, settings: Settings | None, requests: 
     from ficoco.serving.vllm.server import start_server
 
     server = start_server(config.model, log_path, settings=None if settings is None else settings.to_json(),
-                          engine=_engine_flags(config))
+                          engine=flags)
     try:
         async with AsyncOpenAI(base_url=server.url, api_key="ficoco", max_retries=0, timeout=3600.0) as client:
             levels = await _levels(config, requests, lambda chats, concurrency: _level_http(
@@ -280,14 +339,39 @@ async def _serve_http(config: BenchConfig, settings: Settings | None, requests: 
         server.stop()
 
 
-def server_command_line(config: BenchConfig, settings: Settings | None) -> list[str]:
+def server_command_line(config: BenchConfig, settings: Settings | None, flags: dict[str, Any] | None = None
+                        ) -> list[str]:
     """The command a variant's server runs, as a user would type it (the port is chosen when it starts)."""
     from ficoco.serving.vllm.server import flag_name, server_command
 
     command, _ = server_command(config.model, port=0, settings=None if settings is None else settings.to_json(),
-                                engine=_engine_flags(config))
+                                engine=_engine_flags(config) if flags is None else flags)
     at = command.index(flag_name("port")) + 1  # the port is a free one, chosen when the server starts
     return ["python" if part == sys.executable else part for part in command[:at]] + ["PORT"] + command[at + 1:]
+
+
+def _variant_plan(config: BenchConfig, variant: str, settings: Settings | None, grid: tuple[int, ...] | None,
+                  config_json: str, patch: int, text_tokens: int, layout: dict[str, Any], evs: dict[str, Any]
+                  ) -> tuple[int, float | None, dict[str, Any]]:
+    """A variant's visual tokens and TFLOPs per request (the accountant's plan; EVS's count is vLLM's, its TFLOPs
+    not counted) and its engine's flags; EVS's rate and count go into `evs` for the report."""
+    if not config.frames:
+        plan = plan_image(config_json, settings, grid, patch, text_tokens=text_tokens, tiles=layout.get("tiles"))
+        return plan.tokens, plan.tflops, _engine_flags(config)
+    assert grid is not None
+    t, h, w = grid
+    merge = int(json.loads(config_json).get("vision_config", {}).get("spatial_merge_size", 2))
+    per_slice = h * w // merge**2
+    if variant != EVS:
+        plan = plan_video(config_json, settings, (t, h, w), patch, text_tokens=text_tokens)
+        return plan.tokens, plan.tflops, _engine_flags(config)
+    # EVS at the methods' count: keep per slice (the count every method keeps), else a slice's tokens.
+    wanted = t * min(config.keep or per_slice, per_slice)
+    rate, kept = evs_rate(per_slice, t, wanted)
+    evs.update({"video_pruning_rate": rate, "tokens": kept, "wanted_tokens": wanted,
+                "note": "EVS keeps the first temporal slice whole: fewer tokens than one slice's are not reachable"
+                        if kept != wanted else "the methods' count"})
+    return kept, None, _engine_flags(config, evs=rate)
 
 
 def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
@@ -296,15 +380,20 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
     (`ficoco serve-bench` does), which this room does not know."""
     if not Path(config.model).is_dir():
         raise FicocoError(f"model={config.model}: give a local checkpoint folder (vLLM loads its weights)")
-    images = _images(config)
-    text, text_tokens, hf_config = _prompt(config.model, config.question)
-    layout, processor = _layout(config.model, images[0], hf_config)
+    if EVS in config.variants and not config.frames:
+        raise FicocoError("variant=evs: vLLM's EVS prunes videos; give frames= (a video workload) or drop evs")
+    media = "video" if config.frames else "image"
+    items = _videos(config) if config.frames else _images(config)
+    text, text_tokens, hf_config = _prompt(config.model, config.question, media)
+    layout, processor = (_video_layout(config.model, items[0]) if config.frames else
+                         _layout(config.model, items[0], hf_config))
     grid = tuple(layout["grid_thw"]) if "grid_thw" in layout else None
-    prompts = [{"prompt": text, "multi_modal_data": {"image": image}} for image in images]
+    prompts = [{"prompt": text, "multi_modal_data": {media: item}} for item in items]
     if config.server:
-        from ficoco.serving.vllm.server import chat_messages, data_url
+        from ficoco.serving.vllm.server import chat_messages, data_url, video_data_url
 
-        chats = [chat_messages([data_url(image)], config.question) for image in images]
+        chats = [chat_messages([video_data_url(*item) if config.frames else data_url(item)], config.question, media)
+                 for item in items]
         logs = Path(config.log_folder) if config.log_folder else Path(tempfile.mkdtemp(prefix="ficoco-serve-"))
     launcher = None
     config_json = json.dumps({k: v for k, v in hf_config.to_dict().items() if k != SETTINGS_KEY}, sort_keys=True,
@@ -313,19 +402,21 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
     patch = int(patch[0] if isinstance(patch, (list, tuple)) else patch)
     rows: list[dict[str, Any]] = []
     starts: dict[str, float] = {}
+    evs: dict[str, Any] = {}
     for variant in config.variants:
         settings = config.settings(variant, text_tokens)
-        plan = plan_image(config_json, settings, grid, patch, text_tokens=text_tokens, tiles=layout.get("tiles"))
-        tokens, tflops = plan.tokens, plan.tflops
+        tokens, tflops, flags = _variant_plan(config, variant, settings, grid, config_json, patch, text_tokens, layout,
+                                              evs)
         counted = "at most " if variant in PIXEL_COUNTED else ""  # planned at every group; each image its own
-        progress(f"{variant}: starting an engine ({counted}{tokens} visual tokens per request, {tflops:.4g} TFLOPs)")
+        cost = "TFLOPs not counted" if tflops is None else f"{tflops:.4g} TFLOPs"
+        progress(f"{variant}: starting an engine ({counted}{tokens} visual tokens per request, {cost})")
         if config.server:
             log = logs / f"server-{variant}.log"
-            progress(f"{variant}: {shlex.join(server_command_line(config, settings))} (output in {log})")
+            progress(f"{variant}: {shlex.join(server_command_line(config, settings, flags))} (output in {log})")
             measured_levels, starts[variant], launcher = asyncio.run(
-                _serve_http(config, settings, chats, log))
+                _serve_http(config, settings, chats, log, flags))
         else:
-            measured_levels, starts[variant] = asyncio.run(_serve(config, settings, prompts))
+            measured_levels, starts[variant] = asyncio.run(_serve(config, settings, prompts, flags))
         gc.collect()  # the engine's last references, while vLLM's modules are still there to shut it down
         for measured in measured_levels:
             rows.append({"variant": variant, "settings": None if settings is None else settings.to_json(),
@@ -335,7 +426,9 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
     import vllm
 
     served = {"launcher": launcher} if launcher else {}
+    if evs:
+        served["evs"] = evs
     return {"config": {**asdict(config), "text_tokens": text_tokens, **layout,
-                       "image_processor": processor}, **served,
+                       ("video_processor" if config.frames else "image_processor"): processor}, **served,
             "vllm": vllm.__version__, "engine_start_s": starts, "rows": rows,
             "note": "random weights: the figures measure the engine and the reduction, never accuracy"}

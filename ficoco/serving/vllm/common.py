@@ -15,6 +15,7 @@ from ficoco.errors import FicocoError
 from ficoco.serving.vllm.settings import (
     PIXEL_COUNTED,
     SETTINGS_KEY,
+    VIDEO_REFUSED,
     ImagePlan,
     Settings,
     plan_image,
@@ -90,6 +91,31 @@ class Planner:
         except FicocoError:
             return None
 
+    def slice_plan(self, grid_thw: Sequence[int]) -> ImagePlan:
+        """The plan of one temporal slice of a video of `grid_thw`: every slice is one item of the video, reduced as
+        an image of its (1, h, w) grid (Qwen's tower attends within each slice alone), so that a video keeps t x the
+        slice's count, fixed before the encoder runs. A TFLOPs budget is refused here: it is solved for a whole
+        prompt, and a slice is not one."""
+        assert self.settings is not None
+        t, h, w = (int(x) for x in grid_thw)
+        if self.settings.method in VIDEO_REFUSED:
+            raise FicocoError(f"ficoco.vllm: {self.settings.method} does not reduce videos "
+                              f"({VIDEO_REFUSED[self.settings.method]}); send videos to an engine without it")
+        if self.settings.tflops is not None:
+            raise FicocoError("ficoco.vllm: a video is reduced slice by slice under keep (or preset); this engine's "
+                              "TFLOPs budget is planned per image: serve videos with keep=")
+        try:
+            return self.plan((1, h, w))
+        except FicocoError as exc:
+            why = str(exc).split(" here: ", 1)[-1]
+            raise FicocoError(f"ficoco.vllm: this request's video (as processed, {t} temporal slices of {h}x{w} "
+                              f"patches) cannot be reduced with {self.settings.method}: {why}") from None
+
+    def video_tokens(self, item: Any) -> int:
+        """The placeholders of one processed video (vLLM's kwargs item): t x its slice's planned count."""
+        t, h, w = (int(x) for x in item["video_grid_thw"].data.tolist())
+        return t * self.slice_plan((t, h, w)).tokens
+
     def pixel_kept(self, pixels: Tensor, grids: Sequence[tuple[int, int, int]]) -> list[Tensor]:
         """Every image's kept merge groups (grid indices, ascending) under a pixel-counted method, from the packed
         patches `pixels` of the images of `grids`."""
@@ -125,16 +151,20 @@ def served_method(planner: Planner, served: Sequence[str], family: str, model_ty
 
 class ReducingInfo:
     """A family's processing info that refuses a video to a reducing engine in one line, for that request alone
-    (vLLM turns the error into its 400 and serves the others): the engine's methods reduce images, and a video's
-    tokens would reach a model whose positions are laid out for reduced images. vLLM's own dummy inputs (its
-    start-up profiling) skip this validation."""
+    (vLLM turns the error into its 400 and serves the others), where the family's plugin reduces images only
+    (`video_reason`) or the engine's method does not reduce videos: a video's tokens would reach a model whose
+    positions are laid out for reduced media. vLLM's own dummy inputs (its start-up profiling) skip this
+    validation."""
+
+    video_reason: str | None = "the plugin reduces this family's images only"  # None: videos are reduced
 
     def validate_num_items(self, modality: str, num_items: int) -> None:
         if modality == "video" and num_items:
             settings = settings_from(self.get_hf_config())  # type: ignore[attr-defined]
-            if settings is not None:
+            why = None if settings is None else self.video_reason or VIDEO_REFUSED.get(settings.method)
+            if settings is not None and why:
                 raise FicocoError(f"ficoco.vllm: this engine reduces images with {settings.method} and serves no "
-                                  "video; send videos to an engine without ficoco_vllm settings")
+                                  f"video ({why}); send videos to an engine without ficoco_vllm settings")
         super().validate_num_items(modality, num_items)  # type: ignore[misc]
 
 
@@ -159,9 +189,9 @@ class ReducingProcessor:
         finally:
             self.__dict__["_ficoco_dummy"] = False
 
-    def _ficoco_placeholders(self, planner: Planner, item: Any) -> int:
-        """The placeholders the plan keeps for one processed image (vLLM's kwargs item)."""
-        return planner.image_tokens(item)
+    def _ficoco_placeholders(self, planner: Planner, item: Any, modality: str = "image") -> int:
+        """The placeholders the plan keeps for one processed image or video (vLLM's kwargs item)."""
+        return planner.video_tokens(item) if modality == "video" else planner.image_tokens(item)
 
     def _ficoco_shorten(self, tokens: Any, count: int, hf_processor_mm_kwargs: Mapping[str, Any]) -> Any:
         """vLLM's replacement of one image with `count` placeholders: the first of a plain token list."""
@@ -175,21 +205,23 @@ class ReducingProcessor:
         planner = self._ficoco_planner()
         if planner.settings is None:
             return updates
+        reduced = ("image",) if getattr(self.info, "video_reason", "images") else ("image", "video")  # type: ignore[attr-defined]
         out = []
         for update in updates:
-            if update.modality != "image":
+            if update.modality not in reduced:
                 out.append(update)
                 continue
 
-            def replacement(item_idx: int, _original: Any = update.replacement) -> Any:
+            def replacement(item_idx: int, _original: Any = update.replacement, _modality: str = update.modality
+                            ) -> Any:
                 tokens = _original(item_idx) if callable(_original) else _original
                 try:
-                    count = self._ficoco_placeholders(planner, out_mm_kwargs["image"][item_idx])
+                    count = self._ficoco_placeholders(planner, out_mm_kwargs[_modality][item_idx], _modality)
                 except FicocoError:
                     if not self.__dict__.get("_ficoco_dummy"):
                         raise
                     return tokens
                 return self._ficoco_shorten(tokens, count, hf_processor_mm_kwargs)
 
-            out.append(PromptReplacement(modality="image", target=update.target, replacement=replacement))
+            out.append(PromptReplacement(modality=update.modality, target=update.target, replacement=replacement))
         return out

@@ -52,11 +52,16 @@ from ficoco.serving.vllm.tokens import (
 
 
 class Qwen2_5_VLReducingInfo(ReducingInfo, Qwen2_5_VLProcessingInfo):
-    """Qwen2.5-VL's processing info; a reducing engine refuses videos per request."""
+    """Qwen2.5-VL's processing info: a video is one span, reduced slice by slice."""
+
+    video_reason = None
 
 
 class Qwen3VLReducingInfo(ReducingInfo, Qwen3VLProcessingInfo):
     """Qwen3-VL's processing info; a reducing engine refuses videos per request."""
+
+    video_reason = ("Qwen3-VL lays a video out slice by slice with timestamps between the slices' spans, whose "
+                    "reduced placeholders the plugin does not write yet")
 
 
 class Qwen2_5_VLReducingProcessor(ReducingProcessor, Qwen2_5_VLMultiModalProcessor):
@@ -71,6 +76,7 @@ class _ReducingQwen:
     """What a Qwen model class of vLLM gains (see the module's docstring)."""
 
     windowed = False  # Qwen2.5-VL's tower runs in window order
+    timed_slices = False  # Qwen2.5-VL: a video slice's temporal position steps by its seconds x tokens_per_second
 
     def _ficoco_setup(self) -> None:
         self.ficoco = Planner(self.config)  # type: ignore[attr-defined]
@@ -188,6 +194,50 @@ class _ReducingQwen:
             out.append(grid_positions(rows, kept, grid, merge_size))
         return tuple(out)
 
+    # -- videos: every temporal slice one image of its grid ---------------------------------------------------
+    def _process_video_input(self, video_input: Any) -> tuple[Tensor, ...]:
+        """A video's temporal slices through the image path, each an image of its (1, h, w) grid (the tower
+        attends within a slice alone, so its states are the slices' as images), the kept rows put back per video
+        with their (t, row, column) places: t the slice's temporal position (Qwen2.5-VL's seconds x
+        tokens_per_second, as vLLM's positions count it)."""
+        if self.ficoco.settings is None:
+            return super()._process_video_input(video_input)  # type: ignore[misc]
+        if video_input["type"] == "video_embeds":
+            raise FicocoError("ficoco.vllm: video embeddings given directly cannot be reduced; give the video")
+        grids = [tuple(int(x) for x in g) for g in video_input["video_grid_thw"].tolist()]
+        seconds = video_input.get("second_per_grid_ts")
+        factors = [self._ficoco_t_factor(None if seconds is None else float(seconds[v])) for v in range(len(grids))]
+        try:
+            for grid in grids:
+                self.ficoco.slice_plan(grid)
+        except FicocoError:
+            # Only vLLM's start-up video reaches here (the processor refuses a request's such video, and gave the
+            # start-up one its unreduced placeholders): served whole, with its places.
+            merge = self.visual.spatial_merge_size  # type: ignore[attr-defined]
+            whole = super()._process_video_input(video_input)  # type: ignore[misc]
+            return tuple(_timed(grid_positions(e, torch.arange(e.shape[0]), g, merge), f)
+                         for e, g, f in zip(whole, grids, factors, strict=True))
+        slices = torch.tensor([(1, h, w) for t, h, w in grids for _ in range(t)], dtype=torch.long)
+        per_slice = self._process_image_input({"type": "pixel_values",
+                                               "pixel_values": video_input["pixel_values_videos"],
+                                               "image_grid_thw": slices})
+        out, first = [], 0
+        for (t, _, _), factor in zip(grids, factors, strict=True):
+            rows = [piece.clone() for piece in per_slice[first:first + t]]
+            for s, piece in enumerate(rows):
+                piece[:, -3] = int(s * factor)  # the slice's temporal position (an integer, as vLLM's grid gives it)
+            out.append(torch.cat(rows))
+            first += t
+        return tuple(out)
+
+    def _ficoco_t_factor(self, seconds: float | None) -> float:
+        """A video slice's step in the temporal M-RoPE position: Qwen2.5-VL's seconds per slice x tokens_per_second
+        (vLLM's `iter_mm_grid_thw`); 1 on a family whose positions count slices."""
+        if not self.timed_slices:
+            return 1.0
+        per_second = float(getattr(self.config.vision_config, "tokens_per_second", 1.0))  # type: ignore[attr-defined]
+        return (1.0 if seconds is None else seconds) * per_second
+
     # -- positions -------------------------------------------------------------------------------------------
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[Tensor, int]:
         if self.ficoco.settings is None:
@@ -195,11 +245,17 @@ class _ReducingQwen:
         merge = self.config.vision_config.spatial_merge_size  # type: ignore[attr-defined]
         spans = []
         for feature in mm_features:
-            if feature.modality != "image":
-                raise FicocoError("ficoco.vllm: a reducing engine serves images; give videos to an engine without "
-                                  "ficoco_vllm settings")
-            t, h, w = feature.data["image_grid_thw"].data.tolist()
-            spans.append((feature.mm_position.offset, feature.mm_position.length, t, h // merge, w // merge, 1.0))
+            factor = 1.0
+            if feature.modality == "video" and self.timed_slices:
+                t, h, w = feature.data["video_grid_thw"].data.tolist()
+                seconds = feature.data.get("second_per_grid_ts")
+                factor = self._ficoco_t_factor(None if seconds is None else float(seconds.data.item()))
+            elif feature.modality == "image":
+                t, h, w = feature.data["image_grid_thw"].data.tolist()
+            else:
+                raise FicocoError("ficoco.vllm: this engine reduces Qwen3-VL's images and serves no video; give "
+                                  "videos to an engine without ficoco_vllm settings")
+            spans.append((feature.mm_position.offset, feature.mm_position.length, t, h // merge, w // merge, factor))
         return prompt_positions(len(input_tokens), spans)
 
     def recompute_mrope_positions(self, input_ids: Any, multimodal_embeddings: Sequence[Tensor],
@@ -207,8 +263,16 @@ class _ReducingQwen:
         if self.ficoco.settings is None:
             return super().recompute_mrope_positions(  # type: ignore[misc]
                 input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens)
-        return place_positions(input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens,
-                               self.config.image_token_id)  # type: ignore[attr-defined]
+        media = (self.config.image_token_id, self.config.video_token_id)  # type: ignore[attr-defined]
+        return place_positions(input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens, media)
+
+
+def _timed(rows: Tensor, factor: float) -> Tensor:
+    """`rows` with their temporal place channel (a slice index) scaled to the slice's temporal position."""
+    if factor != 1.0:
+        rows = rows.clone()
+        rows[:, -3] = (rows[:, -3] * factor).floor()
+    return rows
 
 
 @MULTIMODAL_REGISTRY.register_processor(Qwen2_5_VLReducingProcessor, info=Qwen2_5_VLReducingInfo,
@@ -217,6 +281,7 @@ class ReducingQwen2_5_VL(_ReducingQwen, Qwen2_5_VLForConditionalGeneration):
     """vLLM's Qwen2.5-VL with ficoco's method before the LLM (the window order mapped to grid order)."""
 
     windowed = True
+    timed_slices = True
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)

@@ -6,8 +6,11 @@
 
 vLLM recomputes a prompt's M-RoPE positions after the encoder ran (`recompute_mrope_positions`, the positions
 carried in the embeddings' extra channels) only where its runner's `is_multimodal_pruning_enabled` is set: the
-GPU runner sets it for its own video pruning alone, the CPU runner never. A model that reduces images says so
-(`ficoco_reduces_images`), and the runner's `load_model` is wrapped to set the flag for it.
+GPU runner sets it for its own video pruning alone (EVS, `video_pruning_rate`), the CPU runner never, so that EVS
+fails on vLLM's CPU build ("index put ... shape mismatch": the pruned embeddings against the unpruned positions).
+The runner's `load_model` is wrapped to set the flag where the GPU runner would (a model that supports pruning, on an
+engine with `video_pruning_rate`) and for a model that reduces images (`ficoco_reduces_images`): the plugin enables
+EVS on the CPU, so that serve-bench sets it beside ficoco's methods there.
 """
 
 from __future__ import annotations
@@ -18,6 +21,15 @@ from typing import Any
 _WRAPPED = "_ficoco_positions"
 
 
+def _runs_evs(runner: Any, model: Any) -> bool:
+    """The GPU runner's own condition for vLLM's video pruning (EVS): a model that supports it, on an engine whose
+    multimodal config enables it."""
+    from vllm.model_executor.models.interfaces import supports_multimodal_pruning
+
+    config = getattr(runner.model_config, "multimodal_config", None)
+    return config is not None and config.is_multimodal_pruning_enabled() and supports_multimodal_pruning(model)
+
+
 def _wrap(cls: type) -> None:
     if "load_model" not in cls.__dict__ or getattr(cls.__dict__["load_model"], _WRAPPED, False):
         return
@@ -26,7 +38,8 @@ def _wrap(cls: type) -> None:
     @functools.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        if getattr(self.get_model(), "ficoco_reduces_images", False):
+        model = self.get_model()
+        if getattr(model, "ficoco_reduces_images", False) or _runs_evs(self, model):
             self.is_multimodal_pruning_enabled = True
         return result
 
@@ -61,6 +74,10 @@ def check_settings() -> None:
             setattr(config, SETTINGS_KEY, overrides[SETTINGS_KEY])
         settings = settings_from(config)
         made = original(self, *args, **kwargs)
+        evs = getattr(made.model_config.multimodal_config, "video_pruning_rate", None)
+        if settings is not None and evs:
+            raise FicocoError(f"ficoco.vllm: give either ficoco_vllm settings or video_pruning_rate={evs} (vLLM's "
+                              "EVS), not both: each lays a video's positions out its own way")
         if settings is not None:
             architectures = list(getattr(made.model_config, "architectures", None) or [])
             if not set(architectures) & set(ARCHITECTURES):

@@ -181,8 +181,28 @@ def data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def chat_messages(images: Sequence[str], question: str) -> list[dict[str, Any]]:
-    """One user turn: the images (URLs or data URLs), then the question, in the OpenAI chat format."""
-    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+def video_data_url(frames: Any, metadata: dict[str, Any]) -> str:
+    """Decoded frames ((T, H, W, 3) uint8) as an mp4 data URL at the metadata's frame rate (OpenCV's mp4v codec, in
+    vLLM's environment: lossy, so the server decodes frames close to, not equal to, these)."""
+    import tempfile
+
+    import cv2
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/clip.mp4"
+        height, width = frames.shape[1:3]
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), float(metadata.get("fps", 2.0)),
+                                 (width, height))
+        for frame in frames:
+            writer.write(frame[:, :, ::-1].copy())
+        writer.release()
+        with open(path, "rb") as clip:
+            return "data:video/mp4;base64," + base64.b64encode(clip.read()).decode("ascii")
+
+
+def chat_messages(images: Sequence[str], question: str, media: str = "image") -> list[dict[str, Any]]:
+    """One user turn: the images (or videos: URLs or data URLs), then the question, in the OpenAI chat format."""
+    kind = f"{media}_url"
+    content: list[dict[str, Any]] = [{"type": kind, kind: {"url": url}} for url in images]
     content.append({"type": "text", "text": question})
     return [{"role": "user", "content": content}]

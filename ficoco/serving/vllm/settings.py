@@ -49,11 +49,17 @@ REFUSED = {
     "cdpruner": "selects with the instruction's text embeddings, and vLLM's encoder sees the image alone",
     "prumerge": "its count is set by the image's content (adaptive outliers), and vLLM writes each image's "
                 "placeholders before the encoder runs",
-    "holitom": "cuts a video's frames together; the plugin reduces images",
+    "holitom": "cuts a video's frames together; the plugin reduces every slice of a video as an image, not frames "
+               "together",
     "tome": "merges inside every tower block (segments and rotary rows change block by block); not wired into "
             "vLLM's tower by the plugin",
     "fastervlm": "not wired into vLLM's tower by the plugin yet (VisionZip and VisPruner read the same keys)",
 }
+
+
+# The served methods that do not reduce a video (an engine running them refuses a video per request); the others
+# reduce every temporal slice of a Qwen video as one image of the slice's grid.
+VIDEO_REFUSED = {"pixelprune": "its pixel grid of merge groups is an image's; a video's temporal slices pair frames"}
 
 
 def refusal(method: str) -> str | None:
@@ -235,6 +241,41 @@ def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int,
                           f"patch grid) cannot be reduced with {settings.method} here: {exc}") from None
 
 
+def plan_video(config_json: str, settings: Settings | None, grid_thw: tuple[int, int, int], patch: int,
+               name: str = "served", text_tokens: int | None = None) -> ImagePlan:
+    """The accountant's plan for one video of `grid_thw` (temporal slices, patches) under `settings` (None:
+    vanilla, counted with `text_tokens`): the architecture of a video of t x temporal_patch frames of the slice's
+    size, every temporal slice an item of it, reduced as an image of its (1, h, w) grid."""
+    if settings is None:
+        settings = Settings(method="vanilla", text_tokens=text_tokens)
+    grid = tuple(int(x) for x in grid_thw)
+    try:
+        return _plan(config_json, settings, grid, int(patch), name)  # type: ignore[arg-type]
+    except FicocoError as exc:
+        if str(exc).startswith("ficoco.vllm"):
+            raise
+        t, h, w = grid
+        raise FicocoError(f"ficoco.vllm: this request's video (as processed, {t} temporal slices of {h}x{w} "
+                          f"patches) cannot be reduced with {settings.method} here: {exc}") from None
+
+
+def _video_architecture(config: dict[str, Any], name: str, grid_thw: tuple[int, int, int], patch: int) -> Any:
+    """The accountant's architecture of a video the served processor made `grid_thw` of (its frames resized to the
+    grid, as the processor did under its own pixel bounds)."""
+    from ficoco.accounting import architecture
+
+    t, h, w = grid_thw
+    temporal = int(config.get("vision_config", {}).get("temporal_patch_size", 2))
+    pixels = h * w * patch * patch
+    profile = _profile(config, name, {"min_pixels": pixels, "max_pixels": pixels,
+                                      "video_min_pixels": pixels, "video_max_pixels": pixels})
+    arch = architecture(profile, image_size=(h * patch, w * patch), frames=t * temporal)
+    if arch.vision.items != t or arch.vision.units * arch.vision.merge != h * w:
+        raise FicocoError(f"ficoco.vllm: the accountant's layout for a video of {t * temporal} {w * patch}x"
+                          f"{h * patch} frames is not the served grid {t}x{h}x{w}")
+    return arch
+
+
 def _tiled_architecture(config: dict[str, Any], name: str, tiles: int) -> Any:
     """The accountant's architecture of an InternVL image of `tiles` tower items as the served processor cut it
     (a grid of tiles, and a thumbnail when there is more than one): every item costs a tile's work, so the image
@@ -268,10 +309,10 @@ def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int] |
         arch = _tiled_architecture(json.loads(config_json), name, tiles)
     elif grid_thw is None:
         arch = architecture(_profile(json.loads(config_json), name))
+    elif grid_thw[0] != 1:  # a video: its temporal slices
+        arch = _video_architecture(json.loads(config_json), name, grid_thw, patch)
     else:
         t, h, w = grid_thw
-        if t != 1:
-            raise FicocoError("ficoco.vllm: the plugin reduces images (grid t = 1); videos pass unreduced")
         # The grid is what the served processor made of the image under its own pixel bounds (the checkpoint's
         # preprocessor_config.json, or an engine's mm_processor_kwargs): the accountant plans that grid as it is,
         # with bounds that admit it, never its own family defaults (which cap Qwen2.5-VL at 1,003,520 pixels where

@@ -260,9 +260,11 @@ def prompt_positions(length: int, spans: Sequence[tuple[int, int, int, int, int,
 
 
 def place_positions(input_ids: Sequence[int] | Tensor, embeddings: Sequence[Tensor], positions: Tensor,
-                    computed: int, image_token_id: int) -> tuple[list[Tensor], Tensor, int]:
+                    computed: int, media_token_ids: int | Sequence[int]) -> tuple[list[Tensor], Tensor, int]:
     """The runner's call once the encoder ran (vLLM's `recompute_mrope_positions`): `embeddings` are the image
-    rows this step feeds (each with its 3 position channels), in prompt order from token `computed` on; their
+    (and video) rows this step feeds (each with its 3 position channels), in prompt order from token `computed` on,
+    their placeholders the tokens of `media_token_ids` (image and video spans never touch: a vision start and end
+    token stand around each); their
     placeholders get the kept tokens' positions, base + (t, row, column), where base is the position after the
     token before the image's span (the unreduced prompt's first grid position). Returns the embeddings without
     the channels, the positions, and the delta decoding continues with."""
@@ -272,7 +274,8 @@ def place_positions(input_ids: Sequence[int] | Tensor, embeddings: Sequence[Tens
     places = [e[:, -POSITION_CHANNELS:].round().long().cpu() for e in embeddings]
     total = sum(p.shape[0] for p in places)
     if total:
-        is_image = ids == image_token_id
+        wanted = torch.as_tensor([media_token_ids] if isinstance(media_token_ids, int) else list(media_token_ids))
+        is_image = torch.isin(ids, wanted)
         index = torch.arange(ids.numel())
         # The first token of every image span, for every token: the latest span start at or before it.
         begins = is_image & ~torch.cat([torch.zeros(1, dtype=torch.bool), is_image[:-1]])
