@@ -794,8 +794,9 @@ def eval_command(
 def serve_bench_command(
     model: Annotated[str, typer.Option("--model", "-m", help="A local checkpoint folder vLLM serves.")],
     variant: Annotated[str, typer.Option(
-        "--variant", callback=check.list_of(("vanilla", "v", "visionzip", "divprune", "vispruner")),
-        help="vanilla and the served methods (vanilla is always run first, as the reference).")
+        "--variant", callback=check.list_of(("vanilla", "v", "visionzip", "divprune", "vispruner", "evs")),
+        help="vanilla and the served methods (vanilla is always run first, as the reference); with --frames, evs is "
+             "vLLM's own video pruning at the methods' token count.")
     ] = "vanilla,visionzip,divprune,vispruner",
     keep: KeepOpt = None,
     tflops: TflopsOpt = None,
@@ -809,7 +810,12 @@ def serve_bench_command(
     new_tokens: Annotated[int, typer.Option(
         "--new-tokens", callback=check.whole_number(1), help="Tokens each request generates (EOS ignored).")] = 16,
     image_size: Annotated[str, typer.Option(
-        "--image-size", callback=check.image_size, help="WxH of every request's image.")] = "448x448",
+        "--image-size", callback=check.image_size, help="WxH of every request's image (or video frame).")
+    ] = "448x448",
+    frames: Annotated[int | None, typer.Option(
+        "--frames", callback=check.whole_number(2),
+        help="A video workload: every request one video of this many frames (Qwen2.5-VL), the methods reducing "
+             "every temporal slice; add evs to --variant for vLLM's own video pruning beside them.")] = None,
     dtype: Annotated[str, typer.Option(
         "--dtype", callback=check.choice(("float32", "bfloat16", "float16", "auto")),
         help="vLLM's dtype (float32 on a CPU; bfloat16 or auto on a GPU).")] = "float32",
@@ -836,8 +842,14 @@ def serve_bench_command(
     methods = [v for v in variants if v != "vanilla"]
     if methods and keep is None and tflops is None:
         raise FicocoError(f"--variant {variant}: the methods need --keep N or --tflops X")
+    if "evs" in variants and frames is None:
+        raise FicocoError("--variant evs: vLLM's EVS prunes videos; give --frames N (a video workload)")
+    if frames is not None and tflops is not None:
+        raise FicocoError("--frames with --tflops: a video is reduced slice by slice under --keep; give --keep N")
+    methods = [v for v in methods if v != "evs"]
     hyperparameters = check.method_settings(hp, methods)
-    config = BenchConfig(model=model, variants=tuple(dict.fromkeys(["vanilla", *methods])), keep=keep, tflops=tflops,
+    chosen = ["vanilla", *methods, *(["evs"] if "evs" in variants else [])]
+    config = BenchConfig(model=model, variants=tuple(dict.fromkeys(chosen)), keep=keep, tflops=tflops, frames=frames,
                          hp=tuple(sorted(hyperparameters.items())), first_layer=first_layer,
                          concurrency=tuple(int(c) for c in split_list(concurrency, "--concurrency")),
                          requests=requests, new_tokens=new_tokens, image_size=parse_image_size(image_size),

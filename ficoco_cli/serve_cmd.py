@@ -19,15 +19,20 @@ COLUMNS = ("variant", "concurrency", "visual tokens", "TFLOPs", "TTFT p50 ms", "
 def _cells(row: dict[str, Any]) -> list[str]:
     ratio = row.get("vs_vanilla")
     return [str(row["variant"]), str(row["concurrency"]), str(row["visual_tokens_per_request"]),
-            f"{row['tflops_per_request']:.4g}", f"{row['ttft_p50_s'] * 1000:.1f}", f"{row['ttft_p90_s'] * 1000:.1f}",
+            "-" if row["tflops_per_request"] is None else f"{row['tflops_per_request']:.4g}",
+            f"{row['ttft_p50_s'] * 1000:.1f}", f"{row['ttft_p90_s'] * 1000:.1f}",
             f"{row['requests_per_s']:.2f}", f"{row['output_tokens_per_s']:.1f}",
             "-" if ratio is None else f"{ratio:.2f}x"]
 
 
 def _title(report: dict[str, Any]) -> str:
     config, env = report.get("config") or {}, report.get("environment") or {}
-    images = config.get("image_processor") or {}
-    resized = f", images resized by {images['class']} ({images['backend']})" if images else ""
+    images = config.get("image_processor") or config.get("video_processor") or {}
+    what = f"videos of {config['frames']} frames" if config.get("frames") else "images"
+    resized = f", {what} resized by {images['class']} ({images['backend']})" if images else ""
+    evs = report.get("evs")
+    if evs:
+        resized += f", EVS video_pruning_rate {evs['video_pruning_rate']:.4f}"
     served = f", through {report['launcher'].split(' (')[0]}" if report.get("launcher") else ""
     return (f"{Path(str(config.get('model', ''))).name}: vLLM {env.get('vllm', '?')} on {env.get('device', '?')}, "
             f"{config.get('requests')} requests per level, {config.get('new_tokens')} new tokens each, "

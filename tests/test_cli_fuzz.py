@@ -828,9 +828,10 @@ def serve_bench_lines(draw: Callable, paths: Paths) -> tuple[list[str], list[Arg
         "plot": plot_folder(paths),
         "server": switch("--server"),
         "server-logs": plot_folder(paths, "--server-logs"),
+        "frames": counts("--frames", low=2, cheap=16),
     }
     base = [draw(model(paths, ["qwen2.5-vl-tiny"])),
-            draw(choice("--variant", ["vanilla", "visionzip", "vanilla,divprune,vispruner", "v"]))]
+            draw(choice("--variant", ["vanilla", "visionzip", "vanilla,divprune,vispruner", "v", "visionzip,evs"]))]
     return command_line(draw, base, options, most=4, first=("keep", "tflops"))
 
 

@@ -383,3 +383,50 @@ def test_every_serve_bench_level_sends_images_the_engine_has_not_seen() -> None:
     warm, levels = sent[:2], sent[2:]
     assert all(set(r) <= set(range(15, 15 + WARM_UP)) for _, r in warm)
     assert [r for _, r in levels] == [list(range(0, 5)), list(range(5, 10)), list(range(10, 15))]
+
+
+@pytest.mark.parametrize(("per_slice", "slices", "kept", "evs_kept"), [
+    (20, 4, 32, 32),      # the methods' keep 8 per slice: EVS lands on the same 32
+    (256, 8, 512, 512),   # 448x448 frames, 16 frames, keep 64
+    (256, 8, 1152, 1152),  # keep 144
+    (20, 4, 12, 20),      # fewer than one slice: EVS keeps its first slice whole
+    (20, 4, 80, 80),      # everything: rate 0
+])
+def test_evs_runs_at_the_rate_that_keeps_the_methods_count(per_slice: int, slices: int, kept: int,
+                                                           evs_kept: int) -> None:
+    """serve-bench's EVS variant: the `video_pruning_rate` whose retained count (vLLM's
+    `compute_retained_tokens_count`, restated: max(one slice, int(total x (1 - q)))) is the methods' count."""
+    from ficoco.serving.vllm.bench import evs_rate
+
+    rate, count = evs_rate(per_slice, slices, kept)
+    total = per_slice * slices
+    assert 0.0 <= rate < 1.0
+    assert count == evs_kept == max(per_slice, int(total * (1 - rate)))
+
+
+def test_a_video_plan_keeps_every_slice_as_an_image_of_its_grid() -> None:
+    """The plugin's plan of a Qwen2.5-VL video (4 temporal slices of 8x10 patches): vanilla 80 tokens; a method under
+    keep 8 keeps 8 per slice, 32 in all, at the accountant's cost of that video; a slice's own plan is an image's."""
+    from ficoco.serving.vllm.settings import plan_video
+
+    config = json.dumps(load_profile(PROFILE).config, sort_keys=True)
+    vanilla = plan_video(config, None, (4, 8, 10), 14, text_tokens=20)
+    assert vanilla.tokens == 80
+    for method in ("visionzip", "divprune", "v", "vispruner"):
+        settings = Settings.parse({"method": method, "keep": 8, "text_tokens": 20})
+        video = plan_video(config, settings, (4, 8, 10), 14)
+        assert video.tokens == 4 * plan_image(config, settings, (1, 8, 10), 14).tokens == 32
+        assert video.tflops < vanilla.tflops
+    with pytest.raises(FicocoError, match=r"video \(as processed, 4 temporal slices of 8x10 patches\) cannot be "
+                                          "reduced with visionzip"):
+        plan_video(config, Settings.parse({"method": "visionzip", "keep": 30}), (4, 8, 10), 14)
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    (["--variant", "vanilla,evs", "--keep", "8"], "--variant evs: vLLM's EVS prunes videos; give --frames N"),
+    (["--variant", "visionzip", "--tflops", "1", "--frames", "8"], "--frames with --tflops"),
+    (["--variant", "visionzip", "--keep", "8", "--frames", "1"], "--frames 1: give a whole number from 2"),
+])
+def test_serve_bench_refuses_a_video_workload_it_cannot_run_in_one_line(cli: Any, line: list[str], words: str) -> None:
+    code, out, err = cli("serve-bench", "--model", "./nowhere", *line)
+    assert code == 2 and words in err and "Traceback" not in err

@@ -6,7 +6,8 @@ completions with images as data URLs.
 
 Checked: a request's tokens and first-token log-probabilities are `ficoco.apply`'s on the transformers model (the
 reference the `LLM` API's tokens equal in tests/test_vllm_plugin.py), streamed or not; a request the plugin cannot
-reduce (an image too small for the keep, a video, a broken image) fails alone with one line while the server goes on;
+reduce (an image too small for the keep, a video whose slices are, a broken image) fails alone with one line while the
+server goes on;
 the same image twice hits the prefix cache with the same tokens; 64 concurrent requests of two image sizes with one
 broken image among them: that one fails, every other is served with its image's tokens.
 
@@ -137,22 +138,17 @@ def folder_image_token(folder: Path) -> int:
     return int(json.loads((folder / "config.json").read_text())["image_token_id"])
 
 
-def _video_url(tmp: Path) -> str:
-    """A tiny mp4 (four 112x112 frames) as a data URL."""
-    import base64
-
-    import cv2
+def _video_url(side: int) -> str:
+    """A tiny mp4 (four side x side frames, 2 a second) as a data URL."""
     import numpy as np
 
-    path = tmp / "clip.mp4"
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 2, (112, 112))
-    for index in range(4):
-        writer.write(np.asarray(picture((112, 112), 10 + index))[:, :, ::-1].copy())
-    writer.release()
-    return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+    from ficoco.serving.vllm.server import video_data_url
+
+    frames = np.stack([np.asarray(picture((side, side), 10 + index)) for index in range(4)])
+    return video_data_url(frames, {"fps": 2.0})
 
 
-def test_a_request_the_plugin_cannot_reduce_fails_alone_in_one_line(served: Any, tmp_path: Path) -> None:
+def test_a_request_the_plugin_cannot_reduce_fails_alone_in_one_line(served: Any) -> None:
     from ficoco.serving.vllm.server import data_url
 
     folder, server = served
@@ -160,10 +156,12 @@ def test_a_request_the_plugin_cannot_reduce_fails_alone_in_one_line(served: Any,
     image = picture(SIZES[1], 5)
     ref = reference(folder, image)
     small = picture((28, 28), 3)  # one 56x56 processed image: 4 merge groups, fewer than the 8 kept
-    clip = {"type": "video_url", "video_url": {"url": _video_url(tmp_path)}}
+    # A video of 56x56 frames: temporal slices of 4 merge groups each, fewer than the 8 every slice keeps.
+    clip = {"type": "video_url", "video_url": {"url": _video_url(56)}}
     video = {"messages": [{"role": "user", "content": [clip, {"type": "text", "text": QUESTION}]}],
              "max_tokens": NEW_TOKENS}
-    cases = [(_request(data_url(small)), "cannot be reduced with visionzip"), (video, "serves no video"),
+    cases = [(_request(data_url(small)), "cannot be reduced with visionzip"),
+             (video, "this request's video (as processed, 2 temporal slices of 4x4 patches) cannot be reduced"),
              (_request(BROKEN), "")]
     for request, words in cases:
         with pytest.raises(openai.BadRequestError) as caught:
@@ -242,3 +240,26 @@ def test_serve_bench_through_the_server_reports_every_level(served: Any, tmp_pat
         assert row["prompt_tokens_per_request"] == text + row["visual_tokens_per_request"]
     assert {row["visual_tokens_per_request"] for row in report["rows"]} == {20, KEEP}
     assert sorted(path.name for path in tmp_path.glob("server-*.log")) == ["server-vanilla.log", f"server-{METHOD}.log"]
+
+
+@pytest.mark.skipif(os.environ.get("FICOCO_VLLM_TESTS") == "lean", reason="three more servers: the full set only")
+def test_serve_bench_runs_a_video_workload_with_evs_beside_the_method(served: Any, tmp_path: Path) -> None:
+    """`ficoco serve-bench --server --frames 8` on the tiny checkpoint: every request one video of 8 frames of
+    140x112 (4 temporal slices of 20 merge groups) as an mp4 data URL; VisionZip keeps 8 per slice, and vLLM's EVS
+    runs at the rate that keeps the same 32 tokens (the plugin sets the CPU runner's pruning switch EVS needs).
+    Each row's prompt tokens are its visual tokens plus the text: the server laid every video out as planned."""
+    from ficoco.serving.vllm.bench import EVS, BenchConfig, run_bench
+
+    folder, _ = served
+    config = BenchConfig(model=str(folder), variants=("vanilla", METHOD, EVS), keep=KEEP, concurrency=(1, 2),
+                         requests=2, new_tokens=2, image_size=(112, 140), frames=8, server=True,
+                         log_folder=str(tmp_path))
+    report = run_bench(config)
+    assert report["config"]["grid_thw"] == [4, 8, 10] and report["config"]["video_processor"]["backend"]
+    assert report["evs"]["tokens"] == report["evs"]["wanted_tokens"] == 4 * KEEP
+    tokens = {row["variant"]: row["visual_tokens_per_request"] for row in report["rows"]}
+    assert tokens == {"vanilla": 80, METHOD: 4 * KEEP, EVS: 4 * KEEP}
+    text = report["config"]["text_tokens"]
+    for row in report["rows"]:
+        assert row["output_tokens"] == 2 * 2 and row["prompt_tokens_per_request"] == text + tokens[row["variant"]]
+    assert [row["tflops_per_request"] is None for row in report["rows"]] == [False, False, False, False, True, True]
