@@ -1,5 +1,6 @@
-"""The prompt once the tower ran a method before the LLM on Qwen2-VL: every image's (a video method's:
-every video's) placeholder span shortened to the groups the tower kept, the kept tokens at the 3-D
+"""The prompt once the tower ran a method before the LLM on Qwen2-VL: every image's (or video's: under a video
+method, or a method that reduced each temporal slice as an image) placeholder span shortened to the groups the
+tower kept, the kept tokens at the 3-D
 positions the unreduced prompt gives them (transformers' `get_rope_index` on the unreduced prompt),
 and the `rope_deltas` that put the next token where the unreduced model would. Later turns on a cache
 continue after what it holds (`continue_prompt`, `cached_part`); a text turn's prompt is shortened as
