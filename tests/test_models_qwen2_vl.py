@@ -268,7 +268,9 @@ def test_v_kept_tokens_get_the_unreduced_prompts_3d_positions(model: nn.Module) 
         assert positions[:, b, s + 6:].tolist() == [list(range(s + 4, s + 4 + TEXT - s))] * 3
 
 
-def test_remove_restores_the_model_and_v_refuses_videos(model: nn.Module) -> None:
+def test_remove_restores_the_model_and_v_refuses_images_with_videos_in_one_call(model: nn.Module) -> None:
+    """FiCoCo-V reduces a video's temporal slices as images (tests/test_qwen_video_items.py), images and videos
+    in separate calls."""
     inp = inputs(model, batch=2, seed=12)
     before = model(**inp).logits
     attrs = {name: set(module.__dict__) for name, module in model.named_modules()}
@@ -278,7 +280,7 @@ def test_remove_restores_the_model_and_v_refuses_videos(model: nn.Module) -> Non
             assert not torch.equal(model(**inp).logits[:, -1], before[:, -1])
             if variant == "v":
                 assert "get_image_features" in model.model.__dict__ and "forward" in model.model.visual.__dict__
-                with pytest.raises(FicocoError, match="images only"):
+                with pytest.raises(FicocoError, match="one kind per call"):
                     model(**inp, pixel_values_videos=inp["pixel_values"])
         assert {name: set(module.__dict__) for name, module in model.named_modules()} == attrs
         assert all(module.config is configs[name] for name, module in model.named_modules() if name in configs)

@@ -480,12 +480,13 @@ def test_l_second_turn_with_a_new_image_slices_its_deepstack_features(model: nn.
 
 
 def test_refusals_at_the_call_name_the_family(model: nn.Module) -> None:
-    """Qwen2-VL's parts refuse in one line; on Qwen3-VL the line names Qwen3-VL (FiCoCo-V reduces images, and the
-    entry shortens image spans only)."""
+    """Qwen2-VL's parts refuse in one line; on Qwen3-VL the line names Qwen3-VL (PixelPrune reduces images only: each
+    keeps its own count, so a video's slices are not its items; tests/test_qwen_video_items.py has the methods that
+    reduce them)."""
     inp = inputs(model, seed=20)
     video = {key: value for key, value in inp.items() if key not in ("pixel_values", "image_grid_thw")}
     video.update(pixel_values_videos=inp["pixel_values"], video_grid_thw=inp["image_grid_thw"])
-    with torch.no_grad(), ficoco.apply(model, "v", keep=40), pytest.raises(FicocoError) as refused:
+    with torch.no_grad(), ficoco.apply(model, "pixelprune"), pytest.raises(FicocoError) as refused:
         model(**video)
     assert "Qwen3-VL" in str(refused.value) and "Qwen2-VL" not in str(refused.value)
     assert "\n" not in str(refused.value)

@@ -118,9 +118,10 @@ def resolve_schedule(arch: Architecture, variant: str, opts: CountOptions, reque
     if variant == "vanilla":
         return Schedule("vanilla")
     spec = method(variant)
-    if arch.video_frames is not None and not spec.pooled_grid:
-        # Qwen2-VL's and Qwen2.5-VL's video layout (issue 25): the adapters reduce image placeholders; HoliTom
-        # alone cuts videos.
+    if arch.video_frames is not None and not spec.pooled_grid and not spec.video_slices:
+        # A Qwen video layout (issue 25): a method before the LLM reduces every temporal slice as one item
+        # (`MethodSpec.video_slices`: the tower's items are the slices, planned with keep per item); HoliTom and
+        # FlashVID cut the slices together; a method in the decoder reduces image placeholders only.
         raise FicocoError(f"variant={variant}: {spec.title} on {arch.name} reduces images, and a video here "
                           "passes it unreduced: give an image (no frames=), or variant=holitom for a video")
     return plan(arch, spec, plan_request(request, opts, lambda s: compute_tera(arch, s, opts), hyperparameters))

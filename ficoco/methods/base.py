@@ -440,6 +440,16 @@ class MethodSpec:
         """True for methods that count patches of one tower item (they act before the LLM)."""
         return self.acts_at != "llm_layer"
 
+    @property
+    def video_slices(self) -> bool:
+        """True for a method before the LLM that Qwen's adapters (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) run on a video
+        with every temporal slice as one item, exactly as on an image of that slice's grid (the tower attends within
+        a slice only), so that a video of t slices keeps t x the per-item count, fixed before the prefill: every
+        method before the LLM but a video method's cut of the slices together (`pooled_grid`: HoliTom, FlashVID,
+        which reduce videos as videos), one that takes no budget (`budget_refusal`: PixelPrune, each image its own
+        count) and one whose counts its input decides (`content_counts`)."""
+        return self.per_item and not self.pooled_grid and not self.budget_refusal and not self.content_counts
+
     def __post_init__(self) -> None:
         if self.acts_at not in ACTS_AT:
             raise ValueError(f"{self.name}: unknown acts_at {self.acts_at!r}")

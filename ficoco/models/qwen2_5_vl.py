@@ -359,16 +359,11 @@ class WindowOrder(GridOrder):
         flat = scores.flatten()
         return torch.empty_like(flat).index_copy(0, order.to(flat.device), flat).view_as(scores)
 
-    def encode(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
-        """The (reduced) tower's output, every image's kept groups in grid order (the rows of the removed
-        groups dropped), split per image. HoliTom's videos: Qwen2-VL's (the tower hands out grid order)."""
-        adapter = self.adapter
-        if adapter.video_cut:
-            return super().encode(pixel_values, image_grid_thw, **kwargs)
-        out = adapter.run_tower(pixel_values, image_grid_thw, **kwargs)
-        tower = adapter.tower_pass
-        if tower is None:
-            raise RuntimeError("the Qwen2.5-VL vision tower ran without FiCoCo-V's bookkeeping")
+    def split_features(self, out: Any, tower: TowerPass) -> tuple[Tensor, ...]:
+        """Every image's kept groups in grid order (the rows of the removed groups dropped), split per image.
+        HoliTom's videos: Qwen2-VL's (the tower hands out grid order)."""
+        if self.adapter.video_cut:
+            return super().split_features(out, tower)
         assert isinstance(tower, WindowPass)
         features = getattr(out, hf.FEATURES_FIELD)
         if features.shape[0] == _total_groups(tower):  # every group's row, the removed ones' zero
@@ -377,8 +372,7 @@ class WindowOrder(GridOrder):
             kept = features.index_select(0, rows.to(features.device))
         else:  # a cut on the tower's grid-order output (DivPrune, CDPruner): the kept groups only
             kept = features
-        setattr(out, hf.FEATURES_FIELD, torch.split(kept, [len(groups) for groups in tower.kept_groups]))
-        return out
+        return torch.split(kept, [len(groups) for groups in tower.kept_groups])
 
 
 class Qwen2_5_VLAdapter(Qwen2VLAdapter):

@@ -49,6 +49,12 @@ class Qwen2VLAdapter(FamilyAdapter):
     # True under a method that cuts a video's temporal slices together after the merger (HoliTom): the
     # tower takes videos, the entry shortens video spans, and the LLM-side steps see video placeholders.
     video_cut = False
+    # True under a method before the LLM that reduces a video's temporal slices as images (`MethodSpec.video_slices`:
+    # the encoder runs them through the tower as images and joins them per video, `GridOrder.slice_items`); else
+    # `video_refusal` says why a video is refused, in the words of the method (`method_title`).
+    video_slices = False
+    video_refusal = "a video's temporal slices are not its items"
+    method_title = "FiCoCo-V"
     family_title = "Qwen2-VL"  # in the one-line refusals
     # The tower's token order (the window strategy): Qwen2-VL's grid order; Qwen2.5-VL names its window order,
     # and every part below runs on whichever the family names.
@@ -97,6 +103,10 @@ class Qwen2VLAdapter(FamilyAdapter):
         offers ``tower_step``, scored by the equivalent token in place of [CLS]; a video method's cut on the
         merger's output of a video's temporal slices together (HoliTom, ``patch_video_cut``). Others: one line,
         in the family's name."""
+        self.method_title, self.video_slices = spec.title, spec.video_slices
+        self.video_refusal = ("each image keeps its own count, set by its content" if spec.budget_refusal
+                              or spec.content_counts else "a video's temporal slices are not its items")
+        patches.on_undo(lambda: setattr(self, "video_slices", False))
         try:
             self._install_tower(handle, patches, spec, schedule)
         except FicocoError as exc:
@@ -270,8 +280,8 @@ class Qwen2VLAdapter(FamilyAdapter):
         return True
 
     def patch_encoders(self, entry: Entry, patches: Patches) -> None:
-        """A method before the LLM: get_image_features called directly (not through forward or generate)
-        splits its output by what the tower kept."""
+        """A method before the LLM: get_image_features and get_video_features called directly (not through
+        forward or generate) split their output by what the tower kept (a video's slices run as images)."""
         if not entry.shortens:
             return
 
@@ -280,4 +290,9 @@ class Qwen2VLAdapter(FamilyAdapter):
             out = self.encode_images(pixel_values, image_grid_thw, **kwargs)
             return out if return_dict else out.to_tuple()
 
+        def get_video_features(pixel_values_videos: Tensor, video_grid_thw: Tensor | None = None,
+                               **kwargs: Any) -> Any:
+            return get_image_features(pixel_values_videos, video_grid_thw, **kwargs)
+
         patches.set(hf.inner_model(self.model), hf.IMAGE_ENCODER, get_image_features)
+        patches.set(hf.inner_model(self.model), hf.VIDEO_ENCODER, get_video_features)

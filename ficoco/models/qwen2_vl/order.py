@@ -46,8 +46,11 @@ class GridOrder:
         adapter = self.adapter
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
         if not adapter.video_cut and any(t != 1 for t, _, _ in grids):
-            raise FicocoError("FiCoCo-V on Qwen2-VL reduces images (grid_t = 1); videos are not supported, "
-                              "use FiCoCo-L for them")
+            # The encoder hands the tower a video's temporal slices as images (`slice_items`); a direct call does not.
+            raise FicocoError(f"{adapter.method_title} on {adapter.family_title} reduces a video's temporal slices "
+                              "as images when the model encodes it (forward, generate, get_image_features, "
+                              "get_video_features); this call gave the vision tower a video grid (t > 1) itself: "
+                              "call the model instead")
         device = grid_thw.device
         return TowerPass(grids=[(h, w) for _, h, w in grids],
                          kept_groups=[torch.arange(t * h * w // adapter.merge, device=device) for t, h, w in grids],
@@ -117,14 +120,66 @@ class GridOrder:
         """Per-slice group scores ``(t, groups)`` of video `video` in grid order (the tower's order here)."""
         return scores
 
-    def encode(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
-        """The (reduced) tower's output, merged features split per image by the groups it kept
-        (transformers' `get_image_features` splits by the unreduced counts)."""
+    def slice_items(self, grid_thw: Tensor) -> tuple[Tensor, list[int] | None]:
+        """The tower's items for the given items `grid_thw` under a method before the LLM: a video's row (t, h, w)
+        as t rows (1, h, w), its temporal slices as images (`MethodSpec.video_slices`), and the slices of every given
+        item; `grid_thw` itself and None where every item is one slice, or under a video method (HoliTom, FlashVID),
+        which reads a video's slices together.
+
+        The tower's hidden states are the same either way: its attention segments (cu_seqlens), its rotary table,
+        Qwen2.5-VL's windows and Qwen3-VL's interpolated position embeddings and DeepStack taps are per temporal
+        slice, the (h, w) ones repeated t times, and the pixel rows of a video are its slices' one after the other
+        (tests/test_qwen_video_items.py checks it on every family)."""
         adapter = self.adapter
-        out = adapter.run_tower(pixel_values, image_grid_thw, **kwargs)
+        if adapter.video_cut or grid_thw is None:
+            return grid_thw, None
+        frames = [int(t) for t in grid_thw[:, 0].tolist()]
+        if all(t == 1 for t in frames):
+            return grid_thw, None
+        if not adapter.video_slices:
+            raise FicocoError(f"{adapter.method_title} on {adapter.family_title} reduces images only: "
+                              f"{adapter.video_refusal}; run the video unreduced, or with a method that reduces "
+                              "every temporal slice (v, visionzip, divprune, `ficoco methods`)")
+        items = grid_thw.repeat_interleave(grid_thw[:, 0].to(torch.long), dim=0).clone()
+        items[:, 0] = 1
+        return items, frames
+
+    def join_slices(self, tower: TowerPass, pieces: tuple[Tensor, ...], frames: list[int]) -> tuple[Tensor, ...]:
+        """Every video's slices put back together after a pass over them as images: the merged features of its
+        slices one after the other, and the pass per given item again, each video's kept groups numbered slice by
+        slice (slice x groups per slice + group, ascending within a slice: the order of the features), as a
+        video method's pass numbers them (`TowerPass.frames`)."""
+        merge = self.adapter.merge
+        joined, kept, grids, at = [], [], [], 0
+        for t in frames:
+            rows, cols = tower.grids[at]
+            groups = rows * cols // merge
+            joined.append(torch.cat(pieces[at:at + t]))
+            kept.append(torch.cat([s * groups + tower.kept_groups[at + s].sort().values for s in range(t)]))
+            grids.append((rows, cols))
+            at += t
+        if at != len(pieces):
+            raise RuntimeError(f"the tower ran {len(pieces)} items for videos of {sum(frames)} slices")
+        tower.kept_groups, tower.grids, tower.frames = kept, grids, list(frames)
+        return tuple(joined)
+
+    def split_features(self, out: Any, tower: TowerPass) -> tuple[Tensor, ...]:
+        """The tower's merged features of every item's kept groups, split per item, in grid order."""
+        features = getattr(out, hf.FEATURES_FIELD)
+        return torch.split(features, [len(groups) for groups in tower.kept_groups])
+
+    def encode(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
+        """The (reduced) tower's output, merged features split per item by the groups it kept
+        (transformers' `get_image_features` splits by the unreduced counts); a video's temporal slices run as
+        images (`slice_items`) and are joined per video after (`join_slices`)."""
+        adapter = self.adapter
+        grid, frames = self.slice_items(image_grid_thw)
+        out = adapter.run_tower(pixel_values, grid, **kwargs)
         tower = adapter.tower_pass
         if tower is None:
             raise RuntimeError("the Qwen2-VL vision tower ran without FiCoCo-V's bookkeeping")
-        features = getattr(out, hf.FEATURES_FIELD)
-        setattr(out, hf.FEATURES_FIELD, torch.split(features, [len(groups) for groups in tower.kept_groups]))
+        pieces = self.split_features(out, tower)
+        if frames is not None:
+            pieces = self.join_slices(tower, pieces, frames)
+        setattr(out, hf.FEATURES_FIELD, pieces)
         return out

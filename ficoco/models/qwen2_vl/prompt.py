@@ -1,5 +1,6 @@
-"""The prompt once the tower ran a method before the LLM on Qwen2-VL: every image's (a video method's:
-every video's) placeholder span shortened to the groups the tower kept, the kept tokens at the 3-D
+"""The prompt once the tower ran a method before the LLM on Qwen2-VL: every image's (or video's: under a video
+method, or a method that reduced each temporal slice as an image) placeholder span shortened to the groups the
+tower kept, the kept tokens at the 3-D
 positions the unreduced prompt gives them (transformers' `get_rope_index` on the unreduced prompt),
 and the `rope_deltas` that put the next token where the unreduced model would. Later turns on a cache
 continue after what it holds (`continue_prompt`, `cached_part`); a text turn's prompt is shortened as
@@ -290,12 +291,9 @@ class PromptShortener:
     def prepare(self, entry: Entry, call: dict[str, Any], *, text_row: bool) -> None:
         """Encode the images, shorten the prompt and set its positions (in `call`)."""
         adapter = self.adapter
-        if adapter.video_cut:
+        if adapter.video_cut or call.get("pixel_values_videos") is not None:
             self._prepare_video(entry, call, text_row=text_row)
             return
-        if call.get("pixel_values_videos") is not None:
-            raise FicocoError(f"{entry.spec.title} on {adapter.family_title} reduces images only; run videos with "
-                              "FiCoCo-L")
         handle = entry.handle
         pixel_values = call.pop("pixel_values", None)
         input_ids = call.get("input_ids")
@@ -318,13 +316,22 @@ class PromptShortener:
         self._finish(entry, call, short, deltas, kept, "image", encoded, text_row=text_row)
 
     def _prepare_video(self, entry: Entry, call: dict[str, Any], *, text_row: bool) -> None:
-        """A video method's prompt: encode the videos (the cut runs in the tower's forward), shorten
+        """The prompt of the videos a method before the LLM reduced: a video method's (the cut runs in the tower's
+        forward, on a video's slices together) or a method that reduces every temporal slice as an image (the
+        encoder runs the slices through the tower as images, `GridOrder.slice_items`); encode the videos, shorten
         every video span to the units it kept, at their unreduced 3-D positions."""
         adapter = self.adapter
         title = f"{entry.spec.title} on {adapter.family_title}"
-        if call.get("pixel_values") is not None:
+        if call.get("pixel_values") is not None and adapter.video_cut:
             raise FicocoError(f"{title} acts on a video's frames; an image is one frame: give the image as a "
                               "video, or a method that reduces images")
+        if call.get("pixel_values") is not None:
+            raise FicocoError(f"{title} reduces images and videos, one kind per call: give the images and the videos "
+                              "in separate prompts")
+        if not adapter.video_cut and not adapter.video_slices:
+            raise FicocoError(f"{title} reduces images only: {adapter.video_refusal}; run the video unreduced, or "
+                              "with a method that reduces every temporal slice (v, visionzip, divprune, `ficoco "
+                              "methods`)")
         pixel_values = call.pop("pixel_values_videos")
         input_ids, grid = call.get("input_ids"), call.get("video_grid_thw")
         if input_ids is None or grid is None:
@@ -378,7 +385,8 @@ class PromptShortener:
         adapter = self.adapter
         cache, prompt = hf.cache_in(kwargs), kwargs.get("input_ids")
         past = int(cache.get_seq_length()) if cache is not None else 0
-        if past and prompt is not None and adapter.video_cut and bool((prompt == adapter.video_token_id).any()):
+        if past and prompt is not None and adapter.video_token_id is not None and \
+                bool((prompt == adapter.video_token_id).any()):
             raise FicocoError(f"{entry.spec.title} on {adapter.family_title}: a later turn on a video's cache is "
                               "not supported; run the whole conversation in one prompt")
         if not past or prompt is None or not bool((prompt == adapter.image_token_id).any()):

@@ -119,8 +119,20 @@ class DeepStackOrder(GridOrder):
         self.adapter.tower_taps.start(len(tower.kept_groups))
         return tower
 
+    def join_slices(self, tower: TowerPass, pieces: tuple[Tensor, ...], frames: list[int]) -> tuple[Tensor, ...]:
+        """Qwen2-VL's join of every video's slices, every tap's features joined alike (the rows of the features)."""
+        taps = self.adapter.tower_taps
+        if taps.taps and taps.carried:
+            joined, at = [], 0
+            for t in frames:
+                held = taps.carried[at:at + t]
+                joined.append(None if any(h is None for h in held) else torch.cat(held))  # type: ignore[arg-type]
+                at += t
+            taps.carried = joined
+        return super().join_slices(tower, pieces, frames)
+
     def encode(self, pixel_values: Tensor, image_grid_thw: Tensor, **kwargs: Any) -> Any:
-        """The (reduced) tower's output split per image by the groups it kept, its DeepStack features too."""
+        """The (reduced) tower's output split per item by the groups it kept, its DeepStack features too."""
         out = super().encode(pixel_values, image_grid_thw, **kwargs)
         taps = self.adapter.tower_taps
         if taps.taps:
