@@ -844,8 +844,6 @@ def serve_bench_command(
         raise FicocoError(f"--variant {variant}: the methods need --keep N or --tflops X")
     if "evs" in variants and frames is None:
         raise FicocoError("--variant evs: vLLM's EVS prunes videos; give --frames N (a video workload)")
-    if frames is not None and tflops is not None:
-        raise FicocoError("--frames with --tflops: a video is reduced slice by slice under --keep; give --keep N")
     methods = [v for v in methods if v != "evs"]
     hyperparameters = check.method_settings(hp, methods)
     chosen = ["vanilla", *methods, *(["evs"] if "evs" in variants else [])]

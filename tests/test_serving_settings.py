@@ -412,11 +412,18 @@ def test_a_video_plan_keeps_every_slice_as_an_image_of_its_grid() -> None:
     config = json.dumps(load_profile(PROFILE).config, sort_keys=True)
     vanilla = plan_video(config, None, (4, 8, 10), 14, text_tokens=20)
     assert vanilla.tokens == 80
-    for method in ("visionzip", "divprune", "v", "vispruner"):
+    for method in ("visionzip", "divprune", "vispruner"):
         settings = Settings.parse({"method": method, "keep": 8, "text_tokens": 20})
         video = plan_video(config, settings, (4, 8, 10), 14)
         assert video.tokens == 4 * plan_image(config, settings, (1, 8, 10), 14).tokens == 32
         assert video.tflops < vanilla.tflops
+    # FiCoCo-V's keep counts every visual token of the prompt: 8 of the video's 80, 2 per slice.
+    settings = Settings.parse({"method": "v", "keep": 8, "first_layer": 1, "text_tokens": 20})
+    assert plan_video(config, settings, (4, 8, 10), 14).tokens == 8
+    # A TFLOPs budget is solved for the whole video, every slice keeping the same count.
+    budget = Settings.parse({"method": "visionzip", "tflops": vanilla.tflops * 0.6, "text_tokens": 20})
+    tokens = plan_video(config, budget, (4, 8, 10), 14).tokens
+    assert 0 < tokens < 80 and tokens % 4 == 0
     with pytest.raises(FicocoError, match=r"video \(as processed, 4 temporal slices of 8x10 patches\) cannot be "
                                           "reduced with visionzip"):
         plan_video(config, Settings.parse({"method": "visionzip", "keep": 30}), (4, 8, 10), 14)
@@ -424,7 +431,6 @@ def test_a_video_plan_keeps_every_slice_as_an_image_of_its_grid() -> None:
 
 @pytest.mark.parametrize(("line", "words"), [
     (["--variant", "vanilla,evs", "--keep", "8"], "--variant evs: vLLM's EVS prunes videos; give --frames N"),
-    (["--variant", "visionzip", "--tflops", "1", "--frames", "8"], "--frames with --tflops"),
     (["--variant", "visionzip", "--keep", "8", "--frames", "1"], "--frames 1: give a whole number from 2"),
 ])
 def test_serve_bench_refuses_a_video_workload_it_cannot_run_in_one_line(cli: Any, line: list[str], words: str) -> None:

@@ -316,6 +316,7 @@ def test_a_batch_of_two_image_sizes_gives_each_request_its_own_tokens(served: An
 # A video of 8 frames of 140x112 (Qwen2.5-VL: 4 temporal slices of 8x10 patches, 20 merge groups each), sent as
 # vLLM takes a decoded one: the frames and their metadata (2 frames a second, none resampled).
 VIDEO_FRAMES = {"qwen2_5_vl": (8, (140, 112))}
+VIDEO_LOGPROB = 2e-3  # vLLM against transformers on a video: vanilla's own first-token log-probabilities differ 5.5e-4
 VIDEO_PROMPT = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens?<|im_end|>\n" \
     "<|im_start|>assistant\n"
 
@@ -351,6 +352,8 @@ def slices_as_images(folder: Path, family: str, variant: str, video: Any, chosen
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
               "pixel_values": processed["pixel_values_videos"], "image_grid_thw": torch.tensor([[1, h, w]] * t)}
     chosen = dict(budget(family, variant) if chosen is None else chosen)
+    if variant == "v":  # FiCoCo-V's keep counts the whole video's tokens: each slice, as an image, keeps its share
+        chosen["keep"] //= t
     with torch.inference_mode(), ficoco.apply(model, variant=variant, image_size=(h * 14, w * 14),
                                               count=CountOptions(scope=chosen.pop("scope", "llm")), **chosen) as handle:
         model(**inputs)
@@ -359,18 +362,49 @@ def slices_as_images(folder: Path, family: str, variant: str, video: Any, chosen
     return [sorted(set(row.tolist())) for row in groups], t * h * w // 4
 
 
+def video_reference(folder: Path, family: str, variant: str, video: Any, chosen: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """ficoco.apply on the transformers model with the video itself (its frames through the checkpoint's processor
+    and chat template): the prompt's text, the first tokens and the first token's top log-probabilities."""
+    from PIL import Image
+
+    import ficoco
+    from ficoco.accounting import CountOptions
+    from ficoco.models.prompt import encode_request, load_processor
+
+    pixels, _ = video
+    model = ficoco.build_model(str(folder), weights=str(folder), dtype="fp32", check_memory=False)
+    prompt = encode_request(load_processor(str(folder)), model.config.to_dict(), question="What happens?",
+                            pictures=[Image.fromarray(frame) for frame in pixels], media="video")
+    inputs = prompt.encoded
+    # The video's seconds per temporal slice as vLLM reads them from its metadata (2 frames at 2 frames a second: 1 s;
+    # transformers' processor assumes 24 frames a second without it): the slices' temporal positions step by it.
+    inputs["second_per_grid_ts"] = torch.tensor([2 / video[1]["fps"]])
+    chosen = dict(budget(family, variant) if chosen is None else chosen)
+    count = CountOptions(scope=chosen.pop("scope", "llm"))
+    _, h, w = (int(x) for x in inputs["video_grid_thw"][0])  # the frames as the processor resized them
+    with torch.inference_mode(), ficoco.apply(model, variant=variant, image_size=(h * 14, w * 14),
+                                              frames=len(pixels), count=count, **chosen):
+        ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        logits = model(**inputs).logits[0, -1]
+    top = torch.log_softmax(logits.float(), dim=-1).topk(TOP)
+    return {"text": prompt.text, "tokens": ids[0, -NEW_TOKENS:].tolist(),
+            "top": dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
+
+
 def test_a_video_keeps_every_temporal_slice_as_ficoco_apply_keeps_it_as_an_image(served: Any) -> None:
     """A Qwen2.5-VL video through a reducing engine: every temporal slice reduced as an image of its grid (the
     tower attends within a slice alone), keep x slices placeholders in one span, fixed before the prefill, whose
-    16-token chunks end inside the span; a TFLOPs budget, PixelPrune and Qwen3-VL refuse the video alone, in one
-    line, and the engine serves the next request."""
+    16-token chunks end inside the span, with ficoco.apply's tokens on the same video; a TFLOPs budget the video
+    cannot meet, PixelPrune and Qwen3-VL refuse the video alone, in one line, and the engine serves the next
+    request."""
     family, variant, images, refs, engine = served
     if family not in VIDEO_FRAMES and family != "qwen3_vl":
         pytest.skip("the family takes no video")
     video = clip(VIDEO_FRAMES.get(family, (8, (140, 112)))[0], VIDEO_FRAMES.get(family, (8, (320, 256)))[1])
     why = ("Qwen3-VL lays a video out" if family == "qwen3_vl" else
            "its pixel grid of merge groups is an image's" if variant in PIXEL_COUNTED else
-           "TFLOPs budget is planned per image" if "tflops" in budget(family, variant) else None)
+           "video .* cannot be reduced with divprune" if "tflops" in budget(family, variant) else None)
     if why is not None:
         with pytest.raises(Exception, match=why) as caught:
             engine.generate_with_top([(VIDEO_PROMPT, video)], "video")
@@ -379,15 +413,25 @@ def test_a_video_keeps_every_temporal_slice_as_ficoco_apply_keeps_it_as_an_image
         engine.kept()
         return
     expected, unreduced = slices_as_images(engine.folder, family, variant, video)
-    ((tokens, _),) = engine.generate_with_top([(VIDEO_PROMPT, video)], "video")
+    ref = video_reference(engine.folder, family, variant, video)
+    ((tokens, top),) = engine.generate_with_top([(ref["text"], video)], "video")
     records = engine.kept()
     assert [r["kept"] for r in records] == expected
-    assert len(expected) == 4 and all(len(kept) == KEEP[family] for kept in expected)
+    # Every slice the same count: keep per slice (VisionZip, VisPruner), or FiCoCo-V's keep over the whole video.
+    per_slice = KEEP[family] // 4 if variant == "v" else KEEP[family]
+    assert len(expected) == 4 and all(len(kept) == per_slice for kept in expected)
     video_token = json.loads((engine.folder / "config.json").read_text())["video_token_id"]
     span = [i for i, token in enumerate(engine.prompt_ids[0]) if token == video_token]
-    assert len(span) == 4 * KEEP[family] < unreduced and span == list(range(span[0], span[0] + len(span)))
-    assert any(span[0] < end <= span[-1] for end in range(16, len(engine.prompt_ids[0]), 16))
-    assert len(tokens) == NEW_TOKENS
+    assert len(span) == 4 * per_slice < unreduced and span == list(range(span[0], span[0] + len(span)))
+    if len(span) > 16:  # a 16-token chunk of the prefill ends inside the video's span (FiCoCo-V's 8 may not meet one)
+        assert any(span[0] < end <= span[-1] for end in range(16, len(engine.prompt_ids[0]), 16))
+    # The tokens of ficoco.apply on the same video. Its first-token log-probabilities agree within VIDEO_LOGPROB only:
+    # on this video vanilla's own differ by up to 5.5e-4 between vLLM and transformers (the same pixels and
+    # seconds per slice; the cause is not found), which also hides what the kept tokens' positions move, so those
+    # are checked engine-free (tests/test_serving_positions.py).
+    assert tokens == ref["tokens"]
+    assert set(ref["top"]) <= set(top)
+    assert all(abs(top[token] - value) < VIDEO_LOGPROB for token, value in ref["top"].items())
 
 
 @pytest.mark.skipif(os.environ.get("FICOCO_VLLM_TESTS") == "lean", reason="one more engine (the full set)")
@@ -398,10 +442,12 @@ def test_divprune_keeps_every_video_slices_own_diverse_tokens(checkpoints: dict[
     video = clip(*VIDEO_FRAMES["qwen2_5_vl"])
     for keep in (5, 12):
         expected, _ = slices_as_images(folder, "qwen2_5_vl", "divprune", video, {"keep": keep})
+        ref = video_reference(folder, "qwen2_5_vl", "divprune", video, {"keep": keep})
         engine = Engine(folder, "qwen2_5_vl", "divprune", tmp_path / f"kept-{keep}.jsonl", {"keep": keep},
                         enable_chunked_prefill=True, max_num_batched_tokens=16)
-        engine.generate_with_top([(VIDEO_PROMPT, video)], "video")
+        ((tokens, top),) = engine.generate_with_top([(ref["text"], video)], "video")
         assert [r["kept"] for r in engine.kept()] == expected and {len(k) for k in expected} == {keep}
+        assert tokens == ref["tokens"] and all(abs(top[t] - v) < VIDEO_LOGPROB for t, v in ref["top"].items())
         del engine
         import gc
 

@@ -1,7 +1,8 @@
 """ficoco's vLLM plugin: the methods that act before the LLM (FiCoCo-V, VisionZip, DivPrune, VisPruner,
-PixelPrune) on Qwen2.5-VL and Qwen3-VL served by vLLM (DivPrune on LLaVA-1.5 and InternVL3), each image reduced
-to a count fixed before the encoder runs (from the budget and its grid or tiles, or PixelPrune's from its pixels),
-its tokens at their original M-RoPE positions (docs/serving.md).
+PixelPrune) on Qwen2.5-VL and Qwen3-VL served by vLLM (DivPrune on LLaVA-1.5 and InternVL3), each image (and every
+temporal slice of a Qwen2.5-VL video) reduced to a count fixed before the encoder runs (from the budget and its grid
+or tiles, or PixelPrune's from its pixels), its tokens at their original M-RoPE positions (docs/serving.md); and
+vLLM's own video pruning (EVS) enabled on its CPU runner.
 
 vLLM loads `register` through the `vllm.general_plugins` entry point (pyproject.toml) in every process it
 starts; it replaces the four architectures by ficoco's subclasses (`ficoco.serving.vllm.qwen`, `.llava`, `.internvl`),

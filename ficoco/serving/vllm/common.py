@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch import Tensor
@@ -19,6 +20,7 @@ from ficoco.serving.vllm.settings import (
     ImagePlan,
     Settings,
     plan_image,
+    plan_video,
     settings_from,
     unserved_reason,
 )
@@ -63,6 +65,8 @@ class Planner:
         # run its selector on the same pixels, so the placeholders and the tower's kept groups agree.
         self.pixel_counted = self.settings is not None and self.settings.method in PIXEL_COUNTED
         self.layout: PatchLayout | None = None
+        # While a video's temporal slices run through the image path: the slice grid's plan, the video's per slice.
+        self.slices: dict[tuple[int, ...], ImagePlan] = {}
         if self.pixel_counted:
             from ficoco.methods.pixelprune import NORMALISATION
 
@@ -72,9 +76,12 @@ class Planner:
                                       merge_size=int(vision.spatial_merge_size), mean=mean, std=std)
 
     def plan(self, grid_thw: Sequence[int] | None) -> ImagePlan:
-        """The plan for an image of `grid_thw` (None: the family's one fixed layout, LLaVA-1.5's)."""
+        """The plan for an image of `grid_thw` (None: the family's one fixed layout, LLaVA-1.5's); while a video's
+        slices run as images (`slices`), its slice plan."""
         assert self.settings is not None
         grid = None if grid_thw is None else tuple(int(x) for x in grid_thw)
+        if grid in self.slices:
+            return self.slices[grid]
         return plan_image(self.config_json, self.settings, grid, self.patch)  # type: ignore[arg-type]
 
     def plan_tiles(self, tiles: int) -> ImagePlan:
@@ -91,30 +98,30 @@ class Planner:
         except FicocoError:
             return None
 
-    def slice_plan(self, grid_thw: Sequence[int]) -> ImagePlan:
-        """The plan of one temporal slice of a video of `grid_thw`: every slice is one item of the video, reduced as
-        an image of its (1, h, w) grid (Qwen's tower attends within each slice alone), so that a video keeps t x the
-        slice's count, fixed before the encoder runs. A TFLOPs budget is refused here: it is solved for a whole
-        prompt, and a slice is not one."""
+    def video_plan(self, grid_thw: Sequence[int]) -> ImagePlan:
+        """The accountant's plan of a video of `grid_thw`: every temporal slice an item (Qwen's tower attends within a
+        slice alone), reduced as an image of its (1, h, w) grid; its tokens are the video's placeholders, fixed
+        before the encoder runs."""
         assert self.settings is not None
-        t, h, w = (int(x) for x in grid_thw)
+        grid = tuple(int(x) for x in grid_thw)
         if self.settings.method in VIDEO_REFUSED:
             raise FicocoError(f"ficoco.vllm: {self.settings.method} does not reduce videos "
                               f"({VIDEO_REFUSED[self.settings.method]}); send videos to an engine without it")
-        if self.settings.tflops is not None:
-            raise FicocoError("ficoco.vllm: a video is reduced slice by slice under keep (or preset); this engine's "
-                              "TFLOPs budget is planned per image: serve videos with keep=")
-        try:
-            return self.plan((1, h, w))
-        except FicocoError as exc:
-            why = str(exc).split(" here: ", 1)[-1]
-            raise FicocoError(f"ficoco.vllm: this request's video (as processed, {t} temporal slices of {h}x{w} "
-                              f"patches) cannot be reduced with {self.settings.method}: {why}") from None
+        return plan_video(self.config_json, self.settings, grid, self.patch)  # type: ignore[arg-type]
+
+    def slice_plan(self, grid_thw: Sequence[int]) -> ImagePlan:
+        """One temporal slice's share of the video's plan (its removals are per item, every slice the same), as the
+        plan of an image of the slice's grid: what the model runs on each slice."""
+        t, h, w = (int(x) for x in grid_thw)
+        video = self.video_plan((t, h, w))
+        if video.tokens % t:
+            raise FicocoError(f"ficoco.vllm: the plan keeps {video.tokens} tokens of a video of {t} temporal slices, "
+                              "not the same count on each")
+        return replace(video, grid_thw=(1, h, w), tokens=video.tokens // t, vanilla_tokens=video.vanilla_tokens // t)
 
     def video_tokens(self, item: Any) -> int:
-        """The placeholders of one processed video (vLLM's kwargs item): t x its slice's planned count."""
-        t, h, w = (int(x) for x in item["video_grid_thw"].data.tolist())
-        return t * self.slice_plan((t, h, w)).tokens
+        """The placeholders of one processed video (vLLM's kwargs item): the video plan's count."""
+        return self.video_plan(item["video_grid_thw"].data.tolist()).tokens
 
     def pixel_kept(self, pixels: Tensor, grids: Sequence[tuple[int, int, int]]) -> list[Tensor]:
         """Every image's kept merge groups (grid indices, ascending) under a pixel-counted method, from the packed

@@ -48,7 +48,7 @@ class InternVLReducingProcessor(ReducingProcessor, InternS1MultiModalProcessor):
     """InternVL's processor with each image's placeholders cut to its tiles' kept tokens, `<img>` and `</img>`
     kept around them."""
 
-    def _ficoco_placeholders(self, planner: Planner, item: Any) -> int:
+    def _ficoco_placeholders(self, planner: Planner, item: Any, modality: str = "image") -> int:
         return planner.plan_tiles(int(item["image_num_patches"].data)).tokens
 
     def _ficoco_shorten(self, tokens: Any, count: int, hf_processor_mm_kwargs: Mapping[str, Any]) -> Any:

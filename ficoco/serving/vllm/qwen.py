@@ -9,6 +9,9 @@ Each family is vLLM's own model class with three additions, and its own multimod
   and the cut in its merger (`tokens.cut_units`), or the cut on the tower's output (`tokens.cut_projected`), or
   FiCoCo-V's steps in its blocks and PixelPrune's cut at its first (`blocks.TowerBlocks`), then
   hands on each image's kept rows (DeepStack channels included) with their grid positions appended;
+- `_process_video_input` (Qwen2.5-VL) runs a video's temporal slices through the image path as images of the
+  slice's grid (the tower attends within a slice alone) under the video's plan, every slice the same share, and
+  joins each video's kept rows with the slice's temporal position;
 - `get_mrope_input_positions` lays the shortened prompt out in the unreduced prompt's positions, and
   `recompute_mrope_positions` (which the runner calls once the encoder ran, `runner.enable_positions`) gives
   the kept tokens their own.
@@ -207,28 +210,38 @@ class _ReducingQwen:
         grids = [tuple(int(x) for x in g) for g in video_input["video_grid_thw"].tolist()]
         seconds = video_input.get("second_per_grid_ts")
         factors = [self._ficoco_t_factor(None if seconds is None else float(seconds[v])) for v in range(len(grids))]
+        merge = self.visual.spatial_merge_size  # type: ignore[attr-defined]
         try:
-            for grid in grids:
-                self.ficoco.slice_plan(grid)
+            plans = {grid: self.ficoco.slice_plan(grid) for grid in grids}
         except FicocoError:
             # Only vLLM's start-up video reaches here (the processor refuses a request's such video, and gave the
             # start-up one its unreduced placeholders): served whole, with its places.
-            merge = self.visual.spatial_merge_size  # type: ignore[attr-defined]
             whole = super()._process_video_input(video_input)  # type: ignore[misc]
             return tuple(_timed(grid_positions(e, torch.arange(e.shape[0]), g, merge), f)
                          for e, g, f in zip(whole, grids, factors, strict=True))
-        slices = torch.tensor([(1, h, w) for t, h, w in grids for _ in range(t)], dtype=torch.long)
-        per_slice = self._process_image_input({"type": "pixel_values",
-                                               "pixel_values": video_input["pixel_values_videos"],
-                                               "image_grid_thw": slices})
-        out, first = [], 0
-        for (t, _, _), factor in zip(grids, factors, strict=True):
-            rows = [piece.clone() for piece in per_slice[first:first + t]]
-            for s, piece in enumerate(rows):
-                piece[:, -3] = int(s * factor)  # the slice's temporal position (an integer, as vLLM's grid gives it)
-            out.append(torch.cat(rows))
-            first += t
-        return tuple(out)
+        pixels = video_input["pixel_values_videos"]
+        rows_per_video = [t * h * w for t, h, w in grids]
+        starts = [0, *torch.tensor(rows_per_video).cumsum(0).tolist()[:-1]]
+        out: list[Tensor | None] = [None] * len(grids)
+        # The videos of one grid together (one plan per slice grid: videos of another length may keep another count
+        # per slice under a TFLOPs budget), their slices as images of the slice's grid.
+        for grid in dict.fromkeys(grids):
+            t, h, w = grid
+            videos = [v for v, g in enumerate(grids) if g == grid]
+            self.ficoco.slices = {(1, h, w): plans[grid]}
+            try:
+                per_slice = self._process_image_input({
+                    "type": "pixel_values",
+                    "pixel_values": torch.cat([pixels[starts[v]:starts[v] + rows_per_video[v]] for v in videos]),
+                    "image_grid_thw": torch.tensor([(1, h, w)] * (t * len(videos)), dtype=torch.long)})
+            finally:
+                self.ficoco.slices = {}
+            for n, v in enumerate(videos):
+                rows = [piece.clone() for piece in per_slice[n * t:(n + 1) * t]]
+                for s, piece in enumerate(rows):
+                    piece[:, -3] = int(s * factors[v])  # the slice's temporal position (an integer, as vLLM's)
+                out[v] = torch.cat(rows)
+        return tuple(out)  # type: ignore[arg-type]
 
     def _ficoco_t_factor(self, seconds: float | None) -> float:
         """A video slice's step in the temporal M-RoPE position: Qwen2.5-VL's seconds per slice x tokens_per_second
