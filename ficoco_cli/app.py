@@ -814,7 +814,8 @@ def serve_bench_command(
     ] = "448x448",
     frames: Annotated[int | None, typer.Option(
         "--frames", callback=check.whole_number(2),
-        help="A video workload: every request one video of this many frames (Qwen2.5-VL), the methods reducing "
+        help="A video workload: every request one video of this many frames (Qwen2.5-VL; Qwen3-VL adds its timestamps "
+             "to the text), the methods reducing "
              "every temporal slice; add evs to --variant for vLLM's own video pruning beside them.")] = None,
     dtype: Annotated[str, typer.Option(
         "--dtype", callback=check.choice(("float32", "bfloat16", "float16", "auto")),

@@ -223,7 +223,7 @@ class Engine:
         chosen = {"method": variant, **(budget(family, variant) if chosen is None else chosen)}
         settings = {} if variant == "vanilla" else {"hf_overrides": {"ficoco_vllm": chosen}}
         # Qwen engines take a video too: Qwen2.5-VL's reduced slice by slice, Qwen3-VL's refused per request.
-        videos = 1 if family in VIDEO_FRAMES or family == "qwen3_vl" else 0
+        videos = 1 if family in VIDEO_FRAMES else 0
         self.llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
                        limit_mm_per_prompt={"image": 1, "video": videos}, seed=0, **settings, **engine)
 
@@ -315,18 +315,22 @@ def test_a_batch_of_two_image_sizes_gives_each_request_its_own_tokens(served: An
 
 # A video of 8 frames of 140x112 (Qwen2.5-VL: 4 temporal slices of 8x10 patches, 20 merge groups each), sent as
 # vLLM takes a decoded one: the frames and their metadata (2 frames a second, none resampled).
-VIDEO_FRAMES = {"qwen2_5_vl": (8, (140, 112))}
+# Qwen3-VL: 8 frames of 320x256 (4 slices of 16x20 patches, 80 merge groups each), each slice a span of its own after
+# its timestamp; at 24 frames a second, the rate transformers' processor assumes where no metadata is given, so that
+# both engines write the same timestamps.
+VIDEO_FRAMES = {"qwen2_5_vl": (8, (140, 112)), "qwen3_vl": (8, (320, 256))}
+VIDEO_FPS = {"qwen2_5_vl": 2.0, "qwen3_vl": 24.0}
 VIDEO_LOGPROB = 2e-3  # vLLM against transformers on a video: vanilla's own first-token log-probabilities differ 5.5e-4
 VIDEO_PROMPT = "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What happens?<|im_end|>\n" \
     "<|im_start|>assistant\n"
 
 
-def clip(frames: int, size: tuple[int, int], seed: int = 20) -> Any:
+def clip(frames: int, size: tuple[int, int], fps: float = 2.0, seed: int = 20) -> Any:
     """A decoded video as vLLM's `multi_modal_data` takes it: (frames, metadata)."""
     import numpy as np
 
     pixels = np.stack([np.asarray(picture(size, seed + index)) for index in range(frames)])
-    metadata = {"fps": 2.0, "duration": frames / 2.0, "total_num_frames": frames, "frames_indices": list(range(frames)),
+    metadata = {"fps": fps, "duration": frames / fps, "total_num_frames": frames, "frames_indices": list(range(frames)),
                 "video_backend": "opencv", "do_sample_frames": False}
     return pixels, metadata
 
@@ -347,6 +351,7 @@ def slices_as_images(folder: Path, family: str, variant: str, video: Any, chosen
     t, h, w = (int(x) for x in processed["video_grid_thw"][0])
     model = ficoco.build_model(str(folder), weights=str(folder), dtype="fp32", check_memory=False)
     config = model.config
+    patch = int(config.vision_config.patch_size)
     span = [config.vision_start_token_id] + [config.image_token_id] * (h * w // 4) + [config.vision_end_token_id]
     ids = torch.tensor([[1, 2, *(span * t), 3, 4]])
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
@@ -354,7 +359,7 @@ def slices_as_images(folder: Path, family: str, variant: str, video: Any, chosen
     chosen = dict(budget(family, variant) if chosen is None else chosen)
     if variant == "v":  # FiCoCo-V's keep counts the whole video's tokens: each slice, as an image, keeps its share
         chosen["keep"] //= t
-    with torch.inference_mode(), ficoco.apply(model, variant=variant, image_size=(h * 14, w * 14),
+    with torch.inference_mode(), ficoco.apply(model, variant=variant, image_size=(h * patch, w * patch),
                                               count=CountOptions(scope=chosen.pop("scope", "llm")), **chosen) as handle:
         model(**inputs)
         patches = handle.records[-1].kept  # (slices, kept patches)
@@ -379,11 +384,13 @@ def video_reference(folder: Path, family: str, variant: str, video: Any, chosen:
     inputs = prompt.encoded
     # The video's seconds per temporal slice as vLLM reads them from its metadata (2 frames at 2 frames a second: 1 s;
     # transformers' processor assumes 24 frames a second without it): the slices' temporal positions step by it.
-    inputs["second_per_grid_ts"] = torch.tensor([2 / video[1]["fps"]])
+    if "second_per_grid_ts" in inputs:
+        inputs["second_per_grid_ts"] = torch.tensor([2 / video[1]["fps"]])
     chosen = dict(budget(family, variant) if chosen is None else chosen)
     count = CountOptions(scope=chosen.pop("scope", "llm"))
     _, h, w = (int(x) for x in inputs["video_grid_thw"][0])  # the frames as the processor resized them
-    with torch.inference_mode(), ficoco.apply(model, variant=variant, image_size=(h * 14, w * 14),
+    patch = int(model.config.vision_config.patch_size)
+    with torch.inference_mode(), ficoco.apply(model, variant=variant, image_size=(h * patch, w * patch),
                                               frames=len(pixels), count=count, **chosen):
         ids = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
         logits = model(**inputs).logits[0, -1]
@@ -393,17 +400,16 @@ def video_reference(folder: Path, family: str, variant: str, video: Any, chosen:
 
 
 def test_a_video_keeps_every_temporal_slice_as_ficoco_apply_keeps_it_as_an_image(served: Any) -> None:
-    """A Qwen2.5-VL video through a reducing engine: every temporal slice reduced as an image of its grid (the
-    tower attends within a slice alone), keep x slices placeholders in one span, fixed before the prefill, whose
-    16-token chunks end inside the span, with ficoco.apply's tokens on the same video; a TFLOPs budget the video
-    cannot meet, PixelPrune and Qwen3-VL refuse the video alone, in one line, and the engine serves the next
-    request."""
+    """A Qwen video through a reducing engine: every temporal slice reduced as an image of its grid (the tower
+    attends within a slice alone), the video's planned count of placeholders (Qwen2.5-VL in one span, Qwen3-VL in a
+    span per slice after its timestamp) fixed before the prefill, whose 16-token chunks end inside a span, with
+    ficoco.apply's tokens on the same video; a TFLOPs budget the video cannot meet and PixelPrune refuse the video
+    alone, in one line, and the engine serves the next request."""
     family, variant, images, refs, engine = served
-    if family not in VIDEO_FRAMES and family != "qwen3_vl":
+    if family not in VIDEO_FRAMES:
         pytest.skip("the family takes no video")
-    video = clip(VIDEO_FRAMES.get(family, (8, (140, 112)))[0], VIDEO_FRAMES.get(family, (8, (320, 256)))[1])
-    why = ("Qwen3-VL lays a video out" if family == "qwen3_vl" else
-           "its pixel grid of merge groups is an image's" if variant in PIXEL_COUNTED else
+    video = clip(*VIDEO_FRAMES[family], fps=VIDEO_FPS[family])
+    why = ("its pixel grid of merge groups is an image's" if variant in PIXEL_COUNTED else
            "video .* cannot be reduced with divprune" if "tflops" in budget(family, variant) else None)
     if why is not None:
         with pytest.raises(Exception, match=why) as caught:
@@ -422,9 +428,11 @@ def test_a_video_keeps_every_temporal_slice_as_ficoco_apply_keeps_it_as_an_image
     assert len(expected) == 4 and all(len(kept) == per_slice for kept in expected)
     video_token = json.loads((engine.folder / "config.json").read_text())["video_token_id"]
     span = [i for i, token in enumerate(engine.prompt_ids[0]) if token == video_token]
-    assert len(span) == 4 * per_slice < unreduced and span == list(range(span[0], span[0] + len(span)))
-    if len(span) > 16:  # a 16-token chunk of the prefill ends inside the video's span (FiCoCo-V's 8 may not meet one)
-        assert any(span[0] < end <= span[-1] for end in range(16, len(engine.prompt_ids[0]), 16))
+    runs = [i for i in span if i - 1 not in span]  # where a run of placeholders starts
+    # Qwen2.5-VL: one span; Qwen3-VL: a span per slice, each its share, with the slice's timestamp between.
+    assert len(span) == 4 * per_slice < unreduced and len(runs) == (4 if family == "qwen3_vl" else 1)
+    if len(span) // len(runs) > 16:  # a 16-token chunk of the prefill ends inside a span
+        assert any(i in span and i - 1 in span for i in range(16, len(engine.prompt_ids[0]), 16))
     # The tokens of ficoco.apply on the same video. Its first-token log-probabilities agree within VIDEO_LOGPROB only:
     # on this video vanilla's own differ by up to 5.5e-4 between vLLM and transformers (the same pixels and
     # seconds per slice; the cause is not found), which also hides what the kept tokens' positions move, so those

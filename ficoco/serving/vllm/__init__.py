@@ -1,6 +1,6 @@
 """ficoco's vLLM plugin: the methods that act before the LLM (FiCoCo-V, VisionZip, DivPrune, VisPruner,
 PixelPrune) on Qwen2.5-VL and Qwen3-VL served by vLLM (DivPrune on LLaVA-1.5 and InternVL3), each image (and every
-temporal slice of a Qwen2.5-VL video) reduced to a count fixed before the encoder runs (from the budget and its grid
+temporal slice of a Qwen video) reduced to a count fixed before the encoder runs (from the budget and its grid
 or tiles, or PixelPrune's from its pixels), its tokens at their original M-RoPE positions (docs/serving.md); and
 vLLM's own video pruning (EVS) enabled on its CPU runner.
 

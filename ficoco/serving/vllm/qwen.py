@@ -9,9 +9,9 @@ Each family is vLLM's own model class with three additions, and its own multimod
   and the cut in its merger (`tokens.cut_units`), or the cut on the tower's output (`tokens.cut_projected`), or
   FiCoCo-V's steps in its blocks and PixelPrune's cut at its first (`blocks.TowerBlocks`), then
   hands on each image's kept rows (DeepStack channels included) with their grid positions appended;
-- `_process_video_input` (Qwen2.5-VL) runs a video's temporal slices through the image path as images of the
-  slice's grid (the tower attends within a slice alone) under the video's plan, every slice the same share, and
-  joins each video's kept rows with the slice's temporal position;
+- `_process_video_input` runs a video's temporal slices through the image path as images of the slice's grid (the
+  tower attends within a slice alone) under the video's plan, every slice the same share, and joins each video's
+  kept rows with the slice's temporal position (Qwen3-VL: 0, every slice its own span after its timestamp);
 - `get_mrope_input_positions` lays the shortened prompt out in the unreduced prompt's positions, and
   `recompute_mrope_positions` (which the runner calls once the encoder ran, `runner.enable_positions`) gives
   the kept tokens their own.
@@ -21,7 +21,7 @@ Without `ficoco_vllm` settings (or `FICOCO_VLLM`) the classes are vLLM's, unchan
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from vllm.model_executor.models.qwen3_vl import (
     Qwen3VLProcessingInfo,
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.processing import PromptUpdateDetails
 
 from ficoco.errors import FicocoError
 from ficoco.methods.registry import method
@@ -61,10 +62,9 @@ class Qwen2_5_VLReducingInfo(ReducingInfo, Qwen2_5_VLProcessingInfo):
 
 
 class Qwen3VLReducingInfo(ReducingInfo, Qwen3VLProcessingInfo):
-    """Qwen3-VL's processing info; a reducing engine refuses videos per request."""
+    """Qwen3-VL's processing info: a video is one span per temporal slice (timestamps between), each reduced."""
 
-    video_reason = ("Qwen3-VL lays a video out slice by slice with timestamps between the slices' spans, whose "
-                    "reduced placeholders the plugin does not write yet")
+    video_reason = None
 
 
 class Qwen2_5_VLReducingProcessor(ReducingProcessor, Qwen2_5_VLMultiModalProcessor):
@@ -72,7 +72,24 @@ class Qwen2_5_VLReducingProcessor(ReducingProcessor, Qwen2_5_VLMultiModalProcess
 
 
 class Qwen3VLReducingProcessor(ReducingProcessor, Qwen3VLMultiModalProcessor):
-    """Qwen3-VL's processor with each image's placeholders cut to the plan's count."""
+    """Qwen3-VL's processor with each image's placeholders cut to the plan's count, and each temporal slice's span of
+    a video (`<t seconds><|vision_start|>` placeholders `<|vision_end|>`, slice by slice) to the slice's share."""
+
+    def _ficoco_shorten(self, tokens: Any, count: int, hf_processor_mm_kwargs: Mapping[str, Any]) -> Any:
+        if isinstance(tokens, list):
+            return super()._ficoco_shorten(tokens, count, hf_processor_mm_kwargs)
+        video = int(self.info.get_hf_config().video_token_id)
+        full = list(tokens.full)
+        runs = sum(1 for i, token in enumerate(full) if token == video and (i == 0 or full[i - 1] != video))
+        if not runs or count % runs:
+            raise FicocoError(f"ficoco.vllm: {count} placeholders do not share out over a video's {runs} slice spans")
+        out: list[int] = []
+        for i, token in enumerate(full):
+            if token != video:
+                out.append(token)
+            elif i == 0 or full[i - 1] != video:  # a slice's span begins: its share of the count
+                out.extend([video] * (count // runs))
+        return PromptUpdateDetails.select_token_id(out, video)
 
 
 class _ReducingQwen:
@@ -80,6 +97,7 @@ class _ReducingQwen:
 
     windowed = False  # Qwen2.5-VL's tower runs in window order
     timed_slices = False  # Qwen2.5-VL: a video slice's temporal position steps by its seconds x tokens_per_second
+    slice_spans = False  # Qwen3-VL: every temporal slice of a video is a span of its own (timestamps between)
 
     def _ficoco_setup(self) -> None:
         self.ficoco = Planner(self.config)  # type: ignore[attr-defined]
@@ -217,7 +235,7 @@ class _ReducingQwen:
             # Only vLLM's start-up video reaches here (the processor refuses a request's such video, and gave the
             # start-up one its unreduced placeholders): served whole, with its places.
             whole = super()._process_video_input(video_input)  # type: ignore[misc]
-            return tuple(_timed(grid_positions(e, torch.arange(e.shape[0]), g, merge), f)
+            return tuple(_timed(grid_positions(e, torch.arange(e.shape[0]), g, merge), 0.0 if self.slice_spans else f)
                          for e, g, f in zip(whole, grids, factors, strict=True))
         pixels = video_input["pixel_values_videos"]
         rows_per_video = [t * h * w for t, h, w in grids]
@@ -239,7 +257,8 @@ class _ReducingQwen:
             for n, v in enumerate(videos):
                 rows = [piece.clone() for piece in per_slice[n * t:(n + 1) * t]]
                 for s, piece in enumerate(rows):
-                    piece[:, -3] = int(s * factors[v])  # the slice's temporal position (an integer, as vLLM's)
+                    # The slice's temporal position (an integer, as vLLM's); Qwen3-VL: 0, every slice its own span.
+                    piece[:, -3] = 0 if self.slice_spans else int(s * factors[v])
                 out[v] = torch.cat(rows)
         return tuple(out)  # type: ignore[arg-type]
 
@@ -265,9 +284,14 @@ class _ReducingQwen:
                 factor = self._ficoco_t_factor(None if seconds is None else float(seconds.data.item()))
             elif feature.modality == "image":
                 t, h, w = feature.data["image_grid_thw"].data.tolist()
+            elif self.slice_spans:  # Qwen3-VL: every slice's run of placeholders a span of a (1, h, w) grid
+                t, h, w = feature.data["video_grid_thw"].data.tolist()
+                spans.extend((start, length, 1, h // merge, w // merge, 1.0) for start, length in _runs(
+                    input_tokens, feature.mm_position.offset, feature.mm_position.length,
+                    self.config.video_token_id))  # type: ignore[attr-defined]
+                continue
             else:
-                raise FicocoError("ficoco.vllm: this engine reduces Qwen3-VL's images and serves no video; give "
-                                  "videos to an engine without ficoco_vllm settings")
+                raise FicocoError(f"ficoco.vllm: a video's positions on {type(self).__name__} are not laid out")
             spans.append((feature.mm_position.offset, feature.mm_position.length, t, h // merge, w // merge, factor))
         return prompt_positions(len(input_tokens), spans)
 
@@ -278,6 +302,18 @@ class _ReducingQwen:
                 input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens)
         media = (self.config.image_token_id, self.config.video_token_id)  # type: ignore[attr-defined]
         return place_positions(input_ids, multimodal_embeddings, mrope_positions, num_computed_tokens, media)
+
+
+def _runs(tokens: Sequence[int], offset: int, length: int, token: int) -> list[tuple[int, int]]:
+    """(start, length) of every run of `token` in tokens[offset:offset + length]."""
+    runs: list[tuple[int, int]] = []
+    for i in range(offset, offset + length):
+        if tokens[i] == token:
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+    return runs
 
 
 def _timed(rows: Tensor, factor: float) -> Tensor:
@@ -305,6 +341,8 @@ class ReducingQwen2_5_VL(_ReducingQwen, Qwen2_5_VLForConditionalGeneration):
                                         dummy_inputs=Qwen3VLDummyInputsBuilder)
 class ReducingQwen3VL(_ReducingQwen, Qwen3VLForConditionalGeneration):
     """vLLM's Qwen3-VL with ficoco's method before the LLM; DeepStack's features follow the kept tokens."""
+
+    slice_spans = True
 
     def __init__(self, *, vllm_config: Any, prefix: str = "model") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
