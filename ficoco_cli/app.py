@@ -27,7 +27,7 @@ from ficoco.versions import package_versions, report_environment
 from ficoco_cli import options as check
 from ficoco_cli.calibrate_cmd import calibrate_app
 from ficoco_cli.flags import FLAGS, cli_message, error_text
-from ficoco_cli.options import parse_image_size, split_list
+from ficoco_cli.options import parse_image_size, parse_image_sizes, split_list
 from ficoco_cli.report_cmd import FORMATS, REPORT_FORMATS
 
 app = typer.Typer(
@@ -810,7 +810,9 @@ def serve_bench_command(
     new_tokens: Annotated[int, typer.Option(
         "--new-tokens", callback=check.whole_number(1), help="Tokens each request generates (EOS ignored).")] = 16,
     image_size: Annotated[str, typer.Option(
-        "--image-size", callback=check.image_size, help="WxH of every request's image (or video frame).")
+        "--image-size", callback=check.image_sizes,
+        help="WxH of every request's image (or video frame); several, comma-separated, mix within every level "
+             "(request k takes the k-th in turn; images only).")
     ] = "448x448",
     frames: Annotated[int | None, typer.Option(
         "--frames", callback=check.whole_number(2),
@@ -843,6 +845,10 @@ def serve_bench_command(
     methods = [v for v in variants if v != "vanilla"]
     if methods and keep is None and tflops is None:
         raise FicocoError(f"--variant {variant}: the methods need --keep N or --tflops X")
+    sizes = parse_image_sizes(image_size)
+    if frames is not None and len(sizes) > 1:
+        raise FicocoError(f"--image-size {image_size}: a video workload takes one frame size; give one WxH with "
+                          "--frames")
     if "evs" in variants and frames is None:
         raise FicocoError("--variant evs: vLLM's EVS prunes videos; give --frames N (a video workload)")
     methods = [v for v in methods if v != "evs"]
@@ -851,7 +857,7 @@ def serve_bench_command(
     config = BenchConfig(model=model, variants=tuple(dict.fromkeys(chosen)), keep=keep, tflops=tflops, frames=frames,
                          hp=tuple(sorted(hyperparameters.items())), first_layer=first_layer,
                          concurrency=tuple(int(c) for c in split_list(concurrency, "--concurrency")),
-                         requests=requests, new_tokens=new_tokens, image_size=parse_image_size(image_size),
+                         requests=requests, new_tokens=new_tokens, image_sizes=sizes,
                          dtype=dtype, max_model_len=max_model_len, server=server, log_folder=server_logs)
     console = err if json_path == "-" else out
     report = run_serve_bench(config, lambda line: err.print(line, markup=False, highlight=False))

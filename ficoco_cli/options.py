@@ -135,6 +135,18 @@ def image_size(option: str, value: str) -> None:
     parse_image_size(value, option)
 
 
+@_when_given
+def image_sizes(option: str, value: str) -> None:
+    """`WxH[,WxH...]`: one or more image sizes."""
+    parse_image_sizes(value, option)
+
+
+def parse_image_sizes(text: str, option: str = "--image-size") -> tuple[tuple[int, int], ...]:
+    """`WxH,WxH,...` -> ((H, W), ...), in the order given."""
+    sizes = tuple(parse_image_size(part, option) for part in text.split(","))
+    return tuple(size for size in sizes if size is not None)
+
+
 def parse_image_size(text: str | None, option: str = "--image-size") -> tuple[int, int] | None:
     """`WxH` -> (H, W)."""
     if text is None:

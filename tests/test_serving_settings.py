@@ -368,7 +368,7 @@ def test_every_serve_bench_level_sends_images_the_engine_has_not_seen() -> None:
     from ficoco.serving.vllm.bench import WARM_UP, BenchConfig, _images, _levels
 
     config = BenchConfig(model="./ckpt", variants=("vanilla",), concurrency=(1, 4, 16), requests=5,
-                         image_size=(28, 42))
+                         image_sizes=((28, 42),))
     images = _images(config)
     assert len(images) == 5 * 3 + WARM_UP
     assert len({image.tobytes() for image in images}) == len(images)
@@ -383,6 +383,34 @@ def test_every_serve_bench_level_sends_images_the_engine_has_not_seen() -> None:
     warm, levels = sent[:2], sent[2:]
     assert all(set(r) <= set(range(15, 15 + WARM_UP)) for _, r in warm)
     assert [r for _, r in levels] == [list(range(0, 5)), list(range(5, 10)), list(range(10, 15))]
+
+
+def test_several_image_sizes_mix_within_every_level_and_each_row_counts_its_own_requests() -> None:
+    """`--image-size 42x28,70x56`: request k is the k-th size in turn, so that every level mixes them; a row's
+    visual tokens and TFLOPs per request are the mean over that level's own requests, each size's plan beside it."""
+    from ficoco.serving.vllm.bench import WARM_UP, BenchConfig, _images, _level_plan
+
+    config = BenchConfig(model="./ckpt", variants=("vanilla",), concurrency=(1, 4), requests=3,
+                         image_sizes=((28, 42), (56, 70)))
+    images = _images(config)
+    assert [image.size for image in images[:4]] == [(42, 28), (70, 56), (42, 28), (70, 56)]
+    assert len(images) == 3 * 2 + WARM_UP
+    plans = {(28, 42): (6, 1.0), (56, 70): (20, 4.0)}
+    first, second = _level_plan(config, plans, 0), _level_plan(config, plans, 1)
+    assert first["visual_tokens_per_request"] == pytest.approx((6 + 20 + 6) / 3)  # requests 0, 1, 2
+    assert second["visual_tokens_per_request"] == pytest.approx((20 + 6 + 20) / 3)  # requests 3, 4, 5
+    assert second["tflops_per_request"] == pytest.approx((4.0 + 1.0 + 4.0) / 3)
+    assert first["per_size"] == {"42x28": {"visual_tokens": 6, "tflops": 1.0},
+                                 "70x56": {"visual_tokens": 20, "tflops": 4.0}}
+    single = BenchConfig(model="./ckpt", variants=("vanilla",), image_sizes=((28, 42),))
+    assert _level_plan(single, {(28, 42): (6, 1.0)}, 0) == {"visual_tokens_per_request": 6, "tflops_per_request": 1.0}
+
+
+def test_serve_bench_refuses_several_sizes_for_a_video(cli, tmp_path) -> None:
+    code, out, err = cli("serve-bench", "-m", str(tmp_path), "--keep", "8", "--frames", "4",
+                         "--image-size", "448x448,672x448")
+    assert code == 2
+    assert "a video workload takes one frame size" in err and "Traceback" not in err + out
 
 
 @pytest.mark.parametrize(("per_slice", "slices", "kept", "evs_kept"), [
@@ -436,3 +464,15 @@ def test_a_video_plan_keeps_every_slice_as_an_image_of_its_grid() -> None:
 def test_serve_bench_refuses_a_video_workload_it_cannot_run_in_one_line(cli: Any, line: list[str], words: str) -> None:
     code, out, err = cli("serve-bench", "--model", "./nowhere", *line)
     assert code == 2 and words in err and "Traceback" not in err
+
+
+def test_the_serving_figure_draws_a_report_with_evs_and_mixed_sizes(tmp_path: Path) -> None:
+    """`serve-bench --plot`: a row without TFLOPs (vLLM's EVS, which the accountant does not count) and a mean token
+    count over several image sizes are drawn, not a TypeError after the whole run was measured."""
+    from ficoco.sweep.figures import save_figure, serve_figure
+
+    report = json.loads((Path(__file__).parents[1] / "docs" / "figures" / "serve-tiny-video-cpu.json").read_text())
+    assert any(row["tflops_per_request"] is None for row in report["rows"])
+    report["rows"][0]["visual_tokens_per_request"] = 72.5
+    written = save_figure(serve_figure(report), str(tmp_path), "serve_throughput")
+    assert written and all(Path(path).stat().st_size > 0 for path in written)

@@ -228,7 +228,7 @@ def test_serve_bench_through_the_server_reports_every_level(served: Any, tmp_pat
 
     folder, _ = served
     config = BenchConfig(model=str(folder), variants=("vanilla", METHOD), keep=KEEP, concurrency=(1, 2), requests=2,
-                         new_tokens=2, image_size=(112, 140), server=True, log_folder=str(tmp_path))
+                         new_tokens=2, image_sizes=((112, 140),), server=True, log_folder=str(tmp_path))
     report = run_bench(config)
     assert report["launcher"].startswith(("vllm serve", "python -m vllm.entrypoints.openai.api_server"))
     assert report["config"]["image_processor"]["backend"] in ("torchvision", "PIL")
@@ -252,7 +252,7 @@ def test_serve_bench_runs_a_video_workload_with_evs_beside_the_method(served: An
 
     folder, _ = served
     config = BenchConfig(model=str(folder), variants=("vanilla", METHOD, EVS), keep=KEEP, concurrency=(1, 2),
-                         requests=2, new_tokens=2, image_size=(112, 140), frames=8, server=True,
+                         requests=2, new_tokens=2, image_sizes=((112, 140),), frames=8, server=True,
                          log_folder=str(tmp_path))
     report = run_bench(config)
     assert report["config"]["grid_thw"] == [4, 8, 10] and report["config"]["video_processor"]["backend"]

@@ -493,7 +493,9 @@ def serve_figure(report: dict[str, Any]) -> Figure:
     for index, variant in enumerate(variants):
         rows = sorted((r for r in report["rows"] if r["variant"] == variant), key=lambda r: r["concurrency"])
         levels = [r["concurrency"] for r in rows]
-        label = f"{variant} ({rows[0]['visual_tokens_per_request']} tokens, {rows[0]['tflops_per_request']:.3g} TFLOPs)"
+        tflops = rows[0]["tflops_per_request"]  # None: not counted (vLLM's EVS)
+        cost = "TFLOPs not counted" if tflops is None else f"{tflops:.3g} TFLOPs"
+        label = f"{variant} ({rows[0]['visual_tokens_per_request']:.4g} tokens, {cost})"
         style = {"color": "black" if variant == VANILLA else _colour(index), "marker": "o"}
         throughput.plot(levels, [r["requests_per_s"] for r in rows], label=label, **style)
         ttft.plot(levels, [r["ttft_p50_s"] * 1000 for r in rows], label=label, **style)

@@ -4,15 +4,17 @@ requests/s and output tokens/s, beside the accountant's TFLOPs and visual tokens
 
 A level runs `requests` requests with at most `concurrency` of them in flight (a new one starts when one
 ends), after one warm-up request; time to first token is from a request's submission to its first output
-token, throughputs are over the level's wall time. Every request holds one image of `image_size` (a different
-one per request of the whole run, the same grid: no level is served from vLLM's prefix or encoder cache of an
-earlier one) and the same question, and generates exactly `new_tokens` tokens (EOS ignored), so that every
-variant decodes the same amount; every variant sees the same images.
+token, throughputs are over the level's wall time. Every request holds one image (a different one per request of
+the whole run: no level is served from vLLM's prefix or encoder cache of an earlier one; request k's size is
+`image_sizes[k % len(image_sizes)]`, so that several sizes mix within every level) and the same question, and
+generates exactly `new_tokens` tokens (EOS ignored), so that every variant decodes the same amount; every variant
+sees the same images.
 
-With `frames`, every request holds one video of that many frames of `image_size` instead (Qwen2.5-VL: every
-temporal slice reduced as an image of its grid), and the variant `evs` is vLLM's own video pruning (EVS,
-`video_pruning_rate`) at the rate that keeps the methods' token count (`evs_rate`), so that the two are side by
-side; the accountant has no EVS entry (its tower runs whole, its LLM on the kept tokens): its TFLOPs are left out.
+With `frames`, every request holds one video of that many frames of the one size in `image_sizes` instead
+(Qwen2.5-VL: every temporal slice reduced as an image of its grid), and the variant `evs` is vLLM's own video
+pruning (EVS, `video_pruning_rate`) at the rate that keeps the methods' token count (`evs_rate`), so that the two
+are side by side; the accountant has no EVS entry (its tower runs whole, its LLM on the kept tokens): its TFLOPs
+are left out.
 
 With `server`, each variant runs as users deploy it: vLLM's OpenAI server (`ficoco.serving.vllm.server`: `vllm
 serve`, or its server module where the CPU build's command fails) started with the method in `--hf-overrides`, and
@@ -59,14 +61,14 @@ class BenchConfig:
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     requests: int = 64
     new_tokens: int = 16
-    image_size: tuple[int, int] = (448, 448)  # (H, W)
+    image_sizes: tuple[tuple[int, int], ...] = ((448, 448),)  # (H, W) each; request k takes size k % len
     question: str = QUESTION
     dtype: str = "float32"
     max_model_len: int = 2048
     seed: int = 0
     engine_args: tuple[tuple[str, Any], ...] = field(default_factory=tuple)
     server: bool = False  # through vLLM's OpenAI server and the openai client, not AsyncLLM in this process
-    frames: int | None = None  # every request one video of that many frames of image_size (None: one image)
+    frames: int | None = None  # every request one video of that many frames of the one size (None: an image)
     log_folder: str | None = None  # where each server's output goes (a new temporary folder by default)
 
     def settings(self, variant: str, text_tokens: int) -> Settings | None:
@@ -82,17 +84,22 @@ class BenchConfig:
                                "hp": {name: value for name, value in self.hp if name in own}})
 
 
+def _size(config: BenchConfig, index: int) -> tuple[int, int]:
+    """Request `index`'s image (or frame) size, (H, W): the sizes in turn."""
+    return config.image_sizes[index % len(config.image_sizes)]
+
+
 def _images(config: BenchConfig) -> list[Any]:
-    """One deterministic image per request of the whole run (different content, the same size): every level's
+    """One deterministic image per request of the whole run (different content; the sizes in turn): every level's
     requests are new to the engine, so that no level is served from vLLM's prefix or encoder cache of an earlier
     one (the same image and prompt again would skip its prefill)."""
     import numpy as np
     from PIL import Image
 
-    height, width = config.image_size
     rng = np.random.default_rng(config.seed)
     images = []
-    for _ in range(config.requests * len(config.concurrency) + WARM_UP):  # the last ones warm the engine up
+    for index in range(config.requests * len(config.concurrency) + WARM_UP):  # the last ones warm the engine up
+        height, width = _size(config, index)
         coarse = rng.random((height // 16 + 1, width // 16 + 1, 3))
         big = np.kron(coarse, np.ones((16, 16, 1)))[:height, :width]
         noise = rng.random((height, width, 3))
@@ -105,8 +112,8 @@ def _videos(config: BenchConfig) -> list[Any]:
     different picture each, slightly moved frame to frame) and their metadata."""
     import numpy as np
 
-    assert config.frames is not None
-    height, width = config.image_size
+    assert config.frames is not None and len(config.image_sizes) == 1
+    height, width = config.image_sizes[0]
     rng = np.random.default_rng(config.seed)
     videos = []
     for _ in range(config.requests * len(config.concurrency) + WARM_UP):
@@ -374,6 +381,25 @@ def _variant_plan(config: BenchConfig, variant: str, settings: Settings | None, 
     return kept, None, _engine_flags(config, evs=rate)
 
 
+def _size_name(size: tuple[int, int]) -> str:
+    return f"{size[1]}x{size[0]}"  # WxH, as --image-size takes it
+
+
+def _level_plan(config: BenchConfig, plans: dict[tuple[int, int], tuple[int, float | None]], level: int
+                ) -> dict[str, Any]:
+    """A level's visual tokens and TFLOPs per request: the plan of its one size, or with several sizes the mean over
+    the level's own requests (each size's plan beside it)."""
+    if len(plans) == 1:
+        tokens, tflops = next(iter(plans.values()))
+        return {"visual_tokens_per_request": tokens, "tflops_per_request": tflops}
+    n = config.requests
+    chosen = [plans[_size(config, k)] for k in range(level * n, (level + 1) * n)]
+    return {"visual_tokens_per_request": statistics.mean(plan[0] for plan in chosen),
+            "tflops_per_request": None if chosen[0][1] is None else statistics.mean(plan[1] for plan in chosen),
+            "per_size": {_size_name(size): {"visual_tokens": plan[0], "tflops": plan[1]}
+                         for size, plan in plans.items()}}
+
+
 def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Run every variant at every level: the body of a `ficoco.serve/1` report (config, rows per variant and
     level, engine start times, vLLM's version); the caller adds the schema and the machine's environment
@@ -382,12 +408,18 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
         raise FicocoError(f"model={config.model}: give a local checkpoint folder (vLLM loads its weights)")
     if EVS in config.variants and not config.frames:
         raise FicocoError("variant=evs: vLLM's EVS prunes videos; give frames= (a video workload) or drop evs")
+    if config.frames and len(config.image_sizes) > 1:
+        raise FicocoError("image_sizes: a video workload takes one frame size; give one size with frames=")
     media = "video" if config.frames else "image"
     items = _videos(config) if config.frames else _images(config)
     text, text_tokens, hf_config = _prompt(config.model, config.question, media)
-    layout, processor = (_video_layout(config.model, items[0]) if config.frames else
-                         _layout(config.model, items[0], hf_config))
-    grid = tuple(layout["grid_thw"]) if "grid_thw" in layout else None
+    sizes = list(dict.fromkeys(config.image_sizes))
+    layouts = {}  # (H, W) -> (the processor's layout of that size, the processor)
+    for size in sizes:
+        first = items[sizes.index(size)]  # request k has size k % len: the first of each size
+        layouts[size] = (_video_layout(config.model, first) if config.frames else
+                         _layout(config.model, first, hf_config))
+    processor = layouts[sizes[0]][1]
     prompts = [{"prompt": text, "multi_modal_data": {media: item}} for item in items]
     if config.server:
         from ficoco.serving.vllm.server import chat_messages, data_url, video_data_url
@@ -405,11 +437,20 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
     evs: dict[str, Any] = {}
     for variant in config.variants:
         settings = config.settings(variant, text_tokens)
-        tokens, tflops, flags = _variant_plan(config, variant, settings, grid, config_json, patch, text_tokens, layout,
-                                              evs)
+        plans = {}  # (H, W) -> (visual tokens, TFLOPs) per request of that size
+        for size in sizes:
+            layout = layouts[size][0]
+            grid = tuple(layout["grid_thw"]) if "grid_thw" in layout else None
+            tokens, tflops, flags = _variant_plan(config, variant, settings, grid, config_json, patch, text_tokens,
+                                                  layout, evs)
+            plans[size] = (tokens, tflops)  # every size's engine flags are the same
         counted = "at most " if variant in PIXEL_COUNTED else ""  # planned at every group; each image its own
-        cost = "TFLOPs not counted" if tflops is None else f"{tflops:.4g} TFLOPs"
-        progress(f"{variant}: starting an engine ({counted}{tokens} visual tokens per request, {cost})")
+        counts = sorted({plan[0] for plan in plans.values()})
+        costs = sorted({plan[1] for plan in plans.values() if plan[1] is not None})
+        span = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+        cost = ("TFLOPs not counted" if not costs else f"{costs[0]:.4g} TFLOPs" if len(costs) == 1 else
+                f"{costs[0]:.4g}-{costs[-1]:.4g} TFLOPs")
+        progress(f"{variant}: starting an engine ({counted}{span} visual tokens per request, {cost})")
         if config.server:
             log = logs / f"server-{variant}.log"
             progress(f"{variant}: {shlex.join(server_command_line(config, settings, flags))} (output in {log})")
@@ -418,17 +459,19 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
         else:
             measured_levels, starts[variant] = asyncio.run(_serve(config, settings, prompts, flags))
         gc.collect()  # the engine's last references, while vLLM's modules are still there to shut it down
-        for measured in measured_levels:
+        for index, measured in enumerate(measured_levels):
             rows.append({"variant": variant, "settings": None if settings is None else settings.to_json(),
-                         "visual_tokens_per_request": tokens, "tflops_per_request": tflops, **measured})
+                         **_level_plan(config, plans, index), **measured})
             progress(f"{variant} x{measured['concurrency']}: {measured['requests_per_s']:.2f} requests/s, "
                      f"TTFT p50 {measured['ttft_p50_s'] * 1000:.0f} ms")
+    layout_report = (layouts[sizes[0]][0] if len(sizes) == 1 else
+                     {"layouts": {_size_name(size): layouts[size][0] for size in sizes}})
     import vllm
 
     served = {"launcher": launcher} if launcher else {}
     if evs:
         served["evs"] = evs
-    return {"config": {**asdict(config), "text_tokens": text_tokens, **layout,
+    return {"config": {**asdict(config), "text_tokens": text_tokens, **layout_report,
                        ("video_processor" if config.frames else "image_processor"): processor}, **served,
             "vllm": vllm.__version__, "engine_start_s": starts, "rows": rows,
             "note": "random weights: the figures measure the engine and the reduction, never accuracy"}
