@@ -416,7 +416,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda line
     sizes = list(dict.fromkeys(config.image_sizes))
     layouts = {}  # (H, W) -> (the processor's layout of that size, the processor)
     for size in sizes:
-        first = items[sizes.index(size)]  # request k has size k % len: the first of each size
+        first = items[config.image_sizes.index(size)]  # request k has size k % len: the first of each size
         layouts[size] = (_video_layout(config.model, first) if config.frames else
                          _layout(config.model, first, hf_config))
     processor = layouts[sizes[0]][1]
