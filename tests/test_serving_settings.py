@@ -476,3 +476,38 @@ def test_the_serving_figure_draws_a_report_with_evs_and_mixed_sizes(tmp_path: Pa
     report["rows"][0]["visual_tokens_per_request"] = 72.5
     written = save_figure(serve_figure(report), str(tmp_path), "serve_throughput")
     assert written and all(Path(path).stat().st_size > 0 for path in written)
+
+
+def test_serve_bench_plans_a_llava_onevision_image_by_its_size(tmp_path: Path) -> None:
+    """serve-bench's plan for a LLaVA-OneVision request follows the image's own size, as the plugin's processor
+    does (not the family's default size): the tiny model's 56 px items, 112x112 is the base view and 2x2 crops
+    (16 + 64 patches and 8 newlines, 88 tokens; keep 8 per item: 5 x 8 + 8 = 48), 112x56 the base view and 1x2
+    crops (16 + 32 + 4 = 52; 3 x 8 + 4 = 28); an image whose unpadding cuts its crops is refused in one line."""
+    import numpy as np
+    from helpers import make_checkpoint
+    from PIL import Image
+    from transformers import AutoConfig
+
+    from ficoco.serving.vllm.bench import BenchConfig, _layout, _variant_plan
+
+    folder = make_checkpoint("llava_onevision", tmp_path / "ov",
+                             overrides={"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 2})
+    hf_config = AutoConfig.from_pretrained(folder)
+    config_json = json.dumps(hf_config.to_dict(), sort_keys=True, default=str)
+    bench = BenchConfig(model=str(folder), variants=("vanilla", "divprune"), keep=8)
+    counts = {}
+    for width, height in ((112, 112), (112, 56), (112, 84)):
+        image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8))
+        layout, processor = _layout(str(folder), image, hf_config)
+        assert layout == {"image_size": [height, width]} and processor["class"].startswith("LlavaOnevision")
+        for variant in bench.variants:
+            try:
+                counts[width, height, variant] = _variant_plan(bench, variant, bench.settings(variant, 40), None,
+                                                               config_json, 14, 40, layout, {})[0]
+            except FicocoError as exc:
+                counts[width, height, variant] = str(exc)
+    assert counts[112, 112, "vanilla"] == 88 and counts[112, 112, "divprune"] == 48
+    assert counts[112, 56, "vanilla"] == 52 and counts[112, 56, "divprune"] == 28
+    assert counts[112, 84, "vanilla"] == 16 + 48 + 6
+    assert "112x84 image cannot be reduced with divprune" in counts[112, 84, "divprune"]
+    assert "unpadding drops 16 tokens" in counts[112, 84, "divprune"] and "\n" not in counts[112, 84, "divprune"]

@@ -38,27 +38,34 @@ OVERRIDES = {
     "qwen3_vl": {"text_config.head_dim": 32, "text_config.rope_scaling.mrope_section": [8, 4, 4]},
     "llava": {"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 2, "text_config.head_dim": 32},
     "internvl": {"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 2},
+    "llava_onevision": {"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 2},
 }
 # (width, height) of the test images: Qwen2.5-VL 10x8 patches (20 groups, windows partial at the edges), and a
 # 12x8 one for the batch of two sizes; Qwen3-VL 16x20 (80 groups; the processor's smallest image) and 16x24.
 SIZES = {"qwen2_5_vl": ((112, 140), (168, 112)), "qwen3_vl": ((320, 256), (384, 256)),
-         "llava": ((112, 112), (160, 120)), "internvl": ((128, 64), (64, 64))}
+         "llava": ((112, 112), (160, 120)), "internvl": ((128, 64), (64, 64)),
+         "llava_onevision": ((112, 112), (112, 56))}
 # InternVL3's tiny tiles are 64 px (16 tokens each): 128x64 is two tiles and a thumbnail, 64x64 one tile.
-KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24, "llava": 8, "internvl": 6}
-# Two cases run a TFLOPs budget counted over the whole model (scope all), which the accountant resolves per grid (per
-# tile count on InternVL3): the image sizes then keep different counts in one batch (Qwen2.5-VL: 17 of 20 groups and
-# 2 of 24; InternVL3: 7 of every tile's 16 of a three-tile image), and an image the budget fits whole (Qwen2.5-VL's
-# 112x112, InternVL3's one tile) keeps every group.
+# LLaVA-OneVision's tiny items are 56 px (4x4 patches): 112x112 is the base view and 2x2 crops (88 tokens with a
+# newline per crop-grid row), 112x56 the base view and 1x2 crops (52); neither unpadded nor downscaled.
+KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24, "llava": 8, "internvl": 6, "llava_onevision": 8}
+# Three cases run a TFLOPs budget counted over the whole model (scope all), which the accountant resolves per grid
+# (per tile count on InternVL3): the image sizes then keep different counts in one batch (Qwen2.5-VL: 17 of 20 groups
+# and 2 of 24; InternVL3: 7 of every tile's 16 of a three-tile image), and an image the budget fits whole (Qwen2.5-VL's
+# 112x112, InternVL3's one tile) keeps every group. FiCoCo-V on InternVL3 (7 of 16 groups a tile, removed at tower
+# layers 1 and 2, beside a whole tile) then runs the tower once per schedule in one batch.
 BUDGETS = {("qwen2_5_vl", "divprune"): {"tflops": 8.0e-05, "scope": "all"},
-           ("internvl", "divprune"): {"tflops": 1.0e-04, "scope": "all"}}
+           ("internvl", "divprune"): {"tflops": 1.0e-04, "scope": "all"},
+           ("internvl", "v"): {"tflops": 9.0e-05, "scope": "all"}}
 WHOLE = {("qwen2_5_vl", "divprune"): (112, 112), ("internvl", "divprune"): (64, 64)}
 # LLaVA-1.5 (its one fixed layout; DivPrune only) and InternVL3 (every tile keeps the same count; VisionZip and
-# VisPruner by InternViT's [CLS] attention too): one-dimensional positions.
+# VisPruner by InternViT's [CLS] attention, FiCoCo-V inside its layers): one-dimensional positions.
 METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"),
            "qwen3_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"), "llava": ("divprune",),
-           "internvl": ("divprune", "visionzip", "vispruner")}
-# Keep counts per tower tile (InternVL3): the record holds every tile's kept groups.
+           "internvl": ("divprune", "visionzip", "vispruner", "v"), "llava_onevision": ("divprune",)}
+# Keep counts per tower tile (InternVL3) or AnyRes item (LLaVA-OneVision): the record holds every one's kept groups.
 TILED = {"internvl"}
+ANYRES = {"llava_onevision"}
 # PixelPrune has no budget: every image keeps the groups its pixels' LOCO-I prediction does not reproduce.
 PIXEL_COUNTED = {"pixelprune"}
 # The lean set's third engine is the OpenAI server of tests/test_vllm_server.py (VisionZip on Qwen2.5-VL: the
@@ -68,7 +75,7 @@ TOP = 5  # the first token's top log-probabilities compared (they move with ever
 NEW_TOKENS = 4
 # FiCoCo-V's first reducing tower block on the 4-block tiny towers (the families' defaults are deeper): on Qwen3-VL
 # after DeepStack's first tap (block 1), which then rides through the reductions, and at its second (block 2).
-FIRST_LAYER = {"qwen2_5_vl": 1, "qwen3_vl": 2}
+FIRST_LAYER = {"qwen2_5_vl": 1, "qwen3_vl": 2, "internvl": 1}
 QUESTION = "What is shown here?"
 
 CASES = [(family, name) for family in OVERRIDES for name in METHODS[family]]
@@ -112,6 +119,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                for family, overrides in OVERRIDES.items()}
     _as_llava_hf(folders["llava"])
     _as_internvl_hf(folders["internvl"])
+    _as_llava_hf(folders["llava_onevision"])  # its SigLIP tower's names too
+    _as_onevision_hf(folders["llava_onevision"])
     return folders
 
 
@@ -140,6 +149,22 @@ def _as_internvl_hf(folder: Path) -> None:
     processor = InternVLProcessor(image_processor=AutoImageProcessor.from_pretrained(folder), tokenizer=tokenizer,
                                   video_processor=InternVLVideoProcessor(), image_seq_length=16,
                                   chat_template=(folder / "chat_template.jinja").read_text())
+    processor.save_pretrained(folder)
+
+
+def _as_onevision_hf(folder: Path) -> None:
+    """The tiny LLaVA-OneVision's whole processor, as llava-hf's OneVision checkpoints store it: vLLM loads
+    LlavaOnevisionProcessor (tokenizer, image processor, video processor), which needs torchvision."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, LlavaOnevisionProcessor
+    from transformers.models.llava_onevision.video_processing_llava_onevision import LlavaOnevisionVideoProcessor
+
+    config = AutoConfig.from_pretrained(folder)
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    processor = LlavaOnevisionProcessor(
+        image_processor=AutoImageProcessor.from_pretrained(folder), tokenizer=AutoTokenizer.from_pretrained(folder),
+        video_processor=LlavaOnevisionVideoProcessor(), num_image_tokens=side * side,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+        vision_aspect_ratio=config.vision_aspect_ratio, chat_template=(folder / "chat_template.jinja").read_text())
     processor.save_pretrained(folder)
 
 
@@ -183,6 +208,8 @@ def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, 
                     width = int(inputs["image_grid_thw"][0][2])
                     patches = (patches // width // 2) * (width // 2) + (patches % width) // 2
                     kept = sorted(set(patches.tolist()))
+                elif family in ANYRES:  # LLaVA-OneVision: every item's kept patches (base view, then crops)
+                    kept = [sorted({g for g in item.tolist() if g >= 0}) for item in handle.records[-1].kept]
                 elif family in TILED:  # InternVL3: every tile's pixel-shuffle groups of the kept patches
                     vision = model.config.vision_config
                     side = vision.image_size[0] // vision.patch_size[0]
@@ -222,8 +249,8 @@ class Engine:
         self.prompt_ids: list[list[int]] = []
         chosen = {"method": variant, **(budget(family, variant) if chosen is None else chosen)}
         settings = {} if variant == "vanilla" else {"hf_overrides": {"ficoco_vllm": chosen}}
-        # Qwen engines take a video too: Qwen2.5-VL's reduced slice by slice, Qwen3-VL's refused per request.
-        videos = 1 if family in VIDEO_FRAMES else 0
+        # Qwen engines take a video too (reduced slice by slice), and LLaVA-OneVision's, which refuses it per request.
+        videos = 1 if family in VIDEO_FRAMES or family in ANYRES else 0
         self.llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
                        limit_mm_per_prompt={"image": 1, "video": videos}, seed=0, **settings, **engine)
 
@@ -284,6 +311,8 @@ def test_the_plugin_keeps_the_groups_and_tokens_of_ficoco_apply(served: Any) -> 
     if variant in PIXEL_COUNTED:  # the image's own count: the flat rectangles' groups gone, the rest kept
         t, h, w = record["grid_thw"]
         assert 0 < len(record["kept"]) < h * w // 4
+    elif family in ANYRES:  # the base view and four crops, every one KEEP patches
+        assert [len(item) for item in record["kept"]] == [KEEP[family]] * 5
     elif family in TILED:  # every tile (two and the thumbnail) keeps the same count (VisionZip's merged ones apart)
         assert len(record["kept"]) == 3 and len({len(tile) for tile in record["kept"]}) == 1
         if (family, variant) not in BUDGETS:
@@ -311,6 +340,31 @@ def test_a_batch_of_two_image_sizes_gives_each_request_its_own_tokens(served: An
         (tokens,) = engine.generate([(refs[3]["text"], images[3])])
         (record,) = engine.kept()
         assert tokens == refs[3]["tokens"] and record["kept"] == refs[3]["kept"]
+
+
+# LLaVA-OneVision's images the plugin cannot plan before the encoder runs, as ficoco.apply refuses them: 112x84
+# takes the 2x2 crops, whose unpadding drops 16 of the grid's 64 patches (how many go would depend on which stay);
+# 168x168 takes 3x3 crops, 144 patches past anyres_max_4's 64, which vLLM downscales bilinearly (needs the whole grid).
+ANYRES_REFUSED = (((112, 84), "112x84 image cannot be reduced .* unpadding drops 16 tokens"),
+                  ((168, 168), "168x168 image cannot be reduced .* downscaled bilinearly to 8x8"))
+
+
+def test_an_image_or_video_the_plugin_cannot_plan_fails_alone_in_one_line(served: Any) -> None:
+    """LLaVA-OneVision: an image whose crop grid unpadding cuts or the anyres_max budget downscales, and a video
+    (the plugin reduces this family's images only), each fail alone in one line naming why; the engine then serves
+    the next image with its tokens unchanged."""
+    family, variant, images, refs, engine = served
+    if family not in ANYRES:
+        pytest.skip("an AnyRes family's refusals")
+    cases = [((refs[0]["text"], picture(size, 7)), "image", why) for size, why in ANYRES_REFUSED]
+    video_prompt = refs[0]["text"].replace("<image>", "<video>")
+    cases.append(((video_prompt, clip(4, (56, 56))[0]), "video", "serves no video .*images only"))
+    for prompt, modality, why in cases:
+        with pytest.raises(Exception, match=why) as caught:
+            engine.generate_with_top([prompt], modality)
+        assert "\n" not in str(caught.value).strip()
+        assert engine.generate([(refs[0]["text"], images[0])]) == [refs[0]["tokens"]]
+        engine.kept()
 
 
 # A video of 8 frames of 140x112 (Qwen2.5-VL: 4 temporal slices of 8x10 patches, 20 merge groups each), sent as
@@ -443,6 +497,26 @@ def test_a_video_keeps_every_temporal_slice_as_ficoco_apply_keeps_it_as_an_image
 
 
 @pytest.mark.skipif(os.environ.get("FICOCO_VLLM_TESTS") == "lean", reason="one more engine (the full set)")
+def test_ficoco_v_on_internvl_runs_each_schedule_of_one_encoder_batch_apart(
+        checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FiCoCo-V on InternVL3 under a TFLOPs budget resolved per tile count, both requests' images reaching the tower
+    in one call (the engine core in this process, so that both requests wait when it first steps; the prefill
+    unchunked): the three-tile image's schedule removes groups at layers 1 and 2, the one-tile image's nothing; the
+    tower runs each schedule on its own tiles, and every request gets ficoco.apply's tokens and kept groups."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    family, variant = "internvl", "v"
+    folder = checkpoints[family]
+    images = [picture(SIZES[family][0], 11), picture(SIZES[family][1], 12)]
+    refs = [reference(folder, family, variant, image) for image in images]
+    assert [len(tiles) for tiles in refs[0]["kept"]] == [7] * 3 and refs[1]["kept"] == [list(range(16))]
+    engine = Engine(folder, family, variant, tmp_path / "kept.jsonl")
+    engine.kept()
+    outputs = engine.generate([(ref["text"], image) for ref, image in zip(refs, images, strict=True)])
+    assert outputs == [ref["tokens"] for ref in refs]
+    assert sorted(json.dumps(r["kept"]) for r in engine.kept()) == sorted(json.dumps(ref["kept"]) for ref in refs)
+
+
+@pytest.mark.skipif(os.environ.get("FICOCO_VLLM_TESTS") == "lean", reason="one more engine (the full set)")
 def test_divprune_keeps_every_video_slices_own_diverse_tokens(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """DivPrune under keep (its other engine runs a TFLOPs budget): a video's slices each keep their own Max-Min
     diverse groups, as the transformers adapter keeps them on the slices as images, at two keeps."""
@@ -497,7 +571,8 @@ def test_a_method_the_plugin_cannot_serve_is_refused_in_one_line_before_an_engin
     ("llava", {"method": "visionzip", "keep": 8}, "reads the tower's"),
     ("llava", {"method": "pixelprune"}, "fixed-grid encoder"),
     ("internvl", {"method": "pixelprune"}, "fixed-grid encoder"),
-    ("internvl", {"method": "v", "keep": 8}, "acts inside the tower's layers")])
+    ("llava_onevision", {"method": "visionzip", "keep": 8}, "reads the tower's"),
+    ("llava_onevision", {"method": "v", "keep": 8}, "acts inside the tower's layers")])
 def test_a_method_a_family_is_not_served_by_is_refused_in_one_line_before_an_engine_starts(
         checkpoints: dict[str, Path], family: str, settings: dict[str, Any], why: str) -> None:
     from vllm.engine.arg_utils import EngineArgs
@@ -506,7 +581,8 @@ def test_a_method_a_family_is_not_served_by_is_refused_in_one_line_before_an_eng
     from ficoco.serving.vllm import register
 
     register()
-    architecture = {"llava": "LlavaForConditionalGeneration", "internvl": "InternVLForConditionalGeneration"}[family]
+    architecture = {"llava": "LlavaForConditionalGeneration", "internvl": "InternVLForConditionalGeneration",
+                    "llava_onevision": "LlavaOnevisionForConditionalGeneration"}[family]
     args = EngineArgs(model=str(checkpoints[family]), dtype="float32", enforce_eager=True, max_model_len=1024,
                       hf_overrides={"ficoco_vllm": settings})
     with pytest.raises(FicocoError, match=f"{settings['method']} is not served on {architecture}") as caught:
@@ -516,22 +592,23 @@ def test_a_method_a_family_is_not_served_by_is_refused_in_one_line_before_an_eng
 
 def test_a_family_the_plugin_does_not_reduce_is_refused_with_its_reason_before_an_engine_starts(
         tmp_path: Path) -> None:
-    """LLaVA-OneVision, which vLLM serves: a ficoco_vllm setting on it is refused where the engine's config is made,
-    with the reason, not ignored (an engine that silently served it unreduced would report vanilla's figures)."""
+    """LLaVA-NeXT, which vLLM serves and the plugin does not reduce: a ficoco_vllm setting on it is refused where the
+    engine's config is made, naming the families it reduces, not ignored (an engine that silently served it
+    unreduced would report vanilla's figures)."""
     from vllm.engine.arg_utils import EngineArgs
 
     from ficoco.errors import FicocoError
     from ficoco.serving.vllm import register
 
     register()
-    folder = make_checkpoint("llava_onevision", tmp_path / "onevision",
-                             overrides={"text_config.num_attention_heads": 2, "text_config.num_key_value_heads": 2})
+    folder = make_checkpoint("llava_next", tmp_path / "next", overrides=OVERRIDES["llava"])
+    _as_llava_hf(folder)
     args = EngineArgs(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=1024,
                       hf_overrides={"ficoco_vllm": {"method": "divprune", "keep": 8}})
-    with pytest.raises(FicocoError, match="LlavaOnevisionForConditionalGeneration is not reduced by the plugin "
-                                          r"\(LLaVA-OneVision packs") as caught:
+    with pytest.raises(FicocoError, match="LlavaNextForConditionalGeneration is not reduced by the plugin") as caught:
         args.create_engine_config()
-    assert "drop the ficoco_vllm settings" in str(caught.value) and "\n" not in str(caught.value)
+    assert "LLaVA-OneVision and InternVL3: drop the ficoco_vllm settings" in str(caught.value)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_budget_the_largest_image_cannot_meet_still_lets_the_engine_start(checkpoints: dict[str, Path]) -> None:

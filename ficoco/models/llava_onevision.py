@@ -26,18 +26,18 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from ficoco.accounting.families.llava_onevision import anyres_max_patches, onevision_downscaled
+from ficoco.accounting.families.llava_onevision import anyres_max_patches
 from ficoco.errors import FicocoError
+from ficoco.methods.anyres import ImageLayout, OnevisionLayout, anyres_layout
 from ficoco.methods.inputs import ImageGrids, TokenGrid
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs
-from ficoco.models.llava_next import ImageLayout, LlavaNextAdapter, _unpadded_window
+from ficoco.models.llava_next import LlavaNextAdapter
 from ficoco.models.patching import Patches, span_lengths
 from ficoco.models.prompt import PromptFormat, anyres_image_size
 
@@ -51,79 +51,6 @@ __all__ = ["PREFIX_TOKENS", "LlavaOnevisionAdapter", "OnevisionLayout", "image_l
 PREFIX_TOKENS = 3
 
 
-@dataclass(frozen=True)
-class OnevisionLayout(ImageLayout):
-    """Where one image's visual tokens sit in the LLM's span, as LLaVA-OneVision packs them: LLaVA-NeXT's
-    layout, except that an unpadded crop grid over the anyres_max_N budget is resized to `packed_hw`."""
-
-    packed_hw: tuple[int, int] | None = None  # the crop grid after the bilinear downscale; None: not resized
-    budget: int = 9  # N of anyres_max_N
-
-    @property
-    def downscaled(self) -> bool:
-        return self.packed_hw is not None
-
-    @property
-    def newline_rows(self) -> int:
-        return self.packed_hw[0] if self.packed_hw is not None else super().newline_rows
-
-    @property
-    def crop_grid_hw(self) -> tuple[int, int]:
-        return self.packed_hw if self.packed_hw is not None else super().crop_grid_hw
-
-    @property
-    def tokens(self) -> int:
-        if self.packed_hw is None:
-            return super().tokens
-        rows, cols = self.packed_hw
-        return self.side * self.side + rows * cols + rows
-
-    def resampled_note(self) -> str:
-        rows_u, cols_u = self.unpadded.shape
-        assert self.packed_hw is not None
-        return (f"the packed crop grid ({rows_u}x{cols_u}) exceeds anyres_max_{self.budget} and is downscaled "
-                f"bilinearly to {self.packed_hw[0]}x{self.packed_hw[1]}, which needs the whole grid")
-
-    def reduced_tokens(self, placed_per_item: int, unplaced_per_item: int = 0, method: str = "FiCoCo-V") -> int:
-        if self.packed_hw is not None:
-            raise FicocoError(f"{method} on LLaVA-OneVision: {self.resampled_note()}; use a smaller image or a "
-                              "method inside the LLM (FiCoCo-L)")
-        return super().reduced_tokens(placed_per_item, unplaced_per_item, method)
-
-    def newline_flags(self) -> Tensor:
-        if self.packed_hw is None:
-            return super().newline_flags()
-        flags = torch.zeros(self.tokens, dtype=torch.bool)
-        cols = self.packed_hw[1]
-        flags[self.side * self.side + cols::cols + 1] = True
-        return flags
-
-    def pack_resized(self, features: Tensor, newline: Tensor | None) -> Tensor:
-        """Every item's whole grid packed as transformers packs a downscaled image (crops to one grid,
-        unpadded, resized bilinearly, a newline after every row), in plain integers so that torch.jit
-        can trace it (transformers' unpadding rounds traced sizes)."""
-        assert self.packed_hw is not None
-        crops_h, crops_w = self.crops_hw
-        side, dim = self.side, features.shape[-1]
-        grid = features[1:].view(crops_h, crops_w, side, side, dim).permute(4, 0, 2, 1, 3)
-        grid = grid.reshape(dim, crops_h * side * crops_w * side)[:, self.unpadded.flatten().to(features.device)]
-        grid = grid.view(1, dim, *self.unpadded.shape)
-        grid = torch.nn.functional.interpolate(grid, list(self.packed_hw), mode="bilinear")[0]
-        if newline is not None:
-            column = newline.to(features.device, features.dtype)[:, None, None].expand(dim, self.packed_hw[0], 1)
-            grid = torch.cat([grid, column], dim=-1)
-        return torch.cat([features[0], grid.flatten(1, 2).transpose(0, 1)], dim=0)
-
-    def pack(self, features: Tensor, kept: Tensor, newline: Tensor | None) -> Tensor:
-        if self.packed_hw is not None:
-            raise FicocoError(f"a method that cuts before the LLM on LLaVA-OneVision: {self.resampled_note()}")
-        return super().pack(features, kept, newline)
-
-
-def _base_view(side: int) -> OnevisionLayout:
-    return OnevisionLayout(side, (0, 0), torch.zeros(0, 0, dtype=torch.long))
-
-
 def image_layout(config: Any, size_hw: Any, patched: bool = True) -> OnevisionLayout:
     """The layout of one image of `size_hw` (H, W): transformers' AnyRes grid choice, its unpadding
     and its anyres_max_N downscale; `patched` False: the base view alone (an image of a sample with
@@ -134,17 +61,10 @@ def image_layout(config: Any, size_hw: Any, patched: bool = True) -> OnevisionLa
     vision = config.vision_config
     side = vision.image_size // vision.patch_size
     grid = hf.onevision_anyres_grid(size, config.image_grid_pinpoints, vision.image_size) if patched else None
-    if grid is None:
-        return _base_view(side)
-    crops_h, crops_w = grid
-    rows, cols = crops_h * side, crops_w * side
-    keep_rows, keep_cols = _unpadded_window(rows, cols, size)
-    unpadded = torch.arange(rows * cols).view(rows, cols)[keep_rows, keep_cols]
     budget = anyres_max_patches(getattr(config, "vision_aspect_ratio", "anyres_max_9"))
-    rows_u, cols_u = unpadded.shape
-    packed = onevision_downscaled(rows_u, cols_u, side, budget)
-    return OnevisionLayout(side, (crops_h, crops_w), unpadded, packed if packed != (rows_u, cols_u) else None,
-                           budget)
+    layout = anyres_layout(side, grid, size, budget)
+    assert isinstance(layout, OnevisionLayout)
+    return layout
 
 
 def video_tokens(config: Any, frames: int) -> int:

@@ -181,7 +181,8 @@ def _layout(model: str, image: Any, config: Any) -> tuple[dict[str, Any], dict[s
     """How the checkpoint's processor lays `image` out (what vLLM's processor makes of it: the same classes, loaded
     the same way, in the same environment): a Qwen family's patch grid (`grid_thw`), InternVL's tower tiles
     (`tiles`, the thumbnail included: vLLM hands the whole processor the image token alone and counts the
-    placeholders it writes), or nothing (LLaVA-1.5's one fixed square); and that image processor's class and
+    placeholders it writes), LLaVA-OneVision's image size (`image_size`, (H, W): its AnyRes grid, unpadding and
+    downscale follow from it), or nothing (LLaVA-1.5's one fixed square); and that image processor's class and
     backend."""
     from transformers import AutoImageProcessor, AutoProcessor
 
@@ -194,6 +195,8 @@ def _layout(model: str, image: Any, config: Any) -> tuple[dict[str, Any], dict[s
         processor = AutoImageProcessor.from_pretrained(model, local_files_only=True)
         made = processor(images=[image], return_tensors="pt")
         layout = {"grid_thw": [int(x) for x in made["image_grid_thw"][0]]} if "image_grid_thw" in made else {}
+        if config.model_type == "llava_onevision":
+            layout = {"image_size": [int(x) for x in made["image_sizes"][0]]}
     return layout, {"class": type(processor).__name__, "backend": image_backend(processor)}
 
 
@@ -363,7 +366,8 @@ def _variant_plan(config: BenchConfig, variant: str, settings: Settings | None, 
     """A variant's visual tokens and TFLOPs per request (the accountant's plan; EVS's count is vLLM's, its TFLOPs
     not counted) and its engine's flags; EVS's rate and count go into `evs` for the report."""
     if not config.frames:
-        plan = plan_image(config_json, settings, grid, patch, text_tokens=text_tokens, tiles=layout.get("tiles"))
+        plan = plan_image(config_json, settings, grid, patch, text_tokens=text_tokens, tiles=layout.get("tiles"),
+                          image_size=layout.get("image_size"))
         return plan.tokens, plan.tflops, _engine_flags(config)
     assert grid is not None
     t, h, w = grid

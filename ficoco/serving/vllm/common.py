@@ -89,11 +89,20 @@ class Planner:
         assert self.settings is not None
         return plan_image(self.config_json, self.settings, None, self.patch, tiles=int(tiles))
 
-    def plan_if_fits(self, grid_thw: Sequence[int] | None = None, tiles: int | None = None) -> ImagePlan | None:
-        """The plan of an image of `grid_thw` (or of `tiles` tiles); None where no plan fits it, which only vLLM's
-        start-up inputs bring to a model (the processor refuses a request's such image, and gave the start-up image
-        its unreduced placeholders: `ReducingProcessor.get_dummy_mm_inputs`)."""
+    def plan_sized(self, size_hw: Sequence[int]) -> ImagePlan:
+        """The plan for a LLaVA-OneVision image of `size_hw` (H, W), laid out by its AnyRes grid."""
+        assert self.settings is not None
+        return plan_image(self.config_json, self.settings, None, self.patch,
+                          image_size=(int(size_hw[0]), int(size_hw[1])))
+
+    def plan_if_fits(self, grid_thw: Sequence[int] | None = None, tiles: int | None = None,
+                     image_size: Sequence[int] | None = None) -> ImagePlan | None:
+        """The plan of an image of `grid_thw` (or of `tiles` tiles, or of `image_size`); None where no plan fits it,
+        which only vLLM's start-up inputs bring to a model (the processor refuses a request's such image, and gave
+        the start-up image its unreduced placeholders: `ReducingProcessor.get_dummy_mm_inputs`)."""
         try:
+            if image_size is not None:
+                return self.plan_sized(image_size)
             return self.plan_tiles(tiles) if tiles is not None else self.plan(grid_thw)
         except FicocoError:
             return None

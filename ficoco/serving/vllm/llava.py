@@ -1,4 +1,5 @@
-"""LLaVA-1.5 in vLLM with a method after the projector (knows vLLM's LLaVA classes; calls ficoco's ops).
+"""LLaVA-1.5 and LLaVA-OneVision in vLLM with a method after the projector (knows vLLM's LLaVA classes; calls
+ficoco's ops).
 
 Every LLaVA-1.5 image has the same layout (one square, 576 patches at 336 px), so the accountant plans one count
 for all of them, which the processor writes as the image's placeholders; `_process_image_input` runs vLLM's tower
@@ -6,8 +7,18 @@ and projector, then the method's step on every image's projected patches, and ha
 positions are one-dimensional: the shortened prompt's consecutive positions are the ones ficoco's transformers
 adapter gives it (the image span shortened to the kept tokens), so vLLM's own positions hold.
 
+LLaVA-OneVision's AnyRes image is a base view and a grid of crops, every one a tower item; vLLM packs the crops'
+patches on one grid, unpads it to the image's aspect ratio, downscales it past anyres_max_N and ends every row with
+a newline token. The accountant plans an image by its size (`Planner.plan_sized`): every item keeps the same count,
+one newline per row of the crop grid, which the processor writes as its placeholders; `_process_image_input` runs
+the method's step on every item and packs what each kept as ficoco's transformers adapter does
+(`ficoco.methods.anyres`: the base view's tokens in the method's order, every crop's token at its grid place). An
+image whose unpadding drops crop tokens, or whose grid is downscaled, cannot be planned before the encoder runs (the
+count would depend on which tokens stay, or the downscale needs the whole grid): the request is refused in one line.
+
 Served here: DivPrune (it reads the projector's output alone). The methods that read the tower's [CLS] attention
-(VisionZip, VisPruner) or act inside its layers (FiCoCo-V) are not wired into vLLM's CLIP tower by the plugin.
+(VisionZip, VisPruner) or act inside its layers (FiCoCo-V) are not wired into vLLM's CLIP or SigLIP tower by the
+plugin.
 """
 
 from __future__ import annotations
@@ -23,13 +34,23 @@ from vllm.model_executor.models.llava import (
     LlavaProcessingInfo,
     _build_llava_or_pixtral_hf_info,
 )
+from vllm.model_executor.models.llava_onevision import (
+    LlavaOnevisionDummyInputsBuilder,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionMultiModalProcessor,
+    LlavaOnevisionProcessingInfo,
+    get_anyres_image_grid_shape,
+)
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
+from ficoco.accounting.families.llava_onevision import anyres_max_patches
 from ficoco.errors import FicocoError
+from ficoco.methods.anyres import anyres_layout
 from ficoco.methods.inputs import TowerInput
-from ficoco.serving.vllm.common import Planner, ReducingProcessor, record_kept, served_method
+from ficoco.serving.vllm.common import Planner, ReducingInfo, ReducingProcessor, record_kept, served_method
 
 SERVED = ("divprune",)  # the methods the plugin runs on LLaVA-1.5 (after the projector, reading its output alone)
+ONEVISION_SERVED = ("divprune",)  # and on LLaVA-OneVision, every AnyRes item alike
 
 
 class LlavaReducingProcessor(ReducingProcessor, LlavaMultiModalProcessor):
@@ -76,3 +97,80 @@ class ReducingLlava(LlavaForConditionalGeneration):
             raise RuntimeError(f"ficoco.vllm: {self.ficoco_spec.title} kept {hidden.shape[1]} tokens of an image, "
                                f"the plan {plan.tokens}")
         return tuple(hidden)
+
+
+class OnevisionReducingInfo(ReducingInfo, LlavaOnevisionProcessingInfo):
+    """LLaVA-OneVision's processing info; a reducing engine refuses videos per request."""
+
+
+class OnevisionReducingProcessor(ReducingProcessor, LlavaOnevisionMultiModalProcessor):
+    """LLaVA-OneVision's processor with each image's placeholders cut to the plan for its size."""
+
+    def _ficoco_placeholders(self, planner: Planner, item: Any, modality: str = "image") -> int:
+        return planner.plan_sized(item["image_sizes"].data.tolist()).tokens
+
+
+@MULTIMODAL_REGISTRY.register_processor(OnevisionReducingProcessor, info=OnevisionReducingInfo,
+                                        dummy_inputs=LlavaOnevisionDummyInputsBuilder)
+class ReducingLlavaOnevision(LlavaOnevisionForConditionalGeneration):
+    """vLLM's LLaVA-OneVision with ficoco's method after the projector, on every AnyRes item of an image."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.ficoco = Planner(self.config)
+        self.ficoco_reduces_images = False  # one-dimensional positions: vLLM's own hold for the shortened prompt
+        spec = served_method(self.ficoco, ONEVISION_SERVED, "LLaVA-OneVision", self.config.model_type)
+        if spec is not None:
+            self.ficoco_spec = spec
+            self.ficoco_module = spec.load()
+        vision = self.config.vision_config
+        self.ficoco_side = int(vision.image_size) // int(vision.patch_size)
+        self.ficoco_budget = anyres_max_patches(getattr(self.config, "vision_aspect_ratio", "anyres_max_9"))
+
+    def _ficoco_pack(self, size: list[int], items: Tensor, plan: Any, removal: Any) -> tuple[Tensor, list[Tensor]]:
+        """One image's packed tokens after the method's step on every item (base view and crops), and every item's
+        kept patches (ascending): the crop grid is vLLM's own choice for the image's size."""
+        side = self.ficoco_side
+        crops = None
+        if items.shape[0] > 1:
+            crops_h, crops_w = get_anyres_image_grid_shape(tuple(size), self.config.image_grid_pinpoints,
+                                                           self.config.vision_config.image_size)
+            crops = (int(crops_h), int(crops_w))
+            items = items[:1 + crops[0] * crops[1]]  # vLLM may pad an image's items for batching
+        layout = anyres_layout(side, crops, size, self.ficoco_budget)
+        step = self.ficoco_module.tower_step(
+            TowerInput(hidden=items, has_cls=False, remove=removal.remove, added=removal.added, grid_hw=(side, side),
+                       placement=removal.where), plan.settings_dict())
+        hidden = step.hidden
+        kept = step.kept[:, :hidden.shape[1]]
+        packed = layout.pack(hidden, kept, self.image_newline)
+        if packed.shape[0] != plan.tokens:
+            raise RuntimeError(f"ficoco.vllm: {self.ficoco_spec.title} packed {packed.shape[0]} tokens of a "
+                               f"{size[1]}x{size[0]} image, its placeholders {plan.tokens}")
+        return packed, [torch.unique(item[item >= 0]) for item in kept]
+
+    def _process_image_input(self, image_input: Any) -> Any:
+        if self.ficoco.settings is None:
+            return super()._process_image_input(image_input)
+        if image_input.get("type") != "pixel_values":
+            raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
+        patch_embeddings = self._process_image_pixels(image_input)
+        sizes = image_input.get("image_sizes")
+        if sizes is None:  # vLLM's own default: the tower's square
+            side = self.config.vision_config.image_size
+            sizes = torch.as_tensor([[side, side]] * len(image_input["pixel_values"]))
+        out, kept = [], []
+        for size_row, items in zip(sizes, patch_embeddings, strict=True):
+            size = [int(v) for v in size_row.tolist()]
+            plan = self.ficoco.plan_if_fits(image_size=size)
+            removal = None if plan is None else next((r for r in plan.removals if r.stage == "vision"), None)
+            if removal is None:  # a budget that leaves the image whole, or vLLM's start-up image no plan fits
+                out.append(self._merge_image_patch_embeddings(size_row, items, image_newline=self.image_newline,
+                                                              strategy="spatial_unpad"))
+                kept.append(None)
+                continue
+            packed, groups = self._ficoco_pack(size, items, plan, removal)
+            out.append(packed)
+            kept.append(groups)
+        record_kept([None] * len(out), kept)
+        return out

@@ -83,8 +83,8 @@ def check_settings() -> None:
             if not set(architectures) & set(ARCHITECTURES):
                 why = next((NOT_REDUCED[a] for a in architectures if a in NOT_REDUCED), None)
                 raise FicocoError(f"ficoco.vllm: {', '.join(architectures) or 'this model'} is not reduced by the "
-                                  f"plugin{f' ({why})' if why else ''}; it reduces Qwen2.5-VL, Qwen3-VL, LLaVA-1.5 "
-                                  "and InternVL3: drop the ficoco_vllm settings")
+                                  f"plugin{f' ({why})' if why else ''}; it reduces Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, "
+                                  "LLaVA-OneVision and InternVL3: drop the ficoco_vllm settings")
             for architecture in architectures:
                 served = SERVED_ONLY.get(architecture)
                 if served is not None and settings.method not in served:

@@ -216,22 +216,32 @@ def _profile(config: Mapping[str, Any], name: str, defaults: Mapping[str, Any] |
 
 
 def plan_image(config_json: str, settings: Settings | None, grid_thw: tuple[int, int, int] | None, patch: int,
-               name: str = "served", text_tokens: int | None = None, tiles: int | None = None) -> ImagePlan:
+               name: str = "served", text_tokens: int | None = None, tiles: int | None = None,
+               image_size: tuple[int, int] | None = None) -> ImagePlan:
     """The accountant's plan for one image of `grid_thw` (patches) under `settings` (None: vanilla, counted
     with `text_tokens`), for the model whose config is `config_json` (a string so that plans are cached by
     value). `grid_thw` None: a family whose every image has the same layout (LLaVA-1.5's fixed square), or
-    (`tiles`) InternVL's image of that many tower tiles, the thumbnail included, as the served processor cut it."""
+    (`tiles`) InternVL's image of that many tower tiles, the thumbnail included, as the served processor cut it, or
+    (`image_size`, (H, W)) LLaVA-OneVision's AnyRes image of that size (its crop grid, unpadding and newlines)."""
     if settings is None:
         settings = Settings(method="vanilla", text_tokens=text_tokens)
     grid = None if grid_thw is None else tuple(int(x) for x in grid_thw)
+    size = None if image_size is None else (int(image_size[0]), int(image_size[1]))
     try:
-        return _plan(config_json, settings, grid, int(patch), name, tiles)  # type: ignore[arg-type]
+        return _plan(config_json, settings, grid, int(patch), name, tiles, size)  # type: ignore[arg-type]
     except FicocoError as exc:
         if str(exc).startswith("ficoco.vllm"):
             raise
         if tiles is not None:  # InternVL: the request's image as the processor tiled it
             raise FicocoError(f"ficoco.vllm: this request's image (as processed, {tiles} tiles of the tower's size) "
                               f"cannot be reduced with {settings.method} here: {exc}") from None
+        if size is not None:  # LLaVA-OneVision: the request's image at its own size
+            # The accountant's advice names ficoco.apply's arguments; a client can only change the image.
+            why = str(exc).rsplit("; use ", 1)[0]
+            raise FicocoError(f"ficoco.vllm: this request's {size[1]}x{size[0]} image cannot be reduced with "
+                              f"{settings.method} here: {why}; send an image whose crop grid neither unpadding "
+                              "cuts nor anyres_max downscales (a square one within the largest grid), or send it "
+                              "to an engine without ficoco_vllm settings") from None
         if grid is None:
             raise
         # A setting no image of this grid can take (keep past its tokens, a budget below its floor): the request's
@@ -300,13 +310,15 @@ def _tiled_architecture(config: dict[str, Any], name: str, tiles: int) -> Any:
 
 @lru_cache(maxsize=256)
 def _plan(config_json: str, settings: Settings, grid_thw: tuple[int, int, int] | None, patch: int, name: str,
-          tiles: int | None = None) -> ImagePlan:
+          tiles: int | None = None, image_size: tuple[int, int] | None = None) -> ImagePlan:
     from ficoco.accounting import CountOptions, ScheduleRequest, architecture, compute_tera, resolve_schedule
     from ficoco.accounting.schedule import plan_tokens
     from ficoco.methods.registry import method
 
     if tiles is not None:
         arch = _tiled_architecture(json.loads(config_json), name, tiles)
+    elif image_size is not None:
+        arch = architecture(_profile(json.loads(config_json), name), image_size=image_size)
     elif grid_thw is None:
         arch = architecture(_profile(json.loads(config_json), name))
     elif grid_thw[0] != 1:  # a video: its temporal slices
