@@ -58,10 +58,11 @@ BUDGETS = {("qwen2_5_vl", "divprune"): {"tflops": 8.0e-05, "scope": "all"},
            ("internvl", "divprune"): {"tflops": 1.0e-04, "scope": "all"},
            ("internvl", "v"): {"tflops": 9.0e-05, "scope": "all"}}
 WHOLE = {("qwen2_5_vl", "divprune"): (112, 112), ("internvl", "divprune"): (64, 64)}
-# LLaVA-1.5 (its one fixed layout; DivPrune only) and InternVL3 (every tile keeps the same count; VisionZip and
-# VisPruner by InternViT's [CLS] attention, FiCoCo-V inside its layers): one-dimensional positions.
+# LLaVA-1.5 (its one fixed layout; DivPrune, and FiCoCo-V inside CLIP's layers) and InternVL3 (every tile keeps the
+# same count; VisionZip and VisPruner by InternViT's [CLS] attention, FiCoCo-V inside its layers): one-dimensional
+# positions.
 METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"),
-           "qwen3_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"), "llava": ("divprune",),
+           "qwen3_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"), "llava": ("divprune", "v"),
            "internvl": ("divprune", "visionzip", "vispruner", "v"), "llava_onevision": ("divprune",)}
 # Keep counts per tower tile (InternVL3) or AnyRes item (LLaVA-OneVision): the record holds every one's kept groups.
 TILED = {"internvl"}
@@ -75,7 +76,7 @@ TOP = 5  # the first token's top log-probabilities compared (they move with ever
 NEW_TOKENS = 4
 # FiCoCo-V's first reducing tower block on the 4-block tiny towers (the families' defaults are deeper): on Qwen3-VL
 # after DeepStack's first tap (block 1), which then rides through the reductions, and at its second (block 2).
-FIRST_LAYER = {"qwen2_5_vl": 1, "qwen3_vl": 2, "internvl": 1}
+FIRST_LAYER = {"qwen2_5_vl": 1, "qwen3_vl": 2, "internvl": 1, "llava": 1}
 QUESTION = "What is shown here?"
 
 CASES = [(family, name) for family in OVERRIDES for name in METHODS[family]]

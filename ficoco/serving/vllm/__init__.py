@@ -1,9 +1,9 @@
 """ficoco's vLLM plugin: the methods that act before the LLM (FiCoCo-V, VisionZip, DivPrune, VisPruner,
 PixelPrune) on Qwen2.5-VL and Qwen3-VL served by vLLM (DivPrune on LLaVA-1.5, LLaVA-OneVision and InternVL3;
-VisionZip, VisPruner and FiCoCo-V on InternVL3 too), each image (and every temporal slice of a Qwen video) reduced
-to a count fixed before the encoder runs (from the budget and its grid, tiles or size, or PixelPrune's from its
-pixels), its tokens at their original M-RoPE positions (docs/serving.md); and vLLM's own video pruning (EVS) enabled
-on its CPU runner.
+FiCoCo-V on LLaVA-1.5 and InternVL3; VisionZip and VisPruner on InternVL3), each image (and every temporal slice of
+a Qwen video) reduced to a count fixed before the encoder runs (from the budget and its grid, tiles or size, or
+PixelPrune's from its pixels), its tokens at their original M-RoPE positions (docs/serving.md); and vLLM's own
+video pruning (EVS) enabled on its CPU runner.
 
 vLLM loads `register` through the `vllm.general_plugins` entry point (pyproject.toml) in every process it
 starts; it replaces the five architectures by ficoco's subclasses (`ficoco.serving.vllm.qwen`, `.llava`, `.internvl`),
@@ -26,7 +26,7 @@ ARCHITECTURES = {
 }
 
 # Where the plugin serves fewer than its methods (the rest refused where the engine's config is made).
-SERVED_ONLY = {"LlavaForConditionalGeneration": ("divprune",),
+SERVED_ONLY = {"LlavaForConditionalGeneration": ("divprune", "v"),
                "LlavaOnevisionForConditionalGeneration": ("divprune",),
                "InternVLForConditionalGeneration": ("divprune", "visionzip", "vispruner", "v")}
 

@@ -16,13 +16,19 @@ the method's step on every item and packs what each kept as ficoco's transformer
 image whose unpadding drops crop tokens, or whose grid is downscaled, cannot be planned before the encoder runs (the
 count would depend on which tokens stay, or the downscale needs the whole grid): the request is refused in one line.
 
-Served here: DivPrune (it reads the projector's output alone). The methods that read the tower's [CLS] attention
-(VisionZip, VisPruner) or act inside its layers (FiCoCo-V) are not wired into vLLM's CLIP or SigLIP tower by the
-plugin.
+Served here: DivPrune (it reads the projector's output alone) on both; and on LLaVA-1.5 FiCoCo-V inside CLIP's
+layers, as ficoco's transformers adapter runs it (ficoco.models.vision_steps): at every layer its schedule names,
+the layer's attention is read from its own queries and keys ([CLS] first), the method's tower step removes patches
+(folding them into the kept ones) between the attention residual and the MLP, and the layers after it run on the
+patches it handed on (CLIP's layers hold no positions: its learned ones were added at the embedding); vLLM drops
+[CLS] and the projector maps the rest, in the method's order. The methods that read the tower's [CLS] attention at
+its output (VisionZip, VisPruner) are not wired into vLLM's CLIP tower, nor is any tower method into OneVision's
+SigLIP tower.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -47,9 +53,12 @@ from ficoco.accounting.families.llava_onevision import anyres_max_patches
 from ficoco.errors import FicocoError
 from ficoco.methods.anyres import anyres_layout
 from ficoco.methods.inputs import TowerInput
+from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
+from ficoco.methods.reads.ops import ProbedAttention
 from ficoco.serving.vllm.common import Planner, ReducingInfo, ReducingProcessor, record_kept, served_method
 
-SERVED = ("divprune",)  # the methods the plugin runs on LLaVA-1.5 (after the projector, reading its output alone)
+# The methods the plugin runs on LLaVA-1.5: after the projector, reading its output alone; inside CLIP's layers.
+SERVED = ("divprune", "v")
 ONEVISION_SERVED = ("divprune",)  # and on LLaVA-OneVision, every AnyRes item alike
 
 
@@ -73,16 +82,87 @@ class ReducingLlava(LlavaForConditionalGeneration):
         self.ficoco = Planner(self.config)
         self.ficoco_reduces_images = False  # one-dimensional positions: vLLM's own hold for the shortened prompt
         spec = served_method(self.ficoco, SERVED, "LLaVA-1.5", self.config.model_type)
-        if spec is not None:
-            self.ficoco_spec = spec
-            self.ficoco_module = spec.load()
+        self.ficoco_in_layers = False
+        if spec is None:
+            return
+        self.ficoco_spec = spec
+        self.ficoco_module = spec.load()
+        self.ficoco_in_layers = spec.placement == "in_layer"
+        if self.ficoco_in_layers:  # FiCoCo-V: CLIP's layers recomposed where the schedule reduces
+            vision = self.config.vision_config
+            side = int(vision.image_size) // int(vision.patch_size)
+            self.ficoco_grid_hw = (side, side)
+            self.ficoco_pass: dict[str, Any] | None = None
+            self.ficoco_probe_layer: int | None = None
+            self.ficoco_probed: tuple[Tensor, Tensor, Any] | None = None
+            for index, layer in enumerate(self.vision_tower.vision_model.encoder.layers):
+                layer.self_attn.attn.register_forward_pre_hook(functools.partial(self._ficoco_probe, index))
+                layer.forward = functools.partial(self._ficoco_layer, index, layer, layer.forward)
+
+    def _ficoco_probe(self, index: int, module: Any, args: tuple) -> None:
+        if index == self.ficoco_probe_layer:
+            self.ficoco_probed = (args[0], args[1], module)
+
+    def _ficoco_layer(self, index: int, layer: Any, original: Any, hidden_states: Tensor) -> Tensor:
+        """One CLIP layer; where the pass's schedule removes patches at it, the method's tower step runs between the
+        attention residual and the MLP on the layer's own attention (vLLM's layer, recomposed)."""
+        tower = self.ficoco_pass
+        removal = None if tower is None else tower["removals"].get(index)
+        if removal is None:
+            return original(hidden_states)
+        self.ficoco_probe_layer = index
+        try:
+            attended, _ = layer.self_attn(hidden_states=layer.layer_norm1(hidden_states))
+        finally:
+            self.ficoco_probe_layer = None
+        assert self.ficoco_probed is not None
+        query, key, module = self.ficoco_probed
+        self.ficoco_probed = None
+        hidden = hidden_states + attended
+        items, heads, size, scale = hidden.shape[0], int(module.num_heads), int(module.head_size), float(module.scale)
+        query = query.reshape(items, -1, heads, size).transpose(1, 2)
+        key = key.reshape(items, -1, heads, size).transpose(1, 2)
+        settings = tower["settings"]
+        reads = ProbedAttention(query, key, scale, scores=settings.get("attention_scores", DEFAULT_ATTENTION_SCORES))
+        out = self.ficoco_module.tower_step(
+            TowerInput(hidden=hidden, has_cls=True, remove=removal.remove, added=removal.added, keys=key,
+                       cls_query=query[:, :, 0], scale=scale, size=tower["size"], positions=tower["positions"],
+                       attention=reads, grid_hw=self.ficoco_grid_hw, placement="in_layer"), settings)
+        if out.attention_bias is not None:  # vLLM's CLIP attention takes no mask
+            raise RuntimeError(f"ficoco.vllm: {self.ficoco_spec.title} asks later layers for an attention bias")
+        tower.update(size=out.size, positions=out.positions)
+        hidden = out.hidden
+        return hidden + layer.mlp(layer.layer_norm2(hidden))
+
+    def _ficoco_reduced_in_layers(self, image_input: Any) -> tuple[Tensor, ...]:
+        """FiCoCo-V on every image: the tower runs the plan's schedule (every LLaVA-1.5 image has the same), vLLM
+        drops [CLS] and the projector maps the patches handed on, in the method's order."""
+        plan = self.ficoco.plan(None)
+        removals = {r.layer: r for r in plan.removals if r.stage == "vision" and r.where == "in_layer"}
+        self.ficoco_pass = {"removals": removals, "size": None, "positions": None, "settings": plan.settings_dict()}
+        try:
+            embeds = super()._process_image_input(image_input)
+            positions = self.ficoco_pass["positions"]
+        finally:
+            self.ficoco_pass = None
+        items = embeds if isinstance(embeds, Tensor) else torch.stack(list(embeds))
+        if items.shape[1] != plan.tokens:
+            raise RuntimeError(f"ficoco.vllm: {self.ficoco_spec.title} handed on {items.shape[1]} tokens of an "
+                               f"image, the plan {plan.tokens}")
+        patches = self.ficoco_grid_hw[0] * self.ficoco_grid_hw[1]
+        # Recorded: every image's kept patches ([CLS] at position 0 aside), ascending.
+        kept = (torch.arange(patches).expand(items.shape[0], -1) if positions is None else positions[:, 1:] - 1)
+        record_kept([None] * items.shape[0], [torch.sort(row).values for row in kept])
+        return tuple(items)
 
     def _process_image_input(self, image_input: Any) -> Tensor | tuple[Tensor, ...]:
+        if self.ficoco.settings is not None and image_input.get("type") == "image_embeds":
+            raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
+        if self.ficoco_in_layers:
+            return self._ficoco_reduced_in_layers(image_input)
         embeds = super()._process_image_input(image_input)
         if self.ficoco.settings is None:
             return embeds
-        if image_input.get("type") == "image_embeds":
-            raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
         items = torch.stack(list(embeds)) if not isinstance(embeds, Tensor) else embeds
         plan = self.ficoco.plan(None)
         removal = next((r for r in plan.removals if r.stage == "vision"), None)
