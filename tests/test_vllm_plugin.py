@@ -52,18 +52,21 @@ KEEP = {"qwen2_5_vl": 8, "qwen3_vl": 24, "llava": 8, "internvl": 6, "llava_onevi
 # Three cases run a TFLOPs budget counted over the whole model (scope all), which the accountant resolves per grid
 # (per tile count on InternVL3): the image sizes then keep different counts in one batch (Qwen2.5-VL: 17 of 20 groups
 # and 2 of 24; InternVL3: 7 of every tile's 16 of a three-tile image), and an image the budget fits whole (Qwen2.5-VL's
-# 112x112, InternVL3's one tile) keeps every group. FiCoCo-V on InternVL3 (7 of 16 groups a tile, removed at tower
-# layers 1 and 2, beside a whole tile) then runs the tower once per schedule in one batch.
+# 112x112, InternVL3's one tile) keeps every group; FiCoCo-V on InternVL3 keeps 7 of 16 groups a tile (removed at
+# tower layers 1 and 2) beside a whole tile. A fourth, FiCoCo-V's keep on LLaVA-OneVision, does the same per size.
 BUDGETS = {("qwen2_5_vl", "divprune"): {"tflops": 8.0e-05, "scope": "all"},
            ("internvl", "divprune"): {"tflops": 1.0e-04, "scope": "all"},
-           ("internvl", "v"): {"tflops": 9.0e-05, "scope": "all"}}
+           ("internvl", "v"): {"tflops": 9.0e-05, "scope": "all"},
+           # FiCoCo-V's keep on LLaVA-OneVision counts the image's whole span, its newlines included: 28 is 8 + 5 x 4
+           # on the 112x112 image (4 of every item's 16 patches) and 4 + 3 x 8 on the 112x56 one.
+           ("llava_onevision", "v"): {"keep": 28}}
 WHOLE = {("qwen2_5_vl", "divprune"): (112, 112), ("internvl", "divprune"): (64, 64)}
 # LLaVA-1.5 (its one fixed layout; DivPrune, and FiCoCo-V inside CLIP's layers) and InternVL3 (every tile keeps the
 # same count; VisionZip and VisPruner by InternViT's [CLS] attention, FiCoCo-V inside its layers): one-dimensional
 # positions.
 METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"),
            "qwen3_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"), "llava": ("divprune", "v"),
-           "internvl": ("divprune", "visionzip", "vispruner", "v"), "llava_onevision": ("divprune",)}
+           "internvl": ("divprune", "visionzip", "vispruner", "v"), "llava_onevision": ("divprune", "v")}
 # Keep counts per tower tile (InternVL3) or AnyRes item (LLaVA-OneVision): the record holds every one's kept groups.
 TILED = {"internvl"}
 ANYRES = {"llava_onevision"}
@@ -76,7 +79,7 @@ TOP = 5  # the first token's top log-probabilities compared (they move with ever
 NEW_TOKENS = 4
 # FiCoCo-V's first reducing tower block on the 4-block tiny towers (the families' defaults are deeper): on Qwen3-VL
 # after DeepStack's first tap (block 1), which then rides through the reductions, and at its second (block 2).
-FIRST_LAYER = {"qwen2_5_vl": 1, "qwen3_vl": 2, "internvl": 1, "llava": 1}
+FIRST_LAYER = {"qwen2_5_vl": 1, "qwen3_vl": 2, "internvl": 1, "llava": 1, "llava_onevision": 1}
 QUESTION = "What is shown here?"
 
 CASES = [(family, name) for family in OVERRIDES for name in METHODS[family]]
@@ -312,8 +315,8 @@ def test_the_plugin_keeps_the_groups_and_tokens_of_ficoco_apply(served: Any) -> 
     if variant in PIXEL_COUNTED:  # the image's own count: the flat rectangles' groups gone, the rest kept
         t, h, w = record["grid_thw"]
         assert 0 < len(record["kept"]) < h * w // 4
-    elif family in ANYRES:  # the base view and four crops, every one KEEP patches
-        assert [len(item) for item in record["kept"]] == [KEEP[family]] * 5
+    elif family in ANYRES:  # the base view and four crops, every one KEEP patches (FiCoCo-V: 4, its keep above)
+        assert [len(item) for item in record["kept"]] == [4 if variant == "v" else KEEP[family]] * 5
     elif family in TILED:  # every tile (two and the thumbnail) keeps the same count (VisionZip's merged ones apart)
         assert len(record["kept"]) == 3 and len({len(tile) for tile in record["kept"]}) == 1
         if (family, variant) not in BUDGETS:
@@ -497,19 +500,26 @@ def test_a_video_keeps_every_temporal_slice_as_ficoco_apply_keeps_it_as_an_image
     assert all(abs(top[token] - value) < VIDEO_LOGPROB for token, value in ref["top"].items())
 
 
+# The kept counts of the two images of one encoder batch: InternVL3 under its TFLOPs budget (7 of every tile's 16 on
+# three tiles, one tile whole); LLaVA-OneVision under keep 28 (4 of every item's 16 on 112x112, 8 on 112x56).
+ONE_CALL_KEPT = {"internvl": ([7] * 3, [16]), "llava_onevision": ([4] * 5, [8] * 3)}
+
+
 @pytest.mark.skipif(os.environ.get("FICOCO_VLLM_TESTS") == "lean", reason="one more engine (the full set)")
-def test_ficoco_v_on_internvl_runs_each_schedule_of_one_encoder_batch_apart(
-        checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FiCoCo-V on InternVL3 under a TFLOPs budget resolved per tile count, both requests' images reaching the tower
-    in one call (the engine core in this process, so that both requests wait when it first steps; the prefill
-    unchunked): the three-tile image's schedule removes groups at layers 1 and 2, the one-tile image's nothing; the
-    tower runs each schedule on its own tiles, and every request gets ficoco.apply's tokens and kept groups."""
+@pytest.mark.parametrize("family", sorted(ONE_CALL_KEPT))
+def test_ficoco_v_runs_each_schedule_of_one_encoder_batch_apart(
+        checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """FiCoCo-V where two images of one batch have different schedules (InternVL3: a TFLOPs budget resolved per
+    tile count; LLaVA-OneVision: one keep over spans of 5 and 3 items), both requests' images reaching the tower in
+    one call (the engine core in this process, so that both requests wait when it first steps; the prefill
+    unchunked): the tower runs each schedule on its own images' items, and every request gets ficoco.apply's tokens
+    and kept groups."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    family, variant = "internvl", "v"
+    variant = "v"
     folder = checkpoints[family]
     images = [picture(SIZES[family][0], 11), picture(SIZES[family][1], 12)]
     refs = [reference(folder, family, variant, image) for image in images]
-    assert [len(tiles) for tiles in refs[0]["kept"]] == [7] * 3 and refs[1]["kept"] == [list(range(16))]
+    assert tuple([len(item) for item in ref["kept"]] for ref in refs) == ONE_CALL_KEPT[family]
     engine = Engine(folder, family, variant, tmp_path / "kept.jsonl")
     engine.kept()
     outputs = engine.generate([(ref["text"], image) for ref, image in zip(refs, images, strict=True)])
@@ -573,7 +583,7 @@ def test_a_method_the_plugin_cannot_serve_is_refused_in_one_line_before_an_engin
     ("llava", {"method": "pixelprune"}, "fixed-grid encoder"),
     ("internvl", {"method": "pixelprune"}, "fixed-grid encoder"),
     ("llava_onevision", {"method": "visionzip", "keep": 8}, "reads the tower's"),
-    ("llava_onevision", {"method": "v", "keep": 8}, "acts inside the tower's layers")])
+    ("llava_onevision", {"method": "vispruner", "keep": 8}, "reads the tower's")])
 def test_a_method_a_family_is_not_served_by_is_refused_in_one_line_before_an_engine_starts(
         checkpoints: dict[str, Path], family: str, settings: dict[str, Any], why: str) -> None:
     from vllm.engine.arg_utils import EngineArgs

@@ -16,19 +16,18 @@ the method's step on every item and packs what each kept as ficoco's transformer
 image whose unpadding drops crop tokens, or whose grid is downscaled, cannot be planned before the encoder runs (the
 count would depend on which tokens stay, or the downscale needs the whole grid): the request is refused in one line.
 
-Served here: DivPrune (it reads the projector's output alone) on both; and on LLaVA-1.5 FiCoCo-V inside CLIP's
-layers, as ficoco's transformers adapter runs it (ficoco.models.vision_steps): at every layer its schedule names,
-the layer's attention is read from its own queries and keys ([CLS] first), the method's tower step removes patches
-(folding them into the kept ones) between the attention residual and the MLP, and the layers after it run on the
-patches it handed on (CLIP's layers hold no positions: its learned ones were added at the embedding); vLLM drops
-[CLS] and the projector maps the rest, in the method's order. The methods that read the tower's [CLS] attention at
-its output (VisionZip, VisPruner) are not wired into vLLM's CLIP tower, nor is any tower method into OneVision's
-SigLIP tower.
+Served here, on both: DivPrune (it reads the projector's output alone), and FiCoCo-V inside the tower's layers
+(CLIP's on LLaVA-1.5, with [CLS]; SigLIP's on OneVision, scored with FiCoCo's equivalent token), as ficoco's
+transformers adapter runs it (ficoco.models.vision_steps; `_TowerLayers`). On LLaVA-1.5 vLLM then drops [CLS] and
+the projector maps the rest in the method's order; on OneVision every item's handed-on patches are packed at their
+grid places. The methods that read the tower's [CLS] attention at its output (VisionZip, VisPruner) are not wired
+into either tower.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -59,7 +58,7 @@ from ficoco.serving.vllm.common import Planner, ReducingInfo, ReducingProcessor,
 
 # The methods the plugin runs on LLaVA-1.5: after the projector, reading its output alone; inside CLIP's layers.
 SERVED = ("divprune", "v")
-ONEVISION_SERVED = ("divprune",)  # and on LLaVA-OneVision, every AnyRes item alike
+ONEVISION_SERVED = ("divprune", "v")  # and on LLaVA-OneVision, every AnyRes item alike
 
 
 class LlavaReducingProcessor(ReducingProcessor, LlavaMultiModalProcessor):
@@ -74,7 +73,80 @@ def _processor(info: Any, dummy_inputs: Any) -> Any:
 
 @MULTIMODAL_REGISTRY.register_processor(_processor, info=_build_llava_or_pixtral_hf_info,
                                         dummy_inputs=LlavaDummyInputsBuilder)
-class ReducingLlava(LlavaForConditionalGeneration):
+class _TowerLayers:
+    """FiCoCo-V inside vLLM's CLIP or SigLIP tower (what ReducingLlava and ReducingLlavaOnevision share): at every
+    layer the pass's schedule names, the layer is recomposed as ficoco's transformers adapter runs it
+    (ficoco.models.vision_steps): its attention read from its own queries and keys, the method's tower step between
+    the attention residual and the MLP, the later layers on what it handed on (the towers' learned positions were
+    added at the embedding, so their layers need none)."""
+
+    ficoco_pass: dict[str, Any] | None = None  # a tower pass under the method: its removals, what it carries
+    ficoco_probe_layer: int | None = None
+    ficoco_probed: tuple[Tensor, Tensor, Any] | None = None
+
+    def _ficoco_install_layers(self, tower: Any, has_cls: bool, tuple_out: bool) -> None:
+        """Wrap every layer of `tower` (its [CLS] first where `has_cls`; SigLIP's layers return a tuple)."""
+        vision = self.config.vision_config  # type: ignore[attr-defined]
+        side = int(vision.image_size) // int(vision.patch_size)
+        self.ficoco_grid_hw = (side, side)
+        self.ficoco_has_cls, self.ficoco_tuple_out = has_cls, tuple_out
+        for index, layer in enumerate(tower.vision_model.encoder.layers):
+            layer.self_attn.attn.register_forward_pre_hook(functools.partial(self._ficoco_probe, index))
+            layer.forward = functools.partial(self._ficoco_layer, index, layer, layer.forward)
+
+    def _ficoco_probe(self, index: int, module: Any, args: tuple) -> None:
+        if index == self.ficoco_probe_layer:
+            self.ficoco_probed = (args[0], args[1], module)
+
+    def _ficoco_layer(self, index: int, layer: Any, original: Any, hidden_states: Tensor) -> Any:
+        """One tower layer; where the pass's schedule removes patches at it, the method's tower step runs between the
+        attention residual and the MLP on the layer's own attention (vLLM's layer, recomposed)."""
+        tower = self.ficoco_pass
+        removal = None if tower is None else tower["removals"].get(index)
+        if removal is None:
+            return original(hidden_states)
+        self.ficoco_probe_layer = index
+        try:
+            attended, _ = layer.self_attn(hidden_states=layer.layer_norm1(hidden_states))
+        finally:
+            self.ficoco_probe_layer = None
+        assert self.ficoco_probed is not None and tower is not None
+        query, key, module = self.ficoco_probed
+        self.ficoco_probed = None
+        hidden = hidden_states + attended
+        items, heads, size, scale = hidden.shape[0], int(module.num_heads), int(module.head_size), float(module.scale)
+        query = query.reshape(items, -1, heads, size).transpose(1, 2)
+        key = key.reshape(items, -1, heads, size).transpose(1, 2)
+        settings = tower["settings"]
+        reads = ProbedAttention(query, key, scale, scores=settings.get("attention_scores", DEFAULT_ATTENTION_SCORES))
+        has_cls = self.ficoco_has_cls
+        out = self.ficoco_module.tower_step(  # type: ignore[attr-defined]
+            TowerInput(hidden=hidden, has_cls=has_cls, remove=removal.remove, added=removal.added, keys=key,
+                       cls_query=query[:, :, 0] if has_cls else None, scale=scale, size=tower["size"],
+                       positions=tower["positions"], attention=reads, grid_hw=self.ficoco_grid_hw,
+                       placement="in_layer"), settings)
+        if out.attention_bias is not None:  # vLLM's tower attention takes no mask
+            raise RuntimeError("ficoco.vllm: the method asks the tower's later layers for an attention bias")
+        tower.update(size=out.size, positions=out.positions)
+        hidden = out.hidden
+        hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
+        return (hidden, None) if self.ficoco_tuple_out else hidden
+
+    def _ficoco_tower_pass(self, removals: Sequence[Any], settings: dict[str, Any], run: Any) -> tuple[Any, Any]:
+        """`run()` (a tower call) under the in-layer `removals`; its result and every item's positions after the
+        last reduction ([CLS] at 0 where the tower has one; None where nothing was removed)."""
+        self.ficoco_pass = {"removals": {r.layer: r for r in removals if r.stage == "vision" and
+                                         r.where == "in_layer"},
+                            "size": None, "positions": None, "settings": settings}
+        try:
+            result = run()
+            positions = self.ficoco_pass["positions"]
+        finally:
+            self.ficoco_pass = None
+        return result, positions
+
+
+class ReducingLlava(_TowerLayers, LlavaForConditionalGeneration):
     """vLLM's LLaVA-1.5 with ficoco's method after the projector."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
@@ -89,62 +161,15 @@ class ReducingLlava(LlavaForConditionalGeneration):
         self.ficoco_module = spec.load()
         self.ficoco_in_layers = spec.placement == "in_layer"
         if self.ficoco_in_layers:  # FiCoCo-V: CLIP's layers recomposed where the schedule reduces
-            vision = self.config.vision_config
-            side = int(vision.image_size) // int(vision.patch_size)
-            self.ficoco_grid_hw = (side, side)
-            self.ficoco_pass: dict[str, Any] | None = None
-            self.ficoco_probe_layer: int | None = None
-            self.ficoco_probed: tuple[Tensor, Tensor, Any] | None = None
-            for index, layer in enumerate(self.vision_tower.vision_model.encoder.layers):
-                layer.self_attn.attn.register_forward_pre_hook(functools.partial(self._ficoco_probe, index))
-                layer.forward = functools.partial(self._ficoco_layer, index, layer, layer.forward)
-
-    def _ficoco_probe(self, index: int, module: Any, args: tuple) -> None:
-        if index == self.ficoco_probe_layer:
-            self.ficoco_probed = (args[0], args[1], module)
-
-    def _ficoco_layer(self, index: int, layer: Any, original: Any, hidden_states: Tensor) -> Tensor:
-        """One CLIP layer; where the pass's schedule removes patches at it, the method's tower step runs between the
-        attention residual and the MLP on the layer's own attention (vLLM's layer, recomposed)."""
-        tower = self.ficoco_pass
-        removal = None if tower is None else tower["removals"].get(index)
-        if removal is None:
-            return original(hidden_states)
-        self.ficoco_probe_layer = index
-        try:
-            attended, _ = layer.self_attn(hidden_states=layer.layer_norm1(hidden_states))
-        finally:
-            self.ficoco_probe_layer = None
-        assert self.ficoco_probed is not None
-        query, key, module = self.ficoco_probed
-        self.ficoco_probed = None
-        hidden = hidden_states + attended
-        items, heads, size, scale = hidden.shape[0], int(module.num_heads), int(module.head_size), float(module.scale)
-        query = query.reshape(items, -1, heads, size).transpose(1, 2)
-        key = key.reshape(items, -1, heads, size).transpose(1, 2)
-        settings = tower["settings"]
-        reads = ProbedAttention(query, key, scale, scores=settings.get("attention_scores", DEFAULT_ATTENTION_SCORES))
-        out = self.ficoco_module.tower_step(
-            TowerInput(hidden=hidden, has_cls=True, remove=removal.remove, added=removal.added, keys=key,
-                       cls_query=query[:, :, 0], scale=scale, size=tower["size"], positions=tower["positions"],
-                       attention=reads, grid_hw=self.ficoco_grid_hw, placement="in_layer"), settings)
-        if out.attention_bias is not None:  # vLLM's CLIP attention takes no mask
-            raise RuntimeError(f"ficoco.vllm: {self.ficoco_spec.title} asks later layers for an attention bias")
-        tower.update(size=out.size, positions=out.positions)
-        hidden = out.hidden
-        return hidden + layer.mlp(layer.layer_norm2(hidden))
+            self._ficoco_install_layers(self.vision_tower, has_cls=True, tuple_out=False)
 
     def _ficoco_reduced_in_layers(self, image_input: Any) -> tuple[Tensor, ...]:
         """FiCoCo-V on every image: the tower runs the plan's schedule (every LLaVA-1.5 image has the same), vLLM
         drops [CLS] and the projector maps the patches handed on, in the method's order."""
         plan = self.ficoco.plan(None)
-        removals = {r.layer: r for r in plan.removals if r.stage == "vision" and r.where == "in_layer"}
-        self.ficoco_pass = {"removals": removals, "size": None, "positions": None, "settings": plan.settings_dict()}
-        try:
-            embeds = super()._process_image_input(image_input)
-            positions = self.ficoco_pass["positions"]
-        finally:
-            self.ficoco_pass = None
+        embeds, positions = self._ficoco_tower_pass(
+            plan.removals, plan.settings_dict(), lambda: LlavaForConditionalGeneration._process_image_input(
+                self, image_input))
         items = embeds if isinstance(embeds, Tensor) else torch.stack(list(embeds))
         if items.shape[1] != plan.tokens:
             raise RuntimeError(f"ficoco.vllm: {self.ficoco_spec.title} handed on {items.shape[1]} tokens of an "
@@ -192,7 +217,7 @@ class OnevisionReducingProcessor(ReducingProcessor, LlavaOnevisionMultiModalProc
 
 @MULTIMODAL_REGISTRY.register_processor(OnevisionReducingProcessor, info=OnevisionReducingInfo,
                                         dummy_inputs=LlavaOnevisionDummyInputsBuilder)
-class ReducingLlavaOnevision(LlavaOnevisionForConditionalGeneration):
+class ReducingLlavaOnevision(_TowerLayers, LlavaOnevisionForConditionalGeneration):
     """vLLM's LLaVA-OneVision with ficoco's method after the projector, on every AnyRes item of an image."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
@@ -200,45 +225,91 @@ class ReducingLlavaOnevision(LlavaOnevisionForConditionalGeneration):
         self.ficoco = Planner(self.config)
         self.ficoco_reduces_images = False  # one-dimensional positions: vLLM's own hold for the shortened prompt
         spec = served_method(self.ficoco, ONEVISION_SERVED, "LLaVA-OneVision", self.config.model_type)
+        self.ficoco_in_layers = False
         if spec is not None:
             self.ficoco_spec = spec
             self.ficoco_module = spec.load()
+            self.ficoco_in_layers = spec.placement == "in_layer"
+            if self.ficoco_in_layers:  # FiCoCo-V: SigLIP's layers recomposed (no [CLS]: the equivalent token)
+                self._ficoco_install_layers(self.vision_tower, has_cls=False, tuple_out=True)
         vision = self.config.vision_config
         self.ficoco_side = int(vision.image_size) // int(vision.patch_size)
         self.ficoco_budget = anyres_max_patches(getattr(self.config, "vision_aspect_ratio", "anyres_max_9"))
 
-    def _ficoco_pack(self, size: list[int], items: Tensor, plan: Any, removal: Any) -> tuple[Tensor, list[Tensor]]:
-        """One image's packed tokens after the method's step on every item (base view and crops), and every item's
-        kept patches (ascending): the crop grid is vLLM's own choice for the image's size."""
-        side = self.ficoco_side
-        crops = None
-        if items.shape[0] > 1:
-            crops_h, crops_w = get_anyres_image_grid_shape(tuple(size), self.config.image_grid_pinpoints,
-                                                           self.config.vision_config.image_size)
-            crops = (int(crops_h), int(crops_w))
-            items = items[:1 + crops[0] * crops[1]]  # vLLM may pad an image's items for batching
-        layout = anyres_layout(side, crops, size, self.ficoco_budget)
-        step = self.ficoco_module.tower_step(
-            TowerInput(hidden=items, has_cls=False, remove=removal.remove, added=removal.added, grid_hw=(side, side),
-                       placement=removal.where), plan.settings_dict())
-        hidden = step.hidden
-        kept = step.kept[:, :hidden.shape[1]]
+    def _ficoco_layout(self, size: list[int], items: int) -> tuple[Any, int]:
+        """The AnyRes layout of an image of `size` (H, W) and how many of its `items` it holds (vLLM may pad an
+        image's items for batching): the crop grid is vLLM's own choice for the image's size."""
+        if items == 1:
+            return anyres_layout(self.ficoco_side, None, size, self.ficoco_budget), 1
+        crops_h, crops_w = get_anyres_image_grid_shape(tuple(size), self.config.image_grid_pinpoints,
+                                                       self.config.vision_config.image_size)
+        crops = (int(crops_h), int(crops_w))
+        return anyres_layout(self.ficoco_side, crops, size, self.ficoco_budget), 1 + crops[0] * crops[1]
+
+    def _ficoco_packed(self, size: list[int], hidden: Tensor, kept: Tensor, plan: Any) -> tuple[Tensor, list[Tensor]]:
+        """One image's tokens packed from every item's reduced `hidden` (items, k, D) and their grid places `kept`
+        (items, k; -1 without one), and every item's kept patches (ascending)."""
+        layout, count = self._ficoco_layout(size, hidden.shape[0])
+        hidden, kept = hidden[:count], kept[:count]
         packed = layout.pack(hidden, kept, self.image_newline)
         if packed.shape[0] != plan.tokens:
             raise RuntimeError(f"ficoco.vllm: {self.ficoco_spec.title} packed {packed.shape[0]} tokens of a "
                                f"{size[1]}x{size[0]} image, its placeholders {plan.tokens}")
         return packed, [torch.unique(item[item >= 0]) for item in kept]
 
+    def _ficoco_pack(self, size: list[int], items: Tensor, plan: Any, removal: Any) -> tuple[Tensor, list[Tensor]]:
+        """One image's packed tokens after the method's step on every item's projected tokens (base view and
+        crops), and every item's kept patches."""
+        _, count = self._ficoco_layout(size, items.shape[0])
+        side = self.ficoco_side
+        step = self.ficoco_module.tower_step(
+            TowerInput(hidden=items[:count], has_cls=False, remove=removal.remove, added=removal.added,
+                       grid_hw=(side, side), placement=removal.where), plan.settings_dict())
+        return self._ficoco_packed(size, step.hidden, step.kept[:, :step.hidden.shape[1]], plan)
+
+    def _ficoco_in_layers_images(self, image_input: Any, sizes: Tensor) -> list[Tensor]:
+        """FiCoCo-V on every image's items inside SigLIP's layers: the tower run once per schedule among the batch's
+        plans (a TFLOPs budget resolves per image size), on those images' items; every image packed from what its
+        items handed on."""
+        pixels = list(image_input["pixel_values"])  # per image: (items, C, H, W)
+        plans = [self.ficoco.plan_if_fits(image_size=[int(v) for v in row.tolist()]) for row in sizes]
+        schedules = [() if plan is None else tuple(sorted((r.layer, r.remove, r.added) for r in plan.removals
+                                                          if r.stage == "vision" and r.remove))
+                     for plan in plans]
+        out: list[Any] = [None] * len(pixels)
+        kept: list[Any] = [None] * len(pixels)
+        for schedule in dict.fromkeys(schedules):
+            images = [i for i, chosen in enumerate(schedules) if chosen == schedule]
+            plan = plans[images[0]]
+            stacked = torch.cat([pixels[i] for i in images])
+            features, positions = self._ficoco_tower_pass(
+                () if plan is None else plan.removals, {} if plan is None else plan.settings_dict(),
+                lambda stacked=stacked: self._image_pixels_to_features(self.vision_tower, stacked))
+            embeds = self.multi_modal_projector(features)
+            counts = [pixels[i].shape[0] for i in images]
+            places = [None] * len(images) if positions is None else torch.split(positions, counts)
+            for image, rows, grid in zip(images, torch.split(embeds, counts), places, strict=True):
+                size = [int(v) for v in sizes[image].tolist()]
+                if grid is None:  # a plan that leaves the image whole, or vLLM's start-up image no plan fits
+                    out[image] = self._merge_image_patch_embeddings(
+                        sizes[image], rows, image_newline=self.image_newline, strategy="spatial_unpad")
+                    continue
+                out[image], kept[image] = self._ficoco_packed(size, rows, grid, plans[image])
+        record_kept([None] * len(out), kept)
+        return out
+
     def _process_image_input(self, image_input: Any) -> Any:
         if self.ficoco.settings is None:
             return super()._process_image_input(image_input)
         if image_input.get("type") != "pixel_values":
             raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
-        patch_embeddings = self._process_image_pixels(image_input)
         sizes = image_input.get("image_sizes")
         if sizes is None:  # vLLM's own default: the tower's square
             side = self.config.vision_config.image_size
             sizes = torch.as_tensor([[side, side]] * len(image_input["pixel_values"]))
+        if self.ficoco_in_layers:
+            return self._ficoco_in_layers_images(image_input, sizes)
+        patch_embeddings = self._process_image_pixels(image_input)
         out, kept = [], []
         for size_row, items in zip(sizes, patch_embeddings, strict=True):
             size = [int(v) for v in size_row.tolist()]
