@@ -65,7 +65,8 @@ WHOLE = {("qwen2_5_vl", "divprune"): (112, 112), ("internvl", "divprune"): (64, 
 # same count; VisionZip and VisPruner by InternViT's [CLS] attention, FiCoCo-V inside its layers): one-dimensional
 # positions.
 METHODS = {"qwen2_5_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"),
-           "qwen3_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"), "llava": ("divprune", "v"),
+           "qwen3_vl": ("v", "visionzip", "divprune", "vispruner", "pixelprune"),
+           "llava": ("divprune", "v", "visionzip", "vispruner"),
            "internvl": ("divprune", "visionzip", "vispruner", "v"), "llava_onevision": ("divprune", "v")}
 # Keep counts per tower tile (InternVL3) or AnyRes item (LLaVA-OneVision): the record holds every one's kept groups.
 TILED = {"internvl"}
@@ -221,8 +222,8 @@ def reference(folder: Path, family: str, variant: str, image: Any) -> dict[str, 
                     every = handle.records[-1].kept  # (tiles, kept patches)
                     groups = (every // side // factor) * (side // factor) + (every % side) // factor
                     kept = [sorted({g for g in tile.tolist() if g >= 0}) for tile in groups]  # contextual: -1
-                else:
-                    kept = sorted(set(handle.records[-1].kept[0].tolist()))
+                else:  # LLaVA-1.5: the kept patches ([CLS] and VisionZip's merged tokens at none, -1)
+                    kept = sorted({g for g in handle.records[-1].kept[0].tolist() if g >= 0})
     top = torch.log_softmax(logits.float(), dim=-1).topk(TOP)
     return {"text": prompt.text, "tokens": ids[0, -NEW_TOKENS:].tolist(), "kept": kept,
             "top": dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))}
@@ -321,6 +322,8 @@ def test_the_plugin_keeps_the_groups_and_tokens_of_ficoco_apply(served: Any) -> 
         assert len(record["kept"]) == 3 and len({len(tile) for tile in record["kept"]}) == 1
         if (family, variant) not in BUDGETS:
             assert 0 < len(record["kept"][0]) <= KEEP[family]
+    elif (family, variant) == ("llava", "visionzip"):  # of the 8 tokens: CLIP's [CLS], 6 patches, 1 contextual
+        assert len(record["kept"]) == KEEP[family] - 2
     elif (family, variant) not in BUDGETS:
         assert len(record["kept"]) == KEEP[family]
     assert tokens == refs[0]["tokens"]
@@ -579,7 +582,6 @@ def test_a_method_the_plugin_cannot_serve_is_refused_in_one_line_before_an_engin
 
 
 @pytest.mark.parametrize(("family", "settings", "why"), [
-    ("llava", {"method": "visionzip", "keep": 8}, "reads the tower's"),
     ("llava", {"method": "pixelprune"}, "fixed-grid encoder"),
     ("internvl", {"method": "pixelprune"}, "fixed-grid encoder"),
     ("llava_onevision", {"method": "visionzip", "keep": 8}, "reads the tower's"),

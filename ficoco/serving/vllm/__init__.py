@@ -1,6 +1,6 @@
 """ficoco's vLLM plugin: the methods that act before the LLM (FiCoCo-V, VisionZip, DivPrune, VisPruner,
 PixelPrune) on Qwen2.5-VL and Qwen3-VL served by vLLM (DivPrune and FiCoCo-V on LLaVA-1.5, LLaVA-OneVision and
-InternVL3; VisionZip and VisPruner on InternVL3), each image (and every temporal slice of
+InternVL3; VisionZip and VisPruner on LLaVA-1.5 and InternVL3), each image (and every temporal slice of
 a Qwen video) reduced to a count fixed before the encoder runs (from the budget and its grid, tiles or size, or
 PixelPrune's from its pixels), its tokens at their original M-RoPE positions (docs/serving.md); and vLLM's own
 video pruning (EVS) enabled on its CPU runner.
@@ -26,7 +26,7 @@ ARCHITECTURES = {
 }
 
 # Where the plugin serves fewer than its methods (the rest refused where the engine's config is made).
-SERVED_ONLY = {"LlavaForConditionalGeneration": ("divprune", "v"),
+SERVED_ONLY = {"LlavaForConditionalGeneration": ("divprune", "v", "visionzip", "vispruner"),
                "LlavaOnevisionForConditionalGeneration": ("divprune", "v"),
                "InternVLForConditionalGeneration": ("divprune", "visionzip", "vispruner", "v")}
 

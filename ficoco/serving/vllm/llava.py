@@ -56,8 +56,9 @@ from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.methods.reads.ops import ProbedAttention
 from ficoco.serving.vllm.common import Planner, ReducingInfo, ReducingProcessor, record_kept, served_method
 
-# The methods the plugin runs on LLaVA-1.5: after the projector, reading its output alone; inside CLIP's layers.
-SERVED = ("divprune", "v")
+# The methods the plugin runs on LLaVA-1.5: after the projector, reading its output alone; inside CLIP's layers; at
+# the tower's output, by the [CLS] attention of the layer the projector reads.
+SERVED = ("divprune", "v", "visionzip", "vispruner")
 ONEVISION_SERVED = ("divprune", "v")  # and on LLaVA-OneVision, every AnyRes item alike
 
 
@@ -154,14 +155,52 @@ class ReducingLlava(_TowerLayers, LlavaForConditionalGeneration):
         self.ficoco = Planner(self.config)
         self.ficoco_reduces_images = False  # one-dimensional positions: vLLM's own hold for the shortened prompt
         spec = served_method(self.ficoco, SERVED, "LLaVA-1.5", self.config.model_type)
-        self.ficoco_in_layers = False
+        self.ficoco_in_layers = self.ficoco_at_output = False
         if spec is None:
             return
         self.ficoco_spec = spec
         self.ficoco_module = spec.load()
         self.ficoco_in_layers = spec.placement == "in_layer"
-        if self.ficoco_in_layers:  # FiCoCo-V: CLIP's layers recomposed where the schedule reduces
+        self.ficoco_at_output = spec.placement == "tower_output"
+        if self.ficoco_in_layers or self.ficoco_at_output:
+            # FiCoCo-V: CLIP's layers recomposed where the schedule reduces; a cut at the output: the layer it reads
+            # probed (every layer passes through unchanged outside a FiCoCo-V pass).
             self._ficoco_install_layers(self.vision_tower, has_cls=True, tuple_out=False)
+
+    def _ficoco_cut_at_output(self, image_input: Any) -> tuple[Tensor, ...]:
+        """VisionZip or VisPruner on every image's patches at the tower's output, as ficoco's transformers adapter
+        cuts them (ficoco.models.vision_steps, `TowerPatch._cut`): scored by the [CLS] query and keys of the layer
+        the projector reads (the last one vLLM's tower runs), VisionZip's official layout handing on that layer's
+        [CLS] first among its dominant tokens; the projector maps what the cut hands on, in its order."""
+        plan = self.ficoco.plan(None)
+        removal = next((r for r in plan.removals if r.stage == "vision"), None)
+        if removal is None:  # a budget every image fits whole
+            return LlavaForConditionalGeneration._process_image_input(self, image_input)
+        self.ficoco_probe_layer = removal.layer
+        try:
+            full = self.vision_tower(image_input["pixel_values"], feature_select_strategy="full")
+        finally:
+            self.ficoco_probe_layer = None
+        if self.ficoco_probed is None:
+            raise RuntimeError(f"ficoco.vllm: {self.ficoco_spec.title} reads tower layer {removal.layer}, which "
+                               "vLLM's tower did not run")
+        query, key, module = self.ficoco_probed
+        self.ficoco_probed = None
+        full = full if isinstance(full, Tensor) else torch.stack(list(full))
+        items, heads, size = full.shape[0], int(module.num_heads), int(module.head_size)
+        query = query.reshape(items, -1, heads, size).transpose(1, 2)
+        key = key.reshape(items, -1, heads, size).transpose(1, 2)
+        step = self.ficoco_module.tower_step(
+            TowerInput(hidden=full[:, 1:], has_cls=True, remove=removal.remove, added=removal.added, keys=key,
+                       cls_query=query[:, :, 0], scale=float(module.scale), cls_hidden=full[:, :1],
+                       grid_hw=self.ficoco_grid_hw, placement=removal.where), plan.settings_dict())
+        hidden = self.multi_modal_projector(step.hidden)
+        if hidden.shape[1] != plan.tokens:
+            raise RuntimeError(f"ficoco.vllm: {self.ficoco_spec.title} handed on {hidden.shape[1]} tokens of an "
+                               f"image, the plan {plan.tokens}")
+        # Recorded: every image's kept patches, ascending ([CLS] and merged contextual tokens stand at none).
+        record_kept([None] * items, [torch.unique(row[row >= 0]) for row in step.kept[:, :step.hidden.shape[1]]])
+        return tuple(hidden)
 
     def _ficoco_reduced_in_layers(self, image_input: Any) -> tuple[Tensor, ...]:
         """FiCoCo-V on every image: the tower runs the plan's schedule (every LLaVA-1.5 image has the same), vLLM
@@ -185,6 +224,8 @@ class ReducingLlava(_TowerLayers, LlavaForConditionalGeneration):
             raise FicocoError("ficoco.vllm: image embeddings given directly cannot be reduced; give the images")
         if self.ficoco_in_layers:
             return self._ficoco_reduced_in_layers(image_input)
+        if self.ficoco_at_output:
+            return self._ficoco_cut_at_output(image_input)
         embeds = super()._process_image_input(image_input)
         if self.ficoco.settings is None:
             return embeds
