@@ -1,5 +1,5 @@
-"""LLaVA-1.5 and LLaVA-OneVision in vLLM with a method after the projector (knows vLLM's LLaVA classes; calls
-ficoco's ops).
+"""LLaVA-1.5 and LLaVA-OneVision in vLLM with a method in the tower or after the projector (knows vLLM's LLaVA
+classes; calls ficoco's ops).
 
 Every LLaVA-1.5 image has the same layout (one square, 576 patches at 336 px), so the accountant plans one count
 for all of them, which the processor writes as the image's placeholders; `_process_image_input` runs vLLM's tower
@@ -148,7 +148,8 @@ class _TowerLayers:
 
 
 class ReducingLlava(_TowerLayers, LlavaForConditionalGeneration):
-    """vLLM's LLaVA-1.5 with ficoco's method after the projector."""
+    """vLLM's LLaVA-1.5 with ficoco's method after the projector (DivPrune), inside CLIP's layers (FiCoCo-V) or at
+    the tower's output (VisionZip, VisPruner)."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -259,7 +260,8 @@ class OnevisionReducingProcessor(ReducingProcessor, LlavaOnevisionMultiModalProc
 @MULTIMODAL_REGISTRY.register_processor(OnevisionReducingProcessor, info=OnevisionReducingInfo,
                                         dummy_inputs=LlavaOnevisionDummyInputsBuilder)
 class ReducingLlavaOnevision(_TowerLayers, LlavaOnevisionForConditionalGeneration):
-    """vLLM's LLaVA-OneVision with ficoco's method after the projector, on every AnyRes item of an image."""
+    """vLLM's LLaVA-OneVision with ficoco's method after the projector (DivPrune) or inside SigLIP's layers
+    (FiCoCo-V), on every AnyRes item of an image."""
 
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
