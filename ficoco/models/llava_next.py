@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ficoco.errors import FicocoError
-from ficoco.methods.anyres import ImageLayout, anyres_layout
+from ficoco.methods.anyres.ops import ImageLayout, anyres_layout
 from ficoco.methods.inputs import ImageGrids
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import PREFIX_TOKENS, place_inputs

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ficoco.accounting.families.llava_onevision import anyres_max_patches
 from ficoco.errors import FicocoError
-from ficoco.methods.anyres import ImageLayout, OnevisionLayout, anyres_layout
+from ficoco.methods.anyres.ops import ImageLayout, OnevisionLayout, anyres_layout
 from ficoco.methods.inputs import ImageGrids, TokenGrid
 from ficoco.models import hf_compat as hf
 from ficoco.models.inputs import place_inputs

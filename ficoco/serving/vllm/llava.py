@@ -12,7 +12,7 @@ patches on one grid, unpads it to the image's aspect ratio, downscales it past a
 a newline token. The accountant plans an image by its size (`Planner.plan_sized`): every item keeps the same count,
 one newline per row of the crop grid, which the processor writes as its placeholders; `_process_image_input` runs
 the method's step on every item and packs what each kept as ficoco's transformers adapter does
-(`ficoco.methods.anyres`: the base view's tokens in the method's order, every crop's token at its grid place). An
+(`ficoco.methods.anyres.ops`: the base view's tokens in the method's order, every crop's token at its grid place). An
 image whose unpadding drops crop tokens, or whose grid is downscaled, cannot be planned before the encoder runs (the
 count would depend on which tokens stay, or the downscale needs the whole grid): the request is refused in one line.
 
@@ -50,7 +50,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from ficoco.accounting.families.llava_onevision import anyres_max_patches
 from ficoco.errors import FicocoError
-from ficoco.methods.anyres import anyres_layout
+from ficoco.methods.anyres.ops import anyres_layout
 from ficoco.methods.inputs import TowerInput
 from ficoco.methods.reads import DEFAULT_ATTENTION_SCORES
 from ficoco.methods.reads.ops import ProbedAttention
