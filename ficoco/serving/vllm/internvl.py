@@ -98,8 +98,10 @@ class ReducingInternVL(InternS1ForConditionalGeneration):
         self.ficoco_in_layers = spec.placement == "in_layer"
         self.ficoco_pass: dict[str, Any] | None = None  # a tower pass under FiCoCo-V: its removals and kept groups
         for index, layer in enumerate(self.vision_tower.encoder.layer):
-            # Scored by a tower layer's [CLS] query and keys, or (FiCoCo-V) reduced by its attention.
-            layer.attention.attn.register_forward_pre_hook(functools.partial(self._ficoco_probe, index))
+            # Scored by a tower layer's [CLS] query and keys, or (FiCoCo-V) reduced by its attention; DivPrune reads
+            # the projector's output alone, so its tower runs unprobed.
+            if self.ficoco_in_layers or spec.placement == "tower_output":
+                layer.attention.attn.register_forward_pre_hook(functools.partial(self._ficoco_probe, index))
             if self.ficoco_in_layers:
                 layer.forward = functools.partial(self._ficoco_layer, index, layer, layer.forward)
 

@@ -85,15 +85,17 @@ class _TowerLayers:
     ficoco_probe_layer: int | None = None
     ficoco_probed: tuple[Tensor, Tensor, Any] | None = None
 
-    def _ficoco_install_layers(self, tower: Any, has_cls: bool, tuple_out: bool) -> None:
-        """Wrap every layer of `tower` (its [CLS] first where `has_cls`; SigLIP's layers return a tuple)."""
+    def _ficoco_install_layers(self, tower: Any, has_cls: bool, tuple_out: bool, recompose: bool = True) -> None:
+        """Probe every layer of `tower` and, with `recompose`, wrap it (its [CLS] first where `has_cls`; SigLIP's
+        layers return a tuple); a cut at the tower's output only probes."""
         vision = self.config.vision_config  # type: ignore[attr-defined]
         side = int(vision.image_size) // int(vision.patch_size)
         self.ficoco_grid_hw = (side, side)
         self.ficoco_has_cls, self.ficoco_tuple_out = has_cls, tuple_out
         for index, layer in enumerate(tower.vision_model.encoder.layers):
             layer.self_attn.attn.register_forward_pre_hook(functools.partial(self._ficoco_probe, index))
-            layer.forward = functools.partial(self._ficoco_layer, index, layer, layer.forward)
+            if recompose:
+                layer.forward = functools.partial(self._ficoco_layer, index, layer, layer.forward)
 
     def _ficoco_probe(self, index: int, module: Any, args: tuple) -> None:
         if index == self.ficoco_probe_layer:
@@ -165,8 +167,9 @@ class ReducingLlava(_TowerLayers, LlavaForConditionalGeneration):
         self.ficoco_at_output = spec.placement == "tower_output"
         if self.ficoco_in_layers or self.ficoco_at_output:
             # FiCoCo-V: CLIP's layers recomposed where the schedule reduces; a cut at the output: the layer it reads
-            # probed (every layer passes through unchanged outside a FiCoCo-V pass).
-            self._ficoco_install_layers(self.vision_tower, has_cls=True, tuple_out=False)
+            # probed.
+            self._ficoco_install_layers(self.vision_tower, has_cls=True, tuple_out=False,
+                                        recompose=self.ficoco_in_layers)
 
     def _ficoco_cut_at_output(self, image_input: Any) -> tuple[Tensor, ...]:
         """VisionZip or VisPruner on every image's patches at the tower's output, as ficoco's transformers adapter
